@@ -1,0 +1,42 @@
+# Set-up and the two commands from the README: `make report` and `make test`.
+# TORCH_SPEC picks the torch build; the exact pin takes the CPU wheel these machines carry.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+REPORT_NAME ?= report
+
+.PHONY: venv report test lint browser-deps clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[lab,test]"
+	$(BIN)/python -m pip check
+	touch $(STAMP)
+
+# Debian's Chromium for the browser test; only root can apt-get, others get a skip with the reason.
+browser-deps:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)) \
+		|| echo "warning: could not install chromium; the browser test will be skipped"; \
+	else echo "note: /usr/bin/chromium missing and not root; the browser test will be skipped"; fi
+
+report: $(STAMP)
+	$(BIN)/nbckpt report --name $(REPORT_NAME)
+
+lint: $(STAMP)
+	$(BIN)/ruff check nbckpt tests benchmarks scripts
+	$(BIN)/mypy
+
+test: $(STAMP) browser-deps lint
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q tests
+	$(BIN)/python -m pytest -n 2 -q --nbval-lax --nbval-current-env -p no:randomly notebooks
+
+clean:
+	rm -rf $(VENV) reports data/checkpoints .pytest_cache .mypy_cache .ruff_cache

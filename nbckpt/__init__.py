@@ -1,0 +1,44 @@
+"""nbckpt: see and fix what checkpointing costs a PyTorch training run.
+
+The engine is :class:`Checkpointer`; experiments, figures, magics and widgets
+are built on it (``nbckpt.experiment``, ``nbckpt.plots``, ``%load_ext nbckpt``,
+``nbckpt.widgets``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._engine import CheckpointConfig, Checkpointer, SaveHandle, SaveRecord
+from ._errors import CheckpointError, ConfigError, NbckptError
+from ._timeline import Event, Timeline
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointError",
+    "Checkpointer",
+    "ConfigError",
+    "Event",
+    "NbckptError",
+    "SaveHandle",
+    "SaveRecord",
+    "Timeline",
+    "__version__",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbckpt``: register the ``%ckpt_*`` magics (IPython is imported only now)."""
+    from .magics import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    from .magics import unload
+
+    unload(ipython)

@@ -1,0 +1,684 @@
+"""The checkpoint engine: stage into reused host buffers, persist in the background, commit atomically."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+from . import _faults
+from ._dcp import METADATA_FILE, new_hasher
+from ._errors import CheckpointError, ConfigError
+from ._state import RNG_KEY, Flattened, apply, decode, flatten, set_rng_state, tensor_specs
+from ._store import MANIFEST, Store, open_store, step_name
+from ._timeline import Timeline, now_ns
+
+FORMAT = "nbckpt/1"
+_VERIFY_CHUNK = 8 << 20
+
+
+@dataclass
+class CheckpointConfig:
+    """Everything a :class:`Checkpointer` can be told; every field has a safe default."""
+
+    mode: Literal["sync", "async"] = "async"
+    """``"async"``: ``save`` returns after staging and persists in the background;
+    ``"sync"``: ``save`` returns once the checkpoint has committed."""
+    keep: int | None = None
+    """How many committed checkpoints to keep (oldest deleted after a newer commit); None keeps all."""
+    max_inflight: int = 1
+    """Saves that may be staged or persisting at once; the next ``save`` waits (backpressure).
+    Host memory for staging is ``max_inflight`` times the state size, allocated once."""
+    verify: bool = True
+    """Check every file's size and xxh3 checksum against the manifest before restoring."""
+    capture_rng: bool = False
+    """Save the torch (CPU and CUDA), numpy and ``random`` RNG states; restore sets them back."""
+    writer_threads: int = 2
+    """Threads writing the files of one rank in parallel (one file each)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for URLs such as ``s3://`` (``endpoint_url``, ``key``, ``secret``, ...)."""
+
+    def validate(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ConfigError(f"mode must be 'sync' or 'async', not {self.mode!r}")
+        if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
+            raise ConfigError(f"keep must be a positive integer or None, not {self.keep!r}")
+        if not isinstance(self.max_inflight, int) or self.max_inflight < 1:
+            raise ConfigError(f"max_inflight must be a positive integer, not {self.max_inflight!r}")
+        if not isinstance(self.writer_threads, int) or self.writer_threads < 1:
+            raise ConfigError(
+                f"writer_threads must be a positive integer, not {self.writer_threads!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """What one committed save cost. Times in seconds; ``stall_s`` is what the caller was blocked."""
+
+    step: int
+    path: str
+    bytes: int
+    stall_s: float
+    stage_s: float
+    persist_s: float
+    wait_s: float
+    write_gbs: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class SaveHandle:
+    """One save in its two phases: ``staged`` (host copy done) and ``committed`` (durable)."""
+
+    def __init__(self, step: int, nbytes: int) -> None:
+        self.step = step
+        self.bytes = nbytes
+        self.staged: Future[None] = Future()
+        self.committed: Future[SaveRecord] = Future()
+        self.phase = "staging"
+        self.stall_s = 0.0
+        self.stage_s = 0.0
+        self.wait_s = 0.0
+        self.reported = False
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self.committed.done()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the state has been copied; required before mutating it with ``overlap=True``."""
+        self._result(self.staged, timeout)
+
+    def wait(self, timeout: float | None = None) -> SaveRecord:
+        """Block until committed; raises :class:`CheckpointError` if the save failed."""
+        return self._result(self.committed, timeout)
+
+    def _result(self, future: Future[Any], timeout: float | None) -> Any:
+        try:
+            return future.result(timeout)
+        except CheckpointError:
+            self.reported = True
+            raise
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.committed.exception() if self.committed.done() else None
+
+    def __repr__(self) -> str:
+        return f"<SaveHandle step={self.step} {self.phase}>"
+
+
+class _BufferPool:
+    """Host staging buffers, allocated once per in-flight slot and reused across saves."""
+
+    def __init__(self, slots: int) -> None:
+        self._free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
+        for _ in range(slots):
+            self._free.put({})
+
+    def acquire(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        buffers = self._free.get()
+        pin = torch.cuda.is_available()
+        for key, tensor in tensors.items():
+            buf = buffers.get(key)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                buffers[key] = torch.empty(
+                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin
+                )
+        for key in [k for k in buffers if k not in tensors]:
+            del buffers[key]
+        return buffers
+
+    def release(self, buffers: dict[str, torch.Tensor]) -> None:
+        self._free.put(buffers)
+
+
+class _Worker:
+    """One daemon thread running jobs in order (daemon so a hung write never blocks exit)."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an error, digging through DCP's wrapper (a BaseException) to the root cause."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    root = exc
+    while root.__cause__ is not None and not isinstance(root, OSError):
+        root = root.__cause__
+    if isinstance(root, OSError) and root.errno is not None:
+        import errno
+
+        name = errno.errorcode.get(root.errno, str(root.errno))
+        where = f" ({root.filename})" if root.filename else ""
+        return f"{root.strerror} [{name}]{where}"
+    text = f"{type(root).__name__}: {root}".strip()
+    return text.splitlines()[0] if text else type(root).__name__
+
+
+class Checkpointer:
+    """Fast, atomic, resumable checkpoints of PyTorch state in DCP format.
+
+    >>> ckpt = Checkpointer("data/checkpoints/run1", mode="async", keep=3)
+    >>> h = ckpt.save({"model": model, "optim": opt, "step": step}, step=step)
+    >>> ckpt.wait(); step = ckpt.restore({"model": model, "optim": opt})
+
+    Under ``torchrun`` every rank must create the Checkpointer and call ``save``
+    and ``restore`` together; ranks write their own shards on a gloo group.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        mode: Literal["sync", "async"] = "async",
+        keep: int | None = None,
+        *,
+        config: CheckpointConfig | None = None,
+        **options: Any,
+    ) -> None:
+        base = config or CheckpointConfig()
+        unknown = set(options) - set(CheckpointConfig.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown Checkpointer option(s): {', '.join(sorted(unknown))}")
+        self.config = CheckpointConfig(
+            **{**asdict(base), "mode": mode, "keep": keep, **options}
+        )
+        self.config.validate()
+        self.directory = os.fspath(directory)
+        self.store: Store = open_store(self.directory, self.config.storage_options)
+        self._pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.rank = dist.get_rank() if self._pg is not None else 0
+        self.world_size = dist.get_world_size() if self._pg is not None else 1
+        self.timeline = Timeline(rank=self.rank, label=f"nbckpt-{self.config.mode}")
+        self.records: list[SaveRecord] = []
+        self.handles: list[SaveHandle] = []
+        self._inflight: deque[SaveHandle] = deque()
+        self._pool = _BufferPool(self.config.max_inflight)
+        self._closed = False
+        self._counter = 0
+        self._nonce = self._agree(self._open_store)
+        self._persister = _Worker("nbckpt-persist")
+        self._stager = _Worker("nbckpt-stage")
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def _open_store(self) -> str:
+        self.store.prepare()
+        self.store.lock()
+        stale = self.store.stale()
+        for name in stale:
+            self.store.remove(name)
+        if stale:
+            warnings.warn(
+                f"nbckpt: removed {len(stale)} stale leftover(s) of interrupted saves in "
+                f"{self.store.url}: {', '.join(stale)}",
+                stacklevel=4,
+            )
+        return uuid.uuid4().hex[:12]
+
+    def _agree(self, on_rank0: Callable[[], Any]) -> Any:
+        """Run ``on_rank0`` on rank 0 and give every rank its result (or its error)."""
+        result: Any = None
+        error: str | None = None
+        if self.rank == 0:
+            try:
+                result = on_rank0()
+            except Exception as exc:
+                if self._pg is None:
+                    raise
+                error = str(exc) if isinstance(exc, CheckpointError) else _describe(exc)
+        if self._pg is not None:
+            box = [result, error]
+            dist.broadcast_object_list(box, src=0, group=self._pg)
+            result, error = box
+        if error is not None:
+            raise CheckpointError(error)
+        return result
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        *,
+        overlap: bool = False,
+        rng: bool | None = None,
+    ) -> SaveHandle:
+        """Checkpoint ``state`` as ``step``; returns once the state is copied (async mode).
+
+        With ``overlap=True`` it returns before the copy is done: call
+        ``handle.wait_staged()`` (or ``ckpt.wait_staged()``) before the next
+        optimizer step mutates the parameters, or the checkpoint may mix two steps.
+        Errors of earlier background saves are raised here as CheckpointError.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step must be a non-negative integer, not {step!r}")
+        start = now_ns()
+        self._raise_pending()
+        flat = flatten(state, capture_rng=self.config.capture_rng if rng is None else rng)
+        handle = SaveHandle(step, flat.nbytes)
+
+        wait_start = now_ns()
+        while len(self._inflight) >= self.config.max_inflight:
+            oldest = self._inflight.popleft()
+            try:
+                oldest.committed.result()
+            except CheckpointError:
+                pass  # raised just below, once
+        handle.wait_s = (now_ns() - wait_start) / 1e9
+        if handle.wait_s > 1e-4:
+            self.timeline.record("wait", wait_start, step=step)
+        self._raise_pending()
+
+        buffers = self._pool.acquire(flat.tensors)
+        self.handles.append(handle)
+        try:
+            self._stage(handle, flat, buffers, overlap=overlap and self.config.mode == "async")
+        except BaseException:
+            self._pool.release(buffers)
+            self.handles.remove(handle)
+            raise
+        if self.config.mode == "sync":
+            self._persist(handle, flat, buffers, start)
+            handle.stall_s = (now_ns() - start) / 1e9
+            self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
+            handle.reported = True
+            handle.wait()
+            return handle
+        self._inflight.append(handle)
+        self._persister.submit(lambda: self._persist(handle, flat, buffers, start))
+        handle.stall_s = (now_ns() - start) / 1e9
+        self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
+        return handle
+
+    def _stage(
+        self, handle: SaveHandle, flat: Flattened, buffers: dict[str, torch.Tensor], *, overlap: bool
+    ) -> None:
+        def copy() -> None:
+            begin = now_ns()
+            try:
+                if self._stream is not None:
+                    self._stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(self._stream):
+                        for key, tensor in flat.tensors.items():
+                            buffers[key].copy_(tensor, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                    event.synchronize()
+                else:
+                    for key, tensor in flat.tensors.items():
+                        buffers[key].copy_(tensor)
+            except BaseException as exc:
+                handle.staged.set_exception(
+                    CheckpointError(f"staging step {handle.step} failed: {_describe(exc)}")
+                )
+                raise
+            handle.stage_s = (now_ns() - begin) / 1e9
+            self.timeline.record("stage", begin, step=handle.step, nbytes=flat.nbytes)
+            handle.phase = "staged"
+            handle.staged.set_result(None)
+
+        if overlap:
+            self._stager.submit(lambda: _swallow(copy))
+        else:
+            copy()
+
+    def _persist(
+        self, handle: SaveHandle, flat: Flattened, buffers: dict[str, torch.Tensor], start: int
+    ) -> None:
+        location = None
+        begin = now_ns()
+        try:
+            handle.staged.result()
+            handle.phase = "persisting"
+            self._counter += 1
+            nonce = f"{self._nonce}{self._counter:x}"
+            location = self._agree(lambda: self.store.begin(handle.step, nonce))
+            writer = self.store.writer(location, self.config.writer_threads)
+            dcp.save(
+                dict(buffers),
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                process_group=self._pg,
+                no_dist=self._pg is None,
+            )
+            for fs_start, fs_end, name in writer.fs.fsyncs:
+                self.timeline.record("fsync", fs_start, fs_end, step=handle.step, file=name)
+            _faults.hit("after_data")
+            files = writer.fs.files
+            if self._pg is not None:
+                gathered: list[Any] = [None] * self.world_size
+                dist.all_gather_object(gathered, files, group=self._pg)
+                files = {k: v for part in gathered for k, v in part.items()}
+            persisted = now_ns()
+            self.timeline.record("persist", begin, persisted, step=handle.step, nbytes=handle.bytes)
+            manifest = self._manifest(handle, flat, files)
+            path = self._agree(lambda: self.store.commit(location, handle.step, manifest))
+            self.timeline.record("commit", persisted, step=handle.step)
+        except BaseException as exc:
+            if location is not None and self.rank == 0:
+                self.store.remove(location)
+            error = CheckpointError(
+                f"save of step {handle.step} to {self.store.url} failed: {_describe(exc)}"
+            )
+            error.__cause__ = exc
+            self.timeline.record("error", begin, step=handle.step, message=str(error))
+            handle.phase = "failed"
+            if not handle.staged.done():
+                handle.staged.set_exception(error)
+            handle.committed.set_exception(error)
+            return
+        finally:
+            self._pool.release(buffers)
+        persist_s = (now_ns() - begin) / 1e9
+        record = SaveRecord(
+            step=handle.step,
+            path=path,
+            bytes=handle.bytes,
+            stall_s=handle.stall_s if self.config.mode == "async" else (now_ns() - start) / 1e9,
+            stage_s=handle.stage_s,
+            persist_s=persist_s,
+            wait_s=handle.wait_s,
+            write_gbs=handle.bytes / persist_s / 1e9 if persist_s > 0 else 0.0,
+        )
+        self.records.append(record)
+        handle.phase = "committed"
+        self._retain(handle.step)
+        handle.committed.set_result(record)
+
+    def _manifest(
+        self, handle: SaveHandle, flat: Flattened, files: Mapping[str, tuple[int, str]]
+    ) -> bytes:
+        body = {
+            "format": FORMAT,
+            "step": handle.step,
+            "unix_time": time.time(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "bytes": handle.bytes,
+            "world_size": self.world_size,
+            "files": {
+                name: {"size": size, "xxh3_64": digest}
+                for name, (size, digest) in sorted(files.items())
+            },
+            "tree": flat.tree,
+            "nbckpt_version": _version(),
+            "torch_version": torch.__version__,
+        }
+        body["checksum"] = _manifest_checksum(body)
+        return json.dumps(body, indent=1).encode()
+
+    def _retain(self, newest: int) -> None:
+        if self.config.keep is None or self.rank != 0:
+            return
+        steps = [s for s in self.store.committed() if s != newest]
+        excess = len(steps) + 1 - self.config.keep
+        for step in sorted(steps)[: max(excess, 0)]:
+            begin = now_ns()
+            try:
+                self.store.delete(step, uuid.uuid4().hex[:8])
+            except Exception as exc:
+                warnings.warn(
+                    f"nbckpt: could not delete old checkpoint {step_name(step)}: {_describe(exc)}",
+                    stacklevel=2,
+                )
+                continue
+            self.timeline.record("delete", begin, step=step)
+
+    # -- waiting and errors -------------------------------------------------------------------
+
+    def wait_staged(self) -> None:
+        """Block until every save has finished copying the state (see ``save(overlap=True)``)."""
+        for handle in list(self._inflight):
+            handle.wait_staged()
+
+    def wait(self) -> list[SaveRecord]:
+        """Block until every save in flight has committed; raise the first background error."""
+        records = []
+        while self._inflight:
+            handle = self._inflight.popleft()
+            try:
+                records.append(handle.committed.result())
+            except CheckpointError:
+                pass
+        self._raise_pending()
+        return records
+
+    def _raise_pending(self) -> None:
+        for handle in self.handles:
+            if handle.done() and not handle.reported and handle.error is not None:
+                handle.reported = True
+                raise handle.committed.exception()  # type: ignore[misc]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the Checkpointer for {self.store.url} is closed")
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first (a step counts once its manifest exists)."""
+        return list(self.store.committed())
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def manifest(self, step: int) -> dict[str, Any]:
+        """The verified manifest of a committed step (raises CheckpointError if it is invalid)."""
+        path = self.store.committed().get(step)
+        if path is None:
+            raise CheckpointError(f"no committed checkpoint for step {step} in {self.store.url}")
+        return self._read_manifest(step, path)
+
+    def verify(self, step: int) -> dict[str, Any]:
+        """Check a checkpoint's manifest and every file's size and checksum; return the manifest."""
+        path = self.store.committed().get(step)
+        if path is None:
+            raise CheckpointError(f"no committed checkpoint for step {step} in {self.store.url}")
+        manifest = self._read_manifest(step, path)
+        sizes = self.store.list_files(path)
+        for name, meta in manifest["files"].items():
+            where = f"{step_name(step)}/{name}"
+            if name not in sizes:
+                raise CheckpointError(f"{where} is missing")
+            if sizes[name] != meta["size"]:
+                raise CheckpointError(f"{where} has {sizes[name]} bytes, manifest says {meta['size']}")
+            hasher = new_hasher()
+            with self.store.open(path, name) as stream:
+                while chunk := stream.read(_VERIFY_CHUNK):
+                    hasher.update(chunk)
+            if hasher.hexdigest() != meta["xxh3_64"]:
+                raise CheckpointError(f"{where} is corrupt (checksum mismatch)")
+        return manifest
+
+    def _read_manifest(self, step: int, path: str) -> dict[str, Any]:
+        where = f"{step_name(step)}/{MANIFEST}"
+        try:
+            with self.store.open(path, MANIFEST) as stream:
+                manifest = json.loads(stream.read())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{where} is unreadable ({_describe(exc)})") from exc
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{where} is not an nbckpt manifest")
+        if manifest.get("checksum") != _manifest_checksum(manifest):
+            raise CheckpointError(f"{where} was modified after it was written (checksum mismatch)")
+        if manifest.get("step") != step:
+            raise CheckpointError(f"{where} names step {manifest.get('step')}, not {step}")
+        files = manifest.get("files")
+        if not isinstance(files, dict) or METADATA_FILE not in files:
+            raise CheckpointError(f"{where} lists no DCP metadata file")
+        for name in files:
+            if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", ".."):
+                raise CheckpointError(f"{where} names a file outside the checkpoint: {name!r}")
+        return manifest
+
+    def restore(
+        self,
+        state: dict[str, Any],
+        step: int | None = None,
+        *,
+        verify: bool | None = None,
+        rng: bool = True,
+    ) -> int:
+        """Load a checkpoint into ``state`` in place and return its step.
+
+        Without ``step``, the newest checkpoint that verifies is used; a corrupt one is
+        skipped with a warning naming the file. Saves in flight are waited for first.
+        """
+        self._check_open()
+        if not isinstance(state, dict):
+            raise ConfigError(f"state must be a dict, not {type(state).__name__}")
+        self.wait()
+        committed = self.store.committed()
+        if step is not None and step not in committed:
+            raise CheckpointError(f"no committed checkpoint for step {step} in {self.store.url}")
+        candidates = [step] if step is not None else sorted(committed, reverse=True)
+        check = self.config.verify if verify is None else verify
+        for candidate in candidates:
+            begin = now_ns()
+            try:
+                manifest = self._agree(
+                    lambda c=candidate: self.verify(c)
+                    if check
+                    else self._read_manifest(c, committed[c])
+                )
+                nbytes = self._load(state, manifest, committed[candidate], rng=rng)
+            except CheckpointError as exc:
+                if step is not None:
+                    raise
+                warnings.warn(
+                    f"nbckpt: skipping {step_name(candidate)}: {exc}; trying an older checkpoint",
+                    stacklevel=2,
+                )
+                continue
+            self.timeline.record("restore", begin, step=candidate, nbytes=nbytes)
+            return candidate
+        raise CheckpointError(f"no valid checkpoint in {self.store.url}")
+
+    def _load(self, state: dict[str, Any], manifest: dict[str, Any], path: str, *, rng: bool) -> int:
+        tree = manifest["tree"]
+        saved = {key: node for key, node in tree["items"]}
+        wanted = [key for key in state if key in saved]
+        if rng and RNG_KEY in saved:
+            wanted.append(RNG_KEY)
+        missing = [key for key in state if key not in saved]
+        if missing:
+            raise CheckpointError(f"{step_name(manifest['step'])} has no entry {missing[0]!r}")
+        subtree = {"t": "dict", "items": [[key, saved[key]] for key in wanted]}
+        current = flatten({key: state[key] for key in wanted if key in state}).tensors
+        targets: dict[str, torch.Tensor] = {}
+        for key, (dtype, shape) in tensor_specs(subtree).items():
+            tensor = current.get(key)
+            if tensor is not None and tensor.dtype == dtype and tuple(tensor.shape) == shape:
+                targets[key] = tensor
+            else:
+                targets[key] = torch.empty(shape, dtype=dtype)
+        if targets:
+            try:
+                dcp.load(
+                    targets,
+                    storage_reader=self.store.reader(path),
+                    planner=DefaultLoadPlanner(),
+                    process_group=self._pg,
+                    no_dist=self._pg is None,
+                )
+            except BaseException as exc:
+                if isinstance(exc, CheckpointError):
+                    raise
+                raise CheckpointError(f"loading {path} failed: {_describe(exc)}") from exc
+        user = {key: saved[key] for key in wanted if key != RNG_KEY}
+        apply(state, {"t": "dict", "items": list(user.items())}, targets)
+        if RNG_KEY in wanted:
+            set_rng_state(decode(saved[RNG_KEY], targets))
+        return sum(t.numel() * t.element_size() for t in targets.values())
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for saves in flight, release the directory lock; raise any background error."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._persister.stop()
+            self._stager.stop()
+            self.store.unlock()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.store.url!r}, mode={self.config.mode!r}, keep={self.config.keep})"
+
+
+def _swallow(job: Callable[[], None]) -> None:
+    try:
+        job()
+    except BaseException:  # already recorded on the handle's future
+        pass
+
+
+def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _close_at_exit(ref: weakref.ref[Checkpointer]) -> None:
+    ckpt = ref()
+    if ckpt is None or ckpt._closed:
+        return
+    if ckpt._inflight:
+        steps = ", ".join(str(h.step) for h in ckpt._inflight)
+        warnings.warn(f"nbckpt: finishing save(s) of step {steps} before exit", stacklevel=1)
+    try:
+        ckpt.close()
+    except CheckpointError as exc:
+        warnings.warn(f"nbckpt: {exc}", stacklevel=1)
