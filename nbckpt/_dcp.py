@@ -12,9 +12,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import xxhash
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from ._errors import CheckpointError
@@ -86,23 +85,37 @@ class HashingFileSystem(FileSystemBase):
             with self.inner.create_stream(path, mode) as stream:
                 yield stream
             return
-        with self.inner.create_stream(path, mode) as raw:
-            stream = _HashingStream(raw, None)
-            try:
+        name = os.path.basename(os.fspath(path))
+        stream: _HashingStream | None = None
+        try:
+            with self.inner.create_stream(path, mode) as raw:
+                stream = _HashingStream(raw, None)
                 yield stream  # type: ignore[misc]
-            finally:
-                if stream.error is not None:
+                raw.flush()
+                if self.fsync:
+                    start = time.perf_counter_ns()
+                    os.fsync(raw.fileno())
                     with self._lock:
-                        self.errors.append(stream.error)
-            raw.flush()
-            name = os.path.basename(os.fspath(path))
-            if self.fsync:
-                start = time.perf_counter_ns()
-                os.fsync(raw.fileno())
-                with self._lock:
-                    self.fsyncs.append((start, time.perf_counter_ns(), name))
+                        self.fsyncs.append((start, time.perf_counter_ns(), name))
+        except Exception as exc:
+            # DCP's extra writer threads drop their exceptions, and torch.save hides the
+            # errno: keep the real error, with the file's path, for raise_errors().
+            error = stream.error if stream is not None and stream.error is not None else exc
+            if isinstance(error, OSError) and error.filename is None:
+                error.filename = os.fspath(path)
+            with self._lock:
+                self.errors.append(error)
+            raise
+        assert stream is not None
         with self._lock:
             self.files[name] = stream.finish()
+
+    def raise_errors(self) -> None:
+        """Raise the first error any writer thread hit (DCP itself may not have raised it)."""
+        with self._lock:
+            error = self.errors[0] if self.errors else None
+        if error is not None:
+            raise error
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str | os.PathLike[str]:
         return self.inner.concat_path(path, suffix)
@@ -139,7 +152,7 @@ def hashing_writer(path: str, *, threads: int, storage_options: dict[str, Any] |
         writer = FsspecWriter(path, thread_count=threads, sync_files=False, **(storage_options or {}))
     else:
         writer = FileSystemWriter(path, thread_count=threads, sync_files=False, overwrite=False)
-    writer.fs = HashingFileSystem(writer.fs, fsync="://" not in path)
+    writer.fs = HashingFileSystem(writer.fs, fsync="://" not in path)  # type: ignore[assignment]
     return writer
 
 

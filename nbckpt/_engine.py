@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import queue
@@ -15,13 +16,15 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from . import _faults
 from ._dcp import METADATA_FILE, new_hasher
@@ -31,6 +34,8 @@ from ._store import MANIFEST, Store, open_store, step_name
 from ._timeline import Timeline, now_ns
 
 FORMAT = "nbckpt/1"
+# DCP warns on every single-process save/load; that is nbckpt's normal case, not news.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 _VERIFY_CHUNK = 8 << 20
 
 
@@ -109,7 +114,8 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> SaveRecord:
         """Block until committed; raises :class:`CheckpointError` if the save failed."""
-        return self._result(self.committed, timeout)
+        record: SaveRecord = self._result(self.committed, timeout)
+        return record
 
     def _result(self, future: Future[Any], timeout: float | None) -> Any:
         try:
@@ -298,10 +304,8 @@ class Checkpointer:
         wait_start = now_ns()
         while len(self._inflight) >= self.config.max_inflight:
             oldest = self._inflight.popleft()
-            try:
+            with contextlib.suppress(CheckpointError):  # raised just below, once
                 oldest.committed.result()
-            except CheckpointError:
-                pass  # raised just below, once
         handle.wait_s = (now_ns() - wait_start) / 1e9
         if handle.wait_s > 1e-4:
             self.timeline.record("wait", wait_start, step=step)
@@ -372,24 +376,29 @@ class Checkpointer:
             nonce = f"{self._nonce}{self._counter:x}"
             location = self._agree(lambda: self.store.begin(handle.step, nonce))
             writer = self.store.writer(location, self.config.writer_threads)
-            dcp.save(
-                dict(buffers),
-                storage_writer=writer,
-                planner=DefaultSavePlanner(),
-                process_group=self._pg,
-                no_dist=self._pg is None,
-            )
+            try:
+                dcp_save(
+                    dict(buffers),
+                    storage_writer=writer,
+                    planner=DefaultSavePlanner(),
+                    process_group=self._pg,
+                    no_dist=self._pg is None,
+                )
+            finally:
+                writer.fs.raise_errors()  # the real OSError, even where DCP dropped or hid it
             for fs_start, fs_end, name in writer.fs.fsyncs:
                 self.timeline.record("fsync", fs_start, fs_end, step=handle.step, file=name)
             _faults.hit("after_data")
             files = writer.fs.files
+            trees: dict[str, Any] = {}
             if self._pg is not None:
                 gathered: list[Any] = [None] * self.world_size
-                dist.all_gather_object(gathered, files, group=self._pg)
-                files = {k: v for part in gathered for k, v in part.items()}
+                dist.all_gather_object(gathered, (files, flat.tree), group=self._pg)
+                files = {k: v for part, _ in gathered for k, v in part.items()}
+                trees = {str(r): tree for r, (_, tree) in enumerate(gathered) if tree != flat.tree}
             persisted = now_ns()
             self.timeline.record("persist", begin, persisted, step=handle.step, nbytes=handle.bytes)
-            manifest = self._manifest(handle, flat, files)
+            manifest = self._manifest(handle, flat, files, trees)
             path = self._agree(lambda: self.store.commit(location, handle.step, manifest))
             self.timeline.record("commit", persisted, step=handle.step)
         except BaseException as exc:
@@ -424,7 +433,11 @@ class Checkpointer:
         handle.committed.set_result(record)
 
     def _manifest(
-        self, handle: SaveHandle, flat: Flattened, files: Mapping[str, tuple[int, str]]
+        self,
+        handle: SaveHandle,
+        flat: Flattened,
+        files: Mapping[str, tuple[int, str]],
+        rank_trees: Mapping[str, Any],
     ) -> bytes:
         body = {
             "format": FORMAT,
@@ -438,6 +451,7 @@ class Checkpointer:
                 for name, (size, digest) in sorted(files.items())
             },
             "tree": flat.tree,
+            **({"rank_trees": dict(rank_trees)} if rank_trees else {}),
             "nbckpt_version": _version(),
             "torch_version": torch.__version__,
         }
@@ -473,10 +487,8 @@ class Checkpointer:
         records = []
         while self._inflight:
             handle = self._inflight.popleft()
-            try:
+            with contextlib.suppress(CheckpointError):  # raised below, once
                 records.append(handle.committed.result())
-            except CheckpointError:
-                pass
         self._raise_pending()
         return records
 
@@ -575,9 +587,9 @@ class Checkpointer:
             begin = now_ns()
             try:
                 manifest = self._agree(
-                    lambda c=candidate: self.verify(c)
+                    partial(self.verify, candidate)
                     if check
-                    else self._read_manifest(c, committed[c])
+                    else partial(self._read_manifest, candidate, committed[candidate])
                 )
                 nbytes = self._load(state, manifest, committed[candidate], rng=rng)
             except CheckpointError as exc:
@@ -593,26 +605,14 @@ class Checkpointer:
         raise CheckpointError(f"no valid checkpoint in {self.store.url}")
 
     def _load(self, state: dict[str, Any], manifest: dict[str, Any], path: str, *, rng: bool) -> int:
-        tree = manifest["tree"]
+        # Every step that can fail on one rank alone is agreed on by all ranks before the
+        # next collective, so a failure never leaves the other ranks waiting in DCP.
+        tree = manifest.get("rank_trees", {}).get(str(self.rank), manifest["tree"])
         saved = {key: node for key, node in tree["items"]}
-        wanted = [key for key in state if key in saved]
-        if rng and RNG_KEY in saved:
-            wanted.append(RNG_KEY)
-        missing = [key for key in state if key not in saved]
-        if missing:
-            raise CheckpointError(f"{step_name(manifest['step'])} has no entry {missing[0]!r}")
-        subtree = {"t": "dict", "items": [[key, saved[key]] for key in wanted]}
-        current = flatten({key: state[key] for key in wanted if key in state}).tensors
-        targets: dict[str, torch.Tensor] = {}
-        for key, (dtype, shape) in tensor_specs(subtree).items():
-            tensor = current.get(key)
-            if tensor is not None and tensor.dtype == dtype and tuple(tensor.shape) == shape:
-                targets[key] = tensor
-            else:
-                targets[key] = torch.empty(shape, dtype=dtype)
+        targets = self._all_agree(lambda: self._load_targets(state, saved, manifest["step"], rng))
         if targets:
             try:
-                dcp.load(
+                dcp_load(
                     targets,
                     storage_reader=self.store.reader(path),
                     planner=DefaultLoadPlanner(),
@@ -623,11 +623,54 @@ class Checkpointer:
                 if isinstance(exc, CheckpointError):
                     raise
                 raise CheckpointError(f"loading {path} failed: {_describe(exc)}") from exc
-        user = {key: saved[key] for key in wanted if key != RNG_KEY}
-        apply(state, {"t": "dict", "items": list(user.items())}, targets)
-        if RNG_KEY in wanted:
-            set_rng_state(decode(saved[RNG_KEY], targets))
+
+        def apply_all() -> None:
+            user = [[key, saved[key]] for key in state]
+            apply(state, {"t": "dict", "items": user}, targets)
+            if rng and RNG_KEY in saved:
+                set_rng_state(decode(saved[RNG_KEY], targets))
+
+        self._all_agree(apply_all)
         return sum(t.numel() * t.element_size() for t in targets.values())
+
+    def _load_targets(
+        self, state: dict[str, Any], saved: dict[str, Any], step: int, rng: bool
+    ) -> dict[str, torch.Tensor]:
+        """Tensors DCP loads into: the caller's own where dtype and shape match, else new ones."""
+        missing = [key for key in state if key not in saved]
+        if missing:
+            raise CheckpointError(f"{step_name(step)} has no entry {missing[0]!r}")
+        wanted = list(state) + ([RNG_KEY] if rng and RNG_KEY in saved else [])
+        current = flatten({key: state[key] for key in state}).tensors
+        targets: dict[str, torch.Tensor] = {}
+        specs = tensor_specs({"t": "dict", "items": [[key, saved[key]] for key in wanted]})
+        for key, (dtype, shape) in specs.items():
+            tensor = current.get(key)
+            if tensor is not None and tensor.dtype == dtype and tuple(tensor.shape) == shape:
+                targets[key] = tensor
+            else:
+                targets[key] = torch.empty(shape, dtype=dtype)
+        return targets
+
+    def _all_agree(self, local: Callable[[], Any]) -> Any:
+        """Run ``local`` on every rank; if it fails on any rank, raise CheckpointError on all."""
+        error: str | None = None
+        result: Any = None
+        try:
+            result = local()
+        except (CheckpointError, ConfigError, RuntimeError, ValueError, KeyError) as exc:
+            if self._pg is None:
+                if isinstance(exc, (CheckpointError, ConfigError)):
+                    raise
+                raise CheckpointError(_describe(exc)) from exc
+            error = f"rank {self.rank}: {exc}"
+        if self._pg is not None:
+            errors: list[Any] = [None] * self.world_size
+            dist.all_gather_object(errors, error, group=self._pg)
+            first = next((e for e in errors if e is not None), None)
+            if first is not None:
+                raise CheckpointError(first)
+        return result
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -654,10 +697,8 @@ class Checkpointer:
 
 
 def _swallow(job: Callable[[], None]) -> None:
-    try:
+    with contextlib.suppress(BaseException):  # already recorded on the handle's future
         job()
-    except BaseException:  # already recorded on the handle's future
-        pass
 
 
 def _manifest_checksum(manifest: Mapping[str, Any]) -> str:

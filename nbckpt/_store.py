@@ -18,7 +18,7 @@ import shutil
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import IO, Any
 
 from ._dcp import hashing_writer, safe_reader
@@ -52,10 +52,10 @@ class Store(ABC):
     def prepare(self) -> None:
         """Create the root if needed and prove it is writable; raise CheckpointError if not."""
 
-    def lock(self) -> None:
+    def lock(self) -> None:  # noqa: B027 - object stores have no lock; local ones override
         """Stop a second writer on the same root (where the storage allows it)."""
 
-    def unlock(self) -> None:
+    def unlock(self) -> None:  # noqa: B027
         """Release :meth:`lock`."""
 
     @abstractmethod
@@ -218,18 +218,18 @@ class FsspecStore(Store):
         from fsspec.core import url_to_fs
 
         self.url = url.rstrip("/")
-        self.storage_options = dict(storage_options or {})
-        self.fs, self._root = url_to_fs(self.url, **self.storage_options)
         self._protocol = self.url.split("://", 1)[0]
+        self.storage_options = fsspec_options(self._protocol, storage_options)
+        try:
+            self.fs, self._root = url_to_fs(self.url, **self.storage_options)
+        except (ImportError, ValueError, TypeError) as exc:
+            raise CheckpointError(f"cannot open {self.url}: {_describe(exc)}") from exc
 
     def _url(self, path: str) -> str:
         return f"{self._protocol}://{path}"
 
     def _where(self) -> str:
-        endpoint = self.storage_options.get("endpoint_url") or self.storage_options.get(
-            "client_kwargs", {}
-        ).get("endpoint_url")
-        return f"{self.url} (endpoint {endpoint})" if endpoint else self.url
+        return where(self.url, self.storage_options)
 
     def prepare(self) -> None:
         probe = f"{self._root}/.nbckpt-probe-{uuid.uuid4().hex[:8]}"
@@ -237,7 +237,9 @@ class FsspecStore(Store):
             self.fs.pipe_file(probe, b"nbckpt")
             self.fs.rm_file(probe)
         except Exception as exc:
-            raise CheckpointError(f"{self._where()} is not writable ({_describe(exc)})") from exc
+            raise CheckpointError(
+                f"{self._where()} is not writable ({explain_fsspec_error(exc, self._root)})"
+            ) from exc
 
     def _names(self) -> list[str]:
         self.fs.invalidate_cache()
@@ -255,8 +257,10 @@ class FsspecStore(Store):
         )
 
     def remove(self, name: str) -> None:
+        # Best effort, like LocalStore: it runs after a failed save, when the endpoint may be
+        # down; what it leaves has no manifest, never counts, and goes at the next open.
         path = f"{self._root}/{os.path.basename(name.rstrip('/'))}"
-        if self.fs.exists(path):
+        with suppress(Exception):
             self.fs.rm(path, recursive=True)
 
     def begin(self, step: int, nonce: str) -> str:
@@ -299,6 +303,52 @@ class FsspecStore(Store):
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+# botocore's "legacy" retry mode makes 5 attempts per request and s3fs retries timeouts
+# another 5 times on top: a hung endpoint would stall a save for many minutes. "standard"
+# mode with 3 attempts still rides out a brief outage; storage_options config_kwargs override it.
+S3_DEFAULT_RETRIES = {"max_attempts": 3, "mode": "standard"}
+
+
+def fsspec_options(protocol: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` plus nbckpt's defaults for the protocol (bounded retries for S3)."""
+    options = dict(storage_options or {})
+    if protocol in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", dict(S3_DEFAULT_RETRIES))
+        options["config_kwargs"] = config
+    return options
+
+
+def endpoint(storage_options: dict[str, Any]) -> str | None:
+    """The S3 endpoint that will be used: storage options first, then the AWS environment."""
+    client_kwargs = storage_options.get("client_kwargs") or {}
+    return (
+        storage_options.get("endpoint_url")
+        or client_kwargs.get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
+
+
+def where(url: str, storage_options: dict[str, Any]) -> str:
+    """``url`` with the endpoint it goes to, for error messages."""
+    at = endpoint(storage_options)
+    return f"{url} (endpoint {at})" if at else url
+
+
+def explain_fsspec_error(exc: BaseException, path: str) -> str:
+    """One line for an object-store error, saying what to check for the common ones."""
+    text = _describe(exc)
+    if isinstance(exc, PermissionError):
+        return (
+            f"access denied, {text}; check the key and secret (storage_options key/secret "
+            "or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket's permissions"
+        )
+    if isinstance(exc, FileNotFoundError):
+        return f"bucket {path.split('/', 1)[0]!r} does not exist"
+    return text
 
 
 def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store:

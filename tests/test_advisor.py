@@ -1,0 +1,224 @@
+"""nbckpt.advisor: interval formulas and projections against values worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from nbckpt import ConfigError
+from nbckpt.advisor import (
+    ADVICE_COLUMNS,
+    PROJECTION_COLUMNS,
+    advise,
+    checkpoint_gb,
+    cluster_mtbf_s,
+    expected_waste,
+    measurements,
+    mlperf_checkpoint_sizes,
+    project_scale,
+    waste_curve,
+    young_daly_interval,
+)
+
+
+def test_young_interval_is_sqrt_2cm() -> None:
+    # C = 50 s, M = 10000 s: sqrt(2 * 50 * 10000) = sqrt(1e6) = 1000 s
+    assert young_daly_interval(50.0, 10_000.0, method="young") == pytest.approx(1000.0)
+
+
+def test_daly_interval_higher_order() -> None:
+    # sqrt(C/2M) = sqrt(50/20000) = 0.05; C/18M = 50/180000 = 0.000277...
+    # 1000 * (1 + 0.05/3 + 0.000277...) - 50 = 1016.9444... - 50 = 966.9444...
+    assert young_daly_interval(50.0, 10_000.0) == pytest.approx(966.94444, rel=1e-6)
+
+
+def test_daly_interval_is_mtbf_when_cost_exceeds_twice_mtbf() -> None:
+    assert young_daly_interval(300.0, 100.0) == 100.0
+    assert young_daly_interval(0.0, 100.0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("cost", "mtbf", "method", "match"),
+    [
+        (-1.0, 100.0, "daly", "cost"),
+        (math.nan, 100.0, "daly", "cost"),
+        (1.0, 0.0, "daly", "MTBF"),
+        (1.0, 100.0, "weibull", "method"),
+    ],
+)
+def test_interval_rejects_bad_input(cost: float, mtbf: float, method: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        young_daly_interval(cost, mtbf, method)
+
+
+def test_expected_waste_terms() -> None:
+    # C/tau + (tau/2 + lag + R)/M = 50/1000 + (500 + 20 + 30)/10000 = 0.05 + 0.055
+    assert expected_waste(1000.0, 50.0, 10_000.0, lag_s=20.0, restore_s=30.0) == pytest.approx(0.105)
+
+
+def test_expected_waste_is_capped_at_everything_lost() -> None:
+    assert expected_waste(10.0, 50.0, 10.0) == 1.0
+
+
+def test_young_interval_minimises_waste() -> None:
+    best = young_daly_interval(50.0, 10_000.0, method="young")
+    at_best = expected_waste(best, 50.0, 10_000.0)
+    assert at_best < expected_waste(best * 0.9, 50.0, 10_000.0)
+    assert at_best < expected_waste(best * 1.1, 50.0, 10_000.0)
+
+
+def test_cluster_mtbf_divides_by_nodes() -> None:
+    # 33 GPUs on 8-GPU nodes use 5 nodes: 40 h / 5 = 8 h
+    assert cluster_mtbf_s(40.0, gpus=33, gpus_per_node=8) == pytest.approx(8 * 3600.0)
+    with pytest.raises(ConfigError, match="mtbf_hours"):
+        cluster_mtbf_s(0.0, gpus=8)
+
+
+def test_advise_young_by_hand() -> None:
+    # 32 GPUs / 8 per node = 4 nodes; node MTBF 40 h -> job MTBF 10 h = 36000 s
+    advice = advise(
+        {"sync": (50.0, 40.0), "async": (2.0, 600.0)}, mtbf_hours=40.0, gpus=32, method="young"
+    ).set_index("strategy")
+    assert list(advice.reset_index().columns) == ADVICE_COLUMNS
+    sync, asynchronous = advice.loc["sync"], advice.loc["async"]
+    # sync: persists inside its stall, so nothing lags; tau = sqrt(2 * 50 * 36000) = 1897.367 s
+    assert sync["mode"] == "sync" and sync["lag_s"] == 0.0
+    assert sync["interval_s"] == pytest.approx(1897.3666)
+    # at Young's optimum both terms equal sqrt(C / 2M) = sqrt(50 / 72000) = 0.0263523
+    assert sync["checkpoint_pct"] == pytest.approx(2.63523, rel=1e-5)
+    assert sync["waste_pct"] == pytest.approx(5.27046, rel=1e-5)
+    # 0.0527046 * 32 GPUs * 24 h = 40.4771 GPU-hours per day
+    assert sync["gpu_hours_lost_per_day"] == pytest.approx(40.4771, rel=1e-5)
+    # 86400 / (1897.367 + 50) = 44.368 checkpoints per day
+    assert sync["checkpoints_per_day"] == pytest.approx(44.3679, rel=1e-5)
+    assert sync["bound"] == "young"
+    # async: Young gives sqrt(2 * 2 * 36000) = 379.5 s, but a save persists for 600 s, so 600 s
+    assert asynchronous["mode"] == "async" and asynchronous["lag_s"] == 600.0
+    assert asynchronous["interval_s"] == 600.0 and asynchronous["bound"] == "persist"
+    # 2/600 + (300 + 600)/36000 = 0.0033333 + 0.025 = 0.0283333
+    assert asynchronous["waste_pct"] == pytest.approx(2.83333, rel=1e-5)
+    assert asynchronous["gpu_hours_lost_per_day"] == pytest.approx(0.0283333 * 32 * 24, rel=1e-5)
+    assert advice.attrs["nodes"] == 4
+
+
+def test_advise_daly_with_restore() -> None:
+    advice = advise({"sync": (50.0, 0.0)}, mtbf_hours=10.0, gpus=8, restore_s=120.0)
+    row = advice.iloc[0]
+    young = math.sqrt(2 * 50 * 36_000)
+    tau = young * (1 + math.sqrt(50 / 72_000) / 3 + 50 / (18 * 36_000)) - 50
+    assert row["interval_s"] == pytest.approx(tau)
+    assert row["waste_pct"] == pytest.approx(100 * (50 / tau + (tau / 2 + 120) / 36_000))
+    assert row["rework_pct"] == pytest.approx(100 * (tau / 2 + 120) / 36_000)
+
+
+def test_measurements_from_results_frame() -> None:
+    results = pd.DataFrame(
+        {
+            "strategy": ["none", "torch-save", "nbckpt-async"],
+            "checkpoints": [0, 4, 4],
+            "stall_mean_s": [math.nan, 0.75, 0.06],
+            "persist_s": [math.nan, 0.70, 1.0],
+        }
+    )
+    costs = measurements(results)
+    assert costs["strategy"].tolist() == ["torch-save", "nbckpt-async"]
+    assert costs["mode"].tolist() == ["sync", "async"]
+    assert costs["lag_s"].tolist() == [0.0, 1.0]
+
+
+def test_measurements_mode_column_overrides_inference() -> None:
+    results = pd.DataFrame({"strategy": ["a"], "stall_s": [1.0], "persist_s": [0.5], "mode": ["async"]})
+    assert measurements(results)["lag_s"].tolist() == [0.5]
+
+
+@pytest.mark.parametrize(
+    ("results", "match"),
+    [
+        (pd.DataFrame({"strategy": ["a"]}), "stall_mean_s"),
+        (pd.DataFrame({"strategy": ["none"], "stall_mean_s": [0.0]}), "no strategy"),
+        (pd.DataFrame({"strategy": ["a"], "stall_mean_s": [-1.0]}), ">= 0"),
+    ],
+)
+def test_measurements_reject_bad_results(results: pd.DataFrame, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        measurements(results)
+
+
+def test_waste_curve_matches_expected_waste() -> None:
+    advice = advise({"sync": (50.0, 0.0)}, mtbf_hours=10.0, gpus=8)
+    curve = waste_curve(advice, intervals=[600.0, 1200.0])
+    # 50/600 + 300/36000 = 0.0916667 ; 50/1200 + 600/36000 = 0.0583333
+    assert curve["waste_pct"].tolist() == pytest.approx([9.16667, 5.83333], rel=1e-5)
+    default = waste_curve(advice)
+    assert len(default) == 120
+    assert default["interval_s"].min() < advice["interval_s"].iloc[0] < default["interval_s"].max()
+
+
+def test_checkpoint_size_helpers() -> None:
+    # 7e9 parameters * 16 bytes = 112 GB
+    assert checkpoint_gb(7e9) == pytest.approx(112.0)
+    assert mlperf_checkpoint_sizes()["70B"] == 912.0
+
+
+def test_project_scale_by_hand() -> None:
+    # measured on one rank with 1 GB: sync stalls 2 s (0.5 GB/s); async stalls 0.1 s (10 GB/s
+    # staging) and persists in 1 s (1 GB/s)
+    projection = project_scale(
+        {"sync": (2.0, 2.0), "async": (0.1, 1.0)},
+        nbytes=10**9, storage_gbs=50.0, models={"M": 100.0}, ranks=[4, 100], interval_s=600.0,
+    )
+    assert list(projection.columns) == PROJECTION_COLUMNS
+    assert projection.attrs["projection"] is True
+    assert set(projection["kind"]) == {"projection"}
+    rows = projection.set_index(["strategy", "ranks"])
+    # sync, 4 ranks: min(50, 4 * 0.5) = 2 GB/s -> 100 / 2 = 50 s; 50 / 600 = 8.333 %
+    assert rows.loc[("sync", 4), "stall_s"] == pytest.approx(50.0)
+    assert rows.loc[("sync", 4), "limited_by"] == "ranks"
+    assert rows.loc[("sync", 4), "overhead_pct"] == pytest.approx(8.33333, rel=1e-5)
+    # sync, 100 ranks: min(50, 100 * 0.5) = 50 GB/s -> 2 s
+    assert rows.loc[("sync", 100), "stall_s"] == pytest.approx(2.0)
+    assert rows.loc[("sync", 100), "limited_by"] == "storage"
+    # async, 4 ranks: 25 GB per rank / 10 GB/s = 2.5 s stall; persist 100 / min(50, 4) = 25 s
+    assert rows.loc[("async", 4), "stall_s"] == pytest.approx(2.5)
+    assert rows.loc[("async", 4), "persist_s"] == pytest.approx(25.0)
+    assert rows.loc[("async", 4), "backpressure_s"] == 0.0
+    # async, 100 ranks: 1 GB / 10 GB/s = 0.1 s; persist 100 / 50 = 2 s
+    assert rows.loc[("async", 100), "stall_s"] == pytest.approx(0.1)
+    assert rows.loc[("async", 100), "persist_s"] == pytest.approx(2.0)
+
+
+def test_project_scale_backpressure_when_persist_exceeds_interval() -> None:
+    projection = project_scale(
+        {"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=50.0, models={"M": 100.0}, ranks=4,
+        d2h_gbs=50.0, interval_s=10.0,
+    )
+    row = projection.iloc[0]
+    # stall 25 GB / 50 GB/s = 0.5 s; persist 25 s > interval 10 s -> 15 s of waiting per save
+    assert row["stage_gbs"] == 50.0
+    assert row["backpressure_s"] == pytest.approx(15.0)
+    assert row["stall_s"] == pytest.approx(15.5)
+    assert row["overhead_pct"] == pytest.approx(155.0)
+    assert row["limited_by"] == "storage"
+
+
+def test_project_scale_defaults_to_mlperf_sizes() -> None:
+    projection = project_scale({"sync": (1.0, 1.0)}, nbytes=10**9, storage_gbs=100.0, ranks=8)
+    assert dict(zip(projection["model"], projection["checkpoint_gb"], strict=True)) == {
+        "8B": 105.0, "70B": 912.0, "405B": 5290.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"nbytes": 0, "storage_gbs": 10.0}, "nbytes"),
+        ({"nbytes": 10**9, "storage_gbs": 0.0}, "storage_gbs"),
+        ({"nbytes": 10**9, "storage_gbs": 10.0, "ranks": []}, "ranks"),
+        ({"nbytes": 10**9, "storage_gbs": 10.0, "models": {"x": -1.0}}, "models"),
+    ],
+)
+def test_project_scale_rejects_bad_input(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        project_scale({"sync": (1.0, 1.0)}, **kwargs)  # type: ignore[arg-type]

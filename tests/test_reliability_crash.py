@@ -1,0 +1,194 @@
+"""Crashes: SIGKILL at random moments of async saves, and at the engine's exact fault points.
+
+After every kill a new Checkpointer must clean up the leftovers (and say so), and restore
+must return the newest checkpoint that had committed before the kill, bit for bit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import crash_child
+import pytest
+import torch
+
+from nbckpt import Checkpointer
+
+STALE = re.compile(r"^\.(tmp|trash)-step-")
+SEED = 7
+KEEP = 3
+LANES = 2  # children killed concurrently, each in its own directory
+MAX_KILL_DELAY_S = 0.5
+CHILD = Path(__file__).with_name("crash_child.py")
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if STALE.match(n)) if directory.exists() else []
+
+
+def reopen(directory: Path) -> Checkpointer:
+    """A new Checkpointer on a crashed run: it must remove the leftovers and warn, naming them."""
+    before = leftovers(directory)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = Checkpointer(directory, mode="sync")
+    messages = [str(w.message) for w in caught if "stale leftover" in str(w.message)]
+    if before:
+        assert len(messages) == 1, messages
+        assert all(name in messages[0] for name in before), (before, messages)
+    else:
+        assert messages == []
+    assert leftovers(directory) == []
+    return ckpt
+
+
+def assert_state_is(state: dict[str, Any], seed: int, step: int) -> None:
+    expected = crash_child.expected_state(seed, step)
+    got_params = state["model"].state_dict()
+    for name, tensor in expected["model"].state_dict().items():
+        assert torch.equal(got_params[name], tensor), f"step {step}: {name} differs"
+    assert state["step"] == step
+    assert state["meta"] == expected["meta"]
+
+
+def check_directory(directory: Path, seed: int, at_least: int) -> int:
+    """Every committed checkpoint verifies and holds exactly its step's state; return the newest."""
+    ckpt = reopen(directory)
+    try:
+        state = crash_child.make_state(crash_child.build_model(), seed, 0)
+        state["step"] = -1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            newest = ckpt.restore(state) if ckpt.steps() else -1
+            for step in ckpt.steps():
+                ckpt.verify(step)
+                other = crash_child.make_state(crash_child.build_model(), seed, 0)
+                assert ckpt.restore(other, step=step) == step
+                assert_state_is(other, seed, step)
+        skipped = [str(w.message) for w in caught if "nbckpt" in str(w.message)]
+        assert skipped == [], skipped
+        if newest >= 0:
+            assert newest == max(ckpt.steps())
+            assert_state_is(state, seed, newest)
+        return newest if newest >= at_least else -2 - newest  # negative: a lost checkpoint
+    finally:
+        ckpt.close()
+
+
+def read_log(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def wait_for_ready(log: Path, process: Any, deadline_s: float = 60.0) -> int:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        for line in read_log(log):
+            if line.startswith("ready "):
+                return int(line.split()[1])
+        if not process.is_alive():
+            pytest.fail(f"child died before it was ready (exit code {process.exitcode})")
+        time.sleep(0.005)
+    pytest.fail("child did not get ready in time")
+
+
+def run_kill_trials(base: Path, trials: int, seed: int) -> Counter[str]:
+    """Kill ``trials`` children (LANES at a time) at random moments; check each directory after."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["crash_child"])  # fork a warm interpreter, not a cold one
+    rng = random.Random(seed)
+    lanes = [base / f"run{i}" for i in range(LANES)]
+    newest = dict.fromkeys(range(LANES), -1)
+    stats: Counter[str] = Counter()
+    for trial in range(0, trials, LANES):
+        children = []
+        for lane, directory in enumerate(lanes):
+            log = base / f"log-{lane}-{trial}.txt"
+            process = context.Process(
+                target=crash_child.train_logged,
+                args=(str(directory), SEED, 100_000, KEEP, str(log)),
+                daemon=True,
+            )
+            process.start()
+            children.append((lane, process, log))
+        for lane, process, log in children:
+            assert wait_for_ready(log, process) == newest[lane] + 1
+        start = time.monotonic()
+        for delay, index in sorted((rng.uniform(0, MAX_KILL_DELAY_S), i) for i in range(LANES)):
+            time.sleep(max(0.0, start + delay - time.monotonic()))  # the fault: a kill at a random time
+            children[index][1].kill()
+        for lane, process, log in children:
+            process.join(30)
+            assert process.exitcode == -signal.SIGKILL
+            reported = [int(line.split()[1]) for line in read_log(log) if line.startswith("committed ")]
+            at_least = max([newest[lane], *reported])
+            stats["trials"] += 1
+            stats["commits reported"] += len(reported)
+            stats["kills with leftovers"] += bool(leftovers(lanes[lane]))
+            restored = check_directory(lanes[lane], SEED, at_least)
+            if restored < -1:
+                stats["lost"] += 1
+                restored = -2 - restored
+            newest[lane] = restored
+    stats["lost"] += 0
+    return stats
+
+
+def report(stats: Counter[str]) -> str:
+    return ", ".join(f"{key}: {value}" for key, value in sorted(stats.items()))
+
+
+def test_random_kills_lose_nothing(tmp_path: Path) -> None:
+    stats = run_kill_trials(tmp_path, trials=20, seed=20261129)
+    print(f"\nrandom SIGKILL trials: {report(stats)}")
+    assert stats["trials"] == 20
+    assert stats["commits reported"] > 0
+    assert stats["lost"] == 0, report(stats)
+
+
+@pytest.mark.slow
+def test_random_kills_soak(tmp_path: Path) -> None:
+    stats = run_kill_trials(tmp_path, trials=200, seed=int(time.time()))
+    print(f"\nrandom SIGKILL soak: {report(stats)}")
+    assert stats["lost"] == 0, report(stats)
+
+
+def save_step0(directory: Path) -> None:
+    with Checkpointer(directory, mode="sync") as ckpt:
+        state = crash_child.expected_state(SEED, 0)
+        ckpt.save(state, step=0)
+
+
+@pytest.mark.parametrize(
+    ("point", "keep", "survivor", "leftover"),
+    [
+        ("after_data", None, 0, ".tmp-step-000001-"),
+        ("before_rename", None, 0, ".tmp-step-000001-"),
+        ("during_delete", 1, 1, ".trash-step-000000-"),
+    ],
+)
+def test_crash_at_fault_point(
+    tmp_path: Path, point: str, keep: int | None, survivor: int, leftover: str
+) -> None:
+    directory = tmp_path / "run"
+    save_step0(directory)
+    args = [sys.executable, str(CHILD), str(directory), "--seed", str(SEED), "--steps", "3"]
+    if keep is not None:
+        args += ["--keep", str(keep)]
+    env = {**os.environ, "NBCKPT_CRASH_AT": point}
+    child = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert "finished" not in child.stdout
+    names = leftovers(directory)
+    assert len(names) == 1 and names[0].startswith(leftover), names
+    assert check_directory(directory, SEED, at_least=survivor) == survivor
