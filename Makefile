@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[lab,test]"
 	$(BIN)/python -m pip check
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
 # Debian's Chromium for the browser test; only root can apt-get, others get a skip with the reason.

@@ -86,11 +86,11 @@ class HashingFileSystem(FileSystemBase):
                 yield stream
             return
         name = os.path.basename(os.fspath(path))
-        stream: _HashingStream | None = None
+        hashing: _HashingStream | None = None
         try:
             with self.inner.create_stream(path, mode) as raw:
-                stream = _HashingStream(raw, None)
-                yield stream  # type: ignore[misc]
+                hashing = _HashingStream(raw, None)
+                yield hashing  # type: ignore[misc]
                 raw.flush()
                 if self.fsync:
                     start = time.perf_counter_ns()
@@ -98,20 +98,20 @@ class HashingFileSystem(FileSystemBase):
                     with self._lock:
                         self.fsyncs.append((start, time.perf_counter_ns(), name))
         except Exception as exc:
-            # DCP's extra writer threads drop their exceptions, and torch.save hides the
-            # errno: keep the real error, with the file's path, for raise_errors().
-            error = stream.error if stream is not None and stream.error is not None else exc
+            # torch.save turns a write error into a RuntimeError without errno, and DCP's
+            # extra writer threads only print theirs: keep the real one, with the path.
+            error = hashing.error if hashing is not None and hashing.error is not None else exc
             if isinstance(error, OSError) and error.filename is None:
                 error.filename = os.fspath(path)
             with self._lock:
                 self.errors.append(error)
             raise
-        assert stream is not None
+        assert hashing is not None
         with self._lock:
-            self.files[name] = stream.finish()
+            self.files[name] = hashing.finish()
 
     def raise_errors(self) -> None:
-        """Raise the first error any writer thread hit (DCP itself may not have raised it)."""
+        """Raise the first error any writer thread hit (DCP may have raised another, or none)."""
         with self._lock:
             error = self.errors[0] if self.errors else None
         if error is not None:

@@ -63,14 +63,18 @@ class CheckpointConfig:
     def validate(self) -> None:
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"mode must be 'sync' or 'async', not {self.mode!r}")
-        if self.keep is not None and (not isinstance(self.keep, int) or self.keep < 1):
+        if self.keep is not None and not _is_count(self.keep):
             raise ConfigError(f"keep must be a positive integer or None, not {self.keep!r}")
-        if not isinstance(self.max_inflight, int) or self.max_inflight < 1:
+        if not _is_count(self.max_inflight):
             raise ConfigError(f"max_inflight must be a positive integer, not {self.max_inflight!r}")
-        if not isinstance(self.writer_threads, int) or self.writer_threads < 1:
+        if not _is_count(self.writer_threads):
             raise ConfigError(
                 f"writer_threads must be a positive integer, not {self.writer_threads!r}"
             )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True)
@@ -170,10 +174,16 @@ class _Worker:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            job()
+            # Jobs report their own errors on their futures; the thread must outlive any of them.
+            with contextlib.suppress(BaseException):
+                job()
 
     def stop(self) -> None:
         self._jobs.put(None)
+        # Wait for the thread to end: one still unwinding while the interpreter finalizes
+        # (close() at exit) aborts the process ("terminate called without an active exception").
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
 
 def _describe(exc: BaseException) -> str:
@@ -223,6 +233,8 @@ class Checkpointer:
             **{**asdict(base), "mode": mode, "keep": keep, **options}
         )
         self.config.validate()
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+            raise ConfigError(f"directory must be a non-empty path or URL, not {directory!r}")
         self.directory = os.fspath(directory)
         self.store: Store = open_store(self.directory, self.config.storage_options)
         self._pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -360,7 +372,7 @@ class Checkpointer:
             handle.staged.set_result(None)
 
         if overlap:
-            self._stager.submit(lambda: _swallow(copy))
+            self._stager.submit(copy)
         else:
             copy()
 
@@ -429,7 +441,10 @@ class Checkpointer:
         )
         self.records.append(record)
         handle.phase = "committed"
-        self._retain(handle.step)
+        try:
+            self._retain(handle.step)
+        except Exception as exc:  # the new checkpoint is committed; old ones stay for later
+            warnings.warn(f"nbckpt: retention failed: {_describe(exc)}", stacklevel=2)
         handle.committed.set_result(record)
 
     def _manifest(
@@ -556,9 +571,22 @@ class Checkpointer:
         files = manifest.get("files")
         if not isinstance(files, dict) or METADATA_FILE not in files:
             raise CheckpointError(f"{where} lists no DCP metadata file")
-        for name in files:
+        for name, meta in files.items():
             if not isinstance(name, str) or name != os.path.basename(name) or name in ("", ".", ".."):
                 raise CheckpointError(f"{where} names a file outside the checkpoint: {name!r}")
+            if not (
+                isinstance(meta, dict)
+                and isinstance(meta.get("size"), int)
+                and isinstance(meta.get("xxh3_64"), str)
+            ):
+                raise CheckpointError(f"{where} has a malformed entry for {name!r}")
+        rank_trees = manifest.get("rank_trees", {})
+        if not (
+            _is_tree(manifest.get("tree"))
+            and isinstance(rank_trees, dict)
+            and all(_is_tree(tree) for tree in rank_trees.values())
+        ):
+            raise CheckpointError(f"{where} has a malformed state tree")
         return manifest
 
     def restore(
@@ -643,7 +671,12 @@ class Checkpointer:
         wanted = list(state) + ([RNG_KEY] if rng and RNG_KEY in saved else [])
         current = flatten({key: state[key] for key in state}).tensors
         targets: dict[str, torch.Tensor] = {}
-        specs = tensor_specs({"t": "dict", "items": [[key, saved[key]] for key in wanted]})
+        try:
+            specs = tensor_specs({"t": "dict", "items": [[key, saved[key]] for key in wanted]})
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(
+                f"{step_name(step)}/{MANIFEST} has a malformed tensor entry ({_describe(exc)})"
+            ) from exc
         for key, (dtype, shape) in specs.items():
             tensor = current.get(key)
             if tensor is not None and tensor.dtype == dtype and tuple(tensor.shape) == shape:
@@ -658,7 +691,9 @@ class Checkpointer:
         result: Any = None
         try:
             result = local()
-        except (CheckpointError, ConfigError, RuntimeError, ValueError, KeyError) as exc:
+        except (
+            CheckpointError, ConfigError, RuntimeError, ValueError, KeyError, TypeError, AttributeError
+        ) as exc:
             if self._pg is None:
                 if isinstance(exc, (CheckpointError, ConfigError)):
                     raise
@@ -696,9 +731,14 @@ class Checkpointer:
         return f"Checkpointer({self.store.url!r}, mode={self.config.mode!r}, keep={self.config.keep})"
 
 
-def _swallow(job: Callable[[], None]) -> None:
-    with contextlib.suppress(BaseException):  # already recorded on the handle's future
-        job()
+def _is_tree(tree: Any) -> bool:
+    """The top of a state tree: a dict node whose items are [key, node] pairs."""
+    return (
+        isinstance(tree, dict)
+        and isinstance(tree.get("items"), list)
+        and all(isinstance(item, list) and len(item) == 2 and isinstance(item[1], dict)
+                for item in tree["items"])
+    )
 
 
 def _manifest_checksum(manifest: Mapping[str, Any]) -> str:
@@ -716,8 +756,9 @@ def _close_at_exit(ref: weakref.ref[Checkpointer]) -> None:
     ckpt = ref()
     if ckpt is None or ckpt._closed:
         return
-    if ckpt._inflight:
-        steps = ", ".join(str(h.step) for h in ckpt._inflight)
+    pending = [h for h in ckpt._inflight if not h.done()]
+    if pending:
+        steps = ", ".join(str(h.step) for h in pending)
         warnings.warn(f"nbckpt: finishing save(s) of step {steps} before exit", stacklevel=1)
     try:
         ckpt.close()

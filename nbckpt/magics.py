@@ -464,28 +464,32 @@ class CheckpointMagics(Magics):
     def ckpt_bench(self, line: str) -> Any:
         """Run checkpoint strategies side by side (the options of ``nbckpt bench``).
 
-        Interactive (JupyterLab, Notebook): shows the live Lab and starts it; returns the Lab.
-        Batch (papermill, nbconvert, terminal IPython, or NBCKPT_BATCH=1, or --static):
-        runs in the foreground, prints progress, shows the static figures and returns the
-        Comparison.
+        Interactive (JupyterLab, Notebook): shows the live Lab and starts it in the background.
+        Batch (papermill, nbconvert, terminal IPython, NBCKPT_BATCH=1 or --static): runs in
+        the foreground, prints progress, shows the static figures and returns the Comparison
+        (which displays as its results table).
         """
         args: argparse.Namespace = _bench_parser().parse_argstring(line)  # type: ignore[no-untyped-call]
         from . import experiment
 
         if args.static or _batch_run(self.shell):
             try:
-                comparison = experiment.run_from_args(args)
+                comparison = experiment.run_from_args(args, None if args.quiet else print)
             except ConfigError as exc:
                 raise UsageError(str(exc)) from None
+            if args.json is not None:
+                comparison.to_json(args.json)
             from .plots import stall_figure, timeline_figure
 
-            _display(comparison.results)
             _display(timeline_figure(comparison.timeline))
             _display(stall_figure(comparison.results))
             return comparison
         from .widgets import Lab
 
-        lab = Lab.from_args(args)
+        try:
+            lab = Lab.from_args(args)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
         self.labs.append(lab)
         _display(lab)
         lab.run()
@@ -538,6 +542,14 @@ def _batch_run(shell: Any) -> bool:
     return "recordTiming" not in parent.get("metadata", {})
 
 
+#: Shown as its results table when it is a cell's value (registered by name: no import).
+_COMPARISON = ("nbckpt.experiment", "Comparison")
+
+
+def _comparison_text(comparison: Any, printer: Any, cycle: bool) -> None:
+    printer.text(comparison.table())
+
+
 def load(ipython: InteractiveShell) -> None:
     """Register the magics once per shell (loading twice is a no-op)."""
     if isinstance(ipython.magics_manager.registry.get(CheckpointMagics.__name__), CheckpointMagics):
@@ -546,8 +558,9 @@ def load(ipython: InteractiveShell) -> None:
     CheckpointMagics.ckpt_bench.__doc__ = _bench_parser().format_help()
     magics = CheckpointMagics(ipython)
     ipython.register_magics(magics)
-    formatter = ipython.display_formatter.ipython_display_formatter  # type: ignore[union-attr]
-    formatter.for_type(SaveHandle, magics._display_handle)
+    formatters = ipython.display_formatter  # type: ignore[union-attr]
+    formatters.ipython_display_formatter.for_type(SaveHandle, magics._display_handle)
+    formatters.formatters["text/plain"].for_type_by_name(*_COMPARISON, _comparison_text)
 
 
 def unload(ipython: InteractiveShell) -> None:
@@ -559,8 +572,12 @@ def unload(ipython: InteractiveShell) -> None:
     for kind, names in magics.magics.items():
         for name in names:
             ipython.magics_manager.magics[kind].pop(name, None)
-    formatter = ipython.display_formatter.ipython_display_formatter  # type: ignore[union-attr]
-    formatter.type_printers.pop(SaveHandle, None)
+    formatters = ipython.display_formatter  # type: ignore[union-attr]
+    formatters.ipython_display_formatter.type_printers.pop(SaveHandle, None)
+    plain = formatters.formatters["text/plain"]
+    plain.deferred_printers.pop(_COMPARISON, None)
+    plain.type_printers = {k: v for k, v in plain.type_printers.items()
+                           if (k.__module__, k.__name__) != _COMPARISON}
 
 
 __all__ = ["CheckpointMagics", "SaveStatus", "SessionDefaults", "load", "unload"]

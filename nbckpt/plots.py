@@ -9,7 +9,6 @@ live ``go.FigureWidget`` with ``widget=True`` (which needs ``anywidget``). For l
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from ._errors import ConfigError
+from ._timeline import Event
 from .advisor import waste_curve
 from .reference import load_published
 
@@ -27,12 +27,15 @@ __all__ = [
     "TIMELINE_KINDS",
     "TimelineTraces",
     "anchor_factors",
+    "events_frame",
     "extend_timeline",
     "interval_figure",
     "load_published",
     "probe_figure",
     "projection_figure",
+    "scaling_data",
     "scaling_figure",
+    "select_repeat",
     "stall_figure",
     "strategy_colour",
     "throughput_figure",
@@ -104,10 +107,12 @@ def _strategy_names(df: pd.DataFrame) -> pd.Series:
     return names.fillna("").astype(str).replace("", "run")
 
 
-def _series_names(df: pd.DataFrame) -> pd.Series:
-    """Strategy of each event row, with the rank where there are several ranks."""
+def _series_names(df: pd.DataFrame, by_rank: bool | None = None) -> pd.Series:
+    """Strategy of each event row, with its rank when ``by_rank`` (default: when there are several)."""
     names = _strategy_names(df)
-    if "rank" in df.columns and df["rank"].nunique() > 1:
+    if by_rank is None:
+        by_rank = "rank" in df.columns and df["rank"].nunique() > 1
+    if by_rank:
         names = names + " r" + df["rank"].astype(str)
     return names
 
@@ -133,7 +138,7 @@ class TimelineTraces:
 
 def _hover(series: str, kind: str, step: Any, start: float, duration: float, nbytes: float) -> str:
     text = f"<b>{series}</b> {kind}"
-    if step is not None and not (isinstance(step, float) and math.isnan(step)):
+    if step is not None and pd.notna(step):
         text += f" · step {int(step)}"
     text += f"<br>start {start:.3f} s · {duration * 1e3:.1f} ms"
     if nbytes > 0:
@@ -143,16 +148,36 @@ def _hover(series: str, kind: str, step: Any, start: float, duration: float, nby
     return text
 
 
-def timeline_traces(timeline_df: pd.DataFrame) -> TimelineTraces:
+def events_frame(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
+    """Rows for :func:`timeline_traces` from live :class:`~nbckpt.Event` objects (for example
+    those ``compare(on_event=...)`` passes); ``start_s`` counts from ``origin_ns``, ``strategy``
+    is the event's label."""
+    rows = [
+        {
+            "strategy": event.label, "kind": event.kind, "label": event.label, "step": event.step,
+            "rank": event.rank, "start_s": (event.start_ns - origin_ns) / 1e9,
+            "end_s": (event.end_ns - origin_ns) / 1e9, "duration_s": event.duration_s,
+            "bytes": event.bytes,
+        }
+        for event in events
+    ]
+    return pd.DataFrame(
+        rows, columns=["strategy", "kind", "label", "step", "rank", "start_s", "end_s", "duration_s", "bytes"]
+    )
+
+
+def timeline_traces(timeline_df: pd.DataFrame, *, by_rank: bool | None = None) -> TimelineTraces:
     """Convert event rows (``Timeline.to_pandas()`` columns, optionally ``strategy``) to bar data.
 
-    Used by :func:`timeline_figure` and, for live updates, by :func:`extend_timeline`.
+    Used by :func:`timeline_figure` and, for live updates, by :func:`extend_timeline`. ``by_rank``
+    gives each rank its own lanes (default: when the rows hold several ranks; pass it explicitly
+    when rows arrive a few at a time).
     """
     _require(timeline_df, _TIMELINE_COLUMNS, "timeline_traces")
     data = TimelineTraces()
     if timeline_df.empty:
         return data
-    series = _series_names(timeline_df)
+    series = _series_names(timeline_df, by_rank)
     steps = timeline_df["step"] if "step" in timeline_df.columns else pd.Series(None, index=timeline_df.index)
     nbytes = timeline_df["bytes"] if "bytes" in timeline_df.columns else pd.Series(0, index=timeline_df.index)
     for name, kind, step, start, end, size in zip(
@@ -199,7 +224,11 @@ def _timeline_height(lanes: int) -> int:
 
 
 def timeline_figure(
-    timeline_df: pd.DataFrame, *, repeat: int | None = None, widget: bool = False
+    timeline_df: pd.DataFrame,
+    *,
+    repeat: int | None = None,
+    by_rank: bool | None = None,
+    widget: bool = False,
 ) -> go.Figure:
     """Gantt chart of a run: per strategy (and rank) a "train" lane (steps, stalls, waits) and a
     "background" lane (staging, persistence, fsync, commit).
@@ -208,7 +237,7 @@ def timeline_figure(
     its persistence (green) runs in the background lane. ``repeat`` picks one repeat of a
     ``Comparison.timeline`` (default: each strategy's last).
     """
-    data = timeline_traces(select_repeat(timeline_df, repeat))
+    data = timeline_traces(select_repeat(timeline_df, repeat), by_rank=by_rank)
     fig = go.Figure([_timeline_bar(kind, data.kinds[kind]) for kind in _kind_order(data.kinds)])
     fig.update_layout(
         title="Timeline: training steps, stalls (red) and background persistence (green)",
@@ -224,13 +253,14 @@ def timeline_figure(
     return _output(fig, widget)
 
 
-def extend_timeline(fig: go.Figure, timeline_df: pd.DataFrame) -> None:
+def extend_timeline(fig: go.Figure, timeline_df: pd.DataFrame, *, by_rank: bool = False) -> None:
     """Append new events to a figure (or FigureWidget) from :func:`timeline_figure`, in one update.
 
     New kinds get new traces and new strategies new lanes, so a widget can start empty and grow
-    as ``on_event`` callbacks arrive.
+    as ``on_event`` callbacks arrive (see :func:`events_frame`). ``by_rank=True`` for runs with
+    several ranks.
     """
-    data = timeline_traces(timeline_df)
+    data = timeline_traces(timeline_df, by_rank=by_rank)
     if not data.kinds:
         return
     with fig.batch_update():
@@ -314,6 +344,8 @@ def stall_figure(
     23.6x for a 7B model) drawn as reference lines. ``published`` defaults to ``load_published()``."""
     _require(results_df, {"strategy", "stall_mean_s"}, "stall_figure")
     rows = results_df[(results_df["strategy"] != "none") & results_df["stall_mean_s"].notna()]
+    if "checkpoints" in rows.columns:
+        rows = rows[rows["checkpoints"] > 0]
     strategies = rows["strategy"].astype(str).tolist()
     stall = rows["stall_mean_s"].astype(float)
     if "reduction_vs_torch_save" in rows.columns:
@@ -369,6 +401,21 @@ def stall_figure(
     if log:
         fig.update_yaxes(type="log")
     return _output(fig, widget)
+
+
+def scaling_data(comparisons: Iterable[Any]) -> pd.DataFrame:
+    """Stack the results of comparisons run at different sizes for :func:`scaling_figure`:
+    each ``Comparison.results`` row with the checkpoint size (``Comparison.bytes``) in ``bytes``."""
+    frames = []
+    for comparison in comparisons:
+        _require(comparison.results, {"strategy", "stall_mean_s"}, "scaling_data")
+        frames.append(comparison.results.assign(bytes=comparison.bytes))
+    if not frames:
+        raise ConfigError("scaling_data needs at least one comparison")
+    stacked: pd.DataFrame = pd.concat(frames, ignore_index=True)
+    if "checkpoints" in stacked.columns:
+        stacked = stacked[stacked["checkpoints"] > 0]
+    return stacked.reset_index(drop=True)
 
 
 def scaling_figure(df: pd.DataFrame, *, log: bool = True, widget: bool = False) -> go.Figure:

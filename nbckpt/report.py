@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._errors import ConfigError, NbckptError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 REPORT_NOTEBOOK = "report.ipynb"
 RESULTS_FILE = "results.json"
@@ -142,13 +146,13 @@ def export_html(executed: str | os.PathLike[str]) -> str:
     from jinja2 import DictLoader
     from nbconvert import HTMLExporter
 
-    nb = nbformat.read(os.fspath(executed), as_version=4)
+    nb = nbformat.read(os.fspath(executed), as_version=4)  # type: ignore[no-untyped-call]
     for cell in nb.cells:
         for output in cell.get("outputs", []):
             html = output.get("data", {}).get("text/html")
             if isinstance(html, str):
                 output["data"]["text/html"] = _MATHJAX_TAG.sub("", html)
-    exporter = HTMLExporter(
+    exporter = HTMLExporter(  # type: ignore[no-untyped-call]
         template_name="lab",
         extra_loaders=[DictLoader({"nbckpt_offline.html.j2": _OFFLINE_TEMPLATE})],
         template_file="nbckpt_offline.html.j2",
@@ -162,6 +166,150 @@ def export_html(executed: str | os.PathLike[str]) -> str:
     if external:
         raise NbckptError(f"report HTML would load from the network: {external.group(0)[:80]}")
     return str(body)
+
+
+def _num(value: Any) -> float:
+    """A measured number as float; NaN where it was not measured (None, NaN, text)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return number if math.isfinite(number) else math.nan
+
+
+def _finite(value: Any) -> bool:
+    return not math.isnan(_num(value))
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _times(factor: float) -> str:
+    return f"{factor:.1f}x" if factor < 100 else f"{factor:.0f}x"
+
+
+def conclusions(
+    results: pd.DataFrame,
+    floors: Mapping[str, Any],
+    *,
+    advice: pd.DataFrame | None = None,
+    published: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Sentences stating what the measurements show, each computed from the numbers given.
+
+    ``results`` has ``Comparison.results``' columns, ``floors`` the keys of ``Floors.to_dict()``
+    (``bytes``, ``copy_s``, ``write_gbs``), ``advice`` those of :func:`nbckpt.advisor.advise`.
+    A sentence whose inputs were not measured is left out.
+    """
+    from .reference import published_value
+
+    rows = {str(row["strategy"]): row for row in results.to_dict(orient="records")}
+    focus = next((name for name in ("nbckpt-async", "nbckpt-async-overlap") if name in rows), None)
+    if focus is None:
+        return ["No asynchronous nbckpt strategy was measured, so there is nothing to conclude "
+                "about asynchronous checkpointing; add nbckpt-async to the strategies."]
+    row = rows[focus]
+    stall = float(row["stall_mean_s"])
+    torch_save = rows.get("torch-save")
+    size_mb = _num(floors.get("bytes")) / 1e6
+    lines = []
+
+    text = (f"{focus} stalled the training loop {_ms(stall)} per checkpoint of {size_mb:.1f} MB "
+            f"(p95 {_ms(float(row['stall_p95_s']))})")
+    reduction = math.nan
+    if torch_save is not None and _finite(torch_save["stall_mean_s"]) and stall > 0:
+        reduction = float(torch_save["stall_mean_s"]) / stall
+        if reduction >= 1:
+            text += f", {_times(reduction)} less than torch-save ({_ms(torch_save['stall_mean_s'])})"
+        else:
+            text += (f", {_times(1 / reduction)} more than torch-save "
+                     f"({_ms(torch_save['stall_mean_s'])}): at this size a synchronous write "
+                     f"is as cheap as staging")
+    lines.append(text + ".")
+
+    copy_s = _num(floors.get("copy_s"))
+    if copy_s > 0 and stall > 0:
+        ratio = stall / copy_s
+        text = (f"That stall is {_times(ratio)} the copy floor ({_ms(copy_s)} to copy the "
+                f"same bytes into preallocated memory)")
+        if ratio <= 1.5:
+            text += ": the loop waits for little more than the copy itself."
+        else:
+            text += (f"; the {_ms(stall - copy_s)} above the floor is per-save work "
+                     f"besides the copy (walking the state, bookkeeping, waiting for the previous "
+                     f"save when it was still persisting).")
+        lines.append(text)
+
+    write_floor = _num(floors.get("write_gbs"))
+    if _finite(row["write_gbs"]) and write_floor > 0:
+        lines.append(
+            f"Its background writes ran at {float(row['write_gbs']):.2f} GB/s, "
+            f"{100 * float(row['write_gbs']) / write_floor:.0f}% of the raw fsync'd write "
+            f"bandwidth of the target ({write_floor:.2f} GB/s), taking "
+            f"{_ms(float(row['persist_s']))} per checkpoint while training went on."
+        )
+
+    if torch_save is not None and _finite(row["overhead_pct"]) and _finite(torch_save["overhead_pct"]):
+        mine, theirs = _num(row["overhead_pct"]), _num(torch_save["overhead_pct"])
+        text = (f"Against training without checkpoints, the mean step changed by {mine:+.1f}% "
+                f"with {focus} and {theirs:+.1f}% with torch-save")
+        if min(mine, theirs) < 0:
+            text += (": a negative overhead means that run was faster than the baseline, so the "
+                     "run-to-run noise on this machine was larger than the checkpoint cost; "
+                     "use more steps or repeats")
+        lines.append(text + ".")
+
+    dcp_async = rows.get("dcp-async")
+    if dcp_async is not None and _num(dcp_async["stall_mean_s"]) > 0:
+        share = stall / float(dcp_async["stall_mean_s"])
+        lines.append(
+            f"PyTorch's own dcp.async_save (default settings) stalled "
+            f"{_ms(float(dcp_async['stall_mean_s']))} per checkpoint; {focus} stalled "
+            f"{share:.2f}x of that."
+        )
+
+    overlap = rows.get("nbckpt-async-overlap")
+    if focus == "nbckpt-async" and overlap is not None and _finite(overlap["stall_mean_s"]):
+        lines.append(
+            f"With overlap=True the save returns before the copy and the loop waits only "
+            f"before its next optimizer update: {_ms(float(overlap['stall_mean_s']))} per "
+            f"checkpoint."
+        )
+
+    if _finite(reduction):
+        reference = dict(published) if published is not None else None
+        pure = float(published_value("pure_storage_flashblade", "reduction_factor", reference))
+        ibm = float(published_value("pytorch_ibm_7b", "reduction_factor", reference))
+        verdict = "reaches" if reduction >= pure else "falls short of"
+        lines.append(
+            f"The measured reduction against torch-save, {_times(reduction)}, {verdict} the "
+            f"published '{pure:g}x or more' (Pure Storage) and is "
+            f"{'above' if reduction >= ibm else 'below'} PyTorch/IBM's {ibm:g}x for a 7B model; "
+            f"published figures come from GPUs and multi-GB checkpoints, where the synchronous "
+            f"write dominates more than it does for {size_mb:.1f} MB here."
+        )
+
+    if advice is not None and not advice.empty:
+        by_name = {str(r["strategy"]): r for r in advice.to_dict(orient="records")}
+        best = by_name.get(focus)
+        if best is not None:
+            text = (
+                f"With a job MTBF of {float(best['cluster_mtbf_h']):.1f} h the advisor puts a "
+                f"{focus} checkpoint every {float(best['interval_s']):.0f} s, losing "
+                f"{float(best['waste_pct']):.2f}% of the time "
+                f"({float(best['gpu_hours_lost_per_day']):.1f} GPU-hours a day)"
+            )
+            slow = by_name.get("torch-save")
+            if slow is not None:
+                saved = float(slow["gpu_hours_lost_per_day"]) - float(best["gpu_hours_lost_per_day"])
+                text += (
+                    f"; torch-save every {float(slow['interval_s']):.0f} s loses "
+                    f"{float(slow['waste_pct']):.2f}%, {abs(saved):.1f} GPU-hours a day "
+                    f"{'more' if saved >= 0 else 'less'}"
+                )
+            lines.append(text + ".")
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

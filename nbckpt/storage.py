@@ -130,21 +130,14 @@ def parse_mount_line(line: str) -> MountInfo:
     )
 
 
-def _existing(path: str) -> str:
-    """``path`` resolved, or its nearest existing parent (a target may not exist yet)."""
-    path = os.path.realpath(os.path.abspath(os.path.expanduser(path)))
-    while not os.path.exists(path) and path != os.path.dirname(path):
-        path = os.path.dirname(path)
-    return path
-
-
 def mount_info(path: str | os.PathLike[str], mounts: str | None = None) -> MountInfo:
     """The mount holding ``path``: the longest mount point that contains it (the last one wins
     when several are stacked on the same point). ``mounts`` is /proc/mounts text (for tests)."""
     if mounts is None:
         with open("/proc/mounts", encoding="utf-8", errors="replace") as stream:
             mounts = stream.read()
-    target = _existing(os.fspath(path))
+    # realpath resolves the links of the part that exists; a target need not exist yet.
+    target = os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
     best: MountInfo | None = None
     for line in mounts.splitlines():
         if not line.strip():
@@ -207,8 +200,12 @@ class ProbeResult:
     advice: list[str] = field(default_factory=list)
 
     @property
+    def mount(self) -> MountInfo:
+        return MountInfo(self.source, self.mount_point, self.fstype, self.options)
+
+    @property
     def nfs(self) -> dict[str, str | None]:
-        return MountInfo(self.source, self.mount_point, self.fstype, self.options).nfs_options
+        return self.mount.nfs_options
 
     def best(self) -> StreamRun | None:
         """The stream count with the highest write bandwidth."""
@@ -246,7 +243,7 @@ class ProbeResult:
         if self.free_bytes is not None and self.total_bytes:
             lines.append(f"  free space: {_gb(self.free_bytes)} of {_gb(self.total_bytes)}")
         lines.append(f"  {_mib(self.size_bytes)} written and read back per stream count"
-                     f" ({self.elapsed_s:.1f} s in all); {_cache_text(self.cache_dropped)}")
+                     f" ({self.elapsed_s:.1f} s in all); {_cache_text(self.cache_dropped, self.kind)}")
         lines.append("  streams  write GB/s  read GB/s")
         for run in self.runs:
             lines.append(f"  {run.streams:7d}  {run.write_gbs:10.3f}  {run.read_gbs:9.3f}")
@@ -266,8 +263,13 @@ class ProbeResult:
         return "\n".join(lines)
 
 
+def _streams(count: int) -> str:
+    return "1 stream" if count == 1 else f"{count} streams"
+
+
 def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:,.1f} GB"
+    """Bytes in decimal units, GB for anything a checkpoint target holds, MB below that."""
+    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:,.1f} MB"
 
 
 def _mib(nbytes: float) -> str:
@@ -278,9 +280,11 @@ def _options_text(options: dict[str, str | None]) -> str:
     return ",".join(key if value is None else f"{key}={value}" for key, value in options.items())
 
 
-def _cache_text(dropped: bool | None) -> str:
+def _cache_text(dropped: bool | None, kind: str) -> str:
     if dropped is None:
         return "reads are object GETs (no page cache)"
+    if kind == "memory":
+        return "a memory filesystem: reads are memory speed"
     if dropped:
         return "page cache dropped before reading (posix_fadvise, checked with mincore)"
     return "page cache could NOT be dropped: read figures may be memory speed"
@@ -296,21 +300,21 @@ def storage_advice(result: ProbeResult) -> list[str]:
     if best is not None and first is not None:
         if best.streams > first.streams and best.write_gbs > 1.25 * first.write_gbs:
             advice.append(
-                f"{first.streams} stream wrote {first.write_gbs:.2f} GB/s, {best.streams} streams "
+                f"{_streams(first.streams)} wrote {first.write_gbs:.2f} GB/s, {best.streams} streams "
                 f"{best.write_gbs:.2f} GB/s: use Checkpointer(..., writer_threads={best.streams}) "
                 "so one rank writes several files at once."
             )
         elif len(result.runs) > 1:
             advice.append(
-                f"One stream already reaches {first.write_gbs:.2f} GB/s (best {best.write_gbs:.2f} GB/s "
-                f"with {best.streams}): more writer threads do not pay off here; keep writer_threads "
-                "at 1 or 2."
+                f"{_streams(first.streams)} already reached {first.write_gbs:.2f} GB/s (best "
+                f"{best.write_gbs:.2f} GB/s with {best.streams}): more writer threads do not pay off "
+                "here; keep writer_threads at 1 or 2."
             )
     if result.checkpoint_bytes and best is not None and best.write_gbs > 0:
         seconds = result.checkpoint_bytes / (best.write_gbs * 1e9)
         advice.append(
             f"At {best.write_gbs:.2f} GB/s a {_gb(result.checkpoint_bytes)} checkpoint takes about "
-            f"{seconds:.1f} s to persist: checkpoint less often than that, or saves queue up "
+            f"{seconds:.3g} s to persist: checkpoint less often than that, or saves queue up "
             "(async mode hides the write, not the bandwidth)."
         )
     if result.checkpoint_bytes and result.free_bytes is not None:
@@ -337,9 +341,12 @@ def storage_advice(result: ProbeResult) -> list[str]:
             "fsynced, so use mode='async' to keep this off the training loop."
         )
     if result.create_per_s is not None and result.create_per_s < 200:
+        what = "small-object PUTs" if result.kind == "object" else "file creates"
         advice.append(
-            f"Only {result.create_per_s:,.0f} file creates/s: metadata is slow here; prefer fewer, "
-            "larger files (few writer threads) and do not checkpoint many small tensors separately."
+            f"Only {result.create_per_s:,.0f} {what}/s: each checkpoint costs a few of them "
+            "(data files, metadata, manifest) plus the retention deletes, so keep the number of "
+            "files per checkpoint small (writer_threads of 8 or less) and checkpoint no more often "
+            "than the measured bandwidth allows."
         )
     if not advice:
         advice.append("Nothing to change: the measured figures and mount options look fine.")
@@ -368,17 +375,18 @@ def _mount_advice(result: ProbeResult) -> list[str]:
             "Object store: no rename, so nbckpt commits by writing manifest.json after all data; "
             "parallel uploads (writer_threads) are what raises bandwidth."
         )
-    if not result.fstype.startswith("nfs"):
+    mount = result.mount
+    if not mount.is_nfs:
         return advice
-    options = result.options
-    nconnect = _int(options.get("nconnect"))
+    options = mount.options
+    nconnect = mount.option_int("nconnect")
     if nconnect is None or nconnect < 2:
         advice.append(
             "NFS mount without nconnect: all traffic goes over one TCP connection. Remount with "
             "nconnect=8 (Linux 5.3 or later, up to 16) so parallel writer threads use several."
         )
     for key in ("rsize", "wsize"):
-        size = _int(options.get(key))
+        size = mount.option_int(key)
         if size is not None and size < MiB:
             advice.append(f"{key}={size} is below 1 MiB: mount with {key}=1048576 for large checkpoint I/O.")
     if "soft" in options:
@@ -394,13 +402,6 @@ def _mount_advice(result: ProbeResult) -> list[str]:
             "offers them (FlashBlade serves both)."
         )
     return advice
-
-
-def _int(value: str | None) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
 
 
 # -- measuring a directory ------------------------------------------------------------------------
@@ -520,6 +521,7 @@ def _probe_directory(
     path: str, size: int, streams: Sequence[int], checkpoint_bytes: int | None
 ) -> ProbeResult:
     began = time.perf_counter()
+    created = _missing_parts(path)
     try:
         os.makedirs(path, exist_ok=True)
         work = os.path.join(path, f".nbckpt-probe-{uuid.uuid4().hex[:8]}")
@@ -549,6 +551,9 @@ def _probe_directory(
         raise CheckpointError(f"probing {path} failed: {exc.strerror or exc} ({exc.filename})") from exc
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        for folder in created:  # leave no directory the probe made
+            with suppress(OSError):
+                os.rmdir(folder)
     result = ProbeResult(
         target=path, kind=mount.kind, fstype=mount.fstype, source=mount.source,
         mount_point=mount.mount_point, options=mount.options, free_bytes=usage.free,
@@ -560,6 +565,15 @@ def _probe_directory(
     )
     result.advice = storage_advice(result)
     return result
+
+
+def _missing_parts(path: str) -> list[str]:
+    """The directories ``os.makedirs(path)`` would create, deepest first."""
+    missing = []
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def _p95(values: list[float]) -> float:
@@ -751,8 +765,9 @@ def main(args: argparse.Namespace) -> int:
     checkpoint = int(args.checkpoint_gb * 1e9) if args.checkpoint_gb is not None else None
     result = probe(args.target, size_mb=args.size_mb, streams=streams,
                    storage_options=_storage_options(args), checkpoint_bytes=checkpoint)
+    if args.json_out:  # before printing: a closed stdout must not lose the measurement
+        result.to_json(args.json_out)
     print(result.summary())
     if args.json_out:
-        result.to_json(args.json_out)
         print(f"wrote {args.json_out}")
     return 0

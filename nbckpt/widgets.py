@@ -41,7 +41,9 @@ TABLE_COLUMNS = [
     "strategy", "checkpoints", "mean_step_s", "stall_mean_s", "stall_p95_s", "overhead_pct",
     "persist_s", "write_gbs", "reduction_vs_torch_save",
 ]
-_PROBE_MB = 64.0
+# A quick probe: enough to see the write rate and the stream count that helps.
+_PROBE_MB = 32.0
+_PROBE_STREAMS = (1, 2, 4)
 
 
 def devices() -> list[str]:
@@ -66,13 +68,14 @@ def check_target(path: str) -> None:
         raise ConfigError(f"target {path} is not writable ({existing} is read-only for this user)")
 
 
-def _box(kind: str, text: str) -> str:
+def _box(kind: str, text: str, *, pre: bool = False) -> str:
     colours = {"error": ("#cf222e", "#ffebe9"), "ok": ("#1a7f37", "#dafbe1"),
                "info": ("#0969da", "#ddf4ff")}
     fg, bg = colours[kind]
+    body = f"<pre style='margin:0'>{html.escape(text)}</pre>" if pre else html.escape(text)
     return (
         f'<div class="nbckpt-{kind}" style="color:{fg};background:{bg};border:1px solid {fg};'
-        f'border-radius:4px;padding:4px 8px;margin:2px 0">{html.escape(text)}</div>'
+        f'border-radius:4px;padding:4px 8px;margin:2px 0">{body}</div>'
     )
 
 
@@ -335,7 +338,10 @@ class Lab:
     def _probe(self) -> None:
         from .storage import probe
 
-        result = probe(self.path.value, size_mb=_PROBE_MB)
+        target = self.path.value
+        if "://" not in target:
+            os.makedirs(target, exist_ok=True)  # the lab writes there anyway
+        result = probe(target, size_mb=_PROBE_MB, streams=_PROBE_STREAMS)
         self._post("probe", result.summary())
 
     # -- updater side (the only thread that changes widgets while a job runs) -----------------
@@ -368,7 +374,9 @@ class Lab:
         elif kind == "done":
             batch.actions.append(lambda: self._show_comparison(item))
         elif kind == "probe":
-            batch.actions.append(lambda: setattr(self.probe_summary, "value", _box("ok", item)))
+            batch.actions.append(
+                lambda: setattr(self.probe_summary, "value", _box("ok", item, pre=True))
+            )
         elif kind == "error":
             batch.actions.append(lambda: self._show_error(item))
         elif kind == "finished":

@@ -95,7 +95,7 @@ class SeaweedS3:
         return [
             str(self.weed), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0",
             # Like AWS and FlashBlade: writing to a bucket that does not exist is an error.
             "-s3.autoCreateBucket=false",
             f"-s3.localSocket={self.directory / 's3.sock'}",
@@ -164,7 +164,7 @@ class SeaweedS3:
         self.process.wait(timeout=30)
         self.process = None
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
         """Graceful stop (SIGTERM); SIGKILL if it does not exit within ``timeout``."""
         if self.process is None:
             return

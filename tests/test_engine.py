@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from nbckpt import CheckpointError, Checkpointer, ConfigError
+from nbckpt import Checkpointer, CheckpointError, ConfigError
 from nbckpt._dcp import HashingFileSystem
 
 
@@ -160,7 +160,9 @@ def test_backpressure_waits_and_bounds_inflight(tmp_path: Path, monkeypatch: pyt
         assert len(ckpt._inflight) <= 1
 
 
-def test_background_error_surfaces_once_and_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_background_error_surfaces_once_and_cleans_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save({"w": torch.ones(5)}, step=1).wait()
         original = HashingFileSystem.create_stream
@@ -289,7 +291,9 @@ def test_saving_a_step_again_replaces_it(tmp_path: Path) -> None:
         ({"colour": "red"}, "unknown Checkpointer option"),
     ],
 )
-def test_bad_arguments_fail_fast_and_create_nothing(tmp_path: Path, kwargs: dict[str, object], message: str) -> None:
+def test_bad_arguments_fail_fast_and_create_nothing(
+    tmp_path: Path, kwargs: dict[str, object], message: str
+) -> None:
     target = tmp_path / "never"
     with pytest.raises(ConfigError, match=message):
         Checkpointer(target, **kwargs)  # type: ignore[arg-type]

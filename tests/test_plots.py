@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from nbckpt import ConfigError
+from nbckpt import ConfigError, Timeline
 from nbckpt.advisor import advise, project_scale
 from nbckpt.plots import (
     anchor_factors,
+    events_frame,
     extend_timeline,
     interval_figure,
     load_published,
     probe_figure,
     projection_figure,
+    scaling_data,
     scaling_figure,
     stall_figure,
     strategy_colour,
@@ -160,6 +163,24 @@ def test_extend_timeline_appends_to_a_live_widget() -> None:
     assert sorted(traces_by_name(fig)["step"].base) == sorted(traces_by_name(whole)["step"].base)
 
 
+def test_live_events_from_a_timeline_extend_per_rank_lanes() -> None:
+    timeline = Timeline(rank=1, label="nbckpt-async")
+    start = timeline.origin_ns + 10**8
+    events = [
+        timeline.record("step", start, start + 2 * 10**8, step=1),
+        timeline.record("persist", start + 2 * 10**8, start + 5 * 10**8, step=1, nbytes=3 * MB),
+    ]
+    rows = events_frame(events, timeline.origin_ns)
+    assert rows["start_s"].tolist() == pytest.approx([0.1, 0.3])
+    fig = timeline_figure(rows.iloc[:0])
+    for index in range(len(rows)):  # one event at a time, as a listener receives them
+        extend_timeline(fig, rows.iloc[index : index + 1], by_rank=True)
+    assert list(fig.layout.yaxis.categoryarray) == ["nbckpt-async r1 · train", "nbckpt-async r1 · background"]
+    persist = traces_by_name(fig)["persist"]
+    assert list(persist.base) == pytest.approx([0.3]) and list(persist.x) == pytest.approx([0.3])
+    assert "3.0 MB" in persist.hovertext[0] and "0.01 GB/s" in persist.hovertext[0]
+
+
 def test_unknown_event_kinds_are_drawn_in_the_background_lane() -> None:
     data = timeline_traces(pd.DataFrame([event("mine", "upload", 0.0, 1.0)]))
     assert data.kinds["upload"]["y"] == ["mine · background"]
@@ -215,6 +236,17 @@ def test_scaling_figure() -> None:
     assert list(traces) == ["a stall", "b stall", "b persist"]
     assert list(traces["a stall"].x) == [1.0, 10.0] and list(traces["a stall"].y) == [0.1, 1.0]
     assert traces["b persist"].line.dash == "dash"
+
+
+def test_scaling_data_stacks_comparisons_by_size() -> None:
+    small = SimpleNamespace(results=RESULTS, bytes=MB)
+    large = SimpleNamespace(results=RESULTS.assign(stall_mean_s=RESULTS["stall_mean_s"] * 10), bytes=10 * MB)
+    data = scaling_data([small, large])
+    assert data["bytes"].tolist() == [MB, MB, 10 * MB, 10 * MB]  # the no-checkpoint rows are dropped
+    traces = traces_by_name(scaling_figure(data))
+    assert list(traces["torch-save stall"].y) == pytest.approx([0.5, 5.0])
+    with pytest.raises(ConfigError, match="at least one"):
+        scaling_data([])
 
 
 def test_interval_figure_marks_advised_interval() -> None:

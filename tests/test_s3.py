@@ -14,8 +14,10 @@ import pytest
 import torch
 from s3server import KEY, SECRET, SeaweedS3
 
-from nbckpt import CheckpointError, Checkpointer
+from nbckpt import Checkpointer, CheckpointError
+from nbckpt.__main__ import main as cli
 from nbckpt._store import open_store
+from nbckpt.storage import probe
 
 pytestmark = [pytest.mark.s3, pytest.mark.xdist_group("s3")]
 
@@ -198,3 +200,47 @@ def test_killed_writer_leaves_nothing_that_counts(
     with ckpt:
         assert ckpt.steps() == committed
     assert not any(key.startswith(f"{left}/") for key in keys_under(s3_server, f"{bucket}/killed"))
+
+
+def test_probe_object_store_measures_and_leaves_nothing(s3_server: SeaweedS3, bucket: str) -> None:
+    found = probe(f"s3://{bucket}/probe", size_mb=12, streams=(1, 2),
+                  storage_options=s3_server.storage_options())
+    frame = found.to_pandas()
+    assert found.kind == "object" and found.source == s3_server.endpoint_url
+    assert list(frame["streams"]) == [1, 2] and (frame["write_gbs"] > 0).all()
+    assert (frame["read_gbs"] > 0).all() and found.cache_dropped is None
+    assert found.create_per_s and found.delete_per_s and found.fsync_ms is None
+    assert any("Object store" in item for item in found.advice)
+    assert s3_server.filesystem().find(bucket) == []
+
+
+def test_cli_probe_s3_with_wrong_secret_is_a_one_line_error(
+    s3_server: SeaweedS3, bucket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["probe", f"s3://{bucket}/p", "--size-mb", "1", "--endpoint-url", s3_server.endpoint_url,
+            "--option", f"key={KEY}", "--option", "secret=wrong"]
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "access denied" in err and s3_server.endpoint_url in err
+
+
+def test_corrupt_object_falls_back_to_the_older_checkpoint(s3_server: SeaweedS3, bucket: str) -> None:
+    url = f"s3://{bucket}/corrupt"
+    models = {step: trained(seed=step)[0] for step in (1, 2)}
+    with Checkpointer(url, mode="sync", storage_options=s3_server.storage_options()) as ckpt:
+        for step, model in models.items():
+            ckpt.save({"model": model}, step=step)
+    fs = s3_server.filesystem()
+    data = sorted(key for key in fs.find(f"{bucket}/corrupt/step-000002") if key.endswith(".distcp"))
+    body = bytearray(fs.cat_file(data[0]))
+    body[len(body) // 2] ^= 0xFF  # one flipped bit pattern, same size
+    fs.pipe_file(data[0], bytes(body))
+
+    state = {"model": trained(seed=9)[0]}
+    with Checkpointer(url, storage_options=s3_server.storage_options()) as ckpt:
+        with pytest.raises(CheckpointError, match="checksum"):
+            ckpt.verify(2)
+        with pytest.warns(UserWarning, match="skipping step-000002"):
+            assert ckpt.restore(state) == 1
+    assert_equal_state(state["model"].state_dict(), models[1].state_dict())

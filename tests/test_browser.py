@@ -1,0 +1,178 @@
+"""The lab notebook in a real JupyterLab, driven through Debian's Chromium with Playwright."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = ROOT / "test-artifacts"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+]
+# Small enough to run in seconds, long enough for the browser to see the timeline grow.
+PARAMETERS = {"preset": "synthetic", "size_mb": 8.0, "steps": 150, "every": 25,
+              "strategies": ["torch-save", "nbckpt-async"]}
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.xdist_group("browser"),
+    pytest.mark.skipif(not CHROMIUM.exists(),
+                       reason="needs Debian's Chromium at /usr/bin/chromium (make browser-deps)"),
+]
+
+
+@dataclass
+class Server:
+    url: str
+    token: str
+    root: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _lab_notebook(root: Path, checkpoints: Path) -> None:
+    """notebooks/06_lab.ipynb with small parameters, as a user would edit its first cell."""
+    nb = nbformat.read(ROOT / "notebooks" / "06_lab.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    values = {**PARAMETERS, "directory": str(checkpoints)}
+    lines = cell.source.splitlines()
+    for i, line in enumerate(lines):
+        name = line.split("=")[0].strip()
+        if name in values:
+            lines[i] = f"{name} = {values.pop(name)!r}"
+    assert not values, f"parameters missing from the notebook: {sorted(values)}"
+    cell.source = "\n".join(lines)
+    nbformat.write(nb, root / "06_lab.ipynb")
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    root = tmp_path / "root"
+    root.mkdir()
+    _lab_notebook(root, tmp_path / "checkpoints")
+    config = tmp_path / "config"
+    (config / "labconfig").mkdir(parents=True)
+    # the documented way to turn off the "get Jupyter news?" prompt (labextension disable)
+    (config / "labconfig" / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}
+    ))
+    tracker = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True)
+    # start the notebook's kernel without asking; keep every cell in the DOM (no windowing)
+    (tracker / "tracker.jupyterlab-settings").write_text(json.dumps(
+        {"autoStartDefaultKernel": True, "windowingMode": "none"}
+    ))
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces")}
+    env.pop("NBCKPT_BATCH", None)
+    port, token = _free_port(), secrets.token_hex(16)
+    command = [
+        str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser",
+        "--ip=127.0.0.1", f"--port={port}", f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
+    if os.getuid() == 0:
+        command.append("--allow-root")
+    log = (tmp_path / "jupyter.log").open("w")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert process.poll() is None, f"jupyter lab exited: {(tmp_path / 'jupyter.log').read_text()}"
+        request = urllib.request.Request(f"{url}/api/status",
+                                         headers={"Authorization": f"token {token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    try:
+        _until(ready, 90, "jupyter lab to answer /api/status")
+        yield Server(url, token, root)
+    finally:
+        process.send_signal(signal.SIGTERM)  # the server shuts its kernels down on SIGTERM
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
+    sync_api = pytest.importorskip("playwright.sync_api")
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        try:
+            page.goto(f"{server.url}/lab/tree/06_lab.ipynb?token={server.token}")
+            page.wait_for_selector(".jp-NotebookPanel .jp-Notebook", timeout=60_000)
+            # cells run while the kernel is still initializing are dropped: wait for idle
+            page.get_by_text(re.compile(r"\| Idle$")).first.wait_for(timeout=90_000)
+            page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+            page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+
+            lab = page.locator(".nbckpt-lab")
+            lab.wait_for(timeout=120_000)
+            assert page.locator(".jupyter-widgets").count() > 0
+            plot = lab.locator(".js-plotly-plot")
+            plot.wait_for(timeout=60_000)
+            bars = plot.locator("g.trace.bars g.point")
+
+            lab.locator("button", has_text="Run").first.click()
+            # the timeline gains points during the run: two counts, the second larger
+            _until(lambda: bars.count() > 0, 120, "the first bars of the timeline")
+            first = bars.count()
+            _until(lambda: bars.count() > first, 120, "the timeline to grow")
+            grown = bars.count()
+            page.screenshot(path=str(ARTIFACTS / "browser-lab-running.png"), full_page=True)
+
+            table = lab.locator("table.nbckpt-results")
+            table.wait_for(timeout=180_000)
+            lab.locator(".nbckpt-ok").wait_for(timeout=180_000)
+            assert table.locator("td", has_text="nbckpt-async").count() >= 1
+            assert table.locator("td", has_text="torch-save").count() >= 1
+            assert bars.count() >= grown > first > 0
+            assert lab.locator(".nbckpt-error").count() == 0
+            page.screenshot(path=str(ARTIFACTS / "browser-lab.png"), full_page=True)
+        except BaseException:
+            page.screenshot(path=str(ARTIFACTS / "browser-lab-failed.png"), full_page=True)
+            raise
+        finally:
+            browser.close()

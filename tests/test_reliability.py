@@ -1,0 +1,364 @@
+"""The Checkpointer under misuse and pressure: bad arguments, two writers, interrupts, exit,
+a directory removed mid-save, a failing writer thread, memory over many saves, a slow target.
+
+Crashes are in test_reliability_crash.py, storage faults in test_reliability_disk.py, corrupt
+and hostile checkpoints in test_reliability_corruption.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from nbckpt import Checkpointer, CheckpointError, ConfigError
+from nbckpt._dcp import HashingFileSystem
+
+
+def tensors(numel: int, step: int) -> dict[str, Any]:
+    return {"w": torch.arange(numel, dtype=torch.float32) + step, "step": step}
+
+
+def restored(ckpt: Checkpointer, numel: int, step: int | None = None) -> tuple[int, dict[str, Any]]:
+    state = {"w": torch.zeros(numel), "step": -1}
+    return ckpt.restore(state, step=step), state
+
+
+def assert_holds(ckpt: Checkpointer, numel: int, step: int) -> None:
+    got_step, state = restored(ckpt, numel, step)
+    assert got_step == step and state["step"] == step
+    assert torch.equal(state["w"], tensors(numel, step)["w"])
+
+
+class Throttle:
+    """Stands between DCP and every file it writes: holds writes back, or slows each one."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()  # a save has started writing files
+        self.release = threading.Event()  # writes may go on
+        self.release.set()
+        self.delay_s = 0.0  # per file written: a slow target
+
+    def hold(self) -> None:
+        """Hold back the writes of the next save; ``entered`` tells when it has reached them."""
+        self.entered.clear()
+        self.release.clear()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        original = HashingFileSystem.create_stream
+        throttle = self
+
+        @contextmanager
+        def create_stream(fs: HashingFileSystem, path: Any, mode: str) -> Iterator[Any]:
+            if "w" in mode:
+                throttle.entered.set()
+                assert throttle.release.wait(60), "the test never released the writes"
+                time.sleep(throttle.delay_s)  # the slow target itself, not synchronisation
+            with original(fs, path, mode) as stream:
+                yield stream
+
+        monkeypatch.setattr(HashingFileSystem, "create_stream", create_stream)
+
+
+@pytest.fixture
+def throttle(monkeypatch: pytest.MonkeyPatch) -> Iterator[Throttle]:
+    gate = Throttle()
+    gate.install(monkeypatch)
+    yield gate
+    gate.release.set()  # never leave a writer thread stuck
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"mode": "fast"}, "mode"),
+        ({"mode": None}, "mode"),
+        ({"keep": 0}, "keep"),
+        ({"keep": True}, "keep"),
+        ({"keep": 2.5}, "keep"),
+        ({"max_inflight": 0}, "max_inflight"),
+        ({"max_inflight": "2"}, "max_inflight"),
+        ({"writer_threads": 0}, "writer_threads"),
+        ({"colour": "red"}, "colour"),
+    ],
+)
+def test_bad_options_create_nothing(tmp_path: Path, options: dict[str, Any], named: str) -> None:
+    target = tmp_path / "run"
+    with pytest.raises(ConfigError) as raised:
+        Checkpointer(target, **options)
+    message = str(raised.value)
+    assert named in message and "\n" not in message, message
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("directory", ["", None, 3])
+def test_bad_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, directory: Any
+) -> None:
+    monkeypatch.chdir(tmp_path)  # an empty path must not mean "here"
+    with pytest.raises(ConfigError, match="directory must be a non-empty path or URL"):
+        Checkpointer(directory)
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_save_and_restore_arguments_leave_nothing_behind(tmp_path: Path) -> None:
+    directory = tmp_path / "run"
+    good = tensors(100, 1)
+    bad_calls: list[tuple[Any, Any, str]] = [
+        (good, -1, "step must be a non-negative integer"),
+        (good, True, "step must be a non-negative integer"),
+        (good, 1.5, "step must be a non-negative integer"),
+        (good, "3", "step must be a non-negative integer"),
+        ([torch.ones(3)], 1, "state must be a dict, not list"),
+        ({"fn": lambda: 0}, 1, "fn holds a function, which nbckpt cannot checkpoint"),
+        ({"deep": {"x": [1, object()]}}, 1, "deep.x.1 holds a object"),
+        ({"w": {1.5: torch.ones(2)}}, 1, "w has a key of type float"),
+        ({"w": torch.ones(4).to_sparse()}, 1, "only dense tensors are supported"),
+    ]
+    with Checkpointer(directory, mode="async") as ckpt:
+        for state, step, message in bad_calls:
+            with pytest.raises(ConfigError, match=message) as raised:
+                ckpt.save(state, step=step)
+            assert "\n" not in str(raised.value)
+        assert os.listdir(directory) == [".nbckpt.lock"]
+        assert ckpt.handles == []
+        with pytest.raises(ConfigError, match="state must be a dict"):
+            ckpt.restore([])  # type: ignore[arg-type]
+        with pytest.raises(CheckpointError, match="no committed checkpoint for step 5"):
+            ckpt.restore({"w": torch.zeros(100)}, step=5)
+        ckpt.save(good, step=1).wait()  # the bad calls broke nothing
+        assert_holds(ckpt, 100, 1)
+    with pytest.raises(CheckpointError, match="is closed"):
+        ckpt.save(good, step=2)
+
+
+# -- two writers --------------------------------------------------------------------------------
+
+
+def test_second_writer_in_the_same_process(tmp_path: Path, throttle: Throttle) -> None:
+    directory = tmp_path / "run"
+    with Checkpointer(directory, mode="async") as first:
+        first.save(tensors(1000, 1), step=1).wait()
+        throttle.hold()
+        handle = first.save(tensors(1000, 2), step=2)
+        assert throttle.entered.wait(30)
+        in_flight = [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+        with pytest.raises(CheckpointError) as raised:
+            Checkpointer(directory)
+        assert str(raised.value) == (
+            f"{directory} is in use by another Checkpointer (pid {os.getpid()}); "
+            "use a different directory or close the other one first"
+        )
+        assert [n for n in os.listdir(directory) if n.startswith(".tmp-")] == in_flight  # untouched
+        throttle.release.set()
+        handle.wait()
+        assert first.steps() == [1, 2]
+    with Checkpointer(directory) as again:  # the lock went with close()
+        assert_holds(again, 1000, 1)
+        assert_holds(again, 1000, 2)
+
+
+HOLDS_THE_DIRECTORY = """
+import sys, torch
+from nbckpt import Checkpointer
+with Checkpointer(sys.argv[1], mode="sync") as ckpt:
+    ckpt.save({"w": torch.arange(1000, dtype=torch.float32) + 1, "step": 1}, step=1)
+    print("holding", flush=True)
+    sys.stdin.readline()
+    ckpt.save({"w": torch.arange(1000, dtype=torch.float32) + 2, "step": 2}, step=2)
+"""
+
+
+def test_second_writer_in_another_process(tmp_path: Path) -> None:
+    directory = tmp_path / "run"
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLDS_THE_DIRECTORY, str(directory)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline() == "holding\n"
+    with pytest.raises(CheckpointError, match=rf"in use by another Checkpointer \(pid {child.pid}\)"):
+        Checkpointer(directory)
+    _, err = child.communicate("go\n", timeout=120)
+    assert child.returncode == 0, err
+    with Checkpointer(directory) as ckpt:
+        assert ckpt.steps() == [1, 2]
+        assert_holds(ckpt, 1000, 1)
+        assert_holds(ckpt, 1000, 2)
+
+
+# -- interrupts and exit ------------------------------------------------------------------------
+
+
+def test_keyboard_interrupt_while_persisting(tmp_path: Path, throttle: Throttle) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach only the main thread")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with Checkpointer(tmp_path / "run", mode="async") as ckpt:
+            ckpt.save(tensors(1000, 1), step=1).wait()
+            throttle.hold()
+            handle = ckpt.save(tensors(1000, 2), step=2)
+
+            def press_ctrl_c() -> None:
+                throttle.entered.wait(30)
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+            with pytest.raises(KeyboardInterrupt):
+                threading.Thread(target=press_ctrl_c, daemon=True).start()
+                handle.wait()  # blocked: the writes are held back
+            assert not handle.done() and handle.phase == "persisting"
+            assert ckpt.steps() == [1]  # a save in progress never counts
+            throttle.release.set()
+            assert [r.step for r in ckpt.wait()] == [2]  # it completed in the background
+            assert ckpt.steps() == [1, 2]
+            assert_holds(ckpt, 1000, 2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+EXITS_WITH_A_SAVE_IN_FLIGHT = """
+import os, sys, torch
+from nbckpt import Checkpointer
+ckpt = Checkpointer(sys.argv[1], mode="async", writer_threads=1)
+handle = ckpt.save({"w": torch.arange(16 << 20, dtype=torch.float32) + 1, "step": 1}, step=1)
+print(f"in flight at exit: {not handle.done()}", flush=True)
+if sys.argv[2] == "hard":
+    os._exit(0)  # no atexit: the save is abandoned wherever it was
+"""
+
+
+def test_exit_with_a_save_in_flight(tmp_path: Path) -> None:
+    """A normal exit finishes the save (with a warning); a hard one leaves nothing that counts."""
+    children = {
+        how: subprocess.Popen(
+            [sys.executable, "-c", EXITS_WITH_A_SAVE_IN_FLIGHT, str(tmp_path / how), how],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for how in ("normal", "hard")
+    }
+    outputs = {how: child.communicate(timeout=300) for how, child in children.items()}
+    for how, child in children.items():
+        assert child.returncode == 0, outputs[how][1]
+    out, err = outputs["normal"]
+    if out.strip() == "in flight at exit: True":
+        assert "nbckpt: finishing save(s) of step 1 before exit" in err
+    with Checkpointer(tmp_path / "normal") as ckpt:
+        assert ckpt.steps() == [1]
+        assert_holds(ckpt, 16 << 20, 1)
+    with Checkpointer(tmp_path / "hard") as ckpt:  # warns if it removed the abandoned save
+        for step in ckpt.steps():
+            assert_holds(ckpt, 16 << 20, step)
+    assert [n for n in os.listdir(tmp_path / "hard") if n.startswith(".tmp-")] == []
+
+
+# -- the directory or a writer failing mid-save -------------------------------------------------
+
+
+def test_directory_removed_under_a_running_save(tmp_path: Path, throttle: Throttle) -> None:
+    directory = tmp_path / "run"
+    with Checkpointer(directory, mode="async") as ckpt:
+        ckpt.save(tensors(1000, 1), step=1).wait()
+        throttle.hold()
+        handle = ckpt.save(tensors(1000, 2), step=2)
+        assert throttle.entered.wait(30)
+        shutil.rmtree(directory)
+        throttle.release.set()
+        with pytest.raises(CheckpointError, match=r"save of step 2 .* \[ENOENT\]"):
+            handle.wait()
+        assert ckpt.steps() == []
+        ckpt.save(tensors(1000, 3), step=3).wait()  # the directory comes back with the next save
+        assert ckpt.steps() == [3]
+        assert_holds(ckpt, 1000, 3)
+
+
+def test_a_failing_writer_thread_is_never_swallowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write error in either of DCP's writer threads fails the save, naming errno and file."""
+    original = FileSystem.create_stream
+
+    @contextmanager
+    def failing(fs: FileSystem, path: Any, mode: str) -> Iterator[Any]:
+        if "w" in mode and os.fspath(path).endswith("__0_1.distcp"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        with original(fs, path, mode) as stream:
+            yield stream
+
+    directory = tmp_path / "run"
+    with Checkpointer(directory, mode="async", writer_threads=2) as ckpt:
+        ckpt.save(tensors(1 << 16, 0), step=0).wait()
+        monkeypatch.setattr(FileSystem, "create_stream", failing)
+        for step in range(1, 7):  # either of DCP's two threads may draw the failing file
+            with pytest.raises(CheckpointError, match=r"\[EIO\] \(.*__0_1\.distcp\)"):
+                ckpt.save(tensors(1 << 16, step), step=step).wait()
+        assert ckpt.steps() == [0]
+        assert [n for n in os.listdir(directory) if n.startswith(".tmp-")] == []
+
+
+# -- resource bounds ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fast_dir(tmp_path: Path) -> Iterator[Path]:
+    """RAM-backed when available: the test is about the engine's memory, not the disk's speed."""
+    if not os.path.isdir("/dev/shm"):
+        yield tmp_path / "run"
+        return
+    directory = Path("/dev/shm") / f"nbckpt-test-{os.getpid()}-{time.monotonic_ns()}"
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_memory_stays_flat_over_50_async_saves(fast_dir: Path) -> None:
+    process = psutil.Process()
+    state = {f"layer{i}": torch.randn(4 << 20) for i in range(4)}  # 64 MiB
+    rss = {}
+    with Checkpointer(fast_dir, mode="async", keep=2, max_inflight=1) as ckpt:
+        for step in range(1, 51):
+            for tensor in state.values():
+                tensor.add_(1.0)  # training changes the state between saves
+            ckpt.save(state, step=step)
+            if step in (5, 50):
+                ckpt.wait()
+                rss[step] = process.memory_info().rss
+        assert ckpt.steps() == [49, 50]
+        assert len(ckpt.records) == 50
+    growth = rss[50] / rss[5] - 1
+    print(f"\nRSS after save 5: {rss[5] / 2**20:.0f} MiB, after save 50: {rss[50] / 2**20:.0f} MiB "
+          f"({growth:+.1%}); state 64 MiB")
+    assert growth < 0.05, f"host memory grew {growth:.1%} between save 5 and save 50"
+
+
+@pytest.mark.parametrize("max_inflight", [1, 2])
+def test_slow_target_makes_save_wait(tmp_path: Path, throttle: Throttle, max_inflight: int) -> None:
+    throttle.delay_s = 0.05
+    with Checkpointer(tmp_path / "run", mode="async", max_inflight=max_inflight) as ckpt:
+        for step in range(1, 7):
+            ckpt.save(tensors(1000, step), step=step)
+            in_flight = sum(not h.done() for h in ckpt.handles)
+            assert in_flight <= max_inflight, f"{in_flight} saves in flight after save {step}"
+        records = ckpt.wait()
+        assert ckpt.steps() == list(range(1, 7))
+    waited = [h.wait_s for h in ckpt.handles]
+    assert all(w > 0 for w in waited[max_inflight:]), waited  # backpressure, not a queue
+    assert all(h.stall_s >= h.wait_s for h in ckpt.handles)  # the wait counts as stall
+    assert ckpt.timeline.to_pandas().query("kind == 'wait'").shape[0] >= 6 - max_inflight
+    assert len(records) <= max_inflight

@@ -1,0 +1,204 @@
+"""Storage failures on real filesystems: a full disk, a read-only mount, lost permissions, a file.
+
+Mounting needs root (a size-limited tmpfs, a read-only bind mount); lost permissions need a
+process without CAP_DAC_OVERRIDE (``setpriv``). Each test says why when it has to skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from nbckpt import Checkpointer, CheckpointError
+
+MB = 1 << 20
+
+
+def floats(megabytes: float, step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((int(megabytes * MB) // 4,), float(step))}
+
+
+def run_quiet(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, check=False)
+
+
+def mount_or_skip(*args: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a test filesystem needs root")
+    done = run_quiet("mount", *args)
+    if done.returncode != 0:
+        pytest.skip(f"mount {' '.join(args)} failed: {done.stderr.strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs: two 4 MiB checkpoints fit, a 12 MiB one on top of them does not."""
+    mountpoint = tmp_path / "disk"
+    mountpoint.mkdir()
+    mount_or_skip("-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mountpoint))
+    yield mountpoint
+    run_quiet("umount", "-l", str(mountpoint))
+
+
+def assert_no_leftovers(directory: Path) -> None:
+    assert [n for n in os.listdir(directory) if n.startswith((".tmp-", ".trash-"))] == []
+
+
+def restore_w(ckpt: Checkpointer, megabytes: float) -> tuple[int, torch.Tensor]:
+    state = floats(megabytes, -1)
+    return ckpt.restore(state), state["w"]
+
+
+@pytest.mark.parametrize("writer_threads", [1, 2])
+def test_disk_full_is_reported_cleaned_up_and_survivable(small_disk: Path, writer_threads: int) -> None:
+    directory = small_disk / "run"
+    with Checkpointer(directory, mode="async", writer_threads=writer_threads) as ckpt:
+        for step in (1, 2):
+            ckpt.save(floats(4, step), step=step).wait()
+        handle = ckpt.save(floats(12, 3), step=3)
+        with pytest.raises(CheckpointError) as raised:
+            handle.wait()
+        message = str(raised.value)
+        assert "ENOSPC" in message and str(directory) in message, message
+        assert ".distcp" in message or ".metadata" in message, message  # names the file
+        assert "\n" not in message
+        assert_no_leftovers(directory)
+        assert ckpt.steps() == [1, 2]
+        step, w = restore_w(ckpt, 4)
+        assert step == 2 and torch.equal(w, floats(4, 2)["w"])
+        ckpt.save(floats(4, 3), step=3).wait()  # the failed save freed its space: training goes on
+        assert ckpt.steps() == [1, 2, 3]
+        assert ckpt.verify(3)["step"] == 3
+
+
+def test_disk_full_surfaces_from_the_next_save(small_disk: Path) -> None:
+    directory = small_disk / "run"
+    with Checkpointer(directory, mode="async", keep=2) as ckpt:
+        ckpt.save(floats(4, 1), step=1)
+        ckpt.save(floats(13, 2), step=2)  # does not fit next to step 1
+        with pytest.raises(CheckpointError, match=r"save of step 2 .*ENOSPC"):
+            ckpt.save(floats(4, 3), step=3)
+        assert_no_leftovers(directory)
+        ckpt.save(floats(4, 3), step=3)
+        assert [r.step for r in ckpt.wait()] == [3]
+        assert ckpt.steps() == [1, 3]
+
+
+def test_disk_full_in_sync_mode_raises_from_save(small_disk: Path) -> None:
+    directory = small_disk / "run"
+    with Checkpointer(directory, mode="sync") as ckpt:
+        ckpt.save(floats(4, 1), step=1)
+        with pytest.raises(CheckpointError, match="ENOSPC"):
+            ckpt.save(floats(14, 2), step=2)
+        assert_no_leftovers(directory)
+        assert ckpt.steps() == [1]
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A read-only bind mount of a directory that holds one committed checkpoint (step 1)."""
+    source, view = tmp_path / "source", tmp_path / "view"
+    view.mkdir()
+    with Checkpointer(source / "run", mode="sync") as ckpt:
+        ckpt.save(floats(0.1, 1), step=1)
+    mount_or_skip("--bind", str(source), str(view))
+    try:
+        mount_or_skip("-o", "remount,bind,ro", str(view))
+        yield view
+    finally:
+        run_quiet("umount", "-l", str(view))
+
+
+def test_read_only_filesystem_fails_at_construction(read_only_dir: Path) -> None:
+    for target in (read_only_dir / "run", read_only_dir / "new-run"):
+        with pytest.raises(CheckpointError) as raised:
+            Checkpointer(target)
+        assert str(raised.value) == f"{target} is not writable (Read-only file system)"
+    assert not (read_only_dir / "new-run").exists()
+
+
+def test_filesystem_turning_read_only_under_a_checkpointer(tmp_path: Path) -> None:
+    directory = tmp_path / "run"
+    with Checkpointer(directory, mode="async") as ckpt:
+        ckpt.save(floats(0.1, 1), step=1).wait()
+        # a read-only filesystem now sits where the checkpoints are written
+        mount_or_skip("-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(directory))
+        try:
+            with pytest.raises(CheckpointError, match=r"Read-only file system \[EROFS\]"):
+                ckpt.save(floats(0.1, 2), step=2).wait()
+        finally:
+            run_quiet("umount", "-l", str(directory))
+        assert ckpt.steps() == [1]
+        assert ckpt.verify(1)["step"] == 1
+        ckpt.save(floats(0.1, 2), step=2).wait()
+    assert sorted(os.listdir(directory)) == [".nbckpt.lock", "step-000001", "step-000002"]
+
+
+LOSES_PERMISSION = """
+import sys, torch
+from nbckpt import Checkpointer, CheckpointError
+try:
+    Checkpointer(sys.argv[1])
+    print("constructed")
+except CheckpointError as exc:
+    print(f"construction: {exc}")
+ckpt = Checkpointer(sys.argv[2], mode="async")
+ckpt.save({"w": torch.ones(1000)}, step=1).wait()
+print("saved", flush=True)
+sys.stdin.readline()
+try:
+    ckpt.save({"w": torch.ones(1000)}, step=2).wait()
+    print("committed")
+except CheckpointError as exc:
+    print(f"later: {exc}")
+print(f"steps: {ckpt.steps()}")
+ckpt.close()
+"""
+
+
+def test_permission_denied_at_construction_and_later(tmp_path: Path) -> None:
+    """Run as root without CAP_DAC_OVERRIDE, so that mode bits apply as they do to a user."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to drop CAP_DAC_OVERRIDE")
+    locked, losing = tmp_path / "locked", tmp_path / "losing"
+    locked.mkdir(mode=0o555)
+    drop = "-dac_override,-dac_read_search,-fowner"
+    args = [setpriv, "--bounding-set", drop, "--inh-caps", drop, sys.executable, "-c", LOSES_PERMISSION]
+    child = subprocess.Popen(
+        [*args, str(locked / "run"), str(losing)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert child.stdout is not None and child.stdin is not None
+    lines = [child.stdout.readline().strip() for _ in range(2)]
+    assert lines == [f"construction: {locked / 'run'} is not writable (Permission denied)", "saved"]
+    losing.chmod(0o555)
+    try:
+        out, err = child.communicate("go\n", timeout=120)
+    finally:
+        losing.chmod(0o755)
+    assert child.returncode == 0, err
+    later, steps = out.splitlines()
+    assert later.startswith(f"later: save of step 2 to {losing} failed: Permission denied [EACCES]")
+    assert steps == "steps: [1]"
+    with Checkpointer(losing) as ckpt:
+        assert ckpt.verify(1)["step"] == 1
+
+
+def test_target_that_is_a_file(tmp_path: Path) -> None:
+    target = tmp_path / "file"
+    target.write_text("not a directory")
+    with pytest.raises(CheckpointError) as raised:
+        Checkpointer(target)
+    assert str(raised.value) == f"{target} is not writable (it is a file, not a directory)"
+    with pytest.raises(CheckpointError) as raised:
+        Checkpointer(target / "run")
+    assert str(raised.value) == f"{target / 'run'} is not writable (Not a directory)"
+    assert target.read_text() == "not a directory"
