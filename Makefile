@@ -35,9 +35,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check nbckpt tests benchmarks scripts
 	$(BIN)/mypy
 
+# Two pytest workers share the two cores: one torch thread each, since OpenMP threads that
+# spin-wait on an oversubscribed machine make a tiny model's step ten times slower.
+# nbval runs with --dist loadfile: the cells of one notebook must share one kernel (one worker).
+test: export OMP_NUM_THREADS = 1
 test: $(STAMP) browser-deps lint
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q tests
-	$(BIN)/python -m pytest -n 2 -q --nbval-lax --nbval-current-env -p no:randomly notebooks
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q --nbval-lax --nbval-current-env notebooks
 
 clean:
 	rm -rf $(VENV) reports data/checkpoints .pytest_cache .mypy_cache .ruff_cache

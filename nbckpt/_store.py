@@ -42,6 +42,13 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is out: on a nearly full disk one call may write only part."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 class Store(ABC):
     """Storage primitives the engine needs; subclasses decide how commit is made atomic."""
 
@@ -167,7 +174,7 @@ class LocalStore(Store):
         path = os.path.join(location, MANIFEST)
         fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
         try:
-            os.write(fd, manifest)
+            write_all(fd, manifest)
             os.fsync(fd)
         finally:
             os.close(fd)

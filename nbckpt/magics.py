@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     import plotly.graph_objects as go
     from IPython.core.interactiveshell import InteractiveShell
 
+    from .widgets import Lab
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: Environment variable that sets the session's default checkpoint directory.
@@ -46,7 +48,7 @@ DIR_ENV = "NBCKPT_DIR"
 BATCH_ENV = "NBCKPT_BATCH"
 
 
-# IPython's argument decorators, parse_argstring and _display() carry no annotations: these
+# IPython's argument decorators, parse_argstring and display() carry no annotations: these
 # typed views of them keep this module under mypy --strict.
 def _arg(*flags: str, **options: Any) -> Any:
     """One ``magic_arguments.argument``."""
@@ -151,13 +153,13 @@ class _Save:
     shown_at: int = 0  # execution count of the cell whose magic displayed it
     live: list[tuple[SaveStatus, Any]] = field(default_factory=list)  # (status, DisplayHandle)
 
-    def finalise(self, display: tuple[SaveStatus, Any]) -> None:
+    def finalise(self, live: tuple[SaveStatus, Any]) -> None:
         """Show the save's final state in one of its live displays (at most once)."""
         try:
-            self.live.remove(display)
+            self.live.remove(live)
         except ValueError:
             return  # the commit callback and %ckpt_wait raced; the other one updated it
-        status, shown = display
+        status, shown = live
         shown.update(status)
 
 
@@ -183,8 +185,9 @@ class SaveStatus:
                 f"{head}: committed · stall {record.stall_s * 1e3:.1f} ms · "
                 f"persist {record.persist_s:.2f} s · {record.write_gbs:.2f} GB/s"
             )
-        phase = "persisting" if h.phase in ("staged", "persisting") else h.phase
-        return phase, f"{head}: {phase} · stall {h.stall_s * 1e3:.1f} ms · writing in the background"
+        return h.phase, (
+            f"{head}: {h.phase} · stall {h.stall_s * 1e3:.1f} ms · writing in the background"
+        )
 
     def __repr__(self) -> str:
         return self._parts()[1]
@@ -208,7 +211,7 @@ class CheckpointMagics(Magics):
         self.checkpointers: dict[str, Checkpointer] = {}
         self.saves: list[_Save] = []
         self.origin_ns = now_ns()
-        self.labs: list[Any] = []
+        self.labs: list[Lab] = []
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -398,7 +401,7 @@ class CheckpointMagics(Magics):
 
     @_line_magic
     @_arguments(
-        _arg("-d", "--dir", help="checkpoint directory or s3:// URL (default: %%ckpt_config)"),
+        _DIR_ARG,
         _arg("--step", type=_step_value, help="step to restore (default: the newest valid one)"),
         _arg("names", nargs="+", metavar="NAME", help="notebook variables to load in place")
     )
@@ -441,22 +444,17 @@ class CheckpointMagics(Magics):
         args = _parse(self.ckpt_config, line)
         if args.reset:
             self.defaults = SessionDefaults()
-        if hasattr(args, "keep"):
-            self.defaults.keep = args.keep
-        changes = {
-            "dir": args.dir, "max_inflight": args.max_inflight,
-            "writer_threads": args.writer_threads, "verify": args.verify,
-            "capture_rng": args.capture_rng,
+        given = {
+            name: getattr(args, name)
+            for name in ("dir", "keep", "max_inflight", "writer_threads", "verify", "capture_rng")
+            if getattr(args, name, None) is not None or (name == "keep" and hasattr(args, "keep"))
         }
-        for name, value in changes.items():
-            if value is not None:
-                setattr(self.defaults, name, value)
+        for name, value in given.items():
+            setattr(self.defaults, name, value)
         for ckpt in self.checkpointers.values():
-            # max_inflight sizes the staging buffers, allocated once: new directories only
-            ckpt.config.keep = self.defaults.keep
-            ckpt.config.writer_threads = self.defaults.writer_threads
-            ckpt.config.verify = self.defaults.verify
-            ckpt.config.capture_rng = self.defaults.capture_rng
+            # dir names new saves' directory; max_inflight sizes staging buffers allocated once
+            for name in given.keys() - {"dir", "max_inflight"}:
+                setattr(ckpt.config, name, given[name])
         for name, value in asdict(self.defaults).items():
             print(f"{name:>15}: {value}")
 
@@ -558,7 +556,7 @@ def load(ipython: InteractiveShell) -> None:
     CheckpointMagics.ckpt_bench.__doc__ = _bench_parser().format_help()
     magics = CheckpointMagics(ipython)
     ipython.register_magics(magics)
-    formatters = ipython.display_formatter  # type: ignore[union-attr]
+    formatters: Any = ipython.display_formatter
     formatters.ipython_display_formatter.for_type(SaveHandle, magics._display_handle)
     formatters.formatters["text/plain"].for_type_by_name(*_COMPARISON, _comparison_text)
 
@@ -572,7 +570,7 @@ def unload(ipython: InteractiveShell) -> None:
     for kind, names in magics.magics.items():
         for name in names:
             ipython.magics_manager.magics[kind].pop(name, None)
-    formatters = ipython.display_formatter  # type: ignore[union-attr]
+    formatters: Any = ipython.display_formatter
     formatters.ipython_display_formatter.type_printers.pop(SaveHandle, None)
     plain = formatters.formatters["text/plain"]
     plain.deferred_printers.pop(_COMPARISON, None)

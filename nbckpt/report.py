@@ -194,12 +194,14 @@ def conclusions(
     floors: Mapping[str, Any],
     *,
     advice: pd.DataFrame | None = None,
+    timeline: pd.DataFrame | None = None,
     published: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """Sentences stating what the measurements show, each computed from the numbers given.
 
     ``results`` has ``Comparison.results``' columns, ``floors`` the keys of ``Floors.to_dict()``
-    (``bytes``, ``copy_s``, ``write_gbs``), ``advice`` those of :func:`nbckpt.advisor.advise`.
+    (``bytes``, ``copy_s``, ``write_gbs``), ``advice`` those of :func:`nbckpt.advisor.advise`,
+    ``timeline`` those of ``Comparison.timeline`` (to split the stall into copy and wait).
     A sentence whose inputs were not measured is left out.
     """
     from .reference import published_value
@@ -224,8 +226,8 @@ def conclusions(
             text += f", {_times(reduction)} less than torch-save ({_ms(torch_save['stall_mean_s'])})"
         else:
             text += (f", {_times(1 / reduction)} more than torch-save "
-                     f"({_ms(torch_save['stall_mean_s'])}): at this size a synchronous write "
-                     f"is as cheap as staging")
+                     f"({_ms(torch_save['stall_mean_s'])}): here the synchronous write was "
+                     f"cheaper than the asynchronous stall")
     lines.append(text + ".")
 
     copy_s = _num(floors.get("copy_s"))
@@ -236,9 +238,13 @@ def conclusions(
         if ratio <= 1.5:
             text += ": the loop waits for little more than the copy itself."
         else:
-            text += (f"; the {_ms(stall - copy_s)} above the floor is per-save work "
-                     f"besides the copy (walking the state, bookkeeping, waiting for the previous "
-                     f"save when it was still persisting).")
+            text += "."
+            parts = _stall_parts(timeline, focus, _num(row.get("checkpoints")))
+            if parts is not None:
+                stage, wait = parts
+                text += (f" Per checkpoint the copy into the staging buffers took {_ms(stage)} "
+                         f"and waiting for the previous save {_ms(wait)}; the other "
+                         f"{_ms(max(stall - stage - wait, 0.0))} was spent elsewhere in save().")
         lines.append(text)
 
     write_floor = _num(floors.get("write_gbs"))
@@ -312,6 +318,20 @@ def conclusions(
     return lines
 
 
+def _stall_parts(
+    timeline: pd.DataFrame | None, strategy: str, checkpoints: float
+) -> tuple[float, float] | None:
+    """Mean staging and backpressure-wait seconds per checkpoint of ``strategy`` (None: unknown)."""
+    if timeline is None or timeline.empty or not checkpoints > 0:
+        return None
+    events = timeline[timeline["strategy"] == strategy] if "strategy" in timeline else timeline
+    stage = events.loc[events["kind"] == "stage", "duration_s"]
+    if stage.empty:
+        return None
+    wait = events.loc[events["kind"] == "wait", "duration_s"]
+    return float(stage.sum()) / checkpoints, float(wait.sum()) / checkpoints
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="report", help="file name of the report (default: report)")
     parser.add_argument(
@@ -324,7 +344,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar=("KEY", "VALUE"),
-        help="set a notebook parameter (repeatable), e.g. -p target /mnt/fb -p steps 40",
+        help="set a parameter of the report notebook (repeatable), e.g. -p target /mnt/fb "
+        "-p preset small -p steps 40; the names and defaults are the first cell of "
+        "notebooks/report.ipynb",
     )
     parser.add_argument("--notebook", default=None, help="another report notebook to run")
 

@@ -126,6 +126,12 @@ class Lab:
         from .strategies import STRATEGIES
         from .workloads import PRESETS
 
+        choices = {"preset": ([preset], [*PRESETS, SYNTHETIC]),
+                   "strategy": (list(strategies), list(STRATEGIES)), "device": ([device], devices())}
+        for what, (given, allowed) in choices.items():
+            unknown = [value for value in given if value not in allowed]
+            if unknown:
+                raise ConfigError(f"unknown {what} {unknown[0]!r}; choose from {', '.join(allowed)}")
         self.refresh_s = refresh_s
         self.comparison: Comparison | None = None
         self.error: str | None = None
@@ -187,12 +193,7 @@ class Lab:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Lab:
         """A lab set up from ``nbckpt bench`` options (what ``%ckpt_bench`` shows)."""
-        from .strategies import STRATEGIES
-
         names = [name.strip() for name in args.strategies.split(",") if name.strip()]
-        unknown = [name for name in names if name not in STRATEGIES]
-        if unknown:
-            raise ConfigError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
         synthetic = args.size_mb is not None
         return cls(directory=args.dir, preset=SYNTHETIC if synthetic else args.preset or "tiny",
                    strategies=names, steps=args.steps, every=args.every, device=args.device,

@@ -51,10 +51,12 @@ def train(
     steps: int,
     keep: int | None,
     say: Callable[[str], None],
+    overlap: bool = False,
 ) -> None:
     """Resume from the newest checkpoint (if any), then save every step asynchronously.
 
     Prints ``ready START`` once set up and ``committed N`` after each save has committed.
+    With ``overlap`` the copy runs behind the caller, who waits for it before the next step.
     """
     ckpt = Checkpointer(directory, mode="async", keep=keep)
     model = build_model()
@@ -63,9 +65,10 @@ def train(
     say(f"ready {start}")
     pending = []
     for step in range(start, start + steps):
+        ckpt.wait_staged()  # the overlap contract: the copy is done before the state changes
         train_step(model, seed, step)
         state.update(make_state(model, seed, step))
-        pending.append(ckpt.save(state, step=step))
+        pending.append(ckpt.save(state, step=step, overlap=overlap))
         for handle in [h for h in pending if h.done()]:
             handle.wait()
             say(f"committed {handle.step}")
@@ -77,14 +80,16 @@ def train(
     say("finished")
 
 
-def train_logged(directory: str, seed: int, steps: int, keep: int | None, log_path: str) -> None:
+def train_logged(
+    directory: str, seed: int, steps: int, keep: int | None, log_path: str, overlap: bool = False
+) -> None:
     """:func:`train` writing its progress with one unbuffered write per line (survives SIGKILL)."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def say(line: str) -> None:
         os.write(fd, f"{line}\n".encode())
 
-    train(directory, seed, steps, keep, say)
+    train(directory, seed, steps, keep, say, overlap)
 
 
 def main(argv: list[str]) -> int:

@@ -72,6 +72,11 @@ def _lab_notebook(root: Path, checkpoints: Path) -> None:
             lines[i] = f"{name} = {values.pop(name)!r}"
     assert not values, f"parameters missing from the notebook: {sorted(values)}"
     cell.source = "\n".join(lines)
+    # and a magic whose status line must turn "committed" in the page (a display update)
+    nb.cells.append(nbformat.v4.new_code_cell(
+        f"%load_ext nbckpt\nimport torch\nx = torch.zeros(1 << 24)\n"
+        f"h = %ckpt_async x -d {checkpoints / 'magic'}"
+    ))
     nbformat.write(nb, root / "06_lab.ipynb")
 
 
@@ -135,6 +140,8 @@ def server(tmp_path: Path) -> Iterator[Server]:
 
 
 def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
+    """Run All, then Run in the lab: widgets and plot render, the timeline grows while the run
+    goes on, the results table appears; a %ckpt_async status line turns "committed"."""
     sync_api = pytest.importorskip("playwright.sync_api")
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
@@ -148,6 +155,7 @@ def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
             page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
             page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
+            page.locator(".nbckpt-save.nbckpt-committed").wait_for(timeout=120_000)
             lab = page.locator(".nbckpt-lab")
             lab.wait_for(timeout=120_000)
             assert page.locator(".jupyter-widgets").count() > 0
@@ -161,6 +169,7 @@ def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
             first = bars.count()
             _until(lambda: bars.count() > first, 120, "the timeline to grow")
             grown = bars.count()
+            assert lab.locator(".nbckpt-ok").count() == 0, "grew only when the run had ended"
             page.screenshot(path=str(ARTIFACTS / "browser-lab-running.png"), full_page=True)
 
             table = lab.locator("table.nbckpt-results")

@@ -166,8 +166,12 @@ def test_config_shows_and_sets_session_defaults(
     assert opened.config.keep == 2 and opened.config.verify is False  # applied, not recreated
     ip.run_line_magic("ckpt_async", "model").wait()
     assert (tmp_path / "other" / "step-000000").is_dir()
+    ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'other'} --keep 1").wait()
+    ip.run_line_magic("ckpt_config", "--writer-threads 3")  # leaves keep alone
+    assert opened.config.writer_threads == 3 and opened.config.keep == 2
+    assert magics.checkpointers[str(tmp_path / "other")].config.keep == 1
     ip.run_line_magic("ckpt_config", "--keep none")
-    assert magics.defaults.keep is None
+    assert magics.defaults.keep is None and opened.config.keep is None
     ip.run_line_magic("ckpt_config", "--reset")
     assert magics.defaults.dir == str(tmp_path / "default") and magics.defaults.verify
 
@@ -278,6 +282,49 @@ def test_bench_in_batch_runs_and_returns_the_comparison(
     )
     assert comparison.results["strategy"].tolist() == ["none", "nbckpt-async"]
     assert int(comparison.results.loc[1, "checkpoints"]) == 2
+    shown = ip.display_formatter.format(comparison)[0]["text/plain"]
+    assert shown == comparison.table()  # a Comparison as a cell's value is its table
+
+
+def test_bench_in_jupyterlab_shows_the_live_lab_and_starts_it(
+    ip: InteractiveShell, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import nbckpt.magics
+
+    monkeypatch.setattr(nbckpt.magics, "_batch_run", lambda shell: False)
+    result = ip.run_line_magic(
+        "ckpt_bench", f"--dir {tmp_path / 'b'} --size-mb 1 --strategies nbckpt-async "
+                      "--steps 2 --every 1",
+    )
+    assert result is None
+    lab = magics_of(ip).labs[-1]
+    assert lab.wait(120) and lab.error is None and lab.comparison is not None
+    assert lab.comparison.results["strategy"].tolist() == ["nbckpt-async"]
+
+
+class _Kernel:
+    def __init__(self, metadata: dict[str, Any]) -> None:
+        self.metadata = metadata
+
+    def get_parent(self) -> dict[str, Any]:
+        return {"metadata": self.metadata}
+
+
+class _Shell:
+    def __init__(self, kernel: _Kernel | None) -> None:
+        self.kernel = kernel
+
+
+def test_batch_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nbckpt.magics import _batch_run
+
+    monkeypatch.delenv("NBCKPT_BATCH", raising=False)
+    lab_request = {"cellId": "x", "deletedCells": [], "recordTiming": False}
+    assert not _batch_run(_Shell(_Kernel(lab_request)))  # JupyterLab / Notebook 7
+    assert _batch_run(_Shell(_Kernel({"cellId": "x"})))  # nbclient: papermill, nbconvert
+    assert _batch_run(_Shell(None))  # terminal IPython
+    monkeypatch.setenv("NBCKPT_BATCH", "1")
+    assert _batch_run(_Shell(_Kernel(lab_request)))
 
 
 def _notebook(path: Path, cells: list[str]) -> None:

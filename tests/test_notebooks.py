@@ -25,6 +25,13 @@ TUTORIALS = [path for path in NOTEBOOKS if path.name != "report.ipynb"]
 SMALL = {"steps": 8, "every": 4, "kill_after": 4, "width": 256}
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_per_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels inherit this: with two test workers on two cores, torch's default of one OpenMP
+    thread per core oversubscribes the machine and a step can take ten times longer."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 def _parameters(path: Path) -> dict[str, Any]:
     return dict(papermill.inspect_notebook(str(path)))
 

@@ -6,6 +6,7 @@ safety checks (allow-listed unpickling, tensor-only entries, path checks), not t
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -16,12 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, CheckpointError
 from nbckpt._dcp import load_metadata, new_hasher
 from nbckpt._engine import _manifest_checksum
+from nbckpt._store import LocalStore
 
 NUMEL = 4096
 
@@ -272,3 +274,17 @@ def test_malformed_manifest_is_skipped_not_a_crash(run: Path, case: str) -> None
     """A signed manifest of the wrong shape is a bad checkpoint (CheckpointError), not a KeyError."""
     rewrite_manifest(run / "step-000002", MALFORMED[case])
     assert_falls_back(run, "step-000002")
+
+
+def test_unreadable_file_is_skipped_not_a_crash(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O error reading a checkpoint (a bad sector, a lost NFS server) is a bad checkpoint."""
+    original = LocalStore.open
+    broken = str(run / "step-000002")
+
+    def open_failing(store: LocalStore, location: str, name: str) -> Any:
+        if location == broken and name == "__0_0.distcp":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.path.join(location, name))
+        return original(store, location, name)
+
+    monkeypatch.setattr(LocalStore, "open", open_failing)
+    assert_falls_back(run, "step-000002/__0_0.distcp is unreadable (Input/output error [EIO]")

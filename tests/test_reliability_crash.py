@@ -28,7 +28,7 @@ from nbckpt import Checkpointer
 STALE = re.compile(r"^\.(tmp|trash)-step-")
 SEED = 7
 KEEP = 3
-LANES = 2  # children killed concurrently, each in its own directory
+LANES = 2  # children killed concurrently, each in its own directory; odd lanes save with overlap
 MAX_KILL_DELAY_S = 0.3
 CHILD = Path(__file__).with_name("crash_child.py")
 
@@ -122,7 +122,7 @@ def run_kill_trials(base: Path, trials: int, seed: int) -> Counter[str]:
             log = base / f"log-{lane}-{trial}.txt"
             process = context.Process(
                 target=crash_child.train_logged,
-                args=(str(directory), SEED, 100_000, KEEP, str(log)),
+                args=(str(directory), SEED, 100_000, KEEP, str(log), lane % 2 == 1),  # odd: overlap
                 daemon=True,
             )
             process.start()

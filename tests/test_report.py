@@ -16,6 +16,9 @@ import pytest
 from nbckpt import ConfigError, NbckptError
 from nbckpt.report import EXTERNAL_LOAD, conclusions, export_html, parse_value, run_report
 
+# one worker runs the report once for every test that reads it (make test: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("report")
+
 # The smallest run that still has every section: a baseline, a sync and an async strategy.
 SMALL = {
     "preset": "tiny",
@@ -29,7 +32,7 @@ SMALL = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: kept even when xdist interleaves other modules
 def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("report")
     return run_report("small", base / "out", {**SMALL, "target": str(base / "ckpt")})
@@ -43,7 +46,7 @@ def _results(stall: float = 0.01, torch_stall: float = 0.5) -> pd.DataFrame:
         {"strategy": "torch-save", "stall_mean_s": torch_stall, "stall_p95_s": torch_stall,
          "overhead_pct": 40.0, "persist_s": torch_stall, "write_gbs": 0.2},
         {"strategy": "nbckpt-async", "stall_mean_s": stall, "stall_p95_s": 2 * stall,
-         "overhead_pct": 2.0, "persist_s": 0.4, "write_gbs": 0.25},
+         "overhead_pct": 2.0, "persist_s": 0.4, "write_gbs": 0.25, "checkpoints": 2},
     ]
     return pd.DataFrame(rows)
 
@@ -98,6 +101,14 @@ def test_conclusions_follow_the_numbers() -> None:
     assert lines[1].startswith("That stall is 2.0x the copy floor (5.0 ms")
     assert "50% of the raw fsync'd write bandwidth of the target (0.50 GB/s)" in lines[2]
     assert any("reaches the published '10x or more'" in line for line in lines)
+
+    timeline = pd.DataFrame([
+        {"strategy": "nbckpt-async", "repeat": 0, "kind": kind, "duration_s": duration}
+        for kind, duration in (("stage", 0.004), ("stage", 0.002), ("wait", 0.003), ("step", 1.0))
+    ])
+    split = conclusions(_results(stall=0.01), {**FLOORS, "copy_s": 0.001}, timeline=timeline)
+    assert "the copy into the staging buffers took 3.0 ms and waiting for the previous save " \
+        "1.5 ms; the other 5.5 ms" in split[1]
 
     slower = conclusions(_results(stall=1.0, torch_stall=0.5), FLOORS)
     assert "2.0x more than torch-save" in slower[0]

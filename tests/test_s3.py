@@ -203,7 +203,7 @@ def test_killed_writer_leaves_nothing_that_counts(
 
 
 def test_probe_object_store_measures_and_leaves_nothing(s3_server: SeaweedS3, bucket: str) -> None:
-    found = probe(f"s3://{bucket}/probe", size_mb=12, streams=(1, 2),
+    found = probe(f"s3://{bucket}/probe", size_mb=12, streams=(1, 2), repeats=1,
                   storage_options=s3_server.storage_options())
     frame = found.to_pandas()
     assert found.kind == "object" and found.source == s3_server.endpoint_url

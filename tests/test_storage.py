@@ -295,3 +295,10 @@ def test_summary_shows_nfs_options_and_every_advice_item() -> None:
     assert all(item in text for item in nfs.advice)
     rows = re.findall(r"^\s+(\d+)\s+\d+\.\d{3}\s+\d+\.\d{3}$", text, flags=re.MULTILINE)
     assert rows == ["1", "2", "4", "8"]
+
+
+def test_probe_reports_its_repeats(tmp_path: Path) -> None:
+    found = probe(tmp_path, size_mb=2, streams=(1,), repeats=3)
+    assert found.repeats == 3 and "best of 3" in found.summary()
+    with pytest.raises(ConfigError, match="repeats"):
+        probe(tmp_path, size_mb=1, repeats=0)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from nbckpt import ConfigError
 from nbckpt.widgets import SYNTHETIC, Lab, devices
 
 
@@ -147,3 +148,18 @@ def test_from_args_and_display(tmp_path: Path) -> None:
     assert "cpu" in devices() and lab.device.options == tuple(devices())
     lab.preset.value = "tiny"
     assert lab.size_mb.disabled
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"preset": "huge"}, "unknown preset 'huge'"),
+        ({"strategies": ("nbckpt-async", "magic")}, "unknown strategy 'magic'"),
+        ({"device": "tpu"}, "unknown device 'tpu'"),
+    ],
+)
+def test_bad_constructor_arguments_are_config_errors(
+    tmp_path: Path, option: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_lab(tmp_path, **option)
