@@ -678,6 +678,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=int, default=5, help="checkpoint every K steps (default 5)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the strategies")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for training (default: torch's choice); "
+                        "fewer than the cores leaves room for background persistence, as on a GPU node")
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up save")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -729,9 +732,13 @@ def run_from_args(args: argparse.Namespace, progress: Progress | None = None) ->
     _check_run_args(args.steps, args.every)
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be a positive integer, not {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be a positive integer, not {args.threads}")
     if args.json is not None:
         _check_json_target(args.json)
     workload = make_workload(args.preset, args.size_mb, args.device, compute_ms=args.compute_ms)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     directory = args.dir
     created = False if is_url(directory) else _prepare_directory(directory)
     try:

@@ -21,7 +21,7 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Any) -> None:
     directory = tmp_path / "ckpt"
     proc = subprocess.run(
         [sys.executable, "-m", "nbckpt", "bench", "--dir", str(directory), *SMALL_RUN,
-         "--strategies", "none,torch-save,nbckpt-async", "--json", str(out)],
+         "--strategies", "none,torch-save,nbckpt-async", "--threads", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr
@@ -40,6 +40,7 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Any) -> None:
         assert list(row) == ex.RESULT_COLUMNS
     assert {e["kind"] for e in document["timeline"]} >= {"step", "stall", "persist", "commit"}
     assert set(document["environment"]) >= {"python", "torch", "nbckpt", "cpus", "time_utc"}
+    assert document["environment"]["torch_threads"] == 1
     assert os.listdir(directory) == []  # checkpoints of the runs are cleaned up
 
 
@@ -53,6 +54,7 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Any) -> None:
         (["--preset", "giant"], "unknown preset 'giant'"),
         (["--device", "tpu"], "device must be 'cpu' or 'cuda'"),
         (["--repeats", "0"], "--repeats must be a positive integer"),
+        (["--threads", "0"], "--threads must be a positive integer"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(

@@ -16,9 +16,6 @@ import pytest
 from nbckpt import ConfigError, NbckptError
 from nbckpt.report import EXTERNAL_LOAD, conclusions, export_html, parse_value, run_report
 
-# one worker runs the report once for every test that reads it (make test: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("report")
-
 # The smallest run that still has every section: a baseline, a sync and an async strategy.
 SMALL = {
     "preset": "tiny",
@@ -30,12 +27,6 @@ SMALL = {
     "title": "test report",
     "torch_threads": 1,
 }
-
-
-@pytest.fixture(scope="session")  # session: kept even when xdist interleaves other modules
-def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("report")
-    return run_report("small", base / "out", {**SMALL, "target": str(base / "ckpt")})
 
 
 def _results(stall: float = 0.01, torch_stall: float = 0.5) -> pd.DataFrame:
@@ -54,7 +45,15 @@ def _results(stall: float = 0.01, torch_stall: float = 0.5) -> pd.DataFrame:
 FLOORS = {"bytes": 100e6, "copy_s": 0.005, "write_gbs": 0.5}
 
 
-def test_report_html_has_figures_table_and_conclusions(report: Path) -> None:
+def test_report_renders_offline_html_and_results(tmp_path: Path) -> None:
+    """One run of the report (the slow part), checked three ways."""
+    report = run_report("small", tmp_path / "out", {**SMALL, "target": str(tmp_path / "ckpt")})
+    _check_html_content(report)
+    _check_offline(report)
+    _check_results_json(report)
+
+
+def _check_html_content(report: Path) -> None:
     html = report.read_text()
     assert report.name == "small.html"
     assert html.count('class="plotly-graph-div"') >= 5  # probe, timeline, throughput, stall, advice
@@ -67,7 +66,7 @@ def test_report_html_has_figures_table_and_conclusions(report: Path) -> None:
     assert "def as_list" not in html  # code is left out
 
 
-def test_report_html_works_offline(report: Path) -> None:
+def _check_offline(report: Path) -> None:
     html = report.read_text()
     assert not EXTERNAL_LOAD.search(html), EXTERNAL_LOAD.search(html)
     assert not re.search(r'src="https?://', html)
@@ -76,7 +75,7 @@ def test_report_html_works_offline(report: Path) -> None:
     assert "mathjax" not in " ".join(re.findall(r"<script[^>]*>", html)).lower()
 
 
-def test_report_writes_results_json(report: Path) -> None:
+def _check_results_json(report: Path) -> None:
     results = json.loads((report.parent / "results.json").read_text())
     assert results["schema"] == "nbckpt.report/1"
     measured = {row["strategy"]: row for row in results["comparison"]["results"]}
