@@ -317,8 +317,12 @@ class Checkpointer:
         *,
         overlap: bool = False,
         rng: bool | None = None,
+        blocking: bool | None = None,
     ) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; returns once the state is copied (async mode).
+
+        ``blocking=True`` makes this one save synchronous (committed before it returns)
+        whatever the Checkpointer's mode; ``blocking=False`` makes it asynchronous.
 
         With ``overlap=True`` it returns before the copy is done: call
         ``handle.wait_staged()`` (or ``ckpt.wait_staged()``) before the next
@@ -328,13 +332,15 @@ class Checkpointer:
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative integer, not {step!r}")
+        sync = self.config.mode == "sync" if blocking is None else blocking
         start = now_ns()
         self._raise_pending()
         flat = flatten(state, capture_rng=self.config.capture_rng if rng is None else rng)
         handle = SaveHandle(step, flat.nbytes)
 
         wait_start = now_ns()
-        while len(self._inflight) >= self.config.max_inflight:
+        # a blocking save also waits for every earlier one: saves commit in order
+        while self._inflight and (sync or len(self._inflight) >= self.config.max_inflight):
             # dequeue only once done: a KeyboardInterrupt here must not forget the save
             with contextlib.suppress(CheckpointError):  # raised just below, once
                 self._inflight[0].committed.result()
@@ -347,20 +353,20 @@ class Checkpointer:
         buffers = self._pool.acquire(flat.tensors)
         self.handles.append(handle)
         try:
-            self._stage(handle, flat, buffers, overlap=overlap and self.config.mode == "async")
+            self._stage(handle, flat, buffers, overlap=overlap and not sync)
         except BaseException:
             self._pool.release(buffers)
             self.handles.remove(handle)
             raise
-        if self.config.mode == "sync":
-            self._persist(handle, flat, buffers, start)
+        if sync:
+            self._persist(handle, flat, buffers, start, sync=True)
             handle.stall_s = (now_ns() - start) / 1e9
             self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
             handle.reported = True
             handle.wait()
             return handle
         self._inflight.append(handle)
-        self._persister.submit(lambda: self._persist(handle, flat, buffers, start))
+        self._persister.submit(lambda: self._persist(handle, flat, buffers, start, sync=False))
         handle.stall_s = (now_ns() - start) / 1e9
         self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
         return handle
@@ -368,11 +374,14 @@ class Checkpointer:
     def _stage(
         self, handle: SaveHandle, flat: Flattened, buffers: dict[str, torch.Tensor], *, overlap: bool
     ) -> None:
+        # The caller's stream, read on the caller's thread: the stage thread has its own.
+        producer = torch.cuda.current_stream() if self._stream is not None else None
+
         def copy() -> None:
             begin = now_ns()
             try:
-                if self._stream is not None:
-                    self._stream.wait_stream(torch.cuda.current_stream())
+                if self._stream is not None and producer is not None:
+                    self._stream.wait_stream(producer)
                     with torch.cuda.stream(self._stream):
                         for key, tensor in flat.tensors.items():
                             buffers[key].copy_(tensor, non_blocking=True)
@@ -408,7 +417,13 @@ class Checkpointer:
             copy()
 
     def _persist(
-        self, handle: SaveHandle, flat: Flattened, buffers: dict[str, torch.Tensor], start: int
+        self,
+        handle: SaveHandle,
+        flat: Flattened,
+        buffers: dict[str, torch.Tensor],
+        start: int,
+        *,
+        sync: bool,
     ) -> None:
         location = None
         begin = now_ns()
@@ -464,7 +479,7 @@ class Checkpointer:
             step=handle.step,
             path=path,
             bytes=handle.bytes,
-            stall_s=handle.stall_s if self.config.mode == "async" else (now_ns() - start) / 1e9,
+            stall_s=(now_ns() - start) / 1e9 if sync else handle.stall_s,
             stage_s=handle.stage_s,
             persist_s=persist_s,
             wait_s=handle.wait_s,

@@ -267,17 +267,11 @@ class CheckpointMagics(Magics):
         keep_given = hasattr(args, "keep")
         ckpt = self.checkpointer(args.dir, getattr(args, "keep", None), keep_given=keep_given)
         step = self._next_step(ckpt) if args.step is None else args.step
-        if mode == "sync":
-            # One Checkpointer per directory: a blocking save is this Checkpointer in sync
-            # mode for one call, once nothing is in flight that could read the mode.
-            ckpt.wait()
-            ckpt.config.mode = "sync"
         try:
-            handle = ckpt.save(state, step=step)
+            # One Checkpointer per directory serves both magics: %ckpt_sync blocks per save.
+            handle = ckpt.save(state, step=step, blocking=mode == "sync")
         except ConfigError as exc:
             raise UsageError(str(exc)) from None
-        finally:
-            ckpt.config.mode = "async"
         save = _Save(ckpt.directory, mode, tuple(args.names), handle)
         self.saves.append(save)
         self._show(save)

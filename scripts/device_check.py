@@ -22,7 +22,7 @@ import torch
 from nbckpt import Checkpointer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import engine as engine_bench  # noqa: E402
+import engine as engine_bench
 
 
 def correctness(device: str, directory: str) -> dict[str, Any]:

@@ -353,3 +353,11 @@ def test_no_warnings_on_a_clean_run(tmp_path: Path) -> None:
             ckpt.save({"w": torch.zeros(3)}, step=2)
             ckpt.restore({"w": torch.zeros(3)})
     assert not [w for w in caught if "nbckpt" in str(w.message)]
+
+
+def test_blocking_save_in_async_mode_commits_before_returning(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, mode="async") as ckpt:
+        first = ckpt.save({"w": torch.zeros(1000)}, step=1)
+        second = ckpt.save({"w": torch.ones(1000)}, step=2, blocking=True)
+        assert first.done() and second.done() and ckpt.steps() == [1, 2]
+        assert second.wait().stall_s >= second.wait().persist_s
