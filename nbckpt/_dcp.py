@@ -28,11 +28,10 @@ def new_hasher() -> Any:
 class _HashingStream(io.RawIOBase):
     """Write-through wrapper that hashes and counts every byte written."""
 
-    def __init__(self, inner: Any, on_close: Any) -> None:
+    def __init__(self, inner: Any) -> None:
         self._inner = inner
         self._hasher = new_hasher()
         self._size = 0
-        self._on_close = on_close
         self.error: BaseException | None = None
 
     def writable(self) -> bool:
@@ -46,9 +45,11 @@ class _HashingStream(io.RawIOBase):
             # torch.save turns this into a RuntimeError without errno; keep the real cause.
             self.error = exc
             raise
-        self._hasher.update(view)
-        self._size += len(view)
-        return len(view) if written is None else int(written)
+        # A raw stream may write less than asked: hash exactly what reached the file.
+        count = len(view) if written is None else int(written)
+        self._hasher.update(view[:count])
+        self._size += count
+        return count
 
     def tell(self) -> int:
         return self._size
@@ -89,7 +90,7 @@ class HashingFileSystem(FileSystemBase):
         hashing: _HashingStream | None = None
         try:
             with self.inner.create_stream(path, mode) as raw:
-                hashing = _HashingStream(raw, None)
+                hashing = _HashingStream(raw)
                 yield hashing  # type: ignore[misc]
                 raw.flush()
                 if self.fsync:
@@ -110,12 +111,10 @@ class HashingFileSystem(FileSystemBase):
         with self._lock:
             self.files[name] = hashing.finish()
 
-    def raise_errors(self) -> None:
-        """Raise the first error any writer thread hit (DCP may have raised another, or none)."""
+    def first_error(self) -> BaseException | None:
+        """The first error any writer thread hit (DCP itself may not have raised it)."""
         with self._lock:
-            error = self.errors[0] if self.errors else None
-        if error is not None:
-            raise error
+            return self.errors[0] if self.errors else None
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str | os.PathLike[str]:
         return self.inner.concat_path(path, suffix)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import enum
 import json
 import os
 import queue
@@ -54,6 +56,13 @@ def _quiet_dcp_logger() -> None:
 
 _quiet_dcp_logger()
 _VERIFY_CHUNK = 8 << 20
+
+
+class _Unset(enum.Enum):
+    UNSET = enum.auto()
+
+
+_UNSET = _Unset.UNSET
 
 
 @dataclass
@@ -237,19 +246,21 @@ class Checkpointer:
     def __init__(
         self,
         directory: str | os.PathLike[str],
-        mode: Literal["sync", "async"] = "async",
-        keep: int | None = None,
+        mode: Literal["sync", "async"] | None = None,
+        keep: int | _Unset | None = _UNSET,
         *,
         config: CheckpointConfig | None = None,
         **options: Any,
     ) -> None:
-        base = config or CheckpointConfig()
+        """``mode``, ``keep`` and ``options`` (any :class:`CheckpointConfig` field) override ``config``."""
         unknown = set(options) - set(CheckpointConfig.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"unknown Checkpointer option(s): {', '.join(sorted(unknown))}")
-        self.config = CheckpointConfig(
-            **{**asdict(base), "mode": mode, "keep": keep, **options}
-        )
+        if mode is not None:
+            options["mode"] = mode
+        if keep is not _UNSET:
+            options["keep"] = keep
+        self.config = dataclasses.replace(config or CheckpointConfig(), **options)
         self.config.validate()
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
             raise ConfigError(f"directory must be a non-empty path or URL, not {directory!r}")
@@ -425,52 +436,28 @@ class Checkpointer:
         *,
         sync: bool,
     ) -> None:
-        location = None
+        """Write, gather, commit; every outcome sets ``handle.committed`` exactly once."""
         begin = now_ns()
+        location: str | None = None
+        path: str | None = None
         try:
             handle.staged.result()
             handle.phase = "persisting"
             self._counter += 1
             nonce = f"{self._nonce}{self._counter:x}"
             location = self._agree(lambda: self.store.begin(handle.step, nonce))
-            writer = self.store.writer(location, self.config.writer_threads)
-            try:
-                dcp_save(
-                    dict(buffers),
-                    storage_writer=writer,
-                    planner=DefaultSavePlanner(),
-                    process_group=self._pg,
-                    no_dist=self._pg is None,
-                )
-            finally:
-                writer.fs.raise_errors()  # the real OSError and its path, which torch.save hides
-            for fs_start, fs_end, name in writer.fs.fsyncs:
-                self.timeline.record("fsync", fs_start, fs_end, step=handle.step, file=name)
-            _faults.hit("after_data")
-            files = writer.fs.files
-            trees: dict[str, Any] = {}
-            if self._pg is not None:
-                gathered: list[Any] = [None] * self.world_size
-                dist.all_gather_object(gathered, (files, flat.tree), group=self._pg)
-                files = {k: v for part, _ in gathered for k, v in part.items()}
-                trees = {str(r): tree for r, (_, tree) in enumerate(gathered) if tree != flat.tree}
+            files, trees = self._write(handle, location, buffers, flat.tree)
             persisted = now_ns()
-            self.timeline.record("persist", begin, persisted, step=handle.step, nbytes=handle.bytes)
             manifest = self._manifest(handle, flat, files, trees)
-            path = self._agree(lambda: self.store.commit(location, handle.step, manifest))
-            self.timeline.record("commit", persisted, step=handle.step)
+            committed_location = location
+            path = self._agree(lambda: self.store.commit(committed_location, handle.step, manifest))
         except BaseException as exc:
-            if location is not None and self.rank == 0:
+            # Once committed, the checkpoint stays whatever fails after; before, it goes.
+            if path is None and location is not None and self.rank == 0:
                 self.store.remove(location)
-            error = CheckpointError(
-                f"save of step {handle.step} to {self.store.url} failed: {_describe(exc)}"
-            )
-            error.__cause__ = exc
-            self.timeline.record("error", begin, step=handle.step, message=str(error))
-            handle.phase = "failed"
-            if not handle.staged.done():
-                handle.staged.set_exception(error)
-            handle.committed.set_exception(error)
+            self._fail(handle, exc, begin)
+            if sync and isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
             return
         finally:
             self._pool.release(buffers)
@@ -485,6 +472,8 @@ class Checkpointer:
             wait_s=handle.wait_s,
             write_gbs=handle.bytes / persist_s / 1e9 if persist_s > 0 else 0.0,
         )
+        self.timeline.record("persist", begin, persisted, step=handle.step, nbytes=handle.bytes)
+        self.timeline.record("commit", persisted, step=handle.step)
         self.records.append(record)
         handle.phase = "committed"
         try:
@@ -492,6 +481,57 @@ class Checkpointer:
         except Exception as exc:  # the new checkpoint is committed; old ones stay for later
             warnings.warn(f"nbckpt: retention failed: {_describe(exc)}", stacklevel=2)
         handle.committed.set_result(record)
+
+    def _write(
+        self, handle: SaveHandle, location: str, buffers: dict[str, torch.Tensor], tree: Any
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """DCP-write the staged buffers; return every rank's files and trees that differ."""
+        writer = self.store.writer(location, self.config.writer_threads)
+        try:
+            dcp_save(
+                dict(buffers),
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                process_group=self._pg,
+                no_dist=self._pg is None,
+            )
+        except BaseException as exc:
+            error = writer.fs.first_error()  # the real OSError and its path, which torch.save hides
+            if error is not None:
+                raise error from exc
+            raise
+        for fs_start, fs_end, name in writer.fs.fsyncs:
+            self.timeline.record("fsync", fs_start, fs_end, step=handle.step, file=name)
+        _faults.hit("after_data")
+        # DCP's extra writer threads drop their errors; each rank's are agreed on in the gather.
+        error = writer.fs.first_error()
+        files: dict[str, Any] = dict(writer.fs.files)
+        if self._pg is None:
+            if error is not None:
+                raise error
+            return files, {}
+        gathered: list[Any] = [None] * self.world_size
+        message = None if error is None else _describe(error)
+        dist.all_gather_object(gathered, (files, tree, message), group=self._pg)
+        if error is not None:
+            raise error
+        failed = next((m for _, _, m in gathered if m is not None), None)
+        if failed is not None:
+            raise CheckpointError(f"another rank failed: {failed}")
+        files = {k: v for part, _, _ in gathered for k, v in part.items()}
+        trees = {str(r): t for r, (_, t, _) in enumerate(gathered) if t != tree}
+        return files, trees
+
+    def _fail(self, handle: SaveHandle, exc: BaseException, begin: int) -> None:
+        error = CheckpointError(
+            f"save of step {handle.step} to {self.store.url} failed: {_describe(exc)}"
+        )
+        error.__cause__ = exc
+        handle.phase = "failed"
+        if not handle.staged.done():
+            handle.staged.set_exception(error)
+        handle.committed.set_exception(error)
+        self.timeline.record("error", begin, step=handle.step, message=str(error))
 
     def _manifest(
         self,
@@ -554,10 +594,13 @@ class Checkpointer:
         return records
 
     def _raise_pending(self) -> None:
-        for handle in self.handles:
-            if handle.done() and not handle.reported and handle.error is not None:
-                handle.reported = True
-                raise handle.committed.exception()  # type: ignore[misc]
+        failed = [h for h in self.handles if h.done() and not h.reported and h.error is not None]
+        # Settled handles are dropped so long runs keep this scan short (records stay).
+        self.handles = [h for h in self.handles if not h.done() or (h.error and not h.reported)]
+        if failed:
+            failed[0].reported = True
+            self.handles.remove(failed[0])
+            raise failed[0].committed.exception()  # type: ignore[misc]
 
     def _check_open(self) -> None:
         if self._closed:

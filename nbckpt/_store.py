@@ -184,10 +184,22 @@ class LocalStore(Store):
         _faults.hit("before_rename")
         final = os.path.join(self.url, step_name(step))
         if os.path.exists(final):  # saving a step again replaces it
-            self.delete(step, uuid.uuid4().hex[:8])
-        os.rename(location, final)
+            self._replace(location, final, step)
+        else:
+            os.rename(location, final)
         fsync_dir(self.url)
         return final
+
+    def _replace(self, location: str, final: str, step: int) -> None:
+        """Swap a new copy of a step in atomically where the kernel can; else old out, new in."""
+        trash = os.path.join(self.url, f".trash-{step_name(step)}-{uuid.uuid4().hex[:8]}")
+        if _exchange(location, final):
+            os.rename(location, trash)  # ``location`` now holds the old copy
+        else:
+            os.rename(final, trash)  # a crash before the next rename loses this step only
+            os.rename(location, final)
+        fsync_dir(self.url)
+        shutil.rmtree(trash, ignore_errors=True)
 
     def delete(self, step: int, nonce: str) -> None:
         from . import _faults
@@ -306,6 +318,21 @@ class FsspecStore(Store):
         self.fs.invalidate_cache()
         entries = self.fs.ls(location.split("://", 1)[1], detail=True)
         return {os.path.basename(e["name"]): int(e["size"]) for e in entries if e["type"] == "file"}
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths with Linux renameat2(RENAME_EXCHANGE); False where unsupported."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    result: int = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return result == 0
 
 
 def _describe(exc: BaseException) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -100,7 +101,11 @@ class Timeline:
             self._events.append(event)
             listeners = list(self._listeners)
         for listener in listeners:
-            listener(event)
+            # A broken listener (a live figure, a callback) must never break a save.
+            try:
+                listener(event)
+            except Exception as exc:
+                warnings.warn(f"nbckpt: timeline listener {listener!r} failed: {exc}", stacklevel=2)
         return event
 
     def extend(self, events: list[Event]) -> None:

@@ -361,3 +361,36 @@ def test_blocking_save_in_async_mode_commits_before_returning(tmp_path: Path) ->
         second = ckpt.save({"w": torch.ones(1000)}, step=2, blocking=True)
         assert first.done() and second.done() and ckpt.steps() == [1, 2]
         assert second.wait().stall_s >= second.wait().persist_s
+
+
+def test_config_object_is_honoured_and_arguments_override_it(tmp_path: Path) -> None:
+    from nbckpt import CheckpointConfig
+
+    config = CheckpointConfig(mode="sync", keep=3, writer_threads=1)
+    with Checkpointer(tmp_path / "a", config=config) as ckpt:
+        assert (ckpt.config.mode, ckpt.config.keep, ckpt.config.writer_threads) == ("sync", 3, 1)
+    with Checkpointer(tmp_path / "b", "async", None, config=config, max_inflight=2) as ckpt:
+        assert (ckpt.config.mode, ckpt.config.keep, ckpt.config.max_inflight) == ("async", None, 2)
+
+
+def test_a_failing_timeline_listener_never_breaks_a_save(tmp_path: Path) -> None:
+    def broken(event: object) -> None:
+        raise RuntimeError("listener bug")
+
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.timeline.add_listener(broken)
+        with pytest.warns(UserWarning, match="listener"):
+            record = ckpt.save({"w": torch.zeros(3)}, step=1).wait()
+        assert record.step == 1 and ckpt.steps() == [1]
+
+
+def test_resaving_a_step_swaps_it_without_a_window(tmp_path: Path) -> None:
+    from nbckpt._store import _exchange
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("a")
+    if not _exchange(str(a), str(b)):
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not supported here")
+    assert (b / "x").read_text() == "a" and not (a / "x").exists()

@@ -98,7 +98,7 @@ def throttle(monkeypatch: pytest.MonkeyPatch) -> Iterator[Throttle]:
     ("options", "named"),
     [
         ({"mode": "fast"}, "mode"),
-        ({"mode": None}, "mode"),
+        ({"mode": "SYNC"}, "mode"),
         ({"keep": 0}, "keep"),
         ({"keep": True}, "keep"),
         ({"keep": 2.5}, "keep"),
