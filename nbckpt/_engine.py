@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from . import _faults
 from ._dcp import METADATA_FILE, new_hasher
-from ._errors import CheckpointError, ConfigError
+from ._errors import CheckpointError, ConfigError, describe_error
 from ._state import RNG_KEY, Flattened, apply, decode, flatten, set_rng_state, tensor_specs
 from ._store import MANIFEST, Store, open_store, step_name
 from ._timeline import Timeline, now_ns
@@ -213,25 +213,6 @@ class _Worker:
             self._thread.join()
 
 
-def _describe(exc: BaseException) -> str:
-    """One line for an error, digging through DCP's wrapper (a BaseException) to the root cause."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        exc = first[0] if isinstance(first, tuple) else first
-    root = exc
-    while root.__cause__ is not None and not isinstance(root, OSError):
-        root = root.__cause__
-    if isinstance(root, OSError) and root.errno is not None:
-        import errno
-
-        name = errno.errorcode.get(root.errno, str(root.errno))
-        where = f" ({root.filename})" if root.filename else ""
-        return f"{root.strerror} [{name}]{where}"
-    text = f"{type(root).__name__}: {root}".strip()
-    return text.splitlines()[0] if text else type(root).__name__
-
-
 class Checkpointer:
     """Fast, atomic, resumable checkpoints of PyTorch state in DCP format.
 
@@ -310,7 +291,7 @@ class Checkpointer:
             except Exception as exc:
                 if self._pg is None:
                     raise
-                error = str(exc) if isinstance(exc, CheckpointError) else _describe(exc)
+                error = str(exc) if isinstance(exc, CheckpointError) else describe_error(exc)
         if self._pg is not None:
             box = [result, error]
             dist.broadcast_object_list(box, src=0, group=self._pg)
@@ -404,7 +385,7 @@ class Checkpointer:
                         buffers[key].copy_(tensor)
             except BaseException as exc:
                 handle.staged.set_exception(
-                    CheckpointError(f"staging step {handle.step} failed: {_describe(exc)}")
+                    CheckpointError(f"staging step {handle.step} failed: {describe_error(exc)}")
                 )
                 raise
             handle.stage_s = (now_ns() - begin) / 1e9
@@ -479,7 +460,7 @@ class Checkpointer:
         try:
             self._retain(handle.step)
         except Exception as exc:  # the new checkpoint is committed; old ones stay for later
-            warnings.warn(f"nbckpt: retention failed: {_describe(exc)}", stacklevel=2)
+            warnings.warn(f"nbckpt: retention failed: {describe_error(exc)}", stacklevel=2)
         handle.committed.set_result(record)
 
     def _write(
@@ -511,7 +492,7 @@ class Checkpointer:
                 raise error
             return files, {}
         gathered: list[Any] = [None] * self.world_size
-        message = None if error is None else _describe(error)
+        message = None if error is None else describe_error(error)
         dist.all_gather_object(gathered, (files, tree, message), group=self._pg)
         if error is not None:
             raise error
@@ -524,7 +505,7 @@ class Checkpointer:
 
     def _fail(self, handle: SaveHandle, exc: BaseException, begin: int) -> None:
         error = CheckpointError(
-            f"save of step {handle.step} to {self.store.url} failed: {_describe(exc)}"
+            f"save of step {handle.step} to {self.store.url} failed: {describe_error(exc)}"
         )
         error.__cause__ = exc
         handle.phase = "failed"
@@ -570,7 +551,7 @@ class Checkpointer:
                 self.store.delete(step, uuid.uuid4().hex[:8])
             except Exception as exc:
                 warnings.warn(
-                    f"nbckpt: could not delete old checkpoint {step_name(step)}: {_describe(exc)}",
+                    f"nbckpt: could not delete old checkpoint {step_name(step)}: {describe_error(exc)}",
                     stacklevel=2,
                 )
                 continue
@@ -632,7 +613,7 @@ class Checkpointer:
         try:
             sizes = self.store.list_files(path)
         except OSError as exc:
-            raise CheckpointError(f"{step_name(step)} is unreadable ({_describe(exc)})") from exc
+            raise CheckpointError(f"{step_name(step)} is unreadable ({describe_error(exc)})") from exc
         for name, meta in manifest["files"].items():
             where = f"{step_name(step)}/{name}"
             if name not in sizes:
@@ -645,7 +626,7 @@ class Checkpointer:
                     while chunk := stream.read(_VERIFY_CHUNK):
                         hasher.update(chunk)
             except OSError as exc:  # a bad sector, a lost server: a bad checkpoint, not a crash
-                raise CheckpointError(f"{where} is unreadable ({_describe(exc)})") from exc
+                raise CheckpointError(f"{where} is unreadable ({describe_error(exc)})") from exc
             if hasher.hexdigest() != meta["xxh3_64"]:
                 raise CheckpointError(f"{where} is corrupt (checksum mismatch)")
         return manifest
@@ -656,7 +637,7 @@ class Checkpointer:
             with self.store.open(path, MANIFEST) as stream:
                 manifest = json.loads(stream.read())
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{where} is unreadable ({_describe(exc)})") from exc
+            raise CheckpointError(f"{where} is unreadable ({describe_error(exc)})") from exc
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CheckpointError(f"{where} is not an nbckpt manifest")
         if manifest.get("checksum") != _manifest_checksum(manifest):
@@ -745,7 +726,7 @@ class Checkpointer:
             except BaseException as exc:
                 if isinstance(exc, CheckpointError):
                     raise
-                raise CheckpointError(f"loading {path} failed: {_describe(exc)}") from exc
+                raise CheckpointError(f"loading {path} failed: {describe_error(exc)}") from exc
 
         def apply_all() -> None:
             user = [[key, saved[key]] for key in state]
@@ -770,7 +751,7 @@ class Checkpointer:
             specs = tensor_specs({"t": "dict", "items": [[key, saved[key]] for key in wanted]})
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(
-                f"{step_name(step)}/{MANIFEST} has a malformed tensor entry ({_describe(exc)})"
+                f"{step_name(step)}/{MANIFEST} has a malformed tensor entry ({describe_error(exc)})"
             ) from exc
         for key, (dtype, shape) in specs.items():
             tensor = current.get(key)
@@ -792,7 +773,7 @@ class Checkpointer:
             if self._pg is None:
                 if isinstance(exc, (CheckpointError, ConfigError)):
                     raise
-                raise CheckpointError(_describe(exc)) from exc
+                raise CheckpointError(describe_error(exc)) from exc
             error = f"rank {self.rank}: {exc}"
         if self._pg is not None:
             errors: list[Any] = [None] * self.world_size

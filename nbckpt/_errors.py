@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class NbckptError(Exception):
     """Base class of every error nbckpt raises on purpose."""
@@ -18,3 +20,20 @@ class CheckpointError(NbckptError):
 
 class ConfigError(NbckptError, ValueError):
     """An argument or parameter given by the user is invalid."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for an error, digging through DCP's wrapper (a BaseException) to the root cause."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    root = exc
+    while root.__cause__ is not None and not isinstance(root, OSError):
+        root = root.__cause__
+    if isinstance(root, OSError) and root.errno is not None:
+        name = errno.errorcode.get(root.errno, str(root.errno))
+        where = f" ({root.filename})" if root.filename else ""
+        return f"{root.strerror} [{name}]{where}"
+    text = f"{type(root).__name__}: {root}".strip()
+    return text.splitlines()[0] if text else type(root).__name__

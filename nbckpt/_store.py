@@ -22,7 +22,7 @@ from contextlib import contextmanager, suppress
 from typing import IO, Any
 
 from ._dcp import hashing_writer, safe_reader
-from ._errors import CheckpointError
+from ._errors import CheckpointError, describe_error
 
 MANIFEST = "manifest.json"
 LOCK_FILE = ".nbckpt.lock"
@@ -242,7 +242,7 @@ class FsspecStore(Store):
         try:
             self.fs, self._root = url_to_fs(self.url, **self.storage_options)
         except (ImportError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"cannot open {self.url}: {_describe(exc)}") from exc
+            raise CheckpointError(f"cannot open {self.url}: {describe_error(exc)}") from exc
 
     def _url(self, path: str) -> str:
         return f"{self._protocol}://{path}"
@@ -335,10 +335,6 @@ def _exchange(a: str, b: str) -> bool:
     return result == 0
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".splitlines()[0]
-
-
 # botocore's "legacy" retry mode makes 5 attempts per request and s3fs retries timeouts
 # another 5 times on top: a hung endpoint would stall a save for many minutes. "standard"
 # mode with 3 attempts still rides out a brief outage; storage_options config_kwargs override it.
@@ -374,7 +370,7 @@ def where(url: str, storage_options: dict[str, Any]) -> str:
 
 def explain_fsspec_error(exc: BaseException, path: str) -> str:
     """One line for an object-store error, saying what to check for the common ones."""
-    text = _describe(exc)
+    text = describe_error(exc)
     if isinstance(exc, PermissionError):
         return (
             f"access denied, {text}; check the key and secret (storage_options key/secret "

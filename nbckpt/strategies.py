@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ._engine import Checkpointer
-from ._errors import CheckpointError, ConfigError
+from ._errors import CheckpointError, ConfigError, describe_error
 from ._store import fsync_dir, step_name
 from ._timeline import Event, Timeline, now_ns
 
@@ -74,9 +74,7 @@ def tensor_bytes(value: Any) -> int:
 
 
 def _failure(what: str, exc: BaseException) -> CheckpointError:
-    from ._engine import _describe
-
-    error = CheckpointError(f"{what} failed: {_describe(exc)}")
+    error = CheckpointError(f"{what} failed: {describe_error(exc)}")
     error.__cause__ = exc
     return error
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _sync import main_thread_blocked, until
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
@@ -152,12 +153,18 @@ def test_backpressure_waits_and_bounds_inflight(tmp_path: Path, monkeypatch: pyt
     with Checkpointer(tmp_path, max_inflight=1) as ckpt:
         first = ckpt.save({"w": torch.zeros(10)}, step=1)
         assert not first.done()
-        timer = threading.Timer(0.2, gate.set)
-        timer.start()
+
+        def release_once_save_blocks() -> None:
+            blocked.append(until(main_thread_blocked))
+            gate.set()
+
+        blocked: list[bool] = []
+        threading.Thread(target=release_once_save_blocks, daemon=True).start()
         second = ckpt.save({"w": torch.zeros(10)}, step=2)
+        assert blocked == [True]  # save() waited for the first save: backpressure
         assert first.done()  # the second save could only start after the first committed
-        assert second.wait().wait_s > 0
-        assert len(ckpt._inflight) <= 1
+        assert len(ckpt._inflight) <= 1  # private, but it is the bound under test
+        second.wait()
 
 
 def test_background_error_surfaces_once_and_cleans_up(

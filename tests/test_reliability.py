@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from _sync import main_thread_blocked, until
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
@@ -248,24 +249,12 @@ def ctrl_c_raises() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def main_thread_blocked() -> bool:
-    """Whether the main thread sits in a lock wait (threading.Condition.wait)."""
-    frame = sys._current_frames().get(threading.main_thread().ident or 0)
-    while frame is not None:
-        if frame.f_code.co_name == "wait" and frame.f_code.co_filename == threading.__file__:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def press_ctrl_c_once_blocked(saving: threading.Event) -> None:
     """From another thread: once a save is writing and the main thread waits, send SIGINT."""
 
     def press() -> None:
         saving.wait(30)
-        deadline = time.monotonic() + 30
-        while not main_thread_blocked() and time.monotonic() < deadline:
-            time.sleep(0.001)
+        until(main_thread_blocked)
         signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
     threading.Thread(target=press, daemon=True).start()
