@@ -18,6 +18,7 @@ import platform
 import shutil
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +57,33 @@ def torch_save_fsync(state: dict[str, torch.Tensor], path: str) -> None:
         os.fsync(stream.fileno())
 
 
+def raw_write_s(nbytes: int, directory: str, streams: int) -> float:
+    """Seconds to write ``nbytes`` as ``streams`` files in parallel, fsync each, then remove them."""
+    chunk = os.urandom(8 << 20)
+    share = nbytes // streams
+
+    def write(index: int) -> None:
+        path = os.path.join(directory, f"raw-{index}.bin")
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            for offset in range(0, share, len(chunk)):
+                os.write(fd, chunk[: share - offset])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    for index in range(streams):
+        os.remove(os.path.join(directory, f"raw-{index}.bin"))
+    return elapsed
+
+
 def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
@@ -66,9 +94,13 @@ def run(size_mb: float, directory: str, repeats: int, device: str) -> dict[str, 
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     gib = nbytes / 2**30
     floors = measure_floors(nbytes, directory, device=device)
+    # This VM's disk bursts and then throttles, so one write sample says little: take the best
+    # of three, with as many parallel files as nbckpt's writer uses.
+    write_s = min(raw_write_s(nbytes, directory, streams=2) for _ in range(3))
+    write_gbs = max(floors.write_gbs, nbytes / write_s / 1e9)
     rows: dict[str, dict[str, float]] = {
         "copy floor (preallocated)": {"stall_s": floors.copy_s},
-        "raw write + fsync": {"total_s": nbytes / (floors.write_gbs * 1e9), "write_gbs": floors.write_gbs},
+        "raw write + fsync": {"total_s": nbytes / (write_gbs * 1e9), "write_gbs": write_gbs},
     }
 
     path = os.path.join(directory, "torch_save.pt")
@@ -127,7 +159,7 @@ def run(size_mb: float, directory: str, repeats: int, device: str) -> dict[str, 
         "stall / copy floor (target <= 1.3)": ours["stall_s"] / floors.copy_s,
         "stall / dcp.async_save stall (target <= 0.3)": ours["stall_s"] / dcp_async_stall,
         "torch.save stall / stall (target >= 10)": rows["torch.save + fsync"]["stall_s"] / ours["stall_s"],
-        "persist GB/s / raw write GB/s (target >= 0.8)": ours["write_gbs"] / floors.write_gbs,
+        "persist GB/s / raw write GB/s (target >= 0.8)": ours["write_gbs"] / write_gbs,
         "rss growth over 10 saves % (target <= 5)": ours["rss_growth_pct"],
     }
     return {
