@@ -1,0 +1,18 @@
+"""The prepared GPU check (scripts/device_check.py) runs its correctness part on CPU here."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "device_check.py"
+
+
+def test_device_check_correctness_on_cpu(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    checks = module.correctness("cpu", str(tmp_path / "ckpt"))
+    assert checks["ok"] and checks["bit_exact"] and checks["restored_step"] == 4
+    assert checks["overlap_saves_committed"]
