@@ -39,6 +39,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext nbckpt``: wait for saves in flight, release directories, drop the magics."""
     from .magics import unload
 
     unload(ipython)

@@ -21,6 +21,11 @@ from ._errors import CheckpointError
 METADATA_FILE = ".metadata"
 
 
+def is_url(path: str) -> bool:
+    """True for fsspec URLs such as ``s3://bucket/run``; ``file://`` counts as local."""
+    return "://" in path and not path.startswith("file://")
+
+
 def new_hasher() -> Any:
     return xxhash.xxh3_64()
 
@@ -147,11 +152,11 @@ def hashing_writer(path: str, *, threads: int, storage_options: dict[str, Any] |
     """A DCP writer for ``path`` (local directory or fsspec URL) whose ``fs`` hashes every file."""
     # DCP's own fsync is off: HashingFileSystem fsyncs local files itself so it can time them.
     writer: FileSystemWriter
-    if "://" in path:
+    if is_url(path):
         writer = FsspecWriter(path, thread_count=threads, sync_files=False, **(storage_options or {}))
     else:
         writer = FileSystemWriter(path, thread_count=threads, sync_files=False, overwrite=False)
-    writer.fs = HashingFileSystem(writer.fs, fsync="://" not in path)  # type: ignore[assignment]
+    writer.fs = HashingFileSystem(writer.fs, fsync=not is_url(path))  # type: ignore[assignment]
     return writer
 
 
@@ -219,6 +224,6 @@ class SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
 
 
 def safe_reader(path: str, storage_options: dict[str, Any] | None) -> Any:
-    if "://" in path:
+    if is_url(path):
         return SafeFsspecReader(path, **(storage_options or {}))
     return SafeFileSystemReader(path)

@@ -87,6 +87,7 @@ class CheckpointConfig:
     """fsspec options for URLs such as ``s3://`` (``endpoint_url``, ``key``, ``secret``, ...)."""
 
     def validate(self) -> None:
+        """Raise ConfigError naming the first field that is out of range."""
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"mode must be 'sync' or 'async', not {self.mode!r}")
         if self.keep is not None and not _is_count(self.keep):
@@ -117,6 +118,7 @@ class SaveRecord:
     write_gbs: float
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as plain values (for JSON and DataFrames)."""
         return asdict(self)
 
 
@@ -156,6 +158,7 @@ class SaveHandle:
 
     @property
     def error(self) -> BaseException | None:
+        """The CheckpointError of a failed save; None while running or after success."""
         return self.committed.exception() if self.committed.done() else None
 
     def __repr__(self) -> str:
@@ -594,6 +597,7 @@ class Checkpointer:
         return list(self.store.committed())
 
     def latest_step(self) -> int | None:
+        """The highest committed step, or None when there is none."""
         steps = self.steps()
         return steps[-1] if steps else None
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import IO, Any
 
-from ._dcp import hashing_writer, safe_reader
+from ._dcp import hashing_writer, is_url, safe_reader
 from ._errors import CheckpointError, describe_error
 
 MANIFEST = "manifest.json"
@@ -382,6 +382,6 @@ def explain_fsspec_error(exc: BaseException, path: str) -> str:
 
 
 def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store:
-    if "://" in url and not url.startswith("file://"):
+    if is_url(url):
         return FsspecStore(url, storage_options)
     return LocalStore(url.removeprefix("file://"))

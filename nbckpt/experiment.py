@@ -72,9 +72,10 @@ import pandas as pd
 import psutil
 import torch
 
+from ._dcp import is_url
 from ._errors import ConfigError
 from ._timeline import Event, Timeline, now_ns
-from .strategies import STRATEGIES, Strategy, get_strategy, is_url
+from .strategies import STRATEGIES, Strategy, get_strategy
 from .workloads import MIB, Workload, format_bytes, make_workload
 
 SCHEMA = "nbckpt.bench/1"

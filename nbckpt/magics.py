@@ -29,6 +29,7 @@ from IPython.core.magic_arguments import (
 )
 from IPython.display import DisplayHandle, display
 
+from ._dcp import is_url
 from ._engine import Checkpointer, SaveHandle
 from ._errors import CheckpointError, ConfigError
 from ._timeline import now_ns
@@ -97,10 +98,6 @@ class SessionDefaults:
     writer_threads: int = 2
     verify: bool = True
     capture_rng: bool = False
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path
 
 
 def _integer(text: str, minimum: int, what: str) -> int:
@@ -231,7 +228,7 @@ class CheckpointMagics(Magics):
         return state
 
     def _key(self, directory: str) -> str:
-        return directory if _is_url(directory) else os.path.abspath(directory)
+        return directory if is_url(directory) else os.path.abspath(directory)
 
     def checkpointer(self, directory: str | None, keep: int | None = None, *,
                      keep_given: bool = False) -> Checkpointer:
@@ -407,7 +404,7 @@ class CheckpointMagics(Magics):
         args = _parse(self.ckpt_restore, line)
         state = self._state(args.names)
         directory = args.dir or self.defaults.dir
-        if not _is_url(directory) and not os.path.isdir(directory):
+        if not is_url(directory) and not os.path.isdir(directory):
             raise UsageError(f"no checkpoint directory {directory!r}")
         ckpt = self.checkpointer(directory)
         try:

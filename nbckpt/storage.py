@@ -30,6 +30,7 @@ from typing import Any
 
 import pandas as pd
 
+from ._dcp import is_url
 from ._errors import CheckpointError, ConfigError
 from ._store import endpoint, explain_fsspec_error, fsspec_options, where
 
@@ -733,7 +734,7 @@ def probe(
         raise ConfigError(f"checkpoint_bytes must be non-negative, not {checkpoint_bytes!r}")
     size = int(size_mb * MiB)
     target = os.fspath(path_or_url)
-    if "://" in target and not target.startswith("file://"):
+    if is_url(target):
         return _probe_object_store(target, size, counts, repeats, storage_options, checkpoint_bytes)
     path = os.path.abspath(os.path.expanduser(target.removeprefix("file://")))
     return _probe_directory(path, size, counts, repeats, checkpoint_bytes)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from ._dcp import is_url
 from ._engine import Checkpointer
 from ._errors import CheckpointError, ConfigError, describe_error
 from ._store import fsync_dir, step_name
@@ -36,11 +37,6 @@ from ._timeline import Event, Timeline, now_ns
 
 # DCP raises CheckpointException, a BaseException; KeyboardInterrupt and SystemExit must still pass.
 _PASS_THROUGH = (KeyboardInterrupt, SystemExit)
-
-
-def is_url(directory: str) -> bool:
-    """True for fsspec URLs such as ``s3://bucket/run`` (``file://`` counts as local)."""
-    return "://" in directory and not directory.startswith("file://")
 
 
 def join(directory: str, name: str) -> str:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 import pandas as pd
 
+from ._dcp import is_url
 from ._errors import CheckpointError, ConfigError, NbckptError
 from ._timeline import Event
 
@@ -57,7 +58,7 @@ def check_target(path: str) -> None:
     """Raise ConfigError when ``path`` obviously cannot hold checkpoints (URLs are not checked)."""
     if not path.strip():
         raise ConfigError("the target path is empty")
-    if "://" in path:
+    if is_url(path):
         return
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
