@@ -6,7 +6,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -126,18 +126,25 @@ class Timeline:
 
     def to_pandas(self) -> pd.DataFrame:
         """One row per event; ``start_s``/``end_s`` are seconds since the timeline began."""
-        import pandas as pd
+        return events_to_pandas(self.events, self.origin_ns)
 
-        columns = [
-            "kind", "label", "step", "rank", "start_s", "end_s", "duration_s",
-            "bytes", "thread", "pid", "start_ns", "end_ns",
-        ]
-        rows = []
-        for event in self.events:
-            row = asdict(event)
-            row.pop("detail")
-            row["start_s"] = (event.start_ns - self.origin_ns) / 1e9
-            row["end_s"] = (event.end_ns - self.origin_ns) / 1e9
-            row["duration_s"] = event.duration_s
-            rows.append(row)
-        return pd.DataFrame(rows, columns=columns)
+
+COLUMNS = [
+    "kind", "label", "step", "rank", "start_s", "end_s", "duration_s",
+    "bytes", "thread", "pid", "start_ns", "end_ns",
+]
+
+
+def events_to_pandas(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
+    """One row per event (:data:`COLUMNS`); ``start_s``/``end_s`` are seconds since ``origin_ns``."""
+    import pandas as pd
+
+    rows = []
+    for event in events:
+        row = asdict(event)
+        row.pop("detail")
+        row["start_s"] = (event.start_ns - origin_ns) / 1e9
+        row["end_s"] = (event.end_ns - origin_ns) / 1e9
+        row["duration_s"] = event.duration_s
+        rows.append(row)
+    return pd.DataFrame(rows, columns=COLUMNS)

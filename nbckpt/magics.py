@@ -32,7 +32,7 @@ from IPython.display import DisplayHandle, display
 from ._dcp import is_url
 from ._engine import Checkpointer, SaveHandle
 from ._errors import CheckpointError, ConfigError
-from ._timeline import now_ns
+from ._timeline import events_to_pandas, now_ns
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -367,16 +367,13 @@ class CheckpointMagics(Magics):
 
         frames = []
         for ckpt in self.checkpointers.values():
-            frame = ckpt.timeline.to_pandas()
+            frame = events_to_pandas(ckpt.timeline.events, self.origin_ns)
             frame["label"] = ckpt.directory
             frame["strategy"] = ckpt.directory
             frames.append(frame)
         if not frames:
             return pd.DataFrame()
-        df = pd.concat(frames, ignore_index=True)
-        df["start_s"] = (df["start_ns"] - self.origin_ns) / 1e9
-        df["end_s"] = (df["end_ns"] - self.origin_ns) / 1e9
-        return df.sort_values("start_ns", ignore_index=True)
+        return pd.concat(frames, ignore_index=True).sort_values("start_ns", ignore_index=True)
 
     @_line_magic
     @_arguments()

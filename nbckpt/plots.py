@@ -19,7 +19,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from ._errors import ConfigError
-from ._timeline import Event
+from ._timeline import Event, events_to_pandas
 from .advisor import waste_curve
 from .reference import load_published
 
@@ -152,18 +152,9 @@ def events_frame(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
     """Rows for :func:`timeline_traces` from live :class:`~nbckpt.Event` objects (for example
     those ``compare(on_event=...)`` passes); ``start_s`` counts from ``origin_ns``, ``strategy``
     is the event's label."""
-    rows = [
-        {
-            "strategy": event.label, "kind": event.kind, "label": event.label, "step": event.step,
-            "rank": event.rank, "start_s": (event.start_ns - origin_ns) / 1e9,
-            "end_s": (event.end_ns - origin_ns) / 1e9, "duration_s": event.duration_s,
-            "bytes": event.bytes,
-        }
-        for event in events
-    ]
-    return pd.DataFrame(
-        rows, columns=["strategy", "kind", "label", "step", "rank", "start_s", "end_s", "duration_s", "bytes"]
-    )
+    frame = events_to_pandas(events, origin_ns)
+    frame.insert(0, "strategy", frame["label"])
+    return frame
 
 
 def timeline_traces(timeline_df: pd.DataFrame, *, by_rank: bool | None = None) -> TimelineTraces:
