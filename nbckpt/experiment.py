@@ -7,8 +7,11 @@
 
 Metrics (``Comparison.results`` columns):
 
-- ``mean_step_s``: wall time of the training loop divided by its steps (stalls included);
-  ``overhead_pct``: how much longer that is than the ``none`` baseline's.
+- ``mean_step_s``: wall time of the training loop divided by its steps (stalls included).
+- ``overhead_pct``: how much longer a typical step is than the ``none`` baseline's, where a
+  typical step is the median step time (so background work slowing training counts) plus the
+  save stalls spread over all steps; a median, because on a shared machine a few steps slowed
+  by other processes can swamp a mean over a short run.
 - ``stall_mean_s`` / ``stall_p95_s``: per checkpoint, the time the loop was blocked
   (``save`` plus, for overlapped saves, the wait before the next update).
 - ``persist_s`` / ``write_gbs``: per checkpoint, time to write the data durably and its rate.
@@ -507,6 +510,11 @@ class Comparison:
 def _pooled(results: Sequence[ExperimentResult]) -> dict[str, Any]:
     """Metrics over the checkpoints of one or more runs of the same strategy."""
     steps = sum(1 for r in results for e in r.events if e.kind == "step")
+    step_s = [e.duration_s for r in results for e in r.events if e.kind == "step"]
+    save_stall_s = sum(
+        e.duration_s for r in results for e in r.events
+        if e.kind == "stall" and e.detail.get("part") == "save"
+    )
     stalls = [s for r in results for s in r._durations("stall").values()]
     persists = [p for r in results for p in r._durations("persist").values()]
     persist_bytes = sum(e.bytes for r in results for e in r.events if e.kind == "persist")
@@ -515,6 +523,9 @@ def _pooled(results: Sequence[ExperimentResult]) -> dict[str, Any]:
         "steps": steps,
         "checkpoints": len(stalls),
         "mean_step_s": wall_s / steps if steps else math.nan,
+        # A typical step plus its share of the save stalls: robust to the odd step that another
+        # process on a shared machine slowed down, which can swamp a mean over a short run.
+        "typical_step_s": float(np.median(step_s)) + save_stall_s / steps if steps else math.nan,
         "stall_mean_s": float(np.mean(stalls)) if stalls else 0.0,
         "stall_p95_s": float(np.percentile(stalls, 95)) if stalls else 0.0,
         "persist_s": float(np.mean(persists)) if persists else math.nan,
@@ -530,11 +541,11 @@ def _aggregate(
     rows = [{"strategy": name, **_pooled(runs)} for name, runs in results.items() if runs]
     frame = pd.DataFrame(rows)
     by_name: dict[str, dict[str, Any]] = {str(row["strategy"]): row for row in rows}
-    baseline = float(by_name["none"]["mean_step_s"]) if "none" in by_name else math.nan
+    baseline = float(by_name["none"]["typical_step_s"]) if "none" in by_name else math.nan
     torch_stall = (
         float(by_name["torch-save"]["stall_mean_s"]) if "torch-save" in by_name else math.nan
     )
-    frame["overhead_pct"] = (frame["mean_step_s"] / baseline - 1) * 100
+    frame["overhead_pct"] = (frame.pop("typical_step_s") / baseline - 1) * 100
     frame.loc[frame["strategy"] == "none", "overhead_pct"] = 0.0
     frame["reduction_vs_torch_save"] = [
         torch_stall / stall if stall > 0 else math.nan for stall in frame["stall_mean_s"]
