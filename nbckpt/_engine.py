@@ -170,17 +170,17 @@ class _BufferPool:
 
     def __init__(self, slots: int) -> None:
         self._free: queue.Queue[dict[str, torch.Tensor]] = queue.Queue()
+        self._pin = torch.cuda.is_available()  # pinned host memory makes D2H copies async
         for _ in range(slots):
             self._free.put({})
 
     def acquire(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         buffers = self._free.get()
-        pin = torch.cuda.is_available()
         for key, tensor in tensors.items():
             buf = buffers.get(key)
             if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
                 buffers[key] = torch.empty(
-                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin
+                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self._pin
                 )
         for key in [k for k in buffers if k not in tensors]:
             del buffers[key]
@@ -355,15 +355,14 @@ class Checkpointer:
             raise
         if sync:
             self._persist(handle, flat, buffers, start, sync=True)
-            handle.stall_s = (now_ns() - start) / 1e9
-            self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
-            handle.reported = True
-            handle.wait()
-            return handle
-        self._inflight.append(handle)
-        self._persister.submit(lambda: self._persist(handle, flat, buffers, start, sync=False))
+        else:
+            self._inflight.append(handle)
+            self._persister.submit(lambda: self._persist(handle, flat, buffers, start, sync=False))
         handle.stall_s = (now_ns() - start) / 1e9
         self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
+        if sync:
+            handle.reported = True  # raised right here, not again from the next call
+            handle.wait()
         return handle
 
     def _stage(
@@ -626,16 +625,18 @@ class Checkpointer:
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The verified manifest of a committed step (raises CheckpointError if it is invalid)."""
-        path = self.store.committed().get(step)
-        if path is None:
-            raise CheckpointError(f"no committed checkpoint for step {step} in {self.store.url}")
-        return self._read_manifest(step, path)
+        return self._read_manifest(step, self._path(step, self.store.committed()))
 
     def verify(self, step: int) -> dict[str, Any]:
         """Check a checkpoint's manifest and every file's size and checksum; return the manifest."""
-        path = self.store.committed().get(step)
-        if path is None:
+        return self._verify(step, self._path(step, self.store.committed()))
+
+    def _path(self, step: int, committed: Mapping[int, str]) -> str:
+        if step not in committed:
             raise CheckpointError(f"no committed checkpoint for step {step} in {self.store.url}")
+        return committed[step]
+
+    def _verify(self, step: int, path: str) -> dict[str, Any]:
         manifest = self._read_manifest(step, path)
         try:
             sizes = self.store.list_files(path)
@@ -710,15 +711,15 @@ class Checkpointer:
             raise ConfigError(f"state must be a dict, not {type(state).__name__}")
         self.wait()
         committed = self.store.committed()
-        if step is not None and step not in committed:
-            raise CheckpointError(f"no committed checkpoint for step {step} in {self.store.url}")
+        if step is not None:
+            self._path(step, committed)
         candidates = [step] if step is not None else sorted(committed, reverse=True)
         check = self.config.verify if verify is None else verify
         for candidate in candidates:
             begin = now_ns()
             try:
                 manifest = self._agree(
-                    partial(self.verify, candidate)
+                    partial(self._verify, candidate, committed[candidate])
                     if check
                     else partial(self._read_manifest, candidate, committed[candidate])
                 )

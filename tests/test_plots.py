@@ -48,28 +48,29 @@ def event(
 def sync_and_async_timeline(repeat: int = 0) -> pd.DataFrame:
     """Four 0.1 s steps each, a checkpoint after steps 2 and 4: torch-save stalls 0.5 s while it
     writes; nbckpt-async stalls 0.02 s to stage and persists for 0.38 s behind the next steps."""
-    rows: list[dict[str, Any]] = []
-    clock = 0.0
-    for step in range(1, 5):
-        rows.append(event("torch-save", "step", clock, clock + 0.1, step, repeat=repeat))
-        clock += 0.1
-        if step % 2 == 0:
-            rows.append(event("torch-save", "stall", clock, clock + 0.5, step, 100 * MB, repeat=repeat))
-            rows.append(event("torch-save", "persist", clock, clock + 0.5, step, 100 * MB, repeat=repeat))
-            clock += 0.5
-    clock = 0.0
-    for step in range(1, 5):
-        rows.append(event("nbckpt-async", "step", clock, clock + 0.1, step, repeat=repeat))
-        clock += 0.1
-        if step % 2 == 0:
-            rows.append(event("nbckpt-async", "stall", clock, clock + 0.02, step, 100 * MB, repeat=repeat))
-            rows.append(event("nbckpt-async", "stage", clock, clock + 0.02, step, 100 * MB, repeat=repeat))
-            rows.append(
-                event("nbckpt-async", "persist", clock + 0.02, clock + 0.4, step, 100 * MB, repeat=repeat)
-            )
-            rows.append(event("nbckpt-async", "commit", clock + 0.38, clock + 0.4, step, repeat=repeat))
-            clock += 0.02
-    return pd.DataFrame(rows)
+    def run(strategy: str, stall_s: float, background: Any) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        clock = 0.0
+        for step in range(1, 5):
+            rows.append(event(strategy, "step", clock, clock + 0.1, step, repeat=repeat))
+            clock += 0.1
+            if step % 2 == 0:
+                rows.append(event(strategy, "stall", clock, clock + stall_s, step, 100 * MB, repeat=repeat))
+                rows += background(clock, step)
+                clock += stall_s
+        return rows
+
+    def torch_save(clock: float, step: int) -> list[dict[str, Any]]:
+        return [event("torch-save", "persist", clock, clock + 0.5, step, 100 * MB, repeat=repeat)]
+
+    def nbckpt_async(clock: float, step: int) -> list[dict[str, Any]]:
+        return [
+            event("nbckpt-async", "stage", clock, clock + 0.02, step, 100 * MB, repeat=repeat),
+            event("nbckpt-async", "persist", clock + 0.02, clock + 0.4, step, 100 * MB, repeat=repeat),
+            event("nbckpt-async", "commit", clock + 0.38, clock + 0.4, step, repeat=repeat),
+        ]
+
+    return pd.DataFrame(run("torch-save", 0.5, torch_save) + run("nbckpt-async", 0.02, nbckpt_async))
 
 
 RESULTS = pd.DataFrame(
