@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._engine import CheckpointConfig, Checkpointer, SaveHandle, SaveRecord
+from .engine import CheckpointConfig, Checkpointer, SaveHandle, SaveRecord, close_all
 from ._errors import CheckpointError, ConfigError, NbckptError
 from ._timeline import Event, Timeline
+from ._util import run_directory
 
 __version__ = "0.1.0"
 
@@ -26,7 +27,9 @@ __all__ = [
     "SaveRecord",
     "Timeline",
     "__version__",
+    "close_all",
     "load_ipython_extension",
+    "run_directory",
     "unload_ipython_extension",
 ]
 

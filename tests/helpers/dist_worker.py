@@ -1,6 +1,6 @@
 """One rank of the torchrun test: async saves on every rank, then restore and compare.
 
-    torchrun --standalone --nproc_per_node 2 tests/dist_worker.py DIR
+    torchrun --standalone --nproc_per_node 2 tests/helpers/dist_worker.py DIR
 """
 
 from __future__ import annotations

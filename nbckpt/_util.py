@@ -1,0 +1,116 @@
+"""Small jobs every layer needs, written once: units, counts, paths, byte loops, fsspec targets.
+
+The bottom of the package: it imports nothing from nbckpt but the errors.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ._errors import ConfigError
+
+__all__ = [
+    "GB",
+    "GIB",
+    "KIB",
+    "MIB",
+    "check_count",
+    "format_bytes",
+    "is_url",
+    "open_fsspec",
+    "run_directory",
+    "writable_directory",
+    "write_all",
+]
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+#: Decimal gigabyte: bandwidths and disk sizes are quoted in these.
+GB = 10**9
+
+
+def format_bytes(nbytes: float) -> str:
+    """``1.2 GB`` style sizes (decimal units, like disks and bandwidths)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def check_count(value: Any, name: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """``value`` if it is an integer in ``[minimum, maximum]``, else ConfigError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (
+        maximum is not None and value > maximum
+    ):
+        bound = f"an integer from {minimum} to {maximum}" if maximum is not None else (
+            "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        )
+        raise ConfigError(f"{name} must be {bound}, not {value!r}")
+    return value
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """True for fsspec URLs such as ``s3://bucket/run``; ``file://`` counts as local."""
+    text = os.fspath(path)
+    return "://" in text and not text.startswith("file://")
+
+
+def writable_directory(path: str | os.PathLike[str], what: str = "directory") -> Path:
+    """Create ``path`` (and parents) if needed and prove a file can be written there.
+
+    Raises ConfigError in one line naming ``what`` and the reason; a directory created here
+    is removed again when it turns out to be unusable.
+    """
+    target = Path(os.fspath(path).removeprefix("file://")).expanduser()
+    if not str(target).strip():
+        raise ConfigError(f"{what} is empty")
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{what} {target} is not writable (it is a file, not a directory)")
+    missing = target
+    while not missing.parent.exists() and missing.parent != missing:
+        missing = missing.parent
+    created = not target.exists()
+    probe = target / f".nbckpt-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        if created and missing.exists():
+            shutil.rmtree(missing, ignore_errors=True)
+        raise ConfigError(f"{what} {target} is not writable ({exc.strerror or exc})") from None
+    return target
+
+
+def run_directory(workdir: str | os.PathLike[str], prefix: str = "run-") -> Path:
+    """A new, empty directory inside ``workdir`` (created if needed) for one run of a notebook.
+
+    Re-running a notebook never meets the checkpoints of an earlier run: each run gets its own.
+    """
+    root = writable_directory(workdir, "workdir")
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """``os.write`` until every byte is out: on a nearly full disk one call may write only part."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def open_fsspec(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """``(filesystem, path)`` for an fsspec URL; ConfigError in one line when it cannot be opened."""
+    from fsspec.core import url_to_fs
+
+    try:
+        fs, path = url_to_fs(url, **(storage_options or {}))
+    except (ImportError, ValueError, TypeError) as exc:
+        raise ConfigError(f"cannot open {url}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+    return fs, str(path)

@@ -1,0 +1,83 @@
+"""Everything a Checkpointer can be told, checked once and frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .._errors import ConfigError
+from .._util import check_count
+
+__all__ = ["MAX_INFLIGHT", "MAX_WRITER_THREADS", "CheckpointConfig", "Mode", "Ranks"]
+
+Mode = Literal["sync", "async"]
+Ranks = Literal["auto", "all", "local"]
+# Each in-flight slot holds a full host copy of the state, and each writer thread a file:
+# beyond these a typo (10**9) would allocate until the OOM killer ends the kernel.
+MAX_INFLIGHT = 8
+MAX_WRITER_THREADS = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Options of a :class:`~nbckpt.Checkpointer`; every field has a safe default.
+
+    Frozen: a running Checkpointer's behaviour never changes under it. To change an option,
+    make a new config with :func:`dataclasses.replace` and open a new Checkpointer.
+    """
+
+    mode: Mode = "async"
+    """``"async"``: ``save`` returns once the state is copied and persists in the background;
+    ``"sync"``: ``save`` returns once the checkpoint has committed."""
+    keep: int | None = None
+    """Committed checkpoints to keep; older ones are deleted in the background after each
+    commit (never the one just committed). None keeps all."""
+    max_inflight: int = 1
+    """Saves that may be staged or persisting at once; the next ``save`` waits (backpressure).
+    Host memory for staging is ``max_inflight`` times the state size, allocated once."""
+    verify: bool = True
+    """Check the checksum of every block read on restore (and the file sizes)."""
+    capture_rng: bool = False
+    """Save the torch (CPU and CUDA), numpy and ``random`` RNG states; restore sets them back."""
+    writer_threads: int = 2
+    """Files each rank writes (and reads) in parallel, one thread each."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for URLs such as ``s3://`` (``endpoint_url``, ``key``, ``secret``, ...)."""
+    ranks: Ranks = "auto"
+    """``"all"``: every rank of the default process group saves and restores together (its
+    shard of the state); ``"local"``: this process checkpoints alone, as frameworks that save
+    from rank 0 only need; ``"auto"``: ``"all"`` under an initialized group of several ranks."""
+    timeout_s: float = 600.0
+    """Longest wait for the other ranks in one collective before the operation fails."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ConfigError(f"mode must be 'sync' or 'async', not {self.mode!r}")
+        if self.keep is not None:
+            check_count(self.keep, "keep (or None to keep all)")
+        check_count(self.max_inflight, "max_inflight", maximum=MAX_INFLIGHT)
+        check_count(self.writer_threads, "writer_threads", maximum=MAX_WRITER_THREADS)
+        for name in ("verify", "capture_rng"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        if not isinstance(self.storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict, not {type(self.storage_options).__name__}")
+        if self.ranks not in ("auto", "all", "local"):
+            raise ConfigError(f"ranks must be 'auto', 'all' or 'local', not {self.ranks!r}")
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"timeout_s must be a positive number of seconds, not {timeout!r}")
+
+    @classmethod
+    def build(cls, config: Any = None, **options: Any) -> CheckpointConfig:
+        """``config`` (or the defaults) with ``options`` replacing fields; ConfigError names a bad one."""
+        if config is None:
+            config = cls()
+        elif not isinstance(config, cls):
+            raise ConfigError(f"config must be a CheckpointConfig, not {type(config).__name__}")
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown Checkpointer option(s): {', '.join(unknown)}")
+        built: CheckpointConfig = dataclasses.replace(config, **options) if options else config
+        return built

@@ -1,0 +1,324 @@
+"""Moving bytes between memory and checkpoint files: large writes and scattered reads that release
+the GIL, xxh3 of every block computed in the same pass, while the bytes are still in cache.
+
+Files are checksummed in fixed blocks (:data:`BLOCK_SIZE`) rather than whole, so a rank that
+needs part of a file reads and checks only the blocks holding its tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import xxhash
+
+from .._errors import CheckpointError
+from .._util import write_all
+
+__all__ = [
+    "BLOCK_SIZE",
+    "PIECE_SIZE",
+    "FileResult",
+    "LocalSink",
+    "LocalSource",
+    "Sink",
+    "Source",
+    "StreamSink",
+    "StreamSource",
+    "hash_blocks",
+    "read_into",
+    "with_filename",
+    "write_image",
+]
+
+#: Granularity of the checksums in a manifest.
+BLOCK_SIZE = 16 << 20
+#: Bytes hashed and then written (or read and then hashed) at a time: small enough to stay in
+#: the core's cache between the two, large enough that each system call moves a lot.
+PIECE_SIZE = 1 << 20
+
+
+class Sink(Protocol):
+    """Where one checkpoint file is written."""
+
+    name: str
+
+    def write(self, data: memoryview) -> None: ...
+    def sync(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Source(Protocol):
+    """One checkpoint file being read; ``size`` is checked against the manifest first."""
+
+    name: str
+    size: int
+
+    def readinto(self, offset: int, views: Sequence[memoryview]) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class FileResult:
+    """What writing one file produced: its size, block checksums and when its fsync ran."""
+
+    name: str
+    size: int
+    blocks: list[str]
+    fsync_ns: tuple[int, int] = (0, 0)
+    cpu_s: float = 0.0
+
+
+def with_filename(exc: OSError, path: str) -> OSError:
+    """``exc`` naming ``path`` (os.write and os.fsync errors do not say which file)."""
+    if exc.filename is None:
+        exc.filename = path
+    return exc
+
+
+class LocalSink:
+    """A new file in a local (or NFS) directory; never follows a symlink, never overwrites."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.name = os.path.basename(path)
+        try:
+            self._fd = os.open(
+                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+            )
+        except OSError as exc:
+            raise with_filename(exc, path) from None
+
+    def write(self, data: memoryview) -> None:
+        try:
+            write_all(self._fd, data)
+        except OSError as exc:
+            raise with_filename(exc, self.path) from None
+
+    def sync(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise with_filename(exc, self.path) from None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+class StreamSink:
+    """A file on an fsspec filesystem (``s3://``...): durable once ``close`` returns."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.name = path.rsplit("/", 1)[-1]
+        self._stream = fs.open(path, "wb")
+
+    def write(self, data: memoryview) -> None:
+        self._stream.write(data)
+
+    def sync(self) -> None:
+        self._stream.flush()
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class LocalSource:
+    """A regular file of a checkpoint opened for reading: no symlinks, no FIFOs, no devices."""
+
+    def __init__(self, path: str, expected_size: int) -> None:
+        self.path = path
+        self.name = os.path.basename(path)
+        try:
+            # O_NONBLOCK: opening a FIFO must not wait for a writer that never comes.
+            self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise with_filename(exc, path) from None
+        info = os.fstat(self._fd)
+        if not stat.S_ISREG(info.st_mode):
+            self.close()
+            raise CheckpointError(f"{self.name} is not a regular file")
+        self.size = info.st_size
+        if self.size != expected_size:
+            self.close()
+            raise CheckpointError(f"{self.name} has {info.st_size} bytes, manifest says {expected_size}")
+
+    def readinto(self, offset: int, views: Sequence[memoryview]) -> None:
+        want = sum(len(v) for v in views)
+        try:
+            got = os.preadv(self._fd, views, offset)
+        except OSError as exc:
+            raise with_filename(exc, self.path) from None
+        if got != want:  # the file shrank under us: a damaged checkpoint, not a short read
+            raise CheckpointError(f"{self.name} ended at byte {offset + got}, manifest says more")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+class StreamSource:
+    """A checkpoint file on an fsspec filesystem, read by range."""
+
+    def __init__(self, fs: Any, path: str, expected_size: int) -> None:
+        self.name = path.rsplit("/", 1)[-1]
+        self._fs, self._path = fs, path
+        info = fs.info(path)
+        if info.get("type") != "file":
+            raise CheckpointError(f"{self.name} is not a file")
+        self.size = int(info["size"])
+        if self.size != expected_size:
+            raise CheckpointError(f"{self.name} has {self.size} bytes, manifest says {expected_size}")
+
+    def readinto(self, offset: int, views: Sequence[memoryview]) -> None:
+        want = sum(len(v) for v in views)
+        data = memoryview(self._fs.cat_file(self._path, start=offset, end=offset + want))
+        if len(data) != want:
+            raise CheckpointError(f"{self.name} ended at byte {offset + len(data)}, manifest says more")
+        for view in views:
+            view[:] = data[: len(view)]
+            data = data[len(view) :]
+
+    def close(self) -> None:
+        pass
+
+
+def _cpu_time() -> float:
+    return time.thread_time()
+
+
+def write_image(sink: Sink, image: memoryview, *, fsync: bool) -> FileResult:
+    """Write ``image`` whole, hashing each block on the way; fsync; close. Runs on any thread."""
+    cpu = _cpu_time()
+    hashes = []
+    try:
+        for start in range(0, len(image), BLOCK_SIZE):
+            block = image[start : start + BLOCK_SIZE]
+            hasher = xxhash.xxh3_64()
+            for at in range(0, len(block), PIECE_SIZE):
+                piece = block[at : at + PIECE_SIZE]
+                hasher.update(piece)
+                sink.write(piece)
+            hashes.append(hasher.hexdigest())
+        began = time.perf_counter_ns()
+        if fsync:
+            sink.sync()
+        synced = (began, time.perf_counter_ns())
+    finally:
+        sink.close()
+    return FileResult(sink.name, len(image), hashes, synced, _cpu_time() - cpu)
+
+
+def hash_blocks(data: bytes | memoryview) -> list[str]:
+    """Block checksums of bytes in memory (small files: the DCP metadata)."""
+    view = memoryview(data).cast("B")
+    return [xxhash.xxh3_64_hexdigest(view[i : i + BLOCK_SIZE]) for i in range(0, len(view), BLOCK_SIZE)]
+
+
+def _walk(
+    regions: Sequence[tuple[int, memoryview | None]], start: int, end: int, scratch: memoryview
+) -> Iterator[tuple[int, int, list[memoryview]]]:
+    """Cut ``[start, end)`` into pieces that never cross a block: ``(offset, block, views)``.
+
+    ``regions`` are sorted ``(offset, view)`` with no gaps between them; a view of None means
+    bytes nobody wants (framing, another rank's tensors), read into ``scratch`` only to be
+    hashed.
+    """
+    index = 0
+    while index + 1 < len(regions) and regions[index + 1][0] <= start:
+        index += 1
+    offset = start
+    while offset < end:
+        block_end = min(end, (offset // BLOCK_SIZE + 1) * BLOCK_SIZE)
+        piece_end = min(block_end, offset + PIECE_SIZE)
+        views: list[memoryview] = []
+        used = 0
+        at = offset
+        while at < piece_end:
+            region_offset, view = regions[index]
+            region_end = regions[index + 1][0] if index + 1 < len(regions) else end
+            take = min(piece_end, region_end) - at
+            if view is None:
+                views.append(scratch[used : used + take])
+                used += take
+            else:
+                views.append(view[at - region_offset : at - region_offset + take])
+            at += take
+            if at == region_end:
+                index += 1
+        yield offset, offset // BLOCK_SIZE, views
+        offset = piece_end
+
+
+def read_into(
+    source: Source,
+    wanted: Sequence[tuple[int, memoryview]],
+    blocks: Sequence[str] | None,
+    *,
+    whole: bool = False,
+) -> float:
+    """Read the byte ranges ``wanted`` (sorted ``(offset, view)``) from ``source`` into their views.
+
+    The whole blocks around them are read (every block with ``whole``), and checked against
+    ``blocks`` when given; raises CheckpointError naming the file on a mismatch. Returns this
+    thread's CPU seconds.
+    """
+    cpu = _cpu_time()
+    scratch = memoryview(bytearray(PIECE_SIZE))
+    wanted = [(offset, view) for offset, view in wanted if len(view)]
+    spans = (
+        [(0, source.size)]
+        if whole and source.size
+        else _spans([(offset, len(view)) for offset, view in wanted], source.size)
+    )
+    for span_start, span_end in spans:
+        regions = _regions(wanted, span_start, span_end)
+        hasher = xxhash.xxh3_64()
+        for offset, block, views in _walk(regions, span_start, span_end, scratch):
+            source.readinto(offset, views)
+            if blocks is None:
+                continue
+            for view in views:
+                hasher.update(view)
+            if offset + sum(len(v) for v in views) == min(span_end, (block + 1) * BLOCK_SIZE):
+                if block >= len(blocks) or hasher.hexdigest() != blocks[block]:
+                    raise CheckpointError(f"{source.name} is corrupt (checksum mismatch in block {block})")
+                hasher = xxhash.xxh3_64()
+    return _cpu_time() - cpu
+
+
+def _spans(ranges: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """Block-aligned spans covering ``ranges``: adjacent blocks merged into one span."""
+    spans: list[tuple[int, int]] = []
+    for offset, length in sorted(ranges):
+        first = offset // BLOCK_SIZE * BLOCK_SIZE
+        last = min(size, -(-(offset + length) // BLOCK_SIZE) * BLOCK_SIZE)
+        if spans and first <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], last))
+        else:
+            spans.append((first, last))
+    return spans
+
+
+def _regions(
+    wanted: Sequence[tuple[int, memoryview]], start: int, end: int
+) -> list[tuple[int, memoryview | None]]:
+    """``[start, end)`` as gapless regions: the wanted views, and None between them."""
+    regions: list[tuple[int, memoryview | None]] = []
+    at = start
+    for offset, view in wanted:
+        if offset + len(view) <= start or offset >= end:
+            continue
+        if offset > at:
+            regions.append((at, None))
+        regions.append((offset, view))
+        at = offset + len(view)
+    if at < end or not regions:
+        regions.append((at, None))
+    return regions

@@ -1,0 +1,168 @@
+"""Agreement across ranks: one helper, one rule.
+
+Every collective of nbckpt is an ``all_gather_object`` of ``(tag, value, error)``, where the
+tag names the operation and step it belongs to. So a rank that raised, skipped a save or
+runs a step ahead is seen by every rank at the next collective, and every rank raises the
+same error, instead of pairing one save's data with another's or waiting forever:
+
+- an exception on any rank becomes an error on all ranks (a ConfigError stays a ConfigError);
+- tags that differ are a CheckpointError on all ranks ("ranks are out of step");
+- a rank that died or stopped calling fails the others within ``timeout_s``.
+
+Each thread that talks to other ranks has its own process group (the caller's and the
+background writer's), so their collectives never interleave differently on two ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+import torch.distributed as dist
+
+from .._errors import CheckpointError, ConfigError, NbckptError, describe_error
+from ._torch_compat import default_store
+
+__all__ = ["Group", "RankInfo", "join"]
+
+T = TypeVar("T")
+Tag = tuple[Any, ...]
+_opened = itertools.count()
+#: How long the ranks wait for each other to create a Checkpointer before saying why not.
+JOIN_TIMEOUT_S = 60.0
+
+
+class Group:
+    """The collectives of one thread; ``pg`` is None for a single process (no communication)."""
+
+    def __init__(self, pg: Any, rank: int, world_size: int) -> None:
+        self.pg = pg
+        self.rank = rank
+        self.world_size = world_size
+
+    def exchange(self, tag: Tag, run: Callable[[], T]) -> list[T]:
+        """Run ``run`` here, give every rank every rank's result; an error anywhere is raised on all.
+
+        The local exception itself is re-raised on the rank where it happened (so Ctrl-C stays
+        KeyboardInterrupt); the other ranks raise a CheckpointError (ConfigError for a user
+        mistake) naming the rank.
+        """
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            value = run()
+        except BaseException as exc:
+            if self.pg is None:
+                raise
+            error = exc
+        if self.pg is None:
+            return [value]
+        sent = (tag, None if error is not None else value, _summary(error))
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, sent, group=self.pg)
+        except Exception as exc:
+            raise CheckpointError(
+                f"lost contact with the other ranks during {_what(tag)}: {describe_error(exc)}"
+            ) from (error or exc)
+        if error is not None:
+            raise error
+        _check_tags(tag, gathered)
+        for rank, (_, _, summary) in enumerate(gathered):
+            if summary is not None:
+                kind, message = summary
+                cls = ConfigError if kind == "config" else CheckpointError
+                raise cls(f"rank {rank}: {message}")
+        return [value for _, value, _ in gathered]
+
+    def from_rank0(self, tag: Tag, run: Callable[[], T]) -> T:
+        """``run`` on rank 0 only; every rank gets its result (or its error)."""
+        results: list[Any] = self.exchange(tag, run if self.rank == 0 else lambda: None)
+        return cast(T, results[0])
+
+
+def _summary(error: BaseException | None) -> tuple[str, str] | None:
+    if error is None:
+        return None
+    if isinstance(error, ConfigError):
+        return "config", str(error)
+    if isinstance(error, NbckptError):
+        return "checkpoint", str(error)
+    if isinstance(error, KeyboardInterrupt):
+        return "checkpoint", "interrupted (KeyboardInterrupt)"
+    return "checkpoint", describe_error(error)
+
+
+def _what(tag: Tag) -> str:
+    operation, *rest = tag
+    return f"{operation} of step {rest[0]}" if rest and isinstance(rest[0], int) else str(operation)
+
+
+def _check_tags(tag: Tag, gathered: list[Any]) -> None:
+    tags = [entry[0] if isinstance(entry, tuple) and len(entry) == 3 else None for entry in gathered]
+    if any(t != tag for t in tags):
+        where = ", ".join(
+            f"rank {rank} is in {_what(t) if isinstance(t, tuple) else 'something else'}"
+            for rank, t in enumerate(tags)
+        )
+        raise CheckpointError(
+            f"ranks are out of step ({where}); every rank must save and restore the same steps "
+            "in the same order"
+        )
+
+
+class RankInfo:
+    """Where this process stands: its rank, the world size, and a group per talking thread."""
+
+    def __init__(self, caller: Group, background: Group) -> None:
+        self.caller = caller
+        self.background = background
+        self.rank = caller.rank
+        self.world_size = caller.world_size
+
+
+def join(mode: str, timeout_s: float) -> RankInfo:
+    """The ranks a Checkpointer works with: all ranks of the default group, or this one alone.
+
+    With several ranks, every rank must create its Checkpointer; the ranks first meet in the
+    default group's store, so one that never comes (a framework that saves from rank 0 only)
+    is a ConfigError after :data:`JOIN_TIMEOUT_S`, not a hang.
+    """
+    together = mode == "all" or (
+        mode == "auto" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    )
+    if not together:
+        return RankInfo(Group(None, 0, 1), Group(None, 0, 1))
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("ranks='all' needs torch.distributed initialized (torchrun); use ranks='local'")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    _meet(rank, world_size)
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        groups = [dist.new_group(backend="gloo", timeout=timeout) for _ in range(2)]
+    except Exception as exc:
+        raise CheckpointError(
+            f"could not set up the ranks' checkpoint groups: {describe_error(exc)}"
+        ) from exc
+    return RankInfo(Group(groups[0], rank, world_size), Group(groups[1], rank, world_size))
+
+
+def _meet(rank: int, world_size: int) -> None:
+    store = default_store()
+    if store is None:
+        return
+    opened = next(_opened)
+    prefix = f"nbckpt/open/{opened}"
+    store.set(f"{prefix}/{rank}", str(os.getpid()))
+    try:
+        store.wait([f"{prefix}/{r}" for r in range(world_size)], timedelta(seconds=JOIN_TIMEOUT_S))
+    except Exception as exc:
+        arrived = [r for r in range(world_size) if store.check([f"{prefix}/{r}"])]
+        raise ConfigError(
+            f"only rank(s) {', '.join(map(str, arrived))} of {world_size} created this Checkpointer "
+            f"within {JOIN_TIMEOUT_S:.0f} s; every rank must create it, or pass ranks='local' when "
+            "one rank saves alone (as Lightning and nanoGPT do)"
+        ) from exc

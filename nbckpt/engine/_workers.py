@@ -1,0 +1,89 @@
+"""Background threads the engine owns: ordered workers, and a small pool for file I/O.
+
+Not ``concurrent.futures.ThreadPoolExecutor``: it refuses new work once the interpreter
+starts shutting down, which is exactly when a save in flight must still finish (a normal
+exit waits for it). Daemon threads, so a hung write never blocks the exit forever either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+__all__ = ["Pool", "Worker", "run_all"]
+
+T = TypeVar("T")
+
+
+class Worker:
+    """One daemon thread running jobs in order."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            # Jobs report their own errors on their futures; the thread must outlive any of them.
+            with contextlib.suppress(BaseException):
+                job()
+            del job  # an idle worker must not keep the last job's Checkpointer alive
+
+    def stop(self, wait: bool = True) -> None:
+        self._jobs.put(None)
+        # Wait for the thread to end: one still unwinding while the interpreter finalizes
+        # (close() at exit) aborts the process ("terminate called without an active exception").
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+class Pool:
+    """``size`` workers taking jobs in turn; ``submit`` returns the job's future."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self._workers = [Worker(f"{name}-{i}") for i in range(size)]
+        self._next = itertools.cycle(self._workers)
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        with self._lock:
+            worker = next(self._next)
+        worker.submit(run)
+        return future
+
+    def stop(self, wait: bool = True) -> None:
+        for worker in self._workers:
+            worker.stop(wait)
+
+
+def run_all(pool: Pool, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Run ``jobs`` in parallel; wait for every one (none keeps going on memory or files the
+    caller is about to drop), then raise the first error or return the results in order."""
+    futures = [pool.submit(job) for job in jobs]
+    for future in futures:
+        future.exception()
+    for future in futures:
+        error = future.exception()
+        if error is not None:
+            raise error
+    return [future.result() for future in futures]

@@ -1,0 +1,128 @@
+"""The training run the crash tests kill: an async checkpoint every step, progress on a log.
+
+Every generation's state is a pure function of ``(seed, generation)``, so the parent can
+recompute what any checkpoint must hold without reading anything the child wrote except
+through nbckpt. A generation is saved as its own step, or with ``ring`` as step
+``generation % ring`` (saving the same steps again and again). Run as a script
+(``python tests/helpers/crash_child.py DIR --seed 1 --steps 3``) for the crash-point tests, or
+call :func:`train` in a forked process for the random-kill trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from nbckpt import Checkpointer
+
+WIDTH = 768  # two Linear layers: about 4.7 MB of float32, so a save takes a while
+
+
+def build_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+
+
+def train_step(model: nn.Module, seed: int, step: int) -> None:
+    """Stand-in for an optimizer step: the parameters become a function of (seed, step)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator))
+
+
+def make_state(model: nn.Module, seed: int, generation: int) -> dict[str, Any]:
+    return {"model": model, "step": generation,
+            "meta": {"seed": seed, "loss": 1.0 / (generation + 1), "generation": generation}}
+
+
+def expected_state(seed: int, generation: int) -> dict[str, Any]:
+    """What a checkpoint of ``generation`` must restore to, bit for bit."""
+    model = build_model()
+    train_step(model, seed, generation)
+    return make_state(model, seed, generation)
+
+
+def newest_generation(ckpt: Checkpointer) -> int:
+    """The newest generation any committed step holds (-1 for none)."""
+    return max((int(ckpt.load(step)["meta"]["generation"]) for step in ckpt.steps()), default=-1)
+
+
+def train(
+    directory: str,
+    seed: int,
+    steps: int,
+    keep: int | None,
+    say: Callable[[str], None],
+    overlap: bool = False,
+    ring: int | None = None,
+) -> None:
+    """Resume after the newest generation (if any), then save every generation asynchronously.
+
+    Prints ``ready START`` once set up and ``committed STEP GENERATION`` after each save has
+    committed. With ``overlap`` the copy runs behind the caller, who waits for it before the
+    next step; with ``ring`` generations go to steps ``0..ring-1`` over and over.
+    """
+    ckpt = Checkpointer(directory, mode="async", keep=keep)
+    model = build_model()
+    state = make_state(model, seed, 0)
+    start = newest_generation(ckpt) + 1
+    say(f"ready {start}")
+    pending = []
+    for generation in range(start, start + steps):
+        ckpt.wait_staged()  # the overlap contract: the copy is done before the state changes
+        train_step(model, seed, generation)
+        state.update(make_state(model, seed, generation))
+        step = generation % ring if ring else generation
+        handle = ckpt.save(state, step=step, overlap=overlap, overwrite=True)
+        pending.append((handle, generation))
+        for done in [p for p in pending if p[0].done()]:
+            done[0].wait()
+            say(f"committed {done[0].step} {done[1]}")
+            pending.remove(done)
+    for handle, generation in pending:
+        handle.wait()
+        say(f"committed {handle.step} {generation}")
+    ckpt.close()
+    say("finished")
+
+
+def train_logged(
+    directory: str, seed: int, steps: int, keep: int | None, log_path: str, overlap: bool = False,
+    ring: int | None = None,
+) -> None:
+    """:func:`train` writing its progress with one unbuffered write per line (survives SIGKILL)."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def say(line: str) -> None:
+        os.write(fd, f"{line}\n".encode())
+
+    train(directory, seed, steps, keep, say, overlap, ring)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--keep", type=int, default=None)
+    parser.add_argument("--ring", type=int, default=None, help="save generations as steps 0..RING-1")
+    parser.add_argument("--no-exchange", action="store_true",
+                        help="behave as on NFS: no renameat2(RENAME_EXCHANGE) for re-saves")
+    args = parser.parse_args(argv)
+    if args.no_exchange:
+        from nbckpt.engine import _store
+
+        _store._exchange = lambda a, b: False  # type: ignore[assignment]
+    train(args.directory, args.seed, args.steps, args.keep, lambda line: print(line, flush=True),
+          ring=args.ring)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,158 @@
+"""One rank of a multi-rank scenario; prints one JSON line of what it saw.
+
+    python tests/helpers/rank_worker.py SCENARIO DIR      (RANK, WORLD_SIZE, MASTER_* set)
+
+Started by :func:`helpers.ranks.run_ranks` (plain processes, so that one rank dying does not
+take the others down with it, as torchrun's agent would).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nbckpt import Checkpointer, NbckptError, _faults
+from nbckpt.engine import _ranks
+
+RANK = int(os.environ["RANK"])
+
+
+def state_of(step: int) -> dict[str, Any]:
+    torch.manual_seed(step)  # the same on every rank: a replicated model
+    model = torch.nn.Linear(16, 8)
+    return {"model": model, f"rank{RANK}": torch.full((100,), float(step * 10 + RANK)), "step": step}
+
+
+def outcome(run: Any) -> str:
+    try:
+        run()
+        return "ok"
+    except NbckptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def restored_step(ckpt: Checkpointer) -> dict[str, Any]:
+    state = {"model": torch.nn.Linear(16, 8), f"rank{RANK}": torch.zeros(100), "step": -1}
+    step = ckpt.restore(state)
+    expected = state_of(step)
+    return {
+        "restored": step,
+        "exact": state["step"] == step
+        and torch.equal(state[f"rank{RANK}"], expected[f"rank{RANK}"])
+        and all(
+            torch.equal(a, b)
+            for a, b in zip(
+                state["model"].state_dict().values(), expected["model"].state_dict().values(), strict=True
+            )
+        ),
+    }
+
+
+def refusal(directory: str) -> dict[str, Any]:
+    """Rank 1 holds a value nbckpt refuses at step 2 only (a rank-dependent bug looks the same)."""
+    results = {}
+    with Checkpointer(directory, mode="async", timeout_s=60) as ckpt:
+        for step in (1, 2, 3):
+            state = state_of(step)
+            if RANK == 1 and step == 2:
+                state["hook"] = print
+            results[step] = outcome(lambda s=state, n=step: ckpt.save(s, step=n).wait())
+        return {
+            "outcomes": results,
+            "steps": ckpt.steps(),
+            **restored_step(ckpt),
+            "manifest_steps": {r: t for r, t in _tree_steps(ckpt, 3).items()},
+        }
+
+
+def _tree_steps(ckpt: Checkpointer, step: int) -> dict[str, Any]:
+    manifest = ckpt.manifest(step)
+    trees = {"0": manifest["tree"], **manifest.get("rank_trees", {})}
+    return {rank: next(n["v"] for k, n in tree["items"] if k == "step") for rank, tree in trees.items()}
+
+
+def skip(directory: str) -> dict[str, Any]:
+    """Rank 1 raises between saves and misses step 2; both ranks go on saving."""
+    results = {}
+    with Checkpointer(directory, mode="sync", timeout_s=60) as ckpt:
+        for step in (1, 2, 3, 4):
+            if RANK == 1 and step == 2:
+                results[step] = "skipped"
+                continue
+            results[step] = outcome(lambda n=step: ckpt.save(state_of(n), step=n))
+        committed = ckpt.steps()
+        mixed = [s for s in committed if set(_tree_steps(ckpt, s).values()) != {s}]
+    return {"outcomes": results, "steps": committed, "mixed": mixed}
+
+
+def kill(directory: str) -> dict[str, Any]:
+    """Rank 1 is killed after writing its files of step 2; rank 0 must fail, not hang."""
+    ckpt = Checkpointer(directory, mode="async", timeout_s=60)
+    ckpt.save(state_of(1), step=1).wait()
+    if RANK == 1:
+        _faults._POINT = "after_data"  # this rank dies once its files of the next save are written
+    began = time.monotonic()
+    result = outcome(lambda: ckpt.save(state_of(2), step=2).wait())
+    return {
+        "outcome": result,
+        "seconds": time.monotonic() - began,
+        "steps": [int(n[5:]) for n in sorted(os.listdir(directory)) if n.startswith("step-")],
+    }
+
+
+def stale_listing(directory: str) -> dict[str, Any]:
+    """Rank 1's listing misses the newest step (NFS attribute caching): rank 0's choice holds."""
+    with Checkpointer(directory, mode="sync", timeout_s=60) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(state_of(step), step=step)
+        if RANK == 1:
+            listing = ckpt.store.committed
+            ckpt.store.committed = lambda: {s: p for s, p in listing().items() if s != 3}  # type: ignore[method-assign]
+        return restored_step(ckpt)
+
+
+def rank0_only(directory: str) -> dict[str, Any]:
+    """Only rank 0 checkpoints (as Lightning and nanoGPT do), with ranks='local'."""
+    result: dict[str, Any] = {}
+    if RANK == 0:
+        with Checkpointer(directory, ranks="local") as ckpt:
+            ckpt.save(state_of(5), step=5).wait()
+            result = restored_step(ckpt)
+    dist.barrier()
+    return result
+
+
+def rank0_only_auto(directory: str) -> dict[str, Any]:
+    """Only rank 0 creates a Checkpointer without saying ranks='local': a clear error, no hang."""
+    _ranks.JOIN_TIMEOUT_S = 3.0
+    result: dict[str, Any] = {}
+    if RANK == 0:
+        began = time.monotonic()
+        result = {
+            "outcome": outcome(lambda: Checkpointer(directory).close()),
+            "seconds": time.monotonic() - began,
+        }
+    dist.barrier()
+    return result
+
+
+SCENARIOS = {f.__name__: f for f in (refusal, skip, kill, stale_listing, rank0_only, rank0_only_auto)}
+
+
+def main(scenario: str, directory: str) -> int:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    result = SCENARIOS[scenario](directory)
+    print(json.dumps({"rank": RANK, **result}), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

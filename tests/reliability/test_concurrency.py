@@ -1,0 +1,232 @@
+"""Threads and interrupts: Ctrl-C at any moment, close() racing save(), several threads on one
+Checkpointer, and the caller's own exception inside ``with``. Numbers are the issue's items.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.storage import Throttle
+from helpers.sync import main_thread_blocked, until
+
+from nbckpt import Checkpointer, CheckpointError
+from nbckpt.engine import _staging
+
+
+def state_of(step: int, numel: int = 1000) -> dict[str, Any]:
+    return {"w": torch.arange(numel, dtype=torch.float32) + step, "step": step}
+
+
+def assert_holds(ckpt: Checkpointer, step: int, numel: int = 1000) -> None:
+    state = {"w": torch.zeros(numel), "step": -1}
+    assert ckpt.restore(state, step=step) == step
+    assert torch.equal(state["w"], state_of(step, numel)["w"]) and state["step"] == step
+
+
+@contextmanager
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in the main thread, as in a terminal or a notebook."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach only the main thread")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# -- 6: an exception or Ctrl-C while a save takes its staging slot ------------------------------
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("out of memory"), KeyboardInterrupt()])
+def test_6_a_failure_while_taking_a_slot_never_loses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException
+) -> None:
+    original = _staging.Slot.fit
+    calls = {"n": 0}
+
+    def fit_failing_once(slot: _staging.Slot, *args: Any, **kwargs: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise failure
+        original(slot, *args, **kwargs)
+
+    monkeypatch.setattr(_staging.Slot, "fit", fit_failing_once)
+    with Checkpointer(tmp_path, max_inflight=1) as ckpt:
+        expected = KeyboardInterrupt if isinstance(failure, KeyboardInterrupt) else CheckpointError
+        with pytest.raises(expected):
+            ckpt.save(state_of(1), step=1)
+        for step in (2, 3):  # the one slot is free again: these would block forever otherwise
+            ckpt.save(state_of(step), step=step).wait()
+        assert ckpt.steps() == [2, 3]
+
+
+RANDOM_INTERRUPTS = r"""
+import random, signal, sys, threading, time, torch
+from nbckpt import Checkpointer
+signal.signal(signal.SIGINT, signal.default_int_handler)
+rng = random.Random(int(sys.argv[2]))
+state = {"w": torch.randn(1 << 20), "b": torch.randn(1000), "step": 0}
+interrupted = 0
+with Checkpointer(sys.argv[1], keep=2, max_inflight=1) as ckpt:
+    for trial in range(int(sys.argv[3])):
+        delay = rng.uniform(0, 0.02)
+        timer = threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        timer.start()
+        try:
+            for step in range(trial * 10, trial * 10 + 10):
+                state["step"] = step
+                ckpt.save(state, step=step, overlap=step % 2 == 1)
+                ckpt.wait_staged()
+            timer.join()
+            time.sleep(0.001)  # a signal already on its way is delivered here, not below
+        except KeyboardInterrupt:
+            interrupted += 1
+        timer.cancel()
+        timer.join()
+        ckpt.save(state, step=trial * 10 + 9, overwrite=True).wait()  # must never hang
+        ckpt.wait()
+    print(f"trials {sys.argv[3]} interrupted {interrupted} steps {ckpt.steps()}", flush=True)
+"""
+
+
+def test_6_random_ctrl_c_never_hangs_later_saves(tmp_path: Path) -> None:
+    """Ctrl-C at random moments of saves (the issue saw 9 of 18 trials hang): every later save completes."""
+    trials = 30
+    child = subprocess.run(
+        [sys.executable, "-c", RANDOM_INTERRUPTS, str(tmp_path / "run"), "20261130", str(trials)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-3000:]
+    line = child.stdout.strip().splitlines()[-1]
+    print(f"\n{line}")
+    assert line.startswith(f"trials {trials} interrupted ")
+    assert int(line.split()[3]) > 0  # the interrupts really landed inside saves
+    with Checkpointer(tmp_path / "run") as ckpt:
+        for step in ckpt.steps():
+            ckpt.verify(step)
+
+
+# -- 7 and 8: close() racing save(), several threads on one Checkpointer ------------------------
+
+
+def test_7_close_racing_save_never_drops_a_save(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    never_completed = 0
+    for trial in range(40):
+        ckpt = Checkpointer(tmp_path / f"run{trial}", max_inflight=2)
+        handles: list[Any] = []
+        refused: list[BaseException] = []
+        started = threading.Event()
+
+        def saver(
+            ckpt: Checkpointer = ckpt,
+            handles: list[Any] = handles,
+            refused: list[BaseException] = refused,
+            started: threading.Event = started,
+        ) -> None:
+            for step in range(20):
+                try:
+                    handles.append(ckpt.save(state_of(step), step=step))
+                except CheckpointError as refusal:
+                    refused.append(refusal)
+                    return
+                started.set()
+
+        thread = threading.Thread(target=saver)
+        thread.start()
+        started.wait(30)
+        for _ in range(rng.randint(0, 3)):
+            threading.Event().wait(0.001 * rng.random())  # the race's timing, not synchronisation
+        ckpt.close()
+        thread.join(60)
+        assert not thread.is_alive()
+        never_completed += sum(not h.done() for h in handles)
+        assert all("is closed" in str(exc) for exc in refused)
+        with Checkpointer(tmp_path / f"run{trial}") as again:
+            assert again.steps() == [h.step for h in handles]  # every save given a handle committed
+    assert never_completed == 0
+
+
+def test_8_threads_sharing_a_checkpointer(tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+    with Checkpointer(tmp_path, max_inflight=2) as ckpt:
+        ckpt.save(state_of(0), step=0).wait()
+
+        def saver(first: int) -> None:
+            try:
+                for step in range(first, 60, 2):
+                    ckpt.save(state_of(step), step=step)
+            except BaseException as exc:
+                errors.append(exc)
+
+        def restorer() -> None:
+            try:
+                for _ in range(20):
+                    state = {"w": torch.zeros(1000), "step": -1}
+                    step = ckpt.restore(state)
+                    assert torch.equal(state["w"], state_of(step)["w"])
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=saver, args=(1,)),
+            threading.Thread(target=saver, args=(2,)),
+            threading.Thread(target=restorer),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        ckpt.wait()
+        assert errors == []
+        assert ckpt.steps() == list(range(60))
+        for step in (1, 30, 59):
+            assert_holds(ckpt, step)
+
+
+# -- 9 and 10: Ctrl-C stays Ctrl-C, the caller's exception stays the caller's -------------------
+
+
+def test_9_ctrl_c_during_a_sync_save_is_a_keyboard_interrupt(tmp_path: Path, throttle: Throttle) -> None:
+    with ctrl_c_raises(), Checkpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(state_of(1), step=1)
+        throttle.hold()
+
+        def press() -> None:
+            throttle.entered.wait(30)
+            until(main_thread_blocked)
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+        threading.Thread(target=press, daemon=True).start()
+        try:
+            ckpt.save(state_of(2), step=2)
+        except KeyboardInterrupt:
+            caught: type[BaseException] = KeyboardInterrupt
+        except CheckpointError:  # what code catching CheckpointError would swallow
+            caught = CheckpointError
+        assert caught is KeyboardInterrupt
+        throttle.release.set()
+        assert [r.step for r in ckpt.wait()] == [2]  # the save went on and committed
+        assert_holds(ckpt, 2)
+
+
+def test_10_the_callers_exception_stays_the_one_raised(tmp_path: Path, throttle: Throttle) -> None:
+    with pytest.raises(ValueError, match="the user's own bug") as raised, Checkpointer(tmp_path) as ckpt:
+        throttle.fail = lambda name: OSError(28, "No space left on device", name)
+        ckpt.save(state_of(1), step=1)
+        raise ValueError("the user's own bug")
+    notes = getattr(raised.value, "__notes__", [])
+    assert any("ENOSPC" in note for note in notes), notes

@@ -1,0 +1,101 @@
+"""Several ranks (gloo on CPU): torchrun round trip, and every way ranks fall out of step (items 17, 18)
+and the rank-0-only saving of frameworks. No scenario may hang: each runs under a deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import dist_worker
+from helpers.ranks import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_torchrun_two_ranks_async_save_and_restore(tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            dist_worker.__file__,
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for result in results:
+        assert result["ok"], result
+        assert result["steps"] == [2, 3]
+        assert result["world_size"] == 2
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(result["files"])
+        assert {"stage", "persist", "commit", "restore"} <= set(result["kinds"])
+        assert result["ranks_in_timeline"] == [result["rank"]]
+    names = sorted(os.listdir(tmp_path / "ckpt"))
+    assert names == [".nbckpt.lock", "step-000002", "step-000003"]
+
+
+def test_17_a_refusal_on_one_rank_fails_that_save_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks("refusal", tmp_path / "run")
+    for rank, (code, seen, err) in results.items():
+        assert code == 0, err
+        assert seen["outcomes"]["1"] == "ok" and seen["outcomes"]["3"] == "ok", seen
+        # rank 1 raises its own error; the others say which rank it came from
+        prefix = "ConfigError: rank 1: " if rank == 0 else "ConfigError: "
+        assert seen["outcomes"]["2"].startswith(f"{prefix}hook holds a builtin_function"), seen
+        assert seen["steps"] == [1, 3] and seen["restored"] == 3 and seen["exact"], seen
+        assert seen["manifest_steps"] == {"0": 3, "1": 3}  # no rank's step-3 tree is another step's
+
+
+def test_17_a_rank_that_misses_a_save_never_mixes_steps_and_never_hangs(tmp_path: Path) -> None:
+    results = run_ranks("skip", tmp_path / "run")
+    for code, seen, err in results.values():
+        assert code == 0, err
+        assert seen["outcomes"]["1"] == "ok"
+        later = [o for step, o in seen["outcomes"].items() if step != "1" and o != "skipped"]
+        # out of step at once; the last save of the rank that ran ahead finds the other gone
+        assert later and "ranks are out of step" in later[0], seen
+        assert all("out of step" in o or "lost contact" in o for o in later), seen
+        assert seen["mixed"] == [] and seen["steps"] == [1], seen
+
+
+def test_17_a_rank_killed_mid_save_fails_the_others_in_bounded_time(tmp_path: Path) -> None:
+    results = run_ranks("kill", tmp_path / "run")
+    code1, _, _ = results[1]
+    assert code1 < 0  # SIGKILL
+    code0, seen, err = results[0]
+    assert code0 == 0, err
+    assert seen["outcome"].startswith("CheckpointError: save of step 2"), seen
+    assert seen["seconds"] < 120 and seen["steps"] == [1], seen
+
+
+def test_18_rank0_chooses_the_step_every_rank_restores(tmp_path: Path) -> None:
+    for rank, (code, seen, err) in run_ranks("stale_listing", tmp_path / "run").items():
+        assert code == 0, err
+        assert seen == {"rank": rank, "restored": 3, "exact": True}
+
+
+def test_rank0_only_saving_works_with_ranks_local(tmp_path: Path) -> None:
+    results = run_ranks("rank0_only", tmp_path / "run")
+    assert all(code == 0 for code, _, _ in results.values()), results
+    assert results[0][1] == {"rank": 0, "restored": 5, "exact": True}
+
+
+def test_rank0_only_without_ranks_local_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
+    results = run_ranks("rank0_only_auto", tmp_path / "run")
+    assert all(code == 0 for code, _, _ in results.values()), results
+    seen = results[0][1]
+    assert seen["outcome"].startswith("ConfigError: only rank(s) 0 of 2 created this Checkpointer"), seen
+    assert "ranks='local'" in seen["outcome"] and seen["seconds"] < 60
