@@ -3,7 +3,8 @@
 The bottom layer of nbckpt: it imports no bench, analysis or notebook code.
 """
 
-from ._checkpointer import Checkpointer, SaveHandle, SaveRecord, close_all
+from ._checkpointer import Checkpointer, close_all
 from ._config import CheckpointConfig
+from ._handles import SaveHandle, SaveRecord
 
 __all__ = ["CheckpointConfig", "Checkpointer", "SaveHandle", "SaveRecord", "close_all"]

@@ -50,6 +50,9 @@ class CheckpointConfig:
     from rank 0 only need; ``"auto"``: ``"all"`` under an initialized group of several ranks."""
     timeout_s: float = 600.0
     """Longest wait for the other ranks in one collective before the operation fails."""
+    read_only: bool = False
+    """Open only to read (restore, load, verify, list): no lock, no clean-up, nothing written,
+    so another process may be saving into the directory meanwhile."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -58,7 +61,7 @@ class CheckpointConfig:
             check_count(self.keep, "keep (or None to keep all)")
         check_count(self.max_inflight, "max_inflight", maximum=MAX_INFLIGHT)
         check_count(self.writer_threads, "writer_threads", maximum=MAX_WRITER_THREADS)
-        for name in ("verify", "capture_rng"):
+        for name in ("verify", "capture_rng", "read_only"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if not isinstance(self.storage_options, dict):

@@ -26,7 +26,7 @@ from ._files import BLOCK_SIZE, FileResult
 from ._layout import METADATA_FILE
 from ._state import MAX_DEPTH, dtype_from_name
 
-__all__ = ["FORMAT", "MAX_MANIFEST_BYTES", "Manifest", "build", "parse"]
+__all__ = ["FORMAT", "MAX_MANIFEST_BYTES", "Manifest", "build", "parse", "sign"]
 
 FORMAT = "nbckpt/2"
 #: A manifest holds about 100 bytes per tensor: 64 MiB is room for half a million of them.
@@ -81,9 +81,16 @@ class Manifest:
         return str(self.body["checksum"])
 
 
-def _checksum(body: Mapping[str, Any]) -> str:
-    rest = {k: v for k, v in body.items() if k != "checksum"}
-    return xxhash.xxh3_64_hexdigest(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())
+# The file is ``{"checksum":"<16 hex>",`` then the rest of the JSON object, whose exact bytes
+# (with the opening brace) the checksum covers: checking it never re-serializes anything.
+_SIGNED = re.compile(rb'\{"checksum":"([0-9a-f]{16})",')
+
+
+def sign(body: Mapping[str, Any]) -> bytes:
+    """``body`` (without a checksum) as manifest bytes, signed."""
+    rest = json.dumps({k: v for k, v in body.items() if k != "checksum"}, separators=(",", ":")).encode()
+    digest = xxhash.xxh3_64_hexdigest(rest).encode()
+    return b'{"checksum":"' + digest + b'",' + rest[1:]
 
 
 def build(
@@ -119,8 +126,7 @@ def build(
         "python_version": platform.python_version(),
         "host": socket.gethostname(),
     }
-    body["checksum"] = _checksum(body)
-    return json.dumps(body, separators=(",", ":")).encode()
+    return sign(body)
 
 
 def parse(data: bytes, step: int, where: str) -> Manifest:
@@ -140,11 +146,8 @@ def parse(data: bytes, step: int, where: str) -> Manifest:
             f"{where} is in format {body['format']}, this nbckpt reads {FORMAT}; "
             "its tensors load with torch.distributed.checkpoint.load"
         )
-    try:
-        checksum = _checksum(body)
-    except RecursionError:
-        raise CheckpointError(f"{where} is unreadable (nested too deeply)") from None
-    if body.get("checksum") != checksum:
+    signed = _SIGNED.match(data)
+    if signed is None or xxhash.xxh3_64_hexdigest(b"{" + data[signed.end() :]).encode() != signed.group(1):
         raise CheckpointError(f"{where} was modified after it was written (checksum mismatch)")
     if body.get("step") != step:
         raise CheckpointError(f"{where} names step {body.get('step')}, not {step}")

@@ -90,6 +90,23 @@ class StagingPool:
             slot.owner = owner
         return slot
 
+    def prepare(
+        self,
+        files: tuple[FileLayout, ...],
+        dtypes: Mapping[str, torch.dtype],
+        shapes: Mapping[str, tuple[int, ...]],
+    ) -> None:
+        """Fit every free slot to ``files`` now (slots in use fit at their next save)."""
+        for slot in self._slots:
+            with self._free:
+                if slot.owner is not None:
+                    continue
+                slot.owner = self
+            try:
+                slot.fit(files, dtypes, shapes, pin=self.pin)
+            finally:
+                self.release(slot, self)
+
     def release(self, slot: Slot, owner: Any) -> None:
         """Give ``slot`` back if ``owner`` holds it (safe to call twice)."""
         with self._free:

@@ -9,11 +9,12 @@ never unpickles anything.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import pathlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,6 +24,7 @@ __all__ = [
     "MAX_DEPTH",
     "Flattened",
     "TensorSpec",
+    "align",
     "apply",
     "check_template",
     "decode",
@@ -37,11 +39,12 @@ Node = dict[str, Any]
 #: Deepest nesting of a state: far beyond any real one, far below Python's recursion limit.
 MAX_DEPTH = 64
 _STATEFUL = ("module", "optimizer", "stateful")
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """What a staging slot and a file layout need to know of one tensor."""
+class TensorSpec(NamedTuple):
+    """What a staging slot and a file layout need to know of one tensor (a tuple: cheap to make,
+    hash and compare, which plan caching does for every tensor of every save)."""
 
     key: str
     dtype: torch.dtype
@@ -60,15 +63,12 @@ class Flattened:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
     """Each tensor's path of keys in the state (DCP's planner data: how to nest it again)."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    def specs(self) -> tuple[TensorSpec, ...]:
-        return tuple(TensorSpec(key, t.dtype, tuple(t.shape)) for key, t in self.tensors.items())
+    specs: list[TensorSpec] = field(default_factory=list)
+    """Each tensor's key, dtype and shape, in the state's order: what a file layout depends on."""
+    nbytes: int = 0
 
 
+@functools.cache
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -158,7 +158,8 @@ class _Encoder:
 
     def tensor(self, tensor: torch.Tensor, path: tuple[str | int, ...], kind: str) -> Node:
         key = ".".join(map(str, path))
-        if type(tensor).__name__ in ("DTensor", "ShardedTensor"):
+        # the common case (a plain tensor or parameter) skips the name check
+        if type(tensor) not in _PLAIN_TENSORS and type(tensor).__name__ in ("DTensor", "ShardedTensor"):
             raise ConfigError(
                 f"{key} is a {type(tensor).__name__}; nbckpt saves each rank's local tensors "
                 "(use tensor.to_local(), or torch.distributed.checkpoint for resharding)"
@@ -167,13 +168,16 @@ class _Encoder:
             raise ConfigError(f"{key} is not a dense tensor with data; nbckpt saves dense tensors only")
         if key in self.out.tensors:
             raise ConfigError(f"two tensors flatten to the same key {key!r}; rename one")
+        spec = TensorSpec(key, tensor.dtype, tuple(tensor.shape))
         self.out.tensors[key] = tensor.detach()
         self.out.paths[key] = path
+        self.out.specs.append(spec)
+        self.out.nbytes += spec.nbytes
         return {
             "t": kind,
             "key": key,
             "dtype": dtype_name(tensor.dtype),
-            "shape": list(tensor.shape),
+            "shape": list(spec.shape),
             "device": tensor.device.type,
         }
 
@@ -269,9 +273,9 @@ def check_template(template: Mapping[Any, Any], saved: Node, where: str) -> list
 def _check_one(current: Any, node: Node, name: str) -> list[str]:
     kind = node.get("t")
     if isinstance(current, torch.nn.Module):
-        if kind != "module":
+        if kind not in ("module", "dict"):  # a saved state dict loads into a module too
             return [f"{name} is a module, the checkpoint holds a {kind}"]
-        return _check_module(current, node["state"], name)
+        return _check_module(current, node["state"] if kind == "module" else node, name)
     if isinstance(current, torch.Tensor):
         if kind != "tensor":
             return [f"{name} is a tensor, the checkpoint holds a {kind}"]
@@ -318,8 +322,65 @@ def _check_module(module: torch.nn.Module, saved: Node, name: str) -> list[str]:
     return problems
 
 
+_COMPILED = "_orig_mod."  # torch.compile's prefix on the keys of a compiled module
+
+
+def align(template: Mapping[Any, Any], saved: Node, key_map: Callable[[str], str | None] | None) -> Node:
+    """The saved tree with each module's keys as the template's module names them.
+
+    With ``key_map``, every key of a saved module's state dict is mapped through it (None
+    drops the key); without, torch.compile's ``_orig_mod.`` prefix is added or removed where
+    that, and only that, makes the keys match (a compiled model's checkpoint loads into a
+    plain one and back).
+    """
+    items = []
+    for key, node in saved["items"]:
+        current = template.get(key)
+        if (
+            isinstance(current, torch.nn.Module)
+            and node.get("t") == "module"
+            and node["state"].get("t") == "dict"
+        ):
+            node = {
+                **node,
+                "state": {**node["state"], "items": _renamed(current, node["state"]["items"], key_map)},
+            }
+        elif isinstance(current, torch.nn.Module) and node.get("t") == "dict":
+            node = {**node, "items": _renamed(current, node["items"], key_map)}
+        items.append([key, node])
+    return {**saved, "items": items}
+
+
+def _renamed(
+    module: torch.nn.Module, pairs: list[list[Any]], key_map: Callable[[str], str | None] | None
+) -> list[list[Any]]:
+    if key_map is not None:
+        return [[new, child] for key, child in pairs if (new := key_map(str(key))) is not None]
+    wanted = set(module.state_dict())
+    have = [str(key) for key, _ in pairs]
+    if set(have) == wanted:
+        return pairs
+    renames: list[Callable[[str], str]] = [_uncompiled, _compiled]
+    for rename in renames:
+        if {rename(k) for k in have} == wanted:
+            return [[rename(str(key)), child] for key, child in pairs]
+    return pairs
+
+
+def _uncompiled(key: str) -> str:
+    return key.removeprefix(_COMPILED)
+
+
+def _compiled(key: str) -> str:
+    return _COMPILED + key
+
+
 def apply(target: dict[Any, Any], saved: Node, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Load the saved tree into ``target`` in place (checked by :func:`check_template` first)."""
+    """Load the saved tree into ``target`` in place (checked by :func:`check_template` first).
+
+    Modules, optimizers and stateful objects load their state in place; tensors are copied
+    into; a dict is filled in place with every saved entry; anything else is replaced.
+    """
     items = {key: child for key, child in saved["items"]}
     for key in list(target):
         target[key] = _apply_one(target[key], items[key], tensors)
@@ -327,7 +388,8 @@ def apply(target: dict[Any, Any], saved: Node, tensors: Mapping[str, torch.Tenso
 
 def _apply_one(current: Any, node: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
     kind = node.get("t")
-    if kind in _STATEFUL and callable(getattr(current, "load_state_dict", None)):
+    stateful = callable(getattr(current, "load_state_dict", None))
+    if stateful and (kind in _STATEFUL or (kind == "dict" and isinstance(current, torch.nn.Module))):
         current.load_state_dict(decode(node, tensors))
         return current
     if isinstance(current, torch.Tensor) and kind == "tensor":
@@ -335,6 +397,9 @@ def _apply_one(current: Any, node: Node, tensors: Mapping[str, torch.Tensor]) ->
             current.copy_(tensors[node["key"]])
         return current
     if isinstance(current, dict) and kind == "dict":
-        apply(current, node, tensors)
+        for key, child in node["items"]:
+            current[key] = (
+                _apply_one(current[key], child, tensors) if key in current else decode(child, tensors)
+            )
         return current
     return decode(node, tensors)

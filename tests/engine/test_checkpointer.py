@@ -563,3 +563,60 @@ def test_staging_memory_is_reported_and_reused(tmp_path: Path) -> None:
         ckpt.wait()
         held = ckpt.host_bytes
     assert 400_000 <= held <= 2 * 400_000 + 64_000  # two slots at most, each about the state's size
+
+
+def test_warmup_allocates_before_the_first_save(tmp_path: Path) -> None:
+    state = {"w": torch.zeros(250_000)}
+    with Checkpointer(tmp_path, max_inflight=2) as ckpt:
+        held = ckpt.warmup(state)
+        assert 2 * 1_000_000 <= held <= 2 * 1_000_000 + 64_000  # both slots, about the state each
+        ckpt.save(state, step=1).wait()
+        assert ckpt.host_bytes == held  # the save reused them
+        assert ckpt.steps() == [1]
+
+
+def test_load_on_meta_reads_values_and_shapes_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nbckpt.engine._store import LocalStore
+
+    model, _ = trained_model()
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"model": model, "args": {"n_layer": 2, "path": pathlib.Path("x")}}, step=1).wait()
+        with monkeypatch.context() as patch:
+            patch.setattr(LocalStore, "source", lambda *a: pytest.fail("a data file was read"))
+            peek = ckpt.load(map_location="meta")
+    assert peek["args"] == {"n_layer": 2, "path": pathlib.Path("x")}
+    assert peek["model"]["0.weight"].device.type == "meta" and peek["model"]["0.weight"].shape == (64, 32)
+
+
+def test_a_dict_in_the_template_is_filled_with_every_saved_entry(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"model_args": {"n_layer": 2, "d": 64}, "step": 3}, step=3).wait()
+        state: dict[str, Any] = {"model_args": {}}
+        ckpt.restore(state)
+        assert state == {"model_args": {"n_layer": 2, "d": 64}}
+        with pytest.raises(ConfigError, match=r"strict: the state does not name the saved 'step'"):
+            ckpt.restore({"model_args": {}}, strict=True)
+
+
+def test_a_compiled_models_checkpoint_loads_into_a_plain_model_and_back(tmp_path: Path) -> None:
+    model, _ = trained_model()
+    prefixed = {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}  # what torch.compile saves
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"model": prefixed}, step=1).wait()
+        plain, _ = fresh_model()
+        ckpt.restore({"model": plain})
+        assert_same_state(plain.state_dict(), model.state_dict())
+        renamed, _ = fresh_model()
+        ckpt.restore({"model": renamed}, key_map=lambda key: key.replace("_orig_mod.", ""))
+        assert_same_state(renamed.state_dict(), model.state_dict())
+
+
+def test_a_read_only_checkpointer_reads_while_another_one_writes(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as writer:
+        writer.save({"w": torch.ones(3)}, step=1).wait()
+        with Checkpointer(tmp_path, read_only=True) as reader:
+            out = {"w": torch.zeros(3)}
+            assert reader.restore(out) == 1 and torch.equal(out["w"], torch.ones(3))
+            with pytest.raises(CheckpointError, match="read-only"):
+                reader.save({"w": torch.ones(3)}, step=2)
+        writer.save({"w": torch.ones(3)}, step=2).wait()

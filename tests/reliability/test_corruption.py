@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, CheckpointError
 from nbckpt.engine._files import hash_blocks
-from nbckpt.engine._manifest import _checksum
+from nbckpt.engine._manifest import sign
 from nbckpt.engine._reader import _MetadataUnpickler
 from nbckpt.engine._store import LocalStore
 
@@ -73,8 +73,7 @@ def rewrite_manifest(step_dir: Path, edit: Callable[[dict[str, Any]], None] = la
         data = (step_dir / name).read_bytes()
         meta.update(size=len(data), blocks=hash_blocks(data))
     edit(manifest)
-    manifest["checksum"] = _checksum(manifest)
-    path.write_text(json.dumps(manifest))
+    path.write_bytes(sign(manifest))
 
 
 def load_metadata(path: Path) -> Any:

@@ -1,0 +1,197 @@
+"""Restore: rank 0 picks the checkpoint, every rank checks the caller's state against it, reads and
+verifies its part, and only then is anything of the caller's touched.
+
+A mistake of the caller (a missing key, another shape or dtype) is a ConfigError at once, on
+every rank; damage (a bad checksum, a missing or unreadable file) falls back to the next
+older checkpoint when no step was asked for.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from .._errors import CheckpointError, ConfigError, describe_error
+from .._timeline import Timeline, now_ns
+from . import _rng
+from ._layout import METADATA_FILE
+from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse
+from ._ranks import Group
+from ._reader import check_dcp_metadata, read_metadata, read_tensors, verify_files
+from ._state import align, apply, check_template, decode, node_tensors, tree_specs
+from ._store import MANIFEST, Store, step_name
+from ._workers import Pool
+
+__all__ = ["Restorer", "check_step"]
+
+
+def check_step(step: Any) -> int:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"step must be a non-negative integer, not {step!r}")
+    return step
+
+
+class Restorer:
+    """Reads checkpoints of one store for one rank (``group`` agrees every step with the others)."""
+
+    def __init__(self, store: Store, io: Pool, group: Group, timeline: Timeline) -> None:
+        self.store, self.io, self.group, self.timeline = store, io, group, timeline
+        self.rank = group.rank
+
+    def location(self, step: int) -> str:
+        committed = self.store.committed()
+        if step not in committed:
+            have = ", ".join(map(str, committed)) or "none"
+            raise CheckpointError(
+                f"no committed checkpoint for step {step} in {self.store.url} (steps: {have})"
+            )
+        return committed[step]
+
+    def manifest(self, step: int, location: str) -> Manifest:
+        where = f"{step_name(step)}/{MANIFEST}"
+        try:
+            data = self.store.read_small(location, MANIFEST, MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            raise CheckpointError(f"{where} is missing") from None
+        except OSError as exc:
+            raise CheckpointError(f"{where} is unreadable ({describe_error(exc)})") from exc
+        except CheckpointError as exc:
+            raise CheckpointError(f"{step_name(step)}/{exc}") from None
+        return parse(data, step, where)
+
+    def verify(self, step: int) -> dict[str, Any]:
+        location = self.location(step)
+        manifest = self.manifest(step, location)
+        check_dcp_metadata(
+            read_metadata(self.store, location, manifest), manifest, f"{step_name(step)}/{METADATA_FILE}"
+        )
+        verify_files(self.store, self.io, location, manifest)
+        return manifest.body
+
+    def restore(
+        self,
+        state: dict[str, Any],
+        step: int | None,
+        *,
+        verify: bool,
+        rng: bool,
+        strict: bool,
+        key_map: Callable[[str], str | None] | None,
+    ) -> int:
+        tried: list[int] = []
+        attempt = 0
+        while True:
+            attempt += 1
+            candidate, location = self.group.from_rank0(
+                ("pick", step, attempt), partial(self._pick, step, tried)
+            )
+            began = now_ns()
+            try:
+                tensors, saved, rng_record = self._read_for(
+                    state, candidate, location, verify, rng, attempt, strict, key_map
+                )
+            except CheckpointError as exc:
+                if step is not None:
+                    raise
+                tried.append(candidate)
+                warnings.warn(
+                    f"nbckpt: skipping {step_name(candidate)}: {exc}; trying an older checkpoint",
+                    stacklevel=4,  # the caller of Checkpointer.restore
+                )
+                continue
+            self.group.exchange(
+                ("apply", candidate, attempt), partial(_apply, state, saved, tensors, candidate)
+            )
+            if rng_record is not None:
+                _rng.restore(rng_record)
+            self.timeline.record(
+                "restore", began, step=candidate, nbytes=sum(t.nbytes for t in tensors.values())
+            )
+            return candidate
+
+    def _pick(self, step: int | None, tried: list[int]) -> tuple[int, str]:
+        """Rank 0's choice of checkpoint, which every rank then uses (one listing, one answer)."""
+        committed = self.store.committed()
+        if step is not None:
+            return step, self.location(step)
+        left = [s for s in sorted(committed, reverse=True) if s not in tried]
+        if not left:
+            raise CheckpointError(f"no valid checkpoint in {self.store.url}")
+        return left[0], committed[left[0]]
+
+    def _read_for(
+        self,
+        state: dict[str, Any],
+        step: int,
+        location: str,
+        verify: bool,
+        rng: bool,
+        attempt: int,
+        strict: bool,
+        key_map: Callable[[str], str | None] | None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], Any]:
+        """This rank's part of a restore, agreed by all: the caller's mistakes first, then damage."""
+        box: list[Any] = []
+
+        def check() -> str:
+            manifest = self.manifest(step, location)
+            saved = align(state, manifest.tree(self.rank), key_map)
+            problems = check_template(state, saved, "")
+            if strict:
+                left = [repr(key) for key, _ in saved["items"] if key not in state]
+                if left:
+                    problems.append(f"strict: the state does not name the saved {', '.join(left)}")
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise ConfigError(f"cannot restore {step_name(step)} into this state: {problems[0]}{more}")
+            box.append((manifest, saved))
+            return manifest.checksum
+
+        checksums = self.group.exchange(("check", step, attempt), check)
+        if len(set(checksums)) > 1:
+            raise CheckpointError(f"{step_name(step)}/{MANIFEST} reads differently on different ranks")
+        manifest, saved = box[0]
+
+        def read() -> None:
+            subtree = {"t": "dict", "items": [[k, n] for k, n in saved["items"] if k in state]}
+            keys = [leaf["key"] for leaf in node_tensors(subtree)]
+            if verify and self.rank == 0:
+                check_dcp_metadata(
+                    read_metadata(self.store, location, manifest),
+                    manifest,
+                    f"{step_name(step)}/{METADATA_FILE}",
+                )
+            tensors, _ = read_tensors(self.store, self.io, location, manifest, keys, verify=verify)
+            box.append(tensors)
+
+        self.group.exchange(("read", step, attempt), read)
+        return box[1], saved, manifest.rng(self.rank) if rng else None
+
+    def load(self, step: int, *, verify: bool, map_location: str | torch.device | None) -> dict[str, Any]:
+        location = self.location(step)
+        manifest = self.manifest(step, location)
+        saved = manifest.tree(self.rank)
+        if map_location is not None and torch.device(map_location).type == "meta":
+            # Shapes and dtypes without a byte read: the cheap look at what a checkpoint holds.
+            tensors = {
+                key: torch.empty(s.shape, dtype=s.dtype, device="meta")
+                for key, s in tree_specs(saved).items()
+            }
+            return dict(decode(saved, tensors))
+        keys = [leaf["key"] for leaf in node_tensors(saved)]
+        tensors, _ = read_tensors(self.store, self.io, location, manifest, keys, verify=verify)
+        if map_location is not None:
+            tensors = {k: t.to(map_location) for k, t in tensors.items()}
+        value: dict[str, Any] = decode(saved, tensors)
+        return value
+
+
+def _apply(state: dict[str, Any], saved: dict[str, Any], tensors: dict[str, torch.Tensor], step: int) -> None:
+    try:
+        apply(state, saved, tensors)
+    except (ValueError, RuntimeError, KeyError, TypeError) as exc:  # e.g. an optimizer's groups
+        raise ConfigError(f"cannot restore {step_name(step)} into this state: {describe_error(exc)}") from exc

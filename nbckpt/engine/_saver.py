@@ -1,0 +1,415 @@
+"""The save pipeline: plan, stage, persist in the background, commit, then retention.
+
+One save goes: flatten and agree across ranks (:meth:`Saver.start`), plan the file layout
+(cached per structure), wait for room (backpressure), copy into a staging slot, then on the
+persist thread write every file, agree, build the manifest and commit; retention deletes
+old steps on its own thread after the commit has been reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import warnings
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from functools import partial
+from typing import Any
+
+from .. import _faults
+from .._errors import CheckpointError, ConfigError, describe_error
+from .._timeline import Timeline, now_ns
+from . import _rng
+from ._config import CheckpointConfig
+from ._files import FileResult, write_image
+from ._handles import SaveHandle, SaveRecord
+from ._layout import METADATA_FILE, Layout, plan
+from ._manifest import build
+from ._ranks import RankInfo
+from ._staging import Stager, StagingPool
+from ._state import Flattened, flatten
+from ._store import Store, step_name
+from ._workers import Pool, Worker, run_all
+
+__all__ = ["Saver"]
+
+_log = logging.getLogger("nbckpt")
+#: Structures a run alternates between at most (a model, then with its optimizer state, ...).
+_LAYOUTS_KEPT = 4
+
+
+class Saver:
+    """Everything a save needs and everything in flight; the Checkpointer drives it."""
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        store: Store,
+        ranks: RankInfo,
+        timeline: Timeline,
+        io: Pool,
+        nonce: str,
+        committed: set[int],
+    ) -> None:
+        self.config, self.store, self.ranks, self.timeline, self.io = config, store, ranks, timeline, io
+        self.records: list[SaveRecord] = []
+        self.committed = committed
+        self._nonce = nonce
+        self._state = threading.Lock()  # the bookkeeping below, shared with the background
+        self._inflight: deque[SaveHandle] = deque()
+        self._unreported: list[SaveHandle] = []
+        self._layouts: dict[Any, Layout] = {}
+        self._retention: Future[None] | None = None
+        self._seq = 0
+        self.pool = StagingPool(config.max_inflight, pin=_cuda())
+        self._stager = Stager()
+        self._persister = Worker("nbckpt-persist")
+        self._retainer = Worker("nbckpt-retention")
+
+    # -- the caller's side ----------------------------------------------------------------------
+
+    def start(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        *,
+        sync: bool,
+        overlap: bool,
+        capture_rng: bool,
+        overwrite: bool,
+        owner: object,
+    ) -> SaveHandle:
+        """Stage ``state`` and queue its persist; with ``sync``, wait for the commit too.
+
+        The persist job holds ``owner`` (the Checkpointer): one dropped while a save is in
+        flight stays alive, and keeps its directory, until that save is over.
+        """
+        start = now_ns()
+        self.raise_pending()
+        self._seq += 1
+        seq = self._seq
+        flat, layout = self._plan(state, step, seq)
+        if step in self.committed and not overwrite:
+            warnings.warn(
+                f"nbckpt: step {step} already exists in {self.store.url} and is replaced; "
+                "pass overwrite=True if that is intended, or save to a new directory",
+                stacklevel=3,  # the caller of Checkpointer.save
+            )
+        handle = SaveHandle(step, flat.nbytes, seq, reported=sync)
+        self._wait_for_room(handle, sync)
+        rng_state = _rng.capture() if capture_rng else None
+        stage_done: Future[tuple[float, int]] = Future()
+        stage_began = now_ns()
+        stage_done.add_done_callback(partial(self._staged, handle, stage_began))
+        try:
+            slot = self.pool.acquire(handle)
+            try:
+                dtypes = {s.key: s.dtype for s in flat.specs}
+                slot.fit(
+                    layout.files.get(self.ranks.rank, ()),
+                    dtypes,
+                    {s.key: s.shape for s in flat.specs},
+                    pin=self.pool.pin,
+                )
+            except Exception as exc:
+                raise CheckpointError(
+                    f"could not allocate {flat.nbytes / 1e9:.2f} GB of staging memory: {describe_error(exc)}"
+                ) from exc
+            self._stager.stage(flat.tensors, slot, stage_done, wait=sync or not overlap)
+        except BaseException:
+            if handle.slot is not None:
+                self.pool.release(handle.slot, handle)
+            raise
+        with self._state:
+            self._inflight.append(handle)
+        try:
+            self._persister.submit(
+                partial(self._persist, handle, flat, layout, rng_state, stage_done, start, sync, owner)
+            )
+            handle.stall_s = (now_ns() - start) / 1e9
+            self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
+        finally:
+            handle._returned.set()  # stall_s is final: the record may be built
+        if sync:
+            try:
+                handle.committed.result()
+            except KeyboardInterrupt:
+                handle.reported = False  # it goes on in the background: report its outcome later
+                raise
+        return handle
+
+    def warmup(self, state: Mapping[str, Any]) -> None:
+        """Plan ``state``'s structure and fit every slot to it (each slot is taken in turn)."""
+        self._seq += 1
+        flat, layout = self._plan(state, -1, self._seq)
+        self.pool.prepare(
+            layout.files.get(self.ranks.rank, ()),
+            {s.key: s.dtype for s in flat.specs},
+            {s.key: s.shape for s in flat.specs},
+        )
+
+    def _plan(self, state: Mapping[str, Any], step: int, seq: int) -> tuple[Flattened, Layout]:
+        """Flatten and agree across ranks, then the file layout (cached per structure)."""
+        box: list[Flattened] = []
+
+        def local() -> tuple[Any, ...]:
+            flat = flatten(state)
+            box.append(flat)
+            return tuple(flat.specs)
+
+        signatures = self.ranks.caller.exchange(("save", step, seq), local)
+        flat = box[0]
+        key = tuple(signatures)
+        layout = self._layouts.get(key)
+        if layout is None:
+            paths = flat.paths
+            if self.ranks.world_size > 1:
+                everyone = self.ranks.caller.exchange(("plan", step, seq), lambda: flat.paths)
+                paths = {k: v for rank_paths in everyone for k, v in rank_paths.items()}
+            try:
+                layout = plan(signatures, paths, self.config.writer_threads)
+            except CheckpointError as exc:
+                raise ConfigError(str(exc)) from None
+            if len(self._layouts) >= _LAYOUTS_KEPT:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = layout
+        return flat, layout
+
+    def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
+        """Backpressure: wait while ``max_inflight`` saves are in flight (a sync save: for all)."""
+        began = now_ns()
+        while True:
+            with self._state:
+                if not self._inflight or (not sync and len(self._inflight) < self.config.max_inflight):
+                    break
+                oldest = self._inflight[0]
+            with contextlib.suppress(CheckpointError):  # raised just below, once
+                oldest.committed.result()
+            self._settled(oldest)
+        handle.wait_s = (now_ns() - began) / 1e9
+        if handle.wait_s > 1e-4:
+            self.timeline.record("wait", began, step=handle.step)
+        self.raise_pending()
+
+    def _settled(self, handle: SaveHandle) -> None:
+        """Forget a save that is done (only then: Ctrl-C while waiting keeps it tracked)."""
+        with self._state:
+            if self._inflight and self._inflight[0] is handle:
+                self._inflight.popleft()
+
+    def wait_staged(self) -> None:
+        """Block until every save has finished copying the state (see ``save(overlap=True)``)."""
+        with self._state:
+            pending = list(self._inflight)
+        for handle in pending:
+            handle.wait_staged()
+
+    def wait(self) -> list[SaveRecord]:
+        """Block until every save in flight has committed and retention is done; raise the first
+        background error."""
+        records = []
+        while True:
+            with self._state:
+                if not self._inflight:
+                    break
+                oldest = self._inflight[0]
+            with contextlib.suppress(CheckpointError):  # raised below, once
+                records.append(oldest.committed.result())
+            self._settled(oldest)
+        if self._retention is not None:
+            self._retention.result()
+        self.raise_pending()
+        return records
+
+    def raise_pending(self) -> None:
+        """Raise the first background failure nobody has been told of (once)."""
+        with self._state:
+            failed = [h for h in self._unreported if not h.reported]
+            self._unreported.clear()
+        if failed:
+            failed[0].reported = True
+            raise failed[0].committed.exception()  # type: ignore[misc]
+
+    @property
+    def handles(self) -> list[SaveHandle]:
+        with self._state:
+            return list(self._inflight)
+
+    def stop(self, wait: bool) -> None:
+        """Stop the threads (``wait`` for them to end; not from a finalizer, which may run on one)."""
+        self._stager.stop(wait)
+        self._persister.stop(wait)
+        self._retainer.stop(wait)
+
+    # -- the background's side ------------------------------------------------------------------
+
+    def _staged(self, handle: SaveHandle, began: int, done: Future[tuple[float, int]]) -> None:
+        """Staging ended (on a stage thread): the state may change from now on."""
+        if done.exception() is not None:
+            return  # reported by the persist job, which fails the save
+        ended = done.result()[1]
+        handle.stage_s = (ended - began) / 1e9
+        self.timeline.record("stage", began, ended, step=handle.step, nbytes=handle.bytes)
+        handle.phase = "staged"
+        handle.staged.set_result(None)
+
+    def _persist(
+        self,
+        handle: SaveHandle,
+        flat: Flattened,
+        layout: Layout,
+        rng_state: dict[str, Any] | None,
+        stage_done: Future[tuple[float, int]],
+        start: int,
+        sync: bool,
+        owner: object,
+    ) -> None:
+        """Write, agree, commit; every outcome sets ``handle.committed`` exactly once."""
+        step, tag = handle.step, handle.seq
+        background, rank = self.ranks.background, self.ranks.rank
+        began = persist_began = now_ns()
+        location: str | None = None
+        path: str | None = None
+        try:
+            cpu_s = stage_done.result()[0]
+            handle.staged.result()  # set by the stage thread's callback before this returns
+            handle.phase = "persisting"
+            persist_began = now_ns()
+            nonce = f"{self._nonce}{tag:x}"
+            location = background.from_rank0(("begin", step, tag), lambda: self.store.begin(step, nonce))
+            written = background.exchange(
+                ("write", step, tag),
+                lambda: self._write(handle, location or "", layout, flat.tree, rng_state),
+            )
+            assert handle.slot is not None
+            self.pool.release(handle.slot, handle)  # the images are written: the slot is free
+            files: dict[str, FileResult] = {}
+            for part in written:
+                files.update(part[0])
+            cpu_s += sum(result.cpu_s for result in written[rank][0].values())
+            for result in written[rank][0].values():
+                if result.fsync_ns != (0, 0):
+                    self.timeline.record("fsync", *result.fsync_ns, step=step, file=result.name)
+            persisted = now_ns()
+            manifest = build(
+                step=step,
+                nbytes=sum(part[3] for part in written),
+                world_size=self.ranks.world_size,
+                files=files,
+                items=layout.locations,
+                tree=flat.tree,
+                rank_trees={str(r): part[1] for r, part in enumerate(written) if part[1] != flat.tree},
+                rng={str(r): part[2] for r, part in enumerate(written) if part[2] is not None},
+                version=_version(),
+            )
+            target = location
+            path = background.from_rank0(
+                ("commit", step, tag), lambda: self.store.commit(target, step, manifest)
+            )
+        except BaseException as exc:
+            # Once committed, the checkpoint stays whatever fails after; before, it goes.
+            if handle.slot is not None:
+                self.pool.release(handle.slot, handle)
+            if path is None and location is not None and rank == 0:
+                self.store.discard(location)
+            self._fail(handle, exc, began)
+            return
+        if not sync:
+            handle._returned.wait()  # stall_s is final once save() has returned
+        persist_s = (now_ns() - persist_began) / 1e9
+        record = SaveRecord(
+            step=step,
+            path=path,
+            bytes=handle.bytes,
+            stall_s=(now_ns() - start) / 1e9 if sync else handle.stall_s,
+            stage_s=handle.stage_s,
+            persist_s=persist_s,
+            wait_s=handle.wait_s,
+            write_gbs=handle.bytes / persist_s / 1e9 if persist_s > 0 else 0.0,
+            cpu_s=cpu_s,
+        )
+        self.timeline.record("persist", persist_began, persisted, step=step, nbytes=handle.bytes)
+        self.timeline.record("commit", persisted, step=step)
+        with self._state:
+            self.records.append(record)
+            self.committed.add(step)
+        handle.phase = "committed"
+        retention: Future[None] | None = None
+        if self.config.keep is not None and rank == 0:
+            retention = Future()
+            self._retention = retention  # before the commit is reported: wait() must see it
+        handle.committed.set_result(record)
+        if retention is not None:  # after the commit is reported: a slow delete delays no save
+            self._retainer.submit(partial(self._retain, step, retention))
+
+    def _write(
+        self, handle: SaveHandle, location: str, layout: Layout, tree: Any, rng_state: Any
+    ) -> tuple[dict[str, FileResult], Any, Any, int]:
+        """This rank's files, written in parallel (rank 0 adds the DCP metadata)."""
+        slot = handle.slot
+        assert slot is not None
+        fsync = self.store.is_local
+        jobs: list[Callable[[], FileResult]] = [
+            partial(self._write_one, location, name, image.numpy().data, fsync)
+            for name, image in slot.images.items()
+        ]
+        if self.ranks.rank == 0:
+            jobs.append(partial(self._write_one, location, METADATA_FILE, memoryview(layout.metadata), fsync))
+        # All of them finish, even after a failure: nothing may write into a removed location.
+        results = {result.name: result for result in run_all(self.io, jobs)}
+        _faults.hit("after_data")
+        return results, tree, rng_state, sum(view.nbytes for view in slot.views.values())
+
+    def _write_one(self, location: str, name: str, data: memoryview, fsync: bool) -> FileResult:
+        return write_image(self.store.sink(location, name), data, fsync=fsync)
+
+    def _fail(self, handle: SaveHandle, exc: BaseException, began: int) -> None:
+        error = CheckpointError(
+            f"save of step {handle.step} to {self.store.url} failed: "
+            f"{exc if isinstance(exc, CheckpointError) else describe_error(exc)}"
+        )
+        error.__cause__ = exc
+        handle.phase = "failed"
+        if not handle.staged.done():
+            handle.staged.set_exception(error)
+        with self._state:
+            self._unreported.append(handle)
+        handle.committed.set_exception(error)
+        self.timeline.record("error", began, step=handle.step, message=str(error))
+        _log.warning("%s", error)
+
+    def _retain(self, newest: int, done: Future[None]) -> None:
+        """Delete the oldest checkpoints beyond ``keep``, never ``newest``; failures are logged."""
+        try:
+            keep = self.config.keep or 0
+            steps = sorted(s for s in self.store.committed() if s != newest)
+            for step in steps[: max(len(steps) + 1 - keep, 0)]:
+                began = now_ns()
+                try:
+                    self.store.delete(step)
+                except Exception as exc:
+                    _log.warning(
+                        "nbckpt: could not delete old checkpoint %s: %s", step_name(step), describe_error(exc)
+                    )
+                    continue
+                with self._state:
+                    self.committed.discard(step)
+                self.timeline.record("delete", began, step=step)
+        except Exception as exc:
+            _log.warning("nbckpt: retention failed: %s", describe_error(exc))
+        finally:
+            done.set_result(None)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
