@@ -1,9 +1,16 @@
-"""GPU (or CPU) correctness checks of the engine plus a short two-size benchmark, as JSON.
+"""The GPU check: the engine's CUDA paths for correctness, then the engine benchmark on the GPU, as JSON.
 
-    .venv/bin/python scripts/device_check.py --json data/results/device-check.json
+    bash scripts/device_check.sh                 # on the device machine (or here, on CPU, to test it)
+    .venv/bin/python scripts/device_check.py --json data/results/device-check-cuda.json
 
-On CUDA this exercises pinned staging buffers, the side copy stream and its event, overlap
-mode and restore onto GPU tensors; on a machine without CUDA the same checks run on CPU.
+On CUDA it exercises what no CPU run can: staging into pinned host images on a side stream
+(device-to-host copies that overlap the caller's work, ordered after it by an event), the
+``overlap=True`` contract, restore from host buffers onto GPU tensors (host-to-device) in a
+fresh process state, ``load(map_location="cuda")``, a failed restore leaving GPU tensors
+unchanged, and the CUDA RNG state. Then the benchmark's GPU sections: the copy floor into
+pinned memory, the stall against DCP's async save with and without its pinned stager, persist
+into /dev/shm and restore from it. Every part records its own error instead of stopping the
+run: one try on the device machine must bring back as much as it can.
 """
 
 from __future__ import annotations
@@ -15,74 +22,144 @@ import platform
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from nbckpt import Checkpointer
+from nbckpt import Checkpointer, CheckpointError
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import engine as engine_bench
 
 
-def correctness(device: str, directory: str) -> dict[str, Any]:
+def model_and_optimizer(device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
     model.to(device)
-    optim = torch.optim.AdamW(model.parameters())
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def correctness(device: str, directory: str) -> dict[str, Any]:
+    """Saves with overlap on ``device``, restore into fresh objects there, and the failure paths."""
+    model, optim = model_and_optimizer(device)
     checks: dict[str, Any] = {}
     with Checkpointer(directory, capture_rng=True, keep=2) as ckpt:
         for step in range(1, 4):
             model(torch.randn(64, 512, device=device)).square().mean().backward()
             handle = ckpt.save({"model": model, "optim": optim, "step": step}, step=step, overlap=True)
-            handle.wait_staged()  # the contract: before the optimizer mutates parameters
+            handle.wait_staged()  # the contract: before the optimizer changes the parameters
             optim.step()
             optim.zero_grad()
         ckpt.wait()
-        saved_step = ckpt.latest_step()
+        checks["overlap_saves_committed"] = ckpt.latest_step() == 3
+        checks["pinned_staging"] = (
+            all(image.is_pinned() for slot in ckpt._saver.pool._slots for image in slot.images.values())
+            if device == "cuda"
+            else None
+        )
         expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        expected_optim = {k: v.clone() for k, v in optim.state_dict()["state"][0].items()}
         record = ckpt.save({"model": model, "optim": optim, "step": 4}, step=4).wait()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()
-        state = {"model": model, "optim": optim, "step": 0}
-        restored = ckpt.restore(state)
-        checks["restored_step"] = restored
-        checks["bit_exact"] = all(torch.equal(expected[k], v) for k, v in model.state_dict().items())
-        checks["on_device"] = all(p.device.type == torch.device(device).type for p in model.parameters())
-        checks["overlap_saves_committed"] = saved_step == 3
-        checks["stage_s"] = record.stage_s
-        checks["stall_s"] = record.stall_s
-    checks["ok"] = bool(checks["bit_exact"] and checks["on_device"] and restored == 4)
+        checks["stage_s"], checks["stall_s"], checks["persist_s"] = (
+            record.stage_s,
+            record.stall_s,
+            record.persist_s,
+        )
+        after_save = torch.rand(3, device=device)  # CUDA (or CPU) RNG right after the save
+    fresh_model, fresh_optim = model_and_optimizer(device)
+    with torch.no_grad():
+        for p in fresh_model.parameters():
+            p.zero_()
+    with Checkpointer(directory) as ckpt:  # a new Checkpointer: no staging images to reuse
+        state = {"model": fresh_model, "optim": fresh_optim, "step": 0}
+        checks["restored_step"] = ckpt.restore(state)
+        checks["rng_continues"] = torch.equal(torch.rand(3, device=device), after_save)
+        checks["bit_exact"] = all(torch.equal(expected[k], v) for k, v in fresh_model.state_dict().items())
+        restored_optim = fresh_optim.state_dict()["state"][0]
+        checks["optimizer_exact"] = all(
+            torch.equal(expected_optim[k], restored_optim[k]) for k in expected_optim
+        )
+        checks["on_device"] = all(p.device.type == device for p in fresh_model.parameters())
+        checks["optimizer_on_device"] = restored_optim["exp_avg"].device.type == device
+        loaded = ckpt.load(map_location=device)
+        checks["load_map_location"] = loaded["model"]["0.weight"].device.type == device and torch.equal(
+            loaded["model"]["0.weight"], expected["0.weight"]
+        )
+        checks["failed_restore_unchanged"] = failed_restore_leaves_state(ckpt, directory, device)
+    checks["ok"] = all(v is not False for k, v in checks.items() if isinstance(v, bool) or v is None)
     return checks
+
+
+def failed_restore_leaves_state(ckpt: Checkpointer, directory: str, device: str) -> bool:
+    step_dir = Path(ckpt.store.committed()[4])
+    data = sorted(step_dir.glob("*.distcp"))[-1]
+    raw = bytearray(data.read_bytes())
+    raw[-200] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    target = {"model": model_and_optimizer(device)[0]}
+    before = {k: v.clone() for k, v in target["model"].state_dict().items()}
+    try:
+        ckpt.restore(target, step=4)
+        return False
+    except CheckpointError:
+        return all(torch.equal(before[k], v) for k, v in target["model"].state_dict().items())
+
+
+def guarded(name: str, run: Callable[[], Any], errors: dict[str, str]) -> Any:
+    try:
+        return run()
+    except Exception:
+        errors[name] = traceback.format_exc(limit=8)
+        print(f"{name} failed:\n{errors[name]}", file=sys.stderr, flush=True)
+        return None
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="data/results/device-check.json")
-    parser.add_argument("--sizes-mb", default="256,2048")
+    parser.add_argument("--size-mb", type=float, default=2048, help="state for the benchmark sections")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    errors: dict[str, str] = {}
     result: dict[str, Any] = {
         "device": device,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpus": os.cpu_count(),
         "unix_time": time.time(),
+        "errors": errors,
     }
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        result["correctness"] = correctness(device, os.path.join(tmp, "correctness"))
-        result["benchmarks"] = [
-            engine_bench.run(float(size), os.path.join(tmp, f"bench{size}"), repeats=2, device=device)
-            for size in args.sizes_mb.split(",")
-        ]
-    for bench in result["benchmarks"]:
-        engine_bench.print_table(bench)
+        result["correctness"] = guarded(
+            "correctness", lambda: correctness(device, os.path.join(tmp, "c")), errors
+        )
+        bench = engine_bench.parse(
+            [
+                "--device",
+                device,
+                "--size-mb",
+                str(args.size_mb),
+                "--repeats",
+                str(args.repeats),
+                "--dir",
+                os.path.join(tmp, "bench"),
+                "--keep-going",
+                "--only",
+                "copy_floor,stall,persist_shm,restore_shm,persist_disk",
+            ]
+        )
+        result["benchmark"] = guarded("benchmark", lambda: engine_bench.run(bench), errors)
     print(json.dumps(result["correctness"], indent=1))
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as stream:
-        json.dump(result, stream, indent=1)
-    return 0 if result["correctness"]["ok"] else 1
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    ok = bool(result["correctness"] and result["correctness"]["ok"]) and not errors
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

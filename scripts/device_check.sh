@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The one GPU check: engine correctness on CUDA tensors and a two-size benchmark (< 8 minutes).
+# The one GPU check: the engine's CUDA paths for correctness, then the engine benchmark on the GPU.
 #   bash scripts/device_check.sh            # on the device machine, or here on CPU to test it
-# Writes data/results/device-check-<cuda|cpu>.json.
+# Writes device-check-<cuda|cpu>.json into $OUT (the device tool's folder) or data/results/.
+# About 4 minutes on an H200 machine with the default 2 GiB state; SIZE_MB=256 for a quick try.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 DEVICE=$("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
-SIZES=${SIZES:-256,2048}
-[ "$DEVICE" = cpu ] && SIZES=${CPU_SIZES:-64,256}
+SIZE_MB=${SIZE_MB:-2048}
+[ "$DEVICE" = cpu ] && SIZE_MB=${CPU_SIZE_MB:-64}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" scripts/device_check.py --sizes-mb "$SIZES" --json "${OUT:-data/results}/device-check-$DEVICE.json"
+"$PY" scripts/device_check.py --size-mb "$SIZE_MB" --json "${OUT:-data/results}/device-check-$DEVICE.json"

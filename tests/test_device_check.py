@@ -15,4 +15,5 @@ def test_device_check_correctness_on_cpu(tmp_path: Path) -> None:
     spec.loader.exec_module(module)
     checks = module.correctness("cpu", str(tmp_path / "ckpt"))
     assert checks["ok"] and checks["bit_exact"] and checks["restored_step"] == 4
-    assert checks["overlap_saves_committed"]
+    assert checks["overlap_saves_committed"] and checks["optimizer_exact"] and checks["rng_continues"]
+    assert checks["failed_restore_unchanged"] and checks["load_map_location"]

@@ -10,11 +10,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -72,6 +75,8 @@ class Checkpointer:
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.timeline = Timeline(rank=self.rank, label=f"nbckpt-{self.config.mode}")
         self._lock = threading.RLock()  # one operation at a time, whichever thread calls
+        self._main_depth = 0  # operations the main thread is inside (a signal may interrupt them)
+        self._deferred: Callable[[], None] | None = None  # a final save waiting for one to end
         self._closed = False
         nonce, committed = ranks.caller.from_rank0(("open",), self._open_store)
         self._io = Pool(self.config.writer_threads, "nbckpt-io")
@@ -122,7 +127,7 @@ class Checkpointer:
         Saving a step that exists already replaces it, with a warning unless ``overwrite``.
         Errors of earlier background saves are raised here, once, as CheckpointError.
         """
-        with self._lock:
+        with self._operation():
             self._check_open(writing=True)
             check_step(step)
             return self._saver.start(
@@ -138,7 +143,7 @@ class Checkpointer:
     def warmup(self, state: Mapping[str, Any]) -> int:
         """Plan the files and allocate every staging slot for ``state``'s structure now, so the
         first save during training costs what the others do; return the host bytes held."""
-        with self._lock:
+        with self._operation():
             self._check_open(writing=True)
             self._saver.warmup(state)
             return self.host_bytes
@@ -149,7 +154,7 @@ class Checkpointer:
 
     def wait(self) -> list[SaveRecord]:
         """Block until every save in flight has committed; raise the first background error."""
-        with self._lock:
+        with self._operation():
             return self._saver.wait()
 
     @property
@@ -213,7 +218,7 @@ class Checkpointer:
         back intact is used: a damaged one is skipped with a warning naming the file. Saves in
         flight are waited for first; if the restore fails, ``state`` is unchanged.
         """
-        with self._lock:
+        with self._operation():
             self._check_open()
             if not isinstance(state, dict):
                 raise ConfigError(f"state must be a dict, not {type(state).__name__}")
@@ -237,7 +242,7 @@ class Checkpointer:
 
         ``map_location="meta"`` reads no tensor data at all: shapes, dtypes and every saved
         value (hyperparameters, step counters) from the manifest alone."""
-        with self._lock:
+        with self._operation():
             self._check_open()
             self._saver.wait()
             if step is None:
@@ -248,14 +253,52 @@ class Checkpointer:
 
     def delete(self, step: int) -> None:
         """Delete a committed checkpoint (it stops counting before its files go)."""
-        with self._lock:
+        with self._operation():
             self._check_open(writing=True)
             self._saver.wait()
             self._restorer.location(check_step(step))
             self._restorer.group.from_rank0(("delete", step), lambda: self.store.delete(step))
             self._saver.committed.discard(step)
 
+    def save_on_signal(
+        self,
+        snapshot: Callable[[], tuple[Mapping[str, Any], int]],
+        *,
+        signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
+        timeout_s: float = 25.0,
+    ) -> None:
+        """On ``signals`` (preemption: SIGTERM by default), save ``snapshot()``'s ``(state, step)``
+        synchronously, then let the signal do what it did before (by default: end the process).
+
+        The final save gets ``timeout_s`` (inside a typical 30 s grace period). If it cannot
+        commit in time (the storage is slow, or the signal came in the middle of another
+        Checkpointer call), the process goes on to exit and the previous checkpoint stays:
+        a save that did not commit never counts. What happened is logged either way. Install
+        from the main thread; ``snapshot`` runs there, when the signal arrives.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            raise ConfigError("save_on_signal must be called from the main thread (signals reach only it)")
+        for signum in signals:
+            previous = signal.getsignal(signum)
+            handler = partial(_final_save, weakref.ref(self), snapshot, timeout_s, previous)
+            signal.signal(signum, handler)
+
     # -- lifetime -----------------------------------------------------------------------------
+
+    @contextmanager
+    def _operation(self) -> Iterator[None]:
+        """One public operation at a time; a final save asked for by a signal that arrived
+        inside one runs as soon as it ends (re-entering it from the handler could corrupt it)."""
+        main = threading.current_thread() is threading.main_thread()
+        with self._lock:
+            self._main_depth += main
+            try:
+                yield
+            finally:
+                self._main_depth -= main
+        if main and self._main_depth == 0 and self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            deferred()
 
     def _check_open(self, *, writing: bool = False) -> None:
         if self._closed:
@@ -265,7 +308,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for saves in flight, release the directory lock; raise any background error."""
-        with self._lock:
+        with self._operation():
             if self._closed:
                 return
             try:
@@ -292,6 +335,49 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.store.url!r}, mode={self.config.mode!r}, keep={self.config.keep})"
+
+
+def _final_save(
+    ref: weakref.ref[Checkpointer],
+    snapshot: Callable[[], tuple[Mapping[str, Any], int]],
+    timeout_s: float,
+    previous: Any,
+    signum: int,
+    frame: Any,
+) -> None:
+    """The signal handler of :meth:`Checkpointer.save_on_signal` (runs on the main thread)."""
+    name = signal.Signals(signum).name
+    ckpt = ref()
+    if ckpt is not None and ckpt._main_depth:  # interrupted inside a call: save once it returns
+        ckpt._deferred = partial(_final_save, ref, snapshot, timeout_s, previous, signum, frame)
+        return
+    if ckpt is not None and not ckpt._closed:
+        outcome: list[str] = []
+        try:
+            state, step = snapshot()
+        except Exception as exc:
+            _log.warning("nbckpt: %s: no final save, the snapshot failed: %s", name, exc)
+        else:
+            # On its own thread, bounded by the timeout (another thread may hold the lock).
+            saver = threading.Thread(target=_save_for, args=(ckpt, state, step, outcome), daemon=True)
+            saver.start()
+            saver.join(timeout_s)
+            if saver.is_alive():
+                outcome.append(f"did not commit within {timeout_s:g} s; the previous checkpoint stays")
+            _log.warning("nbckpt: %s: final save of step %s %s", name, step, outcome[0])
+    signal.signal(signum, previous)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        os.kill(os.getpid(), signum)
+
+
+def _save_for(ckpt: Checkpointer, state: Mapping[str, Any], step: int, outcome: list[str]) -> None:
+    try:
+        ckpt.save(state, step, blocking=True, overwrite=True)
+        outcome.append("committed")
+    except BaseException as exc:
+        outcome.append(f"failed: {exc}")
 
 
 def _release(store: Store, saver: Saver, io: Pool, wait: bool) -> None:

@@ -10,15 +10,12 @@ single byte of tensor data is read.
 from __future__ import annotations
 
 import json
-import platform
 import re
-import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-import torch
 import xxhash
 
 from .._errors import CheckpointError
@@ -103,7 +100,7 @@ def build(
     tree: dict[str, Any],
     rank_trees: Mapping[str, Any],
     rng: Mapping[str, Any],
-    version: str,
+    provenance: Mapping[str, Any],
 ) -> bytes:
     """The manifest of a checkpoint whose files have all been written."""
     body: dict[str, Any] = {
@@ -121,10 +118,7 @@ def build(
         "tree": tree,
         **({"rank_trees": dict(rank_trees)} if rank_trees else {}),
         **({"rng": dict(rng)} if rng else {}),
-        "nbckpt_version": version,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "host": socket.gethostname(),
+        "provenance": dict(provenance),
     }
     return sign(body)
 

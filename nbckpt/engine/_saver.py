@@ -27,6 +27,7 @@ from ._files import FileResult, write_image
 from ._handles import SaveHandle, SaveRecord
 from ._layout import METADATA_FILE, Layout, plan
 from ._manifest import build
+from ._provenance import provenance
 from ._ranks import RankInfo
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten
@@ -63,6 +64,7 @@ class Saver:
         self._layouts: dict[Any, Layout] = {}
         self._retention: Future[None] | None = None
         self._seq = 0
+        self._origin: dict[str, Any] | None = None
         self.pool = StagingPool(config.max_inflight, pin=_cuda())
         self._stager = Stager()
         self._persister = Worker("nbckpt-persist")
@@ -103,6 +105,10 @@ class Saver:
         stage_done: Future[tuple[float, int]] = Future()
         stage_began = now_ns()
         stage_done.add_done_callback(partial(self._staged, handle, stage_began))
+        note = self.pool.preflight(sum(f.size for f in layout.files.get(self.ranks.rank, ())))
+        if note is not None:
+            warnings.warn(f"nbckpt: {note}", stacklevel=3)  # the caller of Checkpointer.save
+            _log.warning("nbckpt: %s", note)
         try:
             slot = self.pool.acquire(handle)
             try:
@@ -144,6 +150,9 @@ class Saver:
         """Plan ``state``'s structure and fit every slot to it (each slot is taken in turn)."""
         self._seq += 1
         flat, layout = self._plan(state, -1, self._seq)
+        note = self.pool.preflight(sum(f.size for f in layout.files.get(self.ranks.rank, ())))
+        if note is not None:
+            warnings.warn(f"nbckpt: {note}", stacklevel=3)
         self.pool.prepare(
             layout.files.get(self.ranks.rank, ()),
             {s.key: s.dtype for s in flat.specs},
@@ -302,7 +311,7 @@ class Saver:
                 tree=flat.tree,
                 rank_trees={str(r): part[1] for r, part in enumerate(written) if part[1] != flat.tree},
                 rng={str(r): part[2] for r, part in enumerate(written) if part[2] is not None},
-                version=_version(),
+                provenance=self._provenance(),
             )
             target = location
             path = background.from_rank0(
@@ -343,6 +352,11 @@ class Saver:
         handle.committed.set_result(record)
         if retention is not None:  # after the commit is reported: a slow delete delays no save
             self._retainer.submit(partial(self._retain, step, retention))
+
+    def _provenance(self) -> dict[str, Any]:
+        if self._origin is None:  # once per Checkpointer: it runs git
+            self._origin = provenance()
+        return self._origin
 
     def _write(
         self, handle: SaveHandle, location: str, layout: Layout, tree: Any, rng_state: Any
@@ -407,9 +421,3 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return __version__

@@ -8,6 +8,8 @@ hole, and the writer then writes the image as it is.
 
 from __future__ import annotations
 
+import os
+import resource
 import threading
 import time
 from collections.abc import Mapping
@@ -15,9 +17,11 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
+import psutil
 import torch
 
 from .._errors import CheckpointError, describe_error
+from .._util import format_bytes
 from ._layout import FileLayout
 from ._workers import Worker
 
@@ -66,6 +70,10 @@ class Slot:
         self.files, self.images, self.views = files, images, views
 
 
+#: Share of the available host memory staging may take: the rest is the training's.
+MEMORY_SHARE = 0.8
+
+
 class StagingPool:
     """``slots`` slots, each taken by one save from staging until its files are written."""
 
@@ -73,6 +81,44 @@ class StagingPool:
         self.pin = pin
         self._slots = [Slot(i) for i in range(slots)]
         self._free = threading.Condition()
+        self._planned_for = -1  # bytes per slot the memory check below last ran for
+
+    def preflight(self, slot_bytes: int) -> str | None:
+        """Before images of ``slot_bytes`` each are allocated: use fewer slots, or unpinned
+        memory, when the configured ones would not fit (rather than being OOM-killed).
+
+        Returns one line saying what was changed and why (None when nothing was).
+        """
+        if slot_bytes == self._planned_for:
+            return None
+        self._planned_for = slot_bytes
+        notes = []
+        if self.pin:
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            need = slot_bytes * len(self._slots)
+            if soft != resource.RLIM_INFINITY and need > soft and os.geteuid() != 0:
+                self.pin = False
+                notes.append(
+                    f"unpinned: {need / 1e9:.2f} GB of pinned staging exceeds `ulimit -l` "
+                    f"({soft / 1e9:.2f} GB); device-to-host copies will not overlap"
+                )
+        held = self.host_bytes  # freed when the slots are refitted
+        room = int((psutil.virtual_memory().available + held) * MEMORY_SHARE)
+        fit = room // slot_bytes if slot_bytes else len(self._slots)
+        if fit < 1:
+            raise CheckpointError(
+                f"staging this state needs {format_bytes(slot_bytes)} of host memory and only "
+                f"{format_bytes(room)} can be spared ({MEMORY_SHARE:.0%} of what is available)"
+            )
+        requested = len(self._slots)
+        if fit < requested:
+            with self._free:
+                self._slots = self._slots[:fit]
+            notes.append(
+                f"{fit} staging slot(s) instead of {requested}: each needs {format_bytes(slot_bytes)} "
+                f"and {format_bytes(room)} can be spared; saves wait for a free slot instead"
+            )
+        return "; ".join(notes) or None
 
     def acquire(self, owner: Any) -> Slot:
         """A free slot for ``owner`` (waits for one); ``owner.slot`` names it before it is taken.

@@ -415,7 +415,9 @@ def test_manifest_contents(tmp_path: Path) -> None:
     for name, meta in manifest["files"].items():
         assert (Path(record.path) / name).stat().st_size == meta["size"]
         assert len(meta["blocks"]) == 1 and len(meta["blocks"][0]) == 16
-    assert manifest["torch_version"] == torch.__version__ and manifest["checksum"]
+    assert manifest["provenance"]["torch"] == torch.__version__ and manifest["checksum"]
+    assert manifest["provenance"]["program"].endswith(("pytest", "py", "__main__.py", "<interactive>"))
+    assert manifest["provenance"]["git"]["commit"]  # the tests run inside the project's work tree
 
 
 @pytest.mark.parametrize(
@@ -620,3 +622,24 @@ def test_a_read_only_checkpointer_reads_while_another_one_writes(tmp_path: Path)
             with pytest.raises(CheckpointError, match="read-only"):
                 reader.save({"w": torch.ones(3)}, step=2)
         writer.save({"w": torch.ones(3)}, step=2).wait()
+
+
+def test_staging_that_would_not_fit_in_memory_uses_fewer_slots_or_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+
+    class Memory:
+        available = 3_000_000  # bytes: room for one 2 MB slot, not two
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    with Checkpointer(tmp_path, max_inflight=2) as ckpt:
+        with pytest.warns(UserWarning, match=r"1 staging slot\(s\) instead of 2: each needs 2\.0 MB"):
+            ckpt.save({"w": torch.zeros(500_000)}, step=1).wait()
+        ckpt.save({"w": torch.zeros(500_000)}, step=2).wait()  # no second warning
+        assert ckpt.host_bytes < 2_100_000
+        with pytest.raises(
+            CheckpointError, match=r"needs 40\.0 MB of host memory and only \d\.\d MB can be spared"
+        ):
+            ckpt.save({"w": torch.zeros(10_000_000)}, step=3)
+        assert ckpt.steps() == [1, 2]

@@ -37,8 +37,11 @@ def train_step(model: nn.Module, seed: int, step: int) -> None:
 
 
 def make_state(model: nn.Module, seed: int, generation: int) -> dict[str, Any]:
-    return {"model": model, "step": generation,
-            "meta": {"seed": seed, "loss": 1.0 / (generation + 1), "generation": generation}}
+    return {
+        "model": model,
+        "step": generation,
+        "meta": {"seed": seed, "loss": 1.0 / (generation + 1), "generation": generation},
+    }
 
 
 def expected_state(seed: int, generation: int) -> dict[str, Any]:
@@ -93,7 +96,12 @@ def train(
 
 
 def train_logged(
-    directory: str, seed: int, steps: int, keep: int | None, log_path: str, overlap: bool = False,
+    directory: str,
+    seed: int,
+    steps: int,
+    keep: int | None,
+    log_path: str,
+    overlap: bool = False,
     ring: int | None = None,
 ) -> None:
     """:func:`train` writing its progress with one unbuffered write per line (survives SIGKILL)."""
@@ -112,15 +120,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--keep", type=int, default=None)
     parser.add_argument("--ring", type=int, default=None, help="save generations as steps 0..RING-1")
-    parser.add_argument("--no-exchange", action="store_true",
-                        help="behave as on NFS: no renameat2(RENAME_EXCHANGE) for re-saves")
+    parser.add_argument(
+        "--no-exchange",
+        action="store_true",
+        help="behave as on NFS: no renameat2(RENAME_EXCHANGE) for re-saves",
+    )
     args = parser.parse_args(argv)
     if args.no_exchange:
         from nbckpt.engine import _store
 
         _store._exchange = lambda a, b: False  # type: ignore[assignment]
-    train(args.directory, args.seed, args.steps, args.keep, lambda line: print(line, flush=True),
-          ring=args.ring)
+    train(
+        args.directory, args.seed, args.steps, args.keep, lambda line: print(line, flush=True), ring=args.ring
+    )
     return 0
 
 

@@ -1,6 +1,6 @@
 """One rank of the torchrun test: async saves on every rank, then restore and compare.
 
-    torchrun --standalone --nproc_per_node 2 tests/helpers/dist_worker.py DIR
+torchrun --standalone --nproc_per_node 2 tests/helpers/dist_worker.py DIR
 """
 
 from __future__ import annotations
@@ -45,11 +45,20 @@ def main(directory: str) -> int:
         )
         events = ckpt.timeline.to_pandas()
         manifest = ckpt.manifest(3)
-    print(json.dumps({
-        "rank": rank, "ok": ok, "steps": ckpt.steps(), "world_size": manifest["world_size"],
-        "files": sorted(manifest["files"]), "kinds": sorted(set(events["kind"])),
-        "ranks_in_timeline": sorted(set(events["rank"])),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "ok": ok,
+                "steps": ckpt.steps(),
+                "world_size": manifest["world_size"],
+                "files": sorted(manifest["files"]),
+                "kinds": sorted(set(events["kind"])),
+                "ranks_in_timeline": sorted(set(events["rank"])),
+            }
+        ),
+        flush=True,
+    )
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -28,8 +28,16 @@ SECRET = "nbckpt-test-secret"
 
 # weed mini flags that take a port; each gets its own free port.
 _PORT_FLAGS = (
-    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-    "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
 )
 
 
@@ -93,9 +101,17 @@ class SeaweedS3:
         data.mkdir(parents=True, exist_ok=True)
         flags = [f"-{flag}={port}" for flag, port in self.ports.items()]
         return [
-            str(self.weed), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-master.telemetry=false", "-admin.ui=false", "-webdav=false",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0",
+            str(self.weed),
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-volume.preStopSeconds=0",
             # Like AWS and FlashBlade: writing to a bucket that does not exist is an error.
             "-s3.autoCreateBucket=false",
             f"-s3.localSocket={self.directory / 's3.sock'}",
@@ -115,8 +131,12 @@ class SeaweedS3:
             env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
             with open(self.log, "ab") as log:
                 self.process = subprocess.Popen(
-                    self._command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                    start_new_session=True, preexec_fn=_die_with_parent,
+                    self._command(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
                 )
             if self._wait_ready(timeout):
                 return

@@ -94,8 +94,13 @@ with Checkpointer(sys.argv[1], keep=2, max_inflight=1) as ckpt:
             interrupted += 1
         timer.cancel()
         timer.join()
-        ckpt.save(state, step=trial * 10 + 9, overwrite=True).wait()  # must never hang
-        ckpt.wait()
+        while True:  # must never hang; a signal delivered late may still interrupt it once
+            try:
+                ckpt.save(state, step=trial * 10 + 9, overwrite=True).wait()
+                ckpt.wait()
+                break
+            except KeyboardInterrupt:
+                interrupted += 1
     print(f"trials {sys.argv[3]} interrupted {interrupted} steps {ckpt.steps()}", flush=True)
 """
 
