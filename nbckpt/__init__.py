@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .engine import CheckpointConfig, Checkpointer, SaveHandle, SaveRecord, close_all
 from ._errors import CheckpointError, ConfigError, NbckptError
 from ._timeline import Event, Timeline
 from ._util import run_directory
+from .engine import CheckpointConfig, Checkpointer, SaveHandle, SaveRecord, close_all
 
 __version__ = "0.1.0"
 

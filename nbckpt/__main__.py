@@ -1,8 +1,9 @@
-"""The ``nbckpt`` command line: thin faces over the Python API.
+"""The nbckpt command line: thin faces over the Python API.
 
     nbckpt bench --dir data/checkpoints/bench --preset tiny --json out.json
     nbckpt probe /mnt/flashblade
     nbckpt report --name report
+    nbckpt --version
     python -m nbckpt --help
 """
 
@@ -15,6 +16,8 @@ from collections.abc import Sequence
 
 from ._errors import NbckptError
 
+__all__ = ["COMMANDS", "build_parser", "main"]
+
 # subcommand -> module exposing add_arguments(parser) and main(args) -> int
 COMMANDS = {
     "bench": ("nbckpt.experiment", "run sync and async checkpoint strategies side by side"),
@@ -24,8 +27,15 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nbckpt", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="nbckpt",
+        description="See and fix what checkpointing costs a PyTorch training run.",
+        epilog="Run 'nbckpt COMMAND --help' for the options of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"nbckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module).add_arguments(command)
@@ -34,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, run the command; exit status 2 with one line for a user's mistake."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

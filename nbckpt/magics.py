@@ -1,45 +1,56 @@
 """IPython magics: ``%load_ext nbckpt``, then ``h = %ckpt_async model opt`` and friends.
 
-Every magic is a thin face over :class:`nbckpt.Checkpointer`; ``%ckpt_async?`` shows its help.
-Bad input (unknown flag or variable, a value that holds no state, a bad directory) raises
-:class:`~IPython.core.error.UsageError` (one line, no traceback); failures of a save or restore
-raise :class:`nbckpt.CheckpointError`, so a papermill run of a notebook whose magic fails fails.
+Every magic is a thin face over :class:`nbckpt.Checkpointer` and answers ``--help`` (as does
+``%ckpt_async?``). Bad input (unknown flag or variable, a value that holds no state, a bad
+directory) raises :class:`~IPython.core.error.UsageError`; a save or restore that fails raises
+:class:`CheckpointFailed`, a CheckpointError that IPython shows as one line, not a traceback.
+Either one fails a papermill run.
 
-The session keeps one :class:`Checkpointer` per directory; ``%ckpt_config`` sets its defaults
-(the directory also comes from ``NBCKPT_DIR``).
+The session keeps one Checkpointer per directory. Its options come from ``%ckpt_config`` (the
+directory also from ``NBCKPT_DIR``) and ``--keep`` on a save. A Checkpointer's config is frozen:
+when an option changes, the magics close it once its saves in flight have committed and open a
+new one with the new config, and say so in one line. Warnings point at the cell that ran the
+magic.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import html
 import os
-from collections.abc import Callable
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
+import IPython
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
-from IPython.core.magic_arguments import (
-    MagicArgumentParser,
-    argument,
-    magic_arguments,
-    parse_argstring,
-)
+from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.display import DisplayHandle, display
+from IPython.utils.text import dedent
 
-from ._dcp import is_url
-from ._engine import Checkpointer, SaveHandle
-from ._errors import CheckpointError, ConfigError
+from ._errors import CheckpointError, ConfigError, NbckptError
 from ._timeline import events_to_pandas, now_ns
+from ._util import format_bytes, is_url, run_directory
+from .engine import CheckpointConfig, Checkpointer, SaveHandle
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     import pandas as pd
     import plotly.graph_objects as go
     from IPython.core.interactiveshell import InteractiveShell
 
     from .widgets import Lab
+
+__all__ = ["MAGICS", "CheckpointFailed", "CheckpointMagics", "SaveStatus", "SessionDefaults", "load",
+           "unload"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,37 +58,91 @@ F = TypeVar("F", bound=Callable[..., Any])
 DIR_ENV = "NBCKPT_DIR"
 #: Set to 1 to make ``%ckpt_bench`` run in the foreground with static figures.
 BATCH_ENV = "NBCKPT_BATCH"
+# Frames in these are never "the user's code" that a warning should point at.
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__ or "")) + os.sep
+                      for module in (sys.modules[__package__], IPython, contextlib))
+#: The Checkpointer options the session sets (``%ckpt_config``), as CheckpointConfig fields.
+OPTIONS = ("keep", "max_inflight", "writer_threads", "verify", "capture_rng")
 
 
-# IPython's argument decorators, parse_argstring and display() carry no annotations: these
-# typed views of them keep this module under mypy --strict.
-def _arg(*flags: str, **options: Any) -> Any:
-    """One ``magic_arguments.argument``."""
-    return argument(*flags, **options)  # type: ignore[no-untyped-call]
+class CheckpointFailed(CheckpointError):
+    """A magic's save, wait or restore failed. IPython shows it as one line, not a traceback;
+    ``except CheckpointError`` catches it; the engine's error is its ``__cause__``."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython's hook for exceptions that format themselves (a UsageError subclass would not
+        # do: only UsageError itself gets the short form).
+        return [f"{type(self).__name__}: {self}"]
+
+
+def _one_line(exc: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def _reraise(exc: NbckptError) -> None:
+    """An NbckptError as the one-line error a magic shows (ConfigError: the user's input)."""
+    if isinstance(exc, ConfigError):
+        raise UsageError(_one_line(exc)) from exc
+    raise CheckpointFailed(_one_line(exc)) from exc
 
 
 class _Decorator(Protocol):
     def __call__(self, func: F, /) -> F: ...
 
 
-def _arguments(*decorators: Any) -> _Decorator:
-    """``@magic_arguments()`` with the given ``_arg(...)``s, as if stacked in this order."""
-
-    def apply(func: F) -> F:
-        for decorator in [magic_arguments(), *decorators][::-1]:  # type: ignore[no-untyped-call]
-            func = decorator(func)
-        return func
-
-    return apply
-
-
 #: ``line_magic`` as a plain decorator (IPython types it as decorator-or-decorator-factory).
 _line_magic = cast(_Decorator, line_magic)
 
 
-def _parse(magic: Callable[..., Any], line: str) -> argparse.Namespace:
-    args: argparse.Namespace = parse_argstring(magic, line)  # type: ignore[no-untyped-call]
-    return args
+def _parser(name: str, doc: str | None) -> MagicArgumentParser:
+    """A plain-text argparse parser for ``%name`` (IPython's default formats help as reST)."""
+    parser: MagicArgumentParser = MagicArgumentParser(  # type: ignore[no-untyped-call]
+        f"%{name}", description=dedent(doc or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and do nothing")
+    return parser
+
+
+def _wants_help(line: str) -> bool:
+    return any(token in ("-h", "--help") for token in line.split())
+
+
+def _magic(*arguments: tuple[tuple[str, ...], dict[str, Any]],
+           parser: Callable[[str | None], MagicArgumentParser] | None = None) -> _Decorator:
+    """A line magic taking parsed arguments: ``--help`` prints the help; bad input is a UsageError.
+
+    ``arguments`` are ``_arg(...)`` pairs; ``parser(docstring)`` builds the whole parser instead
+    (on first use, so that a heavy import waits until the magic runs). The help becomes the
+    magic's docstring when the extension loads.
+    """
+
+    def decorate(func: F) -> F:
+        @functools.cache
+        def build() -> MagicArgumentParser:
+            if parser is not None:
+                return parser(func.__doc__)
+            built = _parser(func.__name__, func.__doc__)
+            for flags, options in arguments:
+                built.add_argument(*flags, **options)
+            return built
+
+        @functools.wraps(func)
+        def magic(self: CheckpointMagics, line: str) -> Any:
+            if _wants_help(line):
+                print(build().format_help())
+                return None
+            args: argparse.Namespace = build().parse_argstring(line)  # type: ignore[no-untyped-call]
+            return func(self, args)
+
+        magic.parser = build  # type: ignore[attr-defined]
+        return cast(F, magic)
+
+    return decorate
+
+
+def _arg(*flags: str, **options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    return flags, options
 
 
 def _display(obj: Any, **options: Any) -> Any:
@@ -90,14 +155,20 @@ def _default_dir() -> str:
 
 @dataclass
 class SessionDefaults:
-    """What ``%ckpt_config`` shows and sets; applied to the session's Checkpointers."""
+    """What ``%ckpt_config`` shows and sets; every directory's Checkpointer is opened with it."""
 
     dir: str = field(default_factory=_default_dir)
+    run: str | None = None  # the run-* directory inside ``dir`` of ``%ckpt_config --new-run``
     keep: int | None = None
     max_inflight: int = 1
     writer_threads: int = 2
     verify: bool = True
     capture_rng: bool = False
+
+    @property
+    def directory(self) -> str:
+        """Where saves go without ``-d``."""
+        return self.run or self.dir
 
 
 def _integer(text: str, minimum: int, what: str) -> int:
@@ -125,11 +196,12 @@ def _step_value(text: str) -> int:
     return _integer(text, 0, "a non-negative integer")
 
 
-_DIR_ARG = _arg("-d", "--dir", help="checkpoint directory or s3:// URL (default: %%ckpt_config)")
-_KEEP_ARG = _arg("--keep", type=_keep_value, default=argparse.SUPPRESS,
-                 help="keep only the newest K checkpoints ('none': all)")
-#: The arguments ``%ckpt_async`` and ``%ckpt_sync`` share.
-_save_arguments = _arguments(
+_DIR_ARG = _arg("-d", "--dir",
+                help="checkpoint directory or s3:// URL (default: the one %%ckpt_config shows)")
+_KEEP_ARG = _arg("--keep", type=_keep_value, default=argparse.SUPPRESS, metavar="K",
+                 help="keep only the newest K checkpoints of this directory, 'none' keeps all "
+                 "(default: %%ckpt_config's keep)")
+_SAVE_ARGS = (
     _DIR_ARG,
     _arg("--step", type=_step_value,
          help="step number (default: one past the newest step in the directory)"),
@@ -141,8 +213,9 @@ _save_arguments = _arguments(
 
 @dataclass
 class _Save:
-    """One save of this session, for ``%ckpt_status``."""
+    """One save of this session, for ``%ckpt_status``, ``%ckpt_wait`` and ``%ckpt_timeline``."""
 
+    key: str
     directory: str
     mode: str
     names: tuple[str, ...]
@@ -170,12 +243,11 @@ class SaveStatus:
 
     def _parts(self) -> tuple[str, str]:
         h = self.handle
-        size = f"{h.bytes / 1e6:.1f} MB" if h.bytes < 1e9 else f"{h.bytes / 1e9:.2f} GB"
         where = f" -> {self.directory}" if self.directory else ""
-        head = f"nbckpt {self.mode} step {h.step} ({size}){where}"
+        head = f"nbckpt {self.mode} step {h.step} ({format_bytes(h.bytes)}){where}"
         error = h.error
         if error is not None:
-            return "failed", f"{head}: failed: {error}"
+            return "failed", f"{head}: failed: {_one_line(error)}"
         if h.committed.done():
             record = h.committed.result()
             return "committed", (
@@ -198,6 +270,38 @@ class SaveStatus:
         )
 
 
+def _rounded(value: float) -> float:
+    """Three significant figures: what a table of timings can honestly show."""
+    return float(f"{value:.3g}")
+
+
+def _changes(changes: dict[str, Any]) -> str:
+    return ", ".join(f"{name}={value}" for name, value in changes.items())
+
+
+def _short_names(keys: list[str]) -> dict[str, str]:
+    """The last path part of each directory, or more of it where two would read the same."""
+    names: dict[str, str] = {}
+    for depth in range(1, 64):
+        names = {key: "/".join(key.rstrip("/").split("/")[-depth:]) for key in keys}
+        if len(set(names.values())) == len(names):
+            break
+    return names
+
+
+@functools.cache
+def _bench_parser(doc: str | None) -> MagicArgumentParser:
+    """``%ckpt_bench``'s parser: ``nbckpt bench``'s options plus ``--static``."""
+    from . import experiment
+
+    parser = _parser("ckpt_bench", doc)
+    experiment.add_arguments(parser)
+    parser.add_argument("--static", action="store_true",
+                        help="run in the foreground and show static figures, as in batch runs "
+                        "(default: live lab in JupyterLab)")
+    return parser
+
+
 @magics_class
 class CheckpointMagics(Magics):
     """The ``%ckpt_*`` magics and the session state they share."""
@@ -208,7 +312,10 @@ class CheckpointMagics(Magics):
         self.checkpointers: dict[str, Checkpointer] = {}
         self.saves: list[_Save] = []
         self.origin_ns = now_ns()
-        self.labs: list[Lab] = []
+        self.lab: Lab | None = None  # the last one %ckpt_bench showed
+        self._keep: dict[str, int | None] = {}  # --keep given on a save, per directory
+        self._closed: list[Checkpointer] = []  # replaced ones: their events stay on the timeline
+        self._lock = threading.RLock()
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -230,46 +337,99 @@ class CheckpointMagics(Magics):
     def _key(self, directory: str) -> str:
         return directory if is_url(directory) else os.path.abspath(directory)
 
-    def checkpointer(self, directory: str | None, keep: int | None = None, *,
-                     keep_given: bool = False) -> Checkpointer:
-        """The session's Checkpointer for ``directory`` (created once, reused afterwards)."""
-        directory = directory or self.defaults.dir
+    def _warn_at_cell(self, warning: Warning | str) -> None:
+        """Issue ``warning`` as if the user's cell had (the line a reader can act on): the frame
+        that runs in the notebook's namespace, else the first one outside nbckpt and IPython."""
+        target = self.shell.user_global_ns  # type: ignore[union-attr]
+        frame: FrameType | None = sys._getframe(0)
+        level, fallback = 1, 0
+        while frame is not None and frame.f_globals is not target:
+            if not fallback and not frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+                fallback = level
+            frame = frame.f_back
+            level += 1
+        warnings.warn(warning, stacklevel=level if frame is not None else fallback or 2)
+
+    @contextlib.contextmanager
+    def _engine_call(self) -> Iterator[None]:
+        """Around a call into the engine: its warnings move to the user's cell; its errors become
+        one line. (catch_warnings swaps process-wide state: only the magics, which run on the
+        kernel's main thread, use it, and only for the length of one call.)"""
+        caught: list[warnings.WarningMessage] = []
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                yield
+        except NbckptError as exc:
+            _reraise(exc)
+        finally:  # shown before the error, if there is one
+            for record in caught:
+                self._warn_at_cell(record.message)
+
+    def _wanted(self, key: str) -> dict[str, Any]:
+        """The options a directory's Checkpointer should have now."""
+        wanted = {name: getattr(self.defaults, name) for name in OPTIONS}
+        if key in self._keep:
+            wanted["keep"] = self._keep[key]
+        return wanted
+
+    def _in_flight(self, key: str) -> list[_Save]:
+        return [save for save in self.saves if save.key == key and not save.handle.done()]
+
+    def checkpointer(self, directory: str | None = None) -> Checkpointer:
+        """The session's Checkpointer for ``directory``, opened with the session's options.
+
+        When an option changed since it was opened, it is closed once its saves in flight have
+        committed and a new one is opened with the changed config (one line says so).
+        """
+        directory = directory or self.defaults.directory
         key = self._key(directory)
-        ckpt = self.checkpointers.get(key)
-        if ckpt is None:
+        with self._lock:
+            wanted = self._wanted(key)
+            ckpt = self.checkpointers.get(key)
+            if ckpt is not None:
+                changes = {k: v for k, v in wanted.items() if getattr(ckpt.config, k) != v}
+                if not changes:
+                    return ckpt
+                return self._reopen(key, changes)
             try:
-                ckpt = Checkpointer(
-                    directory,
-                    mode="async",
-                    keep=keep if keep_given else self.defaults.keep,
-                    max_inflight=self.defaults.max_inflight,
-                    writer_threads=self.defaults.writer_threads,
-                    verify=self.defaults.verify,
-                    capture_rng=self.defaults.capture_rng,
-                )
-            except (CheckpointError, ConfigError, OSError) as exc:
+                with self._engine_call():
+                    ckpt = Checkpointer(directory, config=CheckpointConfig(mode="async", **wanted))
+            except (UsageError, CheckpointFailed) as exc:
                 raise UsageError(f"cannot checkpoint to {directory!r}: {exc}") from None
             self.checkpointers[key] = ckpt
-        elif keep_given:
-            ckpt.config.keep = keep  # a changed option never recreates the Checkpointer
-        return ckpt
+            return ckpt
 
-    def _next_step(self, ckpt: Checkpointer) -> int:
-        steps = ckpt.steps() + [h.step for h in ckpt.handles]
+    def _reopen(self, key: str, changes: dict[str, Any]) -> Checkpointer:
+        old = self.checkpointers[key]
+        waited = len(self._in_flight(key))
+        with self._engine_call():
+            try:
+                old.close()  # waits for the saves in flight: they commit with the old options
+            finally:  # closed even when a save of it failed: the next magic opens a new one
+                del self.checkpointers[key]
+                self._closed.append(old)
+            new = Checkpointer(old.directory, config=dataclasses.replace(old.config, **changes))
+        self.checkpointers[key] = new
+        after = f" after its {waited} save(s) in flight committed" if waited else ""
+        print(f"nbckpt: {_changes(changes)} for {old.directory}: reopened its Checkpointer{after}")
+        return new
+
+    def _next_step(self, key: str, ckpt: Checkpointer) -> int:
+        steps = ckpt.steps() + [save.handle.step for save in self.saves if save.key == key]
         return max(steps) + 1 if steps else 0
 
-    def _save(self, line: str, magic: Callable[..., Any], mode: str) -> SaveHandle:
-        args = _parse(magic, line)
+    def _save(self, args: argparse.Namespace, mode: str) -> SaveHandle:
         state = self._state(args.names)
-        keep_given = hasattr(args, "keep")
-        ckpt = self.checkpointer(args.dir, getattr(args, "keep", None), keep_given=keep_given)
-        step = self._next_step(ckpt) if args.step is None else args.step
-        try:
+        directory = args.dir or self.defaults.directory
+        key = self._key(directory)
+        if hasattr(args, "keep"):
+            self._keep[key] = args.keep
+        ckpt = self.checkpointer(directory)
+        step = self._next_step(key, ckpt) if args.step is None else args.step
+        with self._engine_call():
             # One Checkpointer per directory serves both magics: %ckpt_sync blocks per save.
             handle = ckpt.save(state, step=step, blocking=mode == "sync")
-        except ConfigError as exc:
-            raise UsageError(str(exc)) from None
-        save = _Save(ckpt.directory, mode, tuple(args.names), handle)
+        save = _Save(key, ckpt.directory, mode, tuple(args.names), handle)
         self.saves.append(save)
         self._show(save)
         return handle
@@ -294,51 +454,65 @@ class CheckpointMagics(Magics):
                 return
         _display(SaveStatus(handle, "", "save"))
 
-    def _wait_all(self) -> int:
-        committed = 0
-        try:
-            for ckpt in self.checkpointers.values():
-                committed += len(ckpt.wait())
-        finally:
-            # the commit callbacks may still be running: make every status final from here
-            for save in self.saves:
-                if save.handle.done():
-                    for live in list(save.live):
-                        save.finalise(live)
-        return committed
+    def _finalise_all(self) -> None:
+        # the commit callbacks may still be running: make every status final from here
+        for save in self.saves:
+            if save.handle.done():
+                for live in list(save.live):
+                    save.finalise(live)
 
     # -- magics -------------------------------------------------------------------------------
 
     @_line_magic
-    @_save_arguments
-    def ckpt_async(self, line: str) -> SaveHandle:
-        """Checkpoint notebook variables in the background; returns the SaveHandle.
+    @_magic(*_SAVE_ARGS)
+    def ckpt_async(self, args: argparse.Namespace) -> SaveHandle:
+        """Checkpoint notebook variables in the background and return the SaveHandle.
 
-        The cell continues as soon as the state is copied; the status line below the cell
-        updates when the checkpoint has committed. In a loop:
-        ``if step % 50 == 0: %ckpt_async model opt --step {step}``.
+        The cell goes on once the state is copied; the status line under the cell changes to
+        "committed" when the checkpoint is durable. In a training loop:
+            if step % 50 == 0:
+                %ckpt_async model opt --step {step}
         """
-        return self._save(line, self.ckpt_async, "async")
+        return self._save(args, "async")
 
     @_line_magic
-    @_save_arguments
-    def ckpt_sync(self, line: str) -> SaveHandle:
-        """Checkpoint notebook variables and block until the checkpoint is durable."""
-        return self._save(line, self.ckpt_sync, "sync")
+    @_magic(*_SAVE_ARGS)
+    def ckpt_sync(self, args: argparse.Namespace) -> SaveHandle:
+        """Checkpoint notebook variables and return once the checkpoint is durable."""
+        return self._save(args, "sync")
 
     @_line_magic
-    @_arguments()
-    def ckpt_wait(self, line: str) -> None:
-        """Wait for every save of this session to commit; raises CheckpointError if one failed."""
-        _parse(self.ckpt_wait, line)
-        committed = self._wait_all()
-        print(f"nbckpt: {committed} save(s) committed, nothing in flight")
+    @_magic()
+    def ckpt_wait(self, args: argparse.Namespace) -> None:
+        """Wait until every save of this session has committed and print how many did.
+
+        A save that failed in the background is raised here (once) as CheckpointFailed.
+        """
+        waited = sum(not save.handle.done() for save in self.saves)
+        error: NbckptError | None = None
+        try:
+            for ckpt in list(self.checkpointers.values()):
+                try:
+                    ckpt.wait()
+                except NbckptError as exc:
+                    error = error or exc
+        finally:
+            self._finalise_all()
+        committed = sum(save.handle.done() and save.handle.error is None for save in self.saves)
+        failed = [save.handle.step for save in self.saves if save.handle.error is not None]
+        line = (f"nbckpt: {committed} of this session's {len(self.saves)} save(s) committed "
+                f"({waited} waited for)")
+        if failed:
+            line += f", {len(failed)} failed (step {', '.join(map(str, failed))})"
+        print(line + "; nothing in flight")
+        if error is not None:
+            _reraise(error)
 
     @_line_magic
-    @_arguments()
-    def ckpt_status(self, line: str) -> pd.DataFrame:
-        """A table of this session's saves: directory, step, mode, phase, stall, persist, GB/s."""
-        _parse(self.ckpt_status, line)
+    @_magic()
+    def ckpt_status(self, args: argparse.Namespace) -> pd.DataFrame:
+        """A table of this session's saves: directory, step, mode, phase, MB, stall (ms),
+        persist (s), write rate (GB/s) and error."""
         import pandas as pd
 
         rows = []
@@ -351,35 +525,52 @@ class CheckpointMagics(Magics):
                 "mode": save.mode,
                 "variables": " ".join(save.names),
                 "phase": handle.phase,
-                "MB": handle.bytes / 1e6,
-                "stall_ms": handle.stall_s * 1e3,
-                "persist_s": record.persist_s if record else None,
-                "write_gbs": record.write_gbs if record else None,
-                "error": str(handle.error) if handle.error is not None else "",
+                "MB": _rounded(handle.bytes / 1e6),
+                "stall_ms": _rounded(handle.stall_s * 1e3),
+                "persist_s": _rounded(record.persist_s) if record else None,
+                "write_gbs": _rounded(record.write_gbs) if record else None,
+                "error": _one_line(handle.error) if handle.error is not None else "",
             })
         columns = ["directory", "step", "mode", "variables", "phase", "MB", "stall_ms",
                    "persist_s", "write_gbs", "error"]
         return pd.DataFrame(rows, columns=columns)
 
     def timeline(self) -> pd.DataFrame:
-        """Every event of this session's Checkpointers, ``start_s`` from the extension's load."""
+        """Every event of this session's Checkpointers, ``start_s`` from the extension's load.
+
+        Lanes are labelled by what was saved (the magic's mode and variables), with the
+        directory's last path part in front when the session used several.
+        """
         import pandas as pd
 
+        opened = [*self._closed, *self.checkpointers.values()]
+        keys = list(dict.fromkeys(self._key(ckpt.directory) for ckpt in opened))
+        short = _short_names(keys)
+        saves = {(save.key, save.handle.step): save for save in self.saves}
         frames = []
-        for ckpt in self.checkpointers.values():
+        for ckpt in opened:
+            key = self._key(ckpt.directory)
             frame = events_to_pandas(ckpt.timeline.events, self.origin_ns)
-            frame["label"] = ckpt.directory
-            frame["strategy"] = ckpt.directory
+            prefix = f"{short[key]}: " if len(keys) > 1 else ""
+            labels = []
+            for step in frame["step"]:
+                save = saves.get((key, int(step))) if step is not None and step == step else None
+                what = f"{save.mode} {' '.join(save.names)}" if save else short[key]
+                labels.append(prefix + what if save else what)
+            frame["label"] = labels
+            frame["strategy"] = labels
             frames.append(frame)
-        if not frames:
+        if not frames or all(frame.empty for frame in frames):
             return pd.DataFrame()
         return pd.concat(frames, ignore_index=True).sort_values("start_ns", ignore_index=True)
 
     @_line_magic
-    @_arguments()
-    def ckpt_timeline(self, line: str) -> go.Figure:
-        """The plotly timeline of this session's saves: stalls, staging, persistence, commits."""
-        _parse(self.ckpt_timeline, line)
+    @_magic()
+    def ckpt_timeline(self, args: argparse.Namespace) -> go.Figure:
+        """The plotly timeline of this session's saves: stalls, staging, persistence, commits.
+
+        One pair of lanes (train, background) per kind of save: its mode and variables.
+        """
         df = self.timeline()
         if df.empty:
             raise UsageError("no checkpoint events in this session yet: run %ckpt_async first")
@@ -388,81 +579,112 @@ class CheckpointMagics(Magics):
         return timeline_figure(df)
 
     @_line_magic
-    @_arguments(
+    @_magic(
         _DIR_ARG,
-        _arg("--step", type=_step_value, help="step to restore (default: the newest valid one)"),
-        _arg("names", nargs="+", metavar="NAME", help="notebook variables to load in place")
+        _arg("--step", type=_step_value,
+             help="step to restore (default: the newest one that reads back intact)"),
+        _arg("names", nargs="+", metavar="NAME", help="notebook variables to load in place"),
     )
-    def ckpt_restore(self, line: str) -> None:
-        """Load a checkpoint into notebook variables in place and print the step restored.
+    def ckpt_restore(self, args: argparse.Namespace) -> None:
+        """Load a checkpoint into notebook variables and print the step restored.
 
         Modules, optimizers and tensors are loaded in place; plain values are rebound.
+        "Newest" means the highest step number in the directory.
         """
-        args = _parse(self.ckpt_restore, line)
         state = self._state(args.names)
-        directory = args.dir or self.defaults.dir
+        directory = args.dir or self.defaults.directory
         if not is_url(directory) and not os.path.isdir(directory):
             raise UsageError(f"no checkpoint directory {directory!r}")
         ckpt = self.checkpointer(directory)
-        try:
+        with self._engine_call():
             step = ckpt.restore(state, step=args.step)
-        except ConfigError as exc:
-            raise UsageError(str(exc)) from None
         self.user_ns.update(state)
         print(f"nbckpt: restored step {step} from {ckpt.directory} into {', '.join(args.names)}")
 
     @_line_magic
-    @_arguments(
-        _arg("-d", "--dir", help="default checkpoint directory or s3:// URL"),
-        _KEEP_ARG,
-        _arg("--max-inflight", type=_positive, help="saves in flight at once (new directories)"),
-        _arg("--writer-threads", type=_positive, help="threads writing one checkpoint's files"),
+    @_magic(
+        _arg("-d", "--dir", help="default checkpoint directory or s3:// URL "
+             f"(default: ${DIR_ENV}, else ./checkpoints)"),
+        _arg("--new-run", action="store_true",
+             help="save from now on into a new, empty run-* directory inside it (a fresh run "
+             "whose steps cannot collide with earlier ones)"),
+        _arg("--keep", type=_keep_value, default=argparse.SUPPRESS, metavar="K",
+             help="keep only the newest K checkpoints of every directory, 'none' keeps all "
+             "(default: none)"),
+        _arg("--max-inflight", type=_positive, metavar="N",
+             help="saves in flight at once, each with a host copy of the state (default: 1)"),
+        _arg("--writer-threads", type=_positive, metavar="N",
+             help="threads writing one checkpoint's files (default: 2)"),
         _arg("--verify", action=argparse.BooleanOptionalAction, default=None,
-             help="check checksums before restoring"),
+             help="check checksums when restoring (default: on)"),
         _arg("--capture-rng", action=argparse.BooleanOptionalAction, default=None,
-             help="save and restore the RNG states"),
-        _arg("--reset", action="store_true", help="back to the defaults (and NBCKPT_DIR)"),
+             help="save and restore the RNG states (default: off)"),
+        _arg("--reset", action="store_true", help="back to the defaults (and $NBCKPT_DIR)"),
     )
-    def ckpt_config(self, line: str) -> None:
-        """Show or set this session's defaults; changes apply to its open Checkpointers too.
+    def ckpt_config(self, args: argparse.Namespace) -> None:
+        """Show or set this session's checkpoint options.
 
-        ``%ckpt_config`` shows them; ``%ckpt_config -d /mnt/fast --keep 3`` sets them.
-        The save mode is chosen by the magic (``%ckpt_async`` or ``%ckpt_sync``).
+        %ckpt_config shows them; %ckpt_config -d /mnt/fast --keep 3 sets them. Changes apply to
+        the directories already in use too: each one's Checkpointer is reopened with the new
+        options (after its saves in flight commit). The save mode is the magic's choice
+        (%ckpt_async or %ckpt_sync).
         """
-        args = _parse(self.ckpt_config, line)
-        if args.reset:
-            self.defaults = SessionDefaults()
-        given = {
-            name: getattr(args, name)
-            for name in ("dir", "keep", "max_inflight", "writer_threads", "verify", "capture_rng")
-            if getattr(args, name, None) is not None or (name == "keep" and hasattr(args, "keep"))
-        }
-        for name, value in given.items():
-            setattr(self.defaults, name, value)
-        for ckpt in self.checkpointers.values():
-            # dir names new saves' directory; max_inflight sizes staging buffers allocated once
-            for name in given.keys() - {"dir", "max_inflight"}:
-                setattr(ckpt.config, name, given[name])
-        for name, value in asdict(self.defaults).items():
+        with self._lock:
+            if args.reset:
+                self.defaults = SessionDefaults()
+                self._keep.clear()
+            if args.dir is not None:
+                self.defaults.dir, self.defaults.run = args.dir, None
+            if hasattr(args, "keep"):
+                self.defaults.keep = args.keep
+                self._keep.clear()  # a session-wide keep overrides the per-directory ones
+            for name in OPTIONS:
+                value = getattr(args, name, None)
+                if name != "keep" and value is not None:
+                    setattr(self.defaults, name, value)
+            if args.new_run:
+                if is_url(self.defaults.dir):
+                    raise UsageError(f"--new-run needs a local directory, not {self.defaults.dir}")
+                try:
+                    self.defaults.run = str(run_directory(self.defaults.dir))
+                except ConfigError as exc:
+                    raise UsageError(_one_line(exc)) from None
+            for key in list(self.checkpointers):
+                ckpt = self.checkpointers[key]
+                changes = {k: v for k, v in self._wanted(key).items() if getattr(ckpt.config, k) != v}
+                if not changes:
+                    continue
+                pending = len(self._in_flight(key))
+                if pending:  # never block the cell here: the next magic on it reopens it
+                    print(f"nbckpt: {_changes(changes)} for {ckpt.directory} applies once its "
+                          f"{pending} save(s) in flight have committed, from its next save or restore")
+                else:
+                    self._reopen(key, changes)
+        for name, value in {"directory": self.defaults.directory,
+                            **asdict(self.defaults)}.items():
             print(f"{name:>15}: {value}")
 
     @_line_magic
-    def ckpt_bench(self, line: str) -> Any:
-        """Run checkpoint strategies side by side (the options of ``nbckpt bench``).
+    @_magic(parser=_bench_parser)
+    def ckpt_bench(self, args: argparse.Namespace) -> Any:
+        """Run checkpoint strategies side by side (the options of nbckpt bench).
 
-        Interactive (JupyterLab, Notebook): shows the live Lab and starts it in the background.
-        Batch (papermill, nbconvert, terminal IPython, NBCKPT_BATCH=1 or --static): runs in
-        the foreground, prints progress, shows the static figures and returns the Comparison
-        (which displays as its results table).
+        In JupyterLab or Notebook: shows the live lab and starts it in the background (running
+        it again, or creating another Lab, stops and closes the previous one). In batch runs
+        (papermill, nbconvert, terminal IPython, NBCKPT_BATCH=1 or --static): runs in the
+        foreground, prints progress, shows static figures and returns the Comparison, which
+        displays as its results table.
         """
-        args: argparse.Namespace = _bench_parser().parse_argstring(line)  # type: ignore[no-untyped-call]
         from . import experiment
+        from .widgets import Lab, live_lab
 
         if args.static or _batch_run(self.shell):
-            try:
+            running = live_lab()
+            if running is not None and running.running:
+                running.close()  # one run at a time: both would write to the same directories
+                print("nbckpt: stopped the running lab (its saves in flight committed)")
+            with self._engine_call():
                 comparison = experiment.run_from_args(args, None if args.quiet else print)
-            except ConfigError as exc:
-                raise UsageError(str(exc)) from None
             if args.json is not None:
                 comparison.to_json(args.json)
             from .plots import stall_figure, timeline_figure
@@ -470,47 +692,28 @@ class CheckpointMagics(Magics):
             _display(timeline_figure(comparison.timeline))
             _display(stall_figure(comparison.results))
             return comparison
-        from .widgets import Lab
-
         try:
-            lab = Lab.from_args(args)
+            self.lab = Lab.from_args(args)
         except ConfigError as exc:
-            raise UsageError(str(exc)) from None
-        self.labs.append(lab)
-        _display(lab)
-        lab.run()
+            raise UsageError(_one_line(exc)) from None
+        _display(self.lab)
+        self.lab.run()
         return None
 
     # -- lifetime -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop labs, finish saves in flight and release every directory (on unload)."""
-        for lab in self.labs:
-            lab.stop()
-        self.labs.clear()
+        """Stop the lab of %ckpt_bench, finish saves in flight, release every directory."""
+        if self.lab is not None and not self.lab.closed:
+            self.lab.close()
+        self.lab = None
         for ckpt in self.checkpointers.values():
             try:
                 ckpt.close()
             except CheckpointError as exc:
-                print(f"nbckpt: {exc}")
+                print(f"nbckpt: {_one_line(exc)}")
+        self._closed.extend(self.checkpointers.values())
         self.checkpointers.clear()
-
-
-@functools.cache
-def _bench_parser() -> MagicArgumentParser:
-    """``%ckpt_bench``'s parser: ``nbckpt bench``'s options plus ``--static``."""
-    from . import experiment
-
-    parser = MagicArgumentParser(  # type: ignore[no-untyped-call]
-        "%ckpt_bench", description=_BENCH_DOC
-    )
-    experiment.add_arguments(parser)
-    parser.add_argument("--static", action="store_true",
-                        help="run in the foreground and show static figures (as in batch runs)")
-    return parser
-
-
-_BENCH_DOC = CheckpointMagics.ckpt_bench.__doc__
 
 
 def _batch_run(shell: Any) -> bool:
@@ -530,6 +733,9 @@ def _batch_run(shell: Any) -> bool:
 
 #: Shown as its results table when it is a cell's value (registered by name: no import).
 _COMPARISON = ("nbckpt.experiment", "Comparison")
+#: The magics, by name.
+MAGICS = ("ckpt_async", "ckpt_sync", "ckpt_wait", "ckpt_status", "ckpt_timeline", "ckpt_restore",
+          "ckpt_config", "ckpt_bench")
 
 
 def _comparison_text(comparison: Any, printer: Any, cycle: bool) -> None:
@@ -540,8 +746,9 @@ def load(ipython: InteractiveShell) -> None:
     """Register the magics once per shell (loading twice is a no-op)."""
     if isinstance(ipython.magics_manager.registry.get(CheckpointMagics.__name__), CheckpointMagics):
         return
-    # %ckpt_bench? shows nbckpt bench's options, which live with the experiment runner
-    CheckpointMagics.ckpt_bench.__doc__ = _bench_parser().format_help()
+    for name in MAGICS:  # %ckpt_x? shows the same plain-text help as %ckpt_x --help
+        method = getattr(CheckpointMagics, name)
+        method.__doc__ = method.parser().format_help()
     magics = CheckpointMagics(ipython)
     ipython.register_magics(magics)
     formatters: Any = ipython.display_formatter
@@ -564,6 +771,3 @@ def unload(ipython: InteractiveShell) -> None:
     plain.deferred_printers.pop(_COMPARISON, None)
     plain.type_printers = {k: v for k, v in plain.type_printers.items()
                            if (k.__module__, k.__name__) != _COMPARISON}
-
-
-__all__ = ["CheckpointMagics", "SaveStatus", "SessionDefaults", "load", "unload"]

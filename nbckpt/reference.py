@@ -17,6 +17,8 @@ from ._errors import ConfigError, NbckptError
 if TYPE_CHECKING:
     import pandas as pd
 
+__all__ = ["SOURCE_PATH", "cite", "load_published", "published_table", "published_value"]
+
 #: The canonical file in a source checkout.
 SOURCE_PATH = Path(__file__).resolve().parents[1] / "data" / "reference" / "published.json"
 
@@ -45,8 +47,10 @@ def _load_default() -> dict[str, Any]:
 def load_published(path: str | Path | None = None) -> dict[str, Any]:
     """The published figures: ``{"schema", "description", "anchors": {id: entry}}``.
 
-    Each entry has ``what``, ``values`` (name -> ``{"value", "units"[, "qualifier"]}``) and
-    ``source`` (``title``, ``venue``, ``date``, ``url``). A copy is returned, so callers may edit it.
+    Each entry has ``what``, ``compares`` (what the figure sets against what, so that only
+    like is set beside like), ``values`` (name -> ``{"value", "units"[, "qualifier"]}``), an
+    optional ``quote`` (the source's own words) and ``source`` (``title``, ``venue``, ``date``,
+    ``url``). A copy is returned, so callers may edit it.
     """
     if path is None:
         return json.loads(json.dumps(_load_default()))  # type: ignore[no-any-return]
@@ -80,7 +84,8 @@ def cite(anchor: str, published: dict[str, Any] | None = None) -> str:
 
 
 def published_table(published: dict[str, Any] | None = None) -> pd.DataFrame:
-    """One row per published value: anchor, what, quantity, value, units, qualifier, source."""
+    """One row per published value: anchor, what, compares, quantity, value, units, qualifier,
+    source."""
     import pandas as pd
 
     anchors = (published if published is not None else load_published())["anchors"]
@@ -88,6 +93,7 @@ def published_table(published: dict[str, Any] | None = None) -> pd.DataFrame:
         {
             "anchor": anchor,
             "what": entry["what"],
+            "compares": entry.get("compares", ""),
             "quantity": name,
             "value": item["value"],
             "units": item["units"],

@@ -7,6 +7,12 @@
 
 Every figure is measured with real files (or objects), real fsyncs and a bounded size,
 and every piece of advice names the measured or mounted value it comes from.
+
+The write measurement is :func:`measure_write`: ``bytes`` split over ``streams`` threads, each
+writing its own file in 4 MiB ``os.write`` calls and ending with ``fsync`` (objects: multipart
+uploads), the fastest of ``repeats`` rounds per stream count. The probe uses it for its write
+column and ``nbckpt.experiment.measure_floors`` for the raw write floor, so the two agree on
+method; they differ only in the sizes and stream counts they are given.
 """
 
 from __future__ import annotations
@@ -30,14 +36,30 @@ from typing import Any
 
 import pandas as pd
 
-from ._dcp import is_url
 from ._errors import CheckpointError, ConfigError
 from ._store import endpoint, explain_fsspec_error, fsspec_options, where
+from ._util import MIB, is_url
+
+__all__ = [
+    "DEFAULT_REPEATS",
+    "DEFAULT_SIZE_MB",
+    "DEFAULT_STREAMS",
+    "MountInfo",
+    "ProbeResult",
+    "StreamRun",
+    "add_arguments",
+    "main",
+    "measure_write",
+    "mount_info",
+    "parse_mount_line",
+    "probe",
+    "storage_advice",
+]
 
 DEFAULT_SIZE_MB = 64.0
 DEFAULT_STREAMS = (1, 2, 4, 8)
 DEFAULT_REPEATS = 2
-MiB = 1 << 20
+MiB = MIB
 _CHUNK = 4 * MiB  # os.write size: large writes, as DCP's writer makes
 _S3_PART = 8 * MiB  # multipart part size for the object probe (S3's minimum is 5 MiB)
 _SMALL_FILES = 100  # files (or objects) for the create/rename/delete rates
@@ -164,7 +186,10 @@ class StreamRun:
     streams: int
     bytes: int
     write_s: float
+    """The fastest round's seconds (other load only ever slows a round down)."""
     read_s: float | None
+    write_rounds_s: tuple[float, ...] = ()
+    """Every round's write seconds, fastest or not: their spread is this machine's noise."""
 
     @property
     def write_gbs(self) -> float:
@@ -388,8 +413,10 @@ def _mount_advice(result: ProbeResult) -> list[str]:
     nconnect = mount.option_int("nconnect")
     if nconnect is None or nconnect < 2:
         advice.append(
-            "NFS mount without nconnect: all traffic goes over one TCP connection. Remount with "
-            "nconnect=8 (Linux 5.3 or later, up to 16) so parallel writer threads use several."
+            "NFS mount without nconnect: all traffic goes over one TCP connection, often the limit "
+            "of a single client. Remount with nconnect=8 or 16 (Linux 5.3 or later): the client "
+            "spreads its RPCs over the connections (Pure measured about 10 Gbps with one and 70 "
+            "Gbps with nconnect=16 reading from a FlashBlade; see docs/storage.md)."
         )
     for key in ("rsize", "wsize"):
         size = mount.option_int(key)
@@ -469,6 +496,16 @@ def _write_nth(paths: list[str], nbytes: int, pattern: memoryview, index: int) -
     _write_file(paths[index], nbytes, pattern, index)
 
 
+def _stream_files(work: str, size: int, count: int) -> tuple[list[str], int]:
+    """The ``count`` files ``size`` bytes are split over, and each one's share."""
+    return [os.path.join(work, f"stream-{count}-{i}") for i in range(count)], max(size // count, 4096)
+
+
+def _write_round(files: list[str], share: int, pattern: memoryview) -> float:
+    """One measured round: every file written in its own thread, each ending with fsync."""
+    return _in_threads(len(files), partial(_write_nth, files, share, pattern))
+
+
 def _read_nth(paths: list[str], index: int) -> None:
     _read_file(paths[index])
 
@@ -541,16 +578,15 @@ def _probe_directory(
     try:
         pattern = _pattern(min(_CHUNK, size))
         for count in streams:
-            share = max(size // count, 4096)
-            files = [os.path.join(work, f"stream-{count}-{i}") for i in range(count)]
+            files, share = _stream_files(work, size, count)
             writes, reads = [], []
             for _ in range(repeats):
-                writes.append(_in_threads(count, partial(_write_nth, files, share, pattern)))
+                writes.append(_write_round(files, share, pattern))
                 fraction = _resident_fraction(files[0])
                 if fraction is not None:
                     residents.append(fraction)
                 reads.append(_in_threads(count, partial(_read_nth, files)))
-            runs.append(StreamRun(count, share * count, min(writes), min(reads)))
+            runs.append(StreamRun(count, share * count, min(writes), min(reads), tuple(writes)))
             for name in files:
                 os.unlink(name)
         fsyncs = _fsync_latencies(os.path.join(work, "fsync"))
@@ -637,6 +673,21 @@ def _metadata_rates(work: str) -> tuple[float, float, float]:
 # -- measuring an object store --------------------------------------------------------------------
 
 
+def _upload_round(fs: Any, keys: list[str], share: int, pattern: memoryview) -> float:
+    """One measured round: every object uploaded in its own thread."""
+
+    def upload(i: int) -> None:
+        # Parts of _S3_PART bytes: s3fs sends a multipart upload once a part is full.
+        with fs.open(keys[i], "wb", block_size=_S3_PART) as stream:
+            done, index = 0, i * 7919
+            while done < share:
+                chunk = _slice(pattern, index, min(_S3_PART, share - done))
+                stream.write(chunk)
+                done, index = done + len(chunk), index + 1
+
+    return _in_threads(len(keys), upload)
+
+
 def _probe_object_store(
     url: str, size: int, streams: Sequence[int], repeats: int,
     storage_options: dict[str, Any] | None, checkpoint_bytes: int | None,
@@ -664,23 +715,14 @@ def _probe_object_store(
             share = max(size // count, 1)
             keys = [f"{work}/stream-{count}-{i}" for i in range(count)]
 
-            def upload(i: int, keys: list[str] = keys, share: int = share) -> None:
-                # Parts of _S3_PART bytes: s3fs sends a multipart upload once a part is full.
-                with fs.open(keys[i], "wb", block_size=_S3_PART) as stream:
-                    done, index = 0, i * 7919
-                    while done < share:
-                        chunk = _slice(pattern, index, min(_S3_PART, share - done))
-                        stream.write(chunk)
-                        done, index = done + len(chunk), index + 1
-
             def download(i: int, keys: list[str] = keys) -> None:
                 fs.cat_file(keys[i])
 
             writes, reads = [], []
             for _ in range(repeats):
-                writes.append(_in_threads(count, upload))
+                writes.append(_upload_round(fs, keys, share, pattern))
                 reads.append(_in_threads(count, download))
-            runs.append(StreamRun(count, share * count, min(writes), min(reads)))
+            runs.append(StreamRun(count, share * count, min(writes), min(reads), tuple(writes)))
             fs.rm(keys)
         small = [f"{work}/small-{i}" for i in range(_SMALL_FILES)]
         put_rate = _timed_ops(len(small), lambda i: fs.pipe_file(small[i], b"nbckpt probe\n"))
@@ -702,6 +744,63 @@ def _probe_object_store(
     )
     result.advice = storage_advice(result)
     return result
+
+
+# -- the write measurement on its own (the raw write floor) ---------------------------------------
+
+
+def measure_write(
+    target: str | os.PathLike[str],
+    nbytes: int,
+    streams: Sequence[int] = (1,),
+    repeats: int = DEFAULT_REPEATS,
+    storage_options: dict[str, Any] | None = None,
+) -> list[StreamRun]:
+    """Write ``nbytes`` split over each stream count, exactly as :func:`probe` writes.
+
+    One :class:`StreamRun` per stream count (``read_s`` is None): the fastest of ``repeats``
+    rounds, every round kept in ``write_rounds_s``. Files end with fsync, objects with a
+    completed (multipart) upload; everything written is removed. ``target`` must exist.
+    """
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise ConfigError(f"the write measurement needs a positive number of bytes, not {nbytes!r}")
+    counts = list(streams)
+    if not counts or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in counts):
+        raise ConfigError(f"streams must be positive integers, not {streams!r}")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ConfigError(f"repeats must be a positive integer, not {repeats!r}")
+    text = os.fspath(target)
+    runs: list[StreamRun] = []
+    if is_url(text):
+        from fsspec.core import url_to_fs
+
+        protocol = text.split("://", 1)[0]
+        fs, root = url_to_fs(text.rstrip("/"), **fsspec_options(protocol, storage_options))
+        work = f"{root.rstrip('/')}/.nbckpt-floor-{uuid.uuid4().hex[:8]}"
+        pattern = _pattern(min(_S3_PART, nbytes))
+        try:
+            for count in counts:
+                share = max(nbytes // count, 1)
+                keys = [f"{work}/stream-{count}-{i}" for i in range(count)]
+                rounds = [_upload_round(fs, keys, share, pattern) for _ in range(repeats)]
+                runs.append(StreamRun(count, share * count, min(rounds), None, tuple(rounds)))
+        finally:
+            with suppress(Exception):
+                fs.rm(work, recursive=True)
+        return runs
+    work = os.path.join(text.removeprefix("file://"), f".nbckpt-floor-{uuid.uuid4().hex[:8]}")
+    os.mkdir(work)
+    try:
+        pattern = _pattern(min(_CHUNK, nbytes))
+        for count in counts:
+            files, share = _stream_files(work, nbytes, count)
+            rounds = [_write_round(files, share, pattern) for _ in range(repeats)]
+            runs.append(StreamRun(count, share * count, min(rounds), None, tuple(rounds)))
+            for name in files:
+                os.unlink(name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return runs
 
 
 # -- the entry points -----------------------------------------------------------------------------
@@ -741,6 +840,7 @@ def probe(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``nbckpt probe``."""
     parser.add_argument("target", help="directory (local, NFS, tmpfs...) or s3://bucket/prefix")
     parser.add_argument("--size-mb", type=float, default=DEFAULT_SIZE_MB,
                         help="MiB written and read per stream count (default %(default)s)")
@@ -749,13 +849,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                         help="rounds per stream count; the fastest counts (default %(default)s)")
     parser.add_argument("--checkpoint-gb", type=float, default=None,
-                        help="checkpoint size in GB, for free-space and persist-time advice")
+                        help="checkpoint size in GB, for free-space and persist-time advice "
+                        "(default: none, that advice is left out)")
     parser.add_argument("--endpoint-url", default=None,
-                        help="S3 endpoint (else AWS_ENDPOINT_URL or AWS's default)")
+                        help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS's own)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra fsspec storage option (VALUE parsed as JSON if it can be)")
+                        help="extra fsspec storage option, repeatable (VALUE parsed as JSON if it "
+                        "can be; default: none)")
     parser.add_argument("--json", dest="json_out", default=None, metavar="OUT",
-                        help="also write the full result as JSON to OUT")
+                        help="also write the full result as JSON to OUT (default: no file)")
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -774,6 +876,7 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    """``nbckpt probe``: measure, print the summary, write JSON."""
     try:
         streams = [int(part) for part in str(args.streams).split(",") if part.strip()]
     except ValueError as exc:

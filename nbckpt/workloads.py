@@ -27,22 +27,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._errors import ConfigError
+from ._util import MIB, format_bytes
 
-MIB = 1 << 20
+__all__ = [
+    "MIB",
+    "PRESETS",
+    "GPTConfig",
+    "GPTWorkload",
+    "SyntheticWorkload",
+    "Workload",
+    "format_bytes",
+    "gpt",
+    "make_workload",
+    "synthetic",
+]
+
 # AdamW keeps two fp32 moments per parameter next to the fp32 weights.
 _CHECKPOINT_BYTES_PER_PARAM = 3 * 4
 # Training also holds fp32 gradients; checkpoint staging needs one more copy of the checkpoint.
 _TRAIN_BYTES_PER_PARAM = 4 * 4
 # What the process itself needs besides the state (interpreter, torch, allocator slack).
 _HEADROOM_BYTES = 512 * MIB
-
-
-def format_bytes(nbytes: float) -> str:
-    """``1.2 GB`` style sizes (decimal units, like disks and bandwidths)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -10,13 +11,16 @@ import pytest
 from nbckpt import ConfigError
 from nbckpt.advisor import (
     ADVICE_COLUMNS,
+    DEFAULTS,
     PROJECTION_COLUMNS,
     advise,
     checkpoint_gb,
     cluster_mtbf_s,
+    compare_modes,
     expected_waste,
     measurements,
     mlperf_checkpoint_sizes,
+    node_mtbf_hours,
     project_scale,
     waste_curve,
     young_daly_interval,
@@ -110,7 +114,43 @@ def test_advise_daly_with_restore() -> None:
     tau = young * (1 + math.sqrt(50 / 72_000) / 3 + 50 / (18 * 36_000)) - 50
     assert row["interval_s"] == pytest.approx(tau)
     assert row["waste_pct"] == pytest.approx(100 * (50 / tau + (tau / 2 + 120) / 36_000))
-    assert row["rework_pct"] == pytest.approx(100 * (tau / 2 + 120) / 36_000)
+    assert row["rework_pct"] == pytest.approx(100 * (tau / 2) / 36_000)
+    assert row["restore_pct"] == pytest.approx(100 * 120 / 36_000)  # the same for every strategy
+    assert row["checkpoint_pct"] + row["drag_pct"] + row["rework_pct"] + row["restore_pct"] == \
+        pytest.approx(row["waste_pct"])
+
+
+def test_advise_counts_the_drag_of_the_background_write_and_the_storage_duty() -> None:
+    # 8 GPUs on one node, node MTBF 10 h = 36000 s. The async save stalls 1 s, drags training by
+    # 3 s per checkpoint and takes 100 s to persist: cost C = 1 + 3 = 4 s;
+    # Young: sqrt(2 * 4 * 36000) = 536.66 s (> the 100 s lag, so Young sets it)
+    advice = advise({"async": (1.0, 100.0, 3.0)}, mtbf_hours=10.0, gpus=8, method="young")
+    row = advice.iloc[0]
+    tau = math.sqrt(2 * 4 * 36_000)
+    assert row["cost_s"] == 4.0 and row["drag_s"] == 3.0 and row["bound"] == "young"
+    assert row["interval_s"] == pytest.approx(tau)
+    assert row["checkpoint_pct"] == pytest.approx(100 * 1 / tau)
+    assert row["drag_pct"] == pytest.approx(100 * 3 / tau)
+    # rework: half an interval plus the 100 s lag per failure
+    assert row["rework_pct"] == pytest.approx(100 * (tau / 2 + 100) / 36_000)
+    # the storage writes 100 s of every tau + 1 s: 100 / 537.66 = 18.6 %
+    assert row["storage_duty_pct"] == pytest.approx(100 * 100 / (tau + 1.0))
+    without_drag = advise({"async": (1.0, 100.0)}, mtbf_hours=10.0, gpus=8, method="young")
+    assert without_drag["waste_pct"].iloc[0] < row["waste_pct"]  # drag is not free
+
+
+def test_compare_modes_says_why_async_loses_when_it_does() -> None:
+    # async: 0.1 s stall but 2 s of drag and a 600 s lag; sync: 1 s stall, nothing behind it
+    advice = advise({"slow-sync": (1.0, 1.0), "fast-async": (0.1, 600.0, 2.0)},
+                    mtbf_hours=10.0, gpus=64, restore_s=120.0)
+    rows = advice.set_index("strategy")
+    assert rows.loc["fast-async", "waste_pct"] > rows.loc["slow-sync", "waste_pct"]
+    [sentence] = compare_modes(advice)
+    assert sentence.startswith("fast-async (async) loses")
+    assert "more than slow-sync (sync)" in sentence
+    assert "costs more than the stall it hides" in sentence
+    assert f"{rows.loc['fast-async', 'restore_pct']:.3f} %" in sentence
+    assert compare_modes(advice[advice["mode"] == "sync"]) == []
 
 
 def test_measurements_from_results_frame() -> None:
@@ -160,6 +200,27 @@ def test_checkpoint_size_helpers() -> None:
     # 7e9 parameters * 16 bytes = 112 GB
     assert checkpoint_gb(7e9) == pytest.approx(112.0)
     assert mlperf_checkpoint_sizes()["70B"] == 912.0
+
+
+def test_node_mtbf_from_llama3_and_the_shared_defaults() -> None:
+    # 54 days * 24 h * 16384 / 8 nodes / 419 interruptions = 6334.6 h per node
+    assert node_mtbf_hours() == pytest.approx(54 * 24 * 2048 / 419)
+    assert node_mtbf_hours(interruptions=10, days=10, gpus=80, gpus_per_node=8) == pytest.approx(240.0)
+    assert DEFAULTS.mtbf_hours == round(node_mtbf_hours()) == 6335
+    with pytest.raises(ConfigError, match="must be > 0"):
+        node_mtbf_hours(interruptions=0)
+
+
+def test_report_and_notebook_07_state_the_same_advisor_defaults() -> None:
+    import papermill
+
+    notebooks = Path(__file__).resolve().parents[1] / "notebooks"
+    for name in ("report.ipynb", "07_interval_and_scale.ipynb"):
+        declared = papermill.inspect_notebook(str(notebooks / name))
+        for key, value in DEFAULTS.to_dict().items():
+            if key in declared:
+                assert str(value) == declared[key]["default"].strip("\"'"), (name, key)
+        assert {"mtbf_hours", "gpus", "restore_s", "storage_gbs"} <= set(declared), name
 
 
 def test_project_scale_by_hand() -> None:
@@ -222,3 +283,38 @@ def test_project_scale_defaults_to_mlperf_sizes() -> None:
 def test_project_scale_rejects_bad_input(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         project_scale({"sync": (1.0, 1.0)}, **kwargs)  # type: ignore[arg-type]
+
+
+def test_project_scale_flags_configurations_that_cannot_exist() -> None:
+    # 405B: 5290 GB over 64 ranks is 82.7 GB per rank, more than an 80 GB GPU holds
+    projection = project_scale({"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=100.0,
+                               models={"405B": 5290.0}, ranks=[64, 512], d2h_gbs=50.0)
+    rows = projection.set_index("ranks")
+    assert not rows.loc[64, "feasible"]
+    assert "82.7 GB of checkpointed state per rank exceeds 80 GB" in rows.loc[64, "note"]
+    assert math.isnan(rows.loc[64, "stall_s"]) and math.isnan(rows.loc[64, "overhead_pct"])
+    assert rows.loc[512, "feasible"] and rows.loc[512, "note"] == ""
+    # 512 ranks: 10.33 GB per rank / 50 GB/s = 0.2066 s stall; 5290 / 100 GB/s = 52.9 s persist
+    assert rows.loc[512, "stall_s"] == pytest.approx(5290 / 512 / 50)
+    assert rows.loc[512, "persist_s"] == pytest.approx(52.9)
+    assert projection.attrs["sharding"] == "full" and "split evenly" in projection.attrs["note"]
+    replicated = project_scale({"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=100.0,
+                               models={"8B": 105.0}, ranks=[512], sharding="replicated")
+    assert not replicated["feasible"].iloc[0]  # DDP: all 105 GB on every GPU
+    with pytest.raises(ConfigError, match="sharding must be one of full, replicated"):
+        project_scale({"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=1.0, sharding="zero")
+
+
+def test_project_scale_models_drag_and_storage_duty() -> None:
+    # measured: 1 GB, async stall 0.1 s, persist 1 s, drag 0.25 s -> drag fraction 0.25
+    projection = project_scale({"async": (0.1, 1.0, 0.25)}, nbytes=10**9, storage_gbs=100.0,
+                               models={"M": 1000.0}, ranks=[100], d2h_gbs=10.0, interval_s=90.0)
+    row = projection.iloc[0]
+    # 10 GB per rank / 10 GB/s = 1 s stall; min(100, 100 * 1 GB/s) = 100 GB/s -> 10 s persist
+    assert row["stall_s"] == pytest.approx(1.0) and row["persist_s"] == pytest.approx(10.0)
+    assert row["drag_s"] == pytest.approx(2.5)  # 0.25 of the 10 s write
+    assert row["storage_duty_pct"] == pytest.approx(100 * 10 / (90 + 1))
+    assert row["overhead_pct"] == pytest.approx(100 * (1 + 2.5) / 90)
+    given = project_scale({"async": (0.1, 1.0, 0.25)}, nbytes=10**9, storage_gbs=100.0,
+                          models={"M": 1000.0}, ranks=[100], d2h_gbs=10.0, drag_fraction=0.0)
+    assert given["drag_s"].iloc[0] == 0.0

@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -23,13 +24,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = ROOT / "test-artifacts"
+#: The README's picture of the lab; rewritten by this test with NBCKPT_UPDATE_SCREENSHOT=1.
+SCREENSHOT = ROOT / "docs" / "lab.png"
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
 ]
-# Small enough to run in seconds, long enough for the browser to see the timeline grow.
-PARAMETERS = {"preset": "synthetic", "size_mb": 8.0, "steps": 150, "every": 25,
+# The first run is long (it is stopped by re-running the lab's cell); the run after that uses
+# SHORT: small enough to end in seconds, long enough for the browser to see the timeline grow.
+PARAMETERS = {"preset": "synthetic", "size_mb": 8.0, "steps": 5000, "every": 500, "repeats": 3,
               "strategies": ["torch-save", "nbckpt-async"]}
+SHORT = {"steps": 150, "every": 25}
 
 pytestmark = [
     pytest.mark.browser,
@@ -64,7 +69,8 @@ def _lab_notebook(root: Path, checkpoints: Path) -> None:
     """notebooks/06_lab.ipynb with small parameters, as a user would edit its first cell."""
     nb = nbformat.read(ROOT / "notebooks" / "06_lab.ipynb", as_version=4)
     cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
-    values = {**PARAMETERS, "directory": str(checkpoints)}
+    # relative to the notebook, as a user would write it (and as the README picture shows)
+    values = {**PARAMETERS, "directory": "checkpoints"}
     lines = cell.source.splitlines()
     for i, line in enumerate(lines):
         name = line.split("=")[0].strip()
@@ -76,6 +82,10 @@ def _lab_notebook(root: Path, checkpoints: Path) -> None:
     nb.cells.append(nbformat.v4.new_code_cell(
         f"%load_ext nbckpt\nimport torch\nx = torch.zeros(1 << 24)\n"
         f"h = %ckpt_async x -d {checkpoints / 'magic'}"
+    ))
+    # what a user changes before running the lab's cell again (Run All runs it last)
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "; ".join(f"{name} = {value!r}" for name, value in SHORT.items())
     ))
     nbformat.write(nb, root / "06_lab.ipynb")
 
@@ -89,7 +99,8 @@ def server(tmp_path: Path) -> Iterator[Server]:
     (config / "labconfig").mkdir(parents=True)
     # the documented way to turn off the "get Jupyter news?" prompt (labextension disable)
     (config / "labconfig" / "page_config.json").write_text(json.dumps(
-        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}
+        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True},
+         "exposeAppInBrowser": True}  # window.jupyterapp: to hide the file browser for the picture
     ))
     tracker = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
     tracker.mkdir(parents=True)
@@ -139,17 +150,39 @@ def server(tmp_path: Path) -> Iterator[Server]:
         log.close()
 
 
+def _save_screenshot(page: Any, lab: Any) -> None:
+    """The lab alone, for the README: docs/lab.png when NBCKPT_UPDATE_SCREENSHOT=1."""
+    shot = ARTIFACTS / "lab.png"
+    lab.locator("table.nbckpt-results").wait_for()
+    lab.scroll_into_view_if_needed()
+    lab.screenshot(path=str(shot), scale="css", animations="disabled")
+    if os.environ.get("NBCKPT_UPDATE_SCREENSHOT", "") not in ("", "0"):
+        SCREENSHOT.write_bytes(shot.read_bytes())
+
+
+def _console_errors(page: Any) -> list[str]:
+    """Collect what the page logs as an error (console.error and uncaught exceptions)."""
+    errors: list[str] = []
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(f"uncaught: {exc}"))
+    return errors
+
+
 def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
     """Run All, then Run in the lab: widgets and plot render, the timeline grows while the run
-    goes on, the results table appears; a %ckpt_async status line turns "committed"."""
+    goes on; re-running the lab's cell mid-run stops the old run and the new lab runs to its
+    results table; a %ckpt_async status line turns "committed"; the console stays clean."""
     sync_api = pytest.importorskip("playwright.sync_api")
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        errors = _console_errors(page)
         try:
             page.goto(f"{server.url}/lab/tree/06_lab.ipynb?token={server.token}")
             page.wait_for_selector(".jp-NotebookPanel .jp-Notebook", timeout=60_000)
+            # the file browser away: figures take the width they find when they render
+            page.evaluate("window.jupyterapp.commands.execute('application:toggle-left-area')")
             # cells run while the kernel is still initializing are dropped: wait for idle
             page.get_by_text(re.compile(r"\| Idle$")).first.wait_for(timeout=90_000)
             page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
@@ -168,20 +201,42 @@ def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
             _until(lambda: bars.count() > 0, 120, "the first bars of the timeline")
             first = bars.count()
             _until(lambda: bars.count() > first, 120, "the timeline to grow")
-            grown = bars.count()
             assert lab.locator(".nbckpt-ok").count() == 0, "grew only when the run had ended"
             page.screenshot(path=str(ARTIFACTS / "browser-lab-running.png"), full_page=True)
 
+            # re-run the lab's cell while its run goes on, as a user editing a parameter would
+            cell = page.locator(".jp-Notebook .jp-CodeCell").filter(has_text="= Lab(")
+            cell.locator(".jp-InputArea-editor").click()
+            page.keyboard.press("Control+Enter")
+            cell.get_by_text("stopped the previous lab").wait_for(timeout=120_000)
+            lab = page.locator(".nbckpt-lab")
+            lab.wait_for(timeout=60_000)
+            assert lab.count() == 1, "the old lab is still on the page"
+            plot = lab.locator(".js-plotly-plot")
+            plot.wait_for(timeout=60_000)
+            bars = plot.locator("g.trace.bars g.point")
+            assert bars.count() == 0
+
+            lab.locator("button", has_text="Run").first.click()
             table = lab.locator("table.nbckpt-results")
-            table.wait_for(timeout=180_000)
-            lab.locator(".nbckpt-ok").wait_for(timeout=180_000)
-            assert table.locator("td", has_text="nbckpt-async").count() >= 1
-            assert table.locator("td", has_text="torch-save").count() >= 1
-            assert bars.count() >= grown > first > 0
-            assert lab.locator(".nbckpt-error").count() == 0
+            lab.locator(".nbckpt-ok, .nbckpt-error").first.wait_for(timeout=180_000)
+            assert lab.locator(".nbckpt-error").count() == 0, lab.inner_text()
+            table.wait_for(timeout=60_000)
+            for strategy in ("none", *PARAMETERS["strategies"]):
+                assert table.locator("td", has_text=re.compile(f"^{strategy}$")).count() == 1
+            assert bars.count() > 0
+            # the log shows its newest line, not its first
+            log = lab.locator(".nbckpt-log")
+            assert log.evaluate("(box) => box.firstElementChild.getBoundingClientRect().bottom"
+                                " <= box.getBoundingClientRect().bottom + 1")
+            assert log.evaluate("(box) => box.scrollHeight > box.clientHeight")
+            # the figure takes the width of the lab, not plotly's default of 700 px
+            assert plot.bounding_box()["width"] > 0.9 * lab.bounding_box()["width"]
             page.screenshot(path=str(ARTIFACTS / "browser-lab.png"), full_page=True)
+            _save_screenshot(page, lab)
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / "browser-lab-failed.png"), full_page=True)
             raise
         finally:
             browser.close()
+    assert not errors, "the browser console logged errors:\n" + "\n".join(errors)

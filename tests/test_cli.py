@@ -27,21 +27,57 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Any) -> None:
     assert proc.returncode == 0, proc.stderr
     table = proc.stdout
     for expected in ("strategy", "none", "torch-save", "nbckpt-async", "floors for 2.1 MB",
-                     "stall_mean_s", f"results written to {out}"):
+                     "stall_mean_s", "overhead_95ci", ex.OVERHEAD_DEFINITION, "load during the runs",
+                     f"results written to {out}"):
         assert expected in table
     assert "[torch-save] step 2/4: checkpoint stalled" in proc.stderr  # progress lines
+    assert "repeat 2/3: torch-save, nbckpt-async, none" in proc.stderr  # interleaved, rotated
     document = json.loads(out.read_text())
-    assert document["schema"] == "nbckpt.bench/1"
+    assert document["schema"] == "nbckpt.bench/2"
     assert document["bytes"] == 2 << 20
-    assert (document["steps"], document["every"], document["repeats"]) == (4, 2, 1)
-    assert set(document["floors"]) >= {"bytes", "copy_s", "copy_gbs", "write_gbs"}
+    assert (document["steps"], document["every"], document["repeats"]) == (4, 2, ex.DEFAULT_REPEATS)
+    assert set(document["floors"]) >= {"bytes", "copy_s", "copy_gbs", "write_gbs", "write_gbs_by_streams"}
     assert [r["strategy"] for r in document["results"]] == ["none", "torch-save", "nbckpt-async"]
     for row in document["results"]:
         assert list(row) == ex.RESULT_COLUMNS
+        lo, hi = row["overhead_ci_pct"]
+        assert lo <= row["overhead_pct"] <= hi
+    load = document["load"]
+    assert load["cpus"] >= 1 and load["other_cpu_cores"] >= 0 and 0 <= load["steal_pct"] <= 100
+    assert isinstance(load["high"], bool) and isinstance(document["warnings"], list)
     assert {e["kind"] for e in document["timeline"]} >= {"step", "stall", "persist", "commit"}
     assert set(document["environment"]) >= {"python", "torch", "nbckpt", "cpus", "time_utc"}
     assert document["environment"]["torch_threads"] == 1
+    assert len(document["runs"]) == 3 * ex.DEFAULT_REPEATS
     assert os.listdir(directory) == []  # checkpoints of the runs are cleaned up
+
+
+def test_version_and_help_texts(capsys: pytest.CaptureFixture[str]) -> None:
+    from nbckpt import __version__
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"nbckpt {__version__}"
+    for command in ("bench", "probe", "report"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = capsys.readouterr().out
+        assert "``" not in text and ":func:" not in text, command  # no reST markup
+        options = [line for line in text.splitlines() if line.lstrip().startswith("--")]
+        assert options, command
+    bench = cli.build_parser()._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
+    helps = {action.dest: action.help or "" for action in bench._actions if action.dest != "help"}
+    undocumented = [dest for dest, text in helps.items() if "default" not in text]
+    assert not undocumented, f"bench options without their default: {undocumented}"
+
+
+def test_the_bench_runs_the_strategies_the_docs_call_default() -> None:
+    from nbckpt.strategies import STRATEGIES
+
+    args = cli.build_parser().parse_args(["bench"])
+    assert args.strategies.split(",") == ex.DEFAULT_STRATEGIES
+    assert set(ex.DEFAULT_STRATEGIES) == set(STRATEGIES) - {"dcp-async-process"}
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import queue
 import sys
-from collections.abc import Iterator
+import time
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.testing.globalipapp import get_ipython
 
 from nbckpt import CheckpointError, SaveHandle
-from nbckpt.magics import CheckpointMagics
-
-MAGICS = ["ckpt_async", "ckpt_sync", "ckpt_wait", "ckpt_status", "ckpt_timeline",
-          "ckpt_restore", "ckpt_config", "ckpt_bench"]
+from nbckpt.magics import MAGICS, CheckpointFailed, CheckpointMagics
 
 
 @pytest.fixture(scope="session")
@@ -48,6 +47,16 @@ def ip(
     shell.run_line_magic("unload_ext", "nbckpt")
     for name in ("model", "opt", "epoch", "train", "h"):
         shell.user_ns.pop(name, None)
+
+
+def _eventually(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll ``condition`` (work done on a background thread) until it holds or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def magics_of(shell: InteractiveShell) -> CheckpointMagics:
@@ -108,7 +117,12 @@ def test_default_directory_step_and_keep_reuse_one_checkpointer(
     assert len(magics.checkpointers) == 1
     ckpt = next(iter(magics.checkpointers.values()))
     assert ckpt.config.keep == 1
-    assert [p.name for p in (tmp_path / "default").glob("step-*")] == ["step-000001"]
+    third = ip.run_line_magic("ckpt_async", "model opt --keep 1")  # same options: same one
+    third.wait()
+    assert next(iter(magics.checkpointers.values())) is ckpt
+    ip.run_line_magic("ckpt_wait", "")
+    assert _eventually(lambda: [p.name for p in (tmp_path / "default").glob("step-*")]
+                       == ["step-000002"])  # retention deletes on a thread of its own
 
 
 def test_status_table_lists_this_sessions_saves(ip: InteractiveShell, tmp_path: Path) -> None:
@@ -132,6 +146,12 @@ def test_timeline_is_a_plotly_figure_of_the_session(ip: InteractiveShell, tmp_pa
     assert isinstance(fig, go.Figure)
     kinds = {trace.name for trace in fig.data}
     assert {"stall", "stage", "persist", "commit"} <= kinds
+    assert list(fig.layout.yaxis.categoryarray) == ["async model opt · train",
+                                                    "async model opt · background"]
+    ip.run_line_magic("ckpt_sync", f"model -d {tmp_path / 'tl2'}")
+    lanes = list(ip.run_line_magic("ckpt_timeline", "").layout.yaxis.categoryarray)
+    assert lanes == ["tl: async model opt · train", "tl: async model opt · background",
+                     "tl2: sync model · train", "tl2: sync model · background"]
 
 
 def test_restore_loads_in_place_and_rebinds_plain_values(
@@ -153,27 +173,128 @@ def test_restore_loads_in_place_and_rebinds_plain_values(
         ip.run_line_magic("ckpt_restore", f"model -d {target} --step 6")
 
 
+def test_a_failed_restore_is_one_line_without_a_traceback(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "rs1"
+    ip.run_line_magic("ckpt_sync", f"model -d {target} --step 5")
+    capsys.readouterr()
+    result = ip.run_cell(f"%ckpt_restore model -d {target} --step 6")
+    assert isinstance(result.error_in_exec, CheckpointFailed)
+    assert isinstance(result.error_in_exec.__cause__, CheckpointError)
+    captured = capsys.readouterr()
+    text = (captured.out + captured.err).strip()
+    assert text.startswith("CheckpointFailed: no committed checkpoint for step 6")
+    assert "\n" not in text and "Traceback" not in text
+    ip.user_ns["net"] = torch.nn.Linear(3, 3)
+    result = ip.run_cell(f"%ckpt_restore net -d {target}")  # a name the checkpoint lacks
+    captured = capsys.readouterr()
+    text = (captured.out + captured.err).strip()
+    assert isinstance(result.error_in_exec, UsageError) and "'net'" in text
+    assert "\n" not in text and "Traceback" not in text
+    ip.user_ns.pop("net")
+
+
+def test_warnings_point_at_the_users_cell(ip: InteractiveShell, tmp_path: Path) -> None:
+    target = tmp_path / "again"
+    ip.run_line_magic("ckpt_sync", f"model -d {target} --step 1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ip.run_cell(f"%ckpt_sync model -d {target} --step 1").success
+    replaced = [w for w in caught if "already exists" in str(w.message)]
+    assert len(replaced) == 1, [str(w.message) for w in caught]
+    assert "nbckpt" not in replaced[0].filename and "IPython" not in replaced[0].filename
+    assert "ipython-input" in replaced[0].filename  # the cell, as IPython names it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ip.run_line_magic("ckpt_sync", f"model -d {target} --step 1")  # called from Python
+    replaced = [w for w in caught if "already exists" in str(w.message)]
+    assert [w.filename for w in replaced] == [__file__]
+
+
 def test_config_shows_and_sets_session_defaults(
     ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ip.run_line_magic("ckpt_config", "")
     assert str(tmp_path / "default") in capsys.readouterr().out  # from NBCKPT_DIR
     ip.run_line_magic("ckpt_async", "model").wait()
-    ip.run_line_magic("ckpt_config", f"-d {tmp_path / 'other'} --keep 2 --no-verify")
     magics = magics_of(ip)
+    opened = magics.checkpointers[str(tmp_path / "default")]
+    capsys.readouterr()
+    ip.run_line_magic("ckpt_config", f"-d {tmp_path / 'other'} --keep 2 --no-verify")
+    out = capsys.readouterr().out
     assert magics.defaults.dir == str(tmp_path / "other") and magics.defaults.keep == 2
-    opened = next(iter(magics.checkpointers.values()))
-    assert opened.config.keep == 2 and opened.config.verify is False  # applied, not recreated
+    # a frozen config is never changed: the idle Checkpointer is closed and a new one opened
+    assert f"keep=2, verify=False for {tmp_path / 'default'}: reopened its Checkpointer" in out
+    assert opened.config.keep is None and opened.config.verify is True
+    reopened = magics.checkpointers[str(tmp_path / "default")]
+    assert reopened is not opened and (reopened.config.keep, reopened.config.verify) == (2, False)
     ip.run_line_magic("ckpt_async", "model").wait()
     assert (tmp_path / "other" / "step-000000").is_dir()
     ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'other'} --keep 1").wait()
-    ip.run_line_magic("ckpt_config", "--writer-threads 3")  # leaves keep alone
-    assert opened.config.writer_threads == 3 and opened.config.keep == 2
+    ip.run_line_magic("ckpt_config", "--writer-threads 3")  # leaves every keep alone
+    assert magics.checkpointers[str(tmp_path / "default")].config.writer_threads == 3
+    assert magics.checkpointers[str(tmp_path / "default")].config.keep == 2
     assert magics.checkpointers[str(tmp_path / "other")].config.keep == 1
     ip.run_line_magic("ckpt_config", "--keep none")
-    assert magics.defaults.keep is None and opened.config.keep is None
+    assert magics.defaults.keep is None
+    assert all(c.config.keep is None for c in magics.checkpointers.values())
     ip.run_line_magic("ckpt_config", "--reset")
     assert magics.defaults.dir == str(tmp_path / "default") and magics.defaults.verify
+
+
+def test_an_option_changed_with_saves_in_flight_applies_once_they_commit(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ip.user_ns["big"] = torch.zeros(1 << 23)  # 32 MiB: still persisting when the next line runs
+    target = tmp_path / "inflight"
+    handle = ip.run_line_magic("ckpt_async", f"big -d {target} --step 1")
+    magics = magics_of(ip)
+    opened = magics.checkpointers[str(target)]
+    capsys.readouterr()
+    ip.run_line_magic("ckpt_config", "--keep 1")
+    out = capsys.readouterr().out
+    if not handle.done():  # the usual case; a fast disk may have committed it already
+        assert "applies once its 1 save(s) in flight have committed" in out
+        assert magics.checkpointers[str(target)] is opened  # the cell did not wait
+    ip.run_line_magic("ckpt_async", f"big -d {target}")
+    ip.run_line_magic("ckpt_wait", "")
+    assert handle.done() and handle.error is None  # committed under the old options
+    assert magics.checkpointers[str(target)].config.keep == 1
+    assert opened.config.keep is None
+    assert _eventually(lambda: sorted(p.name for p in target.glob("step-*")) == ["step-000002"])
+    ip.user_ns.pop("big")
+
+
+def test_new_run_saves_into_a_fresh_run_directory(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ip.run_line_magic("ckpt_sync", "model --step 3")
+    ip.run_line_magic("ckpt_config", "--new-run")
+    run = magics_of(ip).defaults.run
+    assert run is not None and Path(run).parent == tmp_path / "default"
+    assert Path(run).name.startswith("run-") and not list(Path(run).iterdir())
+    handle = ip.run_line_magic("ckpt_sync", "model")
+    assert handle.step == 0 and (Path(run) / "step-000000").is_dir()  # step 3 is elsewhere
+    ip.run_line_magic("ckpt_config", f"-d {tmp_path / 'x'}")
+    assert magics_of(ip).defaults.run is None
+
+
+def test_wait_counts_this_sessions_saves(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for step in (1, 2, 3):
+        ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'w'} --step {step}")
+    ip.run_line_magic("ckpt_sync", f"model -d {tmp_path / 'w2'}")
+    capsys.readouterr()
+    ip.run_line_magic("ckpt_wait", "")
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert out.startswith("nbckpt: 4 of this session's 4 save(s) committed (")
+    assert out.endswith("waited for); nothing in flight")
+    ip.run_line_magic("ckpt_wait", "")
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "nbckpt: 4 of this session's 4 save(s) committed (0 waited for); nothing in flight"
+    )
 
 
 @pytest.mark.parametrize(
@@ -233,13 +354,27 @@ def test_other_magics_reject_bad_input(
         ip.run_line_magic(magic, line.format(missing=tmp_path / "missing"))
 
 
-def test_help_text_lists_the_options(ip: InteractiveShell) -> None:
-    for name in MAGICS:
-        doc = ip.find_line_magic(name).__doc__
-        assert doc and doc.startswith("::"), name  # magic_arguments' usage block
-    assert "--step" in ip.find_line_magic("ckpt_async").__doc__
-    assert "in the background" in ip.find_line_magic("ckpt_async").__doc__
-    assert "--strategies" in ip.find_line_magic("ckpt_bench").__doc__
+@pytest.mark.parametrize("name", MAGICS)
+def test_every_magic_answers_help(
+    ip: InteractiveShell, tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flag in ("--help", "-h"):
+        # even with what would be an error otherwise (no NAME given, an unknown option)
+        assert ip.run_line_magic(name, f"{flag} --bogus") is None
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: %{name} [-h]"), out
+        assert "::" not in out and "``" not in out  # plain text, no reST
+    doc = ip.find_line_magic(name).__doc__
+    assert doc is not None and doc.strip() == out.strip()  # %ckpt_x? shows the same help
+    assert not list(tmp_path.glob("**/step-*")) and not magics_of(ip).saves
+
+
+def test_help_texts_name_the_defaults(ip: InteractiveShell) -> None:
+    helps = {name: ip.find_line_magic(name).__doc__ or "" for name in MAGICS}
+    assert "--step STEP" in helps["ckpt_async"] and "in the background" in helps["ckpt_async"]
+    assert "(default: one past the newest step" in helps["ckpt_sync"]
+    assert "(default: 1)" in helps["ckpt_config"] and "(default: 2)" in helps["ckpt_config"]
+    assert "--strategies" in helps["ckpt_bench"] and "(default: 3)" in helps["ckpt_bench"]
 
 
 def test_handle_displayed_later_shows_a_status(
@@ -294,12 +429,13 @@ def test_bench_in_jupyterlab_shows_the_live_lab_and_starts_it(
     monkeypatch.setattr(nbckpt.magics, "_batch_run", lambda shell: False)
     result = ip.run_line_magic(
         "ckpt_bench", f"--dir {tmp_path / 'b'} --size-mb 1 --strategies nbckpt-async "
-                      "--steps 2 --every 1",
+                      "--steps 2 --every 1 --repeats 1",
     )
     assert result is None
-    lab = magics_of(ip).labs[-1]
+    lab = magics_of(ip).lab
+    assert lab is not None
     assert lab.wait(120) and lab.error is None and lab.comparison is not None
-    assert lab.comparison.results["strategy"].tolist() == ["nbckpt-async"]
+    assert lab.comparison.results["strategy"].tolist() == ["none", "nbckpt-async"]
 
 
 class _Kernel:
@@ -395,6 +531,106 @@ def test_status_updates_from_the_background_in_a_real_kernel(tmp_path: Path) -> 
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+class _RealKernel:
+    """A python3 kernel of its own, and cells run in it as JupyterLab sends them."""
+
+    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+        from jupyter_client.manager import start_new_kernel
+
+        self.km, self.kc = start_new_kernel(kernel_name="python3", cwd=str(cwd),
+                                            env={**os.environ, **env})
+
+    def run(self, code: str, *, lab: bool = False, timeout: float = 180) -> str:
+        """Run a cell; return its stdout. ``lab``: with JupyterLab's request metadata, which
+        makes %ckpt_bench show the live lab."""
+        kc = self.kc
+        content = {"code": code, "silent": False, "store_history": True,
+                   "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}
+        msg = kc.session.msg("execute_request", content,
+                             metadata={"recordTiming": False} if lab else {})
+        kc.shell_channel.send(msg)
+        reply = kc.get_shell_msg(timeout=timeout)
+        while reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+            reply = kc.get_shell_msg(timeout=timeout)
+        out: list[str] = []
+        while True:  # iopub: everything the cell printed, up to its idle status
+            message = kc.get_iopub_msg(timeout=timeout)
+            if message["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+                continue
+            body = message["content"]
+            if message["msg_type"] == "stream" and body["name"] == "stdout":
+                out.append(body["text"])
+            if message["msg_type"] == "status" and body["execution_state"] == "idle":
+                break
+        assert reply["content"]["status"] == "ok", (reply["content"], "".join(out))
+        return "".join(out)
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(tmp_path: Path) -> Iterator[_RealKernel]:
+    started = _RealKernel(tmp_path, {"OMP_NUM_THREADS": "1", "NBCKPT_DIR": str(tmp_path / "k")})
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+LAB_CELL = """\
+from nbckpt.widgets import Lab
+lab = Lab(directory={directory!r}, preset="synthetic", size_mb=2.0, strategies=["nbckpt-async"],
+          steps={steps}, every=5, repeats=1)
+lab.run()
+lab
+"""
+
+
+def test_rerunning_the_lab_cell_mid_run_stops_the_old_run_in_a_real_kernel(
+    kernel: _RealKernel, tmp_path: Path
+) -> None:
+    """The same cell twice in one kernel: the first lab's run is stopped (its directory's lock
+    released), and the second lab runs in that directory without a lock error."""
+    directory = str(tmp_path / "lab")
+    assert kernel.run(LAB_CELL.format(directory=directory, steps=100_000)) == ""
+    kernel.run("import time\nfirst = lab\n"
+               "while first.running and first.progress.value < 12:\n    time.sleep(0.01)\n"
+               "assert first.running, first.error")  # past its first save: the lock is held
+    out = kernel.run(LAB_CELL.format(directory=directory, steps=12))
+    assert out == "nbckpt: stopped the previous lab's run (its saves in flight committed) and " \
+                  "closed it\n"
+    checks = kernel.run(
+        "lab.wait()\n"
+        "print(first.closed, first.running, first.stopped, lab is not first)\n"
+        "print(lab.error)\n"
+        "print(int(lab.comparison.results.set_index('strategy').loc['nbckpt-async', 'checkpoints']))"
+    )
+    assert checks.splitlines() == ["True False True True", "None", "2"]
+
+
+def test_rerunning_ckpt_bench_stops_the_previous_run_in_a_real_kernel(
+    kernel: _RealKernel, tmp_path: Path
+) -> None:
+    bench = (f"%ckpt_bench --dir {tmp_path / 'b'} --size-mb 2 --strategies nbckpt-async "
+             "--every 5 --repeats 1 --steps {steps}")
+    kernel.run("%load_ext nbckpt")
+    assert kernel.run(bench.format(steps=100_000), lab=True) == ""
+    kernel.run(
+        "import time\nfirst = get_ipython().magics_manager.registry['CheckpointMagics'].lab\n"
+        "while first.running and first.progress.value < 12:\n    time.sleep(0.01)\n"
+        "assert first.running, first.error"
+    )
+    out = kernel.run(bench.format(steps=12), lab=True)
+    assert "nbckpt: stopped the previous lab's run" in out
+    checks = kernel.run(
+        "lab = get_ipython().magics_manager.registry['CheckpointMagics'].lab\n"
+        "lab.wait()\nprint(first.closed, first.running, lab is not first, lab.error)"
+    )
+    assert checks.strip() == "True False True None"
 
 
 def test_extension_import_is_lazy() -> None:

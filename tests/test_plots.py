@@ -19,6 +19,7 @@ from nbckpt.plots import (
     extend_timeline,
     interval_figure,
     load_published,
+    overhead_figure,
     probe_figure,
     projection_figure,
     scaling_data,
@@ -187,7 +188,7 @@ def test_unknown_event_kinds_are_drawn_in_the_background_lane() -> None:
     assert data.kinds["upload"]["y"] == ["mine · background"]
 
 
-def test_throughput_dips_after_a_stall() -> None:
+def test_throughput_dips_after_a_stall_and_marks_the_steps_after_checkpoints() -> None:
     fig = throughput_figure(sync_and_async_timeline())
     traces = traces_by_name(fig)
     # torch-save step ends: 0.1, 0.2, 0.8 (after a 0.5 s stall), 0.9 -> 10, 10, 1/0.6, 10 steps/s
@@ -195,19 +196,44 @@ def test_throughput_dips_after_a_stall() -> None:
     assert list(traces["torch-save"].y) == pytest.approx([10.0, 10.0, 1 / 0.6, 10.0])
     # nbckpt-async: the 0.02 s stall only dents step 3: 1 / 0.12
     assert list(traces["nbckpt-async"].y) == pytest.approx([10.0, 10.0, 1 / 0.12, 10.0])
+    # checkpoints after steps 2 and 4: step 3 is marked (step 4's checkpoint has no next step)
+    marked = traces["torch-save after a checkpoint"]
+    assert list(marked.x) == pytest.approx([0.8]) and marked.marker.symbol == "x"
+    assert "none baseline" in fig.layout.title.text and "dips are checkpoints" not in fig.layout.title.text
 
 
-def test_stall_figure_bars_errors_and_published_anchors() -> None:
+# A run with DCP's own sync and async saves, the comparison PyTorch/IBM published.
+DCP_RESULTS = pd.DataFrame(
+    {
+        "strategy": ["none", "torch-save", "dcp-sync", "dcp-async", "nbckpt-async"],
+        "checkpoints": [0, 4, 4, 4, 4],
+        "stall_mean_s": [math.nan, 0.5, 0.6, 0.2, 0.02],
+        "stall_p95_s": [math.nan, 0.6, 0.7, 0.3, 0.03],
+    }
+)
+
+
+def test_stall_figure_compares_with_dcp_sync_beside_the_like_for_like_figure() -> None:
+    fig = stall_figure(DCP_RESULTS)
+    stall, reduction = fig.data
+    assert list(stall.x) == ["torch-save", "dcp-sync", "dcp-async", "nbckpt-async"]
+    assert list(stall.error_y.array) == pytest.approx([0.1, 0.1, 0.1, 0.01])
+    assert list(reduction.y) == pytest.approx([1.2, 1.0, 3.0, 30.0])  # dcp-sync's 0.6 s / stall
+    assert [shape.y0 for shape in fig.layout.shapes] == [23.6]  # only PyTorch/IBM's compares this
+    texts = " ".join(annotation.text for annotation in fig.layout.annotations)
+    assert "sync DCP 148.8 s → async DCP 6.3 s (23.6x)" in texts
+    assert "10x" not in texts and "54.2" not in texts
+    assert "vs dcp-sync" in texts
+
+
+def test_stall_figure_against_torch_save_draws_no_published_line() -> None:
     fig = stall_figure(RESULTS)
     stall, reduction = fig.data
     assert list(stall.x) == ["torch-save", "nbckpt-async"]  # the no-checkpoint baseline is left out
     assert list(stall.y) == [0.5, 0.02]
-    assert list(stall.error_y.array) == pytest.approx([0.1, 0.01])
     assert list(reduction.y) == [1.0, 25.0]
     assert list(reduction.text) == ["1.0x", "25.0x"]
-    assert sorted(shape.y0 for shape in fig.layout.shapes) == [10.0, 23.6]
-    texts = " ".join(annotation.text for annotation in fig.layout.annotations)
-    assert "148.8 s → 6.3 s (23.6x)" in texts and "10x or more" in texts
+    assert len(fig.layout.shapes) == 0  # no source compares against torch.save
     assert fig.layout.yaxis.type != "log"
 
 
@@ -218,14 +244,34 @@ def test_stall_figure_computes_reduction_and_honours_options() -> None:
     assert fig.data[0].error_y.array is None
     assert len(fig.layout.shapes) == 0
     assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"
+    partial = RESULTS.assign(partial=[False, False, True])
+    assert list(stall_figure(partial).data[0].x) == ["torch-save"]  # a stopped run is left out
 
 
 def test_stall_figure_uses_given_published_figures() -> None:
     published = load_published()
     published["anchors"]["pytorch_ibm_7b"]["values"]["reduction_factor"]["value"] = 30.0
-    fig = stall_figure(RESULTS, published)
-    assert 30.0 in [shape.y0 for shape in fig.layout.shapes]
-    assert anchor_factors(published)[0][0].startswith("Pure Storage")
+    fig = stall_figure(DCP_RESULTS, published)
+    assert [shape.y0 for shape in fig.layout.shapes] == [30.0]
+    assert [label for label, _, _ in anchor_factors(published)] == [
+        "PyTorch/IBM, 7B on GPUs, sync DCP 148.8 s → async DCP 6.3 s (30.0x)"
+    ]
+
+
+def test_overhead_figure_draws_intervals_and_says_when_nothing_was_measured() -> None:
+    results = pd.DataFrame({
+        "strategy": ["none", "torch-save", "nbckpt-async", "stopped"],
+        "overhead_pct": [0.0, 30.0, 2.0, 5.0],
+        "overhead_ci_pct": [[0.0, 0.0], [20.0, 45.0], [-1.0, 5.0], [1.0, 9.0]],
+        "partial": [False, False, False, True],
+    })
+    fig = overhead_figure(results)
+    [bars] = fig.data
+    assert list(bars.x) == ["torch-save", "nbckpt-async"]  # baseline and partial rows left out
+    assert list(bars.error_y.array) == pytest.approx([15.0, 3.0])
+    assert list(bars.error_y.arrayminus) == pytest.approx([10.0, 3.0])
+    assert list(bars.text) == ["+30.0 %", "no measurable difference"]
+    assert "95 % interval" in fig.layout.title.text
 
 
 def test_scaling_figure() -> None:
@@ -264,16 +310,20 @@ def test_interval_figure_marks_advised_interval() -> None:
     assert fig.layout.xaxis.type == "log"
 
 
-def test_projection_figure_is_labelled_a_projection() -> None:
+def test_projection_figure_is_labelled_a_projection_and_leaves_out_what_cannot_exist() -> None:
     projection = project_scale(RESULTS, nbytes=100 * MB, storage_gbs=200.0, ranks=[8, 64])
     fig = projection_figure(projection)
-    assert fig.layout.title.text.startswith("Projection (not measured)")
-    assert "200 GB/s" in fig.layout.title.text
+    title = fig.layout.title.text
+    assert title.startswith("Projection (not measured)")
+    assert "200 GB/s" in title and "sharded evenly" in title
+    # 70B (912 GB) and 405B (5290 GB) on 8 ranks, and 405B on 64, exceed 80 GB per rank
+    assert "3 configuration(s) left out" in title
     assert [trace.name for trace in fig.data] == ["torch-save", "torch-save", "nbckpt-async", "nbckpt-async"]
     stall_bars = fig.data[0]
-    assert list(stall_bars.x)[:2] == ["8B × 8 ranks", "8B × 64 ranks"]
-    assert list(stall_bars.y) == projection[projection["strategy"] == "torch-save"]["stall_s"].tolist()
-    assert "projection" in stall_bars.hovertemplate
+    assert list(stall_bars.x) == ["8B × 8 ranks", "8B × 64 ranks", "70B × 64 ranks"]
+    feasible = projection[(projection["strategy"] == "torch-save") & projection["feasible"]]
+    assert list(stall_bars.y) == feasible["stall_s"].tolist()
+    assert "projection" in stall_bars.hovertemplate and "storage busy" in stall_bars.hovertext[0]
 
 
 def test_probe_figure() -> None:
@@ -289,6 +339,8 @@ BUILDERS: list[tuple[Callable[..., go.Figure], Callable[[], pd.DataFrame]]] = [
     (timeline_figure, sync_and_async_timeline),
     (throughput_figure, sync_and_async_timeline),
     (stall_figure, lambda: RESULTS),
+    (overhead_figure, lambda: pd.DataFrame({"strategy": ["a"], "overhead_pct": [1.0],
+                                            "overhead_ci_pct": [[0.5, 1.5]]})),
     (scaling_figure, lambda: pd.DataFrame({"strategy": ["a"], "bytes": [MB], "stall_mean_s": [0.1]})),
     (interval_figure, lambda: advise(RESULTS, mtbf_hours=24.0)),
     (projection_figure, lambda: project_scale(RESULTS, nbytes=MB, storage_gbs=10.0)),

@@ -35,7 +35,6 @@ def test_every_value_has_units_and_every_anchor_a_source() -> None:
 @pytest.mark.parametrize(
     ("anchor", "name", "value"),
     [
-        ("pure_storage_flashblade", "reduction_factor", 10),
         ("pure_storage_flashblade", "overhead_reduction", 90),
         ("pytorch_ibm_7b", "sync_downtime", 148.8),
         ("pytorch_ibm_7b", "async_downtime", 6.3),
@@ -50,6 +49,9 @@ def test_every_value_has_units_and_every_anchor_a_source() -> None:
         ("bytecheckpoint", "reduction_factor", 54.2),
         ("mlperf_storage_checkpoint_sizes", "405B", 5290),
         ("h100_host_transfer", "device_to_host", 52.8),
+        ("llama3_interruptions", "unexpected_interruptions", 419),
+        ("llama3_interruptions", "days", 54),
+        ("llama3_interruptions", "gpus", 16384),
     ],
 )
 def test_published_values(anchor: str, name: str, value: object) -> None:

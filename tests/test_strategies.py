@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -17,7 +21,7 @@ from nbckpt.workloads import SyntheticWorkload, gpt
 
 BUILT_IN = [
     "none", "torch-save", "dcp-sync", "dcp-async", "dcp-async-process",
-    "nbckpt-sync", "nbckpt-async", "nbckpt-async-overlap",
+    "dcp-async-stager", "nbckpt-sync", "nbckpt-async", "nbckpt-async-overlap",
 ]
 THREAD_LOCAL = ["torch-save", "dcp-sync", "dcp-async", "nbckpt-sync", "nbckpt-async",
                 "nbckpt-async-overlap"]
@@ -196,3 +200,67 @@ def test_none_never_writes(tmp_path: Any) -> None:
     assert not strategy.writes_checkpoints
     strategy.open(str(tmp_path), Timeline())
     assert list(tmp_path.iterdir()) == []
+
+
+STAGER_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from nbckpt import Timeline
+    from nbckpt import strategies as st
+    from nbckpt.workloads import SyntheticWorkload
+
+    if __name__ == "__main__":  # DCP's checkpoint process is spawned: it re-imports this file
+        workload = SyntheticWorkload(1 << 20, compute_ms=0)
+        workload.build()
+        timeline = Timeline(label="dcp-async-stager")
+        strategy = st.get_strategy("dcp-async-stager")
+        strategy.open(sys.argv[1], timeline)
+        stager = strategy._stager
+        same = []
+        for step in (1, 2, 3, 4):
+            strategy.before_step()
+            workload.train_step()
+            strategy.save(workload.state(), step)
+            same.append(strategy._stager is stager)
+        expected = {key: value.clone() for key, value in workload.state()["model"].items()}
+        strategy.before_step()
+        strategy.finish()
+        strategy.close()
+        target = {"model": {key: torch.zeros_like(value) for key, value in expected.items()}}
+        dcp_load(target, checkpoint_id=strategy.path + "/step-000004", no_dist=True)
+        print(json.dumps({
+            "same_stager": same,
+            "equal": all(torch.equal(target["model"][k], v) for k, v in expected.items()),
+            "stage": [e.step for e in timeline.events if e.kind == "stage"],
+            "persist": [e.step for e in timeline.events if e.kind == "persist"],
+            "group_left": torch.distributed.is_initialized(),
+        }))
+""")
+
+
+@pytest.mark.timeout(240)
+def test_dcp_async_stager_reuses_one_stager_over_several_saves_quietly(tmp_path: Any) -> None:
+    """pytorch#183413: a reused DefaultStager crashed on its second save in torch 2.11. In a
+    process of its own (DCP's checkpoint process lives as long as the interpreter)."""
+    script = tmp_path / "stager.py"
+    script.write_text(STAGER_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=200, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary == {"same_stager": [True] * 4, "equal": True, "stage": [1, 2, 3, 4],
+                       "persist": [1, 2, 3, 4], "group_left": False}
+    # DCP's checkpoint process logs every request at INFO; nbckpt starts it at WARNING
+    assert " - INFO - " not in done.stderr, done.stderr
+    assert sorted(os.listdir(tmp_path / "ckpt" / "dcp-async-stager")) == [
+        f"step-{step:06d}" for step in (1, 2, 3, 4)
+    ]
+
+
+def test_dcp_async_stager_waits_for_its_copy_before_the_update() -> None:
+    strategy = st.get_strategy("dcp-async-stager")
+    assert strategy.blocks_before_step  # the runner counts that wait as stall
+    assert isinstance(strategy, st.DcpAsyncProcess)
+    assert "DefaultStager" in strategy.description

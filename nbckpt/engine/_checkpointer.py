@@ -376,6 +376,7 @@ def _save_for(ckpt: Checkpointer, state: Mapping[str, Any], step: int, outcome: 
     try:
         ckpt.save(state, step, blocking=True, overwrite=True)
         outcome.append("committed")
+        ckpt.wait()  # and retention's deletes, so the exit leaves no half-deleted step behind
     except BaseException as exc:
         outcome.append(f"failed: {exc}")
 
