@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, Timeline
 from nbckpt._util import GB, MIB, write_all
-from nbckpt.strategies import get_strategy
+from nbckpt.bench import get_strategy
 
 # -- measuring ---------------------------------------------------------------------------------
 

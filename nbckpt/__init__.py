@@ -1,8 +1,10 @@
 """nbckpt: see and fix what checkpointing costs a PyTorch training run.
 
-The engine is :class:`Checkpointer`; experiments, figures, magics and widgets
-are built on it (``nbckpt.experiment``, ``nbckpt.plots``, ``%load_ext nbckpt``,
-``nbckpt.widgets``).
+The engine's face is :class:`Checkpointer`. Above it, in layers that import only downwards:
+``nbckpt.bench`` (workloads, strategies side by side, floors, the storage probe),
+``nbckpt.analysis`` (advisor, published figures, conclusions), ``nbckpt.notebook`` (magics:
+``%load_ext nbckpt``, the lab, figures, the report), ``nbckpt.integrations`` (Lightning,
+Hugging Face) and ``nbckpt.cli``. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -10,9 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from ._errors import CheckpointError, ConfigError, NbckptError
-from ._timeline import Event, Timeline
 from ._util import run_directory
-from .engine import CheckpointConfig, Checkpointer, SaveHandle, SaveRecord, close_all
+from .engine import CheckpointConfig, Checkpointer, Event, SaveHandle, SaveRecord, Timeline, close_all
 
 __version__ = "0.1.0"
 
@@ -36,13 +37,13 @@ __all__ = [
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nbckpt``: register the ``%ckpt_*`` magics (IPython is imported only now)."""
-    from .magics import load
+    from .notebook._magics import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """``%unload_ext nbckpt``: wait for saves in flight, release directories, drop the magics."""
-    from .magics import unload
+    from .notebook._magics import unload
 
     unload(ipython)

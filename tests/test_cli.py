@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from nbckpt import __main__ as cli
-from nbckpt import experiment as ex
+from nbckpt import bench as ex
+from nbckpt import cli
 
 SMALL_RUN = ["--size-mb", "2", "--compute-ms", "1", "--steps", "4", "--every", "2"]
 
@@ -73,7 +73,7 @@ def test_version_and_help_texts(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_bench_runs_the_strategies_the_docs_call_default() -> None:
-    from nbckpt.strategies import STRATEGIES
+    from nbckpt.bench import STRATEGIES
 
     args = cli.build_parser().parse_args(["bench"])
     assert args.strategies.split(",") == ex.DEFAULT_STRATEGIES

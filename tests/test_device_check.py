@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "device_check.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "device_check.py"  # tests/ is one level down
 
 
 def test_device_check_correctness_on_cpu(tmp_path: Path) -> None:

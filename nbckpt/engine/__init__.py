@@ -1,10 +1,29 @@
 """The checkpoint engine: stage into reused host images, persist in the background, commit atomically.
 
-The bottom layer of nbckpt: it imports no bench, analysis or notebook code.
+The bottom layer of nbckpt: it imports nothing from the bench, analysis or notebook layers.
+``Checkpointer`` is its face; the timeline is the record of every phase it runs.
 """
 
 from ._checkpointer import Checkpointer, close_all
 from ._config import CheckpointConfig
 from ._handles import SaveHandle, SaveRecord
+from ._store import step_name
+from ._timeline import COLUMNS as TIMELINE_COLUMNS
+from ._timeline import KINDS as EVENT_KINDS
+from ._timeline import Event, EventListener, Timeline, events_to_pandas, now_ns
 
-__all__ = ["CheckpointConfig", "Checkpointer", "SaveHandle", "SaveRecord", "close_all"]
+__all__ = [
+    "EVENT_KINDS",
+    "TIMELINE_COLUMNS",
+    "CheckpointConfig",
+    "Checkpointer",
+    "Event",
+    "EventListener",
+    "SaveHandle",
+    "SaveRecord",
+    "Timeline",
+    "close_all",
+    "events_to_pandas",
+    "now_ns",
+    "step_name",
+]

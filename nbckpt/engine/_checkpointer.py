@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, ConfigError
-from .._timeline import Timeline
 from ._config import CheckpointConfig, Mode
 from ._handles import SaveHandle, SaveRecord
 from ._ranks import join
 from ._restorer import Restorer, check_step
 from ._saver import Saver
 from ._store import Store, open_store
+from ._timeline import Timeline
 from ._workers import Pool
 
 __all__ = ["Checkpointer", "close_all"]

@@ -4,73 +4,18 @@ written last, is the commit; and the errors an object store gives, explained in 
 from __future__ import annotations
 
 import logging
-import os
 import uuid
 from typing import Any
 
-from .. import _faults
 from .._errors import CheckpointError, ConfigError, describe_error
-from .._util import open_fsspec
+from .._util import explain_fsspec_error, fsspec_options, open_fsspec, where
+from . import _faults
 from ._files import Sink, Source, StreamSink, StreamSource
 from ._store import MANIFEST, Store, parse_step, step_name
 
-__all__ = [
-    "OBJECT_STORES",
-    "S3_DEFAULT_RETRIES",
-    "FsspecStore",
-    "endpoint",
-    "explain_fsspec_error",
-    "fsspec_options",
-    "where",
-]
+__all__ = ["OBJECT_STORES", "FsspecStore"]
 
 _log = logging.getLogger("nbckpt")
-
-
-# botocore's "legacy" retry mode makes 5 attempts per request and s3fs retries timeouts
-# another 5 times on top: a hung endpoint would stall a save for many minutes. "standard"
-# mode with 3 attempts still rides out a brief outage; storage_options config_kwargs override it.
-S3_DEFAULT_RETRIES = {"max_attempts": 3, "mode": "standard"}
-
-
-def fsspec_options(protocol: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    """``storage_options`` plus nbckpt's defaults for the protocol (bounded retries for S3)."""
-    options = dict(storage_options or {})
-    if protocol in ("s3", "s3a"):
-        config = dict(options.get("config_kwargs") or {})
-        config.setdefault("retries", dict(S3_DEFAULT_RETRIES))
-        options["config_kwargs"] = config
-    return options
-
-
-def endpoint(storage_options: dict[str, Any]) -> str | None:
-    """The S3 endpoint that will be used: storage options first, then the AWS environment."""
-    client_kwargs = storage_options.get("client_kwargs") or {}
-    return (
-        storage_options.get("endpoint_url")
-        or client_kwargs.get("endpoint_url")
-        or os.environ.get("AWS_ENDPOINT_URL_S3")
-        or os.environ.get("AWS_ENDPOINT_URL")
-    )
-
-
-def where(url: str, storage_options: dict[str, Any]) -> str:
-    """``url`` with the endpoint it goes to, for error messages."""
-    at = endpoint(storage_options)
-    return f"{url} (endpoint {at})" if at else url
-
-
-def explain_fsspec_error(exc: BaseException, path: str) -> str:
-    """One line for an object-store error, saying what to check for the common ones."""
-    text = describe_error(exc)
-    if isinstance(exc, PermissionError):
-        return (
-            f"access denied, {text}; check the key and secret (storage_options key/secret "
-            "or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket's permissions"
-        )
-    if isinstance(exc, FileNotFoundError):
-        return f"bucket {path.split('/', 1)[0]!r} does not exist"
-    return text
 
 
 #: Object stores nbckpt commits to; others (``memory://`` lives in this process only,

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
-from .._timeline import Timeline, now_ns
 from . import _rng
 from ._layout import METADATA_FILE
 from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse
@@ -24,6 +23,7 @@ from ._ranks import Group
 from ._reader import check_dcp_metadata, read_metadata, read_tensors, verify_files
 from ._state import align, apply, check_template, decode, node_tensors, tree_specs
 from ._store import MANIFEST, Store, step_name
+from ._timeline import Timeline, now_ns
 from ._workers import Pool
 
 __all__ = ["Restorer", "check_step"]

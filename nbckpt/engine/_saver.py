@@ -18,10 +18,8 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
-from .. import _faults
 from .._errors import CheckpointError, ConfigError, describe_error
-from .._timeline import Timeline, now_ns
-from . import _rng
+from . import _faults, _rng
 from ._config import CheckpointConfig
 from ._files import FileResult, write_image
 from ._handles import SaveHandle, SaveRecord
@@ -32,6 +30,7 @@ from ._ranks import RankInfo
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten
 from ._store import Store, step_name
+from ._timeline import Timeline, now_ns
 from ._workers import Pool, Worker, run_all
 
 __all__ = ["Saver"]

@@ -223,7 +223,8 @@ def decode(node: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
     if kind == "tensor":
         return tensors[node["key"]]
     if kind == "ndarray":
-        return tensors[node["key"]].numpy()
+        array = tensors[node["key"]]
+        return array if array.is_meta else array.numpy()  # a peek on meta has no data to give
     if kind in _STATEFUL:
         return decode(node["state"], tensors)
     if kind == "dict":

@@ -26,17 +26,16 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import Any
 
-from .. import _faults
 from .._errors import CheckpointError, describe_error
-from .._util import is_url
-from ._files import LocalSink, LocalSource, Sink, Source, with_filename
+from .._util import fsync_dir, is_url
+from . import _faults
+from ._files import LocalSink, LocalSource, Sink, Source
 
 __all__ = [
     "LOCK_FILE",
     "MANIFEST",
     "LocalStore",
     "Store",
-    "fsync_dir",
     "open_store",
     "parse_step",
     "step_name",
@@ -59,16 +58,6 @@ def parse_step(name: str) -> int | None:
     if match is None or step_name(int(match.group(1))) != name:
         return None
     return int(match.group(1))
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        raise with_filename(exc, path) from None
-    finally:
-        os.close(fd)
 
 
 class Store(ABC):

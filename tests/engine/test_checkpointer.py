@@ -582,7 +582,9 @@ def test_load_on_meta_reads_values_and_shapes_only(tmp_path: Path, monkeypatch: 
 
     model, _ = trained_model()
     with Checkpointer(tmp_path) as ckpt:
-        ckpt.save({"model": model, "args": {"n_layer": 2, "path": pathlib.Path("x")}}, step=1).wait()
+        ckpt.save(
+            {"model": model, "args": {"n_layer": 2, "path": pathlib.Path("x")}, "a": np.ones(3)}, step=1
+        ).wait()
         with monkeypatch.context() as patch:
             patch.setattr(LocalStore, "source", lambda *a: pytest.fail("a data file was read"))
             peek = ckpt.load(map_location="meta")

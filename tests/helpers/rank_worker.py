@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbckpt import Checkpointer, NbckptError, _faults
-from nbckpt.engine import _ranks
+from nbckpt import Checkpointer, NbckptError
+from nbckpt.engine import _faults, _ranks
 
 RANK = int(os.environ["RANK"])
 

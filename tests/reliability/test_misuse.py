@@ -397,7 +397,7 @@ def test_cli_usage_errors_exit_2_and_touch_nothing(
     argv: list[str],
     message: str,
 ) -> None:
-    from nbckpt.__main__ import main
+    from nbckpt.cli import main
 
     monkeypatch.chdir(tmp_path)  # the defaults (data/checkpoints/bench) are relative to here
     with pytest.raises(SystemExit) as exited:

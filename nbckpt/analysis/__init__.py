@@ -1,0 +1,48 @@
+"""What the measurements mean: the checkpoint-interval advisor, the scale-out projection, the
+published figures (with their sources) and the report's computed conclusions.
+
+Reads the bench's results; knows nothing of notebooks.
+"""
+
+from ._advisor import (
+    DEFAULTS,
+    SHARDING,
+    AdvisorDefaults,
+    Cost,
+    advise,
+    checkpoint_gb,
+    cluster_mtbf_s,
+    compare_modes,
+    expected_waste,
+    measured_costs,
+    mlperf_checkpoint_sizes,
+    node_mtbf_hours,
+    project_scale,
+    waste_curve,
+    young_daly_interval,
+)
+from ._conclusions import conclusions
+from ._reference import cite, load_published, published_table, published_value
+
+__all__ = [
+    "DEFAULTS",
+    "SHARDING",
+    "AdvisorDefaults",
+    "Cost",
+    "advise",
+    "checkpoint_gb",
+    "cite",
+    "cluster_mtbf_s",
+    "compare_modes",
+    "conclusions",
+    "expected_waste",
+    "load_published",
+    "measured_costs",
+    "mlperf_checkpoint_sizes",
+    "node_mtbf_hours",
+    "project_scale",
+    "published_table",
+    "published_value",
+    "waste_curve",
+    "young_daly_interval",
+]

@@ -1,0 +1,112 @@
+"""The options of a benchmark run, defined once for ``nbckpt bench`` and ``%ckpt_bench``.
+
+:func:`add_arguments` puts them on an argparse parser; :func:`run_from_args` checks them all
+before anything is measured, then runs the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+import torch
+
+from .._errors import ConfigError
+from .._util import is_url, writable_directory
+from ._experiment import DEFAULT_REPEATS, DEFAULT_STRATEGIES, Comparison, Progress, check_run_args, compare
+from ._strategies import STRATEGIES
+from ._workloads import make_workload
+
+__all__ = ["add_bench_arguments", "run_bench_from_args"]
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``nbckpt bench`` (and ``%ckpt_bench``)."""
+    parser.add_argument("--dir", default="data/checkpoints/bench",
+                        help="where checkpoints are written, a directory or s3:// URL "
+                        "(default: %(default)s)")
+    parser.add_argument("--preset", default=None,
+                        help="GPT workload preset: tiny, small, base, 350m, 1b, 3b "
+                        "(default: tiny unless --size-mb is given)")
+    parser.add_argument("--size-mb", type=float, default=None,
+                        help="synthetic workload: a state of this many MiB instead of a GPT "
+                        "(default: none)")
+    parser.add_argument("--compute-ms", type=float, default=5.0,
+                        help="synthetic workload: compute per step in ms (default: %(default)s)")
+    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                        help="comma-separated strategies, from: " + ", ".join(STRATEGIES)
+                        + " (default: %(default)s); none is added when missing")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="training steps per run (default: %(default)s)")
+    parser.add_argument("--every", type=int, default=5,
+                        help="checkpoint every K steps (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help="repeats; each runs every strategy, in an order rotated per repeat, "
+                        "and the overhead interval comes from their spread (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for training (default: torch's choice, one "
+                        "per core); fewer than the cores leaves one for background writes, as "
+                        "on a GPU node")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the warm-up steps and saves (default: warm up)")
+    parser.add_argument("--json", default=None, metavar="OUT",
+                        help="write the results as JSON to OUT (default: no file)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress lines (default: progress on stderr)")
+
+
+def _parse_strategies(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ConfigError("--strategies names no strategy")
+    unknown = [name for name in names if name not in STRATEGIES]
+    if unknown:
+        raise ConfigError(
+            f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}"
+        )
+    return names
+
+
+def _check_json_target(path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"--json {path} is a directory; give a file name")
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--json {path}: directory {parent} does not exist or is not writable")
+
+
+def _prepare_directory(directory: str) -> bool:
+    """Create ``directory`` if needed and prove it is writable; True if it was created here."""
+    created = not os.path.exists(directory)
+    writable_directory(directory, "--dir")
+    return created
+
+
+def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = None) -> Comparison:
+    """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too)."""
+    if args.preset is not None and args.size_mb is not None:
+        raise ConfigError("give --preset or --size-mb, not both")
+    names = _parse_strategies(args.strategies)
+    check_run_args(args.steps, args.every)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be a positive integer, not {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be a positive integer, not {args.threads}")
+    if args.json is not None:
+        _check_json_target(args.json)
+    workload = make_workload(args.preset, args.size_mb, args.device, compute_ms=args.compute_ms)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    directory = args.dir
+    created = False if is_url(directory) else _prepare_directory(directory)
+    try:
+        return compare(
+            workload, names, directory, steps=args.steps, every=args.every, device=args.device,
+            repeats=args.repeats, warmup=not args.no_warmup, progress=progress,
+        )
+    except BaseException:
+        if created:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise

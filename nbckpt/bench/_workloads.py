@@ -1,0 +1,403 @@
+"""Training workloads to checkpoint: a GPT-style decoder with AdamW, and a synthetic state of N bytes.
+
+Every workload states its size before it allocates anything::
+
+    >>> w = gpt("small")
+    >>> print(w.describe())      # parameters and checkpoint size, nothing allocated yet
+    >>> w.build()                # ConfigError if it will not fit in free memory
+    >>> w.train_step(); state = w.state()   # {"model": ..., "optim": ..., "step": ...}
+
+Batches are synthetic tokens from a seeded generator: step ``i`` of a workload with
+seed ``s`` always sees the same batch, so every strategy of a comparison does the same work.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._errors import ConfigError
+from .._util import MIB, format_bytes
+
+__all__ = [
+    "MIB",
+    "PRESETS",
+    "GPTConfig",
+    "GPTWorkload",
+    "SyntheticWorkload",
+    "Workload",
+    "format_bytes",
+    "gpt",
+    "make_workload",
+    "synthetic",
+]
+
+# AdamW keeps two fp32 moments per parameter next to the fp32 weights.
+_CHECKPOINT_BYTES_PER_PARAM = 3 * 4
+# Training also holds fp32 gradients; checkpoint staging needs one more copy of the checkpoint.
+_TRAIN_BYTES_PER_PARAM = 4 * 4
+# What the process itself needs besides the state (interpreter, torch, allocator slack).
+_HEADROOM_BYTES = 512 * MIB
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT-style decoder and of its training batches."""
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab: int
+    seq_len: int
+    batch_size: int
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+
+    def params(self) -> int:
+        """Parameter count (the LM head shares the token embedding)."""
+        d = self.d_model
+        block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+        return self.vocab * d + self.seq_len * d + self.n_layer * block + 2 * d
+
+    def param_tensors(self) -> int:
+        return 2 + self.n_layer * 12 + 2
+
+    def checkpoint_bytes(self) -> int:
+        """Model + AdamW state (two moments and a step counter per tensor), as saved."""
+        return self.params() * _CHECKPOINT_BYTES_PER_PARAM + 4 * self.param_tensors()
+
+    def activation_bytes(self, element_size: int = 4) -> int:
+        """A generous estimate of activations kept for backward, plus logits and their gradient."""
+        tokens = self.batch_size * self.seq_len
+        per_layer = tokens * self.d_model * 34 + 5 * self.n_head * self.seq_len * tokens
+        return self.n_layer * per_layer * element_size + 3 * tokens * self.vocab * 4
+
+
+#: Size presets, named by their approximate parameter count.
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(n_layer=4, d_model=128, n_head=4, vocab=2048, seq_len=64, batch_size=8),
+    "small": GPTConfig(n_layer=6, d_model=512, n_head=8, vocab=12288, seq_len=64, batch_size=4),
+    "base": GPTConfig(n_layer=12, d_model=768, n_head=12, vocab=50304, seq_len=128, batch_size=4),
+    "350m": GPTConfig(n_layer=24, d_model=1024, n_head=16, vocab=50304, seq_len=128, batch_size=4),
+    "1b": GPTConfig(n_layer=18, d_model=2048, n_head=16, vocab=50304, seq_len=128, batch_size=4),
+    "3b": GPTConfig(n_layer=36, d_model=2560, n_head=20, vocab=50304, seq_len=128, batch_size=2),
+}
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return out
+
+
+class GPT(nn.Module):
+    """A pre-LayerNorm decoder-only transformer with tied input and output embeddings."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        # GPT-2's initial scale keeps the tied logits (and the first loss) sensible.
+        for embedding in (self.tok, self.pos):
+            nn.init.normal_(embedding.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits: torch.Tensor = self.ln_f(x) @ self.tok.weight.T
+        return logits
+
+
+def _check_device(device: str) -> str:
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
+    return device
+
+
+def _require_memory(name: str, host_bytes: int, device_bytes: int, device: str) -> None:
+    """Raise ConfigError when the workload will not fit in the memory free right now."""
+    available = psutil.virtual_memory().available
+    if host_bytes + _HEADROOM_BYTES > available:
+        raise ConfigError(
+            f"workload {name} needs about {format_bytes(host_bytes + _HEADROOM_BYTES)} of host "
+            f"memory but only {format_bytes(available)} is free; pick a smaller preset or size"
+        )
+    if device == "cuda" and device_bytes:
+        free, _total = torch.cuda.mem_get_info()
+        if device_bytes > free:
+            raise ConfigError(
+                f"workload {name} needs about {format_bytes(device_bytes)} of CUDA memory "
+                f"but only {format_bytes(free)} is free; pick a smaller preset or size"
+            )
+
+
+class Workload(ABC):
+    """Something that trains step by step and has a state worth checkpointing."""
+
+    name: str
+    nbytes: int
+    """Checkpoint size in bytes (model + optimizer state)."""
+    params: int
+    device: str
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.built = False
+
+    @abstractmethod
+    def build(self) -> None:
+        """Allocate everything; ConfigError when it will not fit in free host or device memory."""
+
+    @abstractmethod
+    def train_step(self, before_update: Callable[[], None] | None = None) -> None:
+        """One training step. ``before_update`` runs after backward, right before the state
+        is mutated (where an overlapped checkpoint must have finished copying)."""
+
+    @abstractmethod
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint holds: ``{"model", "optim", "step"}``."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line: name, parameters, checkpoint size, device."""
+
+    def _require_built(self) -> None:
+        if not self.built:
+            raise ConfigError(f"workload {self.name} is not built yet; call build() first")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
+
+class GPTWorkload(Workload):
+    """A GPT decoder trained with AdamW on deterministic synthetic tokens."""
+
+    def __init__(self, name: str, config: GPTConfig, device: str = "cpu", seed: int = 0) -> None:
+        super().__init__()
+        self.name = name
+        self.config = config
+        self.device = _check_device(device)
+        self.seed = seed
+        self.params = config.params()
+        self.nbytes = config.checkpoint_bytes()
+        self.model: GPT | None = None
+        self.optim: torch.optim.AdamW | None = None
+        self.last_loss = math.nan
+        # Bigram table the synthetic text follows, so the loss has something to learn.
+        table = torch.Generator().manual_seed(seed)
+        self._next_token = torch.randperm(config.vocab, generator=table)
+
+    def describe(self) -> str:
+        return (
+            f"gpt-{self.name}: {self.params / 1e6:.1f}M parameters, checkpoint "
+            f"{format_bytes(self.nbytes)} (model + AdamW), {self.config.n_layer} layers x "
+            f"{self.config.d_model}, batch {self.config.batch_size}x{self.config.seq_len} on "
+            f"{self.device}"
+        )
+
+    def memory_needed(self) -> tuple[int, int]:
+        """(host bytes, device bytes) for training plus one staged checkpoint copy."""
+        cfg = self.config
+        training = self.params * _TRAIN_BYTES_PER_PARAM + cfg.activation_bytes(
+            2 if self.device == "cuda" else 4
+        )
+        if self.device == "cuda":
+            return self.nbytes, training
+        return training + self.nbytes, 0
+
+    def build(self) -> None:
+        """Allocate model and AdamW state; one step runs so checkpoints have their full size."""
+        if self.built:
+            return
+        host, device = self.memory_needed()
+        _require_memory(f"gpt-{self.name}", host, device, self.device)
+        torch.manual_seed(self.seed)
+        self.model = GPT(self.config).to(self.device)
+        self.optim = torch.optim.AdamW(
+            self.model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
+        )
+        self.built = True
+        self.train_step()
+        self.step = 0
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of ``step``: a function of the seed and the step only."""
+        cfg = self.config
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        tokens = torch.empty(cfg.batch_size, cfg.seq_len + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(cfg.vocab, (cfg.batch_size,), generator=gen)
+        noise = torch.randint(cfg.vocab, (cfg.batch_size, cfg.seq_len), generator=gen)
+        follow = torch.rand(cfg.batch_size, cfg.seq_len, generator=gen) < 0.9
+        for t in range(cfg.seq_len):
+            tokens[:, t + 1] = torch.where(follow[:, t], self._next_token[tokens[:, t]], noise[:, t])
+        tokens = tokens.to(self.device)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        if self.device == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def train_step(self, before_update: Callable[[], None] | None = None) -> None:
+        self._require_built()
+        assert self.model is not None and self.optim is not None
+        inputs, targets = self.batch(self.step)
+        with self._autocast():
+            logits = self.model(inputs)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        if before_update is not None:
+            before_update()
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        self.last_loss = float(loss.detach())
+        self.step += 1
+
+    def state(self) -> dict[str, Any]:
+        self._require_built()
+        return {"model": self.model, "optim": self.optim, "step": self.step}
+
+
+class SyntheticWorkload(Workload):
+    """Exactly ``nbytes`` of float32 tensors and a compute step of about ``compute_ms``.
+
+    The compute step is a loop of matrix multiplies (real torch work that releases and
+    takes the GIL like a training step does), calibrated once in :meth:`build`; each step
+    then bumps one element per tensor so that consecutive checkpoints differ.
+    """
+
+    _CHUNK = 64 * MIB
+    _MATMUL = 256
+
+    def __init__(self, nbytes: int, compute_ms: float = 5.0, device: str = "cpu") -> None:
+        super().__init__()
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise ConfigError(f"synthetic state size must be a positive number of bytes, not {nbytes!r}")
+        if not math.isfinite(compute_ms) or compute_ms < 0:
+            raise ConfigError(f"compute_ms must be a non-negative number, not {compute_ms!r}")
+        self.device = _check_device(device)
+        self.nbytes = nbytes
+        self.params = nbytes // 4
+        self.compute_ms = compute_ms
+        self.name = f"synthetic-{nbytes / MIB:g}MiB"
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._matmuls = 0
+        self._lhs: torch.Tensor | None = None
+        self._rhs: torch.Tensor | None = None
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {format_bytes(self.nbytes)} of tensors, about {self.compute_ms:g} ms "
+            f"of compute per step on {self.device}"
+        )
+
+    def build(self) -> None:
+        if self.built:
+            return
+        on_host = self.nbytes if self.device == "cuda" else 2 * self.nbytes
+        _require_memory(self.name, on_host, self.nbytes, self.device)
+        floats, tail = divmod(self.nbytes, 4)
+        chunk = self._CHUNK // 4
+        for i, start in enumerate(range(0, floats, chunk)):
+            self.tensors[f"t{i:04d}"] = torch.rand(min(chunk, floats - start), device=self.device)
+        if tail:
+            self.tensors["tail"] = torch.zeros(tail, dtype=torch.uint8, device=self.device)
+        self._lhs = torch.rand(self._MATMUL, self._MATMUL, device=self.device)
+        self._rhs = torch.rand(self._MATMUL, self._MATMUL, device=self.device)
+        self._matmuls = self._calibrate()
+        self.built = True
+
+    def _calibrate(self) -> int:
+        """How many matmuls take about ``compute_ms`` here (fixed from then on)."""
+        if self.compute_ms == 0:
+            return 0
+        trial = 20
+        self._matmul_loop(trial)  # warm-up
+        begin = time.perf_counter()
+        self._matmul_loop(trial)
+        per_matmul_ms = (time.perf_counter() - begin) * 1e3 / trial
+        return max(1, round(self.compute_ms / max(per_matmul_ms, 1e-6)))
+
+    def _matmul_loop(self, count: int) -> None:
+        assert self._lhs is not None and self._rhs is not None
+        x = self._lhs
+        for _ in range(count):
+            x = torch.tanh(x @ self._rhs)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def train_step(self, before_update: Callable[[], None] | None = None) -> None:
+        self._require_built()
+        self._matmul_loop(self._matmuls)
+        if before_update is not None:
+            before_update()
+        self.step += 1
+        for tensor in self.tensors.values():
+            tensor[0] += 1
+
+    def state(self) -> dict[str, Any]:
+        self._require_built()
+        return {"model": dict(self.tensors), "optim": {}, "step": self.step}
+
+
+def gpt(preset: str | GPTConfig = "tiny", device: str = "cpu", seed: int = 0) -> GPTWorkload:
+    """A GPT workload from a preset name (see :data:`PRESETS`) or a :class:`GPTConfig`."""
+    if isinstance(preset, GPTConfig):
+        return GPTWorkload("custom", preset, device, seed)
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    return GPTWorkload(preset, PRESETS[preset], device, seed)
+
+
+def synthetic(size_mb: float, compute_ms: float = 5.0, device: str = "cpu") -> SyntheticWorkload:
+    """A state of exactly ``size_mb`` MiB (rounded down to whole bytes) of tensors."""
+    if not isinstance(size_mb, (int, float)) or not math.isfinite(size_mb) or size_mb <= 0:
+        raise ConfigError(f"size_mb must be a positive number, not {size_mb!r}")
+    return SyntheticWorkload(int(size_mb * MIB), compute_ms, device)
+
+
+def make_workload(
+    preset: str | None = None,
+    size_mb: float | None = None,
+    device: str = "cpu",
+    *,
+    compute_ms: float = 5.0,
+) -> Workload:
+    """A GPT preset or a synthetic state (give one of the two; neither means ``tiny``)."""
+    if preset is not None and size_mb is not None:
+        raise ConfigError("give a preset or a size in MiB, not both")
+    if size_mb is not None:
+        return synthetic(size_mb, compute_ms, device)
+    return gpt(preset or "tiny", device=device)
+

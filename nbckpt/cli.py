@@ -1,0 +1,162 @@
+"""The nbckpt command line: one parser for every subcommand, each a thin face over the Python API.
+
+    nbckpt bench --dir data/checkpoints/bench --preset tiny --json out.json
+    nbckpt probe /mnt/flashblade
+    nbckpt report --name report
+    nbckpt export data/checkpoints/run1/step-000100 model.pt
+    nbckpt --version
+    python -m nbckpt --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import bench
+from ._errors import ConfigError, NbckptError
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """``nbckpt bench``: run, print the table, write JSON."""
+    comparison = bench.run_bench_from_args(args, None if args.quiet else _stderr_line)
+    print(comparison.table())
+    if args.json is not None:
+        comparison.to_json(args.json)
+        print(f"results written to {args.json}")
+    return 0
+
+
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _probe_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``nbckpt probe``."""
+    parser.add_argument("target", help="directory (local, NFS, tmpfs...) or s3://bucket/prefix")
+    parser.add_argument("--size-mb", type=float, default=bench.PROBE_SIZE_MB,
+                        help="MiB written and read per stream count (default %(default)s)")
+    parser.add_argument("--streams", default=",".join(map(str, bench.PROBE_STREAMS)),
+                        help="parallel stream counts, comma separated (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=bench.PROBE_REPEATS,
+                        help="rounds per stream count; the fastest counts (default %(default)s)")
+    parser.add_argument("--checkpoint-gb", type=float, default=None,
+                        help="checkpoint size in GB, for free-space and persist-time advice "
+                        "(default: none, that advice is left out)")
+    parser.add_argument("--endpoint-url", default=None,
+                        help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS's own)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra fsspec storage option, repeatable (VALUE parsed as JSON if it "
+                        "can be; default: none)")
+    parser.add_argument("--json", dest="json_out", default=None, metavar="OUT",
+                        help="also write the full result as JSON to OUT (default: no file)")
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--option wants KEY=VALUE, not {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    if args.endpoint_url:
+        options["endpoint_url"] = args.endpoint_url
+    return options
+
+
+def _probe(args: argparse.Namespace) -> int:
+    """``nbckpt probe``: measure, print the summary, write JSON."""
+    try:
+        streams = [int(part) for part in str(args.streams).split(",") if part.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--streams wants comma separated integers, not {args.streams!r}") from exc
+    checkpoint = int(args.checkpoint_gb * 1e9) if args.checkpoint_gb is not None else None
+    result = bench.probe(args.target, size_mb=args.size_mb, streams=streams, repeats=args.repeats,
+                   storage_options=_storage_options(args), checkpoint_bytes=checkpoint)
+    if args.json_out:  # before printing: a closed stdout must not lose the measurement
+        result.to_json(args.json_out)
+    print(result.summary())
+    if args.json_out:
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``nbckpt report``."""
+    parser.add_argument("--name", default="report",
+                        help="file name of the report, without .html (default: %(default)s)")
+    parser.add_argument("--output-dir", default="reports",
+                        help="folder for NAME.html, NAME.ipynb and results.json (default: %(default)s)")
+    parser.add_argument(
+        "-p",
+        "--parameter",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("KEY", "VALUE"),
+        help="set a parameter of the report notebook, repeatable, e.g. -p target /mnt/fb "
+        "-p preset small -p repeats 3; the names and their defaults are the first cell of "
+        "notebooks/report.ipynb (default: the notebook's own)",
+    )
+    parser.add_argument("--notebook", default=None,
+                        help="another report notebook to run (default: notebooks/report.ipynb)")
+
+
+def _report(args: argparse.Namespace) -> int:
+    """``nbckpt report``: run the notebook, write the HTML and say where the results are."""
+    from .notebook import RESULTS_FILE, parse_value, run_report
+
+    parameters = {key: parse_value(value) for key, value in args.parameter}
+    html = run_report(
+        args.name, args.output_dir, parameters, notebook=args.notebook, progress=True
+    )
+    print(f"results: {html.parent / RESULTS_FILE}")
+    return 0
+
+
+Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+#: subcommand -> (help, add its options, run it)
+COMMANDS: dict[str, Command] = {
+    "bench": ("run sync and async checkpoint strategies side by side", bench.add_bench_arguments, _bench),
+    "probe": ("measure what a storage path or s3:// URL can do", _probe_arguments, _probe),
+    "report": ("run the report notebook and render offline HTML", _report_arguments, _report),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="nbckpt",
+        description="See and fix what checkpointing costs a PyTorch training run.",
+        epilog="Run 'nbckpt COMMAND --help' for the options of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"nbckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add_arguments, run) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(command)
+        command.set_defaults(run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, run the command; exit status 2 with one line for a user's mistake."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except NbckptError as exc:
+        print(f"nbckpt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"nbckpt {args.command}: interrupted", file=sys.stderr)
+        return 130

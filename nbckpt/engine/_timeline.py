@@ -1,0 +1,153 @@
+"""A thread-safe log of timed events: the data every timeline figure is drawn from."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["COLUMNS", "KINDS", "Event", "EventListener", "Timeline", "events_to_pandas", "now_ns"]
+
+EventListener = Callable[["Event"], None]
+_log = logging.getLogger("nbckpt")
+
+#: Event kinds the engine and the experiment runner emit.
+KINDS = (
+    "step",  # one training step
+    "stall",  # the training loop was blocked by checkpointing
+    "wait",  # backpressure: a save waited for an earlier one to commit
+    "stage",  # copy of the state into host buffers
+    "persist",  # background write of the staged copy
+    "fsync",  # making files and directories durable
+    "commit",  # manifest written and checkpoint renamed into place
+    "delete",  # retention removed an old checkpoint
+    "restore",  # a checkpoint was loaded
+    "error",  # a phase failed
+)
+
+
+def now_ns() -> int:
+    """The clock every event uses (monotonic, nanoseconds)."""
+    return time.perf_counter_ns()
+
+
+@dataclass(frozen=True)
+class Event:
+    """One phase with a start and an end on the :func:`now_ns` clock."""
+
+    kind: str
+    start_ns: int
+    end_ns: int
+    step: int | None = None
+    rank: int = 0
+    bytes: int = 0
+    thread: str = ""
+    pid: int = 0
+    label: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+class Timeline:
+    """Append-only event log; listeners are called on the thread that records."""
+
+    def __init__(self, rank: int = 0, label: str = "") -> None:
+        self.rank = rank
+        self.label = label
+        self.origin_ns = now_ns()
+        self._events: list[Event] = []
+        self._lock = threading.Lock()
+        self._listeners: list[EventListener] = []
+
+    def add_listener(self, listener: EventListener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: EventListener) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def record(
+        self,
+        kind: str,
+        start_ns: int,
+        end_ns: int | None = None,
+        *,
+        step: int | None = None,
+        nbytes: int = 0,
+        **detail: Any,
+    ) -> Event:
+        event = Event(
+            kind=kind,
+            start_ns=start_ns,
+            end_ns=now_ns() if end_ns is None else end_ns,
+            step=step,
+            rank=self.rank,
+            bytes=nbytes,
+            thread=threading.current_thread().name,
+            pid=os.getpid(),
+            label=self.label,
+            detail=detail,
+        )
+        with self._lock:
+            self._events.append(event)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            # A broken listener (a live figure, a callback) must never break a save.
+            try:
+                listener(event)
+            except Exception as exc:
+                _log.warning("nbckpt: timeline listener %r failed: %s", listener, exc)
+        return event
+
+    def extend(self, events: list[Event]) -> None:
+        with self._lock:
+            self._events.extend(events)
+
+    @property
+    def events(self) -> list[Event]:
+        with self._lock:
+            return list(self._events)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+    def to_pandas(self) -> pd.DataFrame:
+        """One row per event; ``start_s``/``end_s`` are seconds since the timeline began."""
+        return events_to_pandas(self.events, self.origin_ns)
+
+
+COLUMNS = [
+    "kind", "label", "step", "rank", "start_s", "end_s", "duration_s",
+    "bytes", "thread", "pid", "start_ns", "end_ns",
+]
+
+
+def events_to_pandas(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
+    """One row per event (:data:`COLUMNS`); ``start_s``/``end_s`` are seconds since ``origin_ns``."""
+    import pandas as pd
+
+    rows = []
+    for event in events:
+        row = asdict(event)
+        row.pop("detail")
+        row["start_s"] = (event.start_ns - origin_ns) / 1e9
+        row["end_s"] = (event.end_ns - origin_ns) / 1e9
+        row["duration_s"] = event.duration_s
+        rows.append(row)
+    return pd.DataFrame(rows, columns=COLUMNS)

@@ -1,0 +1,18 @@
+"""nbckpt in training code written by others: frameworks, export, plain loops.
+
+- :mod:`nbckpt.integrations.lightning`: ``NbckptCheckpointIO`` for ``Trainer(plugins=[...])``
+  (``pip install nbckpt[lightning]``);
+- :mod:`nbckpt.integrations.hf`: ``NbckptCallback`` for ``transformers.Trainer``
+  (``pip install nbckpt[hf]``);
+- :func:`export` and :func:`load`: a step directory or pointer file as one ``torch.load``-able
+  dict (``nbckpt export STEP_DIR out.pt``).
+
+Importing this package imports neither Lightning nor transformers: each lives in its module.
+"""
+
+from __future__ import annotations
+
+from ._common import load, read_pointer, resolve
+from ._export import export
+
+__all__ = ["export", "load", "read_pointer", "resolve"]

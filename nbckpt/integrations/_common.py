@@ -1,0 +1,180 @@
+"""What every integration shares: naming a checkpoint (a step directory or a pointer file),
+reading one back, and writing small files atomically.
+
+A *pointer* is the small JSON file a framework sees at the path it asked to save to (Lightning's
+``epoch=3-step=40.ckpt``): it names the nbckpt directory and step that hold the checkpoint.
+It is JSON, never a pickle, and written only after the step it names has committed, so a
+pointer never names a checkpoint that is not durable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._errors import CheckpointError, ConfigError
+from ..engine import Checkpointer
+
+__all__ = [
+    "POINTER_FORMAT",
+    "Pointer",
+    "atomic_torch_save",
+    "atomic_write",
+    "load",
+    "pointers_in",
+    "read_pointer",
+    "resolve",
+    "write_pointer",
+]
+
+POINTER_FORMAT = "nbckpt-pointer/1"
+#: A pointer is a few hundred bytes; anything larger at a checkpoint path is some other file.
+_POINTER_LIMIT = 64 << 10
+_STEP_DIR_RE = re.compile(r"step-([0-9]{6,})", re.ASCII)
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """Where a named checkpoint lives: nbckpt directory ``root`` (absolute), step ``step``."""
+
+    root: str
+    step: int
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_durably(tmp: str, path: str) -> None:
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never half."""
+    path = os.path.abspath(os.fspath(path))
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _replace_durably(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save`` that never leaves a partial file at ``path`` (torch.save over a full disk does)."""
+    path = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _replace_durably(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_pointer(path: str, pointer: Pointer, **info: Any) -> None:
+    """Write the pointer file at ``path``; the root is stored relative to it when it is nearby,
+    so a run directory can be moved or copied whole."""
+    directory = os.path.dirname(path)
+    root = os.path.relpath(pointer.root, directory)
+    if root.startswith(".." + os.sep) or root == "..":
+        root = pointer.root
+    body = {"format": POINTER_FORMAT, "root": root, "step": pointer.step, **info}
+    atomic_write(path, (json.dumps(body, indent=1) + "\n").encode())
+
+
+def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
+    """The pointer in file ``path``, or None when the file is something else (a torch checkpoint).
+
+    A file that says it is a pointer but is malformed is a CheckpointError, naming the file.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_POINTER_LIMIT + 1)
+    except IsADirectoryError:
+        return None
+    if len(head) > _POINTER_LIMIT or not head.lstrip().startswith(b"{"):
+        return None
+    try:
+        body = json.loads(head)
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or body.get("format") != POINTER_FORMAT:
+        return None
+    root, step = body.get("root"), body.get("step")
+    if not isinstance(root, str) or not root or type(step) is not int or step < 0:
+        raise CheckpointError(f"{path} is an nbckpt pointer without a valid root and step")
+    return Pointer(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), root)), step)
+
+
+def pointers_in(directory: str) -> Iterator[tuple[str, Pointer]]:
+    """Every pointer file (not a symlink to one) directly in ``directory``, whatever its name."""
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.is_file(follow_symlinks=False):
+            try:
+                pointer = read_pointer(entry.path)
+            except (OSError, CheckpointError):
+                continue  # removed meanwhile, or not ours to judge: never a reason to delete
+            if pointer is not None:
+                yield entry.path, pointer
+
+
+def resolve(source: str | os.PathLike[str]) -> Pointer:
+    """The nbckpt directory and step that ``source`` names: a step directory
+    (``run1/step-000120``) or a pointer file (a Lightning ``.ckpt`` written by nbckpt)."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"source must be a path, not {type(source).__name__}")
+    path = os.path.abspath(os.fspath(source))
+    name = os.path.basename(path.rstrip(os.sep))
+    match = _STEP_DIR_RE.fullmatch(name)
+    if os.path.isdir(path):
+        if match is None:
+            raise ConfigError(
+                f"{source} is a directory but not a checkpoint step (step-NNNNNN); pass one of its steps"
+            )
+        return Pointer(os.path.dirname(path.rstrip(os.sep)), int(match.group(1)))
+    if not os.path.exists(path):
+        raise ConfigError(f"{source} does not exist")
+    pointer = read_pointer(path)
+    if pointer is None:
+        raise ConfigError(f"{source} is neither an nbckpt step directory nor an nbckpt pointer file")
+    return pointer
+
+
+def load(source: str | os.PathLike[str], *, map_location: str | torch.device | None = None) -> dict[str, Any]:
+    """The checkpoint ``source`` names (see :func:`resolve`) as one nested dict, like ``torch.load``:
+    tensors on CPU (or ``map_location``), modules and optimizers as state dicts, values as saved.
+
+    Opens the directory read-only, so it is safe while another process saves into it.
+    """
+    pointer = resolve(source)
+    with Checkpointer(pointer.root, read_only=True, ranks="local") as ckpt:
+        return ckpt.load(pointer.step, map_location=map_location)

@@ -1,0 +1,417 @@
+"""nbckpt as Lightning's checkpoint IO: asynchronous saves behind ``ModelCheckpoint``.
+
+>>> from nbckpt.integrations.lightning import NbckptCheckpointIO
+>>> trainer = Trainer(plugins=[NbckptCheckpointIO()], callbacks=[ModelCheckpoint(save_last=True)])
+>>> trainer.fit(model, ckpt_path="last")
+
+Lightning names checkpoints by path (``epoch=3-step=40.ckpt``, ``last.ckpt``) and keeps its own
+top-k. Each path becomes a small JSON *pointer* naming a step of one nbckpt directory,
+``.nbckpt/`` beside the pointers; the pointer is written once that step has committed, so
+``fit(ckpt_path="last")`` never finds a name for a checkpoint that is not durable. A save that
+holds the very same tensors and values as the one before (``last`` and ``epoch=3`` at one step)
+is not written twice: both names point to one step. A step no pointer names any more (top-k
+removed it, ``last`` moved on) is deleted once no save is in flight, so removal never waits
+for a background write.
+
+``save_checkpoint`` returns once the state is copied into host memory; the write runs in the
+background. ``teardown`` (the end of ``fit``) waits for every write and raises one that failed.
+Under DDP only global rank 0 saves (Lightning calls the plug-in there alone); the directory is
+opened rank-locally, and every rank reads checkpoints without a lock.
+
+``Model.load_from_checkpoint(path)`` reads the file with ``torch.load`` and bypasses plug-ins:
+use :func:`load_from_checkpoint` here (``load_from_checkpoint(Model, path)``), or turn a pointer
+into a real Lightning checkpoint with :func:`nbckpt.integrations.export`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from .._errors import CheckpointError, ConfigError
+from ..engine import Checkpointer, SaveHandle, SaveRecord
+from ._common import Pointer, load, pointers_in, read_pointer, resolve, write_pointer
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import CheckpointIO
+else:
+    try:
+        from lightning.fabric.plugins import CheckpointIO
+    except ImportError:
+        try:
+            from lightning_fabric.plugins import CheckpointIO
+        except ImportError as exc:
+            raise ImportError(
+                "nbckpt.integrations.lightning needs Lightning: pip install 'nbckpt[lightning]'"
+            ) from exc
+
+__all__ = ["ROOT_NAME", "NbckptCheckpointIO", "load_from_checkpoint"]
+
+ROOT_NAME = ".nbckpt"
+"""The nbckpt directory beside a checkpoint directory's pointer files."""
+_log = logging.getLogger("nbckpt")
+_T = TypeVar("_T")
+#: Options a Lightning run decides itself: which rank saves, what to keep, read or write.
+_RESERVED = {"ranks", "keep", "read_only"}
+
+
+@dataclass
+class _Last:
+    """The previous save of a directory: what it held (tensors by identity and version), and
+    references that keep those tensors alive, so their memory cannot be reused by new ones."""
+
+    skeleton: Any
+    keep: list[torch.Tensor]
+    step: int
+
+
+@dataclass
+class _Root:
+    """One nbckpt directory (``<checkpoint dir>/.nbckpt``) opened for writing by this process."""
+
+    path: str
+    ckpt: Checkpointer
+    next_step: int
+    handles: dict[int, SaveHandle] = field(default_factory=dict)
+    last: _Last | None = None
+
+    @property
+    def directory(self) -> str:
+        return os.path.dirname(self.path)
+
+    def idle(self) -> bool:
+        return all(h.done() for h in self.handles.values())
+
+
+class NbckptCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` that saves asynchronously with nbckpt.
+
+    ``mode="sync"`` makes every save durable before it returns. ``options`` are any other
+    :class:`~nbckpt.CheckpointConfig` fields (``max_inflight``, ``writer_threads``, ``verify``,
+    ...); ``ranks``, ``keep`` and ``read_only`` are decided here (rank-local, Lightning keeps its
+    top-k, writing). Host memory: ``max_inflight`` copies of the checkpoint per checkpoint
+    directory, held until ``teardown``.
+    """
+
+    def __init__(self, mode: str = "async", **options: Any) -> None:
+        reserved = sorted(_RESERVED & set(options))
+        if reserved:
+            raise ConfigError(
+                f"NbckptCheckpointIO decides {', '.join(reserved)} itself (rank 0 saves alone, "
+                "ModelCheckpoint's save_top_k decides what to keep)"
+            )
+        options["mode"] = mode
+        # Fail on a bad option now, not at the first save in the middle of fit().
+        from ..engine import CheckpointConfig
+
+        CheckpointConfig.build(None, **options)
+        self._options = options
+        self._roots: dict[str, _Root] = {}
+        self._records: list[SaveRecord] = []
+        self._lock = threading.Condition()  # pointer bookkeeping only; never held across a save
+        self._pending: dict[str, tuple[str, int]] = {}  # pointer path -> (root, step) not yet written
+        self._errors: list[BaseException] = []
+        _register_with_twin()
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
+    ) -> None:
+        """Start saving ``checkpoint`` under the name ``path``; returns once it is copied."""
+        if storage_options is not None:
+            raise ConfigError(
+                f"NbckptCheckpointIO takes no storage_options (got {type(storage_options).__name__}); "
+                "pass Checkpointer options to NbckptCheckpointIO(...)"
+            )
+        if not isinstance(checkpoint, Mapping):
+            raise ConfigError(f"checkpoint must be a dict, not {type(checkpoint).__name__}")
+        target = _local_path(path)
+        self._raise_errors()
+        root = self._open(os.path.dirname(target))
+        self._collect(root)
+        keep: list[torch.Tensor] = []
+        skeleton = _skeleton(checkpoint, keep)
+        last = root.last
+        if last is not None and last.skeleton == skeleton and _alive(root, last.step):
+            step = last.step  # the same state under a second name: no second write
+        else:
+            root.last = None  # drop the old references before copying the new state
+            step = root.next_step
+            root.next_step += 1
+            root.handles[step] = root.ckpt.save(dict(checkpoint), step)
+            root.last = _Last(skeleton, keep, step)
+        self._name(root, target, step)
+
+    def _name(self, root: _Root, target: str, step: int) -> None:
+        """Write the pointer ``target`` -> ``step`` once the step has committed."""
+        with self._lock:
+            self._pending[target] = (root.path, step)  # supersedes an earlier save to this name
+        handle = root.handles.get(step)
+        if handle is None or handle.done():
+            self._write(target, root.path, step, handle)
+        else:
+            handle.committed.add_done_callback(lambda _: self._write(target, root.path, step, handle))
+
+    def _write(self, target: str, root: str, step: int, handle: SaveHandle | None) -> None:
+        # Runs on nbckpt's committing thread, or on the caller's for a step already committed.
+        with self._lock:
+            try:
+                if self._pending.get(target) != (root, step):
+                    return  # renamed or removed while the step was being written
+                if handle is not None and handle.error is not None:
+                    return  # the save's own error reaches the caller from the next call
+                write_pointer(
+                    target, Pointer(root, step), writer="nbckpt.integrations.lightning.NbckptCheckpointIO"
+                )
+            except BaseException as exc:  # raised from the caller's next call, never lost here
+                self._errors.append(exc)
+            finally:
+                if self._pending.get(target) == (root, step):
+                    del self._pending[target]
+                self._lock.notify_all()
+
+    # -- removing -----------------------------------------------------------------------------
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Remove the name ``path``; its step goes once no name is left on it and no save is in flight."""
+        target = _local_path(path)
+        with self._lock:
+            self._pending.pop(target, None)
+        if os.path.islink(target) or os.path.isfile(target):
+            os.unlink(target)  # a pointer, Lightning's "last" link, or a file of an older run
+        elif os.path.isdir(target):
+            shutil.rmtree(target)
+        root = self._roots.get(os.path.join(os.path.dirname(target), ROOT_NAME))
+        if root is not None:
+            self._collect(root)
+
+    def _collect(self, root: _Root, *, force: bool = False) -> None:
+        """Delete the steps of ``root`` that no pointer names, when no save is in flight
+        (``Checkpointer.delete`` waits for saves in flight: that would stall training)."""
+        if not (force or root.idle()):
+            return
+        root.handles = {s: h for s, h in root.handles.items() if not h.done()}
+        with self._lock:  # pending first: a pointer written meanwhile is then seen on disk
+            named = {step for where, step in self._pending.values() if where == root.path}
+        named |= {p.step for _, p in pointers_in(root.directory) if p.root == root.path}
+        for step in root.ckpt.steps():
+            if step not in named:
+                root.ckpt.delete(step)
+        if root.last is not None and root.last.step not in named:
+            root.last = None
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """The checkpoint named ``path`` as Lightning's nested dict (tensors on CPU by default).
+
+        A file that is not an nbckpt pointer (a checkpoint Lightning wrote itself) is loaded by
+        Lightning's own ``TorchCheckpointIO``, so a run can resume from either.
+        """
+        target = _local_path(path)
+        location = _map_location(map_location)
+        with self._lock:
+            pending = self._pending.get(target)
+        pointer = Pointer(*pending) if pending is not None else None
+        if pointer is None and os.path.isfile(target):
+            pointer = read_pointer(target)
+        if pointer is None and os.path.isdir(target):
+            pointer = resolve(target)
+        if pointer is None:
+            from lightning.fabric.plugins import TorchCheckpointIO
+
+            loaded: dict[str, Any] = TorchCheckpointIO().load_checkpoint(
+                target, map_location=map_location, weights_only=weights_only
+            )
+            return loaded
+        root = self._roots.get(pointer.root)
+        if root is not None:  # this process writes there: read through the same Checkpointer
+            return root.ckpt.load(pointer.step, map_location=location)
+        with Checkpointer(pointer.root, read_only=True, ranks="local") as reader:
+            return reader.load(pointer.step, map_location=location)
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    @property
+    def records(self) -> list[SaveRecord]:
+        """What each committed save cost (stall, persist time, bytes), in commit order."""
+        return [*self._records, *(r for root in self._roots.values() for r in root.ckpt.records)]
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held for staging now (released by ``teardown``)."""
+        return sum(root.ckpt.host_bytes for root in self._roots.values())
+
+    def wait(self) -> None:
+        """Block until every save in flight has committed and its name is written; raise a failure."""
+        for root in list(self._roots.values()):
+            root.ckpt.wait()
+        with self._lock:
+            if not self._lock.wait_for(lambda: not self._pending, timeout=60.0):
+                raise CheckpointError("pointer files were not written within 60 s of their commits")
+        self._raise_errors()
+
+    def teardown(self) -> None:
+        """Wait for every save and pointer, delete unnamed steps, release the directories and memory.
+
+        Raises the first background error (a CheckpointError) once everything is closed.
+        """
+        errors: list[BaseException] = []
+        for root in list(self._roots.values()):
+            try:
+                root.ckpt.wait()
+            except CheckpointError as exc:
+                errors.append(exc)
+        with self._lock:
+            # Every save has finished: the committing thread writes the pointer of each right
+            # after its commit (or drops it, for a failed save), so nothing stays pending long.
+            done = self._lock.wait_for(lambda: not self._pending, timeout=60.0)
+        if not done:
+            errors.append(CheckpointError("pointer files were not written within 60 s of their commits"))
+        for path, root in list(self._roots.items()):
+            try:
+                if not errors:
+                    self._collect(root, force=True)
+                self._records.extend(root.ckpt.records)
+                root.ckpt.close()
+            except CheckpointError as exc:
+                errors.append(exc)
+            finally:
+                del self._roots[path]
+        with self._lock:
+            self._pending.clear()
+            errors.extend(self._errors)
+            self._errors.clear()
+        if errors:
+            raise _as_checkpoint_error(errors[0])
+
+    def _raise_errors(self) -> None:
+        with self._lock:
+            if not self._errors:
+                return
+            error = self._errors.pop(0)
+        raise _as_checkpoint_error(error)
+
+    def _open(self, directory: str) -> _Root:
+        path = os.path.join(directory, ROOT_NAME)
+        root = self._roots.get(path)
+        if root is None:
+            os.makedirs(directory, exist_ok=True)
+            ckpt = Checkpointer(path, ranks="local", **self._options)
+            root = _Root(path, ckpt, next_step=(ckpt.latest_step() or 0) + 1)
+            self._roots[path] = root
+            self._collect(root)  # steps of a killed run that no pointer ever named
+        return root
+
+    def __repr__(self) -> str:
+        return f"NbckptCheckpointIO(mode={self._options['mode']!r}, directories={sorted(self._roots)})"
+
+
+def _alive(root: _Root, step: int) -> bool:
+    """Whether ``step`` is committed, or being saved and not failed."""
+    handle = root.handles.get(step)
+    if handle is not None:
+        return not (handle.done() and handle.error is not None)
+    return step in root.ckpt.steps()
+
+
+def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: Any) -> _T:
+    """``cls.load_from_checkpoint(path, **kwargs)`` for a path nbckpt saved (a pointer), or any other.
+
+    Lightning's ``load_from_checkpoint`` reads the file with ``torch.load`` and never asks a
+    plug-in; this loads the checkpoint the pointer names and hands it to Lightning's own
+    loader, so hyperparameters, ``on_load_checkpoint`` and ``strict`` behave as usual.
+    """
+    loader: Callable[..., _T] | None = getattr(cls, "load_from_checkpoint", None)
+    if loader is None:
+        raise ConfigError(f"{cls.__name__} has no load_from_checkpoint (not a LightningModule or DataModule)")
+    target = _local_path(path)
+    if os.path.isfile(target) and read_pointer(target) is None:
+        return loader(target, **kwargs)
+    checkpoint = load(target)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    # These bytes were pickled a line above from values nbckpt decoded as JSON: nothing foreign
+    # is unpickled, and weights_only would refuse saved hyperparameters such as a Namespace.
+    return loader(buffer, weights_only=False, **kwargs)
+
+
+def _local_path(path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"path must be a file path, not {type(path).__name__}")
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        raise ConfigError(
+            f"NbckptCheckpointIO writes local or NFS directories; {text} is a URL "
+            "(save to a mounted path, or use nbckpt.Checkpointer with the URL directly)"
+        )
+    return os.path.abspath(text.removeprefix("file://"))
+
+
+def _map_location(map_location: Any) -> str | torch.device | None:
+    if map_location is None or callable(map_location):
+        return None  # Lightning's default (lambda storage, loc: storage) keeps tensors on CPU
+    if isinstance(map_location, (str, torch.device)):
+        return map_location
+    raise ConfigError(f"map_location must be a device or a device name, not {type(map_location).__name__}")
+
+
+def _skeleton(value: Any, keep: list[torch.Tensor], depth: int = 0) -> Any:
+    """What a checkpoint holds, comparable with ``==``: tensors by storage, place and version
+    counter (an in-place update bumps it), plain values by value. Anything else never compares
+    equal, so a doubt always costs a save, never a stale checkpoint."""
+    if depth > 64:
+        return object()
+    if isinstance(value, torch.Tensor):
+        keep.append(value)
+        try:
+            version = value._version
+            data = value.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # inference or wrapper tensors
+            return object()
+        shape = tuple(value.shape)
+        return ("t", data, value.storage_offset(), shape, value.stride(), value.dtype, value.device, version)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value), value)
+    if isinstance(value, (torch.dtype, torch.device)) or type(value).__module__ == "pathlib":
+        return (type(value), value)
+    if isinstance(value, Mapping):
+        return ("d", tuple((k, _skeleton(v, keep, depth + 1)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_skeleton(v, keep, depth + 1) for v in value))
+    return object()
+
+
+def _as_checkpoint_error(error: BaseException) -> BaseException:
+    if isinstance(error, (CheckpointError, ConfigError)):
+        return error
+    wrapped = CheckpointError(f"writing a checkpoint pointer failed: {type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def _register_with_twin() -> None:
+    """Lightning ships under two names (``lightning`` and ``pytorch_lightning``), each with its
+    own ``CheckpointIO`` class; register with the other one too when it is loaded, so either
+    Trainer accepts the plug-in."""
+    for module in ("lightning.fabric.plugins", "lightning_fabric.plugins"):
+        loaded = sys.modules.get(module)
+        other = getattr(loaded, "CheckpointIO", None) if loaded is not None else None
+        if other is not None and other is not CheckpointIO and not issubclass(NbckptCheckpointIO, other):
+            other.register(NbckptCheckpointIO)

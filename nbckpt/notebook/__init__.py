@@ -1,0 +1,45 @@
+"""The notebook faces: the ``%ckpt_*`` magics, the lab widget, the plotly figures and the report run.
+
+Thin faces over the engine, the bench and the analysis; IPython and ipywidgets are imported
+only by the parts that need them.
+"""
+
+from ._figures import (
+    TIMELINE_KINDS,
+    events_frame,
+    extend_timeline,
+    interval_figure,
+    overhead_figure,
+    probe_figure,
+    projection_figure,
+    scaling_figure,
+    select_repeat,
+    stall_figure,
+    strategy_colour,
+    throughput_figure,
+    timeline_figure,
+)
+from ._lab import Lab, live_lab
+from ._report import RESULTS_FILE, export_html, parse_value, run_report
+
+__all__ = [
+    "RESULTS_FILE",
+    "TIMELINE_KINDS",
+    "Lab",
+    "events_frame",
+    "export_html",
+    "extend_timeline",
+    "interval_figure",
+    "live_lab",
+    "overhead_figure",
+    "parse_value",
+    "probe_figure",
+    "projection_figure",
+    "run_report",
+    "scaling_figure",
+    "select_repeat",
+    "stall_figure",
+    "strategy_colour",
+    "throughput_figure",
+    "timeline_figure",
+]

@@ -1,0 +1,177 @@
+"""``nbckpt report``: run the report notebook with papermill and render it as offline HTML.
+
+    nbckpt report --name report                       # reports/report.html + reports/results.json
+    nbckpt report -p target /mnt/flashblade/ckpt -p preset small -p steps 40
+
+The notebook (``notebooks/report.ipynb``) measures and writes ``results.json`` into
+``output_dir``; this module executes it, turns a failing cell into a one-line error
+and exports the outputs (no code) to a single HTML file that works without a network:
+plotly.js is inlined once and nothing is loaded from a CDN.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._errors import ConfigError, NbckptError
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = [
+    "EXTERNAL_LOAD",
+    "PATH_PARAMETERS",
+    "REPORT_NOTEBOOK",
+    "RESULTS_FILE",
+    "export_html",
+    "notebooks_dir",
+    "parse_value",
+    "run_report",
+]
+
+REPORT_NOTEBOOK = "report.ipynb"
+RESULTS_FILE = "results.json"
+#: Parameters that name local paths: relative values are taken from the caller's directory,
+#: not from the notebook's (papermill runs the kernel in the notebook's folder).
+PATH_PARAMETERS = ("target", "output_dir")
+
+# The lab template without the scripts it would fetch from CDNs (require.js, MathJax,
+# mermaid, the widget manager): the report uses none of them.
+_OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+"""
+# plotly's notebook renderer adds a MathJax <script src=CDN> to every figure; the figures
+# use no LaTeX, so the tag is dropped rather than fetched.
+_MATHJAX_TAG = re.compile(r'<script src="https?://[^"]*mathjax[^"]*"></script>', re.IGNORECASE)
+#: Anything the HTML would load from the network (what the offline check looks for).
+EXTERNAL_LOAD = re.compile(r"""<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=["']?(?:https?:)?//""",
+                           re.IGNORECASE)
+
+
+def notebooks_dir() -> Path:
+    """The checkout's ``notebooks/`` folder (the report ships with the source tree)."""
+    return Path(__file__).resolve().parents[2] / "notebooks"
+
+
+def parse_value(text: str) -> Any:
+    """A ``-p KEY VALUE`` value: JSON where it parses (numbers, true/false, null, lists), else text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def run_report(
+    name: str = "report",
+    output_dir: str | os.PathLike[str] = "reports",
+    parameters: Mapping[str, Any] | None = None,
+    *,
+    notebook: str | os.PathLike[str] | None = None,
+    kernel_name: str = "python3",
+    progress: bool = False,
+) -> Path:
+    """Execute the report notebook and write ``<output_dir>/<name>.html``; return its path.
+
+    The executed notebook is kept as ``<name>.ipynb`` and the notebook writes
+    ``results.json`` beside the HTML. A failing cell raises :class:`NbckptError`
+    naming the error; no HTML is written then.
+    """
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    if not name or Path(name).name != name or name.startswith("."):
+        raise ConfigError(f"report name must be a plain file name, not {name!r}")
+    source = Path(notebook) if notebook is not None else notebooks_dir() / REPORT_NOTEBOOK
+    if not source.is_file():
+        raise ConfigError(f"report notebook {source} not found (run from a source checkout)")
+    out = Path(output_dir).resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"output directory {out} cannot be created ({exc.strerror})") from exc
+    if not os.access(out, os.W_OK):
+        raise ConfigError(f"output directory {out} is not writable")
+
+    params = _check_parameters(source, dict(parameters or {}))
+    params["output_dir"] = str(out)
+    html_path = out / f"{name}.html"
+    executed = out / f"{name}.ipynb"
+    for stale in (html_path, out / RESULTS_FILE):
+        stale.unlink(missing_ok=True)  # a failed run must not leave an older report looking new
+
+    started = time.perf_counter()
+    try:
+        papermill.execute_notebook(
+            str(source),
+            str(executed),
+            parameters=params,
+            kernel_name=kernel_name,
+            cwd=str(source.parent),
+            progress_bar=progress,
+            store_widget_state=False,
+        )
+    except PapermillExecutionError as exc:
+        evalue = (exc.evalue or "").strip().splitlines()
+        detail = evalue[0] if evalue else "(no message)"
+        raise NbckptError(
+            f"{source.name} failed in cell {exc.exec_count}: {exc.ename}: {detail} "
+            f"(executed notebook: {executed})"
+        ) from None
+    html_path.write_text(export_html(executed), encoding="utf-8")
+    if progress:
+        print(f"wrote {html_path} in {time.perf_counter() - started:.1f} s")
+    return html_path
+
+
+def _check_parameters(source: Path, params: dict[str, Any]) -> dict[str, Any]:
+    """Refuse names the notebook does not declare; resolve relative local paths against cwd."""
+    import papermill
+
+    known = papermill.inspect_notebook(str(source))
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"unknown report parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    for key in PATH_PARAMETERS:
+        value = params.get(key)
+        if isinstance(value, str) and value and "://" not in value:
+            params[key] = str(Path(value).expanduser().resolve())
+    return params
+
+
+def export_html(executed: str | os.PathLike[str]) -> str:
+    """Outputs only (no code), plotly.js inline, no CDN scripts: one self-contained HTML page."""
+    import nbformat
+    from jinja2 import DictLoader
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(os.fspath(executed), as_version=4)  # type: ignore[no-untyped-call]
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            html = output.get("data", {}).get("text/html")
+            if isinstance(html, str):
+                output["data"]["text/html"] = _MATHJAX_TAG.sub("", html)
+    exporter = HTMLExporter(  # type: ignore[no-untyped-call]
+        template_name="lab",
+        extra_loaders=[DictLoader({"nbckpt_offline.html.j2": _OFFLINE_TEMPLATE})],
+        template_file="nbckpt_offline.html.j2",
+        exclude_input=True,
+        exclude_input_prompt=True,
+        exclude_output_prompt=True,
+    )
+    title = nb.metadata.get("papermill", {}).get("parameters", {}).get("title") or "nbckpt report"
+    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": str(title)}})
+    external = EXTERNAL_LOAD.search(body)
+    if external:
+        raise NbckptError(f"report HTML would load from the network: {external.group(0)[:80]}")
+    return str(body)

@@ -1,0 +1,320 @@
+"""nbckpt.analysis (the advisor): interval formulas and projections against values worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+from helpers import ROOT
+
+from nbckpt import ConfigError
+from nbckpt.analysis._advisor import (
+    ADVICE_COLUMNS,
+    DEFAULTS,
+    PROJECTION_COLUMNS,
+    advise,
+    checkpoint_gb,
+    cluster_mtbf_s,
+    compare_modes,
+    expected_waste,
+    measurements,
+    mlperf_checkpoint_sizes,
+    node_mtbf_hours,
+    project_scale,
+    waste_curve,
+    young_daly_interval,
+)
+
+
+def test_young_interval_is_sqrt_2cm() -> None:
+    # C = 50 s, M = 10000 s: sqrt(2 * 50 * 10000) = sqrt(1e6) = 1000 s
+    assert young_daly_interval(50.0, 10_000.0, method="young") == pytest.approx(1000.0)
+
+
+def test_daly_interval_higher_order() -> None:
+    # sqrt(C/2M) = sqrt(50/20000) = 0.05; C/18M = 50/180000 = 0.000277...
+    # 1000 * (1 + 0.05/3 + 0.000277...) - 50 = 1016.9444... - 50 = 966.9444...
+    assert young_daly_interval(50.0, 10_000.0) == pytest.approx(966.94444, rel=1e-6)
+
+
+def test_daly_interval_is_mtbf_when_cost_exceeds_twice_mtbf() -> None:
+    assert young_daly_interval(300.0, 100.0) == 100.0
+    assert young_daly_interval(0.0, 100.0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("cost", "mtbf", "method", "match"),
+    [
+        (-1.0, 100.0, "daly", "cost"),
+        (math.nan, 100.0, "daly", "cost"),
+        (1.0, 0.0, "daly", "MTBF"),
+        (1.0, 100.0, "weibull", "method"),
+    ],
+)
+def test_interval_rejects_bad_input(cost: float, mtbf: float, method: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        young_daly_interval(cost, mtbf, method)
+
+
+def test_expected_waste_terms() -> None:
+    # C/tau + (tau/2 + lag + R)/M = 50/1000 + (500 + 20 + 30)/10000 = 0.05 + 0.055
+    assert expected_waste(1000.0, 50.0, 10_000.0, lag_s=20.0, restore_s=30.0) == pytest.approx(0.105)
+
+
+def test_expected_waste_is_capped_at_everything_lost() -> None:
+    assert expected_waste(10.0, 50.0, 10.0) == 1.0
+
+
+def test_young_interval_minimises_waste() -> None:
+    best = young_daly_interval(50.0, 10_000.0, method="young")
+    at_best = expected_waste(best, 50.0, 10_000.0)
+    assert at_best < expected_waste(best * 0.9, 50.0, 10_000.0)
+    assert at_best < expected_waste(best * 1.1, 50.0, 10_000.0)
+
+
+def test_cluster_mtbf_divides_by_nodes() -> None:
+    # 33 GPUs on 8-GPU nodes use 5 nodes: 40 h / 5 = 8 h
+    assert cluster_mtbf_s(40.0, gpus=33, gpus_per_node=8) == pytest.approx(8 * 3600.0)
+    with pytest.raises(ConfigError, match="mtbf_hours"):
+        cluster_mtbf_s(0.0, gpus=8)
+
+
+def test_advise_young_by_hand() -> None:
+    # 32 GPUs / 8 per node = 4 nodes; node MTBF 40 h -> job MTBF 10 h = 36000 s
+    advice = advise(
+        {"sync": (50.0, 40.0), "async": (2.0, 600.0)}, mtbf_hours=40.0, gpus=32, method="young"
+    ).set_index("strategy")
+    assert list(advice.reset_index().columns) == ADVICE_COLUMNS
+    sync, asynchronous = advice.loc["sync"], advice.loc["async"]
+    # sync: persists inside its stall, so nothing lags; tau = sqrt(2 * 50 * 36000) = 1897.367 s
+    assert sync["mode"] == "sync" and sync["lag_s"] == 0.0
+    assert sync["interval_s"] == pytest.approx(1897.3666)
+    # at Young's optimum both terms equal sqrt(C / 2M) = sqrt(50 / 72000) = 0.0263523
+    assert sync["checkpoint_pct"] == pytest.approx(2.63523, rel=1e-5)
+    assert sync["waste_pct"] == pytest.approx(5.27046, rel=1e-5)
+    # 0.0527046 * 32 GPUs * 24 h = 40.4771 GPU-hours per day
+    assert sync["gpu_hours_lost_per_day"] == pytest.approx(40.4771, rel=1e-5)
+    # 86400 / (1897.367 + 50) = 44.368 checkpoints per day
+    assert sync["checkpoints_per_day"] == pytest.approx(44.3679, rel=1e-5)
+    assert sync["bound"] == "young"
+    # async: Young gives sqrt(2 * 2 * 36000) = 379.5 s, but a save persists for 600 s, so 600 s
+    assert asynchronous["mode"] == "async" and asynchronous["lag_s"] == 600.0
+    assert asynchronous["interval_s"] == 600.0 and asynchronous["bound"] == "persist"
+    # 2/600 + (300 + 600)/36000 = 0.0033333 + 0.025 = 0.0283333
+    assert asynchronous["waste_pct"] == pytest.approx(2.83333, rel=1e-5)
+    assert asynchronous["gpu_hours_lost_per_day"] == pytest.approx(0.0283333 * 32 * 24, rel=1e-5)
+    assert advice.attrs["nodes"] == 4
+
+
+def test_advise_daly_with_restore() -> None:
+    advice = advise({"sync": (50.0, 0.0)}, mtbf_hours=10.0, gpus=8, restore_s=120.0)
+    row = advice.iloc[0]
+    young = math.sqrt(2 * 50 * 36_000)
+    tau = young * (1 + math.sqrt(50 / 72_000) / 3 + 50 / (18 * 36_000)) - 50
+    assert row["interval_s"] == pytest.approx(tau)
+    assert row["waste_pct"] == pytest.approx(100 * (50 / tau + (tau / 2 + 120) / 36_000))
+    assert row["rework_pct"] == pytest.approx(100 * (tau / 2) / 36_000)
+    assert row["restore_pct"] == pytest.approx(100 * 120 / 36_000)  # the same for every strategy
+    assert row["checkpoint_pct"] + row["drag_pct"] + row["rework_pct"] + row["restore_pct"] == \
+        pytest.approx(row["waste_pct"])
+
+
+def test_advise_counts_the_drag_of_the_background_write_and_the_storage_duty() -> None:
+    # 8 GPUs on one node, node MTBF 10 h = 36000 s. The async save stalls 1 s, drags training by
+    # 3 s per checkpoint and takes 100 s to persist: cost C = 1 + 3 = 4 s;
+    # Young: sqrt(2 * 4 * 36000) = 536.66 s (> the 100 s lag, so Young sets it)
+    advice = advise({"async": (1.0, 100.0, 3.0)}, mtbf_hours=10.0, gpus=8, method="young")
+    row = advice.iloc[0]
+    tau = math.sqrt(2 * 4 * 36_000)
+    assert row["cost_s"] == 4.0 and row["drag_s"] == 3.0 and row["bound"] == "young"
+    assert row["interval_s"] == pytest.approx(tau)
+    assert row["checkpoint_pct"] == pytest.approx(100 * 1 / tau)
+    assert row["drag_pct"] == pytest.approx(100 * 3 / tau)
+    # rework: half an interval plus the 100 s lag per failure
+    assert row["rework_pct"] == pytest.approx(100 * (tau / 2 + 100) / 36_000)
+    # the storage writes 100 s of every tau + 1 s: 100 / 537.66 = 18.6 %
+    assert row["storage_duty_pct"] == pytest.approx(100 * 100 / (tau + 1.0))
+    without_drag = advise({"async": (1.0, 100.0)}, mtbf_hours=10.0, gpus=8, method="young")
+    assert without_drag["waste_pct"].iloc[0] < row["waste_pct"]  # drag is not free
+
+
+def test_compare_modes_says_why_async_loses_when_it_does() -> None:
+    # async: 0.1 s stall but 2 s of drag and a 600 s lag; sync: 1 s stall, nothing behind it
+    advice = advise({"slow-sync": (1.0, 1.0), "fast-async": (0.1, 600.0, 2.0)},
+                    mtbf_hours=10.0, gpus=64, restore_s=120.0)
+    rows = advice.set_index("strategy")
+    assert rows.loc["fast-async", "waste_pct"] > rows.loc["slow-sync", "waste_pct"]
+    [sentence] = compare_modes(advice)
+    assert sentence.startswith("fast-async (async) loses")
+    assert "more than slow-sync (sync)" in sentence
+    assert "costs more than the stall it hides" in sentence
+    assert f"{rows.loc['fast-async', 'restore_pct']:.3f} %" in sentence
+    assert compare_modes(advice[advice["mode"] == "sync"]) == []
+
+
+def test_measurements_from_results_frame() -> None:
+    results = pd.DataFrame(
+        {
+            "strategy": ["none", "torch-save", "nbckpt-async"],
+            "checkpoints": [0, 4, 4],
+            "stall_mean_s": [math.nan, 0.75, 0.06],
+            "persist_s": [math.nan, 0.70, 1.0],
+        }
+    )
+    costs = measurements(results)
+    assert costs["strategy"].tolist() == ["torch-save", "nbckpt-async"]
+    assert costs["mode"].tolist() == ["sync", "async"]
+    assert costs["lag_s"].tolist() == [0.0, 1.0]
+
+
+def test_measurements_mode_column_overrides_inference() -> None:
+    results = pd.DataFrame({"strategy": ["a"], "stall_s": [1.0], "persist_s": [0.5], "mode": ["async"]})
+    assert measurements(results)["lag_s"].tolist() == [0.5]
+
+
+@pytest.mark.parametrize(
+    ("results", "match"),
+    [
+        (pd.DataFrame({"strategy": ["a"]}), "stall_mean_s"),
+        (pd.DataFrame({"strategy": ["none"], "stall_mean_s": [0.0]}), "no strategy"),
+        (pd.DataFrame({"strategy": ["a"], "stall_mean_s": [-1.0]}), ">= 0"),
+    ],
+)
+def test_measurements_reject_bad_results(results: pd.DataFrame, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        measurements(results)
+
+
+def test_waste_curve_matches_expected_waste() -> None:
+    advice = advise({"sync": (50.0, 0.0)}, mtbf_hours=10.0, gpus=8)
+    curve = waste_curve(advice, intervals=[600.0, 1200.0])
+    # 50/600 + 300/36000 = 0.0916667 ; 50/1200 + 600/36000 = 0.0583333
+    assert curve["waste_pct"].tolist() == pytest.approx([9.16667, 5.83333], rel=1e-5)
+    default = waste_curve(advice)
+    assert len(default) == 120
+    assert default["interval_s"].min() < advice["interval_s"].iloc[0] < default["interval_s"].max()
+
+
+def test_checkpoint_size_helpers() -> None:
+    # 7e9 parameters * 16 bytes = 112 GB
+    assert checkpoint_gb(7e9) == pytest.approx(112.0)
+    assert mlperf_checkpoint_sizes()["70B"] == 912.0
+
+
+def test_node_mtbf_from_llama3_and_the_shared_defaults() -> None:
+    # 54 days * 24 h * 16384 / 8 nodes / 419 interruptions = 6334.6 h per node
+    assert node_mtbf_hours() == pytest.approx(54 * 24 * 2048 / 419)
+    assert node_mtbf_hours(interruptions=10, days=10, gpus=80, gpus_per_node=8) == pytest.approx(240.0)
+    assert DEFAULTS.mtbf_hours == round(node_mtbf_hours()) == 6335
+    with pytest.raises(ConfigError, match="must be > 0"):
+        node_mtbf_hours(interruptions=0)
+
+
+def test_report_and_notebook_07_state_the_same_advisor_defaults() -> None:
+    import papermill
+
+    notebooks = ROOT / "notebooks"
+    for name in ("report.ipynb", "07_interval_and_scale.ipynb"):
+        declared = papermill.inspect_notebook(str(notebooks / name))
+        for key, value in DEFAULTS.to_dict().items():
+            if key in declared:
+                assert str(value) == declared[key]["default"].strip("\"'"), (name, key)
+        assert {"mtbf_hours", "gpus", "restore_s", "storage_gbs"} <= set(declared), name
+
+
+def test_project_scale_by_hand() -> None:
+    # measured on one rank with 1 GB: sync stalls 2 s (0.5 GB/s); async stalls 0.1 s (10 GB/s
+    # staging) and persists in 1 s (1 GB/s)
+    projection = project_scale(
+        {"sync": (2.0, 2.0), "async": (0.1, 1.0)},
+        nbytes=10**9, storage_gbs=50.0, models={"M": 100.0}, ranks=[4, 100], interval_s=600.0,
+    )
+    assert list(projection.columns) == PROJECTION_COLUMNS
+    assert projection.attrs["projection"] is True
+    assert set(projection["kind"]) == {"projection"}
+    rows = projection.set_index(["strategy", "ranks"])
+    # sync, 4 ranks: min(50, 4 * 0.5) = 2 GB/s -> 100 / 2 = 50 s; 50 / 600 = 8.333 %
+    assert rows.loc[("sync", 4), "stall_s"] == pytest.approx(50.0)
+    assert rows.loc[("sync", 4), "limited_by"] == "ranks"
+    assert rows.loc[("sync", 4), "overhead_pct"] == pytest.approx(8.33333, rel=1e-5)
+    # sync, 100 ranks: min(50, 100 * 0.5) = 50 GB/s -> 2 s
+    assert rows.loc[("sync", 100), "stall_s"] == pytest.approx(2.0)
+    assert rows.loc[("sync", 100), "limited_by"] == "storage"
+    # async, 4 ranks: 25 GB per rank / 10 GB/s = 2.5 s stall; persist 100 / min(50, 4) = 25 s
+    assert rows.loc[("async", 4), "stall_s"] == pytest.approx(2.5)
+    assert rows.loc[("async", 4), "persist_s"] == pytest.approx(25.0)
+    assert rows.loc[("async", 4), "backpressure_s"] == 0.0
+    # async, 100 ranks: 1 GB / 10 GB/s = 0.1 s; persist 100 / 50 = 2 s
+    assert rows.loc[("async", 100), "stall_s"] == pytest.approx(0.1)
+    assert rows.loc[("async", 100), "persist_s"] == pytest.approx(2.0)
+
+
+def test_project_scale_backpressure_when_persist_exceeds_interval() -> None:
+    projection = project_scale(
+        {"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=50.0, models={"M": 100.0}, ranks=4,
+        d2h_gbs=50.0, interval_s=10.0,
+    )
+    row = projection.iloc[0]
+    # stall 25 GB / 50 GB/s = 0.5 s; persist 25 s > interval 10 s -> 15 s of waiting per save
+    assert row["stage_gbs"] == 50.0
+    assert row["backpressure_s"] == pytest.approx(15.0)
+    assert row["stall_s"] == pytest.approx(15.5)
+    assert row["overhead_pct"] == pytest.approx(155.0)
+    assert row["limited_by"] == "storage"
+
+
+def test_project_scale_defaults_to_mlperf_sizes() -> None:
+    projection = project_scale({"sync": (1.0, 1.0)}, nbytes=10**9, storage_gbs=100.0, ranks=8)
+    assert dict(zip(projection["model"], projection["checkpoint_gb"], strict=True)) == {
+        "8B": 105.0, "70B": 912.0, "405B": 5290.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"nbytes": 0, "storage_gbs": 10.0}, "nbytes"),
+        ({"nbytes": 10**9, "storage_gbs": 0.0}, "storage_gbs"),
+        ({"nbytes": 10**9, "storage_gbs": 10.0, "ranks": []}, "ranks"),
+        ({"nbytes": 10**9, "storage_gbs": 10.0, "models": {"x": -1.0}}, "models"),
+    ],
+)
+def test_project_scale_rejects_bad_input(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        project_scale({"sync": (1.0, 1.0)}, **kwargs)  # type: ignore[arg-type]
+
+
+def test_project_scale_flags_configurations_that_cannot_exist() -> None:
+    # 405B: 5290 GB over 64 ranks is 82.7 GB per rank, more than an 80 GB GPU holds
+    projection = project_scale({"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=100.0,
+                               models={"405B": 5290.0}, ranks=[64, 512], d2h_gbs=50.0)
+    rows = projection.set_index("ranks")
+    assert not rows.loc[64, "feasible"]
+    assert "82.7 GB of checkpointed state per rank exceeds 80 GB" in rows.loc[64, "note"]
+    assert math.isnan(rows.loc[64, "stall_s"]) and math.isnan(rows.loc[64, "overhead_pct"])
+    assert rows.loc[512, "feasible"] and rows.loc[512, "note"] == ""
+    # 512 ranks: 10.33 GB per rank / 50 GB/s = 0.2066 s stall; 5290 / 100 GB/s = 52.9 s persist
+    assert rows.loc[512, "stall_s"] == pytest.approx(5290 / 512 / 50)
+    assert rows.loc[512, "persist_s"] == pytest.approx(52.9)
+    assert projection.attrs["sharding"] == "full" and "split evenly" in projection.attrs["note"]
+    replicated = project_scale({"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=100.0,
+                               models={"8B": 105.0}, ranks=[512], sharding="replicated")
+    assert not replicated["feasible"].iloc[0]  # DDP: all 105 GB on every GPU
+    with pytest.raises(ConfigError, match="sharding must be one of full, replicated"):
+        project_scale({"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=1.0, sharding="zero")
+
+
+def test_project_scale_models_drag_and_storage_duty() -> None:
+    # measured: 1 GB, async stall 0.1 s, persist 1 s, drag 0.25 s -> drag fraction 0.25
+    projection = project_scale({"async": (0.1, 1.0, 0.25)}, nbytes=10**9, storage_gbs=100.0,
+                               models={"M": 1000.0}, ranks=[100], d2h_gbs=10.0, interval_s=90.0)
+    row = projection.iloc[0]
+    # 10 GB per rank / 10 GB/s = 1 s stall; min(100, 100 * 1 GB/s) = 100 GB/s -> 10 s persist
+    assert row["stall_s"] == pytest.approx(1.0) and row["persist_s"] == pytest.approx(10.0)
+    assert row["drag_s"] == pytest.approx(2.5)  # 0.25 of the 10 s write
+    assert row["storage_duty_pct"] == pytest.approx(100 * 10 / (90 + 1))
+    assert row["overhead_pct"] == pytest.approx(100 * (1 + 2.5) / 90)
+    given = project_scale({"async": (0.1, 1.0, 0.25)}, nbytes=10**9, storage_gbs=100.0,
+                          models={"M": 1000.0}, ranks=[100], d2h_gbs=10.0, drag_fraction=0.0)
+    assert given["drag_s"].iloc[0] == 0.0

@@ -1,0 +1,156 @@
+"""nbckpt.analysis.conclusions: every sentence of the report's conclusions, from the numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from nbckpt.analysis import conclusions
+
+
+def _results(stall: float = 0.01, torch_stall: float = 0.5) -> pd.DataFrame:
+    nan = math.nan
+    rows = [
+        {"strategy": "none", "repeats": 3, "partial": False, "checkpoints": 0, "stall_mean_s": 0.0,
+         "stall_p95_s": 0.0, "overhead_pct": 0.0, "overhead_ci_pct": [0.0, 0.0],
+         "overhead_method": "baseline", "drag_s": nan, "cpu_per_checkpoint_s": nan,
+         "persist_s": nan, "write_gbs": nan},
+        {"strategy": "torch-save", "repeats": 3, "partial": False, "checkpoints": 2,
+         "stall_mean_s": torch_stall, "stall_p95_s": torch_stall, "overhead_pct": 40.0,
+         "overhead_ci_pct": [30.0, 50.0], "overhead_method": "t over 3 repeats", "drag_s": 0.0,
+         "cpu_per_checkpoint_s": 0.3, "persist_s": torch_stall, "write_gbs": 0.2},
+        {"strategy": "nbckpt-async", "repeats": 3, "partial": False, "checkpoints": 2,
+         "stall_mean_s": stall, "stall_p95_s": 2 * stall, "overhead_pct": 2.0,
+         "overhead_ci_pct": [-1.0, 5.0], "overhead_method": "t over 3 repeats", "drag_s": 0.05,
+         "cpu_per_checkpoint_s": 0.4, "persist_s": 0.4, "write_gbs": 0.25},
+    ]
+    return pd.DataFrame(rows)
+
+
+FLOORS = {"bytes": 100e6, "copy_s": 0.005, "write_gbs": 0.5, "write_streams": 1,
+          "write_gbs_rounds": [0.45, 0.5], "write_gbs_by_streams": {"1": 0.5, "2": 0.4},
+          "sample_bytes": 100e6}
+ENV = {"device": "cpu", "cpus": 2, "torch_threads": 2}
+
+
+def test_conclusions_follow_the_numbers() -> None:
+    lines = conclusions(_results(stall=0.01, torch_stall=0.5), FLOORS, environment=ENV)
+    assert lines[0] == (
+        "nbckpt-async stalled the training loop 10.0 ms per checkpoint of 100.0 MB (p95 20.0 ms), "
+        "50.0x less than torch-save (500.0 ms)."
+    )
+    assert lines[1].startswith("That stall is 2.0x the copy floor (5.0 ms")
+    assert "50% of the raw fsync'd write floor of the target (0.50 GB/s, 1 stream(s), best of 2 " \
+        "rounds)" in lines[2]
+    overhead = next(line for line in lines if line.startswith("Overhead against training without"))
+    # nbckpt-async's interval contains 0: the words, not a number with a sign
+    assert "with nbckpt-async no measurable difference (95 % interval -1.0 to +5.0 %)" in overhead
+    assert "+2.0" not in overhead
+    assert "with torch-save +40.0 % (95 % interval +30.0 to +50.0 %)" in overhead
+    assert overhead.endswith("; t over 3 repeats, overhead as defined under the table.")
+
+    timeline = pd.DataFrame([
+        {"strategy": "nbckpt-async", "repeat": 0, "kind": kind, "duration_s": duration}
+        for kind, duration in (("stage", 0.004), ("stage", 0.002), ("wait", 0.003), ("step", 1.0))
+    ])
+    one_repeat = _results(stall=0.01).assign(repeats=1)
+    split = conclusions(one_repeat, {**FLOORS, "copy_s": 0.001}, timeline=timeline)
+    assert "the copy into the staging buffers took 3.0 ms and waiting for the previous save " \
+        "1.5 ms; the other 5.5 ms" in split[1]
+
+    slower = conclusions(_results(stall=1.0, torch_stall=0.5), FLOORS)
+    assert "2.0x more than torch-save" in slower[0]
+
+
+def test_conclusions_on_cpu_say_when_and_why_async_loses() -> None:
+    results = _results()
+    results.loc[2, ["overhead_pct", "overhead_ci_pct"]] = pd.Series(
+        {"overhead_pct": 70.0, "overhead_ci_pct": [60.0, 80.0]})
+    lines = conclusions(results, FLOORS, environment=ENV)
+    [why] = [line for line in lines if line.startswith("On this CPU run")]
+    assert why.startswith("On this CPU run nbckpt-async cost measurably more than torch-save")
+    assert "same 2 cores as training (2 torch thread(s) for training)" in why
+    assert "0.40 CPU seconds per checkpoint" in why and "50.0 ms per checkpoint beyond its stall" in why
+    assert "`--threads 1`" in why and "leaves a core free" in why
+    on_gpu = conclusions(results, FLOORS, environment={**ENV, "device": "cuda"})
+    assert not [line for line in on_gpu if line.startswith("On this CPU run")]
+
+
+def test_conclusions_set_only_like_beside_like() -> None:
+    results = pd.concat([_results(), pd.DataFrame([
+        {"strategy": "dcp-sync", "repeats": 3, "partial": False, "checkpoints": 2, "stall_mean_s": 0.6,
+         "stall_p95_s": 0.6, "overhead_pct": 45.0, "overhead_ci_pct": [35.0, 55.0],
+         "persist_s": 0.6, "write_gbs": 0.2},
+        {"strategy": "dcp-async", "repeats": 3, "partial": False, "checkpoints": 2, "stall_mean_s": 0.2,
+         "stall_p95_s": 0.2, "overhead_pct": 20.0, "overhead_ci_pct": [10.0, 30.0],
+         "persist_s": 0.7, "write_gbs": 0.15},
+    ])], ignore_index=True)
+    lines = conclusions(results, FLOORS, environment=ENV)
+    [like] = [line for line in lines if line.startswith("Like for like with PyTorch/IBM")]
+    assert "148.8 s to 6.3 s, 23.6x, for a 7B model on GPUs" in like
+    assert "dcp-sync at 600.0 ms per checkpoint against dcp-async 200.0 ms (3.0x less)" in like
+    assert "nbckpt-async 10.0 ms (60.0x less)" in like
+    [pure] = [line for line in lines if line.startswith("Pure Storage's post")]
+    assert 'checkpoint overhead drops significantly, "often by 90% or more"' in pure
+    assert "no model, GPU count or baseline given" in pure and "10x" not in " ".join(lines)
+    assert any("ByteCheckpoint's 54.2x" in line and "other open-source" in line for line in lines)
+    without = conclusions(_results(), FLOORS)
+    assert any(line.startswith("No published figure compares against torch.save") for line in without)
+
+
+def test_conclusions_leave_out_partial_rows() -> None:
+    results = _results()
+    results.loc[1, "partial"] = True  # torch-save was stopped
+    lines = conclusions(results, FLOORS)
+    assert lines[0] == ("Left out of these conclusions because their runs were stopped before the "
+                        "end (partial): torch-save.")
+    assert "torch-save (" not in lines[1]  # no comparison with the stopped run
+    results.loc[2, "partial"] = True
+    assert conclusions(results, FLOORS)[-1].startswith("No asynchronous nbckpt strategy was measured")
+
+
+def test_conclusions_explain_writes_above_the_floor() -> None:
+    results = _results()
+    results.loc[1, "write_gbs"] = 0.8  # torch-save at 160 % of the 0.5 GB/s floor
+    load = {"other_cpu_cores": 0.1, "floors": {"other_cpu_cores": 0.9}}
+    lines = conclusions(results, FLOORS, load=load)
+    [above] = [line for line in lines if line.startswith("Above the floor")]
+    assert "torch-save (0.80 GB/s)" in above and "end with fsync" in above
+    assert "its rounds ranged 0.45-0.50 GB/s" in above
+    assert "other processes used 0.90 cores while the floor was measured" in above
+    probe = pd.DataFrame({"streams": [1, 2, 4], "bytes": [100e6] * 3, "write_gbs": [0.6, 0.45, 0.3]})
+    [same] = [line for line in conclusions(_results(), FLOORS, probe=probe)
+              if line.startswith("The storage probe and the write floor")]
+    assert "1 stream(s): probe 0.60, floor 0.50 GB/s; 2 stream(s): probe 0.45, floor 0.40 GB/s" in same
+
+
+def test_conclusions_state_the_advisor_numbers_and_assumptions() -> None:
+    from nbckpt.analysis import advise
+
+    results = _results()
+    advice = advise(results, mtbf_hours=1000.0, gpus=64, restore_s=120.0)
+    lines = conclusions(results, FLOORS, advice=advice, environment=ENV,
+                        assumptions={"gpus": 64, "mtbf_hours": 1000.0, "restore_s": 120.0})
+    row = advice.set_index("strategy").loc["nbckpt-async"]
+    [text] = [line for line in lines if line.startswith("Assuming a job of")]
+    assert text.startswith("Assuming a job of 64 GPUs (8 per node) with a node MTBF of 1000 h and "
+                           "120 s to restore")
+    assert "report parameters gpus, mtbf_hours, restore_s" in text
+    assert "419 interruptions in 54 days on 16,384 GPUs" in text
+    assert f"every {row['interval_s']:.0f} s" in text
+    assert f"{row['waste_pct']:.3f} % of the time" in text
+    assert f"{row['drag_pct']:.3f} % drag" in text and "storage is busy" in text
+    assert "illustration" in text  # measured on a CPU
+    assert any(" (async) loses " in line for line in lines)  # why async wins or loses, computed
+
+
+def test_conclusions_leave_out_what_was_not_measured() -> None:
+    only_async = _results()[lambda df: df["strategy"] == "nbckpt-async"]
+    lines = conclusions(only_async, {"bytes": 1e6, "copy_s": math.nan, "write_gbs": None})
+    assert lines[0].startswith("nbckpt-async stalled") and "torch-save" not in lines[0]
+    assert not any("floor" in line for line in lines)
+    none = conclusions(_results()[lambda df: df["strategy"] != "nbckpt-async"], FLOORS)
+    assert none[0].startswith("No asynchronous nbckpt strategy was measured")
+
+

@@ -1,0 +1,266 @@
+"""Strategies: every adapter writes checkpoints that load back, and records its events."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from nbckpt import Checkpointer, CheckpointError, ConfigError, Timeline
+from nbckpt.bench import _strategies as st
+from nbckpt.bench._workloads import SyntheticWorkload, gpt
+
+BUILT_IN = [
+    "none", "torch-save", "dcp-sync", "dcp-async", "dcp-async-process",
+    "dcp-async-stager", "nbckpt-sync", "nbckpt-async", "nbckpt-async-overlap",
+]
+THREAD_LOCAL = ["torch-save", "dcp-sync", "dcp-async", "nbckpt-sync", "nbckpt-async",
+                "nbckpt-async-overlap"]
+
+
+def load_model(name: str, path: str, step: int, like: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The ``model`` entry of a saved checkpoint, read back with each format's own reader."""
+    if name == "torch-save":
+        saved = torch.load(os.path.join(path, f"step-{step:06d}.pt"), weights_only=True)
+        return dict(saved["model"])
+    target = {key: torch.zeros_like(value) for key, value in like.items()}
+    if name.startswith("dcp"):
+        dcp_load({"model": target}, checkpoint_id=os.path.join(path, f"step-{step:06d}"),
+                 no_dist=True)
+    else:
+        with Checkpointer(path) as ckpt:
+            assert ckpt.restore({"model": target}, step=step) == step
+    return target
+
+
+def save_twice(strategy: st.Strategy, workload: SyntheticWorkload, directory: str,
+               timeline: Timeline) -> dict[str, torch.Tensor]:
+    """Save steps 1 and 2 (training in between); return the tensors as they were at step 2."""
+    strategy.open(directory, timeline)
+    try:
+        for step in (1, 2):
+            strategy.before_step()
+            workload.train_step()
+            strategy.save(workload.state(), step)
+            if step == 2:
+                expected = {k: v.clone() for k, v in workload.state()["model"].items()}
+        strategy.before_step()
+        strategy.finish()
+    finally:
+        strategy.close()
+    return expected
+
+
+def test_registry_has_the_built_in_strategies() -> None:
+    assert list(st.STRATEGIES)[: len(BUILT_IN)] == BUILT_IN
+    for name in BUILT_IN:
+        strategy = st.get_strategy(name)
+        assert strategy.name == name
+        assert strategy.description
+    with pytest.raises(ConfigError, match="unknown strategy 'nope'; choose from none, torch-save"):
+        st.get_strategy("nope")
+
+
+def test_register_strategy_adds_a_user_strategy(tmp_path: Any) -> None:
+    @st.register_strategy
+    class Counting(st.Strategy):
+        name = "test-counting"
+        saved: ClassVar[list[int]] = []
+
+        def save(self, state: Mapping[str, Any], step: int) -> None:
+            self.saved.append(step)
+
+    try:
+        strategy = st.get_strategy("test-counting")
+        assert isinstance(strategy, Counting)
+        strategy.open(str(tmp_path), Timeline())
+        strategy.save({}, 3)
+        assert Counting.saved == [3]
+        assert (tmp_path / "test-counting").is_dir()
+    finally:
+        st.STRATEGIES.pop("test-counting")
+    with pytest.raises(ConfigError, match="not a Strategy subclass"):
+        st.register_strategy(int)  # type: ignore[type-var]
+
+
+@pytest.mark.parametrize("name", THREAD_LOCAL)
+def test_strategy_saves_checkpoints_that_load_back(name: str, tmp_path: Any) -> None:
+    workload = SyntheticWorkload(1 << 20, compute_ms=0)
+    workload.build()
+    timeline = Timeline(label=name)
+    strategy = st.get_strategy(name)
+    expected = save_twice(strategy, workload, str(tmp_path), timeline)
+    assert strategy.path == str(tmp_path / name)
+    restored = load_model(name, strategy.path, 2, expected)
+    assert set(restored) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(restored[key], tensor), key
+    persisted = [e for e in timeline.events if e.kind == "persist"]
+    assert [e.step for e in persisted] == [1, 2]
+    assert all(e.bytes == workload.nbytes and e.end_ns >= e.start_ns for e in persisted)
+    assert {e.label for e in timeline.events} == {name}
+    assert not any(e.kind == "stall" for e in timeline.events)  # the runner times stalls
+
+
+@pytest.mark.parametrize("name", ["torch-save", "dcp-async"])
+def test_model_and_optimizer_state_round_trip(name: str, tmp_path: Any) -> None:
+    workload = gpt("tiny")
+    workload.build()
+    workload.train_step()
+    strategy = st.get_strategy(name)
+    strategy.open(str(tmp_path), Timeline())
+    strategy.save(workload.state(), 1)
+    strategy.finish()
+    strategy.close()
+    assert workload.model is not None and workload.optim is not None
+    model = workload.model.state_dict()
+    restored = load_model(name, strategy.path, 1, model)
+    for key, tensor in model.items():
+        assert torch.equal(restored[key], tensor), key
+    if name == "torch-save":
+        saved = torch.load(os.path.join(strategy.path, "step-000001.pt"), weights_only=True)
+        moments = workload.optim.state_dict()["state"][0]["exp_avg"]
+        assert torch.equal(saved["optim"]["state"][0]["exp_avg"], moments)
+        assert saved["step"] == 1
+
+
+def test_dcp_async_records_staging_and_background_persistence(tmp_path: Any) -> None:
+    workload = SyntheticWorkload(1 << 20, compute_ms=0)
+    workload.build()
+    timeline = Timeline()
+    save_twice(st.get_strategy("dcp-async"), workload, str(tmp_path), timeline)
+    kinds = [(e.kind, e.step) for e in timeline.events if e.kind in ("stage", "persist")]
+    assert sorted(kinds) == [("persist", 1), ("persist", 2), ("stage", 1), ("stage", 2)]
+    stage = next(e for e in timeline.events if e.kind == "stage" and e.step == 2)
+    persist = next(e for e in timeline.events if e.kind == "persist" and e.step == 2)
+    assert persist.start_ns == stage.end_ns  # persistence starts when async_save returns
+
+
+def test_nbckpt_strategies_forward_engine_events(tmp_path: Any) -> None:
+    workload = SyntheticWorkload(1 << 20, compute_ms=0)
+    workload.build()
+    timeline = Timeline(label="nbckpt-async-overlap")
+    strategy = st.get_strategy("nbckpt-async-overlap")
+    assert strategy.blocks_before_step
+    save_twice(strategy, workload, str(tmp_path), timeline)
+    kinds = {e.kind for e in timeline.events}
+    assert {"stage", "persist", "fsync", "commit"} <= kinds
+    assert "stall" not in kinds
+    threads = {e.thread for e in timeline.events if e.kind == "persist"}
+    assert threads == {"nbckpt-persist"}
+
+
+@pytest.mark.timeout(180)
+def test_dcp_async_process_saves_through_its_own_process_group(tmp_path: Any) -> None:
+    """Spawns torch's checkpoint process once (slow to start); the gloo group is ours to end."""
+    assert not dist.is_initialized()
+    workload = SyntheticWorkload(1 << 20, compute_ms=0)
+    workload.build()
+    timeline = Timeline()
+    strategy = st.get_strategy("dcp-async-process")
+    try:
+        expected = save_twice(strategy, workload, str(tmp_path), timeline)
+    finally:
+        if dist.is_initialized():  # only if close() failed to
+            dist.destroy_process_group()
+    assert not dist.is_initialized()
+    restored = load_model("dcp-async-process", strategy.path, 2, expected)
+    for key, tensor in expected.items():
+        assert torch.equal(restored[key], tensor), key
+    assert [e.step for e in timeline.events if e.kind == "persist"] == [1, 2]
+
+
+def test_local_strategies_refuse_urls_and_nbckpt_accepts_them() -> None:
+    with pytest.raises(ConfigError, match="torch-save writes local files only"):
+        st.get_strategy("torch-save").open("s3://bucket/run", Timeline())
+    assert not st.get_strategy("nbckpt-async").local_only
+    assert st.join("s3://bucket/run/", "nbckpt-async") == "s3://bucket/run/nbckpt-async"
+
+
+def test_a_failing_save_is_a_checkpoint_error(tmp_path: Any) -> None:
+    strategy = st.get_strategy("torch-save")
+    strategy.open(str(tmp_path), Timeline())
+    os.rmdir(strategy.path)
+    (tmp_path / "torch-save").write_text("a file where the directory was")
+    with pytest.raises(CheckpointError, match=r"torch.save of step 1 .* failed"):
+        strategy.save({"x": torch.ones(3)}, 1)
+
+
+def test_none_never_writes(tmp_path: Any) -> None:
+    strategy = st.get_strategy("none")
+    assert not strategy.writes_checkpoints
+    strategy.open(str(tmp_path), Timeline())
+    assert list(tmp_path.iterdir()) == []
+
+
+STAGER_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from nbckpt import Timeline
+    from nbckpt.bench import _strategies as st
+    from nbckpt.bench._workloads import SyntheticWorkload
+
+    if __name__ == "__main__":  # DCP's checkpoint process is spawned: it re-imports this file
+        workload = SyntheticWorkload(1 << 20, compute_ms=0)
+        workload.build()
+        timeline = Timeline(label="dcp-async-stager")
+        strategy = st.get_strategy("dcp-async-stager")
+        strategy.open(sys.argv[1], timeline)
+        stager = strategy._stager
+        same = []
+        for step in (1, 2, 3, 4):
+            strategy.before_step()
+            workload.train_step()
+            strategy.save(workload.state(), step)
+            same.append(strategy._stager is stager)
+        expected = {key: value.clone() for key, value in workload.state()["model"].items()}
+        strategy.before_step()
+        strategy.finish()
+        strategy.close()
+        target = {"model": {key: torch.zeros_like(value) for key, value in expected.items()}}
+        dcp_load(target, checkpoint_id=strategy.path + "/step-000004", no_dist=True)
+        print(json.dumps({
+            "same_stager": same,
+            "equal": all(torch.equal(target["model"][k], v) for k, v in expected.items()),
+            "stage": [e.step for e in timeline.events if e.kind == "stage"],
+            "persist": [e.step for e in timeline.events if e.kind == "persist"],
+            "group_left": torch.distributed.is_initialized(),
+        }))
+""")
+
+
+@pytest.mark.timeout(240)
+def test_dcp_async_stager_reuses_one_stager_over_several_saves_quietly(tmp_path: Any) -> None:
+    """pytorch#183413: a reused DefaultStager crashed on its second save in torch 2.11. In a
+    process of its own (DCP's checkpoint process lives as long as the interpreter)."""
+    script = tmp_path / "stager.py"
+    script.write_text(STAGER_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=200, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary == {"same_stager": [True] * 4, "equal": True, "stage": [1, 2, 3, 4],
+                       "persist": [1, 2, 3, 4], "group_left": False}
+    # DCP's checkpoint process logs every request at INFO; nbckpt starts it at WARNING
+    assert " - INFO - " not in done.stderr, done.stderr
+    assert sorted(os.listdir(tmp_path / "ckpt" / "dcp-async-stager")) == [
+        f"step-{step:06d}" for step in (1, 2, 3, 4)
+    ]
+
+
+def test_dcp_async_stager_waits_for_its_copy_before_the_update() -> None:
+    strategy = st.get_strategy("dcp-async-stager")
+    assert strategy.blocks_before_step  # the runner counts that wait as stall
+    assert isinstance(strategy, st.DcpAsyncProcess)
+    assert "DefaultStager" in strategy.description

@@ -1,0 +1,222 @@
+"""Checkpoints on S3 against a real SeaweedFS server: round trip, errors, crashes, retention."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import crash_child
+from helpers.s3server import KEY, SECRET, SeaweedS3
+
+from nbckpt import Checkpointer, CheckpointError
+from nbckpt.engine._store import open_store
+
+pytestmark = [pytest.mark.s3, pytest.mark.xdist_group("s3")]
+
+CRASH_CHILD = Path(crash_child.__file__)
+
+
+@pytest.fixture
+def bucket(s3_server: SeaweedS3) -> str:
+    name = f"nbckpt-{uuid.uuid4().hex[:10]}"
+    s3_server.make_bucket(name)
+    return name
+
+
+def trained(seed: int = 0, width: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, width)).pow(2).mean().backward()
+    optim.step()
+    return model, optim
+
+
+def assert_equal_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, b[key]), key
+        elif isinstance(value, dict):
+            assert_equal_state(value, b[key])
+        else:
+            assert value == b[key], key
+
+
+def keys_under(server: SeaweedS3, root: str) -> list[str]:
+    fs = server.filesystem()
+    return sorted(p.removeprefix(root + "/") for p in fs.find(root))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_round_trip_is_bit_exact(s3_server: SeaweedS3, bucket: str, mode: str) -> None:
+    model, optim = trained()
+    url = f"s3://{bucket}/runs/{mode}"
+    with Checkpointer(url, mode=mode, storage_options=s3_server.storage_options()) as ckpt:  # type: ignore[arg-type]
+        record = ckpt.save({"model": model, "optim": optim, "step": 5, "lr": 0.1}, step=5).wait()
+        assert record.path == f"{url}/step-000005" and record.bytes > 0
+        assert ckpt.steps() == [5]
+        manifest = ckpt.verify(5)
+    files = keys_under(s3_server, f"{bucket}/runs/{mode}")
+    assert files == sorted(f"step-000005/{name}" for name in [*manifest["files"], "manifest.json"])
+
+    fresh_model, fresh_optim = trained(seed=1)
+    state: dict[str, Any] = {"model": fresh_model, "optim": fresh_optim, "step": 0, "lr": 0.0}
+    with Checkpointer(url, storage_options=s3_server.storage_options()) as ckpt:
+        assert ckpt.restore(state) == 5
+    assert state["step"] == 5 and state["lr"] == 0.1
+    assert_equal_state(fresh_model.state_dict(), model.state_dict())
+    assert_equal_state(fresh_optim.state_dict(), optim.state_dict())
+
+
+def test_credentials_from_aws_environment(
+    s3_server: SeaweedS3, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    model, _ = trained()
+    with Checkpointer(f"s3://{bucket}/env", mode="sync") as ckpt:
+        ckpt.save({"model": model}, step=1)
+        assert ckpt.steps() == [1]
+
+
+def test_wrong_credentials_name_the_endpoint_and_write_nothing(
+    s3_server: SeaweedS3, bucket: str
+) -> None:
+    options = s3_server.storage_options(secret="not-the-secret")
+    with pytest.raises(CheckpointError) as caught:
+        Checkpointer(f"s3://{bucket}/run", storage_options=options)
+    message = str(caught.value)
+    assert s3_server.endpoint_url in message and "access denied" in message
+    assert s3_server.filesystem().find(bucket) == []
+
+
+def test_missing_bucket_is_a_clear_error(s3_server: SeaweedS3) -> None:
+    with pytest.raises(CheckpointError, match=r"bucket 'nbckpt-no-such-bucket' does not exist"):
+        Checkpointer("s3://nbckpt-no-such-bucket/run", storage_options=s3_server.storage_options())
+
+
+def test_server_crash_during_background_save(s3_server: SeaweedS3, bucket: str) -> None:
+    url = f"s3://{bucket}/crash"
+    model, optim = trained()
+    committed = {"model": model, "optim": optim, "step": 1}
+    ckpt = Checkpointer(url, mode="async", storage_options=s3_server.storage_options())
+    ckpt.save(committed, step=1).wait()
+
+    big = {"weights": torch.randn(8 << 20)}  # 32 MiB: its upload is still running below
+    handle = ckpt.save(big, step=2)
+    s3_server.pause()  # freeze mid-upload: the save cannot have committed
+    assert not handle.done()
+    s3_server.kill()
+    with pytest.raises(CheckpointError, match="save of step 2") as caught:
+        handle.wait(timeout=120)
+    assert caught.value.__cause__ is not None
+    ckpt.close()  # already reported: closing does not raise it again
+
+    s3_server.restart()
+    state: dict[str, Any] = {"model": trained(seed=3)[0], "optim": trained(seed=3)[1], "step": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a partial step 2 may or may not have been left
+        reopened = Checkpointer(url, storage_options=s3_server.storage_options())
+    with reopened:
+        assert reopened.steps() == [1]
+        reopened.verify(1)
+        assert reopened.restore(state) == 1
+    assert_equal_state(state["model"].state_dict(), model.state_dict())
+    assert_equal_state(state["optim"].state_dict(), optim.state_dict())
+    assert all(key.startswith("step-000001/") for key in keys_under(s3_server, f"{bucket}/crash"))
+
+
+def test_retention_deletes_only_after_a_newer_commit(s3_server: SeaweedS3, bucket: str) -> None:
+    model, optim = trained()
+    url = f"s3://{bucket}/keep"
+    with Checkpointer(url, keep=2, storage_options=s3_server.storage_options()) as ckpt:
+        for step in range(1, 5):
+            ckpt.save({"model": model, "optim": optim, "step": step}, step=step)
+        ckpt.wait()
+        assert ckpt.steps() == [3, 4]
+        events = ckpt.timeline.events
+    keys = keys_under(s3_server, f"{bucket}/keep")
+    assert {key.split("/")[0] for key in keys} == {"step-000003", "step-000004"}
+    commits = {e.step: e.end_ns for e in events if e.kind == "commit"}
+    deletes = [e for e in events if e.kind == "delete"]
+    assert sorted(e.step for e in deletes) == [1, 2]
+    for delete in deletes:
+        assert delete.step is not None
+        assert commits[delete.step + 2] is not None
+        assert commits[delete.step + 2] <= delete.start_ns
+
+
+def test_prefix_without_manifest_never_counts_and_is_cleaned(
+    s3_server: SeaweedS3, bucket: str
+) -> None:
+    url = f"s3://{bucket}/partial"
+    model, _ = trained()
+    with Checkpointer(url, mode="sync", storage_options=s3_server.storage_options()) as ckpt:
+        ckpt.save({"model": model}, step=3)
+    fs = s3_server.filesystem()
+    fs.pipe_file(f"{bucket}/partial/step-000007/__0_0.distcp", b"half a checkpoint")
+    store = open_store(url, s3_server.storage_options())
+    assert list(store.committed()) == [3]
+    with pytest.warns(UserWarning, match="step-000007"):
+        ckpt = Checkpointer(url, storage_options=s3_server.storage_options())
+    with ckpt:
+        assert ckpt.steps() == [3] and ckpt.latest_step() == 3
+    assert not fs.exists(f"{bucket}/partial/step-000007/__0_0.distcp")
+
+
+@pytest.mark.parametrize(
+    ("crash_at", "args", "committed", "left"),
+    [("after_data", ["--steps", "1"], [], "step-000000"),
+     ("during_delete", ["--steps", "2", "--keep", "1"], [1], "step-000000")],
+)
+def test_killed_writer_leaves_nothing_that_counts(
+    s3_server: SeaweedS3, bucket: str, crash_at: str, args: list[str], committed: list[int], left: str
+) -> None:
+    url = f"s3://{bucket}/killed"
+    env = {
+        **os.environ, "NBCKPT_CRASH_AT": crash_at, "AWS_ACCESS_KEY_ID": KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_server.endpoint_url,
+    }
+    child = subprocess.run(
+        [sys.executable, str(CRASH_CHILD), url, *args], env=env, capture_output=True, timeout=300
+    )
+    assert child.returncode == -9, child.stderr.decode()[-2000:]
+    keys = keys_under(s3_server, f"{bucket}/killed")
+    assert any(key.startswith(f"{left}/") for key in keys)  # the data is there ...
+    assert f"{left}/manifest.json" not in keys  # ... but not the manifest
+    assert list(open_store(url, s3_server.storage_options()).committed()) == committed
+    with pytest.warns(UserWarning, match=left):
+        ckpt = Checkpointer(url, storage_options=s3_server.storage_options())
+    with ckpt:
+        assert ckpt.steps() == committed
+    assert not any(key.startswith(f"{left}/") for key in keys_under(s3_server, f"{bucket}/killed"))
+
+
+def test_corrupt_object_falls_back_to_the_older_checkpoint(s3_server: SeaweedS3, bucket: str) -> None:
+    url = f"s3://{bucket}/corrupt"
+    models = {step: trained(seed=step)[0] for step in (1, 2)}
+    with Checkpointer(url, mode="sync", storage_options=s3_server.storage_options()) as ckpt:
+        for step, model in models.items():
+            ckpt.save({"model": model}, step=step)
+    fs = s3_server.filesystem()
+    data = sorted(key for key in fs.find(f"{bucket}/corrupt/step-000002") if key.endswith(".distcp"))
+    body = bytearray(fs.cat_file(data[0]))
+    body[len(body) // 2] ^= 0xFF  # one flipped bit pattern, same size
+    fs.pipe_file(data[0], bytes(body))
+
+    state = {"model": trained(seed=9)[0]}
+    with Checkpointer(url, storage_options=s3_server.storage_options()) as ckpt:
+        with pytest.raises(CheckpointError, match="checksum"):
+            ckpt.verify(2)
+        with pytest.warns(UserWarning, match="skipping step-000002"):
+            assert ckpt.restore(state) == 1
+    assert_equal_state(state["model"].state_dict(), models[1].state_dict())

@@ -1,0 +1,231 @@
+"""NbckptCheckpointIO under a real Lightning Trainer: top-k, last, resume, load, DDP rank 0 alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch
+from helpers.ranks import free_port
+from integrations.lit_app import TinyModel, digest, fit
+
+from nbckpt import Checkpointer, CheckpointError, ConfigError
+from nbckpt.integrations import export, read_pointer
+from nbckpt.integrations.lightning import ROOT_NAME, NbckptCheckpointIO, load_from_checkpoint
+
+WORKER = Path(__file__).with_name("lit_app.py")
+
+
+def _names(directory: Path) -> dict[str, int]:
+    """Each pointer file in ``directory`` and the step it names."""
+    out = {}
+    for path in directory.iterdir():
+        if path.is_file() and not path.is_symlink():
+            pointer = read_pointer(path)
+            if pointer is not None:
+                assert pointer.root == str(directory / ROOT_NAME)
+                out[path.name] = pointer.step
+    return out
+
+
+def _steps(directory: Path) -> list[int]:
+    with Checkpointer(directory / ROOT_NAME, read_only=True, ranks="local") as ckpt:
+        return ckpt.steps()
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_topk_and_last_resume_bit_identical(tmp_path: Path, save_last: bool | Literal["link"]) -> None:
+    straight, t = fit(tmp_path / "straight", 4, save_last=save_last)
+    callback = t.checkpoint_callback
+    names = _names(tmp_path / "straight")
+    kept = {Path(p).name for p in callback.best_k_models}  # type: ignore[union-attr]
+    assert len(kept) == 2
+    if save_last is True:
+        assert set(names) == kept | {"last.ckpt"}
+        # last and the newest epoch are one state: one step carries both names
+        assert names["last.ckpt"] == names["epoch=3-step=32.ckpt"]
+    else:
+        assert set(names) == kept
+        link = tmp_path / "straight" / "last.ckpt"
+        assert link.is_symlink() and os.readlink(link) == "epoch=3-step=32.ckpt"
+    # top-k removals and moved names left no step behind, and every name has its step
+    assert _steps(tmp_path / "straight") == sorted(set(names.values()))
+
+    fit(tmp_path / "resumed", 2, save_last=save_last)
+    resumed, t2 = fit(tmp_path / "resumed", 4, resume=True, save_last=save_last)
+    assert t2.global_step == t.global_step == 32
+    assert digest(resumed) == digest(straight)
+    # the optimizer and scheduler came back too (their state drives the last two epochs)
+    assert t2.lr_scheduler_configs[0].scheduler.last_epoch == 4
+    state = t2.optimizers[0].state_dict()["state"]
+    expected = t.optimizers[0].state_dict()["state"]
+    assert all(torch.equal(state[k]["exp_avg"], expected[k]["exp_avg"]) for k in expected)
+
+
+def test_load_from_checkpoint_and_export(tmp_path: Path) -> None:
+    model, t = fit(tmp_path, 2)
+    best = t.checkpoint_callback.best_model_path  # type: ignore[union-attr]
+    assert read_pointer(best) is not None
+    loaded = load_from_checkpoint(TinyModel, best)
+    assert loaded.hparams["tag"] == tmp_path  # a pathlib.Path hyperparameter comes back a Path
+    assert digest(loaded) != digest(TinyModel())
+    # a real Lightning checkpoint, loadable by Lightning alone
+    out = export(best, tmp_path / "best-export.ckpt")
+    plain = TinyModel.load_from_checkpoint(out, weights_only=False)
+    assert digest(plain) == digest(loaded)
+    assert torch.load(out, weights_only=False)["global_step"] == int(best.split("step=")[1].split(".")[0])
+    # the plug-in itself reads what it wrote, and a file Lightning wrote itself
+    io = NbckptCheckpointIO()
+    assert io.load_checkpoint(best)["state_dict"].keys() == model.state_dict().keys()
+    assert (
+        io.load_checkpoint(out, weights_only=False)["global_step"]
+        == torch.load(out, weights_only=False)["global_step"]
+    )
+
+
+def test_pointer_written_only_after_commit(tmp_path: Path) -> None:
+    io = NbckptCheckpointIO()
+    net = torch.nn.Linear(8, 8)
+    gate = threading.Event()
+    io.save_checkpoint({"state_dict": net.state_dict(), "epoch": 0}, tmp_path / "warm.ckpt")
+    ckpt = io._roots[str(tmp_path / ROOT_NAME)].ckpt
+    ckpt.wait()
+    store = ckpt.store
+    commit = store.commit
+
+    def held_commit(*args: Any) -> str:
+        assert gate.wait(60)
+        return commit(*args)
+
+    store.commit = held_commit  # type: ignore[method-assign,assignment]
+    with torch.no_grad():
+        net.weight.add_(1)
+    target = tmp_path / "epoch=1.ckpt"
+    io.save_checkpoint({"state_dict": net.state_dict(), "epoch": 1}, target)
+    assert not target.exists()  # copied, not committed: no name for it yet
+    gate.set()
+    io.teardown()
+    assert _names(tmp_path)["epoch=1.ckpt"] == max(_steps(tmp_path))
+    assert torch.equal(io.load_checkpoint(target)["state_dict"]["weight"], net.weight)
+
+
+def test_remove_and_rename_free_steps(tmp_path: Path) -> None:
+    io = NbckptCheckpointIO(mode="sync")
+    net = torch.nn.Linear(4, 4)
+    io.save_checkpoint({"w": net.state_dict(), "epoch": 0}, tmp_path / "a.ckpt")
+    io.save_checkpoint({"w": net.state_dict(), "epoch": 0}, tmp_path / "last.ckpt")  # same state
+    assert _names(tmp_path) == {"a.ckpt": 1, "last.ckpt": 1}
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    assert _steps(tmp_path) == [1]  # still named by last
+    with torch.no_grad():
+        net.weight.mul_(2)  # in place: same storage, new version: a new step
+    io.save_checkpoint({"w": net.state_dict(), "epoch": 1}, tmp_path / "last.ckpt")
+    io.save_checkpoint({"w": net.state_dict(), "epoch": 1}, tmp_path / "b.ckpt")
+    assert _names(tmp_path) == {"last.ckpt": 2, "b.ckpt": 2}
+    io.save_checkpoint({"w": net.state_dict(), "epoch": 2}, tmp_path / "c.ckpt")  # a value differs
+    io.remove_checkpoint(tmp_path / "b.ckpt")
+    io.wait()
+    assert io.host_bytes >= 2 * net.weight.nbytes  # staging held until teardown
+    io.teardown()
+    assert io.host_bytes == 0
+    assert [r.step for r in io.records] == [1, 2, 3]  # five names, three writes
+    assert _names(tmp_path) == {"last.ckpt": 2, "c.ckpt": 3}
+    assert _steps(tmp_path) == [2, 3]
+
+
+def test_orphan_steps_of_a_killed_run_are_collected(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / ROOT_NAME, mode="sync") as ckpt:
+        ckpt.save({"x": torch.ones(3)}, step=7)  # committed, but its pointer was never written
+    io = NbckptCheckpointIO()
+    io.save_checkpoint({"x": torch.zeros(3)}, tmp_path / "new.ckpt")
+    io.teardown()
+    assert _steps(tmp_path) == [8]
+    assert _names(tmp_path) == {"new.ckpt": 8}
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="decides keep"):
+        NbckptCheckpointIO(keep=3)
+    with pytest.raises(ConfigError, match="max_inflight"):
+        NbckptCheckpointIO(max_inflight=0)
+    io = NbckptCheckpointIO()
+    with pytest.raises(ConfigError, match="URL"):
+        io.save_checkpoint({"x": 1}, "s3://bucket/last.ckpt")
+    with pytest.raises(ConfigError, match="storage_options"):
+        io.save_checkpoint({"x": 1}, tmp_path / "a.ckpt", storage_options={"a": 1})
+    with pytest.raises(ConfigError, match=r"hparams\.bad holds a object"):
+        io.save_checkpoint({"hparams": {"bad": object()}}, tmp_path / "a.ckpt")
+    io.teardown()
+    assert not (tmp_path / "a.ckpt").exists()
+
+
+def test_background_failure_is_raised_by_teardown(tmp_path: Path) -> None:
+    io = NbckptCheckpointIO()
+    io.save_checkpoint({"x": torch.ones(4)}, tmp_path / "a.ckpt")
+    ckpt = io._roots[str(tmp_path / ROOT_NAME)].ckpt
+    ckpt.wait()
+    store = ckpt.store
+
+    def broken_commit(*args: Any) -> str:
+        raise OSError(28, "No space left on device")
+
+    store.commit = broken_commit  # type: ignore[method-assign,assignment]
+    io.save_checkpoint({"x": torch.zeros(4)}, tmp_path / "b.ckpt")
+    with pytest.raises(CheckpointError, match="No space left"):
+        io.teardown()
+    assert set(_names(tmp_path)) == {"a.ckpt"}  # no name for the checkpoint that never committed
+
+
+def test_ddp_two_processes_rank0_saves_alone(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "NODE_RANK": "0",
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path)],
+            env={**env, "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)  # a safety net against a hang, not a limit
+            assert proc.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert [r["rank"] for r in results] == [0, 1]
+    assert results[0]["resumed"] == results[0]["straight"] == results[1]["resumed"]
+    assert results[0]["global_step"] == 16
+    names = _names(tmp_path / "resumed")
+    assert set(names) == {"epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt", "last.ckpt"}
+    assert _steps(tmp_path / "resumed") == sorted(set(names.values()))
+
+
+def test_pytorch_lightning_trainer_accepts_the_plugin(tmp_path: Path) -> None:
+    pl = pytest.importorskip("pytorch_lightning")
+    trainer = pl.Trainer(
+        plugins=[NbckptCheckpointIO()], logger=False, accelerator="cpu", default_root_dir=tmp_path
+    )
+    assert isinstance(trainer.strategy.checkpoint_io, NbckptCheckpointIO)

@@ -1,0 +1,372 @@
+"""nbckpt.notebook figures: checked on their traces and data, from hand-made DataFrames."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from nbckpt import ConfigError, Timeline
+from nbckpt.analysis import advise, project_scale
+from nbckpt.notebook._figures import (
+    anchor_factors,
+    events_frame,
+    extend_timeline,
+    interval_figure,
+    load_published,
+    overhead_figure,
+    probe_figure,
+    projection_figure,
+    scaling_data,
+    scaling_figure,
+    stall_figure,
+    strategy_colour,
+    throughput_figure,
+    timeline_figure,
+    timeline_traces,
+)
+
+MB = 10**6
+
+
+def event(
+    strategy: str, kind: str, start: float, end: float, step: int | None = None,
+    nbytes: int = 0, rank: int = 0, repeat: int = 0,
+) -> dict[str, Any]:
+    """One row of ``Comparison.timeline``: ``Timeline.to_pandas()`` columns + strategy, repeat."""
+    return {
+        "kind": kind, "label": strategy, "step": step, "rank": rank, "start_s": start, "end_s": end,
+        "duration_s": end - start, "bytes": nbytes, "thread": "MainThread", "pid": 1,
+        "start_ns": int(start * 1e9), "end_ns": int(end * 1e9), "strategy": strategy, "repeat": repeat,
+    }
+
+
+def sync_and_async_timeline(repeat: int = 0) -> pd.DataFrame:
+    """Four 0.1 s steps each, a checkpoint after steps 2 and 4: torch-save stalls 0.5 s while it
+    writes; nbckpt-async stalls 0.02 s to stage and persists for 0.38 s behind the next steps."""
+    def run(strategy: str, stall_s: float, background: Any) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]] = []
+        clock = 0.0
+        for step in range(1, 5):
+            rows.append(event(strategy, "step", clock, clock + 0.1, step, repeat=repeat))
+            clock += 0.1
+            if step % 2 == 0:
+                rows.append(event(strategy, "stall", clock, clock + stall_s, step, 100 * MB, repeat=repeat))
+                rows += background(clock, step)
+                clock += stall_s
+        return rows
+
+    def torch_save(clock: float, step: int) -> list[dict[str, Any]]:
+        return [event("torch-save", "persist", clock, clock + 0.5, step, 100 * MB, repeat=repeat)]
+
+    def nbckpt_async(clock: float, step: int) -> list[dict[str, Any]]:
+        return [
+            event("nbckpt-async", "stage", clock, clock + 0.02, step, 100 * MB, repeat=repeat),
+            event("nbckpt-async", "persist", clock + 0.02, clock + 0.4, step, 100 * MB, repeat=repeat),
+            event("nbckpt-async", "commit", clock + 0.38, clock + 0.4, step, repeat=repeat),
+        ]
+
+    return pd.DataFrame(run("torch-save", 0.5, torch_save) + run("nbckpt-async", 0.02, nbckpt_async))
+
+
+RESULTS = pd.DataFrame(
+    {
+        "strategy": ["none", "torch-save", "nbckpt-async"],
+        "steps": [20, 20, 20],
+        "checkpoints": [0, 4, 4],
+        "mean_step_s": [0.1, 0.1, 0.1],
+        "stall_mean_s": [math.nan, 0.5, 0.02],
+        "stall_p95_s": [math.nan, 0.6, 0.03],
+        "overhead_pct": [0.0, 100.0, 4.0],
+        "persist_s": [math.nan, 0.5, 0.38],
+        "write_gbs": [math.nan, 0.2, 0.26],
+        "reduction_vs_torch_save": [math.nan, 1.0, 25.0],
+    }
+)
+
+
+def traces_by_name(fig: go.Figure) -> dict[str, Any]:
+    return {trace.name: trace for trace in fig.data}
+
+
+def test_timeline_lanes_and_kinds() -> None:
+    fig = timeline_figure(sync_and_async_timeline())
+    assert isinstance(fig, go.Figure) and not isinstance(fig, go.FigureWidget)
+    assert list(fig.layout.yaxis.categoryarray) == [
+        "torch-save · train", "torch-save · background", "nbckpt-async · train", "nbckpt-async · background",
+    ]
+    traces = traces_by_name(fig)
+    assert list(traces) == ["step", "stall", "stage", "persist", "commit"]
+    assert {trace.orientation for trace in fig.data} == {"h"}
+    assert len(traces["step"].x) == 8
+    stall = traces["stall"]
+    # torch-save's first stall starts after two 0.1 s steps and lasts 0.5 s
+    assert stall.base[0] == pytest.approx(0.2) and stall.x[0] == pytest.approx(0.5)
+    assert stall.y[0] == "torch-save · train"
+    assert set(traces["persist"].y) == {"torch-save · background", "nbckpt-async · background"}
+    assert "step 2" in stall.hovertext[0] and "100.0 MB" in stall.hovertext[0]
+    assert traces["stall"].marker.color != traces["persist"].marker.color
+
+
+def test_timeline_shows_async_training_on_while_persisting() -> None:
+    data = timeline_traces(sync_and_async_timeline())
+
+    def total(kind: str, lane: str) -> float:
+        values = data.kinds[kind]
+        return sum(x for x, y in zip(values["x"], values["y"], strict=True) if y == lane)
+
+    assert total("stall", "torch-save · train") == pytest.approx(1.0)
+    assert total("stall", "nbckpt-async · train") == pytest.approx(0.04)
+    # nbckpt-async's step 3 runs while its first checkpoint persists
+    steps = data.kinds["step"]
+    persist = data.kinds["persist"]
+    async_steps = [(b, b + x) for b, x, y in zip(steps["base"], steps["x"], steps["y"], strict=True)
+                   if y.startswith("nbckpt-async")]
+    first_persist = next(
+        b for b, y in zip(persist["base"], persist["y"], strict=True) if y.startswith("nbckpt")
+    )
+    assert any(start < first_persist + 0.38 and end > first_persist for start, end in async_steps)
+
+
+def test_timeline_picks_last_repeat_and_splits_ranks() -> None:
+    both = pd.concat([sync_and_async_timeline(repeat=0), sync_and_async_timeline(repeat=1).head(3)])
+    fig = timeline_figure(both)
+    assert len(traces_by_name(fig)["step"].x) == 2 + 4  # torch-save's repeat 1 (2 steps), async's repeat 0
+    assert len(traces_by_name(timeline_figure(both, repeat=0))["step"].x) == 8
+
+    ranks = pd.DataFrame([event("dcp-async", "step", 0, 0.1, 1, rank=rank) for rank in (0, 1)])
+    assert list(timeline_figure(ranks).layout.yaxis.categoryarray) == [
+        "dcp-async r0 · train", "dcp-async r0 · background",
+        "dcp-async r1 · train", "dcp-async r1 · background",
+    ]
+
+
+def test_timeline_without_strategy_column_uses_label() -> None:
+    plain = sync_and_async_timeline().drop(columns=["strategy", "repeat"])
+    assert "torch-save · train" in timeline_figure(plain).layout.yaxis.categoryarray
+
+
+def test_extend_timeline_appends_to_a_live_widget() -> None:
+    timeline = sync_and_async_timeline()
+    fig = timeline_figure(timeline.iloc[:0], widget=True)
+    assert isinstance(fig, go.FigureWidget) and len(fig.data) == 0
+    first, rest = timeline.iloc[:3], timeline.iloc[3:]
+    extend_timeline(fig, first)
+    extend_timeline(fig, rest)
+    extend_timeline(fig, timeline.iloc[:0])
+    whole = timeline_figure(timeline)
+    assert {t.name: len(t.x) for t in fig.data} == {t.name: len(t.x) for t in whole.data}
+    assert list(fig.layout.yaxis.categoryarray) == list(whole.layout.yaxis.categoryarray)
+    assert sorted(traces_by_name(fig)["step"].base) == sorted(traces_by_name(whole)["step"].base)
+
+
+def test_live_events_from_a_timeline_extend_per_rank_lanes() -> None:
+    timeline = Timeline(rank=1, label="nbckpt-async")
+    start = timeline.origin_ns + 10**8
+    events = [
+        timeline.record("step", start, start + 2 * 10**8, step=1),
+        timeline.record("persist", start + 2 * 10**8, start + 5 * 10**8, step=1, nbytes=3 * MB),
+    ]
+    rows = events_frame(events, timeline.origin_ns)
+    assert rows["start_s"].tolist() == pytest.approx([0.1, 0.3])
+    fig = timeline_figure(rows.iloc[:0])
+    for index in range(len(rows)):  # one event at a time, as a listener receives them
+        extend_timeline(fig, rows.iloc[index : index + 1], by_rank=True)
+    assert list(fig.layout.yaxis.categoryarray) == ["nbckpt-async r1 · train", "nbckpt-async r1 · background"]
+    persist = traces_by_name(fig)["persist"]
+    assert list(persist.base) == pytest.approx([0.3]) and list(persist.x) == pytest.approx([0.3])
+    assert "3.0 MB" in persist.hovertext[0] and "0.01 GB/s" in persist.hovertext[0]
+
+
+def test_unknown_event_kinds_are_drawn_in_the_background_lane() -> None:
+    data = timeline_traces(pd.DataFrame([event("mine", "upload", 0.0, 1.0)]))
+    assert data.kinds["upload"]["y"] == ["mine · background"]
+
+
+def test_throughput_dips_after_a_stall_and_marks_the_steps_after_checkpoints() -> None:
+    fig = throughput_figure(sync_and_async_timeline())
+    traces = traces_by_name(fig)
+    # torch-save step ends: 0.1, 0.2, 0.8 (after a 0.5 s stall), 0.9 -> 10, 10, 1/0.6, 10 steps/s
+    assert list(traces["torch-save"].x) == pytest.approx([0.1, 0.2, 0.8, 0.9])
+    assert list(traces["torch-save"].y) == pytest.approx([10.0, 10.0, 1 / 0.6, 10.0])
+    # nbckpt-async: the 0.02 s stall only dents step 3: 1 / 0.12
+    assert list(traces["nbckpt-async"].y) == pytest.approx([10.0, 10.0, 1 / 0.12, 10.0])
+    # checkpoints after steps 2 and 4: step 3 is marked (step 4's checkpoint has no next step)
+    marked = traces["torch-save after a checkpoint"]
+    assert list(marked.x) == pytest.approx([0.8]) and marked.marker.symbol == "x"
+    assert "none baseline" in fig.layout.title.text and "dips are checkpoints" not in fig.layout.title.text
+
+
+# A run with DCP's own sync and async saves, the comparison PyTorch/IBM published.
+DCP_RESULTS = pd.DataFrame(
+    {
+        "strategy": ["none", "torch-save", "dcp-sync", "dcp-async", "nbckpt-async"],
+        "checkpoints": [0, 4, 4, 4, 4],
+        "stall_mean_s": [math.nan, 0.5, 0.6, 0.2, 0.02],
+        "stall_p95_s": [math.nan, 0.6, 0.7, 0.3, 0.03],
+    }
+)
+
+
+def test_stall_figure_compares_with_dcp_sync_beside_the_like_for_like_figure() -> None:
+    fig = stall_figure(DCP_RESULTS)
+    stall, reduction = fig.data
+    assert list(stall.x) == ["torch-save", "dcp-sync", "dcp-async", "nbckpt-async"]
+    assert list(stall.error_y.array) == pytest.approx([0.1, 0.1, 0.1, 0.01])
+    assert list(reduction.y) == pytest.approx([1.2, 1.0, 3.0, 30.0])  # dcp-sync's 0.6 s / stall
+    assert [shape.y0 for shape in fig.layout.shapes] == [23.6]  # only PyTorch/IBM's compares this
+    texts = " ".join(annotation.text for annotation in fig.layout.annotations)
+    assert "sync DCP 148.8 s → async DCP 6.3 s (23.6x)" in texts
+    assert "10x" not in texts and "54.2" not in texts
+    assert "vs dcp-sync" in texts
+
+
+def test_stall_figure_against_torch_save_draws_no_published_line() -> None:
+    fig = stall_figure(RESULTS)
+    stall, reduction = fig.data
+    assert list(stall.x) == ["torch-save", "nbckpt-async"]  # the no-checkpoint baseline is left out
+    assert list(stall.y) == [0.5, 0.02]
+    assert list(reduction.y) == [1.0, 25.0]
+    assert list(reduction.text) == ["1.0x", "25.0x"]
+    assert len(fig.layout.shapes) == 0  # no source compares against torch.save
+    assert fig.layout.yaxis.type != "log"
+
+
+def test_stall_figure_computes_reduction_and_honours_options() -> None:
+    results = RESULTS.drop(columns=["reduction_vs_torch_save", "stall_p95_s"])
+    fig = stall_figure(results, anchors=False, log=True)
+    assert list(fig.data[1].y) == pytest.approx([1.0, 25.0])
+    assert fig.data[0].error_y.array is None
+    assert len(fig.layout.shapes) == 0
+    assert fig.layout.yaxis.type == "log" and fig.layout.yaxis2.type == "log"
+    partial = RESULTS.assign(partial=[False, False, True])
+    assert list(stall_figure(partial).data[0].x) == ["torch-save"]  # a stopped run is left out
+
+
+def test_stall_figure_uses_given_published_figures() -> None:
+    published = load_published()
+    published["anchors"]["pytorch_ibm_7b"]["values"]["reduction_factor"]["value"] = 30.0
+    fig = stall_figure(DCP_RESULTS, published)
+    assert [shape.y0 for shape in fig.layout.shapes] == [30.0]
+    assert [label for label, _, _ in anchor_factors(published)] == [
+        "PyTorch/IBM, 7B on GPUs, sync DCP 148.8 s → async DCP 6.3 s (30.0x)"
+    ]
+
+
+def test_overhead_figure_draws_intervals_and_says_when_nothing_was_measured() -> None:
+    results = pd.DataFrame({
+        "strategy": ["none", "torch-save", "nbckpt-async", "stopped"],
+        "overhead_pct": [0.0, 30.0, 2.0, 5.0],
+        "overhead_ci_pct": [[0.0, 0.0], [20.0, 45.0], [-1.0, 5.0], [1.0, 9.0]],
+        "partial": [False, False, False, True],
+    })
+    fig = overhead_figure(results)
+    [bars] = fig.data
+    assert list(bars.x) == ["torch-save", "nbckpt-async"]  # baseline and partial rows left out
+    assert list(bars.error_y.array) == pytest.approx([15.0, 3.0])
+    assert list(bars.error_y.arrayminus) == pytest.approx([10.0, 3.0])
+    assert list(bars.text) == ["+30.0 %", "no measurable difference"]
+    assert "95 % interval" in fig.layout.title.text
+
+
+def test_scaling_figure() -> None:
+    df = pd.DataFrame({
+        "strategy": ["a", "a", "b", "b"], "bytes": [10 * MB, MB, MB, 10 * MB],
+        "stall_mean_s": [1.0, 0.1, 0.01, 0.02], "persist_s": [math.nan, math.nan, 0.1, 1.0],
+    })
+    traces = traces_by_name(scaling_figure(df))
+    assert list(traces) == ["a stall", "b stall", "b persist"]
+    assert list(traces["a stall"].x) == [1.0, 10.0] and list(traces["a stall"].y) == [0.1, 1.0]
+    assert traces["b persist"].line.dash == "dash"
+
+
+def test_scaling_data_stacks_comparisons_by_size() -> None:
+    small = SimpleNamespace(results=RESULTS, bytes=MB)
+    large = SimpleNamespace(results=RESULTS.assign(stall_mean_s=RESULTS["stall_mean_s"] * 10), bytes=10 * MB)
+    data = scaling_data([small, large])
+    assert data["bytes"].tolist() == [MB, MB, 10 * MB, 10 * MB]  # the no-checkpoint rows are dropped
+    traces = traces_by_name(scaling_figure(data))
+    assert list(traces["torch-save stall"].y) == pytest.approx([0.5, 5.0])
+    with pytest.raises(ConfigError, match="at least one"):
+        scaling_data([])
+
+
+def test_interval_figure_marks_advised_interval() -> None:
+    advice = advise(RESULTS, mtbf_hours=24.0, gpus=512)
+    fig = interval_figure(advice)
+    traces = traces_by_name(fig)
+    assert list(traces) == ["torch-save", "torch-save advised", "nbckpt-async", "nbckpt-async advised"]
+    marker = traces["torch-save advised"]
+    assert list(marker.x) == [advice["interval_s"].iloc[0]]
+    assert list(marker.y) == [advice["waste_pct"].iloc[0]]
+    curve = traces["torch-save"]
+    # Daly's interval sits at (not exactly on, it is higher order) the minimum of the curve
+    assert len(curve.x) == 120 and min(curve.y) >= 0.99 * marker.y[0]
+    assert fig.layout.xaxis.type == "log"
+
+
+def test_projection_figure_is_labelled_a_projection_and_leaves_out_what_cannot_exist() -> None:
+    projection = project_scale(RESULTS, nbytes=100 * MB, storage_gbs=200.0, ranks=[8, 64])
+    fig = projection_figure(projection)
+    title = fig.layout.title.text
+    assert title.startswith("Projection (not measured)")
+    assert "200 GB/s" in title and "sharded evenly" in title
+    # 70B (912 GB) and 405B (5290 GB) on 8 ranks, and 405B on 64, exceed 80 GB per rank
+    assert "3 configuration(s) left out" in title
+    assert [trace.name for trace in fig.data] == ["torch-save", "torch-save", "nbckpt-async", "nbckpt-async"]
+    stall_bars = fig.data[0]
+    assert list(stall_bars.x) == ["8B × 8 ranks", "8B × 64 ranks", "70B × 64 ranks"]
+    feasible = projection[(projection["strategy"] == "torch-save") & projection["feasible"]]
+    assert list(stall_bars.y) == feasible["stall_s"].tolist()
+    assert "projection" in stall_bars.hovertemplate and "storage busy" in stall_bars.hovertext[0]
+
+
+def test_probe_figure() -> None:
+    probe = pd.DataFrame({"streams": [4, 1, 2, 8], "write_gbs": [1.8, 1.0, 1.6, 1.7]})
+    fig = probe_figure(probe)
+    assert [trace.name for trace in fig.data] == ["write"]
+    assert list(fig.data[0].x) == [1, 2, 4, 8] and list(fig.data[0].y) == [1.0, 1.6, 1.8, 1.7]
+    with_read = probe_figure(probe.assign(read_gbs=[3.0, 2.0, 2.5, 3.1]))
+    assert [trace.name for trace in with_read.data] == ["write", "read"]
+
+
+BUILDERS: list[tuple[Callable[..., go.Figure], Callable[[], pd.DataFrame]]] = [
+    (timeline_figure, sync_and_async_timeline),
+    (throughput_figure, sync_and_async_timeline),
+    (stall_figure, lambda: RESULTS),
+    (overhead_figure, lambda: pd.DataFrame({"strategy": ["a"], "overhead_pct": [1.0],
+                                            "overhead_ci_pct": [[0.5, 1.5]]})),
+    (scaling_figure, lambda: pd.DataFrame({"strategy": ["a"], "bytes": [MB], "stall_mean_s": [0.1]})),
+    (interval_figure, lambda: advise(RESULTS, mtbf_hours=24.0)),
+    (projection_figure, lambda: project_scale(RESULTS, nbytes=MB, storage_gbs=10.0)),
+    (probe_figure, lambda: pd.DataFrame({"streams": [1, 2], "write_gbs": [1.0, 1.5]})),
+]
+
+
+@pytest.mark.parametrize(("builder", "data"), BUILDERS, ids=[b.__name__ for b, _ in BUILDERS])
+def test_every_builder_returns_a_widget_on_request(
+    builder: Callable[..., go.Figure], data: Callable[[], pd.DataFrame]
+) -> None:
+    static = builder(data())
+    live = builder(data(), widget=True)
+    assert type(static) is go.Figure
+    assert isinstance(live, go.FigureWidget)
+    assert len(live.data) == len(static.data) > 0
+
+
+@pytest.mark.parametrize(("builder", "_data"), BUILDERS, ids=[b.__name__ for b, _ in BUILDERS])
+def test_every_builder_names_missing_columns(
+    builder: Callable[..., go.Figure], _data: Callable[[], pd.DataFrame]
+) -> None:
+    with pytest.raises(ConfigError, match="needs columns"):
+        builder(pd.DataFrame({"unrelated": [1]}))
+
+
+def test_strategy_colours_are_stable() -> None:
+    assert strategy_colour("torch-save") != strategy_colour("nbckpt-async")
+    assert strategy_colour("my-own") == strategy_colour("my-own")

@@ -1,0 +1,267 @@
+"""The Lab widget's logic without a browser: simulated clicks, live updates, stop, errors, and
+one live lab per kernel (tests/test_magics.py re-runs a lab's cell in a real kernel)."""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nbckpt import ConfigError
+from nbckpt.bench import OVERHEAD_DEFINITION
+from nbckpt.notebook._lab import LOG_LINES, SYNTHETIC, Lab, devices, live_lab
+
+
+def make_lab(path: Path, **options: Any) -> Lab:
+    settings: dict[str, Any] = {
+        "directory": str(path), "preset": SYNTHETIC, "size_mb": 2.0,
+        "strategies": ("none", "nbckpt-async"), "steps": 30, "every": 10, "repeats": 1,
+        "refresh_s": 0.05,
+    }
+    return Lab(**{**settings, **options})
+
+
+def poll(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def points(lab: Lab) -> int:
+    return sum(len(trace.x or ()) for trace in lab.figure.data)
+
+
+def test_run_click_grows_the_timeline_and_fills_the_results(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path / "lab")
+    changed_by: set[str] = set()
+    lab.progress.observe(lambda _: changed_by.add(threading.current_thread().name), "value")
+    lab.results.observe(lambda _: changed_by.add(threading.current_thread().name), "value")
+    lab.run_button.click()
+    assert lab.running and lab.stop_button.disabled is False and lab.run_button.disabled
+    seen = []
+    deadline = time.monotonic() + 120
+    while lab.running and time.monotonic() < deadline:  # sampling the live figure, not waiting
+        seen.append(points(lab))
+        time.sleep(0.01)
+    assert lab.wait(60)
+    growing = sorted({n for n in seen if n > 0})
+    assert len(growing) >= 2, f"the timeline never grew during the run: {growing}"
+    assert lab.error is None and lab.comparison is not None
+    assert lab.comparison.results["strategy"].tolist() == ["none", "nbckpt-async"]
+    assert lab.progress.value == lab.progress.max == 60
+    assert "nbckpt-ok" in lab.message.value and "Done" in lab.message.value
+    assert "nbckpt-results" in lab.results.value and "nbckpt-async" in lab.results.value
+    kinds = {trace.name for trace in lab.figure.data}
+    assert {"step", "stall", "persist"} <= kinds
+    assert points(lab) == len(lab.comparison.timeline)
+    assert any("[nbckpt-async]" in line for line in lab.log_lines)
+    # widgets changed only from the main thread (reset) and the one updater, never the worker
+    assert changed_by <= {"MainThread", "nbckpt-lab-updater"}
+    assert lab.run_button.disabled is False and lab.stop_button.disabled
+
+
+def test_stop_ends_the_run_promptly_with_nothing_half_written(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path / "lab", steps=100_000, every=5, strategies=("nbckpt-async",))
+    assert lab.run()
+    assert not lab.run()  # a second run while one is going is refused
+    assert "already in progress" in lab.message.value
+    poll(lambda: lab.progress.value >= 12)
+    lab.stop_button.click()
+    assert lab.wait(60)
+    assert lab.stopped and lab.error is None and lab.comparison is not None
+    assert "Stopped after" in lab.message.value
+    steps = int(lab.comparison.timeline["kind"].eq("step").sum())
+    assert 12 <= steps < 100_000
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith((".tmp-", ".trash-"))]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"steps": 0}, "steps must be a positive integer, not 0"),
+        ({"steps": -3}, "steps must be a positive integer, not -3"),
+        ({"every": 0}, "checkpoint interval (every) must be an integer from 1 to 30, not 0"),
+        ({"every": 31}, "checkpoint interval (every) must be an integer from 1 to 30, not 31"),
+        ({"repeats": 0}, "repeats must be a positive integer, not 0"),
+        ({"strategies": ()}, "select at least one strategy"),
+        ({"path": " "}, "the target path is empty"),
+        ({"path": "{file}/sub"}, "is a file, not a directory"),
+    ],
+)
+def test_bad_fields_get_a_one_line_message(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    lab = make_lab(tmp_path / "lab")
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    for name, value in change.items():
+        getattr(lab, name).value = value.format(file=a_file) if isinstance(value, str) else value
+    lab.run_button.click()
+    assert not lab.running
+    assert lab.error is not None and message in lab.error and "\n" not in lab.error
+    assert "nbckpt-error" in lab.message.value
+    assert not (tmp_path / "lab").exists()
+
+
+def test_out_of_memory_preset_is_a_clear_message(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path / "lab", size_mb=1e9)  # about a petabyte
+    assert lab.run() and lab.wait(60)
+    assert lab.error is not None and lab.error.startswith("Cannot run: ")
+    assert "memory" in lab.error and "nbckpt-error" in lab.message.value
+    assert lab.progress.bar_style == "danger"
+    assert not any("Traceback" in line for line in lab.log_lines)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="uses /proc as an unwritable target")
+def test_unwritable_target_is_a_clear_message(tmp_path: Path) -> None:
+    lab = make_lab(Path("/proc/nbckpt-lab-test"))
+    assert lab.run() and lab.wait(60)
+    assert lab.error is not None and "/proc/nbckpt-lab-test" in lab.error
+    assert "nbckpt-error" in lab.message.value
+    assert lab.run_button.disabled is False  # ready for another try
+
+
+def test_probe_button_shows_the_probe_summary(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path / "target")
+    lab.probe_button.click()
+    assert lab.wait(120)
+    assert "nbckpt-ok" in lab.probe_summary.value
+    assert "Storage probe of" in lab.probe_summary.value and "write GB/s" in lab.probe_summary.value
+    lab.path.value = str(tmp_path / "file.txt")
+    (tmp_path / "file.txt").write_text("x")
+    assert not lab.probe()
+    assert "nbckpt-error" in lab.probe_summary.value
+
+
+def test_from_args_and_display(tmp_path: Path) -> None:
+    args = argparse.Namespace(dir=str(tmp_path), preset=None, size_mb=8.0,
+                              strategies="torch-save, nbckpt-async", steps=12, every=4,
+                              device="cpu", repeats=2, compute_ms=1.0, no_warmup=True, json=None)
+    lab = Lab.from_args(args)
+    assert lab.preset.value == SYNTHETIC and lab.size_mb.value == 8.0
+    assert lab.strategies.value == ("torch-save", "nbckpt-async")
+    assert (lab.steps.value, lab.every.value, lab.path.value) == (12, 4, str(tmp_path))
+    assert (lab.repeats.value, lab.compute_ms, lab.warmup) == (2, 1.0, False)
+    bundle = lab._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert "cpu" in devices() and lab.device.options == tuple(devices())
+    lab.preset.value = "tiny"
+    assert lab.size_mb.disabled
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"preset": "huge"}, "unknown preset 'huge'"),
+        ({"strategies": ("nbckpt-async", "magic")}, "unknown strategy 'magic'"),
+        ({"device": "tpu"}, "unknown device 'tpu'"),
+    ],
+)
+def test_bad_constructor_arguments_are_config_errors(
+    tmp_path: Path, option: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_lab(tmp_path, **option)
+
+
+def test_a_new_lab_stops_and_closes_the_previous_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Re-running a lab's cell mid-run: the old run stops, its directory is free for the new."""
+    first = make_lab(tmp_path / "lab", steps=100_000, every=5, strategies=("nbckpt-async",))
+    assert first.run()
+    poll(lambda: first.progress.value >= 12)  # past its first checkpoint: the lock is held
+    capsys.readouterr()
+    second = make_lab(tmp_path / "lab", steps=12, every=4, strategies=("nbckpt-async",))
+    note = capsys.readouterr().out
+    assert note.count("\n") == 1 and "stopped the previous lab's run" in note
+    assert first.closed and not first.running and first.stopped
+    assert first.comparison is not None  # stopped after the current step, saves committed
+    assert first.widget.comm is None and first.figure.comm is None  # gone from the kernel
+    assert live_lab() is second
+    assert not first.run() and first.error is not None and "closed" in first.error
+    assert second.run() and second.wait(120)
+    assert second.error is None, second.error  # no "in use by another Checkpointer"
+    assert second.comparison is not None
+    row = second.comparison.results.set_index("strategy").loc["nbckpt-async"]
+    assert int(row["checkpoints"]) == 3
+    third = make_lab(tmp_path / "lab")
+    assert capsys.readouterr().out == "nbckpt: closed the previous lab\n"
+    assert second.closed and live_lab() is third
+    third.close()
+    assert live_lab() is None
+
+
+def test_each_run_starts_clean_and_none_is_added(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path / "lab", strategies=("nbckpt-async",), steps=10, every=5)
+    lab.every.value = 0
+    assert not lab.run() and "nbckpt-error" in lab.message.value
+    lab.every.value = 5
+    assert lab.run()
+    assert "none (the baseline)" in lab.message.value and "nbckpt-error" not in lab.message.value
+    assert lab.wait(120) and lab.error is None and lab.comparison is not None
+    assert lab.comparison.results["strategy"].tolist() == ["none", "nbckpt-async"]
+    assert any("[nbckpt-async]" in line for line in lab.log_lines)
+    lab.strategies.value = ("torch-save",)
+    assert lab.run() and lab.wait(120) and lab.error is None
+    lanes = set(lab.figure.layout.yaxis.categoryarray)
+    assert lanes == {f"{name} · {lane}" for name in ("none", "torch-save")
+                     for lane in ("train", "background")}
+    assert {y for trace in lab.figure.data for y in trace.y} <= lanes
+    assert not any("[nbckpt-async]" in line for line in lab.log_lines)  # the log was cleared
+    assert "nbckpt-async" not in lab.results.value
+
+
+def test_results_table_is_aligned_rounded_and_defines_overhead(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path / "lab", steps=10, every=5)
+    assert lab.run() and lab.wait(120) and lab.error is None
+    table = lab.results.value
+    cells = re.findall(r'<td style="([^"]*)">([^<]*)</td>', table)
+    assert cells
+    for style, text in cells:
+        expected = "left" if text in ("none", "nbckpt-async") else "right"
+        assert f"text-align:{expected}" in style, (text, style)
+        assert not re.search(r"\d\.\d{5,}", text), f"{text} is not rounded"
+    assert "tabular-nums" in table and html.escape(OVERHEAD_DEFINITION) in table
+
+
+def test_log_keeps_its_newest_lines_in_view(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path / "lab", steps=10, every=5)
+    assert lab.run() and lab.wait(120)
+    assert "flex-direction:column-reverse" in lab.log.value  # scrolled to the end as it grows
+    assert lab.log_lines[-1].rstrip() in lab.log.value
+    assert lab.log_lines.maxlen == LOG_LINES
+
+
+def test_a_probe_error_shows_next_to_the_probe_only(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path / "lab")
+    (tmp_path / "file.txt").write_text("x")
+    lab.path.value = str(tmp_path / "file.txt")
+    assert not lab.probe()
+    assert "nbckpt-error" in lab.probe_summary.value and lab.message.value == ""
+    lab.path.value = str(tmp_path / "lab")
+    assert lab.run()
+    assert lab.probe_summary.value == ""  # a run clears the old error
+    assert lab.wait(120)
+
+
+def test_the_live_figure_drops_the_listeners_of_removed_views(tmp_path: Path) -> None:
+    """Its JavaScript is plotly's, run with the view's own model while a view renders (the
+    browser test checks that a re-run cell leaves no "gd.data must be an array" errors)."""
+    import plotly.graph_objects as go
+
+    lab = make_lab(tmp_path / "lab")
+    assert isinstance(lab.figure, go.FigureWidget)
+    esm = lab.figure._esm
+    assert "rendering = context.model" in esm and "(rendering ?? model).on" in esm
+    assert json.dumps(str(go.FigureWidget._esm))[:2000] in esm

@@ -1,0 +1,643 @@
+"""The %ckpt_* magics through IPython's test shell, a real kernel and papermill."""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.testing.globalipapp import get_ipython
+
+from nbckpt import CheckpointError, SaveHandle
+from nbckpt.notebook._magics import MAGICS, CheckpointFailed, CheckpointMagics
+
+
+@pytest.fixture(scope="session")
+def test_shell() -> InteractiveShell:
+    shell = get_ipython()  # starts IPython's test shell; returns None once it is running
+    return shell if shell is not None else InteractiveShell.instance()
+
+
+@pytest.fixture
+def ip(
+    test_shell: InteractiveShell, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[InteractiveShell]:
+    monkeypatch.setenv("NBCKPT_DIR", str(tmp_path / "default"))
+    shell = test_shell
+    shell.run_line_magic("load_ext", "nbckpt")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    shell.user_ns.update(model=model, opt=opt, epoch=3, train=lambda: None)
+    yield shell
+    shell.run_line_magic("unload_ext", "nbckpt")
+    for name in ("model", "opt", "epoch", "train", "h"):
+        shell.user_ns.pop(name, None)
+
+
+def _eventually(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll ``condition`` (work done on a background thread) until it holds or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def magics_of(shell: InteractiveShell) -> CheckpointMagics:
+    instance = shell.magics_manager.registry["CheckpointMagics"]
+    assert isinstance(instance, CheckpointMagics)
+    return instance
+
+
+def test_async_save_returns_the_handle_and_shows_its_status(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ip.run_cell(f"h = %ckpt_async model opt -d {tmp_path / 'run'} --step 7")
+    handle = ip.user_ns["h"]
+    assert isinstance(handle, SaveHandle)
+    record = handle.wait()
+    assert record.step == 7 and record.bytes > 0
+    assert (tmp_path / "run" / "step-000007" / "manifest.json").is_file()
+    out = capsys.readouterr().out
+    assert "nbckpt async step 7" in out and "stall" in out
+    ip.run_line_magic("ckpt_wait", "")
+    assert "committed" in capsys.readouterr().out
+
+
+def test_magic_in_a_loop_expands_the_step(ip: InteractiveShell, tmp_path: Path) -> None:
+    target = tmp_path / "loop"
+    result = ip.run_cell(
+        "for step in range(5):\n"
+        "    if step % 2 == 0:\n"
+        f"        %ckpt_async model opt --step {{step}} -d {target}\n"
+    )
+    assert result.success
+    ip.run_line_magic("ckpt_wait", "")
+    assert sorted(p.name for p in target.glob("step-*")) == [
+        "step-000000", "step-000002", "step-000004"
+    ]
+
+
+def test_sync_save_has_committed_when_it_returns(ip: InteractiveShell, tmp_path: Path) -> None:
+    handle = ip.run_line_magic("ckpt_sync", f"model -d {tmp_path / 's'} --step 1")
+    assert handle.done() and handle.phase == "committed"
+    # the directory's one Checkpointer is back in async mode afterwards
+    later = ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 's'}")
+    assert later.step == 2
+    assert magics_of(ip).checkpointers[str(tmp_path / "s")].config.mode == "async"
+    later.wait()
+
+
+def test_default_directory_step_and_keep_reuse_one_checkpointer(
+    ip: InteractiveShell, tmp_path: Path
+) -> None:
+    first = ip.run_line_magic("ckpt_async", "model opt")  # NBCKPT_DIR, step 0
+    first.wait()
+    assert first.step == 0 and (tmp_path / "default" / "step-000000").is_dir()
+    second = ip.run_line_magic("ckpt_async", "model opt --keep 1")
+    second.wait()
+    assert second.step == 1
+    magics = magics_of(ip)
+    assert len(magics.checkpointers) == 1
+    ckpt = next(iter(magics.checkpointers.values()))
+    assert ckpt.config.keep == 1
+    third = ip.run_line_magic("ckpt_async", "model opt --keep 1")  # same options: same one
+    third.wait()
+    assert next(iter(magics.checkpointers.values())) is ckpt
+    ip.run_line_magic("ckpt_wait", "")
+    assert _eventually(lambda: [p.name for p in (tmp_path / "default").glob("step-*")]
+                       == ["step-000002"])  # retention deletes on a thread of its own
+
+
+def test_status_table_lists_this_sessions_saves(ip: InteractiveShell, tmp_path: Path) -> None:
+    for step in (1, 2):
+        ip.run_line_magic("ckpt_async", f"model opt -d {tmp_path / 'st'} --step {step}")
+    ip.run_line_magic("ckpt_wait", "")
+    table = ip.run_line_magic("ckpt_status", "")
+    assert isinstance(table, pd.DataFrame)
+    assert table["step"].tolist() == [1, 2]
+    assert (table["phase"] == "committed").all()
+    assert (table["variables"] == "model opt").all()
+    assert (table["write_gbs"] > 0).all() and (table["stall_ms"] > 0).all()
+
+
+def test_timeline_is_a_plotly_figure_of_the_session(ip: InteractiveShell, tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="no checkpoint events"):
+        ip.run_line_magic("ckpt_timeline", "")
+    ip.run_line_magic("ckpt_async", f"model opt -d {tmp_path / 'tl'}")
+    ip.run_line_magic("ckpt_wait", "")
+    fig = ip.run_line_magic("ckpt_timeline", "")
+    assert isinstance(fig, go.Figure)
+    kinds = {trace.name for trace in fig.data}
+    assert {"stall", "stage", "persist", "commit"} <= kinds
+    assert list(fig.layout.yaxis.categoryarray) == ["async model opt · train",
+                                                    "async model opt · background"]
+    ip.run_line_magic("ckpt_sync", f"model -d {tmp_path / 'tl2'}")
+    lanes = list(ip.run_line_magic("ckpt_timeline", "").layout.yaxis.categoryarray)
+    assert lanes == ["tl: async model opt · train", "tl: async model opt · background",
+                     "tl2: sync model · train", "tl2: sync model · background"]
+
+
+def test_restore_loads_in_place_and_rebinds_plain_values(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "rs"
+    model = ip.user_ns["model"]
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    ip.run_line_magic("ckpt_sync", f"model opt epoch -d {target} --step 5")
+    with torch.no_grad():
+        model.weight.zero_()
+    ip.user_ns["epoch"] = 99
+    ip.run_line_magic("ckpt_restore", f"model opt epoch -d {target}")
+    assert "restored step 5" in capsys.readouterr().out
+    assert ip.user_ns["model"] is model
+    assert torch.equal(model.weight, saved["weight"])
+    assert ip.user_ns["epoch"] == 3
+    with pytest.raises(CheckpointError, match="step 6"):
+        ip.run_line_magic("ckpt_restore", f"model -d {target} --step 6")
+
+
+def test_a_failed_restore_is_one_line_without_a_traceback(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "rs1"
+    ip.run_line_magic("ckpt_sync", f"model -d {target} --step 5")
+    capsys.readouterr()
+    result = ip.run_cell(f"%ckpt_restore model -d {target} --step 6")
+    assert isinstance(result.error_in_exec, CheckpointFailed)
+    assert isinstance(result.error_in_exec.__cause__, CheckpointError)
+    captured = capsys.readouterr()
+    text = (captured.out + captured.err).strip()
+    assert text.startswith("CheckpointFailed: no committed checkpoint for step 6")
+    assert "\n" not in text and "Traceback" not in text
+    ip.user_ns["net"] = torch.nn.Linear(3, 3)
+    result = ip.run_cell(f"%ckpt_restore net -d {target}")  # a name the checkpoint lacks
+    captured = capsys.readouterr()
+    text = (captured.out + captured.err).strip()
+    assert isinstance(result.error_in_exec, UsageError) and "'net'" in text
+    assert "\n" not in text and "Traceback" not in text
+    ip.user_ns.pop("net")
+
+
+def test_warnings_point_at_the_users_cell(ip: InteractiveShell, tmp_path: Path) -> None:
+    target = tmp_path / "again"
+    ip.run_line_magic("ckpt_sync", f"model -d {target} --step 1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ip.run_cell(f"%ckpt_sync model -d {target} --step 1").success
+    replaced = [w for w in caught if "already exists" in str(w.message)]
+    assert len(replaced) == 1, [str(w.message) for w in caught]
+    assert "nbckpt" not in replaced[0].filename and "IPython" not in replaced[0].filename
+    assert "ipython-input" in replaced[0].filename  # the cell, as IPython names it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ip.run_line_magic("ckpt_sync", f"model -d {target} --step 1")  # called from Python
+    replaced = [w for w in caught if "already exists" in str(w.message)]
+    assert [w.filename for w in replaced] == [__file__]
+
+
+def test_config_shows_and_sets_session_defaults(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ip.run_line_magic("ckpt_config", "")
+    assert str(tmp_path / "default") in capsys.readouterr().out  # from NBCKPT_DIR
+    ip.run_line_magic("ckpt_async", "model").wait()
+    magics = magics_of(ip)
+    opened = magics.checkpointers[str(tmp_path / "default")]
+    capsys.readouterr()
+    ip.run_line_magic("ckpt_config", f"-d {tmp_path / 'other'} --keep 2 --no-verify")
+    out = capsys.readouterr().out
+    assert magics.defaults.dir == str(tmp_path / "other") and magics.defaults.keep == 2
+    # a frozen config is never changed: the idle Checkpointer is closed and a new one opened
+    assert f"keep=2, verify=False for {tmp_path / 'default'}: reopened its Checkpointer" in out
+    assert opened.config.keep is None and opened.config.verify is True
+    reopened = magics.checkpointers[str(tmp_path / "default")]
+    assert reopened is not opened and (reopened.config.keep, reopened.config.verify) == (2, False)
+    ip.run_line_magic("ckpt_async", "model").wait()
+    assert (tmp_path / "other" / "step-000000").is_dir()
+    ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'other'} --keep 1").wait()
+    ip.run_line_magic("ckpt_config", "--writer-threads 3")  # leaves every keep alone
+    assert magics.checkpointers[str(tmp_path / "default")].config.writer_threads == 3
+    assert magics.checkpointers[str(tmp_path / "default")].config.keep == 2
+    assert magics.checkpointers[str(tmp_path / "other")].config.keep == 1
+    ip.run_line_magic("ckpt_config", "--keep none")
+    assert magics.defaults.keep is None
+    assert all(c.config.keep is None for c in magics.checkpointers.values())
+    ip.run_line_magic("ckpt_config", "--reset")
+    assert magics.defaults.dir == str(tmp_path / "default") and magics.defaults.verify
+
+
+def test_an_option_changed_with_saves_in_flight_applies_once_they_commit(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ip.user_ns["big"] = torch.zeros(1 << 23)  # 32 MiB: still persisting when the next line runs
+    target = tmp_path / "inflight"
+    handle = ip.run_line_magic("ckpt_async", f"big -d {target} --step 1")
+    magics = magics_of(ip)
+    opened = magics.checkpointers[str(target)]
+    capsys.readouterr()
+    ip.run_line_magic("ckpt_config", "--keep 1")
+    out = capsys.readouterr().out
+    if not handle.done():  # the usual case; a fast disk may have committed it already
+        assert "applies once its 1 save(s) in flight have committed" in out
+        assert magics.checkpointers[str(target)] is opened  # the cell did not wait
+    ip.run_line_magic("ckpt_async", f"big -d {target}")
+    ip.run_line_magic("ckpt_wait", "")
+    assert handle.done() and handle.error is None  # committed under the old options
+    assert magics.checkpointers[str(target)].config.keep == 1
+    assert opened.config.keep is None
+    assert _eventually(lambda: sorted(p.name for p in target.glob("step-*")) == ["step-000002"])
+    ip.user_ns.pop("big")
+
+
+def test_new_run_saves_into_a_fresh_run_directory(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ip.run_line_magic("ckpt_sync", "model --step 3")
+    ip.run_line_magic("ckpt_config", "--new-run")
+    run = magics_of(ip).defaults.run
+    assert run is not None and Path(run).parent == tmp_path / "default"
+    assert Path(run).name.startswith("run-") and not list(Path(run).iterdir())
+    handle = ip.run_line_magic("ckpt_sync", "model")
+    assert handle.step == 0 and (Path(run) / "step-000000").is_dir()  # step 3 is elsewhere
+    ip.run_line_magic("ckpt_config", f"-d {tmp_path / 'x'}")
+    assert magics_of(ip).defaults.run is None
+
+
+def test_wait_counts_this_sessions_saves(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for step in (1, 2, 3):
+        ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'w'} --step {step}")
+    ip.run_line_magic("ckpt_sync", f"model -d {tmp_path / 'w2'}")
+    capsys.readouterr()
+    ip.run_line_magic("ckpt_wait", "")
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert out.startswith("nbckpt: 4 of this session's 4 save(s) committed (")
+    assert out.endswith("waited for); nothing in flight")
+    ip.run_line_magic("ckpt_wait", "")
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "nbckpt: 4 of this session's 4 save(s) committed (0 waited for); nothing in flight"
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("model --bogus", "unrecognized arguments: --bogus"),
+        ("", "the following arguments are required: NAME"),
+        ("nothere", "no variable named 'nothere'"),
+        ("model nothere", "no variable named 'nothere'"),
+        ("train", "train holds a function"),
+        ("model --step x", "argument --step: must be a non-negative integer, not 'x'"),
+        ("model --step -1", "argument --step: must be a non-negative integer, not '-1'"),
+        ("model --keep 0", "argument --keep: must be a positive integer or 'none', not '0'"),
+        ("model -d {file}", "cannot checkpoint to"),
+    ],
+)
+def test_bad_input_is_a_one_line_usage_error(
+    ip: InteractiveShell, tmp_path: Path, line: str, message: str
+) -> None:
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("not a directory")
+    for magic in ("ckpt_async", "ckpt_sync"):
+        with pytest.raises(UsageError) as caught:
+            ip.run_line_magic(magic, line.format(file=a_file))
+        assert message in str(caught.value)
+        assert "\n" not in str(caught.value)
+    assert not list(tmp_path.glob("**/step-*"))
+
+
+def test_usage_errors_print_no_traceback(
+    ip: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = ip.run_cell("%ckpt_async nothere")
+    assert isinstance(result.error_in_exec, UsageError)
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert "UsageError: no variable named 'nothere'" in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize(
+    ("magic", "line"),
+    [
+        ("ckpt_restore", "model -d {missing}"),
+        ("ckpt_restore", "model --step x"),
+        ("ckpt_config", "--keep -3"),
+        ("ckpt_config", "--writer-threads 0"),
+        ("ckpt_wait", "extra"),
+        ("ckpt_status", "--bogus"),
+        ("ckpt_bench", "--steps x"),
+        ("ckpt_bench", "--static --strategies nope --steps 2 --every 1"),
+    ],
+)
+def test_other_magics_reject_bad_input(
+    ip: InteractiveShell, tmp_path: Path, magic: str, line: str
+) -> None:
+    with pytest.raises(UsageError):
+        ip.run_line_magic(magic, line.format(missing=tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("name", MAGICS)
+def test_every_magic_answers_help(
+    ip: InteractiveShell, tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flag in ("--help", "-h"):
+        # even with what would be an error otherwise (no NAME given, an unknown option)
+        assert ip.run_line_magic(name, f"{flag} --bogus") is None
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: %{name} [-h]"), out
+        assert "::" not in out and "``" not in out  # plain text, no reST
+    doc = ip.find_line_magic(name).__doc__
+    assert doc is not None and doc.strip() == out.strip()  # %ckpt_x? shows the same help
+    assert not list(tmp_path.glob("**/step-*")) and not magics_of(ip).saves
+
+
+def test_help_texts_name_the_defaults(ip: InteractiveShell) -> None:
+    helps = {name: ip.find_line_magic(name).__doc__ or "" for name in MAGICS}
+    assert "--step STEP" in helps["ckpt_async"] and "in the background" in helps["ckpt_async"]
+    assert "(default: one past the newest step" in helps["ckpt_sync"]
+    assert "(default: 1)" in helps["ckpt_config"] and "(default: 2)" in helps["ckpt_config"]
+    assert "--strategies" in helps["ckpt_bench"] and "(default: 3)" in helps["ckpt_bench"]
+
+
+def test_handle_displayed_later_shows_a_status(
+    ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ip.run_cell(f"h = %ckpt_sync model -d {tmp_path / 'd'}", store_history=True)
+    capsys.readouterr()
+    ip.run_cell("h", store_history=True)
+    assert "nbckpt sync step 0" in capsys.readouterr().out
+
+
+def test_load_twice_is_harmless_and_unload_releases_directories(
+    ip: InteractiveShell, tmp_path: Path
+) -> None:
+    first = magics_of(ip)
+    ip.run_line_magic("load_ext", "nbckpt")  # already loaded: nothing new
+    from nbckpt import load_ipython_extension
+
+    load_ipython_extension(ip)
+    assert magics_of(ip) is first
+    handle = ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'r'}")
+    ip.run_line_magic("reload_ext", "nbckpt")  # unload waits for the save and unlocks
+    assert handle.done() and handle.error is None
+    second = magics_of(ip)
+    assert second is not first and not first.checkpointers
+    again = ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'r'}")  # lock was released
+    assert again.wait().step == 1
+    ip.run_line_magic("unload_ext", "nbckpt")
+    assert ip.find_line_magic("ckpt_async") is None
+    ip.run_line_magic("load_ext", "nbckpt")
+
+
+def test_bench_in_batch_runs_and_returns_the_comparison(
+    ip: InteractiveShell, tmp_path: Path
+) -> None:
+    comparison = ip.run_line_magic(
+        "ckpt_bench",
+        f"--dir {tmp_path / 'b'} --size-mb 2 --compute-ms 1 --strategies none,nbckpt-async "
+        "--steps 4 --every 2 --no-warmup --quiet",
+    )
+    assert comparison.results["strategy"].tolist() == ["none", "nbckpt-async"]
+    assert int(comparison.results.loc[1, "checkpoints"]) == 2
+    shown = ip.display_formatter.format(comparison)[0]["text/plain"]
+    assert shown == comparison.table()  # a Comparison as a cell's value is its table
+
+
+def test_bench_in_jupyterlab_shows_the_live_lab_and_starts_it(
+    ip: InteractiveShell, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nbckpt.notebook import _magics
+
+    monkeypatch.setattr(_magics, "_batch_run", lambda shell: False)
+    result = ip.run_line_magic(
+        "ckpt_bench", f"--dir {tmp_path / 'b'} --size-mb 1 --strategies nbckpt-async "
+                      "--steps 2 --every 1 --repeats 1",
+    )
+    assert result is None
+    lab = magics_of(ip).lab
+    assert lab is not None
+    assert lab.wait(120) and lab.error is None and lab.comparison is not None
+    assert lab.comparison.results["strategy"].tolist() == ["none", "nbckpt-async"]
+
+
+class _Kernel:
+    def __init__(self, metadata: dict[str, Any]) -> None:
+        self.metadata = metadata
+
+    def get_parent(self) -> dict[str, Any]:
+        return {"metadata": self.metadata}
+
+
+class _Shell:
+    def __init__(self, kernel: _Kernel | None) -> None:
+        self.kernel = kernel
+
+
+def test_batch_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nbckpt.notebook._magics import _batch_run
+
+    monkeypatch.delenv("NBCKPT_BATCH", raising=False)
+    lab_request = {"cellId": "x", "deletedCells": [], "recordTiming": False}
+    assert not _batch_run(_Shell(_Kernel(lab_request)))  # JupyterLab / Notebook 7
+    assert _batch_run(_Shell(_Kernel({"cellId": "x"})))  # nbclient: papermill, nbconvert
+    assert _batch_run(_Shell(None))  # terminal IPython
+    monkeypatch.setenv("NBCKPT_BATCH", "1")
+    assert _batch_run(_Shell(_Kernel(lab_request)))
+
+
+def _notebook(path: Path, cells: list[str]) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, path)
+
+
+def test_papermill_run_shows_static_bench_and_fails_when_a_magic_fails(tmp_path: Path) -> None:
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    source = tmp_path / "bad.ipynb"
+    bench = (f"%ckpt_bench --dir {tmp_path / 'b'} --size-mb 1 --compute-ms 1 "
+             "--strategies none,nbckpt-async --steps 2 --every 1 --no-warmup")
+    _notebook(source, ["%load_ext nbckpt", bench, f"%ckpt_async nothere -d {tmp_path / 'c'}"])
+    output = tmp_path / "out.ipynb"
+    with pytest.raises(PapermillExecutionError):
+        papermill.execute_notebook(str(source), str(output), kernel_name="python3",
+                                   progress_bar=False, cwd=str(tmp_path))
+    cells = [cell for cell in nbformat.read(output, as_version=4).cells
+             if cell.cell_type == "code"]
+    # a batch run gets the comparison in the foreground with static figures, not a live lab
+    kinds = {key for out in cells[1].outputs for key in out.get("data", {})}
+    assert "application/vnd.plotly.v1+json" in kinds
+    assert "application/vnd.jupyter.widget-view+json" not in kinds
+    assert any("[nbckpt-async]" in out.get("text", "") for out in cells[1].outputs)
+    text = "".join(out.get("text", "") for out in cells[2].outputs)
+    assert "UsageError: no variable named 'nothere'" in text and "Traceback" not in text
+
+
+def test_status_updates_from_the_background_in_a_real_kernel(tmp_path: Path) -> None:
+    """The display update sent by the commit callback (on the persist thread) reaches iopub."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path),
+                              env={**os.environ, "NBCKPT_DIR": str(tmp_path / "k")})
+    try:
+        code = (
+            "import torch\n%load_ext nbckpt\n"
+            "x = torch.zeros(1 << 22)\n"
+            "h = %ckpt_async x --step 4\n"
+        )
+        reply = kc.execute(code, reply=True, timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        shown: dict[str, str] = {}
+        committed: str | None = None
+        deadline_messages = 200
+        while committed is None and deadline_messages:
+            deadline_messages -= 1
+            try:
+                msg = kc.get_iopub_msg(timeout=30)
+            except queue.Empty:
+                break
+            content: dict[str, Any] = msg["content"]
+            display_id = content.get("transient", {}).get("display_id")
+            text = content.get("data", {}).get("text/plain", "")
+            if msg["msg_type"] == "display_data" and display_id:
+                shown[display_id] = text
+            if msg["msg_type"] == "update_display_data" and "committed" in text:
+                committed = display_id
+        assert shown, "the magic displayed no status"
+        assert committed in shown, "no display update reported the commit"
+        assert "step 4" in shown[committed] and "committed" not in shown[committed]
+        assert "text/html" in content["data"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+class _RealKernel:
+    """A python3 kernel of its own, and cells run in it as JupyterLab sends them."""
+
+    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+        from jupyter_client.manager import start_new_kernel
+
+        self.km, self.kc = start_new_kernel(kernel_name="python3", cwd=str(cwd),
+                                            env={**os.environ, **env})
+
+    def run(self, code: str, *, lab: bool = False, timeout: float = 180) -> str:
+        """Run a cell; return its stdout. ``lab``: with JupyterLab's request metadata, which
+        makes %ckpt_bench show the live lab."""
+        kc = self.kc
+        content = {"code": code, "silent": False, "store_history": True,
+                   "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}
+        msg = kc.session.msg("execute_request", content,
+                             metadata={"recordTiming": False} if lab else {})
+        kc.shell_channel.send(msg)
+        reply = kc.get_shell_msg(timeout=timeout)
+        while reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+            reply = kc.get_shell_msg(timeout=timeout)
+        out: list[str] = []
+        while True:  # iopub: everything the cell printed, up to its idle status
+            message = kc.get_iopub_msg(timeout=timeout)
+            if message["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+                continue
+            body = message["content"]
+            if message["msg_type"] == "stream" and body["name"] == "stdout":
+                out.append(body["text"])
+            if message["msg_type"] == "status" and body["execution_state"] == "idle":
+                break
+        assert reply["content"]["status"] == "ok", (reply["content"], "".join(out))
+        return "".join(out)
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture
+def kernel(tmp_path: Path) -> Iterator[_RealKernel]:
+    started = _RealKernel(tmp_path, {"OMP_NUM_THREADS": "1", "NBCKPT_DIR": str(tmp_path / "k")})
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+LAB_CELL = """\
+from nbckpt.notebook import Lab
+lab = Lab(directory={directory!r}, preset="synthetic", size_mb=2.0, strategies=["nbckpt-async"],
+          steps={steps}, every=5, repeats=1)
+lab.run()
+lab
+"""
+
+
+def test_rerunning_the_lab_cell_mid_run_stops_the_old_run_in_a_real_kernel(
+    kernel: _RealKernel, tmp_path: Path
+) -> None:
+    """The same cell twice in one kernel: the first lab's run is stopped (its directory's lock
+    released), and the second lab runs in that directory without a lock error."""
+    directory = str(tmp_path / "lab")
+    assert kernel.run(LAB_CELL.format(directory=directory, steps=100_000)) == ""
+    kernel.run("import time\nfirst = lab\n"
+               "while first.running and first.progress.value < 12:\n    time.sleep(0.01)\n"
+               "assert first.running, first.error")  # past its first save: the lock is held
+    out = kernel.run(LAB_CELL.format(directory=directory, steps=12))
+    assert out == "nbckpt: stopped the previous lab's run (its saves in flight committed) and " \
+                  "closed it\n"
+    checks = kernel.run(
+        "lab.wait()\n"
+        "print(first.closed, first.running, first.stopped, lab is not first)\n"
+        "print(lab.error)\n"
+        "print(int(lab.comparison.results.set_index('strategy').loc['nbckpt-async', 'checkpoints']))"
+    )
+    assert checks.splitlines() == ["True False True True", "None", "2"]
+
+
+def test_rerunning_ckpt_bench_stops_the_previous_run_in_a_real_kernel(
+    kernel: _RealKernel, tmp_path: Path
+) -> None:
+    bench = (f"%ckpt_bench --dir {tmp_path / 'b'} --size-mb 2 --strategies nbckpt-async "
+             "--every 5 --repeats 1 --steps {steps}")
+    kernel.run("%load_ext nbckpt")
+    assert kernel.run(bench.format(steps=100_000), lab=True) == ""
+    kernel.run(
+        "import time\nfirst = get_ipython().magics_manager.registry['CheckpointMagics'].lab\n"
+        "while first.running and first.progress.value < 12:\n    time.sleep(0.01)\n"
+        "assert first.running, first.error"
+    )
+    out = kernel.run(bench.format(steps=12), lab=True)
+    assert "nbckpt: stopped the previous lab's run" in out
+    checks = kernel.run(
+        "lab = get_ipython().magics_manager.registry['CheckpointMagics'].lab\n"
+        "lab.wait()\nprint(first.closed, first.running, lab is not first, lab.error)"
+    )
+    assert checks.strip() == "True False True None"
+
+
+def test_extension_import_is_lazy() -> None:
+    """``import nbckpt`` must not import IPython (it is loaded by %load_ext only)."""
+    import subprocess
+
+    code = "import sys, nbckpt; print('IPython' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.stdout.strip() == "False"

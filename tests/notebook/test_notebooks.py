@@ -1,0 +1,146 @@
+"""Every tutorial notebook runs under papermill and writes results that hold; committed notebooks
+are clean (no outputs, a ``parameters`` cell first).
+
+The report notebook is run by tests/test_report.py; ``make test`` also runs every notebook with
+nbval (``pytest --nbval-lax notebooks``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import papermill
+import pytest
+from helpers import ROOT
+from papermill.exceptions import PapermillExecutionError
+
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
+TUTORIALS = [path for path in NOTEBOOKS if path.name != "report.ipynb"]
+
+# Smaller than the defaults where a notebook has the knob; unknown names are not passed.
+# run_now: the lab notebook runs its lab from Python (a batch run sees no widgets).
+SMALL = {"steps": 8, "every": 4, "kill_after": 4, "width": 256, "run_now": True}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels inherit this: with two test workers on two cores, torch's default of one OpenMP
+    thread per core oversubscribes the machine and a step can take ten times longer."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _parameters(path: Path) -> dict[str, Any]:
+    return dict(papermill.inspect_notebook(str(path)))
+
+
+def _execute(path: Path, tmp_path: Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
+    """Run ``path`` with papermill in its folder; return the JSON it wrote (or {}) and the output."""
+    declared = _parameters(path)
+    results = tmp_path / "results.json"
+    wanted = {**overrides, "results_path": str(results), "workdir": str(tmp_path / "work")}
+    params = {key: value for key, value in wanted.items() if key in declared}
+    executed = tmp_path / f"executed-{path.name}"
+    papermill.execute_notebook(
+        str(path), str(executed), parameters=params, kernel_name="python3",
+        cwd=str(path.parent), progress_bar=False, store_widget_state=False,
+    )
+    written = json.loads(results.read_text()) if results.exists() else {}
+    return written, executed
+
+
+def _check_quickstart(results: dict[str, Any]) -> None:
+    assert results["magic_restore_identical"] is True
+    assert results["api_identical"] is True
+    assert results["api_restored_step"] == results["steps"]
+    assert results["stall_ms_mean"] > 0
+
+
+def _check_fault_tolerance(results: dict[str, Any]) -> None:
+    assert results["bit_identical"] is True
+    assert results["leftovers"], "the kill left no half-written checkpoint to ignore"
+    # one save in flight at a time: the save before the killed one had committed
+    assert results["restored_step"] == results["killed_step"] - 1
+    assert results["restored_step"] in results["committed_before_restore"]
+    assert results["tensors_compared"] > 0
+
+
+def _check_lab(executed: Path) -> None:
+    nb = nbformat.read(str(executed), as_version=4)
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert "nbckpt-async" in printed and "Overhead:" in printed, printed[-2000:]
+
+
+def _check_distributed(results: dict[str, Any]) -> None:
+    assert results["world_size"] == 2
+    assert results["all_ranks_equal"] is True
+    assert results["restored_step"] == results["checkpoints"][-1]
+    assert results["ranks_in_timeline"] == [0, 1]
+
+
+CHECKS = {
+    "01_quickstart.ipynb": _check_quickstart,
+    "04_fault_tolerance.ipynb": _check_fault_tolerance,
+    "05_distributed.ipynb": _check_distributed,
+}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_notebook_is_clean(path: Path) -> None:
+    nb = nbformat.read(str(path), as_version=4)
+    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
+    with_outputs = [i for i, cell in enumerate(code_cells) if cell.outputs or cell.execution_count]
+    assert not with_outputs, f"{path.name}: code cells {with_outputs} carry outputs; strip them"
+    assert code_cells, f"{path.name} has no code"
+    assert "parameters" in code_cells[0].metadata.get("tags", []), (
+        f"{path.name}: the first code cell must be tagged 'parameters'"
+    )
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+    assert nb.cells[0].cell_type == "markdown", f"{path.name} starts without an introduction"
+    if path.name != "report.ipynb":
+        assert re.match(r"^\d\d_[a-z0-9_]+\.ipynb$", path.name), f"{path.name} is not numbered"
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
+def test_notebook_runs_with_small_parameters(path: Path, tmp_path: Path) -> None:
+    results, executed = _execute(path, tmp_path, SMALL)
+    nb = nbformat.read(str(executed), as_version=4)
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    if "results_path" in _parameters(path):
+        assert results, f"{path.name} declares results_path but wrote nothing there"
+    check = CHECKS.get(path.name)
+    if check is not None:
+        check(results)
+    if path.name == "06_lab.ipynb":
+        _check_lab(executed)
+    work = tmp_path / "work"
+    if work.is_dir():  # the notebooks clean up after themselves unless told to keep files
+        assert not [p for p in work.iterdir() if p.name.startswith("run-")]
+
+
+def test_overridden_parameters_change_the_run(tmp_path: Path) -> None:
+    path = NOTEBOOK_DIR / "04_fault_tolerance.ipynb"
+    results, _ = _execute(path, tmp_path, {"steps": 9, "kill_after": 6, "width": 192})
+    assert results["steps"] == 9
+    assert results["killed_step"] >= 6
+    _check_fault_tolerance(results)
+
+
+def test_bad_parameter_fails_with_a_readable_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    path = NOTEBOOK_DIR / "04_fault_tolerance.ipynb"
+    with pytest.raises(PapermillExecutionError) as caught:
+        papermill.execute_notebook(
+            str(path), str(tmp_path / "out.ipynb"), kernel_name="python3", cwd=str(path.parent),
+            parameters={"workdir": str(blocker / "sub")}, progress_bar=False,
+        )
+    assert caught.value.ename == "ConfigError"
+    assert caught.value.evalue.startswith("workdir ") and "is not writable" in caught.value.evalue
+    assert str(blocker / "sub") in caught.value.evalue
+    assert "\n" not in caught.value.evalue.strip()

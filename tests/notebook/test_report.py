@@ -1,0 +1,132 @@
+"""nbckpt.report: the report notebook runs under papermill and renders to offline HTML."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from nbckpt import ConfigError, NbckptError
+from nbckpt.notebook._report import EXTERNAL_LOAD, export_html, parse_value, run_report
+
+# The smallest run that still has every section: a baseline, a sync and an async strategy.
+SMALL = {
+    "preset": "tiny",
+    "strategies": "none,torch-save,nbckpt-async",
+    "steps": 4,
+    "every": 2,
+    "probe_mb": 4,
+    "probe_streams": "1,2",
+    "title": "test report",
+    "torch_threads": 1,
+    "repeats": 2,
+}
+
+
+
+def test_report_renders_offline_html_and_results(tmp_path: Path) -> None:
+    """One run of the report (the slow part), checked three ways."""
+    report = run_report("small", tmp_path / "out", {**SMALL, "target": str(tmp_path / "ckpt")})
+    _check_html_content(report)
+    _check_offline(report)
+    _check_results_json(report)
+
+
+def _check_html_content(report: Path) -> None:
+    html = report.read_text()
+    assert report.name == "small.html"
+    # probe, overhead, timeline, throughput, stall, interval advice, projection
+    assert html.count('class="plotly-graph-div"') >= 7
+    assert "window.Plotly = Plotly" in html  # plotly.js itself is inline
+    assert re.search(r'<table[^>]*class="[^"]*nbckpt-results', html)
+    for strategy in ("torch-save", "nbckpt-async"):
+        assert f"<td>{strategy}</td>" in html
+    assert "overhead_95ci" in html and "how much longer the training loop took" in html
+    assert "stalled the training loop" in html
+    assert "Assuming a job of 1,024 GPUs" in html  # the advisor's assumptions, named
+    assert "10x or more" not in html and "cannot go faster" not in html
+    assert "<title>test report</title>" in html
+    assert "def as_list" not in html  # code is left out
+
+
+def _check_offline(report: Path) -> None:
+    html = report.read_text()
+    assert not EXTERNAL_LOAD.search(html), EXTERNAL_LOAD.search(html)
+    assert not re.search(r'src="https?://', html)
+    # plotly.js mentions cdn.plot.ly inside its own source (a map-data default), never as a load
+    assert not re.search(r'<script[^>]+cdn\.plot\.ly', html)
+    assert "mathjax" not in " ".join(re.findall(r"<script[^>]*>", html)).lower()
+
+
+def _check_results_json(report: Path) -> None:
+    results = json.loads((report.parent / "results.json").read_text())
+    assert results["schema"] == "nbckpt.report/2"
+    measured = {row["strategy"]: row for row in results["comparison"]["results"]}
+    assert set(measured) == {"none", "torch-save", "nbckpt-async"}
+    assert measured["nbckpt-async"]["checkpoints"] == 2  # per run, in each of the repeats
+    assert measured["nbckpt-async"]["repeats"] == results["parameters"]["repeats"] == 2
+    assert len(measured["nbckpt-async"]["overhead_ci_pct"]) == 2
+    assert results["comparison"]["schema"] == "nbckpt.bench/2" and "load" in results["comparison"]
+    assert results["comparison"]["floors"]["copy_s"] > 0
+    assert results["storage"]["runs"] and results["advice"]
+    assert results["assumptions"]["gpus"] == 1024
+    assert any(line.startswith("nbckpt-async stalled the training loop") for line in results["conclusions"])
+    # the conclusions quote the measured stall
+    stall_ms = measured["nbckpt-async"]["stall_mean_s"] * 1e3
+    assert any(f"{stall_ms:.1f} ms" in line for line in results["conclusions"])
+    assert results["parameters"]["steps"] == 4
+    assert not (report.parent / "results.json.partial").exists()
+
+
+def test_parse_value() -> None:
+    assert parse_value("12") == 12
+    assert parse_value("0.5") == 0.5
+    assert parse_value("true") is True
+    assert parse_value("null") is None
+    assert parse_value("none,nbckpt-async") == "none,nbckpt-async"
+    assert parse_value("/mnt/fb") == "/mnt/fb"
+
+
+def test_unknown_parameter_is_refused_before_running(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown report parameter.*stepz"):
+        run_report("x", tmp_path, {"stepz": 3})
+    assert not list(tmp_path.iterdir())
+
+
+def test_bad_name_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="plain file name"):
+        run_report("../x", tmp_path)
+
+
+def test_export_refuses_html_that_would_load_from_a_cdn(tmp_path: Path) -> None:
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("x")
+    cell.outputs = [nbformat.v4.new_output(
+        "display_data", data={"text/html": '<script src="https://cdn.example.com/x.js"></script>'}
+    )]
+    nb.cells = [cell]
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nb, str(path))
+    with pytest.raises(NbckptError, match="would load from the network"):
+        export_html(path)
+
+
+def test_cli_failing_notebook_gives_one_line_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    done = subprocess.run(
+        [sys.executable, "-m", "nbckpt", "report", "--name", "bad", "--output-dir",
+         str(tmp_path / "out"), "-p", "target", str(blocker / "ckpt"), "-p", "steps", "2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("nbckpt report: error: report.ipynb failed in cell")
+    assert str(blocker / "ckpt") in last
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "out" / "bad.html").exists()
