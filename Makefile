@@ -42,7 +42,7 @@ lab: $(STAMP)
 	$(BIN)/jupyter lab --ServerApp.root_dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check nbckpt tests benchmarks scripts
+	$(BIN)/ruff check nbckpt tests benchmarks scripts examples
 	$(BIN)/mypy
 
 # Two pytest workers share the two cores: one torch thread each, since OpenMP threads that

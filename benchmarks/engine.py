@@ -30,9 +30,10 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -184,12 +185,24 @@ def halves(views: list[memoryview]) -> list[list[memoryview]]:
     return groups
 
 
-def parallel(jobs: list[Callable[[], None]]) -> None:
+def parallel(jobs: Sequence[Callable[[], object]]) -> None:
     threads = [threading.Thread(target=job) for job in jobs]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+def copy_in_halves(target: dict[str, torch.Tensor], source: dict[str, torch.Tensor], pin: bool) -> None:
+    """Copy every tensor into its preallocated twin, half the keys on each of two threads."""
+
+    def copy(keys: list[str]) -> None:
+        for key in keys:
+            target[key].copy_(source[key], non_blocking=pin)
+
+    keys = list(source)
+    parallel([partial(copy, keys[i::2]) for i in range(2)])
+    synchronize(source)
 
 
 def write_files(directory: Path, groups: list[list[memoryview]], *, hash_pieces: bool = False) -> None:
@@ -210,7 +223,7 @@ def write_files(directory: Path, groups: list[list[memoryview]], *, hash_pieces:
         finally:
             os.close(fd)
 
-    parallel([lambda i=i, g=g: write(i, g) for i, g in enumerate(groups)])
+    parallel([partial(write, i, g) for i, g in enumerate(groups)])
     for index in range(len(groups)):
         (directory / f".floor-{index}.bin").unlink()
 
@@ -239,7 +252,7 @@ def read_files(paths: list[Path]) -> None:
         finally:
             os.close(fd)
 
-    parallel([lambda p=p: read(p) for p in paths])
+    parallel([partial(read, p) for p in paths])
 
 
 def torch_save_fsync(state: Any, path: Path) -> None:
@@ -290,14 +303,7 @@ def bench_persist(directory: Path, state: dict[str, torch.Tensor], repeats: int)
                 write_files(directory, halves(views))
             table.add("raw write (2 streams)", sample[-1])
             with measured(sample):
-                keys = list(state)
-                parallel(
-                    [
-                        lambda part=keys[i::2]: [staging[k].copy_(state[k], non_blocking=pin) for k in part]
-                        for i in range(2)
-                    ]
-                )
-                synchronize(state)
+                copy_in_halves(staging, state, pin)
                 write_files(directory, staging_views, hash_pieces=True)
             table.add("least pipeline (copy+xxh3+write)", sample[-1])
             with measured(sample):
@@ -478,7 +484,7 @@ def bench_writer_process(directory: Path, nbytes: int, repeats: int) -> Table:
             write_image(LocalSink(str(path)), images[index].numpy().data.cast("B"), fsync=True)
             path.unlink()
 
-        parallel([lambda i=i: one(i) for i in range(2)])
+        parallel([partial(one, i) for i in range(2)])
 
     def write_process() -> None:
         here.send(True)
@@ -487,7 +493,12 @@ def bench_writer_process(directory: Path, nbytes: int, repeats: int) -> Table:
     def train_during(write: Callable[[], None]) -> tuple[Sample, float]:
         """Train on this (the main) thread while ``write`` runs in the background, as in a run."""
         done = threading.Event()
-        writer = threading.Thread(target=lambda: (write(), done.set()))
+
+        def write_then_stop() -> None:
+            write()
+            done.set()
+
+        writer = threading.Thread(target=write_then_stop)
         sample: list[Sample] = []
         with measured(sample):
             writer.start()
@@ -638,14 +649,7 @@ def bench_copy_floor(state: dict[str, torch.Tensor], repeats: int) -> Table:
     for _ in range(repeats + 1):
         sample: list[Sample] = []
         with measured(sample):
-            keys = list(state)
-            parallel(
-                [
-                    lambda part=keys[i::2]: [target[k].copy_(state[k], non_blocking=pin) for k in part]
-                    for i in range(2)
-                ]
-            )
-            synchronize(state)
+            copy_in_halves(target, state, pin)
         table.add("copy into reused host memory", sample[-1])
     return table
 

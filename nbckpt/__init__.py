@@ -9,13 +9,19 @@ Hugging Face) and ``nbckpt.cli``. See docs/architecture.md.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ._errors import CheckpointError, ConfigError, NbckptError
 from ._util import run_directory
+from ._version import __version__
 from .engine import CheckpointConfig, Checkpointer, Event, SaveHandle, SaveRecord, Timeline, close_all
 
-__version__ = "0.1.0"
+
+# Background events (a failed delete, a final save on SIGTERM) go to this logger. A library
+# leaves the choice of where they go to the application: without a handler of the
+# application's own they stay quiet (``%load_ext nbckpt`` shows them in the notebook).
+logging.getLogger("nbckpt").addHandler(logging.NullHandler())
 
 __all__ = [
     "CheckpointConfig",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 
+__all__ = ["CheckpointError", "ConfigError", "NbckptError", "describe_error"]
+
 
 class NbckptError(Exception):
     """Base class of every error nbckpt raises on purpose."""

@@ -1,11 +1,14 @@
 """The nbckpt command line: one parser for every subcommand, each a thin face over the Python API.
 
-    nbckpt bench --dir data/checkpoints/bench --preset tiny --json out.json
-    nbckpt probe /mnt/flashblade
-    nbckpt report --name report
-    nbckpt export data/checkpoints/run1/step-000100 model.pt
-    nbckpt --version
-    python -m nbckpt --help
+nbckpt bench --dir data/checkpoints/bench --preset tiny --json out.json
+nbckpt probe /mnt/flashblade
+nbckpt report --name report
+nbckpt export data/checkpoints/run1/step-000100 model.pt
+nbckpt ls data/checkpoints/run1
+nbckpt show data/checkpoints/run1 100
+nbckpt verify data/checkpoints/run1
+nbckpt --version
+python -m nbckpt --help
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from . import bench
-from ._errors import ConfigError, NbckptError
+from ._errors import CheckpointError, ConfigError, NbckptError
+from ._util import format_bytes
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -39,22 +45,47 @@ def _stderr_line(line: str) -> None:
 def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``nbckpt probe``."""
     parser.add_argument("target", help="directory (local, NFS, tmpfs...) or s3://bucket/prefix")
-    parser.add_argument("--size-mb", type=float, default=bench.PROBE_SIZE_MB,
-                        help="MiB written and read per stream count (default %(default)s)")
-    parser.add_argument("--streams", default=",".join(map(str, bench.PROBE_STREAMS)),
-                        help="parallel stream counts, comma separated (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=bench.PROBE_REPEATS,
-                        help="rounds per stream count; the fastest counts (default %(default)s)")
-    parser.add_argument("--checkpoint-gb", type=float, default=None,
-                        help="checkpoint size in GB, for free-space and persist-time advice "
-                        "(default: none, that advice is left out)")
-    parser.add_argument("--endpoint-url", default=None,
-                        help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS's own)")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra fsspec storage option, repeatable (VALUE parsed as JSON if it "
-                        "can be; default: none)")
-    parser.add_argument("--json", dest="json_out", default=None, metavar="OUT",
-                        help="also write the full result as JSON to OUT (default: no file)")
+    parser.add_argument(
+        "--size-mb",
+        type=float,
+        default=bench.PROBE_SIZE_MB,
+        help="MiB written and read per stream count (default %(default)s)",
+    )
+    parser.add_argument(
+        "--streams",
+        default=",".join(map(str, bench.PROBE_STREAMS)),
+        help="parallel stream counts, comma separated (default %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=bench.PROBE_REPEATS,
+        help="rounds per stream count; the fastest counts (default %(default)s)",
+    )
+    parser.add_argument(
+        "--checkpoint-gb",
+        type=float,
+        default=None,
+        help="checkpoint size in GB, for free-space and persist-time advice "
+        "(default: none, that advice is left out)",
+    )
+    parser.add_argument(
+        "--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS's own)"
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra fsspec storage option, repeatable (VALUE parsed as JSON if it can be; default: none)",
+    )
+    parser.add_argument(
+        "--json",
+        dest="json_out",
+        default=None,
+        metavar="OUT",
+        help="also write the full result as JSON to OUT (default: no file)",
+    )
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,8 +110,14 @@ def _probe(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"--streams wants comma separated integers, not {args.streams!r}") from exc
     checkpoint = int(args.checkpoint_gb * 1e9) if args.checkpoint_gb is not None else None
-    result = bench.probe(args.target, size_mb=args.size_mb, streams=streams, repeats=args.repeats,
-                   storage_options=_storage_options(args), checkpoint_bytes=checkpoint)
+    result = bench.probe(
+        args.target,
+        size_mb=args.size_mb,
+        streams=streams,
+        repeats=args.repeats,
+        storage_options=_storage_options(args),
+        checkpoint_bytes=checkpoint,
+    )
     if args.json_out:  # before printing: a closed stdout must not lose the measurement
         result.to_json(args.json_out)
     print(result.summary())
@@ -91,10 +128,14 @@ def _probe(args: argparse.Namespace) -> int:
 
 def _report_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``nbckpt report``."""
-    parser.add_argument("--name", default="report",
-                        help="file name of the report, without .html (default: %(default)s)")
-    parser.add_argument("--output-dir", default="reports",
-                        help="folder for NAME.html, NAME.ipynb and results.json (default: %(default)s)")
+    parser.add_argument(
+        "--name", default="report", help="file name of the report, without .html (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="reports",
+        help="folder for NAME.html, NAME.ipynb and results.json (default: %(default)s)",
+    )
     parser.add_argument(
         "-p",
         "--parameter",
@@ -106,8 +147,9 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
         "-p preset small -p repeats 3; the names and their defaults are the first cell of "
         "notebooks/report.ipynb (default: the notebook's own)",
     )
-    parser.add_argument("--notebook", default=None,
-                        help="another report notebook to run (default: notebooks/report.ipynb)")
+    parser.add_argument(
+        "--notebook", default=None, help="another report notebook to run (default: notebooks/report.ipynb)"
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -115,11 +157,125 @@ def _report(args: argparse.Namespace) -> int:
     from .notebook import RESULTS_FILE, parse_value, run_report
 
     parameters = {key: parse_value(value) for key, value in args.parameter}
-    html = run_report(
-        args.name, args.output_dir, parameters, notebook=args.notebook, progress=True
-    )
+    html = run_report(args.name, args.output_dir, parameters, notebook=args.notebook, progress=True)
     print(f"results: {html.parent / RESULTS_FILE}")
     return 0
+
+
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="a step directory (run1/step-000120) or a pointer file nbckpt wrote")
+    parser.add_argument("out", help="the file to write: one torch.load-able dict, values included")
+    parser.add_argument(
+        "--map-location", default=None, help="device for the tensors in the file (default: cpu)"
+    )
+
+
+def _export(args: argparse.Namespace) -> int:
+    """``nbckpt export``: one ``torch.load``-able file from a checkpoint, verified on the way."""
+    from .integrations import export
+
+    print(f"wrote {export(args.source, args.out, map_location=args.map_location)}")
+    return 0
+
+
+def _directory_arguments(parser: argparse.ArgumentParser, step: str) -> None:
+    parser.add_argument("directory", help="a run directory (local, NFS) or s3:// URL")
+    if step == "one":
+        parser.add_argument("step", type=int, help="the step to show")
+    elif step == "some":
+        parser.add_argument(
+            "step",
+            type=int,
+            nargs="?",
+            default=None,
+            help="the step to verify (default: every committed step)",
+        )
+    parser.add_argument(
+        "--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS's own)"
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option for s3:// URLs, repeatable (default: none)",
+    )
+
+
+def _reader(args: argparse.Namespace) -> Any:
+    from .engine import Checkpointer
+
+    # read-only: no lock, nothing written, so a run may be saving into the directory meanwhile
+    return Checkpointer(args.directory, read_only=True, storage_options=_storage_options(args))
+
+
+def _ls(args: argparse.Namespace) -> int:
+    """``nbckpt ls``: every committed step, when it was written, its size and where it came from."""
+    with _reader(args) as ckpt:
+        steps = ckpt.steps()
+        if not steps:
+            print(f"no committed checkpoint in {ckpt.store.url}")
+            return 0
+        print(f"{'step':>10}  {'written (UTC)':19}  {'size':>9}  {'tensors':>7}  program")
+        for step in steps:
+            manifest = ckpt.manifest(step)
+            origin = manifest.get("provenance", {})
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(manifest["unix_time"]))
+            print(
+                f"{step:>10}  {when}  {format_bytes(manifest['bytes']):>9}  {len(manifest['items']):>7}  "
+                f"{origin.get('program', '')}"
+            )
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    """``nbckpt show``: one step: provenance, files, and every value saved beside the tensors."""
+    with _reader(args) as ckpt:
+        manifest = ckpt.manifest(args.step)
+        values = ckpt.load(args.step, map_location="meta")  # no tensor data is read
+    print(
+        json.dumps(
+            {
+                "step": manifest["step"],
+                "time": manifest["time"],
+                "bytes": manifest["bytes"],
+                "world_size": manifest["world_size"],
+                "provenance": manifest.get("provenance", {}),
+                "files": {name: meta["size"] for name, meta in manifest["files"].items()},
+                "state": _describe(values),
+            },
+            indent=1,
+            default=str,
+        )
+    )
+    return 0
+
+
+def _describe(value: Any) -> Any:
+    """Values as saved; tensors as their dtype and shape (they were loaded on ``meta``)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    if isinstance(value, dict):
+        return {str(key): _describe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_describe(item) for item in value]
+    return value
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """``nbckpt verify``: check every block of every file of one step, or of all; exit 1 on damage."""
+    bad = 0
+    with _reader(args) as ckpt:
+        for step in [args.step] if args.step is not None else ckpt.steps():
+            try:
+                ckpt.verify(step)
+                print(f"step {step}: ok")
+            except CheckpointError as exc:
+                bad += 1
+                print(f"step {step}: {exc}")
+    return 1 if bad else 0
 
 
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -128,11 +284,23 @@ COMMANDS: dict[str, Command] = {
     "bench": ("run sync and async checkpoint strategies side by side", bench.add_bench_arguments, _bench),
     "probe": ("measure what a storage path or s3:// URL can do", _probe_arguments, _probe),
     "report": ("run the report notebook and render offline HTML", _report_arguments, _report),
+    "export": ("write a checkpoint as one torch.load-able file", _export_arguments, _export),
+    "ls": ("list the committed steps of a run directory", partial(_directory_arguments, step="none"), _ls),
+    "show": (
+        "show one step: provenance, files, saved values",
+        partial(_directory_arguments, step="one"),
+        _show,
+    ),
+    "verify": (
+        "check every block of a run's checkpoints",
+        partial(_directory_arguments, step="some"),
+        _verify,
+    ),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from ._version import __version__
 
     parser = argparse.ArgumentParser(
         prog="nbckpt",

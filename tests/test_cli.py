@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,3 +125,34 @@ def test_json_into_a_missing_directory_is_refused(
     assert code == 2
     assert "does not exist or is not writable" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ls_show_verify_and_export_read_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from nbckpt import Checkpointer
+
+    model = torch.nn.Linear(4, 3)
+    with Checkpointer(tmp_path / "run") as ckpt:  # still open: the readers take no lock
+        for step in (10, 20):
+            ckpt.save({"model": model, "args": {"lr": 0.1}, "step": step}, step=step).wait()
+        assert cli.main(["ls", str(tmp_path / "run")]) == 0
+        listing = capsys.readouterr().out.splitlines()
+        assert [line.split()[0] for line in listing[1:]] == ["10", "20"]
+        assert cli.main(["show", str(tmp_path / "run"), "20"]) == 0
+        shown = json.loads(capsys.readouterr().out)
+        assert shown["step"] == 20 and shown["state"]["args"] == {"lr": 0.1}
+        assert shown["state"]["model"]["weight"] == "tensor float32 [3, 4]"
+        assert shown["provenance"]["torch"] == torch.__version__
+        assert cli.main(["verify", str(tmp_path / "run")]) == 0
+        assert capsys.readouterr().out.splitlines() == ["step 10: ok", "step 20: ok"]
+        out = tmp_path / "model.pt"
+        assert cli.main(["export", str(tmp_path / "run" / "step-000020"), str(out)]) == 0
+        plain = torch.load(out, weights_only=True)
+        assert torch.equal(plain["model"]["weight"], model.weight) and plain["args"] == {"lr": 0.1}
+    data = next((tmp_path / "run" / "step-000010").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert cli.main(["verify", str(tmp_path / "run")]) == 1
+    assert "step 10: step-000010/__0_0.distcp is corrupt" in capsys.readouterr().out

@@ -25,7 +25,8 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from ._config import CheckpointConfig, Mode
 from ._handles import SaveHandle, SaveRecord
-from ._ranks import join
+from ._mirror import Mirror
+from ._ranks import Group, join
 from ._restorer import Restorer, check_step
 from ._saver import Saver
 from ._store import Store, open_store
@@ -81,11 +82,37 @@ class Checkpointer:
         nonce, committed = ranks.caller.from_rank0(("open",), self._open_store)
         self._io = Pool(self.config.writer_threads, "nbckpt-io")
         self._saver = Saver(self.config, self.store, ranks, self.timeline, self._io, nonce, committed)
-        self._restorer = Restorer(self.store, self._io, ranks.caller, self.timeline)
+        try:
+            self._mirror = self._open_mirror(ranks.caller, nonce)
+        except BaseException:
+            # The directory is locked and threads run: a failed construction must give both back.
+            _release(self.store, self._saver, self._io, True)
+            raise
+        stores = [self.store] if self._mirror is None else [self.store, self._mirror.store]
+        self._restorer = Restorer(stores, self._io, ranks.caller, self.timeline)
         _OPEN.add(self)
         atexit.register(_close_at_exit, weakref.ref(self))
         # A Checkpointer dropped without close() (a notebook cell run again) frees the directory.
-        weakref.finalize(self, _release, self.store, self._saver, self._io, False).atexit = False
+        weakref.finalize(
+            self, _release, self.store, self._saver, self._io, False, self._mirror
+        ).atexit = False
+
+    def _open_mirror(self, group: Group, nonce: str) -> Mirror | None:
+        if self.config.mirror is None:
+            return None
+        store = open_store(self.config.mirror, self.config.mirror_options)
+        if not self.config.read_only:
+
+            def prepare() -> None:
+                store.prepare()
+                store.recover()  # uploads cut short never count; their remains go
+
+            group.from_rank0(("open mirror",), prepare)
+        mirror = Mirror(store, keep=self.config.keep, timeline=self.timeline, nonce=nonce)
+        if self.rank == 0 and not self.config.read_only:
+            self._saver.after_commit = partial(mirror.upload, self.store)
+            self._saver.protected = lambda: mirror.pending
+        return mirror
 
     def _open_store(self) -> tuple[str, set[int]]:
         if self.config.read_only:
@@ -153,9 +180,17 @@ class Checkpointer:
         self._saver.wait_staged()
 
     def wait(self) -> list[SaveRecord]:
-        """Block until every save in flight has committed; raise the first background error."""
+        """Block until every save in flight has committed (and reached the mirror, if there is one);
+        raise the first background error. A failed upload is a warning: the step is committed."""
         with self._operation():
-            return self._saver.wait()
+            records = self._saver.wait()
+            self._wait_mirror()
+            return records
+
+    def _wait_mirror(self) -> None:
+        if self._mirror is not None:
+            for failure in self._mirror.wait():
+                warnings.warn(f"nbckpt: {failure}", stacklevel=4)  # the caller of wait/close
 
     @property
     def records(self) -> list[SaveRecord]:
@@ -313,10 +348,11 @@ class Checkpointer:
                 return
             try:
                 self._saver.wait()
+                self._wait_mirror()
             finally:
                 self._closed = True
                 _OPEN.discard(self)
-                _release(self.store, self._saver, self._io, True)
+                _release(self.store, self._saver, self._io, True, self._mirror)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -381,11 +417,13 @@ def _save_for(ckpt: Checkpointer, state: Mapping[str, Any], step: int, outcome: 
         outcome.append(f"failed: {exc}")
 
 
-def _release(store: Store, saver: Saver, io: Pool, wait: bool) -> None:
+def _release(store: Store, saver: Saver, io: Pool, wait: bool, mirror: Mirror | None = None) -> None:
     """Stop the threads and free the directory; ``wait`` for the threads to end (not from a
     finalizer, which may run on one of them)."""
     saver.stop(wait)
     io.stop(wait)
+    if mirror is not None:
+        mirror.stop(wait)
     store.unlock()
 
 

@@ -50,6 +50,12 @@ class CheckpointConfig:
     from rank 0 only need; ``"auto"``: ``"all"`` under an initialized group of several ranks."""
     timeout_s: float = 600.0
     """Longest wait for the other ranks in one collective before the operation fails."""
+    mirror: str | None = None
+    """A second place every committed step is uploaded to in the background (``s3://...`` or
+    a directory), with its own commit there; restore falls back to it when the directory has
+    no intact checkpoint. Uploads never delay a save; ``wait`` and ``close`` wait for them."""
+    mirror_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for the mirror (``endpoint_url``, ``key``, ``secret``, ...)."""
     read_only: bool = False
     """Open only to read (restore, load, verify, list): no lock, no clean-up, nothing written,
     so another process may be saving into the directory meanwhile."""
@@ -66,6 +72,10 @@ class CheckpointConfig:
                 raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if not isinstance(self.storage_options, dict):
             raise ConfigError(f"storage_options must be a dict, not {type(self.storage_options).__name__}")
+        if self.mirror is not None and (not isinstance(self.mirror, str) or not self.mirror.strip()):
+            raise ConfigError(f"mirror must be a directory or URL, not {self.mirror!r}")
+        if not isinstance(self.mirror_options, dict):
+            raise ConfigError(f"mirror_options must be a dict, not {type(self.mirror_options).__name__}")
         if self.ranks not in ("auto", "all", "local"):
             raise ConfigError(f"ranks must be 'auto', 'all' or 'local', not {self.ranks!r}")
         timeout = self.timeout_s

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 
+__all__ = ["hit"]
+
 _POINT = os.environ.get("NBCKPT_CRASH_AT", "")
 
 

@@ -43,7 +43,7 @@ def _program() -> str:
 
 def provenance() -> dict[str, Any]:
     """The record written into every manifest of a Checkpointer."""
-    from .. import __version__
+    from .._version import __version__
 
     record: dict[str, Any] = {
         "nbckpt": __version__,

@@ -7,7 +7,8 @@ checked, so a restore that fails leaves the caller's state exactly as it was.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -23,7 +24,7 @@ from ._store import Store
 from ._torch_compat import STORAGE_INFO_GLOBAL
 from ._workers import Pool, run_all
 
-__all__ = ["byte_view", "check_dcp_metadata", "read_tensors", "verify_files"]
+__all__ = ["byte_view", "check_dcp_metadata", "damage_named", "read_metadata", "read_tensors", "verify_files"]
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -47,21 +48,30 @@ def _read_file(
 ) -> float:
     meta = manifest.files[name]
     label = _label(location, name)
-    try:
+    with damage_named(label):
         source = store.source(location, name, meta["size"])
+    source.name = label
+    try:
+        with damage_named(label):
+            return read_into(source, wanted, meta["blocks"] if verify else None, whole=whole)
+    finally:
+        source.close()
+
+
+@contextmanager
+def damage_named(label: str) -> Iterator[None]:
+    """Reading ``label`` (``step-NNNNNN/file``) failing is a damaged checkpoint, named in one line:
+    a bad sector or a lost server is a CheckpointError (restore falls back), not a crash."""
+    try:
+        yield
     except FileNotFoundError:
         raise CheckpointError(f"{label} is missing") from None
     except OSError as exc:
         raise CheckpointError(f"{label} is unreadable ({describe_error(exc)})") from exc
     except CheckpointError as exc:
+        if str(exc).startswith(label):
+            raise
         raise CheckpointError(f"{label.rsplit('/', 1)[0]}/{exc}") from None
-    source.name = label
-    try:
-        return read_into(source, wanted, meta["blocks"] if verify else None, whole=whole)
-    except OSError as exc:  # a bad sector, a lost server: a bad checkpoint, not a crash
-        raise CheckpointError(f"{label} is unreadable ({describe_error(exc)})") from exc
-    finally:
-        source.close()
 
 
 def read_tensors(

@@ -20,7 +20,7 @@ from . import _rng
 from ._layout import METADATA_FILE
 from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from ._ranks import Group
-from ._reader import check_dcp_metadata, read_metadata, read_tensors, verify_files
+from ._reader import check_dcp_metadata, damage_named, read_metadata, read_tensors, verify_files
 from ._state import align, apply, check_template, decode, node_tensors, tree_specs
 from ._store import MANIFEST, Store, step_name
 from ._timeline import Timeline, now_ns
@@ -36,40 +36,43 @@ def check_step(step: Any) -> int:
 
 
 class Restorer:
-    """Reads checkpoints of one store for one rank (``group`` agrees every step with the others)."""
+    """Reads the checkpoints of a run for one rank (``group`` agrees every step with the others).
 
-    def __init__(self, store: Store, io: Pool, group: Group, timeline: Timeline) -> None:
-        self.store, self.io, self.group, self.timeline = store, io, group, timeline
+    ``stores`` are where the run's checkpoints may be, in the order they are preferred: the
+    directory, then its mirror. A step found in both is read from the first, and from the
+    mirror only when the first copy turns out damaged.
+    """
+
+    def __init__(self, stores: list[Store], io: Pool, group: Group, timeline: Timeline) -> None:
+        self.stores, self.io, self.group, self.timeline = stores, io, group, timeline
+        self.store = stores[0]
         self.rank = group.rank
 
-    def location(self, step: int) -> str:
-        committed = self.store.committed()
-        if step not in committed:
-            have = ", ".join(map(str, committed)) or "none"
-            raise CheckpointError(
-                f"no committed checkpoint for step {step} in {self.store.url} (steps: {have})"
-            )
-        return committed[step]
+    def find(self, step: int) -> tuple[Store, str]:
+        """The store and location of committed ``step`` (the first store that has it)."""
+        for store in self.stores:
+            committed = store.committed()
+            if step in committed:
+                return store, committed[step]
+        have = ", ".join(map(str, self.store.committed())) or "none"
+        raise CheckpointError(f"no committed checkpoint for step {step} in {self.store.url} (steps: {have})")
 
-    def manifest(self, step: int, location: str) -> Manifest:
+    def location(self, step: int) -> str:
+        return self.find(step)[1]
+
+    def manifest(self, step: int, location: str, store: Store | None = None) -> Manifest:
         where = f"{step_name(step)}/{MANIFEST}"
-        try:
-            data = self.store.read_small(location, MANIFEST, MAX_MANIFEST_BYTES)
-        except FileNotFoundError:
-            raise CheckpointError(f"{where} is missing") from None
-        except OSError as exc:
-            raise CheckpointError(f"{where} is unreadable ({describe_error(exc)})") from exc
-        except CheckpointError as exc:
-            raise CheckpointError(f"{step_name(step)}/{exc}") from None
+        with damage_named(where):
+            data = (store or self.store).read_small(location, MANIFEST, MAX_MANIFEST_BYTES)
         return parse(data, step, where)
 
     def verify(self, step: int) -> dict[str, Any]:
-        location = self.location(step)
-        manifest = self.manifest(step, location)
+        store, location = self.find(step)
+        manifest = self.manifest(step, location, store)
         check_dcp_metadata(
-            read_metadata(self.store, location, manifest), manifest, f"{step_name(step)}/{METADATA_FILE}"
+            read_metadata(store, location, manifest), manifest, f"{step_name(step)}/{METADATA_FILE}"
         )
-        verify_files(self.store, self.io, location, manifest)
+        verify_files(store, self.io, location, manifest)
         return manifest.body
 
     def restore(
@@ -82,24 +85,26 @@ class Restorer:
         strict: bool,
         key_map: Callable[[str], str | None] | None,
     ) -> int:
-        tried: list[int] = []
+        tried: list[tuple[int, int]] = []
         attempt = 0
         while True:
             attempt += 1
-            candidate, location = self.group.from_rank0(
+            candidate, index, location = self.group.from_rank0(
                 ("pick", step, attempt), partial(self._pick, step, tried)
             )
+            store = self.stores[index]
             began = now_ns()
             try:
                 tensors, saved, rng_record = self._read_for(
-                    state, candidate, location, verify, rng, attempt, strict, key_map
+                    state, candidate, store, location, verify, rng, attempt, strict, key_map
                 )
             except CheckpointError as exc:
-                if step is not None:
+                tried.append((candidate, index))
+                if step is not None and not self._candidates(step, tried):
                     raise
-                tried.append(candidate)
+                next_one = "its mirror copy" if self._candidates(candidate, tried) else "an older checkpoint"
                 warnings.warn(
-                    f"nbckpt: skipping {step_name(candidate)}: {exc}; trying an older checkpoint",
+                    f"nbckpt: skipping {step_name(candidate)}: {exc}; trying {next_one}",
                     stacklevel=4,  # the caller of Checkpointer.restore
                 )
                 continue
@@ -113,20 +118,30 @@ class Restorer:
             )
             return candidate
 
-    def _pick(self, step: int | None, tried: list[int]) -> tuple[int, str]:
+    def _candidates(self, step: int | None, tried: list[tuple[int, int]]) -> list[tuple[int, int, str]]:
+        """(step, store index, location) not yet tried: newest step first, preferred store first."""
+        found = [
+            (s, index, location)
+            for index, store in enumerate(self.stores)
+            for s, location in store.committed().items()
+            if (step is None or s == step) and (s, index) not in tried
+        ]
+        return sorted(found, key=lambda c: (-c[0], c[1]))
+
+    def _pick(self, step: int | None, tried: list[tuple[int, int]]) -> tuple[int, int, str]:
         """Rank 0's choice of checkpoint, which every rank then uses (one listing, one answer)."""
-        committed = self.store.committed()
-        if step is not None:
-            return step, self.location(step)
-        left = [s for s in sorted(committed, reverse=True) if s not in tried]
+        left = self._candidates(step, tried)
         if not left:
+            if step is not None:
+                self.find(step)  # names the steps there are
             raise CheckpointError(f"no valid checkpoint in {self.store.url}")
-        return left[0], committed[left[0]]
+        return left[0]
 
     def _read_for(
         self,
         state: dict[str, Any],
         step: int,
+        store: Store,
         location: str,
         verify: bool,
         rng: bool,
@@ -138,7 +153,7 @@ class Restorer:
         box: list[Any] = []
 
         def check() -> str:
-            manifest = self.manifest(step, location)
+            manifest = self.manifest(step, location, store)
             saved = align(state, manifest.tree(self.rank), key_map)
             problems = check_template(state, saved, "")
             if strict:
@@ -161,19 +176,19 @@ class Restorer:
             keys = [leaf["key"] for leaf in node_tensors(subtree)]
             if verify and self.rank == 0:
                 check_dcp_metadata(
-                    read_metadata(self.store, location, manifest),
+                    read_metadata(store, location, manifest),
                     manifest,
                     f"{step_name(step)}/{METADATA_FILE}",
                 )
-            tensors, _ = read_tensors(self.store, self.io, location, manifest, keys, verify=verify)
+            tensors, _ = read_tensors(store, self.io, location, manifest, keys, verify=verify)
             box.append(tensors)
 
         self.group.exchange(("read", step, attempt), read)
         return box[1], saved, manifest.rng(self.rank) if rng else None
 
     def load(self, step: int, *, verify: bool, map_location: str | torch.device | None) -> dict[str, Any]:
-        location = self.location(step)
-        manifest = self.manifest(step, location)
+        store, location = self.find(step)
+        manifest = self.manifest(step, location, store)
         saved = manifest.tree(self.rank)
         if map_location is not None and torch.device(map_location).type == "meta":
             # Shapes and dtypes without a byte read: the cheap look at what a checkpoint holds.
@@ -183,7 +198,7 @@ class Restorer:
             }
             return dict(decode(saved, tensors))
         keys = [leaf["key"] for leaf in node_tensors(saved)]
-        tensors, _ = read_tensors(self.store, self.io, location, manifest, keys, verify=verify)
+        tensors, _ = read_tensors(store, self.io, location, manifest, keys, verify=verify)
         if map_location is not None:
             tensors = {k: t.to(map_location) for k, t in tensors.items()}
         value: dict[str, Any] = decode(saved, tensors)

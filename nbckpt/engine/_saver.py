@@ -68,6 +68,10 @@ class Saver:
         self._stager = Stager()
         self._persister = Worker("nbckpt-persist")
         self._retainer = Worker("nbckpt-retention")
+        #: Called on rank 0 with (step, path) as each commit is reported (the mirror's upload).
+        self.after_commit: Callable[[int, str], None] | None = None
+        #: Steps retention must leave for now (those the mirror has still to upload).
+        self.protected: Callable[[], set[int]] = set
 
     # -- the caller's side ----------------------------------------------------------------------
 
@@ -348,6 +352,8 @@ class Saver:
         if self.config.keep is not None and rank == 0:
             retention = Future()
             self._retention = retention  # before the commit is reported: wait() must see it
+        if self.after_commit is not None and rank == 0:
+            self.after_commit(step, path)  # queued before retention: it protects this step
         handle.committed.set_result(record)
         if retention is not None:  # after the commit is reported: a slow delete delays no save
             self._retainer.submit(partial(self._retain, step, retention))
@@ -397,7 +403,8 @@ class Saver:
         """Delete the oldest checkpoints beyond ``keep``, never ``newest``; failures are logged."""
         try:
             keep = self.config.keep or 0
-            steps = sorted(s for s in self.store.committed() if s != newest)
+            busy = self.protected()
+            steps = sorted(s for s in self.store.committed() if s != newest and s not in busy)
             for step in steps[: max(len(steps) + 1 - keep, 0)]:
                 began = now_ns()
                 try:

@@ -28,6 +28,7 @@ KINDS = (
     "fsync",  # making files and directories durable
     "commit",  # manifest written and checkpoint renamed into place
     "delete",  # retention removed an old checkpoint
+    "upload",  # a committed step copied to the mirror, with its own commit there
     "restore",  # a checkpoint was loaded
     "error",  # a phase failed
 )
@@ -133,8 +134,18 @@ class Timeline:
 
 
 COLUMNS = [
-    "kind", "label", "step", "rank", "start_s", "end_s", "duration_s",
-    "bytes", "thread", "pid", "start_ns", "end_ns",
+    "kind",
+    "label",
+    "step",
+    "rank",
+    "start_s",
+    "end_s",
+    "duration_s",
+    "bytes",
+    "thread",
+    "pid",
+    "start_ns",
+    "end_ns",
 ]
 
 

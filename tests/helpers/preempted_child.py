@@ -10,6 +10,7 @@ cannot commit within its 2 s.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import threading
 from typing import Any
@@ -25,6 +26,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("directory")
     parser.add_argument("--slow-final", action="store_true")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # nbckpt's log on stderr
     model = torch.nn.Linear(64, 64)
     final = threading.Event()
     if args.slow_final:
