@@ -25,8 +25,10 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from ._config import CheckpointConfig, Mode
 from ._handles import SaveHandle, SaveRecord
+from ._lines import MAIN, ancestry, discover, last_committed, start_branch
 from ._mirror import Mirror
 from ._ranks import Group, join
+from ._reader import Readable
 from ._restorer import Restorer, check_step
 from ._saver import Saver
 from ._store import Store, open_store
@@ -88,14 +90,73 @@ class Checkpointer:
             # The directory is locked and threads run: a failed construction must give both back.
             _release(self.store, self._saver, self._io, True)
             raise
-        stores = [self.store] if self._mirror is None else [self.store, self._mirror.store]
-        self._restorer = Restorer(stores, self._io, ranks.caller, self.timeline)
+        self._ranks = ranks
+        self.line_name = MAIN
+        self._lines = discover(self.store, self.config.storage_options)
+        self._fork: tuple[str, int] | None = None  # (line, step) restored while newer steps exist
+        line = self.config.line or ranks.caller.from_rank0(("line",), partial(last_committed, self._lines))
+        self._restorer = self._switch(line)
         _OPEN.add(self)
         atexit.register(_close_at_exit, weakref.ref(self))
         # A Checkpointer dropped without close() (a notebook cell run again) frees the directory.
         weakref.finalize(
             self, _release, self.store, self._saver, self._io, False, self._mirror
         ).atexit = False
+
+    def _switch(self, name: str) -> Restorer:
+        """Make line ``name`` the one saves go to and restores read from (its ancestors too)."""
+        chain = ancestry(self._lines, name)
+        line = self._lines[name]
+        if name != self.line_name:
+            if not self.config.read_only and self.rank == 0:
+                line.store.recover()  # a branch's leftovers, as the main line's at open
+            self._saver.store = line.store
+            self._saver.committed = set(line.store.committed())
+        self.line_name = name
+        stores: list[Readable] = list(chain)
+        if self._mirror is not None:
+            self._mirror.follow(name)
+            stores.append(self._mirror.store)
+        self._chain = [name, *self._parents(name)]
+        return Restorer(stores, self._io, self._ranks.caller, self.timeline)
+
+    def _parents(self, name: str) -> list[str]:
+        parents = []
+        while (parent := self._lines[name].parent) is not None and parent in self._lines:
+            parents.append(parent)
+            name = parent
+        return parents
+
+    def _branch_if_rewound(self) -> None:
+        """Before the first save after restoring an older step: go on in a new line."""
+        if self._fork is None:
+            return
+        parent, step = self._fork
+        self._fork = None
+
+        def start() -> str:
+            return start_branch(self.store, self._lines, parent, step, self.config.storage_options).name
+
+        name = self._ranks.caller.from_rank0(("branch", step), start)
+        self._lines = discover(self.store, self.config.storage_options)
+        self._restorer = self._switch(name)
+        warnings.warn(
+            f"nbckpt: step {step} was restored while newer steps exist; saves now go to a new line, "
+            f"{name} ({self.store.url}/{name}), and the newer steps stay where they are",
+            stacklevel=4,  # the caller of Checkpointer.save
+        )
+
+    def lines(self) -> dict[str, dict[str, Any]]:
+        """The run's lines: each one's parent, the step it went on from, and its own steps."""
+        return {
+            name: {
+                "parent": line.parent,
+                "from_step": line.from_step,
+                "steps": list(line.store.committed()),
+                "current": name == self.line_name,
+            }
+            for name, line in discover(self.store, self.config.storage_options).items()
+        }
 
     def _open_mirror(self, group: Group, nonce: str) -> Mirror | None:
         if self.config.mirror is None:
@@ -108,9 +169,16 @@ class Checkpointer:
                 store.recover()  # uploads cut short never count; their remains go
 
             group.from_rank0(("open mirror",), prepare)
-        mirror = Mirror(store, keep=self.config.keep, timeline=self.timeline, nonce=nonce)
+        mirror = Mirror(
+            store,
+            keep=self.config.keep,
+            timeline=self.timeline,
+            nonce=nonce,
+            storage_options=self.config.mirror_options,
+        )
         if self.rank == 0 and not self.config.read_only:
-            self._saver.after_commit = partial(mirror.upload, self.store)
+            saver = self._saver  # not self: the Checkpointer must stay collectable when dropped
+            self._saver.after_commit = lambda step, path: mirror.upload(saver.store, step, path)
             self._saver.protected = lambda: mirror.pending
         return mirror
 
@@ -157,6 +225,7 @@ class Checkpointer:
         with self._operation():
             self._check_open(writing=True)
             check_step(step)
+            self._branch_if_rewound()
             return self._saver.start(
                 state,
                 step,
@@ -210,8 +279,12 @@ class Checkpointer:
     # -- reading ------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, oldest first (a step counts once its manifest exists)."""
-        return list(self.store.committed())
+        """Committed steps of the current line, its ancestors' up to where it went on from them
+        included, oldest first (a step counts once its manifest exists)."""
+        found: set[int] = set()
+        for readable in ancestry(self._lines, self.line_name):
+            found.update(readable.committed())
+        return sorted(found)
 
     def latest_step(self) -> int | None:
         """The highest committed step, or None when there is none."""
@@ -260,7 +333,7 @@ class Checkpointer:
             if step is not None:
                 check_step(step)
             self._saver.wait()
-            return self._restorer.restore(
+            restored = self._restorer.restore(
                 state,
                 step,
                 verify=self.config.verify if verify is None else bool(verify),
@@ -268,6 +341,11 @@ class Checkpointer:
                 strict=strict,
                 key_map=key_map,
             )
+            newer = [s for s in self.steps() if s > restored]
+            source = self._restorer.last_source
+            line = self._chain[source] if source < len(self._chain) else self.line_name
+            self._fork = (line, restored) if newer and not self.config.read_only else None
+            return restored
 
     def load(
         self, step: int | None = None, *, map_location: str | torch.device | None = None
@@ -291,8 +369,12 @@ class Checkpointer:
         with self._operation():
             self._check_open(writing=True)
             self._saver.wait()
-            self._restorer.location(check_step(step))
-            self._restorer.group.from_rank0(("delete", step), lambda: self.store.delete(step))
+            store = self._saver.store
+            if check_step(step) not in store.committed():
+                raise CheckpointError(
+                    f"no committed checkpoint for step {step} in line {self.line_name} of {self.store.url}"
+                )
+            self._restorer.group.from_rank0(("delete", step), lambda: store.delete(step))
             self._saver.committed.discard(step)
 
     def save_on_signal(

@@ -56,6 +56,9 @@ class CheckpointConfig:
     no intact checkpoint. Uploads never delay a save; ``wait`` and ``close`` wait for them."""
     mirror_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for the mirror (``endpoint_url``, ``key``, ``secret``, ...)."""
+    line: str | None = None
+    """The line of the run to continue (``"main"`` or ``"branch-N"``; see :meth:`Checkpointer.lines`);
+    default: the line committed to last. Saving after restoring an older step starts a new one."""
     read_only: bool = False
     """Open only to read (restore, load, verify, list): no lock, no clean-up, nothing written,
     so another process may be saving into the directory meanwhile."""
@@ -76,6 +79,8 @@ class CheckpointConfig:
             raise ConfigError(f"mirror must be a directory or URL, not {self.mirror!r}")
         if not isinstance(self.mirror_options, dict):
             raise ConfigError(f"mirror_options must be a dict, not {type(self.mirror_options).__name__}")
+        if self.line is not None and not isinstance(self.line, str):
+            raise ConfigError(f"line must be a line's name ('main', 'branch-1', ...), not {self.line!r}")
         if self.ranks not in ("auto", "all", "local"):
             raise ConfigError(f"ranks must be 'auto', 'all' or 'local', not {self.ranks!r}")
         timeout = self.timeout_s

@@ -13,12 +13,14 @@ import logging
 import threading
 from concurrent.futures import Future
 from functools import partial
+from typing import Any
 
 from .._errors import describe_error
 from ._files import copy_file
+from ._lines import MAIN
 from ._manifest import MAX_MANIFEST_BYTES, parse
 from ._reader import damage_named
-from ._store import MANIFEST, Store, step_name
+from ._store import MANIFEST, Store, open_store, step_name
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
@@ -30,14 +32,27 @@ _log = logging.getLogger("nbckpt")
 class Mirror:
     """Uploads committed steps to ``store`` on one background thread, in commit order."""
 
-    def __init__(self, store: Store, *, keep: int | None, timeline: Timeline, nonce: str) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        keep: int | None,
+        timeline: Timeline,
+        nonce: str,
+        storage_options: dict[str, Any],
+    ) -> None:
         self.store, self.keep, self.timeline, self._nonce = store, keep, timeline, nonce
+        self.root, self._options = store, storage_options
         self._worker = Worker("nbckpt-mirror")
         self._lock = threading.Lock()
         self._pending: set[int] = set()  # steps queued or uploading: retention must leave them
         self._last: Future[None] | None = None
         self.failures: list[str] = []
         self._count = 0
+
+    def follow(self, line: str) -> None:
+        """Upload into the mirror's copy of ``line`` (a branch of the run is a folder there too)."""
+        self.store = self.root if line == MAIN else open_store(f"{self.root.url}/{line}", self._options)
 
     @property
     def pending(self) -> set[int]:

@@ -56,7 +56,7 @@ class FsspecStore(Store):
             target = where(self.url, self.storage_options)
             raise CheckpointError(f"{target} is not writable ({reason})") from exc
 
-    def _names(self) -> list[str]:
+    def names(self) -> list[str]:
         self.fs.invalidate_cache()
         try:
             entries = self.fs.ls(self._root, detail=False)
@@ -69,7 +69,7 @@ class FsspecStore(Store):
 
     def recover(self) -> list[str]:
         done = []
-        for name in sorted(self._names()):
+        for name in sorted(self.names()):
             if parse_step(name) is not None and not self._has_manifest(name):
                 self.discard(name)
                 done.append(name)
@@ -77,11 +77,19 @@ class FsspecStore(Store):
 
     def committed(self) -> dict[int, str]:
         steps = {}
-        for name in self._names():
+        for name in self.names():
             step = parse_step(name)
             if step is not None and self._has_manifest(name):
                 steps[step] = self._url(name)
         return dict(sorted(steps.items()))
+
+    def modified(self, location: str, name: str) -> float:
+        info = self.fs.info(f"{self._path(location)}/{name}")
+        stamp = info.get("LastModified") or info.get("mtime") or info.get("created") or 0
+        return float(stamp.timestamp()) if hasattr(stamp, "timestamp") else float(stamp)
+
+    def write_small(self, name: str, data: bytes) -> None:
+        self.fs.pipe_file(f"{self._root}/{name}", data)  # an object appears whole or not at all
 
     def begin(self, step: int, nonce: str) -> str:
         if self.fs.exists(f"{self._root}/{step_name(step)}"):  # saving a step again: it stops counting first

@@ -10,21 +10,38 @@ import pickle
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from .._errors import CheckpointError, describe_error
-from ._files import read_into
+from ._files import Source, read_into
 from ._layout import METADATA_FILE
 from ._manifest import Manifest
 from ._state import TensorSpec, tree_specs
-from ._store import Store
 from ._torch_compat import STORAGE_INFO_GLOBAL
 from ._workers import Pool, run_all
 
-__all__ = ["byte_view", "check_dcp_metadata", "damage_named", "read_metadata", "read_tensors", "verify_files"]
+__all__ = [
+    "Readable",
+    "byte_view",
+    "check_dcp_metadata",
+    "damage_named",
+    "read_metadata",
+    "read_tensors",
+    "verify_files",
+]
+
+
+class Readable(Protocol):
+    """What a restore needs of a place checkpoints are in (a store, or a parent line's view)."""
+
+    url: str
+
+    def committed(self) -> dict[int, str]: ...
+    def read_small(self, location: str, name: str, limit: int) -> bytes: ...
+    def source(self, location: str, name: str, size: int) -> Source: ...
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -37,7 +54,7 @@ def _label(location: str, name: str) -> str:
 
 
 def _read_file(
-    store: Store,
+    store: Readable,
     location: str,
     name: str,
     manifest: Manifest,
@@ -75,7 +92,7 @@ def damage_named(label: str) -> Iterator[None]:
 
 
 def read_tensors(
-    store: Store,
+    store: Readable,
     io: Pool,
     location: str,
     manifest: Manifest,
@@ -104,7 +121,7 @@ def read_tensors(
 
 
 def verify_files(
-    store: Store, io: Pool, location: str, manifest: Manifest, names: Iterable[str] | None = None
+    store: Readable, io: Pool, location: str, manifest: Manifest, names: Iterable[str] | None = None
 ) -> float:
     """Check the size and every block of each file (all of them by default)."""
     jobs = [
@@ -114,7 +131,7 @@ def verify_files(
     return float(sum(run_all(io, jobs)))
 
 
-def read_metadata(store: Store, location: str, manifest: Manifest) -> bytes:
+def read_metadata(store: Readable, location: str, manifest: Manifest) -> bytes:
     """The DCP metadata file, checked against its block checksums."""
     size = manifest.files[METADATA_FILE]["size"]
     data = torch.empty(size, dtype=torch.uint8)

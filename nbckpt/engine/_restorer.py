@@ -9,7 +9,7 @@ older checkpoint when no step was asked for.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -20,9 +20,9 @@ from . import _rng
 from ._layout import METADATA_FILE
 from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from ._ranks import Group
-from ._reader import check_dcp_metadata, damage_named, read_metadata, read_tensors, verify_files
+from ._reader import Readable, check_dcp_metadata, damage_named, read_metadata, read_tensors, verify_files
 from ._state import align, apply, check_template, decode, node_tensors, tree_specs
-from ._store import MANIFEST, Store, step_name
+from ._store import MANIFEST, step_name
 from ._timeline import Timeline, now_ns
 from ._workers import Pool
 
@@ -43,12 +43,13 @@ class Restorer:
     mirror only when the first copy turns out damaged.
     """
 
-    def __init__(self, stores: list[Store], io: Pool, group: Group, timeline: Timeline) -> None:
+    def __init__(self, stores: Sequence[Readable], io: Pool, group: Group, timeline: Timeline) -> None:
         self.stores, self.io, self.group, self.timeline = stores, io, group, timeline
         self.store = stores[0]
         self.rank = group.rank
+        self.last_source = 0  # which of ``stores`` the last restore read from
 
-    def find(self, step: int) -> tuple[Store, str]:
+    def find(self, step: int) -> tuple[Readable, str]:
         """The store and location of committed ``step`` (the first store that has it)."""
         for store in self.stores:
             committed = store.committed()
@@ -60,7 +61,7 @@ class Restorer:
     def location(self, step: int) -> str:
         return self.find(step)[1]
 
-    def manifest(self, step: int, location: str, store: Store | None = None) -> Manifest:
+    def manifest(self, step: int, location: str, store: Readable | None = None) -> Manifest:
         where = f"{step_name(step)}/{MANIFEST}"
         with damage_named(where):
             data = (store or self.store).read_small(location, MANIFEST, MAX_MANIFEST_BYTES)
@@ -113,6 +114,7 @@ class Restorer:
             )
             if rng_record is not None:
                 _rng.restore(rng_record)
+            self.last_source = index
             self.timeline.record(
                 "restore", began, step=candidate, nbytes=sum(t.nbytes for t in tensors.values())
             )
@@ -141,7 +143,7 @@ class Restorer:
         self,
         state: dict[str, Any],
         step: int,
-        store: Store,
+        store: Readable,
         location: str,
         verify: bool,
         rng: bool,

@@ -85,6 +85,18 @@ class Store(ABC):
         """Committed steps (those with a manifest) and their locations, oldest first."""
 
     @abstractmethod
+    def names(self) -> list[str]:
+        """Every entry directly under the root (steps, leftovers, branches)."""
+
+    @abstractmethod
+    def modified(self, location: str, name: str) -> float:
+        """When file ``name`` of ``location`` was last written (seconds since the epoch)."""
+
+    @abstractmethod
+    def write_small(self, name: str, data: bytes) -> None:
+        """Write a small file under the root whole, durably, or not at all."""
+
+    @abstractmethod
     def begin(self, step: int, nonce: str) -> str:
         """A new, empty location the files of ``step`` are written to."""
 
@@ -178,7 +190,7 @@ class LocalStore(Store):
             fd, self._lock_fd = self._lock_fd, None
             os.close(fd)  # closing releases the flock
 
-    def _names(self) -> list[str]:
+    def names(self) -> list[str]:
         try:
             return os.listdir(self.url)
         except FileNotFoundError:
@@ -186,7 +198,7 @@ class LocalStore(Store):
 
     def recover(self) -> list[str]:
         done = []
-        names = set(self._names())
+        names = set(self.names())
         for name in sorted(names):
             match = _LEFTOVER_RE.fullmatch(name)
             if match is None:
@@ -221,11 +233,25 @@ class LocalStore(Store):
 
     def committed(self) -> dict[int, str]:
         steps = {}
-        for name in self._names():
+        for name in self.names():
             step = parse_step(name)
             if step is not None and self._has_manifest(self._path(name)):
                 steps[step] = self._path(name)
         return dict(sorted(steps.items()))
+
+    def modified(self, location: str, name: str) -> float:
+        return os.lstat(os.path.join(location, name)).st_mtime
+
+    def write_small(self, name: str, data: bytes) -> None:
+        temporary = self._path(f".tmp-{name}-{uuid.uuid4().hex[:8]}")
+        sink = LocalSink(temporary)
+        try:
+            sink.write(memoryview(data))
+            sink.sync()
+        finally:
+            sink.close()
+        os.rename(temporary, self._path(name))
+        fsync_dir(self.url)
 
     def begin(self, step: int, nonce: str) -> str:
         location = self._path(f".tmp-{step_name(step)}-{nonce}")

@@ -1,0 +1,129 @@
+"""Lines of a run: restoring an older step and training on starts a branch, so that the new
+saves never meet the abandoned line's higher steps (and "newest" never picks one of those).
+
+    run1/                      the first line ("main")
+      step-000050/ step-000100/
+      branch-1/                a line that went on from main's step 50
+        branch.json            {"parent": "main", "from_step": 50, "created": ...}
+        step-000060/
+
+A branch sees its parent's steps up to the one it started from. Opening a run continues the
+line committed to last, unless a line is named.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import CheckpointError, ConfigError
+from ._files import Sink, Source
+from ._store import MANIFEST, Store, open_store
+
+__all__ = ["MAIN", "Line", "StepLimited", "ancestry", "discover", "last_committed", "start_branch"]
+
+MAIN = "main"
+BRANCH_FILE = "branch.json"
+_BRANCH_RE = re.compile(r"branch-[1-9][0-9]*", re.ASCII)
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of a run: where its steps are, and where it branched off."""
+
+    name: str
+    store: Store
+    parent: str | None = None
+    from_step: int | None = None
+
+
+class StepLimited:
+    """A parent line as its branch sees it: only the steps up to where the branch started."""
+
+    def __init__(self, store: Store, last_step: int) -> None:
+        self._store, self._last = store, last_step
+        self.url = store.url
+
+    def committed(self) -> dict[int, str]:
+        return {s: path for s, path in self._store.committed().items() if s <= self._last}
+
+    def read_small(self, location: str, name: str, limit: int) -> bytes:
+        return self._store.read_small(location, name, limit)
+
+    def source(self, location: str, name: str, size: int) -> Source:
+        return self._store.source(location, name, size)
+
+    def sink(self, location: str, name: str) -> Sink:
+        raise CheckpointError(f"{self.url} is a parent line, read only from its branch")
+
+
+def _child(root: Store, name: str, storage_options: dict[str, Any]) -> Store:
+    return open_store(f"{root.url.rstrip('/')}/{name}", storage_options)
+
+
+def discover(root: Store, storage_options: dict[str, Any]) -> dict[str, Line]:
+    """Every line of the run at ``root``: main, and each ``branch-N`` with a valid branch.json."""
+    lines = {MAIN: Line(MAIN, root)}
+    for name in sorted(root.names(), key=lambda n: (len(n), n)):
+        if not _BRANCH_RE.fullmatch(name):
+            continue
+        store = _child(root, name, storage_options)
+        try:
+            record = json.loads(store.read_small(store.url, BRANCH_FILE, 1 << 16))
+            parent, from_step = str(record["parent"]), int(record["from_step"])
+        except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+            continue  # a branch whose record never got written: it holds nothing that counts
+        lines[name] = Line(name, store, parent, from_step)
+    return lines
+
+
+def last_committed(lines: dict[str, Line]) -> str:
+    """The line a run continues on by default: the one with the most recent commit."""
+    best, best_time = MAIN, -1.0
+    for name, line in lines.items():
+        committed = line.store.committed()
+        if not committed:
+            continue
+        try:  # a line's highest step is its last commit (a branch's steps only go up)
+            modified = line.store.modified(committed[max(committed)], MANIFEST)
+        except OSError:
+            continue
+        if modified > best_time:
+            best, best_time = name, modified
+    return best
+
+
+def ancestry(lines: dict[str, Line], name: str) -> list[Store | StepLimited]:
+    """Where line ``name`` reads its steps: itself, then each ancestor up to its fork point."""
+    if name not in lines:
+        raise ConfigError(f"the run has no line {name!r}; it has {', '.join(lines)}")
+    chain: list[Store | StepLimited] = [lines[name].store]
+    line = lines[name]
+    while line.parent is not None and line.from_step is not None and line.parent in lines:
+        parent = lines[line.parent]
+        chain.append(StepLimited(parent.store, line.from_step))
+        line = Line(
+            parent.name,
+            parent.store,
+            parent.parent,
+            min(line.from_step, parent.from_step) if parent.from_step is not None else None,
+        )
+    return chain
+
+
+def start_branch(
+    root: Store, lines: dict[str, Line], parent: str, from_step: int, storage_options: dict[str, Any]
+) -> Line:
+    """A new line going on from ``parent``'s ``from_step``; its record is written before any step."""
+    numbers = [int(name.split("-")[1]) for name in lines if name != MAIN]
+    name = f"branch-{max(numbers, default=0) + 1}"
+    store = _child(root, name, storage_options)
+    store.prepare()
+    record = {"parent": parent, "from_step": from_step, "created": time.time()}
+    store.write_small(BRANCH_FILE, json.dumps(record).encode())
+    line = Line(name, store, parent, from_step)
+    lines[name] = line
+    return line
