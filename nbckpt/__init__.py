@@ -17,7 +17,6 @@ from ._util import run_directory
 from ._version import __version__
 from .engine import CheckpointConfig, Checkpointer, Event, SaveHandle, SaveRecord, Timeline, close_all
 
-
 # Background events (a failed delete, a final save on SIGTERM) go to this logger. A library
 # leaves the choice of where they go to the application: without a handler of the
 # application's own they stay quiet (``%load_ext nbckpt`` shows them in the notebook).

@@ -45,40 +45,16 @@ def _stderr_line(line: str) -> None:
 def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``nbckpt probe``."""
     parser.add_argument("target", help="directory (local, NFS, tmpfs...) or s3://bucket/prefix")
-    parser.add_argument(
-        "--size-mb",
-        type=float,
-        default=bench.PROBE_SIZE_MB,
-        help="MiB written and read per stream count (default %(default)s)",
-    )
-    parser.add_argument(
-        "--streams",
-        default=",".join(map(str, bench.PROBE_STREAMS)),
-        help="parallel stream counts, comma separated (default %(default)s)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=bench.PROBE_REPEATS,
-        help="rounds per stream count; the fastest counts (default %(default)s)",
-    )
-    parser.add_argument(
-        "--checkpoint-gb",
-        type=float,
-        default=None,
-        help="checkpoint size in GB, for free-space and persist-time advice "
-        "(default: none, that advice is left out)",
-    )
-    parser.add_argument(
-        "--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS's own)"
-    )
-    parser.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra fsspec storage option, repeatable (VALUE parsed as JSON if it can be; default: none)",
-    )
+    parser.add_argument("--size-mb", type=float, default=bench.PROBE_SIZE_MB,
+                        help="MiB written and read per stream count (default %(default)s)")
+    parser.add_argument("--streams", default=",".join(map(str, bench.PROBE_STREAMS)),
+                        help="parallel stream counts, comma separated (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=bench.PROBE_REPEATS,
+                        help="rounds per stream count; the fastest counts (default %(default)s)")
+    parser.add_argument("--checkpoint-gb", type=float, default=None,
+                        help="checkpoint size in GB, for free-space and persist-time advice "
+                        "(default: none, that advice is left out)")
+    _storage_arguments(parser)
     parser.add_argument(
         "--json",
         dest="json_out",
@@ -190,6 +166,11 @@ def _directory_arguments(parser: argparse.ArgumentParser, step: str) -> None:
             default=None,
             help="the step to verify (default: every committed step)",
         )
+    _storage_arguments(parser)
+
+
+def _storage_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--endpoint-url`` and ``--option``: how to reach an s3:// target (see :func:`_storage_options`)."""
     parser.add_argument(
         "--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS's own)"
     )
@@ -198,7 +179,7 @@ def _directory_arguments(parser: argparse.ArgumentParser, step: str) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="fsspec storage option for s3:// URLs, repeatable (default: none)",
+        help="extra fsspec storage option, repeatable (VALUE parsed as JSON if it can be; default: none)",
     )
 
 

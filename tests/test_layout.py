@@ -13,7 +13,6 @@ import ast
 from pathlib import Path
 
 import pytest
-
 from helpers import ROOT
 
 PACKAGE = ROOT / "nbckpt"

@@ -4,24 +4,19 @@ published figures (with their sources) and the report's computed conclusions.
 Reads the bench's results; knows nothing of notebooks.
 """
 
-from ._advisor import (
-    DEFAULTS,
-    SHARDING,
-    AdvisorDefaults,
-    Cost,
+from ._conclusions import conclusions
+from ._costs import Cost, measured_costs
+from ._defaults import DEFAULTS, AdvisorDefaults
+from ._interval import (
     advise,
-    checkpoint_gb,
     cluster_mtbf_s,
     compare_modes,
     expected_waste,
-    measured_costs,
-    mlperf_checkpoint_sizes,
     node_mtbf_hours,
-    project_scale,
     waste_curve,
     young_daly_interval,
 )
-from ._conclusions import conclusions
+from ._projection import SHARDING, checkpoint_gb, mlperf_checkpoint_sizes, project_scale
 from ._reference import cite, load_published, published_table, published_value
 
 __all__ = [

@@ -7,6 +7,8 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._util import format_bytes
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -24,6 +26,12 @@ def _num(value: Any) -> float:
 
 def _finite(value: Any) -> bool:
     return not math.isnan(_num(value))
+
+
+def _size(nbytes: Any) -> str:
+    """``100.0 MB`` for a measured byte count; what it says when the count was not measured."""
+    number = _num(nbytes)
+    return format_bytes(number) if _finite(number) else "an unmeasured size"
 
 
 def _ms(seconds: float) -> str:
@@ -104,9 +112,9 @@ def conclusions(
     row = rows[focus]
     stall = float(row["stall_mean_s"])
     torch_save = rows.get("torch-save")
-    size_mb = _num(floors.get("bytes")) / 1e6
+    size = _size(floors.get("bytes"))
 
-    text = (f"{focus} stalled the training loop {_ms(stall)} per checkpoint of {size_mb:.1f} MB "
+    text = (f"{focus} stalled the training loop {_ms(stall)} per checkpoint of {size} "
             f"(p95 {_ms(float(row['stall_p95_s']))})")
     if torch_save is not None and _finite(torch_save["stall_mean_s"]) and stall > 0:
         reduction = float(torch_save["stall_mean_s"]) / stall
@@ -135,9 +143,9 @@ def conclusions(
                          f"{_ms(max(stall - stage - wait, 0.0))} was spent elsewhere in save().")
         lines.append(text)
 
-    lines.extend(_write_sentences(rows, focus, floors, probe, load))
-    lines.extend(_overhead_sentences(rows, focus, env, device))
-    lines.extend(_published_sentences(rows, focus, anchors, size_mb, device))
+    lines.extend(_write_sentences(rows, focus, floors=floors, probe=probe, load=load))
+    lines.extend(_overhead_sentences(rows, focus, env=env, device=device))
+    lines.extend(_published_sentences(rows, focus, anchors=anchors, size=size, device=device))
 
     overlap = rows.get("nbckpt-async-overlap")
     if focus == "nbckpt-async" and overlap is not None and _finite(overlap["stall_mean_s"]):
@@ -149,11 +157,12 @@ def conclusions(
         )
 
     if advice is not None and not advice.empty:
-        lines.extend(_advice_sentences(advice, focus, assumptions, device, anchors))
+        lines.extend(_advice_sentences(advice, focus, assumptions=assumptions, device=device,
+                                       anchors=anchors))
     return lines
 
 
-def _write_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str, floors: Mapping[str, Any],
+def _write_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str, *, floors: Mapping[str, Any],
                      probe: pd.DataFrame | None, load: Mapping[str, Any] | None) -> list[str]:
     """The background write against the floor, and the floor against the probe."""
     lines: list[str] = []
@@ -196,12 +205,12 @@ def _write_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str, floors: 
         if shared:
             pairs = "; ".join(f"{k} stream(s): probe {by_streams[k]:.2f}, floor {floor_by[k]:.2f} GB/s"
                               for k in shared)
-            size = _num(probe["bytes"].iloc[0]) / 1e6 if "bytes" in probe.columns else math.nan
+            size = _size(probe["bytes"].iloc[0] if "bytes" in probe.columns else None)
             lines.append(
                 f"The storage probe and the write floor measure the same way (files written by "
                 f"parallel threads in 4 MiB writes, each ended by fsync, fastest round counts); "
-                f"the probe wrote {size:.1f} MB per stream count, the floor "
-                f"{_num(floors.get('sample_bytes')) / 1e6:.1f} MB, at different moments: {pairs}. "
+                f"the probe wrote {size} per stream count, the floor "
+                f"{_size(floors.get('sample_bytes'))}, at different moments: {pairs}. "
                 f"The floor is the one the strategies are measured against."
             )
     return lines
@@ -213,7 +222,7 @@ def _spread_pct(rounds: list[float]) -> float:
     return max(10.0, 100.0 * (max(rounds) / min(rounds) - 1.0))
 
 
-def _overhead_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str,
+def _overhead_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str, *,
                         env: Mapping[str, Any], device: str) -> list[str]:
     """Overhead with its interval, and on CPU runs when and why async loses."""
     lines: list[str] = []
@@ -259,8 +268,8 @@ def _overhead_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str,
     return lines
 
 
-def _published_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str,
-                         anchors: Mapping[str, Any], size_mb: float, device: str) -> list[str]:
+def _published_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str, *,
+                         anchors: Mapping[str, Any], size: str, device: str) -> list[str]:
     """Measured figures beside published ones that compare the same thing, each labelled."""
     lines: list[str] = []
     ibm = anchors.get("pytorch_ibm_7b")
@@ -280,7 +289,7 @@ def _published_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str,
                 f"{values['sync_downtime']['value']} s to {values['async_downtime']['value']} s, "
                 f"{values['reduction_factor']['value']}x, for a 7B model on GPUs), this run "
                 f"measured dcp-sync at {_ms(base)} per checkpoint against {', '.join(measured)}, "
-                f"on {size_mb:.1f} MB on {device}: the published figure comes from multi-GB "
+                f"on {size} on {device}: the published figure comes from multi-GB "
                 f"states on GPUs, where the synchronous write dominates more than here."
             )
     else:
@@ -313,10 +322,10 @@ def _published_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str,
     return lines
 
 
-def _advice_sentences(advice: pd.DataFrame, focus: str, assumptions: Mapping[str, Any] | None,
+def _advice_sentences(advice: pd.DataFrame, focus: str, *, assumptions: Mapping[str, Any] | None,
                       device: str, anchors: Mapping[str, Any]) -> list[str]:
     """The advisor's numbers with every assumption they rest on named."""
-    from ._advisor import compare_modes
+    from ._interval import compare_modes
 
     by_name = {str(r["strategy"]): r for r in advice.to_dict(orient="records")}
     best = by_name.get(focus)

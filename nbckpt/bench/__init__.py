@@ -5,42 +5,23 @@ and returns a :class:`Comparison` (tables, timeline, floors, the machine's load)
 analysis and the notebook faces read.
 """
 
-from ._experiment import (
-    DEFAULT_REPEATS,
-    DEFAULT_STRATEGIES,
-    FLOOR_SAMPLE_BYTES,
-    OVERHEAD_DEFINITION,
-    RESULT_COLUMNS,
-    SCHEMA,
-    TIMELINE_COLUMNS,
-    Comparison,
-    ExperimentResult,
-    Floors,
-    Load,
-    compare,
-    environment,
-    format_results,
-    interval_text,
-    measurable,
-    measure_floors,
-    overhead_text,
-    run_experiment,
-    t_interval,
-)
+from ._advice import storage_advice
+from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, compare, environment
+from ._comparison import RESULT_COLUMNS, SCHEMA, TIMELINE_COLUMNS, Comparison, format_results
+from ._floors import FLOOR_SAMPLE_BYTES, Floors, measure_floors
+from ._load import Load
+from ._measure import DEFAULT_REPEATS as PROBE_REPEATS
+from ._measure import StreamRun, measure_write
+from ._mounts import MountInfo, mount_info
 from ._options import add_bench_arguments, run_bench_from_args
-from ._probe import DEFAULT_REPEATS as PROBE_REPEATS
 from ._probe import DEFAULT_SIZE_MB as PROBE_SIZE_MB
 from ._probe import DEFAULT_STREAMS as PROBE_STREAMS
-from ._probe import MountInfo, ProbeResult, StreamRun, measure_write, mount_info, probe, storage_advice
-from ._strategies import (
-    STRATEGIES,
-    NbckptStrategy,
-    Strategy,
-    get_strategy,
-    plain_state,
-    register_strategy,
-    tensor_bytes,
-)
+from ._probe import ProbeResult, probe
+from ._result import ExperimentResult
+from ._runner import run_experiment
+from ._stats import OVERHEAD_DEFINITION, interval_text, measurable, overhead_text, t_interval
+from ._strategies import STRATEGIES, get_strategy, register_strategy
+from ._strategy import NbckptStrategy, Strategy, plain_state, tensor_bytes
 from ._workloads import PRESETS, GPTConfig, Workload, gpt, make_workload, synthetic
 
 __all__ = [

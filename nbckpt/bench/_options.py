@@ -1,7 +1,7 @@
 """The options of a benchmark run, defined once for ``nbckpt bench`` and ``%ckpt_bench``.
 
-:func:`add_arguments` puts them on an argparse parser; :func:`run_from_args` checks them all
-before anything is measured, then runs the comparison.
+:func:`add_bench_arguments` puts them on an argparse parser; :func:`run_bench_from_args`
+checks them all before anything is measured, then runs the comparison.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import shutil
 import torch
 
 from .._errors import ConfigError
-from .._util import is_url, writable_directory
-from ._experiment import DEFAULT_REPEATS, DEFAULT_STRATEGIES, Comparison, Progress, check_run_args, compare
+from .._util import check_count, is_url, writable_directory
+from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, compare
+from ._comparison import Comparison
+from ._runner import Progress, check_run_args
 from ._strategies import STRATEGIES
 from ._workloads import make_workload
 
@@ -90,10 +92,9 @@ def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = No
         raise ConfigError("give --preset or --size-mb, not both")
     names = _parse_strategies(args.strategies)
     check_run_args(args.steps, args.every)
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats must be a positive integer, not {args.repeats}")
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads must be a positive integer, not {args.threads}")
+    check_count(args.repeats, "--repeats")
+    if args.threads is not None:
+        check_count(args.threads, "--threads")
     if args.json is not None:
         _check_json_target(args.json)
     workload = make_workload(args.preset, args.size_mb, args.device, compute_ms=args.compute_ms)

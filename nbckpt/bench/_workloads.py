@@ -27,16 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ConfigError
-from .._util import MIB, format_bytes
+from .._util import MIB, check_count, format_bytes
 
 __all__ = [
-    "MIB",
     "PRESETS",
     "GPTConfig",
     "GPTWorkload",
     "SyntheticWorkload",
     "Workload",
-    "format_bytes",
     "gpt",
     "make_workload",
     "synthetic",
@@ -145,7 +143,7 @@ def _check_device(device: str) -> str:
     return device
 
 
-def _require_memory(name: str, host_bytes: int, device_bytes: int, device: str) -> None:
+def _require_memory(name: str, host_bytes: int, device_bytes: int, *, device: str) -> None:
     """Raise ConfigError when the workload will not fit in the memory free right now."""
     available = psutil.virtual_memory().available
     if host_bytes + _HEADROOM_BYTES > available:
@@ -203,7 +201,7 @@ class Workload(ABC):
 class GPTWorkload(Workload):
     """A GPT decoder trained with AdamW on deterministic synthetic tokens."""
 
-    def __init__(self, name: str, config: GPTConfig, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, name: str, config: GPTConfig, device: str = "cpu", *, seed: int = 0) -> None:
         super().__init__()
         self.name = name
         self.config = config
@@ -241,7 +239,7 @@ class GPTWorkload(Workload):
         if self.built:
             return
         host, device = self.memory_needed()
-        _require_memory(f"gpt-{self.name}", host, device, self.device)
+        _require_memory(f"gpt-{self.name}", host, device, device=self.device)
         torch.manual_seed(self.seed)
         self.model = GPT(self.config).to(self.device)
         self.optim = torch.optim.AdamW(
@@ -302,8 +300,7 @@ class SyntheticWorkload(Workload):
 
     def __init__(self, nbytes: int, compute_ms: float = 5.0, device: str = "cpu") -> None:
         super().__init__()
-        if not isinstance(nbytes, int) or nbytes <= 0:
-            raise ConfigError(f"synthetic state size must be a positive number of bytes, not {nbytes!r}")
+        check_count(nbytes, "synthetic state size in bytes")
         if not math.isfinite(compute_ms) or compute_ms < 0:
             raise ConfigError(f"compute_ms must be a non-negative number, not {compute_ms!r}")
         self.device = _check_device(device)
@@ -326,7 +323,7 @@ class SyntheticWorkload(Workload):
         if self.built:
             return
         on_host = self.nbytes if self.device == "cuda" else 2 * self.nbytes
-        _require_memory(self.name, on_host, self.nbytes, self.device)
+        _require_memory(self.name, on_host, self.nbytes, device=self.device)
         floats, tail = divmod(self.nbytes, 4)
         chunk = self._CHUNK // 4
         for i, start in enumerate(range(0, floats, chunk)):
@@ -374,10 +371,10 @@ class SyntheticWorkload(Workload):
 def gpt(preset: str | GPTConfig = "tiny", device: str = "cpu", seed: int = 0) -> GPTWorkload:
     """A GPT workload from a preset name (see :data:`PRESETS`) or a :class:`GPTConfig`."""
     if isinstance(preset, GPTConfig):
-        return GPTWorkload("custom", preset, device, seed)
+        return GPTWorkload("custom", preset, device, seed=seed)
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    return GPTWorkload(preset, PRESETS[preset], device, seed)
+    return GPTWorkload(preset, PRESETS[preset], device, seed=seed)
 
 
 def synthetic(size_mb: float, compute_ms: float = 5.0, device: str = "cpu") -> SyntheticWorkload:

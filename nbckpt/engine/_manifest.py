@@ -101,12 +101,14 @@ def build(
     rank_trees: Mapping[str, Any],
     rng: Mapping[str, Any],
     provenance: Mapping[str, Any],
+    timing: Mapping[str, float],
 ) -> bytes:
     """The manifest of a checkpoint whose files have all been written."""
     body: dict[str, Any] = {
         "format": FORMAT,
         "step": step,
         "unix_time": time.time(),
+        "timing": dict(timing),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "bytes": nbytes,
         "world_size": world_size,

@@ -315,6 +315,7 @@ class Saver:
                 rank_trees={str(r): part[1] for r, part in enumerate(written) if part[1] != flat.tree},
                 rng={str(r): part[2] for r, part in enumerate(written) if part[2] is not None},
                 provenance=self._provenance(),
+                timing={"stage_s": handle.stage_s, "write_s": (persisted - persist_began) / 1e9},
             )
             target = location
             path = background.from_rank0(

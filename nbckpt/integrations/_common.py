@@ -13,10 +13,9 @@ import json
 import os
 import re
 import tempfile
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -62,13 +61,14 @@ def _replace_durably(tmp: str, path: str) -> None:
     _fsync_dir(os.path.dirname(path) or ".")
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never half."""
+def _atomic_file(path: str | os.PathLike[str], fill: Callable[[IO[bytes]], object]) -> None:
+    """Let ``fill`` write a file that replaces ``path`` only once it is whole and durable: a crash
+    leaves the old file or the new one, never half (torch.save over a full disk leaves half)."""
     path = os.path.abspath(os.fspath(path))
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=os.path.dirname(path))
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
+        with os.fdopen(fd, "wb") as f:
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         _replace_durably(tmp, path)
@@ -76,23 +76,16 @@ def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all."""
+    _atomic_file(path, lambda f: f.write(data))
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` that never leaves a partial file at ``path`` (torch.save over a full disk does)."""
-    path = os.path.abspath(os.fspath(path))
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _replace_durably(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """``torch.save`` of ``obj`` to ``path``, whole or not at all."""
+    _atomic_file(path, lambda f: torch.save(obj, f))
 
 
 def write_pointer(path: str, pointer: Pointer, **info: Any) -> None:

@@ -4,23 +4,25 @@ Thin faces over the engine, the bench and the analysis; IPython and ipywidgets a
 only by the parts that need them.
 """
 
-from ._figures import (
-    TIMELINE_KINDS,
-    events_frame,
-    extend_timeline,
+from ._lab import Lab, live_lab
+from ._plotting import strategy_colour
+from ._report import RESULTS_FILE, export_html, parse_value, run_report
+from ._result_figures import (
     interval_figure,
     overhead_figure,
     probe_figure,
     projection_figure,
     scaling_figure,
-    select_repeat,
     stall_figure,
-    strategy_colour,
+)
+from ._timeline_figures import (
+    TIMELINE_KINDS,
+    events_frame,
+    extend_timeline,
+    select_repeat,
     throughput_figure,
     timeline_figure,
 )
-from ._lab import Lab, live_lab
-from ._report import RESULTS_FILE, export_html, parse_value, run_report
 
 __all__ = [
     "RESULTS_FILE",

@@ -17,12 +17,10 @@ import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._errors import ConfigError, NbckptError
-
-if TYPE_CHECKING:
-    pass
+from .._util import writable_directory
 
 __all__ = [
     "EXTERNAL_LOAD",
@@ -93,13 +91,7 @@ def run_report(
     source = Path(notebook) if notebook is not None else notebooks_dir() / REPORT_NOTEBOOK
     if not source.is_file():
         raise ConfigError(f"report notebook {source} not found (run from a source checkout)")
-    out = Path(output_dir).resolve()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"output directory {out} cannot be created ({exc.strerror})") from exc
-    if not os.access(out, os.W_OK):
-        raise ConfigError(f"output directory {out} is not writable")
+    out = writable_directory(output_dir, "output directory").resolve()
 
     params = _check_parameters(source, dict(parameters or {}))
     params["output_dir"] = str(out)

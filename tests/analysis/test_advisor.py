@@ -9,22 +9,22 @@ import pytest
 from helpers import ROOT
 
 from nbckpt import ConfigError
-from nbckpt.analysis._advisor import (
-    ADVICE_COLUMNS,
+from nbckpt.analysis import (
     DEFAULTS,
-    PROJECTION_COLUMNS,
     advise,
     checkpoint_gb,
     cluster_mtbf_s,
     compare_modes,
     expected_waste,
-    measurements,
     mlperf_checkpoint_sizes,
     node_mtbf_hours,
     project_scale,
     waste_curve,
     young_daly_interval,
 )
+from nbckpt.analysis._costs import measurements
+from nbckpt.analysis._interval import ADVICE_COLUMNS
+from nbckpt.analysis._projection import PROJECTION_COLUMNS
 
 
 def test_young_interval_is_sqrt_2cm() -> None:

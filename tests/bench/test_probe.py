@@ -11,14 +11,8 @@ from typing import Any
 import pytest
 
 from nbckpt import ConfigError
-from nbckpt.bench._probe import (
-    ProbeResult,
-    StreamRun,
-    mount_info,
-    parse_mount_line,
-    probe,
-    storage_advice,
-)
+from nbckpt.bench import ProbeResult, StreamRun, mount_info, probe, storage_advice
+from nbckpt.bench._mounts import parse_mount_line
 from nbckpt.cli import main as cli
 
 NFS3 = (

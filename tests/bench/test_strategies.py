@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from nbckpt import Checkpointer, CheckpointError, ConfigError, Timeline
-from nbckpt.bench import _strategies as st
+from nbckpt import Checkpointer, CheckpointError, ConfigError, Timeline, bench
+from nbckpt.bench._dcp import DcpAsyncProcess
+from nbckpt.bench._strategy import join
 from nbckpt.bench._workloads import SyntheticWorkload, gpt
 
 BUILT_IN = [
@@ -42,7 +43,7 @@ def load_model(name: str, path: str, step: int, like: Mapping[str, torch.Tensor]
     return target
 
 
-def save_twice(strategy: st.Strategy, workload: SyntheticWorkload, directory: str,
+def save_twice(strategy: bench.Strategy, workload: SyntheticWorkload, directory: str,
                timeline: Timeline) -> dict[str, torch.Tensor]:
     """Save steps 1 and 2 (training in between); return the tensors as they were at step 2."""
     strategy.open(directory, timeline)
@@ -61,18 +62,18 @@ def save_twice(strategy: st.Strategy, workload: SyntheticWorkload, directory: st
 
 
 def test_registry_has_the_built_in_strategies() -> None:
-    assert list(st.STRATEGIES)[: len(BUILT_IN)] == BUILT_IN
+    assert list(bench.STRATEGIES)[: len(BUILT_IN)] == BUILT_IN
     for name in BUILT_IN:
-        strategy = st.get_strategy(name)
+        strategy = bench.get_strategy(name)
         assert strategy.name == name
         assert strategy.description
     with pytest.raises(ConfigError, match="unknown strategy 'nope'; choose from none, torch-save"):
-        st.get_strategy("nope")
+        bench.get_strategy("nope")
 
 
 def test_register_strategy_adds_a_user_strategy(tmp_path: Any) -> None:
-    @st.register_strategy
-    class Counting(st.Strategy):
+    @bench.register_strategy
+    class Counting(bench.Strategy):
         name = "test-counting"
         saved: ClassVar[list[int]] = []
 
@@ -80,16 +81,16 @@ def test_register_strategy_adds_a_user_strategy(tmp_path: Any) -> None:
             self.saved.append(step)
 
     try:
-        strategy = st.get_strategy("test-counting")
+        strategy = bench.get_strategy("test-counting")
         assert isinstance(strategy, Counting)
         strategy.open(str(tmp_path), Timeline())
         strategy.save({}, 3)
         assert Counting.saved == [3]
         assert (tmp_path / "test-counting").is_dir()
     finally:
-        st.STRATEGIES.pop("test-counting")
+        bench.STRATEGIES.pop("test-counting")
     with pytest.raises(ConfigError, match="not a Strategy subclass"):
-        st.register_strategy(int)  # type: ignore[type-var]
+        bench.register_strategy(int)  # type: ignore[type-var]
 
 
 @pytest.mark.parametrize("name", THREAD_LOCAL)
@@ -97,7 +98,7 @@ def test_strategy_saves_checkpoints_that_load_back(name: str, tmp_path: Any) -> 
     workload = SyntheticWorkload(1 << 20, compute_ms=0)
     workload.build()
     timeline = Timeline(label=name)
-    strategy = st.get_strategy(name)
+    strategy = bench.get_strategy(name)
     expected = save_twice(strategy, workload, str(tmp_path), timeline)
     assert strategy.path == str(tmp_path / name)
     restored = load_model(name, strategy.path, 2, expected)
@@ -116,7 +117,7 @@ def test_model_and_optimizer_state_round_trip(name: str, tmp_path: Any) -> None:
     workload = gpt("tiny")
     workload.build()
     workload.train_step()
-    strategy = st.get_strategy(name)
+    strategy = bench.get_strategy(name)
     strategy.open(str(tmp_path), Timeline())
     strategy.save(workload.state(), 1)
     strategy.finish()
@@ -137,7 +138,7 @@ def test_dcp_async_records_staging_and_background_persistence(tmp_path: Any) -> 
     workload = SyntheticWorkload(1 << 20, compute_ms=0)
     workload.build()
     timeline = Timeline()
-    save_twice(st.get_strategy("dcp-async"), workload, str(tmp_path), timeline)
+    save_twice(bench.get_strategy("dcp-async"), workload, str(tmp_path), timeline)
     kinds = [(e.kind, e.step) for e in timeline.events if e.kind in ("stage", "persist")]
     assert sorted(kinds) == [("persist", 1), ("persist", 2), ("stage", 1), ("stage", 2)]
     stage = next(e for e in timeline.events if e.kind == "stage" and e.step == 2)
@@ -149,7 +150,7 @@ def test_nbckpt_strategies_forward_engine_events(tmp_path: Any) -> None:
     workload = SyntheticWorkload(1 << 20, compute_ms=0)
     workload.build()
     timeline = Timeline(label="nbckpt-async-overlap")
-    strategy = st.get_strategy("nbckpt-async-overlap")
+    strategy = bench.get_strategy("nbckpt-async-overlap")
     assert strategy.blocks_before_step
     save_twice(strategy, workload, str(tmp_path), timeline)
     kinds = {e.kind for e in timeline.events}
@@ -166,7 +167,7 @@ def test_dcp_async_process_saves_through_its_own_process_group(tmp_path: Any) ->
     workload = SyntheticWorkload(1 << 20, compute_ms=0)
     workload.build()
     timeline = Timeline()
-    strategy = st.get_strategy("dcp-async-process")
+    strategy = bench.get_strategy("dcp-async-process")
     try:
         expected = save_twice(strategy, workload, str(tmp_path), timeline)
     finally:
@@ -181,13 +182,13 @@ def test_dcp_async_process_saves_through_its_own_process_group(tmp_path: Any) ->
 
 def test_local_strategies_refuse_urls_and_nbckpt_accepts_them() -> None:
     with pytest.raises(ConfigError, match="torch-save writes local files only"):
-        st.get_strategy("torch-save").open("s3://bucket/run", Timeline())
-    assert not st.get_strategy("nbckpt-async").local_only
-    assert st.join("s3://bucket/run/", "nbckpt-async") == "s3://bucket/run/nbckpt-async"
+        bench.get_strategy("torch-save").open("s3://bucket/run", Timeline())
+    assert not bench.get_strategy("nbckpt-async").local_only
+    assert join("s3://bucket/run/", "nbckpt-async") == "s3://bucket/run/nbckpt-async"
 
 
 def test_a_failing_save_is_a_checkpoint_error(tmp_path: Any) -> None:
-    strategy = st.get_strategy("torch-save")
+    strategy = bench.get_strategy("torch-save")
     strategy.open(str(tmp_path), Timeline())
     os.rmdir(strategy.path)
     (tmp_path / "torch-save").write_text("a file where the directory was")
@@ -196,7 +197,7 @@ def test_a_failing_save_is_a_checkpoint_error(tmp_path: Any) -> None:
 
 
 def test_none_never_writes(tmp_path: Any) -> None:
-    strategy = st.get_strategy("none")
+    strategy = bench.get_strategy("none")
     assert not strategy.writes_checkpoints
     strategy.open(str(tmp_path), Timeline())
     assert list(tmp_path.iterdir()) == []
@@ -260,7 +261,7 @@ def test_dcp_async_stager_reuses_one_stager_over_several_saves_quietly(tmp_path:
 
 
 def test_dcp_async_stager_waits_for_its_copy_before_the_update() -> None:
-    strategy = st.get_strategy("dcp-async-stager")
+    strategy = bench.get_strategy("dcp-async-stager")
     assert strategy.blocks_before_step  # the runner counts that wait as stall
-    assert isinstance(strategy, st.DcpAsyncProcess)
+    assert isinstance(strategy, DcpAsyncProcess)
     assert "DefaultStager" in strategy.description

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nbckpt import ConfigError
+from nbckpt._util import MIB, format_bytes
 from nbckpt.bench import _workloads as wl
 from nbckpt.bench import plain_state, tensor_bytes
 
@@ -26,7 +27,7 @@ def test_preset_sizes_match_their_names_without_allocating(name: str) -> None:
     assert workload.nbytes == 12 * workload.params + 4 * workload.config.param_tensors()
     text = workload.describe()
     assert f"{workload.params / 1e6:.1f}M parameters" in text
-    assert wl.format_bytes(workload.nbytes) in text
+    assert format_bytes(workload.nbytes) in text
 
 
 def test_tiny_builds_with_the_stated_parameters_and_checkpoint_size() -> None:
@@ -74,15 +75,15 @@ def test_training_is_deterministic_and_hook_runs_before_the_update() -> None:
 
 
 def test_synthetic_state_has_exactly_the_bytes_asked_for() -> None:
-    workload = wl.SyntheticWorkload(wl.MIB + 3, compute_ms=1.0)
+    workload = wl.SyntheticWorkload(MIB + 3, compute_ms=1.0)
     workload.build()
     state = workload.state()
-    assert tensor_bytes(plain_state(state)) == wl.MIB + 3 == workload.nbytes
+    assert tensor_bytes(plain_state(state)) == MIB + 3 == workload.nbytes
     first = state["model"]["t0000"].clone()
     workload.train_step()
     assert not torch.equal(first, workload.state()["model"]["t0000"])
     assert workload.state()["step"] == 1
-    assert wl.synthetic(2.5).nbytes == int(2.5 * wl.MIB)
+    assert wl.synthetic(2.5).nbytes == int(2.5 * MIB)
 
 
 def test_absurd_sizes_are_refused_before_allocating() -> None:
@@ -92,7 +93,7 @@ def test_absurd_sizes_are_refused_before_allocating() -> None:
 
 def test_presets_refuse_when_free_memory_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
     Memory = namedtuple("Memory", "available total")
-    monkeypatch.setattr(wl.psutil, "virtual_memory", lambda: Memory(100 * wl.MIB, 100 * wl.MIB))
+    monkeypatch.setattr(wl.psutil, "virtual_memory", lambda: Memory(100 * MIB, 100 * MIB))
     workload = wl.gpt("tiny")
     with pytest.raises(ConfigError, match=r"gpt-tiny needs about .* only 104\.9 MB is free"):
         workload.build()
@@ -125,5 +126,5 @@ def test_make_workload_defaults_to_tiny_and_takes_sizes() -> None:
     assert wl.make_workload().name == "tiny"
     synthetic = wl.make_workload(size_mb=3, compute_ms=0)
     assert isinstance(synthetic, wl.SyntheticWorkload)
-    assert synthetic.nbytes == 3 * wl.MIB
+    assert synthetic.nbytes == 3 * MIB
     assert synthetic.compute_ms == 0

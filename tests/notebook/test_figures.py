@@ -12,24 +12,22 @@ import plotly.graph_objects as go
 import pytest
 
 from nbckpt import ConfigError, Timeline
-from nbckpt.analysis import advise, project_scale
-from nbckpt.notebook._figures import (
-    anchor_factors,
+from nbckpt.analysis import advise, load_published, project_scale
+from nbckpt.notebook import (
     events_frame,
     extend_timeline,
     interval_figure,
-    load_published,
     overhead_figure,
     probe_figure,
     projection_figure,
-    scaling_data,
     scaling_figure,
     stall_figure,
     strategy_colour,
     throughput_figure,
     timeline_figure,
-    timeline_traces,
 )
+from nbckpt.notebook._result_figures import anchor_factors, scaling_data
+from nbckpt.notebook._timeline_figures import timeline_traces
 
 MB = 10**6
 
@@ -251,7 +249,7 @@ def test_stall_figure_computes_reduction_and_honours_options() -> None:
 def test_stall_figure_uses_given_published_figures() -> None:
     published = load_published()
     published["anchors"]["pytorch_ibm_7b"]["values"]["reduction_factor"]["value"] = 30.0
-    fig = stall_figure(DCP_RESULTS, published)
+    fig = stall_figure(DCP_RESULTS, published=published)
     assert [shape.y0 for shape in fig.layout.shapes] == [30.0]
     assert [label for label, _, _ in anchor_factors(published)] == [
         "PyTorch/IBM, 7B on GPUs, sync DCP 148.8 s → async DCP 6.3 s (30.0x)"
@@ -356,6 +354,7 @@ def test_every_builder_returns_a_widget_on_request(
     live = builder(data(), widget=True)
     assert type(static) is go.Figure
     assert isinstance(live, go.FigureWidget)
+    assert "(rendering ?? model).on" in live._esm  # a re-run cell leaves no listeners behind
     assert len(live.data) == len(static.data) > 0
 
 
@@ -370,3 +369,18 @@ def test_every_builder_names_missing_columns(
 def test_strategy_colours_are_stable() -> None:
     assert strategy_colour("torch-save") != strategy_colour("nbckpt-async")
     assert strategy_colour("my-own") == strategy_colour("my-own")
+
+
+def test_colours_follow_the_strategy_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No table of names: a strategy's colour is its place in the registry, and the built-in
+    strategies keep the colours they have always had."""
+    from nbckpt.bench import STRATEGIES
+
+    builtin = {
+        "none": "#7f7f7f", "torch-save": "#d62728", "dcp-sync": "#ff7f0e", "dcp-async": "#bcbd22",
+        "dcp-async-process": "#8c564b", "dcp-async-stager": "#e377c2", "nbckpt-sync": "#9467bd",
+        "nbckpt-async": "#2ca02c", "nbckpt-async-overlap": "#1f77b4",
+    }
+    assert {name: strategy_colour(name) for name in builtin} == builtin
+    monkeypatch.setitem(STRATEGIES, "mine", STRATEGIES["nbckpt-async"])
+    assert strategy_colour("mine") not in builtin.values()

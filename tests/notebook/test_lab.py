@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import logging
+import queue
 import re
 import sys
 import threading
@@ -18,7 +20,8 @@ import pytest
 
 from nbckpt import ConfigError
 from nbckpt.bench import OVERHEAD_DEFINITION
-from nbckpt.notebook._lab import LOG_LINES, SYNTHETIC, Lab, devices, live_lab
+from nbckpt.notebook._lab import Lab, live_lab
+from nbckpt.notebook._lab_view import LOG_LINES, SYNTHETIC, devices
 
 
 def make_lab(path: Path, **options: Any) -> Lab:
@@ -265,3 +268,26 @@ def test_the_live_figure_drops_the_listeners_of_removed_views(tmp_path: Path) ->
     esm = lab.figure._esm
     assert "rendering = context.model" in esm and "(rendering ?? model).on" in esm
     assert json.dumps(str(go.FigureWidget._esm))[:2000] in esm
+
+
+def test_failures_the_lab_cannot_show_go_to_the_nbckpt_logger(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def posted(*items: tuple[str, Any]) -> queue.Queue[tuple[str, Any]]:
+        source: queue.Queue[tuple[str, Any]] = queue.Queue()
+        for item in (*items, ("finished", None)):
+            source.put(item)
+        return source
+
+    def broken(batch: list[tuple[str, Any]]) -> None:
+        raise RuntimeError("the widget is gone")
+
+    lab = make_lab(tmp_path / "lab")
+    monkeypatch.setattr(lab, "_apply", broken)
+    with caplog.at_level(logging.WARNING, logger="nbckpt"):
+        lab._update_loop(posted(("log", "a line")))
+        lab.close()  # a closed lab shows nothing: its run's failure is logged
+        lab._job = "run"
+        lab._update_loop(posted(("error", OSError(28, "No space left on device"))))
+    assert "the lab could not show an update: RuntimeError: the widget is gone" in caplog.text
+    assert "the closed lab's run failed: Storage error: No space left on device" in caplog.text

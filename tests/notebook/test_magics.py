@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -21,7 +23,8 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.testing.globalipapp import get_ipython
 
 from nbckpt import CheckpointError, SaveHandle
-from nbckpt.notebook._magics import MAGICS, CheckpointFailed, CheckpointMagics
+from nbckpt.notebook._cell import CheckpointFailed
+from nbckpt.notebook._magics import MAGICS, CheckpointMagics
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +103,7 @@ def test_sync_save_has_committed_when_it_returns(ip: InteractiveShell, tmp_path:
     # the directory's one Checkpointer is back in async mode afterwards
     later = ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 's'}")
     assert later.step == 2
-    assert magics_of(ip).checkpointers[str(tmp_path / "s")].config.mode == "async"
+    assert magics_of(ip).session.checkpointers[str(tmp_path / "s")].config.mode == "async"
     later.wait()
 
 
@@ -114,12 +117,12 @@ def test_default_directory_step_and_keep_reuse_one_checkpointer(
     second.wait()
     assert second.step == 1
     magics = magics_of(ip)
-    assert len(magics.checkpointers) == 1
-    ckpt = next(iter(magics.checkpointers.values()))
+    assert len(magics.session.checkpointers) == 1
+    ckpt = next(iter(magics.session.checkpointers.values()))
     assert ckpt.config.keep == 1
     third = ip.run_line_magic("ckpt_async", "model opt --keep 1")  # same options: same one
     third.wait()
-    assert next(iter(magics.checkpointers.values())) is ckpt
+    assert next(iter(magics.session.checkpointers.values())) is ckpt
     ip.run_line_magic("ckpt_wait", "")
     assert _eventually(lambda: [p.name for p in (tmp_path / "default").glob("step-*")]
                        == ["step-000002"])  # retention deletes on a thread of its own
@@ -219,28 +222,28 @@ def test_config_shows_and_sets_session_defaults(
     assert str(tmp_path / "default") in capsys.readouterr().out  # from NBCKPT_DIR
     ip.run_line_magic("ckpt_async", "model").wait()
     magics = magics_of(ip)
-    opened = magics.checkpointers[str(tmp_path / "default")]
+    opened = magics.session.checkpointers[str(tmp_path / "default")]
     capsys.readouterr()
     ip.run_line_magic("ckpt_config", f"-d {tmp_path / 'other'} --keep 2 --no-verify")
     out = capsys.readouterr().out
-    assert magics.defaults.dir == str(tmp_path / "other") and magics.defaults.keep == 2
+    assert magics.session.defaults.dir == str(tmp_path / "other") and magics.session.defaults.keep == 2
     # a frozen config is never changed: the idle Checkpointer is closed and a new one opened
     assert f"keep=2, verify=False for {tmp_path / 'default'}: reopened its Checkpointer" in out
     assert opened.config.keep is None and opened.config.verify is True
-    reopened = magics.checkpointers[str(tmp_path / "default")]
+    reopened = magics.session.checkpointers[str(tmp_path / "default")]
     assert reopened is not opened and (reopened.config.keep, reopened.config.verify) == (2, False)
     ip.run_line_magic("ckpt_async", "model").wait()
     assert (tmp_path / "other" / "step-000000").is_dir()
     ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'other'} --keep 1").wait()
     ip.run_line_magic("ckpt_config", "--writer-threads 3")  # leaves every keep alone
-    assert magics.checkpointers[str(tmp_path / "default")].config.writer_threads == 3
-    assert magics.checkpointers[str(tmp_path / "default")].config.keep == 2
-    assert magics.checkpointers[str(tmp_path / "other")].config.keep == 1
+    assert magics.session.checkpointers[str(tmp_path / "default")].config.writer_threads == 3
+    assert magics.session.checkpointers[str(tmp_path / "default")].config.keep == 2
+    assert magics.session.checkpointers[str(tmp_path / "other")].config.keep == 1
     ip.run_line_magic("ckpt_config", "--keep none")
-    assert magics.defaults.keep is None
-    assert all(c.config.keep is None for c in magics.checkpointers.values())
+    assert magics.session.defaults.keep is None
+    assert all(c.config.keep is None for c in magics.session.checkpointers.values())
     ip.run_line_magic("ckpt_config", "--reset")
-    assert magics.defaults.dir == str(tmp_path / "default") and magics.defaults.verify
+    assert magics.session.defaults.dir == str(tmp_path / "default") and magics.session.defaults.verify
 
 
 def test_an_option_changed_with_saves_in_flight_applies_once_they_commit(
@@ -250,17 +253,17 @@ def test_an_option_changed_with_saves_in_flight_applies_once_they_commit(
     target = tmp_path / "inflight"
     handle = ip.run_line_magic("ckpt_async", f"big -d {target} --step 1")
     magics = magics_of(ip)
-    opened = magics.checkpointers[str(target)]
+    opened = magics.session.checkpointers[str(target)]
     capsys.readouterr()
     ip.run_line_magic("ckpt_config", "--keep 1")
     out = capsys.readouterr().out
     if not handle.done():  # the usual case; a fast disk may have committed it already
         assert "applies once its 1 save(s) in flight have committed" in out
-        assert magics.checkpointers[str(target)] is opened  # the cell did not wait
+        assert magics.session.checkpointers[str(target)] is opened  # the cell did not wait
     ip.run_line_magic("ckpt_async", f"big -d {target}")
     ip.run_line_magic("ckpt_wait", "")
     assert handle.done() and handle.error is None  # committed under the old options
-    assert magics.checkpointers[str(target)].config.keep == 1
+    assert magics.session.checkpointers[str(target)].config.keep == 1
     assert opened.config.keep is None
     assert _eventually(lambda: sorted(p.name for p in target.glob("step-*")) == ["step-000002"])
     ip.user_ns.pop("big")
@@ -271,13 +274,13 @@ def test_new_run_saves_into_a_fresh_run_directory(
 ) -> None:
     ip.run_line_magic("ckpt_sync", "model --step 3")
     ip.run_line_magic("ckpt_config", "--new-run")
-    run = magics_of(ip).defaults.run
+    run = magics_of(ip).session.defaults.run
     assert run is not None and Path(run).parent == tmp_path / "default"
     assert Path(run).name.startswith("run-") and not list(Path(run).iterdir())
     handle = ip.run_line_magic("ckpt_sync", "model")
     assert handle.step == 0 and (Path(run) / "step-000000").is_dir()  # step 3 is elsewhere
     ip.run_line_magic("ckpt_config", f"-d {tmp_path / 'x'}")
-    assert magics_of(ip).defaults.run is None
+    assert magics_of(ip).session.defaults.run is None
 
 
 def test_wait_counts_this_sessions_saves(
@@ -366,7 +369,7 @@ def test_every_magic_answers_help(
         assert "::" not in out and "``" not in out  # plain text, no reST
     doc = ip.find_line_magic(name).__doc__
     assert doc is not None and doc.strip() == out.strip()  # %ckpt_x? shows the same help
-    assert not list(tmp_path.glob("**/step-*")) and not magics_of(ip).saves
+    assert not list(tmp_path.glob("**/step-*")) and not magics_of(ip).session.saves
 
 
 def test_help_texts_name_the_defaults(ip: InteractiveShell) -> None:
@@ -399,12 +402,28 @@ def test_load_twice_is_harmless_and_unload_releases_directories(
     ip.run_line_magic("reload_ext", "nbckpt")  # unload waits for the save and unlocks
     assert handle.done() and handle.error is None
     second = magics_of(ip)
-    assert second is not first and not first.checkpointers
+    assert second is not first and not first.session.checkpointers
     again = ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'r'}")  # lock was released
     assert again.wait().step == 1
     ip.run_line_magic("unload_ext", "nbckpt")
     assert ip.find_line_magic("ckpt_async") is None
     ip.run_line_magic("load_ext", "nbckpt")
+
+
+def test_load_ext_shows_the_loggers_warnings_until_unload(
+    ip: InteractiveShell, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logger = logging.getLogger("nbckpt")
+    worker = threading.Thread(target=logger.warning, args=("nbckpt: a failure in the background",))
+    worker.start()
+    worker.join()
+    logger.info("nbckpt: progress")  # below WARNING: not shown
+    err = capsys.readouterr().err
+    assert "nbckpt: a failure in the background\n" in err and "progress" not in err
+    ip.run_line_magic("unload_ext", "nbckpt")
+    logger.warning("nbckpt: after unload")
+    assert "after unload" not in capsys.readouterr().err
+    ip.run_line_magic("load_ext", "nbckpt")  # for the fixture, which unloads it
 
 
 def test_bench_in_batch_runs_and_returns_the_comparison(
@@ -542,9 +561,9 @@ class _RealKernel:
         self.km, self.kc = start_new_kernel(kernel_name="python3", cwd=str(cwd),
                                             env={**os.environ, **env})
 
-    def run(self, code: str, *, lab: bool = False, timeout: float = 180) -> str:
-        """Run a cell; return its stdout. ``lab``: with JupyterLab's request metadata, which
-        makes %ckpt_bench show the live lab."""
+    def run(self, code: str, *, lab: bool = False, timeout: float = 180, stream: str = "stdout") -> str:
+        """Run a cell; return what it wrote to ``stream``. ``lab``: with JupyterLab's request
+        metadata, which makes %ckpt_bench show the live lab."""
         kc = self.kc
         content = {"code": code, "silent": False, "store_history": True,
                    "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}
@@ -560,7 +579,7 @@ class _RealKernel:
             if message["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
                 continue
             body = message["content"]
-            if message["msg_type"] == "stream" and body["name"] == "stdout":
+            if message["msg_type"] == "stream" and body["name"] == stream:
                 out.append(body["text"])
             if message["msg_type"] == "status" and body["execution_state"] == "idle":
                 break
@@ -631,6 +650,17 @@ def test_rerunning_ckpt_bench_stops_the_previous_run_in_a_real_kernel(
         "lab.wait()\nprint(first.closed, first.running, lab is not first, lab.error)"
     )
     assert checks.strip() == "True False True None"
+
+
+def test_background_warnings_show_in_the_notebook_in_a_real_kernel(kernel: _RealKernel) -> None:
+    kernel.run("%load_ext nbckpt")
+    cell = ("import logging, threading\n"
+            "worker = threading.Thread(target=logging.getLogger('nbckpt').warning,\n"
+            "                          args=('nbckpt: could not remove an old checkpoint',))\n"
+            "worker.start(); worker.join()")
+    assert kernel.run(cell, stream="stderr") == "nbckpt: could not remove an old checkpoint\n"
+    kernel.run("%unload_ext nbckpt")
+    assert kernel.run(cell, stream="stderr") == ""
 
 
 def test_extension_import_is_lazy() -> None:

@@ -1,0 +1,41 @@
+"""The one set of assumptions the report and notebook 07 advise with (:data:`DEFAULTS`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ._interval import node_mtbf_hours
+
+__all__ = ["DEFAULTS", "AdvisorDefaults"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvisorDefaults:
+    """The one set of assumptions the report and notebook 07 use (their parameter cells
+    repeat these values, and a test keeps them equal)."""
+
+    mtbf_hours: float = float(round(node_mtbf_hours()))
+    """Node MTBF, hours: Llama 3's 419 interruptions in 54 days on 16,384 GPUs (8 per node)."""
+    gpus: int = 1024
+    """GPUs of the job advised for (an assumption, not this machine)."""
+    gpus_per_node: int = 8
+    restore_s: float = 120.0
+    """Restart and load time after a failure (an assumption; measure yours)."""
+    storage_gbs: float = 100.0
+    """Aggregate write bandwidth of the storage in the projection, GB/s (an assumption)."""
+    d2h_gbs: float = 52.8
+    """Per-rank device-to-host staging rate in the projection: nvbandwidth's H100
+    ``device_to_host_memcpy_sm``, an SM-kernel copy; torch's tensor copies use the copy
+    engines, which that source does not measure."""
+    gpu_memory_gb: float = 80.0
+    """GPU memory per rank (H100 80GB): more state per rank than this cannot exist."""
+    interval_s: float = 1800.0
+    """Checkpoint interval the projected overhead is computed for."""
+    sharding: str = "full"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+DEFAULTS = AdvisorDefaults()

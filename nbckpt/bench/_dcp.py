@@ -1,0 +1,350 @@
+"""PyTorch DCP's strategies: ``dcp.save``, ``dcp.async_save`` with a thread, with DCP's checkpoint
+process, and at its best (a reused ``DefaultStager``, cached plans, the process executor).
+
+The strategies that use DCP's process executor (``dcp-async-process``, ``dcp-async-stager``)
+need a process group; outside ``torchrun`` they start a gloo group of one on loopback. torch
+spawns its checkpoint process on the first such save, which re-imports ``__main__``: a script
+that runs them needs an ``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+    async_save,
+)
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from .._errors import ConfigError
+from ..engine import Timeline, now_ns, step_name
+from ._strategy import BlockingSave, Strategy, failing_as, plain_state, tensor_bytes
+
+__all__ = ["DcpAsync", "DcpAsyncProcess", "DcpAsyncStager", "DcpSync"]
+
+# A wait shorter than this is bookkeeping (the future was already done), not backpressure.
+_WAIT_NOISE_NS = 100_000
+
+
+class DcpSync(BlockingSave):
+    name = "dcp-sync"
+    description = "torch.distributed.checkpoint.save (single process)"
+    writer = "dcp.save"
+
+    def write(self, plain: dict[str, Any], path: str) -> None:
+        dcp_save(plain, checkpoint_id=path, no_dist=not dist.is_initialized())
+
+
+class DcpAsync(Strategy):
+    """``dcp.async_save`` with torch's defaults: a fresh CPU copy per save, a writer thread.
+
+    Like torchtitan, a save first waits for the previous one (recorded as ``wait``).
+    """
+
+    name = "dcp-async"
+    description = "torch.distributed.checkpoint.async_save, default settings (thread)"
+    executor = AsyncCheckpointerType.THREAD
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(storage_options)
+        self._pending: tuple[int, Future[Any], threading.Event] | None = None
+
+    def _async_save(self, plain: dict[str, Any], path: str) -> Future[Any] | AsyncSaveResponse:
+        return async_save(
+            plain,
+            checkpoint_id=path,
+            async_checkpointer_type=self.executor,
+            no_dist=not dist.is_initialized(),
+        )
+
+    def save(self, state: Mapping[str, Any], step: int) -> None:
+        self._wait_pending(record_wait=True)
+        begin = now_ns()
+        plain = plain_state(state)
+        path = os.path.join(self.path, step_name(step))
+        with failing_as(f"dcp.async_save of step {step} to {path}"):
+            response = self._async_save(plain, path)
+        returned = now_ns()
+        if isinstance(response, AsyncSaveResponse):
+            staging, upload = response.staging_completion, response.upload_completion
+        else:
+            staging, upload = None, response
+        self._track(step, nbytes=tensor_bytes(plain), begin=begin, returned=returned,
+                    staging=staging, upload=upload)
+
+    def _track(self, step: int, *, nbytes: int, begin: int, returned: int,
+               staging: Future[Any] | None, upload: Future[Any]) -> None:
+        """Record ``stage`` until the copy is done and ``persist`` from then until durable."""
+        staged_at = [returned]
+        if staging is None:
+            self.record("stage", begin, returned, step=step, nbytes=nbytes)
+        else:
+            def on_staged(done: Future[Any]) -> None:
+                staged_at[0] = now_ns()
+                kind = "error" if done.exception() is not None else "stage"
+                self.record(kind, begin, staged_at[0], step=step, nbytes=nbytes)
+
+            staging.add_done_callback(on_staged)
+        recorded = threading.Event()
+
+        def on_done(done: Future[Any]) -> None:
+            try:
+                kind = "error" if done.exception() is not None else "persist"
+                self.record(kind, staged_at[0], step=step, nbytes=nbytes)
+            finally:
+                recorded.set()
+
+        upload.add_done_callback(on_done)
+        self._pending = (step, upload, recorded)
+
+    def _wait_pending(self, *, record_wait: bool) -> None:
+        if self._pending is None:
+            return
+        step, future, recorded = self._pending
+        self._pending = None
+        begin = now_ns()
+        try:
+            with failing_as(f"{self.name} of step {step} to {self.path}"):
+                future.result()
+        finally:
+            # add_done_callback runs after waiters wake: wait for the persist event too.
+            recorded.wait()
+        if record_wait and now_ns() - begin > _WAIT_NOISE_NS:
+            self.record("wait", begin, step=step)
+
+    def finish(self) -> None:
+        self._wait_pending(record_wait=False)
+
+    def close(self) -> None:
+        # Never leave a save running behind a closed strategy; its error was finish()'s to raise.
+        if self._pending is not None:
+            self._pending[1].exception()
+            self._pending[2].wait()
+            self._pending = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# -- DCP's checkpoint process, started quietly ------------------------------------------------
+# torch's checkpoint process sets its root logger to INFO and logs every request at INFO on
+# stderr (a notebook shows each line). nbckpt starts that process with a target of its own
+# that lowers the level to WARNING inside the child only, then runs torch's loop; the swap of
+# the target lasts from nbckpt's save call until the spawn is over.
+
+_SPAWN_LOCK = threading.Lock()
+
+
+def _warning_logger(rank: int) -> None:
+    """Stands in for DCP's ``_init_logger`` in the checkpoint process: warnings and errors only."""
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING)
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter(f"[{rank}] %(asctime)s - %(name)s - %(levelname)s - %(message)s"))
+    root.addHandler(handler)
+
+
+def _quiet_checkpoint_process(pg_init_info: Any, parent_conn: Any) -> None:
+    """The spawned checkpoint process's target (importable, so ``spawn`` can pickle it)."""
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    executor._init_logger = _warning_logger  # type: ignore[attr-defined]  # this child only
+    # Ctrl-C in a terminal, or a Jupyter kernel's interrupt and shutdown, signal the whole process
+    # group: the writer would die mid-checkpoint with a traceback. Its parent ends it instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    executor._AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
+
+
+def _quiet_spawn() -> Callable[[], None]:
+    """Make the next spawn of DCP's checkpoint process quiet; returns the undo (idempotent).
+
+    A no-op where the process already runs or torch's internals differ from torch 2.13's.
+    """
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as executor
+    except ImportError:
+        return lambda: None
+    holder = getattr(executor, "_AsyncCheckpointProcess", None)
+    original = holder.__dict__.get("_checkpointing_subprocess") if holder is not None else None
+    if getattr(executor, "_CHECKPOINT_PROCESS", True) is not None or not isinstance(original, staticmethod):
+        return lambda: None
+    quiet = staticmethod(_quiet_checkpoint_process)
+    with _SPAWN_LOCK:
+        holder._checkpointing_subprocess = quiet  # type: ignore[union-attr]
+
+    def undo() -> None:
+        with _SPAWN_LOCK:
+            if holder.__dict__.get("_checkpointing_subprocess") is quiet:  # type: ignore[union-attr]
+                holder._checkpointing_subprocess = original  # type: ignore[union-attr]
+
+    return undo
+
+
+class DcpAsyncProcess(DcpAsync):
+    """``dcp.async_save`` with torch's process executor (needs a process group).
+
+    Outside ``torchrun`` it starts a gloo group of world size 1 on a free loopback port
+    and destroys it in :meth:`close`. torch keeps its checkpoint process for the life of
+    the interpreter (a daemon), so only the first save pays for spawning it.
+    """
+
+    name = "dcp-async-process"
+    description = "torch.distributed.checkpoint.async_save with the process executor"
+    executor = AsyncCheckpointerType.PROCESS
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(storage_options)
+        self._own_group = False
+
+    def open(self, directory: str, timeline: Timeline) -> None:
+        super().open(directory, timeline)
+        if dist.is_initialized():
+            return
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        try:
+            dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
+        except Exception as exc:
+            raise ConfigError(
+                f"{self.name} needs a process group and starting a gloo group of one on "
+                f"{address} failed ({type(exc).__name__}: {exc}); run under torchrun instead"
+            ) from exc
+        self._own_group = True
+
+    @contextmanager
+    def _loopback_master(self) -> Iterator[None]:
+        """For a group of our own, DCP's checkpoint process rendezvous on loopback: torch
+        otherwise takes the host's fully qualified name, which need not resolve to this host."""
+        if not self._own_group or "MASTER_ADDR" in os.environ:
+            yield
+            return
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        try:
+            yield
+        finally:
+            os.environ.pop("MASTER_ADDR", None)
+
+    def _process_save(self, plain: dict[str, Any], path: str,
+                      **options: Any) -> Future[Any] | AsyncSaveResponse:
+        undo = _quiet_spawn()
+        try:
+            with self._loopback_master():
+                response = async_save(
+                    plain,
+                    checkpoint_id=path,
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                    no_dist=not dist.is_initialized(),
+                    **options,
+                )
+        except BaseException:
+            undo()
+            raise
+        upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+        upload.add_done_callback(lambda _: undo())
+        return response
+
+    def _async_save(self, plain: dict[str, Any], path: str) -> Future[Any] | AsyncSaveResponse:
+        return self._process_save(plain, path)
+
+    def close(self) -> None:
+        super().close()
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._own_group = False
+
+
+class _CachedPlanner(DefaultSavePlanner):
+    """DCP's planner with cached save plans, under a cache key of its own: DCP keys its
+    class-level plan cache by class name, and a user's own cached planner must not share it."""
+
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+
+
+class DcpAsyncStager(DcpAsyncProcess):
+    """DCP at its best, as torchtitan's ``async_with_pinned_mem`` runs it.
+
+    A ``DefaultStager`` reused across saves copies the state into the same (shared, and on
+    CUDA pinned) host buffers in a background thread; save plans are cached; the write runs
+    in DCP's checkpoint process. ``save`` returns once the copy is queued; the copy must end
+    before the optimizer changes the parameters, so :meth:`before_step` waits for it (that
+    wait counts as stall, as ``nbckpt-async-overlap``'s does). One save in flight: the next
+    save waits for the previous upload, because the reused buffers are what it reads.
+    """
+
+    name = "dcp-async-stager"
+    description = ("DCP at its best: reused DefaultStager, cached save plans, process "
+                   "executor (torchtitan's async_with_pinned_mem)")
+    blocks_before_step = True
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(storage_options)
+        self._stager: DefaultStager | None = None
+        self._planner: _CachedPlanner | None = None
+        self._staging: tuple[int, Future[Any]] | None = None
+
+    def open(self, directory: str, timeline: Timeline) -> None:
+        super().open(directory, timeline)
+        # Pinned memory and non-blocking copies need an accelerator; a CPU-only torch refuses them.
+        cuda = torch.cuda.is_available()
+        try:
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
+                use_non_blocking_copy=cuda,
+            ))
+        except BaseException:
+            super().close()
+            raise
+        self._planner = _CachedPlanner()
+
+    def _async_save(self, plain: dict[str, Any], path: str) -> Future[Any] | AsyncSaveResponse:
+        if self._stager is None or self._planner is None:
+            raise ConfigError(f"strategy {self.name} is not open; call open() first")
+        return self._process_save(plain, path, async_stager=self._stager, planner=self._planner)
+
+    def _track(self, step: int, *, nbytes: int, begin: int, returned: int,
+               staging: Future[Any] | None, upload: Future[Any]) -> None:
+        super()._track(step, nbytes=nbytes, begin=begin, returned=returned, staging=staging,
+                       upload=upload)
+        self._staging = (step, staging) if staging is not None else None
+
+    def before_step(self) -> None:
+        if self._staging is None:
+            return
+        step, staging = self._staging
+        self._staging = None
+        with failing_as(f"{self.name}: copying step {step} into the staging buffers"):
+            staging.result()
+
+    def finish(self) -> None:
+        self.before_step()
+        super().finish()
+
+    def close(self) -> None:
+        if self._staging is not None:
+            self._staging[1].exception()
+            self._staging = None
+        try:
+            super().close()  # waits for the upload still reading the buffers
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            self._planner = None

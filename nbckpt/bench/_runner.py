@@ -1,0 +1,330 @@
+"""Training runs that checkpoint with a strategy and record everything: :func:`run_experiment`.
+
+A run is a *lane*: one strategy's training, in chunks of one checkpoint cycle. A comparison
+opens several lanes at once and runs their chunks in turn (:func:`run_lanes`); each lane's
+clock, load record and timeline only run during its own chunks, so it reads as if it had
+trained alone.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import psutil
+import torch
+
+from .._errors import ConfigError
+from .._util import MIB, check_count
+from ..engine import Event, Timeline, now_ns
+from ._load import Load, LoadMonitor, combine_loads
+from ._result import ExperimentResult
+from ._strategies import get_strategy
+from ._strategy import Strategy
+from ._workloads import Workload
+
+__all__ = [
+    "EventCallback",
+    "Lane",
+    "Progress",
+    "check_run_args",
+    "resolve_device",
+    "run_experiment",
+    "run_lanes",
+]
+
+EventCallback = Callable[[Event], None]
+Progress = Callable[[str], None]
+
+_MEMORY_SAMPLE_S = 0.01
+# A wait for background work shorter than this is the strategy's bookkeeping, not backpressure.
+_SETTLE_NOISE_NS = 100_000
+
+
+def check_run_args(steps: int, every: int) -> None:
+    """ConfigError unless ``steps`` and ``every`` make a run that saves at least once."""
+    check_count(steps, "steps")
+    check_count(every, "every")
+    if every > steps:
+        raise ConfigError(f"every ({every}) must not exceed steps ({steps}): nothing would be saved")
+
+
+def resolve_device(workload: Workload, device: str | None) -> str:
+    """The workload's device; ConfigError when ``device`` names another one."""
+    if device is not None and device != workload.device:
+        raise ConfigError(f"device {device!r} differs from the workload's device {workload.device!r}")
+    return workload.device
+
+
+class _MemorySampler:
+    """RSS of this process, sampled on a background thread: its peak since the last reset."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self.peak = self.rss()
+        self._thread = threading.Thread(target=self._run, name="nbckpt-memory", daemon=True)
+
+    def rss(self) -> int:
+        return int(self._process.memory_info().rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(_MEMORY_SAMPLE_S):
+            self.peak = max(self.peak, self.rss())
+
+    def reset(self) -> int:
+        """Start a new peak at the current RSS, which it returns."""
+        now = self.rss()
+        self.peak = now
+        return now
+
+    def __enter__(self) -> _MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Lane:
+    """One strategy's run, trained in chunks of one checkpoint cycle.
+
+    In a repeat of several strategies the chunks of all strategies alternate (see
+    :func:`nbckpt.bench.compare`); the lane's clock only runs during its own chunks, so its
+    loop time, load record and timeline read as if it had trained alone. Each chunk starts
+    with the checkpoint due before it (its copy or write then overlaps the chunk's steps, as
+    in a training loop) and, when another strategy comes next, ends by waiting for the
+    strategy's background work: that wait is what the next save would have waited for, and
+    counts.
+    """
+
+    def __init__(self, name: str, strategy: Strategy, workload: Workload, *, steps: int, every: int,
+                 device: str, on_event: EventCallback | None, progress: Progress | None,
+                 repeat: int) -> None:
+        self.name, self.strategy, self.workload = name, strategy, workload
+        self.steps, self.every, self.device, self.repeat = steps, every, device, repeat
+        self.on_event, self.progress = on_event, progress
+        self.timeline = Timeline(label=name)
+        self.timeline.add_listener(self._listen)
+        self.recorded: list[Event] = []
+        self.active = False  # events count during the lane's chunks only (warm-up excluded)
+        self.origin_ns: int | None = None
+        self.shift_ns = 0  # time other lanes ran, cut out of this lane's clock
+        self.paused_ns = 0
+        self.loop_ns = 0
+        self.pending: list[int] = []  # the last checkpoint whose copy may still be running
+        self.loads: list[Load] = []
+        self.monitor: LoadMonitor | None = None
+        self.steps_done = 0
+        self.stopped = False
+        self.held_rss = 0  # what opening and the warm-up save left resident
+        self.rss_at_resume = 0
+        self.peak_above = 0  # the most RSS rose above its level at the start of a chunk
+        self.peak_device = 0
+        self.engine_cpu_s: float | None = None
+        self.finished = False  # every chunk ran, the final checkpoint included
+
+    def _listen(self, event: Event) -> None:
+        if not self.active:
+            return
+        moved = replace(event, start_ns=event.start_ns - self.shift_ns, end_ns=event.end_ns - self.shift_ns)
+        self.recorded.append(moved)
+        if self.on_event is not None:
+            self.on_event(moved)
+
+    def open(self, directory: str, warmup: bool, memory: _MemorySampler) -> None:
+        before = memory.rss()
+        self.strategy.open(directory, self.timeline)
+        if warmup and self.strategy.writes_checkpoints:
+            self.strategy.save(self.workload.state(), 0)
+            self.strategy.before_step()
+            self.strategy.finish()
+        self.held_rss = max(memory.rss() - before, 0)
+
+    def resume(self, memory: _MemorySampler) -> None:
+        if self.active:  # alone, a lane's chunks run back to back
+            return
+        now = now_ns()
+        if self.origin_ns is None:
+            self.origin_ns = now
+        else:
+            self.shift_ns += now - self.paused_ns
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.rss_at_resume = memory.reset()
+        self.monitor = LoadMonitor()
+        self.active = True
+
+    def _before_update(self) -> None:
+        begin = now_ns()
+        self.strategy.before_step()
+        if self.strategy.blocks_before_step and self.pending:
+            self.timeline.record("stall", begin, step=self.pending.pop(), part="before_step")
+
+    def chunk(self, first: int, last: int, stop: threading.Event | None) -> bool:
+        """Save the checkpoint due after step ``first - 1``, then train ``first..last``;
+        False when ``stop`` ended it early."""
+        begin = now_ns()
+        try:
+            due = first - 1
+            if self.strategy.writes_checkpoints and due > 0 and due % self.every == 0:
+                self.workload.step = due
+                started = now_ns()
+                self.strategy.save(self.workload.state(), due)
+                stall = self.timeline.record("stall", started, step=due, nbytes=self.workload.nbytes,
+                                             part="save")
+                self.pending[:] = [due]
+                if self.progress is not None:
+                    self.progress(f"[{self.name}] step {due}/{self.steps}: checkpoint stalled "
+                                  f"{stall.duration_s:.3f} s")
+                if stop is not None and stop.is_set() and due < self.steps:
+                    self.stopped = True
+                    return False
+            for step in range(first, last + 1):
+                self.workload.step = step - 1  # every lane trains on the same batches
+                started = now_ns()
+                self.workload.train_step(self._before_update)
+                self.timeline.record("step", started, step=step)
+                self.steps_done += 1
+                if stop is not None and stop.is_set() and step < self.steps:
+                    self.stopped = True
+                    return False
+            return True
+        finally:
+            self.loop_ns += now_ns() - begin
+
+    def settle(self, next_save: int | None) -> None:
+        """Wait for the strategy's background work. Before another lane runs, the wait stands
+        for the backpressure the next save (``next_save``) would have met, and counts."""
+        begin = now_ns()
+        self.strategy.finish()
+        waited = now_ns() - begin
+        if next_save is not None and waited > _SETTLE_NOISE_NS:
+            self.timeline.record("stall", begin, step=next_save, part="wait")
+            self.loop_ns += waited
+
+    def pause(self, memory: _MemorySampler) -> None:
+        if not self.active:
+            return
+        if self.monitor is not None:
+            self.loads.append(self.monitor.stop())
+        self.peak_above = max(self.peak_above, memory.peak - self.rss_at_resume)
+        if self.device == "cuda":
+            self.peak_device = max(self.peak_device, torch.cuda.max_memory_allocated())
+        self.active = False
+        self.paused_ns = now_ns()
+
+    def result(self, base_rss: int) -> ExperimentResult:
+        timeline = Timeline(label=self.name)
+        timeline.origin_ns = self.origin_ns or now_ns()
+        timeline.extend(self.recorded)
+        return ExperimentResult(
+            strategy=self.name,
+            workload=self.workload.describe(),
+            device=self.device,
+            steps=self.steps,
+            every=self.every,
+            bytes=self.workload.nbytes,
+            timeline=timeline,
+            wall_s=self.loop_ns / 1e9,
+            peak_host_mb=(base_rss + self.held_rss + self.peak_above) / MIB,
+            peak_device_mb=self.peak_device / MIB if self.device == "cuda" else math.nan,
+            stopped=not self.finished,
+            events=list(self.recorded),
+            load=combine_loads(self.loads),
+            repeat=self.repeat,
+            engine_cpu_s=math.nan if self.engine_cpu_s is None else self.engine_cpu_s,
+        )
+
+
+def run_lanes(
+    lanes: list[Lane],
+    directory: str,
+    *,
+    steps: int,
+    every: int,
+    stop: threading.Event | None,
+    warmup: bool,
+) -> list[ExperimentResult]:
+    """Open every lane, run their chunks in turn (rotated by one place per cycle), close them.
+
+    With one lane the chunks run back to back: a plain training run. The last cycle holds
+    only the final checkpoint, when ``steps`` is a multiple of ``every``.
+    """
+    cycles = [(first, min(first + every - 1, steps)) for first in range(1, steps + 1, every)]
+    if steps % every == 0:
+        cycles.append((steps + 1, steps))  # the final checkpoint, no steps after it
+    opened: list[Lane] = []
+    with _MemorySampler() as memory:
+        base_rss = memory.rss()
+        try:
+            for lane in lanes:
+                opened.append(lane)
+                lane.open(directory, warmup, memory)
+            alone = len(lanes) == 1
+            stopped = False
+            for index, (first, last) in enumerate(cycles):
+                final = index == len(cycles) - 1
+                for lane in lanes[index % len(lanes):] + lanes[: index % len(lanes)]:
+                    if stop is not None and stop.is_set() and not alone:
+                        stopped = True
+                        break
+                    lane.resume(memory)
+                    completed = lane.chunk(first, last, stop)
+                    if not alone or final or not completed:
+                        # The next chunk starts with the checkpoint of step `last`, if one is due.
+                        due = last if completed and not final and last % every == 0 else None
+                        lane.settle(due)
+                        lane.pause(memory)
+                    lane.finished = completed and final
+                    if not completed:
+                        stopped = True
+                        break
+                if stopped:
+                    break
+            for lane in lanes:
+                if lane.active:  # alone and stopped between steps: wait for its saves
+                    lane.settle(None)
+                    lane.pause(memory)
+                lane.engine_cpu_s = lane.strategy.save_cpu_s()
+        finally:
+            for lane in reversed(opened):
+                lane.active = False
+                lane.strategy.close()
+        return [lane.result(base_rss) for lane in lanes]
+
+
+def run_experiment(
+    workload: Workload,
+    strategy: str | Strategy,
+    directory: str,
+    *,
+    steps: int,
+    every: int,
+    device: str | None = None,
+    on_event: EventCallback | None = None,
+    stop: threading.Event | None = None,
+    warmup: bool = False,
+    progress: Progress | None = None,
+    storage_options: dict[str, Any] | None = None,
+    repeat: int = 0,
+) -> ExperimentResult:
+    """Train ``steps`` steps, checkpoint every ``every`` with ``strategy``, record everything.
+
+    ``on_event`` gets every event as it is recorded, on the thread that records it.
+    Setting ``stop`` ends the run after the current step; saves in flight still commit.
+    ``warmup`` makes one unrecorded save first (buffers, caches, spawned helpers).
+    Every run starts at the workload's step 0, so every strategy trains on the same batches.
+    """
+    check_run_args(steps, every)
+    device = resolve_device(workload, device)
+    chosen = get_strategy(strategy, **({"storage_options": storage_options} if storage_options else {}))
+    workload.build()
+    lane = Lane(chosen.name, chosen, workload, steps=steps, every=every, device=device,
+                on_event=on_event, progress=progress, repeat=repeat)
+    return run_lanes([lane], directory, steps=steps, every=every, stop=stop, warmup=warmup)[0]

@@ -1,0 +1,266 @@
+"""The :class:`Strategy` interface, and the strategies that need no process group.
+
+A strategy writes under ``<directory>/<name>/``. The experiment runner times every ``save``
+(and ``before_step`` where a strategy declares it may block) as the stall the training loop
+sees; strategies record what happens inside (``stage``, ``persist``, ``wait``, ``fsync``,
+``commit``) into the timeline they are given, so a timeline shows background persistence
+under the training steps. Here: the ``none`` baseline, ``torch-save`` and nbckpt's own
+:class:`~nbckpt.Checkpointer`; DCP's strategies are in :mod:`._dcp`.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from .._errors import CheckpointError, ConfigError, describe_error
+from .._util import fsync_dir, is_url
+from ..engine import Checkpointer, Event, Timeline, now_ns, step_name
+
+__all__ = [
+    "BlockingSave",
+    "NbckptAsync",
+    "NbckptAsyncOverlap",
+    "NbckptStrategy",
+    "NbckptSync",
+    "NoCheckpoint",
+    "Strategy",
+    "TorchSave",
+    "failing_as",
+    "join",
+    "plain_state",
+    "tensor_bytes",
+]
+
+
+def join(directory: str, name: str) -> str:
+    if is_url(directory):
+        return f"{directory.rstrip('/')}/{name}"
+    return os.path.join(directory.removeprefix("file://"), name)
+
+
+def plain_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with modules and optimizers replaced by their state dicts (what torch.save wants)."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+            return value.state_dict()
+        if isinstance(value, Mapping):
+            return {key: convert(item) for key, item in value.items()}
+        return value
+
+    return {key: convert(value) for key, value in state.items()}
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor in a nested dict/list structure."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(item) for item in value)
+    return 0
+
+
+@contextmanager
+def failing_as(what: str) -> Iterator[None]:
+    """Raise what the block raises as ``CheckpointError("<what> failed: ...")``, the cause kept.
+
+    The net is wide because DCP raises CheckpointException, a BaseException; Ctrl-C and
+    ``sys.exit`` still pass through unchanged.
+    """
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        raise CheckpointError(f"{what} failed: {describe_error(exc)}") from exc
+
+
+class Strategy(ABC):
+    """How a training loop checkpoints. The runner calls, in order::
+
+        open(directory, timeline)
+        for each step: before_step(); <train>; save(state, step) every k steps
+        finish(); close()
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    writes_checkpoints: ClassVar[bool] = True
+    """False only for the ``none`` baseline (the runner then never calls ``save``)."""
+    blocks_before_step: ClassVar[bool] = False
+    """True when ``before_step`` may wait for an earlier save (its time counts as stall)."""
+    local_only: ClassVar[bool] = True
+    """True when the strategy can only write to a local (or mounted) directory."""
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.path = ""
+        self._timeline: Timeline | None = None
+
+    @property
+    def timeline(self) -> Timeline:
+        if self._timeline is None:
+            raise ConfigError(f"strategy {self.name} is not open; call open() first")
+        return self._timeline
+
+    def open(self, directory: str, timeline: Timeline) -> None:
+        """Start writing under ``directory/<name>/`` and record events into ``timeline``."""
+        if self.local_only and is_url(directory):
+            raise ConfigError(
+                f"strategy {self.name} writes local files only, not to {directory}; "
+                "use the nbckpt-* strategies for object storage"
+            )
+        self.path = join(directory, self.name)
+        self._timeline = timeline
+        if self.writes_checkpoints and not is_url(self.path):
+            os.makedirs(self.path, exist_ok=True)
+
+    @abstractmethod
+    def save(self, state: Mapping[str, Any], step: int) -> None:
+        """Checkpoint ``state`` as ``step``; returns when training may continue."""
+
+    def before_step(self) -> None:  # noqa: B027 - optional hook
+        """Called before the training step mutates the state (after backward)."""
+
+    def finish(self) -> None:  # noqa: B027 - optional hook
+        """Block until every save is durable; raise CheckpointError if one failed."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what :meth:`open` took (after :meth:`finish`)."""
+
+    def save_cpu_s(self) -> float | None:
+        """CPU seconds the strategy's own threads spent on its saves so far, where it knows."""
+        return None
+
+    def record(self, kind: str, start_ns: int, end_ns: int | None = None, *,
+               step: int | None = None, nbytes: int = 0, **detail: Any) -> Event:
+        return self.timeline.record(kind, start_ns, end_ns, step=step, nbytes=nbytes, **detail)
+
+    def __repr__(self) -> str:
+        return f"<Strategy {self.name}>"
+
+
+class NoCheckpoint(Strategy):
+    name = "none"
+    description = "no checkpoints: the baseline"
+    writes_checkpoints = False
+    local_only = False
+
+    def save(self, state: Mapping[str, Any], step: int) -> None:
+        raise ConfigError("the 'none' strategy does not save")
+
+
+class BlockingSave(Strategy):
+    """A save that returns once the checkpoint is durable: one ``persist`` event, the whole save."""
+
+    writer: ClassVar[str] = ""
+    """What writes (``torch.save``), for error messages."""
+    suffix: ClassVar[str] = ""
+    """Appended to the step's name: the checkpoint's file or directory under :attr:`path`."""
+
+    def save(self, state: Mapping[str, Any], step: int) -> None:
+        begin = now_ns()
+        plain = plain_state(state)
+        path = os.path.join(self.path, step_name(step) + self.suffix)
+        with failing_as(f"{self.writer} of step {step} to {path}"):
+            self.write(plain, path)
+        self.record("persist", begin, step=step, nbytes=tensor_bytes(plain))
+
+    @abstractmethod
+    def write(self, plain: dict[str, Any], path: str) -> None:
+        """Write ``plain`` to ``path``, durably, before returning."""
+
+
+class TorchSave(BlockingSave):
+    name = "torch-save"
+    description = "torch.save of the state dicts to one file, fsync of file and directory"
+    writer = "torch.save"
+    suffix = ".pt"
+
+    def write(self, plain: dict[str, Any], path: str) -> None:
+        with open(path, "wb") as stream:
+            torch.save(plain, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        fsync_dir(self.path)
+
+
+class NbckptStrategy(Strategy):
+    """nbckpt's own :class:`~nbckpt.Checkpointer`; its events are forwarded to the timeline."""
+
+    mode: ClassVar[Literal["sync", "async"]] = "async"
+    overlap: ClassVar[bool] = False
+    local_only = False
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None, **options: Any) -> None:
+        super().__init__(storage_options)
+        self.options = options
+        self.checkpointer: Checkpointer | None = None
+
+    def open(self, directory: str, timeline: Timeline) -> None:
+        super().open(directory, timeline)
+        self.checkpointer = Checkpointer(
+            self.path, mode=self.mode, storage_options=self.storage_options, **self.options
+        )
+        self.checkpointer.timeline.add_listener(self._forward)
+
+    def _forward(self, event: Event) -> None:
+        # The runner times the stall itself (adapter included); everything else is the engine's.
+        if event.kind != "stall":
+            self.record(event.kind, event.start_ns, event.end_ns, step=event.step,
+                        nbytes=event.bytes, **event.detail)
+
+    def _require(self) -> Checkpointer:
+        if self.checkpointer is None:
+            raise ConfigError(f"strategy {self.name} is not open; call open() first")
+        return self.checkpointer
+
+    def save(self, state: Mapping[str, Any], step: int) -> None:
+        self._require().save(state, step, overlap=self.overlap)
+
+    def before_step(self) -> None:
+        if self.overlap:
+            self._require().wait_staged()
+
+    def finish(self) -> None:
+        self._require().wait()
+
+    def save_cpu_s(self) -> float | None:
+        # SaveRecord.cpu_s arrives with the engine rewrite; until then this knows nothing.
+        if self.checkpointer is None:
+            return None
+        values = [getattr(record, "cpu_s", None) for record in self.checkpointer.records]
+        if not values or any(value is None for value in values):
+            return None
+        return sum(float(value) for value in values if value is not None)
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            self.checkpointer = None
+
+
+class NbckptSync(NbckptStrategy):
+    name = "nbckpt-sync"
+    description = "nbckpt Checkpointer, mode='sync' (atomic, checksummed, blocking)"
+    mode = "sync"
+
+
+class NbckptAsync(NbckptStrategy):
+    name = "nbckpt-async"
+    description = "nbckpt Checkpointer, mode='async': copy into reused buffers, persist behind"
+
+
+class NbckptAsyncOverlap(NbckptStrategy):
+    name = "nbckpt-async-overlap"
+    description = "nbckpt async with overlap=True: the copy runs under the next forward/backward"
+    overlap = True
+    blocks_before_step = True

@@ -1,0 +1,141 @@
+"""How the magics read their line: argparse parsers whose ``--help`` is plain text, and the
+argument types and options several magics share."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, cast
+
+from IPython.core.magic import line_magic as _ipython_line_magic
+from IPython.core.magic_arguments import MagicArgumentParser
+from IPython.utils.text import dedent
+
+from .._errors import ConfigError
+from .._util import check_count
+
+__all__ = [
+    "DIR_ARG",
+    "SAVE_ARGS",
+    "arg",
+    "bench_parser",
+    "keep_value",
+    "line_magic",
+    "magic",
+    "positive",
+    "step_value",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+Argument = tuple[tuple[str, ...], dict[str, Any]]
+
+
+class _Decorator(Protocol):
+    def __call__(self, func: F, /) -> F: ...
+
+
+#: ``line_magic`` as a plain decorator (IPython types it as decorator-or-decorator-factory).
+line_magic = cast(_Decorator, _ipython_line_magic)
+
+
+def _parser(name: str, doc: str | None) -> MagicArgumentParser:
+    """A plain-text argparse parser for ``%name`` (IPython's default formats help as reST)."""
+    parser: MagicArgumentParser = MagicArgumentParser(  # type: ignore[no-untyped-call]
+        f"%{name}", description=dedent(doc or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and do nothing")
+    return parser
+
+
+def _wants_help(line: str) -> bool:
+    return any(token in ("-h", "--help") for token in line.split())
+
+
+def magic(*arguments: Argument,
+          parser: Callable[[str | None], MagicArgumentParser] | None = None) -> _Decorator:
+    """A line magic taking parsed arguments: ``--help`` prints the help; bad input is a UsageError.
+
+    ``arguments`` are :func:`arg` pairs; ``parser(docstring)`` builds the whole parser instead
+    (on first use, so that a heavy import waits until the magic runs). The help becomes the
+    magic's docstring when the extension loads.
+    """
+
+    def decorate(func: F) -> F:
+        @functools.cache
+        def build() -> MagicArgumentParser:
+            if parser is not None:
+                return parser(func.__doc__)
+            built = _parser(func.__name__, func.__doc__)
+            for flags, options in arguments:
+                built.add_argument(*flags, **options)
+            return built
+
+        @functools.wraps(func)
+        def wrapper(self: Any, line: str) -> Any:
+            if _wants_help(line):
+                print(build().format_help())
+                return None
+            args: argparse.Namespace = build().parse_argstring(line)  # type: ignore[no-untyped-call]
+            return func(self, args)
+
+        wrapper.parser = build  # type: ignore[attr-defined]
+        return cast(F, wrapper)
+
+    return decorate
+
+
+def arg(*flags: str, **options: Any) -> Argument:
+    """One ``add_argument`` call, for :func:`magic`."""
+    return flags, options
+
+
+def _integer(text: str, minimum: int, what: str) -> int:
+    try:
+        return check_count(int(text), "value", minimum=minimum)
+    except (ValueError, ConfigError):
+        raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}") from None
+
+
+def keep_value(text: str) -> int | None:
+    """argparse type of ``--keep``: a positive integer, or ``none`` for keeping everything."""
+    if text.lower() in ("none", "all"):
+        return None
+    return _integer(text, 1, "a positive integer or 'none'")
+
+
+def positive(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
+
+
+def step_value(text: str) -> int:
+    return _integer(text, 0, "a non-negative integer")
+
+
+DIR_ARG = arg("-d", "--dir",
+              help="checkpoint directory or s3:// URL (default: the one %%ckpt_config shows)")
+#: The arguments of ``%ckpt_async`` and ``%ckpt_sync``.
+SAVE_ARGS = (
+    DIR_ARG,
+    arg("--step", type=step_value,
+        help="step number (default: one past the newest step in the directory)"),
+    arg("--keep", type=keep_value, default=argparse.SUPPRESS, metavar="K",
+        help="keep only the newest K checkpoints of this directory, 'none' keeps all "
+        "(default: %%ckpt_config's keep)"),
+    arg("names", nargs="+", metavar="NAME",
+        help="notebook variables to save: modules, optimizers, tensors, dicts, plain values"),
+)
+
+
+@functools.cache
+def bench_parser(doc: str | None) -> MagicArgumentParser:
+    """``%ckpt_bench``'s parser: ``nbckpt bench``'s options plus ``--static``."""
+    from .. import bench
+
+    parser = _parser("ckpt_bench", doc)
+    bench.add_bench_arguments(parser)
+    parser.add_argument("--static", action="store_true",
+                        help="run in the foreground and show static figures, as in batch runs "
+                        "(default: live lab in JupyterLab)")
+    return parser

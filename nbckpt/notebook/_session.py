@@ -1,0 +1,324 @@
+"""One notebook session's checkpointing, behind the magics: its options (``%ckpt_config``), one
+Checkpointer per directory, its saves with their live status lines, and the timeline of them all.
+
+A Checkpointer's config is frozen: when an option changes, the session closes the directory's
+Checkpointer once its saves in flight have committed and opens a new one with the new config,
+and says so in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from IPython.core.error import UsageError
+
+from .._errors import CheckpointError, ConfigError, NbckptError
+from .._util import format_bytes, is_url, run_directory
+from ..engine import CheckpointConfig, Checkpointer, SaveHandle, events_to_pandas, now_ns
+from ._cell import CheckpointFailed, engine_call, one_line
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["DIR_ENV", "OPTIONS", "Save", "SaveStatus", "Session", "SessionDefaults"]
+
+_log = logging.getLogger("nbckpt")
+
+#: Environment variable that sets the session's default checkpoint directory.
+DIR_ENV = "NBCKPT_DIR"
+#: The Checkpointer options the session sets (``%ckpt_config``), as CheckpointConfig fields.
+OPTIONS = ("keep", "max_inflight", "writer_threads", "verify", "capture_rng")
+
+
+def _default_dir() -> str:
+    return os.environ.get(DIR_ENV) or "checkpoints"
+
+
+@dataclass(kw_only=True)
+class SessionDefaults:
+    """What ``%ckpt_config`` shows and sets; every directory's Checkpointer is opened with it."""
+
+    dir: str = field(default_factory=_default_dir)
+    run: str | None = None  # the run-* directory inside ``dir`` of ``%ckpt_config --new-run``
+    keep: int | None = None
+    max_inflight: int = 1
+    writer_threads: int = 2
+    verify: bool = True
+    capture_rng: bool = False
+
+    @property
+    def directory(self) -> str:
+        """Where saves go without ``-d``."""
+        return self.run or self.dir
+
+
+class SaveStatus:
+    """A compact, self-describing line for one save: staged, persisting, committed or failed."""
+
+    def __init__(self, handle: SaveHandle, directory: str, mode: str) -> None:
+        self.handle = handle
+        self.directory = directory
+        self.mode = mode
+
+    def _parts(self) -> tuple[str, str]:
+        h = self.handle
+        where = f" -> {self.directory}" if self.directory else ""
+        head = f"nbckpt {self.mode} step {h.step} ({format_bytes(h.bytes)}){where}"
+        error = h.error
+        if error is not None:
+            return "failed", f"{head}: failed: {one_line(error)}"
+        if h.committed.done():
+            record = h.committed.result()
+            return "committed", (
+                f"{head}: committed · stall {record.stall_s * 1e3:.1f} ms · "
+                f"persist {record.persist_s:.2f} s · {record.write_gbs:.2f} GB/s"
+            )
+        return h.phase, (
+            f"{head}: {h.phase} · stall {h.stall_s * 1e3:.1f} ms · writing in the background"
+        )
+
+    def __repr__(self) -> str:
+        return self._parts()[1]
+
+    def _repr_html_(self) -> str:
+        phase, text = self._parts()
+        colour = {"committed": "#1a7f37", "failed": "#cf222e"}.get(phase, "#9a6700")
+        return (
+            f'<div class="nbckpt-save nbckpt-{phase}" style="font-family:monospace;'
+            f'color:{colour}">{html.escape(text)}</div>'
+        )
+
+
+@dataclass(kw_only=True)
+class Save:
+    """One save of this session, for ``%ckpt_status``, ``%ckpt_wait`` and ``%ckpt_timeline``."""
+
+    key: str
+    directory: str
+    mode: str
+    names: tuple[str, ...]
+    handle: SaveHandle
+    shown_at: int = 0  # execution count of the cell whose magic displayed it
+    live: list[tuple[SaveStatus, Any]] = field(default_factory=list)  # (status, DisplayHandle)
+
+    def finalise(self, live: tuple[SaveStatus, Any]) -> None:
+        """Show the save's final state in one of its live displays (at most once)."""
+        try:
+            self.live.remove(live)
+        except ValueError:
+            return  # the commit callback and %ckpt_wait raced; the other one updated it
+        status, shown = live
+        shown.update(status)
+
+
+def _changes(changes: dict[str, Any]) -> str:
+    return ", ".join(f"{name}={value}" for name, value in changes.items())
+
+
+def _short_names(keys: list[str]) -> dict[str, str]:
+    """The last path part of each directory, or more of it where two would read the same."""
+    names: dict[str, str] = {}
+    for depth in range(1, 64):
+        names = {key: "/".join(key.rstrip("/").split("/")[-depth:]) for key in keys}
+        if len(set(names.values())) == len(names):
+            break
+    return names
+
+
+class Session:
+    """This session's options, Checkpointers (one per directory) and saves.
+
+    ``user_globals()`` is the notebook's namespace: engine warnings are pointed at the cell
+    that runs in it.
+    """
+
+    def __init__(self, user_globals: Callable[[], dict[str, Any]]) -> None:
+        self.defaults = SessionDefaults()
+        self.checkpointers: dict[str, Checkpointer] = {}
+        self.saves: list[Save] = []
+        self.origin_ns = now_ns()
+        self._user_globals = user_globals
+        self._keep: dict[str, int | None] = {}  # --keep given on a save, per directory
+        self._closed: list[Checkpointer] = []  # replaced ones: their events stay on the timeline
+        self._lock = threading.RLock()
+
+    def engine_call(self) -> AbstractContextManager[None]:
+        """Around a call into the engine (see :func:`._cell.engine_call`)."""
+        return engine_call(self._user_globals)
+
+    def key(self, directory: str | None) -> str:
+        """The session's name for ``directory`` (default: the session's)."""
+        directory = directory or self.defaults.directory
+        return directory if is_url(directory) else os.path.abspath(directory)
+
+    def checkpointer(self, directory: str | None = None) -> Checkpointer:
+        """The session's Checkpointer for ``directory``, opened with the session's options.
+
+        When an option changed since it was opened, it is closed once its saves in flight have
+        committed and a new one is opened with the changed config (one line says so).
+        """
+        directory = directory or self.defaults.directory
+        key = self.key(directory)
+        with self._lock:
+            wanted = self._wanted(key)
+            ckpt = self.checkpointers.get(key)
+            if ckpt is not None:
+                changes = {k: v for k, v in wanted.items() if getattr(ckpt.config, k) != v}
+                if not changes:
+                    return ckpt
+                return self._reopen(key, changes)
+            try:
+                with self.engine_call():
+                    ckpt = Checkpointer(directory, config=CheckpointConfig(mode="async", **wanted))
+            except (UsageError, CheckpointFailed) as exc:
+                raise UsageError(f"cannot checkpoint to {directory!r}: {exc}") from None
+            self.checkpointers[key] = ckpt
+            return ckpt
+
+    def keep_in(self, directory: str | None, keep: int | None) -> None:
+        """``--keep`` of a save: how many checkpoints ``directory`` keeps from now on."""
+        self._keep[self.key(directory)] = keep
+
+    def save(self, state: dict[str, Any], *, names: Sequence[str], mode: str,
+             directory: str | None = None, step: int | None = None) -> Save:
+        """Save ``state`` (``mode`` ``sync`` blocks until it is durable) and record the save."""
+        key = self.key(directory)
+        ckpt = self.checkpointer(directory)
+        step = self._next_step(key, ckpt) if step is None else step
+        with self.engine_call():
+            # One Checkpointer per directory serves both modes: a sync save blocks per save.
+            handle = ckpt.save(state, step=step, blocking=mode == "sync")
+        save = Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names), handle=handle)
+        self.saves.append(save)
+        return save
+
+    def wait(self) -> NbckptError | None:
+        """Wait until every save has committed or failed; the first failure, if any."""
+        error: NbckptError | None = None
+        try:
+            for ckpt in list(self.checkpointers.values()):
+                try:
+                    ckpt.wait()
+                except NbckptError as exc:
+                    error = error or exc
+        finally:
+            # the commit callbacks may still be running: make every status final from here
+            for save in self.saves:
+                if save.handle.done():
+                    for live in list(save.live):
+                        save.finalise(live)
+        return error
+
+    def configure(self, options: dict[str, Any], *, reset: bool = False,
+                  directory: str | None = None, new_run: bool = False) -> None:
+        """Change the defaults (``options``: :data:`OPTIONS` given) and reopen the Checkpointers
+        they change; one that has saves in flight is reopened by its next save or restore."""
+        with self._lock:
+            if reset:
+                self.defaults = SessionDefaults()
+                self._keep.clear()
+            if directory is not None:
+                self.defaults.dir, self.defaults.run = directory, None
+            if "keep" in options:
+                self._keep.clear()  # a session-wide keep overrides the per-directory ones
+            for name, value in options.items():
+                setattr(self.defaults, name, value)
+            if new_run:
+                if is_url(self.defaults.dir):
+                    raise UsageError(f"--new-run needs a local directory, not {self.defaults.dir}")
+                try:
+                    self.defaults.run = str(run_directory(self.defaults.dir))
+                except ConfigError as exc:
+                    raise UsageError(one_line(exc)) from None
+            for key in list(self.checkpointers):
+                ckpt = self.checkpointers[key]
+                changes = {k: v for k, v in self._wanted(key).items() if getattr(ckpt.config, k) != v}
+                if not changes:
+                    continue
+                pending = len(self._in_flight(key))
+                if pending:  # never block the cell here: the next magic on it reopens it
+                    print(f"nbckpt: {_changes(changes)} for {ckpt.directory} applies once its "
+                          f"{pending} save(s) in flight have committed, from its next save or restore")
+                else:
+                    self._reopen(key, changes)
+
+    def settings(self) -> Iterator[tuple[str, Any]]:
+        """What ``%ckpt_config`` shows: the directory saves go to, then every default."""
+        yield "directory", self.defaults.directory
+        yield from asdict(self.defaults).items()
+
+    def timeline(self) -> pd.DataFrame:
+        """Every event of this session's Checkpointers, ``start_s`` from the session's start.
+
+        Lanes are labelled by what was saved (the magic's mode and variables), with the
+        directory's last path part in front when the session used several.
+        """
+        import pandas as pd
+
+        opened = [*self._closed, *self.checkpointers.values()]
+        keys = list(dict.fromkeys(self.key(ckpt.directory) for ckpt in opened))
+        short = _short_names(keys)
+        saves = {(save.key, save.handle.step): save for save in self.saves}
+        frames = []
+        for ckpt in opened:
+            key = self.key(ckpt.directory)
+            frame = events_to_pandas(ckpt.timeline.events, self.origin_ns)
+            prefix = f"{short[key]}: " if len(keys) > 1 else ""
+            labels = []
+            for step in frame["step"]:
+                save = saves.get((key, int(step))) if step is not None and step == step else None
+                what = f"{save.mode} {' '.join(save.names)}" if save else short[key]
+                labels.append(prefix + what if save else what)
+            frame["label"] = labels
+            frame["strategy"] = labels
+            frames.append(frame)
+        if not frames or all(frame.empty for frame in frames):
+            return pd.DataFrame()
+        return pd.concat(frames, ignore_index=True).sort_values("start_ns", ignore_index=True)
+
+    def close(self) -> None:
+        """Finish saves in flight and release every directory."""
+        for ckpt in self.checkpointers.values():
+            try:
+                ckpt.close()
+            except CheckpointError as exc:  # a save that failed in the background
+                _log.warning("nbckpt: %s", one_line(exc))
+        self._closed.extend(self.checkpointers.values())
+        self.checkpointers.clear()
+
+    def _wanted(self, key: str) -> dict[str, Any]:
+        """The options a directory's Checkpointer should have now."""
+        wanted = {name: getattr(self.defaults, name) for name in OPTIONS}
+        if key in self._keep:
+            wanted["keep"] = self._keep[key]
+        return wanted
+
+    def _in_flight(self, key: str) -> list[Save]:
+        return [save for save in self.saves if save.key == key and not save.handle.done()]
+
+    def _reopen(self, key: str, changes: dict[str, Any]) -> Checkpointer:
+        old = self.checkpointers[key]
+        waited = len(self._in_flight(key))
+        with self.engine_call():
+            try:
+                old.close()  # waits for the saves in flight: they commit with the old options
+            finally:  # closed even when a save of it failed: the next magic opens a new one
+                del self.checkpointers[key]
+                self._closed.append(old)
+            new = Checkpointer(old.directory, config=dataclasses.replace(old.config, **changes))
+        self.checkpointers[key] = new
+        after = f" after its {waited} save(s) in flight committed" if waited else ""
+        print(f"nbckpt: {_changes(changes)} for {old.directory}: reopened its Checkpointer{after}")
+        return new
+
+    def _next_step(self, key: str, ckpt: Checkpointer) -> int:
+        steps = ckpt.steps() + [save.handle.step for save in self.saves if save.key == key]
+        return max(steps) + 1 if steps else 0
