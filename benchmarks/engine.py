@@ -2,17 +2,19 @@
 
     .venv/bin/python benchmarks/engine.py --json data/results/engine-cpu.json
     .venv/bin/python benchmarks/engine.py --quick        # small sizes: checks the script (~1 min)
+    .venv/bin/python benchmarks/engine.py --reprint data/results/engine-cpu.json   # tables again
 
 Method. Every comparison runs its methods one after another within each repeat, so that drift
 on a shared machine hits all of them alike, and repeats that --repeats times. Each row gives
 the median and a 95 % interval (t-interval of the mean); each check is a ratio computed per
-repeat (paired) and reported the same way. CPU seconds are user+system time of this process
-and its children over the operation (background threads and DCP's writer process included),
-per GB of state. Floors are measured on the same bytes and the same directory: a raw write of
-the state's memory (2 files by 2 threads, large writes, fsync), the least pipeline with
-nbckpt's guarantees (copy into a reused buffer, xxh3, the same raw write), and a raw read of
-the checkpoint's files into fresh memory. Local-disk reads are made cold (the files' pages are
-dropped with posix_fadvise first); /dev/shm stands in for storage faster than one writer.
+repeat (paired): its median, and the interval of its geometric mean (a t-interval of the log).
+CPU seconds are user+system time of this process and its children over the operation
+(background threads and DCP's writer process included), per GB of state. Floors are measured on
+the same bytes and the same directory: a raw write of the state's memory (2 files by 2 threads,
+large writes, fsync), the least pipeline with nbckpt's guarantees (copy into a reused buffer,
+xxh3, the same raw write), and a raw read of the checkpoint's files into fresh memory. Local-disk
+reads are made cold (the files' pages are dropped with posix_fadvise first); /dev/shm
+stands in for storage faster than one writer.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, Timeline
 from nbckpt._util import GB, MIB, write_all
-from nbckpt.bench import get_strategy
+from nbckpt.bench import get_strategy, make_workload, plain_state, t_interval, tensor_bytes
 
 # -- measuring ---------------------------------------------------------------------------------
 
@@ -78,27 +80,26 @@ def measured(out: list[Sample]) -> Iterator[None]:
     out.append(Sample(time.perf_counter() - wall, cpu_seconds() - cpu))
 
 
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
-
-
 def interval(values: list[float]) -> dict[str, float]:
     """Median, mean and the 95 % t-interval of the mean."""
     values = [v for v in values if math.isfinite(v)]
     if not values:
         return {"median": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
-    mean = statistics.fmean(values)
-    half = (
-        T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
-        if len(values) > 1
-        else math.inf
-    )
-    return {
-        "median": statistics.median(values),
-        "mean": mean,
-        "lo": mean - half,
-        "hi": mean + half,
-        "n": len(values),
-    }
+    mean, lo, hi = t_interval(values)
+    return {"median": statistics.median(values), "mean": mean, "lo": lo, "hi": hi, "n": len(values)}
+
+
+def ratio_interval(ratios: list[float]) -> dict[str, float]:
+    """Median of per-repeat ratios and the 95 % interval of their geometric mean.
+
+    A ratio's spread is multiplicative: the t-interval of its logarithm, mapped back, never
+    goes below zero the way an interval of the raw ratios does when one repeat is an outlier.
+    """
+    ratios = [r for r in ratios if math.isfinite(r) and r > 0]
+    if not ratios:
+        return {"median": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
+    mean, lo, hi = (math.exp(v) if math.isfinite(v) else v for v in t_interval([math.log(r) for r in ratios]))
+    return {"median": statistics.median(ratios), "geomean": mean, "lo": lo, "hi": hi, "n": len(ratios)}
 
 
 @dataclass
@@ -123,7 +124,7 @@ class Table:
     def ratio(self, name: str, other: str, metric: str, other_metric: str = "") -> dict[str, float]:
         """``name``'s ``metric`` over ``other``'s (``other_metric``, default the same), repeat by repeat."""
         pairs = zip(self.rows[name][metric], self.rows[other][other_metric or metric], strict=True)
-        return interval([a / b for a, b in pairs if b])
+        return ratio_interval([a / b for a, b in pairs if b])
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -161,8 +162,9 @@ def make_state(nbytes: int, tensors: int, *, shapes: int = 0, device: str = "cpu
     return state
 
 
-def synchronize(state: dict[str, torch.Tensor]) -> None:
-    if any(t.is_cuda for t in state.values()):
+def synchronize(state: dict[str, Any]) -> None:
+    """Wait for the GPU's queued copies (a no-op without CUDA), so a time covers the whole copy."""
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
@@ -414,9 +416,18 @@ def bench_many_restore(directory: Path, state: dict[str, torch.Tensor], repeats:
     return table
 
 
-def bench_stall(directory: Path, state: dict[str, torch.Tensor], repeats: int) -> Table:
+def model_state(preset: str, device: str) -> dict[str, Any]:
+    """A GPT workload's real state (model and AdamW moments, hundreds of tensors), trained 2 steps."""
+    workload = make_workload(preset, None, device)
+    workload.build()
+    for _ in range(2):
+        workload.train_step(lambda: None)
+    return dict(workload.state())
+
+
+def bench_stall(directory: Path, state: dict[str, Any], repeats: int, title: str = "") -> Table:
     """How long the training loop is blocked per checkpoint: until the state may change again."""
-    table = Table(f"stall into {directory}", state_bytes(state))
+    table = Table(title or f"stall into {directory}", tensor_bytes(plain_state(state)))
     names = ["dcp-async", "dcp-async-stager", "nbckpt-async"]
     strategies = {}
     for name in names:
@@ -627,6 +638,15 @@ def checks(tables: dict[str, Table]) -> dict[str, dict[str, Any]]:
         1.2,
     )
     check("stall / dcp-async-stager stall", "stall", "nbckpt-async", "dcp-async-stager", "wall_s", "<=", 0.7)
+    check(
+        "stall (GPT state) / dcp-async-stager stall",
+        "stall_model",
+        "nbckpt-async",
+        "dcp-async-stager",
+        "wall_s",
+        "<=",
+        0.7,
+    )
     if "copy_floor" in tables and "stall" in tables:  # rows of two tables: ratio of the medians
         stall = statistics.median(tables["stall"].rows["nbckpt-async"]["wall_s"])
         floor = statistics.median(tables["copy_floor"].rows["copy into reused host memory"]["wall_s"])
@@ -682,6 +702,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ),
         ("many_restore", lambda: bench_many_restore(disk, many, args.repeats)),
         ("stall", lambda: bench_stall(disk, state, args.repeats)),
+        (
+            "stall_model",
+            lambda: bench_stall(
+                disk,
+                model_state(args.model, args.device),
+                args.repeats * 2,
+                f"stall of a GPT-{args.model} state (model + AdamW)",
+            ),
+        ),
         ("writer_process", lambda: bench_writer_process(disk, size, args.repeats)),
     ]
     errors: dict[str, str] = {}
@@ -701,7 +730,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tables[key].print()
     finally:
         clean(shm)
-    result = {
+    meta = {
         "benchmark": "engine/2",
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
@@ -713,10 +742,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
         "unix_time": time.time(),
+    }
+    return summarise(meta, tables)
+
+
+def summarise(meta: dict[str, Any], tables: dict[str, Table]) -> dict[str, Any]:
+    """The result to write: ``meta``, every table and the checks, which are printed."""
+    result = {
+        **meta,
         "tables": {key: table.to_dict() for key, table in tables.items()},
         "checks": checks(tables),
     }
-    print("\nchecks (paired ratio per repeat: median [95 % interval], target)")
+    print("\nchecks (paired ratio per repeat: median [95 % interval of the geometric mean], target)")
     for name, c in result["checks"].items():
         print(
             f"  {name:52} {c['median']:7.3f} [{c['lo']:7.3f},{c['hi']:7.3f}]  {c['target']:>7}  "
@@ -725,11 +762,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def reprint(path: str) -> dict[str, Any]:
+    """Print a saved result's tables and checks again, the checks recomputed from its values."""
+    saved = json.loads(Path(path).read_text())
+    tables = {}
+    for key, data in saved.pop("tables").items():
+        table = Table(data["title"], data["bytes"])
+        table.rows = {name: {m: s["values"] for m, s in row.items()} for name, row in data["rows"].items()}
+        table.print()
+        tables[key] = table
+    saved.pop("checks", None)
+    return summarise(saved, tables)
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=1024, help="state for persist, restore, stall (MiB)")
     parser.add_argument("--many-mb", type=float, default=256, help="the many-tensor state (MiB)")
     parser.add_argument("--many-tensors", type=int, default=10_000)
+    parser.add_argument(
+        "--model", default="small", help="GPT preset whose state the stall_model section saves"
+    )
     parser.add_argument("--dir", default="data/checkpoints/bench-engine", help="local-disk directory")
     parser.add_argument("--shm", default="/dev/shm", help="RAM-backed directory")
     parser.add_argument("--repeats", type=int, default=5)
@@ -738,15 +791,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-going", action="store_true", help="record a failing section and go on")
     parser.add_argument("--quick", action="store_true", help="small sizes and 2 repeats (checks the script)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--reprint", metavar="JSON", help="measure nothing: print a saved result again")
     args = parser.parse_args(argv)
     if args.quick:
-        args.size_mb, args.many_mb, args.many_tensors, args.repeats = 64, 16, 1000, 2
+        args.size_mb, args.many_mb, args.many_tensors, args.repeats, args.model = 64, 16, 1000, 2, "tiny"
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    result = run(args)
+    result = reprint(args.reprint) if args.reprint else run(args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

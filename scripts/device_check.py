@@ -151,7 +151,7 @@ def main() -> int:
                 os.path.join(tmp, "bench"),
                 "--keep-going",
                 "--only",
-                "copy_floor,stall,persist_shm,restore_shm,persist_disk",
+                "copy_floor,stall,stall_model,persist_shm,restore_shm,persist_disk",
             ]
         )
         result["benchmark"] = guarded("benchmark", lambda: engine_bench.run(bench), errors)

@@ -6,6 +6,7 @@ checked, so a restore that fails leaves the caller's state exactly as it was.
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -45,8 +46,15 @@ class Readable(Protocol):
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable in place."""
-    return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+    """The bytes of a contiguous CPU tensor, writable in place; the caller keeps ``tensor`` alive
+    while the view is used.
+
+    Made with ctypes (1 µs) rather than through numpy (10 µs, and none for bfloat16): a restore
+    of 10,000 tensors makes 10,000 of them.
+    """
+    if not tensor.nbytes:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _label(location: str, name: str) -> str:
