@@ -5,7 +5,9 @@ The bottom of the package: it imports nothing from nbckpt but the errors.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -24,10 +26,12 @@ __all__ = [
     "endpoint",
     "explain_fsspec_error",
     "format_bytes",
+    "format_duration",
     "fsspec_options",
     "fsync_dir",
     "is_url",
     "open_fsspec",
+    "parse_duration",
     "run_directory",
     "where",
     "writable_directory",
@@ -47,6 +51,37 @@ def format_bytes(nbytes: float) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{int(nbytes)} B"
+
+
+#: Units a duration may be written in, in seconds ("500ms", "30s", "10min", "1.5h", "2 d").
+_DURATION_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
+                   "hr": 3600.0, "d": 86400.0}
+_DURATION_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.ASCII | re.IGNORECASE)
+
+
+def parse_duration(value: str | float, name: str = "duration") -> float:
+    """Seconds in ``value``: a positive number of seconds, or text such as ``30s``, ``10min``,
+    ``1h``, ``1.5 h`` or ``90`` (plain seconds); ConfigError in one line otherwise."""
+    seconds: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION_RE.fullmatch(value)):
+        unit = _DURATION_UNITS.get(match[2].lower())
+        seconds = float(match[1]) * unit if unit is not None else None
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(
+            f"{name} must be a positive number of seconds or a duration such as 30s, 10min or 1h, "
+            f"not {value!r}"
+        )
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """``0.2 s``, ``45 s``, ``10 min``, ``1.5 h``: how a duration reads in a status line."""
+    for unit, scale in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds:.3g} s"
 
 
 def check_count(value: Any, name: str, *, minimum: int = 1, maximum: int | None = None) -> int:

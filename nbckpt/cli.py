@@ -6,6 +6,7 @@ nbckpt report --name report
 nbckpt export data/checkpoints/run1/step-000100 model.pt
 nbckpt ls data/checkpoints/run1
 nbckpt show data/checkpoints/run1 100
+nbckpt diff data/checkpoints/run1 100 200 --top 10
 nbckpt verify data/checkpoints/run1
 nbckpt --version
 python -m nbckpt --help
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +25,7 @@ from typing import Any
 
 from . import bench
 from ._errors import CheckpointError, ConfigError, NbckptError
-from ._util import format_bytes
+from ._util import check_count, format_bytes
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -187,7 +189,8 @@ def _reader(args: argparse.Namespace) -> Any:
     from .engine import Checkpointer
 
     # read-only: no lock, nothing written, so a run may be saving into the directory meanwhile
-    return Checkpointer(args.directory, read_only=True, storage_options=_storage_options(args))
+    return Checkpointer(args.directory, read_only=True, storage_options=_storage_options(args),
+                        line=getattr(args, "line", None))
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -245,6 +248,52 @@ def _describe(value: Any) -> Any:
     return value
 
 
+def _diff_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", help="a run directory (local, NFS) or s3:// URL")
+    parser.add_argument("step_a", type=int, help="the earlier step")
+    parser.add_argument("step_b", type=int, help="the later step")
+    parser.add_argument("--top", type=int, default=20,
+                        help="tensors to list, most changed first (default %(default)s; 0 lists all)")
+    parser.add_argument("--line", default=None,
+                        help="the line of the run the steps are in, e.g. branch-1 (default: the line "
+                        "committed to last, with the steps of the lines it went on from)")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON instead of a table (default: a table)")
+    _storage_arguments(parser)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    """``nbckpt diff``: which tensors changed from one step to another, and by how much."""
+    from .analysis import diff_states
+
+    top = check_count(args.top, "--top", minimum=0)
+    with _reader(args) as ckpt:
+        # weights only, on the CPU: nothing in a checkpoint is ever unpickled
+        frame = diff_states(ckpt.load(args.step_a, map_location="cpu"),
+                            ckpt.load(args.step_b, map_location="cpu"))
+        url = ckpt.store.url
+    counts = {str(status): int(n) for status, n in frame["status"].value_counts().items()}
+    shown = frame.head(top) if top else frame
+    if args.json:
+        rows = [{key: _json_number(value) for key, value in row.items()}
+                for row in shown.to_dict(orient="records")]
+        print(json.dumps({"directory": url, "a": args.step_a, "b": args.step_b, "tensors": len(frame),
+                          "counts": counts, "rows": rows}, indent=1))
+        return 0
+    summary = ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensors"
+    print(f"step {args.step_a} -> step {args.step_b} of {url}: {len(frame)} tensors ({summary})")
+    if len(shown):
+        print(shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    if len(shown) < len(frame):
+        print(f"... and {len(frame) - len(shown)} more (--top 0 lists all)")
+    return 0
+
+
+def _json_number(value: Any) -> Any:
+    """JSON has no NaN or infinity: an undefined number (a cosine of zeros) is null."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def _verify(args: argparse.Namespace) -> int:
     """``nbckpt verify``: check every block of every file of one step, or of all; exit 1 on damage."""
     bad = 0
@@ -272,6 +321,7 @@ COMMANDS: dict[str, Command] = {
         partial(_directory_arguments, step="one"),
         _show,
     ),
+    "diff": ("compare two steps tensor by tensor, most changed first", _diff_arguments, _diff),
     "verify": (
         "check every block of a run's checkpoints",
         partial(_directory_arguments, step="some"),

@@ -156,3 +156,46 @@ def test_ls_show_verify_and_export_read_a_run(tmp_path: Path, capsys: pytest.Cap
     data.write_bytes(bytes(raw))
     assert cli.main(["verify", str(tmp_path / "run")]) == 1
     assert "step 10: step-000010/__0_0.distcp is corrupt" in capsys.readouterr().out
+
+
+def test_diff_lists_what_an_optimizer_step_changed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from nbckpt import Checkpointer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    with Checkpointer(tmp_path / "run", mode="sync") as ckpt:
+        ckpt.save({"model": model, "counter": torch.tensor([1, 2]), "step": 1}, step=1)
+        before = {name: t.detach().double().clone() for name, t in model.state_dict().items()}
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        ckpt.save({"model": model, "counter": torch.tensor([1, 2]), "step": 2}, step=2)
+    run = str(tmp_path / "run")
+    assert cli.main(["diff", run, "1", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"step 1 -> step 2 of {tmp_path / 'run'}: 3 tensors (2 changed, 1 unchanged)"
+    assert lines[1].split()[:3] == ["key", "status", "dtype"]
+    assert [line.split()[1] for line in lines[2:]] == ["changed", "changed", "unchanged"]
+    assert lines[-1].split()[0] == "counter"
+
+    assert cli.main(["diff", run, "1", "2", "--top", "1", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert (document["a"], document["b"], document["tensors"]) == (1, 2, 3)
+    assert document["counts"] == {"changed": 2, "unchanged": 1}
+    moved = {name: float((t.double() - before[name]).norm()) for name, t in model.state_dict().items()}
+    most = max(moved, key=lambda name: moved[name] / float(before[name].norm()))
+    [row] = document["rows"]
+    assert row["key"] == f"model.{most}" and row["status"] == "changed"
+    assert row["diff_norm"] == pytest.approx(moved[most], rel=1e-9)
+    assert row["rel_change"] == pytest.approx(moved[most] / float(before[most].norm()), rel=1e-9)
+    assert cli.main(["diff", run, "1", "2", "--top", "0", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[-1]["key"] == "counter" and rows[-1]["cosine"] is None  # integers: no cosine, null
+
+    assert cli.main(["diff", run, "1", "7"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nbckpt diff: error: no committed checkpoint for step 7") and err.count("\n") == 1

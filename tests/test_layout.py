@@ -100,3 +100,17 @@ def test_every_module_declares_all() -> None:
     missing = [str(p.relative_to(PACKAGE)) for p in SOURCES
                if p.name != "__main__.py" and "__all__" not in p.read_text()]
     assert not missing, missing
+
+
+#: A module may run to about this many lines; a longer one says why at its top.
+MODULE_LINES = 420
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: module_name(p))
+def test_a_long_module_says_why(path: Path) -> None:
+    lines = path.read_text().count("\n")
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert lines <= MODULE_LINES or "Longer than" in docstring, (
+        f"{module_name(path)} has {lines} lines: split it, or say at its top why it is "
+        f"'Longer than {MODULE_LINES - 20} lines'"
+    )

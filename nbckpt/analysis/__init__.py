@@ -1,5 +1,6 @@
 """What the measurements mean: the checkpoint-interval advisor, the scale-out projection, the
-published figures (with their sources) and the report's computed conclusions.
+published figures (with their sources), the report's computed conclusions, and what changed
+between two checkpoints, tensor by tensor.
 
 Reads the bench's results; knows nothing of notebooks.
 """
@@ -7,6 +8,7 @@ Reads the bench's results; knows nothing of notebooks.
 from ._conclusions import conclusions
 from ._costs import Cost, measured_costs
 from ._defaults import DEFAULTS, AdvisorDefaults
+from ._diff import DIFF_COLUMNS, DIFF_STATUSES, diff_states
 from ._interval import (
     advise,
     cluster_mtbf_s,
@@ -21,6 +23,8 @@ from ._reference import cite, load_published, published_table, published_value
 
 __all__ = [
     "DEFAULTS",
+    "DIFF_COLUMNS",
+    "DIFF_STATUSES",
     "SHARDING",
     "AdvisorDefaults",
     "Cost",
@@ -30,6 +34,7 @@ __all__ = [
     "cluster_mtbf_s",
     "compare_modes",
     "conclusions",
+    "diff_states",
     "expected_waste",
     "load_published",
     "measured_costs",

@@ -7,6 +7,7 @@ The bottom layer of nbckpt: it imports nothing from the bench, analysis or noteb
 from ._checkpointer import Checkpointer, close_all
 from ._config import CheckpointConfig
 from ._handles import SaveHandle, SaveRecord
+from ._state import flatten
 from ._store import step_name
 from ._timeline import COLUMNS as TIMELINE_COLUMNS
 from ._timeline import KINDS as EVENT_KINDS
@@ -24,6 +25,7 @@ __all__ = [
     "Timeline",
     "close_all",
     "events_to_pandas",
+    "flatten",
     "now_ns",
     "step_name",
 ]

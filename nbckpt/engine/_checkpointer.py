@@ -3,6 +3,9 @@
 It owns the guards (one operation at a time, closed or not, argument checks) and the
 lifetime (the directory lock, the threads, closing at exit or when dropped); the work is
 done by the save pipeline (:mod:`._saver`) and the restorer (:mod:`._restorer`).
+
+Longer than 400 lines because it is the whole public surface of the engine: every public
+method is a short guard around a call into a component, with the docstring users read.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, ConfigError
+from . import _final
 from ._config import CheckpointConfig, Mode
+from ._final import Snapshot
 from ._handles import SaveHandle, SaveRecord
 from ._lines import MAIN, ancestry, discover, last_committed, start_branch
 from ._mirror import Mirror
@@ -80,6 +85,7 @@ class Checkpointer:
         self._lock = threading.RLock()  # one operation at a time, whichever thread calls
         self._main_depth = 0  # operations the main thread is inside (a signal may interrupt them)
         self._deferred: Callable[[], None] | None = None  # a final save waiting for one to end
+        self._abandoned = False  # a final save did not end in time: the exit must not wait for it
         self._closed = False
         nonce, committed = ranks.caller.from_rank0(("open",), self._open_store)
         self._io = Pool(self.config.writer_threads, "nbckpt-io")
@@ -94,6 +100,9 @@ class Checkpointer:
         self.line_name = MAIN
         self._lines = discover(self.store, self.config.storage_options)
         self._fork: tuple[str, int] | None = None  # (line, step) restored while newer steps exist
+        self.restored_from: str | None = None
+        """Where the last restore read its checkpoint: the run's directory, a parent line's, or
+        the mirror's URL when the local copy was gone or damaged (None before a restore)."""
         line = self.config.line or ranks.caller.from_rank0(("line",), partial(last_committed, self._lines))
         self._restorer = self._switch(line)
         _OPEN.add(self)
@@ -276,6 +285,11 @@ class Checkpointer:
         """Host memory held for staging (``max_inflight`` images of the state at most)."""
         return self._saver.pool.host_bytes
 
+    @property
+    def staging_pinned(self) -> bool:
+        """Whether that memory is pinned (page-locked: with CUDA, unless ``ulimit -l`` is too low)."""
+        return self._saver.pool.pin
+
     # -- reading ------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
@@ -343,6 +357,7 @@ class Checkpointer:
             )
             newer = [s for s in self.steps() if s > restored]
             source = self._restorer.last_source
+            self.restored_from = self._restorer.stores[source].url
             line = self._chain[source] if source < len(self._chain) else self.line_name
             self._fork = (line, restored) if newer and not self.config.read_only else None
             return restored
@@ -379,26 +394,31 @@ class Checkpointer:
 
     def save_on_signal(
         self,
-        snapshot: Callable[[], tuple[Mapping[str, Any], int]],
+        snapshot: Snapshot,
         *,
         signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
         timeout_s: float = 25.0,
-    ) -> None:
+    ) -> Callable[[], None]:
         """On ``signals`` (preemption: SIGTERM by default), save ``snapshot()``'s ``(state, step)``
         synchronously, then let the signal do what it did before (by default: end the process).
 
         The final save gets ``timeout_s`` (inside a typical 30 s grace period). If it cannot
         commit in time (the storage is slow, or the signal came in the middle of another
         Checkpointer call), the process goes on to exit and the previous checkpoint stays:
-        a save that did not commit never counts. What happened is logged either way. Install
-        from the main thread; ``snapshot`` runs there, when the signal arrives.
+        a save that did not commit never counts. What happened is logged either way.
+        ``snapshot`` may return None: nothing new to save (the saves in flight are waited for).
+        Install from the main thread; ``snapshot`` runs there, when the signal arrives. Returns
+        a function that puts the previous handlers back.
         """
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("save_on_signal must be called from the main thread (signals reach only it)")
-        for signum in signals:
-            previous = signal.getsignal(signum)
-            handler = partial(_final_save, weakref.ref(self), snapshot, timeout_s, previous)
-            signal.signal(signum, handler)
+        return partial(_final.uninstall, _final.install(self, snapshot, signals, timeout_s))
+
+    def final_save(self, snapshot: Snapshot, *, timeout_s: float = 25.0, reason: str = "exit") -> str:
+        """The final save of :meth:`save_on_signal`, for other ways out (a notebook kernel shutting
+        down): ``snapshot()``'s ``(state, step)`` saved synchronously, given up after ``timeout_s``
+        (the previous checkpoint stays). Logs and returns one line saying what happened."""
+        return _final.final_save(self, snapshot, timeout_s, reason)
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -455,50 +475,6 @@ class Checkpointer:
         return f"Checkpointer({self.store.url!r}, mode={self.config.mode!r}, keep={self.config.keep})"
 
 
-def _final_save(
-    ref: weakref.ref[Checkpointer],
-    snapshot: Callable[[], tuple[Mapping[str, Any], int]],
-    timeout_s: float,
-    previous: Any,
-    signum: int,
-    frame: Any,
-) -> None:
-    """The signal handler of :meth:`Checkpointer.save_on_signal` (runs on the main thread)."""
-    name = signal.Signals(signum).name
-    ckpt = ref()
-    if ckpt is not None and ckpt._main_depth:  # interrupted inside a call: save once it returns
-        ckpt._deferred = partial(_final_save, ref, snapshot, timeout_s, previous, signum, frame)
-        return
-    if ckpt is not None and not ckpt._closed:
-        outcome: list[str] = []
-        try:
-            state, step = snapshot()
-        except Exception as exc:
-            _log.warning("nbckpt: %s: no final save, the snapshot failed: %s", name, exc)
-        else:
-            # On its own thread, bounded by the timeout (another thread may hold the lock).
-            saver = threading.Thread(target=_save_for, args=(ckpt, state, step, outcome), daemon=True)
-            saver.start()
-            saver.join(timeout_s)
-            if saver.is_alive():
-                outcome.append(f"did not commit within {timeout_s:g} s; the previous checkpoint stays")
-            _log.warning("nbckpt: %s: final save of step %s %s", name, step, outcome[0])
-    signal.signal(signum, previous)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_DFL:
-        os.kill(os.getpid(), signum)
-
-
-def _save_for(ckpt: Checkpointer, state: Mapping[str, Any], step: int, outcome: list[str]) -> None:
-    try:
-        ckpt.save(state, step, blocking=True, overwrite=True)
-        outcome.append("committed")
-        ckpt.wait()  # and retention's deletes, so the exit leaves no half-deleted step behind
-    except BaseException as exc:
-        outcome.append(f"failed: {exc}")
-
-
 def _release(store: Store, saver: Saver, io: Pool, wait: bool, mirror: Mirror | None = None) -> None:
     """Stop the threads and free the directory; ``wait`` for the threads to end (not from a
     finalizer, which may run on one of them)."""
@@ -526,7 +502,7 @@ def close_all() -> list[str]:
 
 def _close_at_exit(ref: weakref.ref[Checkpointer]) -> None:
     ckpt = ref()
-    if ckpt is None or ckpt._closed:
+    if ckpt is None or ckpt._closed or ckpt._abandoned:  # closing would wait for the hung save
         return
     pending = [h for h in ckpt.handles if not h.done()]
     if pending:

@@ -4,6 +4,10 @@ One save goes: flatten and agree across ranks (:meth:`Saver.start`), plan the fi
 (cached per structure), wait for room (backpressure), copy into a staging slot, then on the
 persist thread write every file, agree, build the manifest and commit; retention deletes
 old steps on its own thread after the commit has been reported.
+
+Longer than 400 lines because the steps above share one save's state and its failure
+handling (a failed step must release the slot and fail the handle exactly once); split
+across modules, that state would have to be passed around in pieces.
 """
 
 from __future__ import annotations
@@ -347,6 +351,7 @@ class Saver:
         self.timeline.record("commit", persisted, step=step)
         with self._state:
             self.records.append(record)
+            older = set(self.committed)  # what retention may delete: never a step committed later
             self.committed.add(step)
         handle.phase = "committed"
         retention: Future[None] | None = None
@@ -357,7 +362,7 @@ class Saver:
             self.after_commit(step, path)  # queued before retention: it protects this step
         handle.committed.set_result(record)
         if retention is not None:  # after the commit is reported: a slow delete delays no save
-            self._retainer.submit(partial(self._retain, step, retention))
+            self._retainer.submit(partial(self._retain, step, older, retention))
 
     def _provenance(self) -> dict[str, Any]:
         if self._origin is None:  # once per Checkpointer: it runs git
@@ -400,12 +405,16 @@ class Saver:
         self.timeline.record("error", began, step=handle.step, message=str(error))
         _log.warning("%s", error)
 
-    def _retain(self, newest: int, done: Future[None]) -> None:
-        """Delete the oldest checkpoints beyond ``keep``, never ``newest``; failures are logged."""
+    def _retain(self, newest: int, older: set[int], done: Future[None]) -> None:
+        """Delete the oldest checkpoints beyond ``keep``, never ``newest``; failures are logged.
+
+        Only steps committed before ``newest`` (``older``) count: a retention that runs late
+        must not take a step committed since for an old one (it could be the newest of all).
+        """
         try:
             keep = self.config.keep or 0
             busy = self.protected()
-            steps = sorted(s for s in self.store.committed() if s != newest and s not in busy)
+            steps = sorted(s for s in self.store.committed() if s in older and s not in busy)
             for step in steps[: max(len(steps) + 1 - keep, 0)]:
                 began = now_ns()
                 try:

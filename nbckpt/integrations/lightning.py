@@ -13,6 +13,9 @@ is not written twice: both names point to one step. A step no pointer names any 
 removed it, ``last`` moved on) is deleted once no save is in flight, so removal never waits
 for a background write.
 
+Longer than 400 lines because Lightning's CheckpointIO contract (save, load, remove, teardown,
+and the pointer files that stand in for its paths) is one unit a reader needs in one place.
+
 ``save_checkpoint`` returns once the state is copied into host memory; the write runs in the
 background. ``teardown`` (the end of ``fit``) waits for every write and raises one that failed.
 Under DDP only global rank 0 saves (Lightning calls the plug-in there alone); the directory is

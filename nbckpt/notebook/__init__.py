@@ -1,9 +1,12 @@
-"""The notebook faces: the ``%ckpt_*`` magics, the lab widget, the plotly figures and the report run.
+"""The notebook faces: the ``%ckpt_*`` magics, autosave, the lab widget, the checkpoint browser,
+the plotly figures and the report run.
 
 Thin faces over the engine, the bench and the analysis; IPython and ipywidgets are imported
 only by the parts that need them.
 """
 
+from ._autosave import Autosave
+from ._browser import Browser
 from ._lab import Lab, live_lab
 from ._plotting import strategy_colour
 from ._report import RESULTS_FILE, export_html, parse_value, run_report
@@ -27,6 +30,8 @@ from ._timeline_figures import (
 __all__ = [
     "RESULTS_FILE",
     "TIMELINE_KINDS",
+    "Autosave",
+    "Browser",
     "Lab",
     "events_frame",
     "export_html",

@@ -13,13 +13,15 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.utils.text import dedent
 
 from .._errors import ConfigError
-from .._util import check_count
+from .._util import check_count, parse_duration
 
 __all__ = [
+    "AUTOSAVE_ARGS",
     "DIR_ARG",
     "SAVE_ARGS",
     "arg",
     "bench_parser",
+    "duration",
     "keep_value",
     "line_magic",
     "magic",
@@ -113,6 +115,15 @@ def step_value(text: str) -> int:
     return _integer(text, 0, "a non-negative integer")
 
 
+def duration(text: str) -> float:
+    """argparse type of a duration: ``30s``, ``10min``, ``1h`` or plain seconds."""
+    try:
+        return parse_duration(text)
+    except ConfigError:
+        message = f"must be a duration such as 30s, 10min or 1h, not {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
 DIR_ARG = arg("-d", "--dir",
               help="checkpoint directory or s3:// URL (default: the one %%ckpt_config shows)")
 #: The arguments of ``%ckpt_async`` and ``%ckpt_sync``.
@@ -125,6 +136,22 @@ SAVE_ARGS = (
         "(default: %%ckpt_config's keep)"),
     arg("names", nargs="+", metavar="NAME",
         help="notebook variables to save: modules, optimizers, tensors, dicts, plain values"),
+)
+
+
+#: The arguments of ``%ckpt_autosave``.
+AUTOSAVE_ARGS = (
+    arg("names", nargs="*", metavar="NAME",
+        help="notebook variables to autosave (none: show the running autosave)"),
+    arg("--every", type=duration, metavar="DURATION",
+        help="time between autosaves, checked as each cell ends: 30s, 10min, 1h (default: 10min)"),
+    arg("--step", metavar="VAR",
+        help="variable holding the step number, saved with the state "
+        "(default: one past the newest step in the directory)"),
+    DIR_ARG,
+    arg("--timeout", type=duration, metavar="DURATION",
+        help="longest final save on kernel shutdown, restart or SIGTERM (default: 20s)"),
+    arg("--off", action="store_true", help="stop autosaving"),
 )
 
 

@@ -27,8 +27,11 @@ from IPython.display import DisplayHandle, display
 from .._errors import ConfigError
 from .._util import is_url
 from ..engine import SaveHandle
+from ._autosave import Autosave
+from ._autosave import command as autosave_command
 from ._cell import one_line, reraise
 from ._magic_args import (
+    AUTOSAVE_ARGS,
     DIR_ARG,
     SAVE_ARGS,
     arg,
@@ -39,7 +42,7 @@ from ._magic_args import (
     positive,
     step_value,
 )
-from ._session import DIR_ENV, OPTIONS, Save, SaveStatus, Session
+from ._session import DIR_ENV, OPTIONS, Save, SaveStatus, Session, variables
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -94,14 +97,10 @@ class CheckpointMagics(Magics):
         return ns
 
     def _state(self, names: list[str]) -> dict[str, Any]:
-        state: dict[str, Any] = {}
-        for name in names:
-            if not name.isidentifier():
-                raise UsageError(f"{name!r} is not a variable name")
-            if name not in self.user_ns:
-                raise UsageError(f"no variable named {name!r} in this notebook")
-            state[name] = self.user_ns[name]
-        return state
+        try:
+            return variables(self.user_ns, names)
+        except ConfigError as exc:
+            raise UsageError(one_line(exc)) from None
 
     def _save(self, args: argparse.Namespace, mode: str) -> SaveHandle:
         state = self._state(args.names)
@@ -176,8 +175,11 @@ class CheckpointMagics(Magics):
     @magic()
     def ckpt_status(self, args: argparse.Namespace) -> pd.DataFrame:
         """A table of this session's saves: directory, step, mode, phase, MB, stall (ms),
-        persist (s), write rate (GB/s) and error."""
+        persist (s), write rate (GB/s) and error; above it, the host memory held for staging
+        (max-inflight host copies of the state per directory, pinned with CUDA)."""
         import pandas as pd
+
+        print(self.session.staging_memory())
 
         rows = []
         for save in self.session.saves:
@@ -212,6 +214,16 @@ class CheckpointMagics(Magics):
         from ._timeline_figures import timeline_figure
 
         return timeline_figure(df)
+
+    @line_magic
+    @magic(*AUTOSAVE_ARGS)
+    def ckpt_autosave(self, args: argparse.Namespace) -> None:
+        """Autosave notebook variables: in the background once DURATION has passed, as a cell
+        ends; at once when a cell is interrupted; a final save on kernel shutdown, restart or
+        SIGTERM. Running it again replaces the autosave; %ckpt_autosave alone shows it.
+            %ckpt_autosave model opt --every 10min --step step
+        """
+        autosave_command(self.shell, args)  # type: ignore[arg-type]
 
     @line_magic
     @magic(
@@ -336,7 +348,7 @@ def _batch_run(shell: Any) -> bool:
 _COMPARISON = ("nbckpt.bench._comparison", "Comparison")
 #: The magics, by name.
 MAGICS = ("ckpt_async", "ckpt_sync", "ckpt_wait", "ckpt_status", "ckpt_timeline", "ckpt_restore",
-          "ckpt_config", "ckpt_bench")
+          "ckpt_autosave", "ckpt_config", "ckpt_bench")
 
 
 def _comparison_text(comparison: Any, printer: Any, cycle: bool) -> None:
@@ -363,6 +375,9 @@ def unload(ipython: InteractiveShell) -> None:
     magics = ipython.magics_manager.registry.pop(CheckpointMagics.__name__, None)
     if not isinstance(magics, CheckpointMagics):
         return
+    autosave = Autosave.active(ipython)
+    if autosave is not None:  # its hooks, signal handlers and exit hook go with the extension
+        autosave.stop()
     magics.close()  # its failures are still shown: the handler goes last
     for kind, names in magics.magics.items():
         for name in names:

@@ -28,7 +28,7 @@ from ._cell import CheckpointFailed, engine_call, one_line
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["DIR_ENV", "OPTIONS", "Save", "SaveStatus", "Session", "SessionDefaults"]
+__all__ = ["DIR_ENV", "OPTIONS", "Save", "SaveStatus", "Session", "SessionDefaults", "variables"]
 
 _log = logging.getLogger("nbckpt")
 
@@ -119,6 +119,18 @@ class Save:
         shown.update(status)
 
 
+def variables(namespace: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """The notebook variables ``names`` (ConfigError in one line naming the first one missing)."""
+    state: dict[str, Any] = {}
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"{name!r} is not a variable name")
+        if name not in namespace:
+            raise ConfigError(f"no variable named {name!r} in this notebook")
+        state[name] = namespace[name]
+    return state
+
+
 def _changes(changes: dict[str, Any]) -> str:
     return ", ".join(f"{name}={value}" for name, value in changes.items())
 
@@ -183,19 +195,24 @@ class Session:
             self.checkpointers[key] = ckpt
             return ckpt
 
+    def opened(self, directory: str | None = None) -> Checkpointer:
+        """The directory's Checkpointer as it is, opened if there is none (never reopened with
+        changed options, as :meth:`checkpointer` does: a signal's final save may be using it)."""
+        return self.checkpointers.get(self.key(directory)) or self.checkpointer(directory)
+
     def keep_in(self, directory: str | None, keep: int | None) -> None:
         """``--keep`` of a save: how many checkpoints ``directory`` keeps from now on."""
         self._keep[self.key(directory)] = keep
 
     def save(self, state: dict[str, Any], *, names: Sequence[str], mode: str,
-             directory: str | None = None, step: int | None = None) -> Save:
+             directory: str | None = None, step: int | None = None, overwrite: bool = False) -> Save:
         """Save ``state`` (``mode`` ``sync`` blocks until it is durable) and record the save."""
         key = self.key(directory)
         ckpt = self.checkpointer(directory)
-        step = self._next_step(key, ckpt) if step is None else step
+        step = self.next_step(directory) if step is None else step
         with self.engine_call():
             # One Checkpointer per directory serves both modes: a sync save blocks per save.
-            handle = ckpt.save(state, step=step, blocking=mode == "sync")
+            handle = ckpt.save(state, step=step, blocking=mode == "sync", overwrite=overwrite)
         save = Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names), handle=handle)
         self.saves.append(save)
         return save
@@ -243,7 +260,7 @@ class Session:
                 changes = {k: v for k, v in self._wanted(key).items() if getattr(ckpt.config, k) != v}
                 if not changes:
                     continue
-                pending = len(self._in_flight(key))
+                pending = len(self.in_flight(key))
                 if pending:  # never block the cell here: the next magic on it reopens it
                     print(f"nbckpt: {_changes(changes)} for {ckpt.directory} applies once its "
                           f"{pending} save(s) in flight have committed, from its next save or restore")
@@ -301,12 +318,13 @@ class Session:
             wanted["keep"] = self._keep[key]
         return wanted
 
-    def _in_flight(self, key: str) -> list[Save]:
+    def in_flight(self, key: str) -> list[Save]:
+        """This session's saves to directory ``key`` (see :meth:`key`) not yet committed or failed."""
         return [save for save in self.saves if save.key == key and not save.handle.done()]
 
     def _reopen(self, key: str, changes: dict[str, Any]) -> Checkpointer:
         old = self.checkpointers[key]
-        waited = len(self._in_flight(key))
+        waited = len(self.in_flight(key))
         with self.engine_call():
             try:
                 old.close()  # waits for the saves in flight: they commit with the old options
@@ -319,6 +337,19 @@ class Session:
         print(f"nbckpt: {_changes(changes)} for {old.directory}: reopened its Checkpointer{after}")
         return new
 
-    def _next_step(self, key: str, ckpt: Checkpointer) -> int:
-        steps = ckpt.steps() + [save.handle.step for save in self.saves if save.key == key]
+    def next_step(self, directory: str | None = None) -> int:
+        """One past the newest step the directory's line sees and this session's saves to it."""
+        key = self.key(directory)
+        steps = self.opened(directory).steps()
+        steps += [save.handle.step for save in self.saves if save.key == key]
         return max(steps) + 1 if steps else 0
+
+    def staging_memory(self) -> str:
+        """One line: host memory each directory's Checkpointer holds for staging (pinned or not)."""
+        held = [(self.key(ckpt.directory), ckpt.host_bytes, ckpt.staging_pinned)
+                for ckpt in self.checkpointers.values()]
+        short = _short_names([key for key, _, _ in held])
+        parts = [f"{short[key]} {format_bytes(nbytes)}{' pinned' if pinned else ''}"
+                 for key, nbytes, pinned in held]
+        total = format_bytes(sum(nbytes for _, nbytes, _ in held))
+        return f"nbckpt: host memory held for staging: {total}" + (f" ({', '.join(parts)})" if parts else "")

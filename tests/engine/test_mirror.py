@@ -49,11 +49,17 @@ def test_restore_falls_back_to_the_mirror(tmp_path: Path) -> None:
         with pytest.warns(UserWarning, match="skipping step-000002: .* is corrupt.*trying its mirror copy"):
             step, state = restored(ckpt)
         assert step == 2 and torch.equal(state["w"], state_of(2)["w"])  # the mirror's intact copy
+        assert ckpt.restored_from is not None and ckpt.restored_from.endswith("mirror")
     shutil.rmtree(tmp_path / "local")  # the machine's disk is gone: a new one restores from the mirror
     with Checkpointer(tmp_path / "local", mirror=str(tmp_path / "mirror")) as ckpt:
         step, state = restored(ckpt)
         assert step == 2 and torch.equal(state["w"], state_of(2)["w"])
         assert restored(ckpt, step=1)[0] == 1
+        assert ckpt.restored_from is not None and ckpt.restored_from.endswith("mirror")
+    with Checkpointer(tmp_path / "local", mirror=str(tmp_path / "mirror")) as ckpt:
+        assert ckpt.restored_from is None
+        ckpt.save(state_of(3), step=3).wait()
+        assert restored(ckpt)[0] == 3 and ckpt.restored_from == ckpt.directory
 
 
 def test_a_damaged_local_copy_is_never_uploaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

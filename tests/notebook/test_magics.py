@@ -18,38 +18,13 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 import torch
+from helpers.kernel import RealKernel
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
-from IPython.testing.globalipapp import get_ipython
 
 from nbckpt import CheckpointError, SaveHandle
 from nbckpt.notebook._cell import CheckpointFailed
 from nbckpt.notebook._magics import MAGICS, CheckpointMagics
-
-
-@pytest.fixture(scope="session")
-def test_shell() -> InteractiveShell:
-    shell = get_ipython()  # starts IPython's test shell; returns None once it is running
-    return shell if shell is not None else InteractiveShell.instance()
-
-
-@pytest.fixture
-def ip(
-    test_shell: InteractiveShell, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[InteractiveShell]:
-    monkeypatch.setenv("NBCKPT_DIR", str(tmp_path / "default"))
-    shell = test_shell
-    shell.run_line_magic("load_ext", "nbckpt")
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 8)).sum().backward()
-    opt.step()
-    shell.user_ns.update(model=model, opt=opt, epoch=3, train=lambda: None)
-    yield shell
-    shell.run_line_magic("unload_ext", "nbckpt")
-    for name in ("model", "opt", "epoch", "train", "h"):
-        shell.user_ns.pop(name, None)
 
 
 def _eventually(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
@@ -552,48 +527,9 @@ def test_status_updates_from_the_background_in_a_real_kernel(tmp_path: Path) -> 
         km.shutdown_kernel(now=True)
 
 
-class _RealKernel:
-    """A python3 kernel of its own, and cells run in it as JupyterLab sends them."""
-
-    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
-        from jupyter_client.manager import start_new_kernel
-
-        self.km, self.kc = start_new_kernel(kernel_name="python3", cwd=str(cwd),
-                                            env={**os.environ, **env})
-
-    def run(self, code: str, *, lab: bool = False, timeout: float = 180, stream: str = "stdout") -> str:
-        """Run a cell; return what it wrote to ``stream``. ``lab``: with JupyterLab's request
-        metadata, which makes %ckpt_bench show the live lab."""
-        kc = self.kc
-        content = {"code": code, "silent": False, "store_history": True,
-                   "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}
-        msg = kc.session.msg("execute_request", content,
-                             metadata={"recordTiming": False} if lab else {})
-        kc.shell_channel.send(msg)
-        reply = kc.get_shell_msg(timeout=timeout)
-        while reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
-            reply = kc.get_shell_msg(timeout=timeout)
-        out: list[str] = []
-        while True:  # iopub: everything the cell printed, up to its idle status
-            message = kc.get_iopub_msg(timeout=timeout)
-            if message["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
-                continue
-            body = message["content"]
-            if message["msg_type"] == "stream" and body["name"] == stream:
-                out.append(body["text"])
-            if message["msg_type"] == "status" and body["execution_state"] == "idle":
-                break
-        assert reply["content"]["status"] == "ok", (reply["content"], "".join(out))
-        return "".join(out)
-
-    def close(self) -> None:
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
-
-
 @pytest.fixture
-def kernel(tmp_path: Path) -> Iterator[_RealKernel]:
-    started = _RealKernel(tmp_path, {"OMP_NUM_THREADS": "1", "NBCKPT_DIR": str(tmp_path / "k")})
+def kernel(tmp_path: Path) -> Iterator[RealKernel]:
+    started = RealKernel(tmp_path, {"OMP_NUM_THREADS": "1", "NBCKPT_DIR": str(tmp_path / "k")})
     try:
         yield started
     finally:
@@ -610,7 +546,7 @@ lab
 
 
 def test_rerunning_the_lab_cell_mid_run_stops_the_old_run_in_a_real_kernel(
-    kernel: _RealKernel, tmp_path: Path
+    kernel: RealKernel, tmp_path: Path
 ) -> None:
     """The same cell twice in one kernel: the first lab's run is stopped (its directory's lock
     released), and the second lab runs in that directory without a lock error."""
@@ -632,7 +568,7 @@ def test_rerunning_the_lab_cell_mid_run_stops_the_old_run_in_a_real_kernel(
 
 
 def test_rerunning_ckpt_bench_stops_the_previous_run_in_a_real_kernel(
-    kernel: _RealKernel, tmp_path: Path
+    kernel: RealKernel, tmp_path: Path
 ) -> None:
     bench = (f"%ckpt_bench --dir {tmp_path / 'b'} --size-mb 2 --strategies nbckpt-async "
              "--every 5 --repeats 1 --steps {steps}")
@@ -652,7 +588,7 @@ def test_rerunning_ckpt_bench_stops_the_previous_run_in_a_real_kernel(
     assert checks.strip() == "True False True None"
 
 
-def test_background_warnings_show_in_the_notebook_in_a_real_kernel(kernel: _RealKernel) -> None:
+def test_background_warnings_show_in_the_notebook_in_a_real_kernel(kernel: RealKernel) -> None:
     kernel.run("%load_ext nbckpt")
     cell = ("import logging, threading\n"
             "worker = threading.Thread(target=logging.getLogger('nbckpt').warning,\n"

@@ -16,6 +16,7 @@ import nbformat
 import papermill
 import pytest
 from helpers import ROOT
+from helpers.s3server import SeaweedS3
 from papermill.exceptions import PapermillExecutionError
 
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -82,10 +83,28 @@ def _check_distributed(results: dict[str, Any]) -> None:
     assert results["ranks_in_timeline"] == [0, 1]
 
 
+def _check_never_lose_work(results: dict[str, Any]) -> None:
+    autosaved = results["autosaved_steps"]
+    assert len(autosaved) >= 2, autosaved  # the training cells were autosaved as they ended
+    # The second kernel: Ctrl-C saved the interrupted step, the restart's final save the 5 after
+    # it, and a new kernel resumed from that one.
+    assert results["interrupted_cell"] == "KeyboardInterrupt"
+    interrupted = results["interrupted_step"]
+    assert interrupted >= 30 and results["second_kernel_steps"] == [interrupted, interrupted + 5]
+    assert results["resumed_step"] == interrupted + 5
+    assert 0 < results["diff_changed"] <= results["diff_tensors"]
+    assert results["branch_parent"]["branch-1"] == ["main", autosaved[0]]
+    assert results["lines"]["main"] == autosaved  # the old line stays as it was
+    assert results["browser_lines"] == ["branch-1", "main"]
+    assert results["mirror_restored_step"] == results["mirrored_step"]
+    assert results["restored_from_mirror"] is True and results["mirror_identical"] is True
+
+
 CHECKS = {
     "01_quickstart.ipynb": _check_quickstart,
     "04_fault_tolerance.ipynb": _check_fault_tolerance,
     "05_distributed.ipynb": _check_distributed,
+    "08_never_lose_work.ipynb": _check_never_lose_work,
 }
 
 
@@ -121,6 +140,18 @@ def test_notebook_runs_with_small_parameters(path: Path, tmp_path: Path) -> None
     work = tmp_path / "work"
     if work.is_dir():  # the notebooks clean up after themselves unless told to keep files
         assert not [p for p in work.iterdir() if p.name.startswith("run-")]
+
+
+@pytest.mark.s3
+@pytest.mark.xdist_group("s3")
+def test_never_lose_work_with_its_mirror_on_s3(tmp_path: Path, s3_server: SeaweedS3) -> None:
+    s3_server.make_bucket("notebook-08")
+    results, _ = _execute(NOTEBOOK_DIR / "08_never_lose_work.ipynb", tmp_path, {
+        "mirror": "s3://notebook-08/run", "mirror_options": s3_server.storage_options(),
+    })
+    _check_never_lose_work(results)
+    assert results["restored_from"] == "s3://notebook-08/run"
+    assert s3_server.filesystem().find("notebook-08/run")  # the steps are on the server
 
 
 def test_overridden_parameters_change_the_run(tmp_path: Path) -> None:

@@ -235,3 +235,28 @@ def test_10_the_callers_exception_stays_the_one_raised(tmp_path: Path, throttle:
         raise ValueError("the user's own bug")
     notes = getattr(raised.value, "__notes__", [])
     assert any("ENOSPC" in note for note in notes), notes
+
+
+def test_a_late_retention_never_deletes_a_newer_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention runs on its own thread after each commit. When the one after step 1 runs late,
+    step 2 has committed meanwhile: it must not count step 2 among the old ones (seen once in
+    the suite on a loaded machine: keep=1 left no checkpoint at all)."""
+    from nbckpt.engine._saver import Saver
+
+    step_2_committed = threading.Event()
+    original = Saver._retain
+
+    def late(self: Saver, newest: int, *rest: Any) -> None:
+        if newest == 1:
+            assert step_2_committed.wait(30)
+        original(self, newest, *rest)
+
+    monkeypatch.setattr(Saver, "_retain", late)
+    with Checkpointer(tmp_path, keep=1) as ckpt:
+        ckpt.save({"w": torch.zeros(4)}, step=0).wait()
+        ckpt.save({"w": torch.ones(4)}, step=1).wait()
+        ckpt.save({"w": torch.full((4,), 2.0)}, step=2).wait()
+        step_2_committed.set()
+        ckpt.wait()
+        assert ckpt.steps() == [2]
+        assert torch.equal(ckpt.load(2)["w"], torch.full((4,), 2.0))

@@ -1,0 +1,386 @@
+"""Autosave for notebooks: named variables saved in the background as cells end, on a time budget,
+and a final save when the work is about to be lost.
+
+    %ckpt_autosave model opt --every 10min --step step
+    Autosave(["model", "opt"], every_s="10min", step="step").start()    # the same, from Python
+
+When it saves:
+
+- **After a cell** (IPython's ``post_run_cell``), once ``every`` has passed since the last
+  autosave: an asynchronous save, so the next cell waits only for the host copy (staging), not
+  for the write. When a save to the directory is still in flight, the autosave is skipped (the
+  next cell tries again): autosaves never queue up behind a slow disk.
+- **A cell that ended with KeyboardInterrupt** (Ctrl-C, or Jupyter's interrupt button): at once,
+  whatever the budget. The kernel's live state, wherever the interrupt landed, is what the user
+  goes on from, and an interrupted cell is often the step before a restart.
+- **Kernel shutdown or restart**: ipykernel answers a ``shutdown_request`` by stopping its event
+  loop; the process then exits normally and runs its ``atexit`` handlers on the main thread. The
+  autosave's handler makes a final synchronous save there, bounded by ``timeout_s``. It is
+  registered again after each cell so that it runs before the Checkpointers' own close at exit
+  (``atexit`` runs the newest first). Jupyter's kernel manager interrupts a running cell before
+  it asks for the shutdown (so that cell's interrupt autosave comes first), sends SIGTERM after
+  half its ``shutdown_wait_time`` (5 s by default) and SIGKILL at the end of it: raise
+  ``KernelManager.shutdown_wait_time`` for states that take longer to write.
+- **SIGTERM** (preemption, ``kill``): the engine's :meth:`~nbckpt.Checkpointer.save_on_signal`,
+  which makes the same bounded final save and then lets the signal end the process.
+
+A final save writes only when a cell ran since the last autosave (else it waits for the saves in
+flight). It never corrupts the previous checkpoint: a save that does not commit never counts.
+Nothing runs on SIGKILL (the OOM killer, ``kill -9``, the manager's last resort) or a crash of
+the interpreter: the last committed autosave is what is left then.
+
+Steps: from the user's variable (``step="step"``, also saved with the state, so that
+``%ckpt_restore model opt step`` brings it back) or else one past the newest step of the
+directory. A step that is already in the directory and was not saved by this session is never
+replaced. Problems are one line on the ``nbckpt`` logger (``%load_ext nbckpt`` shows it in the
+notebook), repeated only when they change; they never fail the user's cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import logging
+import operator
+import signal
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from IPython.core.error import UsageError
+
+from .._errors import ConfigError
+from .._util import format_duration, parse_duration
+from ..engine import Checkpointer, SaveHandle, SaveRecord
+from ._cell import one_line, reraise
+from ._session import Save, Session, variables
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
+
+__all__ = ["Autosave", "command"]
+
+_log = logging.getLogger("nbckpt")
+_ACTIVE: weakref.WeakKeyDictionary[Any, Autosave] = weakref.WeakKeyDictionary()
+_HOOKS = ("pre_run_cell", "post_run_cell")
+
+StepSource = str | Callable[[], int] | None
+
+
+def _session_of(shell: InteractiveShell) -> Session:
+    """The session of the shell's nbckpt extension (loaded now if it is not): autosaves share its
+    Checkpointers, show in ``%ckpt_status``, and their problems reach the notebook."""
+    magics = shell.magics_manager.registry.get("CheckpointMagics")
+    if magics is None:
+        shell.run_line_magic("load_ext", "nbckpt")
+        magics = shell.magics_manager.registry.get("CheckpointMagics")
+    session = getattr(magics, "session", None)
+    if not isinstance(session, Session):
+        raise ConfigError("the nbckpt extension did not load (try %load_ext nbckpt)")
+    return session
+
+
+class Autosave:
+    """Autosave of ``names`` (notebook variables) into ``directory`` every ``every_s`` seconds
+    (a number or ``"30s"``, ``"10min"``, ``"1h"``); see the module's documentation for when.
+
+    ``step``: the name of a variable holding the step number, or a function returning it; None
+    numbers the saves on from the newest step in the directory. ``timeout_s`` bounds the final
+    save (kernel shutdown, ``signals``). One autosave per shell: :meth:`start` replaces the one
+    running. ``directory`` defaults to the one ``%ckpt_config`` shows.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str] | str,
+        *,
+        every_s: float | str = 600.0,
+        directory: str | None = None,
+        step: StepSource = None,
+        shell: InteractiveShell | None = None,
+        timeout_s: float | str = 20.0,
+        signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
+    ) -> None:
+        if shell is None:
+            from IPython import get_ipython
+
+            shell = get_ipython()  # type: ignore[no-untyped-call]
+            if shell is None:
+                raise ConfigError("Autosave needs an IPython shell: run it in a notebook or IPython")
+        self.shell: InteractiveShell = shell
+        self.names = tuple(names.split() if isinstance(names, str) else names)
+        if not self.names:
+            raise ConfigError("name the variables to autosave, e.g. Autosave(['model', 'opt'])")
+        self.every_s = parse_duration(every_s, "every")
+        self.timeout_s = parse_duration(timeout_s, "timeout")
+        if step is not None and not isinstance(step, str) and not callable(step):
+            raise ConfigError(f"step must be a variable's name or a function, not {step!r}")
+        self.step = step
+        self.signals = tuple(signals)
+        variables(self._namespace, self._saved_names)  # a typo fails now, not ten minutes later
+        self.session = _session_of(shell)
+        self.directory = directory or self.session.defaults.directory
+        self.key = self.session.key(self.directory)
+        self.running = False
+        self.last: Save | None = None  # the newest autosave (None before the first)
+        self._last_at = time.monotonic()  # when it started: the budget runs from here
+        self._last_wall: float | None = None
+        self._cells = 0  # cells run since start(); see _pre_run_cell
+        self._cells_saved = 0  # ... when the newest autosave took the state
+        self._armed: Checkpointer | None = None  # the Checkpointer the signal handler saves with
+        self._disarm: Callable[[], None] | None = None
+        self._reported: str | None = None  # the last problem logged (not repeated while it lasts)
+
+    @classmethod
+    def active(cls, shell: InteractiveShell | None = None) -> Autosave | None:
+        """The shell's running autosave, if any."""
+        if shell is None:
+            from IPython import get_ipython
+
+            shell = get_ipython()  # type: ignore[no-untyped-call]
+        return _ACTIVE.get(shell) if shell is not None else None
+
+    @property
+    def _namespace(self) -> dict[str, Any]:
+        namespace: dict[str, Any] = self.shell.user_ns
+        return namespace
+
+    @property
+    def _saved_names(self) -> tuple[str, ...]:
+        """The variables saved: ``names``, and the step variable (a restore brings it back)."""
+        if isinstance(self.step, str) and self.step not in self.names:
+            return (*self.names, self.step)
+        return self.names
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def start(self) -> Autosave:
+        """Open the directory (a bad one fails here, in one line), replace the shell's running
+        autosave, and hook into cells, signals and the exit."""
+        if self.running:
+            return self
+        self.session.checkpointer(self.directory)
+        previous = _ACTIVE.get(self.shell)
+        if previous is not None:
+            previous.stop()
+        _ACTIVE[self.shell] = self
+        for event in _HOOKS:
+            self.shell.events.register(event, getattr(self, f"_{event}"))
+        self.running = True
+        self._last_at = time.monotonic()
+        self._arm()
+        return self
+
+    def stop(self) -> None:
+        """Unhook everything; saves in flight go on (``%ckpt_wait`` waits for them)."""
+        if self.running:
+            self._unhook()
+            atexit.unregister(self._at_exit)
+
+    def _unhook(self) -> None:
+        self.running = False
+        for event in _HOOKS:
+            callback = getattr(self, f"_{event}")
+            if callback in self.shell.events.callbacks[event]:
+                self.shell.events.unregister(event, callback)
+        if self._disarm is not None:
+            self._disarm()
+        self._armed = self._disarm = None
+        if _ACTIVE.get(self.shell) is self:
+            del _ACTIVE[self.shell]
+
+    def _arm(self) -> None:
+        """Point the signal handler at the directory's current Checkpointer (the session opens a
+        new one when an option changes) and put the exit hook last in line, so that it runs first."""
+        ckpt = self.session.checkpointers.get(self.key)
+        if ckpt is not self._armed and ckpt is not None:
+            if self._disarm is not None:
+                self._disarm()
+            self._disarm = ckpt.save_on_signal(self._snapshot, signals=self.signals, timeout_s=self.timeout_s)
+            self._armed = ckpt
+        atexit.unregister(self._at_exit)
+        atexit.register(self._at_exit)
+
+    # -- the triggers ---------------------------------------------------------------------------
+
+    def _pre_run_cell(self, info: Any) -> None:
+        self._cells += 1  # a cell may change the state: a final save has something new to write
+
+    def _post_run_cell(self, result: ExecutionResult) -> None:
+        interrupted = isinstance(result.error_in_exec, KeyboardInterrupt)
+        # Never a traceback under the user's cell: IPython prints one for a hook that raises.
+        try:
+            if interrupted or self._due():
+                self._save(interrupted=interrupted)
+            self._arm()
+        except KeyboardInterrupt:
+            self._report("interrupted while staging; the next cell tries again")
+        except Exception as exc:  # UsageError, ConfigError, CheckpointFailed, a step function's own
+            self._report(one_line(exc))
+
+    def _due(self) -> bool:
+        if time.monotonic() - self._last_at < self.every_s:
+            return False
+        # A save in flight (an autosave or the user's): skip rather than stall the next cell.
+        return not self.session.in_flight(self.key)
+
+    def _at_exit(self) -> None:
+        """The final save when the kernel shuts down or restarts (atexit, on the main thread)."""
+        ckpt = self._armed
+        if not self.running or ckpt is None:
+            return
+        self._unhook()  # this is the final save: a signal must not start another one
+        if signal.SIGTERM in self.signals:
+            # Jupyter sends SIGTERM half-way through its shutdown wait; the save is bounded already.
+            signal.signal(signal.SIGTERM, self._late_signal)
+        ckpt.final_save(self._take_final, timeout_s=self.timeout_s, reason="kernel exit")
+
+    def _late_signal(self, signum: int, frame: Any) -> None:
+        _log.warning("nbckpt: %s during the final save at exit: it goes on (at most %s)",
+                     signal.Signals(signum).name, format_duration(self.timeout_s))
+
+    def _snapshot(self) -> tuple[Mapping[str, Any], int] | None:
+        """The final save of a signal (runs in the handler, on the main thread)."""
+        if not self.running:
+            return None  # stopped, but a handler installed on top of ours still chains to it
+        return self._take_final()
+
+    def _take_final(self) -> tuple[Mapping[str, Any], int] | None:
+        if self._cells == self._cells_saved:
+            return None  # nothing ran since the last autosave took the state
+        state, step = self._take()
+        # Taken: a second way out (a signal whose previous handler raises SystemExit, then the
+        # exit hook) finds nothing new.
+        self._cells_saved = self._cells
+        return state, self.session.next_step(self.directory) if step is None else step
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def _take(self) -> tuple[dict[str, Any], int | None]:
+        """The variables now and the user's step (None: the session numbers it)."""
+        state = variables(self._namespace, self._saved_names)
+        if self.step is None:
+            return state, None
+        value = self.step() if callable(self.step) else state[self.step]
+        try:
+            step = -1 if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            step = -1
+        if step < 0:
+            raise ConfigError(f"the step {self._step_source} is {value!r}, not a non-negative integer")
+        if step in self.session.opened(self.directory).steps() and not self._ours(step):
+            raise ConfigError(f"step {step} is already in {self.directory} and was not saved in this "
+                              "session: it is not replaced (autosaves go on once the step moves on)")
+        return state, step
+
+    def _unchanged(self, step: int) -> bool:
+        """The user's step has not moved since the newest autosave, which did not fail."""
+        last = self.last.handle if self.last is not None else None
+        return last is not None and last.step == step and last.error is None
+
+    def _ours(self, step: int) -> bool:
+        return any(save.key == self.key and save.handle.step == step for save in self.session.saves)
+
+    @property
+    def _step_source(self) -> str:
+        return f"variable {self.step!r}" if isinstance(self.step, str) else "function's value"
+
+    def _save(self, *, interrupted: bool) -> None:
+        state, step = self._take()
+        if not interrupted and step is not None and self._unchanged(step):
+            return  # a cell that only looked (a plot, a status): the step it saved is still it
+        before, self._cells_saved = self._cells_saved, self._cells
+        try:  # marked as taken first: a signal's final save during this one has nothing new
+            # After a cell there is no line of the user's for a warning to point at (it would
+            # show the kernel's): the engine's warnings (a new branch, fewer slots) go to the log.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                save = self.session.save(state, names=self._saved_names, mode="autosave",
+                                         directory=self.directory, step=step,
+                                         overwrite=step is not None and self._ours(step))
+        except BaseException:
+            self._cells_saved = before
+            raise
+        finally:
+            for record in caught:
+                _log.warning("%s", record.message)
+        self.last, self._last_at, self._last_wall = save, time.monotonic(), time.time()
+        self._reported = None
+        handle = save.handle
+        handle.committed.add_done_callback(lambda done: self._committed(handle, done))
+        if interrupted:
+            print(f"nbckpt: autosaving step {handle.step} of the interrupted cell to "
+                  f"{save.directory} (in the background)")
+
+    def _committed(self, handle: SaveHandle, done: Future[SaveRecord]) -> None:
+        """On the persist thread: a failed autosave is told now, not ten minutes later."""
+        error = done.exception()
+        if error is not None:
+            handle.reported = True  # told here: the next save does not raise it again
+            self._report(f"step {handle.step} failed: {one_line(error)}")
+
+    def _report(self, problem: str) -> None:
+        line = f"nbckpt: autosave to {self.directory}: {problem}"
+        if line != self._reported:
+            self._reported = line
+            _log.warning("%s", line)
+
+    # -- what it shows --------------------------------------------------------------------------
+
+    def status(self) -> str:
+        """What is autosaved, where and how often; the last save and when the next one is due."""
+        what = " ".join(self.names) + (f" (step from {self.step!r})" if isinstance(self.step, str) else "")
+        head = f"{what} to {self.directory} every {format_duration(self.every_s)}"
+        if not self.running:
+            return f"nbckpt: stopped autosaving {head}"
+        last = "none yet"
+        if self.last is not None and self._last_wall is not None:
+            handle = self.last.handle
+            phase = "failed" if handle.error is not None else handle.phase
+            last = f"step {handle.step} at {_clock(self._last_wall)} ({phase})"
+        wait = self._last_at + self.every_s - time.monotonic()
+        due = f"the first cell to end after {_clock(time.time() + wait)}" if wait > 0 else "the next cell"
+        return (f"nbckpt: autosaving {head}\n  last: {last}\n  next: {due}; at once when a cell is "
+                f"interrupted; a final save on kernel shutdown and SIGTERM (within "
+                f"{format_duration(self.timeout_s)})")
+
+    def __repr__(self) -> str:
+        return self.status()
+
+
+def _clock(wall: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(wall))
+
+
+def command(shell: InteractiveShell, args: argparse.Namespace) -> None:
+    """``%ckpt_autosave``: start (replacing the running one), stop (``--off``) or show it."""
+    running = Autosave.active(shell)
+    given = {"--every": args.every, "--step": args.step, "-d": args.dir, "--timeout": args.timeout}
+    options = [flag for flag, value in given.items() if value is not None]
+    if args.off:
+        if args.names or options:
+            raise UsageError("--off takes no variables or options: %ckpt_autosave --off")
+        if running is None:
+            print("nbckpt: no autosave to stop")
+            return
+        running.stop()
+        print(f"nbckpt: stopped autosaving {' '.join(running.names)}")
+        return
+    if not args.names:
+        if options:
+            raise UsageError(f"name the variables to autosave: %ckpt_autosave model opt {options[0]} ...")
+        print(running.status() if running else
+              "nbckpt: no autosave running; start one with %ckpt_autosave model opt --every 10min")
+        return
+    timing = {"every_s": args.every, "timeout_s": args.timeout}  # their defaults are Autosave's
+    try:
+        autosave = Autosave(args.names, shell=shell, directory=args.dir, step=args.step,
+                            **{name: value for name, value in timing.items() if value is not None}).start()
+    except ConfigError as exc:
+        reraise(exc)
+    if running is not None:
+        print(f"nbckpt: replaced the autosave of {' '.join(running.names)}")
+    print(autosave.status())

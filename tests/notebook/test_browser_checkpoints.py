@@ -1,0 +1,112 @@
+"""The checkpoint browser in a real JupyterLab, driven through Debian's Chromium with Playwright:
+a notebook trains a little, saves three steps and shows a Browser beside its open Checkpointer;
+two clicked rows and Diff give the per-tensor table."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbformat
+import pytest
+from helpers import ROOT
+from helpers.jupyterlab import (
+    ARTIFACTS,
+    BROWSER_MARKS,
+    Server,
+    chromium_page,
+    jupyter_lab,
+    open_and_run_all,
+    until,
+)
+
+#: The picture of the browser in the docs; rewritten by this test with NBCKPT_UPDATE_SCREENSHOT=1.
+SCREENSHOT = ROOT / "docs" / "browser.png"
+
+pytestmark = BROWSER_MARKS
+
+# The encoder is frozen: between two steps only the head (and nothing of the encoder) changes.
+TRAIN = """\
+import torch
+from nbckpt import Checkpointer
+from nbckpt.notebook import Browser
+
+torch.manual_seed(0)
+encoder, head = torch.nn.Linear(16, 8), torch.nn.Linear(8, 2)
+encoder.requires_grad_(False)
+opt = torch.optim.SGD(head.parameters(), lr=0.1)
+ckpt = Checkpointer("checkpoints/run", mode="sync")  # left open: the browser takes no lock
+for step in (100, 200, 300):
+    loss = head(torch.relu(encoder(torch.randn(32, 16)))).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    ckpt.save({"encoder": encoder, "head": head, "optim": opt, "step": step, "lr": 0.1}, step=step)
+"""
+BROWSE = 'browser = Browser("checkpoints/run", target={"encoder": encoder, "head": head})\nbrowser'
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    root = tmp_path / "root"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(TRAIN), nbformat.v4.new_code_cell(BROWSE)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, root / "browse.ipynb")
+    with jupyter_lab(tmp_path, root) as running:
+        yield running
+
+
+def test_two_clicked_steps_diff_in_jupyterlab(server: Server) -> None:
+    """Run All; click steps 100 and 300, then Diff: the head's tensors head the diff table as
+    changed and the encoder's are unchanged; a header click sorts; Verify marks both verified;
+    re-running the Browser's cell shows one working browser; the console stays clean."""
+    with chromium_page("browser-checkpoints-failed.png", height=1200) as page:
+        open_and_run_all(page, server, "browse.ipynb")
+        widget = page.locator(".nbckpt-browser")
+        widget.wait_for(timeout=120_000)
+        steps = widget.locator(".nbckpt-steps table tbody tr")
+        until(lambda: steps.count() == 3, 60, "the three steps in the table")
+        assert "not checked" in steps.first.inner_text()
+
+        widget.locator('.nbckpt-steps tr[data-id="main:100"]').click()
+        widget.locator('.nbckpt-steps tr[data-id="main:300"]').click()
+        assert widget.locator(".nbckpt-steps tr.nbckpt-selected").count() == 2
+        widget.locator("button", has_text="Diff").click()  # waits for it to be enabled
+
+        diff = widget.locator(".nbckpt-diff table")
+        diff.locator('tr[data-id="head.weight"]').wait_for(timeout=60_000)
+        names = diff.locator("tbody tr").evaluate_all("(rows) => rows.map((r) => r.dataset.id)")
+        assert names[:2] in (["head.weight", "head.bias"], ["head.bias", "head.weight"])
+        assert set(names[2:]) == {"encoder.weight", "encoder.bias"}
+        for name, status in (("head.weight", "changed"), ("encoder.bias", "unchanged")):
+            cells = diff.locator(f'tr[data-id="{name}"] td').all_inner_texts()
+            assert cells[:2] == [name, status], cells
+        assert "main step 100 → main step 300" in widget.locator(".nbckpt-diff-summary").inner_text()
+        assert diff.locator(".nbckpt-bar").count() >= 2  # the relative changes as bars
+
+        widget.locator("button", has_text="Verify").click()
+        until(lambda: widget.locator(".nbckpt-steps tr.nbckpt-row-verified").count() == 2, 60,
+              "the two selected steps to show verified")
+        widget.scroll_into_view_if_needed()
+        shot = ARTIFACTS / "browser-checkpoints.png"
+        widget.screenshot(path=str(shot), scale="css", animations="disabled")
+        if os.environ.get("NBCKPT_UPDATE_SCREENSHOT", "") not in ("", "0"):
+            SCREENSHOT.write_bytes(shot.read_bytes())
+
+        diff.locator("th", has_text="tensor").click()  # sorts by name
+        names = diff.locator("tbody tr").evaluate_all("(rows) => rows.map((r) => r.dataset.id)")
+        assert names == sorted(names)
+
+        # re-run the Browser's cell, as a user would: one browser again, and it works
+        cell = page.locator(".jp-Notebook .jp-CodeCell").filter(has_text="= Browser(")
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Control+Enter")
+        until(lambda: page.locator(".nbckpt-browser .nbckpt-steps tr.nbckpt-selected").count() == 0
+              and page.locator(".nbckpt-browser .nbckpt-steps tbody tr").count() == 3, 60,
+              "the browser of the re-run cell")
+        assert page.locator(".nbckpt-browser").count() == 1
+        page.locator('.nbckpt-browser .nbckpt-steps tr[data-id="main:200"]').click()
+        page.locator(".nbckpt-browser button", has_text="Restore").click()
+        page.locator(".nbckpt-browser .nbckpt-ok", has_text="Restored main step 200").wait_for(
+            timeout=60_000)
