@@ -1,12 +1,16 @@
 """One rank of the torchrun test: async saves on every rank, then restore and compare.
 
-torchrun --standalone --nproc_per_node 2 tests/helpers/dist_worker.py DIR
+torchrun --standalone --nproc_per_node 2 tests/helpers/dist_worker.py DIR RESULTS
+
+Each rank writes its findings to RESULTS/rank<N>.json: the ranks share one stdout pipe, where
+their lines can interleave.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -14,7 +18,7 @@ import torch.distributed as dist
 from nbckpt import Checkpointer
 
 
-def main(directory: str) -> int:
+def main(directory: str, results: str) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)  # replicated parameters, as after DDP's broadcast
@@ -45,7 +49,7 @@ def main(directory: str) -> int:
         )
         events = ckpt.timeline.to_pandas()
         manifest = ckpt.manifest(3)
-    print(
+    (Path(results) / f"rank{rank}.json").write_text(
         json.dumps(
             {
                 "rank": rank,
@@ -56,12 +60,11 @@ def main(directory: str) -> int:
                 "kinds": sorted(set(events["kind"])),
                 "ranks_in_timeline": sorted(set(events["rank"])),
             }
-        ),
-        flush=True,
+        )
     )
     dist.destroy_process_group()
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2]))
