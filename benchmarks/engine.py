@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, Timeline
-from nbckpt._util import GB, MIB, write_all
+from nbckpt._util import GB, MIB, fsync_dir, write_all
 from nbckpt.bench import get_strategy, make_workload, plain_state, t_interval, tensor_bytes
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -162,14 +162,10 @@ def make_state(nbytes: int, tensors: int, *, shapes: int = 0, device: str = "cpu
     return state
 
 
-def synchronize(state: dict[str, Any]) -> None:
+def synchronize() -> None:
     """Wait for the GPU's queued copies (a no-op without CUDA), so a time covers the whole copy."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def state_bytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 def byte_views(state: dict[str, torch.Tensor]) -> list[memoryview]:
@@ -204,7 +200,7 @@ def copy_in_halves(target: dict[str, torch.Tensor], source: dict[str, torch.Tens
 
     keys = list(source)
     parallel([partial(copy, keys[i::2]) for i in range(2)])
-    synchronize(source)
+    synchronize()
 
 
 def write_files(directory: Path, groups: list[list[memoryview]], *, hash_pieces: bool = False) -> None:
@@ -257,14 +253,19 @@ def read_files(paths: list[Path]) -> None:
     parallel([partial(read, p) for p in paths])
 
 
+def load_into(template: dict[str, torch.Tensor], path: Path) -> None:
+    """torch.load of ``path``, then every tensor copied into ``template``'s (a model's, already there)."""
+    loaded = torch.load(path, weights_only=True)
+    for key, tensor in template.items():
+        tensor.copy_(loaded[key])
+
+
 def torch_save_fsync(state: Any, path: Path) -> None:
     with open(path, "wb") as stream:
         torch.save(state, stream)
         stream.flush()
         os.fsync(stream.fileno())
-    fd = os.open(path.parent, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    fsync_dir(str(path.parent))
 
 
 @contextmanager
@@ -289,9 +290,9 @@ def clean(path: Path) -> None:
 
 def bench_persist(directory: Path, state: dict[str, torch.Tensor], repeats: int) -> Table:
     """Persist bandwidth and CPU per GB: nbckpt async against the raw write and the least pipeline."""
-    table = Table(f"persist into {directory}", state_bytes(state))
+    table = Table(f"persist into {directory}", tensor_bytes(state))
     host = {k: v.cpu() for k, v in state.items()}  # the raw write floor writes host memory
-    views = byte_views(host)
+    groups = halves(byte_views(host))  # split once: the timed write is the write alone
     pin = torch.cuda.is_available()
     staging = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in state.items()}
     staging_views = halves(byte_views(staging))
@@ -302,7 +303,7 @@ def bench_persist(directory: Path, state: dict[str, torch.Tensor], repeats: int)
         for step in range(1, repeats + 1):
             sample: list[Sample] = []
             with measured(sample):
-                write_files(directory, halves(views))
+                write_files(directory, groups)
             table.add("raw write (2 streams)", sample[-1])
             with measured(sample):
                 copy_in_halves(staging, state, pin)
@@ -323,7 +324,7 @@ def bench_persist(directory: Path, state: dict[str, torch.Tensor], repeats: int)
 
 def bench_restore(directory: Path, state: dict[str, torch.Tensor], repeats: int, *, cold: bool) -> Table:
     """Restore with verification against dcp.load, torch.load and the raw read of the same files."""
-    table = Table(f"restore from {directory} ({'cold' if cold else 'page cache'})", state_bytes(state))
+    table = Table(f"restore from {directory} ({'cold' if cold else 'page cache'})", tensor_bytes(state))
     run, dcp_dir, torch_file = directory / "nbckpt", directory / "dcp", directory / "state.pt"
     for path in (run, dcp_dir):
         clean(path)
@@ -348,20 +349,17 @@ def bench_restore(directory: Path, state: dict[str, torch.Tensor], repeats: int,
         # opened as a restarted run opens it; timed from restore()
         with Checkpointer(run) as ckpt, measured(sample):
             ckpt.restore(template)
-            synchronize(template)
+            synchronize()
         table.add("nbckpt restore (verified)", sample[-1])
         maybe_drop([*dcp_dir.iterdir()])
         with measured(sample):
             dcp_load(template, checkpoint_id=dcp_dir, no_dist=True)
-            synchronize(template)
+            synchronize()
         table.add("dcp.load", sample[-1])
         maybe_drop([torch_file])
         with measured(sample):
-            loaded = torch.load(torch_file, weights_only=True)
-            for key, tensor in template.items():
-                tensor.copy_(loaded[key])
-            synchronize(template)
-            del loaded
+            load_into(template, torch_file)
+            synchronize()
         table.add("torch.load + copy in", sample[-1])
     assert all(torch.equal(template[k], v) for k, v in state.items())
     for path in (run, dcp_dir, torch_file):
@@ -371,7 +369,7 @@ def bench_restore(directory: Path, state: dict[str, torch.Tensor], repeats: int,
 
 def bench_sync_save(directory: Path, state: dict[str, torch.Tensor], repeats: int, title: str) -> Table:
     """A synchronous save (commit before return) against torch.save + fsync of file and directory."""
-    table = Table(title, state_bytes(state))
+    table = Table(title, tensor_bytes(state))
     run = directory / "nbckpt"
     clean(run)
     with Checkpointer(run, mode="sync", keep=1) as ckpt:
@@ -393,7 +391,7 @@ def bench_sync_save(directory: Path, state: dict[str, torch.Tensor], repeats: in
 
 
 def bench_many_restore(directory: Path, state: dict[str, torch.Tensor], repeats: int) -> Table:
-    table = Table(f"restore of {len(state)} tensors", state_bytes(state))
+    table = Table(f"restore of {len(state)} tensors", tensor_bytes(state))
     run, torch_file = directory / "nbckpt", directory / "state.pt"
     clean(run)
     with Checkpointer(run) as ckpt:
@@ -403,10 +401,7 @@ def bench_many_restore(directory: Path, state: dict[str, torch.Tensor], repeats:
     for _ in range(repeats):
         sample: list[Sample] = []
         with measured(sample):
-            loaded = torch.load(torch_file, weights_only=True)
-            for key, tensor in template.items():
-                tensor.copy_(loaded[key])
-            del loaded
+            load_into(template, torch_file)
         table.add("torch.load + copy in", sample[-1])
         with Checkpointer(run) as ckpt, measured(sample):
             ckpt.restore(template)
@@ -443,7 +438,7 @@ def bench_stall(directory: Path, state: dict[str, Any], repeats: int, title: str
                 with measured(sample):
                     strategy.save(state, step)
                     strategy.before_step()  # waits for the copy where the strategy must
-                    synchronize(state)
+                    synchronize()
                 stall = sample[-1]
                 strategy.finish()
                 table.add(name, stall)
@@ -663,7 +658,7 @@ def checks(tables: dict[str, Table]) -> dict[str, dict[str, Any]]:
 
 def bench_copy_floor(state: dict[str, torch.Tensor], repeats: int) -> Table:
     """The least a stall can be: the state copied into preallocated (pinned on CUDA) host memory."""
-    table = Table("copy floor", state_bytes(state))
+    table = Table("copy floor", tensor_bytes(state))
     pin = torch.cuda.is_available()
     target = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in state.items()}
     for _ in range(repeats + 1):

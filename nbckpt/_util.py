@@ -19,7 +19,6 @@ from ._errors import ConfigError, describe_error
 __all__ = [
     "GB",
     "GIB",
-    "KIB",
     "MIB",
     "S3_DEFAULT_RETRIES",
     "check_count",
@@ -34,11 +33,11 @@ __all__ = [
     "parse_duration",
     "run_directory",
     "where",
+    "with_filename",
     "writable_directory",
     "write_all",
 ]
 
-KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
 #: Decimal gigabyte: bandwidths and disk sizes are quoted in these.
@@ -203,14 +202,20 @@ def explain_fsspec_error(exc: BaseException, path: str) -> str:
     return text
 
 
+def with_filename(exc: OSError, path: str) -> OSError:
+    """``exc`` naming ``path`` (os.write and os.fsync errors do not say which file)."""
+    if exc.filename is None:
+        exc.filename = path
+    return exc
+
+
 def fsync_dir(path: str) -> None:
     """Make a directory's entries durable (a new file or rename in it survives a power cut)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     except OSError as exc:
-        if exc.filename is None:
-            exc.filename = path
+        with_filename(exc, path)
         raise
     finally:
         os.close(fd)

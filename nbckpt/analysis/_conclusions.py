@@ -42,28 +42,32 @@ def _times(factor: float) -> str:
     return f"{factor:.1f}x" if factor < 100 else f"{factor:.0f}x"
 
 
+def _interval(row: Mapping[str, Any]) -> tuple[float, float]:
+    """A row's overhead interval ``(lo, hi)``; NaNs where it has none."""
+    interval = row.get("overhead_ci_pct")
+    if isinstance(interval, (list, tuple)) and len(interval) == 2:
+        return _num(interval[0]), _num(interval[1])
+    return math.nan, math.nan
+
+
 def _overhead_phrase(row: Mapping[str, Any]) -> str:
     """``+12.3 % (95 % interval +8.0 to +16.6 %)`` or ``no measurable difference (...)``."""
     from ..bench import measurable
 
-    interval = row.get("overhead_ci_pct")
-    lo, hi = (_num(v) for v in interval) if isinstance(interval, (list, tuple)) and len(interval) == 2 \
-        else (math.nan, math.nan)
+    lo, hi = _interval(row)
     span = (f"95 % interval {lo:+.1f} to {hi:+.1f} %" if _finite(lo) and _finite(hi)
             else "no interval")
-    if not measurable(interval):
+    if not measurable(row.get("overhead_ci_pct")):
         return f"no measurable difference ({span})"
     return f"{_num(row['overhead_pct']):+.1f} % ({span})"
 
 
 def _lower(row: Mapping[str, Any]) -> float:
-    interval = row.get("overhead_ci_pct")
-    return _num(interval[0]) if isinstance(interval, (list, tuple)) and len(interval) == 2 else math.nan
+    return _interval(row)[0]
 
 
 def _upper(row: Mapping[str, Any]) -> float:
-    interval = row.get("overhead_ci_pct")
-    return _num(interval[1]) if isinstance(interval, (list, tuple)) and len(interval) == 2 else math.nan
+    return _interval(row)[1]
 
 
 def conclusions(

@@ -14,7 +14,7 @@ The model, per strategy, model size and rank count:
 - drag: ``drag_fraction * persist`` for async strategies, the fraction defaulting to the
   measured ``drag_s / persist_s`` (0 to 1); a CPU measurement where training and the write
   share the cores overstates what a GPU node sees.
-- ``storage_duty_pct = 100 * persist / (interval + stall)``;
+- ``storage_duty_pct = 100 * persist / (interval + stall + backpressure)``;
   ``overhead_pct = 100 * (stall + backpressure + drag) / interval_s``.
 """
 
@@ -70,7 +70,7 @@ def project_scale(
     ranks: int | Sequence[int] = (8, 64, 512),
     d2h_gbs: float | None = None,
     rank_write_gbs: float | None = None,
-    interval_s: float = 1800.0,
+    interval_s: float = DEFAULTS.interval_s,
     sharding: str = "full",
     gpu_memory_gb: float | None = DEFAULTS.gpu_memory_gb,
     drag_fraction: float | None = None,

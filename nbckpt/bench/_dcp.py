@@ -32,12 +32,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from .._errors import ConfigError
 from ..engine import Timeline, now_ns, step_name
-from ._strategy import BlockingSave, Strategy, failing_as, plain_state, tensor_bytes
+from ._strategy import WAIT_NOISE_NS, BlockingSave, Strategy, failing_as, plain_state, tensor_bytes
 
 __all__ = ["DcpAsync", "DcpAsyncProcess", "DcpAsyncStager", "DcpSync"]
-
-# A wait shorter than this is bookkeeping (the future was already done), not backpressure.
-_WAIT_NOISE_NS = 100_000
 
 
 class DcpSync(BlockingSave):
@@ -123,7 +120,7 @@ class DcpAsync(Strategy):
         finally:
             # add_done_callback runs after waiters wake: wait for the persist event too.
             recorded.wait()
-        if record_wait and now_ns() - begin > _WAIT_NOISE_NS:
+        if record_wait and now_ns() - begin > WAIT_NOISE_NS:
             self.record("wait", begin, step=step)
 
     def finish(self) -> None:

@@ -23,7 +23,7 @@ from ..engine import Event, Timeline, now_ns
 from ._load import Load, LoadMonitor, combine_loads
 from ._result import ExperimentResult
 from ._strategies import get_strategy
-from ._strategy import Strategy
+from ._strategy import WAIT_NOISE_NS, Strategy
 from ._workloads import Workload
 
 __all__ = [
@@ -40,8 +40,6 @@ EventCallback = Callable[[Event], None]
 Progress = Callable[[str], None]
 
 _MEMORY_SAMPLE_S = 0.01
-# A wait for background work shorter than this is the strategy's bookkeeping, not backpressure.
-_SETTLE_NOISE_NS = 100_000
 
 
 def check_run_args(steps: int, every: int) -> None:
@@ -204,7 +202,7 @@ class Lane:
         begin = now_ns()
         self.strategy.finish()
         waited = now_ns() - begin
-        if next_save is not None and waited > _SETTLE_NOISE_NS:
+        if next_save is not None and waited > WAIT_NOISE_NS:
             self.timeline.record("stall", begin, step=next_save, part="wait")
             self.loop_ns += waited
 

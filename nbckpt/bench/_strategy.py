@@ -23,6 +23,7 @@ from .._util import fsync_dir, is_url
 from ..engine import Checkpointer, Event, Timeline, now_ns, step_name
 
 __all__ = [
+    "WAIT_NOISE_NS",
     "BlockingSave",
     "NbckptAsync",
     "NbckptAsyncOverlap",
@@ -36,6 +37,11 @@ __all__ = [
     "plain_state",
     "tensor_bytes",
 ]
+
+
+# A wait for background work shorter than this is bookkeeping (the work was already done), not
+# backpressure: neither the runner nor a strategy records it as a wait.
+WAIT_NOISE_NS = 100_000
 
 
 def join(directory: str, name: str) -> str:
@@ -234,13 +240,8 @@ class NbckptStrategy(Strategy):
         self._require().wait()
 
     def save_cpu_s(self) -> float | None:
-        # SaveRecord.cpu_s arrives with the engine rewrite; until then this knows nothing.
-        if self.checkpointer is None:
-            return None
-        values = [getattr(record, "cpu_s", None) for record in self.checkpointer.records]
-        if not values or any(value is None for value in values):
-            return None
-        return sum(float(value) for value in values if value is not None)
+        records = self.checkpointer.records if self.checkpointer is not None else []
+        return sum(record.cpu_s for record in records) if records else None
 
     def close(self) -> None:
         if self.checkpointer is not None:

@@ -30,7 +30,7 @@ from . import _final
 from ._config import CheckpointConfig, Mode
 from ._final import Snapshot
 from ._handles import SaveHandle, SaveRecord
-from ._lines import MAIN, ancestry, discover, last_committed, start_branch
+from ._lines import MAIN, ancestry, discover, last_committed, lineage, start_branch
 from ._mirror import Mirror
 from ._ranks import Group, join
 from ._reader import Readable
@@ -106,11 +106,15 @@ class Checkpointer:
         line = self.config.line or ranks.caller.from_rank0(("line",), partial(last_committed, self._lines))
         self._restorer = self._switch(line)
         _OPEN.add(self)
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # Unregistered by close() and when dropped: a notebook that opens many readers keeps no
+        # dead entries in atexit's list.
+        self._at_exit = partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         # A Checkpointer dropped without close() (a notebook cell run again) frees the directory.
         weakref.finalize(
             self, _release, self.store, self._saver, self._io, False, self._mirror
         ).atexit = False
+        weakref.finalize(self, atexit.unregister, self._at_exit).atexit = False
 
     def _switch(self, name: str) -> Restorer:
         """Make line ``name`` the one saves go to and restores read from (its ancestors too)."""
@@ -126,15 +130,8 @@ class Checkpointer:
         if self._mirror is not None:
             self._mirror.follow(name)
             stores.append(self._mirror.store)
-        self._chain = [name, *self._parents(name)]
+        self._chain = lineage(self._lines, name)  # the line each of ``stores`` belongs to
         return Restorer(stores, self._io, self._ranks.caller, self.timeline)
-
-    def _parents(self, name: str) -> list[str]:
-        parents = []
-        while (parent := self._lines[name].parent) is not None and parent in self._lines:
-            parents.append(parent)
-            name = parent
-        return parents
 
     def _branch_if_rewound(self) -> None:
         """Before the first save after restoring an older step: go on in a new line."""
@@ -308,7 +305,7 @@ class Checkpointer:
     def manifest(self, step: int) -> dict[str, Any]:
         """The checked manifest of a committed step (CheckpointError if it is invalid)."""
         check_step(step)
-        return self._restorer.manifest(step, self._restorer.location(step)).body
+        return self._restorer.manifest(step).body
 
     def verify(self, step: int) -> dict[str, Any]:
         """Check a checkpoint completely: manifest, DCP metadata, every block of every file."""
@@ -454,6 +451,7 @@ class Checkpointer:
             finally:
                 self._closed = True
                 _OPEN.discard(self)
+                atexit.unregister(self._at_exit)
                 _release(self.store, self._saver, self._io, True, self._mirror)
 
     def __enter__(self) -> Checkpointer:

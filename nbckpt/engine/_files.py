@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import xxhash
 
 from .._errors import CheckpointError
-from .._util import write_all
+from .._util import with_filename, write_all
 
 __all__ = [
     "BLOCK_SIZE",
@@ -32,7 +32,6 @@ __all__ = [
     "copy_file",
     "hash_blocks",
     "read_into",
-    "with_filename",
     "write_image",
 ]
 
@@ -72,13 +71,6 @@ class FileResult:
     blocks: list[str]
     fsync_ns: tuple[int, int] = (0, 0)
     cpu_s: float = 0.0
-
-
-def with_filename(exc: OSError, path: str) -> OSError:
-    """``exc`` naming ``path`` (os.write and os.fsync errors do not say which file)."""
-    if exc.filename is None:
-        exc.filename = path
-    return exc
 
 
 class LocalSink:

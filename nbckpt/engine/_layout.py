@@ -77,6 +77,8 @@ class Layout:
     metadata: bytes
     locations: Mapping[str, tuple[str, int]]
     """Each tensor key: the file that holds its bytes and their offset (the manifest's items)."""
+    nbytes: int
+    """Tensor bytes in all the ranks' files (a replicated tensor counts once)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -230,5 +232,7 @@ def plan(
         storage_data=storage_data,
         version=DCP_VERSION,
     )
-    locations = {item.key: (f.name, item.offset) for fs in files.values() for f in fs for item in f.items}
-    return Layout(files, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), locations)
+    items = [(f.name, item) for fs in files.values() for f in fs for item in f.items]
+    locations = {item.key: (name, item.offset) for name, item in items}
+    nbytes = sum(item.nbytes for _, item in items)
+    return Layout(files, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), locations, nbytes)

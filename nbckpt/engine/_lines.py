@@ -13,6 +13,7 @@ line committed to last, unless a line is named.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -23,7 +24,7 @@ from .._errors import CheckpointError, ConfigError
 from ._files import Sink, Source
 from ._store import MANIFEST, Store, open_store
 
-__all__ = ["MAIN", "Line", "StepLimited", "ancestry", "discover", "last_committed", "start_branch"]
+__all__ = ["MAIN", "Line", "StepLimited", "ancestry", "discover", "last_committed", "lineage", "start_branch"]
 
 MAIN = "main"
 BRANCH_FILE = "branch.json"
@@ -96,21 +97,31 @@ def last_committed(lines: dict[str, Line]) -> str:
     return best
 
 
-def ancestry(lines: dict[str, Line], name: str) -> list[Store | StepLimited]:
-    """Where line ``name`` reads its steps: itself, then each ancestor up to its fork point."""
+def lineage(lines: dict[str, Line], name: str) -> list[str]:
+    """Line ``name``, then its parent, its parent's parent... (a cycle of records ends the walk)."""
     if name not in lines:
         raise ConfigError(f"the run has no line {name!r}; it has {', '.join(lines)}")
-    chain: list[Store | StepLimited] = [lines[name].store]
+    names = [name]
     line = lines[name]
     while line.parent is not None and line.from_step is not None and line.parent in lines:
-        parent = lines[line.parent]
-        chain.append(StepLimited(parent.store, line.from_step))
-        line = Line(
-            parent.name,
-            parent.store,
-            parent.parent,
-            min(line.from_step, parent.from_step) if parent.from_step is not None else None,
-        )
+        if line.parent in names:
+            break
+        names.append(line.parent)
+        line = lines[line.parent]
+    return names
+
+
+def ancestry(lines: dict[str, Line], name: str) -> list[Store | StepLimited]:
+    """Where line ``name`` reads its steps (:func:`lineage`'s order): itself, then each ancestor
+    up to the earliest fork point on the way there."""
+    names = lineage(lines, name)
+    chain: list[Store | StepLimited] = [lines[name].store]
+    last: int | None = None
+    for child, parent in itertools.pairwise(names):
+        from_step = lines[child].from_step
+        assert from_step is not None  # lineage follows only lines that name their fork point
+        last = from_step if last is None else min(last, from_step)
+        chain.append(StepLimited(lines[parent].store, last))
     return chain
 
 

@@ -21,7 +21,7 @@ import xxhash
 from .._errors import CheckpointError
 from ._files import BLOCK_SIZE, FileResult
 from ._layout import METADATA_FILE
-from ._state import MAX_DEPTH, dtype_from_name
+from ._state import MAX_DEPTH, TensorSpec, dtype_from_name, tree_specs
 
 __all__ = ["FORMAT", "MAX_MANIFEST_BYTES", "Manifest", "build", "parse", "sign"]
 
@@ -30,6 +30,8 @@ FORMAT = "nbckpt/2"
 MAX_MANIFEST_BYTES = 64 << 20
 _DATA_FILE_RE = re.compile(r"__[0-9]{1,6}_[0-9]{1,6}\.distcp", re.ASCII)
 _HEX16_RE = re.compile(r"[0-9a-f]{16}", re.ASCII)
+#: A rank as ``str(rank)`` spells it (bounded: int() of a hostile key must stay cheap).
+_RANK_RE = re.compile(r"0|[1-9][0-9]{0,17}", re.ASCII)
 _KINDS = {
     "tensor",
     "ndarray",
@@ -69,6 +71,14 @@ class Manifest:
         """The state tree rank ``rank`` saved."""
         tree: dict[str, Any] = self.body.get("rank_trees", {}).get(str(rank), self.body["tree"])
         return tree
+
+    @property
+    def specs(self) -> dict[str, TensorSpec]:
+        """Every tensor any rank's tree references: key to spec."""
+        specs: dict[str, TensorSpec] = {}
+        for tree in [self.body["tree"], *self.body.get("rank_trees", {}).values()]:
+            specs.update(tree_specs(tree))
+        return specs
 
     def rng(self, rank: int) -> Any:
         return self.body.get("rng", {}).get(str(rank))
@@ -177,7 +187,9 @@ def _check_body(body: dict[str, Any], where: str) -> None:
     if not (
         _is_count(world_size)
         and isinstance(rank_trees, dict)
-        and all(rank in {str(r) for r in range(world_size)} for rank in rank_trees)
+        # Not ``rank in {str(r) for r in range(world_size)}``: a hostile world size would make that
+        # set a huge allocation, built again for every rank.
+        and all(_RANK_RE.fullmatch(rank) and int(rank) < world_size for rank in rank_trees)
     ):
         raise CheckpointError(f"{where} has a malformed state tree")
     trees = [body.get("tree"), *rank_trees.values()]

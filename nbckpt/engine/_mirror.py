@@ -18,9 +18,8 @@ from typing import Any
 from .._errors import describe_error
 from ._files import copy_file
 from ._lines import MAIN
-from ._manifest import MAX_MANIFEST_BYTES, parse
-from ._reader import damage_named
-from ._store import MANIFEST, Store, open_store, step_name
+from ._reader import damage_named, read_manifest
+from ._store import Store, open_store, step_name
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
@@ -86,10 +85,7 @@ class Mirror:
         target: str | None = None
         committed = False
         try:
-            where = f"{step_name(step)}/{MANIFEST}"
-            with damage_named(where):
-                data = source.read_small(location, MANIFEST, MAX_MANIFEST_BYTES)
-            manifest = parse(data, step, where)
+            manifest, data = read_manifest(source, step, location)
             target = self.store.begin(step, nonce)
             copied = 0
             for name, meta in manifest.files.items():

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from .._errors import CheckpointError, describe_error
 from ._files import Source, read_into
 from ._layout import METADATA_FILE
-from ._manifest import Manifest
-from ._state import TensorSpec, tree_specs
+from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse
+from ._store import MANIFEST, step_name
 from ._torch_compat import STORAGE_INFO_GLOBAL
 from ._workers import Pool, run_all
 
@@ -29,6 +29,7 @@ __all__ = [
     "byte_view",
     "check_dcp_metadata",
     "damage_named",
+    "read_manifest",
     "read_metadata",
     "read_tensors",
     "verify_files",
@@ -99,6 +100,14 @@ def damage_named(label: str) -> Iterator[None]:
         raise CheckpointError(f"{label.rsplit('/', 1)[0]}/{exc}") from None
 
 
+def read_manifest(store: Readable, step: int, location: str) -> tuple[Manifest, bytes]:
+    """The checked manifest of ``step`` at ``location``, and its bytes as read."""
+    where = f"{step_name(step)}/{MANIFEST}"
+    with damage_named(where):
+        data = store.read_small(location, MANIFEST, MAX_MANIFEST_BYTES)
+    return parse(data, step, where), data
+
+
 def read_tensors(
     store: Readable,
     io: Pool,
@@ -109,9 +118,7 @@ def read_tensors(
     verify: bool,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """Read the tensors ``keys`` into fresh CPU tensors; return them and the CPU seconds spent."""
-    specs: dict[str, TensorSpec] = {}
-    for tree in [manifest.body["tree"], *manifest.body.get("rank_trees", {}).values()]:
-        specs.update(tree_specs(tree))
+    specs = manifest.specs
     tensors: dict[str, torch.Tensor] = {}
     by_file: dict[str, list[tuple[int, memoryview]]] = {}
     for key in keys:
@@ -198,9 +205,7 @@ def check_dcp_metadata(data: bytes, manifest: Manifest, where: str) -> None:
         raise CheckpointError(f"{where}: unsafe or unreadable DCP metadata ({exc})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"{where}: DCP metadata is a {type(metadata).__name__}")
-    specs: dict[str, TensorSpec] = {}
-    for tree in [manifest.body["tree"], *manifest.body.get("rank_trees", {}).values()]:
-        specs.update(tree_specs(tree))
+    specs = manifest.specs
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"{where}: entry {key!r} is not a tensor; refusing to unpickle it")

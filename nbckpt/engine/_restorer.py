@@ -18,9 +18,9 @@ import torch
 from .._errors import CheckpointError, ConfigError, describe_error
 from . import _rng
 from ._layout import METADATA_FILE
-from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse
+from ._manifest import Manifest
 from ._ranks import Group
-from ._reader import Readable, check_dcp_metadata, damage_named, read_metadata, read_tensors, verify_files
+from ._reader import Readable, check_dcp_metadata, read_manifest, read_metadata, read_tensors, verify_files
 from ._state import align, apply, check_template, decode, node_tensors, tree_specs
 from ._store import MANIFEST, step_name
 from ._timeline import Timeline, now_ns
@@ -58,18 +58,14 @@ class Restorer:
         have = ", ".join(map(str, self.store.committed())) or "none"
         raise CheckpointError(f"no committed checkpoint for step {step} in {self.store.url} (steps: {have})")
 
-    def location(self, step: int) -> str:
-        return self.find(step)[1]
-
-    def manifest(self, step: int, location: str, store: Readable | None = None) -> Manifest:
-        where = f"{step_name(step)}/{MANIFEST}"
-        with damage_named(where):
-            data = (store or self.store).read_small(location, MANIFEST, MAX_MANIFEST_BYTES)
-        return parse(data, step, where)
+    def manifest(self, step: int) -> Manifest:
+        """The checked manifest of committed ``step``, from the first store that has it."""
+        store, location = self.find(step)
+        return read_manifest(store, step, location)[0]
 
     def verify(self, step: int) -> dict[str, Any]:
         store, location = self.find(step)
-        manifest = self.manifest(step, location, store)
+        manifest = read_manifest(store, step, location)[0]
         check_dcp_metadata(
             read_metadata(store, location, manifest), manifest, f"{step_name(step)}/{METADATA_FILE}"
         )
@@ -155,7 +151,7 @@ class Restorer:
         box: list[Any] = []
 
         def check() -> str:
-            manifest = self.manifest(step, location, store)
+            manifest = read_manifest(store, step, location)[0]
             saved = align(state, manifest.tree(self.rank), key_map)
             problems = check_template(state, saved, "")
             if strict:
@@ -188,7 +184,7 @@ class Restorer:
 
     def load(self, step: int, *, verify: bool, map_location: str | torch.device | None) -> dict[str, Any]:
         store, location = self.find(step)
-        manifest = self.manifest(step, location, store)
+        manifest = read_manifest(store, step, location)[0]
         saved = manifest.tree(self.rank)
         if map_location is not None and torch.device(map_location).type == "meta":
             # Shapes and dtypes without a byte read: the cheap look at what a checkpoint holds.

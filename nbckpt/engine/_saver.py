@@ -112,20 +112,15 @@ class Saver:
         stage_done: Future[tuple[float, int]] = Future()
         stage_began = now_ns()
         stage_done.add_done_callback(partial(self._staged, handle, stage_began))
-        note = self.pool.preflight(sum(f.size for f in layout.files.get(self.ranks.rank, ())))
+        files = layout.files.get(self.ranks.rank, ())
+        note = self.pool.preflight(sum(f.size for f in files))
         if note is not None:
             warnings.warn(f"nbckpt: {note}", stacklevel=3)  # the caller of Checkpointer.save
             _log.warning("nbckpt: %s", note)
         try:
             slot = self.pool.acquire(handle)
             try:
-                dtypes = {s.key: s.dtype for s in flat.specs}
-                slot.fit(
-                    layout.files.get(self.ranks.rank, ()),
-                    dtypes,
-                    {s.key: s.shape for s in flat.specs},
-                    pin=self.pool.pin,
-                )
+                slot.fit(files, flat.specs, pin=self.pool.pin)
             except Exception as exc:
                 raise CheckpointError(
                     f"could not allocate {flat.nbytes / 1e9:.2f} GB of staging memory: {describe_error(exc)}"
@@ -157,14 +152,11 @@ class Saver:
         """Plan ``state``'s structure and fit every slot to it (each slot is taken in turn)."""
         self._seq += 1
         flat, layout = self._plan(state, -1, self._seq)
-        note = self.pool.preflight(sum(f.size for f in layout.files.get(self.ranks.rank, ())))
+        files = layout.files.get(self.ranks.rank, ())
+        note = self.pool.preflight(sum(f.size for f in files))
         if note is not None:
             warnings.warn(f"nbckpt: {note}", stacklevel=3)
-        self.pool.prepare(
-            layout.files.get(self.ranks.rank, ()),
-            {s.key: s.dtype for s in flat.specs},
-            {s.key: s.shape for s in flat.specs},
-        )
+        self.pool.prepare(files, flat.specs)
 
     def _plan(self, state: Mapping[str, Any], step: int, seq: int) -> tuple[Flattened, Layout]:
         """Flatten and agree across ranks, then the file layout (cached per structure)."""
@@ -311,7 +303,7 @@ class Saver:
             persisted = now_ns()
             manifest = build(
                 step=step,
-                nbytes=sum(part[3] for part in written),
+                nbytes=layout.nbytes,
                 world_size=self.ranks.world_size,
                 files=files,
                 items=layout.locations,
@@ -371,7 +363,7 @@ class Saver:
 
     def _write(
         self, handle: SaveHandle, location: str, layout: Layout, tree: Any, rng_state: Any
-    ) -> tuple[dict[str, FileResult], Any, Any, int]:
+    ) -> tuple[dict[str, FileResult], Any, Any]:
         """This rank's files, written in parallel (rank 0 adds the DCP metadata)."""
         slot = handle.slot
         assert slot is not None
@@ -385,7 +377,7 @@ class Saver:
         # All of them finish, even after a failure: nothing may write into a removed location.
         results = {result.name: result for result in run_all(self.io, jobs)}
         _faults.hit("after_data")
-        return results, tree, rng_state, sum(view.nbytes for view in slot.views.values())
+        return results, tree, rng_state
 
     def _write_one(self, location: str, name: str, data: memoryview, fsync: bool) -> FileResult:
         return write_image(self.store.sink(location, name), data, fsync=fsync)

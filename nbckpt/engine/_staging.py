@@ -12,7 +12,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -23,6 +23,7 @@ import torch
 from .._errors import CheckpointError, describe_error
 from .._util import format_bytes
 from ._layout import FileLayout
+from ._state import TensorSpec
 from ._workers import Worker
 
 __all__ = ["Slot", "Stager", "StagingPool"]
@@ -31,28 +32,26 @@ __all__ = ["Slot", "Stager", "StagingPool"]
 class Slot:
     """Host images for one save in flight, and typed views of every tensor's place in them."""
 
-    def __init__(self, index: int) -> None:
-        self.index = index
+    def __init__(self) -> None:
         self.owner: object | None = None
         self.files: tuple[FileLayout, ...] = ()
         self.images: dict[str, torch.Tensor] = {}
         self.views: dict[str, torch.Tensor] = {}
+        #: The CPU copies split over the stage threads: fixed while the images are, so
+        #: :class:`Stager` works it out once per fit, not on every save's stall.
+        self.shards: list[list[str]] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(image.numel() for image in self.images.values())
 
-    def fit(
-        self,
-        files: tuple[FileLayout, ...],
-        dtypes: Mapping[str, torch.dtype],
-        shapes: Mapping[str, tuple[int, ...]],
-        pin: bool,
-    ) -> None:
-        """Make the images those of ``files`` (a no-op when they already are)."""
+    def fit(self, files: tuple[FileLayout, ...], specs: Sequence[TensorSpec], pin: bool) -> None:
+        """Make the images those of ``files`` (a no-op when they already are); ``specs`` gives
+        each tensor's dtype and shape."""
         if files == self.files:
             return
-        self.files, self.images, self.views = (), {}, {}  # free the old images first
+        self.files, self.images, self.views, self.shards = (), {}, {}, None  # free the old images first
+        spec_of = {spec.key: spec for spec in specs}
         images, views = {}, {}
         for layout in files:
             image = torch.empty(layout.size, dtype=torch.uint8, pin_memory=pin)
@@ -61,11 +60,12 @@ class Slot:
                     bytearray(framing), dtype=torch.uint8
                 )
             for item in layout.items:
+                spec = spec_of[item.key]
                 if not item.nbytes:  # nothing to write; torch frames an empty tensor without a hole
-                    views[item.key] = torch.empty(shapes[item.key], dtype=dtypes[item.key])
+                    views[item.key] = torch.empty(spec.shape, dtype=spec.dtype)
                     continue
                 raw = image[item.offset : item.offset + item.nbytes]
-                views[item.key] = raw.view(dtypes[item.key]).view(shapes[item.key])
+                views[item.key] = raw.view(spec.dtype).view(spec.shape)
             images[layout.name] = image
         self.files, self.images, self.views = files, images, views
 
@@ -79,7 +79,7 @@ class StagingPool:
 
     def __init__(self, slots: int, *, pin: bool) -> None:
         self.pin = pin
-        self._slots = [Slot(i) for i in range(slots)]
+        self._slots = [Slot() for _ in range(slots)]
         self._free = threading.Condition()
         self._planned_for = -1  # bytes per slot the memory check below last ran for
 
@@ -136,12 +136,7 @@ class StagingPool:
             slot.owner = owner
         return slot
 
-    def prepare(
-        self,
-        files: tuple[FileLayout, ...],
-        dtypes: Mapping[str, torch.dtype],
-        shapes: Mapping[str, tuple[int, ...]],
-    ) -> None:
+    def prepare(self, files: tuple[FileLayout, ...], specs: Sequence[TensorSpec]) -> None:
         """Fit every free slot to ``files`` now (slots in use fit at their next save)."""
         for slot in self._slots:
             with self._free:
@@ -149,7 +144,7 @@ class StagingPool:
                     continue
                 slot.owner = self
             try:
-                slot.fit(files, dtypes, shapes, pin=self.pin)
+                slot.fit(files, specs, pin=self.pin)
             finally:
                 self.release(slot, self)
 
@@ -192,12 +187,9 @@ class Stager:
             # them: on the main thread torch splits every copy across its OpenMP threads, which
             # on a busy 2-core machine made staging 303 MB take 0.4-2.4 s instead of 0.04-0.12 s;
             # two threads with a shard each keep both cores busy without OpenMP barriers.
-            shards = [[] for _ in self._workers]
-            loads = [0] * len(self._workers)
-            for key in sorted(keys, key=lambda k: -slot.views[k].nbytes):
-                index = loads.index(min(loads))
-                shards[index].append(key)
-                loads[index] += slot.views[key].nbytes
+            if slot.shards is None:  # the keys are those of the slot's images: same until a refit
+                slot.shards = self._split(keys, slot)
+            shards = slot.shards
         lock = threading.Lock()
         pending = [len(shards)]
         cpu = [0.0]
@@ -241,6 +233,16 @@ class Stager:
                 # The slot goes back on the way out: the copies must be over first.
                 done.exception()
                 raise
+
+    def _split(self, keys: list[str], slot: Slot) -> list[list[str]]:
+        """``keys`` in one shard per stage thread, of similar bytes (largest first)."""
+        shards: list[list[str]] = [[] for _ in self._workers]
+        loads = [0] * len(self._workers)
+        for key in sorted(keys, key=lambda k: -slot.views[k].nbytes):
+            index = loads.index(min(loads))
+            shards[index].append(key)
+            loads[index] += slot.views[key].nbytes
+        return shards
 
     def stop(self, wait: bool = True) -> None:
         for worker in self._workers:

@@ -242,22 +242,31 @@ class LocalStore(Store):
     def modified(self, location: str, name: str) -> float:
         return os.lstat(os.path.join(location, name)).st_mtime
 
-    def write_small(self, name: str, data: bytes) -> None:
-        temporary = self._path(f".tmp-{name}-{uuid.uuid4().hex[:8]}")
-        sink = LocalSink(temporary)
+    @staticmethod
+    def _write_new(path: str, data: bytes) -> None:
+        """A new file holding ``data``, fsynced (its directory entry is the caller's to sync)."""
+        sink = LocalSink(path)
         try:
             sink.write(memoryview(data))
             sink.sync()
         finally:
             sink.close()
+
+    def write_small(self, name: str, data: bytes) -> None:
+        temporary = self._path(f".tmp-{name}-{uuid.uuid4().hex[:8]}")
+        self._write_new(temporary, data)
         os.rename(temporary, self._path(name))
         fsync_dir(self.url)
 
     def begin(self, step: int, nonce: str) -> str:
         location = self._path(f".tmp-{step_name(step)}-{nonce}")
-        if not os.path.isdir(self.url):  # removed under us: the next save brings it back
+        try:
+            os.mkdir(location)
+        except (FileNotFoundError, NotADirectoryError):
+            # The root was removed (or replaced) under us: the next save brings it back. Asked
+            # only when mkdir fails, so a save costs no stat of the root.
             self.prepare()
-        os.mkdir(location)
+            os.mkdir(location)
         return location
 
     def sink(self, location: str, name: str) -> Sink:
@@ -283,12 +292,7 @@ class LocalStore(Store):
         return data
 
     def commit(self, location: str, step: int, manifest: bytes) -> str:
-        sink = LocalSink(os.path.join(location, MANIFEST))
-        try:
-            sink.write(memoryview(manifest))
-            sink.sync()
-        finally:
-            sink.close()
+        self._write_new(os.path.join(location, MANIFEST), manifest)
         fsync_dir(location)
         _faults.hit("before_rename")
         final = self._path(step_name(step))

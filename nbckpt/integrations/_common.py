@@ -20,6 +20,7 @@ from typing import IO, Any
 import torch
 
 from .._errors import CheckpointError, ConfigError
+from .._util import fsync_dir
 from ..engine import Checkpointer
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "atomic_torch_save",
     "atomic_write",
     "load",
+    "load_step",
     "pointers_in",
     "read_pointer",
     "resolve",
@@ -48,19 +50,6 @@ class Pointer:
     step: int
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace_durably(tmp: str, path: str) -> None:
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
 def _atomic_file(path: str | os.PathLike[str], fill: Callable[[IO[bytes]], object]) -> None:
     """Let ``fill`` write a file that replaces ``path`` only once it is whole and durable: a crash
     leaves the old file or the new one, never half (torch.save over a full disk leaves half)."""
@@ -71,7 +60,8 @@ def _atomic_file(path: str | os.PathLike[str], fill: Callable[[IO[bytes]], objec
             fill(f)
             f.flush()
             os.fsync(f.fileno())
-        _replace_durably(tmp, path)
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -168,6 +158,10 @@ def load(source: str | os.PathLike[str], *, map_location: str | torch.device | N
 
     Opens the directory read-only, so it is safe while another process saves into it.
     """
-    pointer = resolve(source)
+    return load_step(resolve(source), map_location=map_location)
+
+
+def load_step(pointer: Pointer, *, map_location: str | torch.device | None = None) -> dict[str, Any]:
+    """The step ``pointer`` names, read through a read-only Checkpointer (no lock, nothing written)."""
     with Checkpointer(pointer.root, read_only=True, ranks="local") as ckpt:
         return ckpt.load(pointer.step, map_location=map_location)

@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from .._errors import CheckpointError, ConfigError
+from .._util import is_url
 from ..engine import Checkpointer, SaveHandle, SaveRecord
-from ._common import Pointer, load, pointers_in, read_pointer, resolve, write_pointer
+from ._common import Pointer, load, load_step, pointers_in, read_pointer, resolve, write_pointer
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO
@@ -245,8 +246,7 @@ class NbckptCheckpointIO(CheckpointIO):
         root = self._roots.get(pointer.root)
         if root is not None:  # this process writes there: read through the same Checkpointer
             return root.ckpt.load(pointer.step, map_location=location)
-        with Checkpointer(pointer.root, read_only=True, ranks="local") as reader:
-            return reader.load(pointer.step, map_location=location)
+        return load_step(pointer, map_location=location)
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -359,7 +359,7 @@ def _local_path(path: Any) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"path must be a file path, not {type(path).__name__}")
     text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
+    if is_url(text):
         raise ConfigError(
             f"NbckptCheckpointIO writes local or NFS directories; {text} is a URL "
             "(save to a mounted path, or use nbckpt.Checkpointer with the URL directly)"

@@ -271,7 +271,8 @@ class Autosave:
             step = -1
         if step < 0:
             raise ConfigError(f"the step {self._step_source} is {value!r}, not a non-negative integer")
-        if step in self.session.opened(self.directory).steps() and not self._ours(step):
+        # ours first: listing the directory is I/O, and a step this session saved needs none
+        if not self._ours(step) and step in self.session.opened(self.directory).steps():
             raise ConfigError(f"step {step} is already in {self.directory} and was not saved in this "
                               "session: it is not replaced (autosaves go on once the step moves on)")
         return state, step

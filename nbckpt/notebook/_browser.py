@@ -134,7 +134,8 @@ class Browser(BrowserView):
 
         def work() -> list[RowKey]:
             keys = self.selected or [row.key for row in self.run.rows if row.problem is None]
-            damaged = [key for key in keys if self.run.verify(key).state == "damaged"]
+            checks = self.run.verify(keys)
+            damaged = [key for key, check in zip(keys, checks, strict=True) if check.state == "damaged"]
             self._show_rows()
             names = ", ".join(self.run.row(key).name for key in damaged)
             if damaged:
@@ -287,7 +288,7 @@ class Browser(BrowserView):
         self._busy(self._lock.locked())
 
     def _show_rows(self) -> None:
-        self.table.rows = [step_row(row, self.run.check(row.key), self.run.lines.get(row.line, {}))
+        self.table.rows = [step_row(row, self.run.checks.get(row.key), self.run.lines.get(row.line, {}))
                            for row in self.run.rows]
         live = {row.id for row in self.run.rows}
         if any(i not in live for i in self.table.selected):

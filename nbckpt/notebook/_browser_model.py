@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +114,14 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
+def _by_line(keys: Iterable[RowKey]) -> dict[str, list[int]]:
+    """The steps of ``keys`` by line, lines in the order they first come (one reader each)."""
+    lines: dict[str, list[int]] = {}
+    for line, step in keys:
+        lines.setdefault(line, []).append(step)
+    return lines
+
+
 class RunIndex:
     """The steps of the run at ``directory`` (local, NFS or an fsspec URL such as ``s3://``)."""
 
@@ -131,7 +139,7 @@ class RunIndex:
         self.storage_options = dict(storage_options or {})
         self.rows: list[StepRow] = []
         self.lines: dict[str, dict[str, Any]] = {}
-        self.checks: dict[RowKey, Check] = {}
+        self.checks: dict[RowKey, Check] = {}  # of the rows shown: refresh drops one whose manifest changed
         self.restored: RowKey | None = None  # what the live objects were last restored from here
         self._values: dict[str, dict[str, Any]] = {}  # by manifest checksum: read once per save
 
@@ -150,13 +158,6 @@ class RunIndex:
             if row.key == key:
                 return row
         raise ConfigError(f"the browser shows no step {key[1]} in line {key[0]}; refresh it")
-
-    def check(self, key: RowKey) -> Check | None:
-        """The verification result of a step, if it still stands (same manifest)."""
-        found = self.checks.get(key)
-        if found is None or found.checksum != self.row(key).checksum:
-            return None
-        return found
 
     def refresh(self) -> list[StepRow]:
         """Read every line's committed steps and their manifests again."""
@@ -193,27 +194,33 @@ class RunIndex:
             checksum=checksum, values=values, provenance=dict(manifest.get("provenance") or {}),
         )
 
-    def verify(self, key: RowKey) -> Check:
-        """Check every block of every file of a step; damage is a result, not an error."""
-        line, step = key
-        checksum = self.row(key).checksum
-        with self._reader(line) as reader:
-            try:
-                reader.verify(step)
-            except CheckpointError as exc:
-                if step not in reader.lines().get(line, {}).get("steps", ()):
-                    raise CheckpointError(f"{line} step {step} is gone; refresh the browser") from exc
-                result = Check(checksum, "damaged", str(exc))
-            else:
-                result = Check(checksum, "verified")
-        self.checks[key] = result
-        return result
+    def verify(self, keys: Sequence[RowKey]) -> list[Check]:
+        """Check every block of every file of each step, one reader per line; damage is a
+        result, not an error."""
+        results: dict[RowKey, Check] = {}
+        for line, steps in _by_line(keys).items():
+            with self._reader(line) as reader:
+                for step in steps:
+                    checksum = self.row((line, step)).checksum
+                    try:
+                        reader.verify(step)
+                    except CheckpointError as exc:
+                        if step not in reader.lines().get(line, {}).get("steps", ()):
+                            raise CheckpointError(f"{line} step {step} is gone; refresh the browser") from exc
+                        result = Check(checksum, "damaged", str(exc))
+                    else:
+                        result = Check(checksum, "verified")
+                    self.checks[(line, step)] = results[(line, step)] = result
+        return [results[key] for key in keys]
 
-    def load(self, key: RowKey) -> dict[str, Any]:
-        """A step's whole state on the CPU, weights only (nothing is unpickled)."""
-        line, step = key
-        with self._reader(line) as reader:
-            return reader.load(step, map_location="cpu")
+    def load(self, *keys: RowKey) -> list[dict[str, Any]]:
+        """Steps' whole states on the CPU, weights only (nothing is unpickled), one reader per line."""
+        states: dict[RowKey, dict[str, Any]] = {}
+        for line, steps in _by_line(keys).items():
+            with self._reader(line) as reader:
+                for step in steps:
+                    states[(line, step)] = reader.load(step, map_location="cpu")
+        return [states[key] for key in keys]
 
     def ordered(self, first: RowKey, second: RowKey) -> tuple[StepRow, StepRow]:
         """The two steps, the one committed first first."""
@@ -223,7 +230,7 @@ class RunIndex:
     def diff(self, first: RowKey, second: RowKey) -> tuple[StepRow, StepRow, pd.DataFrame]:
         """Every tensor of the earlier step against the later one (see ``diff_states``)."""
         a, b = self.ordered(first, second)
-        return a, b, diff_states(self.load(a.key), self.load(b.key))
+        return a, b, diff_states(*self.load(a.key, b.key))
 
     def restore(self, key: RowKey, target: dict[str, Any]) -> int:
         """Load a step into ``target``'s live objects in place (``Checkpointer.restore``'s rules)."""

@@ -180,16 +180,14 @@ class Session:
         directory = directory or self.defaults.directory
         key = self.key(directory)
         with self._lock:
-            wanted = self._wanted(key)
             ckpt = self.checkpointers.get(key)
             if ckpt is not None:
-                changes = {k: v for k, v in wanted.items() if getattr(ckpt.config, k) != v}
-                if not changes:
-                    return ckpt
-                return self._reopen(key, changes)
+                changes = self._changed(key, ckpt)
+                return self._reopen(key, changes) if changes else ckpt
             try:
                 with self.engine_call():
-                    ckpt = Checkpointer(directory, config=CheckpointConfig(mode="async", **wanted))
+                    config = CheckpointConfig(mode="async", **self._wanted(key))
+                    ckpt = Checkpointer(directory, config=config)
             except (UsageError, CheckpointFailed) as exc:
                 raise UsageError(f"cannot checkpoint to {directory!r}: {exc}") from None
             self.checkpointers[key] = ckpt
@@ -257,7 +255,7 @@ class Session:
                     raise UsageError(one_line(exc)) from None
             for key in list(self.checkpointers):
                 ckpt = self.checkpointers[key]
-                changes = {k: v for k, v in self._wanted(key).items() if getattr(ckpt.config, k) != v}
+                changes = self._changed(key, ckpt)
                 if not changes:
                     continue
                 pending = len(self.in_flight(key))
@@ -317,6 +315,10 @@ class Session:
         if key in self._keep:
             wanted["keep"] = self._keep[key]
         return wanted
+
+    def _changed(self, key: str, ckpt: Checkpointer) -> dict[str, Any]:
+        """The options of a directory's Checkpointer that differ from what it should have now."""
+        return {k: v for k, v in self._wanted(key).items() if getattr(ckpt.config, k) != v}
 
     def in_flight(self, key: str) -> list[Save]:
         """This session's saves to directory ``key`` (see :meth:`key`) not yet committed or failed."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import logging
 import os
@@ -361,6 +363,33 @@ def test_lock_stops_a_second_writer_and_says_how_to_close_it(tmp_path: Path) -> 
     Checkpointer(tmp_path).close()  # released
     with pytest.raises(CheckpointError, match="closed"):
         first.save({"w": torch.ones(3)}, step=2)
+
+
+def test_closed_and_dropped_checkpointers_leave_no_exit_handlers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook opening a reader per cell run must not grow atexit's list for good."""
+    registered: list[Any] = []
+    register, unregister = atexit.register, atexit.unregister
+
+    def track(func: Any) -> Any:
+        registered.append(func)
+        return register(func)
+
+    def untrack(func: Any) -> None:
+        registered[:] = [f for f in registered if f is not func]
+        unregister(func)
+
+    monkeypatch.setattr(atexit, "register", track)
+    monkeypatch.setattr(atexit, "unregister", untrack)
+    for _ in range(5):
+        Checkpointer(tmp_path).close()
+    assert registered == []
+    dropped = Checkpointer(tmp_path, read_only=True)
+    assert len(registered) == 1
+    del dropped
+    gc.collect()
+    assert registered == []
 
 
 def test_leftovers_are_cleaned_up_with_a_warning(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -79,3 +80,22 @@ def test_restoring_the_newest_step_or_reading_never_branches(tmp_path: Path) -> 
     with Checkpointer(tmp_path, read_only=True) as reader:
         restored(reader, step=1)
     assert sorted(os.listdir(tmp_path)) == [".nbckpt.lock", "step-000001", "step-000002", "step-000003"]
+
+
+@pytest.mark.timeout(60)
+def test_a_cycle_of_branch_records_ends_the_walk_instead_of_hanging(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(state_of(step), step=step)
+        restored(ckpt, step=2)
+        with pytest.warns(UserWarning, match="branch-1"):
+            ckpt.save(state_of(10), step=10)
+        ckpt.save(state_of(11), step=11).wait()
+        restored(ckpt, step=10)
+        with pytest.warns(UserWarning, match="branch-2"):
+            ckpt.save(state_of(20), step=20).wait()
+    # a hand-edited (or damaged) record makes branch-1 the child of its own child
+    (tmp_path / "branch-1" / "branch.json").write_text(json.dumps({"parent": "branch-2", "from_step": 20}))
+    with Checkpointer(tmp_path, line="branch-2", read_only=True) as reader:
+        assert reader.steps() == [10, 20]  # its own steps, then branch-1's up to the fork; no loop
+        assert restored(reader) == 20 and restored(reader, step=10) == 10

@@ -56,6 +56,7 @@ def test_restore_falls_back_to_the_mirror(tmp_path: Path) -> None:
         assert step == 2 and torch.equal(state["w"], state_of(2)["w"])
         assert restored(ckpt, step=1)[0] == 1
         assert ckpt.restored_from is not None and ckpt.restored_from.endswith("mirror")
+        assert ckpt.manifest(1)["step"] == 1  # read from the mirror, the only copy
     with Checkpointer(tmp_path / "local", mirror=str(tmp_path / "mirror")) as ckpt:
         assert ckpt.restored_from is None
         ckpt.save(state_of(3), step=3).wait()

@@ -142,6 +142,25 @@ def open_and_run_all(page: Any, server: Server, notebook: str) -> None:
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
 
+def rerun_cell(page: Any, has_text: str) -> Any:
+    """Run the code cell that shows ``has_text`` again, as a user would (click it, Ctrl+Enter);
+    return the cell."""
+    cell = page.locator(".jp-Notebook .jp-CodeCell").filter(has_text=has_text)
+    cell.locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Control+Enter")
+    return cell
+
+
+def screenshot_for_docs(element: Any, name: str, docs_copy: Path) -> None:
+    """``element`` alone at ``ARTIFACTS/name``; copied over ``docs_copy`` (a picture in the docs)
+    when NBCKPT_UPDATE_SCREENSHOT=1."""
+    element.scroll_into_view_if_needed()
+    shot = ARTIFACTS / name
+    element.screenshot(path=str(shot), scale="css", animations="disabled")
+    if os.environ.get("NBCKPT_UPDATE_SCREENSHOT", "") not in ("", "0"):
+        docs_copy.write_bytes(shot.read_bytes())
+
+
 @contextmanager
 def chromium_page(failed_shot: str, *, height: int) -> Iterator[Any]:
     """A Chromium page 1400 px wide. A failure in the block leaves a full-page screenshot at

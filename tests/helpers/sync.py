@@ -1,11 +1,16 @@
-"""Synchronisation helpers for tests: wait on conditions, never on the clock alone."""
+"""Synchronisation helpers for tests: wait on conditions, never on the clock alone; press Ctrl-C
+once the main thread waits."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
 
 
 def main_thread_blocked() -> bool:
@@ -26,3 +31,26 @@ def until(condition: Callable[[], bool], timeout: float = 30.0, poll_s: float = 
             return False
         time.sleep(poll_s)
     return True
+
+
+@contextmanager
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in the main thread, as in a terminal or a notebook."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach only the main thread")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def press_ctrl_c_once_blocked(saving: threading.Event) -> None:
+    """From another thread: once a save is writing and the main thread waits, send SIGINT."""
+
+    def press() -> None:
+        saving.wait(30)
+        until(main_thread_blocked)
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    threading.Thread(target=press, daemon=True).start()

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import nbformat
 import pytest
@@ -18,6 +16,8 @@ from helpers.jupyterlab import (
     chromium_page,
     jupyter_lab,
     open_and_run_all,
+    rerun_cell,
+    screenshot_for_docs,
     until,
 )
 
@@ -66,16 +66,6 @@ def server(tmp_path: Path) -> Iterator[Server]:
         yield running
 
 
-def _save_screenshot(page: Any, lab: Any) -> None:
-    """The lab alone, for the README: docs/lab.png when NBCKPT_UPDATE_SCREENSHOT=1."""
-    shot = ARTIFACTS / "lab.png"
-    lab.locator("table.nbckpt-results").wait_for()
-    lab.scroll_into_view_if_needed()
-    lab.screenshot(path=str(shot), scale="css", animations="disabled")
-    if os.environ.get("NBCKPT_UPDATE_SCREENSHOT", "") not in ("", "0"):
-        SCREENSHOT.write_bytes(shot.read_bytes())
-
-
 def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
     """Run All, then Run in the lab: widgets and plot render, the timeline grows while the run
     goes on; re-running the lab's cell mid-run stops the old run and the new lab runs to its
@@ -100,9 +90,7 @@ def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
         page.screenshot(path=str(ARTIFACTS / "browser-lab-running.png"), full_page=True)
 
         # re-run the lab's cell while its run goes on, as a user editing a parameter would
-        cell = page.locator(".jp-Notebook .jp-CodeCell").filter(has_text="= Lab(")
-        cell.locator(".jp-InputArea-editor").click()
-        page.keyboard.press("Control+Enter")
+        cell = rerun_cell(page, "= Lab(")
         cell.get_by_text("stopped the previous lab").wait_for(timeout=120_000)
         lab = page.locator(".nbckpt-lab")
         lab.wait_for(timeout=60_000)
@@ -128,4 +116,4 @@ def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
         # the figure takes the width of the lab, not plotly's default of 700 px
         assert plot.bounding_box()["width"] > 0.9 * lab.bounding_box()["width"]
         page.screenshot(path=str(ARTIFACTS / "browser-lab.png"), full_page=True)
-        _save_screenshot(page, lab)
+        screenshot_for_docs(lab, "lab.png", SCREENSHOT)  # the lab alone, for the README

@@ -4,20 +4,21 @@ two clicked rows and Diff give the per-tensor table."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
 from helpers import ROOT
 from helpers.jupyterlab import (
-    ARTIFACTS,
     BROWSER_MARKS,
     Server,
     chromium_page,
     jupyter_lab,
     open_and_run_all,
+    rerun_cell,
+    screenshot_for_docs,
     until,
 )
 
@@ -57,6 +58,11 @@ def server(tmp_path: Path) -> Iterator[Server]:
         yield running
 
 
+def row_ids(table: Any) -> list[str]:
+    """The data-id of each of the table's body rows, top to bottom."""
+    return list(table.locator("tbody tr").evaluate_all("(rows) => rows.map((r) => r.dataset.id)"))
+
+
 def test_two_clicked_steps_diff_in_jupyterlab(server: Server) -> None:
     """Run All; click steps 100 and 300, then Diff: the head's tensors head the diff table as
     changed and the encoder's are unchanged; a header click sorts; Verify marks both verified;
@@ -76,7 +82,7 @@ def test_two_clicked_steps_diff_in_jupyterlab(server: Server) -> None:
 
         diff = widget.locator(".nbckpt-diff table")
         diff.locator('tr[data-id="head.weight"]').wait_for(timeout=60_000)
-        names = diff.locator("tbody tr").evaluate_all("(rows) => rows.map((r) => r.dataset.id)")
+        names = row_ids(diff)
         assert names[:2] in (["head.weight", "head.bias"], ["head.bias", "head.weight"])
         assert set(names[2:]) == {"encoder.weight", "encoder.bias"}
         for name, status in (("head.weight", "changed"), ("encoder.bias", "unchanged")):
@@ -88,20 +94,14 @@ def test_two_clicked_steps_diff_in_jupyterlab(server: Server) -> None:
         widget.locator("button", has_text="Verify").click()
         until(lambda: widget.locator(".nbckpt-steps tr.nbckpt-row-verified").count() == 2, 60,
               "the two selected steps to show verified")
-        widget.scroll_into_view_if_needed()
-        shot = ARTIFACTS / "browser-checkpoints.png"
-        widget.screenshot(path=str(shot), scale="css", animations="disabled")
-        if os.environ.get("NBCKPT_UPDATE_SCREENSHOT", "") not in ("", "0"):
-            SCREENSHOT.write_bytes(shot.read_bytes())
+        screenshot_for_docs(widget, "browser-checkpoints.png", SCREENSHOT)
 
         diff.locator("th", has_text="tensor").click()  # sorts by name
-        names = diff.locator("tbody tr").evaluate_all("(rows) => rows.map((r) => r.dataset.id)")
+        names = row_ids(diff)
         assert names == sorted(names)
 
         # re-run the Browser's cell, as a user would: one browser again, and it works
-        cell = page.locator(".jp-Notebook .jp-CodeCell").filter(has_text="= Browser(")
-        cell.locator(".jp-InputArea-editor").click()
-        page.keyboard.press("Control+Enter")
+        rerun_cell(page, "= Browser(")
         until(lambda: page.locator(".nbckpt-browser .nbckpt-steps tr.nbckpt-selected").count() == 0
               and page.locator(".nbckpt-browser .nbckpt-steps tbody tr").count() == 3, 60,
               "the browser of the re-run cell")

@@ -5,45 +5,20 @@ Checkpointer, and the caller's own exception inside ``with``. Numbers are the is
 from __future__ import annotations
 
 import random
-import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers.states import assert_holds, state_of
 from helpers.storage import Throttle
-from helpers.sync import main_thread_blocked, until
+from helpers.sync import ctrl_c_raises, press_ctrl_c_once_blocked
 
 from nbckpt import Checkpointer, CheckpointError
 from nbckpt.engine import _staging
-
-
-def state_of(step: int, numel: int = 1000) -> dict[str, Any]:
-    return {"w": torch.arange(numel, dtype=torch.float32) + step, "step": step}
-
-
-def assert_holds(ckpt: Checkpointer, step: int, numel: int = 1000) -> None:
-    state = {"w": torch.zeros(numel), "step": -1}
-    assert ckpt.restore(state, step=step) == step
-    assert torch.equal(state["w"], state_of(step, numel)["w"]) and state["step"] == step
-
-
-@contextmanager
-def ctrl_c_raises() -> Iterator[None]:
-    """SIGINT raises KeyboardInterrupt in the main thread, as in a terminal or a notebook."""
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signals reach only the main thread")
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
 
 # -- 6: an exception or Ctrl-C while a save takes its staging slot ------------------------------
 
@@ -209,13 +184,7 @@ def test_9_ctrl_c_during_a_sync_save_is_a_keyboard_interrupt(tmp_path: Path, thr
     with ctrl_c_raises(), Checkpointer(tmp_path, mode="sync") as ckpt:
         ckpt.save(state_of(1), step=1)
         throttle.hold()
-
-        def press() -> None:
-            throttle.entered.wait(30)
-            until(main_thread_blocked)
-            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
-
-        threading.Thread(target=press, daemon=True).start()
+        press_ctrl_c_once_blocked(throttle.entered)
         try:
             ckpt.save(state_of(2), step=2)
         except KeyboardInterrupt:

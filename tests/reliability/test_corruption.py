@@ -300,6 +300,10 @@ def tensor_shape_not_numbers(manifest: dict[str, Any]) -> None:
     node["shape"] = [None]
 
 
+def rank_key_not_a_rank(manifest: dict[str, Any]) -> None:
+    manifest["rank_trees"] = {"00": manifest["tree"]}
+
+
 MALFORMED = {
     "entry without checksum": drop_checksum_field,
     "entry not a dict": file_entry_not_a_dict,
@@ -307,6 +311,7 @@ MALFORMED = {
     "tree node not a dict": tree_node_not_a_dict,
     "tensor without key": tensor_node_without_key,
     "shape not numbers": tensor_shape_not_numbers,
+    "rank key not a rank": rank_key_not_a_rank,
 }
 
 
@@ -315,6 +320,16 @@ def test_malformed_manifest_is_skipped_not_a_crash(run: Path, case: str) -> None
     """A signed manifest of the wrong shape is a bad checkpoint (CheckpointError), not a KeyError."""
     rewrite_manifest(run / "step-000002", MALFORMED[case])
     assert_falls_back(run, "step-000002")
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_world_size_costs_no_memory(run: Path) -> None:
+    """Checking the rank keys of a manifest must not build a set as large as its world size."""
+    rewrite_manifest(run / "step-000002", lambda m: m.update(world_size=10**15, rank_trees={"0": m["tree"]}))
+    with Checkpointer(run, read_only=True) as ckpt:
+        state = blank()
+        assert ckpt.restore(state) == 2  # signed and consistent: the data is rank 0's, and intact
+        assert_is_step(state, 2)
 
 
 def test_unreadable_file_is_skipped_not_a_crash(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,39 +12,34 @@ import errno
 import gc
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import torch
+from helpers.states import assert_holds, state_of
 from helpers.storage import Throttle
-from helpers.sync import main_thread_blocked, until
+from helpers.sync import ctrl_c_raises, press_ctrl_c_once_blocked
 
-from nbckpt import Checkpointer, CheckpointError, ConfigError
-
-
-def tensors(numel: int, step: int) -> dict[str, Any]:
-    return {"w": torch.arange(numel, dtype=torch.float32) + step, "step": step}
+from nbckpt import Checkpointer, CheckpointError, ConfigError, SaveHandle
 
 
-def restored(ckpt: Checkpointer, numel: int, step: int | None = None) -> tuple[int, dict[str, Any]]:
-    state = {"w": torch.zeros(numel), "step": -1}
-    return ckpt.restore(state, step=step), state
+def leftovers(directory: Path) -> list[str]:
+    """The temporary directories of saves not (yet) committed."""
+    return [n for n in os.listdir(directory) if n.startswith(".tmp-")]
 
 
-def assert_holds(ckpt: Checkpointer, numel: int, step: int) -> None:
-    got_step, state = restored(ckpt, numel, step)
-    assert got_step == step and state["step"] == step
-    assert torch.equal(state["w"], tensors(numel, step)["w"])
+def step_2_held(ckpt: Checkpointer, throttle: Throttle) -> SaveHandle:
+    """Step 1 committed, then step 2 saved with its writes held back (``throttle.release`` frees them)."""
+    ckpt.save(state_of(1), step=1).wait()
+    throttle.hold()
+    return ckpt.save(state_of(2), step=2)
 
 
 # -- bad input ----------------------------------------------------------------------------------
@@ -83,7 +78,7 @@ def test_bad_directory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_bad_save_and_restore_arguments_leave_nothing_behind(tmp_path: Path) -> None:
     directory = tmp_path / "run"
-    good = tensors(100, 1)
+    good = state_of(1, 100)
     bad_calls: list[tuple[Any, Any, str]] = [
         (good, -1, "step must be a non-negative integer"),
         (good, True, "step must be a non-negative integer"),
@@ -107,7 +102,7 @@ def test_bad_save_and_restore_arguments_leave_nothing_behind(tmp_path: Path) -> 
         with pytest.raises(CheckpointError, match="no committed checkpoint for step 5"):
             ckpt.restore({"w": torch.zeros(100)}, step=5)
         ckpt.save(good, step=1).wait()  # the bad calls broke nothing
-        assert_holds(ckpt, 100, 1)
+        assert_holds(ckpt, 1, 100)
     with pytest.raises(CheckpointError, match="is closed"):
         ckpt.save(good, step=2)
 
@@ -118,24 +113,22 @@ def test_bad_save_and_restore_arguments_leave_nothing_behind(tmp_path: Path) -> 
 def test_second_writer_in_the_same_process(tmp_path: Path, throttle: Throttle) -> None:
     directory = tmp_path / "run"
     with Checkpointer(directory, mode="async") as first:
-        first.save(tensors(1000, 1), step=1).wait()
-        throttle.hold()
-        handle = first.save(tensors(1000, 2), step=2)
+        handle = step_2_held(first, throttle)
         assert throttle.entered.wait(30)
-        in_flight = [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+        in_flight = leftovers(directory)
         with pytest.raises(CheckpointError) as raised:
             Checkpointer(directory)
         assert str(raised.value) == (
             f"{directory} is in use by another Checkpointer in this process; close it "
             "(ckpt.close()) or call nbckpt.close_all()"
         )
-        assert [n for n in os.listdir(directory) if n.startswith(".tmp-")] == in_flight  # untouched
+        assert leftovers(directory) == in_flight  # untouched
         throttle.release.set()
         handle.wait()
         assert first.steps() == [1, 2]
     with Checkpointer(directory) as again:  # the lock went with close()
-        assert_holds(again, 1000, 1)
-        assert_holds(again, 1000, 2)
+        assert_holds(again, 1)
+        assert_holds(again, 2)
 
 
 HOLDS_THE_DIRECTORY = """
@@ -166,15 +159,15 @@ def test_second_writer_in_another_process(tmp_path: Path) -> None:
     assert child.returncode == 0, err
     with Checkpointer(directory) as ckpt:
         assert ckpt.steps() == [1, 2]
-        assert_holds(ckpt, 1000, 1)
-        assert_holds(ckpt, 1000, 2)
+        assert_holds(ckpt, 1)
+        assert_holds(ckpt, 2)
 
 
 def test_a_dropped_checkpointer_frees_the_directory(tmp_path: Path) -> None:
     """Re-running a notebook cell ``ckpt = Checkpointer(d)`` must not lock the user out."""
     directory = tmp_path / "run"
     ckpt = Checkpointer(directory, mode="async")
-    ckpt.save(tensors(1000, 1), step=1)  # still in flight when the reference goes
+    ckpt.save(state_of(1), step=1)  # still in flight when the reference goes
     del ckpt
     deadline = time.monotonic() + 60
     while True:  # the old one lets go once its save has committed and it is collected
@@ -187,42 +180,17 @@ def test_a_dropped_checkpointer_frees_the_directory(tmp_path: Path) -> None:
                 raise
             time.sleep(0.01)
     with again:
-        assert_holds(again, 1000, 1)
+        assert_holds(again, 1)
 
 
 # -- interrupts and exit ------------------------------------------------------------------------
-
-
-@contextmanager
-def ctrl_c_raises() -> Iterator[None]:
-    """SIGINT raises KeyboardInterrupt in the main thread, as in a terminal or a notebook."""
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signals reach only the main thread")
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def press_ctrl_c_once_blocked(saving: threading.Event) -> None:
-    """From another thread: once a save is writing and the main thread waits, send SIGINT."""
-
-    def press() -> None:
-        saving.wait(30)
-        until(main_thread_blocked)
-        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
-
-    threading.Thread(target=press, daemon=True).start()
 
 
 @pytest.mark.parametrize("blocked_in", ["handle.wait", "ckpt.wait", "save"])
 def test_keyboard_interrupt_while_persisting(tmp_path: Path, throttle: Throttle, blocked_in: str) -> None:
     """Ctrl-C while waiting for a save: the save stays tracked and completes in the background."""
     with ctrl_c_raises(), Checkpointer(tmp_path / "run", mode="async") as ckpt:
-        ckpt.save(tensors(1000, 1), step=1).wait()
-        throttle.hold()
-        handle = ckpt.save(tensors(1000, 2), step=2)
+        handle = step_2_held(ckpt, throttle)
         with pytest.raises(KeyboardInterrupt):
             press_ctrl_c_once_blocked(throttle.entered)
             if blocked_in == "handle.wait":
@@ -230,13 +198,13 @@ def test_keyboard_interrupt_while_persisting(tmp_path: Path, throttle: Throttle,
             elif blocked_in == "ckpt.wait":
                 ckpt.wait()
             else:
-                ckpt.save(tensors(1000, 3), step=3)  # waits for step 2 (max_inflight=1)
+                ckpt.save(state_of(3), step=3)  # waits for step 2 (max_inflight=1)
         assert not handle.done() and handle.phase == "persisting"
         assert ckpt.steps() == [1]  # a save in progress never counts
         throttle.release.set()
         assert [r.step for r in ckpt.wait()] == [2]  # still tracked: wait() waits for it
         assert ckpt.steps() == [1, 2]
-        assert_holds(ckpt, 1000, 2)
+        assert_holds(ckpt, 2)
 
 
 EXITS_WITH_A_SAVE_IN_FLIGHT = """
@@ -269,17 +237,17 @@ def test_exit_with_a_save_in_flight(tmp_path: Path) -> None:
         assert "nbckpt: finishing save(s) of step 1 before exit" in err
     with Checkpointer(tmp_path / "normal") as ckpt:
         assert ckpt.steps() == [1]
-        assert_holds(ckpt, 16 << 20, 1)
-    abandoned = [n for n in os.listdir(tmp_path / "hard") if n.startswith(".tmp-")]
+        assert_holds(ckpt, 1, 16 << 20)
+    abandoned = leftovers(tmp_path / "hard")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ckpt = Checkpointer(tmp_path / "hard")
     with ckpt:
         for step in ckpt.steps():
-            assert_holds(ckpt, 16 << 20, step)
+            assert_holds(ckpt, step, 16 << 20)
     cleaned = " ".join(str(w.message) for w in caught if "leftover(s) of interrupted saves" in str(w.message))
     assert all(name in cleaned for name in abandoned), (abandoned, cleaned)
-    assert [n for n in os.listdir(tmp_path / "hard") if n.startswith(".tmp-")] == []
+    assert leftovers(tmp_path / "hard") == []
 
 
 # -- the directory or a writer failing mid-save -------------------------------------------------
@@ -288,18 +256,16 @@ def test_exit_with_a_save_in_flight(tmp_path: Path) -> None:
 def test_directory_removed_under_a_running_save(tmp_path: Path, throttle: Throttle) -> None:
     directory = tmp_path / "run"
     with Checkpointer(directory, mode="async") as ckpt:
-        ckpt.save(tensors(1000, 1), step=1).wait()
-        throttle.hold()
-        handle = ckpt.save(tensors(1000, 2), step=2)
+        handle = step_2_held(ckpt, throttle)
         assert throttle.entered.wait(30)
         shutil.rmtree(directory)
         throttle.release.set()
         with pytest.raises(CheckpointError, match=r"save of step 2 .* \[ENOENT\]"):
             handle.wait()
         assert ckpt.steps() == []
-        ckpt.save(tensors(1000, 3), step=3).wait()  # the directory comes back with the next save
+        ckpt.save(state_of(3), step=3).wait()  # the directory comes back with the next save
         assert ckpt.steps() == [3]
-        assert_holds(ckpt, 1000, 3)
+        assert_holds(ckpt, 3)
 
 
 def test_a_failing_writer_thread_is_never_swallowed(
@@ -312,13 +278,13 @@ def test_a_failing_writer_thread_is_never_swallowed(
 
     directory = tmp_path / "run"
     with Checkpointer(directory, mode="async", writer_threads=2) as ckpt:
-        ckpt.save({**tensors(1 << 16, 0), "v": torch.ones(1 << 16)}, step=0).wait()
+        ckpt.save({**state_of(0, 1 << 16), "v": torch.ones(1 << 16)}, step=0).wait()
         throttle.fail = failing
         for step in range(1, 4):
             with pytest.raises(CheckpointError, match=r"\[EIO\] \(.*__0_1\.distcp\)"):
-                ckpt.save({**tensors(1 << 16, step), "v": torch.ones(1 << 16)}, step=step).wait()
+                ckpt.save({**state_of(step, 1 << 16), "v": torch.ones(1 << 16)}, step=step).wait()
         assert ckpt.steps() == [0]
-        assert [n for n in os.listdir(directory) if n.startswith(".tmp-")] == []
+        assert leftovers(directory) == []
     assert capfd.readouterr().err == ""  # one error, raised to the caller; nothing printed
 
 
@@ -364,7 +330,7 @@ def test_slow_target_makes_save_wait(tmp_path: Path, throttle: Throttle, max_inf
     handles = []
     with Checkpointer(tmp_path / "run", mode="async", max_inflight=max_inflight) as ckpt:
         for step in range(1, 7):
-            handles.append(ckpt.save(tensors(1000, step), step=step))
+            handles.append(ckpt.save(state_of(step), step=step))
             in_flight = sum(not h.done() for h in handles)
             assert in_flight <= max_inflight, f"{in_flight} saves in flight after save {step}"
         records = ckpt.wait()
