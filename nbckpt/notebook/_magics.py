@@ -116,10 +116,12 @@ class CheckpointMagics(Magics):
         save.shown_at = self.shell.execution_count  # type: ignore[union-attr]
         status = SaveStatus(save.handle, save.directory, save.mode)
         shown = _display(status, display_id=True)
-        if isinstance(shown, DisplayHandle) and not save.handle.done():
+        if isinstance(shown, DisplayHandle):
             live = (status, shown)
             save.live.append(live)
             # Runs on the persist thread; a display update is one iopub message, safe from there.
+            # Registered even if the save is done by now: it may have committed after the status
+            # was rendered, and then runs at once, here, showing "committed".
             save.handle.committed.add_done_callback(lambda _: save.finalise(live))
 
     def _display_handle(self, handle: SaveHandle) -> None:

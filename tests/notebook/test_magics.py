@@ -19,6 +19,7 @@ import plotly.graph_objects as go
 import pytest
 import torch
 from helpers.kernel import RealKernel
+from helpers.storage import Throttle
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -56,6 +57,34 @@ def test_async_save_returns_the_handle_and_shows_its_status(
     assert "nbckpt async step 7" in out and "stall" in out
     ip.run_line_magic("ckpt_wait", "")
     assert "committed" in capsys.readouterr().out
+
+
+def test_a_save_that_commits_while_its_status_is_shown_still_turns_committed(
+    ip: InteractiveShell, tmp_path: Path, throttle: Throttle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under load the save can commit between rendering the status and watching for the commit;
+    the line must not stay "writing in the background" (a display update nobody sends)."""
+    from IPython.display import DisplayHandle
+
+    from nbckpt.notebook import _magics
+
+    shown: list[str] = []
+
+    class Shown(DisplayHandle):
+        def update(self, obj: Any, **kwargs: Any) -> None:
+            shown.append(repr(obj))
+
+    def display_then_commit(obj: Any, **options: Any) -> Any:
+        shown.append(repr(obj))
+        throttle.release.set()  # the save commits before display() returns
+        obj.handle.wait()
+        return Shown()
+
+    monkeypatch.setattr(_magics, "_display", display_then_commit)
+    throttle.hold()
+    ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'run'} --step 3")
+    assert "writing in the background" in shown[0] and "committed" not in shown[0]
+    assert "committed" in shown[-1], shown
 
 
 def test_magic_in_a_loop_expands_the_step(ip: InteractiveShell, tmp_path: Path) -> None:
