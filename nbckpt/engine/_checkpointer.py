@@ -382,7 +382,7 @@ class Checkpointer:
             self._check_open(writing=True)
             self._saver.wait()
             store = self._saver.store
-            if check_step(step) not in store.committed():
+            if store.committed_at(check_step(step)) is None:
                 raise CheckpointError(
                     f"no committed checkpoint for step {step} in line {self.line_name} of {self.store.url}"
                 )

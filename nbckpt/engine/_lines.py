@@ -51,6 +51,9 @@ class StepLimited:
     def committed(self) -> dict[int, str]:
         return {s: path for s, path in self._store.committed().items() if s <= self._last}
 
+    def committed_at(self, step: int) -> str | None:
+        return self._store.committed_at(step) if step <= self._last else None
+
     def read_small(self, location: str, name: str, limit: int) -> bytes:
         return self._store.read_small(location, name, limit)
 

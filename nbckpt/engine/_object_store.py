@@ -83,6 +83,11 @@ class FsspecStore(Store):
                 steps[step] = self._url(name)
         return dict(sorted(steps.items()))
 
+    def committed_at(self, step: int) -> str | None:
+        name = step_name(step)
+        self.fs.invalidate_cache(f"{self._root}/{name}")  # another writer may have committed it
+        return self._url(name) if self._has_manifest(name) else None
+
     def modified(self, location: str, name: str) -> float:
         info = self.fs.info(f"{self._path(location)}/{name}")
         stamp = info.get("LastModified") or info.get("mtime") or info.get("created") or 0

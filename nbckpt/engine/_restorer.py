@@ -52,9 +52,9 @@ class Restorer:
     def find(self, step: int) -> tuple[Readable, str]:
         """The store and location of committed ``step`` (the first store that has it)."""
         for store in self.stores:
-            committed = store.committed()
-            if step in committed:
-                return store, committed[step]
+            location = store.committed_at(step)
+            if location is not None:
+                return store, location
         have = ", ".join(map(str, self.store.committed())) or "none"
         raise CheckpointError(f"no committed checkpoint for step {step} in {self.store.url} (steps: {have})")
 
@@ -118,12 +118,14 @@ class Restorer:
 
     def _candidates(self, step: int | None, tried: list[tuple[int, int]]) -> list[tuple[int, int, str]]:
         """(step, store index, location) not yet tried: newest step first, preferred store first."""
-        found = [
-            (s, index, location)
-            for index, store in enumerate(self.stores)
-            for s, location in store.committed().items()
-            if (step is None or s == step) and (s, index) not in tried
-        ]
+        found: list[tuple[int, int, str]] = []
+        for index, store in enumerate(self.stores):
+            if step is None:
+                listed = list(store.committed().items())
+            else:  # one check per store, not a listing
+                location = store.committed_at(step)
+                listed = [] if location is None else [(step, location)]
+            found.extend((s, index, where) for s, where in listed if (s, index) not in tried)
         return sorted(found, key=lambda c: (-c[0], c[1]))
 
     def _pick(self, step: int | None, tried: list[tuple[int, int]]) -> tuple[int, int, str]:

@@ -85,6 +85,12 @@ class Store(ABC):
         """Committed steps (those with a manifest) and their locations, oldest first."""
 
     @abstractmethod
+    def committed_at(self, step: int) -> str | None:
+        """The location of committed ``step``, or None: one check, not a listing. Reading a
+        run's steps one by one must not list it once per step (on S3, a listing of N steps
+        costs N requests)."""
+
+    @abstractmethod
     def names(self) -> list[str]:
         """Every entry directly under the root (steps, leftovers, branches)."""
 
@@ -238,6 +244,10 @@ class LocalStore(Store):
             if step is not None and self._has_manifest(self._path(name)):
                 steps[step] = self._path(name)
         return dict(sorted(steps.items()))
+
+    def committed_at(self, step: int) -> str | None:
+        path = self._path(step_name(step))
+        return path if self._has_manifest(path) else None
 
     def modified(self, location: str, name: str) -> float:
         return os.lstat(os.path.join(location, name)).st_mtime
