@@ -5,6 +5,7 @@ The bottom of the package: it imports nothing from nbckpt but the errors.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -31,6 +32,7 @@ __all__ = [
     "is_url",
     "open_fsspec",
     "parse_duration",
+    "parse_value",
     "run_directory",
     "where",
     "with_filename",
@@ -56,6 +58,15 @@ def format_bytes(nbytes: float) -> str:
 _DURATION_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
                    "hr": 3600.0, "d": 86400.0}
 _DURATION_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.ASCII | re.IGNORECASE)
+
+
+def parse_value(text: str) -> Any:
+    """A value typed on a command line (``-p KEY VALUE``, ``--option KEY=VALUE``): JSON where it
+    parses (numbers, true/false, null, lists), else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def parse_duration(value: str | float, name: str = "duration") -> float:

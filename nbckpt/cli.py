@@ -25,7 +25,7 @@ from typing import Any
 
 from . import bench
 from ._errors import CheckpointError, ConfigError, NbckptError
-from ._util import check_count, format_bytes
+from ._util import check_count, format_bytes, parse_value
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -72,10 +72,7 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--option wants KEY=VALUE, not {item!r}")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
+        options[key] = parse_value(value)
     if args.endpoint_url:
         options["endpoint_url"] = args.endpoint_url
     return options
@@ -132,7 +129,7 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _report(args: argparse.Namespace) -> int:
     """``nbckpt report``: run the notebook, write the HTML and say where the results are."""
-    from .notebook import RESULTS_FILE, parse_value, run_report
+    from .notebook import RESULTS_FILE, run_report
 
     parameters = {key: parse_value(value) for key, value in args.parameter}
     html = run_report(args.name, args.output_dir, parameters, notebook=args.notebook, progress=True)

@@ -11,7 +11,6 @@ plotly.js is inlined once and nothing is loaded from a CDN.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigError, NbckptError
-from .._util import writable_directory
+from .._util import parse_value, writable_directory
 
 __all__ = [
     "EXTERNAL_LOAD",
@@ -58,14 +57,6 @@ EXTERNAL_LOAD = re.compile(r"""<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=
 def notebooks_dir() -> Path:
     """The checkout's ``notebooks/`` folder (the report ships with the source tree)."""
     return Path(__file__).resolve().parents[2] / "notebooks"
-
-
-def parse_value(text: str) -> Any:
-    """A ``-p KEY VALUE`` value: JSON where it parses (numbers, true/false, null, lists), else text."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 def run_report(
