@@ -4,4 +4,7 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+# Guarded: strategies that spawn a checkpoint process (dcp-async-stager) re-import the main
+# module in the child, which must not run the command a second time.
+if __name__ == "__main__":
+    sys.exit(main())

@@ -53,6 +53,22 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Any) -> None:
     assert os.listdir(directory) == []  # checkpoints of the runs are cleaned up
 
 
+@pytest.mark.parametrize("started_as", ["nbckpt", "python -m nbckpt"])
+def test_a_strategy_that_spawns_a_process_runs_from_the_command_line(tmp_path: Path, started_as: str) -> None:
+    """dcp-async-stager's checkpoint process re-imports the main module: the command must not
+    run again in it (it did, and the child's second bench found the directory locked)."""
+    script = str(Path(sys.executable).with_name("nbckpt"))
+    command = [script] if started_as == "nbckpt" else [sys.executable, "-m", "nbckpt"]
+    proc = subprocess.run(
+        [*command, "bench", "--dir", str(tmp_path / "ckpt"), *SMALL_RUN, "--strategies", "dcp-async-stager",
+         "--repeats", "1", "--threads", "1"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("repeat 1/1:") == 1, proc.stderr[-3000:]
+    assert "dcp-async-stager" in proc.stdout
+
+
 def test_version_and_help_texts(capsys: pytest.CaptureFixture[str]) -> None:
     from nbckpt import __version__
 
