@@ -88,7 +88,7 @@ class Checkpointer:
         self._abandoned = False  # a final save did not end in time: the exit must not wait for it
         self._closed = False
         nonce, committed = ranks.caller.from_rank0(("open",), self._open_store)
-        self._io = Pool(self.config.writer_threads, "nbckpt-io")
+        self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)
         self._saver = Saver(self.config, self.store, ranks, self.timeline, self._io, nonce, committed)
         try:
             self._mirror = self._open_mirror(ranks.caller, nonce)
@@ -181,6 +181,7 @@ class Checkpointer:
             timeline=self.timeline,
             nonce=nonce,
             storage_options=self.config.mirror_options,
+            nice=self.config.writer_nice,
         )
         if self.rank == 0 and not self.config.read_only:
             saver = self._saver  # not self: the Checkpointer must stay collectable when dropped

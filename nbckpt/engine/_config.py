@@ -42,6 +42,12 @@ class CheckpointConfig:
     """Save the torch (CPU and CUDA), numpy and ``random`` RNG states; restore sets them back."""
     writer_threads: int = 2
     """Files each rank writes (and reads) in parallel, one thread each."""
+    writer_nice: int = 10
+    """How many steps below the caller's scheduling priority the background threads run (the
+    writes, checksums, uploads and deletes; Linux, 0 to 19): they take the CPU time training
+    leaves instead of competing with it for cores. Staging, which training waits for, keeps
+    the caller's priority; so do restores and sync saves unless other processes keep every
+    core busy. 0 runs everything at the caller's priority."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for URLs such as ``s3://`` (``endpoint_url``, ``key``, ``secret``, ...)."""
     ranks: Ranks = "auto"
@@ -70,6 +76,7 @@ class CheckpointConfig:
             check_count(self.keep, "keep (or None to keep all)")
         check_count(self.max_inflight, "max_inflight", maximum=MAX_INFLIGHT)
         check_count(self.writer_threads, "writer_threads", maximum=MAX_WRITER_THREADS)
+        check_count(self.writer_nice, "writer_nice", minimum=0, maximum=19)
         for name in ("verify", "capture_rng", "read_only"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")

@@ -39,10 +39,11 @@ class Mirror:
         timeline: Timeline,
         nonce: str,
         storage_options: dict[str, Any],
+        nice: int = 0,
     ) -> None:
         self.store, self.keep, self.timeline, self._nonce = store, keep, timeline, nonce
         self.root, self._options = store, storage_options
-        self._worker = Worker("nbckpt-mirror")
+        self._worker = Worker("nbckpt-mirror", nice=nice)
         self._lock = threading.Lock()
         self._pending: set[int] = set()  # steps queued or uploading: retention must leave them
         self._last: Future[None] | None = None

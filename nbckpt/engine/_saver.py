@@ -70,8 +70,8 @@ class Saver:
         self._origin: dict[str, Any] | None = None
         self.pool = StagingPool(config.max_inflight, pin=_cuda())
         self._stager = Stager()
-        self._persister = Worker("nbckpt-persist")
-        self._retainer = Worker("nbckpt-retention")
+        self._persister = Worker("nbckpt-persist", nice=config.writer_nice)
+        self._retainer = Worker("nbckpt-retention", nice=config.writer_nice)
         #: Called on rank 0 with (step, path) as each commit is reported (the mirror's upload).
         self.after_commit: Callable[[int, str], None] | None = None
         #: Steps retention must leave for now (those the mirror has still to upload).

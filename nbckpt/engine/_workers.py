@@ -9,30 +9,37 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-__all__ = ["Pool", "Worker", "run_all"]
+__all__ = ["Pool", "Worker", "lower_priority", "run_all"]
 
 T = TypeVar("T")
 
 
 class Worker:
-    """One daemon thread running jobs in order."""
+    """One daemon thread running jobs in order, ``nice`` steps below the caller's priority."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, nice: int = 0) -> None:
         self.name = name
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(nice, ready), name=name, daemon=True)
         self._thread.start()
+        ready.wait()  # the priority is in place before anything can look at the thread
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
 
-    def _run(self) -> None:
+    def _run(self, nice: int, ready: threading.Event) -> None:
+        if nice:
+            lower_priority(nice)
+        ready.set()
         while (job := self._jobs.get()) is not None:
             # Jobs report their own errors on their futures; the thread must outlive any of them.
             with contextlib.suppress(BaseException):
@@ -50,8 +57,8 @@ class Worker:
 class Pool:
     """``size`` workers taking jobs in turn; ``submit`` returns the job's future."""
 
-    def __init__(self, size: int, name: str) -> None:
-        self._workers = [Worker(f"{name}-{i}") for i in range(size)]
+    def __init__(self, size: int, name: str, *, nice: int = 0) -> None:
+        self._workers = [Worker(f"{name}-{i}", nice=nice) for i in range(size)]
         self._next = itertools.cycle(self._workers)
         self._lock = threading.Lock()
 
@@ -74,6 +81,16 @@ class Pool:
     def stop(self, wait: bool = True) -> None:
         for worker in self._workers:
             worker.stop(wait)
+
+
+def lower_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` steps less urgent (Linux, where each thread has its own
+    priority; elsewhere setpriority would change the whole process, so nothing is done)."""
+    if not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):  # a sandbox that forbids it: run at the caller's priority
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def run_all(pool: Pool, jobs: Sequence[Callable[[], Any]]) -> list[Any]:

@@ -10,6 +10,7 @@ import logging
 import os
 import pathlib
 import random
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -479,6 +480,9 @@ def test_manifest_contents(tmp_path: Path) -> None:
         ({"max_inflight": 10**9}, "max_inflight must be an integer from 1 to 8"),
         ({"writer_threads": 10**9}, "writer_threads must be an integer from 1 to 64"),
         ({"writer_threads": 0}, "writer_threads must be"),
+        ({"writer_nice": -1}, "writer_nice must be an integer from 0 to 19, not -1"),
+        ({"writer_nice": 20}, "writer_nice must be an integer from 0 to 19, not 20"),
+        ({"writer_nice": True}, "writer_nice must be"),
         ({"ranks": "some"}, "ranks must be"),
         ({"timeout_s": 0}, "timeout_s must be"),
         ({"config": 5}, "config must be a CheckpointConfig, not int"),
@@ -492,6 +496,28 @@ def test_bad_arguments_fail_fast_and_create_nothing(
     with pytest.raises(ConfigError, match=message):
         Checkpointer(target, **kwargs)  # type: ignore[arg-type]
     assert not target.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads have their own priority on Linux")
+@pytest.mark.parametrize("nice", [10, 0])
+def test_background_threads_yield_to_training_and_staging_does_not(tmp_path: Path, nice: int) -> None:
+    """The writes take the CPU time training leaves (nice); the copy training waits for does not."""
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    before = set(threading.enumerate())  # other tests' Checkpointers may still be winding down
+    with Checkpointer(tmp_path, mirror=str(tmp_path / "mirror"), keep=1, writer_nice=nice) as ckpt:
+        ckpt.save({"w": torch.ones(1000)}, step=1)
+        ckpt.save({"w": torch.ones(1000)}, step=2).wait()  # the retention thread has run too
+        ckpt.wait()
+        seen = {
+            t.name: os.getpriority(os.PRIO_PROCESS, t.native_id or 0)
+            for t in set(threading.enumerate()) - before
+        }
+    background = {n: p for n, p in seen.items() if n.startswith(("nbckpt-io", "nbckpt-persist",
+                                                                  "nbckpt-retention", "nbckpt-mirror"))}
+    staging = {n: p for n, p in seen.items() if n.startswith("nbckpt-stage")}
+    assert len(background) == 5 and staging, seen  # 2 io, persist, retention, mirror
+    assert set(background.values()) == {min(19, base + nice)}, seen
+    assert set(staging.values()) == {base}, seen
 
 
 @pytest.mark.parametrize("url", ["memory://run", "ftp://host/run", "zip://x.zip"])
