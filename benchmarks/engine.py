@@ -466,7 +466,9 @@ def _process_writer(connection: Any, images: list[torch.Tensor], directory: str)
 def bench_writer_process(directory: Path, nbytes: int, repeats: int) -> Table:
     """The same images written by 2 threads here or by a writer process (shared memory), while the
     main thread trains: the training work done during the write counts as much as the write."""
+    from nbckpt import CheckpointConfig
     from nbckpt.engine._files import LocalSink, write_image
+    from nbckpt.engine._workers import lower_priority
 
     table = Table(f"threads or a process writing into {directory}", nbytes)
     images = [torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8).share_memory_() for _ in range(2)]
@@ -484,8 +486,10 @@ def bench_writer_process(directory: Path, nbytes: int, repeats: int) -> Table:
             steps += 1
         return steps
 
-    def write_threads() -> None:
+    def write_threads(nice: int = 0) -> None:
         def one(index: int) -> None:
+            if nice:
+                lower_priority(nice)  # this job's own new thread
             path = directory / f".thread-{index}.bin"
             write_image(LocalSink(str(path)), images[index].numpy().data.cast("B"), fsync=True)
             path.unlink()
@@ -515,7 +519,12 @@ def bench_writer_process(directory: Path, nbytes: int, repeats: int) -> Table:
     def alone() -> None:  # the baseline: training for as long as a threaded write took
         threading.Event().wait(statistics.median(table.rows["2 writer threads"]["wall_s"]))
 
-    writers = {"2 writer threads": write_threads, "writer process": write_process}
+    nice = CheckpointConfig().writer_nice
+    writers: dict[str, Callable[[], None]] = {
+        "2 writer threads": write_threads,
+        f"2 writer threads at nice {nice}": partial(write_threads, nice),
+        "writer process": write_process,
+    }
     try:
         for write in writers.values():
             train_during(write)  # warm-up: the child has imported torch, pages are touched

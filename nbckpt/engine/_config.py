@@ -46,8 +46,8 @@ class CheckpointConfig:
     """How many steps below the caller's scheduling priority the background threads run (the
     writes, checksums, uploads and deletes; Linux, 0 to 19): they take the CPU time training
     leaves instead of competing with it for cores. Staging, which training waits for, keeps
-    the caller's priority; so do restores and sync saves unless other processes keep every
-    core busy. 0 runs everything at the caller's priority."""
+    the caller's priority. Where training keeps every core busy the write lasts longer (the
+    newest step is durable later); 0 runs everything at the caller's priority."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for URLs such as ``s3://`` (``endpoint_url``, ``key``, ``secret``, ...)."""
     ranks: Ranks = "auto"
