@@ -296,6 +296,7 @@ class Checkpointer:
         found: set[int] = set()
         for readable in ancestry(self._lines, self.line_name):
             found.update(readable.committed())
+            found.update(readable.foreign())  # plain DCP checkpoints (torchtitan's): read only
         return sorted(found)
 
     def latest_step(self) -> int | None:
@@ -384,6 +385,10 @@ class Checkpointer:
             self._saver.wait()
             store = self._saver.store
             if store.committed_at(check_step(step)) is None:
+                if step in store.foreign():
+                    raise CheckpointError(
+                        f"step {step} in {self.store.url} was written by plain DCP; nbckpt never deletes it"
+                    )
                 raise CheckpointError(
                     f"no committed checkpoint for step {step} in line {self.line_name} of {self.store.url}"
                 )

@@ -21,6 +21,7 @@ from .._util import with_filename, write_all
 
 __all__ = [
     "BLOCK_SIZE",
+    "IOV_MAX",
     "PIECE_SIZE",
     "FileResult",
     "LocalSink",
@@ -40,6 +41,9 @@ BLOCK_SIZE = 16 << 20
 #: Bytes hashed and then written (or read and then hashed) at a time: small enough to stay in
 #: the core's cache between the two, large enough that each system call moves a lot.
 PIECE_SIZE = 1 << 20
+#: Buffers one ``preadv`` takes at most (Linux's IOV_MAX): a column block of a tensor read into
+#: a row-major one is one buffer per row.
+IOV_MAX = 1024
 
 
 class Sink(Protocol):
@@ -124,7 +128,7 @@ class StreamSink:
 class LocalSource:
     """A regular file of a checkpoint opened for reading: no symlinks, no FIFOs, no devices."""
 
-    def __init__(self, path: str, expected_size: int) -> None:
+    def __init__(self, path: str, expected_size: int | None) -> None:
         self.path = path
         self.name = os.path.basename(path)
         try:
@@ -137,7 +141,7 @@ class LocalSource:
             self.close()
             raise CheckpointError(f"{self.name} is not a regular file")
         self.size = info.st_size
-        if self.size != expected_size:
+        if expected_size is not None and self.size != expected_size:
             self.close()
             raise CheckpointError(f"{self.name} has {info.st_size} bytes, manifest says {expected_size}")
 
@@ -159,14 +163,14 @@ class LocalSource:
 class StreamSource:
     """A checkpoint file on an fsspec filesystem, read by range."""
 
-    def __init__(self, fs: Any, path: str, expected_size: int) -> None:
+    def __init__(self, fs: Any, path: str, expected_size: int | None) -> None:
         self.name = path.rsplit("/", 1)[-1]
         self._fs, self._path = fs, path
         info = fs.info(path)
         if info.get("type") != "file":
             raise CheckpointError(f"{self.name} is not a file")
         self.size = int(info["size"])
-        if self.size != expected_size:
+        if expected_size is not None and self.size != expected_size:
             raise CheckpointError(f"{self.name} has {self.size} bytes, manifest says {expected_size}")
 
     def readinto(self, offset: int, views: Sequence[memoryview]) -> None:
@@ -257,7 +261,7 @@ def _walk(
         views: list[memoryview] = []
         used = 0
         at = offset
-        while at < piece_end:
+        while at < piece_end and len(views) < IOV_MAX:
             region_offset, view = regions[index]
             region_end = regions[index + 1][0] if index + 1 < len(regions) else end
             take = min(piece_end, region_end) - at
@@ -270,7 +274,7 @@ def _walk(
             if at == region_end:
                 index += 1
         yield offset, offset // BLOCK_SIZE, views
-        offset = piece_end
+        offset = at  # piece_end, unless the piece ran out of views first
 
 
 def read_into(

@@ -9,16 +9,22 @@ for the blob's framing only (``torch.serialization.skip_data``: the zip headers,
 where the bytes go) and lays each file out as an image: framing bytes fixed at planning time,
 tensor bytes copied into their holes by staging. A save is then one sequential write of each
 image, and the plan is cached: the same structure is never planned twice.
+
+A DTensor is one blob per rank's shard, each a chunk of the whole tensor in the metadata (as
+DCP's planner records it); a chunk several ranks hold, or a tensor two keys name (tied
+weights), is written once. Plain values (a learning rate, a step) are byte items too, in one
+more file of rank 0, so a plain ``dcp.load`` of ``get_state_dict(model, optim)`` finds them.
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import math
 import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any, cast
+from typing import IO, Any, NamedTuple, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -31,10 +37,25 @@ from torch.distributed.checkpoint.metadata import (
 from torch.serialization import skip_data
 
 from .._errors import CheckpointError
-from ._state import TensorSpec
+from ._interrupts import deferred_interrupt
+from ._shards import Region, tiles
+from ._state import TensorSpec, dtype_name
 from ._torch_compat import storage_info
 
-__all__ = ["ALIGN", "DCP_VERSION", "METADATA_FILE", "FileLayout", "Item", "Layout", "data_file", "plan"]
+__all__ = [
+    "ALIGN",
+    "DCP_VERSION",
+    "METADATA_FILE",
+    "Chunk",
+    "FileLayout",
+    "Item",
+    "Layout",
+    "RankPlan",
+    "data_file",
+    "framing",
+    "pad",
+    "plan",
+]
 
 METADATA_FILE = ".metadata"
 DCP_VERSION = "1.0.0"
@@ -49,13 +70,30 @@ def data_file(rank: int, index: int) -> str:
 
 @dataclass(frozen=True)
 class Item:
-    """One tensor in a file: its bytes at ``offset``, inside a blob DCP knows by its range."""
+    """One chunk in a file: its bytes at ``offset``, inside a blob DCP knows by its range."""
 
     key: str
     offset: int
     nbytes: int
     blob_offset: int
     blob_length: int
+    offsets: tuple[int, ...]
+    """Where the chunk starts in the whole tensor (all zeros for a plain tensor)."""
+
+
+class Chunk(NamedTuple):
+    """Where the bytes of one chunk of a tensor are: a manifest item, and DCP's storage entry."""
+
+    file: str
+    blob_offset: int
+    blob_length: int
+    data_offset: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def region(self) -> Region:
+        return Region(self.offsets, self.sizes)
 
 
 @dataclass(frozen=True)
@@ -74,18 +112,25 @@ class Layout:
     """Every rank's files for one state structure, and the DCP metadata that describes them."""
 
     files: Mapping[int, tuple[FileLayout, ...]]
-    metadata: bytes
-    locations: Mapping[str, tuple[str, int]]
-    """Each tensor key: the file that holds its bytes and their offset (the manifest's items)."""
+    dcp: Metadata
+    locations: Mapping[str, list[Chunk]]
+    """Each tensor key: its chunks and where their bytes are (the manifest's items)."""
     nbytes: int
-    """Tensor bytes in all the ranks' files (a replicated tensor counts once)."""
+    """Tensor bytes in all the ranks' files (a replicated chunk, a tied tensor count once)."""
+    shared: frozenset[str] = frozenset()
+    """Plain tensors several ranks hold under one key: replicated, so their values must agree."""
+
+    @functools.cached_property
+    def metadata(self) -> bytes:
+        """The pickled DCP metadata when the state has no plain values to add."""
+        return pickle.dumps(self.dcp, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 @functools.lru_cache(maxsize=4096)
-def _framing(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes]:
+def framing(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes]:
     """The bytes ``torch.save`` writes before and after a tensor's data (same for every value)."""
     recorder = _Recorder()
-    with skip_data():
+    with deferred_interrupt(), skip_data():
         torch.save(torch.empty(shape, dtype=dtype), cast(IO[bytes], recorder))
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     if recorder.holes == [] and nbytes == 0:
@@ -129,53 +174,117 @@ class _Recorder(io.RawIOBase):
         return len(self.data)
 
 
-def _pad(offset: int) -> int:
+def pad(offset: int) -> int:
     return -offset % ALIGN
 
 
 def _file_layout(name: str, specs: Sequence[TensorSpec]) -> FileLayout:
-    items, framing = [], []
+    items, pieces = [], []
     offset = 0
     pending = bytearray()  # framing since the last tensor's bytes: written as one piece
     for spec in specs:
-        header, trailer = _framing(spec.dtype, spec.shape)
-        pending += bytes(_pad(offset + len(pending)))
+        header, trailer = framing(spec.dtype, spec.shape)
+        pending += bytes(pad(offset + len(pending)))
         blob_offset = offset + len(pending)
         pending += header
         data_offset = offset + len(pending)
-        framing.append((offset, bytes(pending)))
+        pieces.append((offset, bytes(pending)))
         items.append(
-            Item(spec.key, data_offset, spec.nbytes, blob_offset, len(header) + spec.nbytes + len(trailer))
+            Item(
+                spec.key,
+                data_offset,
+                spec.nbytes,
+                blob_offset,
+                len(header) + spec.nbytes + len(trailer),
+                spec.chunk.offsets,
+            )
         )
         offset = data_offset + spec.nbytes
         pending = bytearray(trailer)
     if pending:
-        framing.append((offset, bytes(pending)))
-    return FileLayout(name, offset + len(pending), tuple(items), tuple(framing))
+        pieces.append((offset, bytes(pending)))
+    return FileLayout(name, offset + len(pending), tuple(items), tuple(pieces))
 
 
-def _assign(rank_specs: Sequence[Sequence[TensorSpec]]) -> list[list[TensorSpec]]:
-    """Which rank writes each tensor: a key held by several ranks is replicated (as DCP assumes)
-    and written once, by the holder with the fewest bytes so far."""
-    holders: dict[str, list[int]] = {}
-    spec_of: dict[str, TensorSpec] = {}
-    for rank, specs in enumerate(rank_specs):
-        for spec in specs:
-            known = spec_of.setdefault(spec.key, spec)
-            if known != spec:
-                raise CheckpointError(
-                    f"ranks disagree on {spec.key!r}: {known.dtype} {list(known.shape)} on rank "
-                    f"{holders[spec.key][0]}, {spec.dtype} {list(spec.shape)} on rank {rank}"
-                )
-            holders.setdefault(spec.key, []).append(rank)
-    load = [0] * len(rank_specs)
-    owner: dict[str, int] = {}
-    for key in sorted(spec_of, key=lambda k: (-spec_of[k].nbytes, k)):
-        rank = min(holders[key], key=lambda r: (load[r], r))
-        owner[key] = rank
-        load[rank] += spec_of[key].nbytes
-    # Each rank keeps its own order of keys: files then follow the state's order.
-    return [[s for s in specs if owner[s.key] == rank] for rank, specs in enumerate(rank_specs)]
+class RankPlan(NamedTuple):
+    """What one rank says of its state when a save is planned (its part of the agreement)."""
+
+    specs: tuple[TensorSpec, ...]
+    aliases: tuple[tuple[str, str], ...]
+    """(key, the earlier key naming the same tensor) of every tied tensor."""
+
+
+def _assign(
+    ranks: Sequence[RankPlan],
+) -> tuple[list[list[TensorSpec]], dict[str, list[TensorSpec]], frozenset[str]]:
+    """Which rank writes each chunk: one several ranks hold is replicated (as DCP assumes) and
+    written once, by the holder with the fewest bytes so far.
+
+    Returns each rank's chunks to write (in its state's order), every key's distinct chunks,
+    and the plain tensors several ranks hold (whose values must agree).
+    """
+    holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    spec_of: dict[tuple[str, tuple[int, ...]], TensorSpec] = {}
+    kind_of: dict[str, tuple[int, TensorSpec]] = {}  # each key's first holder and spec: all must agree
+    for rank, plan_ in enumerate(ranks):
+        for spec in plan_.specs:
+            first = kind_of.setdefault(spec.key, (rank, spec))
+            if (first[1].dtype, first[1].whole, first[1].sharded) != (spec.dtype, spec.whole, spec.sharded):
+                raise CheckpointError(_disagree(spec.key, *first, rank, spec))
+            index = (spec.key, spec.chunk.offsets)
+            known = spec_of.setdefault(index, spec)
+            if known.shape != spec.shape:
+                raise CheckpointError(_disagree(spec.key, holders[index][0], known, rank, spec))
+            holders.setdefault(index, []).append(rank)
+    chunks: dict[str, list[TensorSpec]] = {}
+    for (key, _), spec in spec_of.items():
+        chunks.setdefault(key, []).append(spec)
+    for key, parts in chunks.items():
+        if parts[0].sharded and not tiles([p.chunk for p in parts], parts[0].whole):
+            held = sum(p.chunk.numel for p in parts)
+            raise CheckpointError(
+                f"the ranks' shards of {key!r} do not make up the whole tensor {list(parts[0].whole)} "
+                f"({held} of {math.prod(parts[0].whole)} elements); every rank holding part of it must "
+                "save it"
+            )
+    load = [0] * len(ranks)
+    owner: dict[tuple[str, tuple[int, ...]], int] = {}
+    for index in sorted(spec_of, key=lambda i: (-spec_of[i].nbytes, i)):
+        rank = min(holders[index], key=lambda r: (load[r], r))
+        owner[index] = rank
+        load[rank] += spec_of[index].nbytes
+    shared = frozenset(
+        key for (key, _), ranks_ in holders.items() if len(ranks_) > 1 and not kind_of[key][1].sharded
+    )
+    # Each rank keeps its own order of keys: files then follow the state's order. An empty
+    # chunk (an uneven shard's last ranks) has no bytes: nothing is written for it.
+    writes = [
+        [s for s in p.specs if owner[(s.key, s.chunk.offsets)] == rank and s.nbytes]
+        for rank, p in enumerate(ranks)
+    ]
+    return writes, chunks, shared
+
+
+def _disagree(key: str, rank_a: int, a: TensorSpec, rank_b: int, b: TensorSpec) -> str:
+    def what(spec: TensorSpec) -> str:
+        shard = f" shard {list(spec.shape)} at {list(spec.chunk.offsets)}" if spec.sharded else ""
+        return f"{dtype_name(spec.dtype)} {list(spec.whole)}{shard}"
+
+    return f"ranks disagree on {key!r}: {what(a)} on rank {rank_a}, {what(b)} on rank {rank_b}"
+
+
+def _aliases(ranks: Sequence[RankPlan], chunks: Mapping[str, list[TensorSpec]]) -> dict[str, str]:
+    """Tied tensors, as every rank that holds them says: key -> the key whose bytes it shares."""
+    said: dict[str, set[str]] = {}
+    for plan_ in ranks:
+        for key, first in plan_.aliases:
+            said.setdefault(key, set()).add(first)
+    aliases = {}
+    for key, firsts in said.items():
+        if len(firsts) > 1 or key in chunks:  # another rank holds it as a tensor of its own
+            raise CheckpointError(f"ranks disagree on whether {key!r} is the same tensor as another key")
+        aliases[key] = firsts.pop()
+    return aliases
 
 
 def _bins(specs: Sequence[TensorSpec], count: int) -> list[list[TensorSpec]]:
@@ -193,46 +302,70 @@ def _bins(specs: Sequence[TensorSpec], count: int) -> list[list[TensorSpec]]:
 
 
 def plan(
-    rank_specs: Sequence[Sequence[TensorSpec]],
-    paths: Mapping[str, tuple[str | int, ...]],
-    files_per_rank: int,
+    ranks: Sequence[RankPlan], paths: Mapping[str, tuple[str | int, ...]], files_per_rank: int
 ) -> Layout:
     """The layout of every rank's files and the DCP metadata for them.
 
-    ``rank_specs`` holds each rank's tensors in its state's order; ``paths`` maps each key
-    to its path of keys in the state (so DCP's tools can nest the tensors again).
+    ``ranks`` holds each rank's tensors in its state's order; ``paths`` maps each key to its
+    path of keys in the state (so DCP's tools can nest the tensors again).
     """
+    writes, chunks, shared = _assign(ranks)
+    aliases = _aliases(ranks, chunks)
     files: dict[int, tuple[FileLayout, ...]] = {}
-    for rank, specs in enumerate(_assign(rank_specs)):
+    for rank, specs in enumerate(writes):
         files[rank] = tuple(
             _file_layout(data_file(rank, index), group)
             for index, group in enumerate(_bins(specs, min(files_per_rank, max(len(specs), 1))))
         )
-    spec_of = {spec.key: spec for specs in rank_specs for spec in specs}
+    placed: dict[tuple[str, tuple[int, ...]], tuple[str, Item]] = {
+        (item.key, item.offsets): (layout.name, item)
+        for rank_files in files.values()
+        for layout in rank_files
+        for item in layout.items
+    }
+    locations: dict[str, list[Chunk]] = {}
+    for key, parts in chunks.items():
+        locations[key] = [
+            Chunk(name, item.blob_offset, item.blob_length, item.offset, item.offsets, spec.shape)
+            for spec in parts
+            if (found := placed.get((key, spec.chunk.offsets))) is not None
+            for name, item in [found]
+        ]
+    for key, first in aliases.items():
+        locations[key] = locations[first]
+        chunks[key] = chunks[first]
+    nbytes = sum(item.nbytes for _, item in placed.values())
+    metadata = _metadata(chunks, locations, paths)
+    return Layout(files, metadata, locations, nbytes, shared)
+
+
+def _metadata(
+    chunks: Mapping[str, list[TensorSpec]],
+    locations: Mapping[str, list[Chunk]],
+    paths: Mapping[str, tuple[str | int, ...]],
+) -> Metadata:
+    """DCP's record of every tensor: its whole size and chunks, and where each chunk's blob is."""
     state_dict_metadata: dict[str, Any] = {}
     storage_data: dict[MetadataIndex, Any] = {}
     # One torch.Size per distinct shape: pickle then writes each once (10,000 tensors of 100
     # shapes pickle 5x faster), and DCP's reader sees the same values.
     sizes: dict[tuple[int, ...], torch.Size] = {}
-    for rank_files in files.values():
-        for layout in rank_files:
-            for item in layout.items:
-                spec = spec_of[item.key]
-                size = sizes.setdefault(spec.shape, torch.Size(spec.shape))
-                origin = sizes.setdefault((0,) * len(spec.shape), torch.Size((0,) * len(spec.shape)))
-                state_dict_metadata[item.key] = TensorStorageMetadata(
-                    TensorProperties(dtype=spec.dtype), size, [ChunkStorageMetadata(origin, size)]
-                )
-                storage_data[MetadataIndex(item.key, origin)] = storage_info(
-                    layout.name, item.blob_offset, item.blob_length
-                )
-    metadata = Metadata(
+    for key, placed in locations.items():
+        spec = chunks[key][0]
+        whole = sizes.setdefault(spec.whole, torch.Size(spec.whole))
+        listed = []
+        for chunk in placed:
+            origin = sizes.setdefault(chunk.offsets, torch.Size(chunk.offsets))
+            listed.append(
+                ChunkStorageMetadata(origin, sizes.setdefault(chunk.sizes, torch.Size(chunk.sizes)))
+            )
+            storage_data[MetadataIndex(key, origin)] = storage_info(
+                chunk.file, chunk.blob_offset, chunk.blob_length
+            )
+        state_dict_metadata[key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), whole, listed)
+    return Metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data={key: paths.get(key, (key,)) for key in state_dict_metadata},
         storage_data=storage_data,
         version=DCP_VERSION,
     )
-    items = [(f.name, item) for fs in files.values() for f in fs for item in f.items]
-    locations = {item.key: (name, item.offset) for name, item in items}
-    nbytes = sum(item.nbytes for _, item in items)
-    return Layout(files, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), locations, nbytes)

@@ -54,10 +54,13 @@ class StepLimited:
     def committed_at(self, step: int) -> str | None:
         return self._store.committed_at(step) if step <= self._last else None
 
+    def foreign(self) -> dict[int, str]:
+        return {s: path for s, path in self._store.foreign().items() if s <= self._last}
+
     def read_small(self, location: str, name: str, limit: int) -> bytes:
         return self._store.read_small(location, name, limit)
 
-    def source(self, location: str, name: str, size: int) -> Source:
+    def source(self, location: str, name: str, size: int | None) -> Source:
         return self._store.source(location, name, size)
 
     def sink(self, location: str, name: str) -> Sink:

@@ -9,23 +9,28 @@ single byte of tensor data is read.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+import torch
 import xxhash
 
 from .._errors import CheckpointError
 from ._files import BLOCK_SIZE, FileResult
-from ._layout import METADATA_FILE
-from ._state import MAX_DEPTH, TensorSpec, dtype_from_name, tree_specs
+from ._layout import METADATA_FILE, Chunk, framing
+from ._shards import tiles
+from ._state import MAX_DEPTH, TensorSpec, dtype_from_name
 
-__all__ = ["FORMAT", "MAX_MANIFEST_BYTES", "Manifest", "build", "parse", "sign"]
+__all__ = ["FORMAT", "MAX_MANIFEST_BYTES", "Manifest", "build", "data_file_name", "parse", "sign"]
 
-FORMAT = "nbckpt/2"
+FORMAT = "nbckpt/3"
+#: Older formats this nbckpt still reads (nbckpt/2: one ``[file, offset]`` per tensor, no shards).
+_READS = (FORMAT, "nbckpt/2")
 #: A manifest holds about 100 bytes per tensor: 64 MiB is room for half a million of them.
 MAX_MANIFEST_BYTES = 64 << 20
 _DATA_FILE_RE = re.compile(r"__[0-9]{1,6}_[0-9]{1,6}\.distcp", re.ASCII)
@@ -56,29 +61,24 @@ class Manifest:
 
     step: int
     body: dict[str, Any]
+    items: dict[str, list[Chunk]] = field(default_factory=dict)
+    """Each tensor's chunks and where their bytes are (checked: inside their files, apart from
+    each other, making up the whole tensor exactly)."""
+    specs: dict[str, TensorSpec] = field(default_factory=dict)
+    """Every tensor any rank's tree references: key to the dtype and shape of the whole tensor."""
+    foreign: bool = False
+    """Made from the ``.metadata`` of a checkpoint plain DCP wrote: no checksums, blobs read
+    with ``torch.load(weights_only=True)``."""
 
     @property
     def files(self) -> dict[str, dict[str, Any]]:
         files: dict[str, dict[str, Any]] = self.body["files"]
         return files
 
-    @property
-    def items(self) -> dict[str, list[Any]]:
-        items: dict[str, list[Any]] = self.body["items"]
-        return items
-
     def tree(self, rank: int) -> dict[str, Any]:
         """The state tree rank ``rank`` saved."""
         tree: dict[str, Any] = self.body.get("rank_trees", {}).get(str(rank), self.body["tree"])
         return tree
-
-    @property
-    def specs(self) -> dict[str, TensorSpec]:
-        """Every tensor any rank's tree references: key to spec."""
-        specs: dict[str, TensorSpec] = {}
-        for tree in [self.body["tree"], *self.body.get("rank_trees", {}).values()]:
-            specs.update(tree_specs(tree))
-        return specs
 
     def rng(self, rank: int) -> Any:
         return self.body.get("rng", {}).get(str(rank))
@@ -106,7 +106,7 @@ def build(
     nbytes: int,
     world_size: int,
     files: Mapping[str, FileResult],
-    items: Mapping[str, tuple[str, int]],
+    items: Mapping[str, list[Chunk]],
     tree: dict[str, Any],
     rank_trees: Mapping[str, Any],
     rng: Mapping[str, Any],
@@ -126,7 +126,10 @@ def build(
         "files": {
             name: {"size": result.size, "blocks": result.blocks} for name, result in sorted(files.items())
         },
-        "items": {key: [name, offset] for key, (name, offset) in items.items()},
+        "items": {
+            key: [[*chunk[:4], list(chunk.offsets), list(chunk.sizes)] for chunk in chunks]
+            for key, chunks in items.items()
+        },
         "tree": tree,
         **({"rank_trees": dict(rank_trees)} if rank_trees else {}),
         **({"rng": dict(rng)} if rng else {}),
@@ -147,9 +150,9 @@ def parse(data: bytes, step: int, where: str) -> Manifest:
         raise CheckpointError(f"{where} is unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(body, dict) or not str(body.get("format", "")).startswith("nbckpt/"):
         raise CheckpointError(f"{where} is not an nbckpt manifest")
-    if body["format"] != FORMAT:
+    if body["format"] not in _READS:
         raise CheckpointError(
-            f"{where} is in format {body['format']}, this nbckpt reads {FORMAT}; "
+            f"{where} is in format {body['format']}, this nbckpt reads {', '.join(_READS)}; "
             "its tensors load with torch.distributed.checkpoint.load"
         )
     signed = _SIGNED.match(data)
@@ -157,11 +160,11 @@ def parse(data: bytes, step: int, where: str) -> Manifest:
         raise CheckpointError(f"{where} was modified after it was written (checksum mismatch)")
     if body.get("step") != step:
         raise CheckpointError(f"{where} names step {body.get('step')}, not {step}")
-    _check_body(body, where)
-    return Manifest(step, body)
+    specs, items = _check_body(body, where)
+    return Manifest(step, body, items, specs)
 
 
-def _check_body(body: dict[str, Any], where: str) -> None:
+def _check_body(body: dict[str, Any], where: str) -> tuple[dict[str, TensorSpec], dict[str, list[Chunk]]]:
     if body.get("block_size") != BLOCK_SIZE:
         raise CheckpointError(f"{where} uses blocks of {body.get('block_size')} bytes, not {BLOCK_SIZE}")
     files = body.get("files")
@@ -192,19 +195,40 @@ def _check_body(body: dict[str, Any], where: str) -> None:
         and all(_RANK_RE.fullmatch(rank) and int(rank) < world_size for rank in rank_trees)
     ):
         raise CheckpointError(f"{where} has a malformed state tree")
-    trees = [body.get("tree"), *rank_trees.values()]
-    for tree in trees:
-        _check_tree(tree, files, items, where)
+    specs: dict[str, TensorSpec] = {}
+    data_bytes = sum(meta["size"] for name, meta in files.items() if name != METADATA_FILE)
+    for tree in [body.get("tree"), *rank_trees.values()]:
+        _check_tree(tree, specs, data_bytes, where)
     if not isinstance(body.get("rng", {}), dict):
         raise CheckpointError(f"{where} has a malformed RNG record")
+    chunks = {key: _chunks(items.get(key), spec, files, body["format"], where) for key, spec in specs.items()}
+    _check_apart(chunks, specs, where)
+    return specs, chunks
+
+
+def data_file_name(name: str) -> bool:
+    """Whether ``name`` is a DCP data file's name (``__{rank}_{index}.distcp``), nothing else."""
+    return _DATA_FILE_RE.fullmatch(name) is not None
 
 
 def _is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _check_tree(tree: Any, files: dict[str, Any], items: dict[str, Any], where: str) -> None:
-    """Every node well-formed and every tensor inside its file, walked without recursion."""
+def _bounded_bytes(shape: Any, itemsize: int, limit: int) -> int:
+    """``prod(shape) * itemsize``, stopping once it passes ``limit`` (a hostile shape must not
+    become a huge number to compute with, or a huge allocation)."""
+    nbytes = itemsize
+    for n in shape:
+        nbytes *= n
+        if nbytes > limit:
+            return limit + 1
+    return nbytes
+
+
+def _check_tree(tree: Any, specs: dict[str, TensorSpec], data_bytes: int, where: str) -> None:
+    """Every node well-formed, every tensor of a known dtype that fits in the files, walked
+    without recursion; ``specs`` collects the tensors (a key in two ranks' trees must agree)."""
     if not (isinstance(tree, dict) and tree.get("t") == "dict"):
         raise CheckpointError(f"{where} has a malformed state tree")
     stack: list[tuple[Any, int]] = [(tree, 0)]
@@ -218,8 +242,10 @@ def _check_tree(tree: Any, files: dict[str, Any], items: dict[str, Any], where: 
             children = [node.get("state")]
         elif kind in ("dict", "namespace"):
             pairs = node.get("items")
+            keys = (str,) if kind == "namespace" else (str, int)
             if not isinstance(pairs, list) or not all(
-                isinstance(p, list) and len(p) == 2 and isinstance(p[0], (str, int)) for p in pairs
+                isinstance(p, list) and len(p) == 2 and isinstance(p[0], keys) and not isinstance(p[0], bool)
+                for p in pairs
             ):
                 raise CheckpointError(f"{where} has a malformed state tree")
             children = [child for _, child in pairs]
@@ -227,29 +253,116 @@ def _check_tree(tree: Any, files: dict[str, Any], items: dict[str, Any], where: 
             listed = node.get("items")
             children = listed if isinstance(listed, list) else [None]
         elif kind in ("tensor", "ndarray"):
-            _check_tensor(node, files, items, where)
+            spec = _tensor_spec(node, data_bytes, where)
+            if specs.setdefault(spec.key, spec) != spec:
+                raise CheckpointError(f"{where} gives tensor {spec.key!r} two shapes or dtypes")
+        elif not _value_ok(kind, node.get("v")):
+            raise CheckpointError(f"{where} has a malformed {kind} value")
         stack.extend((child, depth + 1) for child in children)
 
 
-def _check_tensor(node: dict[str, Any], files: dict[str, Any], items: dict[str, Any], where: str) -> None:
+def _value_ok(kind: str, value: Any) -> bool:
+    """A leaf the decoder turns into a value without an error of the caller's (a float, a path...)."""
+    if kind == "value":
+        return value is None or isinstance(value, (bool, int, str))
+    if kind == "float":
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)) or value in (
+            "nan",
+            "inf",
+            "-inf",
+        )
+    if kind == "path":
+        return isinstance(value, str) and "\0" not in value
+    if kind == "dtype":
+        try:
+            dtype_from_name(value)
+        except CheckpointError:
+            return False
+        return True
+    if kind == "device":
+        try:
+            torch.device(value)
+        except (RuntimeError, TypeError):
+            return False
+        return True
+    return False
+
+
+def _tensor_spec(node: dict[str, Any], data_bytes: int, where: str) -> TensorSpec:
     key, shape = node.get("key"), node.get("shape")
     if not (isinstance(key, str) and isinstance(shape, list) and all(_is_count(n) for n in shape)):
         raise CheckpointError(f"{where} has a malformed tensor entry")
     dtype = dtype_from_name(node.get("dtype"))
-    entry = items.get(key)
-    if not (isinstance(entry, list) and len(entry) == 2 and _is_count(entry[1])):
+    if _bounded_bytes(shape, dtype.itemsize, data_bytes) > data_bytes:
+        raise CheckpointError(f"{where} names tensor {key!r} of shape {shape}, larger than its files")
+    return TensorSpec(key, dtype, tuple(shape))
+
+
+def _chunks(entry: Any, spec: TensorSpec, files: dict[str, Any], fmt: str, where: str) -> list[Chunk]:
+    """The chunks of one tensor as the manifest lists them, each checked to lie inside its file,
+    inside its blob, and together to make up the whole tensor exactly once."""
+    key, whole = spec.key, spec.shape
+    if fmt == "nbckpt/2":  # one [file, offset] per tensor, its blob framed as this torch frames it
+        if not (isinstance(entry, list) and len(entry) == 2 and _is_count(entry[1])):
+            raise CheckpointError(f"{where} does not say where tensor {key!r} is")
+        if not spec.nbytes:
+            return []
+        header, trailer = framing(spec.dtype, whole)
+        entry = [
+            [
+                entry[0],
+                entry[1] - len(header),
+                len(header) + spec.nbytes + len(trailer),
+                entry[1],
+                [0] * len(whole),
+                list(whole),
+            ]
+        ]
+    if not isinstance(entry, list):
         raise CheckpointError(f"{where} does not say where tensor {key!r} is")
-    name, offset = entry
+    chunks = [_chunk(raw, spec, files, where) for raw in entry]
+    if not tiles([c.region for c in chunks], whole):
+        raise CheckpointError(f"{where}: the chunks of tensor {key!r} do not make up its shape {list(whole)}")
+    return chunks
+
+
+def _chunk(raw: Any, spec: TensorSpec, files: dict[str, Any], where: str) -> Chunk:
+    key, ndim = spec.key, len(spec.shape)
+    if not (
+        isinstance(raw, list)
+        and len(raw) == 6
+        and isinstance(raw[0], str)
+        and all(_is_count(n) for n in raw[1:4])
+        and all(isinstance(v, list) and len(v) == ndim and all(_is_count(n) for n in v) for v in raw[4:])
+    ):
+        raise CheckpointError(f"{where} has a malformed entry for tensor {key!r}")
+    name, blob_offset, blob_length, data_offset, offsets, sizes = raw
     if name not in files or name == METADATA_FILE:
         raise CheckpointError(f"{where} puts tensor {key!r} in {name!r}, which it does not list")
     size = files[name]["size"]
-    # Bounded before multiplying: a hostile shape must not become a huge allocation.
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
-        if nbytes > size:
-            break
-    if offset + nbytes > size:
+    nbytes = _bounded_bytes(sizes, spec.dtype.itemsize, size)
+    if not (blob_offset <= data_offset and data_offset + nbytes <= blob_offset + blob_length <= size):
         raise CheckpointError(
-            f"{where} puts tensor {key!r} at bytes {offset}..{offset + nbytes} of {name}, which has {size}"
+            f"{where} puts tensor {key!r} at bytes {data_offset}..{data_offset + nbytes} of {name} "
+            f"(blob {blob_offset}..{blob_offset + blob_length}), which has {size}"
         )
+    return Chunk(name, blob_offset, blob_length, data_offset, tuple(offsets), tuple(sizes))
+
+
+def _check_apart(chunks: dict[str, list[Chunk]], specs: dict[str, TensorSpec], where: str) -> None:
+    """No two blobs share a byte, except one blob two keys name with the same dtype (tied
+    weights): so no byte of the files is read into two tensors, and their total is bounded."""
+    seen: dict[tuple[str, int], tuple[Chunk, Any]] = {}
+    for key, listed in chunks.items():
+        for chunk in listed:
+            known = seen.setdefault((chunk.file, chunk.blob_offset), (chunk, specs[key].dtype))
+            if known != (chunk, specs[key].dtype):
+                raise CheckpointError(f"{where} puts two tensors' bytes in one blob of {chunk.file}")
+    by_file: dict[str, list[Chunk]] = {}
+    for chunk, _ in seen.values():
+        by_file.setdefault(chunk.file, []).append(chunk)
+    for name, listed in by_file.items():
+        listed.sort(key=lambda c: c.blob_offset)
+        for before, after in itertools.pairwise(listed):
+            if before.blob_offset + before.blob_length > after.blob_offset:
+                raise CheckpointError(f"{where} puts tensors' bytes over each other in {name}")

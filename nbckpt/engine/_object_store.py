@@ -104,7 +104,7 @@ class FsspecStore(Store):
     def sink(self, location: str, name: str) -> Sink:
         return StreamSink(self.fs, f"{self._path(location)}/{name}")
 
-    def source(self, location: str, name: str, size: int) -> Source:
+    def source(self, location: str, name: str, size: int | None) -> Source:
         return StreamSource(self.fs, f"{self._path(location)}/{name}", size)
 
     def read_small(self, location: str, name: str, limit: int) -> bytes:

@@ -7,32 +7,35 @@ checked, so a restore that fails leaves the caller's state exactly as it was.
 from __future__ import annotations
 
 import ctypes
-import pickle
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from .._errors import CheckpointError, describe_error
 from ._files import Source, read_into
-from ._layout import METADATA_FILE
+from ._foreign import read_dcp_manifest
+from ._layout import METADATA_FILE, Chunk, framing
 from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse
+from ._shards import Region, overlap, runs
 from ._store import MANIFEST, step_name
-from ._torch_compat import STORAGE_INFO_GLOBAL
+from ._unpickle import load_blob
 from ._workers import Pool, run_all
 
 __all__ = [
     "Readable",
     "byte_view",
-    "check_dcp_metadata",
     "damage_named",
+    "read_file",
     "read_manifest",
     "read_metadata",
     "read_tensors",
+    "step_file_label",
     "verify_files",
+    "verify_framing",
 ]
 
 
@@ -43,8 +46,9 @@ class Readable(Protocol):
 
     def committed(self) -> dict[int, str]: ...
     def committed_at(self, step: int) -> str | None: ...
+    def foreign(self) -> dict[int, str]: ...
     def read_small(self, location: str, name: str, limit: int) -> bytes: ...
-    def source(self, location: str, name: str, size: int) -> Source: ...
+    def source(self, location: str, name: str, size: int | None) -> Source: ...
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -59,11 +63,11 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-def _label(location: str, name: str) -> str:
+def step_file_label(location: str, name: str) -> str:
     return f"{location.rstrip('/').rsplit('/', 1)[-1]}/{name}"
 
 
-def _read_file(
+def read_file(
     store: Readable,
     location: str,
     name: str,
@@ -74,7 +78,7 @@ def _read_file(
     whole: bool = False,
 ) -> float:
     meta = manifest.files[name]
-    label = _label(location, name)
+    label = step_file_label(location, name)
     with damage_named(label):
         source = store.source(location, name, meta["size"])
     source.name = label
@@ -104,9 +108,29 @@ def damage_named(label: str) -> Iterator[None]:
 def read_manifest(store: Readable, step: int, location: str) -> tuple[Manifest, bytes]:
     """The checked manifest of ``step`` at ``location``, and its bytes as read."""
     where = f"{step_name(step)}/{MANIFEST}"
-    with damage_named(where):
-        data = store.read_small(location, MANIFEST, MAX_MANIFEST_BYTES)
+    try:
+        with damage_named(where):
+            data = store.read_small(location, MANIFEST, MAX_MANIFEST_BYTES)
+    except CheckpointError:
+        if location not in store.foreign().values():
+            raise
+        with damage_named(step_file_label(location, METADATA_FILE)):
+            return read_dcp_manifest(store, step, location), b""
     return parse(data, step, where), data
+
+
+class _Blob(NamedTuple):
+    """A chunk being read whose framing is checked: the bytes around its data, as read."""
+
+    key: str
+    chunk: Chunk
+    header: bytearray
+    trailer: bytearray
+
+    def framed(self, dtype: torch.dtype) -> bool:
+        """Whether the bytes around the data are those this torch frames such a chunk with."""
+        header, trailer = framing(dtype, self.chunk.sizes)
+        return self.header == header and self.trailer == trailer
 
 
 def read_tensors(
@@ -114,26 +138,197 @@ def read_tensors(
     io: Pool,
     location: str,
     manifest: Manifest,
-    keys: Iterable[str],
+    wanted: Mapping[str, Region | None],
     *,
     verify: bool,
 ) -> tuple[dict[str, torch.Tensor], float]:
-    """Read the tensors ``keys`` into fresh CPU tensors; return them and the CPU seconds spent."""
-    specs = manifest.specs
+    """Read region ``wanted[key]`` (None: all of it) of each tensor into a fresh CPU tensor;
+    return them and the CPU seconds spent.
+
+    From each saved chunk only the bytes of its overlap with the region are read (a row range
+    where whole rows suffice), together with the chunk's framing: what a plain ``torch.load``
+    of the blob would take for the tensor's header must describe exactly these bytes. Keys
+    naming one tensor (tied weights) get one tensor.
+    """
+    if manifest.foreign:
+        return _read_foreign(store, location, manifest, wanted), 0.0
     tensors: dict[str, torch.Tensor] = {}
     by_file: dict[str, list[tuple[int, memoryview]]] = {}
-    for key in keys:
-        spec = specs[key]
-        name, offset = manifest.items[key]
-        tensor = torch.empty(spec.shape, dtype=spec.dtype)
-        tensors[key] = tensor
-        if spec.nbytes:
-            by_file.setdefault(name, []).append((offset, byte_view(tensor)))
+    blobs: dict[tuple[str, int], _Blob] = {}
+    made: dict[tuple[Any, ...], torch.Tensor] = {}
+    later: dict[str, Region | None] = {}  # a tied tensor wanted in another region: a second pass
+    for key, asked in wanted.items():
+        spec = manifest.specs[key]
+        region = asked or Region.whole(spec.shape)
+        chunks = manifest.items[key]
+        same = (spec.dtype, region, tuple(chunks))
+        if same in made:
+            tensors[key] = made[same]
+            continue
+        if any((chunk.file, chunk.blob_offset) in blobs for chunk in chunks):
+            later[key] = asked
+            continue
+        tensor = made[same] = tensors[key] = _fresh(region.sizes, spec.dtype)
+        view = byte_view(tensor)
+        for chunk in chunks:
+            box = overlap(chunk.region, region)
+            if box is None:
+                continue
+            src, dst, length = runs(box, chunk.region, region, spec.dtype.itemsize)
+            wanted_here = by_file.setdefault(chunk.file, [])
+            for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+                wanted_here.append((chunk.data_offset + s, view[d : d + length]))
+            if (chunk.file, chunk.blob_offset) not in blobs:
+                blobs[(chunk.file, chunk.blob_offset)] = _framing_views(key, chunk, spec.dtype, wanted_here)
     jobs = [
-        partial(_read_file, store, location, name, manifest, sorted(wanted, key=lambda w: w[0]), verify)
-        for name, wanted in by_file.items()
+        partial(read_file, store, location, name, manifest, sorted(found, key=lambda w: w[0]), verify)
+        for name, found in by_file.items()
     ]
-    return tensors, sum(run_all(io, jobs))
+    cpu = sum(run_all(io, jobs))
+    _check_framing(store, location, manifest, blobs.values(), tensors, wanted, verify)
+    if later:
+        more, more_cpu = read_tensors(store, io, location, manifest, later, verify=verify)
+        tensors.update(more)
+        cpu += more_cpu
+    return tensors, cpu
+
+
+def _read_foreign(
+    store: Readable, location: str, manifest: Manifest, wanted: Mapping[str, Region | None]
+) -> dict[str, torch.Tensor]:
+    """A plain DCP checkpoint's tensors: each chunk's blob loaded with weights only, the part of
+    it the region needs copied out (no checksums exist to verify)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for key, asked in wanted.items():
+        spec = manifest.specs[key]
+        region = asked or Region.whole(spec.shape)
+        tensor = tensors[key] = _fresh(region.sizes, spec.dtype)
+        for chunk in manifest.items[key]:
+            box = overlap(chunk.region, region)
+            if box is not None:
+                loaded = _load_chunk(
+                    store, location, manifest, _Blob(key, chunk, bytearray(), bytearray()), False
+                )
+                tensor[_slices(box, region)] = loaded[_slices(box, chunk.region)]
+    return tensors
+
+
+def _fresh(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor to read into, refused unless its storage holds every byte read into it."""
+    tensor = torch.empty(shape, dtype=dtype)
+    if tensor.untyped_storage().nbytes() < tensor.numel() * dtype.itemsize:
+        raise CheckpointError(f"dtype {dtype} stores fewer bytes than it reports; nbckpt never writes it")
+    return tensor
+
+
+def _framing_views(key: str, chunk: Chunk, dtype: torch.dtype, wanted: list[tuple[int, memoryview]]) -> _Blob:
+    """Ask for the bytes of ``chunk``'s blob around its data, to compare with its framing."""
+    nbytes = math.prod(chunk.sizes) * dtype.itemsize
+    header = bytearray(chunk.data_offset - chunk.blob_offset)
+    trailer = bytearray(chunk.blob_offset + chunk.blob_length - chunk.data_offset - nbytes)
+    wanted.append((chunk.blob_offset, memoryview(header)))
+    wanted.append((chunk.data_offset + nbytes, memoryview(trailer)))
+    return _Blob(key, chunk, header, trailer)
+
+
+def _check_framing(
+    store: Readable,
+    location: str,
+    manifest: Manifest,
+    blobs: Iterable[_Blob],
+    tensors: Mapping[str, torch.Tensor],
+    wanted: Mapping[str, Region | None],
+    verify: bool,
+) -> None:
+    """Every chunk read must read the same through ``torch.load``: its framing is the one this
+    torch writes, or else the whole blob, loaded with weights only, holds the bytes just read
+    (a checkpoint of another torch version frames its blobs its own way)."""
+    for blob in blobs:
+        spec = manifest.specs[blob.key]
+        if blob.framed(spec.dtype):
+            continue
+        region = wanted[blob.key] or Region.whole(spec.shape)
+        box = overlap(blob.chunk.region, region)
+        assert box is not None  # only chunks that overlap are read
+        loaded = _load_chunk(store, location, manifest, blob, verify)
+        if not torch.equal(
+            _bits(loaded[_slices(box, blob.chunk.region)]), _bits(tensors[blob.key][_slices(box, region)])
+        ):
+            raise CheckpointError(
+                f"{step_file_label(location, blob.chunk.file)}: tensor {blob.key!r} reads "
+                "differently through torch.load (its blob's framing was changed)"
+            )
+
+
+def _load_chunk(
+    store: Readable, location: str, manifest: Manifest, blob: _Blob, verify: bool
+) -> torch.Tensor:
+    """A chunk's blob as a plain ``torch.load`` (weights only) reads it, checked to be that chunk."""
+    chunk, spec = blob.chunk, manifest.specs[blob.key]
+    data = torch.empty(chunk.blob_length, dtype=torch.uint8)
+    read_file(store, location, chunk.file, manifest, [(chunk.blob_offset, byte_view(data))], verify)
+    what = f"{step_file_label(location, chunk.file)}: the blob of tensor {blob.key!r}"
+    loaded = load_blob(bytes(byte_view(data)), what)
+    if (
+        not isinstance(loaded, torch.Tensor)
+        or loaded.dtype != spec.dtype
+        or tuple(loaded.shape) != chunk.sizes
+    ):
+        found = (
+            f"{loaded.dtype} {tuple(loaded.shape)}"
+            if isinstance(loaded, torch.Tensor)
+            else type(loaded).__name__
+        )
+        raise CheckpointError(f"{what} holds {found}, the manifest says {spec.dtype} {chunk.sizes}")
+    return loaded
+
+
+def verify_framing(store: Readable, io: Pool, location: str, manifest: Manifest) -> None:
+    """Check the framing of every chunk of the step (a plain ``torch.load`` of each blob gives
+    exactly the chunk's bytes): the bytes around each chunk's data, and the whole blob where
+    they are not this torch's."""
+    if manifest.foreign:  # no framing of nbckpt's: every blob must load as its chunk
+        for key, chunks in manifest.items.items():
+            for chunk in chunks:
+                _load_chunk(store, location, manifest, _Blob(key, chunk, bytearray(), bytearray()), False)
+        return
+    by_file: dict[str, list[tuple[int, memoryview]]] = {}
+    blobs: dict[tuple[str, int], _Blob] = {}
+    for key, chunks in manifest.items.items():
+        for chunk in chunks:
+            if (chunk.file, chunk.blob_offset) not in blobs:
+                blobs[(chunk.file, chunk.blob_offset)] = _framing_views(
+                    key, chunk, manifest.specs[key].dtype, by_file.setdefault(chunk.file, [])
+                )
+    jobs = [
+        partial(read_file, store, location, name, manifest, sorted(found, key=lambda w: w[0]), True)
+        for name, found in by_file.items()
+    ]
+    run_all(io, jobs)
+    for blob in blobs.values():
+        spec = manifest.specs[blob.key]
+        if blob.framed(spec.dtype):
+            continue
+        loaded = _load_chunk(store, location, manifest, blob, True)
+        chunk = blob.chunk
+        data = torch.empty(math.prod(chunk.sizes) * spec.dtype.itemsize, dtype=torch.uint8)
+        read_file(store, location, chunk.file, manifest, [(chunk.data_offset, byte_view(data))], True)
+        if not torch.equal(_bits(loaded), data):
+            raise CheckpointError(
+                f"{step_file_label(location, chunk.file)}: tensor {blob.key!r} reads "
+                "differently through torch.load (its blob's framing was changed)"
+            )
+
+
+def _slices(box: Region, within: Region) -> tuple[slice, ...]:
+    return tuple(
+        slice(o - w, o - w + n) for o, n, w in zip(box.offsets, box.sizes, within.offsets, strict=True)
+    )
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a tensor, to compare bit for bit (NaN equals itself, -0.0 is not 0.0)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def verify_files(
@@ -141,7 +336,7 @@ def verify_files(
 ) -> float:
     """Check the size and every block of each file (all of them by default)."""
     jobs = [
-        (lambda name=name: _read_file(store, location, name, manifest, [], True, whole=True))
+        (lambda name=name: read_file(store, location, name, manifest, [], True, whole=True))
         for name in (manifest.files if names is None else names)
     ]
     return float(sum(run_all(io, jobs)))
@@ -152,82 +347,5 @@ def read_metadata(store: Readable, location: str, manifest: Manifest) -> bytes:
     size = manifest.files[METADATA_FILE]["size"]
     data = torch.empty(size, dtype=torch.uint8)
     if size:
-        _read_file(store, location, METADATA_FILE, manifest, [(0, byte_view(data))], True)
+        read_file(store, location, METADATA_FILE, manifest, [(0, byte_view(data))], True)
     return bytes(byte_view(data))
-
-
-# Everything DCP's .metadata legitimately pickles; any other global is refused.
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "StorageMeta",
-        "MetadataIndex",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    STORAGE_INFO_GLOBAL,
-    ("torch.distributed.checkpoint.planner", "WriteItemType"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("torch", "strided"),
-    ("torch", "device"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load global {module}.{name}")
-
-
-def check_dcp_metadata(data: bytes, manifest: Manifest, where: str) -> None:
-    """Refuse DCP metadata that a plain ``dcp.load`` would be misled (or attacked) by.
-
-    nbckpt itself never reads tensors through it; it is checked because the checkpoint is
-    promised to load with plain PyTorch: only DCP's own classes unpickle, every entry is a
-    tensor the manifest lists, with the same dtype and shape, stored in a data file the
-    manifest lists, inside that file, around the bytes the manifest says are the tensor's.
-    """
-    import io
-
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:
-        raise CheckpointError(f"{where}: unsafe or unreadable DCP metadata ({exc})") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CheckpointError(f"{where}: DCP metadata is a {type(metadata).__name__}")
-    specs = manifest.specs
-    for key, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"{where}: entry {key!r} is not a tensor; refusing to unpickle it")
-        spec = specs.get(key)
-        if spec is None or tuple(entry.size) != spec.shape or entry.properties.dtype != spec.dtype:
-            raise CheckpointError(f"{where}: entry {key!r} does not match the manifest")
-    for index, info in metadata.storage_data.items():
-        spec = specs.get(index.fqn) if isinstance(index, MetadataIndex) else None
-        name = getattr(info, "relative_path", None)
-        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if spec is None or not isinstance(name, str) or name == METADATA_FILE or name not in manifest.files:
-            raise CheckpointError(
-                f"{where}: a storage entry names a file the manifest does not list: {name!r}"
-            )
-        item_file, item_offset = manifest.items[index.fqn]
-        if not (
-            isinstance(offset, int)
-            and isinstance(length, int)
-            and offset >= 0
-            and item_file == name
-            and offset <= item_offset
-            and item_offset + spec.nbytes <= offset + length <= manifest.files[name]["size"]
-        ):
-            raise CheckpointError(f"{where}: the storage entry of {index.fqn!r} is outside its data")

@@ -17,16 +17,20 @@ import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from . import _rng
+from ._agree import check_dcp_metadata, check_values
+from ._interrupts import deferred_interrupt
 from ._layout import METADATA_FILE
 from ._manifest import Manifest
 from ._ranks import Group
-from ._reader import Readable, check_dcp_metadata, read_manifest, read_metadata, read_tensors, verify_files
-from ._state import align, apply, check_template, decode, node_tensors, tree_specs
+from ._reader import Readable, read_manifest, read_metadata, read_tensors, verify_files, verify_framing
+from ._shards import Region, wrap_like
+from ._state import decode, node_tensors, tree_specs
 from ._store import MANIFEST, step_name
+from ._template import align, apply, check_loadable, check_template, sharded_targets
 from ._timeline import Timeline, now_ns
 from ._workers import Pool
 
-__all__ = ["Restorer", "check_step"]
+__all__ = ["Restorer", "check_step", "check_step_files"]
 
 
 def check_step(step: Any) -> int:
@@ -52,7 +56,7 @@ class Restorer:
     def find(self, step: int) -> tuple[Readable, str]:
         """The store and location of committed ``step`` (the first store that has it)."""
         for store in self.stores:
-            location = store.committed_at(step)
+            location = store.committed_at(step) or store.foreign().get(step)
             if location is not None:
                 return store, location
         have = ", ".join(map(str, self.store.committed())) or "none"
@@ -66,10 +70,9 @@ class Restorer:
     def verify(self, step: int) -> dict[str, Any]:
         store, location = self.find(step)
         manifest = read_manifest(store, step, location)[0]
-        check_dcp_metadata(
-            read_metadata(store, location, manifest), manifest, f"{step_name(step)}/{METADATA_FILE}"
-        )
-        verify_files(store, self.io, location, manifest)
+        verify_files(store, self.io, location, manifest, [] if manifest.foreign else None)
+        check_step_files(store, self.io, location, manifest, True)
+        verify_framing(store, self.io, location, manifest)
         return manifest.body
 
     def restore(
@@ -92,7 +95,7 @@ class Restorer:
             store = self.stores[index]
             began = now_ns()
             try:
-                tensors, saved, rng_record = self._read_for(
+                tensors, saved, streams = self._read_for(
                     state, candidate, store, location, verify, rng, attempt, strict, key_map
                 )
             except CheckpointError as exc:
@@ -105,11 +108,12 @@ class Restorer:
                     stacklevel=4,  # the caller of Checkpointer.restore
                 )
                 continue
-            self.group.exchange(
-                ("apply", candidate, attempt), partial(_apply, state, saved, tensors, candidate)
-            )
-            if rng_record is not None:
-                _rng.restore(rng_record)
+            with deferred_interrupt():  # a Ctrl-C now would leave the state half loaded
+                self.group.exchange(
+                    ("apply", candidate, attempt), partial(_apply, state, saved, tensors, candidate)
+                )
+                if streams is not None:
+                    streams()
             self.last_source = index
             self.timeline.record(
                 "restore", began, step=candidate, nbytes=sum(t.nbytes for t in tensors.values())
@@ -121,9 +125,9 @@ class Restorer:
         found: list[tuple[int, int, str]] = []
         for index, store in enumerate(self.stores):
             if step is None:
-                listed = list(store.committed().items())
+                listed = list({**store.foreign(), **store.committed()}.items())
             else:  # one check per store, not a listing
-                location = store.committed_at(step)
+                location = store.committed_at(step) or store.foreign().get(step)
                 listed = [] if location is None else [(step, location)]
             found.extend((s, index, where) for s, where in listed if (s, index) not in tried)
         return sorted(found, key=lambda c: (-c[0], c[1]))
@@ -148,8 +152,12 @@ class Restorer:
         attempt: int,
         strict: bool,
         key_map: Callable[[str], str | None] | None,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], Any]:
-        """This rank's part of a restore, agreed by all: the caller's mistakes first, then damage."""
+    ) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None] | None]:
+        """This rank's part of a restore, agreed by all: the caller's mistakes first, then damage.
+
+        Returns the tensors to load (DTensors where the caller's state holds DTensors), the
+        saved tree, and the RNG streams to set (None: none of this rank's are in the step).
+        """
         box: list[Any] = []
 
         def check() -> str:
@@ -160,29 +168,33 @@ class Restorer:
                 left = [repr(key) for key, _ in saved["items"] if key not in state]
                 if left:
                     problems.append(f"strict: the state does not name the saved {', '.join(left)}")
-            if problems:
-                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                raise ConfigError(f"cannot restore {step_name(step)} into this state: {problems[0]}{more}")
-            box.append((manifest, saved))
+            _refuse(problems, step)
+            box.append((manifest, saved, sharded_targets(state, saved)))
             return manifest.checksum
 
         checksums = self.group.exchange(("check", step, attempt), check)
         if len(set(checksums)) > 1:
             raise CheckpointError(f"{step_name(step)}/{MANIFEST} reads differently on different ranks")
-        manifest, saved = box[0]
+        manifest, saved, targets = box[0]
 
         def read() -> None:
             subtree = {"t": "dict", "items": [[k, n] for k, n in saved["items"] if k in state]}
-            keys = [leaf["key"] for leaf in node_tensors(subtree)]
-            if verify and self.rank == 0:
-                # Its checksums, not its contents: restore never reads tensors through DCP's
-                # metadata; whether a plain dcp.load could be misled by it is verify()'s question.
-                verify_files(store, self.io, location, manifest, [METADATA_FILE])
-            tensors, _ = read_tensors(store, self.io, location, manifest, keys, verify=verify)
-            box.append(tensors)
+            if self.rank == 0:
+                check_step_files(store, self.io, location, manifest, verify)
+            wanted = {
+                leaf["key"]: (_region(targets[leaf["key"]]) if leaf["key"] in targets else None)
+                for leaf in node_tensors(subtree)
+            }
+            tensors, _ = read_tensors(store, self.io, location, manifest, wanted, verify=verify)
+            for key, like in targets.items():
+                if key in tensors:
+                    tensors[key] = wrap_like(tensors[key], like)
+            box.append((tensors, _owned_rng(manifest, self.rank, step) if rng else None))
 
         self.group.exchange(("read", step, attempt), read)
-        return box[1], saved, manifest.rng(self.rank) if rng else None
+        tensors, streams = box[1]
+        _refuse(check_loadable(state, saved, tensors), step)
+        return tensors, saved, streams
 
     def load(self, step: int, *, verify: bool, map_location: str | torch.device | None) -> dict[str, Any]:
         store, location = self.find(step)
@@ -195,15 +207,60 @@ class Restorer:
                 for key, s in tree_specs(saved).items()
             }
             return dict(decode(saved, tensors))
-        keys = [leaf["key"] for leaf in node_tensors(saved)]
-        tensors, _ = read_tensors(store, self.io, location, manifest, keys, verify=verify)
+        check_step_files(store, self.io, location, manifest, verify)
+        wanted: dict[str, Region | None] = {leaf["key"]: None for leaf in node_tensors(saved)}
+        tensors, _ = read_tensors(store, self.io, location, manifest, wanted, verify=verify)
         if map_location is not None:
             tensors = {k: t.to(map_location) for k, t in tensors.items()}
         value: dict[str, Any] = decode(saved, tensors)
         return value
 
 
-def _apply(state: dict[str, Any], saved: dict[str, Any], tensors: dict[str, torch.Tensor], step: int) -> None:
+def check_step_files(store: Readable, io: Pool, location: str, manifest: Manifest, verify: bool) -> None:
+    """What a restore checks of a step beyond the tensors it reads: that the DCP metadata says
+    exactly what the manifest says, and the plain values' byte items hold the manifest's values
+    (both readers of a checkpoint, nbckpt and a plain ``dcp.load``, must agree on every byte)."""
+    if manifest.foreign:  # its .metadata is what it was read from; there is nothing to compare
+        return
+    name = f"{step_name(manifest.step)}/{METADATA_FILE}"
+    spans = check_dcp_metadata(read_metadata(store, location, manifest), manifest, name)
+    check_values(store, location, manifest, spans)
+
+
+def _refuse(problems: list[str], step: int) -> None:
+    if problems:
+        more = (
+            f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
+            if len(problems) > 1
+            else ""
+        )
+        raise ConfigError(f"cannot restore {step_name(step)} into this state: {problems[0]}{more}")
+
+
+def _region(like: Any) -> Region:
+    """The part of the whole tensor a DTensor of the caller's state holds."""
+    chunk = like.__create_chunk_list__()[0]
+    return Region(tuple(int(n) for n in chunk.offsets), tuple(int(n) for n in chunk.sizes))
+
+
+def _owned_rng(manifest: Manifest, rank: int, step: int) -> Callable[[], None] | None:
+    """The RNG streams this process saved in ``step``, parsed (so a malformed record fails the
+    read, before anything is changed); None, with a warning, when another process saved them."""
+    record = manifest.rng(rank)
+    if record is None:
+        return None
+    owner, me = _rng.owner(record, rank), _rng.process()
+    if owner[0] != me[0]:
+        warnings.warn(
+            f"nbckpt: {step_name(step)} holds the RNG streams of rank {owner[0]}; rank {me[0]} keeps "
+            "its own (to resume every rank's streams, every rank saves: ranks='all')",
+            stacklevel=6,  # the caller of Checkpointer.restore
+        )
+        return None
+    return _rng.parse(record)
+
+
+def _apply(state: dict[str, Any], saved: dict[str, Any], tensors: dict[str, Any], step: int) -> None:
     try:
         apply(state, saved, tensors)
     except (ValueError, RuntimeError, KeyError, TypeError) as exc:  # e.g. an optimizer's groups

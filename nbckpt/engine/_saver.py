@@ -27,14 +27,16 @@ from . import _faults, _rng
 from ._config import CheckpointConfig
 from ._files import FileResult, write_image
 from ._handles import SaveHandle, SaveRecord
-from ._layout import METADATA_FILE, Layout, plan
+from ._layout import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._manifest import build
 from ._provenance import provenance
 from ._ranks import RankInfo
+from ._shards import fingerprints
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten
 from ._store import Store, step_name
 from ._timeline import Timeline, now_ns
+from ._values import with_values
 from ._workers import Pool, Worker, run_all
 
 __all__ = ["Saver"]
@@ -161,28 +163,31 @@ class Saver:
     def _plan(self, state: Mapping[str, Any], step: int, seq: int) -> tuple[Flattened, Layout]:
         """Flatten and agree across ranks, then the file layout (cached per structure)."""
         box: list[Flattened] = []
+        several = self.ranks.world_size > 1
 
-        def local() -> tuple[Any, ...]:
+        def local() -> tuple[RankPlan, dict[str, str]]:
             flat = flatten(state)
             box.append(flat)
-            return tuple(flat.specs)
+            plain = {s.key: flat.tensors[s.key] for s in flat.specs if not s.sharded} if several else {}
+            return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items()))), fingerprints(plain)
 
-        signatures = self.ranks.caller.exchange(("save", step, seq), local)
+        everyone = self.ranks.caller.exchange(("save", step, seq), local)
         flat = box[0]
-        key = tuple(signatures)
-        layout = self._layouts.get(key)
+        plans = tuple(plan_ for plan_, _ in everyone)
+        layout = self._layouts.get(plans)
         if layout is None:
             paths = flat.paths
-            if self.ranks.world_size > 1:
-                everyone = self.ranks.caller.exchange(("plan", step, seq), lambda: flat.paths)
-                paths = {k: v for rank_paths in everyone for k, v in rank_paths.items()}
+            if several:
+                gathered = self.ranks.caller.exchange(("plan", step, seq), lambda: flat.paths)
+                paths = {k: v for rank_paths in gathered for k, v in rank_paths.items()}
             try:
-                layout = plan(signatures, paths, self.config.writer_threads)
+                layout = plan(plans, paths, self.config.writer_threads)
             except CheckpointError as exc:
                 raise ConfigError(str(exc)) from None
             if len(self._layouts) >= _LAYOUTS_KEPT:
                 self._layouts.pop(next(iter(self._layouts)))
-            self._layouts[key] = layout
+            self._layouts[plans] = layout
+        _check_replicas(layout.shared, [prints for _, prints in everyone])
         return flat, layout
 
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
@@ -373,7 +378,12 @@ class Saver:
             for name, image in slot.images.items()
         ]
         if self.ranks.rank == 0:
-            jobs.append(partial(self._write_one, location, METADATA_FILE, memoryview(layout.metadata), fsync))
+            # Rank 0's plain values go to one more file of its own, as DCP byte items.
+            name = data_file(0, len(layout.files.get(0, ())))
+            values, metadata = with_values(layout, tree, name)
+            if values:
+                jobs.append(partial(self._write_one, location, name, memoryview(values), fsync))
+            jobs.append(partial(self._write_one, location, METADATA_FILE, memoryview(metadata), fsync))
         # All of them finish, even after a failure: nothing may write into a removed location.
         results = {result.name: result for result in run_all(self.io, jobs)}
         _faults.hit("after_data")
@@ -423,6 +433,23 @@ class Saver:
             _log.warning("nbckpt: retention failed: %s", describe_error(exc))
         finally:
             done.set_result(None)
+
+
+def _check_replicas(shared: frozenset[str], prints: list[dict[str, str]]) -> None:
+    """A plain tensor under one key on several ranks is written once, so its copies must agree:
+    the same ConfigError on every rank (they all see every fingerprint) when they do not."""
+    for key in sorted(shared):
+        seen = {rank: found[key] for rank, found in enumerate(prints) if key in found}
+        if len(set(seen.values())) > 1:
+            groups: dict[str, list[int]] = {}
+            for rank, value in seen.items():
+                groups.setdefault(value, []).append(rank)
+            ranks = " vs ".join("rank " + ", ".join(map(str, g)) for g in groups.values())
+            raise ConfigError(
+                f"{key!r} is a plain tensor with different values on different ranks ({ranks}); "
+                "a plain tensor under one key is replicated and written once. Give each rank's "
+                f"its own key (e.g. f'{key}.rank{{rank}}'), or make it a DTensor"
+            )
 
 
 def _cuda() -> bool:

@@ -3,7 +3,8 @@ JSON tree that references them by key, and back.
 
 Tensors are written as DCP items under dotted keys (DCP's own naming, so a plain
 ``dcp.load`` finds them); everything else lives in the manifest as JSON, so restoring
-never unpickles anything.
+never unpickles anything. A DTensor is its local shard, recorded as a chunk of the whole
+tensor; two keys naming one tensor (tied weights) are one tensor with two names.
 """
 
 from __future__ import annotations
@@ -12,21 +13,19 @@ import argparse
 import functools
 import math
 import pathlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from .._errors import CheckpointError, ConfigError
+from ._shards import Region, is_dtensor, local_part
 
 __all__ = [
     "MAX_DEPTH",
     "Flattened",
     "TensorSpec",
-    "align",
-    "apply",
-    "check_template",
     "decode",
     "dtype_from_name",
     "dtype_name",
@@ -38,21 +37,46 @@ __all__ = [
 Node = dict[str, Any]
 #: Deepest nesting of a state: far beyond any real one, far below Python's recursion limit.
 MAX_DEPTH = 64
-_STATEFUL = ("module", "optimizer", "stateful")
+STATEFUL = ("module", "optimizer", "stateful")
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: Dtypes whose storage is not ``itemsize`` bytes an element (``torch.empty(n, dtype=quint4x2)``
+#: holds n/2 bytes): no buffer sized by ``nbytes`` may ever be made for one read from a file.
+_UNSTORABLE = frozenset(
+    getattr(torch, name)
+    for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    if hasattr(torch, name)
+)
 
 
 class TensorSpec(NamedTuple):
-    """What a staging slot and a file layout need to know of one tensor (a tuple: cheap to make,
-    hash and compare, which plan caching does for every tensor of every save)."""
+    """What a staging slot and a file layout need to know of the bytes of one tensor a rank holds
+    (a tuple: cheap to make, hash and compare, which plan caching does for every save)."""
 
     key: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    """The bytes this rank holds: the whole tensor, or a DTensor's local chunk."""
+    offsets: tuple[int, ...] | None = None
+    """Where that chunk starts in the whole tensor; None for a plain tensor (all of it)."""
+    size: tuple[int, ...] | None = None
+    """The whole tensor's shape; None for a plain tensor (``shape``)."""
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def sharded(self) -> bool:
+        return self.offsets is not None
+
+    @property
+    def chunk(self) -> Region:
+        """The part of the whole tensor these bytes are."""
+        return Region(self.offsets if self.offsets is not None else (0,) * len(self.shape), self.shape)
+
+    @property
+    def whole(self) -> tuple[int, ...]:
+        return self.size if self.size is not None else self.shape
 
 
 @dataclass
@@ -61,10 +85,13 @@ class Flattened:
 
     tree: Node
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Each key's tensor as this rank holds it (a DTensor's local shard)."""
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
     """Each tensor's path of keys in the state (DCP's planner data: how to nest it again)."""
     specs: list[TensorSpec] = field(default_factory=list)
-    """Each tensor's key, dtype and shape, in the state's order: what a file layout depends on."""
+    """Each tensor's key, dtype and chunk, in the state's order: what a file layout depends on."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Keys whose tensor is one an earlier key names (tied weights): key -> that earlier key."""
     nbytes: int = 0
 
 
@@ -77,6 +104,8 @@ def dtype_from_name(name: Any) -> torch.dtype:
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"manifest names an unknown dtype {name!r}")
+    if dtype in _UNSTORABLE:
+        raise CheckpointError(f"manifest names dtype {name!r}, which nbckpt never writes")
     return dtype
 
 
@@ -93,6 +122,7 @@ class _Encoder:
     def __init__(self, out: Flattened) -> None:
         self.out = out
         self.active: set[int] = set()  # containers on the current path: a cycle is refused
+        self.seen: dict[tuple[Any, ...], str] = {}  # each tensor's identity: the first key naming it
 
     def encode(self, value: Any, path: tuple[str | int, ...]) -> Node:
         where = ".".join(map(str, path)) or "state"
@@ -101,7 +131,7 @@ class _Encoder:
         if isinstance(value, torch.Tensor):
             return self.tensor(value, path, "tensor")
         if _is_ndarray(value):
-            return self.tensor(torch.from_numpy(value), path, "ndarray")
+            return self.tensor(_from_numpy(value, where), path, "ndarray")
         if value is None or isinstance(value, (bool, int, str)):
             return {"t": "value", "v": value}
         if isinstance(value, float):
@@ -158,37 +188,74 @@ class _Encoder:
 
     def tensor(self, tensor: torch.Tensor, path: tuple[str | int, ...], kind: str) -> Node:
         key = ".".join(map(str, path))
-        # the common case (a plain tensor or parameter) skips the name check
-        if type(tensor) not in _PLAIN_TENSORS and type(tensor).__name__ in ("DTensor", "ShardedTensor"):
-            raise ConfigError(
-                f"{key} is a {type(tensor).__name__}; nbckpt saves each rank's local tensors "
-                "(use tensor.to_local(), or torch.distributed.checkpoint for resharding)"
-            )
-        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta:
-            raise ConfigError(f"{key} is not a dense tensor with data; nbckpt saves dense tensors only")
+        chunk: Region | None = None
+        whole: tuple[int, ...] | None = None
+        # the common case (a plain tensor or parameter) skips the subclass checks
+        if type(tensor) not in _PLAIN_TENSORS:
+            if is_dtensor(tensor):
+                whole = tuple(tensor.shape)
+                tensor, chunk = local_part(tensor, key)
+            elif type(tensor).__name__ == "ShardedTensor":
+                raise ConfigError(
+                    f"{key} is a ShardedTensor (FSDP1's sharded state dict); save FSDP2/DTensor "
+                    "state (get_state_dict) or a full state dict"
+                )
+        _check_dense(tensor, key)
         if key in self.out.tensors:
             raise ConfigError(f"two tensors flatten to the same key {key!r}; rename one")
-        spec = TensorSpec(key, tensor.dtype, tuple(tensor.shape))
+        shape = tuple(tensor.shape)
+        spec = TensorSpec(key, tensor.dtype, shape, None if chunk is None else chunk.offsets, whole)
         self.out.tensors[key] = tensor.detach()
         self.out.paths[key] = path
-        self.out.specs.append(spec)
-        self.out.nbytes += spec.nbytes
+        first = self.seen.setdefault(_identity(tensor, spec), key) if tensor.numel() else key
+        if first != key:
+            self.out.aliases[key] = first  # staged and written once, under the first key
+        else:
+            self.out.specs.append(spec)
+            self.out.nbytes += spec.nbytes
         return {
             "t": kind,
             "key": key,
             "dtype": dtype_name(tensor.dtype),
-            "shape": list(spec.shape),
+            "shape": list(spec.whole),
             "device": tensor.device.type,
         }
+
+
+def _check_dense(tensor: torch.Tensor, key: str) -> None:
+    if tensor.is_nested:
+        raise ConfigError(f"{key} is a nested tensor; nbckpt saves dense tensors (save its .unbind() parts)")
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_meta or tensor.dtype in _UNSTORABLE:
+        raise ConfigError(f"{key} is not a dense tensor with data; nbckpt saves dense tensors only")
+
+
+def _identity(tensor: torch.Tensor, spec: TensorSpec) -> tuple[Any, ...]:
+    """What makes two tensors one: the same bytes, seen the same way (tied weights)."""
+    return (tensor.device, tensor.data_ptr(), tensor.stride(), spec[1:])
 
 
 def _is_ndarray(value: Any) -> bool:
     return type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
 
 
+def _from_numpy(array: Any, where: str) -> torch.Tensor:
+    """A numpy array as a tensor: a view where torch can share it, a native-order copy otherwise."""
+    import numpy as np
+
+    if array.dtype.fields is not None or array.dtype.kind not in "biufc":
+        raise ConfigError(f"{where} is a numpy array of dtype {array.dtype}, which has no torch dtype")
+    if array.dtype == np.longdouble and np.dtype(np.longdouble).itemsize > 8:
+        raise ConfigError(f"{where} is a numpy array of dtype {array.dtype}, which has no torch dtype")
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    if any(stride < 0 for stride in array.strides):
+        array = np.ascontiguousarray(array)
+    return torch.from_numpy(array)
+
+
 def _children(node: Node) -> Iterator[Node]:
     kind = node.get("t")
-    if kind in _STATEFUL:
+    if kind in STATEFUL:
         yield node["state"]
     elif kind in ("dict", "namespace"):
         for _, child in node["items"]:
@@ -209,7 +276,7 @@ def node_tensors(node: Node) -> Iterator[Node]:
 
 
 def tree_specs(node: Node) -> dict[str, TensorSpec]:
-    """Every tensor the tree references: key to spec."""
+    """Every tensor the tree references: key to the spec of the whole tensor."""
     specs = {}
     for leaf in node_tensors(node):
         shape = tuple(int(n) for n in leaf["shape"])
@@ -217,7 +284,7 @@ def tree_specs(node: Node) -> dict[str, TensorSpec]:
     return specs
 
 
-def decode(node: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
+def decode(node: Node, tensors: Mapping[str, Any]) -> Any:
     """The Python value a node stands for (modules, optimizers, stateful objects as state dicts)."""
     kind = node.get("t")
     if kind == "tensor":
@@ -225,7 +292,7 @@ def decode(node: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
     if kind == "ndarray":
         array = tensors[node["key"]]
         return array if array.is_meta else array.numpy()  # a peek on meta has no data to give
-    if kind in _STATEFUL:
+    if kind in STATEFUL:
         return decode(node["state"], tensors)
     if kind == "dict":
         return {key: decode(child, tensors) for key, child in node["items"]}
@@ -246,161 +313,3 @@ def decode(node: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
     if kind == "device":
         return torch.device(node["v"])
     raise CheckpointError(f"manifest tree has an unknown node type {kind!r}")
-
-
-def _shape(shape: Any) -> str:
-    return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
-def check_template(template: Mapping[Any, Any], saved: Node, where: str) -> list[str]:
-    """What the caller's ``template`` asks that the saved tree cannot give: one line each.
-
-    Called before a byte is read, so a wrong key, shape or dtype is the caller's mistake
-    (a ConfigError) and never mistaken for a damaged checkpoint.
-    """
-    problems: list[str] = []
-    saved_items = {key: child for key, child in saved.get("items", [])}
-    for key, current in template.items():
-        name = f"{where}{key}"
-        node = saved_items.get(key)
-        if node is None:
-            have = ", ".join(repr(k) for k in saved_items) or "nothing"
-            problems.append(f"the checkpoint has no entry {name!r} (it has {have})")
-            continue
-        problems.extend(_check_one(current, node, name))
-    return problems
-
-
-def _check_one(current: Any, node: Node, name: str) -> list[str]:
-    kind = node.get("t")
-    if isinstance(current, torch.nn.Module):
-        if kind not in ("module", "dict"):  # a saved state dict loads into a module too
-            return [f"{name} is a module, the checkpoint holds a {kind}"]
-        return _check_module(current, node["state"] if kind == "module" else node, name)
-    if isinstance(current, torch.Tensor):
-        if kind != "tensor":
-            return [f"{name} is a tensor, the checkpoint holds a {kind}"]
-        saved_shape, saved_dtype = tuple(node["shape"]), dtype_from_name(node["dtype"])
-        if tuple(current.shape) != saved_shape or current.dtype != saved_dtype:
-            return [
-                f"{name}: the checkpoint has {dtype_name(saved_dtype)} {_shape(saved_shape)}, "
-                f"the target is {dtype_name(current.dtype)} {_shape(current.shape)}"
-            ]
-        return []
-    if isinstance(current, torch.optim.Optimizer) and kind != "optimizer":
-        return [f"{name} is an optimizer, the checkpoint holds a {kind}"]
-    if isinstance(current, dict) and kind == "dict":
-        return check_template(current, node, f"{name}.")
-    return []
-
-
-def _check_module(module: torch.nn.Module, saved: Node, name: str) -> list[str]:
-    wanted = {key: (t.dtype, tuple(t.shape)) for key, t in module.state_dict().items()}
-    if saved.get("t") != "dict":
-        return [f"{name}: the checkpoint's module state is not a dict"]
-    have = {key: child for key, child in saved["items"]}
-    problems = []
-    missing = [key for key in wanted if key not in have]
-    unexpected = [key for key in have if key not in wanted]
-    if missing:
-        problems.append(
-            f"{name}: the checkpoint lacks {', '.join(missing[:5])}"
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        )
-    if unexpected:
-        problems.append(
-            f"{name}: the checkpoint has keys the module lacks: "
-            f"{', '.join(map(str, unexpected[:5]))}"
-            + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
-        )
-    for key, (_, shape) in wanted.items():
-        child = have.get(key)
-        if child is not None and child.get("t") == "tensor" and tuple(child["shape"]) != shape:
-            problems.append(
-                f"{name}.{key}: the checkpoint has shape {_shape(child['shape'])}, "
-                f"the module has {_shape(shape)}"
-            )
-    return problems
-
-
-_COMPILED = "_orig_mod."  # torch.compile's prefix on the keys of a compiled module
-
-
-def align(template: Mapping[Any, Any], saved: Node, key_map: Callable[[str], str | None] | None) -> Node:
-    """The saved tree with each module's keys as the template's module names them.
-
-    With ``key_map``, every key of a saved module's state dict is mapped through it (None
-    drops the key); without, torch.compile's ``_orig_mod.`` prefix is added or removed where
-    that, and only that, makes the keys match (a compiled model's checkpoint loads into a
-    plain one and back).
-    """
-    items = []
-    for key, node in saved["items"]:
-        current = template.get(key)
-        if (
-            isinstance(current, torch.nn.Module)
-            and node.get("t") == "module"
-            and node["state"].get("t") == "dict"
-        ):
-            node = {
-                **node,
-                "state": {**node["state"], "items": _renamed(current, node["state"]["items"], key_map)},
-            }
-        elif isinstance(current, torch.nn.Module) and node.get("t") == "dict":
-            node = {**node, "items": _renamed(current, node["items"], key_map)}
-        items.append([key, node])
-    return {**saved, "items": items}
-
-
-def _renamed(
-    module: torch.nn.Module, pairs: list[list[Any]], key_map: Callable[[str], str | None] | None
-) -> list[list[Any]]:
-    if key_map is not None:
-        return [[new, child] for key, child in pairs if (new := key_map(str(key))) is not None]
-    wanted = set(module.state_dict())
-    have = [str(key) for key, _ in pairs]
-    if set(have) == wanted:
-        return pairs
-    renames: list[Callable[[str], str]] = [_uncompiled, _compiled]
-    for rename in renames:
-        if {rename(k) for k in have} == wanted:
-            return [[rename(str(key)), child] for key, child in pairs]
-    return pairs
-
-
-def _uncompiled(key: str) -> str:
-    return key.removeprefix(_COMPILED)
-
-
-def _compiled(key: str) -> str:
-    return _COMPILED + key
-
-
-def apply(target: dict[Any, Any], saved: Node, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Load the saved tree into ``target`` in place (checked by :func:`check_template` first).
-
-    Modules, optimizers and stateful objects load their state in place; tensors are copied
-    into; a dict is filled in place with every saved entry; anything else is replaced.
-    """
-    items = {key: child for key, child in saved["items"]}
-    for key in list(target):
-        target[key] = _apply_one(target[key], items[key], tensors)
-
-
-def _apply_one(current: Any, node: Node, tensors: Mapping[str, torch.Tensor]) -> Any:
-    kind = node.get("t")
-    stateful = callable(getattr(current, "load_state_dict", None))
-    if stateful and (kind in _STATEFUL or (kind == "dict" and isinstance(current, torch.nn.Module))):
-        current.load_state_dict(decode(node, tensors))
-        return current
-    if isinstance(current, torch.Tensor) and kind == "tensor":
-        with torch.no_grad():
-            current.copy_(tensors[node["key"]])
-        return current
-    if isinstance(current, dict) and kind == "dict":
-        for key, child in node["items"]:
-            current[key] = (
-                _apply_one(current[key], child, tensors) if key in current else decode(child, tensors)
-            )
-        return current
-    return decode(node, tensors)

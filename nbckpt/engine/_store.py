@@ -45,6 +45,8 @@ MANIFEST = "manifest.json"
 LOCK_FILE = ".nbckpt.lock"
 _log = logging.getLogger("nbckpt")
 _STEP_RE = re.compile(r"step-([0-9]{6,})", re.ASCII)
+#: A step folder of another writer: torchtitan names them ``step-{step}``, without padding.
+_DCP_STEP_RE = re.compile(r"step-([0-9]{1,18})", re.ASCII)
 _LEFTOVER_RE = re.compile(r"\.(tmp|trash|old)-(step-[0-9]{6,})-[0-9a-f]+", re.ASCII)
 
 
@@ -90,6 +92,10 @@ class Store(ABC):
         run's steps one by one must not list it once per step (on S3, a listing of N steps
         costs N requests)."""
 
+    def foreign(self) -> dict[int, str]:
+        """Steps plain DCP wrote here, which nbckpt reads and never changes (none by default)."""
+        return {}
+
     @abstractmethod
     def names(self) -> list[str]:
         """Every entry directly under the root (steps, leftovers, branches)."""
@@ -111,7 +117,7 @@ class Store(ABC):
         """A new file ``name`` in ``location``."""
 
     @abstractmethod
-    def source(self, location: str, name: str, size: int) -> Source:
+    def source(self, location: str, name: str, size: int | None) -> Source:
         """File ``name`` of a checkpoint, which the manifest says has ``size`` bytes."""
 
     @abstractmethod
@@ -249,6 +255,20 @@ class LocalStore(Store):
         path = self._path(step_name(step))
         return path if self._has_manifest(path) else None
 
+    def foreign(self) -> dict[int, str]:
+        """Checkpoints ``torch.distributed.checkpoint.save`` wrote: ``step-N`` folders holding a
+        ``.metadata`` and no manifest (torchtitan's), or the directory itself when it is one
+        (its step is the N of its own name, else 0)."""
+        steps = {}
+        if _is_dcp(self.url):
+            match = _DCP_STEP_RE.fullmatch(os.path.basename(self.url))
+            steps[int(match.group(1)) if match else 0] = self.url
+        for name in self.names():
+            match = _DCP_STEP_RE.fullmatch(name)
+            if match is not None and _is_dcp(self._path(name)):
+                steps.setdefault(int(match.group(1)), self._path(name))
+        return dict(sorted(steps.items()))
+
     def modified(self, location: str, name: str) -> float:
         return os.lstat(os.path.join(location, name)).st_mtime
 
@@ -282,7 +302,7 @@ class LocalStore(Store):
     def sink(self, location: str, name: str) -> Sink:
         return LocalSink(os.path.join(location, name))
 
-    def source(self, location: str, name: str, size: int) -> Source:
+    def source(self, location: str, name: str, size: int | None) -> Source:
         return LocalSource(os.path.join(location, name), size)
 
     def read_small(self, location: str, name: str, limit: int) -> bytes:
@@ -356,6 +376,16 @@ class LocalStore(Store):
         fsync_dir(self.url)
         _faults.hit("during_delete")
         self._remove(trash)
+
+
+def _is_dcp(path: str) -> bool:
+    """A directory (not a link to one) holding DCP's ``.metadata`` and no nbckpt manifest."""
+    try:
+        if os.path.islink(path) or not stat.S_ISREG(os.lstat(os.path.join(path, ".metadata")).st_mode):
+            return False
+    except OSError:
+        return False
+    return not os.path.lexists(os.path.join(path, MANIFEST))
 
 
 def _exchange(a: str, b: str) -> bool:

@@ -462,7 +462,7 @@ def test_manifest_contents(tmp_path: Path) -> None:
         manifest = json.loads((Path(record.path) / "manifest.json").read_text())
         assert manifest == ckpt.verify(4)
     assert manifest["step"] == 4 and manifest["bytes"] == 40 and manifest["world_size"] == 1
-    assert ".metadata" in manifest["files"] and manifest["items"]["w"][0] == "__0_0.distcp"
+    assert ".metadata" in manifest["files"] and manifest["items"]["w"][0][0] == "__0_0.distcp"
     for name, meta in manifest["files"].items():
         assert (Path(record.path) / name).stat().st_size == meta["size"]
         assert len(meta["blocks"]) == 1 and len(meta["blocks"][0]) == 16

@@ -25,6 +25,7 @@ def run_ranks(
     world_size: int = 2,
     timeout: float = 240,
     env: dict[str, str] | None = None,
+    worker: Path = WORKER,
 ) -> dict[int, tuple[int, dict[str, Any], str]]:
     """rank -> (exit code, its JSON line or {}, the end of its stderr)."""
     base = {
@@ -37,7 +38,7 @@ def run_ranks(
     }
     procs = {
         rank: subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(directory)],
+            [sys.executable, str(worker), scenario, str(directory)],
             env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

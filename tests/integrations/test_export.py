@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint import state_dict_loader as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from nbckpt import Checkpointer, ConfigError
 from nbckpt.integrations import export, load
@@ -67,21 +66,17 @@ def test_export_refuses_what_is_not_a_checkpoint(tmp_path: Path) -> None:
 
 def test_plain_dcp_load_of_an_optimizer(tmp_path: Path) -> None:
     net, opt = _trained()
+    opt.param_groups[0]["lr"] = 0.003  # a value the fresh optimizer does not have
     with Checkpointer(tmp_path, mode="sync") as ckpt:
         ckpt.save({"model": net, "optim": opt}, step=1)
     net2, opt2 = _fresh()
     state = {"model": net2.state_dict(), "optim": opt2.state_dict()}
-    # param_groups (lr, betas) are values, kept in nbckpt's manifest, not DCP tensors: DCP's
-    # default planner refuses the template's keys it cannot find (DCP's CheckpointException
-    # derives from BaseException)...
-    with pytest.raises(BaseException, match=r"Missing key in checkpoint state_dict: optim\.param_groups"):
-        dcp.load(state, checkpoint_id=tmp_path / "step-000001")
-    # ...and allow_partial_load loads every tensor, leaving the template's param_groups as they are.
-    dcp.load(
-        state, checkpoint_id=tmp_path / "step-000001", planner=DefaultLoadPlanner(allow_partial_load=True)
-    )
+    # param_groups (lr, betas, the parameter ids) are stored as DCP byte items too: DCP's default
+    # planner finds every key of the template, no allow_partial_load needed.
+    dcp.load(state, checkpoint_id=tmp_path / "step-000001")
     net2.load_state_dict(state["model"])
     opt2.load_state_dict(state["optim"])
+    assert opt2.param_groups[0]["lr"] == 0.003 and opt2.param_groups[0]["betas"] == (0.8, 0.9)
     for key, value in opt.state_dict()["state"][0].items():
         assert torch.equal(opt2.state_dict()["state"][0][key], value)
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), net2.parameters(), strict=True))

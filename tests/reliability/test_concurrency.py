@@ -57,8 +57,8 @@ with Checkpointer(sys.argv[1], keep=2, max_inflight=1) as ckpt:
     for trial in range(int(sys.argv[3])):
         delay = rng.uniform(0, 0.02)
         timer = threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
-        timer.start()
         try:
+            timer.start()  # inside: a short delay can fire before start() has returned
             for step in range(trial * 10, trial * 10 + 10):
                 state["step"] = step
                 ckpt.save(state, step=step, overlap=step % 2 == 1)

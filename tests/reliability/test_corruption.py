@@ -20,13 +20,15 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, CheckpointError
 from nbckpt.engine._files import hash_blocks
+from nbckpt.engine._layout import framing
 from nbckpt.engine._manifest import sign
-from nbckpt.engine._reader import _MetadataUnpickler
 from nbckpt.engine._store import LocalStore
+from nbckpt.engine._unpickle import MetadataUnpickler
 
 NUMEL = 4096
 
@@ -60,6 +62,7 @@ def run(tmp_path: Path) -> Path:
         ".metadata",
         "__0_0.distcp",
         "__0_1.distcp",
+        "__0_2.distcp",  # the plain values (the step) as DCP byte items
         "manifest.json",
     ]
     return directory
@@ -78,7 +81,7 @@ def rewrite_manifest(step_dir: Path, edit: Callable[[dict[str, Any]], None] = la
 
 def load_metadata(path: Path) -> Any:
     with open(path, "rb") as stream:
-        return _MetadataUnpickler(stream).load()
+        return MetadataUnpickler(stream).load()
 
 
 def assert_falls_back(directory: Path, message: str) -> None:
@@ -205,8 +208,12 @@ def evil_byte_io_entry(step_dir: Path, marker: Path) -> None:
     for name in os.listdir(step_dir):
         if name.endswith(".distcp"):
             manifest["files"][name] = {"size": 0, "blocks": []}
-    first = next(n for n in manifest["files"] if n != ".metadata")
-    manifest["items"] = {key: [first, 0] for key in manifest["items"]}
+    metadata = load_metadata(step_dir / ".metadata")
+    for key in manifest["items"]:  # each tensor where DCP put it: only the extra entry is hostile
+        info, entry = metadata.storage_data[MetadataIndex(key, (0,))], metadata.state_dict_metadata[key]
+        header, _ = framing(entry.properties.dtype, tuple(entry.size))
+        data = info.offset + len(header)
+        manifest["items"][key] = [[info.relative_path, info.offset, info.length, data, [0], list(entry.size)]]
     (step_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -229,12 +236,9 @@ def shift_storage_entry(step_dir: Path, marker: Path) -> None:
 HOSTILE: dict[str, tuple[Callable[[Path, Path], None], str]] = {
     "pickle payload": (evil_metadata_alone, "refusing to load global builtins.exec"),
     "payload inside DCP metadata": (evil_metadata_nested, "refusing to load global builtins.exec"),
-    "BYTE_IO entry": (evil_byte_io_entry, "entry 'extra' is not a tensor"),
-    "1: storage entry outside the step": (
-        relabel_storage_entry,
-        "names a file the manifest does not list: '../step-000001/__0_0.distcp'",
-    ),
-    "1: storage entry past its file": (shift_storage_entry, "is outside its data"),
+    "BYTE_IO entry": (evil_byte_io_entry, "entry 'extra' is not in the manifest; refusing to unpickle it"),
+    "1: storage entry outside the step": (relabel_storage_entry, "is not where its data is"),
+    "1: storage entry past its file": (shift_storage_entry, "is not where its data is"),
 }
 
 
@@ -245,13 +249,11 @@ def test_hostile_metadata_is_refused_and_never_runs(run: Path, tmp_path: Path, c
     step_dir = run / "step-000002"
     craft(step_dir, marker)
     rewrite_manifest(step_dir)  # checksums pass: only the safety checks stand in the way
-    with Checkpointer(run, mode="sync") as ckpt:
-        with pytest.raises(CheckpointError, match=re.escape(message)):
-            ckpt.verify(2)  # what a plain dcp.load would meet is refused
-        if case != "BYTE_IO entry":  # (that one replaced the data files too)
-            state = blank()
-            assert ckpt.restore(state) == 2  # restore never reads DCP's metadata: the data is intact
-            assert_is_step(state, 2)
+    with Checkpointer(run, mode="sync") as ckpt, pytest.raises(CheckpointError, match=re.escape(message)):
+        ckpt.verify(2)  # what a plain dcp.load would meet is refused
+    # restore refuses it too (issue 20, item 7): a step that restored would be trusted by the next
+    # plain dcp.load, which would run the payload
+    assert_falls_back(run, message)
     assert not marker.exists()
 
 
@@ -351,7 +353,8 @@ def test_unreadable_file_is_skipped_not_a_crash(run: Path, monkeypatch: pytest.M
 
 def test_1_tensor_range_outside_its_file_is_refused_before_reading(run: Path) -> None:
     def push_out(manifest: dict[str, Any]) -> None:
-        manifest["items"]["w"][1] = manifest["files"][manifest["items"]["w"][0]]["size"]
+        chunk = manifest["items"]["w"][0]  # [file, blob offset, blob length, data offset, offsets, sizes]
+        chunk[3] = manifest["files"][chunk[0]]["size"]
 
     rewrite_manifest(run / "step-000002", push_out)
     assert_falls_back(run, "step-000002/manifest.json puts tensor 'w' at bytes")
@@ -360,10 +363,10 @@ def test_1_tensor_range_outside_its_file_is_refused_before_reading(run: Path) ->
 @pytest.mark.parametrize("value", [-1, 2.5, "0", None, True])
 def test_2_bad_offsets_and_sizes_are_refused(run: Path, value: Any) -> None:
     def poison(manifest: dict[str, Any]) -> None:
-        manifest["items"]["w"][1] = value
+        manifest["items"]["w"][0][3] = value
 
     rewrite_manifest(run / "step-000002", poison)
-    assert_falls_back(run, "step-000002/manifest.json does not say where tensor 'w' is")
+    assert_falls_back(run, "step-000002/manifest.json has a malformed entry for tensor 'w'")
 
 
 def test_2_a_fifo_in_the_step_never_hangs_restore(run: Path) -> None:

@@ -1,0 +1,204 @@
+"""Sharded tensors: which part of a whole tensor a rank holds, and which bytes move where.
+
+A DTensor (FSDP2, tensor parallel, HSDP) is saved as DCP saves it: each rank writes its local
+shard as a *chunk* of the whole tensor (the chunk's offsets and sizes, as
+``DTensor.__create_chunk_list__`` gives them), and a chunk several ranks hold (a replicated
+placement) is written once. A restore asks for a *region* of the whole tensor (a DTensor
+template's local shard, or all of it) and reads, from each saved chunk that overlaps it, only
+the bytes of the overlap: runs of contiguous bytes, a row range where whole rows suffice.
+
+A plain tensor under one key on several ranks is replicated by definition (DCP's rule too),
+so it is written once; its copies must then agree, which :func:`fingerprints` checks cheaply.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from .._errors import ConfigError
+
+__all__ = [
+    "SAMPLES",
+    "Region",
+    "Runs",
+    "fingerprints",
+    "is_dtensor",
+    "local_part",
+    "overlap",
+    "runs",
+    "tiles",
+    "wrap_like",
+]
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Region:
+    """A box of a whole tensor: where it starts in each dimension, and how far it runs."""
+
+    offsets: Shape
+    sizes: Shape
+
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> Region:
+        return cls((0,) * len(shape), tuple(shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (checked by name first: importing DTensor costs time)."""
+    if type(value).__name__ != "DTensor":
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def local_part(tensor: Any, key: str) -> tuple[torch.Tensor, Region]:
+    """A DTensor's local tensor and the region of the whole tensor it holds."""
+    try:
+        chunks = tensor.__create_chunk_list__()
+    except (RuntimeError, ValueError) as exc:  # a Partial placement: a reduction still pending
+        raise ConfigError(
+            f"{key} is a DTensor with placements {tuple(tensor.placements)} that hold no chunk of "
+            f"the whole tensor ({exc}); redistribute it (Shard or Replicate) before saving"
+        ) from None
+    if len(chunks) != 1:
+        raise ConfigError(f"{key} is a DTensor whose local part is {len(chunks)} chunks; nbckpt saves one")
+    local = tensor.to_local().detach()
+    region = Region(tuple(int(n) for n in chunks[0].offsets), tuple(int(n) for n in chunks[0].sizes))
+    if tuple(local.shape) != region.sizes:
+        raise ConfigError(
+            f"{key}: the DTensor's local tensor has shape {tuple(local.shape)}, its chunk {region.sizes}"
+        )
+    return local, region
+
+
+def wrap_like(local: torch.Tensor, like: Any) -> Any:
+    """``local`` (the region of ``like``'s local shard) as a DTensor sharded exactly as ``like``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local.to(like.to_local().device),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def overlap(a: Region, b: Region) -> Region | None:
+    """The box two regions share, or None."""
+    offsets, sizes = [], []
+    for a_off, a_size, b_off, b_size in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True):
+        start, end = max(a_off, b_off), min(a_off + a_size, b_off + b_size)
+        if end <= start:
+            return None
+        offsets.append(start)
+        sizes.append(end - start)
+    return Region(tuple(offsets), tuple(sizes))
+
+
+def tiles(chunks: Sequence[Region], shape: Shape) -> bool:
+    """Whether ``chunks`` cover the whole tensor of ``shape`` exactly once (no gap, no overlap).
+
+    Non-empty chunks inside the tensor whose volumes add up to the tensor's and of which no two
+    overlap: a sweep along the first dimension, so a grid of n chunks costs about n log n.
+    """
+    full = Region.whole(shape)
+    solid = [c for c in chunks if c.numel]
+    if any(overlap(c, full) != c for c in solid) or sum(c.numel for c in solid) != full.numel:
+        return False
+    if not shape:
+        return len(solid) == 1
+    active: list[Region] = []
+    for chunk in sorted(solid, key=lambda c: c.offsets):
+        start = chunk.offsets[0]
+        active = [c for c in active if c.offsets[0] + c.sizes[0] > start]
+        if any(overlap(c, chunk) is not None for c in active):
+            return False
+        active.append(chunk)
+    return True
+
+
+#: (source byte offset, destination byte offset, bytes) of each contiguous run, as arrays.
+Runs = tuple[np.ndarray, np.ndarray, int]
+
+
+def runs(box: Region, source: Region, target: Region, itemsize: int) -> Runs:
+    """The contiguous byte runs that copy ``box`` from ``source``'s row-major bytes into
+    ``target``'s (``box`` lies inside both).
+
+    Dimensions after the first one in which the box is narrower than either side are whole in
+    both, so each run spans them: one run for a row range, one per row for a column block.
+    """
+    dims = len(box.sizes)
+    if dims == 0:
+        return np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), itemsize
+    split = dims - 1
+    while split > 0 and box.sizes[split] == source.sizes[split] == target.sizes[split]:
+        split -= 1
+    inner = math.prod(box.sizes[split + 1 :])
+    length = box.sizes[split] * inner * itemsize
+    src = _starts(box, source, split, itemsize)
+    dst = _starts(box, target, split, itemsize)
+    return src, dst, length
+
+
+def _starts(box: Region, side: Region, split: int, itemsize: int) -> np.ndarray:
+    """Byte offset in ``side`` of each run: every index of the box's dimensions before ``split``."""
+    strides = [itemsize * math.prod(side.sizes[d + 1 :]) for d in range(len(side.sizes))]
+    base = (box.offsets[split] - side.offsets[split]) * strides[split]
+    starts = np.full(1, base, dtype=np.int64)
+    for d in range(split):
+        first = box.offsets[d] - side.offsets[d]
+        steps = (np.arange(box.sizes[d], dtype=np.int64) + first) * strides[d]
+        starts = (starts[:, None] + steps[None, :]).reshape(-1)
+    return starts
+
+
+#: Elements of a replicated tensor compared across ranks: enough to tell one rank's batch or
+#: shard from another's, few enough to cost microseconds a tensor.
+SAMPLES = 128
+
+
+@functools.lru_cache(maxsize=512)
+def _positions(numel: int, device: torch.device) -> torch.Tensor:
+    steps = min(numel, SAMPLES)
+    return torch.linspace(0, numel - 1, steps, dtype=torch.float64).round().long().to(device)
+
+
+def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """A cheap fingerprint of each tensor: a hash of :data:`SAMPLES` elements spread over it,
+    the same positions on every rank (a device's samples come back in one copy)."""
+    samples = {
+        key: torch.take(tensor, _positions(tensor.numel(), tensor.device)).view(torch.uint8)
+        for key, tensor in tensors.items()
+        if tensor.numel()
+    }
+    by_device: dict[torch.device, list[str]] = {}
+    for key, sample in samples.items():
+        by_device.setdefault(sample.device, []).append(key)
+    found = {}
+    for device, keys in by_device.items():
+        joined = torch.cat([samples[k] for k in keys])
+        data = (joined if device.type == "cpu" else joined.cpu()).numpy().tobytes()
+        at = 0
+        for key in keys:
+            size = samples[key].numel()
+            found[key] = xxhash.xxh3_64_hexdigest(data[at : at + size])
+            at += size
+    return found

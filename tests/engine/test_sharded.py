@@ -1,0 +1,110 @@
+"""Sharded training state (FSDP2, tensor parallel, both on a 2-D mesh, HSDP) on real gloo ranks,
+compared with what ``torch.distributed.checkpoint`` does on the same state.
+
+Five launches share one directory, in order: 4 ranks save (FSDP2, HSDP, FSDP2+TP) and restore at
+4; 2 ranks restore those (reshard 4 -> 2), then save their own (FSDP2, TP on a 1-D mesh); one
+process restores everything into a plain model (4 -> 1, 2 -> 1); 4 ranks restore what 2 saved
+(2 -> 4); 2 ranks, one killed mid-save. Every restore is checked bit for bit against the full
+state dict the saving run wrote, done three ways: nbckpt from its own checkpoint, a plain
+``dcp.load`` of nbckpt's checkpoint, nbckpt from the checkpoint ``dcp.save`` wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.ranks import run_ranks
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("sharded")]
+
+WORKER = Path(__file__).parents[1] / "helpers" / "shard_worker.py"
+
+
+def launch(scenarios: str, directory: Path, world: int) -> dict[int, dict[str, Any]]:
+    results = run_ranks(scenarios, directory, world, timeout=400, worker=WORKER)
+    for rank, (code, _, err) in results.items():
+        assert code == 0, f"rank {rank}: {err}"
+    return {rank: seen for rank, (_, seen, _) in results.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict[str, Any]]]:
+    directory = tmp_path_factory.mktemp("sharded")
+    return {
+        "at 4": launch("save,modules,divergent", directory, 4),
+        "at 2": launch("restore,modules,save", directory, 2),
+        "at 1": launch("restore", directory, 1),
+        "at 4 again": launch("restore", directory, 4),
+    }
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "hsdp", "fsdp+tp"])
+def test_4_ranks_save_asynchronously_and_restore_bit_exact(runs: Any, kind: str) -> None:
+    for seen in runs["at 4"].values():
+        assert seen["save"][kind]["exact"] and seen["save"][kind]["restored"] == 2, seen["save"][kind]
+        assert seen["save"][kind]["step"] == 2
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+def test_2_ranks_save_and_restore_bit_exact(runs: Any, kind: str) -> None:
+    for seen in runs["at 2"].values():
+        assert seen["save"][kind]["exact"], seen["save"][kind]
+
+
+@pytest.mark.parametrize(
+    ("run", "case"),
+    [
+        ("at 2", "fsdp@4->fsdp@2"),
+        ("at 2", "hsdp@4->fsdp@2"),
+        ("at 2", "fsdp+tp@4->fsdp@2"),
+        ("at 1", "fsdp@4->plain@1"),
+        ("at 1", "hsdp@4->plain@1"),
+        ("at 1", "fsdp+tp@4->plain@1"),
+        ("at 1", "fsdp@2->plain@1"),
+        ("at 1", "tp@2->plain@1"),
+        ("at 4 again", "fsdp@2->fsdp@4"),
+        ("at 4 again", "tp@2->fsdp@4"),
+    ],
+)
+def test_reshard_by_nbckpt_by_plain_dcp_load_and_from_a_dcp_checkpoint(
+    runs: Any, run: str, case: str
+) -> None:
+    for rank, seen in runs[run].items():
+        assert seen["restore"][case] == {"nbckpt": True, "dcp.load": True, "from dcp": True}, (
+            rank,
+            seen["restore"],
+        )
+
+
+def test_hsdp_replicas_are_written_once(runs: Any) -> None:
+    hsdp = runs["at 4"][0]["save"]["hsdp"]
+    # every tensor byte of the state once (the replicas of each shard are written by one of them)
+    assert hsdp["tensor_bytes"] == hsdp["state_bytes"], hsdp
+    assert abs(hsdp["nbckpt_disk"] - hsdp["dcp_disk"]) <= 0.01 * hsdp["dcp_disk"], hsdp
+
+
+def test_a_sharded_module_and_optimizer_passed_directly_reshard(runs: Any) -> None:
+    assert all(seen["modules"] == {"saved": True} for seen in runs["at 4"].values())
+    assert all(seen["modules"] == {"exact": True} for seen in runs["at 2"].values())
+
+
+def test_a_plain_tensor_with_other_values_on_other_ranks_is_refused_on_every_rank(runs: Any) -> None:
+    for rank, seen in runs["at 4"].items():
+        found = seen["divergent"]
+        assert found["outcome"].startswith("ConfigError: 'batch' is a plain tensor with different values"), (
+            found
+        )
+        assert "rank 0 vs rank 1 vs rank 2 vs rank 3" in found["outcome"], found
+        assert found["then"] == "ok" and found["steps"] == [2], (rank, found)
+
+
+def test_a_rank_killed_mid_save_of_sharded_state_leaves_nothing_committed(tmp_path: Path) -> None:
+    results = run_ranks("killed", tmp_path, 2, timeout=300, worker=WORKER)
+    code1, _, _ = results[1]
+    assert code1 < 0  # SIGKILL
+    code0, seen, err = results[0]
+    assert code0 == 0, err
+    assert seen["killed"]["outcome"].startswith("CheckpointError: save of step 2"), seen
+    assert seen["killed"]["steps"] == ["step-000001"], seen

@@ -1,0 +1,264 @@
+"""One rank of sharded-training scenarios (FSDP2, tensor parallel, HSDP on gloo); prints one JSON
+line of what it saw in each.
+
+    python tests/helpers/shard_worker.py SCENARIO[,SCENARIO...] DIR   (RANK, WORLD_SIZE, MASTER_* set)
+
+Started by :func:`helpers.ranks.run_ranks`. Every scenario compares what nbckpt did with what
+``torch.distributed.checkpoint`` does on the same state: the reference is the full state
+dict (``full_state_dict=True``) the saving run wrote with ``torch.save`` beside its checkpoints.
+With ``WORLD_SIZE=1`` no process group is made: the restore is into a plain, unsharded model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from nbckpt import Checkpointer, NbckptError
+from nbckpt.engine import _faults
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+#: Sizes chosen so that 4 ranks get uneven shards (10 rows over 4 ranks: 3, 3, 3, 1; 6: 2, 2, 2, 0)
+#: while tensor parallelism splits evenly (DTensor propagation refuses some uneven TP layouts).
+VOCAB, WIDTH, HIDDEN, OUT = 10, 8, 6, 6
+
+
+def model_of(seed: int, rows: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Embedding(rows, WIDTH), nn.Linear(WIDTH, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT)
+    )
+
+
+#: HSDP's embedding is large, so that its bytes on disk are the data's, not the framing's.
+ROWS = {"hsdp": 16384}
+
+
+def sharded(kind: str, seed: int, rows: int = VOCAB) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model laid out as ``kind`` says over this world's ranks, with AdamW."""
+    model = model_of(seed, rows)
+    if WORLD > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        if kind == "fsdp":
+            mesh = init_device_mesh("cpu", (WORLD,))
+            for index in (0, 1, 3):
+                fully_shard(model[index], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        elif kind == "hsdp":
+            fully_shard(
+                model, mesh=init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
+            )
+        elif kind == "tp":
+            parallelize_module(
+                model, init_device_mesh("cpu", (WORLD,)), {"1": ColwiseParallel(), "3": RowwiseParallel()}
+            )
+        elif kind == "fsdp+tp":
+            mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("dp", "tp"))
+            parallelize_module(model, mesh["tp"], {"1": ColwiseParallel(), "3": RowwiseParallel()})
+            fully_shard(model, mesh=mesh["dp"])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3 * (seed + 1))
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
+    torch.manual_seed(100)  # the same batches on every rank: TP needs them, FSDP does not mind
+    for _ in range(steps):
+        model(torch.randint(0, VOCAB, (4,))).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> Any:
+    """The whole state as one process would hold it (what a restore must reproduce)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=WORLD > 1)
+    msd, osd = get_state_dict(model, optim, options=options)
+    return {"model": msd, "optim": osd}
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bit-exact, all the way down (tensors by their bytes, other values by equality)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def matches(reference: str, model: nn.Module, optim: torch.optim.Optimizer) -> bool:
+    now = full_state(model, optim)
+    if WORLD > 1 and RANK != 0:  # cpu_offload gives the full state to rank 0 only
+        return True
+    return same(now, torch.load(reference, weights_only=True))
+
+
+def outcome(run: Callable[[], Any]) -> str:
+    try:
+        run()
+        return "ok"
+    except NbckptError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def bytes_of(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.iterdir() if p.name.endswith(".distcp"))
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+
+
+def save(directory: str) -> dict[str, Any]:
+    """Each layout trained, saved by nbckpt (async) and by DCP into ``LAYOUT@WORLD``, its full
+    state written beside; then restored at this world size into a model of other values."""
+    seen = {}
+    for kind in KINDS[WORLD]:
+        root, rows = Path(directory) / f"{kind}@{WORLD}", ROWS.get(kind, VOCAB)
+        model, optim = sharded(kind, seed=1, rows=rows)
+        train(model, optim, 2)
+        msd, osd = get_state_dict(model, optim)
+        with Checkpointer(root / "nbckpt", mode="async", timeout_s=60) as ckpt:
+            ckpt.save({"model": msd, "optim": osd, "step": 2}, step=2).wait()
+            written = ckpt.manifest(2)["bytes"]
+        dcp.save({"model": msd, "optim": osd, "step": 2}, checkpoint_id=str(root / "dcp" / "step-2"))
+        reference = full_state(model, optim)
+        if RANK == 0:
+            torch.save(reference, root / "full.pt")
+        dist.barrier()
+        fresh, fresh_optim = sharded(kind, seed=7, rows=rows)
+        train(fresh, fresh_optim, 1)
+        fmsd, fosd = get_state_dict(fresh, fresh_optim)
+        target = {"model": fmsd, "optim": fosd, "step": -1}
+        with Checkpointer(root / "nbckpt", mode="async", timeout_s=60) as ckpt:
+            restored = ckpt.restore(target)
+        set_state_dict(fresh, fresh_optim, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        seen[kind] = {
+            "tensor_bytes": written,
+            "state_bytes": sum(t.nbytes for t in _tensors(reference)) if RANK == 0 else None,
+            "nbckpt_disk": bytes_of(root / "nbckpt" / "step-000002"),
+            "dcp_disk": bytes_of(root / "dcp" / "step-2"),
+            "restored": restored,
+            "step": target["step"],
+            "exact": matches(str(root / "full.pt"), fresh, fresh_optim),
+        }
+    return seen
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def restore(directory: str) -> dict[str, Any]:
+    """This world size (1: a plain model) restores what :func:`save` wrote at another, three ways:
+    nbckpt from its own checkpoint, plain ``dcp.load`` from nbckpt's, nbckpt from DCP's."""
+    seen = {}
+    for saved in sorted(Path(directory).glob("*@*")):
+        kind, world = saved.name.split("@")
+        if int(world) == WORLD:
+            continue
+        here = kind if (WORLD, kind) in LAYOUTS else "fsdp" if WORLD > 1 else "plain"
+        found: dict[str, Any] = {}
+        for way in ("nbckpt", "dcp.load", "from dcp"):
+            model, optim = sharded(here, seed=7, rows=ROWS.get(kind, VOCAB))
+            train(model, optim, 1)
+            msd, osd = get_state_dict(model, optim)
+            target = {"model": msd, "optim": osd, "step": -1}
+            if way == "dcp.load":
+                dcp.load(target, checkpoint_id=str(saved / "nbckpt" / "step-000002"))
+            else:
+                where = saved / ("nbckpt" if way == "nbckpt" else "dcp")
+                with Checkpointer(
+                    where, ranks="all" if WORLD > 1 else "local", read_only=True, timeout_s=60
+                ) as ckpt:
+                    ckpt.restore(target)
+            set_state_dict(model, optim, model_state_dict=target["model"], optim_state_dict=target["optim"])
+            found[way] = matches(str(saved / "full.pt"), model, optim) and target["step"] == 2
+        seen[f"{saved.name}->{here}@{WORLD}"] = found
+    return seen
+
+
+def modules(directory: str) -> dict[str, Any]:
+    """A sharded model and optimizer passed directly, as an unsharded one is: saved at one world
+    size (the first run), restored at another (the optimizer before its first step: there is no
+    state of its own to shard by, its parameters' placements are used)."""
+    root = Path(directory) / "modules"
+    first = not root.exists()
+    dist.barrier()  # every rank has looked before rank 0 creates it
+    model, optim = sharded("fsdp", seed=1)
+    if first:
+        train(model, optim, 2)
+        with Checkpointer(root, mode="sync", timeout_s=60) as ckpt:
+            ckpt.save({"model": model, "optim": optim}, step=2)
+        reference = full_state(model, optim)
+        if RANK == 0:
+            torch.save(reference, root / "modules.pt")
+        return {"saved": True}
+    with Checkpointer(root, read_only=True, timeout_s=60) as ckpt:
+        ckpt.restore({"model": model, "optim": optim})
+    return {"exact": matches(str(root / "modules.pt"), model, optim)}
+
+
+def divergent(directory: str) -> dict[str, Any]:
+    """A plain tensor under one key holding each rank's own values: refused on every rank."""
+    model, optim = sharded("fsdp", seed=1)
+    msd, _ = get_state_dict(model, optim)
+    with Checkpointer(Path(directory) / "divergent", mode="async", timeout_s=60) as ckpt:
+        result = outcome(lambda: ckpt.save({"model": msd, "batch": torch.full((8,), float(RANK))}, step=1))
+        agreed = outcome(lambda: ckpt.save({"model": msd, "batch": torch.ones(8)}, step=2).wait())
+        return {"outcome": result, "then": agreed, "steps": ckpt.steps()}
+
+
+def killed(directory: str) -> dict[str, Any]:
+    """Rank 1 dies once its files of a sharded save are written: nothing commits, rank 0 fails."""
+    model, optim = sharded("fsdp", seed=1)
+    train(model, optim, 1)
+    msd, osd = get_state_dict(model, optim)
+    ckpt = Checkpointer(Path(directory) / "killed", mode="async", timeout_s=20)
+    ckpt.save({"model": msd, "optim": osd}, step=1).wait()
+    if RANK == 1:
+        _faults._POINT = "after_data"
+    result = outcome(lambda: ckpt.save({"model": msd, "optim": osd}, step=2).wait())
+    return {
+        "outcome": result,
+        "steps": sorted(n for n in os.listdir(Path(directory) / "killed") if n.startswith("step-")),
+    }
+
+
+#: What each world size saves; (world, layout) pairs a restore at that world can use as they are.
+KINDS = {4: ["fsdp", "hsdp", "fsdp+tp"], 2: ["fsdp", "tp"]}
+LAYOUTS = {(4, "fsdp"), (2, "fsdp"), (2, "tp"), (4, "hsdp"), (4, "fsdp+tp")}
+SCENARIOS = {f.__name__: f for f in (save, restore, modules, divergent, killed)}
+
+
+def main(scenarios: str, directory: str) -> int:
+    if WORLD > 1:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    results = {name: SCENARIOS[name](directory) for name in scenarios.split(",")}
+    print(json.dumps({"rank": RANK, **results}), flush=True)
+    if WORLD > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
