@@ -77,9 +77,13 @@ def _check_lab(executed: Path) -> None:
 
 
 def _check_distributed(results: dict[str, Any]) -> None:
-    assert results["world_size"] == 2
+    assert results["world_size"] == 2 and results["writers"] == [0, 1]  # both ranks wrote shards
     assert results["all_ranks_equal"] is True
-    assert results["restored_step"] == results["checkpoints"][-1]
+    assert results["restored_step"] == results["checkpoints"][-1] == results["step_value"]
+    # the same checkpoint on one process into a plain model (by nbckpt and by plain dcp.load) and
+    # on three ranks: bit for bit the state the training ended with
+    assert results["one_process_identical"] is True and results["plain_dcp_identical"] is True
+    assert results["resharded_world"] == 3 and results["resharded_identical"] is True
     assert results["ranks_in_timeline"] == [0, 1]
 
 
