@@ -741,13 +741,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "errors": errors,
         "repeats": args.repeats,
         "size_bytes": size,
+        **machine(),
+    }
+    return summarise(meta, tables)
+
+
+def machine() -> dict[str, Any]:
+    """Where and when a benchmark ran (the load average says how busy the machine was)."""
+    return {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
         "unix_time": time.time(),
     }
-    return summarise(meta, tables)
 
 
 def summarise(meta: dict[str, Any], tables: dict[str, Table]) -> dict[str, Any]:
@@ -805,10 +812,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     result = reprint(args.reprint) if args.reprint else run(args)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     return 0
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    """``result`` to ``path`` (nothing when no path was asked for)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -68,11 +68,15 @@ def _agree(metadata: Any, manifest: Manifest, where: str) -> list[ValueSpan]:
     ):
         raise CheckpointError(f"{where}: DCP metadata is a {type(metadata).__name__}")
     specs = manifest.specs
-    values = {key: value for key, _, value in dcp_values(manifest.tree(0)) if key not in specs}
+    found = [(key, path, value) for key, path, value in dcp_values(manifest.tree(0)) if key not in specs]
+    values = {key: value for key, _, value in found}
     entries = metadata.state_dict_metadata
     for key in entries:
         if key not in specs and key not in values:
             raise CheckpointError(f"{where}: entry {key!r} is not in the manifest; refusing to unpickle it")
+    planned = {**{key: path for key, path, _ in found}, **{key: manifest.paths[key] for key in specs}}
+    if not isinstance(metadata.planner_data, dict) or metadata.planner_data != planned:
+        raise CheckpointError(f"{where}: the planner data does not nest the state as the manifest does")
     storage = metadata.storage_data
     expected = 0
     for key, spec in specs.items():

@@ -66,6 +66,8 @@ class Manifest:
     each other, making up the whole tensor exactly)."""
     specs: dict[str, TensorSpec] = field(default_factory=dict)
     """Every tensor any rank's tree references: key to the dtype and shape of the whole tensor."""
+    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+    """Each tensor's path of keys in rank 0's tree (DCP's planner data says the same)."""
     foreign: bool = False
     """Made from the ``.metadata`` of a checkpoint plain DCP wrote: no checksums, blobs read
     with ``torch.load(weights_only=True)``."""
@@ -160,11 +162,13 @@ def parse(data: bytes, step: int, where: str) -> Manifest:
         raise CheckpointError(f"{where} was modified after it was written (checksum mismatch)")
     if body.get("step") != step:
         raise CheckpointError(f"{where} names step {body.get('step')}, not {step}")
-    specs, items = _check_body(body, where)
-    return Manifest(step, body, items, specs)
+    specs, items, paths = _check_body(body, where)
+    return Manifest(step, body, items, specs, paths)
 
 
-def _check_body(body: dict[str, Any], where: str) -> tuple[dict[str, TensorSpec], dict[str, list[Chunk]]]:
+def _check_body(
+    body: dict[str, Any], where: str
+) -> tuple[dict[str, TensorSpec], dict[str, list[Chunk]], dict[str, tuple[str | int, ...]]]:
     if body.get("block_size") != BLOCK_SIZE:
         raise CheckpointError(f"{where} uses blocks of {body.get('block_size')} bytes, not {BLOCK_SIZE}")
     files = body.get("files")
@@ -196,14 +200,15 @@ def _check_body(body: dict[str, Any], where: str) -> tuple[dict[str, TensorSpec]
     ):
         raise CheckpointError(f"{where} has a malformed state tree")
     specs: dict[str, TensorSpec] = {}
+    paths: dict[str, tuple[str | int, ...]] = {}
     data_bytes = sum(meta["size"] for name, meta in files.items() if name != METADATA_FILE)
-    for tree in [body.get("tree"), *rank_trees.values()]:
-        _check_tree(tree, specs, data_bytes, where)
+    for tree in [*rank_trees.values(), body.get("tree")]:  # rank 0's tree last: its paths stay
+        _check_tree(tree, specs, paths, data_bytes, where)
     if not isinstance(body.get("rng", {}), dict):
         raise CheckpointError(f"{where} has a malformed RNG record")
     chunks = {key: _chunks(items.get(key), spec, files, body["format"], where) for key, spec in specs.items()}
     _check_apart(chunks, specs, where)
-    return specs, chunks
+    return specs, chunks, paths
 
 
 def data_file_name(name: str) -> bool:
@@ -226,20 +231,26 @@ def _bounded_bytes(shape: Any, itemsize: int, limit: int) -> int:
     return nbytes
 
 
-def _check_tree(tree: Any, specs: dict[str, TensorSpec], data_bytes: int, where: str) -> None:
+def _check_tree(
+    tree: Any,
+    specs: dict[str, TensorSpec],
+    paths: dict[str, tuple[str | int, ...]],
+    data_bytes: int,
+    where: str,
+) -> None:
     """Every node well-formed, every tensor of a known dtype that fits in the files, walked
     without recursion; ``specs`` collects the tensors (a key in two ranks' trees must agree)."""
     if not (isinstance(tree, dict) and tree.get("t") == "dict"):
         raise CheckpointError(f"{where} has a malformed state tree")
-    stack: list[tuple[Any, int]] = [(tree, 0)]
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(tree, ())]
     while stack:
-        node, depth = stack.pop()
-        if depth > MAX_DEPTH + 2 or not isinstance(node, dict) or node.get("t") not in _KINDS:
+        node, path = stack.pop()
+        if len(path) > MAX_DEPTH + 2 or not isinstance(node, dict) or not _is_kind(node.get("t")):
             raise CheckpointError(f"{where} has a malformed state tree")
         kind = node["t"]
-        children: list[Any] = []
+        children: list[tuple[Any, tuple[str | int, ...]]] = []
         if kind in ("module", "optimizer", "stateful"):
-            children = [node.get("state")]
+            children = [(node.get("state"), path)]  # a module is its state dict, at its own path
         elif kind in ("dict", "namespace"):
             pairs = node.get("items")
             keys = (str,) if kind == "namespace" else (str, int)
@@ -248,17 +259,28 @@ def _check_tree(tree: Any, specs: dict[str, TensorSpec], data_bytes: int, where:
                 for p in pairs
             ):
                 raise CheckpointError(f"{where} has a malformed state tree")
-            children = [child for _, child in pairs]
+            children = [(child, (*path, str(key))) for key, child in pairs]
         elif kind in ("list", "tuple"):
             listed = node.get("items")
-            children = listed if isinstance(listed, list) else [None]
+            children = (
+                [(c, (*path, i)) for i, c in enumerate(listed)]
+                if isinstance(listed, list)
+                else [(None, path)]
+            )
         elif kind in ("tensor", "ndarray"):
             spec = _tensor_spec(node, data_bytes, where)
+            if spec.key != ".".join(map(str, path)):  # the key flatten gives a tensor at that path
+                raise CheckpointError(f"{where} puts tensor {spec.key!r} at {'.'.join(map(str, path))!r}")
             if specs.setdefault(spec.key, spec) != spec:
                 raise CheckpointError(f"{where} gives tensor {spec.key!r} two shapes or dtypes")
+            paths[spec.key] = path
         elif not _value_ok(kind, node.get("v")):
             raise CheckpointError(f"{where} has a malformed {kind} value")
-        stack.extend((child, depth + 1) for child in children)
+        stack.extend(children)
+
+
+def _is_kind(kind: Any) -> bool:
+    return isinstance(kind, str) and kind in _KINDS
 
 
 def _value_ok(kind: str, value: Any) -> bool:
@@ -292,7 +314,10 @@ def _tensor_spec(node: dict[str, Any], data_bytes: int, where: str) -> TensorSpe
     key, shape = node.get("key"), node.get("shape")
     if not (isinstance(key, str) and isinstance(shape, list) and all(_is_count(n) for n in shape)):
         raise CheckpointError(f"{where} has a malformed tensor entry")
-    dtype = dtype_from_name(node.get("dtype"))
+    try:
+        dtype = dtype_from_name(node.get("dtype"))
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where} {str(exc).removeprefix('manifest ')}") from None
     if _bounded_bytes(shape, dtype.itemsize, data_bytes) > data_bytes:
         raise CheckpointError(f"{where} names tensor {key!r} of shape {shape}, larger than its files")
     return TensorSpec(key, dtype, tuple(shape))

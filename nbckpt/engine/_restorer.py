@@ -162,6 +162,10 @@ class Restorer:
 
         def check() -> str:
             manifest = read_manifest(store, step, location)[0]
+            if self.rank == 0:
+                # Damage before the caller's mistakes: a tree edited to another shape must be a
+                # damaged step (the next one is tried), not a template the caller got wrong.
+                check_step_files(store, self.io, location, manifest, verify)
             saved = align(state, manifest.tree(self.rank), key_map)
             problems = check_template(state, saved, "")
             if strict:
@@ -179,8 +183,6 @@ class Restorer:
 
         def read() -> None:
             subtree = {"t": "dict", "items": [[k, n] for k, n in saved["items"] if k in state]}
-            if self.rank == 0:
-                check_step_files(store, self.io, location, manifest, verify)
             wanted = {
                 leaf["key"]: (_region(targets[leaf["key"]]) if leaf["key"] in targets else None)
                 for leaf in node_tensors(subtree)

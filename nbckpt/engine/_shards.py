@@ -69,21 +69,38 @@ def is_dtensor(value: Any) -> bool:
 def local_part(tensor: Any, key: str) -> tuple[torch.Tensor, Region]:
     """A DTensor's local tensor and the region of the whole tensor it holds."""
     try:
-        chunks = tensor.__create_chunk_list__()
+        region = _region_of(tensor._spec, tensor)
     except (RuntimeError, ValueError) as exc:  # a Partial placement: a reduction still pending
         raise ConfigError(
             f"{key} is a DTensor with placements {tuple(tensor.placements)} that hold no chunk of "
             f"the whole tensor ({exc}); redistribute it (Shard or Replicate) before saving"
         ) from None
-    if len(chunks) != 1:
-        raise ConfigError(f"{key} is a DTensor whose local part is {len(chunks)} chunks; nbckpt saves one")
     local = tensor.to_local().detach()
-    region = Region(tuple(int(n) for n in chunks[0].offsets), tuple(int(n) for n in chunks[0].sizes))
     if tuple(local.shape) != region.sizes:
         raise ConfigError(
             f"{key}: the DTensor's local tensor has shape {tuple(local.shape)}, its chunk {region.sizes}"
         )
     return local, region
+
+
+#: Each DTensor spec's chunk (a spec is a mesh, placements and a shape: the same every save).
+_REGIONS: dict[Any, Region] = {}
+
+
+def _region_of(spec: Any, tensor: Any) -> Region:
+    """The chunk a DTensor of ``spec`` holds on this rank, computed once per spec: a model's
+    hundreds of parameters otherwise cost milliseconds of every stall. Keyed by the spec, never
+    the tensor, so the cache holds no tensor alive."""
+    region = _REGIONS.get(spec)
+    if region is None:
+        chunks = tensor.__create_chunk_list__()
+        if len(chunks) != 1:
+            raise ValueError(f"its local part is {len(chunks)} chunks; nbckpt saves one")
+        region = Region(tuple(int(n) for n in chunks[0].offsets), tuple(int(n) for n in chunks[0].sizes))
+        if len(_REGIONS) >= 8192:
+            _REGIONS.clear()
+        _REGIONS[spec] = region
+    return region
 
 
 def wrap_like(local: torch.Tensor, like: Any) -> Any:

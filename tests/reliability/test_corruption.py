@@ -18,46 +18,29 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from helpers.hostile import (
+    RunsCode,
+    assert_falls_back,
+    assert_is_step,
+    blank,
+    load_metadata,
+    rewrite_manifest,
+    state_of,
+    two_steps,
+)
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, CheckpointError
-from nbckpt.engine._files import hash_blocks
 from nbckpt.engine._layout import framing
-from nbckpt.engine._manifest import sign
 from nbckpt.engine._store import LocalStore
-from nbckpt.engine._unpickle import MetadataUnpickler
-
-NUMEL = 4096
-
-
-def state_of(step: int) -> dict[str, Any]:
-    return {
-        "w": torch.arange(NUMEL, dtype=torch.float32) * step,
-        "b": torch.full((64,), float(step), dtype=torch.float64),
-        "step": step,
-    }
-
-
-def blank() -> dict[str, Any]:
-    return {"w": torch.zeros(NUMEL), "b": torch.zeros(64, dtype=torch.float64), "step": -1}
-
-
-def assert_is_step(state: dict[str, Any], step: int) -> None:
-    expected = state_of(step)
-    assert torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
-    assert state["step"] == step
 
 
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     """A directory with two good checkpoints, steps 1 and 2 (two data files each)."""
-    directory = tmp_path / "run"
-    with Checkpointer(directory, mode="sync", writer_threads=2) as ckpt:
-        for step in (1, 2):
-            ckpt.save(state_of(step), step=step)
+    directory = two_steps(tmp_path / "run")
     assert sorted(os.listdir(directory / "step-000002")) == [
         ".metadata",
         "__0_0.distcp",
@@ -66,34 +49,6 @@ def run(tmp_path: Path) -> Path:
         "manifest.json",
     ]
     return directory
-
-
-def rewrite_manifest(step_dir: Path, edit: Callable[[dict[str, Any]], None] = lambda m: None) -> None:
-    """Re-hash every listed file, apply ``edit`` and re-sign: a manifest that passes its own checksum."""
-    path = step_dir / "manifest.json"
-    manifest = json.loads(path.read_text())
-    for name, meta in manifest["files"].items():
-        data = (step_dir / name).read_bytes()
-        meta.update(size=len(data), blocks=hash_blocks(data))
-    edit(manifest)
-    path.write_bytes(sign(manifest))
-
-
-def load_metadata(path: Path) -> Any:
-    with open(path, "rb") as stream:
-        return MetadataUnpickler(stream).load()
-
-
-def assert_falls_back(directory: Path, message: str) -> None:
-    """restore() warns naming the problem and takes step 1; restore(step=2) refuses."""
-    with Checkpointer(directory, mode="sync") as ckpt:
-        state = blank()
-        with pytest.warns(UserWarning, match=re.escape(message)):
-            assert ckpt.restore(state) == 1
-        assert_is_step(state, 1)
-        with pytest.raises(CheckpointError, match=re.escape(message)) as raised:
-            ckpt.restore(blank(), step=2)
-        assert "\n" not in str(raised.value)
 
 
 def flip_byte(path: Path, offset: int = -100) -> None:
@@ -165,16 +120,6 @@ def test_every_checkpoint_corrupt_is_an_error(run: Path) -> None:
 
 
 # -- hostile checkpoints ------------------------------------------------------------------------
-
-
-class RunsCode:
-    """Unpickling this runs code: it creates ``marker``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
 
 
 def test_payload_is_live(tmp_path: Path) -> None:
@@ -273,7 +218,7 @@ def test_manifest_naming_a_non_dtype_is_refused(run: Path) -> None:
         node["dtype"] = "load"  # torch.load is an attribute of torch, but not a dtype
 
     rewrite_manifest(run / "step-000002", poison)
-    assert_falls_back(run, "manifest names an unknown dtype 'load'")
+    assert_falls_back(run, "manifest.json names an unknown dtype 'load'")
 
 
 def drop_checksum_field(manifest: dict[str, Any]) -> None:
