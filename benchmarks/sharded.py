@@ -38,7 +38,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import cpu_seconds, interval, machine, ratio_interval, write_json  # noqa: E402  (the same statistics)
+from engine import cpu_seconds, interval, machine, ratio_interval, write_json  # the same statistics
 
 GB = 1e9
 METHODS = ("nbckpt", "dcp-best")
