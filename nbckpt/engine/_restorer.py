@@ -26,13 +26,7 @@ from ._store import MANIFEST, step_name
 from ._timeline import Timeline, now_ns
 from ._workers import Pool
 
-__all__ = ["Restorer", "check_step"]
-
-
-def check_step(step: Any) -> int:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ConfigError(f"step must be a non-negative integer, not {step!r}")
-    return step
+__all__ = ["Restorer"]
 
 
 class Restorer:
