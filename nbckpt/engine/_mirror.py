@@ -110,14 +110,25 @@ class Mirror:
             self.root.write_small(MARKER, json.dumps(record).encode())
 
     def check(self, run: str) -> None:
-        """For a reader: ConfigError when the mirror holds another run's steps."""
-        owner = mirror_of(self.root)
+        """For a reader: ConfigError when the mirror holds another run's steps. A mirror that
+        cannot be reached now is no reason not to read the run's own directory."""
+        try:
+            owner = mirror_of(self.root)
+        except CheckpointError as exc:
+            _log.warning("nbckpt: %s; reading without it", exc)
+            return
         if owner is not None and owner != run:
             raise ConfigError(f"the mirror {self.root.url} belongs to the run {owner}, not to {run}")
 
     def lines(self) -> dict[str, Line]:
-        """The lines the mirror holds (it may hold some the run's directory lost)."""
-        return discover(self.root)
+        """The lines the mirror holds (it may hold some the run's directory lost); only main
+        while it cannot be reached."""
+        try:
+            return discover(self.root)
+        except (OSError, CheckpointError) as exc:
+            reason = describe_error(exc)
+            _log.warning("nbckpt: cannot list the lines of the mirror %s: %s", self.root.url, reason)
+            return {MAIN: Line(MAIN, self.root)}
 
     def follow(self, line: str, lineage: list[Line]) -> None:
         """From now on commits belong to ``line``; ``lineage`` (it and its ancestors) gets its

@@ -30,6 +30,7 @@ from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import check_path, fsync_dir, is_url
 from . import _faults
 from ._files import LocalSink, LocalSource, Sink, Source
+from ._lockfile import take_lock
 
 __all__ = [
     "LOCK_FILE",
@@ -190,44 +191,7 @@ class LocalStore(Store):
             raise CheckpointError(f"{self.url} is not writable ({exc.strerror or exc})") from exc
 
     def lock(self) -> None:
-        import fcntl
-
-        path = self._path(LOCK_FILE)
-        # O_NOFOLLOW: a symlink planted there is never followed (nor its target truncated);
-        # O_NONBLOCK: a FIFO there never blocks the open.
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            fd = os.open(path, flags, 0o644)
-        except OSError as exc:
-            raise _not_a_lock(path, exc) from exc
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise _not_a_lock(path, None)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CheckpointError(f"cannot lock {path} ({exc.strerror})") from exc
-            if holder == str(os.getpid()):
-                raise CheckpointError(
-                    f"{self.url} is in use by another Checkpointer in this process; close it "
-                    "(ckpt.close()) or call nbckpt.close_all()"
-                ) from exc
-            raise CheckpointError(
-                f"{self.url} is in use by another Checkpointer (pid {holder}); "
-                "use a different directory or close the other one first"
-            ) from exc
-        except BaseException:
-            os.close(fd)
-            raise
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-        except OSError as exc:
-            os.close(fd)
-            raise CheckpointError(f"cannot lock {path} ({describe_error(exc)})") from exc
-        self._lock_fd = fd
+        self._lock_fd = take_lock(self._path(LOCK_FILE), self.url)
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -413,21 +377,6 @@ class LocalStore(Store):
         fsync_dir(self.url)
         _faults.hit("during_delete")
         self._remove(trash)
-
-
-def _not_a_lock(path: str, error: OSError | None) -> CheckpointError:
-    """The lock file is something else (a symlink, a directory, a FIFO): one line saying what."""
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        mode = 0
-    kinds = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
-    kind = next((name for test, name in kinds if test(mode)), None)
-    if kind is None:
-        reason = describe_error(error) if error is not None else "not a regular file"
-        return CheckpointError(f"cannot lock {path} ({reason})")
-    return CheckpointError(f"cannot lock {path}: it is {kind}, not nbckpt's lock file; remove it")
 
 
 def _exchange(a: str, b: str) -> bool:

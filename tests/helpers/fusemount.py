@@ -18,7 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from helpers.s3server import SeaweedS3
+from helpers.s3server import SeaweedS3, _die_with_parent
 
 __all__ = ["SeaweedMount", "is_mounted", "unavailable"]
 
@@ -68,7 +68,8 @@ class SeaweedMount:
         ]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent,  # a crashed test run leaves no mount daemon behind
             )
         deadline = time.monotonic() + timeout
         while not is_mounted(self.path):

@@ -89,12 +89,19 @@ def test_item14_a_failed_constructor_releases_the_directory_and_its_threads(tmp_
     directory = tmp_path / "run"
     with Checkpointer(directory) as ckpt:
         ckpt.save(state_of(1), step=1).wait()
+    with Checkpointer(tmp_path / "other", mirror=str(tmp_path / "mirror")):
+        pass  # the mirror is this other run's from now on
     threads, fds = nbckpt_threads(), open_fds()
-    with pytest.raises(ConfigError, match="the run has no line 'missing'"):
-        Checkpointer(directory, line="missing")
-    assert nbckpt_threads() == threads  # the I/O, persist, retention and staging threads ended
-    assert open_fds() == fds  # the lock's descriptor is closed
-    assert nbckpt.close_all() == []  # nothing half-made is left registered
+    failing: list[tuple[dict[str, Any], str]] = [
+        ({"line": "missing"}, "the run has no line 'missing'"),
+        ({"mirror": str(tmp_path / "mirror")}, "belongs to the run"),  # refused after the lock
+    ]
+    for options, message in failing:
+        with pytest.raises(ConfigError, match=message):
+            Checkpointer(directory, **options)
+        assert nbckpt_threads() == threads  # the I/O, persist, retention, staging, mirror threads ended
+        assert open_fds() == fds  # the lock's descriptor is closed
+        assert nbckpt.close_all() == []  # nothing half-made is left registered
     with Checkpointer(directory) as again:  # the directory is free: no "in use"
         assert_holds(again, 1)
 
