@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -285,8 +286,9 @@ def test_item16_ls_of_s3_without_credentials_is_one_line(
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    s3_server.make_bucket("nocreds")
-    code, out, err = run_cli(capsys, "ls", "s3://nocreds/run", "--endpoint-url", s3_server.endpoint_url)
+    bucket = f"nocreds-{uuid.uuid4().hex[:8]}"
+    s3_server.make_bucket(bucket)
+    code, out, err = run_cli(capsys, "ls", f"s3://{bucket}/run", "--endpoint-url", s3_server.endpoint_url)
     assert code == 2 and out == "", out
     assert err.count("\n") == 1 and "credentials" in err, err
 
