@@ -23,6 +23,7 @@ __all__ = [
     "MIB",
     "S3_DEFAULT_RETRIES",
     "check_count",
+    "check_path",
     "endpoint",
     "explain_fsspec_error",
     "format_bytes",
@@ -106,6 +107,24 @@ def check_count(value: Any, name: str, *, minimum: int = 1, maximum: int | None 
     return value
 
 
+def check_path(path: Any, what: str) -> str:
+    """``path`` as text if it can name a file or directory (a local path or a URL); else a
+    one-line ConfigError naming ``what`` (the operating system would raise a bare ValueError
+    for a NUL, and an empty ``file://`` would mean the current directory)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{what} must be a path, not {type(path).__name__} {repr(path)[:80]}")
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if "\0" in text:
+        raise ConfigError(f"{what} {text!r} holds a NUL character, which no path can")
+    if not text.removeprefix("file://").strip():
+        raise ConfigError(f"{what} {text!r} names no directory" + (
+            "; a file:// URL needs a path (file:///data/run1)" if text.startswith("file://") else ""
+        ))
+    return text
+
+
 def is_url(path: str | os.PathLike[str]) -> bool:
     """True for fsspec URLs such as ``s3://bucket/run``; ``file://`` counts as local."""
     text = os.fspath(path)
@@ -118,9 +137,7 @@ def writable_directory(path: str | os.PathLike[str], what: str = "directory") ->
     Raises ConfigError in one line naming ``what`` and the reason; a directory created here
     is removed again when it turns out to be unusable.
     """
-    target = Path(os.fspath(path).removeprefix("file://")).expanduser()
-    if not str(target).strip():
-        raise ConfigError(f"{what} is empty")
+    target = Path(check_path(path, what).removeprefix("file://")).expanduser()
     if target.exists() and not target.is_dir():
         raise ConfigError(f"{what} {target} is not writable (it is a file, not a directory)")
     missing = target
@@ -203,6 +220,11 @@ def where(url: str, storage_options: dict[str, Any]) -> str:
 def explain_fsspec_error(exc: BaseException, path: str) -> str:
     """One line for an object-store error, saying what to check for the common ones."""
     text = describe_error(exc)
+    if any(type(cause).__name__ == "NoCredentialsError" for cause in _causes(exc)):  # botocore's
+        return (
+            "no credentials found; give a key and secret (storage_options key/secret, or "
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
+        )
     if isinstance(exc, PermissionError):
         return (
             f"access denied, {text}; check the key and secret (storage_options key/secret "
@@ -211,6 +233,16 @@ def explain_fsspec_error(exc: BaseException, path: str) -> str:
     if isinstance(exc, FileNotFoundError):
         return f"bucket {path.split('/', 1)[0]!r} does not exist"
     return text
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it was raised from (s3fs wraps botocore's errors), at most 8 deep."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(chain) < 8:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 def with_filename(exc: OSError, path: str) -> OSError:

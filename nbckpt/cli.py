@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from typing import Any
 
 from . import bench
 from ._errors import CheckpointError, ConfigError, NbckptError
-from ._util import check_count, format_bytes, parse_value
+from ._util import check_count, format_bytes, is_url, parse_value
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -183,11 +184,45 @@ def _storage_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _reader(args: argparse.Namespace) -> Any:
+    """A read-only Checkpointer on ``args.directory``; a path that does not exist is an error (a
+    typo must not read as an empty run: ``nbckpt verify DIR && deploy``)."""
     from .engine import Checkpointer
 
+    path = str(args.directory).removeprefix("file://")
+    if not is_url(args.directory) and not os.path.lexists(os.path.expanduser(path)):
+        raise CheckpointError(f"{path} does not exist")
     # read-only: no lock, nothing written, so a run may be saving into the directory meanwhile
     return Checkpointer(args.directory, read_only=True, storage_options=_storage_options(args),
                         line=getattr(args, "line", None))
+
+
+def _nothing_in(url: str) -> str:
+    """"no committed checkpoint in URL", naming the runs inside it when it is a parent of runs."""
+    line = f"no committed checkpoint in {url}"
+    runs = [] if is_url(url) else _runs_in(url)
+    if runs:
+        line += f"; it holds runs: {', '.join(runs)} (nbckpt ls {os.path.join(url, runs[0])})"
+    return line
+
+
+def _runs_in(directory: str, limit: int = 1000) -> list[str]:
+    """Folders directly in ``directory`` that hold committed steps (of the first ``limit``)."""
+    try:
+        with os.scandir(directory) as entries:
+            folders = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))[:limit]
+    except OSError:
+        return []
+    return [name for name in folders if any(
+        os.path.isfile(os.path.join(directory, name, step, "manifest.json"))
+        for step in _step_names(os.path.join(directory, name))
+    )]
+
+
+def _step_names(directory: str) -> list[str]:
+    try:
+        return [name for name in os.listdir(directory) if name.startswith("step-")]
+    except OSError:
+        return []
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -195,7 +230,7 @@ def _ls(args: argparse.Namespace) -> int:
     with _reader(args) as ckpt:
         steps = ckpt.steps()
         if not steps:
-            print(f"no committed checkpoint in {ckpt.store.url}")
+            print(_nothing_in(ckpt.store.url))
             return 0
         print(f"{'step':>10}  {'written (UTC)':19}  {'size':>9}  {'tensors':>7}  program")
         for step in steps:
@@ -295,7 +330,10 @@ def _verify(args: argparse.Namespace) -> int:
     """``nbckpt verify``: check every block of every file of one step, or of all; exit 1 on damage."""
     bad = 0
     with _reader(args) as ckpt:
-        for step in [args.step] if args.step is not None else ckpt.steps():
+        steps = [args.step] if args.step is not None else ckpt.steps()
+        if not steps:
+            raise CheckpointError(_nothing_in(ckpt.store.url))
+        for step in steps:
             try:
                 ckpt.verify(step)
                 print(f"step {step}: ok")

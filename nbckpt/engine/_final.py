@@ -17,15 +17,56 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from .._errors import ConfigError
+from .._util import parse_duration
+
 if TYPE_CHECKING:
     from ._checkpointer import Checkpointer
 
-__all__ = ["Snapshot", "final_save", "install", "uninstall"]
+__all__ = ["Snapshot", "check_arguments", "check_signals", "final_save", "install", "uninstall"]
 
 _log = logging.getLogger("nbckpt")
 
 #: Gives the ``(state, step)`` to save when the time comes, or None when there is nothing new.
 Snapshot = Callable[[], "tuple[Mapping[str, Any], int] | None"]
+
+
+def check_arguments(snapshot: Any, timeout_s: Any) -> float:
+    """Checked when the final save is set up, not when the signal comes: ``timeout_s`` in seconds."""
+    if not callable(snapshot):
+        raise ConfigError(
+            f"snapshot must be a function returning (state, step) or None, not {type(snapshot).__name__}"
+        )
+    return parse_duration(timeout_s, "timeout_s")
+
+
+def check_signals(signals: Any) -> tuple[signal.Signals, ...]:
+    """``signals`` (signals, their numbers or names such as ``"SIGTERM"``) as signals a handler
+    can be installed for; ConfigError naming the first that is not one."""
+    if not isinstance(signals, (tuple, list)) or not signals:
+        raise ConfigError(f"signals must be a tuple of signals such as (signal.SIGTERM,), not {signals!r}")
+    checked = []
+    for item in signals:
+        try:
+            if isinstance(item, str):
+                name = item.upper()
+                found = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+            elif isinstance(item, int) and not isinstance(item, bool):
+                found = signal.Signals(item)
+            else:
+                raise TypeError(item)
+        except (KeyError, ValueError, TypeError):
+            raise ConfigError(
+                f"signals: {item!r} is not a signal (such as signal.SIGTERM or 'SIGTERM')"
+            ) from None
+        if found in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"signals: {found.name} cannot be caught, so no final save can run on it")
+        checked.append(found)
+    return tuple(checked)
+
+
+def _is_state_and_step(taken: Any) -> bool:
+    return isinstance(taken, (tuple, list)) and len(taken) == 2 and isinstance(taken[0], Mapping)
 
 
 def final_save(ckpt: Checkpointer, snapshot: Snapshot, timeout_s: float, reason: str) -> str:
@@ -38,6 +79,10 @@ def final_save(ckpt: Checkpointer, snapshot: Snapshot, timeout_s: float, reason:
     except Exception as exc:
         line = f"no final save, the snapshot failed: {exc}"
     else:
+        if taken is not None and not _is_state_and_step(taken):
+            line = f"no final save, the snapshot returned {repr(taken)[:80]}, not (state, step) or None"
+            _log.warning("nbckpt: %s: %s", reason, line)
+            return line
         outcome: list[str] = []
         # On its own thread, so that the wait is bounded (another thread may hold the lock, or
         # the storage may hang); a daemon thread, so that it never keeps the process alive.
@@ -80,13 +125,15 @@ def on_signal(
     if ckpt is not None and ckpt._main_depth:  # interrupted inside a call: save once it returns
         ckpt._deferred = partial(on_signal, ref, snapshot, timeout_s, previous, signum, frame)
         return
-    if ckpt is not None and not ckpt._closed:
-        final_save(ckpt, snapshot, timeout_s, signal.Signals(signum).name)
-    signal.signal(signum, previous)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous == signal.SIG_DFL:
-        os.kill(os.getpid(), signum)
+    try:
+        if ckpt is not None and not ckpt._closed:
+            final_save(ckpt, snapshot, timeout_s, signal.Signals(signum).name)
+    finally:  # whatever happened, the signal goes on to do what it did before (end the process)
+        signal.signal(signum, previous)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)
 
 
 Installed = dict[int, tuple[Callable[..., None], Any]]

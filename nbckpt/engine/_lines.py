@@ -8,7 +8,9 @@ saves never meet the abandoned line's higher steps (and "newest" never picks one
         step-000060/
 
 A branch sees its parent's steps up to the one it started from. Opening a run continues the
-line committed to last, unless a line is named.
+line committed to last, unless a line is named. A ``branch-N`` that is a symlink is never a
+line: it could point anywhere, and restore would read there, saves write there and clean-up
+delete there. A mirror holds the same lines (``branch.json`` included) in the same layout.
 """
 
 from __future__ import annotations
@@ -18,13 +20,23 @@ import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from .._errors import CheckpointError, ConfigError
 from ._files import Sink, Source
-from ._store import MANIFEST, Store, open_store
+from ._store import MANIFEST, Store
 
-__all__ = ["MAIN", "Line", "StepLimited", "ancestry", "discover", "last_committed", "lineage", "start_branch"]
+__all__ = [
+    "MAIN",
+    "Line",
+    "StepLimited",
+    "ancestry",
+    "discover",
+    "last_committed",
+    "lineage",
+    "on",
+    "start_branch",
+    "write_record",
+]
 
 MAIN = "main"
 BRANCH_FILE = "branch.json"
@@ -67,17 +79,14 @@ class StepLimited:
         raise CheckpointError(f"{self.url} is a parent line, read only from its branch")
 
 
-def _child(root: Store, name: str, storage_options: dict[str, Any]) -> Store:
-    return open_store(f"{root.url.rstrip('/')}/{name}", storage_options)
-
-
-def discover(root: Store, storage_options: dict[str, Any]) -> dict[str, Line]:
-    """Every line of the run at ``root``: main, and each ``branch-N`` with a valid branch.json."""
+def discover(root: Store) -> dict[str, Line]:
+    """Every line of the run at ``root``: main, and each ``branch-N`` directory (never a symlink)
+    with a valid branch.json."""
     lines = {MAIN: Line(MAIN, root)}
     for name in sorted(root.names(), key=lambda n: (len(n), n)):
-        if not _BRANCH_RE.fullmatch(name):
+        store = root.child(name) if _BRANCH_RE.fullmatch(name) else None
+        if store is None:
             continue
-        store = _child(root, name, storage_options)
         try:
             record = json.loads(store.read_small(store.url, BRANCH_FILE, 1 << 16))
             parent, from_step = str(record["parent"]), int(record["from_step"])
@@ -87,9 +96,10 @@ def discover(root: Store, storage_options: dict[str, Any]) -> dict[str, Line]:
     return lines
 
 
-def last_committed(lines: dict[str, Line]) -> str:
-    """The line a run continues on by default: the one with the most recent commit."""
-    best, best_time = MAIN, -1.0
+def last_committed(lines: dict[str, Line]) -> str | None:
+    """The line a run continues on by default: the one with the most recent commit (None when
+    no line has one)."""
+    best, best_time = None, -1.0
     for name, line in lines.items():
         committed = line.store.committed()
         if not committed:
@@ -131,16 +141,33 @@ def ancestry(lines: dict[str, Line], name: str) -> list[Store | StepLimited]:
     return chain
 
 
-def start_branch(
-    root: Store, lines: dict[str, Line], parent: str, from_step: int, storage_options: dict[str, Any]
-) -> Line:
+def on(lines: dict[str, Line], root: Store) -> dict[str, Line]:
+    """The same lines in another place with the same layout (the mirror, at ``root``)."""
+    placed = {}
+    for name, line in lines.items():
+        store = root if name == MAIN else root.child(name)
+        if store is not None:
+            placed[name] = Line(name, store, line.parent, line.from_step)
+    return placed
+
+
+def write_record(line: Line) -> None:
+    """Create the folder of branch ``line`` and write its branch.json (before any step of it)."""
+    line.store.prepare()
+    record = {"parent": line.parent, "from_step": line.from_step, "created": time.time()}
+    line.store.write_small(BRANCH_FILE, json.dumps(record).encode())
+
+
+def start_branch(root: Store, lines: dict[str, Line], parent: str, from_step: int) -> Line:
     """A new line going on from ``parent``'s ``from_step``; its record is written before any step."""
-    numbers = [int(name.split("-")[1]) for name in lines if name != MAIN]
+    # Numbered past every branch-N entry, lines or not: a symlink or a branch whose record never
+    # got written must not be taken over.
+    numbers = [int(name.split("-")[1]) for name in [*lines, *root.names()] if _BRANCH_RE.fullmatch(name)]
     name = f"branch-{max(numbers, default=0) + 1}"
-    store = _child(root, name, storage_options)
-    store.prepare()
-    record = {"parent": parent, "from_step": from_step, "created": time.time()}
-    store.write_small(BRANCH_FILE, json.dumps(record).encode())
+    store = root.child(name)
+    if store is None:  # appeared since the listing: not ours to write into
+        raise CheckpointError(f"cannot start line {name} in {root.url}: {name} appeared meanwhile")
     line = Line(name, store, parent, from_step)
+    write_record(line)
     lines[name] = line
     return line

@@ -5,126 +5,325 @@ Saves never wait for the mirror: a restart restores from the fast local copy, an
 that is gone or damaged from the mirror. An upload reads the local files block by block,
 checking each against the manifest, so a damaged local copy is never passed on; the manifest
 goes last, so a step counts on the mirror only once all of it is there.
+
+A mirror holds one run: ``.nbckpt-mirror.json`` at its root names the run it belongs to, and
+another run is refused (two runs sharing a mirror would delete each other's steps, and one
+would restore the other's). It keeps the run's lines in the run's layout, ``branch.json``
+included, so a restore from the mirror alone goes on in the right line. The backlog is
+bounded: with ``keep``, at most ``keep`` steps per line wait for a slow mirror (older ones are
+skipped, said in the log), so retention in the run's directory stays bounded too; a run
+reopened after a crash uploads what its mirror lacks.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
-from concurrent.futures import Future
-from functools import partial
-from typing import Any
+import time
+from collections import deque
+from dataclasses import dataclass
 
-from .._errors import describe_error
+from .._errors import CheckpointError, ConfigError, describe_error
 from ._files import copy_file
-from ._lines import MAIN
+from ._lines import BRANCH_FILE, MAIN, Line, discover, on, write_record
 from ._reader import damage_named, read_manifest
-from ._store import Store, open_store, step_name
+from ._store import LOCK_FILE, Store, step_name
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
-__all__ = ["Mirror"]
+__all__ = ["MARKER", "Mirror", "mirror_of"]
 
 _log = logging.getLogger("nbckpt")
+#: At the mirror's root: the run the mirror belongs to.
+MARKER = ".nbckpt-mirror.json"
+
+
+def mirror_of(store: Store) -> str | None:
+    """The run whose mirror ``store`` is (from its marker), or None when it is no mirror."""
+    try:
+        data = store.read_small(store.url, MARKER, 1 << 16)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, CheckpointError) as exc:
+        raise CheckpointError(f"cannot read {store.url}/{MARKER}: {describe_error(exc)}") from exc
+    try:
+        run = json.loads(data)["run"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{store.url}/{MARKER} is not a mirror marker nbckpt wrote") from exc
+    return str(run)
+
+
+@dataclass
+class _Upload:
+    """A committed step waiting for (or in) its upload."""
+
+    line: str
+    step: int
+    source: Store
+    location: str
+
+
+@dataclass
+class _Record:
+    """A branch record the mirror must hold before any step of that branch."""
+
+    line: Line
 
 
 class Mirror:
-    """Uploads committed steps to ``store`` on one background thread, in commit order."""
+    """Uploads committed steps to ``root`` on one background thread, in commit order."""
 
     def __init__(
-        self,
-        store: Store,
-        *,
-        keep: int | None,
-        timeline: Timeline,
-        nonce: str,
-        storage_options: dict[str, Any],
-        nice: int = 0,
+        self, root: Store, *, keep: int | None, timeline: Timeline, nonce: str, writes: bool, nice: int = 0
     ) -> None:
-        self.store, self.keep, self.timeline, self._nonce = store, keep, timeline, nonce
-        self.root, self._options = store, storage_options
+        """``writes``: this process uploads (rank 0 of a run not opened read-only)."""
+        self.root, self.keep, self.timeline, self._nonce, self._writes = root, keep, timeline, nonce, writes
         self._worker = Worker("nbckpt-mirror", nice=nice)
         self._lock = threading.Lock()
-        self._pending: set[int] = set()  # steps queued or uploading: retention must leave them
-        self._last: Future[None] | None = None
+        self._idle = threading.Condition(self._lock)
+        self._waiting: deque[_Upload | _Record] = deque()
+        self._uploading: _Upload | None = None
+        self._jobs = 0  # submitted to the worker and not yet over
+        self._line = MAIN  # the line new commits belong to (set by follow)
+        self._newest: dict[str, deque[int]] = {}  # per line, the ``keep`` steps committed last
+        self._skipped = 0
         self.failures: list[str] = []
         self._count = 0
 
-    def follow(self, line: str) -> None:
-        """Upload into the mirror's copy of ``line`` (a branch of the run is a folder there too)."""
-        self.store = self.root if line == MAIN else open_store(f"{self.root.url}/{line}", self._options)
+    def claim(self, run: str) -> None:
+        """Make the mirror this run's; ConfigError when it belongs to another run or is a run."""
+        owner = mirror_of(self.root)
+        if owner is not None and owner != run:
+            raise ConfigError(
+                f"the mirror {self.root.url} belongs to the run {owner}; a mirror holds one run (two "
+                f"would delete each other's steps): give {run} a mirror of its own, or delete "
+                f"{self.root.url}/{MARKER} to hand the mirror over"
+            )
+        if owner is None:
+            if LOCK_FILE in self.root.names():
+                raise ConfigError(
+                    f"the mirror {self.root.url} is a run's directory (it has {LOCK_FILE}); "
+                    "give the mirror a directory of its own"
+                )
+            record = {"run": run, "created": time.time()}
+            self.root.write_small(MARKER, json.dumps(record).encode())
 
-    @property
-    def pending(self) -> set[int]:
-        with self._lock:
-            return set(self._pending)
+    def check(self, run: str) -> None:
+        """For a reader: ConfigError when the mirror holds another run's steps. A mirror that
+        cannot be reached now is no reason not to read the run's own directory."""
+        try:
+            owner = mirror_of(self.root)
+        except CheckpointError as exc:
+            _log.warning("nbckpt: %s; reading without it", exc)
+            return
+        if owner is not None and owner != run:
+            raise ConfigError(f"the mirror {self.root.url} belongs to the run {owner}, not to {run}")
 
-    def upload(self, source: Store, step: int, location: str) -> None:
-        """Queue ``step`` (committed at ``location`` of ``source``) for upload."""
-        done: Future[None] = Future()
+    def lines(self) -> dict[str, Line]:
+        """The lines the mirror holds (it may hold some the run's directory lost); only main
+        while it cannot be reached."""
+        try:
+            return discover(self.root)
+        except (OSError, CheckpointError) as exc:
+            reason = describe_error(exc)
+            _log.warning("nbckpt: cannot list the lines of the mirror %s: %s", self.root.url, reason)
+            return {MAIN: Line(MAIN, self.root)}
+
+    def follow(self, line: str, lineage: list[Line]) -> None:
+        """From now on commits belong to ``line``; ``lineage`` (it and its ancestors) gets its
+        branch records on the mirror first, in order with the uploads already queued."""
+        mirrored = on({entry.name: entry for entry in lineage}, self.root)
         with self._lock:
-            self._pending.add(step)
-            self._last = done
-            self._count += 1
-            nonce = f"{self._nonce}m{self._count:x}"
-        self._worker.submit(partial(self._upload, source, location, step, nonce, done))
+            self._line = line
+        if not self._writes:
+            return
+        for entry in reversed(lineage):
+            if entry.name != MAIN and entry.name in mirrored:
+                self._queue(_Record(mirrored[entry.name]))
+
+    def pending(self, url: str) -> set[int]:
+        """Steps of the store at ``url`` queued or uploading that retention would otherwise
+        delete: it must leave them. The ``keep`` committed last are left anyway, and so still
+        count towards ``keep``: with a stuck mirror the directory holds ``keep + 1`` steps."""
+        with self._lock:
+            entries = [*self._waiting, *([self._uploading] if self._uploading else [])]
+            return {
+                e.step
+                for e in entries
+                if isinstance(e, _Upload)
+                and e.source.url == url
+                and e.step not in self._newest.get(e.line, ())
+            }
+
+    def upload(self, source: Store, step: int, location: str, line: str | None = None) -> None:
+        """Queue ``step`` (committed at ``location`` of ``source``, in the current line unless
+        ``line`` is named) for upload. With ``keep``, the oldest waiting steps of that line beyond
+        ``keep`` are skipped: the mirror would delete them again at once."""
+        with self._lock:
+            entry = _Upload(line or self._line, step, source, location)
+            if self.keep is not None:  # without keep nothing is deleted: no need to know
+                newest = self._newest.setdefault(entry.line, deque(maxlen=self.keep))
+                if step in newest:
+                    newest.remove(step)
+                newest.append(step)
+            key = (entry.line, step)
+            same = [e for e in self._waiting if isinstance(e, _Upload) and (e.line, e.step) == key]
+            if same:  # saved again before its upload began: the one upload takes the newest copy
+                same[0].source, same[0].location = source, location
+                return
+            self._waiting.append(entry)
+            dropped = self._over_keep(entry.line)
+        for skipped in dropped:
+            self._said_skip(skipped)
+        self._submit()
+
+    def _over_keep(self, line: str) -> list[_Upload]:
+        """Take the oldest waiting uploads of ``line`` beyond ``keep`` off the queue (lock held)."""
+        waiting = [e for e in self._waiting if isinstance(e, _Upload) and e.line == line]
+        if self.keep is None or len(waiting) <= self.keep:
+            return []
+        dropped = waiting[: len(waiting) - self.keep]  # the queue is in commit order
+        for entry in dropped:
+            self._waiting.remove(entry)
+        return dropped
+
+    def _said_skip(self, entry: _Upload) -> None:
+        self._skipped += 1
+        where = "" if entry.line == MAIN else f" of {entry.line}"
+        level = logging.WARNING if self._skipped == 1 else logging.INFO
+        _log.log(
+            level,
+            "nbckpt: the mirror %s is slower than the saves: step %d%s is not uploaded (skipped %d so far); "
+            "it gets the newest %d step(s) of each line",
+            self.root.url, entry.step, where, self._skipped, self.keep,
+        )
+
+    def resume(self, lines: dict[str, Line]) -> int:
+        """Queue what the mirror lacks of each line's committed steps (the newest ``keep`` at most),
+        as after a crash that cut uploads short; return how many were queued."""
+        queued = 0
+        mirrored = on(lines, self.root)
+        for name, line in lines.items():
+            local = line.store.committed()
+            if name not in mirrored or not local:
+                continue
+            there = set(mirrored[name].store.committed())
+            wanted = sorted(local)[-self.keep :] if self.keep is not None else sorted(local)
+            missing = [step for step in wanted if step not in there]
+            if missing and name != MAIN:
+                self._queue(_Record(mirrored[name]))
+            for step in missing:
+                self.upload(line.store, step, local[step], name)
+            queued += len(missing)
+        if queued:
+            _log.info("nbckpt: uploading %d committed step(s) the mirror %s lacks", queued, self.root.url)
+        return queued
 
     def wait(self) -> list[str]:
         """Block until every queued upload is over; return (and forget) the failures since last."""
-        last = self._last
-        if last is not None:
-            last.result()
-        with self._lock:
+        with self._idle:
+            while self._jobs:
+                self._idle.wait()
             failures, self.failures = self.failures, []
         return failures
 
     def stop(self, wait: bool) -> None:
         self._worker.stop(wait)
 
-    def _upload(self, source: Store, location: str, step: int, nonce: str, done: Future[None]) -> None:
+    def _queue(self, entry: _Upload | _Record) -> None:
+        with self._lock:
+            self._waiting.append(entry)
+        self._submit()
+
+    def _submit(self) -> None:
+        with self._lock:
+            self._jobs += 1
+        self._worker.submit(self._next)
+
+    def _next(self) -> None:
+        """The worker's job: the oldest entry waiting, if one is left (skips shorten the queue)."""
+        try:
+            with self._lock:
+                entry = self._waiting.popleft() if self._waiting else None
+                if isinstance(entry, _Upload):
+                    self._uploading = entry
+            if isinstance(entry, _Record):
+                self._write_record(entry.line)
+            elif entry is not None:
+                self._upload(entry)
+        finally:
+            with self._idle:
+                self._uploading = None
+                self._jobs -= 1
+                self._idle.notify_all()
+
+    def _write_record(self, line: Line) -> None:
+        try:
+            try:
+                line.store.read_small(line.store.url, BRANCH_FILE, 1 << 16)
+                return  # there already
+            except (OSError, CheckpointError):
+                pass
+            write_record(line)
+        except Exception as exc:
+            self._failed(f"the mirror {self.root.url} has no record of {line.name}: {describe_error(exc)}")
+
+    def _target(self, line: str) -> Store:
+        store = self.root if line == MAIN else self.root.child(line)
+        if store is None:
+            raise CheckpointError(f"{self.root.url}/{line} is not a directory the mirror may write into")
+        return store
+
+    def _upload(self, entry: _Upload) -> None:
         began = now_ns()
+        step, source, location = entry.step, entry.source, entry.location
+        store: Store | None = None
         target: str | None = None
         committed = False
         try:
+            store = self._target(entry.line)
+            if self.keep is not None and len([s for s in store.committed() if s > step]) >= self.keep:
+                return  # the mirror has ``keep`` newer steps: this one would be deleted at once
+            with self._lock:
+                self._count += 1
+                nonce = f"{self._nonce}f{self._count:x}"  # hex: a leftover of it is recognised
             manifest, data = read_manifest(source, step, location)
-            target = self.store.begin(step, nonce)
+            target = store.begin(step, nonce)
             copied = 0
             for name, meta in manifest.files.items():
                 with damage_named(f"{step_name(step)}/{name}"):
                     copied += copy_file(
                         source.source(location, name, meta["size"]),
-                        self.store.sink(target, name),
+                        store.sink(target, name),
                         meta["blocks"],
-                        fsync=self.store.is_local,
+                        fsync=store.is_local,
                     )
-            self.store.commit(target, step, data)
+            store.commit(target, step, data)
             committed = True
-            self.timeline.record("upload", began, step=step, nbytes=copied, mirror=self.store.url)
-            self._retain(step)
+            self.timeline.record("upload", began, step=step, nbytes=copied, mirror=store.url)
+            self._retain(store, step)
         except Exception as exc:
-            if target is not None and not committed:
-                self.store.discard(target)
-            message = (
-                f"step {step} is committed locally but not on the mirror {self.store.url}: "
-                f"{describe_error(exc)}"
-            )
-            with self._lock:
-                self.failures.append(message)
+            if store is not None and target is not None and not committed:
+                store.discard(target)
+            url = store.url if store is not None else self.root.url
+            message = f"step {step} is committed locally but not on the mirror {url}: {describe_error(exc)}"
             self.timeline.record("error", began, step=step, message=message)
-            _log.warning("nbckpt: %s", message)
-        finally:
-            with self._lock:
-                self._pending.discard(step)
-            done.set_result(None)
+            self._failed(message)
 
-    def _retain(self, newest: int) -> None:
-        """The mirror keeps as many steps as the directory (never the one just uploaded)."""
+    def _failed(self, message: str) -> None:
+        with self._lock:
+            self.failures.append(message)
+        _log.warning("nbckpt: %s", message)
+
+    def _retain(self, store: Store, newest: int) -> None:
+        """The mirror keeps as many steps per line as the directory (never the one just uploaded)."""
         if self.keep is None:
             return
-        steps = sorted(s for s in self.store.committed() if s != newest)
+        steps = sorted(s for s in store.committed() if s != newest)
         for step in steps[: max(len(steps) + 1 - self.keep, 0)]:
             try:
-                self.store.delete(step)
+                store.delete(step)
             except Exception as exc:
                 _log.warning(
                     "nbckpt: could not delete %s from the mirror: %s", step_name(step), describe_error(exc)

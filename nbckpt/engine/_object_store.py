@@ -62,7 +62,13 @@ class FsspecStore(Store):
             entries = self.fs.ls(self._root, detail=False)
         except FileNotFoundError:
             return []
+        except Exception as exc:  # no credentials, access denied, no endpoint: one line
+            reason = explain_fsspec_error(exc, self._root)
+            raise CheckpointError(f"cannot list {where(self.url, self.storage_options)} ({reason})") from exc
         return [str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    def child(self, name: str) -> FsspecStore:
+        return FsspecStore(f"{self.url}/{name}", self.storage_options)  # an object store has no links
 
     def _has_manifest(self, name: str) -> bool:
         return bool(self.fs.exists(f"{self._root}/{name}/{MANIFEST}"))

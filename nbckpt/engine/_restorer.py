@@ -30,13 +30,7 @@ from ._template import align, apply, check_loadable, check_template, sharded_tar
 from ._timeline import Timeline, now_ns
 from ._workers import Pool
 
-__all__ = ["Restorer", "check_step", "check_step_files"]
-
-
-def check_step(step: Any) -> int:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ConfigError(f"step must be a non-negative integer, not {step!r}")
-    return step
+__all__ = ["Restorer", "check_step_files"]
 
 
 class Restorer:

@@ -26,16 +26,19 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import Any
 
-from .._errors import CheckpointError, describe_error
-from .._util import fsync_dir, is_url
+from .._errors import CheckpointError, ConfigError, describe_error
+from .._util import check_path, fsync_dir, is_url
 from . import _faults
 from ._files import LocalSink, LocalSource, Sink, Source
+from ._lockfile import take_lock
 
 __all__ = [
     "LOCK_FILE",
     "MANIFEST",
+    "MAX_STEP",
     "LocalStore",
     "Store",
+    "check_step",
     "open_store",
     "parse_step",
     "step_name",
@@ -44,20 +47,35 @@ __all__ = [
 MANIFEST = "manifest.json"
 LOCK_FILE = ".nbckpt.lock"
 _log = logging.getLogger("nbckpt")
-_STEP_RE = re.compile(r"step-([0-9]{6,})", re.ASCII)
+#: The highest step: an int64, as a step counter is in torch and in most JSON readers. Its name
+#: (19 digits) fits any file system; 10**300 would not (ENAMETOOLONG), and 10**5000 cannot
+#: even be turned into text without raising.
+MAX_STEP = 2**63 - 1
+_STEP_RE = re.compile(r"step-([0-9]{6,19})", re.ASCII)
 #: A step folder of another writer: torchtitan names them ``step-{step}``, without padding.
 _DCP_STEP_RE = re.compile(r"step-([0-9]{1,18})", re.ASCII)
-_LEFTOVER_RE = re.compile(r"\.(tmp|trash|old)-(step-[0-9]{6,})-[0-9a-f]+", re.ASCII)
+_LEFTOVER_RE = re.compile(r"\.(tmp|trash|old)-(step-[0-9]{6,19})-[0-9a-f]+", re.ASCII)
 
 
 def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def check_step(step: Any) -> int:
+    """``step`` if it is an integer from 0 to :data:`MAX_STEP`, else a one-line ConfigError."""
+    if isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_STEP:
+        return step
+    # Never the huge integer in full: turning 10**5000 into text raises by itself.
+    big = isinstance(step, int) and step.bit_length() > 256
+    shown = f"an integer of {step.bit_length()} bits" if big else repr(step)[:100]
+    bound = " up to 2**63 - 1" if isinstance(step, int) and not isinstance(step, bool) and step > 0 else ""
+    raise ConfigError(f"step must be a non-negative integer{bound}, not {shown}")
+
+
 def parse_step(name: str) -> int | None:
     """The step a directory name stands for, or None (one canonical spelling per step)."""
     match = _STEP_RE.fullmatch(name)
-    if match is None or step_name(int(match.group(1))) != name:
+    if match is None or int(match.group(1)) > MAX_STEP or step_name(int(match.group(1))) != name:
         return None
     return int(match.group(1))
 
@@ -99,6 +117,11 @@ class Store(ABC):
     @abstractmethod
     def names(self) -> list[str]:
         """Every entry directly under the root (steps, leftovers, branches)."""
+
+    @abstractmethod
+    def child(self, name: str) -> Store | None:
+        """The store of folder ``name`` under the root (a branch line's), whether it exists yet
+        or not; None where that entry can never be part of the run (a symlink, a file)."""
 
     @abstractmethod
     def modified(self, location: str, name: str) -> float:
@@ -145,6 +168,7 @@ class LocalStore(Store):
     def __init__(self, root: str) -> None:
         self.url = os.path.abspath(os.path.expanduser(root))
         self._lock_fd: int | None = None
+        self._exchange_works = True  # until renameat2(RENAME_EXCHANGE) says otherwise here
 
     def _path(self, name: str) -> str:
         return os.path.join(self.url, name)
@@ -173,29 +197,7 @@ class LocalStore(Store):
             raise CheckpointError(f"{self.url} is not writable ({exc.strerror or exc})") from exc
 
     def lock(self) -> None:
-        import fcntl
-
-        path = self._path(LOCK_FILE)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise CheckpointError(f"cannot lock {path} ({exc.strerror})") from exc
-            if holder == str(os.getpid()):
-                raise CheckpointError(
-                    f"{self.url} is in use by another Checkpointer in this process; close it "
-                    "(ckpt.close()) or call nbckpt.close_all()"
-                ) from exc
-            raise CheckpointError(
-                f"{self.url} is in use by another Checkpointer (pid {holder}); "
-                "use a different directory or close the other one first"
-            ) from exc
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd
+        self._lock_fd = take_lock(self._path(LOCK_FILE), self.url)
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -207,6 +209,20 @@ class LocalStore(Store):
             return os.listdir(self.url)
         except FileNotFoundError:
             return []
+        except NotADirectoryError:
+            raise CheckpointError(f"{self.url} is a file, not a directory") from None
+
+    def child(self, name: str) -> LocalStore | None:
+        path = self._path(name)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return LocalStore(path)
+        except OSError:
+            return None
+        # A symlink is never followed out of the run: restore would read there, saves would
+        # write there and clean-up would delete there (lstat: a link is not a directory).
+        return LocalStore(path) if stat.S_ISDIR(mode) else None
 
     def recover(self) -> list[str]:
         done = []
@@ -329,7 +345,7 @@ class LocalStore(Store):
         old = self._path(f".old-{step_name(step)}-{uuid.uuid4().hex[:8]}")
         replaced = os.path.lexists(final)
         if replaced:
-            self._swap_in(location, final, old)
+            replaced = self._swap_in(location, final, old)
         else:
             os.rename(location, final)
         try:
@@ -342,11 +358,15 @@ class LocalStore(Store):
             self._remove(old)
         return final
 
-    def _swap_in(self, location: str, final: str, old: str) -> None:
-        """Make ``location`` the step at ``final``; the previous copy ends up at ``old``."""
-        if _exchange(location, final):
+    def _swap_in(self, location: str, final: str, old: str) -> bool:
+        """Make ``location`` the step at ``final``; the previous copy ends up at ``old`` (False:
+        nothing was left of it, as when the file system renamed instead of exchanging)."""
+        if self._exchange_works and _exchange(location, final):
+            if not os.path.lexists(location):  # the flag was ignored: an empty copy was replaced
+                return False
             os.rename(location, old)  # ``location`` now holds the previous copy
-            return
+            return True
+        self._exchange_works = False  # once per store: each try costs a round trip on NFS
         os.rename(final, old)  # from here the next open puts ``old`` back if we stop
         _faults.hit("between_renames")
         try:
@@ -354,6 +374,7 @@ class LocalStore(Store):
         except OSError:
             os.rename(old, final)
             raise
+        return True
 
     def _withdraw(self, location: str, final: str, old: str | None) -> None:
         """Undo a commit whose parent fsync failed, so the caller's "failed" matches the disk."""
@@ -392,7 +413,9 @@ def _exchange(a: str, b: str) -> bool:
     """Swap two paths atomically with Linux renameat2(RENAME_EXCHANGE).
 
     False only where the kernel or filesystem does not offer it; any other failure (a full
-    disk, a lost server) is raised, not mistaken for "unsupported".
+    disk, a lost server) is raised, not mistaken for "unsupported". A file system that ignores
+    the flag renames instead: onto a step (never an empty directory) that fails, and is taken
+    for "unsupported"; the caller checks that ``a`` still exists after a success.
     """
     import ctypes
     import ctypes.util
@@ -406,13 +429,17 @@ def _exchange(a: str, b: str) -> bool:
     if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
         return True
     code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+    # ENOTEMPTY, EEXIST: the file system took the call for a plain rename onto a non-empty
+    # directory (SeaweedFS's FUSE mount does: it ignores the flag), which an exchange never is.
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTEMPTY, errno.EEXIST):
         return False
     raise OSError(code, os.strerror(code), a, None, b)
 
 
-def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store:
-    """The store for a directory or an fsspec URL."""
+def open_store(url: str, storage_options: dict[str, Any] | None = None, what: str = "directory") -> Store:
+    """The store for a directory (or ``file://`` URL) or an fsspec URL; ConfigError for a path
+    that can name nothing (empty, ``file://`` alone, a NUL)."""
+    url = check_path(url, what)
     if is_url(url):
         from ._object_store import FsspecStore
 

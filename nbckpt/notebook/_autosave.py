@@ -104,6 +104,13 @@ class Autosave:
         timeout_s: float | str = 20.0,
         signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
     ) -> None:
+        if isinstance(names, str):
+            names = names.split()
+        if not isinstance(names, Sequence) or not all(isinstance(name, str) for name in names):
+            raise ConfigError(
+                f"Autosave wants the names of notebook variables (a string or a list of strings), "
+                f"not {repr(names)[:80]}"
+            )
         if shell is None:
             from IPython import get_ipython
 
@@ -111,7 +118,7 @@ class Autosave:
             if shell is None:
                 raise ConfigError("Autosave needs an IPython shell: run it in a notebook or IPython")
         self.shell: InteractiveShell = shell
-        self.names = tuple(names.split() if isinstance(names, str) else names)
+        self.names = tuple(names)
         if not self.names:
             raise ConfigError("name the variables to autosave, e.g. Autosave(['model', 'opt'])")
         self.every_s = parse_duration(every_s, "every")

@@ -504,7 +504,7 @@ def test_background_threads_yield_to_training_and_staging_does_not(tmp_path: Pat
     """The writes take the CPU time training leaves (nice); the copy training waits for does not."""
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     before = set(threading.enumerate())  # other tests' Checkpointers may still be winding down
-    with Checkpointer(tmp_path, mirror=str(tmp_path / "mirror"), keep=1, writer_nice=nice) as ckpt:
+    with Checkpointer(tmp_path / "run", mirror=str(tmp_path / "mirror"), keep=1, writer_nice=nice) as ckpt:
         ckpt.save({"w": torch.ones(1000)}, step=1)
         ckpt.save({"w": torch.ones(1000)}, step=2).wait()  # the retention thread has run too
         ckpt.wait()

@@ -64,18 +64,25 @@ def train(
     say: Callable[[str], None],
     overlap: bool = False,
     ring: int | None = None,
+    mirror: str | None = None,
+    rewind: bool = False,
 ) -> None:
     """Resume after the newest generation (if any), then save every generation asynchronously.
 
     Prints ``ready START`` once set up and ``committed STEP GENERATION`` after each save has
     committed. With ``overlap`` the copy runs behind the caller, who waits for it before the
-    next step; with ``ring`` generations go to steps ``0..ring-1`` over and over.
+    next step; with ``ring`` generations go to steps ``0..ring-1`` over and over; with
+    ``mirror`` every commit is uploaded there too; with ``rewind`` the run goes back one step
+    first (restores the one before the newest), so its saves go on in a new line, a branch.
     """
-    ckpt = Checkpointer(directory, mode="async", keep=keep)
+    ckpt = Checkpointer(directory, mode="async", keep=keep, mirror=mirror)
     model = build_model()
     state = make_state(model, seed, 0)
     start = newest_generation(ckpt) + 1
     say(f"ready {start}")
+    older = [step for step in ckpt.steps() if step < start - 1]
+    if rewind and older:
+        start = ckpt.restore(state, step=older[-1]) + 1  # generation == step without a ring
     pending = []
     for generation in range(start, start + steps):
         ckpt.wait_staged()  # the overlap contract: the copy is done before the state changes
@@ -103,6 +110,8 @@ def train_logged(
     log_path: str,
     overlap: bool = False,
     ring: int | None = None,
+    mirror: str | None = None,
+    rewind: bool = False,
 ) -> None:
     """:func:`train` writing its progress with one unbuffered write per line (survives SIGKILL)."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -110,7 +119,7 @@ def train_logged(
     def say(line: str) -> None:
         os.write(fd, f"{line}\n".encode())
 
-    train(directory, seed, steps, keep, say, overlap, ring)
+    train(directory, seed, steps, keep, say, overlap, ring, mirror, rewind)
 
 
 def main(argv: list[str]) -> int:

@@ -37,19 +37,21 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(n for n in os.listdir(directory) if STALE.match(n)) if directory.exists() else []
 
 
-def reopen(directory: Path) -> Checkpointer:
-    """A new Checkpointer on a crashed run: it must remove the leftovers and warn, naming them."""
-    before = leftovers(directory)
+def reopen(directory: Path, mirror: Path | None = None) -> Checkpointer:
+    """A new Checkpointer on a crashed run: it must remove the leftovers and warn, naming them
+    (those of the main directory, and of the branch it goes on in)."""
+    before = {path: leftovers(path) for path in [directory, *directory.glob("branch-*")]}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ckpt = Checkpointer(directory, mode="sync")
+        ckpt = Checkpointer(directory, mode="sync", mirror=None if mirror is None else str(mirror))
     messages = [str(w.message) for w in caught if "leftover(s) of interrupted saves" in str(w.message)]
-    if before:
-        assert len(messages) == 1, messages
-        assert all(name in messages[0] for name in before), (before, messages)
-    else:
-        assert messages == []
-    assert leftovers(directory) == []
+    cleaned = {directory, directory / ckpt.line_name if ckpt.line_name != "main" else directory}
+    for path in cleaned:
+        said = [m for m in messages if f" in {path}: " in m]
+        assert len(said) == bool(before.get(path)), (path, before, messages)
+        assert all(name in said[0] for name in before.get(path, [])), (before, messages)
+        assert leftovers(path) == []
+    assert len(messages) == sum(bool(before.get(path)) for path in cleaned), messages
     return ckpt
 
 
@@ -66,9 +68,13 @@ def assert_state_is(state: dict[str, Any], seed: int, step: int, ring: int | Non
     return generation
 
 
-def check_directory(directory: Path, seed: int, ring: int | None = None) -> dict[int, int]:
-    """Every committed checkpoint verifies and holds exactly one generation: step -> generation."""
-    ckpt = reopen(directory)
+def check_directory(
+    directory: Path, seed: int, ring: int | None = None, mirror: Path | None = None
+) -> dict[int, int]:
+    """Every committed checkpoint verifies and holds exactly one generation: step -> generation.
+    With a mirror: once the reopened run has uploaded what the kill cut short, the mirror holds
+    the newest step too, and every step on it verifies and holds exactly one generation."""
+    ckpt = reopen(directory, mirror)
     try:
         held = {}
         with warnings.catch_warnings(record=True) as caught:
@@ -83,11 +89,20 @@ def check_directory(directory: Path, seed: int, ring: int | None = None) -> dict
                 other = crash_child.make_state(crash_child.build_model(), seed, 0)
                 assert ckpt.restore(other, step=step) == step
                 held[step] = assert_state_is(other, seed, step, ring)
+            ckpt.wait()  # with a mirror: the uploads resumed at open (a failed one is a warning)
         skipped = [str(w.message) for w in caught if "nbckpt" in str(w.message)]
         assert skipped == [], skipped
-        return held
     finally:
         ckpt.close()
+    if mirror is not None:
+        with Checkpointer(mirror, read_only=True) as copy:
+            assert max(copy.steps(), default=-1) == max(held, default=-1)
+            for step in copy.steps():
+                copy.verify(step)
+                other = crash_child.make_state(crash_child.build_model(), seed, 0)
+                assert copy.restore(other, step=step) == step
+                assert_state_is(other, seed, step, ring)
+    return held
 
 
 def read_log(path: Path) -> list[str]:
@@ -113,7 +128,15 @@ def commits(lines: list[str]) -> list[tuple[int, int]]:
 
 
 def run_kill_trials(
-    base: Path, trials: int, seed: int, *, keep: int | None = KEEP, ring: int | None = None
+    base: Path,
+    trials: int,
+    seed: int,
+    *,
+    keep: int | None = KEEP,
+    ring: int | None = None,
+    mirror: bool = False,
+    rewind: bool = False,
+    min_commits: int = 0,
 ) -> Counter[str]:
     """Kill ``trials`` children (LANES at a time) at random moments; check each directory after.
 
@@ -125,6 +148,7 @@ def run_kill_trials(
     context.set_forkserver_preload(["torch", "nbckpt"])
     rng = random.Random(seed)
     lanes = [base / f"run{i}" for i in range(LANES)]
+    mirrors = [base / f"mirror{i}" if mirror else None for i in range(LANES)]
     newest = dict.fromkeys(range(LANES), -1)
     held: dict[int, dict[int, int]] = {lane: {} for lane in range(LANES)}
     stats: Counter[str] = Counter()
@@ -134,7 +158,9 @@ def run_kill_trials(
             log = base / f"log-{lane}-{trial}.txt"
             process = context.Process(
                 target=crash_child.train_logged,
-                args=(str(directory), SEED, 100_000, keep, str(log), lane % 2 == 1, ring),  # odd: overlap
+                # odd lanes: overlap
+                args=(str(directory), SEED, 100_000, keep, str(log), lane % 2 == 1, ring,
+                      None if mirrors[lane] is None else str(mirrors[lane]), rewind),
                 daemon=True,
             )
             process.start()
@@ -150,7 +176,7 @@ def run_kill_trials(
                 continue
             lines = wait_for_log(log, process, lambda lines: lines, "ready")
             assert lines[0] == f"ready {newest[lane] + 1}"
-            wanted = rng.randint(0, 2)
+            wanted = rng.randint(min_commits, 2)
             wait_for_log(log, process, lambda lines, n=wanted: len(commits(lines)) >= n, "commits")
             time.sleep(rng.uniform(0, MAX_KILL_DELAY_S))  # the fault's timing, not synchronisation
             process.kill()
@@ -164,7 +190,8 @@ def run_kill_trials(
             stats["trials"] += 1
             stats["commits reported"] += len(reported)
             stats["kills with leftovers"] += bool(leftovers(lanes[lane]))
-            held[lane] = check_directory(lanes[lane], SEED, ring)
+            stats["branches"] = sum(len(list(lane.glob("branch-*"))) for lane in lanes)
+            held[lane] = check_directory(lanes[lane], SEED, ring, mirrors[lane])
             newest_before = max(before.values(), default=-1)
             newest[lane] = max(held[lane].values(), default=-1)
             stats["lost"] += newest[lane] < newest_before
@@ -194,6 +221,22 @@ def test_random_kills_during(tmp_path: Path, what: str, keep: int | None, ring: 
     assert stats["lost"] == 0, report(stats)
 
 
+@pytest.mark.parametrize(
+    ("what", "options"), [("a mirror", {"mirror": True}), ("branches", {"rewind": True})]
+)
+def test_random_kills_with(tmp_path: Path, what: str, options: dict[str, bool]) -> None:
+    """Kills of a run that uploads every commit to a mirror, and of one that goes back a step
+    each time it restarts (so that it saves into a new branch)."""
+    # with branches: a commit in the new line before most kills, so that lines pile up
+    stats = run_kill_trials(tmp_path, trials=8, seed=20261201, min_commits=int(options.get("rewind", 0)),
+                            **options)
+    print(f"\nrandom SIGKILL trials with {what}: {report(stats)}")
+    assert stats["commits reported"] > 0
+    assert stats["lost"] == 0, report(stats)
+    if options.get("rewind"):
+        assert stats["branches"] >= 2, report(stats)
+
+
 @pytest.mark.slow
 def test_random_kills_soak(tmp_path: Path) -> None:
     stats = run_kill_trials(tmp_path, trials=200, seed=int(time.time()))
@@ -221,7 +264,11 @@ def save_step0(directory: Path) -> None:
 def test_crash_at_fault_point(
     tmp_path: Path, point: str, extra: list[str], held: dict[int, int], leftover: str
 ) -> None:
-    directory = tmp_path / "run"
+    crash_at(tmp_path / "run", point, extra, held, leftover)
+
+
+def crash_at(directory: Path, point: str, extra: list[str], held: dict[int, int], leftover: str) -> None:
+    """Kill a run at ``point``; the next open puts back or removes ``leftover``, and ``held`` stays."""
     save_step0(directory)
     args = [sys.executable, str(CHILD), str(directory), "--seed", str(SEED), "--steps", "3", *extra]
     env = {**os.environ, "NBCKPT_CRASH_AT": point}
@@ -234,3 +281,30 @@ def test_crash_at_fault_point(
         n.startswith((leftover, ".tmp-")) for n in names
     ), names
     assert check_directory(directory, SEED, ring=1 if "--ring" in extra else None) == held
+
+
+# -- on a network file system (item 21 of "Reliability v3"): a SeaweedFS FUSE mount, where
+# renameat2(RENAME_EXCHANGE) is unsupported, so that a re-save takes the two renames.
+
+
+@pytest.mark.s3
+@pytest.mark.xdist_group("s3")
+def test_random_kills_on_a_network_mount(on_mount: Path) -> None:
+    """Kills while the same steps are saved again (ring of 3): the mount's re-saves are two renames."""
+    stats = run_kill_trials(on_mount, trials=8, seed=20261202, keep=None, ring=3)
+    print(f"\nrandom SIGKILL trials on a network mount: {report(stats)}")
+    assert stats["commits reported"] > 0
+    assert stats["lost"] == 0, report(stats)
+
+
+@pytest.mark.s3
+@pytest.mark.xdist_group("s3")
+@pytest.mark.parametrize(
+    ("point", "extra", "held", "leftover"),
+    # no --no-exchange: the mount itself has no exchange, so a re-save goes between renames
+    [("between_renames", ["--ring", "1"], {0: 0}, ".old-step-000000-")],
+)
+def test_crash_at_fault_point_on_a_network_mount(
+    on_mount: Path, point: str, extra: list[str], held: dict[int, int], leftover: str
+) -> None:
+    crash_at(on_mount / "run", point, extra, held, leftover)
