@@ -7,6 +7,7 @@ needs part of a file reads and checks only the blocks holding its tensors.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -31,6 +32,7 @@ __all__ = [
     "StreamSink",
     "StreamSource",
     "copy_file",
+    "exchange_paths",
     "hash_blocks",
     "read_into",
     "write_image",
@@ -343,3 +345,30 @@ def _regions(
     if at < end or not regions:
         regions.append((at, None))
     return regions
+
+
+def exchange_paths(a: str, b: str) -> bool:
+    """Swap two paths atomically with Linux renameat2(RENAME_EXCHANGE).
+
+    False only where the kernel or filesystem does not offer it; any other failure (a full
+    disk, a lost server) is raised, not mistaken for "unsupported". A file system that ignores
+    the flag renames instead: onto a step (never an empty directory) that fails, and is taken
+    for "unsupported"; the caller checks that ``a`` still exists after a success.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    # ENOTEMPTY, EEXIST: the file system took the call for a plain rename onto a non-empty
+    # directory (SeaweedFS's FUSE mount does: it ignores the flag), which an exchange never is.
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTEMPTY, errno.EEXIST):
+        return False
+    raise OSError(code, os.strerror(code), a, None, b)

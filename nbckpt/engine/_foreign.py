@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
+import re
+import stat
 import warnings
 from typing import Any
 
@@ -23,14 +26,44 @@ from ._layout import METADATA_FILE, Chunk
 from ._manifest import Manifest, data_file_name
 from ._shards import Region, tiles
 from ._state import TensorSpec, dtype_name, flatten
+from ._store import MANIFEST
 from ._unpickle import MetadataUnpickler, load_blob
 
-__all__ = ["FOREIGN", "MAX_METADATA_BYTES", "read_dcp_manifest"]
+__all__ = ["FOREIGN", "MAX_METADATA_BYTES", "dcp_steps", "read_dcp_manifest"]
 
 #: The format a manifest made from a plain DCP checkpoint says it is in.
 FOREIGN = "dcp"
 #: DCP's ``.metadata`` grows with tensors times ranks: far more room than a manifest gets.
 MAX_METADATA_BYTES = 1 << 30
+
+
+#: A step folder of another writer: torchtitan names them ``step-{step}``, without padding.
+_DCP_STEP_RE = re.compile(r"step-([0-9]{1,18})", re.ASCII)
+
+
+def dcp_steps(root: str, names: list[str]) -> dict[int, str]:
+    """Checkpoints ``torch.distributed.checkpoint.save`` wrote in the directory ``root`` (whose
+    entries are ``names``): ``step-N`` folders holding a ``.metadata`` and no manifest
+    (torchtitan's), or ``root`` itself when it is one (its step is the N of its name, else 0)."""
+    steps = {}
+    if _is_dcp(root):
+        match = _DCP_STEP_RE.fullmatch(os.path.basename(root))
+        steps[int(match.group(1)) if match else 0] = root
+    for name in names:
+        match = _DCP_STEP_RE.fullmatch(name)
+        if match is not None and _is_dcp(os.path.join(root, name)):
+            steps.setdefault(int(match.group(1)), os.path.join(root, name))
+    return dict(sorted(steps.items()))
+
+
+def _is_dcp(path: str) -> bool:
+    """A directory (not a link to one) holding DCP's ``.metadata`` and no nbckpt manifest."""
+    try:
+        if os.path.islink(path) or not stat.S_ISREG(os.lstat(os.path.join(path, METADATA_FILE)).st_mode):
+            return False
+    except OSError:
+        return False
+    return not os.path.lexists(os.path.join(path, MANIFEST))
 
 
 def read_dcp_manifest(store: Any, step: int, location: str) -> Manifest:

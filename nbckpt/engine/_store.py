@@ -16,7 +16,6 @@ leading zeros (``step-000002``, ``step-1234567``); ``step-2`` or ``step-0000002`
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -29,7 +28,7 @@ from typing import Any
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import check_path, fsync_dir, is_url
 from . import _faults
-from ._files import LocalSink, LocalSource, Sink, Source
+from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths
 from ._lockfile import take_lock
 
 __all__ = [
@@ -52,8 +51,6 @@ _log = logging.getLogger("nbckpt")
 #: even be turned into text without raising.
 MAX_STEP = 2**63 - 1
 _STEP_RE = re.compile(r"step-([0-9]{6,19})", re.ASCII)
-#: A step folder of another writer: torchtitan names them ``step-{step}``, without padding.
-_DCP_STEP_RE = re.compile(r"step-([0-9]{1,18})", re.ASCII)
 _LEFTOVER_RE = re.compile(r"\.(tmp|trash|old)-(step-[0-9]{6,19})-[0-9a-f]+", re.ASCII)
 
 
@@ -272,18 +269,9 @@ class LocalStore(Store):
         return path if self._has_manifest(path) else None
 
     def foreign(self) -> dict[int, str]:
-        """Checkpoints ``torch.distributed.checkpoint.save`` wrote: ``step-N`` folders holding a
-        ``.metadata`` and no manifest (torchtitan's), or the directory itself when it is one
-        (its step is the N of its own name, else 0)."""
-        steps = {}
-        if _is_dcp(self.url):
-            match = _DCP_STEP_RE.fullmatch(os.path.basename(self.url))
-            steps[int(match.group(1)) if match else 0] = self.url
-        for name in self.names():
-            match = _DCP_STEP_RE.fullmatch(name)
-            if match is not None and _is_dcp(self._path(name)):
-                steps.setdefault(int(match.group(1)), self._path(name))
-        return dict(sorted(steps.items()))
+        from ._foreign import dcp_steps
+
+        return dcp_steps(self.url, self.names())
 
     def modified(self, location: str, name: str) -> float:
         return os.lstat(os.path.join(location, name)).st_mtime
@@ -361,7 +349,7 @@ class LocalStore(Store):
     def _swap_in(self, location: str, final: str, old: str) -> bool:
         """Make ``location`` the step at ``final``; the previous copy ends up at ``old`` (False:
         nothing was left of it, as when the file system renamed instead of exchanging)."""
-        if self._exchange_works and _exchange(location, final):
+        if self._exchange_works and exchange_paths(location, final):
             if not os.path.lexists(location):  # the flag was ignored: an empty copy was replaced
                 return False
             os.rename(location, old)  # ``location`` now holds the previous copy
@@ -397,43 +385,6 @@ class LocalStore(Store):
         fsync_dir(self.url)
         _faults.hit("during_delete")
         self._remove(trash)
-
-
-def _is_dcp(path: str) -> bool:
-    """A directory (not a link to one) holding DCP's ``.metadata`` and no nbckpt manifest."""
-    try:
-        if os.path.islink(path) or not stat.S_ISREG(os.lstat(os.path.join(path, ".metadata")).st_mode):
-            return False
-    except OSError:
-        return False
-    return not os.path.lexists(os.path.join(path, MANIFEST))
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap two paths atomically with Linux renameat2(RENAME_EXCHANGE).
-
-    False only where the kernel or filesystem does not offer it; any other failure (a full
-    disk, a lost server) is raised, not mistaken for "unsupported". A file system that ignores
-    the flag renames instead: onto a step (never an empty directory) that fails, and is taken
-    for "unsupported"; the caller checks that ``a`` still exists after a success.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    code = ctypes.get_errno()
-    # ENOTEMPTY, EEXIST: the file system took the call for a plain rename onto a non-empty
-    # directory (SeaweedFS's FUSE mount does: it ignores the flag), which an exchange never is.
-    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOTEMPTY, errno.EEXIST):
-        return False
-    raise OSError(code, os.strerror(code), a, None, b)
 
 
 def open_store(url: str, storage_options: dict[str, Any] | None = None, what: str = "directory") -> Store:
