@@ -7,10 +7,12 @@ On CUDA it exercises what no CPU run can: staging into pinned host images on a s
 (device-to-host copies that overlap the caller's work, ordered after it by an event), the
 ``overlap=True`` contract, restore from host buffers onto GPU tensors (host-to-device) in a
 fresh process state, ``load(map_location="cuda")``, a failed restore leaving GPU tensors
-unchanged, and the CUDA RNG state. Then the benchmark's GPU sections: the copy floor into
-pinned memory, the stall against DCP's async save with and without its pinned stager, persist
-into /dev/shm and restore from it. Every part records its own error instead of stopping the
-run: one try on the device machine must bring back as much as it can.
+unchanged, and the CUDA RNG state; FSDP2 on a mesh of one GPU (DTensor shards staged into
+pinned memory, restored into a sharded model and into a plain one). Then the benchmark's GPU
+sections: the copy floor into pinned memory, the stall against DCP's async save with and
+without its pinned stager, persist into /dev/shm and restore from it. Every part records its
+own error instead of stopping the run: one try on the device machine must bring back as much
+as it can.
 """
 
 from __future__ import annotations
@@ -108,6 +110,81 @@ def failed_restore_leaves_state(ckpt: Checkpointer, device: str) -> bool:
         return all(torch.equal(before[k], v) for k, v in target["model"].state_dict().items())
 
 
+def fsdp_check(device: str, directory: str, repeats: int = 3) -> dict[str, Any]:
+    """FSDP2 on a mesh of one (this process, its device): DTensor shards staged into pinned host
+    memory, saved asynchronously beside DCP at its best, restored into a fresh sharded model and
+    into a plain one on the CPU. Needs a process group: one of its own, on loopback."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device, (1,))
+
+        def sharded(seed: int) -> tuple[Any, torch.optim.Optimizer]:
+            model: Any = model_and_optimizer(device)[0]
+            torch.manual_seed(seed)
+            for layer in model:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            optim = torch.optim.AdamW(model.parameters())
+            model(torch.randn(8, 512, device=device)).square().mean().backward()
+            optim.step()
+            return model, optim
+
+        model, optim = sharded(0)
+        msd: Any
+        osd: Any
+        msd, osd = get_state_dict(model, optim)
+        checks: dict[str, Any] = {"dtensors": type(msd["0.weight"]).__name__ == "DTensor"}
+        stalls: list[float] = []
+        with Checkpointer(directory, keep=1) as ckpt:
+            for step in range(1, repeats + 2):
+                began = time.perf_counter()
+                handle = ckpt.save({"model": msd, "optim": osd, "step": step}, step=step)
+                stalls.append(time.perf_counter() - began)
+                handle.wait()
+            checks["pinned_staging"] = (
+                all(image.is_pinned() for slot in ckpt._saver.pool._slots for image in slot.images.values())
+                if device == "cuda"
+                else None
+            )
+        checks["stall_s"] = stalls[1:]  # the first one plans and allocates
+        expected: Any = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+        fresh, fresh_optim = sharded(5)
+        fmsd, fosd = get_state_dict(fresh, fresh_optim)
+        target: dict[str, Any] = {"model": fmsd, "optim": fosd, "step": 0}
+        with Checkpointer(directory, read_only=True) as ckpt:
+            checks["restored_step"] = ckpt.restore(target)
+        set_state_dict(fresh, fresh_optim, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        got: Any = get_state_dict(fresh, fresh_optim, options=StateDictOptions(full_state_dict=True))
+        checks["bit_exact"] = all(torch.equal(expected[0][k], got[0][k]) for k in expected[0])
+        checks["optimizer_exact"] = all(
+            torch.equal(v, got[1]["state"][k][n])
+            for k, per in expected[1]["state"].items()
+            for n, v in per.items()
+        )
+        checks["on_device"] = all(p.to_local().device.type == device for p in fresh.parameters())
+        plain, _ = model_and_optimizer("cpu")
+        with Checkpointer(directory, ranks="local", read_only=True) as ckpt:
+            ckpt.restore({"model": plain})
+        checks["plain_cpu_exact"] = all(
+            torch.equal(expected[0][k].cpu(), v) for k, v in plain.state_dict().items()
+        )
+    finally:
+        dist.destroy_process_group()
+    checks["ok"] = all(v is not False for v in checks.values())
+    return checks
+
+
 def guarded(name: str, run: Callable[[], Any], errors: dict[str, str]) -> Any:
     try:
         return run()
@@ -139,6 +216,7 @@ def main() -> int:
         result["correctness"] = guarded(
             "correctness", lambda: correctness(device, os.path.join(tmp, "c")), errors
         )
+        result["fsdp"] = guarded("fsdp", lambda: fsdp_check(device, os.path.join(tmp, "f")), errors)
         bench = engine_bench.parse(
             [
                 "--device",
@@ -158,7 +236,7 @@ def main() -> int:
     print(json.dumps(result["correctness"], indent=1))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    ok = bool(result["correctness"] and result["correctness"]["ok"]) and not errors
+    ok = all(bool(result[part] and result[part]["ok"]) for part in ("correctness", "fsdp")) and not errors
     return 0 if ok else 1
 
 

@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
     if args.no_exchange:
         from nbckpt.engine import _store
 
-        _store._exchange = lambda a, b: False  # type: ignore[assignment]
+        _store.exchange_paths = lambda a, b: False  # type: ignore[assignment]
     train(
         args.directory, args.seed, args.steps, args.keep, lambda line: print(line, flush=True), ring=args.ring
     )

@@ -143,7 +143,81 @@ def rank0_only_auto(directory: str) -> dict[str, Any]:
     return result
 
 
-SCENARIOS = {f.__name__: f for f in (refusal, skip, kill, stale_listing, rank0_only, rank0_only_auto)}
+def tied(directory: str) -> dict[str, Any]:
+    """A model whose head shares the embedding's weight, saved by every rank (replicated)."""
+
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+        model[1].weight = model[0].weight
+        return model
+
+    model = build(0)
+    with Checkpointer(directory, mode="sync", timeout_s=60) as ckpt:
+        ckpt.save({"model": model}, step=1)
+        items = ckpt.manifest(1)["items"]
+        fresh = build(1)
+        ckpt.restore({"model": fresh})
+    return {
+        "same_items": items["model.1.weight"] == items["model.0.weight"],
+        "tied_after_restore": fresh[1].weight is fresh[0].weight,
+        "exact": torch.equal(fresh[0].weight, model[0].weight),
+    }
+
+
+def rng_rank0_only(directory: str) -> dict[str, Any]:
+    """Rank 0 saves alone with its RNG streams; rank 1 restores the step read-only. Rank 1 must
+    keep its own streams (a warning says so), never take rank 0's."""
+    torch.manual_seed(100 + RANK)
+    if RANK == 0:
+        with Checkpointer(directory, ranks="local", capture_rng=True) as ckpt:
+            ckpt.save({"w": torch.ones(3)}, step=1).wait()
+    dist.barrier()
+    torch.manual_seed(200 + RANK)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Checkpointer(directory, ranks="local", read_only=True) as ckpt:
+            ckpt.restore({"w": torch.zeros(3)})
+    draws = torch.rand(4)
+    gathered = [torch.zeros(4) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, draws)
+    return {
+        "same_stream": torch.equal(gathered[0], gathered[1]),
+        "warned": [str(w.message) for w in caught if "RNG streams" in str(w.message)],
+    }
+
+
+def rng_every_rank(directory: str) -> dict[str, Any]:
+    """Every rank saves (ranks='all') with its RNG: after a restore each rank draws exactly what it
+    would have drawn had the run gone on, and the ranks' streams stay apart."""
+    torch.manual_seed(300 + RANK)
+    with Checkpointer(directory, capture_rng=True, mode="sync", timeout_s=60) as ckpt:
+        ckpt.save({"w": torch.ones(3)}, step=1)
+        expected = torch.rand(4)
+        torch.manual_seed(999)  # the streams move on (or a fresh process starts)
+        ckpt.restore({"w": torch.zeros(3)})
+        resumed = torch.rand(4)
+    gathered = [torch.zeros(4) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, resumed)
+    return {"exact": torch.equal(expected, resumed), "apart": not torch.equal(gathered[0], gathered[1])}
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        refusal,
+        skip,
+        kill,
+        stale_listing,
+        rank0_only,
+        rank0_only_auto,
+        tied,
+        rng_rank0_only,
+        rng_every_rank,
+    )
+}
 
 
 def main(scenario: str, directory: str) -> int:

@@ -255,7 +255,7 @@ def test_11_a_failed_resave_without_exchange_keeps_the_old_checkpoint(
     directory = tmp_path / "run"
     with Checkpointer(directory, mode="sync") as ckpt:
         ckpt.save(floats(0.1, 1), step=1)
-    monkeypatch.setattr(_store, "_exchange", lambda a, b: False)  # NFS: no renameat2
+    monkeypatch.setattr(_store, "exchange_paths", lambda a, b: False)  # NFS: no renameat2
     real_rename = os.rename
 
     def rename(src: str, dst: str) -> None:
@@ -276,7 +276,7 @@ def test_11_a_failed_resave_without_exchange_keeps_the_old_checkpoint(
 
 def test_11_exchange_errors_are_not_taken_for_unsupported(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        _store._exchange(str(tmp_path / "missing-a"), str(tmp_path / "missing-b"))
+        _store.exchange_paths(str(tmp_path / "missing-a"), str(tmp_path / "missing-b"))
 
 
 @pytest.mark.parametrize("resave", [False, True])

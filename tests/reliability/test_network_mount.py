@@ -45,7 +45,7 @@ def test_item21_what_renameat2_directory_fsync_and_o_direct_do_there(on_mount: P
         (directory / "data").write_text(name)
     # The flag is ignored (a rename onto a non-empty directory): taken for "unsupported", and
     # nothing moved. On a local disk the same call exchanges the two.
-    assert _store._exchange(str(a), str(b)) is False
+    assert _store.exchange_paths(str(a), str(b)) is False
     assert (a / "data").read_text() == "new" and (b / "data").read_text() == "old"
     _store.fsync_dir(str(a))  # a directory's fsync: supported
     fd = os.open(on_mount / "direct", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)

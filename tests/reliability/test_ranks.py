@@ -100,3 +100,24 @@ def test_rank0_only_without_ranks_local_is_a_clear_error_not_a_hang(tmp_path: Pa
     seen = results[0][1]
     assert seen["outcome"].startswith("ConfigError: only rank(s) 0 of 2 created this Checkpointer"), seen
     assert "ranks='local'" in seen["outcome"] and seen["seconds"] < 60
+
+
+def test_rank0_only_saving_with_rng_never_gives_two_ranks_one_stream(tmp_path: Path) -> None:
+    """Issue 19, item 1: the record says whose streams they are; another rank keeps its own."""
+    results = run_ranks("rng_rank0_only", tmp_path / "run")
+    for rank, (code, seen, err) in results.items():
+        assert code == 0, err
+        assert seen["same_stream"] is False, seen  # before: both ranks drew rank 0's numbers
+        if rank == 1:
+            assert seen["warned"] == [
+                "nbckpt: step-000001 holds the RNG streams of rank 0; rank 1 keeps its own (to resume "
+                "every rank's streams, every rank saves: ranks='all')"
+            ], seen
+        else:
+            assert seen["warned"] == [], seen
+
+
+def test_every_rank_saving_resumes_each_rank_stream_exactly(tmp_path: Path) -> None:
+    for code, seen, err in run_ranks("rng_every_rank", tmp_path / "run").values():
+        assert code == 0, err
+        assert seen == {"rank": seen["rank"], "exact": True, "apart": True}, seen
