@@ -285,21 +285,25 @@ def read_into(
     blocks: Sequence[str] | None,
     *,
     whole: bool = False,
+    cover: Sequence[tuple[int, int]] = (),
 ) -> float:
     """Read the byte ranges ``wanted`` (sorted ``(offset, view)``) from ``source`` into their views.
 
-    The whole blocks around them are read (every block with ``whole``), and checked against
-    ``blocks`` when given; raises CheckpointError naming the file on a mismatch. Returns this
-    thread's CPU seconds.
+    With ``blocks``, the whole blocks around them are read (every block with ``whole``, and
+    those around the ``(offset, length)`` ranges ``cover``, into scratch) and checked against
+    ``blocks``; raises CheckpointError naming the file on a mismatch. Without, only the wanted
+    bytes are read. Returns this thread's CPU seconds.
     """
     cpu = _cpu_time()
     scratch = memoryview(bytearray(PIECE_SIZE))
     wanted = [(offset, view) for offset, view in wanted if len(view)]
-    spans = (
-        [(0, source.size)]
-        if whole and source.size
-        else _spans([(offset, len(view)) for offset, view in wanted], source.size)
-    )
+    ranges = [(offset, len(view)) for offset, view in wanted]
+    if whole and source.size:
+        spans = [(0, source.size)]
+    elif blocks is None:  # nothing to check: exactly the bytes wanted
+        spans = _spans(ranges, source.size, 1)
+    else:
+        spans = _spans([*ranges, *cover], source.size, BLOCK_SIZE)
     for span_start, span_end in spans:
         regions = _regions(wanted, span_start, span_end)
         hasher = xxhash.xxh3_64()
@@ -316,12 +320,14 @@ def read_into(
     return _cpu_time() - cpu
 
 
-def _spans(ranges: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
-    """Block-aligned spans covering ``ranges``: adjacent blocks merged into one span."""
+def _spans(ranges: Sequence[tuple[int, int]], size: int, align: int) -> list[tuple[int, int]]:
+    """Spans covering ``ranges``, aligned to ``align`` bytes: touching ones merged into one span."""
     spans: list[tuple[int, int]] = []
     for offset, length in sorted(ranges):
-        first = offset // BLOCK_SIZE * BLOCK_SIZE
-        last = min(size, -(-(offset + length) // BLOCK_SIZE) * BLOCK_SIZE)
+        if not length:
+            continue
+        first = offset // align * align
+        last = min(size, -(-(offset + length) // align) * align)
         if spans and first <= spans[-1][1]:
             spans[-1] = (spans[-1][0], max(spans[-1][1], last))
         else:

@@ -59,6 +59,7 @@ class StepLimited:
     def __init__(self, store: Store, last_step: int) -> None:
         self._store, self._last = store, last_step
         self.url = store.url
+        self.is_local = store.is_local
 
     def committed(self) -> dict[int, str]:
         return {s: path for s, path in self._store.committed().items() if s <= self._last}

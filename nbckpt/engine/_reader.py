@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple, Protocol
 
@@ -26,9 +27,13 @@ from ._unpickle import load_blob
 from ._workers import Pool, run_all
 
 __all__ = [
+    "ReadPlan",
     "Readable",
     "byte_view",
+    "check_read",
     "damage_named",
+    "fill",
+    "plan_read",
     "read_file",
     "read_manifest",
     "read_metadata",
@@ -43,6 +48,8 @@ class Readable(Protocol):
     """What a restore needs of a place checkpoints are in (a store, or a parent line's view)."""
 
     url: str
+    is_local: bool
+    """A local or NFS directory: reading a file twice fetches it once (the page cache has it)."""
 
     def committed(self) -> dict[int, str]: ...
     def committed_at(self, step: int) -> str | None: ...
@@ -76,6 +83,7 @@ def read_file(
     verify: bool,
     *,
     whole: bool = False,
+    cover: Sequence[tuple[int, int]] = (),
 ) -> float:
     meta = manifest.files[name]
     label = step_file_label(location, name)
@@ -84,7 +92,7 @@ def read_file(
     source.name = label
     try:
         with damage_named(label):
-            return read_into(source, wanted, meta["blocks"] if verify else None, whole=whole)
+            return read_into(source, wanted, meta["blocks"] if verify else None, whole=whole, cover=cover)
     finally:
         source.close()
 
@@ -133,6 +141,126 @@ class _Blob(NamedTuple):
         return self.header == header and self.trailer == trailer
 
 
+@dataclass
+class ReadPlan:
+    """What one rank reads of a step: the tensor each key fills, and per file the byte runs that
+    go into them (and the framing bytes around each chunk)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    data: dict[str, list[tuple[int, memoryview]]] = field(default_factory=dict)
+    framing: dict[str, list[tuple[int, memoryview]]] = field(default_factory=dict)
+    blobs: list[_Blob] = field(default_factory=list)
+    direct: bool = False
+    """Some tensors are the caller's own memory: every byte is checked before any is written there."""
+    later: dict[str, Region | None] = field(default_factory=dict)
+    """Tied tensors wanted in another region than their first key: read on their own, fresh."""
+
+
+def plan_read(
+    manifest: Manifest,
+    wanted: Mapping[str, Region | None],
+    into: Mapping[str, torch.Tensor] | None = None,
+) -> ReadPlan:
+    """The runs that fill region ``wanted[key]`` (None: all of it) of each tensor, read into
+    ``into[key]`` where given (the caller's own tensor, contiguous, on the CPU, of that region's
+    shape and the saved dtype) and into a fresh tensor otherwise.
+
+    From each saved chunk only the bytes of its overlap with the region are read (a row range
+    where whole rows suffice); keys naming one tensor (tied weights) get one tensor.
+    """
+    plan = ReadPlan()
+    made: dict[tuple[Any, ...], torch.Tensor] = {}
+    claimed: set[tuple[str, int]] = set()
+    for key, asked in wanted.items():
+        spec = manifest.specs[key]
+        region = asked or Region.whole(spec.shape)
+        chunks = manifest.items[key]
+        same = (spec.dtype, region, tuple(chunks))
+        if same in made:
+            plan.tensors[key] = made[same]
+            continue
+        if any((chunk.file, chunk.blob_offset) in claimed for chunk in chunks):
+            plan.later[key] = asked
+            continue
+        target = (into or {}).get(key)
+        plan.direct |= target is not None
+        tensor = made[same] = plan.tensors[key] = (
+            target if target is not None else _fresh(region.sizes, spec.dtype)
+        )
+        view = byte_view(tensor)
+        for chunk in chunks:
+            box = overlap(chunk.region, region)
+            if box is None:
+                continue
+            src, dst, length = runs(box, chunk.region, region, spec.dtype.itemsize)
+            runs_here = plan.data.setdefault(chunk.file, [])
+            for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+                runs_here.append((chunk.data_offset + s, view[d : d + length]))
+            claimed.add((chunk.file, chunk.blob_offset))
+            plan.blobs.append(_framing_views(key, chunk, spec.dtype, plan.framing.setdefault(chunk.file, [])))
+    return plan
+
+
+def check_read(
+    store: Readable, io: Pool, location: str, manifest: Manifest, plan: ReadPlan, *, verify: bool
+) -> float:
+    """What must hold before a direct plan writes a byte into the caller's memory: every block
+    its bytes lie in read (into scratch) and checked, every chunk's framing checked, the tied
+    tensors read apart. A plan into fresh tensors only reads its tied ones here."""
+    cpu = 0.0
+    if plan.direct:
+        names = set(plan.data) | set(plan.framing)
+        jobs = [
+            partial(
+                read_file,
+                store,
+                location,
+                name,
+                manifest,
+                sorted(plan.framing.get(name, []), key=lambda w: w[0]),
+                verify,
+                cover=[(offset, len(view)) for offset, view in plan.data.get(name, [])],
+            )
+            for name in names
+        ]
+        cpu += sum(run_all(io, jobs))
+        _check_blobs(store, location, manifest, plan.blobs, verify)
+    if plan.later:
+        more, more_cpu = read_tensors(store, io, location, manifest, plan.later, verify=verify)
+        plan.tensors.update(more)
+        cpu += more_cpu
+    return cpu
+
+
+def fill(
+    store: Readable, io: Pool, location: str, manifest: Manifest, plan: ReadPlan, *, verify: bool
+) -> float:
+    """Read the plan's bytes into its tensors: checked in the same pass (with the framing), or,
+    for a direct plan that :func:`check_read` checked already, just read."""
+    if plan.direct:
+        jobs = [
+            partial(read_file, store, location, name, manifest, sorted(found, key=lambda w: w[0]), False)
+            for name, found in plan.data.items()
+        ]
+        return float(sum(run_all(io, jobs)))
+    names = set(plan.data) | set(plan.framing)
+    jobs = [
+        partial(
+            read_file,
+            store,
+            location,
+            name,
+            manifest,
+            sorted([*plan.data.get(name, []), *plan.framing.get(name, [])], key=lambda w: w[0]),
+            verify,
+        )
+        for name in names
+    ]
+    cpu = float(sum(run_all(io, jobs)))
+    _check_blobs(store, location, manifest, plan.blobs, verify)
+    return cpu
+
+
 def read_tensors(
     store: Readable,
     io: Pool,
@@ -142,55 +270,14 @@ def read_tensors(
     *,
     verify: bool,
 ) -> tuple[dict[str, torch.Tensor], float]:
-    """Read region ``wanted[key]`` (None: all of it) of each tensor into a fresh CPU tensor;
-    return them and the CPU seconds spent.
-
-    From each saved chunk only the bytes of its overlap with the region are read (a row range
-    where whole rows suffice), together with the chunk's framing: what a plain ``torch.load``
-    of the blob would take for the tensor's header must describe exactly these bytes. Keys
-    naming one tensor (tied weights) get one tensor.
-    """
+    """Region ``wanted[key]`` (None: all of it) of each tensor, read into fresh CPU tensors and
+    checked in the same pass; returns them and the CPU seconds spent."""
     if manifest.foreign:
         return _read_foreign(store, location, manifest, wanted), 0.0
-    tensors: dict[str, torch.Tensor] = {}
-    by_file: dict[str, list[tuple[int, memoryview]]] = {}
-    blobs: dict[tuple[str, int], _Blob] = {}
-    made: dict[tuple[Any, ...], torch.Tensor] = {}
-    later: dict[str, Region | None] = {}  # a tied tensor wanted in another region: a second pass
-    for key, asked in wanted.items():
-        spec = manifest.specs[key]
-        region = asked or Region.whole(spec.shape)
-        chunks = manifest.items[key]
-        same = (spec.dtype, region, tuple(chunks))
-        if same in made:
-            tensors[key] = made[same]
-            continue
-        if any((chunk.file, chunk.blob_offset) in blobs for chunk in chunks):
-            later[key] = asked
-            continue
-        tensor = made[same] = tensors[key] = _fresh(region.sizes, spec.dtype)
-        view = byte_view(tensor)
-        for chunk in chunks:
-            box = overlap(chunk.region, region)
-            if box is None:
-                continue
-            src, dst, length = runs(box, chunk.region, region, spec.dtype.itemsize)
-            wanted_here = by_file.setdefault(chunk.file, [])
-            for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-                wanted_here.append((chunk.data_offset + s, view[d : d + length]))
-            if (chunk.file, chunk.blob_offset) not in blobs:
-                blobs[(chunk.file, chunk.blob_offset)] = _framing_views(key, chunk, spec.dtype, wanted_here)
-    jobs = [
-        partial(read_file, store, location, name, manifest, sorted(found, key=lambda w: w[0]), verify)
-        for name, found in by_file.items()
-    ]
-    cpu = sum(run_all(io, jobs))
-    _check_framing(store, location, manifest, blobs.values(), tensors, wanted, verify)
-    if later:
-        more, more_cpu = read_tensors(store, io, location, manifest, later, verify=verify)
-        tensors.update(more)
-        cpu += more_cpu
-    return tensors, cpu
+    plan = plan_read(manifest, wanted)
+    cpu = fill(store, io, location, manifest, plan, verify=verify)
+    cpu += check_read(store, io, location, manifest, plan, verify=verify)
+    return plan.tensors, cpu
 
 
 def _read_foreign(
@@ -206,7 +293,7 @@ def _read_foreign(
         for chunk in manifest.items[key]:
             box = overlap(chunk.region, region)
             if box is not None:
-                loaded = _load_chunk(
+                loaded, _ = _load_chunk(
                     store, location, manifest, _Blob(key, chunk, bytearray(), bytearray()), False
                 )
                 tensor[_slices(box, region)] = loaded[_slices(box, chunk.region)]
@@ -231,29 +318,18 @@ def _framing_views(key: str, chunk: Chunk, dtype: torch.dtype, wanted: list[tupl
     return _Blob(key, chunk, header, trailer)
 
 
-def _check_framing(
-    store: Readable,
-    location: str,
-    manifest: Manifest,
-    blobs: Iterable[_Blob],
-    tensors: Mapping[str, torch.Tensor],
-    wanted: Mapping[str, Region | None],
-    verify: bool,
+def _check_blobs(
+    store: Readable, location: str, manifest: Manifest, blobs: Iterable[_Blob], verify: bool
 ) -> None:
     """Every chunk read must read the same through ``torch.load``: its framing is the one this
-    torch writes, or else the whole blob, loaded with weights only, holds the bytes just read
-    (a checkpoint of another torch version frames its blobs its own way)."""
+    torch writes, or else the whole blob, loaded with weights only, holds exactly the chunk's
+    bytes (a checkpoint of another torch version frames its blobs its own way)."""
     for blob in blobs:
-        spec = manifest.specs[blob.key]
-        if blob.framed(spec.dtype):
+        if blob.framed(manifest.specs[blob.key].dtype):
             continue
-        region = wanted[blob.key] or Region.whole(spec.shape)
-        box = overlap(blob.chunk.region, region)
-        assert box is not None  # only chunks that overlap are read
-        loaded = _load_chunk(store, location, manifest, blob, verify)
-        if not torch.equal(
-            _bits(loaded[_slices(box, blob.chunk.region)]), _bits(tensors[blob.key][_slices(box, region)])
-        ):
+        loaded, data = _load_chunk(store, location, manifest, blob, verify)
+        start = blob.chunk.data_offset - blob.chunk.blob_offset
+        if not torch.equal(_bits(loaded), data[start : start + loaded.nbytes]):
             raise CheckpointError(
                 f"{step_file_label(location, blob.chunk.file)}: tensor {blob.key!r} reads "
                 "differently through torch.load (its blob's framing was changed)"
@@ -262,8 +338,9 @@ def _check_framing(
 
 def _load_chunk(
     store: Readable, location: str, manifest: Manifest, blob: _Blob, verify: bool
-) -> torch.Tensor:
-    """A chunk's blob as a plain ``torch.load`` (weights only) reads it, checked to be that chunk."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's blob as a plain ``torch.load`` (weights only) reads it, checked to be that
+    chunk's dtype and shape; and the blob's bytes."""
     chunk, spec = blob.chunk, manifest.specs[blob.key]
     data = torch.empty(chunk.blob_length, dtype=torch.uint8)
     read_file(store, location, chunk.file, manifest, [(chunk.blob_offset, byte_view(data))], verify)
@@ -280,44 +357,31 @@ def _load_chunk(
             else type(loaded).__name__
         )
         raise CheckpointError(f"{what} holds {found}, the manifest says {spec.dtype} {chunk.sizes}")
-    return loaded
+    return loaded, data
 
 
 def verify_framing(store: Readable, io: Pool, location: str, manifest: Manifest) -> None:
     """Check the framing of every chunk of the step (a plain ``torch.load`` of each blob gives
-    exactly the chunk's bytes): the bytes around each chunk's data, and the whole blob where
-    they are not this torch's."""
+    exactly the chunk's bytes)."""
     if manifest.foreign:  # no framing of nbckpt's: every blob must load as its chunk
         for key, chunks in manifest.items.items():
             for chunk in chunks:
                 _load_chunk(store, location, manifest, _Blob(key, chunk, bytearray(), bytearray()), False)
         return
-    by_file: dict[str, list[tuple[int, memoryview]]] = {}
+    framing_views: dict[str, list[tuple[int, memoryview]]] = {}
     blobs: dict[tuple[str, int], _Blob] = {}
     for key, chunks in manifest.items.items():
         for chunk in chunks:
             if (chunk.file, chunk.blob_offset) not in blobs:
                 blobs[(chunk.file, chunk.blob_offset)] = _framing_views(
-                    key, chunk, manifest.specs[key].dtype, by_file.setdefault(chunk.file, [])
+                    key, chunk, manifest.specs[key].dtype, framing_views.setdefault(chunk.file, [])
                 )
     jobs = [
         partial(read_file, store, location, name, manifest, sorted(found, key=lambda w: w[0]), True)
-        for name, found in by_file.items()
+        for name, found in framing_views.items()
     ]
     run_all(io, jobs)
-    for blob in blobs.values():
-        spec = manifest.specs[blob.key]
-        if blob.framed(spec.dtype):
-            continue
-        loaded = _load_chunk(store, location, manifest, blob, True)
-        chunk = blob.chunk
-        data = torch.empty(math.prod(chunk.sizes) * spec.dtype.itemsize, dtype=torch.uint8)
-        read_file(store, location, chunk.file, manifest, [(chunk.data_offset, byte_view(data))], True)
-        if not torch.equal(_bits(loaded), data):
-            raise CheckpointError(
-                f"{step_file_label(location, chunk.file)}: tensor {blob.key!r} reads "
-                "differently through torch.load (its blob's framing was changed)"
-            )
+    _check_blobs(store, location, manifest, blobs.values(), True)
 
 
 def _slices(box: Region, within: Region) -> tuple[slice, ...]:

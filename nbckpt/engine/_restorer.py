@@ -22,11 +22,22 @@ from ._interrupts import deferred_interrupt
 from ._layout import METADATA_FILE
 from ._manifest import Manifest
 from ._ranks import Group
-from ._reader import Readable, read_manifest, read_metadata, read_tensors, verify_files, verify_framing
+from ._reader import (
+    Readable,
+    ReadPlan,
+    check_read,
+    fill,
+    plan_read,
+    read_manifest,
+    read_metadata,
+    read_tensors,
+    verify_files,
+    verify_framing,
+)
 from ._shards import Region, wrap_like
 from ._state import decode, node_tensors, tree_specs
 from ._store import MANIFEST, step_name
-from ._template import align, apply, check_loadable, check_template, sharded_targets
+from ._template import align, apply, check_loadable, check_template, destinations, sharded_targets
 from ._timeline import Timeline, now_ns
 from ._workers import Pool
 
@@ -88,26 +99,35 @@ class Restorer:
             )
             store = self.stores[index]
             began = now_ns()
+            failure: CheckpointError | None = None
             try:
-                tensors, saved, streams = self._read_for(
+                tensors, saved, streams, fill_them = self._read_for(
                     state, candidate, store, location, verify, rng, attempt, strict, key_map
                 )
             except CheckpointError as exc:
+                failure = exc
+            if failure is None:
+                with deferred_interrupt():  # a Ctrl-C from here would leave the state half loaded
+                    try:
+                        self.group.exchange(("fill", candidate, attempt), fill_them)
+                    except CheckpointError as exc:
+                        failure = exc
+                    else:
+                        self.group.exchange(
+                            ("apply", candidate, attempt), partial(_apply, state, saved, tensors, candidate)
+                        )
+                        if streams is not None:
+                            streams()
+            if failure is not None:
                 tried.append((candidate, index))
                 if step is not None and not self._candidates(step, tried):
-                    raise
+                    raise failure
                 next_one = "its mirror copy" if self._candidates(candidate, tried) else "an older checkpoint"
                 warnings.warn(
-                    f"nbckpt: skipping {step_name(candidate)}: {exc}; trying {next_one}",
+                    f"nbckpt: skipping {step_name(candidate)}: {failure}; trying {next_one}",
                     stacklevel=4,  # the caller of Checkpointer.restore
                 )
                 continue
-            with deferred_interrupt():  # a Ctrl-C now would leave the state half loaded
-                self.group.exchange(
-                    ("apply", candidate, attempt), partial(_apply, state, saved, tensors, candidate)
-                )
-                if streams is not None:
-                    streams()
             self.last_source = index
             self.timeline.record(
                 "restore", began, step=candidate, nbytes=sum(t.nbytes for t in tensors.values())
@@ -146,11 +166,12 @@ class Restorer:
         attempt: int,
         strict: bool,
         key_map: Callable[[str], str | None] | None,
-    ) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None] | None]:
+    ) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None] | None, Callable[[], None]]:
         """This rank's part of a restore, agreed by all: the caller's mistakes first, then damage.
 
         Returns the tensors to load (DTensors where the caller's state holds DTensors), the
-        saved tree, and the RNG streams to set (None: none of this rank's are in the step).
+        saved tree, the RNG streams to set (None: none of this rank's are in the step), and what
+        reads the checked bytes into the caller's own tensors (once every rank has checked).
         """
         box: list[Any] = []
 
@@ -181,16 +202,33 @@ class Restorer:
                 leaf["key"]: (_region(targets[leaf["key"]]) if leaf["key"] in targets else None)
                 for leaf in node_tensors(subtree)
             }
-            tensors, _ = read_tensors(store, self.io, location, manifest, wanted, verify=verify)
+            if manifest.foreign:
+                tensors, _ = read_tensors(store, self.io, location, manifest, wanted, verify=verify)
+                plan = ReadPlan(tensors)
+            else:
+                # Straight into the caller's own tensors where they can take the bytes (no fresh
+                # memory to fault in: half of a restore's time), once every byte is checked.
+                into = destinations(state, saved, targets, manifest.specs) if store.is_local else None
+                plan = plan_read(manifest, wanted, into)
+                if not plan.direct:
+                    fill(store, self.io, location, manifest, plan, verify=verify)
+                check_read(store, self.io, location, manifest, plan, verify=verify)
+            tensors = dict(plan.tensors)
             for key, like in targets.items():
                 if key in tensors:
                     tensors[key] = wrap_like(tensors[key], like)
-            box.append((tensors, _owned_rng(manifest, self.rank, step) if rng else None))
+            _refuse(check_loadable(state, saved, tensors), step)
+            box.append((plan, tensors, _owned_rng(manifest, self.rank, step) if rng else None))
 
         self.group.exchange(("read", step, attempt), read)
-        tensors, streams = box[1]
-        _refuse(check_loadable(state, saved, tensors), step)
-        return tensors, saved, streams
+        plan, tensors, streams = box[1]
+
+        def fill_them() -> None:
+            """Every rank has checked all it reads: only now may the caller's memory be written."""
+            if plan.direct:
+                fill(store, self.io, location, manifest, plan, verify=verify)
+
+        return tensors, saved, streams, fill_them
 
     def load(self, step: int, *, verify: bool, map_location: str | torch.device | None) -> dict[str, Any]:
         store, location = self.find(step)

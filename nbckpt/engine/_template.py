@@ -18,7 +18,7 @@ import torch
 from ._shards import is_dtensor
 from ._state import STATEFUL, Node, decode, dtype_from_name, dtype_name
 
-__all__ = ["align", "apply", "check_template", "sharded_targets"]
+__all__ = ["align", "apply", "check_loadable", "check_template", "destinations", "sharded_targets"]
 
 
 def _shape(shape: Any) -> str:
@@ -250,11 +250,11 @@ def _apply_one(current: Any, node: Node, tensors: Mapping[str, Any]) -> Any:
         return current
     if isinstance(current, torch.Tensor) and kind == "tensor":
         restored = tensors[node["key"]]
-        with torch.no_grad():
-            if is_dtensor(current):  # the restored one holds exactly this shard
-                cast(Any, current).to_local().copy_(restored.to_local())
-            else:
-                current.copy_(restored)
+        local = cast(Any, current).to_local() if is_dtensor(current) else current
+        source = restored.to_local() if is_dtensor(restored) else restored
+        if source.data_ptr() != local.data_ptr() or source.shape != local.shape:  # read into it already
+            with torch.no_grad():
+                local.copy_(source)
         return current
     if isinstance(current, dict) and kind == "dict":
         for key, child in node["items"]:
@@ -263,3 +263,66 @@ def _apply_one(current: Any, node: Node, tensors: Mapping[str, Any]) -> Any:
             )
         return current
     return decode(node, tensors)
+
+
+def destinations(
+    template: Mapping[Any, Any], saved: Node, targets: Mapping[str, Any], specs: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The caller's own tensors a restore can read straight into: saved key -> the tensor (a
+    DTensor's local shard) that :func:`apply` would copy into anyway, where it takes the bytes
+    as they are (on the CPU, contiguous, the saved dtype and the wanted shape) and shares no
+    memory with another. Every other key is read into fresh memory."""
+    found: dict[str, torch.Tensor] = {}
+    items = {key: child for key, child in saved["items"]}
+    for key, current in template.items():
+        if key in items:
+            _destinations(current, items[key], found)
+    usable: dict[str, torch.Tensor] = {}
+    spans: list[tuple[int, int, str]] = []
+    for key, tensor in found.items():
+        spec = specs.get(key)
+        like = targets.get(key)
+        shape = tuple(like.to_local().shape) if like is not None else (spec.shape if spec else None)
+        if (
+            spec is not None
+            and tensor.device.type == "cpu"
+            and tensor.layout == torch.strided
+            and tensor.is_contiguous()
+            and tensor.dtype == spec.dtype
+            and tuple(tensor.shape) == shape
+            and tensor.numel()
+        ):
+            usable[key] = tensor
+            spans.append((tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes, key))
+    spans.sort()
+    reach, holder = -1, ""  # the furthest end so far, and whose
+    for start, end, key in spans:
+        if start < reach:  # one memory under two keys (a template's tied weights): read it fresh
+            usable.pop(key, None)
+            usable.pop(holder, None)
+        if end > reach:
+            reach, holder = end, key
+    return usable
+
+
+def _destinations(current: Any, node: Node, found: dict[str, torch.Tensor]) -> None:
+    kind = node.get("t")
+    if isinstance(current, torch.Tensor):
+        if kind == "tensor":
+            found[node["key"]] = cast(Any, current).to_local() if is_dtensor(current) else current
+    elif isinstance(current, torch.nn.Module) and kind in ("module", "dict"):
+        _state_destinations(current.state_dict(), node["state"] if kind == "module" else node, found)
+    elif isinstance(current, torch.optim.Optimizer) and kind == "optimizer":
+        saved_state = dict(node["state"].get("items", [])).get("state")
+        if saved_state is not None and saved_state.get("t") == "dict":
+            _state_destinations(current.state_dict()["state"], saved_state, found)
+    elif isinstance(current, dict) and kind == "dict":
+        _state_destinations(current, node, found)
+
+
+def _state_destinations(current: Mapping[Any, Any], node: Node, found: dict[str, torch.Tensor]) -> None:
+    if node.get("t") != "dict":
+        return
+    for key, child in node["items"]:
+        if key in current:
+            _destinations(current[key], child, found)
