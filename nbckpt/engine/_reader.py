@@ -209,21 +209,7 @@ def check_read(
     tensors read apart. A plan into fresh tensors only reads its tied ones here."""
     cpu = 0.0
     if plan.direct:
-        names = set(plan.data) | set(plan.framing)
-        jobs = [
-            partial(
-                read_file,
-                store,
-                location,
-                name,
-                manifest,
-                sorted(plan.framing.get(name, []), key=lambda w: w[0]),
-                verify,
-                cover=[(offset, len(view)) for offset, view in plan.data.get(name, [])],
-            )
-            for name in names
-        ]
-        cpu += sum(run_all(io, jobs))
+        cpu += _read_files(store, io, location, manifest, plan.framing, verify, cover=plan.data)
         _check_blobs(store, location, manifest, plan.blobs, verify)
     if plan.later:
         more, more_cpu = read_tensors(store, io, location, manifest, plan.later, verify=verify)
@@ -238,12 +224,27 @@ def fill(
     """Read the plan's bytes into its tensors: checked in the same pass (with the framing), or,
     for a direct plan that :func:`check_read` checked already, just read."""
     if plan.direct:
-        jobs = [
-            partial(read_file, store, location, name, manifest, sorted(found, key=lambda w: w[0]), False)
-            for name, found in plan.data.items()
-        ]
-        return float(sum(run_all(io, jobs)))
-    names = set(plan.data) | set(plan.framing)
+        return _read_files(store, io, location, manifest, plan.data, False)
+    both = {
+        name: [*plan.data.get(name, []), *plan.framing.get(name, [])] for name in {*plan.data, *plan.framing}
+    }
+    cpu = _read_files(store, io, location, manifest, both, verify)
+    _check_blobs(store, location, manifest, plan.blobs, verify)
+    return cpu
+
+
+def _read_files(
+    store: Readable,
+    io: Pool,
+    location: str,
+    manifest: Manifest,
+    views: Mapping[str, list[tuple[int, memoryview]]],
+    verify: bool,
+    *,
+    cover: Mapping[str, list[tuple[int, memoryview]]] | None = None,
+) -> float:
+    """Each file's ``views`` read in parallel, a file a thread (and the blocks around ``cover``'s
+    ranges read and checked, into scratch); the CPU seconds spent."""
     jobs = [
         partial(
             read_file,
@@ -251,14 +252,13 @@ def fill(
             location,
             name,
             manifest,
-            sorted([*plan.data.get(name, []), *plan.framing.get(name, [])], key=lambda w: w[0]),
+            sorted(views.get(name, []), key=lambda w: w[0]),
             verify,
+            cover=[(offset, len(view)) for offset, view in (cover or {}).get(name, [])],
         )
-        for name in names
+        for name in {*views, *(cover or {})}
     ]
-    cpu = float(sum(run_all(io, jobs)))
-    _check_blobs(store, location, manifest, plan.blobs, verify)
-    return cpu
+    return float(sum(run_all(io, jobs)))
 
 
 def read_tensors(
