@@ -154,8 +154,7 @@ class Checkpointer:
                 recovered = line.store.recover()  # a branch's leftovers, as the main line's at open
                 if recovered:
                     _said_cleaned(line.store.url, recovered, stacklevel)
-            self._saver.store = line.store
-            self._saver.committed = set(line.store.committed())
+            self._saver.follow(line.store)
         self.line_name = name
         stores: list[Readable] = list(chain)
         if self._mirror is not None:

@@ -91,19 +91,29 @@ class Restorer:
         key_map: Callable[[str], str | None] | None,
     ) -> int:
         tried: list[tuple[int, int]] = []
+        lacking: list[_Lacks] = []  # newer steps that hold other names than the state asks for
         attempt = 0
         while True:
             attempt += 1
-            candidate, index, location = self.group.from_rank0(
-                ("pick", step, attempt), partial(self._pick, step, tried)
-            )
+            try:
+                candidate, index, location = self.group.from_rank0(
+                    ("pick", step, attempt), partial(self._pick, step, tried)
+                )
+            except CheckpointError:
+                if lacking:
+                    raise lacking[0].refusal(self.store.url) from None
+                raise
             store = self.stores[index]
             began = now_ns()
             failure: CheckpointError | None = None
             try:
                 tensors, saved, streams, fill_them = self._read_for(
-                    state, candidate, store, location, verify, rng, attempt, strict, key_map
+                    state, candidate, store, location, verify, rng, attempt, strict, key_map, step is not None
                 )
+            except _Lacks as exc:
+                tried.append((candidate, index))
+                lacking.append(exc)
+                continue
             except CheckpointError as exc:
                 failure = exc
             if failure is None:
@@ -128,6 +138,12 @@ class Restorer:
                     stacklevel=4,  # the caller of Checkpointer.restore
                 )
                 continue
+            if lacking:
+                warnings.warn(
+                    f"nbckpt: restored step {candidate}, the newest holding {_listed(lacking[0].asked)} "
+                    f"(step {lacking[0].step} holds {_listed(lacking[0].holds)})",
+                    stacklevel=4,  # the caller of Checkpointer.restore
+                )
             self.last_source = index
             self.timeline.record(
                 "restore", began, step=candidate, nbytes=sum(t.nbytes for t in tensors.values())
@@ -166,6 +182,7 @@ class Restorer:
         attempt: int,
         strict: bool,
         key_map: Callable[[str], str | None] | None,
+        asked_for: bool,
     ) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None] | None, Callable[[], None]]:
         """This rank's part of a restore, agreed by all: the caller's mistakes first, then damage.
 
@@ -175,8 +192,12 @@ class Restorer:
         """
         box: list[Any] = []
 
-        def check() -> str:
+        def check() -> tuple[str, list[str], list[str]]:
             manifest = read_manifest(store, step, location)[0]
+            holds = [str(key) for key, _ in manifest.tree(self.rank)["items"]]
+            missing = [str(key) for key in state if key not in holds]
+            if missing and not asked_for:  # the newest step saved other things: an older one may do
+                return manifest.checksum, missing, holds
             if self.rank == 0:
                 # Damage before the caller's mistakes: a tree edited to another shape must be a
                 # damaged step (the next one is tried), not a template the caller got wrong.
@@ -189,11 +210,14 @@ class Restorer:
                     problems.append(f"strict: the state does not name the saved {', '.join(left)}")
             _refuse(problems, step)
             box.append((manifest, saved, sharded_targets(state, saved)))
-            return manifest.checksum
+            return manifest.checksum, [], holds
 
-        checksums = self.group.exchange(("check", step, attempt), check)
-        if len(set(checksums)) > 1:
+        checked = self.group.exchange(("check", step, attempt), check)
+        if len({checksum for checksum, _, _ in checked}) > 1:
             raise CheckpointError(f"{step_name(step)}/{MANIFEST} reads differently on different ranks")
+        for _, missing, holds in checked:
+            if missing:
+                raise _Lacks(step, [str(k) for k in state], holds)
         manifest, saved, targets = box[0]
 
         def read() -> None:
@@ -259,6 +283,24 @@ def check_step_files(store: Readable, io: Pool, location: str, manifest: Manifes
     name = f"{step_name(manifest.step)}/{METADATA_FILE}"
     spans = check_dcp_metadata(read_metadata(store, location, manifest), manifest, name)
     check_values(store, location, manifest, spans)
+
+
+class _Lacks(CheckpointError):
+    """The newest step holds other names than the caller's state asks for: try an older one."""
+
+    def __init__(self, step: int, asked: list[str], holds: list[str]) -> None:
+        super().__init__(f"{step_name(step)} holds {_listed(holds)}")
+        self.step, self.asked, self.holds = step, asked, holds
+
+    def refusal(self, url: str) -> ConfigError:
+        return ConfigError(
+            f"no step in {url} holds {_listed(self.asked)} (the newest, step {self.step}, holds "
+            f"{_listed(self.holds)})"
+        )
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names) or "nothing"
 
 
 def _refuse(problems: list[str], step: int) -> None:

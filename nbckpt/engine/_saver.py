@@ -31,6 +31,7 @@ from ._layout import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._manifest import build
 from ._provenance import provenance
 from ._ranks import RankInfo
+from ._reader import read_manifest
 from ._shards import fingerprints
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten
@@ -70,6 +71,7 @@ class Saver:
         self._retention: Future[None] | None = None
         self._seq = 0
         self._origin: dict[str, Any] | None = None
+        self._names: dict[int, tuple[str, ...]] = {}  # each step's top-level names, as read or saved
         self.pool = StagingPool(config.max_inflight, pin=_cuda())
         self._stager = Stager()
         self._persister = Worker("nbckpt-persist", nice=config.writer_nice)
@@ -102,6 +104,7 @@ class Saver:
         self._seq += 1
         seq = self._seq
         flat, layout = self._plan(state, step, seq)
+        self._warn_if_stray(step, flat)
         if step in self.committed and not overwrite:
             warnings.warn(
                 f"nbckpt: step {step} already exists in {self.store.url} and is replaced; "
@@ -149,6 +152,44 @@ class Saver:
                 handle.reported = False  # it goes on in the background: report its outcome later
                 raise
         return handle
+
+    def follow(self, store: Store) -> None:
+        """Save into ``store`` from now on (another line of the run)."""
+        with self._state:
+            self.store = store
+            self.committed = set(store.committed())
+            self._names.clear()  # step numbers of another line are other steps
+
+    def names_of(self, step: int) -> tuple[str, ...] | None:
+        """The top-level names step ``step`` of this line holds (None if it cannot be read)."""
+        names = self._names.get(step)
+        if names is None:
+            location = self.store.committed_at(step)
+            try:
+                names = top_names(read_manifest(self.store, step, location)[0].tree(0)) if location else None
+            except CheckpointError:
+                return None
+            if names is not None:
+                with self._state:
+                    self._names[step] = names
+        return names
+
+    def _warn_if_stray(self, step: int, flat: Flattened) -> None:
+        """A save of other names than the run's newest step (``%ckpt_async x`` in a model's run),
+        or of no tensor at all, is most often a slip: said before it commits. Retention keeps
+        the newest ``keep`` of each set of names, so it never rotates the others out."""
+        names = top_names(flat.tree)
+        latest = max((s for s in self.committed if s != step), default=None)
+        before = self.names_of(latest) if latest is not None else None
+        kept = f"; retention keeps the newest {self.config.keep} of each" if self.config.keep else ""
+        if before is not None and names != before:
+            warnings.warn(
+                f"nbckpt: step {step} holds {_listed(names)}, the newest step ({latest}) holds "
+                f"{_listed(before)}{kept}",
+                stacklevel=4,  # the caller of Checkpointer.save
+            )
+        elif not flat.specs and not flat.aliases:
+            warnings.warn(f"nbckpt: step {step} holds no tensor ({_listed(names)})", stacklevel=4)
 
     def warmup(self, state: Mapping[str, Any]) -> None:
         """Plan ``state``'s structure and fit every slot to it (each slot is taken in turn)."""
@@ -350,6 +391,7 @@ class Saver:
             self.records.append(record)
             older = set(self.committed)  # what retention may delete: never a step committed later
             self.committed.add(step)
+            self._names[step] = top_names(flat.tree)
         handle.phase = "committed"
         retention: Future[None] | None = None
         if self.config.keep is not None and rank == 0:
@@ -416,7 +458,14 @@ class Saver:
         try:
             keep = self.config.keep or 0
             busy = self.protected()
-            steps = sorted(s for s in self.store.committed() if s in older and s not in busy)
+            names = self.names_of(newest)
+            steps = sorted(
+                s
+                for s in self.store.committed()
+                # never the step just committed (a re-save of it is in ``older`` too), and only
+                # steps of its names: a stray save never rotates out the run's real checkpoints
+                if s in older and s != newest and s not in busy and self.names_of(s) == names
+            )
             for step in steps[: max(len(steps) + 1 - keep, 0)]:
                 began = now_ns()
                 try:
@@ -433,6 +482,15 @@ class Saver:
             _log.warning("nbckpt: retention failed: %s", describe_error(exc))
         finally:
             done.set_result(None)
+
+
+def top_names(tree: dict[str, Any]) -> tuple[str, ...]:
+    """The names a state tree holds at its top (``("model", "optim", "step")``), sorted."""
+    return tuple(sorted(str(key) for key, _ in tree.get("items", [])))
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    return ", ".join(repr(n) for n in names) or "nothing"
 
 
 def _check_replicas(shared: frozenset[str], prints: list[dict[str, str]]) -> None:
