@@ -128,7 +128,8 @@ def test_common_values_are_stored_and_given_back_as_their_types(tmp_path: Path) 
         "args": argparse.Namespace(lr=0.1, name="run"),
     }
     with Checkpointer(tmp_path) as ckpt:
-        ckpt.save({**values, "sched": scheduler}, step=1).wait()
+        with pytest.warns(UserWarning, match="step 1 holds no tensor"):
+            ckpt.save({**values, "sched": scheduler}, step=1).wait()
         fresh = torch.optim.lr_scheduler.StepLR(
             torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), step_size=2, gamma=0.5
         )
@@ -327,8 +328,12 @@ def test_user_mistakes_in_restore_are_config_errors_with_no_fallback(tmp_path: P
             ckpt.save({"net": torch.nn.Linear(4, 8), "w": torch.zeros(2, 3)}, step=step).wait()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no "skipping step" warning: nothing is damaged
-            with pytest.raises(ConfigError, match=r"no entry 'model' \(it has 'net', 'w'\)"):
+            with pytest.raises(
+                ConfigError, match=r"no step in .* holds 'model' \(the newest, step 2, holds 'net', 'w'\)"
+            ):
                 ckpt.restore({"model": torch.nn.Linear(4, 8)})
+            with pytest.raises(ConfigError, match=r"no entry 'model' \(it has 'net', 'w'\)"):
+                ckpt.restore({"model": torch.nn.Linear(4, 8)}, step=2)
             with pytest.raises(
                 ConfigError, match=r"net.weight: the checkpoint has shape \(8, 4\), the module has \(8, 8\)"
             ):
@@ -512,8 +517,11 @@ def test_background_threads_yield_to_training_and_staging_does_not(tmp_path: Pat
             t.name: os.getpriority(os.PRIO_PROCESS, t.native_id or 0)
             for t in set(threading.enumerate()) - before
         }
-    background = {n: p for n, p in seen.items() if n.startswith(("nbckpt-io", "nbckpt-persist",
-                                                                  "nbckpt-retention", "nbckpt-mirror"))}
+    background = {
+        n: p
+        for n, p in seen.items()
+        if n.startswith(("nbckpt-io", "nbckpt-persist", "nbckpt-retention", "nbckpt-mirror"))
+    }
     staging = {n: p for n, p in seen.items() if n.startswith("nbckpt-stage")}
     assert len(background) == 5 and staging, seen  # 2 io, persist, retention, mirror
     assert set(background.values()) == {min(19, base + nice)}, seen
@@ -670,7 +678,8 @@ def test_load_on_meta_reads_values_and_shapes_only(tmp_path: Path, monkeypatch: 
 
 def test_a_dict_in_the_template_is_filled_with_every_saved_entry(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as ckpt:
-        ckpt.save({"model_args": {"n_layer": 2, "d": 64}, "step": 3}, step=3).wait()
+        with pytest.warns(UserWarning, match="step 3 holds no tensor"):
+            ckpt.save({"model_args": {"n_layer": 2, "d": 64}, "step": 3}, step=3).wait()
         state: dict[str, Any] = {"model_args": {}}
         ckpt.restore(state)
         assert state == {"model_args": {"n_layer": 2, "d": 64}}

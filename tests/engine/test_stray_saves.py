@@ -45,9 +45,11 @@ def test_a_stray_save_is_said_and_never_rotates_the_model_out(tmp_path: Path) ->
 
 
 def test_a_state_without_a_tensor_is_said(tmp_path: Path) -> None:
-    with Checkpointer(tmp_path, mode="sync") as ckpt:
-        with pytest.warns(UserWarning, match=r"step 1 holds no tensor \('device', 'width'\)"):
-            ckpt.save({"width": 3, "device": "cpu"}, step=1)
+    with (
+        Checkpointer(tmp_path, mode="sync") as ckpt,
+        pytest.warns(UserWarning, match=r"step 1 holds no tensor \('device', 'width'\)"),
+    ):
+        ckpt.save({"width": 3, "device": "cpu"}, step=1)
 
 
 def test_a_re_save_keeps_keep_steps(tmp_path: Path) -> None:
