@@ -180,6 +180,8 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
             stateful = cast(dict[str, Any], state.stateful_callbacks)
             stateful[type(control).__name__] = control.state()
         trainer_state = dataclasses.asdict(state)  # what TrainerState.save_to_json writes
+        # as rank 0 writes it (the Trainer's file is rank 0's): one value on every rank
+        trainer_state.update(is_local_process_zero=True, is_world_process_zero=True)
         if metrics is not None:
             _count_evaluation(trainer_state, args, metrics)
         self._saved.add(state.global_step)
