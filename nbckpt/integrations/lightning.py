@@ -9,14 +9,12 @@ top-k. Each path becomes a small JSON *pointer* naming a step of one nbckpt dire
 ``.nbckpt/`` beside the pointers; the pointer is written once that step has committed, so
 ``fit(ckpt_path="last")`` never finds a name for a checkpoint that is not durable.
 
-One ``ModelCheckpoint`` event is one write. With ``save_last=True`` Lightning saves twice per
-event (the top-k name, then ``last``) and sets ``last_model_path`` in between, so the second
-checkpoint holds the very same tensors as the first and differs in one string. A save whose
-tensors are those of the step written last (by storage and version counter: an in-place update
-counts) is not written again: its pointer names that step and carries the plain values that
-differ, put back in place when it is loaded, so each name loads exactly the dict Lightning saved
-under it. A step no pointer names any more (top-k removed it, ``last`` moved on) is deleted once
-no save is in flight, so removal never waits for a background write.
+One ``ModelCheckpoint`` event is one write. With ``save_last=True`` Lightning saves twice per event
+(the top-k name, then ``last``), changing ``last_model_path`` in between. A save whose tensors are
+those of the step written last (storage and version counter) is not written again: its pointer
+names that step and carries the plain values that differ, put back in place when it is loaded.
+A step no pointer names any more (top-k removed it, ``last`` moved on) is deleted once no save is
+in flight, so removal never waits for a background write.
 
 ``save_checkpoint`` returns once the state is copied into host memory; the write runs in the
 background. ``teardown`` (the end of ``fit``) waits for every write and raises one that failed.
@@ -31,7 +29,6 @@ into a real Lightning checkpoint with :func:`nbckpt.integrations.export`.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import shutil
 import sys
@@ -44,17 +41,17 @@ import torch
 
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url
-from ..engine import Checkpointer, SaveHandle, SaveRecord
+from ..engine import CheckpointConfig, Checkpointer, SaveHandle, SaveRecord
 from ._common import Key, Pointer, load, load_step, pointers_in, read_pointer, resolve, write_pointer
 
 if TYPE_CHECKING:
-    from lightning.fabric.plugins import CheckpointIO
+    from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 else:
     try:
-        from lightning.fabric.plugins import CheckpointIO
+        from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
     except ImportError:
         try:
-            from lightning_fabric.plugins import CheckpointIO
+            from lightning_fabric.plugins import CheckpointIO, TorchCheckpointIO
         except ImportError as exc:
             raise ImportError(
                 "nbckpt.integrations.lightning needs Lightning: pip install 'nbckpt[lightning]'"
@@ -64,7 +61,6 @@ __all__ = ["ROOT_NAME", "NbckptCheckpointIO", "load_from_checkpoint"]
 
 ROOT_NAME = ".nbckpt"
 """The nbckpt directory beside a checkpoint directory's pointer files."""
-_log = logging.getLogger("nbckpt")
 _T = TypeVar("_T")
 #: Options a Lightning run decides itself: which rank saves, what to keep, read or write.
 _RESERVED = {"ranks", "keep", "read_only"}
@@ -76,9 +72,8 @@ _PLAIN = (bool, int, float, str, torch.dtype, torch.device)  # compared by value
 
 @dataclass
 class _Written:
-    """The step written last to a directory: what it holds (tensors by identity and version,
-    values by value), and references that keep those tensors alive, so their memory cannot be
-    reused by new ones."""
+    """The step written last to a directory: what it holds (see :func:`_skeleton`), and references
+    that keep its tensors alive, so their memory cannot be reused by new ones."""
 
     shape: Any
     scalars: dict[tuple[Key, ...], Any]
@@ -95,10 +90,6 @@ class _Root:
     next_step: int
     handles: dict[int, SaveHandle] = field(default_factory=dict)
     written: _Written | None = None
-
-    @property
-    def directory(self) -> str:
-        return os.path.dirname(self.path)
 
     def idle(self) -> bool:
         return all(h.done() for h in self.handles.values())
@@ -129,16 +120,13 @@ class NbckptCheckpointIO(CheckpointIO):
                 "ModelCheckpoint's save_top_k decides what to keep)"
             )
         options["mode"] = mode
-        # Fail on a bad option now, not at the first save in the middle of fit().
-        from ..engine import CheckpointConfig
-
-        CheckpointConfig.build(None, **options)
+        CheckpointConfig.build(None, **options)  # a bad option fails now, not in the middle of fit()
         self._options = options
         self._roots: dict[str, _Root] = {}
         self._records: list[SaveRecord] = []
         self._lock = threading.Condition()  # pointer bookkeeping only; never held across a save
         self._pending: dict[str, Pointer] = {}  # pointer files not yet written, by path
-        self._errors: list[BaseException] = []
+        self._errors: list[CheckpointError] = []
         _register_with_twin()
 
     # -- saving -------------------------------------------------------------------------------
@@ -148,10 +136,8 @@ class NbckptCheckpointIO(CheckpointIO):
     ) -> None:
         """Start saving ``checkpoint`` under the name ``path``; returns once it is copied."""
         if storage_options is not None:
-            raise ConfigError(
-                f"NbckptCheckpointIO takes no storage_options (got {type(storage_options).__name__}); "
-                "pass Checkpointer options to NbckptCheckpointIO(...)"
-            )
+            kind = type(storage_options).__name__
+            raise ConfigError(f"NbckptCheckpointIO takes no storage_options (got {kind}); pass options to it")
         if not isinstance(checkpoint, Mapping):
             raise ConfigError(f"checkpoint must be a dict, not {type(checkpoint).__name__}")
         target = _local_path(path)
@@ -192,7 +178,9 @@ class NbckptCheckpointIO(CheckpointIO):
                     return  # the save's own error reaches the caller from the next call
                 write_pointer(target, pointer, writer="nbckpt.integrations.lightning.NbckptCheckpointIO")
             except BaseException as exc:  # raised from the caller's next call, never lost here
-                self._errors.append(exc)
+                error = CheckpointError(f"writing the pointer {target} failed: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                self._errors.append(error)
             finally:
                 if self._pending.get(target) == pointer:
                     del self._pending[target]
@@ -221,7 +209,7 @@ class NbckptCheckpointIO(CheckpointIO):
         root.handles = {s: h for s, h in root.handles.items() if not h.done()}
         with self._lock:  # pending first: a pointer written meanwhile is then seen on disk
             named = {p.step for p in self._pending.values() if p.root == root.path}
-        named |= {p.step for _, p in pointers_in(root.directory) if p.root == root.path}
+        named |= {p.step for _, p in pointers_in(os.path.dirname(root.path)) if p.root == root.path}
         for step in root.ckpt.steps():
             if step not in named:
                 root.ckpt.delete(step)
@@ -249,13 +237,9 @@ class NbckptCheckpointIO(CheckpointIO):
             pointer = read_pointer(target)
         if pointer is None and os.path.isdir(target):
             pointer = resolve(target)
-        if pointer is None:
-            from lightning.fabric.plugins import TorchCheckpointIO
-
-            loaded: dict[str, Any] = TorchCheckpointIO().load_checkpoint(
-                target, map_location=map_location, weights_only=weights_only
-            )
-            return loaded
+        if pointer is None:  # a file Lightning wrote itself
+            own = TorchCheckpointIO().load_checkpoint
+            return own(target, map_location=map_location, weights_only=weights_only)
         root = self._roots.get(pointer.root)  # this process writes there: read through its Checkpointer
         return load_step(pointer, map_location=location, ckpt=root.ckpt if root is not None else None)
 
@@ -285,7 +269,7 @@ class NbckptCheckpointIO(CheckpointIO):
 
         Raises the first background error (a CheckpointError) once everything is closed.
         """
-        errors: list[BaseException] = []
+        errors: list[CheckpointError] = []
         for root in list(self._roots.values()):
             try:
                 root.ckpt.wait()
@@ -309,7 +293,7 @@ class NbckptCheckpointIO(CheckpointIO):
             errors.extend(self._errors)
             self._errors.clear()
         if errors:
-            raise _as_checkpoint_error(errors[0])
+            raise errors[0]
 
     def _drain(self) -> CheckpointError | None:
         """Wait for the pointers of finished saves: the committing thread writes each right after
@@ -324,7 +308,7 @@ class NbckptCheckpointIO(CheckpointIO):
             if not self._errors:
                 return
             error = self._errors.pop(0)
-        raise _as_checkpoint_error(error)
+        raise error
 
     def _open(self, directory: str) -> _Root:
         path = os.path.join(directory, ROOT_NAME)
@@ -400,15 +384,8 @@ def _skeleton(checkpoint: Any, keep: list[torch.Tensor]) -> tuple[Any, dict[tupl
                 version, data = value._version, value.untyped_storage().data_ptr()
             except (RuntimeError, NotImplementedError):  # inference or wrapper tensors
                 return object()
-            where = (
-                data,
-                value.storage_offset(),
-                tuple(value.shape),
-                value.stride(),
-                value.dtype,
-                value.device,
-            )
-            return ("t", *where, version)
+            layout = (value.storage_offset(), tuple(value.shape), value.stride(), value.dtype, value.device)
+            return ("t", data, *layout, version)
         if type(value) in _SCALARS:
             if path is None:
                 return (type(value), value)
@@ -429,14 +406,6 @@ def _skeleton(checkpoint: Any, keep: list[torch.Tensor]) -> tuple[Any, dict[tupl
 
 def _sub(path: tuple[Key, ...] | None, key: Any) -> tuple[Key, ...] | None:
     return (*path, key) if path is not None and type(key) in (str, int) else None
-
-
-def _as_checkpoint_error(error: BaseException) -> BaseException:
-    if isinstance(error, (CheckpointError, ConfigError)):
-        return error
-    wrapped = CheckpointError(f"writing a checkpoint pointer failed: {type(error).__name__}: {error}")
-    wrapped.__cause__ = error
-    return wrapped
 
 
 def _register_with_twin() -> None:
