@@ -1,34 +1,35 @@
-"""Lightning benchmark: how long ``trainer.save_checkpoint`` stops training, per checkpoint IO.
+"""Lightning benchmark: what a ``ModelCheckpoint``-driven run loses to checkpointing, per checkpoint IO.
 
     .venv/bin/python benchmarks/lightning_stall.py --json data/results/lightning-cpu.json
-    .venv/bin/python benchmarks/lightning_stall.py --quick     # a 5M model, 2 repeats (checks the script)
+    .venv/bin/python benchmarks/lightning_stall.py --quick     # small models, 1 repeat (checks the script)
 
-Method. One Trainer fits a ~50M-parameter MLP (AdamW: the checkpoint holds the parameters and
-two moments, ~600 MB) for a few steps, then ``trainer.save_checkpoint(path)`` is timed: that
-is the call ``ModelCheckpoint`` makes, so the time includes Lightning's own collection of the
-state (``dump_checkpoint``). Three IOs, one after another within each repeat so that drift on a
-shared machine hits all alike:
+Method. ``Trainer.fit`` trains an MLP with AdamW (the checkpoint holds the parameters and two
+moments: ``--sizes-mb`` 100 and 500 by default) with ``ModelCheckpoint(every_n_train_steps=E,
+save_top_k=2, save_last=True, monitor="step", mode="max")``, so every event saves a top-k
+checkpoint, saves ``last`` and removes the oldest top-k one, as a run that keeps its best two
+does. Events ``--every`` 3 and 8 steps apart: close enough that a background write may still be
+running at the next event, or far enough that it is not. Four variants, interleaved within each
+repeat so that drift on a shared machine hits all alike:
 
-- ``TorchCheckpointIO``: Lightning's default, ``torch.save`` (no fsync: its file may still be
-  in the page cache when the call returns, not on disk);
+- ``none``: no checkpointing (the floor the others are measured against);
+- ``TorchCheckpointIO``: Lightning's default, ``torch.save`` (no fsync: its files may still be
+  in the page cache when the call returns);
 - ``AsyncCheckpointIO``: Lightning's own asynchronous wrapper (clones the tensors on the
-  caller's thread, ``torch.save`` on a worker thread);
-- ``NbckptCheckpointIO``: this project's plug-in (copy into reused host buffers, write and
-  fsync in the background, commit atomically).
+  caller's thread, ``torch.save`` on a worker thread; one event queues two saves);
+- ``NbckptCheckpointIO``: this project's plug-in (copy into reused host buffers, write, fsync and
+  commit in the background; one event is one write).
 
-"stall" is what the training loop waits for; "durable" is the time until the checkpoint is
-written (fsynced, for nbckpt), measured by waiting for the background work after the stall.
-Before each timed save the IO has saved once already (nbckpt's buffers are allocated then,
-as in a run, where only the first save pays for them), and the parameters have changed since.
-Rows give the median and min-max.
+"stall per event" is the time the training loop spends inside ``ModelCheckpoint``'s hook at an
+event (both saves, the removal, and any wait for an earlier write); "fit overhead" is the fit's
+wall time minus the ``none`` run's, over the number of events: the whole cost, including the
+end-of-fit wait for the last write and background work competing for the cores. Intervals are
+95 % t-intervals over the repeats (each repeat's mean per event).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
+import logging
 import shutil
 import statistics
 import time
@@ -40,146 +41,177 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _output import finish, parser
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
+from nbckpt.bench import t_interval
 from nbckpt.integrations.lightning import NbckptCheckpointIO
 
 warnings.filterwarnings("ignore", module="lightning")
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+
+DEPTH = 6
+IOS: dict[str, Callable[[], CheckpointIO] | None] = {
+    "none": None,
+    "TorchCheckpointIO": TorchCheckpointIO,
+    "AsyncCheckpointIO": lambda: AsyncCheckpointIO(TorchCheckpointIO()),
+    "NbckptCheckpointIO": NbckptCheckpointIO,
+}
 
 
 class Mlp(pl.LightningModule):
-    def __init__(self, width: int, depth: int) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth)))
+        self.net = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(DEPTH)))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        out: torch.Tensor = self.net(batch[0]).square().mean()
-        return out
+        loss: torch.Tensor = self.net(batch[0]).square().mean()
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-def _trainer(io: CheckpointIO, width: int, depth: int, root: Path) -> pl.Trainer:
-    data = torch.utils.data.TensorDataset(torch.randn(4, width))
-    trainer = pl.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        plugins=[io],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    )
-    torch.manual_seed(0)
-    trainer.fit(Mlp(width, depth), torch.utils.data.DataLoader(data, batch_size=2))
-    return trainer
+class TimedCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` that records how long each of its events kept the training loop."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stalls: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        saved = self._last_global_step_saved
+        began = time.perf_counter()
+        super().on_train_batch_end(trainer, *args, **kwargs)
+        if self._last_global_step_saved != saved:
+            self.stalls.append(time.perf_counter() - began)
 
 
-def _finish(io: CheckpointIO) -> None:
-    """Wait for the IO's background work (none for TorchCheckpointIO)."""
-    if isinstance(io, NbckptCheckpointIO):
-        io.wait()
-    elif isinstance(io, AsyncCheckpointIO):
-        io.teardown()  # joins its worker thread (a new one starts on the next save)
+def width_for(size_mb: float) -> int:
+    """The MLP width whose parameters and two AdamW moments take ``size_mb`` MB."""
+    params = size_mb * 1e6 / 12 / DEPTH  # 3 float32 tensors per parameter, per layer
+    return int((params**0.5) - 0.5)
 
 
-def measure(name: str, io: CheckpointIO, width: int, depth: int, root: Path) -> tuple[float, float, int]:
-    """(stall, durable) seconds of one save after a warm-up save, and the checkpoint's bytes."""
-    directory = root / name
+def fit(io_name: str, width: int, every: int, steps: int, directory: Path) -> dict[str, Any]:
+    """One fit; its wall time, the stalls of its events and the bytes of one checkpoint."""
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    trainer = _trainer(io, width, depth, directory)
-    trainer.save_checkpoint(directory / "warmup.ckpt")
-    _finish(io)
-    with torch.no_grad():  # as an optimizer step would: new values (nbckpt skips unchanged state)
-        for param in trainer.lightning_module.parameters():
-            param.mul_(0.5)
+    make = IOS[io_name]
+    io = make() if make is not None else None
+    checkpoint = TimedCheckpoint(
+        dirpath=directory, every_n_train_steps=every, save_top_k=2, save_last=True, monitor="step", mode="max"
+    )
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        plugins=[io] if io is not None else None,
+        callbacks=[checkpoint] if io is not None else [],
+        enable_checkpointing=io is not None,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=directory,
+    )
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(4 * steps, width))
     began = time.perf_counter()
-    trainer.save_checkpoint(directory / "timed.ckpt")
-    stall = time.perf_counter() - began
-    _finish(io)
-    durable = time.perf_counter() - began
-    size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
-    io.teardown()
+    trainer.fit(Mlp(width), torch.utils.data.DataLoader(data, batch_size=4))
+    wall = time.perf_counter() - began
+    writes, size = None, 0
+    if isinstance(io, NbckptCheckpointIO):
+        writes, size = len(io.records), io.records[-1].bytes
+    elif io is not None:
+        size = max(p.stat().st_size for p in directory.glob("*.ckpt") if not p.is_symlink())
     shutil.rmtree(directory, ignore_errors=True)
-    return stall, durable, size // 2  # two checkpoints were on disk
+    return {"wall_s": wall, "stalls_s": checkpoint.stalls, "writes": writes, "checkpoint_bytes": size}
+
+
+def summarize(runs: list[dict[str, Any]], floor: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-event stall and fit time over the repeats (medians; means with a 95 % interval)."""
+    stalls = [s for r in runs for s in r["stalls_s"]]
+    events = max(len(runs[0]["stalls_s"]), 1)
+    return {
+        "stall_median_s": statistics.median(stalls) if stalls else 0.0,
+        "stall_s": t_interval([statistics.fmean(r["stalls_s"]) for r in runs]) if stalls else (0.0,) * 3,
+        "stall_max_s": max(stalls, default=0.0),
+        "first_event_s": statistics.median(r["stalls_s"][0] for r in runs) if stalls else 0.0,
+        "fit_median_s": statistics.median(r["wall_s"] for r in runs),
+        "overhead_s": t_interval(
+            [(r["wall_s"] - f["wall_s"]) / events for r, f in zip(runs, floor, strict=True)]
+        ),
+        "events": len(runs[0]["stalls_s"]),
+        "writes": runs[0]["writes"],
+        "checkpoint_bytes": runs[0]["checkpoint_bytes"],
+        "runs": runs,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    width, depth = (1024, 5) if args.quick else (args.width, args.depth)
-    params = depth * (width * width + width)
+    sizes = [20.0] if args.quick else args.sizes_mb
+    everies = [3] if args.quick else args.every
+    repeats = 1 if args.quick else args.repeats
     root = Path(args.dir)
-    makers: dict[str, Callable[[], CheckpointIO]] = {
-        "TorchCheckpointIO": TorchCheckpointIO,
-        "AsyncCheckpointIO": lambda: AsyncCheckpointIO(TorchCheckpointIO()),
-        "NbckptCheckpointIO": NbckptCheckpointIO,
-    }
-    samples: dict[str, list[tuple[float, float, int]]] = {name: [] for name in makers}
-    repeats = 2 if args.quick else args.repeats
+    samples: dict[tuple[float, int, str], list[dict[str, Any]]] = {}
+    fit("none", width_for(sizes[0]), everies[0], everies[0] * args.events, root / "warmup")  # first-fit costs
     for repeat in range(repeats):
-        for name, make in makers.items():
-            samples[name].append(measure(name, make(), width, depth, root))
-            stall, durable, _ = samples[name][-1]
-            print(
-                f"  repeat {repeat + 1}/{repeats} {name}: stall {stall:.3f} s, durable {durable:.3f} s",
-                flush=True,
-            )
-    rows: dict[str, dict[str, Any]] = {}
-    for name, values in samples.items():
-        stalls, durables = [v[0] for v in values], [v[1] for v in values]
-        rows[name] = {
-            "stall_s": {"median": statistics.median(stalls), "min": min(stalls), "max": max(stalls)},
-            "durable_s": {"median": statistics.median(durables), "min": min(durables), "max": max(durables)},
-            "checkpoint_bytes": values[0][2],
-            "samples": [{"stall_s": s, "durable_s": d} for s, d, _ in values],
-        }
-    base = rows["TorchCheckpointIO"]["stall_s"]["median"]
-    print(f"\nLightning save_checkpoint, {params / 1e6:.1f}M parameters + AdamW state, {repeats} repeats")
-    print(
-        f"{'checkpoint IO':<20} {'stall median (min-max)':>26} {'durable median':>16} {'stall vs torch':>15}"
-    )
-    for name, row in rows.items():
-        st, du = row["stall_s"], row["durable_s"]
-        print(
-            f"{name:<20} {st['median']:>9.3f} s ({st['min']:.3f}-{st['max']:.3f})"
-            f" {du['median']:>14.3f} s {base / st['median']:>14.1f}x"
-        )
+        for size in sizes:
+            for every in everies:
+                steps = every * args.events
+                for name in IOS:
+                    result = fit(name, width_for(size), every, steps, root / name)
+                    samples.setdefault((size, every, name), []).append(result)
+                    stalls = ", ".join(f"{s:.3f}" for s in result["stalls_s"])
+                    print(
+                        f"  repeat {repeat + 1}/{repeats} {size:.0f} MB every {every}: {name}: "
+                        f"fit {result['wall_s']:.2f} s, stalls [{stalls}] s",
+                        flush=True,
+                    )
+    rows = []
+    for size in sizes:
+        for every in everies:
+            floor = samples[(size, every, "none")]
+            for name in IOS:
+                row = summarize(samples[(size, every, name)], floor)
+                rows.append({"size_mb": size, "every": every, "io": name, **row})
+    print_table(rows, repeats, args.events)
     return {
-        "benchmark": "lightning save_checkpoint stall",
-        "parameters": params,
-        "width": width,
-        "depth": depth,
+        "benchmark": "lightning ModelCheckpoint stall",
         "repeats": repeats,
+        "events_per_fit": args.events,
+        "depth": DEPTH,
         "directory": str(root.resolve()),
-        "torch": torch.__version__,
         "lightning": version("lightning"),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
         "rows": rows,
     }
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=2896, help="features per layer (2896 x 6: 50.3M)")
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", default="data/checkpoints/bench-lightning")
-    parser.add_argument("--quick", action="store_true", help="a 5M model, 2 repeats")
-    parser.add_argument("--json", help="write the results here")
-    return parser.parse_args(argv)
+def print_table(rows: list[dict[str, Any]], repeats: int, events: int) -> None:
+    print(f"\nModelCheckpoint(save_top_k=2, save_last=True), {events} events per fit, {repeats} repeats")
+    print(
+        f"{'size':>5} {'every':>5} {'checkpoint IO':<19} {'stall median s':>14}"
+        f" {'stall mean s [95% CI]':>24} {'first s':>8} {'fit median s':>12} {'writes/event':>12}"
+    )
+    for row in rows:
+        mean, low, high = row["stall_s"]
+        writes = "" if row["writes"] is None else f"{row['writes'] / max(row['events'], 1):.1f}"
+        print(
+            f"{row['size_mb']:>3.0f}MB {row['every']:>5} {row['io']:<19} {row['stall_median_s']:>14.3f}"
+            f" {mean:>8.3f} [{low:.3f}, {high:.3f}] {row['first_event_s']:>8.3f} {row['fit_median_s']:>12.1f}"
+            f" {writes:>12}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    result = run(args)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    quick = "a 20 MB model, events 3 apart, 1 repeat"
+    options = parser(__doc__, repeats=3, directory="data/checkpoints/bench-lightning", quick=quick)
+    options.add_argument("--sizes-mb", type=float, nargs="+", default=[100.0, 500.0])
+    options.add_argument("--every", type=int, nargs="+", default=[3, 8], help="steps between events")
+    options.add_argument("--events", type=int, default=6, help="checkpoint events per fit")
+    finish(run, options.parse_args(argv))
 
 
 if __name__ == "__main__":

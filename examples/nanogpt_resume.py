@@ -1,19 +1,27 @@
-"""A nanoGPT-style training loop that resumes exactly after SIGKILL, with nbckpt.
+"""A nanoGPT-style training loop that resumes exactly after SIGKILL, with nbckpt, in one process or
+under torchrun.
 
 Run it, kill it (Ctrl-C, ``kill -9``, a lost node) and run it again with ``--init_from resume``:
-the losses after the resume are the ones an uninterrupted run prints, bit for bit::
+the losses after the resume are the ones an uninterrupted run prints, bit for bit, on every rank::
 
     python examples/nanogpt_resume.py --out_dir out-tiny --max_iters 40
     python examples/nanogpt_resume.py --out_dir out-tiny --max_iters 40 --kill_at 25
     python examples/nanogpt_resume.py --out_dir out-tiny --max_iters 40 --init_from resume
+    torchrun --standalone --nproc-per-node 2 examples/nanogpt_resume.py --out_dir out-ddp   # the same, DDP
 
-What exact resume takes, beyond the model and optimizer:
+The recipe, against nanoGPT's ``train.py`` (its ``torch.save``/``torch.load`` of ``ckpt.pt``
+replaced by a ``Checkpointer``):
 
-- the RNG states (``capture_rng=True``): dropout and the next batch draw from them;
-- the batch already drawn: like nanoGPT, this loop fetches the next batch right after the
-  forward pass, so at the save point the next batch is already in ``X, Y``, drawn from the RNG
-  state *before* the one saved. Without it a resumed run draws a different batch and every
-  later loss differs; with it, they are all equal;
+- **every rank saves** (not the master process alone): each rank's RNG states and its own
+  batch ride along, and the model and optimizer are written once, spread over the ranks;
+- **the RNG states** (``capture_rng=True``), per rank: dropout and the next batch draw from them;
+- **the batch already drawn**, under a per-rank key (``f"batch.rank{rank}"``): like nanoGPT,
+  this loop fetches the next batch right after the forward pass, so at the save point the next
+  batch is already in ``X, Y``, drawn from the RNG state *before* the one saved. Without it a
+  resumed run draws a different batch and every later loss differs; with it, they are all equal;
+- **no second evaluation at the resumed iteration**: nanoGPT evaluates, then saves, at every
+  ``eval_interval``; the evaluation draws batches, so running it again right after the resume
+  would move the RNG past where the uninterrupted run was;
 - the iteration counter (the learning-rate schedule is a function of it).
 
 The model's shape is read back before the model exists with
@@ -26,12 +34,15 @@ import argparse
 import math
 import os
 import signal
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nbckpt import Checkpointer, SaveHandle
 
@@ -113,12 +124,19 @@ def get_lr(it: int, args: argparse.Namespace) -> float:
     return float(args.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (args.learning_rate - args.min_lr))
 
 
+def log(line: str) -> None:
+    """Print ``line`` in one write: under torchrun the ranks share stdout, and two writes can mix."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out_dir", default="out-tiny")
     p.add_argument("--init_from", choices=["scratch", "resume"], default="scratch")
     p.add_argument("--max_iters", type=int, default=40)
-    p.add_argument("--ckpt_every", type=int, default=5)
+    p.add_argument("--eval_interval", type=int, default=5, help="evaluate, then save, every N iterations")
+    p.add_argument("--eval_iters", type=int, default=2)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--learning_rate", type=float, default=3e-3)
     p.add_argument("--min_lr", type=float, default=3e-4)
@@ -136,10 +154,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    torch.manual_seed(args.seed)
-    # keep: the disk holds `keep` checkpoints; capture_rng: dropout and batches draw from the RNGs
+    ddp = int(os.environ.get("RANK", -1)) != -1  # under torchrun, as nanoGPT tells
+    if ddp:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if ddp else 0
+    torch.manual_seed(args.seed + rank)  # nanoGPT's seed_offset: each rank its own stream
+    # keep: the disk holds `keep` checkpoints; capture_rng: dropout and batches draw from the RNGs.
+    # Every rank opens it (under torchrun each saves its part, and its RNG states, itself).
     ckpt = Checkpointer(args.out_dir, mode="async", keep=args.keep, capture_rng=True)
     data = corpus(GPTConfig.vocab_size)
+    batch_key = f"batch.rank{rank}"  # each rank's own batch: one key per rank
 
     def get_batch(block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         ix = torch.randint(len(data) - block_size - 1, (args.batch_size,))
@@ -147,48 +171,64 @@ def main(argv: list[str] | None = None) -> None:
         y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix])
         return x, y
 
-    iter_num = resumed_at = 0
+    iter_num, resumed_at = 0, None
     if args.init_from == "resume":
         # The model's shape comes from the checkpoint, before the model exists: values only.
         model_args = ckpt.load(map_location="meta")["model_args"]
         cfg = GPTConfig(**model_args)
     else:
         cfg = GPTConfig()
-    model = GPT(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.1)
+    raw_model = GPT(cfg)
+    optimizer = torch.optim.AdamW(raw_model.parameters(), lr=args.learning_rate, weight_decay=0.1)
     if args.init_from == "resume":
-        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "iter_num": 0, "batch": {}}
-        step = ckpt.restore(state)  # newest intact checkpoint; sets the RNGs back too
+        state: dict[str, Any] = {"model": raw_model, "optimizer": optimizer, "iter_num": 0, batch_key: {}}
+        step = ckpt.restore(state)  # newest intact checkpoint; sets this rank's RNGs back too
         iter_num = resumed_at = state["iter_num"]
-        X, Y = state["batch"]["x"], state["batch"]["y"]
-        print(f"resumed from iter {iter_num} (step {step})", flush=True)
+        X, Y = state[batch_key]["x"], state[batch_key]["y"]
+        log(f"resumed from iter {iter_num} (step {step})")
     else:
         X, Y = get_batch(cfg.block_size)  # fetch the very first batch
-        ckpt.warmup(_state(model, optimizer, cfg, iter_num, X, Y, args))  # buffers before training
-    pending: list[SaveHandle] = []
+        ckpt.warmup(_state(raw_model, optimizer, cfg, iter_num, batch_key, X, Y, args))  # buffers now
+    model: nn.Module = DDP(raw_model) if ddp else raw_model
+    tag = f"rank {rank} " if ddp else ""
 
+    @torch.no_grad()
+    def estimate_loss() -> float:
+        raw_model.eval()  # the module itself: DDP's forward would wait for the other ranks
+        losses = [float(raw_model(*get_batch(cfg.block_size))) for _ in range(args.eval_iters)]
+        raw_model.train()
+        return sum(losses) / len(losses)
+
+    pending: list[SaveHandle] = []
     while True:
         for group in optimizer.param_groups:
             group["lr"] = get_lr(iter_num, args)
-        if iter_num > resumed_at and iter_num % args.ckpt_every == 0:
-            # X, Y already hold this iteration's batch: it is saved with everything else.
-            pending.append(ckpt.save(_state(model, optimizer, cfg, iter_num, X, Y, args), step=iter_num))
-            if iter_num == args.kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+        if iter_num % args.eval_interval == 0 and iter_num != resumed_at:
+            # The resumed iteration was evaluated and saved before the interruption.
+            if rank == 0:  # nanoGPT's master_process; its evaluation draws from rank 0's RNG
+                log(f"step {iter_num}: val loss {estimate_loss():.4f}")
+            if iter_num > 0:  # every rank saves, the master's RNG states after its evaluation
+                # X, Y already hold this iteration's batch: it is saved with everything else.
+                state = _state(raw_model, optimizer, cfg, iter_num, batch_key, X, Y, args)
+                pending.append(ckpt.save(state, step=iter_num))
+                if iter_num == args.kill_at and rank == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
         loss = model(X, Y)
         X, Y = get_batch(cfg.block_size)  # prefetch the next batch, as nanoGPT does
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        print(f"iter {iter_num} loss {loss.item()!r}", flush=True)
+        log(f"{tag}iter {iter_num} loss {loss.item()!r}")
         for handle in [h for h in pending if h.done()]:
             pending.remove(handle)
             if handle.error is None:
-                print(f"committed {handle.step}", flush=True)
+                log(f"{tag}committed {handle.step}")
         iter_num += 1
         if iter_num >= args.max_iters:
             break
     ckpt.close()  # waits for the last write; raises if any failed
+    if ddp:
+        dist.destroy_process_group()
 
 
 def _state(
@@ -196,6 +236,7 @@ def _state(
     optimizer: torch.optim.Optimizer,
     cfg: GPTConfig,
     iter_num: int,
+    batch_key: str,
     x: torch.Tensor,
     y: torch.Tensor,
     args: argparse.Namespace,
@@ -205,7 +246,7 @@ def _state(
         "optimizer": optimizer,
         "model_args": asdict(cfg),
         "iter_num": iter_num,
-        "batch": {"x": x, "y": y},
+        batch_key: {"x": x, "y": y},
         "config": args,  # an argparse.Namespace is stored as its values
     }
 

@@ -4,10 +4,12 @@
   (``pip install nbckpt[lightning]``);
 - :mod:`nbckpt.integrations.hf`: ``NbckptCallback`` for ``transformers.Trainer``
   (``pip install nbckpt[hf]``);
+- :mod:`nbckpt.integrations.accelerate`: ``AcceleratorCheckpointer``, everything an
+  ``accelerate.Accelerator`` tracks (``pip install nbckpt[accelerate]``);
 - :func:`export` and :func:`load`: a step directory or pointer file as one ``torch.load``-able
   dict (``nbckpt export STEP_DIR out.pt``).
 
-Importing this package imports neither Lightning nor transformers: each lives in its module.
+Importing this package imports no framework: each lives in its module.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 reading one back, and writing small files atomically.
 
 A *pointer* is the small JSON file a framework sees at the path it asked to save to (Lightning's
-``epoch=3-step=40.ckpt``): it names the nbckpt directory and step that hold the checkpoint.
-It is JSON, never a pickle, and written only after the step it names has committed, so a
-pointer never names a checkpoint that is not durable.
+``epoch=3-step=40.ckpt``): it names the nbckpt directory and step that hold the checkpoint,
+and the plain values in which its checkpoint differs from that step's (``"values"``: Lightning's
+second save of one event changes a string and nothing else). It is JSON, never a pickle, and
+written only after the step it names has committed, so a pointer never names a checkpoint that
+is not durable.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from ..engine import Checkpointer
 
 __all__ = [
     "POINTER_FORMAT",
+    "Key",
     "Pointer",
+    "Scalar",
     "atomic_torch_save",
     "atomic_write",
     "load",
@@ -40,14 +44,20 @@ POINTER_FORMAT = "nbckpt-pointer/1"
 #: A pointer is a few hundred bytes; anything larger at a checkpoint path is some other file.
 _POINTER_LIMIT = 64 << 10
 _STEP_DIR_RE = re.compile(r"step-([0-9]{6,})", re.ASCII)
+#: A key of a dict or an index of a list on the way to a value; a value that JSON keeps exactly.
+Key = str | int
+Scalar = str | int | float | bool | None
+_SCALARS = (str, int, float, bool, type(None))
 
 
 @dataclass(frozen=True)
 class Pointer:
-    """Where a named checkpoint lives: nbckpt directory ``root`` (absolute), step ``step``."""
+    """Where a named checkpoint lives: nbckpt directory ``root`` (absolute), step ``step``, and
+    ``values``: (path, value) pairs that replace what the step holds at those paths."""
 
     root: str
     step: int
+    values: tuple[tuple[tuple[Key, ...], Scalar], ...] = ()
 
 
 def _atomic_file(path: str | os.PathLike[str], fill: Callable[[IO[bytes]], object]) -> None:
@@ -86,6 +96,8 @@ def write_pointer(path: str, pointer: Pointer, **info: Any) -> None:
     if root.startswith(".." + os.sep) or root == "..":
         root = pointer.root
     body = {"format": POINTER_FORMAT, "root": root, "step": pointer.step, **info}
+    if pointer.values:
+        body["values"] = [[list(path), value] for path, value in pointer.values]
     atomic_write(path, (json.dumps(body, indent=1) + "\n").encode())
 
 
@@ -111,7 +123,42 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
     root, step = body.get("root"), body.get("step")
     if not isinstance(root, str) or not root or type(step) is not int or step < 0:
         raise CheckpointError(f"{path} is an nbckpt pointer without a valid root and step")
-    return Pointer(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), root)), step)
+    values = _values(body.get("values", []))
+    if values is None:
+        raise CheckpointError(f"{path} is an nbckpt pointer with malformed values")
+    return Pointer(os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), root)), step, values)
+
+
+def _values(raw: Any) -> tuple[tuple[tuple[Key, ...], Scalar], ...] | None:
+    """A pointer's ``values`` as written by :func:`write_pointer`, or None when malformed."""
+    if not isinstance(raw, list):
+        return None
+    out = []
+    for entry in raw:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and entry[0]):
+            return None
+        path, value = entry
+        if not all(type(key) in (str, int) for key in path) or type(value) not in _SCALARS:
+            return None
+        out.append((tuple(path), value))
+    return tuple(out)
+
+
+def _apply_values(data: dict[str, Any], pointer: Pointer) -> dict[str, Any]:
+    """``data`` (the step ``pointer`` names, loaded) with the pointer's values put in place."""
+    for path, value in pointer.values:
+        node: Any = data
+        try:
+            for key in path[:-1]:
+                node = node[key]
+            if not isinstance(node, (dict, list)):
+                raise TypeError(f"a {type(node).__name__}")
+            container: Any = node  # a dict by key or a list by index; a str key into a list raises
+            container[path[-1]] = value
+        except (KeyError, IndexError, TypeError) as exc:
+            where = ".".join(map(str, path))
+            raise CheckpointError(f"step {pointer.step} of {pointer.root} has no {where} ({exc})") from None
+    return data
 
 
 def pointers_in(directory: str) -> Iterator[tuple[str, Pointer]]:
@@ -161,7 +208,12 @@ def load(source: str | os.PathLike[str], *, map_location: str | torch.device | N
     return load_step(resolve(source), map_location=map_location)
 
 
-def load_step(pointer: Pointer, *, map_location: str | torch.device | None = None) -> dict[str, Any]:
-    """The step ``pointer`` names, read through a read-only Checkpointer (no lock, nothing written)."""
-    with Checkpointer(pointer.root, read_only=True, ranks="local") as ckpt:
-        return ckpt.load(pointer.step, map_location=map_location)
+def load_step(
+    pointer: Pointer, *, map_location: str | torch.device | None = None, ckpt: Checkpointer | None = None
+) -> dict[str, Any]:
+    """The checkpoint ``pointer`` names: its step with its values applied, read through ``ckpt``
+    or a read-only Checkpointer (no lock, nothing written)."""
+    if ckpt is not None:
+        return _apply_values(ckpt.load(pointer.step, map_location=map_location), pointer)
+    with Checkpointer(pointer.root, read_only=True, ranks="local") as reader:
+        return _apply_values(reader.load(pointer.step, map_location=map_location), pointer)

@@ -1,20 +1,33 @@
 """nbckpt behind ``transformers.Trainer``: asynchronous saves through the public callback API.
 
 >>> from nbckpt.integrations.hf import NbckptCallback
->>> cb = NbckptCallback("ckpt/run1", keep=args.save_total_limit)
+>>> cb = NbckptCallback("ckpt/run1", keep=2)
 >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[cb])
 >>> trainer.train(resume_from_checkpoint=cb.resume_checkpoint())   # None on a fresh start
 
 The Trainer's own policy decides *when* to save (``save_strategy``, ``save_steps``); at each of
 those moments the callback starts an nbckpt save of the model, optimizer, LR scheduler, RNG
 states and ``TrainerState``, returns once it is copied, and tells the Trainer not to write its own
-synchronous ``checkpoint-N/`` folder. ``keep`` plays ``save_total_limit``'s part.
+synchronous ``checkpoint-N/`` folder. ``keep`` plays ``save_total_limit``'s part. When the step
+is also evaluated, the save waits for the evaluation, as the Trainer's own does, so the saved
+state knows the step's metrics and the best one so far.
+
+Under ``torchrun`` every rank saves its part (the model and optimizer once, spread over the
+ranks; each rank's RNG states under its own key). The Checkpointer opens at first use, once the
+``TrainingArguments`` have joined the process group.
 
 Resuming uses the Trainer's own resume path, which reads a ``checkpoint-N/`` folder:
 :meth:`NbckptCallback.resume_checkpoint` writes one from the newest nbckpt step (weights,
-``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``) and returns its
-path, so batches are skipped and RNGs set exactly as the Trainer does it. That is one
-synchronous write of the state per resume, not per save.
+``optimizer.pt``, ``scheduler.pt``, ``trainer_state.json`` from rank 0, and each rank's own
+``rng_state_{rank}.pth``, ``rng_state.pth`` in one process) and returns its path, so batches are
+skipped and RNGs set exactly as the Trainer does it. The folder is removed once every rank has
+read it (at the first training step). That is one synchronous write of the state per resume,
+not per save.
+
+``load_best_model_at_end=True`` works as with the Trainer's checkpoints: the best step is the
+newest saved step whose metric was the best so far, and at the end of training its weights are
+loaded into the model and ``state.best_model_checkpoint`` names its step directory. It needs
+``keep=None`` (``keep`` would delete the best step as it ages).
 
 Not covered: ``save_strategy="best"`` (the Trainer decides that save after evaluating, where no
 callback can take it over: the Trainer then saves itself), DeepSpeed and FSDP (their optimizer
@@ -23,7 +36,9 @@ state is sharded: use their own checkpointing).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import random
 import shutil
@@ -37,12 +52,14 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import WEIGHTS_NAME
 
 from .._errors import ConfigError
-from ..engine import Checkpointer, SaveHandle
+from ..engine import CheckpointConfig, Checkpointer, SaveHandle, step_name
 from ._common import atomic_torch_save, atomic_write
 
 __all__ = ["NbckptCallback"]
 
-_RNG_NAME = "rng_state.pth"
+_log = logging.getLogger("nbckpt")
+#: Options the callback decides itself: the RNGs are saved in the Trainer's format, every rank saves.
+_RESERVED = {"capture_rng", "ranks", "read_only"}
 
 
 class NbckptCallback(TrainerCallback):  # type: ignore[misc]
@@ -61,54 +78,125 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         mode: str = "async",
         **options: Any,
     ) -> None:
-        if options.get("capture_rng"):
+        reserved = sorted(_RESERVED & set(options))
+        if reserved:
             raise ConfigError(
-                "NbckptCallback saves the RNG states in the Trainer's own format; drop capture_rng"
+                f"NbckptCallback decides {', '.join(reserved)} itself (RNG states in the Trainer's "
+                "format, every rank saving its part); drop it"
             )
         self.directory = os.path.abspath(os.fspath(directory))
-        self.ckpt = Checkpointer(self.directory, mode=mode, keep=keep, **options)  # type: ignore[arg-type]
+        self._config = CheckpointConfig.build(None, mode=mode, keep=keep, **options)  # fail now, not mid-run
+        self._ckpt: Checkpointer | None = None
+        self._saved: set[int] = set()  # steps on disk at the start and saved since: the same on every rank
         self.handles: list[SaveHandle] = []
+        self.best_step: int | None = None
+        """The step ``load_best_model_at_end`` loads: the newest saved step that was the best so far."""
+        self._due = False  # a save taken over from the Trainer, waiting for this step's evaluation
+        self._resume_folder: str | None = None  # written by resume_checkpoint, removed once read
+
+    @property
+    def ckpt(self) -> Checkpointer:
+        """The Checkpointer, opened at first use (under torchrun: after the process group exists)."""
+        if self._ckpt is None:
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _distributed():
+                raise ConfigError(
+                    "NbckptCallback under torchrun opens its directory once the process group "
+                    "exists: create the TrainingArguments (they join it) before using the callback"
+                )
+            self._ckpt = Checkpointer(self.directory, config=self._config)
+            self._saved = set(self._ckpt.steps())
+        return self._ckpt
+
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if args.load_best_model_at_end and self._config.keep is not None:
+            raise ConfigError(
+                f"NbckptCallback(keep={self._config.keep}) would delete the best step before "
+                "load_best_model_at_end loads it; pass keep=None"
+            )
+        _ = self.ckpt  # open now: a bad directory fails before training, on every rank
 
     # -- saving -------------------------------------------------------------------------------
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._maybe_save(args, state, control, kwargs)
+        self._take_over(args, state, control, kwargs)
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._maybe_save(args, state, control, kwargs)
+        self._take_over(args, state, control, kwargs)
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._due and control.should_save:  # still ours: no other callback took the save back
+            self._save(args, state, control, kwargs, kwargs.get("metrics") or {})
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._due = False  # a save left to the Trainer (an evaluation another callback called off)
+        # The Trainer has read the resume folder by now (the RNG file last, before this step).
+        self._remove_resume_folder()
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.ckpt.wait()  # the run's checkpoints are durable when train() returns; raises a failure
+        self._remove_resume_folder()
+        model = kwargs.get("model")
+        if args.load_best_model_at_end and self.best_step is not None and model is not None:
+            # The Trainer loads its best checkpoint just before this, from a folder it never wrote.
+            _log.info("nbckpt: loading the best model, step %s (score %s)", self.best_step, state.best_metric)
+            self.ckpt.restore({"model": model}, step=self.best_step, rng=False)
+            state.best_model_checkpoint = os.path.join(self.directory, step_name(self.best_step))
 
-    def _maybe_save(
+    def _take_over(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, objects: dict[str, Any]
     ) -> None:
-        if not control.should_save:
-            return
-        model, optimizer = objects.get("model"), objects.get("optimizer")
-        if model is None or optimizer is None:
+        if not control.should_save or objects.get("model") is None or objects.get("optimizer") is None:
             return  # nothing to take over: the Trainer saves by itself
+        if control.should_evaluate:
+            self._due = True  # the Trainer evaluates, then saves: so does this callback
+        else:
+            self._save(args, state, control, objects, None)
+
+    def _save(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        objects: dict[str, Any],
+        metrics: dict[str, Any] | None,
+    ) -> None:
+        self._due = False
         # The Trainer's own save records the control flags as they are now; callbacks do not see
         # the other stateful callbacks, whose saved state stays what the run began with.
         if isinstance(control, ExportableState):
             # typed as a list in TrainerState, a dict of name -> state at run time
             stateful = cast(dict[str, Any], state.stateful_callbacks)
             stateful[type(control).__name__] = control.state()
+        trainer_state = dataclasses.asdict(state)  # what TrainerState.save_to_json writes
+        # as rank 0 writes it (the Trainer's file is rank 0's): one value on every rank
+        trainer_state.update(is_local_process_zero=True, is_world_process_zero=True)
+        if metrics is not None:
+            _count_evaluation(trainer_state, args, metrics)
+        self._saved.add(state.global_step)
+        if trainer_state["best_global_step"] in self._saved:
+            self.best_step = trainer_state["best_global_step"]  # as the Trainer does: if it was saved
+        rank, world = _rank_and_world()
         saved: dict[str, Any] = {
-            "model": model,
-            "optimizer": optimizer,
-            "trainer_state": json.dumps(_state_dict(state), sort_keys=True),
-            "rng": _rng_states(),
+            "model": objects["model"],
+            "optimizer": objects["optimizer"],
+            "trainer_state": json.dumps(trainer_state, sort_keys=True),
+            "rng": {"world_size": world, f"rank{rank}": _rng_states()},  # each rank its own key
+            "best_step": self.best_step,
         }
-        scheduler = objects.get("lr_scheduler")
-        if scheduler is not None:
-            saved["lr_scheduler"] = scheduler
+        if objects.get("lr_scheduler") is not None:
+            saved["lr_scheduler"] = objects["lr_scheduler"]
         self.handles = [h for h in self.handles if not h.done()]
         self.handles.append(self.ckpt.save(saved, step=state.global_step, overwrite=True))
         control.should_save = False  # saved here: the Trainer skips its synchronous checkpoint-N/
@@ -121,36 +209,90 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         """A ``checkpoint-N/`` folder of the newest (or ``step``'s) checkpoint for
         ``trainer.train(resume_from_checkpoint=...)``; None when there is no checkpoint yet.
 
-        Written to ``folder`` (default: ``<directory>-resume``), replacing an older one there.
+        Every rank calls it (under torchrun), and gets the same path. Written to ``folder``
+        (default: ``<directory>-resume``), replacing an older one there, and removed once the
+        Trainer has read it.
         """
         if step is None:
             step = self.ckpt.latest_step()
             if step is None:
                 return None
-        data = self.ckpt.load(step)
+        data = self.ckpt.load(step)  # this rank's part: its own RNG states
+        rank, world = _rank_and_world()
         base = os.path.abspath(os.fspath(folder)) if folder is not None else self.directory + "-resume"
         out = os.path.join(base, f"checkpoint-{step}")
-        if os.path.isdir(base):
-            shutil.rmtree(base)
-        os.makedirs(out)
-        atomic_torch_save(data["model"], os.path.join(out, WEIGHTS_NAME))
-        atomic_torch_save(data["optimizer"], os.path.join(out, OPTIMIZER_NAME))
-        if "lr_scheduler" in data:
-            atomic_torch_save(data["lr_scheduler"], os.path.join(out, SCHEDULER_NAME))
-        atomic_torch_save(_rng_for_trainer(data["rng"]), os.path.join(out, _RNG_NAME))
-        atomic_write(os.path.join(out, TRAINER_STATE_NAME), data["trainer_state"].encode())
+        if rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
+            os.makedirs(out)
+            atomic_torch_save(data["model"], os.path.join(out, WEIGHTS_NAME))
+            atomic_torch_save(data["optimizer"], os.path.join(out, OPTIMIZER_NAME))
+            if "lr_scheduler" in data:
+                atomic_torch_save(data["lr_scheduler"], os.path.join(out, SCHEDULER_NAME))
+            atomic_write(os.path.join(out, TRAINER_STATE_NAME), data["trainer_state"].encode())
+        _barrier()  # the folder exists before any rank writes its RNG file into it
+        rng = data.get("rng", {})
+        mine = rng.get(f"rank{rank}")
+        if mine is not None and rng.get("world_size") == world:
+            name = "rng_state.pth" if world == 1 else f"rng_state_{rank}.pth"  # what the Trainer reads
+            atomic_torch_save(_rng_for_trainer(mine), os.path.join(out, name))
+        else:
+            _log.warning(
+                "nbckpt: step %s holds no RNG states for rank %s of %s: the resumed run draws other "
+                "random numbers than an uninterrupted one would",
+                step,
+                rank,
+                world,
+            )
+        self.best_step = data.get("best_step")
+        self._resume_folder = base
+        _barrier()  # every rank's files are there before the Trainer reads them
         return out
+
+    def _remove_resume_folder(self) -> None:
+        if self._resume_folder is None:
+            return
+        _barrier()  # every rank has read its files
+        if _rank_and_world()[0] == 0:
+            shutil.rmtree(self._resume_folder, ignore_errors=True)
+        self._resume_folder = None
 
     def close(self) -> None:
         """Wait for the saves in flight and release the directory."""
-        self.ckpt.close()
+        if self._ckpt is not None:
+            self._ckpt.close()
 
 
-def _state_dict(state: TrainerState) -> dict[str, Any]:
-    # TrainerState.save_to_json writes exactly these fields; to_json_string is not in every version.
-    import dataclasses
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
-    return dataclasses.asdict(state)
+
+def _rank_and_world() -> tuple[int, int]:
+    """This process's global rank and the world size (what the Trainer calls process_index)."""
+    if _distributed():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _distributed() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def _count_evaluation(saved: dict[str, Any], args: TrainingArguments, metrics: dict[str, Any]) -> None:
+    """Put into the saved copy of the Trainer's state what the Trainer sets right after this
+    evaluation (``Trainer._determine_best_metric``): the best metric and its step."""
+    name = args.metric_for_best_model
+    if name is None:
+        return
+    value = metrics.get(name if name.startswith("eval_") else f"eval_{name}")
+    if value is None:
+        return  # the Trainer raises a KeyError naming the metric right after
+    greater = bool(args.greater_is_better)
+    if saved["best_metric"] is None:
+        saved["best_metric"] = float("-inf") if greater else float("inf")
+    if (value > saved["best_metric"]) if greater else (value < saved["best_metric"]):
+        saved["best_metric"] = value
+        saved["best_global_step"] = saved["global_step"]
 
 
 def _rng_states() -> dict[str, Any]:

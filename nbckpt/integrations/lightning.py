@@ -7,14 +7,14 @@
 Lightning names checkpoints by path (``epoch=3-step=40.ckpt``, ``last.ckpt``) and keeps its own
 top-k. Each path becomes a small JSON *pointer* naming a step of one nbckpt directory,
 ``.nbckpt/`` beside the pointers; the pointer is written once that step has committed, so
-``fit(ckpt_path="last")`` never finds a name for a checkpoint that is not durable. A save that
-holds the very same tensors and values as the one before (``last`` and ``epoch=3`` at one step)
-is not written twice: both names point to one step. A step no pointer names any more (top-k
-removed it, ``last`` moved on) is deleted once no save is in flight, so removal never waits
-for a background write.
+``fit(ckpt_path="last")`` never finds a name for a checkpoint that is not durable.
 
-Longer than 400 lines because Lightning's CheckpointIO contract (save, load, remove, teardown,
-and the pointer files that stand in for its paths) is one unit a reader needs in one place.
+One ``ModelCheckpoint`` event is one write. With ``save_last=True`` Lightning saves twice per event
+(the top-k name, then ``last``), changing ``last_model_path`` in between. A save whose tensors are
+those of the step written last (storage and version counter) is not written again: its pointer
+names that step and carries the plain values that differ, put back in place when it is loaded.
+A step no pointer names any more (top-k removed it, ``last`` moved on) is deleted once no save is
+in flight, so removal never waits for a background write.
 
 ``save_checkpoint`` returns once the state is copied into host memory; the write runs in the
 background. ``teardown`` (the end of ``fit``) waits for every write and raises one that failed.
@@ -29,7 +29,6 @@ into a real Lightning checkpoint with :func:`nbckpt.integrations.export`.
 from __future__ import annotations
 
 import io
-import logging
 import os
 import shutil
 import sys
@@ -42,17 +41,17 @@ import torch
 
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url
-from ..engine import Checkpointer, SaveHandle, SaveRecord
-from ._common import Pointer, load, load_step, pointers_in, read_pointer, resolve, write_pointer
+from ..engine import CheckpointConfig, Checkpointer, SaveHandle, SaveRecord
+from ._common import Key, Pointer, load, load_step, pointers_in, read_pointer, resolve, write_pointer
 
 if TYPE_CHECKING:
-    from lightning.fabric.plugins import CheckpointIO
+    from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 else:
     try:
-        from lightning.fabric.plugins import CheckpointIO
+        from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
     except ImportError:
         try:
-            from lightning_fabric.plugins import CheckpointIO
+            from lightning_fabric.plugins import CheckpointIO, TorchCheckpointIO
         except ImportError as exc:
             raise ImportError(
                 "nbckpt.integrations.lightning needs Lightning: pip install 'nbckpt[lightning]'"
@@ -62,18 +61,22 @@ __all__ = ["ROOT_NAME", "NbckptCheckpointIO", "load_from_checkpoint"]
 
 ROOT_NAME = ".nbckpt"
 """The nbckpt directory beside a checkpoint directory's pointer files."""
-_log = logging.getLogger("nbckpt")
 _T = TypeVar("_T")
 #: Options a Lightning run decides itself: which rank saves, what to keep, read or write.
 _RESERVED = {"ranks", "keep", "read_only"}
+#: More changed values than this and a save is written as a step of its own.
+_MAX_VALUES = 64
+_SCALARS = (str, int, float, bool, type(None))
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device)  # compared by value, never carried
 
 
 @dataclass
-class _Last:
-    """The previous save of a directory: what it held (tensors by identity and version), and
-    references that keep those tensors alive, so their memory cannot be reused by new ones."""
+class _Written:
+    """The step written last to a directory: what it holds (see :func:`_skeleton`), and references
+    that keep its tensors alive, so their memory cannot be reused by new ones."""
 
-    skeleton: Any
+    shape: Any
+    scalars: dict[tuple[Key, ...], Any]
     keep: list[torch.Tensor]
     step: int
 
@@ -86,14 +89,17 @@ class _Root:
     ckpt: Checkpointer
     next_step: int
     handles: dict[int, SaveHandle] = field(default_factory=dict)
-    last: _Last | None = None
-
-    @property
-    def directory(self) -> str:
-        return os.path.dirname(self.path)
+    written: _Written | None = None
 
     def idle(self) -> bool:
         return all(h.done() for h in self.handles.values())
+
+    def alive(self, step: int) -> bool:
+        """Whether ``step`` is committed, or being saved and not failed."""
+        handle = self.handles.get(step)
+        if handle is not None:
+            return not (handle.done() and handle.error is not None)
+        return step in self.ckpt.steps()
 
 
 class NbckptCheckpointIO(CheckpointIO):
@@ -114,16 +120,13 @@ class NbckptCheckpointIO(CheckpointIO):
                 "ModelCheckpoint's save_top_k decides what to keep)"
             )
         options["mode"] = mode
-        # Fail on a bad option now, not at the first save in the middle of fit().
-        from ..engine import CheckpointConfig
-
-        CheckpointConfig.build(None, **options)
+        CheckpointConfig.build(None, **options)  # a bad option fails now, not in the middle of fit()
         self._options = options
         self._roots: dict[str, _Root] = {}
         self._records: list[SaveRecord] = []
         self._lock = threading.Condition()  # pointer bookkeeping only; never held across a save
-        self._pending: dict[str, tuple[str, int]] = {}  # pointer path -> (root, step) not yet written
-        self._errors: list[BaseException] = []
+        self._pending: dict[str, Pointer] = {}  # pointer files not yet written, by path
+        self._errors: list[CheckpointError] = []
         _register_with_twin()
 
     # -- saving -------------------------------------------------------------------------------
@@ -133,10 +136,8 @@ class NbckptCheckpointIO(CheckpointIO):
     ) -> None:
         """Start saving ``checkpoint`` under the name ``path``; returns once it is copied."""
         if storage_options is not None:
-            raise ConfigError(
-                f"NbckptCheckpointIO takes no storage_options (got {type(storage_options).__name__}); "
-                "pass Checkpointer options to NbckptCheckpointIO(...)"
-            )
+            kind = type(storage_options).__name__
+            raise ConfigError(f"NbckptCheckpointIO takes no storage_options (got {kind}); pass options to it")
         if not isinstance(checkpoint, Mapping):
             raise ConfigError(f"checkpoint must be a dict, not {type(checkpoint).__name__}")
         target = _local_path(path)
@@ -144,43 +145,44 @@ class NbckptCheckpointIO(CheckpointIO):
         root = self._open(os.path.dirname(target))
         self._collect(root)
         keep: list[torch.Tensor] = []
-        skeleton = _skeleton(checkpoint, keep)
-        last = root.last
-        if last is not None and last.skeleton == skeleton and _alive(root, last.step):
-            step = last.step  # the same state under a second name: no second write
-        else:
-            root.last = None  # drop the old references before copying the new state
+        shape, scalars = _skeleton(checkpoint, keep)
+        written, changed = root.written, None
+        if written is not None and written.shape == shape and root.alive(written.step):
+            changed = [(path, pair[1]) for path, pair in scalars.items() if written.scalars[path] != pair]
+        if written is None or changed is None or len(changed) > _MAX_VALUES:  # a step of its own
+            root.written = None  # drop the old references before copying the new state
             step = root.next_step
             root.next_step += 1
             root.handles[step] = root.ckpt.save(dict(checkpoint), step)
-            root.last = _Last(skeleton, keep, step)
-        self._name(root, target, step)
+            written, changed = _Written(shape, scalars, keep, step), []
+            root.written = written
+        self._name(root, target, Pointer(root.path, written.step, tuple(changed)))
 
-    def _name(self, root: _Root, target: str, step: int) -> None:
-        """Write the pointer ``target`` -> ``step`` once the step has committed."""
+    def _name(self, root: _Root, target: str, pointer: Pointer) -> None:
+        """Write the pointer file ``target`` once the step it names has committed."""
         with self._lock:
-            self._pending[target] = (root.path, step)  # supersedes an earlier save to this name
-        handle = root.handles.get(step)
+            self._pending[target] = pointer  # supersedes an earlier save to this name
+        handle = root.handles.get(pointer.step)
         if handle is None or handle.done():
-            self._write(target, root.path, step, handle)
+            self._write(target, pointer, handle)
         else:
-            handle.committed.add_done_callback(lambda _: self._write(target, root.path, step, handle))
+            handle.committed.add_done_callback(lambda _: self._write(target, pointer, handle))
 
-    def _write(self, target: str, root: str, step: int, handle: SaveHandle | None) -> None:
+    def _write(self, target: str, pointer: Pointer, handle: SaveHandle | None) -> None:
         # Runs on nbckpt's committing thread, or on the caller's for a step already committed.
         with self._lock:
             try:
-                if self._pending.get(target) != (root, step):
+                if self._pending.get(target) != pointer:
                     return  # renamed or removed while the step was being written
                 if handle is not None and handle.error is not None:
                     return  # the save's own error reaches the caller from the next call
-                write_pointer(
-                    target, Pointer(root, step), writer="nbckpt.integrations.lightning.NbckptCheckpointIO"
-                )
+                write_pointer(target, pointer, writer="nbckpt.integrations.lightning.NbckptCheckpointIO")
             except BaseException as exc:  # raised from the caller's next call, never lost here
-                self._errors.append(exc)
+                error = CheckpointError(f"writing the pointer {target} failed: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                self._errors.append(error)
             finally:
-                if self._pending.get(target) == (root, step):
+                if self._pending.get(target) == pointer:
                     del self._pending[target]
                 self._lock.notify_all()
 
@@ -206,13 +208,13 @@ class NbckptCheckpointIO(CheckpointIO):
             return
         root.handles = {s: h for s, h in root.handles.items() if not h.done()}
         with self._lock:  # pending first: a pointer written meanwhile is then seen on disk
-            named = {step for where, step in self._pending.values() if where == root.path}
-        named |= {p.step for _, p in pointers_in(root.directory) if p.root == root.path}
+            named = {p.step for p in self._pending.values() if p.root == root.path}
+        named |= {p.step for _, p in pointers_in(os.path.dirname(root.path)) if p.root == root.path}
         for step in root.ckpt.steps():
             if step not in named:
                 root.ckpt.delete(step)
-        if root.last is not None and root.last.step not in named:
-            root.last = None
+        if root.written is not None and root.written.step not in named:
+            root.written = None
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -230,23 +232,16 @@ class NbckptCheckpointIO(CheckpointIO):
         target = _local_path(path)
         location = _map_location(map_location)
         with self._lock:
-            pending = self._pending.get(target)
-        pointer = Pointer(*pending) if pending is not None else None
+            pointer = self._pending.get(target)
         if pointer is None and os.path.isfile(target):
             pointer = read_pointer(target)
         if pointer is None and os.path.isdir(target):
             pointer = resolve(target)
-        if pointer is None:
-            from lightning.fabric.plugins import TorchCheckpointIO
-
-            loaded: dict[str, Any] = TorchCheckpointIO().load_checkpoint(
-                target, map_location=map_location, weights_only=weights_only
-            )
-            return loaded
-        root = self._roots.get(pointer.root)
-        if root is not None:  # this process writes there: read through the same Checkpointer
-            return root.ckpt.load(pointer.step, map_location=location)
-        return load_step(pointer, map_location=location)
+        if pointer is None:  # a file Lightning wrote itself
+            own = TorchCheckpointIO().load_checkpoint
+            return own(target, map_location=map_location, weights_only=weights_only)
+        root = self._roots.get(pointer.root)  # this process writes there: read through its Checkpointer
+        return load_step(pointer, map_location=location, ckpt=root.ckpt if root is not None else None)
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -264,9 +259,9 @@ class NbckptCheckpointIO(CheckpointIO):
         """Block until every save in flight has committed and its name is written; raise a failure."""
         for root in list(self._roots.values()):
             root.ckpt.wait()
-        with self._lock:
-            if not self._lock.wait_for(lambda: not self._pending, timeout=60.0):
-                raise CheckpointError("pointer files were not written within 60 s of their commits")
+        late = self._drain()
+        if late is not None:
+            raise late
         self._raise_errors()
 
     def teardown(self) -> None:
@@ -274,18 +269,15 @@ class NbckptCheckpointIO(CheckpointIO):
 
         Raises the first background error (a CheckpointError) once everything is closed.
         """
-        errors: list[BaseException] = []
+        errors: list[CheckpointError] = []
         for root in list(self._roots.values()):
             try:
                 root.ckpt.wait()
             except CheckpointError as exc:
                 errors.append(exc)
-        with self._lock:
-            # Every save has finished: the committing thread writes the pointer of each right
-            # after its commit (or drops it, for a failed save), so nothing stays pending long.
-            done = self._lock.wait_for(lambda: not self._pending, timeout=60.0)
-        if not done:
-            errors.append(CheckpointError("pointer files were not written within 60 s of their commits"))
+        late = self._drain()
+        if late is not None:
+            errors.append(late)
         for path, root in list(self._roots.items()):
             try:
                 if not errors:
@@ -301,14 +293,22 @@ class NbckptCheckpointIO(CheckpointIO):
             errors.extend(self._errors)
             self._errors.clear()
         if errors:
-            raise _as_checkpoint_error(errors[0])
+            raise errors[0]
+
+    def _drain(self) -> CheckpointError | None:
+        """Wait for the pointers of finished saves: the committing thread writes each right after
+        its commit (or drops it, for a failed save), so none stays pending for long."""
+        with self._lock:
+            if self._lock.wait_for(lambda: not self._pending, timeout=60.0):
+                return None
+        return CheckpointError("pointer files were not written within 60 s of their commits")
 
     def _raise_errors(self) -> None:
         with self._lock:
             if not self._errors:
                 return
             error = self._errors.pop(0)
-        raise _as_checkpoint_error(error)
+        raise error
 
     def _open(self, directory: str) -> _Root:
         path = os.path.join(directory, ROOT_NAME)
@@ -323,14 +323,6 @@ class NbckptCheckpointIO(CheckpointIO):
 
     def __repr__(self) -> str:
         return f"NbckptCheckpointIO(mode={self._options['mode']!r}, directories={sorted(self._roots)})"
-
-
-def _alive(root: _Root, step: int) -> bool:
-    """Whether ``step`` is committed, or being saved and not failed."""
-    handle = root.handles.get(step)
-    if handle is not None:
-        return not (handle.done() and handle.error is not None)
-    return step in root.ckpt.steps()
 
 
 def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: Any) -> _T:
@@ -375,38 +367,45 @@ def _map_location(map_location: Any) -> str | torch.device | None:
     raise ConfigError(f"map_location must be a device or a device name, not {type(map_location).__name__}")
 
 
-def _skeleton(value: Any, keep: list[torch.Tensor], depth: int = 0) -> Any:
-    """What a checkpoint holds, comparable with ``==``: tensors by storage, place and version
-    counter (an in-place update bumps it), plain values by value. Anything else never compares
-    equal, so a doubt always costs a save, never a stale checkpoint."""
-    if depth > 64:
-        return object()
-    if isinstance(value, torch.Tensor):
-        keep.append(value)
-        try:
-            version = value._version
-            data = value.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # inference or wrapper tensors
+def _skeleton(checkpoint: Any, keep: list[torch.Tensor]) -> tuple[Any, dict[tuple[Key, ...], Any]]:
+    """What a checkpoint holds, in two parts: its shape, comparable with ``==`` (keys, lengths,
+    tensors by storage, place and version counter: an in-place update bumps it), and its plain
+    scalars by path, the values a pointer can carry. Anything else never compares equal, so a
+    doubt always costs a save, never a stale checkpoint."""
+    scalars: dict[tuple[Key, ...], Any] = {}
+
+    def shape(value: Any, path: tuple[Key, ...] | None, depth: int) -> Any:
+        # path is None under a key JSON cannot name: a scalar there is part of the shape.
+        if depth > 64:
             return object()
-        shape = tuple(value.shape)
-        return ("t", data, value.storage_offset(), shape, value.stride(), value.dtype, value.device, version)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return (type(value), value)
-    if isinstance(value, (torch.dtype, torch.device)) or type(value).__module__ == "pathlib":
-        return (type(value), value)
-    if isinstance(value, Mapping):
-        return ("d", tuple((k, _skeleton(v, keep, depth + 1)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_skeleton(v, keep, depth + 1) for v in value))
-    return object()
+        if isinstance(value, torch.Tensor):
+            keep.append(value)
+            try:
+                version, data = value._version, value.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # inference or wrapper tensors
+                return object()
+            layout = (value.storage_offset(), tuple(value.shape), value.stride(), value.dtype, value.device)
+            return ("t", data, *layout, version)
+        if type(value) in _SCALARS:
+            if path is None:
+                return (type(value), value)
+            scalars[path] = (type(value), value)
+            return "v"
+        if isinstance(value, _PLAIN) or type(value).__module__ == "pathlib":
+            return (type(value), value)
+        if isinstance(value, Mapping):
+            return ("d", tuple((k, shape(v, _sub(path, k), depth + 1)) for k, v in value.items()))
+        if isinstance(value, list):
+            return ("l", tuple(shape(v, _sub(path, i), depth + 1) for i, v in enumerate(value)))
+        if isinstance(value, tuple):  # not assignable in place: its scalars are shape
+            return ("u", tuple(shape(v, None, depth + 1) for v in value))
+        return object()
+
+    return shape(checkpoint, (), 0), scalars
 
 
-def _as_checkpoint_error(error: BaseException) -> BaseException:
-    if isinstance(error, (CheckpointError, ConfigError)):
-        return error
-    wrapped = CheckpointError(f"writing a checkpoint pointer failed: {type(error).__name__}: {error}")
-    wrapped.__cause__ = error
-    return wrapped
+def _sub(path: tuple[Key, ...] | None, key: Any) -> tuple[Key, ...] | None:
+    return (*path, key) if path is not None and type(key) in (str, int) else None
 
 
 def _register_with_twin() -> None:

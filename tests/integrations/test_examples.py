@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import os
 import re
 import signal
@@ -12,43 +15,52 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
-_LOSS = re.compile(r"iter (\d+) loss (\S+)")
+_LOSS = re.compile(r"^(?:rank (\d+) )?iter (\d+) loss (\S+)$", re.MULTILINE)
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(script: str, *args: str, ranks: int = 1) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = TORCHRUN if ranks > 1 else []
     return subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, *launcher, str(EXAMPLES / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
-def _losses(out: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(2) for m in _LOSS.finditer(out)}
+def _losses(out: str) -> dict[tuple[int, int], str]:
+    """(rank, iteration) -> the loss printed, as text (repr: bit for bit)."""
+    return {(int(m.group(1) or 0), int(m.group(2))): m.group(3) for m in _LOSS.finditer(out)}
 
 
-def test_nanogpt_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path: Path) -> None:
-    straight = _run("nanogpt_resume.py", "--out_dir", str(tmp_path / "a"), "--max_iters", "40")
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "torchrun-2"])
+def test_nanogpt_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path: Path, ranks: int) -> None:
+    every = [(rank, i) for rank in range(ranks) for i in range(30)]
+    straight = _run("nanogpt_resume.py", "--out_dir", str(tmp_path / "a"), "--max_iters", "30", ranks=ranks)
     assert straight.returncode == 0, straight.stderr[-2000:]
     expected = _losses(straight.stdout)
-    assert sorted(expected) == list(range(40))
+    assert sorted(expected) == every
+    if ranks > 1:  # each rank its own stream and batches
+        assert [expected[(0, i)] for i in range(30)] != [expected[(1, i)] for i in range(30)]
 
-    killed = _run(
-        "nanogpt_resume.py", "--out_dir", str(tmp_path / "b"), "--max_iters", "40", "--kill_at", "25"
-    )
-    assert killed.returncode == -signal.SIGKILL
+    args = ["--out_dir", str(tmp_path / "b"), "--max_iters", "30"]
+    killed = _run("nanogpt_resume.py", *args, "--kill_at", "15", ranks=ranks)
+    assert killed.returncode == (-signal.SIGKILL if ranks == 1 else 1), killed.stderr[-2000:]
     before = _losses(killed.stdout)
-    assert max(before) == 24 and all(before[i] == expected[i] for i in before)
+    assert max(i for _, i in before) == 14 and all(before[k] == expected[k] for k in before)
 
-    resumed = _run(
-        "nanogpt_resume.py", "--out_dir", str(tmp_path / "b"), "--max_iters", "40", "--init_from", "resume"
-    )
+    resumed = _run("nanogpt_resume.py", *args, "--init_from", "resume", ranks=ranks)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    start = int(re.search(r"resumed from iter (\d+)", resumed.stdout).group(1))  # type: ignore[union-attr]
-    assert start in (20, 25)  # the save at 25 was in flight when the kill came: either may be newest
+    starts = {int(n) for n in re.findall(r"resumed from iter (\d+)", resumed.stdout)}
+    assert len(starts) == 1 and starts <= {10, 15}  # the save at 15 was in flight when the kill came
+    start = starts.pop()
     after = _losses(resumed.stdout)
-    assert sorted(after) == list(range(start, 40))
-    # every loss after the resume, bit for bit (repr of the float), as the uninterrupted run's
-    assert {i: after[i] for i in after} == {i: expected[i] for i in after}
+    assert sorted(after) == [(rank, i) for rank, i in every if i >= start]
+    # every loss after the resume, on every rank, bit for bit (repr of the float), as uninterrupted
+    assert after == {k: expected[k] for k in after}
 
 
 def test_lightning_example_resumes_from_last(tmp_path: Path) -> None:
@@ -73,3 +85,40 @@ def test_hf_example_resumes_from_nbckpt(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr[-2000:]
     assert "checkpoint-20" in second.stdout and "trained to step 30" in second.stdout
     assert not list(tmp_path.glob("checkpoint-*"))  # the Trainer wrote no folder of its own
+
+
+def _accelerate_example(*args: str, ranks: int) -> str:
+    """Run examples/accelerate_example.py: in this process for one rank (it is quick there),
+    under torchrun for more; its stdout."""
+    if ranks > 1:
+        done = _run("accelerate_example.py", *args, ranks=ranks)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout
+    spec = importlib.util.spec_from_file_location("accelerate_example", EXAMPLES / "accelerate_example.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        example.main(list(args))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "ranks", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["one-process", "torchrun-2"]
+)
+def test_accelerate_example_resumes_exactly(tmp_path: Path, ranks: int) -> None:
+    pytest.importorskip("accelerate")
+    step = re.compile(r"^rank (\d+) step (\d+) loss (\S+)$", re.MULTILINE)
+
+    def losses(out: str) -> dict[tuple[int, int], str]:
+        return {(int(m.group(1)), int(m.group(2))): m.group(3) for m in step.finditer(out)}
+
+    expected = losses(_accelerate_example("--dir", str(tmp_path / "a"), ranks=ranks))
+    assert sorted(expected) == [(rank, i) for rank in range(ranks) for i in range(1, 25)]
+    _accelerate_example("--dir", str(tmp_path / "b"), "--stop_at", "15", ranks=ranks)
+    resumed = _accelerate_example("--dir", str(tmp_path / "b"), ranks=ranks)
+    assert "starting at step 12" in resumed  # the save at 12, mid-epoch: batches skipped
+    after = losses(resumed)
+    assert sorted(after) == [(rank, i) for rank in range(ranks) for i in range(13, 25)]
+    assert after == {k: expected[k] for k in after}  # every rank, bit for bit

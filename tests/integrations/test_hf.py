@@ -1,10 +1,13 @@
-"""NbckptCallback under a real transformers.Trainer: saves taken over, exact resume."""
+"""NbckptCallback under a real transformers.Trainer: saves taken over, exact resume in one
+process and under torchrun, load_best_model_at_end."""
 
 from __future__ import annotations
 
-import hashlib
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -12,75 +15,26 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from integrations.hf_app import Tokens, digest, train
 
-from nbckpt import Checkpointer
+from nbckpt import Checkpointer, ConfigError
 from nbckpt.integrations.hf import NbckptCallback
 
-
-class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, 50, (64, 16), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-class StopAt(TrainerCallback):  # type: ignore[misc]
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
-def _train(
-    out: Path, cb: NbckptCallback, *, stop_at: int | None = None, resume: str | None = None
-) -> Trainer:
-    torch.manual_seed(0)
-    # a tiny GPT-2 from a config (no download), dropout on: the RNG states matter
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16))
-    args = TrainingArguments(
-        output_dir=str(out),
-        max_steps=12,
-        per_device_train_batch_size=4,
-        save_strategy="steps",
-        save_steps=4,
-        learning_rate=1e-3,
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        logging_steps=100,
-    )
-    callbacks: list[Any] = [cb] + ([StopAt(stop_at)] if stop_at else [])
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks)
-    trainer.train(resume_from_checkpoint=resume)
-    return trainer
-
-
-def _digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for key, t in sorted(model.state_dict().items()):
-        h.update(key.encode() + t.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
+WORKER = Path(__file__).with_name("hf_app.py")
+#: Evaluated and saved every 2 steps; at this learning rate the eval loss is lowest at step 4.
+BEST = {
+    "eval_dataset": Tokens(seed=1, rows=16),
+    "learning_rate": 0.03,
+    "eval_strategy": "steps",
+    "eval_steps": 2,
+    "save_steps": 2,
+    "load_best_model_at_end": True,
+}
 
 
 def test_trainer_saves_through_nbckpt_and_resumes_exactly(tmp_path: Path) -> None:
     straight_cb = NbckptCallback(tmp_path / "straight-ckpt", keep=2)
-    straight = _train(tmp_path / "straight", straight_cb)
+    straight = train(tmp_path / "straight", [straight_cb])
     straight_cb.close()
     assert not list((tmp_path / "straight").glob("checkpoint-*"))  # the Trainer's own saves were skipped
     with Checkpointer(tmp_path / "straight-ckpt", read_only=True) as ckpt:
@@ -90,15 +44,76 @@ def test_trainer_saves_through_nbckpt_and_resumes_exactly(tmp_path: Path) -> Non
 
     first = NbckptCallback(tmp_path / "ckpt")
     assert first.resume_checkpoint() is None  # a fresh start
-    _train(tmp_path / "out", first, stop_at=6)
+    train(tmp_path / "out", [first], stop_at=6)
     first.close()
     second = NbckptCallback(tmp_path / "ckpt")
     folder = second.resume_checkpoint()
     assert folder is not None and folder.endswith("checkpoint-4")
-    resumed = _train(tmp_path / "out", second, resume=folder)
+    assert "rng_state.pth" in os.listdir(folder)  # one process: the name the Trainer reads
+    resumed = train(tmp_path / "out", [second], resume=folder)
     second.close()
+    assert not os.path.exists(folder)  # removed once the Trainer had read it
     assert resumed.state.global_step == 12
-    assert straight.optimizer is not None and resumed.optimizer is not None
-    assert _digest(resumed.model) == _digest(straight.model)  # type: ignore[arg-type]
+    assert resumed.losses == straight.losses[4:]
+    assert digest(resumed.model) == digest(straight.model)
     opt_a, opt_b = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
     assert all(torch.equal(opt_a[k]["exp_avg"], opt_b[k]["exp_avg"]) for k in opt_a)
+
+
+def test_resume_under_torchrun_is_exact_on_every_rank(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*torchrun, str(WORKER), str(tmp_path)], env=env, capture_output=True, text=True, timeout=500
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, result in enumerate(results):
+        assert result["global_step"] == 12
+        # each rank found its own RNG file: the Trainer reads rng_state_{rank}.pth under DDP
+        assert {"rng_state_0.pth", "rng_state_1.pth", "pytorch_model.bin"} <= set(result["files"])
+        assert not result["left"]  # the resume folder is gone once every rank had read it
+        # this rank's own losses after the resume, bit for bit, as in the uninterrupted run
+        assert result["resumed"]["losses"] == result["straight"]["losses"][4:], rank
+        assert result["resumed"]["digest"] == result["straight"]["digest"]
+    assert results[0]["straight"]["losses"] != results[1]["straight"]["losses"]  # two streams, two batches
+    assert not (tmp_path / "ckpt-resume").exists()
+
+
+def test_load_best_model_at_end_as_the_trainer_does_it(tmp_path: Path) -> None:
+    own = train(tmp_path / "own", [], **BEST)  # the Trainer's own checkpoints
+    assert own.state.best_global_step == 4 and own.state.best_model_checkpoint.endswith("checkpoint-4")
+
+    cb = NbckptCallback(tmp_path / "ckpt")
+    ours = train(tmp_path / "ours", [cb], **BEST)
+    cb.close()
+    assert not list((tmp_path / "ours").glob("checkpoint-*"))
+    assert digest(ours.model) == digest(own.model)  # the best weights, loaded at the end
+    assert ours.state.best_model_checkpoint == str(tmp_path / "ckpt" / "step-000004")
+    assert cb.best_step == ours.state.best_global_step == 4
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+        assert digest(ckpt.load(12)["model"]) != digest(ours.model)  # the last step's were others
+
+    # stopped after the best step's save and resumed: the saved state knew step 4's evaluation
+    first = NbckptCallback(tmp_path / "resumed-ckpt")
+    train(tmp_path / "resumed", [first], stop_at=5, **BEST)
+    first.close()
+    second = NbckptCallback(tmp_path / "resumed-ckpt")
+    folder = second.resume_checkpoint()
+    assert folder is not None and folder.endswith("checkpoint-4")
+    resumed = train(tmp_path / "resumed", [second], resume=folder, **BEST)
+    second.close()
+    assert resumed.state.best_global_step == 4 and second.best_step == 4
+    assert resumed.losses == ours.losses[4:]
+    assert digest(resumed.model) == digest(own.model)
+
+
+def test_load_best_with_keep_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"keep=2\) would delete the best step"):
+        train(tmp_path, [NbckptCallback(tmp_path / "ckpt", keep=2)], **BEST)
+    with pytest.raises(ConfigError, match="decides ranks"):
+        NbckptCallback(tmp_path / "ckpt", ranks="local")

@@ -19,7 +19,8 @@ from helpers.ranks import free_port
 from integrations.lit_app import TinyModel, digest, fit
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
-from nbckpt.integrations import export, read_pointer
+from nbckpt.integrations import export, load, read_pointer
+from nbckpt.integrations._common import Pointer
 from nbckpt.integrations.lightning import ROOT_NAME, NbckptCheckpointIO, load_from_checkpoint
 
 WORKER = Path(__file__).with_name("lit_app.py")
@@ -131,15 +132,24 @@ def test_remove_and_rename_free_steps(tmp_path: Path) -> None:
     io.save_checkpoint({"w": net.state_dict(), "epoch": 1}, tmp_path / "last.ckpt")
     io.save_checkpoint({"w": net.state_dict(), "epoch": 1}, tmp_path / "b.ckpt")
     assert _names(tmp_path) == {"last.ckpt": 2, "b.ckpt": 2}
-    io.save_checkpoint({"w": net.state_dict(), "epoch": 2}, tmp_path / "c.ckpt")  # a value differs
+    # the same tensors with a value changed: the step is shared, the pointer carries the value
+    io.save_checkpoint({"w": net.state_dict(), "epoch": 2, "tag": None}, tmp_path / "c.ckpt")
+    assert _steps(tmp_path) == [2, 3]  # a key more is another shape: a step of its own
+    io.save_checkpoint({"w": net.state_dict(), "epoch": 5, "tag": "x"}, tmp_path / "d.ckpt")
+    assert read_pointer(tmp_path / "d.ckpt") == Pointer(
+        str(tmp_path / ROOT_NAME), 3, ((("epoch",), 5), (("tag",), "x"))
+    )
+    assert io.load_checkpoint(tmp_path / "d.ckpt")["epoch"] == 5 and load(tmp_path / "c.ckpt")["tag"] is None
     io.remove_checkpoint(tmp_path / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "c.ckpt")
     io.wait()
     assert io.host_bytes >= 2 * net.weight.nbytes  # staging held until teardown
     io.teardown()
     assert io.host_bytes == 0
-    assert [r.step for r in io.records] == [1, 2, 3]  # five names, three writes
-    assert _names(tmp_path) == {"last.ckpt": 2, "c.ckpt": 3}
+    assert [r.step for r in io.records] == [1, 2, 3]  # six names, three writes
+    assert _names(tmp_path) == {"last.ckpt": 2, "d.ckpt": 3}
     assert _steps(tmp_path) == [2, 3]
+    assert load(tmp_path / "d.ckpt")["tag"] == "x" and load(tmp_path / "last.ckpt")["epoch"] == 1
 
 
 def test_orphan_steps_of_a_killed_run_are_collected(tmp_path: Path) -> None:
@@ -229,3 +239,37 @@ def test_pytorch_lightning_trainer_accepts_the_plugin(tmp_path: Path) -> None:
         plugins=[NbckptCheckpointIO()], logger=False, accelerator="cpu", default_root_dir=tmp_path
     )
     assert isinstance(trainer.strategy.checkpoint_io, NbckptCheckpointIO)
+
+
+def test_one_modelcheckpoint_event_is_one_save(tmp_path: Path) -> None:
+    # save_top_k=2, save_last=True: Lightning saves twice per event and changes last_model_path
+    # in between, so at the first event the two checkpoint dicts differ in that string.
+    _, t = fit(tmp_path / "one", 3)
+    io = t.strategy.checkpoint_io
+    assert isinstance(io, NbckptCheckpointIO)
+    assert [r.step for r in io.records] == [1, 2, 3]  # three events, three writes
+    names = _names(tmp_path / "one")
+    assert names["last.ckpt"] == names["epoch=2-step=24.ckpt"] == 3
+    assert names["epoch=1-step=16.ckpt"] == 2
+    # at later events the two saves are one dict: no values to carry
+    assert read_pointer(tmp_path / "one" / "last.ckpt") == read_pointer(
+        tmp_path / "one" / "epoch=2-step=24.ckpt"
+    )
+
+    # the first event on its own: the top-k name holds last_model_path "" and last.ckpt its own path
+    fit(tmp_path / "first", 1)
+    first = NbckptCheckpointIO()
+    top_k = first.load_checkpoint(tmp_path / "first" / "epoch=0-step=8.ckpt")
+    last = first.load_checkpoint(tmp_path / "first" / "last.ckpt")
+    key = next(k for k in last["callbacks"] if "ModelCheckpoint" in k)
+    assert top_k["callbacks"][key]["last_model_path"] == ""
+    assert last["callbacks"][key]["last_model_path"] == str(tmp_path / "first" / "last.ckpt")
+    assert _steps(tmp_path / "first") == [1]
+    path = ("callbacks", key, "last_model_path")
+    root = str(tmp_path / "first" / ROOT_NAME)
+    assert read_pointer(tmp_path / "first" / "last.ckpt") == Pointer(
+        root, 1, ((path, last["callbacks"][key]["last_model_path"]),)
+    )
+    # what plain load and export see too
+    assert load(tmp_path / "first" / "last.ckpt")["callbacks"][key]["last_model_path"].endswith("last.ckpt")
+    first.teardown()

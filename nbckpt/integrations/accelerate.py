@@ -1,0 +1,126 @@
+"""nbckpt in an ``accelerate`` loop: what ``accelerator.save_state`` saves, saved asynchronously.
+
+>>> from nbckpt.integrations.accelerate import AcceleratorCheckpointer
+>>> model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+>>> ckpt = AcceleratorCheckpointer(accelerator, "ckpt/run1", keep=2)
+>>> step = ckpt.restore()              # instead of accelerator.load_state(...); 0 on a fresh start
+>>> ...
+>>> ckpt.save(step)                    # instead of accelerator.save_state(...)
+
+The state is what accelerate itself tracks, so nothing is listed by hand: every prepared model
+(unwrapped from DDP), optimizer and LR scheduler, every object passed to
+``accelerator.register_for_checkpointing``, the dataloaders that keep a position
+(``use_stateful_dataloader``: one per rank), the gradient scaler, ``accelerator.step``, and the
+RNG states of every rank (``capture_rng`` is always on). Under ``accelerate launch`` or
+``torchrun`` every rank calls ``save`` and ``restore`` (the model and optimizer are written once,
+spread over the ranks). ``save`` returns once the state is copied; the write runs in the
+background.
+
+Not covered: FSDP, DeepSpeed, Megatron-LM and XLA (their state is sharded or lives elsewhere:
+use ``accelerator.save_state``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from .._errors import ConfigError
+from ..engine import Checkpointer, SaveHandle
+
+__all__ = ["AcceleratorCheckpointer"]
+
+_UNSUPPORTED = {
+    DistributedType.FSDP,
+    DistributedType.DEEPSPEED,
+    DistributedType.MEGATRON_LM,
+    DistributedType.XLA,
+}
+#: Options decided here: every rank's RNG states are saved, every rank saves its part.
+_RESERVED = {"capture_rng", "ranks", "read_only"}
+
+
+class AcceleratorCheckpointer:
+    """Checkpoints of everything ``accelerator`` tracks, to ``directory``; create it after
+    ``accelerator.prepare(...)`` (and ``register_for_checkpointing``), on every rank.
+
+    ``keep`` committed checkpoints stay on disk (None keeps all); ``mode="sync"`` makes each save
+    durable before it returns; ``options`` are other :class:`~nbckpt.CheckpointConfig` fields.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        directory: str | os.PathLike[str],
+        *,
+        keep: int | None = None,
+        mode: str = "async",
+        **options: Any,
+    ) -> None:
+        if not isinstance(accelerator, Accelerator):
+            raise ConfigError(
+                f"accelerator must be an accelerate.Accelerator, not {type(accelerator).__name__}"
+            )
+        if accelerator.distributed_type in _UNSUPPORTED:
+            raise ConfigError(
+                f"AcceleratorCheckpointer does not save {accelerator.distributed_type.value} state "
+                "(sharded or held elsewhere); use accelerator.save_state"
+            )
+        reserved = sorted(_RESERVED & set(options))
+        if reserved:
+            raise ConfigError(f"AcceleratorCheckpointer decides {', '.join(reserved)} itself; drop it")
+        self.accelerator = accelerator
+        self.ckpt = Checkpointer(directory, mode=mode, keep=keep, capture_rng=True, **options)  # type: ignore[arg-type]
+
+    def state(self) -> dict[str, Any]:
+        """What ``accelerator.save_state`` saves, as a Checkpointer state (objects by reference,
+        named as accelerate names its files: ``model``, ``model_1``, ``optimizer``, ...)."""
+        acc = self.accelerator
+        state: dict[str, Any] = {}
+        groups = {
+            "model": [acc.unwrap_model(model) for model in acc._models],
+            "optimizer": acc._optimizers,
+            "scheduler": acc._schedulers,
+            "custom": acc._custom_objects,
+        }
+        for name, objects in groups.items():
+            for i, obj in enumerate(objects):
+                state[name if i == 0 else f"{name}_{i}"] = obj
+        for i, loader in enumerate(acc._dataloaders):
+            if getattr(loader, "use_stateful_dataloader", False):  # its position is this rank's own
+                state[f"dataloader_{i}.rank{acc.process_index}"] = loader
+        if acc.scaler is not None:
+            state["scaler"] = acc.scaler
+        state["accelerator_step"] = acc.step  # the gradient accumulation counter
+        return state
+
+    def save(self, step: int, **kwargs: Any) -> SaveHandle:
+        """Start a checkpoint of :meth:`state` as ``step`` (``kwargs``: :meth:`Checkpointer.save`'s)."""
+        return self.ckpt.save(self.state(), step, **kwargs)
+
+    def restore(self, step: int | None = None) -> int:
+        """Load the newest (or ``step``'s) checkpoint into every object in place and set every
+        rank's RNG states back; return its step, or 0 when there is no checkpoint yet."""
+        if step is None and self.ckpt.latest_step() is None:
+            return 0
+        state = self.state()
+        restored = self.ckpt.restore(state, step)
+        self.accelerator.step = state["accelerator_step"]
+        return restored
+
+    def wait(self) -> None:
+        """Block until every save in flight has committed; raise the first that failed."""
+        self.ckpt.wait()
+
+    def close(self) -> None:
+        """Wait for the saves in flight and release the directory."""
+        self.ckpt.close()
+
+    def __enter__(self) -> AcceleratorCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

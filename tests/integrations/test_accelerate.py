@@ -1,0 +1,69 @@
+"""AcceleratorCheckpointer with a real accelerate.Accelerator: the state it tracks, saved and restored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+import torch
+from accelerate import Accelerator
+
+from nbckpt import ConfigError
+from nbckpt.integrations.accelerate import AcceleratorCheckpointer
+
+
+class Counter:
+    """An object registered for checkpointing, as accelerate wants it: state_dict/load_state_dict."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = state["seen"]
+
+
+def test_everything_the_accelerator_tracks_round_trips(tmp_path: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+
+    def step() -> None:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        counter.seen += 1
+        accelerator.step += 1
+
+    with AcceleratorCheckpointer(accelerator, tmp_path, mode="sync") as ckpt:
+        assert ckpt.restore() == 0  # nothing saved yet
+        assert set(ckpt.state()) == {"model", "optimizer", "scheduler", "custom", "accelerator_step"}
+        step()
+        ckpt.save(1)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        draws = torch.rand(3)  # what the RNG gives after the save
+        step()
+        step()
+        assert ckpt.restore() == 1
+        assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+        assert counter.seen == 1 and accelerator.step == 1 and sched.scheduler.last_epoch == 1
+        assert opt.state_dict()["state"][0]["step"] == 1
+        assert torch.equal(torch.rand(3), draws)  # capture_rng is on
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"must be an accelerate\.Accelerator"):
+        AcceleratorCheckpointer(object(), tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="decides capture_rng"):
+        AcceleratorCheckpointer(Accelerator(cpu=True), tmp_path, capture_rng=False)
