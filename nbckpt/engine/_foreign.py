@@ -15,6 +15,7 @@ import itertools
 import os
 import re
 import stat
+import time
 import warnings
 from typing import Any
 
@@ -108,13 +109,21 @@ def read_dcp_manifest(store: Any, step: int, location: str) -> Manifest:
             stacklevel=4,
         )
     tree = _tree(specs, values, paths, label)
+    written = store.modified(location, METADATA_FILE)
     body = {
         "checksum": xxhash.xxh3_64_hexdigest(data),  # what the ranks compare: all read one .metadata
         "format": FOREIGN,
         "step": step,
+        "unix_time": written,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(written)),
+        "bytes": sum(c.blob_length for chunks in items.values() for c in chunks),
+        "world_size": len({name.split("_")[2] for name in sizes}),  # __<rank>_<i>.distcp
         "files": {name: {"size": size, "blocks": None} for name, size in sorted(sizes.items())},
-        "world_size": None,
+        "items": {
+            key: [[*c[:4], list(c.offsets), list(c.sizes)] for c in chunks] for key, chunks in items.items()
+        },
         "tree": tree,
+        "provenance": {"program": "torch.distributed.checkpoint.save"},
     }
     return Manifest(step, body, items, specs, foreign=True)
 

@@ -60,11 +60,20 @@ def _check_one(current: Any, node: Node, name: str) -> list[str]:
                 f"the target is {dtype_name(current.dtype)} {_shape(current.shape)}"
             ]
         return []
-    if isinstance(current, torch.optim.Optimizer) and kind != "optimizer":
+    if isinstance(current, torch.optim.Optimizer) and kind not in ("optimizer", "dict"):
         return [f"{name} is an optimizer, the checkpoint holds a {kind}"]
     if isinstance(current, dict) and kind == "dict":
         return check_template(current, node, f"{name}.")
     return []
+
+
+def _numbered(optimizer_state: Any) -> Any:
+    """An optimizer's state dict as a plain DCP checkpoint nests it: its ``state`` keyed by the
+    parameters' numbers as text ("0"), which ``Optimizer.load_state_dict`` needs as ints."""
+    state = optimizer_state.get("state") if isinstance(optimizer_state, dict) else None
+    if isinstance(state, dict) and all(isinstance(k, str) and k.isdigit() for k in state):
+        return {**optimizer_state, "state": {int(k): v for k, v in state.items()}}
+    return optimizer_state
 
 
 def _check_module(module: torch.nn.Module, saved: Node, name: str) -> list[str]:
@@ -245,8 +254,13 @@ def apply(target: dict[Any, Any], saved: Node, tensors: Mapping[str, Any]) -> No
 def _apply_one(current: Any, node: Node, tensors: Mapping[str, Any]) -> Any:
     kind = node.get("t")
     stateful = callable(getattr(current, "load_state_dict", None))
-    if stateful and (kind in STATEFUL or (kind == "dict" and isinstance(current, torch.nn.Module))):
-        current.load_state_dict(decode(node, tensors))
+    if stateful and (
+        kind in STATEFUL or (kind == "dict" and isinstance(current, (torch.nn.Module, torch.optim.Optimizer)))
+    ):
+        value = decode(node, tensors)
+        if isinstance(current, torch.optim.Optimizer) and kind == "dict":
+            value = _numbered(value)
+        current.load_state_dict(value)
         return current
     if isinstance(current, torch.Tensor) and kind == "tensor":
         restored = tensors[node["key"]]

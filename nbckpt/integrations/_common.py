@@ -43,7 +43,8 @@ __all__ = [
 POINTER_FORMAT = "nbckpt-pointer/1"
 #: A pointer is a few hundred bytes; anything larger at a checkpoint path is some other file.
 _POINTER_LIMIT = 64 << 10
-_STEP_DIR_RE = re.compile(r"step-([0-9]{6,})", re.ASCII)
+#: A step directory: nbckpt's (``step-000120``) or plain DCP's as torchtitan names them (``step-120``).
+_STEP_DIR_RE = re.compile(r"step-([0-9]{1,19})", re.ASCII)
 #: A key of a dict or an index of a list on the way to a value; a value that JSON keeps exactly.
 Key = str | int
 Scalar = str | int | float | bool | None
@@ -178,14 +179,16 @@ def pointers_in(directory: str) -> Iterator[tuple[str, Pointer]]:
 
 
 def resolve(source: str | os.PathLike[str]) -> Pointer:
-    """The nbckpt directory and step that ``source`` names: a step directory
-    (``run1/step-000120``) or a pointer file (a Lightning ``.ckpt`` written by nbckpt)."""
+    """The nbckpt directory and step that ``source`` names: a step directory (``run1/step-000120``,
+    or one plain DCP wrote), or a pointer file (a Lightning ``.ckpt`` written by nbckpt)."""
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(f"source must be a path, not {type(source).__name__}")
     path = os.path.abspath(os.fspath(source))
     name = os.path.basename(path.rstrip(os.sep))
     match = _STEP_DIR_RE.fullmatch(name)
     if os.path.isdir(path):
+        if match is None and os.path.isfile(os.path.join(path, ".metadata")):
+            return Pointer(path, 0)  # a directory plain dcp.save wrote, named otherwise: one step
         if match is None:
             raise ConfigError(
                 f"{source} is a directory but not a checkpoint step (step-NNNNNN); pass one of its steps"

@@ -1,0 +1,86 @@
+"""Checkpoints plain ``torch.distributed.checkpoint.save`` wrote (torchtitan's ``step-N`` folders, or
+any directory ``dcp.save`` wrote): listed, restored, loaded, verified for structure and exported
+by nbckpt, read with weights only, and never changed or deleted, so a run can move to nbckpt."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from nbckpt import Checkpointer, CheckpointError
+from nbckpt.cli import main as cli
+
+
+def dcp_state() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.003)
+    model(torch.randn(2, 6)).sum().backward()
+    optim.step()
+    return {"model": model.state_dict(), "optim": optim.state_dict(), "step": 7}
+
+
+def test_a_torchtitan_run_is_listed_restored_loaded_verified_and_kept(tmp_path: Path) -> None:
+    saved = dcp_state()
+    dcp.save(saved, checkpoint_id=tmp_path / "run" / "step-7", no_dist=True)
+    fresh = torch.nn.Linear(6, 4)
+    optim = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+    with Checkpointer(tmp_path / "run", mode="sync") as ckpt:
+        assert ckpt.steps() == [7]
+        state = {"model": fresh, "optim": optim, "step": 0}
+        assert ckpt.restore(state) == 7
+        assert torch.equal(fresh.weight, saved["model"]["weight"]) and state["step"] == 7  # type: ignore[index]
+        assert optim.param_groups[0]["lr"] == 0.003
+        assert ckpt.verify(7)["format"] == "dcp"
+        assert torch.equal(ckpt.load(7)["model"]["bias"], saved["model"]["bias"])  # type: ignore[index]
+        with pytest.raises(CheckpointError, match="written by plain DCP; nbckpt never deletes it"):
+            ckpt.delete(7)
+        ckpt.save({"model": fresh, "optim": optim, "step": 8}, step=8)  # the run goes on in nbckpt
+        assert ckpt.steps() == [7, 8]
+    assert (tmp_path / "run" / "step-7" / ".metadata").exists()
+
+
+def test_a_directory_dcp_save_wrote_is_a_run_of_one_step_for_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dcp.save(dcp_state(), checkpoint_id=tmp_path / "export-me", no_dist=True)
+    assert cli(["verify", str(tmp_path / "export-me")]) == 0
+    assert cli(["ls", str(tmp_path / "export-me")]) == 0
+    assert "torch.distributed.checkpoint.save" in capsys.readouterr().out
+    assert cli(["export", str(tmp_path / "export-me"), str(tmp_path / "out.pt")]) == 0
+    exported = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert exported["step"] == 7 and set(exported) == {"model", "optim", "step"}
+
+
+def test_a_value_that_does_not_load_with_weights_only_is_left_out_with_a_warning(tmp_path: Path) -> None:
+    """torchtitan's train state holds a BytesIO; nbckpt never unpickles what weights-only refuses."""
+    import io
+
+    state = {"w": torch.ones(3), "blob": io.BytesIO(b"x")}
+    dcp.save(state, checkpoint_id=tmp_path / "step-3", no_dist=True)
+    with (
+        Checkpointer(tmp_path, read_only=True) as ckpt,
+        pytest.warns(UserWarning, match="do not load with weights only, left out: blob"),
+    ):
+        loaded = ckpt.load(3)
+    assert set(loaded) == {"w"} and torch.equal(loaded["w"], state["w"])  # type: ignore[arg-type]
+
+
+def test_a_hostile_dcp_metadata_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    (tmp_path / "step-4").mkdir()
+
+    class RunsCode:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (exec, (f"open({str(marker)!r}, 'w').close()",))
+
+    (tmp_path / "step-4" / ".metadata").write_bytes(pickle.dumps(RunsCode()))
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        assert ckpt.steps() == [4]
+        with pytest.raises(CheckpointError, match=r"refusing to load global builtins\.exec"):
+            ckpt.load(4)
+    assert not marker.exists()
