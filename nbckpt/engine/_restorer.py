@@ -34,7 +34,7 @@ from ._reader import (
     verify_files,
     verify_framing,
 )
-from ._shards import Region, wrap_like
+from ._shards import Region, region_of, wrap_like
 from ._state import decode, node_tensors, tree_specs
 from ._store import MANIFEST, step_name
 from ._template import align, apply, check_loadable, check_template, destinations, sharded_targets
@@ -223,7 +223,7 @@ class Restorer:
         def read() -> None:
             subtree = {"t": "dict", "items": [[k, n] for k, n in saved["items"] if k in state]}
             wanted = {
-                leaf["key"]: (_region(targets[leaf["key"]]) if leaf["key"] in targets else None)
+                leaf["key"]: (region_of(targets[leaf["key"]]) if leaf["key"] in targets else None)
                 for leaf in node_tensors(subtree)
             }
             if manifest.foreign:
@@ -311,12 +311,6 @@ def _refuse(problems: list[str], step: int) -> None:
             else ""
         )
         raise ConfigError(f"cannot restore {step_name(step)} into this state: {problems[0]}{more}")
-
-
-def _region(like: Any) -> Region:
-    """The part of the whole tensor a DTensor of the caller's state holds."""
-    chunk = like.__create_chunk_list__()[0]
-    return Region(tuple(int(n) for n in chunk.offsets), tuple(int(n) for n in chunk.sizes))
 
 
 def _owned_rng(manifest: Manifest, rank: int, step: int) -> Callable[[], None] | None:

@@ -24,6 +24,7 @@ import torch
 import xxhash
 
 from .._errors import ConfigError
+from ._torch_compat import dtensor_spec
 
 __all__ = [
     "SAMPLES",
@@ -33,6 +34,7 @@ __all__ = [
     "is_dtensor",
     "local_part",
     "overlap",
+    "region_of",
     "runs",
     "tiles",
     "wrap_like",
@@ -69,7 +71,7 @@ def is_dtensor(value: Any) -> bool:
 def local_part(tensor: Any, key: str) -> tuple[torch.Tensor, Region]:
     """A DTensor's local tensor and the region of the whole tensor it holds."""
     try:
-        region = _region_of(tensor._spec, tensor)
+        region = region_of(tensor)
     except (RuntimeError, ValueError) as exc:  # a Partial placement: a reduction still pending
         raise ConfigError(
             f"{key} is a DTensor with placements {tuple(tensor.placements)} that hold no chunk of "
@@ -87,10 +89,11 @@ def local_part(tensor: Any, key: str) -> tuple[torch.Tensor, Region]:
 _REGIONS: dict[Any, Region] = {}
 
 
-def _region_of(spec: Any, tensor: Any) -> Region:
-    """The chunk a DTensor of ``spec`` holds on this rank, computed once per spec: a model's
-    hundreds of parameters otherwise cost milliseconds of every stall. Keyed by the spec, never
-    the tensor, so the cache holds no tensor alive."""
+def region_of(tensor: Any) -> Region:
+    """The chunk of the whole tensor a DTensor holds on this rank, computed once per spec: a
+    model's hundreds of parameters otherwise cost milliseconds of every stall. Keyed by the
+    spec, never the tensor, so the cache holds no tensor alive."""
+    spec = dtensor_spec(tensor)
     region = _REGIONS.get(spec)
     if region is None:
         chunks = tensor.__create_chunk_list__()

@@ -15,7 +15,7 @@ from typing import Any
 # ``torch.distributed.checkpoint.filesystem._StorageInfo``.
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-__all__ = ["STORAGE_INFO_GLOBAL", "default_store", "storage_info"]
+__all__ = ["STORAGE_INFO_GLOBAL", "default_store", "dtensor_spec", "storage_info"]
 
 #: The (module, name) under which DCP's metadata pickle refers to :func:`storage_info` records.
 STORAGE_INFO_GLOBAL = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
@@ -38,3 +38,12 @@ def default_store() -> Any:
         return _get_default_store()
     except Exception:  # another backend or a future torch: the group setup's own timeout applies
         return None
+
+
+def dtensor_spec(tensor: Any) -> Any:
+    """A DTensor's spec (its mesh, placements and shape: hashable, the same object every save).
+
+    Private in torch (``DTensor._spec``), stable since DTensor became public (2.4); nbckpt keys
+    the cache of each DTensor's chunk by it.
+    """
+    return tensor._spec
