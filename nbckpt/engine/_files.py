@@ -304,8 +304,9 @@ def read_into(
         spans = _spans(ranges, source.size, 1)
     else:
         spans = _spans([*ranges, *cover], source.size, BLOCK_SIZE)
+    cursor = 0
     for span_start, span_end in spans:
-        regions = _regions(wanted, span_start, span_end)
+        regions, cursor = _regions(wanted, cursor, span_start, span_end)
         hasher = xxhash.xxh3_64()
         for offset, block, views in _walk(regions, span_start, span_end, scratch):
             source.readinto(offset, views)
@@ -336,13 +337,18 @@ def _spans(ranges: Sequence[tuple[int, int]], size: int, align: int) -> list[tup
 
 
 def _regions(
-    wanted: Sequence[tuple[int, memoryview]], start: int, end: int
-) -> list[tuple[int, memoryview | None]]:
-    """``[start, end)`` as gapless regions: the wanted views, and None between them."""
+    wanted: Sequence[tuple[int, memoryview]], first: int, start: int, end: int
+) -> tuple[list[tuple[int, memoryview | None]], int]:
+    """``[start, end)`` as gapless regions: the wanted views from index ``first`` on that lie in
+    it, and None between them; and the index of the first wanted view after it (each span is
+    walked once: a file of 10,000 tensors must not cost 10,000 passes over them)."""
     regions: list[tuple[int, memoryview | None]] = []
     at = start
-    for offset, view in wanted:
-        if offset + len(view) <= start or offset >= end:
+    index = first
+    while index < len(wanted) and wanted[index][0] < end:
+        offset, view = wanted[index]
+        index += 1
+        if offset + len(view) <= start:
             continue
         if offset > at:
             regions.append((at, None))
@@ -350,7 +356,7 @@ def _regions(
         at = offset + len(view)
     if at < end or not regions:
         regions.append((at, None))
-    return regions
+    return regions, index
 
 
 def exchange_paths(a: str, b: str) -> bool:

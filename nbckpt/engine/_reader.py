@@ -189,13 +189,16 @@ def plan_read(
         )
         view = byte_view(tensor)
         for chunk in chunks:
-            box = overlap(chunk.region, region)
-            if box is None:
-                continue
-            src, dst, length = runs(box, chunk.region, region, spec.dtype.itemsize)
             runs_here = plan.data.setdefault(chunk.file, [])
-            for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-                runs_here.append((chunk.data_offset + s, view[d : d + length]))
+            if chunk.sizes == region.sizes and chunk.offsets == region.offsets:  # the common case: all of it
+                runs_here.append((chunk.data_offset, view))
+            else:
+                box = overlap(chunk.region, region)
+                if box is None:
+                    continue
+                src, dst, length = runs(box, chunk.region, region, spec.dtype.itemsize)
+                for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+                    runs_here.append((chunk.data_offset + s, view[d : d + length]))
             claimed.add((chunk.file, chunk.blob_offset))
             plan.blobs.append(_framing_views(key, chunk, spec.dtype, plan.framing.setdefault(chunk.file, [])))
     return plan

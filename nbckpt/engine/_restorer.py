@@ -194,8 +194,10 @@ class Restorer:
 
         def check() -> tuple[str, list[str], list[str]]:
             manifest = read_manifest(store, step, location)[0]
-            holds = [str(key) for key, _ in manifest.tree(self.rank)["items"]]
-            missing = [str(key) for key in state if key not in holds]
+            saved_keys = [key for key, _ in manifest.tree(self.rank)["items"]]
+            present = set(saved_keys)
+            holds = [str(key) for key in saved_keys]
+            missing = [str(key) for key in state if key not in present]
             if missing and not asked_for:  # the newest step saved other things: an older one may do
                 return manifest.checksum, missing, holds
             if self.rank == 0:
