@@ -194,22 +194,27 @@ class Saver:
     def warmup(self, state: Mapping[str, Any]) -> None:
         """Plan ``state``'s structure and fit every slot to it (each slot is taken in turn)."""
         self._seq += 1
-        flat, layout = self._plan(state, -1, self._seq)
+        # values need not agree yet: a model is often warmed up before DDP broadcasts rank 0's
+        flat, layout = self._plan(state, -1, self._seq, compare_values=False)
         files = layout.files.get(self.ranks.rank, ())
         note = self.pool.preflight(sum(f.size for f in files))
         if note is not None:
             warnings.warn(f"nbckpt: {note}", stacklevel=3)
         self.pool.prepare(files, flat.specs)
 
-    def _plan(self, state: Mapping[str, Any], step: int, seq: int) -> tuple[Flattened, Layout]:
-        """Flatten and agree across ranks, then the file layout (cached per structure)."""
+    def _plan(
+        self, state: Mapping[str, Any], step: int, seq: int, compare_values: bool = True
+    ) -> tuple[Flattened, Layout]:
+        """Flatten and agree across ranks, then the file layout (cached per structure); with
+        ``compare_values``, a plain tensor of different values on two ranks is refused."""
         box: list[Flattened] = []
         several = self.ranks.world_size > 1
 
         def local() -> tuple[RankPlan, dict[str, str]]:
             flat = flatten(state)
             box.append(flat)
-            plain = {s.key: flat.tensors[s.key] for s in flat.specs if not s.sharded} if several else {}
+            compared = several and compare_values
+            plain = {s.key: flat.tensors[s.key] for s in flat.specs if not s.sharded} if compared else {}
             return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items()))), fingerprints(plain)
 
         everyone = self.ranks.caller.exchange(("save", step, seq), local)

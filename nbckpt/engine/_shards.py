@@ -203,11 +203,21 @@ def _positions(numel: int, device: torch.device) -> torch.Tensor:
     return torch.linspace(0, numel - 1, steps, dtype=torch.float64).round().long().to(device)
 
 
+#: ``torch.take`` has no kernel for unsigned and float8 dtypes: their bits are sampled as the
+#: signed integers of the same width (a fingerprint compares bits, not values, anyway).
+_SAME_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    width = tensor.element_size()
+    return tensor.view(_SAME_WIDTH[width]) if width in _SAME_WIDTH else tensor
+
+
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """A cheap fingerprint of each tensor: a hash of :data:`SAMPLES` elements spread over it,
     the same positions on every rank (a device's samples come back in one copy)."""
     samples = {
-        key: torch.take(tensor, _positions(tensor.numel(), tensor.device)).view(torch.uint8)
+        key: torch.take(_bits(tensor), _positions(tensor.numel(), tensor.device)).view(torch.uint8)
         for key, tensor in tensors.items()
         if tensor.numel()
     }

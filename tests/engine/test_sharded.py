@@ -97,6 +97,10 @@ def test_a_plain_tensor_with_other_values_on_other_ranks_is_refused_on_every_ran
             found
         )
         assert "rank 0 vs rank 1 vs rank 2 vs rank 3" in found["outcome"], found
+        assert found["warmed"] == "ok", found
+        assert found["unsigned"].startswith("ConfigError: 'seed' is a plain tensor with different values"), (
+            found
+        )
         assert found["then"] == "ok" and found["steps"] == [2], (rank, found)
 
 

@@ -218,14 +218,32 @@ def modules(directory: str) -> dict[str, Any]:
     return {"exact": matches(str(root / "modules.pt"), model, optim)}
 
 
+BIT_DTYPES = (torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.bool, torch.complex128)
+
+
 def divergent(directory: str) -> dict[str, Any]:
     """A plain tensor under one key holding each rank's own values: refused on every rank."""
     model, optim = sharded("fsdp", seed=1)
     msd, _ = get_state_dict(model, optim)
     with Checkpointer(Path(directory) / "divergent", mode="async", timeout_s=60) as ckpt:
-        result = outcome(lambda: ckpt.save({"model": msd, "batch": torch.full((8,), float(RANK))}, step=1))
-        agreed = outcome(lambda: ckpt.save({"model": msd, "batch": torch.ones(8)}, step=2).wait())
-        return {"outcome": result, "then": agreed, "steps": ckpt.steps()}
+        own = {"model": msd, "batch": torch.full((8,), float(RANK))}
+        warmed = outcome(lambda: ckpt.warmup(own))  # before DDP would broadcast: values may differ
+        result = outcome(lambda: ckpt.save(own, step=1))
+        # unsigned and float8 dtypes have no torch.take kernel: their bits are compared
+        seeds = {str(dtype): torch.arange(8).to(dtype) for dtype in BIT_DTYPES}
+        unsigned = outcome(
+            lambda: ckpt.save({"model": msd, "seed": torch.full((4,), RANK, dtype=torch.uint32)}, step=1)
+        )
+        agreed = outcome(
+            lambda: ckpt.save({"model": msd, "batch": torch.ones(8), "seeds": seeds}, step=2).wait()
+        )
+        return {
+            "warmed": warmed,
+            "outcome": result,
+            "unsigned": unsigned,
+            "then": agreed,
+            "steps": ckpt.steps(),
+        }
 
 
 def killed(directory: str) -> dict[str, Any]:

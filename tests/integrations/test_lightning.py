@@ -133,7 +133,8 @@ def test_remove_and_rename_free_steps(tmp_path: Path) -> None:
     io.save_checkpoint({"w": net.state_dict(), "epoch": 1}, tmp_path / "b.ckpt")
     assert _names(tmp_path) == {"last.ckpt": 2, "b.ckpt": 2}
     # the same tensors with a value changed: the step is shared, the pointer carries the value
-    io.save_checkpoint({"w": net.state_dict(), "epoch": 2, "tag": None}, tmp_path / "c.ckpt")
+    with pytest.warns(UserWarning, match=r"step 3 holds 'epoch', 'tag', 'w', the newest step \(2\) holds"):
+        io.save_checkpoint({"w": net.state_dict(), "epoch": 2, "tag": None}, tmp_path / "c.ckpt")
     assert _steps(tmp_path) == [2, 3]  # a key more is another shape: a step of its own
     io.save_checkpoint({"w": net.state_dict(), "epoch": 5, "tag": "x"}, tmp_path / "d.ckpt")
     assert read_pointer(tmp_path / "d.ckpt") == Pointer(
