@@ -6,16 +6,9 @@ analysis and the notebook faces read.
 """
 
 from ._advice import storage_advice
+from ._aggregate import RESULT_COLUMNS, cycle_pairs
 from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, compare, environment
-from ._comparison import (
-    RESULT_COLUMNS,
-    SCHEMA,
-    SHOWN_COLUMNS,
-    TIMELINE_COLUMNS,
-    Comparison,
-    cycle_pairs,
-    format_results,
-)
+from ._comparison import SCHEMA, SHOWN_COLUMNS, TIMELINE_COLUMNS, Comparison, format_results
 from ._floors import FLOOR_SAMPLE_BYTES, Floors, measure_floors
 from ._load import Load
 from ._measure import DEFAULT_REPEATS as PROBE_REPEATS
@@ -25,7 +18,7 @@ from ._options import add_bench_arguments, run_bench_from_args
 from ._probe import DEFAULT_SIZE_MB as PROBE_SIZE_MB
 from ._probe import DEFAULT_STREAMS as PROBE_STREAMS
 from ._probe import ProbeResult, probe
-from ._result import STALL_NAMES, Cycle, ExperimentResult
+from ._result import STALL_DEFINITION, STALL_NAMES, Cycle, ExperimentResult
 from ._runner import run_experiment
 from ._stats import (
     METHOD_REFERENCE,
@@ -58,6 +51,7 @@ __all__ = [
     "RESULT_COLUMNS",
     "SCHEMA",
     "SHOWN_COLUMNS",
+    "STALL_DEFINITION",
     "STALL_NAMES",
     "STRATEGIES",
     "TIMELINE_COLUMNS",

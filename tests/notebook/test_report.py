@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -29,12 +31,28 @@ SMALL = {
 
 
 
-def test_report_renders_offline_html_and_results(tmp_path: Path) -> None:
-    """One run of the report (the slow part), checked three ways."""
-    report = run_report("small", tmp_path / "out", {**SMALL, "target": str(tmp_path / "ckpt")})
+def test_report_renders_offline_html_and_results(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """One run of the report (the slow part), checked four ways."""
+    report = run_report("small", tmp_path / "out", {**SMALL, "target": str(tmp_path / "ckpt")},
+                        progress=True)
+    _check_progress(capsys.readouterr().err)
+    assert not (report.parent / ".small.progress").exists()
     _check_html_content(report)
     _check_offline(report)
     _check_results_json(report)
+
+
+def _check_progress(err: str) -> None:
+    """What the report does, as it does it: not one papermill cell for minutes."""
+    lines = err.splitlines()
+    assert lines[0].startswith("report: running report.ipynb")
+    assert any(line.startswith("report: probing ") for line in lines)
+    checkpoint = [line for line in lines if line.startswith("[torch-save] repeat 2/2, step 2/4: stall ")]
+    assert len(checkpoint) == 1, err
+    assert "= save stall" in checkpoint[0] and "elapsed of about" in checkpoint[0]
+    assert any(line.startswith("[nbckpt-async] repeat 1/2 done: mean step") for line in lines)
+    assert lines.index(checkpoint[0]) < lines.index("report: writing results.json")
 
 
 def _check_html_content(report: Path) -> None:
@@ -46,8 +64,9 @@ def _check_html_content(report: Path) -> None:
     assert re.search(r'<table[^>]*class="[^"]*nbckpt-results', html)
     for strategy in ("torch-save", "nbckpt-async"):
         assert f"<td>{strategy}</td>" in html
-    assert "overhead_95ci" in html and "how much longer the training loop took" in html
-    assert "stalled the training loop" in html
+    assert "95 % interval" in html and "paired per checkpoint cycle" in html
+    assert "wait for the earlier save" in html and "How overhead and its interval are computed" in html
+    assert "stall (the time the training loop was blocked)" in html
     assert "Assuming a job of 1,024 GPUs" in html  # the advisor's assumptions, named
     assert "10x or more" not in html and "cannot go faster" not in html
     assert "<title>test report</title>" in html
@@ -65,17 +84,17 @@ def _check_offline(report: Path) -> None:
 
 def _check_results_json(report: Path) -> None:
     results = json.loads((report.parent / "results.json").read_text())
-    assert results["schema"] == "nbckpt.report/2"
+    assert results["schema"] == "nbckpt.report/3"
     measured = {row["strategy"]: row for row in results["comparison"]["results"]}
     assert set(measured) == {"none", "torch-save", "nbckpt-async"}
     assert measured["nbckpt-async"]["checkpoints"] == 2  # per run, in each of the repeats
     assert measured["nbckpt-async"]["repeats"] == results["parameters"]["repeats"] == 2
     assert len(measured["nbckpt-async"]["overhead_ci_pct"]) == 2
-    assert results["comparison"]["schema"] == "nbckpt.bench/2" and "load" in results["comparison"]
+    assert results["comparison"]["schema"] == "nbckpt.bench/3" and "load" in results["comparison"]
     assert results["comparison"]["floors"]["copy_s"] > 0
     assert results["storage"]["runs"] and results["advice"]
     assert results["assumptions"]["gpus"] == 1024
-    assert any(line.startswith("nbckpt-async stalled the training loop") for line in results["conclusions"])
+    assert any(line.startswith("nbckpt-async's stall (the time") for line in results["conclusions"])
     # the conclusions quote the measured stall
     stall_ms = measured["nbckpt-async"]["stall_mean_s"] * 1e3
     assert any(f"{stall_ms:.1f} ms" in line for line in results["conclusions"])
@@ -130,3 +149,68 @@ def test_cli_failing_notebook_gives_one_line_error(tmp_path: Path) -> None:
     assert str(blocker / "ckpt") in last
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "out" / "bad.html").exists()
+
+
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    """``--threads`` sets torch's threads for the process: put them back afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield None
+    torch.set_num_threads(threads)
+
+
+def _figures(row: dict[str, object]) -> list[str]:
+    """The figures every face shows for a row, as the one formatter writes them."""
+    from nbckpt import bench
+
+    return [bench.overhead_text(row), bench.interval_text(row["overhead_ci_pct"]),  # type: ignore[arg-type]
+            bench.per_repeat_text(row), str(row["overhead_basis"]),
+            *(f"{float(row[key]):.4f}" for key in ("stall_mean_s", "save_stall_s", "wait_s"))]  # type: ignore[arg-type]
+
+
+def test_the_cli_the_magic_the_lab_and_the_report_show_the_same_figures(
+    tmp_path: Path, ip: object, capsys: pytest.CaptureFixture[str], torch_threads: None
+) -> None:
+    """One run, measured by ``nbckpt bench --json``; the table it prints, the table
+    ``%ckpt_bench`` displays for it, the Lab's and the report's show the same overhead, interval,
+    per-repeat overheads, what it rests on, and the stall with its two parts."""
+    from nbckpt import cli
+    from nbckpt.bench import Comparison, format_results
+    from nbckpt.notebook import Lab
+
+    stored = tmp_path / "bench.json"
+    assert cli.main(["bench", "--dir", str(tmp_path / "b"), "--size-mb", "2", "--compute-ms", "1",
+                     "--steps", "4", "--every", "2", "--repeats", "2", "--threads", "1", "--strategies",
+                     "none,torch-save,nbckpt-async", "--json", str(stored), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    comparison = Comparison.from_json(stored)
+    rows = {r["strategy"]: r for r in comparison.results.to_dict(orient="records")}
+    expected = {name: _figures(row) for name, row in rows.items() if name != "none"}
+    magic = ip.display_formatter.format(comparison)[0]["text/plain"]  # type: ignore[attr-defined]
+    lab = Lab(directory=str(tmp_path / "lab"), preset="synthetic", size_mb=2.0)
+    try:
+        lab.show(comparison)
+        lab_html = lab.results.value
+    finally:
+        lab.close()
+    report = run_report("same", tmp_path / "out", {
+        "bench_json": str(stored), "target": str(tmp_path / "probe"), "probe_mb": 1,
+        "probe_streams": "1", "title": "same figures"})
+    report_html = report.read_text()
+    faces = {"nbckpt bench": printed, "%ckpt_bench": magic, "Lab": lab_html, "report": report_html}
+    for face, text in faces.items():
+        for name, figures in expected.items():
+            rows = text.split("</tr>") if "<tr" in text else text.splitlines()
+            line = next((row for row in rows
+                         if row.strip().startswith(f"{name} ") or f">{name}</td>" in row), "")
+            for figure in figures:
+                assert html.escape(figure) in line or figure in line, (face, name, figure, line[:400])
+    # one table, one set of headers: the Lab and the report name the columns as the CLI does
+    headers = list(format_results(comparison.results).columns)
+    for header in ("overhead", "95 % interval", "per repeat", "rests on", "stall s",
+                   "save stall s", "wait for the earlier save s"):
+        assert header in headers and all(header in text for text in faces.values()), header
+    results = json.loads((report.parent / "results.json").read_text())
+    assert results["comparison"]["results"] == comparison.to_dict()["results"]
