@@ -77,7 +77,7 @@ def _paired(name: str, pairs: list[tuple[ExperimentResult, ExperimentResult]]) -
                       for ours, theirs in cycles if ours.checkpoints])
         if run.checkpoints and run.load is not None and base.load is not None and not run.stopped:
             cpus.append((run.load.own_cpu_s - base.load.own_cpu_s) / run.checkpoints)
-    overhead = clustered_mean(ratios)
+    overhead = clustered_mean(ratios, log_ratios=True)
     drag = clustered_mean(drags, one_repeat_spread=0.0)  # seconds: the cycles' own spread
     if overhead.cycles == 0:
         method = "no baseline" if not pairs else "no cycle pairs"

@@ -40,12 +40,13 @@ def loop_times(seed: int, effect: float, *, repeats: int = REPEATS, cycles: int 
 def overhead(pairs: list[list[tuple[float, float]]]) -> tuple[float, float, float]:
     """(overhead, lo, hi) in % by the bench's method."""
     estimate = bench.clustered_mean([[math.log(ours / theirs) for ours, theirs in repeat]
-                                     for repeat in pairs])
+                                     for repeat in pairs], log_ratios=True)
     return tuple(100.0 * math.expm1(v) for v in (estimate.mean, estimate.lo, estimate.hi))  # type: ignore[return-value]
 
 
 def log_width(pairs: list[list[tuple[float, float]]]) -> float:
-    estimate = bench.clustered_mean([[math.log(a / b) for a, b in repeat] for repeat in pairs])
+    estimate = bench.clustered_mean([[math.log(a / b) for a, b in repeat] for repeat in pairs],
+                                    log_ratios=True)
     return estimate.hi - estimate.lo
 
 
@@ -74,12 +75,13 @@ def test_no_interval_reaches_below_minus_100_percent() -> None:
         [[0.01, 0.02, 0.01], [0.5, 0.1, 0.9], [50.0, 100.0, 2.0]],
     ]
     for ratios in extremes:
-        estimate = bench.clustered_mean([[math.log(r) for r in repeat] for repeat in ratios])
+        estimate = bench.clustered_mean([[math.log(r) for r in repeat] for repeat in ratios],
+                                        log_ratios=True)
         assert 100.0 * math.expm1(estimate.lo) >= -100.0, ratios  # -100 %: rounding of e^-147
     for seed in SEEDS:
         for effect in (0.1, 1.0, 2.0):
             _, lo, _ = overhead(loop_times(seed, effect, own_noise=1.0))
-            assert lo > -100.0
+            assert lo >= -100.0  # at most "a loop that took no time", for a 10x speed-up
 
 
 @pytest.mark.parametrize("effect", [1.0, 2.0, 10.0])
@@ -155,6 +157,21 @@ def test_the_issue_run_is_measurable_and_never_below_minus_100_percent() -> None
     assert math.log1p(hi1 / 100) - math.log1p(lo1 / 100) > math.log1p(hi / 100) - math.log1p(lo / 100)
     assert alone["overhead_basis"] == "1 repeat, 4 cycles (widened)"
     assert "one repeat" in alone["overhead_method"]
+
+
+def test_repeats_that_disagree_on_the_size_of_a_cost_they_all_show_still_measure_it() -> None:
+    """The Lab's default run beside a spinning core: torch-save 2.6x, 14.5x and 4.9x slower than
+    none in its three repeats (one baseline cycle hit by a burst), which a t over the repeats
+    alone called no measurable difference, [-34, +4805] %."""
+    cycles = [[2.64, 1.79, 2.30, 3.96], [1.49, 1.09, -0.05, 1.30], [1.29, 1.97, 1.47, 1.61]]
+    found = bench.clustered_mean(cycles, log_ratios=True)
+    assert found.basis == "every repeat" and "every one of the 3 repeats" in found.method
+    lo, hi = (100 * math.expm1(v) for v in (found.lo, found.hi))
+    assert 20 < lo < 100 and hi > 1000 and found.lo < found.mean < found.hi
+    assert bench.clustered_mean(cycles).basis == "repeats"  # not for values that are no ratios
+    # a repeat that does not show it on its own leaves the wide interval: the level holds
+    mixed = [[2.64, 1.79, 2.30, 3.96], [0.4, -0.3, 0.1, -0.2], [1.29, 1.97, 1.47, 1.61]]
+    assert bench.clustered_mean(mixed, log_ratios=True).basis == "repeats"
 
 
 def test_clustered_mean_against_hand_computed_cases() -> None:
