@@ -29,7 +29,7 @@ random-intercept model ``d = mu + a(repeat) + e(cycle)`` (:func:`clustered_mean`
   (2 for 3 repeats: wide, as it must be when repeats disagree);
 - when they do not, the repeat effect is estimated as zero and every cycle counts: the variance
   of all cycles over their number, t with ``cycles - 1`` degrees of freedom (11 for 3 repeats of
-  4 cycles), which is what makes 3 repeats enough on a busy machine.
+  4 cycles), which is what makes 3 repeats enough on a busy machine;
 - when they disagree although every repeat shows the change on its own (its mean is more than a
   t-quantile of standard errors from 0, on the same side, with the within-repeat variance pooled:
   an intersection-union test, which keeps the 5 % level), the repeats differ in the size of a
@@ -42,9 +42,11 @@ random-intercept model ``d = mu + a(repeat) + e(cycle)`` (:func:`clustered_mean`
 
 For equal numbers of cycles per repeat the first two are what a REML fit of that model gives,
 with Satterthwaite's degrees of freedom. In simulated runs of 3 repeats of 4 cycles, with noise as
-measured on this project's shared 2-core machine, the interval covered the true overhead in
-93 % or more of them however much the repeats disagreed, and found a 2x slowdown in 97 %. A
-run's stopped cycle is left out; its other cycles count.
+measured on this project's shared 2-core machine, the interval covered the true overhead in 93 %
+or more of them where the repeats' true overheads differed by up to a factor of 1.8 (0.6 in
+``d``), and 89 % where they differed by 2.7x around no change at all; it found a 2x slowdown in
+86-99 % of them (99 % with the noise of ``tests/bench/test_stats.py``). A run's stopped cycle is
+left out; its other cycles count.
 
 **One repeat** (``--repeats 1``, or a run stopped in its second repeat) cannot show how much
 repeats disagree. Its interval allows for a between-repeat spread at least as large as one

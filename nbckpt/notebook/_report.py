@@ -2,7 +2,6 @@
 
     nbckpt report --name report                       # reports/report.html + reports/results.json
     nbckpt report -p target /mnt/flashblade/ckpt -p preset small -p steps 40
-    nbckpt report -p bench_json bench.json            # the report of a stored nbckpt bench run
 
 The notebook (``notebooks/report.ipynb``) measures and writes ``results.json`` into
 ``output_dir``; this module executes it, turns a failing cell into a one-line error
@@ -44,7 +43,7 @@ REPORT_NOTEBOOK = "report.ipynb"
 RESULTS_FILE = "results.json"
 #: Parameters that name local paths: relative values are taken from the caller's directory,
 #: not from the notebook's (papermill runs the kernel in the notebook's folder).
-PATH_PARAMETERS = ("target", "output_dir", "bench_json")
+PATH_PARAMETERS = ("target", "output_dir")
 #: The notebook parameter naming the file its progress lines go to.
 PROGRESS_PARAMETER = "progress_path"
 _TAIL_S = 0.2  # how often the progress file is read while the notebook runs

@@ -7,8 +7,8 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -31,9 +31,10 @@ SMALL = {
 
 
 
-def test_report_renders_offline_html_and_results(tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """One run of the report (the slow part), checked four ways."""
+def test_report_renders_offline_html_and_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, ip: Any
+) -> None:
+    """One run of the report (the slow part), checked five ways."""
     report = run_report("small", tmp_path / "out", {**SMALL, "target": str(tmp_path / "ckpt")},
                         progress=True)
     _check_progress(capsys.readouterr().err)
@@ -41,6 +42,7 @@ def test_report_renders_offline_html_and_results(tmp_path: Path,
     _check_html_content(report)
     _check_offline(report)
     _check_results_json(report)
+    _check_same_figures(report, ip, capsys, monkeypatch)
 
 
 def _check_progress(err: str) -> None:
@@ -151,16 +153,6 @@ def test_cli_failing_notebook_gives_one_line_error(tmp_path: Path) -> None:
     assert not (tmp_path / "out" / "bad.html").exists()
 
 
-@pytest.fixture
-def torch_threads() -> Iterator[None]:
-    """``--threads`` sets torch's threads for the process: put them back afterwards."""
-    import torch
-
-    threads = torch.get_num_threads()
-    yield None
-    torch.set_num_threads(threads)
-
-
 def _figures(row: dict[str, object]) -> list[str]:
     """The figures every face shows for a row, as the one formatter writes them."""
     from nbckpt import bench
@@ -170,47 +162,41 @@ def _figures(row: dict[str, object]) -> list[str]:
             *(f"{float(row[key]):.4f}" for key in ("stall_mean_s", "save_stall_s", "wait_s"))]  # type: ignore[arg-type]
 
 
-def test_the_cli_the_magic_the_lab_and_the_report_show_the_same_figures(
-    tmp_path: Path, ip: object, capsys: pytest.CaptureFixture[str], torch_threads: None
-) -> None:
-    """One run, measured by ``nbckpt bench --json``; the table it prints, the table
-    ``%ckpt_bench`` displays for it, the Lab's and the report's show the same overhead, interval,
-    per-repeat overheads, what it rests on, and the stall with its two parts."""
-    from nbckpt import cli
-    from nbckpt.bench import Comparison, format_results
+def _check_same_figures(report: Path, shell: Any, capsys: pytest.CaptureFixture[str],
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run the report measured, as each face shows it: the table ``nbckpt bench`` prints,
+    the one ``%ckpt_bench`` displays for a Comparison, the Lab's and the report's have the same
+    overhead, interval, per-repeat overheads, what it rests on, and the stall with its parts."""
+    from nbckpt import bench, cli
     from nbckpt.notebook import Lab
 
-    stored = tmp_path / "bench.json"
-    assert cli.main(["bench", "--dir", str(tmp_path / "b"), "--size-mb", "2", "--compute-ms", "1",
-                     "--steps", "4", "--every", "2", "--repeats", "2", "--threads", "1", "--strategies",
-                     "none,torch-save,nbckpt-async", "--json", str(stored), "--quiet"]) == 0
-    printed = capsys.readouterr().out
-    comparison = Comparison.from_json(stored)
+    document = json.loads((report.parent / "results.json").read_text())["comparison"]
+    comparison = bench.Comparison.from_dict(document)
     rows = {r["strategy"]: r for r in comparison.results.to_dict(orient="records")}
     expected = {name: _figures(row) for name, row in rows.items() if name != "none"}
-    magic = ip.display_formatter.format(comparison)[0]["text/plain"]  # type: ignore[attr-defined]
-    lab = Lab(directory=str(tmp_path / "lab"), preset="synthetic", size_mb=2.0)
+    # nbckpt bench prints the table of the comparison it measured: this one
+    monkeypatch.setattr(bench, "run_bench_from_args", lambda args, progress=None: comparison)
+    capsys.readouterr()
+    assert cli.main(["bench", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    magic = shell.display_formatter.format(comparison)[0]["text/plain"]
+    lab = Lab(directory=str(report.parent / "lab"), preset="synthetic", size_mb=2.0)
     try:
         lab.show(comparison)
         lab_html = lab.results.value
     finally:
         lab.close()
-    report = run_report("same", tmp_path / "out", {
-        "bench_json": str(stored), "target": str(tmp_path / "probe"), "probe_mb": 1,
-        "probe_streams": "1", "title": "same figures"})
-    report_html = report.read_text()
-    faces = {"nbckpt bench": printed, "%ckpt_bench": magic, "Lab": lab_html, "report": report_html}
+    faces = {"nbckpt bench": printed, "%ckpt_bench": magic, "Lab": lab_html,
+             "report": report.read_text()}
     for face, text in faces.items():
         for name, figures in expected.items():
-            rows = text.split("</tr>") if "<tr" in text else text.splitlines()
-            line = next((row for row in rows
+            table_rows = text.split("</tr>") if "<tr" in text else text.splitlines()
+            line = next((row for row in table_rows
                          if row.strip().startswith(f"{name} ") or f">{name}</td>" in row), "")
             for figure in figures:
                 assert html.escape(figure) in line or figure in line, (face, name, figure, line[:400])
-    # one table, one set of headers: the Lab and the report name the columns as the CLI does
-    headers = list(format_results(comparison.results).columns)
+    # one set of headers: every face names the columns as format_results does
+    headers = list(bench.format_results(comparison.results).columns)
     for header in ("overhead", "95 % interval", "per repeat", "rests on", "stall s",
                    "save stall s", "wait for the earlier save s"):
         assert header in headers and all(header in text for text in faces.values()), header
-    results = json.loads((report.parent / "results.json").read_text())
-    assert results["comparison"]["results"] == comparison.to_dict()["results"]
