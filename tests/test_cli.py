@@ -28,13 +28,19 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Any) -> None:
     assert proc.returncode == 0, proc.stderr
     table = proc.stdout
     for expected in ("strategy", "none", "torch-save", "nbckpt-async", "floors for 2.1 MB",
-                     "stall_mean_s", "overhead_95ci", ex.OVERHEAD_DEFINITION, "load during the runs",
-                     f"results written to {out}"):
+                     "stall s", "save stall s", "wait for the earlier save s", "95 % interval",
+                     "per repeat", "rests on", ex.OVERHEAD_DEFINITION, ex.STALL_DEFINITION,
+                     "load during the runs", f"results written to {out}"):
         assert expected in table
-    assert "[torch-save] step 2/4: checkpoint stalled" in proc.stderr  # progress lines
+    # progress lines: strategy, repeat, step, the stall in its parts, elapsed and expected time
+    progress = [line for line in proc.stderr.splitlines()
+                if line.startswith("[torch-save] repeat 2/3, step 2/4: stall ")]
+    assert len(progress) == 1, proc.stderr
+    assert "= save stall" in progress[0] and "+ wait for the earlier save" in progress[0]
+    assert "elapsed of about" in progress[0]
     assert "repeat 2/3: torch-save, nbckpt-async, none" in proc.stderr  # interleaved, rotated
     document = json.loads(out.read_text())
-    assert document["schema"] == "nbckpt.bench/2"
+    assert document["schema"] == "nbckpt.bench/3"
     assert document["bytes"] == 2 << 20
     assert (document["steps"], document["every"], document["repeats"]) == (4, 2, ex.DEFAULT_REPEATS)
     assert set(document["floors"]) >= {"bytes", "copy_s", "copy_gbs", "write_gbs", "write_gbs_by_streams"}

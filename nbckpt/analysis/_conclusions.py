@@ -51,15 +51,16 @@ def _interval(row: Mapping[str, Any]) -> tuple[float, float]:
 
 
 def _overhead_phrase(row: Mapping[str, Any]) -> str:
-    """``+12.3 % (95 % interval +8.0 to +16.6 %)`` or ``no measurable difference (...)``."""
+    """``+12.3 % (95 % interval +8.0 to +16.6 %)``; where the interval contains 0, ``+1.5 %, no
+    measurable difference (95 % interval -2.0 to +5.0 %)``: the estimate always, the words only
+    beside an interval that contains 0."""
     from ..bench import measurable
 
     lo, hi = _interval(row)
     span = (f"95 % interval {lo:+.1f} to {hi:+.1f} %" if _finite(lo) and _finite(hi)
             else "no interval")
-    if not measurable(row.get("overhead_ci_pct")):
-        return f"no measurable difference ({span})"
-    return f"{_num(row['overhead_pct']):+.1f} % ({span})"
+    words = "" if measurable(row.get("overhead_ci_pct")) else ", no measurable difference"
+    return f"{_num(row['overhead_pct']):+.1f} %{words} ({span})"
 
 
 def _lower(row: Mapping[str, Any]) -> float:
@@ -118,34 +119,20 @@ def conclusions(
     torch_save = rows.get("torch-save")
     size = _size(floors.get("bytes"))
 
-    text = (f"{focus} stalled the training loop {_ms(stall)} per checkpoint of {size} "
-            f"(p95 {_ms(float(row['stall_p95_s']))})")
+    text = (f"{focus}'s stall (the time the training loop was blocked) was {_ms(stall)} per "
+            f"checkpoint of {size}{_parts(row)} (p95 {_ms(float(row['stall_p95_s']))})")
     if torch_save is not None and _finite(torch_save["stall_mean_s"]) and stall > 0:
         reduction = float(torch_save["stall_mean_s"]) / stall
         if reduction >= 1:
-            text += f", {_times(reduction)} less than torch-save ({_ms(torch_save['stall_mean_s'])})"
+            text += f", {_times(reduction)} less than torch-save's ({_ms(torch_save['stall_mean_s'])})"
         else:
-            text += (f", {_times(1 / reduction)} more than torch-save "
+            text += (f", {_times(1 / reduction)} more than torch-save's "
                      f"({_ms(torch_save['stall_mean_s'])}): here the synchronous write was "
                      f"cheaper than the asynchronous stall")
     lines.append(text + ".")
-
-    copy_s = _num(floors.get("copy_s"))
-    if copy_s > 0 and stall > 0:
-        ratio = stall / copy_s
-        text = (f"That stall is {_times(ratio)} the copy floor ({_ms(copy_s)} to copy the "
-                f"same bytes into preallocated memory)")
-        if ratio <= 1.5:
-            text += ": the loop waits for little more than the copy itself."
-        else:
-            text += "."
-            parts = _stall_parts(timeline, focus, _num(row.get("checkpoints")) * _num(row.get("repeats", 1)))
-            if parts is not None:
-                stage, wait = parts
-                text += (f" Per checkpoint the copy into the staging buffers took {_ms(stage)} "
-                         f"and waiting for the previous save {_ms(wait)}; the other "
-                         f"{_ms(max(stall - stage - wait, 0.0))} was spent elsewhere in save().")
-        lines.append(text)
+    floor_line = _copy_floor_sentence(row, focus, floors=floors, timeline=timeline)
+    if floor_line:
+        lines.append(floor_line)
 
     lines.extend(_write_sentences(rows, focus, floors=floors, probe=probe, load=load))
     lines.extend(_overhead_sentences(rows, focus, env=env, device=device))
@@ -194,11 +181,11 @@ def _write_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str, *, floor
                          f"{_num(load.get('other_cpu_cores')):.2f} on average over the runs")
             names = ", ".join(f"{name} ({gbs:.2f} GB/s)" for name, gbs in above)
             lines.append(
-                f"Above the floor: {names}. Both the floor and these writes end with fsync, so "
-                f"the page cache alone does not explain it; the floor is the fastest of a few "
-                f"rounds measured once before the runs ({spread}{loads}), and a short write can "
-                f"finish inside the device's or the hypervisor's write-back cache (a burst), so "
-                f"on this machine rates within about "
+                f"Above the floor, which is a measurement problem, not a result: {names}. Both "
+                f"the floor and these writes end with fsync, so the page cache alone does not "
+                f"explain it; the floor is the fastest of its rounds measured before each repeat "
+                f"({spread}{loads}), and a short write can finish inside the device's or the "
+                f"hypervisor's write-back cache (a burst), so on this machine rates within about "
                 f"{_spread_pct(rounds):.0f} % of each other are not different."
             )
     if probe is not None and not probe.empty and {"streams", "write_gbs"} <= set(probe.columns) \
@@ -218,6 +205,16 @@ def _write_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str, *, floor
                 f"The floor is the one the strategies are measured against."
             )
     return lines
+
+
+def _measured_drag(row: Mapping[str, Any]) -> bool:
+    """A drag whose interval lies above 0 (older results without an interval: a positive one)."""
+    from ..bench import measurable
+
+    interval = row.get("drag_ci_s")
+    if isinstance(interval, (list, tuple)) and len(interval) == 2:
+        return measurable(interval) and _num(interval[0]) > 0
+    return _num(row.get("drag_s")) > 0
 
 
 def _spread_pct(rounds: list[float]) -> float:
@@ -253,8 +250,8 @@ def _overhead_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str, *,
                 f"({threads:.0f} torch thread(s) for training)")
         if _finite(cpu):
             text += f", takes about {cpu:.2f} CPU seconds per checkpoint from them"
-        if _finite(drag):
-            text += f" and slowed the steps by {_ms(max(drag, 0.0))} per checkpoint beyond its stall"
+        if _finite(drag) and _measured_drag(row):
+            text += f" and slowed the steps by {_ms(drag)} per checkpoint beyond its stall"
         text += (". A GPU node trains on the GPU and leaves its host cores to the write; "
                  "`--threads 1` (report parameter torch_threads = 1) leaves a core free here to "
                  "imitate that")
@@ -372,15 +369,45 @@ def _advice_sentences(advice: pd.DataFrame, focus: str, *, assumptions: Mapping[
     return [text + ".", *compare_modes(advice)]
 
 
-def _stall_parts(
-    timeline: pd.DataFrame | None, strategy: str, checkpoints: float
-) -> tuple[float, float] | None:
-    """Mean staging and backpressure-wait seconds per checkpoint of ``strategy`` (None: unknown)."""
+def _parts(row: Mapping[str, Any]) -> str:
+    """`` (save stall 3.0 ms + wait for the earlier save 130.0 ms)`` where a wait was measured."""
+    save, wait = _num(row.get("save_stall_s")), _num(row.get("wait_s"))
+    if not (_finite(save) and _finite(wait)) or wait <= 0:
+        return ""
+    return f" (save stall {_ms(save)} + wait for the earlier save {_ms(wait)})"
+
+
+def _copy_floor_sentence(row: Mapping[str, Any], focus: str, *, floors: Mapping[str, Any],
+                         timeline: pd.DataFrame | None) -> str:
+    """The save stall against the copy floor: a stall below the floor is a measurement problem,
+    never praise; an overlapped copy runs behind the loop and has no such bound."""
+    copy_s = _num(floors.get("copy_s"))
+    save = _num(row.get("save_stall_s", row.get("stall_mean_s")))
+    if not (copy_s > 0 and save > 0) or focus.endswith("-overlap"):
+        return ""
+    ratio = save / copy_s
+    floor = f"the copy floor ({_ms(copy_s)} to copy the same bytes into preallocated memory)"
+    if ratio < 1:
+        return (f"Its save stall, {_ms(save)}, is {_times(ratio)} {floor}: below what the hardware "
+                f"allows, which is a measurement problem (the floor and the runs met different "
+                f"moments of a shared machine; the floor is the fastest of its rounds before "
+                f"each repeat), not a result.")
+    text = f"Its save stall is {_times(ratio)} {floor}"
+    if ratio <= 1.5:
+        return text + ": save() takes little more than the copy itself."
+    stage = _stage_time(timeline, focus, _num(row.get("checkpoints")) * _num(row.get("repeats", 1)))
+    if stage is None:
+        return text + "."
+    return (text + f". Per checkpoint the copy into the staging buffers took {_ms(stage)}; the "
+            f"other {_ms(max(save - stage, 0.0))} of the save stall was spent elsewhere in save().")
+
+
+def _stage_time(timeline: pd.DataFrame | None, strategy: str, checkpoints: float) -> float | None:
+    """Mean staging (copy) seconds per checkpoint of ``strategy`` (None: unknown)."""
     if timeline is None or timeline.empty or not checkpoints > 0:
         return None
     events = timeline[timeline["strategy"] == strategy] if "strategy" in timeline else timeline
     stage = events.loc[events["kind"] == "stage", "duration_s"]
     if stage.empty:
         return None
-    wait = events.loc[events["kind"] == "wait", "duration_s"]
-    return float(stage.sum()) / checkpoints, float(wait.sum()) / checkpoints
+    return float(stage.sum()) / checkpoints

@@ -52,8 +52,10 @@ def measurements(results: Measured) -> pd.DataFrame:
     ``mode`` column of ``"sync"``/``"async"``) or a mapping ``strategy -> (stall_s, persist_s)``
     or ``(stall_s, persist_s, drag_s)``. Rows without a checkpoint (the ``none`` baseline) and
     partial rows (a stopped run) are dropped. Without a ``mode`` column a strategy counts as async
-    when its persist time exceeds its stall (the write went on after the loop resumed). A drag
-    below 0 is measurement noise and counts as 0; no drag column means 0.
+    when its persist time exceeds its stall (the write went on after the loop resumed). Background
+    work cannot speed the steps up, so a drag that was not measured above 0 (its interval,
+    ``drag_ci_s``, contains 0: the bench's table says "noise") counts as 0, as does a drag below
+    0 where no interval is given; no drag column means 0.
     """
     if isinstance(results, pd.DataFrame):
         stall_column = "stall_mean_s" if "stall_mean_s" in results.columns else "stall_s"
@@ -74,6 +76,10 @@ def measurements(results: Measured) -> pd.DataFrame:
                 "drag_s": column("drag_s"),
             }
         )
+        if "drag_ci_s" in results.columns:
+            measured = pd.Series([isinstance(ci, (list, tuple)) and len(ci) == 2 and float(ci[0]) > 0
+                                  for ci in results["drag_ci_s"]], index=frame.index, dtype=bool)
+            frame["drag_s"] = frame["drag_s"].where(measured, 0.0)
         if "mode" in results.columns:
             frame["mode"] = results["mode"].astype(str)
         if "checkpoints" in results.columns:

@@ -6,8 +6,9 @@ analysis and the notebook faces read.
 """
 
 from ._advice import storage_advice
+from ._aggregate import RESULT_COLUMNS, cycle_pairs
 from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, compare, environment
-from ._comparison import RESULT_COLUMNS, SCHEMA, TIMELINE_COLUMNS, Comparison, format_results
+from ._comparison import SCHEMA, SHOWN_COLUMNS, TIMELINE_COLUMNS, Comparison, format_results
 from ._floors import FLOOR_SAMPLE_BYTES, Floors, measure_floors
 from ._load import Load
 from ._measure import DEFAULT_REPEATS as PROBE_REPEATS
@@ -17,9 +18,21 @@ from ._options import add_bench_arguments, run_bench_from_args
 from ._probe import DEFAULT_SIZE_MB as PROBE_SIZE_MB
 from ._probe import DEFAULT_STREAMS as PROBE_STREAMS
 from ._probe import ProbeResult, probe
-from ._result import ExperimentResult
+from ._result import STALL_DEFINITION, STALL_NAMES, Cycle, ExperimentResult
 from ._runner import run_experiment
-from ._stats import OVERHEAD_DEFINITION, interval_text, measurable, overhead_text, t_interval
+from ._stats import (
+    METHOD_REFERENCE,
+    OVERHEAD_DEFINITION,
+    OVERHEAD_METHOD,
+    Clustered,
+    clustered_mean,
+    drag_text,
+    interval_text,
+    measurable,
+    overhead_text,
+    per_repeat_text,
+    t_interval,
+)
 from ._strategies import STRATEGIES, get_strategy, register_strategy
 from ._strategy import NbckptStrategy, Strategy, plain_state, tensor_bytes
 from ._workloads import PRESETS, GPTConfig, Workload, gpt, make_workload, synthetic
@@ -28,16 +41,23 @@ __all__ = [
     "DEFAULT_REPEATS",
     "DEFAULT_STRATEGIES",
     "FLOOR_SAMPLE_BYTES",
+    "METHOD_REFERENCE",
     "OVERHEAD_DEFINITION",
+    "OVERHEAD_METHOD",
     "PRESETS",
     "PROBE_REPEATS",
     "PROBE_SIZE_MB",
     "PROBE_STREAMS",
     "RESULT_COLUMNS",
     "SCHEMA",
+    "SHOWN_COLUMNS",
+    "STALL_DEFINITION",
+    "STALL_NAMES",
     "STRATEGIES",
     "TIMELINE_COLUMNS",
+    "Clustered",
     "Comparison",
+    "Cycle",
     "ExperimentResult",
     "Floors",
     "GPTConfig",
@@ -49,7 +69,10 @@ __all__ = [
     "StreamRun",
     "Workload",
     "add_bench_arguments",
+    "clustered_mean",
     "compare",
+    "cycle_pairs",
+    "drag_text",
     "environment",
     "format_results",
     "get_strategy",
@@ -61,6 +84,7 @@ __all__ = [
     "measure_write",
     "mount_info",
     "overhead_text",
+    "per_repeat_text",
     "plain_state",
     "probe",
     "register_strategy",

@@ -19,25 +19,31 @@ How it measures, on a machine that other work shares
   save in flight). ``interleave="run"`` runs each strategy's steps in one go instead.
 - **A baseline in every repeat.** The ``none`` strategy (no checkpoints) runs in every repeat;
   ``compare`` adds it when it is missing (``baseline=False`` leaves it out, and overhead with it).
-- **One definition of overhead** (:data:`nbckpt.bench.OVERHEAD_DEFINITION`, printed under every
-  table): in each repeat, ``overhead = 100 * (loop time / loop time of that repeat's none run -
-  1)``, where the loop time is the wall time of the same training steps on the same batches,
-  save stalls and steps slowed by background writes included, the final wait for the last
-  checkpoint excluded. ``overhead_pct`` is the mean over repeats.
-- **A 95 % interval** (``overhead_ci_pct``): the t-interval of the paired per-repeat overheads
-  (``n - 1`` degrees of freedom, :func:`nbckpt.bench.t_interval`). With a single usable repeat
-  there is no spread between repeats to use, so the interval is a percentile bootstrap over the
-  steps of that repeat (seeded); ``overhead_method`` says which. The bootstrap sees step-to-step
-  noise only, not drift between runs: use 3 or more repeats. An interval that contains 0 is
-  reported as "no measurable difference", not as a number.
+- **One method for overhead**, stated once (:data:`nbckpt.bench.OVERHEAD_METHOD`, the
+  docstring of the statistics module) and summed up under every table
+  (:data:`nbckpt.bench.OVERHEAD_DEFINITION`): the ratio of each cycle's loop time to the same
+  cycle of the ``none`` run beside it, averaged in log space, its 95 % interval clustered by
+  repeat (cycles pooled when the repeats agree, the repeats alone when they do not, one repeat
+  widened for what it cannot show). The table always shows the estimate, its interval, each
+  repeat's overhead and what the row rests on; "no measurable difference" only stands beside
+  an interval that contains 0.
+- **The stall in two parts**: per checkpoint, the *save stall* (``save()``, and an overlapped
+  copy's wait before the next update), the *wait for the earlier save* (backpressure), and the
+  *stall*, their sum; the same three names in log lines, tables and figures.
 - **The machine's load** (:class:`nbckpt.bench.Load`): load average, CPU steal (from
   ``/proc/stat`` via psutil) and the CPU that other processes used, per run and over the whole
   comparison; a warning is printed and stored when it is high.
 - **Partial runs.** A run ended by ``stop`` is marked ``stopped``; a strategy whose every run
-  was stopped is a ``partial`` row, with no overhead, left out of conclusions.
-- **Floors** (:func:`nbckpt.bench.measure_floors`): a copy of the same bytes into preallocated
-  memory, and the raw fsync'd write of the same bytes into the same directory measured exactly
-  as ``nbckpt probe`` measures, at 1 and 2 streams.
+  was stopped is a ``partial`` row. Its overhead rests on the cycles completed before the stop
+  and says so; conclusions leave it out.
+- **Floors beside each repeat** (:func:`nbckpt.bench.measure_floors`): before every repeat, a
+  copy of the same bytes into preallocated memory (one thread, and two as nbckpt stages), and
+  the raw fsync'd write of the same bytes into the same directory measured exactly as ``nbckpt
+  probe`` measures, at 1 and 2 streams; the fastest of all repeats is the floor. A save stall
+  below the copy floor, or a write faster than the write floor, is flagged as a measurement
+  problem (``floor_check``, and a warning).
+- **Progress**: a line per checkpoint and per run: strategy, repeat, step, the stall in its
+  parts, the time elapsed and the time the whole comparison is expected to take.
 
 The metrics and the JSON document are described with :class:`nbckpt.bench.Comparison`.
 From the shell (the default strategies, :data:`DEFAULT_STRATEGIES`, on the tiny preset)::
@@ -63,11 +69,22 @@ import torch
 from .._errors import ConfigError
 from .._util import GB, check_count, format_bytes, is_url, writable_directory
 from .._version import __version__
-from ._comparison import RESULT_COLUMNS, TIMELINE_COLUMNS, Comparison, aggregate
-from ._floors import measure_floors
-from ._load import LoadMonitor
+from ._aggregate import RESULT_COLUMNS, aggregate
+from ._comparison import TIMELINE_COLUMNS, Comparison
+from ._floors import Floors, combine_floors, measure_floors
+from ._load import Load, LoadMonitor, combine_loads
+from ._measure import DEFAULT_REPEATS as WRITE_ROUNDS
 from ._result import ExperimentResult
-from ._runner import EventCallback, Lane, Progress, check_run_args, resolve_device, run_lanes
+from ._runner import (
+    EventCallback,
+    Lane,
+    Progress,
+    RunProgress,
+    check_run_args,
+    resolve_device,
+    run_lanes,
+    stall_text,
+)
 from ._strategies import get_strategy
 from ._strategy import Strategy
 from ._workloads import Workload
@@ -193,10 +210,6 @@ def compare(
     overall = LoadMonitor()
     say(f"workload {workload.describe()}")
     workload.build()
-    floor_monitor = LoadMonitor()
-    floors = measure_floors(workload.nbytes, directory, device=device, storage_options=storage_options)
-    floors_load = floor_monitor.stop()
-    say(floors.describe())
     if warmup:
         for _ in range(WARMUP_STEPS):
             workload.train_step()
@@ -205,11 +218,22 @@ def compare(
     run_rows: list[dict[str, Any]] = []
     by_strategy: dict[str, list[ExperimentResult]] = {name: [] for name in names}
     frames: list[pd.DataFrame] = []
+    measured_floors: list[Floors] = []
+    floor_loads: list[Load] = []
     mode = _interleaving(interleave, workload, strategies=len(names), say=say)
+    tracker = RunProgress(progress, total_steps=steps * len(names) * repeats, repeats=repeats)
     for repeat, names_in_order in enumerate(order):
         if stop is not None and stop.is_set():
             break
-        say(f"repeat {repeat + 1}/{repeats}: {', '.join(names_in_order)}")
+        # The floors beside each repeat: they see the same moments of the machine as its runs.
+        floor_monitor = LoadMonitor()
+        measured_floors.append(measure_floors(
+            workload.nbytes, directory, device=device, storage_options=storage_options,
+            repeats=1 if repeats > 1 else WRITE_ROUNDS))
+        floor_loads.append(floor_monitor.stop())
+        floor = measured_floors[-1]
+        say(f"repeat {repeat + 1}/{repeats}: {', '.join(names_in_order)}; floors beside it: copy "
+            f"{floor.copy_gbs:.1f} GB/s, write {floor.write_gbs:.2f} GB/s; {tracker.timing()}")
         # Local runs' checkpoints are removed after each run; objects stay in the user's bucket,
         # so each repeat gets a prefix of its own instead of saving the same steps again.
         where = f"{directory.rstrip('/')}/repeat-{repeat}" if is_url(directory) else directory
@@ -219,7 +243,7 @@ def compare(
             if stop is not None and stop.is_set():
                 break
             lanes = [Lane(name, factories[name](), workload, steps=steps, every=every, device=device,
-                          on_event=on_event, progress=progress, repeat=repeat) for name in group]
+                          on_event=on_event, progress=tracker, repeat=repeat) for name in group]
             results_of_group = run_lanes(lanes, where, steps=steps, every=every, stop=stop,
                                          warmup=warmup)
             done.extend((lane.name, lane.strategy, result)
@@ -235,30 +259,34 @@ def compare(
             frame.insert(0, "repeat", repeat)
             frame.insert(0, "strategy", name)
             frames.append(frame)
-            say(
-                f"[{name}] mean step {metrics['mean_step_s']:.4f} s, stall per checkpoint "
-                f"{metrics['stall_mean_s']:.4f} s over {metrics['checkpoints']} checkpoint(s)"
-                + (" (stopped: partial)" if result.stopped else "")
-            )
+            say(_run_summary(name, repeat, repeats, metrics, stopped=result.stopped))
             if on_result is not None:
                 on_result(name, metrics)
 
     load = overall.stop()
+    floors = combine_floors(measured_floors) if measured_floors else measure_floors(
+        workload.nbytes, directory, device=device, storage_options=storage_options)
+    floors_load = combine_loads(floor_loads) or load
+    say(floors.describe())
     for during, text in (("", load.warning()), ("while the floors were measured, ", floors_load.warning())):
         if text is not None:
             warnings.append(during + text)
     if repeats == 1 and baseline:
-        warnings.append("a single repeat: the overhead intervals are a bootstrap over steps, "
-                        "blind to drift between runs; use 3 or more repeats on a shared machine")
+        warnings.append("a single repeat: its overhead intervals allow for the disagreement "
+                        "between repeats that one repeat cannot show, so only a large effect is "
+                        "measurable; use 3 or more repeats")
     stopped = sorted({str(row["strategy"]) for row in run_rows if row["stopped"]})
     if stopped:
-        warnings.append(f"stopped before the end: {', '.join(stopped)}; partial runs are left "
-                        "out of the overhead")
-    for text in warnings:
-        say(f"warning: {text}")
+        warnings.append(f"stopped before the end: {', '.join(stopped)}; their rows rest on the "
+                        "cycles completed before the stop (see 'rests on')")
 
     runs = pd.DataFrame(run_rows)
     results = aggregate(by_strategy, floors) if run_rows else pd.DataFrame(columns=RESULT_COLUMNS)
+    for row in results.to_dict(orient="records"):
+        if row["floor_check"]:
+            warnings.append(f"{row['strategy']}: {row['floor_check']}")
+    for text in warnings:
+        say(f"warning: {text}")
     timeline = (
         pd.concat(frames, ignore_index=True)[TIMELINE_COLUMNS] if frames
         else pd.DataFrame(columns=TIMELINE_COLUMNS)
@@ -281,6 +309,16 @@ def compare(
         load={**load.to_dict(), "floors": floors_load.to_dict()},
         warnings=warnings,
     )
+
+
+def _run_summary(name: str, repeat: int, repeats: int, metrics: dict[str, Any], *,
+                 stopped: bool) -> str:
+    """The progress line after a run: its mean step, and per checkpoint the stall in parts."""
+    text = f"[{name}] repeat {repeat + 1}/{repeats} done: mean step {metrics['mean_step_s']:.4f} s"
+    if metrics["checkpoints"]:
+        parts = stall_text(metrics["stall_mean_s"], metrics["save_stall_s"], metrics["wait_s"])
+        text += f"; per checkpoint {parts}, over {metrics['checkpoints']} checkpoint(s)"
+    return text + (" (stopped: partial)" if stopped else "")
 
 
 def _interleaving(interleave: str, workload: Workload, *, strategies: int, say: Progress) -> str:

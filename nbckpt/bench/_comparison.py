@@ -5,13 +5,19 @@ Metrics (``Comparison.results`` columns, :data:`RESULT_COLUMNS`):
 - ``repeats``: runs pooled into the row; ``partial``: every run of it was stopped.
 - ``steps`` / ``checkpoints``: per run.
 - ``mean_step_s``: loop time divided by steps (stalls included), over the pooled runs.
-- ``overhead_pct``, ``overhead_ci_pct`` (``[lo, hi]``), ``overhead_method``: the mean over
-  repeats of ``100 * (loop time / loop time of that repeat's none run - 1)`` and its 95 %
-  interval (:data:`nbckpt.bench.OVERHEAD_DEFINITION`).
-- ``stall_mean_s`` / ``stall_p95_s``: per checkpoint, the time the loop was blocked
-  (``save`` plus, for overlapped saves, the wait before the next update).
-- ``drag_s``: per checkpoint, loop time lost beyond the stall (background work slowing the
-  steps), from the paired loop times; around 0 (either sign) is noise.
+- ``overhead_pct``, ``overhead_ci_pct`` (``[lo, hi]``), ``overhead_by_repeat_pct`` (one per
+  repeat), ``overhead_basis`` (what the row rests on: ``3 repeats, 12 cycles``) and
+  ``overhead_method`` (how its interval was made): the ratio of loop time to the ``none``
+  baseline trained beside it, paired per checkpoint cycle, as :data:`nbckpt.bench.
+  OVERHEAD_METHOD` states; never below -100 %.
+- ``stall_mean_s`` / ``stall_p95_s``: per checkpoint, the **stall**: all the time the loop was
+  blocked, the sum of ``save_stall_s`` (the **save stall**: ``save()`` itself, plus an
+  overlapped copy's wait before the next update) and ``wait_s`` (the **wait for the earlier
+  save**: backpressure before this save could start). :data:`nbckpt.bench.STALL_NAMES` names
+  them for every table and log line.
+- ``drag_s``, ``drag_ci_s``: per checkpoint, loop time lost beyond the stall (background work
+  slowing the steps), from the paired cycles, with its 95 % interval; where the interval
+  contains 0 the drag is noise (:func:`nbckpt.bench.drag_text`).
 - ``cpu_per_checkpoint_s``: CPU seconds this process (and its children) spent per checkpoint
   beyond the baseline's, from the first step until the last checkpoint is durable: on a machine
   whose cores all train, they are taken from training.
@@ -20,33 +26,35 @@ Metrics (``Comparison.results`` columns, :data:`RESULT_COLUMNS`):
   warm-up save left resident, plus the most RSS rose during its turns (sampled every 10 ms):
   its peak as if it had run alone. ``peak_device_mb`` (CUDA): the peak during its turns, MiB.
 - ``reduction_vs_torch_save`` / ``reduction_vs_dcp_sync``: that strategy's stall over this one's.
-- ``stall_vs_copy_floor``: stall over the copy floor; ``write_vs_floor_pct``: write rate as a
-  percentage of the raw write floor.
+- ``stall_vs_copy_floor``: save stall over the copy floor; ``write_vs_floor_pct``: write rate
+  as a percentage of the raw write floor; ``floor_check``: what is faster than a floor (a
+  measurement problem), or empty.
 
-:meth:`Comparison.to_json` writes this schema (``"schema": "nbckpt.bench/2"``; missing numbers
-are ``null``)::
+:meth:`Comparison.to_json` writes this schema (``"schema": "nbckpt.bench/3"``; missing numbers
+are ``null``); :meth:`Comparison.from_json` reads it back::
 
     {
-      "schema": "nbckpt.bench/2",
+      "schema": "nbckpt.bench/3",
       "workload": "gpt-tiny: 1.1M parameters, checkpoint 12.8 MB ...",
       "bytes": 12764368,                   # checkpoint size, bytes
       "device": "cpu", "directory": "/abs/path", "steps": 20, "every": 5, "repeats": 3,
       "order": [["none", "torch-save", ...], ["torch-save", ..., "none"], ...],  # per repeat
       "interleave": "cycle",               # or "run" (see compare)
-      "overhead": {"definition": "...", "confidence": 0.95, "baseline": "none"},
+      "overhead": {"definition": "...", "method": "...", "confidence": 0.95, "baseline": "none"},
       "environment": {"python": ..., "torch": ..., "nbckpt": ..., "platform": ..., "cpus": ...,
                       "torch_threads": ..., "device_name": ..., "time_utc": ...},
       "load": {"cpus": ..., "wall_s": ..., "other_cpu_cores": ..., "steal_pct": ...,
                "loadavg_1m_start": ..., "loadavg_1m": ..., "own_cpu_s": ..., "high": false,
-               "floors": {<the same, during the floor measurement>}},
-      "warnings": ["..."],                 # e.g. high load, a single repeat, stopped runs
+               "floors": {<the same, while the floors were measured>}},
+      "warnings": ["..."],                 # high load, a single repeat, stops, floor problems
       "floors": {"bytes": ..., "sample_bytes": ..., "copy_s": ..., "copy_gbs": ...,
                  "write_s": ..., "write_gbs": ..., "write_streams": ...,
                  "write_gbs_by_streams": {"1": ..., "2": ...}, "write_gbs_rounds": [...],
-                 "repeats": ...},
+                 "repeats": ..., "copy_gbs_by_repeat": [...], "write_gbs_by_repeat": [...]},
       "results": [{"strategy": ..., <the RESULT_COLUMNS above>}, ...],
       "runs": [{"strategy": ..., "repeat": 0, "position": 0, <that run's metrics>, "wall_s": ...,
                 "cpu_s": ..., "other_cpu_cores": ..., "steal_pct": ..., "loadavg_1m": ...,
+                "cycle_loop_s": [...],     # each completed cycle's loop time, in order
                 "stopped": false}, ...],   # one per strategy and repeat, in the order run
       "timeline": [{"strategy": ..., "repeat": ..., "kind": ..., "label": ..., "step": ...,
                     "rank": ..., "start_s": ..., "end_s": ..., "duration_s": ..., "bytes": ...,
@@ -54,8 +62,9 @@ are ``null``)::
     }
 
 Times are seconds, rates GB/s (1e9 bytes), memory MiB; ``start_s`` counts from the start
-of that run (after its warm-up save). Version 1 had neither intervals nor load, and counted
-``steps`` and ``checkpoints`` over all repeats together.
+of that run (after its warm-up save). Version 2 averaged per-repeat overheads in linear space
+(intervals could reach below -100 %) and had no stall parts; version 1 had neither intervals
+nor load, and counted ``steps`` and ``checkpoints`` over all repeats together.
 """
 
 from __future__ import annotations
@@ -70,119 +79,79 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .._errors import ConfigError
+from ._aggregate import RESULT_COLUMNS
 from ._floors import Floors
 from ._load import Load
-from ._result import ExperimentResult, pooled_metrics
+from ._result import STALL_DEFINITION, STALL_NAMES
 from ._stats import (
     CONFIDENCE,
     OVERHEAD_DEFINITION,
-    bootstrap_overhead,
+    OVERHEAD_METHOD,
+    drag_text,
     interval_text,
     overhead_text,
-    t_interval,
+    per_repeat_text,
 )
 
 __all__ = [
-    "RESULT_COLUMNS",
     "SCHEMA",
+    "SHOWN_COLUMNS",
     "TIMELINE_COLUMNS",
     "Comparison",
-    "aggregate",
     "format_results",
 ]
 
-SCHEMA = "nbckpt.bench/2"
-RESULT_COLUMNS = [
-    "strategy", "repeats", "partial", "steps", "checkpoints", "mean_step_s", "overhead_pct",
-    "overhead_ci_pct", "overhead_method", "stall_mean_s", "stall_p95_s", "drag_s",
-    "cpu_per_checkpoint_s", "persist_s", "write_gbs", "peak_host_mb", "peak_device_mb",
-    "reduction_vs_torch_save", "reduction_vs_dcp_sync", "stall_vs_copy_floor",
-    "write_vs_floor_pct",
-]
+SCHEMA = "nbckpt.bench/3"
 TIMELINE_COLUMNS = [
     "strategy", "repeat", "kind", "label", "step", "rank", "start_s", "end_s", "duration_s",
     "bytes", "thread", "pid", "start_ns", "end_ns",
 ]
 
 
-def _paired(name: str, pairs: list[tuple[ExperimentResult, ExperimentResult]]) -> dict[str, Any]:
-    """Overhead, its interval, drag and CPU per checkpoint from (run, baseline run) pairs."""
-    nan = math.nan
-    if name == "none":
-        return {"overhead_pct": 0.0, "overhead_ci_pct": [0.0, 0.0], "overhead_method": "baseline",
-                "drag_s": nan, "cpu_per_checkpoint_s": nan}
-    if not pairs:
-        return {"overhead_pct": nan, "overhead_ci_pct": [nan, nan],
-                "overhead_method": "no baseline", "drag_s": nan, "cpu_per_checkpoint_s": nan}
-    if len(pairs) >= 2:
-        values = [100.0 * (run.mean_step_s / base.mean_step_s - 1.0) for run, base in pairs]
-        point, lo, hi = t_interval(values)
-        method = f"t over {len(pairs)} repeats"
-    else:
-        run, base = pairs[0]
-        point, lo, hi = bootstrap_overhead(run.step_costs(), base.step_costs())
-        method = "bootstrap over steps (1 repeat)"
-    drags, cpus = [], []
-    for run, base in pairs:
-        checkpoints = run.checkpoints
-        if not checkpoints:
-            continue
-        stall_total = sum(run.durations("stall").values())
-        extra = (run.mean_step_s - base.mean_step_s) * run.steps_run
-        drags.append((extra - stall_total) / checkpoints)
-        if run.load is not None and base.load is not None:
-            cpus.append((run.load.own_cpu_s - base.load.own_cpu_s) / checkpoints)
-    return {
-        "overhead_pct": point,
-        "overhead_ci_pct": [lo, hi],
-        "overhead_method": method,
-        "drag_s": float(np.mean(drags)) if drags else nan,
-        "cpu_per_checkpoint_s": float(np.mean(cpus)) if cpus else nan,
-    }
-
-
-def aggregate(results: dict[str, list[ExperimentResult]], floors: Floors) -> pd.DataFrame:
-    """The results table: one row per strategy, its runs paired with the baseline's by repeat."""
-    baseline = {run.repeat: run for run in results.get("none", []) if not run.stopped}
-    rows = []
-    for name, runs in results.items():
-        if not runs:
-            continue
-        complete = [run for run in runs if not run.stopped]
-        used = complete or runs
-        pairs = [(run, baseline[run.repeat]) for run in complete if run.repeat in baseline]
-        rows.append({"strategy": name, "repeats": len(used), "partial": not complete,
-                     **pooled_metrics(used), **_paired(name, pairs)})
-    frame = pd.DataFrame(rows)
-    by_name = {str(row["strategy"]): row for row in rows if not row["partial"]}
-
-    def stall_of(name: str) -> float:
-        row = by_name.get(name)
-        return float(row["stall_mean_s"]) if row is not None else math.nan
-
-    for column, reference in (("reduction_vs_torch_save", "torch-save"),
-                              ("reduction_vs_dcp_sync", "dcp-sync")):
-        theirs = stall_of(reference)
-        frame[column] = [theirs / stall if stall > 0 else math.nan for stall in frame["stall_mean_s"]]
-    frame["stall_vs_copy_floor"] = [
-        stall / floors.copy_s if stall > 0 else math.nan for stall in frame["stall_mean_s"]
-    ]
-    frame["write_vs_floor_pct"] = frame["write_gbs"] / floors.write_gbs * 100
-    return frame[RESULT_COLUMNS]
-
-
+#: Every column the results tables show, as :func:`format_results` names it: one header per
+#: quantity, the same in the text table, the Lab, the report and the notebooks.
+SHOWN_COLUMNS = {
+    "strategy": "strategy",
+    "repeats": "repeats",
+    "checkpoints": "checkpoints",
+    "overhead": "overhead",
+    "overhead_95ci": "95 % interval",
+    "per_repeat": "per repeat",
+    "rests_on": "rests on",
+    "mean_step_s": "mean step s",
+    "stall_mean_s": f"{STALL_NAMES['stall_mean_s']} s",
+    "save_stall_s": f"{STALL_NAMES['save_stall_s']} s",
+    "wait_s": f"{STALL_NAMES['wait_s']} s",
+    "stall_p95_s": f"{STALL_NAMES['stall_mean_s']} p95 s",
+    "drag": "drag per checkpoint",
+    "persist_s": "persist s",
+    "write_gbs": "write GB/s",
+    "peak_host_mb": "peak host MiB",
+    "peak_device_mb": "peak device MiB",
+    "reduction_vs_torch_save": "stall reduction vs torch-save",
+    "reduction_vs_dcp_sync": "stall reduction vs dcp-sync",
+    "write_vs_floor_pct": "write vs floor",
+    "floor_check": "floor check",
+}
 _FORMATS = {
-    "mean_step_s": "{:.4f}", "stall_mean_s": "{:.4f}", "stall_p95_s": "{:.4f}",
-    "drag_s": "{:+.4f}", "persist_s": "{:.3f}", "write_gbs": "{:.2f}", "peak_host_mb": "{:.0f}",
+    "mean_step_s": "{:.4f}", "stall_mean_s": "{:.4f}", "save_stall_s": "{:.4f}", "wait_s": "{:.4f}",
+    "stall_p95_s": "{:.4f}", "persist_s": "{:.3f}", "write_gbs": "{:.2f}", "peak_host_mb": "{:.0f}",
     "peak_device_mb": "{:.0f}", "reduction_vs_torch_save": "{:.1f}x",
     "reduction_vs_dcp_sync": "{:.1f}x", "write_vs_floor_pct": "{:.0f} %",
 }
+# Columns of RESULT_COLUMNS that hold lists or text (the others are numbers).
+_LIST_COLUMNS = ("overhead_ci_pct", "overhead_by_repeat_pct", "drag_ci_s")
+_TEXT_COLUMNS = ("strategy", "partial", "overhead_basis", "overhead_method", "floor_check")
+# Shown even when empty: a row without an overhead says so.
+_ALWAYS = ("strategy", "overhead", "overhead_95ci")
 
 
 def format_results(results: pd.DataFrame, device: str = "cpu") -> pd.DataFrame:
-    """``Comparison.results`` as the text every nbckpt table shows: the overhead in words
-    (:func:`nbckpt.bench.overhead_text`) beside its interval, numbers rounded, ``-`` where not
-    measured."""
+    """``Comparison.results`` (or rows of run metrics) as the text every nbckpt table shows,
+    headed by :data:`SHOWN_COLUMNS`: the overhead always as a number (:func:`overhead_text`)
+    beside its interval, each repeat's overhead and what the row rests on, the stall and its
+    two parts, the drag (:func:`drag_text`), numbers rounded, ``-`` where not measured."""
     rows = []
     for row in results.to_dict(orient="records"):
         shown: dict[str, Any] = {
@@ -190,7 +159,12 @@ def format_results(results: pd.DataFrame, device: str = "cpu") -> pd.DataFrame:
             "repeats": row.get("repeats", "-"),
             "checkpoints": row.get("checkpoints", "-"),
             "overhead": overhead_text(row),
-            "overhead_95ci": "-" if row.get("partial") else interval_text(row.get("overhead_ci_pct")),
+            "overhead_95ci": ("-" if str(row["strategy"]) == "none"
+                              else interval_text(row.get("overhead_ci_pct"))),
+            "per_repeat": per_repeat_text(row),
+            "rests_on": str(row.get("overhead_basis") or "-"),
+            "drag": drag_text(row),
+            "floor_check": str(row.get("floor_check") or ""),
         }
         for column, fmt in _FORMATS.items():
             if column == "peak_device_mb" and device != "cuda":
@@ -198,10 +172,12 @@ def format_results(results: pd.DataFrame, device: str = "cpu") -> pd.DataFrame:
             value = row.get(column)
             finite = value is not None and isinstance(value, (int, float)) and math.isfinite(value)
             shown[column] = fmt.format(value) if finite else "-"
-        rows.append(shown)
-    frame = pd.DataFrame(rows)
+        rows.append({SHOWN_COLUMNS[key]: shown[key] for key in SHOWN_COLUMNS if key in shown})
+    frame = pd.DataFrame(rows, columns=[label for key, label in SHOWN_COLUMNS.items()
+                                        if key != "peak_device_mb" or device == "cuda"])
     # A column nothing was measured for (no dcp-sync run, say) only widens the table.
-    empty = [c for c in frame.columns if c in _FORMATS and (frame[c] == "-").all()]
+    always = {SHOWN_COLUMNS[key] for key in _ALWAYS}
+    empty = [c for c in frame.columns if c not in always and frame[c].isin(["-", ""]).all()]
     return frame.drop(columns=empty)
 
 
@@ -260,8 +236,8 @@ class Comparison:
             "repeats": self.repeats,
             "order": self.order,
             "interleave": self.interleave,
-            "overhead": {"definition": OVERHEAD_DEFINITION, "confidence": CONFIDENCE,
-                         "baseline": "none"},
+            "overhead": {"definition": OVERHEAD_DEFINITION, "method": OVERHEAD_METHOD,
+                         "confidence": CONFIDENCE, "baseline": "none"},
             "environment": self.environment,
             "load": _json_value(self.load),
             "warnings": list(self.warnings),
@@ -270,6 +246,46 @@ class Comparison:
             "runs": _records(self.runs),
             "timeline": _records(self.timeline),
         }
+
+    @classmethod
+    def from_dict(cls, document: dict[str, Any]) -> Comparison:
+        """The comparison a :meth:`to_dict` document describes (``nbckpt bench --json``'s file):
+        ``null`` numbers become NaN, so its tables read as when it was measured."""
+        if document.get("schema") != SCHEMA:
+            raise ConfigError(f"not a {SCHEMA} document (schema {document.get('schema')!r}); "
+                              "measure again with this version of nbckpt")
+        results = pd.DataFrame(document.get("results") or [], columns=RESULT_COLUMNS)
+        for column in RESULT_COLUMNS:
+            if column in _LIST_COLUMNS:
+                results[column] = [[math.nan if v is None else float(v) for v in value or []]
+                                   for value in results[column]]
+            elif column not in _TEXT_COLUMNS:
+                results[column] = pd.to_numeric(results[column], errors="coerce")
+        results["partial"] = results["partial"].astype(bool)
+        fields = {name: document[name] for name in ("workload", "device", "directory", "steps",
+                                                    "every", "repeats", "bytes", "order",
+                                                    "interleave", "load", "warnings")
+                  if name in document}
+        return cls(
+            results=results,
+            runs=pd.DataFrame(document.get("runs") or []),
+            timeline=pd.DataFrame(document.get("timeline") or [], columns=TIMELINE_COLUMNS),
+            floors=Floors.from_dict(document.get("floors") or {}),
+            environment=dict(document.get("environment") or {}),
+            **fields,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> Comparison:
+        """Read a comparison that :meth:`to_json` (or ``nbckpt bench --json``) wrote."""
+        try:
+            with open(path) as stream:
+                document = json.load(stream)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read a comparison from {os.fspath(path)}: {exc}") from None
+        if not isinstance(document, dict):
+            raise ConfigError(f"{os.fspath(path)} holds no comparison (a JSON object is expected)")
+        return cls.from_dict(document)
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_dict` to ``path`` atomically (temporary file, then rename)."""
@@ -293,6 +309,7 @@ class Comparison:
             f"{self.device}, directory {self.directory}",
             format_results(self.results, self.device).to_string(index=False),
             OVERHEAD_DEFINITION,
+            STALL_DEFINITION,
             self.floors.describe(),
         ]
         if self.load:

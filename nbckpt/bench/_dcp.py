@@ -69,7 +69,7 @@ class DcpAsync(Strategy):
         )
 
     def save(self, state: Mapping[str, Any], step: int) -> None:
-        self._wait_pending(record_wait=True)
+        self._wait_pending(record_for=step)
         begin = now_ns()
         plain = plain_state(state)
         path = os.path.join(self.path, step_name(step))
@@ -108,7 +108,9 @@ class DcpAsync(Strategy):
         upload.add_done_callback(on_done)
         self._pending = (step, upload, recorded)
 
-    def _wait_pending(self, *, record_wait: bool) -> None:
+    def _wait_pending(self, *, record_for: int | None) -> None:
+        """Wait for the save in flight; record it as a ``wait`` of save ``record_for`` (the
+        one that waits, as the engine records backpressure), unless None."""
         if self._pending is None:
             return
         step, future, recorded = self._pending
@@ -120,11 +122,11 @@ class DcpAsync(Strategy):
         finally:
             # add_done_callback runs after waiters wake: wait for the persist event too.
             recorded.wait()
-        if record_wait and now_ns() - begin > WAIT_NOISE_NS:
-            self.record("wait", begin, step=step)
+        if record_for is not None and now_ns() - begin > WAIT_NOISE_NS:
+            self.record("wait", begin, step=record_for)
 
     def finish(self) -> None:
-        self._wait_pending(record_wait=False)
+        self._wait_pending(record_for=None)
 
     def close(self) -> None:
         # Never leave a save running behind a closed strategy; its error was finish()'s to raise.
@@ -287,6 +289,7 @@ class DcpAsyncStager(DcpAsyncProcess):
     """
 
     name = "dcp-async-stager"
+    stall_covers_copy = False  # async staging: the copy runs behind the loop
     description = ("DCP at its best: reused DefaultStager, cached save plans, process "
                    "executor (torchtitan's async_with_pinned_mem)")
     blocks_before_step = True

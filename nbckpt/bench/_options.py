@@ -45,8 +45,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint every K steps (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                        help="repeats; each runs every strategy, in an order rotated per repeat, "
-                        "and the overhead interval comes from their spread (default: %(default)s)")
+                        help="repeats; each runs every strategy, in an order rotated per repeat; "
+                        "overhead pairs every checkpoint cycle with the baseline's beside it, and "
+                        "its interval counts the repeats, not the cycles, as independent "
+                        "(default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for training (default: torch's choice, one "
                         "per core); fewer than the cores leaves one for background writes, as "
@@ -56,7 +58,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="OUT",
                         help="write the results as JSON to OUT (default: no file)")
     parser.add_argument("--quiet", action="store_true",
-                        help="no progress lines (default: progress on stderr)")
+                        help="no progress lines (default: on stderr, a line per checkpoint and per "
+                        "run: strategy, repeat, step, the stall, elapsed and expected time)")
 
 
 def _parse_strategies(text: str) -> list[str]:

@@ -3,13 +3,15 @@
 A run is a *lane*: one strategy's training, in chunks of one checkpoint cycle. A comparison
 opens several lanes at once and runs their chunks in turn (:func:`run_lanes`); each lane's
 clock, load record and timeline only run during its own chunks, so it reads as if it had
-trained alone.
+trained alone. Each chunk's loop time is kept (:class:`~._result.Cycle`): overhead pairs it
+with the baseline's same chunk, trained beside it (:mod:`._stats`).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -18,10 +20,10 @@ import psutil
 import torch
 
 from .._errors import ConfigError
-from .._util import MIB, check_count
+from .._util import MIB, check_count, format_duration
 from ..engine import Event, Timeline, now_ns
 from ._load import Load, LoadMonitor, combine_loads
-from ._result import ExperimentResult
+from ._result import STALL_NAMES, Cycle, ExperimentResult
 from ._strategies import get_strategy
 from ._strategy import WAIT_NOISE_NS, Strategy
 from ._workloads import Workload
@@ -30,16 +32,51 @@ __all__ = [
     "EventCallback",
     "Lane",
     "Progress",
+    "RunProgress",
     "check_run_args",
     "resolve_device",
     "run_experiment",
     "run_lanes",
+    "stall_text",
 ]
 
 EventCallback = Callable[[Event], None]
 Progress = Callable[[str], None]
 
 _MEMORY_SAMPLE_S = 0.01
+
+
+class RunProgress:
+    """Where a run or comparison is, for its progress lines: steps done of all, time taken and
+    the time it will take in all at the pace so far (floors, warm-up and turns included)."""
+
+    def __init__(self, say: Progress | None, *, total_steps: int, repeats: int = 1) -> None:
+        self.say = say
+        self.total_steps = max(total_steps, 1)
+        self.repeats = repeats
+        self.done = 0
+        self.begin = time.perf_counter()
+
+    def line(self, text: str) -> None:
+        if self.say is not None:
+            self.say(text)
+
+    def step(self) -> None:
+        self.done += 1
+
+    def timing(self) -> str:
+        """``12.3 s elapsed of about 41 s``: the expected total at the pace so far."""
+        elapsed = time.perf_counter() - self.begin
+        text = f"{format_duration(elapsed)} elapsed"
+        if self.done:
+            text += f" of about {format_duration(elapsed * self.total_steps / self.done)}"
+        return text
+
+
+def stall_text(stall_s: float, save_s: float, wait_s: float) -> str:
+    """The stall of a checkpoint and its two parts, named as everywhere (``STALL_NAMES``)."""
+    return (f"{STALL_NAMES['stall_mean_s']} {stall_s:.4f} s = {STALL_NAMES['save_stall_s']} "
+            f"{save_s:.4f} s + {STALL_NAMES['wait_s']} {wait_s:.4f} s")
 
 
 def check_run_args(steps: int, every: int) -> None:
@@ -101,7 +138,7 @@ class Lane:
     """
 
     def __init__(self, name: str, strategy: Strategy, workload: Workload, *, steps: int, every: int,
-                 device: str, on_event: EventCallback | None, progress: Progress | None,
+                 device: str, on_event: EventCallback | None, progress: RunProgress | None,
                  repeat: int) -> None:
         self.name, self.strategy, self.workload = name, strategy, workload
         self.steps, self.every, self.device, self.repeat = steps, every, device, repeat
@@ -115,6 +152,7 @@ class Lane:
         self.paused_ns = 0
         self.loop_ns = 0
         self.pending: list[int] = []  # the last checkpoint whose copy may still be running
+        self.last_saved: int | None = None
         self.loads: list[Load] = []
         self.monitor: LoadMonitor | None = None
         self.steps_done = 0
@@ -125,10 +163,18 @@ class Lane:
         self.peak_device = 0
         self.engine_cpu_s: float | None = None
         self.finished = False  # every chunk ran, the final checkpoint included
+        self.cycles: list[Cycle] = []
+        self._blocked_ns = 0  # stall recorded in the current chunk
+        self._inner_wait_ns = 0  # the strategy's own backpressure waits in the current save
+        self._waited: dict[int, float] = {}  # wait for the earlier save, by the save it preceded
 
     def _listen(self, event: Event) -> None:
         if not self.active:
             return
+        if event.kind == "stall":
+            self._blocked_ns += event.end_ns - event.start_ns
+        elif event.kind == "wait":
+            self._inner_wait_ns += event.end_ns - event.start_ns
         moved = replace(event, start_ns=event.start_ns - self.shift_ns, end_ns=event.end_ns - self.shift_ns)
         self.recorded.append(moved)
         if self.on_event is not None:
@@ -166,20 +212,24 @@ class Lane:
 
     def chunk(self, first: int, last: int, stop: threading.Event | None) -> bool:
         """Save the checkpoint due after step ``first - 1``, then train ``first..last``;
-        False when ``stop`` ended it early."""
+        False when ``stop`` ended it early (the cycle is then not kept)."""
         begin = now_ns()
+        self._blocked_ns = 0
+        completed = False
+        saved = 0
         try:
             due = first - 1
             if self.strategy.writes_checkpoints and due > 0 and due % self.every == 0:
                 self.workload.step = due
+                self._inner_wait_ns = 0
                 started = now_ns()
                 self.strategy.save(self.workload.state(), due)
                 stall = self.timeline.record("stall", started, step=due, nbytes=self.workload.nbytes,
                                              part="save")
+                saved = 1
                 self.pending[:] = [due]
-                if self.progress is not None:
-                    self.progress(f"[{self.name}] step {due}/{self.steps}: checkpoint stalled "
-                                  f"{stall.duration_s:.3f} s")
+                self.last_saved = due
+                self._report_save(due, stall.duration_s)
                 if stop is not None and stop.is_set() and due < self.steps:
                     self.stopped = True
                     return False
@@ -189,22 +239,55 @@ class Lane:
                 self.workload.train_step(self._before_update)
                 self.timeline.record("step", started, step=step)
                 self.steps_done += 1
+                if self.progress is not None:
+                    self.progress.step()
                 if stop is not None and stop.is_set() and step < self.steps:
                     self.stopped = True
                     return False
+            completed = True
             return True
         finally:
-            self.loop_ns += now_ns() - begin
+            elapsed = now_ns() - begin
+            self.loop_ns += elapsed
+            if completed:
+                self.cycles.append(Cycle(steps=last - first + 1, loop_s=elapsed / 1e9,
+                                         stall_s=self._blocked_ns / 1e9, checkpoints=saved))
 
-    def settle(self, next_save: int | None) -> None:
+    def _report_save(self, step: int, stall_s: float) -> None:
+        """One progress line per checkpoint: its stall and the stall's two parts."""
+        if self.progress is None:
+            return
+        inner = min(self._inner_wait_ns / 1e9, stall_s)
+        wait = self._waited.pop(step, 0.0) + inner
+        save = stall_s - inner
+        self.progress.line(
+            f"[{self.name}] repeat {self.repeat + 1}/{self.progress.repeats}, step {step}/"
+            f"{self.steps}: {stall_text(save + wait, save, wait)}; {self.progress.timing()}"
+        )
+
+    def settle(self, next_save: int | None, *, final: bool = False) -> None:
         """Wait for the strategy's background work. Before another lane runs, the wait stands
-        for the backpressure the next save (``next_save``) would have met, and counts."""
+        for the backpressure the next save (``next_save``) would have met; after the final
+        cycle (``final``) it is the wait for the last checkpoint's write. Both count, in the
+        cycle just run (the write waited for is that cycle's), so every checkpoint's write
+        counts once; a wait after a stop does not."""
         begin = now_ns()
         self.strategy.finish()
         waited = now_ns() - begin
-        if next_save is not None and waited > WAIT_NOISE_NS:
+        if waited <= WAIT_NOISE_NS:
+            return
+        if next_save is not None:
             self.timeline.record("stall", begin, step=next_save, part="wait")
-            self.loop_ns += waited
+            self._waited[next_save] = waited / 1e9
+        elif final and self.last_saved is not None:
+            self.timeline.record("stall", begin, step=self.last_saved, part="final")
+        else:
+            return
+        self.loop_ns += waited
+        if self.cycles:
+            last = self.cycles[-1]
+            self.cycles[-1] = replace(last, loop_s=last.loop_s + waited / 1e9,
+                                      stall_s=last.stall_s + waited / 1e9)
 
     def pause(self, memory: _MemorySampler) -> None:
         if not self.active:
@@ -237,6 +320,8 @@ class Lane:
             load=combine_loads(self.loads),
             repeat=self.repeat,
             engine_cpu_s=math.nan if self.engine_cpu_s is None else self.engine_cpu_s,
+            cycles=list(self.cycles),
+            stall_covers_copy=self.strategy.stall_covers_copy,
         )
 
 
@@ -277,7 +362,7 @@ def run_lanes(
                     if not alone or final or not completed:
                         # The next chunk starts with the checkpoint of step `last`, if one is due.
                         due = last if completed and not final and last % every == 0 else None
-                        lane.settle(due)
+                        lane.settle(due, final=completed and final)
                         lane.pause(memory)
                     lane.finished = completed and final
                     if not completed:
@@ -323,6 +408,7 @@ def run_experiment(
     device = resolve_device(workload, device)
     chosen = get_strategy(strategy, **({"storage_options": storage_options} if storage_options else {}))
     workload.build()
+    tracker = RunProgress(progress, total_steps=steps) if progress is not None else None
     lane = Lane(chosen.name, chosen, workload, steps=steps, every=every, device=device,
-                on_event=on_event, progress=progress, repeat=repeat)
+                on_event=on_event, progress=tracker, repeat=repeat)
     return run_lanes([lane], directory, steps=steps, every=every, stop=stop, warmup=warmup)[0]

@@ -105,6 +105,9 @@ class Strategy(ABC):
     """True when ``before_step`` may wait for an earlier save (its time counts as stall)."""
     local_only: ClassVar[bool] = True
     """True when the strategy can only write to a local (or mounted) directory."""
+    stall_covers_copy: ClassVar[bool] = True
+    """True when the loop stays blocked while every byte is copied (or written) once, so its save
+    stall cannot be shorter than the copy floor; False when the copy runs behind the loop."""
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
         self.storage_options = dict(storage_options or {})
@@ -265,3 +268,4 @@ class NbckptAsyncOverlap(NbckptStrategy):
     description = "nbckpt async with overlap=True: the copy runs under the next forward/backward"
     overlap = True
     blocks_before_step = True
+    stall_covers_copy = False

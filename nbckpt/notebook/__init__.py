@@ -9,7 +9,7 @@ from ._autosave import Autosave
 from ._browser import Browser
 from ._lab import Lab, live_lab
 from ._plotting import strategy_colour
-from ._report import RESULTS_FILE, export_html, parse_value, run_report
+from ._report import RESULTS_FILE, export_html, parse_value, report_progress, run_report
 from ._result_figures import (
     interval_figure,
     overhead_figure,
@@ -42,6 +42,7 @@ __all__ = [
     "parse_value",
     "probe_figure",
     "projection_figure",
+    "report_progress",
     "run_report",
     "scaling_figure",
     "select_repeat",

@@ -35,6 +35,8 @@ from ._lab_widgets import error_line, log_html, notice, widgets_of
 if TYPE_CHECKING:
     import argparse
 
+    from ..bench import Comparison
+
 __all__ = ["Lab", "live_lab"]
 
 _log = logging.getLogger("nbckpt")
@@ -186,6 +188,20 @@ class Lab(LabView):
             self.probe_summary.value = notice("info", f"Probing {target} ...")
             self._start("probe", lambda: self._probe(target))
         return True
+
+    def show(self, comparison: Comparison) -> None:
+        """Show a comparison measured before, here or elsewhere (``Comparison.from_json`` of a
+        ``nbckpt bench --json`` file): its timeline, results and notes, as after a run."""
+        with self._lock:
+            if self.closed:
+                raise ConfigError("this lab is closed (a newer one replaced it): use the new one")
+            if self.running:
+                raise ConfigError("a run is in progress: stop it, or wait for it, first")
+            self.error = None
+            self.stopped = False
+            self._timeline.clear()
+            self.comparison = comparison
+            self._show_comparison(comparison)
 
     def stop(self) -> None:
         """End the run after the current step; saves in flight still commit (none half-written)."""

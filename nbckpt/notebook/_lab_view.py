@@ -223,13 +223,15 @@ class LabView:
     def _show_results_so_far(self) -> None:
         if self._settings is None:
             return
+        from ..bench import STALL_DEFINITION
+
         heading = (f"<b>Results so far</b>: each strategy's latest run, after "
                    f"{self._runs_done} of {self._settings.runs} runs; overhead comes at the end")
         rows = pd.DataFrame(list(self._results.values()))
-        self.results.value = heading + results_table(rows, self._settings.device, ())
+        self.results.value = heading + results_table(rows, self._settings.device, [STALL_DEFINITION])
 
     def _show_comparison(self, comparison: Comparison) -> None:
-        from ..bench import OVERHEAD_DEFINITION
+        from ..bench import OVERHEAD_DEFINITION, STALL_DEFINITION
 
         # the exact timeline of each strategy's last repeat, lanes in the table's order
         order = {name: i for i, name in enumerate(comparison.results["strategy"])}
@@ -239,7 +241,10 @@ class LabView:
         self._timeline.redraw(timeline)
         self.figure.layout.title = "Timeline: each strategy's last repeat"
         self.results.value = "<b>Results</b>" + results_table(
-            comparison.results, comparison.device, [OVERHEAD_DEFINITION, *comparison.warnings]
+            comparison.results, comparison.device,
+            [OVERHEAD_DEFINITION, STALL_DEFINITION, comparison.floors.describe(),
+             *comparison.warnings],
+            method=True,
         )
         done = int(comparison.timeline["kind"].eq("step").sum()) if len(comparison.timeline) else 0
         strategies = len(comparison.results)

@@ -12,13 +12,15 @@ from .._errors import CheckpointError, ConfigError
 
 __all__ = ["StrategyChoice", "error_line", "log_html", "notice", "results_table", "widgets_of"]
 
-#: Columns of :func:`nbckpt.bench.format_results` the results table shows, with headers.
-TABLE_COLUMNS = {
-    "strategy": "strategy", "repeats": "repeats", "checkpoints": "checkpoints",
-    "overhead": "overhead", "overhead_95ci": "95 % interval", "mean_step_s": "mean step s",
-    "stall_mean_s": "stall s", "stall_p95_s": "stall p95 s", "drag_s": "drag s",
-    "persist_s": "persist s", "write_gbs": "write GB/s", "reduction_vs_torch_save": "vs torch-save",
-}
+#: Columns of :func:`nbckpt.bench.format_results` the lab's table shows (keys of
+#: :data:`nbckpt.bench.SHOWN_COLUMNS`: the same headers as every other nbckpt table).
+LAB_COLUMNS = (
+    "strategy", "repeats", "checkpoints", "overhead", "overhead_95ci", "per_repeat", "rests_on",
+    "mean_step_s", "stall_mean_s", "save_stall_s", "wait_s", "stall_p95_s", "drag", "persist_s",
+    "write_gbs", "reduction_vs_torch_save", "floor_check",
+)
+# Columns of text, aligned left; the others hold numbers and align right.
+_TEXT_COLUMNS = ("strategy", "rests_on", "floor_check")
 
 
 def notice(kind: str, text: str, *, pre: bool = False) -> str:
@@ -47,24 +49,29 @@ def error_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
-def results_table(results: pd.DataFrame, device: str, notes: Sequence[str]) -> str:
-    """The results as an HTML table: numbers right-aligned in tabular figures, notes under it."""
-    from ..bench import format_results
+def results_table(results: pd.DataFrame, device: str, notes: Sequence[str], *,
+                  method: bool = False) -> str:
+    """The results as an HTML table: numbers right-aligned in tabular figures, notes under it and,
+    with ``method``, the method of the overhead and its interval in full (folded)."""
+    from ..bench import OVERHEAD_METHOD, SHOWN_COLUMNS, format_results
 
     shown = format_results(results, device)
-    columns = [c for c in TABLE_COLUMNS if c in shown.columns]
+    columns = [SHOWN_COLUMNS[key] for key in LAB_COLUMNS if SHOWN_COLUMNS[key] in shown.columns]
+    text = {SHOWN_COLUMNS[key] for key in _TEXT_COLUMNS}
     cell = "padding:2px 8px;white-space:nowrap;text-align:{}"
-    align = {c: "left" if c == "strategy" else "right" for c in columns}
-    head = "".join(f'<th style="{cell.format(align[c])}">{html.escape(TABLE_COLUMNS[c])}</th>'
-                   for c in columns)
+    align = {c: "left" if c in text else "right" for c in columns}
+    head = "".join(f'<th style="{cell.format(align[c])}">{html.escape(c)}</th>' for c in columns)
     rows = "".join(
         "<tr>" + "".join(f'<td style="{cell.format(align[c])}">{html.escape(str(row[c]))}</td>'
                          for c in columns) + "</tr>"
         for row in shown.to_dict(orient="records")
     )
-    notes_html = "".join(f'<div style="font-size:11px;line-height:1.4;margin-top:4px;'
-                         f'color:#57606a;max-width:1000px">{html.escape(note)}</div>'
-                         for note in notes)
+    note_style = "font-size:11px;line-height:1.4;margin-top:4px;color:#57606a;max-width:1000px"
+    notes_html = "".join(f'<div style="{note_style}">{html.escape(note)}</div>' for note in notes)
+    if method:
+        notes_html += (f'<details class="nbckpt-method" style="{note_style}"><summary>How overhead '
+                       f'and its interval are computed</summary><pre style="white-space:pre-wrap">'
+                       f"{html.escape(OVERHEAD_METHOD.strip())}</pre></details>")
     return (
         '<table class="nbckpt-results" style="border-collapse:collapse;'
         f'font-variant-numeric:tabular-nums"><thead><tr>{head}</tr></thead>'

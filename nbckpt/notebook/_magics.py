@@ -176,7 +176,8 @@ class CheckpointMagics(Magics):
     @line_magic
     @magic()
     def ckpt_status(self, args: argparse.Namespace) -> pd.DataFrame:
-        """A table of this session's saves: directory, step, mode, phase, MB, stall (ms),
+        """A table of this session's saves: directory, step, mode, phase, MB, stall (ms: all the
+        time save() blocked the cell), the part of it spent waiting for the earlier save (ms),
         persist (s), write rate (GB/s) and error; above it, the host memory held for staging
         (max-inflight host copies of the state per directory, pinned with CUDA)."""
         import pandas as pd
@@ -195,11 +196,12 @@ class CheckpointMagics(Magics):
                 "phase": handle.phase,
                 "MB": _rounded(handle.bytes / 1e6),
                 "stall_ms": _rounded(handle.stall_s * 1e3),
+                "wait_ms": _rounded(handle.wait_s * 1e3),
                 "persist_s": _rounded(record.persist_s) if record else None,
                 "write_gbs": _rounded(record.write_gbs) if record else None,
                 "error": one_line(handle.error) if handle.error is not None else "",
             })
-        columns = ["directory", "step", "mode", "variables", "phase", "MB", "stall_ms",
+        columns = ["directory", "step", "mode", "variables", "phase", "MB", "stall_ms", "wait_ms",
                    "persist_s", "write_gbs", "error"]
         return pd.DataFrame(rows, columns=columns)
 

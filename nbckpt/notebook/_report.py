@@ -6,15 +6,21 @@
 The notebook (``notebooks/report.ipynb``) measures and writes ``results.json`` into
 ``output_dir``; this module executes it, turns a failing cell into a one-line error
 and exports the outputs (no code) to a single HTML file that works without a network:
-plotly.js is inlined once and nothing is loaded from a CDN.
+plotly.js is inlined once and nothing is loaded from a CDN. With ``progress`` the notebook's
+progress lines (strategy, repeat, step, elapsed and expected time) are printed as they come,
+through a file the notebook appends to (:func:`report_progress`): papermill itself would show
+one cell for minutes.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,7 @@ __all__ = [
     "export_html",
     "notebooks_dir",
     "parse_value",
+    "report_progress",
     "run_report",
 ]
 
@@ -37,6 +44,9 @@ RESULTS_FILE = "results.json"
 #: Parameters that name local paths: relative values are taken from the caller's directory,
 #: not from the notebook's (papermill runs the kernel in the notebook's folder).
 PATH_PARAMETERS = ("target", "output_dir")
+#: The notebook parameter naming the file its progress lines go to.
+PROGRESS_PARAMETER = "progress_path"
+_TAIL_S = 0.2  # how often the progress file is read while the notebook runs
 
 # The lab template without the scripts it would fetch from CDNs (require.js, MathJax,
 # mermaid, the widget manager): the report uses none of them.
@@ -72,7 +82,8 @@ def run_report(
 
     The executed notebook is kept as ``<name>.ipynb`` and the notebook writes
     ``results.json`` beside the HTML. A failing cell raises :class:`NbckptError`
-    naming the error; no HTML is written then.
+    naming the error; no HTML is written then. ``progress`` prints the notebook's progress
+    lines on stderr as they come (when the notebook takes ``progress_path``).
     """
     import papermill
     from papermill.exceptions import PapermillExecutionError
@@ -92,16 +103,24 @@ def run_report(
         stale.unlink(missing_ok=True)  # a failed run must not leave an older report looking new
 
     started = time.perf_counter()
+    tail = progress and PROGRESS_PARAMETER in papermill.inspect_notebook(str(source))
+    lines = out / f".{name}.progress"
+    if tail:
+        lines.write_text("")
+        params[PROGRESS_PARAMETER] = str(lines)
+        print(f"report: running {source.name} into {out} (progress as it goes)", file=sys.stderr,
+              flush=True)
     try:
-        papermill.execute_notebook(
-            str(source),
-            str(executed),
-            parameters=params,
-            kernel_name=kernel_name,
-            cwd=str(source.parent),
-            progress_bar=progress,
-            store_widget_state=False,
-        )
+        with _printing(lines if tail else None):
+            papermill.execute_notebook(
+                str(source),
+                str(executed),
+                parameters=params,
+                kernel_name=kernel_name,
+                cwd=str(source.parent),
+                progress_bar=progress and not tail,
+                store_widget_state=False,
+            )
     except PapermillExecutionError as exc:
         evalue = (exc.evalue or "").strip().splitlines()
         detail = evalue[0] if evalue else "(no message)"
@@ -109,10 +128,58 @@ def run_report(
             f"{source.name} failed in cell {exc.exec_count}: {exc.ename}: {detail} "
             f"(executed notebook: {executed})"
         ) from None
+    finally:
+        lines.unlink(missing_ok=True)
     html_path.write_text(export_html(executed), encoding="utf-8")
     if progress:
         print(f"wrote {html_path} in {time.perf_counter() - started:.1f} s")
     return html_path
+
+
+def report_progress(path: str | os.PathLike[str] | None) -> Callable[[str], None] | None:
+    """The report notebook's progress callback: each line appended to ``path``, which
+    ``nbckpt report`` prints as it grows; None (no progress lines) when ``path`` is empty."""
+    if not path:
+        return None
+    target = os.fspath(path)
+
+    def say(line: str) -> None:
+        with open(target, "a", encoding="utf-8") as stream:
+            stream.write(line.rstrip("\n") + "\n")
+
+    return say
+
+
+@contextmanager
+def _printing(path: Path | None) -> Iterator[None]:
+    """While the block runs, print on stderr every line appended to ``path`` (if any)."""
+    if path is None:
+        yield
+        return
+    done = threading.Event()
+    offset = [0]
+
+    def flush() -> None:
+        with open(path, "rb") as stream:
+            stream.seek(offset[0])
+            data = stream.read()
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+        offset[0] += len(complete)
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            print(line, file=sys.stderr, flush=True)
+
+    def follow() -> None:
+        while not done.wait(_TAIL_S):
+            flush()
+
+    follower = threading.Thread(target=follow, name="nbckpt-report-progress", daemon=True)
+    follower.start()
+    try:
+        yield
+    finally:
+        done.set()
+        follower.join()
+        flush()
 
 
 def _check_parameters(source: Path, params: dict[str, Any]) -> dict[str, Any]:

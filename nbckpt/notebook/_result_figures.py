@@ -69,7 +69,9 @@ def stall_figure(
     log: bool = False,
     widget: bool = False,
 ) -> go.Figure:
-    """Left: mean stall per checkpoint by strategy (error bar up to p95). Right: how many times
+    """Left: mean stall per checkpoint by strategy, stacked from its two parts (the save stall and
+    the wait for the earlier save) where the results have them, the whisker up to the p95 of the
+    stall. Right: how many times
     shorter each stall is than a synchronous save's: ``dcp-sync``'s when it was measured, with
     the published factor that compares the same thing (PyTorch/IBM: synchronous DCP against
     ``async_save``, 23.6x for a 7B model on GPUs) as a reference line; else ``torch-save``'s,
@@ -91,19 +93,43 @@ def stall_figure(
         rows=1, cols=2, horizontal_spacing=0.12,
         subplot_titles=("stall per checkpoint (s)", f"stall reduction vs {reference} (x)"),
     )
-    fig.add_trace(
-        go.Bar(
-            name="stall per checkpoint",
-            x=strategies,
-            y=stall.tolist(),
-            error_y=None if error is None else {"type": "data", "array": error.tolist(),
-                                                "arrayminus": [0.0] * len(error)},
-            marker_color=colours,
-            hovertemplate="%{x}: %{y:.4f} s per checkpoint<extra>mean (bar to p95)</extra>",
-            showlegend=False,
-        ),
-        row=1, col=1,
-    )
+    parts = {"save_stall_s", "wait_s"} <= set(rows.columns)
+    if parts:
+        # the stall in its two parts, by the names every table uses (nbckpt.bench.STALL_NAMES)
+        from ..bench import STALL_NAMES
+
+        for column, opacity in (("save_stall_s", 1.0), ("wait_s", 0.45)):
+            name = STALL_NAMES[column]
+            fig.add_trace(
+                go.Bar(name=name, x=strategies, y=rows[column].astype(float).tolist(),
+                       marker_color=colours, marker_opacity=opacity, legendgroup=name,
+                       hovertemplate=f"%{{x}}: {name} %{{y:.4f}} s per checkpoint<extra></extra>",
+                       showlegend=True),
+                row=1, col=1,
+            )
+        fig.add_trace(
+            go.Scatter(name="stall (p95)", x=strategies, y=stall.tolist(), mode="markers",
+                       marker={"color": "#444444", "size": 4},
+                       error_y=None if error is None else {"type": "data", "array": error.tolist(),
+                                                           "arrayminus": [0.0] * len(error)},
+                       hovertemplate="%{x}: stall %{y:.4f} s per checkpoint<extra>save stall + "
+                       "wait (bar to p95)</extra>", showlegend=False),
+            row=1, col=1,
+        )
+    else:
+        fig.add_trace(
+            go.Bar(
+                name="stall per checkpoint",
+                x=strategies,
+                y=stall.tolist(),
+                error_y=None if error is None else {"type": "data", "array": error.tolist(),
+                                                    "arrayminus": [0.0] * len(error)},
+                marker_color=colours,
+                hovertemplate="%{x}: %{y:.4f} s per checkpoint<extra>mean (bar to p95)</extra>",
+                showlegend=False,
+            ),
+            row=1, col=1,
+        )
     fig.add_trace(
         go.Bar(
             name="measured reduction",
@@ -128,7 +154,7 @@ def stall_figure(
     fig.update_layout(
         title=f"Stall per checkpoint, and reduction against {reference}"
         + (" beside the published figure that compares the same" if reference == "dcp-sync" else ""),
-        showlegend=False,
+        showlegend=parts, barmode="stack",
     )
     if log:
         fig.update_yaxes(type="log")
@@ -136,40 +162,44 @@ def stall_figure(
 
 
 def overhead_figure(results_df: pd.DataFrame, *, widget: bool = False) -> go.Figure:
-    """Overhead against the ``none`` baseline per strategy: the mean over repeats with its 95 %
-    interval as error bars (``overhead_ci_pct``), bars whose interval contains 0 labelled "no
-    measurable difference", partial rows left out (``nbckpt.bench.OVERHEAD_DEFINITION``)."""
+    """Overhead against the ``none`` baseline per strategy: the estimate with its 95 % interval
+    as error bars (``overhead_ci_pct``, never below -100 %), labelled as every table labels it
+    (:func:`nbckpt.bench.overhead_text`: the number always, "no measurable difference" beside an
+    interval that contains 0), each repeat's overhead and what it rests on in the hover; a
+    partial row (stopped) is drawn paler (``nbckpt.bench.OVERHEAD_METHOD``)."""
     require_columns(results_df, {"strategy", "overhead_pct", "overhead_ci_pct"}, "overhead_figure")
-    from ..bench import measurable
+    from ..bench import overhead_text, per_repeat_text
 
-    rows = results_df[results_df["strategy"] != "none"]
-    if "partial" in rows.columns:
-        rows = rows[~rows["partial"].fillna(False).astype(bool)]
-    rows = rows[rows["overhead_pct"].notna()]
-    names = rows["strategy"].astype(str).tolist()
-    points = rows["overhead_pct"].astype(float).tolist()
-    intervals = [tuple(float(v) for v in ci) for ci in rows["overhead_ci_pct"]]
+    rows = results_df[(results_df["strategy"] != "none") & results_df["overhead_pct"].notna()]
+    records = rows.to_dict(orient="records")
+    names = [str(r["strategy"]) for r in records]
+    points = [float(r["overhead_pct"]) for r in records]
+    intervals = [tuple(float(v) for v in r["overhead_ci_pct"]) for r in records]
     above = [max(hi - point, 0.0) for point, (_lo, hi) in zip(points, intervals, strict=True)]
     below = [max(point - lo, 0.0) for point, (lo, _hi) in zip(points, intervals, strict=True)]
-    texts = [f"{point:+.1f} %" if measurable(ci) else "no measurable difference"
-             for point, ci in zip(points, intervals, strict=True)]
+    texts = [overhead_text(r) for r in records]
+    hover = [f"{name}: {text}, 95 % interval [{lo:+.1f}, {hi:+.1f}] %; per repeat "
+             f"{per_repeat_text(r)}; rests on {r.get('overhead_basis', '-')}"
+             for name, text, (lo, hi), r in zip(names, texts, intervals, records, strict=True)]
+    partial = [bool(r.get("partial", False)) for r in records]
     fig = go.Figure(go.Bar(
         name="overhead",
         x=names,
         y=points,
         error_y={"type": "data", "array": above, "arrayminus": below},
         marker_color=[strategy_colour(name) for name in names],
+        marker_opacity=[0.4 if p else 1.0 for p in partial],
         text=texts,
         textposition="outside",
-        hovertext=[f"{name}: {text}, 95 % interval [{lo:+.1f}, {hi:+.1f}] %"
-                   for name, text, (lo, hi) in zip(names, texts, intervals, strict=True)],
+        hovertext=hover,
         hovertemplate="%{hovertext}<extra></extra>",
         showlegend=False,
     ))
     fig.add_hline(y=0.0, line={"color": "#444444", "width": 1})
     fig.update_layout(
-        title="Overhead against training without checkpoints: mean of the repeats, 95 % interval",
-        yaxis_title="% longer training loop than the none baseline of the same repeat",
+        title="Overhead against training without checkpoints: ratio to the baseline beside it, "
+        "95 % interval",
+        yaxis_title="% longer training loop than the none baseline of the same cycles",
     )
     return output(fig, widget)
 

@@ -75,15 +75,16 @@ class SaveStatus:
         error = h.error
         if error is not None:
             return "failed", f"{head}: failed: {one_line(error)}"
+        stall = f"stall {h.stall_s * 1e3:.1f} ms"
+        if h.wait_s > 1e-4:  # the same names as the bench's: the stall, and its wait part
+            stall += f" (wait for the earlier save {h.wait_s * 1e3:.1f} ms)"
         if h.committed.done():
             record = h.committed.result()
             return "committed", (
-                f"{head}: committed · stall {record.stall_s * 1e3:.1f} ms · "
+                f"{head}: committed · {stall} · "
                 f"persist {record.persist_s:.2f} s · {record.write_gbs:.2f} GB/s"
             )
-        return h.phase, (
-            f"{head}: {h.phase} · stall {h.stall_s * 1e3:.1f} ms · writing in the background"
-        )
+        return h.phase, f"{head}: {h.phase} · {stall} · writing in the background"
 
     def __repr__(self) -> str:
         return self._parts()[1]

@@ -318,3 +318,23 @@ def test_project_scale_models_drag_and_storage_duty() -> None:
     given = project_scale({"async": (0.1, 1.0, 0.25)}, nbytes=10**9, storage_gbs=100.0,
                           models={"M": 1000.0}, ranks=[100], d2h_gbs=10.0, drag_fraction=0.0)
     assert given["drag_s"].iloc[0] == 0.0
+
+
+def test_a_drag_that_is_noise_counts_as_zero_and_a_measured_one_as_measured() -> None:
+    """The report's table showed drag -0.18 s for the sync strategies and the advisor 0, with no
+    word why: now the table says "noise" where the interval contains 0, and the advisor counts
+    exactly those (and any drag below 0) as 0."""
+    from nbckpt import bench
+
+    results = pd.DataFrame({
+        "strategy": ["torch-save", "nbckpt-async", "nbckpt-sync"],
+        "stall_mean_s": [0.5, 0.01, 0.4], "persist_s": [0.5, 0.4, 0.4],
+        "drag_s": [-0.18, 0.05, 0.02], "checkpoints": [2, 2, 2],
+        "drag_ci_s": [[-0.4, 0.05], [0.03, 0.07], [-0.01, 0.05]],
+    })
+    costs = measurements(results).set_index("strategy")["drag_s"]
+    assert costs.to_dict() == {"torch-save": 0.0, "nbckpt-async": 0.05, "nbckpt-sync": 0.0}
+    assert bench.drag_text(results.iloc[0].to_dict()).startswith("noise (-0.1800 s")
+    older = results.drop(columns=["drag_ci_s"])  # without intervals: only below 0 is clipped
+    assert measurements(older).set_index("strategy")["drag_s"].to_dict() == {
+        "torch-save": 0.0, "nbckpt-async": 0.05, "nbckpt-sync": 0.02}

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from nbckpt import Checkpointer, ConfigError, Event, Timeline, bench
-from nbckpt.bench import _compare, _comparison, _load, _stats
+from nbckpt import Checkpointer, ConfigError, Event, bench
+from nbckpt.bench import _compare, _load, _stats
 from nbckpt.bench._workloads import SyntheticWorkload
 
 MB = 1 << 20
@@ -33,7 +33,9 @@ def test_run_records_every_step_stall_and_engine_phase(tmp_path: Any) -> None:
     )
     events = result.events
     assert [e.step for e in events if e.kind == "step"] == [1, 2, 3, 4, 5, 6]
-    assert [e.step for e in events if e.kind == "stall"] == [3, 6]
+    stalls = [(e.step, e.detail["part"]) for e in events if e.kind == "stall"]
+    assert [stall for stall in stalls if stall[1] != "final"] == [(3, "save"), (6, "save")]
+    assert set(stalls) <= {(3, "save"), (6, "save"), (6, "final")}  # and the last write's wait
     for kind in ("stage", "persist", "fsync", "commit"):
         assert {e.step for e in events if e.kind == kind} == {3, 6}, kind
     assert seen == events  # live, in order, warm-up (step 0) left out
@@ -50,9 +52,11 @@ def test_run_records_every_step_stall_and_engine_phase(tmp_path: Any) -> None:
     frame = result.timeline_frame()
     assert len(frame) == len(events)
     assert frame["start_s"].min() >= 0  # relative to the start of the measured run
-    # every step's cost is its own time plus the save stall after it; together, the loop
-    costs = result.step_costs()
-    assert len(costs) == 6 and sum(costs) <= result.wall_s
+    # the loop in cycles: steps 1-3, the save of 3 and steps 4-6, the final save of 6 (and the
+    # wait for its write); together they are the loop time
+    assert [(c.steps, c.checkpoints) for c in result.cycles] == [(3, 0), (3, 1), (0, 1)]
+    assert sum(c.loop_s for c in result.cycles) == pytest.approx(result.wall_s, abs=1e-6)
+    assert all(0 <= c.stall_s <= c.loop_s for c in result.cycles)
 
 
 def test_overlap_counts_the_wait_before_the_next_update_as_stall(tmp_path: Any) -> None:
@@ -60,8 +64,16 @@ def test_overlap_counts_the_wait_before_the_next_update_as_stall(tmp_path: Any) 
         small_workload(), "nbckpt-async-overlap", str(tmp_path), steps=5, every=2
     )
     stalls = [(e.step, e.detail["part"]) for e in result.events if e.kind == "stall"]
-    assert stalls == [(2, "save"), (2, "before_step"), (4, "save"), (4, "before_step")]
-    assert result.metrics()["checkpoints"] == 2
+    assert [s for s in stalls if s[1] != "final"] == [(2, "save"), (2, "before_step"), (4, "save"),
+                                                      (4, "before_step")]
+    metrics = result.metrics()
+    assert metrics["checkpoints"] == 2
+    # the wait for its own copy is part of the save stall; the engine's wait for the earlier
+    # save (backpressure inside save(), running alone) is the wait; the two make the stall
+    engine_waits = sum(e.duration_s for e in result.events if e.kind == "wait")
+    assert metrics["wait_s"] * 2 == pytest.approx(engine_waits, abs=1e-6)
+    assert metrics["save_stall_s"] + metrics["wait_s"] == pytest.approx(metrics["stall_mean_s"])
+    assert metrics["save_stall_s"] > 0
 
 
 def test_stop_ends_the_run_after_the_step_and_saves_commit(tmp_path: Any) -> None:
@@ -112,16 +124,34 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
     assert rows.loc["torch-save", "checkpoints"] == rows.loc["nbckpt-async", "checkpoints"] == 2
     for name in ("torch-save", "nbckpt-async"):
         lo, hi = rows.loc[name, "overhead_ci_pct"]
-        assert lo <= rows.loc[name, "overhead_pct"] <= hi
-        assert rows.loc[name, "overhead_method"] == "t over 2 repeats"
+        assert -100 < lo <= rows.loc[name, "overhead_pct"] <= hi
+        assert "df" in rows.loc[name, "overhead_method"]
+        # 4 steps every 2: cycles 1-2, 3-4 (with the save of 2) and the final save, joined
+        # with the first: two cycle pairs per repeat
+        assert rows.loc[name, "overhead_basis"] == "2 repeats, 4 cycles"
+        assert len(rows.loc[name, "overhead_by_repeat_pct"]) == 2
         assert not rows.loc[name, "partial"]
+        # the stall and its two parts
+        assert rows.loc[name, "stall_mean_s"] == pytest.approx(
+            rows.loc[name, "save_stall_s"] + rows.loc[name, "wait_s"])
+        assert rows.loc[name, "drag_ci_s"][0] <= rows.loc[name, "drag_s"] <= rows.loc[name, "drag_ci_s"][1]
+    # torch-save writes before save() returns: it never waits for an earlier save
+    assert rows.loc["torch-save", "wait_s"] == 0
+    # nbckpt-async's turn ends by waiting for its write: the next save's wait for the earlier save
+    waits = comparison.timeline[(comparison.timeline["kind"] == "stall")
+                                & (comparison.timeline["strategy"] == "nbckpt-async")]
+    assert set(waits["label"]) == {"nbckpt-async"}
     assert rows.loc["torch-save", "reduction_vs_torch_save"] == pytest.approx(1.0)
     assert math.isnan(rows.loc["torch-save", "reduction_vs_dcp_sync"])  # dcp-sync not run
     floors = comparison.floors
     assert floors.bytes == 2 * MB and floors.copy_s > 0 and floors.write_gbs > 0
     assert rows.loc["torch-save", "stall_vs_copy_floor"] == pytest.approx(
-        rows.loc["torch-save", "stall_mean_s"] / floors.copy_s
+        rows.loc["torch-save", "save_stall_s"] / floors.copy_s
     )
+    # measured before each repeat; the fastest counts
+    assert len(floors.copy_gbs_by_repeat) == len(floors.write_gbs_by_repeat) == 2
+    assert floors.copy_gbs == pytest.approx(max(floors.copy_gbs_by_repeat))
+    assert floors.write_gbs == pytest.approx(max(floors.write_gbs_by_repeat))
     assert rows.loc["nbckpt-async", "write_vs_floor_pct"] == pytest.approx(
         rows.loc["nbckpt-async", "write_gbs"] / floors.write_gbs * 100
     )
@@ -131,7 +161,8 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
     assert set(timeline["strategy"]) == {"none", "torch-save", "nbckpt-async"}
     assert len(timeline) == len(events)
     assert (timeline["label"] == timeline["strategy"]).all()
-    stalls = timeline[(timeline["kind"] == "stall") & (timeline["repeat"] == 1)]
+    stalls = timeline[(timeline["kind"] == "stall") & (timeline["repeat"] == 1)
+                      & (timeline["step"].isin([2, 4]))]
     # two checkpoints each (a stall may have two parts: the save, and a wait for the last write)
     assert stalls.groupby("strategy")["step"].unique().map(sorted).to_dict() == {
         "nbckpt-async": [2, 4], "torch-save": [2, 4]}
@@ -148,16 +179,23 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
         gaps = own["start_s"].to_numpy()[1:] - own["end_s"].to_numpy()[:-1]
         assert own["start_s"].min() >= 0 and (gaps < 0.5).all(), name
     assert any("floors for" in line for line in lines)
+    # progress: strategy, repeat, step, the stall in its parts, elapsed and expected time
+    save_lines = [line for line in lines if line.startswith("[torch-save] repeat 2/2, step 2/4: ")]
+    assert len(save_lines) == 1
+    assert "stall" in save_lines[0] and "= save stall" in save_lines[0]
+    assert "+ wait for the earlier save" in save_lines[0] and " elapsed of about " in save_lines[0]
+    assert any(line.startswith("[nbckpt-async] repeat 1/2 done: mean step") for line in lines)
     # checkpoints of each run are removed; the floor's scratch files too
     assert sorted(os.listdir(tmp_path)) == []
 
     out = tmp_path / "out.json"
     comparison.to_json(out)
     document = json.loads(out.read_text())
-    assert document["schema"] == bench.SCHEMA == "nbckpt.bench/2"
+    assert document["schema"] == bench.SCHEMA == "nbckpt.bench/3"
     assert set(document) >= {"workload", "bytes", "device", "directory", "environment", "order",
                              "overhead", "load", "warnings", "floors", "results", "runs", "timeline"}
     assert document["overhead"]["definition"] == bench.OVERHEAD_DEFINITION
+    assert document["overhead"]["method"] == bench.OVERHEAD_METHOD
     assert list(document["results"][0]) == bench.RESULT_COLUMNS
     assert document["results"][0]["write_gbs"] is None  # NaN becomes null
     for row in document["results"]:
@@ -165,6 +203,10 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
     assert {"cpus", "other_cpu_cores", "steal_pct", "loadavg_1m", "floors"} <= set(document["load"])
     table = comparison.table()
     assert "nbckpt-async" in table and bench.OVERHEAD_DEFINITION in table and "load during" in table
+    # the document reads back into the same tables
+    again = bench.Comparison.from_json(out)
+    assert again.table() == table
+    assert [len(run["cycle_loop_s"]) for run in document["runs"]] == [3] * 6
 
 
 def test_run_order_rotates_so_every_strategy_takes_every_place() -> None:
@@ -189,81 +231,11 @@ def test_t_interval_against_a_hand_computed_case() -> None:
     assert single[0] == 5.0 and math.isnan(single[1]) and math.isnan(single[2])
 
 
-def fake_run(name: str, repeat: int, loop_s: float, steps: int = 10, stalls: int = 0,
-             stall_s: float = 0.0, stopped: bool = False) -> bench.ExperimentResult:
-    """A run of ``steps`` equal steps taking ``loop_s`` in all, ``stalls`` save stalls inside."""
-    step_s = (loop_s - stalls * stall_s) / steps
-    clock, ns = 0, 1e9
-    events = []
-    for step in range(1, steps + 1):
-        events.append(Event("step", clock, clock + round(step_s * ns), step=step, label=name))
-        clock += round(step_s * ns)
-        if step <= stalls:
-            events.append(Event("stall", clock, clock + round(stall_s * ns), step=step, label=name,
-                                detail={"part": "save"}))
-            clock += round(stall_s * ns)
-    return bench.ExperimentResult(
-        strategy=name, workload="fake", device="cpu", steps=steps, every=1, bytes=MB,
-        timeline=Timeline(label=name), wall_s=loop_s, peak_host_mb=1.0, stopped=stopped,
-        events=events, repeat=repeat,
-    )
-
-
-FLOORS = bench.Floors(bytes=MB, copy_s=0.001, copy_gbs=1.0, write_gbs=1.0)
-
-
-def test_overhead_is_paired_per_repeat_with_a_t_interval() -> None:
-    # baselines drift (1.0, 1.1, 0.9 s); the strategy is 10 %, 12 % and 14 % slower than the
-    # baseline of its own repeat: mean 12 %, interval 7.03 to 16.97 % (the case above)
-    baseline = [fake_run("none", r, loop) for r, loop in enumerate((1.0, 1.1, 0.9))]
-    slower = [fake_run("slow", r, base.wall_s * factor, stalls=2, stall_s=0.01)
-              for r, (base, factor) in enumerate(zip(baseline, (1.10, 1.12, 1.14), strict=True))]
-    results = _comparison.aggregate({"none": baseline, "slow": slower}, FLOORS).set_index("strategy")
-    row = results.loc["slow"]
-    assert row["overhead_pct"] == pytest.approx(12.0)
-    assert row["overhead_ci_pct"] == pytest.approx([7.0314, 16.9686], abs=1e-3)
-    assert row["overhead_method"] == "t over 3 repeats"
-    # drag: the extra loop time per checkpoint beyond the stall: (0.10 s - 0.02 s) / 2 = 0.04 s
-    # in repeat 0, (0.132 - 0.02) / 2 = 0.056 s, (0.126 - 0.02) / 2 = 0.053 s: mean 0.04967 s
-    assert row["drag_s"] == pytest.approx((0.04 + 0.056 + 0.053) / 3, abs=1e-6)
-    assert bench.overhead_text(row.to_dict() | {"strategy": "slow"}) == "+12.0 %"
-
-
-def test_a_single_repeat_gets_a_bootstrap_over_steps() -> None:
-    point, lo, hi = _stats.bootstrap_overhead([0.11] * 10, [0.10] * 10)
-    assert (point, lo, hi) == pytest.approx((10.0, 10.0, 10.0))  # no spread, no width
-    noisy = [0.10, 0.12, 0.11, 0.13, 0.09, 0.12, 0.10, 0.11]
-    first = _stats.bootstrap_overhead(noisy, [0.10] * 8)
-    assert first == _stats.bootstrap_overhead(noisy, [0.10] * 8)  # seeded: the same numbers
-    assert first[1] < first[0] < first[2]
-    results = _comparison.aggregate(
-        {"none": [fake_run("none", 0, 1.0)], "x": [fake_run("x", 0, 1.2)]}, FLOORS
-    ).set_index("strategy")
-    assert results.loc["x", "overhead_method"] == "bootstrap over steps (1 repeat)"
-    assert results.loc["x", "overhead_pct"] == pytest.approx(20.0)
-
-
-def test_an_interval_with_zero_in_it_is_no_measurable_difference() -> None:
-    row = {"strategy": "x", "overhead_pct": 1.5, "overhead_ci_pct": [-2.0, 5.0], "partial": False}
-    assert bench.overhead_text(row) == "no measurable difference"
-    assert bench.overhead_text({**row, "overhead_ci_pct": [0.5, 2.5]}) == "+1.5 %"
-    assert bench.overhead_text({**row, "overhead_pct": -3.0, "overhead_ci_pct": [-4.0, -1.0]}) == "-3.0 %"
-    assert bench.overhead_text({**row, "partial": True}) == "partial (left out)"
-    assert bench.overhead_text({**row, "strategy": "none"}) == "baseline"
-    assert not bench.measurable([math.nan, 1.0]) and bench.measurable([0.1, 1.0])
-    assert bench.interval_text([-2.0, 5.0]) == "[-2.0, +5.0] %"
-    import pandas as pd
-
-    shown = bench.format_results(pd.DataFrame([row]))
-    assert shown.loc[0, "overhead"] == "no measurable difference"
-    assert shown.loc[0, "overhead_95ci"] == "[-2.0, +5.0] %"
-
-
-def test_stopped_runs_make_partial_rows_left_out_of_the_overhead(tmp_path: Any) -> None:
+def test_stopped_runs_make_partial_rows_that_say_what_they_rest_on(tmp_path: Any) -> None:
     stop = threading.Event()
 
-    def on_event(event: Event) -> None:
-        if event.kind == "stall" and event.label == "torch-save":
+    def on_event(event: Event) -> None:  # stop at torch-save's second checkpoint
+        if event.kind == "stall" and event.label == "torch-save" and event.step == 4:
             stop.set()
 
     lines: list[str] = []
@@ -275,19 +247,23 @@ def test_stopped_runs_make_partial_rows_left_out_of_the_overhead(tmp_path: Any) 
     assert comparison.order[0] == ["none", "torch-save"]
     rows = comparison.results.set_index("strategy")
     assert not rows.loc["none", "partial"] and rows.loc["none", "repeats"] == 1
-    assert rows.loc["torch-save", "partial"]
-    assert math.isnan(rows.loc["torch-save", "overhead_pct"])
+    partial = rows.loc["torch-save"]
+    assert partial["partial"]
+    # the same method on the cycles done before the stop (steps 1-2, and the save of 2 with
+    # steps 3-4), widened as one repeat's must be, and it says so
+    assert partial["overhead_basis"] == "1 repeat, 2 cycles (widened), stopped"
+    lo, hi = partial["overhead_ci_pct"]
+    assert -100 < lo < partial["overhead_pct"] < hi
     assert list(comparison.runs["stopped"]) == [False, True]  # the second repeat never started
     assert any("stopped before the end: torch-save" in text for text in comparison.warnings)
-    assert bench.overhead_text(comparison.results.iloc[1].to_dict()) == "partial (left out)"
-    assert "partial (left out)" in comparison.table()
+    assert "1 repeat, 2 cycles (widened), stopped" in comparison.table()
     # taking turns every cycle, a stop leaves every strategy of the repeat partial
     stop.clear()
     cycled = bench.compare(small_workload(), ["torch-save"], str(tmp_path), steps=6, every=2,
                         repeats=2, on_event=on_event, stop=stop, progress=None)
     assert cycled.results["partial"].tolist() == [True, True]
-    assert cycled.results["overhead_pct"].isna().tolist() == [False, True]  # none: baseline 0
-    assert bench.overhead_text(cycled.results.iloc[0].to_dict()) == "partial (left out)"
+    assert cycled.results["overhead_basis"].tolist() == ["baseline",
+                                                         "1 repeat, 2 cycles (widened), stopped"]
 
 
 def test_the_load_record_counts_other_processes_and_steal(monkeypatch: pytest.MonkeyPatch) -> None:

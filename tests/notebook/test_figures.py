@@ -256,20 +256,38 @@ def test_stall_figure_uses_given_published_figures() -> None:
     ]
 
 
-def test_overhead_figure_draws_intervals_and_says_when_nothing_was_measured() -> None:
+def test_overhead_figure_labels_every_bar_as_the_tables_do() -> None:
     results = pd.DataFrame({
         "strategy": ["none", "torch-save", "nbckpt-async", "stopped"],
         "overhead_pct": [0.0, 30.0, 2.0, 5.0],
         "overhead_ci_pct": [[0.0, 0.0], [20.0, 45.0], [-1.0, 5.0], [1.0, 9.0]],
+        "overhead_by_repeat_pct": [[], [25.0, 30.0, 35.0], [1.0, 2.0, 3.0], [5.0]],
+        "overhead_basis": ["baseline", "3 repeats, 12 cycles", "3 repeats, 12 cycles",
+                           "1 repeat, 2 cycles (widened), stopped"],
         "partial": [False, False, False, True],
     })
     fig = overhead_figure(results)
     [bars] = fig.data
-    assert list(bars.x) == ["torch-save", "nbckpt-async"]  # baseline and partial rows left out
-    assert list(bars.error_y.array) == pytest.approx([15.0, 3.0])
-    assert list(bars.error_y.arrayminus) == pytest.approx([10.0, 3.0])
-    assert list(bars.text) == ["+30.0 %", "no measurable difference"]
+    assert list(bars.x) == ["torch-save", "nbckpt-async", "stopped"]  # the baseline left out
+    assert list(bars.error_y.array) == pytest.approx([15.0, 3.0, 4.0])
+    assert list(bars.error_y.arrayminus) == pytest.approx([10.0, 3.0, 4.0])
+    # the estimate always; the words only beside an interval that contains 0
+    assert list(bars.text) == ["+30.0 %", "+2.0 % (no measurable difference)", "+5.0 %"]
+    assert "per repeat +25.0, +30.0, +35.0 %" in bars.hovertext[0]
+    assert "rests on 1 repeat, 2 cycles (widened), stopped" in bars.hovertext[2]
+    assert list(bars.marker.opacity) == [1.0, 1.0, 0.4]  # the stopped row drawn paler
     assert "95 % interval" in fig.layout.title.text
+
+
+def test_stall_figure_stacks_the_save_stall_and_the_wait_for_the_earlier_save() -> None:
+    results = RESULTS.assign(save_stall_s=[math.nan, 0.5, 0.005], wait_s=[math.nan, 0.0, 0.015])
+    fig = stall_figure(results)
+    names = [trace.name for trace in fig.data]
+    assert names[:3] == ["save stall", "wait for the earlier save", "stall (p95)"]
+    save, wait, total = fig.data[:3]
+    assert list(save.y) == [0.5, 0.005] and list(wait.y) == [0.0, 0.015]
+    assert list(total.y) == [0.5, 0.02]  # the stall is the two together
+    assert fig.layout.barmode == "stack"
 
 
 def test_scaling_figure() -> None:

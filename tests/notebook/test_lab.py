@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from nbckpt import ConfigError
-from nbckpt.bench import OVERHEAD_DEFINITION
+from nbckpt.bench import OVERHEAD_DEFINITION, STALL_DEFINITION
 from nbckpt.notebook._lab import Lab, live_lab
 from nbckpt.notebook._lab_view import LOG_LINES, SYNTHETIC, devices
 
@@ -232,10 +232,20 @@ def test_results_table_is_aligned_rounded_and_defines_overhead(tmp_path: Path) -
     cells = re.findall(r'<td style="([^"]*)">([^<]*)</td>', table)
     assert cells
     for style, text in cells:
-        expected = "left" if text in ("none", "nbckpt-async") else "right"
-        assert f"text-align:{expected}" in style, (text, style)
+        # words (the strategy, what a row rests on) align left; numbers right
+        words = text in ("none", "nbckpt-async") or "cycles" in text
+        numbers = bool(re.fullmatch(r"[+-]?\d[\d.]*( %| s|x)?", text))
+        if words or numbers:
+            assert f"text-align:{'left' if words else 'right'}" in style, (text, style)
         assert not re.search(r"\d\.\d{5,}", text), f"{text} is not rounded"
     assert "tabular-nums" in table and html.escape(OVERHEAD_DEFINITION) in table
+    # the same headers as every nbckpt table, the stall with its two parts, and the method
+    for header in ("overhead", "95 % interval", "per repeat", "rests on", "stall s",
+                   "save stall s", "wait for the earlier save s"):
+        assert f">{header}</th>" in table, header
+    assert html.escape(STALL_DEFINITION) in table
+    assert '<details class="nbckpt-method"' in table and html.escape("Pairs.") in table
+    assert "1 repeat, 2 cycles (widened)" in table  # what a one-repeat row rests on
 
 
 def test_log_keeps_its_newest_lines_in_view(tmp_path: Path) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -29,12 +31,30 @@ SMALL = {
 
 
 
-def test_report_renders_offline_html_and_results(tmp_path: Path) -> None:
-    """One run of the report (the slow part), checked three ways."""
-    report = run_report("small", tmp_path / "out", {**SMALL, "target": str(tmp_path / "ckpt")})
+def test_report_renders_offline_html_and_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, ip: Any
+) -> None:
+    """One run of the report (the slow part), checked five ways."""
+    report = run_report("small", tmp_path / "out", {**SMALL, "target": str(tmp_path / "ckpt")},
+                        progress=True)
+    _check_progress(capsys.readouterr().err)
+    assert not (report.parent / ".small.progress").exists()
     _check_html_content(report)
     _check_offline(report)
     _check_results_json(report)
+    _check_same_figures(report, ip, capsys, monkeypatch)
+
+
+def _check_progress(err: str) -> None:
+    """What the report does, as it does it: not one papermill cell for minutes."""
+    lines = err.splitlines()
+    assert lines[0].startswith("report: running report.ipynb")
+    assert any(line.startswith("report: probing ") for line in lines)
+    checkpoint = [line for line in lines if line.startswith("[torch-save] repeat 2/2, step 2/4: stall ")]
+    assert len(checkpoint) == 1, err
+    assert "= save stall" in checkpoint[0] and "elapsed of about" in checkpoint[0]
+    assert any(line.startswith("[nbckpt-async] repeat 1/2 done: mean step") for line in lines)
+    assert lines.index(checkpoint[0]) < lines.index("report: writing results.json")
 
 
 def _check_html_content(report: Path) -> None:
@@ -46,8 +66,9 @@ def _check_html_content(report: Path) -> None:
     assert re.search(r'<table[^>]*class="[^"]*nbckpt-results', html)
     for strategy in ("torch-save", "nbckpt-async"):
         assert f"<td>{strategy}</td>" in html
-    assert "overhead_95ci" in html and "how much longer the training loop took" in html
-    assert "stalled the training loop" in html
+    assert "95 % interval" in html and "paired per checkpoint cycle" in html
+    assert "wait for the earlier save" in html and "How overhead and its interval are computed" in html
+    assert "stall (the time the training loop was blocked)" in html
     assert "Assuming a job of 1,024 GPUs" in html  # the advisor's assumptions, named
     assert "10x or more" not in html and "cannot go faster" not in html
     assert "<title>test report</title>" in html
@@ -65,17 +86,17 @@ def _check_offline(report: Path) -> None:
 
 def _check_results_json(report: Path) -> None:
     results = json.loads((report.parent / "results.json").read_text())
-    assert results["schema"] == "nbckpt.report/2"
+    assert results["schema"] == "nbckpt.report/3"
     measured = {row["strategy"]: row for row in results["comparison"]["results"]}
     assert set(measured) == {"none", "torch-save", "nbckpt-async"}
     assert measured["nbckpt-async"]["checkpoints"] == 2  # per run, in each of the repeats
     assert measured["nbckpt-async"]["repeats"] == results["parameters"]["repeats"] == 2
     assert len(measured["nbckpt-async"]["overhead_ci_pct"]) == 2
-    assert results["comparison"]["schema"] == "nbckpt.bench/2" and "load" in results["comparison"]
+    assert results["comparison"]["schema"] == "nbckpt.bench/3" and "load" in results["comparison"]
     assert results["comparison"]["floors"]["copy_s"] > 0
     assert results["storage"]["runs"] and results["advice"]
     assert results["assumptions"]["gpus"] == 1024
-    assert any(line.startswith("nbckpt-async stalled the training loop") for line in results["conclusions"])
+    assert any(line.startswith("nbckpt-async's stall (the time") for line in results["conclusions"])
     # the conclusions quote the measured stall
     stall_ms = measured["nbckpt-async"]["stall_mean_s"] * 1e3
     assert any(f"{stall_ms:.1f} ms" in line for line in results["conclusions"])
@@ -130,3 +151,52 @@ def test_cli_failing_notebook_gives_one_line_error(tmp_path: Path) -> None:
     assert str(blocker / "ckpt") in last
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "out" / "bad.html").exists()
+
+
+def _figures(row: dict[str, object]) -> list[str]:
+    """The figures every face shows for a row, as the one formatter writes them."""
+    from nbckpt import bench
+
+    return [bench.overhead_text(row), bench.interval_text(row["overhead_ci_pct"]),  # type: ignore[arg-type]
+            bench.per_repeat_text(row), str(row["overhead_basis"]),
+            *(f"{float(row[key]):.4f}" for key in ("stall_mean_s", "save_stall_s", "wait_s"))]  # type: ignore[arg-type]
+
+
+def _check_same_figures(report: Path, shell: Any, capsys: pytest.CaptureFixture[str],
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run the report measured, as each face shows it: the table ``nbckpt bench`` prints,
+    the one ``%ckpt_bench`` displays for a Comparison, the Lab's and the report's have the same
+    overhead, interval, per-repeat overheads, what it rests on, and the stall with its parts."""
+    from nbckpt import bench, cli
+    from nbckpt.notebook import Lab
+
+    document = json.loads((report.parent / "results.json").read_text())["comparison"]
+    comparison = bench.Comparison.from_dict(document)
+    rows = {r["strategy"]: r for r in comparison.results.to_dict(orient="records")}
+    expected = {name: _figures(row) for name, row in rows.items() if name != "none"}
+    # nbckpt bench prints the table of the comparison it measured: this one
+    monkeypatch.setattr(bench, "run_bench_from_args", lambda args, progress=None: comparison)
+    capsys.readouterr()
+    assert cli.main(["bench", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    magic = shell.display_formatter.format(comparison)[0]["text/plain"]
+    lab = Lab(directory=str(report.parent / "lab"), preset="synthetic", size_mb=2.0)
+    try:
+        lab.show(comparison)
+        lab_html = lab.results.value
+    finally:
+        lab.close()
+    faces = {"nbckpt bench": printed, "%ckpt_bench": magic, "Lab": lab_html,
+             "report": report.read_text()}
+    for face, text in faces.items():
+        for name, figures in expected.items():
+            table_rows = text.split("</tr>") if "<tr" in text else text.splitlines()
+            line = next((row for row in table_rows
+                         if row.strip().startswith(f"{name} ") or f">{name}</td>" in row), "")
+            for figure in figures:
+                assert html.escape(figure) in line or figure in line, (face, name, figure, line[:400])
+    # one set of headers: every face names the columns as format_results does
+    headers = list(bench.format_results(comparison.results).columns)
+    for header in ("overhead", "95 % interval", "per repeat", "rests on", "stall s",
+                   "save stall s", "wait for the earlier save s"):
+        assert header in headers and all(header in text for text in faces.values()), header
