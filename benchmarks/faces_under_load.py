@@ -1,9 +1,10 @@
 """The bench's faces with their defaults, once on the machine as it is and once beside a core
-that another process keeps busy (the load average before each run is recorded): the Lab (``Lab()``, run from Python as its Run button does),
-``%ckpt_bench --size-mb 64 --strategies torch-save,nbckpt-async`` (the README's example, in an
-IPython shell, as a batch run) and ``make report`` (``nbckpt report`` with the Makefile's
-parameters). Each row is the face's own table: the overhead against ``none``, its 95 %
-interval, the per-repeat overheads and what the row rests on.
+that another process keeps busy (the load average before each run is recorded): the Lab
+(``Lab()``, run from Python as its Run button does), ``%ckpt_bench --size-mb 64 --strategies
+torch-save,nbckpt-async`` (the README's example, in an IPython shell, as a batch run) and
+``make report`` (``nbckpt report`` with the Makefile's parameters). Each row is the face's own
+table: the overhead against ``none``, its 95 % interval, the per-repeat overheads and what the
+row rests on.
 
     .venv/bin/python benchmarks/faces_under_load.py --json data/results/faces-under-load-cpu.json
     .venv/bin/python benchmarks/faces_under_load.py --quick     # small runs: checks the script
