@@ -83,7 +83,7 @@ def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
 
         lab.locator("button", has_text="Run").first.click()
         # the timeline gains points during the run: two counts, the second larger
-        until(lambda: bars.count() > 0, 120, "the first bars of the timeline")
+        until(lambda: bars.count() > 0, 240, "the first bars of the timeline")  # floors first
         first = bars.count()
         until(lambda: bars.count() > first, 120, "the timeline to grow")
         assert lab.locator(".nbckpt-ok").count() == 0, "grew only when the run had ended"
