@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
@@ -29,7 +30,7 @@ from .._util import is_url
 from ..engine import SaveHandle
 from ._autosave import Autosave
 from ._autosave import command as autosave_command
-from ._cell import one_line, reraise
+from ._cell import OneLineWarnings, one_line, reraise
 from ._magic_args import (
     AUTOSAVE_ARGS,
     DIR_ARG,
@@ -107,7 +108,7 @@ class CheckpointMagics(Magics):
         if hasattr(args, "keep"):
             self.session.keep_in(args.dir, args.keep)
         save = self.session.save(state, names=args.names, mode=mode, directory=args.dir,
-                                 step=args.step)
+                                 step=args.step, overwrite=args.overwrite)
         self._show(save)
         return save.handle
 
@@ -217,7 +218,7 @@ class CheckpointMagics(Magics):
             raise UsageError("no checkpoint events in this session yet: run %ckpt_async first")
         from ._timeline_figures import timeline_figure
 
-        return timeline_figure(df)
+        return timeline_figure(df, origin="this session started (%load_ext nbckpt)")
 
     @line_magic
     @magic(*AUTOSAVE_ARGS)
@@ -372,6 +373,7 @@ def load(ipython: InteractiveShell) -> None:
     formatters.ipython_display_formatter.for_type(SaveHandle, magics._display_handle)
     formatters.formatters["text/plain"].for_type_by_name(*_COMPARISON, _comparison_text)
     logging.getLogger("nbckpt").addHandler(magics.log_handler)
+    warnings.showwarning = OneLineWarnings(warnings.showwarning)
 
 
 def unload(ipython: InteractiveShell) -> None:
@@ -393,3 +395,5 @@ def unload(ipython: InteractiveShell) -> None:
     plain.type_printers = {k: v for k, v in plain.type_printers.items()
                            if (k.__module__, k.__name__) != _COMPARISON}
     logging.getLogger("nbckpt").removeHandler(magics.log_handler)
+    if isinstance(warnings.showwarning, OneLineWarnings):  # unless another wrapped it since
+        warnings.showwarning = warnings.showwarning.previous

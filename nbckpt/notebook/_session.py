@@ -13,6 +13,7 @@ import html
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
@@ -21,14 +22,23 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 from .._errors import CheckpointError, ConfigError, NbckptError
-from .._util import format_bytes, is_url, run_directory
+from .._util import check_path, format_bytes, is_url, open_fsspec, run_directory
 from ..engine import CheckpointConfig, Checkpointer, SaveHandle, events_to_pandas, now_ns
 from ._cell import CheckpointFailed, engine_call, one_line
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["DIR_ENV", "OPTIONS", "Save", "SaveStatus", "Session", "SessionDefaults", "variables"]
+__all__ = [
+    "DIR_ENV",
+    "OPTIONS",
+    "Save",
+    "SaveStatus",
+    "Session",
+    "SessionDefaults",
+    "usable_directory",
+    "variables",
+]
 
 _log = logging.getLogger("nbckpt")
 
@@ -132,6 +142,29 @@ def variables(namespace: dict[str, Any], names: Sequence[str]) -> dict[str, Any]
     return state
 
 
+def usable_directory(directory: str) -> None:
+    """Refuse, in one line, a directory no save could use (under a file, not writable, a URL of
+    no known kind): checked when it is set, not at the next save. Nothing is created."""
+    try:
+        check_path(directory, "directory")
+        if is_url(directory):
+            open_fsspec(directory)  # the protocol and its library; reaching it is the save's
+            return
+    except ConfigError as exc:
+        raise UsageError(f"cannot checkpoint to {directory!r}: {one_line(exc)}") from None
+    path = os.path.abspath(os.path.expanduser(directory.removeprefix("file://")))
+    existing = path
+    while not os.path.lexists(existing):  # the nearest part that exists: the save creates the rest
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        reason = f"{existing} is a file, not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = f"{existing} is not writable"
+    else:
+        return
+    raise UsageError(f"cannot checkpoint to {directory!r}: {reason}")
+
+
 def _changes(changes: dict[str, Any]) -> str:
     return ", ".join(f"{name}={value}" for name, value in changes.items())
 
@@ -182,6 +215,8 @@ class Session:
         key = self.key(directory)
         with self._lock:
             ckpt = self.checkpointers.get(key)
+            if ckpt is not None and ckpt.closed:
+                return self._reopen(key, self._changed(key, ckpt))
             if ckpt is not None:
                 changes = self._changed(key, ckpt)
                 return self._reopen(key, changes) if changes else ckpt
@@ -195,9 +230,11 @@ class Session:
             return ckpt
 
     def opened(self, directory: str | None = None) -> Checkpointer:
-        """The directory's Checkpointer as it is, opened if there is none (never reopened with
-        changed options, as :meth:`checkpointer` does: a signal's final save may be using it)."""
-        return self.checkpointers.get(self.key(directory)) or self.checkpointer(directory)
+        """The directory's Checkpointer as it is, opened if there is none or it was closed
+        (never reopened only for changed options, as :meth:`checkpointer` does: a signal's final
+        save may be using it)."""
+        ckpt = self.checkpointers.get(self.key(directory))
+        return ckpt if ckpt is not None and not ckpt.closed else self.checkpointer(directory)
 
     def keep_in(self, directory: str | None, keep: int | None) -> None:
         """``--keep`` of a save: how many checkpoints ``directory`` keeps from now on."""
@@ -210,6 +247,11 @@ class Session:
         ckpt = self.checkpointer(directory)
         step = self.next_step(directory) if step is None else step
         with self.engine_call():
+            if not overwrite and ckpt.has_step(step):  # the magics' way, instead of the engine's
+                warnings.warn(f"nbckpt: step {step} already exists in {ckpt.directory} and is "
+                              "replaced; add --overwrite if that is intended, or run "
+                              "%ckpt_config --new-run to save into a fresh run directory", stacklevel=2)
+                overwrite = True
             # One Checkpointer per directory serves both modes: a sync save blocks per save.
             handle = ckpt.save(state, step=step, blocking=mode == "sync", overwrite=overwrite)
         save = Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names), handle=handle)
@@ -220,7 +262,7 @@ class Session:
         """Wait until every save has committed or failed; the first failure, if any."""
         error: NbckptError | None = None
         try:
-            for ckpt in list(self.checkpointers.values()):
+            for ckpt in [c for c in self.checkpointers.values() if not c.closed]:
                 try:
                     ckpt.wait()
                 except NbckptError as exc:
@@ -237,6 +279,8 @@ class Session:
                   directory: str | None = None, new_run: bool = False) -> None:
         """Change the defaults (``options``: :data:`OPTIONS` given) and reopen the Checkpointers
         they change; one that has saves in flight is reopened by its next save or restore."""
+        if directory is not None:
+            usable_directory(directory)  # before anything changes: a refused one changes nothing
         with self._lock:
             if reset:
                 self.defaults = SessionDefaults()
@@ -267,9 +311,11 @@ class Session:
                     self._reopen(key, changes)
 
     def settings(self) -> Iterator[tuple[str, Any]]:
-        """What ``%ckpt_config`` shows: the directory saves go to, then every default."""
-        yield "directory", self.defaults.directory
-        yield from asdict(self.defaults).items()
+        """What ``%ckpt_config`` shows: the directory saves go to (one line, naming the directory
+        a ``--new-run`` is in), then every other default."""
+        run = self.defaults.run
+        yield "directory", run + f" (a --new-run inside {self.defaults.dir})" if run else self.defaults.dir
+        yield from ((k, v) for k, v in asdict(self.defaults).items() if k not in ("dir", "run"))
 
     def timeline(self) -> pd.DataFrame:
         """Every event of this session's Checkpointers, ``start_s`` from the session's start.
@@ -326,7 +372,11 @@ class Session:
         return [save for save in self.saves if save.key == key and not save.handle.done()]
 
     def _reopen(self, key: str, changes: dict[str, Any]) -> Checkpointer:
+        """A new Checkpointer for directory ``key``, with ``changes`` to its config, in place of
+        the one there (closed first; one closed under the session, by ``nbckpt.close_all()`` or
+        its own ``close()``, is replaced with the same config and the changes)."""
         old = self.checkpointers[key]
+        was_closed = old.closed
         waited = len(self.in_flight(key))
         with self.engine_call():
             try:
@@ -336,8 +386,13 @@ class Session:
                 self._closed.append(old)
             new = Checkpointer(old.directory, config=dataclasses.replace(old.config, **changes))
         self.checkpointers[key] = new
-        after = f" after its {waited} save(s) in flight committed" if waited else ""
-        print(f"nbckpt: {_changes(changes)} for {old.directory}: reopened its Checkpointer{after}")
+        if was_closed:  # the magics go on: the session's directory is its own again
+            with_changes = f" with {_changes(changes)}" if changes else ""
+            print(f"nbckpt: reopened the Checkpointer for {old.directory}{with_changes} (it was closed, "
+                  "by nbckpt.close_all() or its close())")
+        else:
+            after = f" after its {waited} save(s) in flight committed" if waited else ""
+            print(f"nbckpt: {_changes(changes)} for {old.directory}: reopened its Checkpointer{after}")
         return new
 
     def next_step(self, directory: str | None = None) -> int:
@@ -350,7 +405,7 @@ class Session:
     def staging_memory(self) -> str:
         """One line: host memory each directory's Checkpointer holds for staging (pinned or not)."""
         held = [(self.key(ckpt.directory), ckpt.host_bytes, ckpt.staging_pinned)
-                for ckpt in self.checkpointers.values()]
+                for ckpt in self.checkpointers.values() if not ckpt.closed]
         short = _short_names([key for key, _, _ in held])
         parts = [f"{short[key]} {format_bytes(nbytes)}{' pinned' if pinned else ''}"
                  for key, nbytes, pinned in held]
