@@ -420,22 +420,38 @@ class Checkpointer:
             if step is not None:
                 check_step(step)
             self._saver.wait()
-            restored = self._restorer.restore(
-                state,
-                step,
-                verify=self.config.verify if verify is None else bool(verify),
-                rng=rng,
-                strict=strict,
-                key_map=key_map,
-            )
-            # Newer steps anywhere the line reads from (the mirror too: after a lost disk it may
-            # hold the only copies): a save after this restore must not meet them.
-            newer = [s for store in self._restorer.stores for s in store.committed() if s > restored]
-            source = self._restorer.last_source
-            self.restored_from = self._restorer.stores[source].url
-            line = self._chain[source] if source < len(self._chain) else self.line_name
-            self._fork = (line, restored) if newer and not self.config.read_only else None
+            try:
+                restored = self._restorer.restore(
+                    state,
+                    step,
+                    verify=self.config.verify if verify is None else bool(verify),
+                    rng=rng,
+                    strict=strict,
+                    key_map=key_map,
+                )
+            except KeyboardInterrupt:
+                # A Ctrl-C held back until the state was loaded in full: a save after it must
+                # still branch off as after any restore of an older step.
+                if self._restorer.applied is not None:
+                    self._restored(self._restorer.applied)
+                raise
+            self._restored(restored)
             return restored
+
+    @property
+    def loaded_step(self) -> int | None:
+        """The step the last :meth:`restore` loaded into its state, also when a Ctrl-C ended it
+        once the state was loaded (None: that restore loaded nothing, or none ran)."""
+        return self._restorer.applied
+
+    def _restored(self, restored: int) -> None:
+        # Newer steps anywhere the line reads from (the mirror too: after a lost disk it may
+        # hold the only copies): a save after this restore must not meet them.
+        newer = [s for store in self._restorer.stores for s in store.committed() if s > restored]
+        source = self._restorer.last_source
+        self.restored_from = self._restorer.stores[source].url
+        line = self._chain[source] if source < len(self._chain) else self.line_name
+        self._fork = (line, restored) if newer and not self.config.read_only else None
 
     def load(
         self, step: int | None = None, *, map_location: str | torch.device | None = None

@@ -18,7 +18,7 @@ from .._errors import CheckpointError, ConfigError, NbckptError
 if TYPE_CHECKING:
     from types import FrameType
 
-__all__ = ["CheckpointFailed", "OneLineWarnings", "engine_call", "one_line", "reraise"]
+__all__ = ["CheckpointFailed", "Interrupted", "OneLineWarnings", "engine_call", "one_line", "reraise"]
 
 # Frames in these are never "the user's code" that a warning should point at.
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__ or "")) + os.sep
@@ -33,6 +33,15 @@ class CheckpointFailed(CheckpointError):
         # IPython's hook for exceptions that format themselves (a UsageError subclass would not
         # do: only UsageError itself gets the short form).
         return [f"{type(self).__name__}: {self}"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C in a magic's save or restore, shown as one line saying what was kept (IPython shows
+    what ``_render_traceback_`` gives instead of the traceback through nbckpt and torch). It is a
+    KeyboardInterrupt: ``except KeyboardInterrupt`` and the autosave's interrupt trigger see it."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
 
 
 def one_line(exc: BaseException) -> str:

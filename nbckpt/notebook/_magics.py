@@ -30,7 +30,7 @@ from .._util import is_url
 from ..engine import SaveHandle
 from ._autosave import Autosave
 from ._autosave import command as autosave_command
-from ._cell import OneLineWarnings, one_line, reraise
+from ._cell import Interrupted, OneLineWarnings, one_line, reraise
 from ._magic_args import (
     AUTOSAVE_ARGS,
     DIR_ARG,
@@ -248,10 +248,19 @@ class CheckpointMagics(Magics):
         if not is_url(directory) and not os.path.isdir(directory):
             raise UsageError(f"no checkpoint directory {directory!r}")
         ckpt = self.session.checkpointer(directory)
-        with self.session.engine_call():
-            step = ckpt.restore(state, step=args.step)
+        listed = ", ".join(args.names)
+        try:
+            with self.session.engine_call():
+                step = ckpt.restore(state, step=args.step)
+        except KeyboardInterrupt:
+            loaded = ckpt.loaded_step  # the engine never loads half a state
+            if loaded is None:
+                raise Interrupted(f"%ckpt_restore stopped before loading: {listed} unchanged") from None
+            self.user_ns.update(state)  # the plain values too: all of the step, as it was loaded
+            raise Interrupted(f"step {loaded} of {ckpt.directory} was loaded into {listed} "
+                              "before the interrupt took effect") from None
         self.user_ns.update(state)
-        print(f"nbckpt: restored step {step} from {ckpt.directory} into {', '.join(args.names)}")
+        print(f"nbckpt: restored step {step} from {ckpt.directory} into {listed}")
 
     @line_magic
     @magic(

@@ -24,7 +24,7 @@ from IPython.core.error import UsageError
 from .._errors import CheckpointError, ConfigError, NbckptError
 from .._util import check_path, format_bytes, is_url, open_fsspec, run_directory
 from ..engine import CheckpointConfig, Checkpointer, SaveHandle, events_to_pandas, now_ns
-from ._cell import CheckpointFailed, engine_call, one_line
+from ._cell import CheckpointFailed, Interrupted, engine_call, one_line
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -252,11 +252,36 @@ class Session:
                               "replaced; add --overwrite if that is intended, or run "
                               "%ckpt_config --new-run to save into a fresh run directory", stacklevel=2)
                 overwrite = True
-            # One Checkpointer per directory serves both modes: a sync save blocks per save.
-            handle = ckpt.save(state, step=step, blocking=mode == "sync", overwrite=overwrite)
+            try:  # One Checkpointer per directory serves both modes: a sync save blocks per save.
+                handle = ckpt.save(state, step=step, blocking=mode == "sync", overwrite=overwrite)
+            except KeyboardInterrupt:
+                raise Interrupted(self._interrupted(ckpt, key, step, mode, names)) from None
         save = Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names), handle=handle)
         self.saves.append(save)
         return save
+
+    def _interrupted(self, ckpt: Checkpointer, key: str, step: int, mode: str,
+                     names: Sequence[str]) -> str:
+        """What a Ctrl-C in a save kept, in one line. A save that got as far as the background
+        goes on there (the engine never cuts a write in two) and joins the session's saves."""
+        handle = next((h for h in reversed(ckpt.handles) if h.step == step), None)
+        if handle is not None:
+            self.saves.append(Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names),
+                                   handle=handle))
+            if handle.done() and handle.error is None:
+                return f"step {step} committed to {ckpt.directory} before the interrupt took effect"
+            if not handle.done():
+                return (f"step {step} is still being written in the background (%ckpt_wait waits "
+                        f"for it, %ckpt_status shows it); {self._newest(ckpt, step)}")
+        return f"step {step} not saved; {self._newest(ckpt, step)}"
+
+    @staticmethod
+    def _newest(ckpt: Checkpointer, step: int) -> str:
+        newest = ckpt.latest_step()
+        if newest is None:
+            return f"{ckpt.directory} holds no committed step"
+        again = " (its earlier save)" if newest == step else ""
+        return f"step {newest}{again} is the newest committed in {ckpt.directory}"
 
     def wait(self) -> NbckptError | None:
         """Wait until every save has committed or failed; the first failure, if any."""

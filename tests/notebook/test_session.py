@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers.kernel import RealKernel
+from helpers.sync import until
 
 from nbckpt import Checkpointer
 
@@ -121,3 +122,62 @@ def test_the_browser_deletes_while_the_autosave_holds_the_directory(
     assert kernel.evaluate("[row.step for row in browser.rows]") == "[30]"
     with Checkpointer(run, read_only=True) as ckpt:
         assert ckpt.steps() == [30]
+
+
+def test_ctrl_c_in_a_large_sync_save_is_one_line_saying_what_was_kept(
+    kernel: RealKernel, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    cell(kernel, SETUP + f"%ckpt_config -d {run}\nbig = torch.ones(1 << 26)  # 256 MiB\n"
+                         "%ckpt_sync big step --step 10")
+    msg_id = kernel.send("step = 20\n%ckpt_sync big step --step 20")
+    # Mid-write: the step's temporary directory exists, its files are being written.
+    assert until(lambda: bool(list(run.glob(".tmp-step-000020-*"))), timeout=120, poll_s=0.001)
+    kernel.km.interrupt_kernel()
+    reply, shown = kernel.reply(msg_id), kernel.outputs(msg_id)
+    assert reply["status"] == "error" and shown["stderr"] == ""
+    assert shown["error"] in (  # one line: the traceback through nbckpt and torch is not shown
+        f"KeyboardInterrupt: step 20 is still being written in the background (%ckpt_wait waits for "
+        f"it, %ckpt_status shows it); step 10 is the newest committed in {run}\n",
+        f"KeyboardInterrupt: step 20 committed to {run} before the interrupt took effect\n",  # a fast disk
+    )
+    out, _ = cell(kernel, "%ckpt_wait")  # the save went on in the background, and counts
+    assert out.startswith("nbckpt: 2 of this session's 2 save(s) committed ("), out
+    with Checkpointer(run, read_only=True) as ckpt:
+        assert ckpt.steps() == [10, 20]
+        for saved in (10, 20):
+            ckpt.verify(saved)
+    assert not list(run.glob(".tmp-*"))
+
+
+INTERRUPT_IN = """\
+import os, signal
+from nbckpt.engine import _restorer
+original = {target}
+
+def interrupted(*args, **kwargs):  # Ctrl-C arrives here, as JupyterLab's interrupt sends it
+    os.kill(os.getpid(), signal.SIGINT)
+    return original(*args, **kwargs)
+
+{target} = interrupted
+"""
+
+
+def test_ctrl_c_in_a_restore_says_whether_the_variables_were_loaded(
+    kernel: RealKernel, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    cell(kernel, SETUP + f"%ckpt_config -d {run}\nw = torch.ones(8)\n%ckpt_sync w step --step 5")
+    # while the files are read: nothing is loaded
+    cell(kernel, "w.zero_(); step = 0\n" + INTERRUPT_IN.format(target="_restorer.Restorer._read_for"))
+    reply, shown = failing(kernel, "%ckpt_restore w step")
+    assert reply["ename"] == "Interrupted" and shown["stderr"] == ""
+    assert shown["error"] == "KeyboardInterrupt: %ckpt_restore stopped before loading: w, step unchanged\n"
+    assert kernel.evaluate("(float(w.sum()), step)") == "(0.0, 0)"
+    # while loading in place: held until the state is whole, then all of it, the plain values too
+    cell(kernel, "_restorer.Restorer._read_for = original\n" + INTERRUPT_IN.format(target="_restorer._apply"))
+    reply, shown = failing(kernel, "%ckpt_restore w step")
+    assert reply["ename"] == "Interrupted" and shown["stderr"] == ""
+    assert shown["error"] == (f"KeyboardInterrupt: step 5 of {run} was loaded into w, step before the "
+                              "interrupt took effect\n")
+    assert kernel.evaluate("(float(w.sum()), step)") == "(8.0, 5)"
