@@ -43,7 +43,8 @@ from ._magic_args import (
     positive,
     step_value,
 )
-from ._session import DIR_ENV, OPTIONS, Save, SaveStatus, Session, variables
+from ._save_status import Save, SaveStatus
+from ._session import DIR_ENV, OPTIONS, Session, variables
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import queue
@@ -25,7 +26,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from nbckpt import CheckpointError, SaveHandle
-from nbckpt.notebook._cell import CheckpointFailed
+from nbckpt.notebook._cell import CheckpointFailed, OneLineWarnings
 from nbckpt.notebook._magic_args import BENCH_DIR
 from nbckpt.notebook._magics import MAGICS, CheckpointMagics
 
@@ -417,9 +418,22 @@ def test_load_twice_is_harmless_and_unload_releases_directories(
     assert second is not first and not first.session.checkpointers
     again = ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'r'}")  # lock was released
     assert again.wait().step == 1
+    assert isinstance(warnings.showwarning, OneLineWarnings)  # nbckpt's warnings: one line each
+    assert not isinstance(warnings.showwarning.previous, OneLineWarnings)  # reload: not twice
     ip.run_line_magic("unload_ext", "nbckpt")
     assert ip.find_line_magic("ckpt_async") is None
+    assert not isinstance(warnings.showwarning, OneLineWarnings)
     ip.run_line_magic("load_ext", "nbckpt")
+
+
+def test_nbckpt_warnings_show_as_one_line_others_as_before() -> None:
+    shown: list[tuple[Any, ...]] = []
+    show = OneLineWarnings(lambda *args: shown.append(args))
+    stream = io.StringIO()
+    show(UserWarning("nbckpt: step 1 already exists\nand is replaced"), UserWarning, "/x/cell.py", 1, stream)
+    assert stream.getvalue() == "UserWarning: nbckpt: step 1 already exists; and is replaced\n"
+    show(UserWarning("torch: something"), UserWarning, "/x/cell.py", 1, stream, None)
+    assert shown == [(shown[0][0], UserWarning, "/x/cell.py", 1, stream, None)]
 
 
 def test_load_ext_shows_the_loggers_warnings_until_unload(
