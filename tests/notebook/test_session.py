@@ -128,7 +128,7 @@ def test_ctrl_c_in_a_large_sync_save_is_one_line_saying_what_was_kept(
     kernel: RealKernel, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    cell(kernel, SETUP + f"%ckpt_config -d {run}\nbig = torch.ones(1 << 26)  # 256 MiB\n"
+    cell(kernel, SETUP + f"%ckpt_config -d {run}\nbig = torch.ones(1 << 25)  # 128 MiB\n"
                          "%ckpt_sync big step --step 10")
     msg_id = kernel.send("step = 20\n%ckpt_sync big step --step 20")
     # Mid-write: the step's temporary directory exists, its files are being written.
