@@ -1,9 +1,10 @@
 """One notebook session's checkpointing, behind the magics: its options (``%ckpt_config``), one
-Checkpointer per directory, its saves with their live status lines, and the timeline of them all.
+Checkpointer per directory, its saves (:mod:`._save_status`), and the timeline of them all.
 
 A Checkpointer's config is frozen: when an option changes, the session closes the directory's
 Checkpointer once its saves in flight have committed and opens a new one with the new config,
-and says so in one line.
+and says so in one line. One closed under the session (``nbckpt.close_all()``) is reopened, with
+the same config, by the next magic or autosave that needs it.
 """
 
 from __future__ import annotations
