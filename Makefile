@@ -52,6 +52,8 @@ test: export OMP_NUM_THREADS = 1
 test: $(STAMP) browser-deps lint
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q tests
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q --nbval-lax --nbval-current-env notebooks
+	# nbval runs them with their defaults: 01 and 08 keep their run for re-running cells by hand
+	rm -rf data/checkpoints/01_quickstart data/checkpoints/08_never_lose_work
 
 clean:
 	rm -rf $(VENV) reports data/checkpoints .pytest_cache .mypy_cache .ruff_cache

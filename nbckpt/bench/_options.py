@@ -25,7 +25,7 @@ __all__ = ["add_bench_arguments", "run_bench_from_args"]
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``nbckpt bench`` (and ``%ckpt_bench``)."""
-    parser.add_argument("--dir", default="data/checkpoints/bench",
+    parser.add_argument("-d", "--dir", default="data/checkpoints/bench",
                         help="where checkpoints are written, a directory or s3:// URL "
                         "(default: %(default)s)")
     parser.add_argument("--preset", default=None,

@@ -4,7 +4,7 @@ The bottom layer of nbckpt: it imports nothing from the bench, analysis or noteb
 ``Checkpointer`` is its face; the timeline is the record of every phase it runs.
 """
 
-from ._checkpointer import Checkpointer, close_all
+from ._checkpointer import Checkpointer, close_all, writer_of
 from ._config import CheckpointConfig
 from ._handles import SaveHandle, SaveRecord
 from ._state import flatten
@@ -29,4 +29,5 @@ __all__ = [
     "flatten",
     "now_ns",
     "step_name",
+    "writer_of",
 ]

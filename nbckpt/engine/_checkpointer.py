@@ -41,7 +41,7 @@ from ._store import Store, check_step, open_store, step_name
 from ._timeline import Timeline
 from ._workers import Pool
 
-__all__ = ["Checkpointer", "close_all"]
+__all__ = ["Checkpointer", "close_all", "writer_of"]
 
 _log = logging.getLogger("nbckpt")
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
@@ -362,6 +362,10 @@ class Checkpointer:
             found.update(readable.foreign())  # plain DCP checkpoints (torchtitan's): read only
         return sorted(found)
 
+    def has_step(self, step: int) -> bool:
+        """Whether ``step`` is committed in the line saves go to: a save of it replaces it."""
+        return check_step(step) in self._saver.committed
+
     def latest_step(self) -> int | None:
         """The highest committed step, or None when there is none."""
         steps = self.steps()
@@ -416,22 +420,38 @@ class Checkpointer:
             if step is not None:
                 check_step(step)
             self._saver.wait()
-            restored = self._restorer.restore(
-                state,
-                step,
-                verify=self.config.verify if verify is None else bool(verify),
-                rng=rng,
-                strict=strict,
-                key_map=key_map,
-            )
-            # Newer steps anywhere the line reads from (the mirror too: after a lost disk it may
-            # hold the only copies): a save after this restore must not meet them.
-            newer = [s for store in self._restorer.stores for s in store.committed() if s > restored]
-            source = self._restorer.last_source
-            self.restored_from = self._restorer.stores[source].url
-            line = self._chain[source] if source < len(self._chain) else self.line_name
-            self._fork = (line, restored) if newer and not self.config.read_only else None
+            try:
+                restored = self._restorer.restore(
+                    state,
+                    step,
+                    verify=self.config.verify if verify is None else bool(verify),
+                    rng=rng,
+                    strict=strict,
+                    key_map=key_map,
+                )
+            except KeyboardInterrupt:
+                # A Ctrl-C held back until the state was loaded in full: a save after it must
+                # still branch off as after any restore of an older step.
+                if self._restorer.applied is not None:
+                    self._restored(self._restorer.applied)
+                raise
+            self._restored(restored)
             return restored
+
+    @property
+    def loaded_step(self) -> int | None:
+        """The step the last :meth:`restore` loaded into its state, also when a Ctrl-C ended it
+        once the state was loaded (None: that restore loaded nothing, or none ran)."""
+        return self._restorer.applied
+
+    def _restored(self, restored: int) -> None:
+        # Newer steps anywhere the line reads from (the mirror too: after a lost disk it may
+        # hold the only copies): a save after this restore must not meet them.
+        newer = [s for store in self._restorer.stores for s in store.committed() if s > restored]
+        source = self._restorer.last_source
+        self.restored_from = self._restorer.stores[source].url
+        line = self._chain[source] if source < len(self._chain) else self.line_name
+        self._fork = (line, restored) if newer and not self.config.read_only else None
 
     def load(
         self, step: int | None = None, *, map_location: str | torch.device | None = None
@@ -451,22 +471,29 @@ class Checkpointer:
                     raise CheckpointError(f"no checkpoint in {self.store.url}")
             return self._restorer.load(check_step(step), verify=self.config.verify, map_location=device)
 
-    def delete(self, step: int) -> None:
-        """Delete a committed checkpoint (it stops counting before its files go)."""
+    def delete(self, step: int, *, line: str | None = None) -> None:
+        """Delete a committed checkpoint (it stops counting before its files go), of the line saves
+        go to or of the run's line ``line``."""
         with self._operation():
             self._check_open(writing=True)
             self._saver.wait()
-            store = self._saver.store
+            name = self.line_name if line is None else line
+            if name not in self._lines:  # a line started since this one opened (by another run)
+                self._lines = self._discover()
+            if name not in self._lines:
+                raise CheckpointError(f"{self.store.url} has no line {name!r}")
+            store = self._saver.store if name == self.line_name else self._lines[name].store
             if store.committed_at(check_step(step)) is None:
                 if step in store.foreign():
                     raise CheckpointError(
                         f"step {step} in {self.store.url} was written by plain DCP; nbckpt never deletes it"
                     )
                 raise CheckpointError(
-                    f"no committed checkpoint for step {step} in line {self.line_name} of {self.store.url}"
+                    f"no committed checkpoint for step {step} in line {name} of {self.store.url}"
                 )
             self._restorer.group.from_rank0(("delete", step), lambda: store.delete(step))
-            self._saver.committed.discard(step)
+            if name == self.line_name:
+                self._saver.committed.discard(step)
 
     def save_on_signal(
         self,
@@ -514,6 +541,11 @@ class Checkpointer:
         if main and self._main_depth == 0 and self._deferred is not None:
             deferred, self._deferred = self._deferred, None
             deferred()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` (or :func:`close_all`) has released it: it does nothing more."""
+        return self._closed
 
     def _check_open(self, *, writing: bool = False) -> None:
         if self._closed:
@@ -592,6 +624,19 @@ def _release(
     if mirror is not None:
         mirror.stop(wait)
     store.unlock()
+
+
+def writer_of(directory: str | os.PathLike[str]) -> Checkpointer | None:
+    """The open Checkpointer of this process that writes into ``directory`` (on a local
+    directory: the one holding its lock), or None."""
+    wanted = open_store(os.fspath(directory)).url
+    if not is_url(wanted):
+        wanted = os.path.realpath(wanted)  # a symlink or a relative path to the run is the run
+    for ckpt in list(_OPEN):
+        url = ckpt.store.url if is_url(ckpt.store.url) else os.path.realpath(ckpt.store.url)
+        if url == wanted and not ckpt._closed and not ckpt.config.read_only:
+            return ckpt
+    return None
 
 
 def close_all() -> list[str]:

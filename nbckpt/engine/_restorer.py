@@ -57,6 +57,9 @@ class Restorer:
         self.store = stores[0]
         self.rank = group.rank
         self.last_source = 0  # which of ``stores`` the last restore read from
+        # The step the last restore loaded into the state: set inside the section a Ctrl-C
+        # cannot cut, so an interrupt delivered as it ends still knows the state was loaded.
+        self.applied: int | None = None
 
     def find(self, step: int) -> tuple[Readable, str]:
         """The store and location of committed ``step`` (the first store that has it)."""
@@ -93,6 +96,7 @@ class Restorer:
         tried: list[tuple[int, int]] = []
         lacking: list[_Lacks] = []  # newer steps that hold other names than the state asks for
         attempt = 0
+        self.applied = None
         while True:
             attempt += 1
             try:
@@ -128,6 +132,7 @@ class Restorer:
                         )
                         if streams is not None:
                             streams()
+                        self.applied, self.last_source = candidate, index
             if failure is not None:
                 tried.append((candidate, index))
                 if step is not None and not self._candidates(step, tried):
@@ -144,7 +149,6 @@ class Restorer:
                     f"(step {lacking[0].step} holds {_listed(lacking[0].holds)})",
                     stacklevel=4,  # the caller of Checkpointer.restore
                 )
-            self.last_source = index
             self.timeline.record(
                 "restore", began, step=candidate, nbytes=sum(t.nbytes for t in tensors.values())
             )

@@ -32,8 +32,10 @@ the interpreter: the last committed autosave is what is left then.
 Steps: from the user's variable (``step="step"``, also saved with the state, so that
 ``%ckpt_restore model opt step`` brings it back) or else one past the newest step of the
 directory. A step that is already in the directory and was not saved by this session is never
-replaced. Problems are one line on the ``nbckpt`` logger (``%load_ext nbckpt`` shows it in the
-notebook), repeated only when they change; they never fail the user's cell.
+replaced. Every failure is one line on the ``nbckpt`` logger (``%load_ext nbckpt`` shows it in the
+notebook, under the cell that triggered it), each time it happens, and ``%ckpt_autosave`` shows how
+many there were and the last one; they never fail the user's cell. A Checkpointer closed under it
+(``nbckpt.close_all()``) is reopened by the session as the next cell ends.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ from .._errors import ConfigError
 from .._util import format_duration, parse_duration
 from ..engine import Checkpointer, SaveHandle, SaveRecord
 from ._cell import one_line, reraise
-from ._session import Save, Session, variables
+from ._save_status import Save
+from ._session import Session, variables
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
@@ -139,7 +142,9 @@ class Autosave:
         self._cells_saved = 0  # ... when the newest autosave took the state
         self._armed: Checkpointer | None = None  # the Checkpointer the signal handler saves with
         self._disarm: Callable[[], None] | None = None
-        self._reported: str | None = None  # the last problem logged (not repeated while it lasts)
+        self.failures = 0  # autosaves that failed or were refused since start()
+        self.last_error: str | None = None  # the newest failure's line, and when it came
+        self._error_wall: float | None = None
 
     @classmethod
     def active(cls, shell: InteractiveShell | None = None) -> Autosave | None:
@@ -202,8 +207,8 @@ class Autosave:
     def _arm(self) -> None:
         """Point the signal handler at the directory's current Checkpointer (the session opens a
         new one when an option changes) and put the exit hook last in line, so that it runs first."""
-        ckpt = self.session.checkpointers.get(self.key)
-        if ckpt is not self._armed and ckpt is not None:
+        ckpt = self.session.opened(self.directory)  # one closed under the session is reopened
+        if ckpt is not self._armed:
             if self._disarm is not None:
                 self._disarm()
             self._disarm = ckpt.save_on_signal(self._snapshot, signals=self.signals, timeout_s=self.timeout_s)
@@ -316,7 +321,6 @@ class Autosave:
             for record in caught:
                 _log.warning("%s", record.message)
         self.last, self._last_at, self._last_wall = save, time.monotonic(), time.time()
-        self._reported = None
         handle = save.handle
         handle.committed.add_done_callback(lambda done: self._committed(handle, done))
         if interrupted:
@@ -331,10 +335,10 @@ class Autosave:
             self._report(f"step {handle.step} failed: {one_line(error)}")
 
     def _report(self, problem: str) -> None:
-        line = f"nbckpt: autosave to {self.directory}: {problem}"
-        if line != self._reported:
-            self._reported = line
-            _log.warning("%s", line)
+        """A failure: counted, kept for the status, and logged each time (under the cell)."""
+        self.failures += 1
+        self.last_error, self._error_wall = problem, time.time()
+        _log.warning("nbckpt: autosave to %s: %s", self.directory, problem)
 
     # -- what it shows --------------------------------------------------------------------------
 
@@ -344,11 +348,14 @@ class Autosave:
         head = f"{what} to {self.directory} every {format_duration(self.every_s)}"
         if not self.running:
             return f"nbckpt: stopped autosaving {head}"
-        last = "none yet"
+        last = "none yet" if not self.failures else "none saved yet"
         if self.last is not None and self._last_wall is not None:
             handle = self.last.handle
             phase = "failed" if handle.error is not None else handle.phase
             last = f"step {handle.step} at {_clock(self._last_wall)} ({phase})"
+        if self.failures and self._error_wall is not None:
+            last += (f"\n  failed: {self.failures} time(s), the last at {_clock(self._error_wall)}: "
+                     f"{self.last_error}")
         wait = self._last_at + self.every_s - time.monotonic()
         due = f"the first cell to end after {_clock(time.time() + wait)}" if wait > 0 else "the next cell"
         return (f"nbckpt: autosaving {head}\n  last: {last}\n  next: {due}; at once when a cell is "

@@ -6,7 +6,8 @@
     >>> browser.select(100, 200); browser.diff().head()    # the same from Python
 
 A browser only reads (it opens the run read-only), so it can sit beside the Checkpointer that
-trains into the same directory; only Delete writes, for the length of the delete. Every
+trains into the same directory; only Delete writes: through that Checkpointer when it is in this
+kernel (the magics', an autosave's), else for the length of the delete. Every
 action's error is one line in the widget (and in ``browser.error``), never a traceback.
 Creating another browser of the same run (re-running the cell) closes the previous one.
 """

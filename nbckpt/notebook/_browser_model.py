@@ -4,7 +4,9 @@ its manifest's facts, verification results, and the actions (verify, diff, resto
 Everything reads through read-only Checkpointers (``read_only=True``: no lock, nothing
 written), opened for each action and closed after it. So a browser never holds the run's
 directory, never blocks the Checkpointer training into it, and is never left holding a
-Checkpointer that ``nbckpt.close_all()`` closed. Only a delete writes; see :meth:`RunIndex.delete`.
+Checkpointer that ``nbckpt.close_all()`` closed. Only a delete writes: through the Checkpointer
+of this kernel that writes into the run (the magics', an autosave's, the user's), else through
+one opened for it; see :meth:`RunIndex.delete`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url
 from ..analysis import diff_states
-from ..engine import Checkpointer
+from ..engine import Checkpointer, writer_of
 
 __all__ = ["NOT_CHECKED", "Check", "RowKey", "RunIndex", "StepRow", "saved_values"]
 
@@ -249,21 +251,37 @@ class RunIndex:
         for name, other in self.lines.items():
             if other.get("parent") == line and other.get("from_step") == step:
                 return f"{name} goes on from it, and would lose the step it starts from"
+        holder = writer_of(self.directory)
+        if holder is not None and line == holder.line_name and any(
+            handle.step == step and not handle.done() for handle in holder.handles
+        ):
+            return f"a save of step {step} is in flight in this kernel; delete it once it has committed"
         return None
 
     def delete(self, key: RowKey) -> None:
         """Delete a committed step of a line.
 
-        Deleting writes, so it opens the run for writing for the length of the delete: on a
-        directory that takes the run's lock, and when a Checkpointer is saving into it (in this
-        kernel or another process) the engine refuses, with the reason. An object store has no
-        lock, and opening it for writing discards the uncommitted remains of any save going on
-        there: the widget asks for a confirmation that says so.
+        When a Checkpointer of this kernel writes into the run (the magics' or an autosave's,
+        even after ``%ckpt_autosave --off``: the session keeps the directory open), the delete
+        goes through it, with its lock, its bookkeeping and its rules (it waits for the saves in
+        flight; the step being saved is refused). Else it opens the run for writing for the
+        length of the delete: on a directory that takes the run's lock, and when another process
+        saves into it the engine refuses, with the reason. An object store has no lock, and
+        opening it for writing discards the uncommitted remains of any save going on there: the
+        widget asks for a confirmation that says so.
         """
         reason = self.refusal(key)
         if reason is not None:
             raise ConfigError(reason)
         line, step = key
+        holder = writer_of(self.directory)
+        if holder is not None:
+            if holder.world_size > 1:  # its delete is collective: every rank must call it
+                raise ConfigError(f"the run is open for writing on {holder.world_size} ranks of this "
+                                  f"job; delete with its Checkpointer on every rank: ckpt.delete({step})")
+            holder.delete(step, line=line)
+            self.checks.pop(key, None)
+            return
         try:
             writer = Checkpointer(self.directory, line=line, ranks="local", writer_threads=1,
                                   storage_options=self.storage_options)

@@ -18,7 +18,7 @@ from .._errors import CheckpointError, ConfigError, NbckptError
 if TYPE_CHECKING:
     from types import FrameType
 
-__all__ = ["CheckpointFailed", "engine_call", "one_line", "reraise"]
+__all__ = ["CheckpointFailed", "Interrupted", "OneLineWarnings", "engine_call", "one_line", "reraise"]
 
 # Frames in these are never "the user's code" that a warning should point at.
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__ or "")) + os.sep
@@ -35,6 +35,15 @@ class CheckpointFailed(CheckpointError):
         return [f"{type(self).__name__}: {self}"]
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C in a magic's save or restore, shown as one line saying what was kept (IPython shows
+    what ``_render_traceback_`` gives instead of the traceback through nbckpt and torch). It is a
+    KeyboardInterrupt: ``except KeyboardInterrupt`` and the autosave's interrupt trigger see it."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
+
+
 def one_line(exc: BaseException) -> str:
     """An error's message on one line."""
     return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
@@ -45,6 +54,27 @@ def reraise(exc: NbckptError) -> None:
     if isinstance(exc, ConfigError):
         raise UsageError(one_line(exc)) from exc
     raise CheckpointFailed(one_line(exc)) from exc
+
+
+class OneLineWarnings:
+    """``warnings.showwarning`` while the extension is loaded: nbckpt's warnings show as their one
+    line (``UserWarning: nbckpt: ...``), without the file and line of the cell, whose echo is
+    IPython's ``get_ipython().run_line_magic(...)``, not what the user typed. Filters still
+    apply (they run before this); other warnings show as before."""
+
+    def __init__(self, previous: Callable[..., None]) -> None:
+        self.previous = previous
+
+    def __call__(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: Any = None, line: str | None = None) -> None:
+        text = str(message)
+        if not text.startswith("nbckpt: "):
+            self.previous(message, category, filename, lineno, file, line)
+            return
+        stream = file if file is not None else sys.stderr
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):  # a closed stream, as warnings does
+                stream.write(f"{category.__name__}: {one_line(Warning(text))}\n")
 
 
 def _warn_at_cell(warning: Warning | str, user_globals: dict[str, Any]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import tempfile
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
@@ -17,6 +19,7 @@ from .._util import check_count, parse_duration
 
 __all__ = [
     "AUTOSAVE_ARGS",
+    "BENCH_DIR",
     "DIR_ARG",
     "SAVE_ARGS",
     "arg",
@@ -134,10 +137,15 @@ SAVE_ARGS = (
     arg("--keep", type=keep_value, default=argparse.SUPPRESS, metavar="K",
         help="keep only the newest K checkpoints of this directory, 'none' keeps all "
         "(default: %%ckpt_config's keep)"),
+    arg("--overwrite", action="store_true",
+        help="replace the step if it exists, without a warning (re-running a cell's save)"),
     arg("names", nargs="+", metavar="NAME",
         help="notebook variables to save: modules, optimizers, tensors, dicts, plain values"),
 )
 
+
+#: Where ``%ckpt_bench`` writes without ``-d``: a folder of this user's in the temp directory.
+BENCH_DIR = os.path.join(tempfile.gettempdir(), f"nbckpt-bench-{os.getuid()}")
 
 #: The arguments of ``%ckpt_autosave``.
 AUTOSAVE_ARGS = (
@@ -162,6 +170,9 @@ def bench_parser(doc: str | None) -> MagicArgumentParser:
 
     parser = _parser("ckpt_bench", doc)
     bench.add_bench_arguments(parser)
+    # Not nbckpt bench's relative default: a notebook's kernel runs in the notebook's folder,
+    # and a benchmark's checkpoints do not belong beside the notebooks (nor in git status).
+    parser.set_defaults(dir=BENCH_DIR)
     parser.add_argument("--static", action="store_true",
                         help="run in the foreground and show static figures, as in batch runs "
                         "(default: live lab in JupyterLab)")

@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
@@ -29,7 +30,7 @@ from .._util import is_url
 from ..engine import SaveHandle
 from ._autosave import Autosave
 from ._autosave import command as autosave_command
-from ._cell import one_line, reraise
+from ._cell import Interrupted, OneLineWarnings, one_line, reraise
 from ._magic_args import (
     AUTOSAVE_ARGS,
     DIR_ARG,
@@ -42,7 +43,8 @@ from ._magic_args import (
     positive,
     step_value,
 )
-from ._session import DIR_ENV, OPTIONS, Save, SaveStatus, Session, variables
+from ._save_status import Save, SaveStatus
+from ._session import DIR_ENV, OPTIONS, Session, variables
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -107,7 +109,7 @@ class CheckpointMagics(Magics):
         if hasattr(args, "keep"):
             self.session.keep_in(args.dir, args.keep)
         save = self.session.save(state, names=args.names, mode=mode, directory=args.dir,
-                                 step=args.step)
+                                 step=args.step, overwrite=args.overwrite)
         self._show(save)
         return save.handle
 
@@ -217,7 +219,7 @@ class CheckpointMagics(Magics):
             raise UsageError("no checkpoint events in this session yet: run %ckpt_async first")
         from ._timeline_figures import timeline_figure
 
-        return timeline_figure(df)
+        return timeline_figure(df, origin="this session started (%load_ext nbckpt)")
 
     @line_magic
     @magic(*AUTOSAVE_ARGS)
@@ -247,10 +249,19 @@ class CheckpointMagics(Magics):
         if not is_url(directory) and not os.path.isdir(directory):
             raise UsageError(f"no checkpoint directory {directory!r}")
         ckpt = self.session.checkpointer(directory)
-        with self.session.engine_call():
-            step = ckpt.restore(state, step=args.step)
+        listed = ", ".join(args.names)
+        try:
+            with self.session.engine_call():
+                step = ckpt.restore(state, step=args.step)
+        except KeyboardInterrupt:
+            loaded = ckpt.loaded_step  # the engine never loads half a state
+            if loaded is None:
+                raise Interrupted(f"%ckpt_restore stopped before loading: {listed} unchanged") from None
+            self.user_ns.update(state)  # the plain values too: all of the step, as it was loaded
+            raise Interrupted(f"step {loaded} of {ckpt.directory} was loaded into {listed} "
+                              "before the interrupt took effect") from None
         self.user_ns.update(state)
-        print(f"nbckpt: restored step {step} from {ckpt.directory} into {', '.join(args.names)}")
+        print(f"nbckpt: restored step {step} from {ckpt.directory} into {listed}")
 
     @line_magic
     @magic(
@@ -372,6 +383,7 @@ def load(ipython: InteractiveShell) -> None:
     formatters.ipython_display_formatter.for_type(SaveHandle, magics._display_handle)
     formatters.formatters["text/plain"].for_type_by_name(*_COMPARISON, _comparison_text)
     logging.getLogger("nbckpt").addHandler(magics.log_handler)
+    warnings.showwarning = OneLineWarnings(warnings.showwarning)
 
 
 def unload(ipython: InteractiveShell) -> None:
@@ -393,3 +405,5 @@ def unload(ipython: InteractiveShell) -> None:
     plain.type_printers = {k: v for k, v in plain.type_printers.items()
                            if (k.__module__, k.__name__) != _COMPARISON}
     logging.getLogger("nbckpt").removeHandler(magics.log_handler)
+    if isinstance(warnings.showwarning, OneLineWarnings):  # unless another wrapped it since
+        warnings.showwarning = warnings.showwarning.previous

@@ -1,18 +1,19 @@
 """One notebook session's checkpointing, behind the magics: its options (``%ckpt_config``), one
-Checkpointer per directory, its saves with their live status lines, and the timeline of them all.
+Checkpointer per directory, its saves (:mod:`._save_status`), and the timeline of them all.
 
 A Checkpointer's config is frozen: when an option changes, the session closes the directory's
 Checkpointer once its saves in flight have committed and opens a new one with the new config,
-and says so in one line.
+and says so in one line. One closed under the session (``nbckpt.close_all()``) is reopened, with
+the same config, by the next magic or autosave that needs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import html
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
@@ -21,14 +22,22 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 from .._errors import CheckpointError, ConfigError, NbckptError
-from .._util import format_bytes, is_url, run_directory
-from ..engine import CheckpointConfig, Checkpointer, SaveHandle, events_to_pandas, now_ns
-from ._cell import CheckpointFailed, engine_call, one_line
+from .._util import check_path, format_bytes, is_url, open_fsspec, run_directory
+from ..engine import CheckpointConfig, Checkpointer, events_to_pandas, now_ns
+from ._cell import CheckpointFailed, Interrupted, engine_call, one_line
+from ._save_status import Save
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["DIR_ENV", "OPTIONS", "Save", "SaveStatus", "Session", "SessionDefaults", "variables"]
+__all__ = [
+    "DIR_ENV",
+    "OPTIONS",
+    "Session",
+    "SessionDefaults",
+    "usable_directory",
+    "variables",
+]
 
 _log = logging.getLogger("nbckpt")
 
@@ -60,66 +69,6 @@ class SessionDefaults:
         return self.run or self.dir
 
 
-class SaveStatus:
-    """A compact, self-describing line for one save: staged, persisting, committed or failed."""
-
-    def __init__(self, handle: SaveHandle, directory: str, mode: str) -> None:
-        self.handle = handle
-        self.directory = directory
-        self.mode = mode
-
-    def _parts(self) -> tuple[str, str]:
-        h = self.handle
-        where = f" -> {self.directory}" if self.directory else ""
-        head = f"nbckpt {self.mode} step {h.step} ({format_bytes(h.bytes)}){where}"
-        error = h.error
-        if error is not None:
-            return "failed", f"{head}: failed: {one_line(error)}"
-        stall = f"stall {h.stall_s * 1e3:.1f} ms"
-        if h.wait_s > 1e-4:  # the same names as the bench's: the stall, and its wait part
-            stall += f" (wait for the earlier save {h.wait_s * 1e3:.1f} ms)"
-        if h.committed.done():
-            record = h.committed.result()
-            return "committed", (
-                f"{head}: committed · {stall} · "
-                f"persist {record.persist_s:.2f} s · {record.write_gbs:.2f} GB/s"
-            )
-        return h.phase, f"{head}: {h.phase} · {stall} · writing in the background"
-
-    def __repr__(self) -> str:
-        return self._parts()[1]
-
-    def _repr_html_(self) -> str:
-        phase, text = self._parts()
-        colour = {"committed": "#1a7f37", "failed": "#cf222e"}.get(phase, "#9a6700")
-        return (
-            f'<div class="nbckpt-save nbckpt-{phase}" style="font-family:monospace;'
-            f'color:{colour}">{html.escape(text)}</div>'
-        )
-
-
-@dataclass(kw_only=True)
-class Save:
-    """One save of this session, for ``%ckpt_status``, ``%ckpt_wait`` and ``%ckpt_timeline``."""
-
-    key: str
-    directory: str
-    mode: str
-    names: tuple[str, ...]
-    handle: SaveHandle
-    shown_at: int = 0  # execution count of the cell whose magic displayed it
-    live: list[tuple[SaveStatus, Any]] = field(default_factory=list)  # (status, DisplayHandle)
-
-    def finalise(self, live: tuple[SaveStatus, Any]) -> None:
-        """Show the save's final state in one of its live displays (at most once)."""
-        try:
-            self.live.remove(live)
-        except ValueError:
-            return  # the commit callback and %ckpt_wait raced; the other one updated it
-        status, shown = live
-        shown.update(status)
-
-
 def variables(namespace: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """The notebook variables ``names`` (ConfigError in one line naming the first one missing)."""
     state: dict[str, Any] = {}
@@ -130,6 +79,29 @@ def variables(namespace: dict[str, Any], names: Sequence[str]) -> dict[str, Any]
             raise ConfigError(f"no variable named {name!r} in this notebook")
         state[name] = namespace[name]
     return state
+
+
+def usable_directory(directory: str) -> None:
+    """Refuse, in one line, a directory no save could use (under a file, not writable, a URL of
+    no known kind): checked when it is set, not at the next save. Nothing is created."""
+    try:
+        check_path(directory, "directory")
+        if is_url(directory):
+            open_fsspec(directory)  # the protocol and its library; reaching it is the save's
+            return
+    except ConfigError as exc:
+        raise UsageError(f"cannot checkpoint to {directory!r}: {one_line(exc)}") from None
+    path = os.path.abspath(os.path.expanduser(directory.removeprefix("file://")))
+    existing = path
+    while not os.path.lexists(existing):  # the nearest part that exists: the save creates the rest
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        reason = f"{existing} is a file, not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        reason = f"{existing} is not writable"
+    else:
+        return
+    raise UsageError(f"cannot checkpoint to {directory!r}: {reason}")
 
 
 def _changes(changes: dict[str, Any]) -> str:
@@ -182,6 +154,8 @@ class Session:
         key = self.key(directory)
         with self._lock:
             ckpt = self.checkpointers.get(key)
+            if ckpt is not None and ckpt.closed:
+                return self._reopen(key, self._changed(key, ckpt))
             if ckpt is not None:
                 changes = self._changed(key, ckpt)
                 return self._reopen(key, changes) if changes else ckpt
@@ -195,9 +169,11 @@ class Session:
             return ckpt
 
     def opened(self, directory: str | None = None) -> Checkpointer:
-        """The directory's Checkpointer as it is, opened if there is none (never reopened with
-        changed options, as :meth:`checkpointer` does: a signal's final save may be using it)."""
-        return self.checkpointers.get(self.key(directory)) or self.checkpointer(directory)
+        """The directory's Checkpointer as it is, opened if there is none or it was closed
+        (never reopened only for changed options, as :meth:`checkpointer` does: a signal's final
+        save may be using it)."""
+        ckpt = self.checkpointers.get(self.key(directory))
+        return ckpt if ckpt is not None and not ckpt.closed else self.checkpointer(directory)
 
     def keep_in(self, directory: str | None, keep: int | None) -> None:
         """``--keep`` of a save: how many checkpoints ``directory`` keeps from now on."""
@@ -210,17 +186,47 @@ class Session:
         ckpt = self.checkpointer(directory)
         step = self.next_step(directory) if step is None else step
         with self.engine_call():
-            # One Checkpointer per directory serves both modes: a sync save blocks per save.
-            handle = ckpt.save(state, step=step, blocking=mode == "sync", overwrite=overwrite)
+            if not overwrite and ckpt.has_step(step):  # the magics' way, instead of the engine's
+                warnings.warn(f"nbckpt: step {step} already exists in {ckpt.directory} and is "
+                              "replaced; add --overwrite if that is intended, or run "
+                              "%ckpt_config --new-run to save into a fresh run directory", stacklevel=2)
+                overwrite = True
+            try:  # One Checkpointer per directory serves both modes: a sync save blocks per save.
+                handle = ckpt.save(state, step=step, blocking=mode == "sync", overwrite=overwrite)
+            except KeyboardInterrupt:
+                raise Interrupted(self._interrupted(ckpt, key, step, mode, names)) from None
         save = Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names), handle=handle)
         self.saves.append(save)
         return save
+
+    def _interrupted(self, ckpt: Checkpointer, key: str, step: int, mode: str,
+                     names: Sequence[str]) -> str:
+        """What a Ctrl-C in a save kept, in one line. A save that got as far as the background
+        goes on there (the engine never cuts a write in two) and joins the session's saves."""
+        handle = next((h for h in reversed(ckpt.handles) if h.step == step), None)
+        if handle is not None:
+            self.saves.append(Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names),
+                                   handle=handle))
+            if handle.done() and handle.error is None:
+                return f"step {step} committed to {ckpt.directory} before the interrupt took effect"
+            if not handle.done():
+                return (f"step {step} is still being written in the background (%ckpt_wait waits "
+                        f"for it, %ckpt_status shows it); {self._newest(ckpt, step)}")
+        return f"step {step} not saved; {self._newest(ckpt, step)}"
+
+    @staticmethod
+    def _newest(ckpt: Checkpointer, step: int) -> str:
+        newest = ckpt.latest_step()
+        if newest is None:
+            return f"{ckpt.directory} holds no committed step"
+        again = " (its earlier save)" if newest == step else ""
+        return f"step {newest}{again} is the newest committed in {ckpt.directory}"
 
     def wait(self) -> NbckptError | None:
         """Wait until every save has committed or failed; the first failure, if any."""
         error: NbckptError | None = None
         try:
-            for ckpt in list(self.checkpointers.values()):
+            for ckpt in [c for c in self.checkpointers.values() if not c.closed]:
                 try:
                     ckpt.wait()
                 except NbckptError as exc:
@@ -237,6 +243,8 @@ class Session:
                   directory: str | None = None, new_run: bool = False) -> None:
         """Change the defaults (``options``: :data:`OPTIONS` given) and reopen the Checkpointers
         they change; one that has saves in flight is reopened by its next save or restore."""
+        if directory is not None:
+            usable_directory(directory)  # before anything changes: a refused one changes nothing
         with self._lock:
             if reset:
                 self.defaults = SessionDefaults()
@@ -267,9 +275,11 @@ class Session:
                     self._reopen(key, changes)
 
     def settings(self) -> Iterator[tuple[str, Any]]:
-        """What ``%ckpt_config`` shows: the directory saves go to, then every default."""
-        yield "directory", self.defaults.directory
-        yield from asdict(self.defaults).items()
+        """What ``%ckpt_config`` shows: the directory saves go to (one line, naming the directory
+        a ``--new-run`` is in), then every other default."""
+        run = self.defaults.run
+        yield "directory", run + f" (a --new-run inside {self.defaults.dir})" if run else self.defaults.dir
+        yield from ((k, v) for k, v in asdict(self.defaults).items() if k not in ("dir", "run"))
 
     def timeline(self) -> pd.DataFrame:
         """Every event of this session's Checkpointers, ``start_s`` from the session's start.
@@ -326,7 +336,11 @@ class Session:
         return [save for save in self.saves if save.key == key and not save.handle.done()]
 
     def _reopen(self, key: str, changes: dict[str, Any]) -> Checkpointer:
+        """A new Checkpointer for directory ``key``, with ``changes`` to its config, in place of
+        the one there (closed first; one closed under the session, by ``nbckpt.close_all()`` or
+        its own ``close()``, is replaced with the same config and the changes)."""
         old = self.checkpointers[key]
+        was_closed = old.closed
         waited = len(self.in_flight(key))
         with self.engine_call():
             try:
@@ -336,8 +350,13 @@ class Session:
                 self._closed.append(old)
             new = Checkpointer(old.directory, config=dataclasses.replace(old.config, **changes))
         self.checkpointers[key] = new
-        after = f" after its {waited} save(s) in flight committed" if waited else ""
-        print(f"nbckpt: {_changes(changes)} for {old.directory}: reopened its Checkpointer{after}")
+        if was_closed:  # the magics go on: the session's directory is its own again
+            with_changes = f" with {_changes(changes)}" if changes else ""
+            print(f"nbckpt: reopened the Checkpointer for {old.directory}{with_changes} (it was closed, "
+                  "by nbckpt.close_all() or its close())")
+        else:
+            after = f" after its {waited} save(s) in flight committed" if waited else ""
+            print(f"nbckpt: {_changes(changes)} for {old.directory}: reopened its Checkpointer{after}")
         return new
 
     def next_step(self, directory: str | None = None) -> int:
@@ -350,7 +369,7 @@ class Session:
     def staging_memory(self) -> str:
         """One line: host memory each directory's Checkpointer holds for staging (pinned or not)."""
         held = [(self.key(ckpt.directory), ckpt.host_bytes, ckpt.staging_pinned)
-                for ckpt in self.checkpointers.values()]
+                for ckpt in self.checkpointers.values() if not ckpt.closed]
         short = _short_names([key for key, _, _ in held])
         parts = [f"{short[key]} {format_bytes(nbytes)}{' pinned' if pinned else ''}"
                  for key, nbytes, pinned in held]

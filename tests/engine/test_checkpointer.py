@@ -24,6 +24,7 @@ from helpers.sync import main_thread_blocked, until
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from nbckpt import CheckpointConfig, Checkpointer, CheckpointError, ConfigError
+from nbckpt.engine import writer_of
 
 
 def trained_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -639,6 +640,24 @@ def test_delete_removes_a_step(tmp_path: Path) -> None:
         assert ckpt.steps() == [1, 3]
         with pytest.raises(CheckpointError, match="no committed checkpoint for step 2"):
             ckpt.delete(2)
+
+
+def test_writer_of_finds_the_open_writer_whose_delete_takes_a_line(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert writer_of(run) is None
+    with Checkpointer(run, mode="sync") as ckpt:
+        for step in (1, 2):
+            ckpt.save({"w": torch.full((2,), float(step))}, step=step)
+        with Checkpointer(run, read_only=True):  # a reader is not a writer
+            assert writer_of(run) is ckpt and writer_of(f"{tmp_path}/./run/") is ckpt
+        ckpt.restore({"w": torch.zeros(2)}, step=1)
+        with pytest.warns(UserWarning, match="branch-1"):
+            ckpt.save({"w": torch.ones(2)}, step=3)
+        ckpt.delete(2, line="main")  # a step of another line than the one saves go to
+        assert ckpt.lines()["main"]["steps"] == [1] and ckpt.steps() == [1, 3]
+        with pytest.raises(CheckpointError, match="has no line 'nope'"):
+            ckpt.delete(1, line="nope")
+    assert writer_of(run) is None  # closed
 
 
 def test_staging_memory_is_reported_and_reused(tmp_path: Path) -> None:

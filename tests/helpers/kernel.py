@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,23 +31,40 @@ class RealKernel:
         msg_id: str = msg["header"]["msg_id"]
         return msg_id
 
-    def output(self, msg_id: str, *, stream: str = "stdout", timeout: float = 180,
-               until: Callable[[str], bool] | None = None) -> str:
-        """What the cell ``msg_id`` writes to ``stream``, up to its idle status, or up to the
-        moment ``until(output so far)`` holds (the cell goes on running then)."""
-        out: list[str] = []
+    def _messages(self, msg_id: str, timeout: float) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(type, content) of each iopub message of the cell ``msg_id``, up to its idle status."""
         deadline = time.monotonic() + timeout
         while True:
             message = self.kc.get_iopub_msg(timeout=max(deadline - time.monotonic(), 0.01))
             if message["parent_header"].get("msg_id") != msg_id:
                 continue
             body = message["content"]
-            if message["msg_type"] == "stream" and body["name"] == stream:
+            if message["msg_type"] == "status" and body["execution_state"] == "idle":
+                return
+            yield message["msg_type"], body
+
+    def output(self, msg_id: str, *, stream: str = "stdout", timeout: float = 180,
+               until: Callable[[str], bool] | None = None) -> str:
+        """What the cell ``msg_id`` writes to ``stream``, up to its idle status, or up to the
+        moment ``until(output so far)`` holds (the cell goes on running then)."""
+        out: list[str] = []
+        for kind, body in self._messages(msg_id, timeout):
+            if kind == "stream" and body["name"] == stream:
                 out.append(body["text"])
                 if until is not None and until("".join(out)):
-                    return "".join(out)
-            if message["msg_type"] == "status" and body["execution_state"] == "idle":
-                return "".join(out)
+                    break
+        return "".join(out)
+
+    def outputs(self, msg_id: str, timeout: float = 180) -> dict[str, str]:
+        """Everything the cell ``msg_id`` shows up to its idle status: its ``stdout``, its
+        ``stderr`` and the lines of its ``error`` (the traceback as the frontend shows it)."""
+        shown = {"stdout": "", "stderr": "", "error": ""}
+        for kind, body in self._messages(msg_id, timeout):
+            if kind == "stream":
+                shown[body["name"]] += body["text"]
+            elif kind == "error":
+                shown["error"] += "".join(line + "\n" for line in body["traceback"])
+        return shown
 
     def reply(self, msg_id: str, timeout: float = 180) -> dict[str, Any]:
         """The execute reply's content of the cell ``msg_id``."""

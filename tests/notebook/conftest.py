@@ -1,4 +1,5 @@
-"""The IPython test shell with ``%load_ext nbckpt`` and a small model and optimizer in it."""
+"""The IPython test shell with ``%load_ext nbckpt`` and a small model and optimizer in it; a real
+kernel of its own."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.kernel import RealKernel
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.testing.globalipapp import get_ipython
 
@@ -34,3 +36,13 @@ def ip(
     shell.run_line_magic("unload_ext", "nbckpt")
     for name in ("model", "opt", "epoch", "train", "h"):
         shell.user_ns.pop(name, None)
+
+
+@pytest.fixture
+def kernel(tmp_path: Path) -> Iterator[RealKernel]:
+    """A real python3 kernel in ``tmp_path``, one torch thread, ``NBCKPT_DIR`` there."""
+    started = RealKernel(tmp_path, {"OMP_NUM_THREADS": "1", "NBCKPT_DIR": str(tmp_path / "k")})
+    try:
+        yield started
+    finally:
+        started.close()

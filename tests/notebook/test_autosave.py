@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 from helpers.kernel import RealKernel
+from helpers.storage import Throttle
 from helpers.sync import until
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
@@ -21,8 +22,8 @@ from IPython.core.interactiveshell import InteractiveShell
 from nbckpt import Checkpointer, ConfigError, SaveHandle, SaveRecord
 from nbckpt._util import format_bytes, parse_duration
 from nbckpt.engine import step_name
-from nbckpt.notebook import Autosave, _autosave
-from nbckpt.notebook._session import Save
+from nbckpt.notebook import Autosave, Browser, _autosave
+from nbckpt.notebook._save_status import Save
 
 
 @pytest.fixture
@@ -222,7 +223,7 @@ def test_a_step_saved_by_another_run_is_never_replaced(
     shell.run_line_magic("ckpt_autosave", f"model --every 1h --step step -d {target}")
     for _ in range(2):
         assert late_cell(shell)
-    assert autosave_lines(caplog) == [  # said once while it lasts
+    assert autosave_lines(caplog) == 2 * [  # said under each cell it refuses to save
         f"nbckpt: autosave to {target}: step 5 is already in {target} and was not saved in this "
         "session: it is not replaced (autosaves go on once the step moves on)"
     ]
@@ -266,17 +267,53 @@ def test_problems_are_one_line_and_never_fail_the_cell(
 ) -> None:
     shell.run_line_magic("ckpt_autosave", f"model --every 1h --step step -d {tmp_path / 'run'}")
     shell.user_ns["step"] = "three"
-    for _ in range(2):
+    problem = "the step variable 'step' is 'three', not a non-negative integer"
+    for _ in range(2):  # each failure is shown under its cell, not only the first
         assert late_cell(shell)
-    err = capsys.readouterr().err
-    assert err == (f"nbckpt: autosave to {tmp_path / 'run'}: the step variable 'step' is 'three', "
-                   "not a non-negative integer\n")
+        assert capsys.readouterr().err == f"nbckpt: autosave to {tmp_path / 'run'}: {problem}\n"
+    status = running(shell).status().splitlines()
+    assert status[1] == "  last: none saved yet"  # never "none yet" after failures
+    assert status[2].startswith("  failed: 2 time(s), the last at ") and status[2].endswith(problem)
     shell.user_ns["step"] = 1
     del shell.user_ns["model"]
     assert late_cell(shell)
     err = capsys.readouterr().err
     assert err.strip().endswith("no variable named 'model' in this notebook") and "\n" not in err.strip()
     assert "Traceback" not in err
+
+
+def test_the_browser_deletes_through_the_autosave_and_refuses_the_step_in_flight(
+    shell: InteractiveShell, tmp_path: Path, throttle: Throttle
+) -> None:
+    target = tmp_path / "run"
+    shell.run_line_magic("ckpt_autosave", f"model --every 1h --step step -d {target}")
+    autosave = running(shell)
+    for value in (1, 2, 3):
+        shell.user_ns["step"] = value
+        assert late_cell(shell)
+        autosave.last.handle.wait()  # type: ignore[union-attr]
+    holder = autosave.session.checkpointers[autosave.key]
+    browser = Browser(target)
+    browser.select(1)
+    assert browser.delete() and browser.confirm_delete(), browser.error  # not "in use"
+    assert [row.step for row in browser.rows] == [2, 3] and not committed(target, 1)
+    assert autosave.session.checkpointers[autosave.key] is holder and holder.steps() == [2, 3]
+    # Ctrl-C in a cell saves step 3 again: while it is written, its Delete is refused
+    throttle.hold()
+    assert not late_cell(shell, "raise KeyboardInterrupt")
+    assert throttle.entered.wait(30)
+    browser.select(3)
+    assert not browser.delete()
+    assert browser.error == ("Cannot delete: a save of step 3 is in flight in this kernel; delete it "
+                             "once it has committed")
+    throttle.release.set()
+    autosave.last.handle.wait()  # type: ignore[union-attr]
+    # switched off, the session still holds the directory: the Delete still goes through it
+    shell.run_line_magic("ckpt_autosave", "--off")
+    browser.select(2)
+    assert browser.delete() and browser.confirm_delete(), browser.error
+    assert [row.step for row in browser.rows] == [3] and holder.steps() == [3] and committed(target, 3)
+    browser.close()
 
 
 # -- the final save ----------------------------------------------------------------------------------

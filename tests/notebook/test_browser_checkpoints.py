@@ -1,6 +1,6 @@
 """The checkpoint browser in a real JupyterLab, driven through Debian's Chromium with Playwright:
 a notebook trains a little, saves three steps and shows a Browser beside its open Checkpointer;
-two clicked rows and Diff give the per-tensor table."""
+two clicked rows and Diff give the per-tensor table; Delete goes through that Checkpointer."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ torch.manual_seed(0)
 encoder, head = torch.nn.Linear(16, 8), torch.nn.Linear(8, 2)
 encoder.requires_grad_(False)
 opt = torch.optim.SGD(head.parameters(), lr=0.1)
-ckpt = Checkpointer("checkpoints/run", mode="sync")  # left open: the browser takes no lock
+ckpt = Checkpointer("checkpoints/run", mode="sync")  # left open: the browser reads without its
+# lock, and deletes through it
 for step in (100, 200, 300):
     loss = head(torch.relu(encoder(torch.randn(32, 16)))).pow(2).mean()
     opt.zero_grad(); loss.backward(); opt.step()
@@ -110,3 +111,14 @@ def test_two_clicked_steps_diff_in_jupyterlab(server: Server) -> None:
         page.locator(".nbckpt-browser button", has_text="Restore").click()
         page.locator(".nbckpt-browser .nbckpt-ok", has_text="Restored main step 200").wait_for(
             timeout=60_000)
+
+        # Delete while the kernel's Checkpointer holds the run: it deletes through that one
+        page.locator('.nbckpt-browser .nbckpt-steps tr[data-id="main:200"]').click()  # unselect
+        page.locator('.nbckpt-browser .nbckpt-steps tr[data-id="main:100"]').click()
+        page.locator(".nbckpt-browser button[title^='delete the selected step']").click()
+        page.locator(".nbckpt-browser button", has_text="Confirm delete").click()
+        page.locator(".nbckpt-browser .nbckpt-ok", has_text="Deleted main step 100.").wait_for(
+            timeout=60_000)
+        table = page.locator(".nbckpt-browser .nbckpt-steps table")
+        until(lambda: row_ids(table) == ["main:200", "main:300"], 60, "the table without step 100")
+        assert not (server.root / "checkpoints" / "run" / "step-000100").exists()

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import queue
 import sys
+import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,8 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 from nbckpt import CheckpointError, SaveHandle
-from nbckpt.notebook._cell import CheckpointFailed
+from nbckpt.notebook._cell import CheckpointFailed, OneLineWarnings
+from nbckpt.notebook._magic_args import BENCH_DIR
 from nbckpt.notebook._magics import MAGICS, CheckpointMagics
 
 
@@ -155,6 +158,8 @@ def test_timeline_is_a_plotly_figure_of_the_session(ip: InteractiveShell, tmp_pa
     assert {"stall", "stage", "persist", "commit"} <= kinds
     assert list(fig.layout.yaxis.categoryarray) == ["async model opt · train",
                                                     "async model opt · background"]
+    # a session has no strategy's run: its time 0 is its own start
+    assert fig.layout.xaxis.title.text == "seconds since this session started (%load_ext nbckpt)"
     ip.run_line_magic("ckpt_sync", f"model -d {tmp_path / 'tl2'}")
     lanes = list(ip.run_line_magic("ckpt_timeline", "").layout.yaxis.categoryarray)
     assert lanes == ["tl: async model opt · train", "tl: async model opt · background",
@@ -382,6 +387,10 @@ def test_help_texts_name_the_defaults(ip: InteractiveShell) -> None:
     assert "(default: one past the newest step" in helps["ckpt_sync"]
     assert "(default: 1)" in helps["ckpt_config"] and "(default: 2)" in helps["ckpt_config"]
     assert "--strategies" in helps["ckpt_bench"] and "(default: 3)" in helps["ckpt_bench"]
+    # -d as on the other magics; by default a temp folder, never beside the notebooks
+    assert "-d DIR, --dir DIR" in helps["ckpt_bench"]
+    assert f"(default: {BENCH_DIR})" in " ".join(helps["ckpt_bench"].split())
+    assert BENCH_DIR.startswith(tempfile.gettempdir() + os.sep)
 
 
 def test_handle_displayed_later_shows_a_status(
@@ -409,9 +418,22 @@ def test_load_twice_is_harmless_and_unload_releases_directories(
     assert second is not first and not first.session.checkpointers
     again = ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'r'}")  # lock was released
     assert again.wait().step == 1
+    assert isinstance(warnings.showwarning, OneLineWarnings)  # nbckpt's warnings: one line each
+    assert not isinstance(warnings.showwarning.previous, OneLineWarnings)  # reload: not twice
     ip.run_line_magic("unload_ext", "nbckpt")
     assert ip.find_line_magic("ckpt_async") is None
+    assert not isinstance(warnings.showwarning, OneLineWarnings)
     ip.run_line_magic("load_ext", "nbckpt")
+
+
+def test_nbckpt_warnings_show_as_one_line_others_as_before() -> None:
+    shown: list[tuple[Any, ...]] = []
+    show = OneLineWarnings(lambda *args: shown.append(args))
+    stream = io.StringIO()
+    show(UserWarning("nbckpt: step 1 already exists\nand is replaced"), UserWarning, "/x/cell.py", 1, stream)
+    assert stream.getvalue() == "UserWarning: nbckpt: step 1 already exists; and is replaced\n"
+    show(UserWarning("torch: something"), UserWarning, "/x/cell.py", 1, stream, None)
+    assert shown == [(shown[0][0], UserWarning, "/x/cell.py", 1, stream, None)]
 
 
 def test_load_ext_shows_the_loggers_warnings_until_unload(
@@ -435,7 +457,7 @@ def test_bench_in_batch_runs_and_returns_the_comparison(
 ) -> None:
     comparison = ip.run_line_magic(
         "ckpt_bench",
-        f"--dir {tmp_path / 'b'} --size-mb 2 --compute-ms 1 --strategies none,nbckpt-async "
+        f"-d {tmp_path / 'b'} --size-mb 2 --compute-ms 1 --strategies none,nbckpt-async "
         "--steps 4 --every 2 --no-warmup --quiet",
     )
     assert comparison.results["strategy"].tolist() == ["none", "nbckpt-async"]
@@ -554,15 +576,6 @@ def test_status_updates_from_the_background_in_a_real_kernel(tmp_path: Path) -> 
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-
-
-@pytest.fixture
-def kernel(tmp_path: Path) -> Iterator[RealKernel]:
-    started = RealKernel(tmp_path, {"OMP_NUM_THREADS": "1", "NBCKPT_DIR": str(tmp_path / "k")})
-    try:
-        yield started
-    finally:
-        started.close()
 
 
 LAB_CELL = """\

@@ -1,5 +1,6 @@
-"""Every tutorial notebook runs under papermill and writes results that hold; committed notebooks
-are clean (no outputs, a ``parameters`` cell first).
+"""Every tutorial notebook runs under papermill (01 and 08: cell by cell in a kernel, then every
+cell again) and writes results that hold; committed notebooks are clean (no outputs, a
+``parameters`` cell first).
 
 The report notebook is run by tests/test_report.py; ``make test`` also runs every notebook with
 nbval (``pytest --nbval-lax notebooks``).
@@ -7,6 +8,7 @@ nbval (``pytest --nbval-lax notebooks``).
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -16,6 +18,7 @@ import nbformat
 import papermill
 import pytest
 from helpers import ROOT
+from helpers.kernel import RealKernel
 from helpers.s3server import SeaweedS3
 from papermill.exceptions import PapermillExecutionError
 
@@ -25,7 +28,10 @@ TUTORIALS = [path for path in NOTEBOOKS if path.name != "report.ipynb"]
 
 # Smaller than the defaults where a notebook has the knob; unknown names are not passed.
 # run_now: the lab notebook runs its lab from Python (a batch run sees no widgets).
-SMALL = {"steps": 8, "every": 4, "kill_after": 4, "width": 256, "run_now": True}
+# clean_up: the notebooks that leave their session usable after Run All clean up only when asked.
+SMALL = {"steps": 8, "every": 4, "kill_after": 4, "width": 256, "run_now": True, "clean_up": True}
+#: Notebooks whose every cell runs again, in the same kernel, after Run All.
+RERUNNABLE = ["01_quickstart.ipynb", "08_never_lose_work.ipynb"]
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +134,7 @@ def test_committed_notebook_is_clean(path: Path) -> None:
         assert re.match(r"^\d\d_[a-z0-9_]+\.ipynb$", path.name), f"{path.name} is not numbered"
 
 
-@pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in TUTORIALS if p.name not in RERUNNABLE], ids=lambda p: p.name)
 def test_notebook_runs_with_small_parameters(path: Path, tmp_path: Path) -> None:
     results, executed = _execute(path, tmp_path, SMALL)
     nb = nbformat.read(str(executed), as_version=4)
@@ -144,6 +150,42 @@ def test_notebook_runs_with_small_parameters(path: Path, tmp_path: Path) -> None
     work = tmp_path / "work"
     if work.is_dir():  # the notebooks clean up after themselves unless told to keep files
         assert not [p for p in work.iterdir() if p.name.startswith("run-")]
+
+
+@pytest.mark.parametrize("name", RERUNNABLE)
+def test_after_run_all_every_cell_runs_again_in_the_same_kernel(name: str, tmp_path: Path) -> None:
+    """Run All with the defaults (no clean-up), as a user does; its results hold; then each cell
+    again in order, in the same kernel: the magics are still loaded, the checkpoints still there,
+    the browser still live. Last, the clean-up the suite's runs ask for leaves nothing behind."""
+    path = NOTEBOOK_DIR / name
+    declared = _parameters(path)
+    results, work = tmp_path / "results.json", tmp_path / "work"
+    wanted = {**SMALL, "clean_up": False, "workdir": str(work), "results_path": str(results)}
+    cells = [cell.source for cell in nbformat.read(str(path), as_version=4).cells if cell.cell_type == "code"]
+    injected = "\n".join(f"{key} = {value!r}" for key, value in wanted.items() if key in declared)
+    kernel = RealKernel(NOTEBOOK_DIR, {"OMP_NUM_THREADS": "1"})  # as papermill runs it, in its folder
+    try:
+        printed = "".join(kernel.run(source, timeout=300) for source in [cells[0], injected, *cells[1:]])
+        CHECKS[name](json.loads(results.read_text()))
+        # a handle's "staged" printed beside status lines that say "committed" reads as a contradiction
+        assert "<SaveHandle" not in printed
+        loaded = "'ckpt_async' in get_ipython().magics_manager.magics['line']"
+        assert kernel.evaluate(loaded) == "True"  # a magic cell run again finds its magic
+        assert Path(ast.literal_eval(kernel.evaluate("str(run_root)"))).is_dir()
+        for number, source in enumerate(cells[1:], start=1):
+            msg_id = kernel.send(source)
+            reply = kernel.reply(msg_id, timeout=300)
+            assert reply["status"] == "ok", (number, source[:200], reply.get("evalue"))
+            kernel.outputs(msg_id)
+        if "browser" in kernel.evaluate("dir()"):  # its widget still shows: not closed by the end
+            assert kernel.evaluate("browser.closed") == "False"
+            assert "widget-view" in kernel.evaluate("list(browser._repr_mimebundle_())")
+        run_root = Path(ast.literal_eval(kernel.evaluate("str(run_root)")))  # the second pass's run
+        assert run_root.is_dir()
+        kernel.run("clean_up = True\n" + cells[-1], timeout=300)
+        assert not run_root.exists() and kernel.evaluate(loaded) == "False"
+    finally:
+        kernel.close()
 
 
 @pytest.mark.s3
