@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import ConfigError, NbckptError
 from .._util import is_url, writable_directory
 from ..engine import Event
+from ._lab_interrupt import route_interrupts
 from ._lab_view import SYNTHETIC, LabView, RunSettings, check_target
 from ._lab_widgets import error_line, log_html, notice, widgets_of
 
@@ -113,6 +114,7 @@ class Lab(LabView):
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._job = ""
+        self._interrupt_noted = False  # set by the SIGINT handler; the updater acts on it
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
         _make_live(self)  # closes one that another thread created meanwhile
 
@@ -171,6 +173,7 @@ class Lab(LabView):
             self.message.value = notice(
                 "info", f"Running {names}{baseline}: {settings.repeats} repeat(s) ..."
             )
+            route_interrupts(self._note_interrupt)  # Kernel > Interrupt stops it, as Stop does
             self._start("run", lambda: self._experiment(settings))
         return True
 
@@ -198,23 +201,26 @@ class Lab(LabView):
             if self.running:
                 raise ConfigError("a run is in progress: stop it, or wait for it, first")
             self.error = None
-            self.stopped = False
+            self.stopped = self.interrupted = False
             self._timeline.clear()
             self.comparison = comparison
             self._show_comparison(comparison)
 
     def stop(self) -> None:
         """End the run after the current step; saves in flight still commit (none half-written)."""
-        if self.running and not self._stop.is_set():
-            self._stop.set()
-            self._post("log", "stop requested: finishing the current step and saves in flight")
+        self._request_stop("stop requested")
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the run (or probe) and its last update are done; False on timeout."""
+        """Block until the run (or probe) and its last update are done; False on timeout.
+        Ctrl-C (Kernel > Interrupt) while it waits stops the run, as Stop does, and is raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in list(self._threads):
-            if thread is not threading.current_thread():
-                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        try:
+            for thread in list(self._threads):
+                if thread is not threading.current_thread():
+                    thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            self._interrupt()
+            raise
         return not self.running
 
     def close(self) -> None:
@@ -237,6 +243,22 @@ class Lab(LabView):
             for widget in [*widgets_of(self.widget), self.figure]:
                 widget.close()
 
+    def _request_stop(self, why: str, *, interrupted: bool = False) -> None:
+        if self._job != "run" or not self.running or self._stop.is_set():
+            return
+        self.interrupted = interrupted  # before the stop: the run's end reads it
+        self._stop.set()
+        self._post("log", f"{why}: finishing the current step and saves in flight")
+
+    def _note_interrupt(self) -> None:
+        """Called by the SIGINT handler, between two bytecodes of the main thread: a plain
+        assignment (no lock); the updater thread stops the run."""
+        self._interrupt_noted = True
+
+    def _interrupt(self) -> None:
+        self._interrupt_noted = False
+        self._request_stop("interrupted (Kernel > Interrupt)", interrupted=True)
+
     # -- worker side (never touches a widget) -------------------------------------------------
 
     def _post(self, kind: str, item: Any) -> None:
@@ -245,6 +267,7 @@ class Lab(LabView):
     def _start(self, name: str, job: Callable[[], None]) -> None:
         self._job = name
         self._stop.clear()
+        self._interrupt_noted = False
         self._queue = queue.Queue()
         self._set_busy(True)
 
@@ -299,6 +322,8 @@ class Lab(LabView):
     def _update_loop(self, source: queue.Queue[tuple[str, Any]]) -> None:
         finished = False
         while not finished:
+            if self._interrupt_noted:
+                self._interrupt()
             batch: list[tuple[str, Any]] = []
             deadline = time.monotonic() + self.refresh_s
             while not finished:
