@@ -116,6 +116,7 @@ class Lab(LabView):
         self._job = ""
         self._interrupt_noted = False  # set by the SIGINT handler; the updater acts on it
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._displays: list[Any] = []  # IPython DisplayHandles of the outputs showing it
         _make_live(self)  # closes one that another thread created meanwhile
 
     @classmethod
@@ -132,8 +133,24 @@ class Lab(LabView):
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         if self.closed:
-            return {"text/plain": "<closed nbckpt Lab: a newer one replaced it>"}
+            return self._closed_bundle()
         return self.widget._repr_mimebundle_(**kwargs)
+
+    def _ipython_display_(self) -> None:
+        """Shown under a display id, so that :meth:`close` can put a static note in its place:
+        a view of a closed widget would read "Error displaying widget: model not found" once the
+        page is reloaded."""
+        from IPython.display import display
+
+        bundle = self._repr_mimebundle_()
+        handle = display(bundle, raw=True, display_id=not self.closed)  # type: ignore[no-untyped-call]
+        if handle is not None:
+            self._displays.append(handle)
+
+    def _closed_bundle(self) -> dict[str, str]:
+        """What a closed lab shows: a note and its last results table, as static HTML."""
+        text = "closed nbckpt Lab (replaced by a newer one, or closed): lab.comparison keeps its results"
+        return {"text/plain": f"<{text}>", "text/html": notice("info", text) + self.results.value}
 
     @property
     def running(self) -> bool:
@@ -240,6 +257,9 @@ class Lab(LabView):
                 if self in _closing:
                     _closing.remove(self)
         finally:
+            for handle in self._displays:  # first: no view of a closed model is ever drawn
+                handle.update(self._closed_bundle(), raw=True)
+            self._displays.clear()
             for widget in [*widgets_of(self.widget), self.figure]:
                 widget.close()
 

@@ -68,6 +68,10 @@ def test_run_click_grows_the_timeline_and_fills_the_results(tmp_path: Path) -> N
     kinds = {trace.name for trace in lab.figure.data}
     assert {"step", "stall", "persist"} <= kinds
     assert points(lab) == len(lab.comparison.timeline)
+    # the widget's state is the figure as it is now (what a reloaded page draws)
+    state = lab.figure._widget_data
+    assert sum(len(trace.get("x", ())) for trace in state) == points(lab)
+    assert lab.figure._widget_layout["title"]["text"] == "Timeline: each strategy's last repeat"
     assert any("[nbckpt-async]" in line for line in lab.log_lines)
     # widgets changed only from the main thread (reset) and the one updater, never the worker
     assert changed_by <= {"MainThread", "nbckpt-lab-updater"}
