@@ -162,14 +162,14 @@ def screenshot_for_docs(element: Any, name: str, docs_copy: Path) -> None:
 
 
 @contextmanager
-def chromium_page(failed_shot: str, *, height: int) -> Iterator[Any]:
-    """A Chromium page 1400 px wide. A failure in the block leaves a full-page screenshot at
+def chromium_page(failed_shot: str, *, height: int, width: int = 1400) -> Iterator[Any]:
+    """A Chromium page (1400 px wide by default). A failure in the block leaves a full-page screenshot at
     ``ARTIFACTS/failed_shot``; errors the console logged fail the test when the block ends."""
     sync_api = pytest.importorskip("playwright.sync_api")
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": height})
+        page = browser.new_page(viewport={"width": width, "height": height})
         errors = console_errors(page)
         try:
             yield page
