@@ -175,13 +175,15 @@ def timeline_figure(
     repeat: int | None = None,
     by_rank: bool | None = None,
     widget: bool = False,
+    time_axis: str = "seconds since the strategy's run started",
 ) -> go.Figure:
     """Gantt chart of a run: per strategy (and rank) a "train" lane (steps, stalls, waits) and a
     "background" lane (staging, persistence, fsync, commit).
 
     A sync strategy's train lane stops for each checkpoint (red); an async one keeps stepping while
     its persistence (green) runs in the background lane. ``repeat`` picks one repeat of a
-    ``Comparison.timeline`` (default: each strategy's last).
+    ``Comparison.timeline`` (default: each strategy's last). ``time_axis`` says where the times
+    count from (a notebook session's timeline: "seconds since the session started").
     """
     data = timeline_traces(select_repeat(timeline_df, repeat), by_rank=by_rank)
     fig = go.Figure([_timeline_bar(kind, data.kinds[kind]) for kind in _kind_order(data.kinds)])
@@ -189,7 +191,7 @@ def timeline_figure(
         title="Timeline: training steps, stalls (red) and background persistence (green)",
         barmode="overlay",
         height=_timeline_height(len(data.lanes)),
-        xaxis_title="seconds since the strategy's run started",
+        xaxis_title=time_axis,
         yaxis={"type": "category", "categoryorder": "array", "categoryarray": data.lanes,
                "autorange": "reversed"},
         legend={"title_text": "event", "orientation": "h", "yanchor": "bottom", "y": 1.0,
