@@ -13,7 +13,9 @@ The experiment (or probe) runs in a worker thread. Worker threads never touch a 
 put events, results and log lines on a queue, and one updater thread applies them every
 ``refresh_s`` seconds (the timeline in one ``batch_update``), so the notebook stays responsive
 and the browser gets a few updates per second, not one per event. What the widgets show is
-:class:`~._lab_view.LabView`'s part.
+:class:`~._lab_view.LabView`'s part. Kernel > Interrupt stops a run as Stop does
+(:mod:`._lab_interrupt`); a closed lab's output becomes a static note with its results, so a
+reloaded page shows no view of a widget that is gone.
 """
 
 from __future__ import annotations
