@@ -338,7 +338,13 @@ def test_kernel_interrupt_stops_a_lab_run_as_stop_does_in_a_real_kernel(tmp_path
     kernel = RealKernel(tmp_path, {"OMP_NUM_THREADS": "1"})
     try:
         kernel.run(INTERRUPTED_LAB.format(directory=str(tmp_path / "lab")))
-        kernel.run("lab.run()")  # the cell ends at once: the kernel is idle while the lab runs
+        # Run clicked in the page: a comm message, as JupyterLab sends it; then the kernel is idle
+        button = kernel.evaluate("lab.run_button.model_id").strip("'")
+        click = kernel.kc.session.msg("comm_msg", {"comm_id": button, "data": {
+            "method": "custom", "content": {"event": "click"}}})
+        kernel.kc.shell_channel.send(click)
+        kernel.run("import time\ndeadline = time.monotonic() + 60\n"
+                   "while not lab.running and time.monotonic() < deadline:\n    time.sleep(0.01)")
         kernel.run(_UNTIL_PAST.format(past=12))
         kernel.km.interrupt_kernel()
         running, message, buttons, steps = _stopped_state(kernel)
