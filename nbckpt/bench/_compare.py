@@ -125,6 +125,20 @@ def run_order(names: Sequence[str], repeats: int) -> list[list[str]]:
     return [items[r % len(items):] + items[: r % len(items)] for r in range(repeats)]
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else what ``platform`` knows (on Linux
+    ``platform.processor()`` is only the architecture, ``x86_64``)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(device: str) -> dict[str, Any]:
     """Where the numbers were measured."""
     return {
@@ -135,8 +149,7 @@ def environment(device: str) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "host_memory_gb": round(psutil.virtual_memory().total / GB, 1),
-        "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor()
-        or platform.machine(),
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else _cpu_model(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

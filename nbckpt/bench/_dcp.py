@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -37,7 +39,59 @@ from ._strategy import WAIT_NOISE_NS, BlockingSave, Strategy, failing_as, plain_
 __all__ = ["DcpAsync", "DcpAsyncProcess", "DcpAsyncStager", "DcpSync"]
 
 
-class DcpSync(BlockingSave):
+# torch warns on every save without a process group ("torch.distributed is disabled,
+# unavailable or uninitialized, assuming the intent is to save in a single process."), even with
+# no_dist=True, which says that this is the intent: in a notebook, a stderr box per strategy.
+# While one of the strategies below is open, exactly that warning is ignored: the filter names
+# its text, and it is taken out when the last of them closes, so a user's own dcp.save still
+# warns. (Not warnings.catch_warnings: it swaps the whole filter list, not thread-safe, and
+# dcp-async's warning comes from torch's writer thread after async_save has returned.)
+_SINGLE_PROCESS_WARNING = re.escape(
+    "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+    "save in a single process."
+)
+_quiet_lock = threading.Lock()
+_quiet_strategies = 0
+
+
+def _ignore_single_process_warning(ignore: bool) -> None:
+    """One more (``ignore``) or one fewer open strategy that saves without a process group."""
+    global _quiet_strategies
+    with _quiet_lock:
+        _quiet_strategies += 1 if ignore else -1
+        if ignore:  # (again: a test's catch_warnings may have dropped it meanwhile)
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+            return
+        if _quiet_strategies > 0:
+            return
+        ours = [entry for entry in warnings.filters if entry[0] == "ignore"
+                and getattr(entry[1], "pattern", None) == _SINGLE_PROCESS_WARNING]
+        for entry in ours:
+            warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list at run time
+
+
+class _SingleProcess(Strategy):
+    """A DCP strategy that saves without a process group: torch's warning about that is
+    ignored while it is open."""
+
+    _quiet = False
+
+    def open(self, directory: str, timeline: Timeline) -> None:
+        super().open(directory, timeline)
+        if not self._quiet:
+            self._quiet = True
+            _ignore_single_process_warning(True)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self._quiet:
+                self._quiet = False
+                _ignore_single_process_warning(False)
+
+
+class DcpSync(_SingleProcess, BlockingSave):
     name = "dcp-sync"
     description = "torch.distributed.checkpoint.save (single process)"
     writer = "dcp.save"
@@ -46,7 +100,7 @@ class DcpSync(BlockingSave):
         dcp_save(plain, checkpoint_id=path, no_dist=not dist.is_initialized())
 
 
-class DcpAsync(Strategy):
+class DcpAsync(_SingleProcess):
     """``dcp.async_save`` with torch's defaults: a fresh CPU copy per save, a writer thread.
 
     Like torchtitan, a save first waits for the previous one (recorded as ``wait``).
@@ -134,6 +188,7 @@ class DcpAsync(Strategy):
             self._pending[1].exception()
             self._pending[2].wait()
             self._pending = None
+        super().close()
 
 
 def _free_port() -> int:

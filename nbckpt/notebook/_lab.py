@@ -13,7 +13,9 @@ The experiment (or probe) runs in a worker thread. Worker threads never touch a 
 put events, results and log lines on a queue, and one updater thread applies them every
 ``refresh_s`` seconds (the timeline in one ``batch_update``), so the notebook stays responsive
 and the browser gets a few updates per second, not one per event. What the widgets show is
-:class:`~._lab_view.LabView`'s part.
+:class:`~._lab_view.LabView`'s part. Kernel > Interrupt stops a run as Stop does
+(:mod:`._lab_interrupt`); a closed lab's output becomes a static note with its results, so a
+reloaded page shows no view of a widget that is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import ConfigError, NbckptError
 from .._util import is_url, writable_directory
 from ..engine import Event
+from ._lab_interrupt import route_interrupts
 from ._lab_view import SYNTHETIC, LabView, RunSettings, check_target
 from ._lab_widgets import error_line, log_html, notice, widgets_of
 
@@ -113,7 +116,9 @@ class Lab(LabView):
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._job = ""
+        self._interrupt_noted = False  # set by the SIGINT handler; the updater acts on it
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._displays: list[Any] = []  # IPython DisplayHandles of the outputs showing it
         _make_live(self)  # closes one that another thread created meanwhile
 
     @classmethod
@@ -130,8 +135,24 @@ class Lab(LabView):
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         if self.closed:
-            return {"text/plain": "<closed nbckpt Lab: a newer one replaced it>"}
+            return self._closed_bundle()
         return self.widget._repr_mimebundle_(**kwargs)
+
+    def _ipython_display_(self) -> None:
+        """Shown under a display id, so that :meth:`close` can put a static note in its place:
+        a view of a closed widget would read "Error displaying widget: model not found" once the
+        page is reloaded."""
+        from IPython.display import display
+
+        bundle = self._repr_mimebundle_()
+        handle = display(bundle, raw=True, display_id=not self.closed)  # type: ignore[no-untyped-call]
+        if handle is not None:
+            self._displays.append(handle)
+
+    def _closed_bundle(self) -> dict[str, str]:
+        """What a closed lab shows: a note and its last results table, as static HTML."""
+        text = "closed nbckpt Lab (replaced by a newer one, or closed): lab.comparison keeps its results"
+        return {"text/plain": f"<{text}>", "text/html": notice("info", text) + self.results.value}
 
     @property
     def running(self) -> bool:
@@ -171,6 +192,7 @@ class Lab(LabView):
             self.message.value = notice(
                 "info", f"Running {names}{baseline}: {settings.repeats} repeat(s) ..."
             )
+            route_interrupts(self._note_interrupt)  # Kernel > Interrupt stops it, as Stop does
             self._start("run", lambda: self._experiment(settings))
         return True
 
@@ -198,23 +220,26 @@ class Lab(LabView):
             if self.running:
                 raise ConfigError("a run is in progress: stop it, or wait for it, first")
             self.error = None
-            self.stopped = False
+            self.stopped = self.interrupted = False
             self._timeline.clear()
             self.comparison = comparison
             self._show_comparison(comparison)
 
     def stop(self) -> None:
         """End the run after the current step; saves in flight still commit (none half-written)."""
-        if self.running and not self._stop.is_set():
-            self._stop.set()
-            self._post("log", "stop requested: finishing the current step and saves in flight")
+        self._request_stop("stop requested")
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the run (or probe) and its last update are done; False on timeout."""
+        """Block until the run (or probe) and its last update are done; False on timeout.
+        Ctrl-C (Kernel > Interrupt) while it waits stops the run, as Stop does, and is raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in list(self._threads):
-            if thread is not threading.current_thread():
-                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        try:
+            for thread in list(self._threads):
+                if thread is not threading.current_thread():
+                    thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            self._interrupt()
+            raise
         return not self.running
 
     def close(self) -> None:
@@ -234,8 +259,27 @@ class Lab(LabView):
                 if self in _closing:
                     _closing.remove(self)
         finally:
+            for handle in self._displays:  # first: no view of a closed model is ever drawn
+                handle.update(self._closed_bundle(), raw=True)
+            self._displays.clear()
             for widget in [*widgets_of(self.widget), self.figure]:
                 widget.close()
+
+    def _request_stop(self, why: str, *, interrupted: bool = False) -> None:
+        if self._job != "run" or not self.running or self._stop.is_set():
+            return
+        self.interrupted = interrupted  # before the stop: the run's end reads it
+        self._stop.set()
+        self._post("log", f"{why}: finishing the current step and saves in flight")
+
+    def _note_interrupt(self) -> None:
+        """Called by the SIGINT handler, between two bytecodes of the main thread: a plain
+        assignment (no lock); the updater thread stops the run."""
+        self._interrupt_noted = True
+
+    def _interrupt(self) -> None:
+        self._interrupt_noted = False
+        self._request_stop("interrupted (Kernel > Interrupt)", interrupted=True)
 
     # -- worker side (never touches a widget) -------------------------------------------------
 
@@ -245,6 +289,7 @@ class Lab(LabView):
     def _start(self, name: str, job: Callable[[], None]) -> None:
         self._job = name
         self._stop.clear()
+        self._interrupt_noted = False
         self._queue = queue.Queue()
         self._set_busy(True)
 
@@ -299,6 +344,8 @@ class Lab(LabView):
     def _update_loop(self, source: queue.Queue[tuple[str, Any]]) -> None:
         finished = False
         while not finished:
+            if self._interrupt_noted:
+                self._interrupt()
             batch: list[tuple[str, Any]] = []
             deadline = time.monotonic() + self.refresh_s
             while not finished:

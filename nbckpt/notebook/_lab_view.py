@@ -107,6 +107,7 @@ class LabView:
         self.comparison: Comparison | None = None
         self.error: str | None = None
         self.stopped = False
+        self.interrupted = False  # stopped by Kernel > Interrupt (SIGINT), not by Stop
         self.log_lines: deque[str] = deque(maxlen=LOG_LINES)
         style = {"description_width": "90px"}
         self.path = widgets.Text(value=directory, description="target", style=style,
@@ -195,6 +196,7 @@ class LabView:
         self._settings = settings
         self.error = None
         self.stopped = False
+        self.interrupted = False
         self.comparison = None
         self._timeline.clear()
         self._results.clear()
@@ -249,7 +251,8 @@ class LabView:
         done = int(comparison.timeline["kind"].eq("step").sum()) if len(comparison.timeline) else 0
         strategies = len(comparison.results)
         if self.stopped:
-            self.message.value = notice("info", f"Stopped after {done} training steps; every "
+            how = "Interrupted (Kernel > Interrupt)" if self.interrupted else "Stopped"
+            self.message.value = notice("info", f"{how} after {done} training steps; every "
                                                 "checkpoint written so far is committed.")
             self.progress.bar_style = "warning"
         else:

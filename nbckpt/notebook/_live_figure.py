@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import json
+from copy import deepcopy
+from typing import Any
 
 import plotly.graph_objects as go
 
@@ -67,8 +69,36 @@ export default () => {
 
 @functools.cache
 def _live_figure_class() -> type[go.FigureWidget]:
+    # Made on first use: go.FigureWidget itself raises ImportError where anywidget is missing.
     esm = _SCOPED_ESM.replace("__PLOTLY_ESM__", json.dumps(str(go.FigureWidget._esm)))
-    return type("LiveFigure", (go.FigureWidget,), {"_esm": esm, "__module__": __name__})
+
+    class LiveFigure(go.FigureWidget):  # type: ignore[misc]
+        """Plotly's widget, its views scoped (``_SCOPED_ESM``) and its state following the figure.
+
+        Plotly syncs the figure's data and layout (``_widget_data``, ``_widget_layout``) when
+        the widget is created and when it is displayed on its own; every later change travels
+        as a message (``_py2js_restyle``, ``_py2js_addTraces``, ...) that the page applies to
+        the views it has. A page loaded later asks the kernel for the state and got the figure
+        as it was created (a figure inside a VBox is never displayed on its own): an empty
+        timeline under its first title. Here each message, once sent (plotly sets it back to
+        None at once), is followed by the state it produced, as plotly's ``_repr_mimebundle_``
+        computes it; the page's copy already holds that state, so no view redraws.
+        """
+
+        _esm = esm
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            messages = [name for name in self.trait_names() if name.startswith("_py2js_")]
+            self.observe(self._sync_state, names=messages)
+
+        def _sync_state(self, change: dict[str, Any]) -> None:
+            if change["new"] is None:
+                self._widget_layout = deepcopy(self._layout_obj._props)
+                self._widget_data = deepcopy(self._data)
+
+    LiveFigure.__module__ = __name__
+    return LiveFigure
 
 
 def live_figure(fig: go.Figure) -> go.FigureWidget:

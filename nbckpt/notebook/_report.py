@@ -29,6 +29,7 @@ from .._util import parse_value, writable_directory
 
 __all__ = [
     "EXTERNAL_LOAD",
+    "NOTEBOOK_ONLY",
     "PATH_PARAMETERS",
     "REPORT_NOTEBOOK",
     "RESULTS_FILE",
@@ -50,12 +51,27 @@ _TAIL_S = 0.2  # how often the progress file is read while the notebook runs
 
 # The lab template without the scripts it would fetch from CDNs (require.js, MathJax,
 # mermaid, the widget manager): the report uses none of them.
+# Its tables are compact (the results have 18 or more columns: at JupyterLab's 13 px and
+# padding they ran past the right edge of a page 1,280 px wide); tables of sentences
+# (class nbckpt-text) align left and top. In html_head_css: after JupyterLab's own rules.
 _OFFLINE_TEMPLATE = """{%- extends 'index.html.j2' -%}
 {%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
 {%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
 {%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
 {%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+{%- block html_head_css -%}
+<style>
+.jp-OutputArea-output.jp-RenderedHTMLCommon table { font-size: 12px; }
+.jp-OutputArea-output.jp-RenderedHTMLCommon th, .jp-OutputArea-output.jp-RenderedHTMLCommon td {
+  padding: 3px 5px; }
+.jp-OutputArea-output.jp-RenderedHTMLCommon table.nbckpt-text th,
+.jp-OutputArea-output.jp-RenderedHTMLCommon table.nbckpt-text td {
+  text-align: left; vertical-align: top; }
+</style>
+{%- endblock html_head_css -%}
 """
+#: Cells with this tag are left out of the report: notes for whoever opens the notebook.
+NOTEBOOK_ONLY = "notebook-only"
 # plotly's notebook renderer adds a MathJax <script src=CDN> to every figure; the figures
 # use no LaTeX, so the tag is dropped rather than fetched.
 _MATHJAX_TAG = re.compile(r'<script src="https?://[^"]*mathjax[^"]*"></script>', re.IGNORECASE)
@@ -200,12 +216,14 @@ def _check_parameters(source: Path, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def export_html(executed: str | os.PathLike[str]) -> str:
-    """Outputs only (no code), plotly.js inline, no CDN scripts: one self-contained HTML page."""
+    """Outputs only (no code, no ``notebook-only`` cells), plotly.js inline, no CDN scripts:
+    one self-contained HTML page."""
     import nbformat
     from jinja2 import DictLoader
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(os.fspath(executed), as_version=4)  # type: ignore[no-untyped-call]
+    nb.cells = [cell for cell in nb.cells if NOTEBOOK_ONLY not in cell.metadata.get("tags", ())]
     for cell in nb.cells:
         for output in cell.get("outputs", []):
             html = output.get("data", {}).get("text/html")

@@ -199,7 +199,11 @@ def overhead_figure(results_df: pd.DataFrame, *, widget: bool = False) -> go.Fig
     fig.update_layout(
         title="Overhead against training without checkpoints: ratio to the baseline beside it, "
         "95 % interval",
-        yaxis_title="% longer training loop than the none baseline of the same cycles",
+        # Two short lines and room for them: in one line the title was longer than the axis
+        # and plotly cut it at both ends.
+        yaxis={"title": {"text": "% longer training loop than<br>the none baseline beside it"},
+               "automargin": True},
+        margin={"l": 100},
     )
     return output(fig, widget)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import threading
 from collections import namedtuple
 from collections.abc import Mapping
@@ -349,3 +350,16 @@ def test_compare_rejects_bad_arguments_before_running(
         bench.compare(workload, directory=str(tmp_path / "never"), progress=None, **args)
     assert not (tmp_path / "never").exists()
     assert not workload.built
+
+
+def test_the_environment_names_the_cpu_model_not_just_the_architecture() -> None:
+    """On Linux platform.processor() says only 'x86_64': the model comes from /proc/cpuinfo."""
+    models = []
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as info:
+            models = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+    name = bench.environment("cpu")["device_name"]
+    if models:
+        assert name == " ".join(models[0].split()) and name != platform.machine()
+    else:
+        assert name in (platform.processor(), platform.machine())

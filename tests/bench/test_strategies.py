@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -265,3 +266,25 @@ def test_dcp_async_stager_waits_for_its_copy_before_the_update() -> None:
     assert strategy.blocks_before_step  # the runner counts that wait as stall
     assert isinstance(strategy, DcpAsyncProcess)
     assert "DefaultStager" in strategy.description
+
+
+@pytest.mark.parametrize("name", ["dcp-sync", "dcp-async"])
+def test_dcp_without_a_process_group_saves_without_torchs_warning_and_only_then(
+    name: str, tmp_path: Any
+) -> None:
+    """torch warns on every save without a process group that it assumes a single process:
+    exactly that warning is left out while the strategy is open (dcp-async's comes from torch's
+    writer thread), and a plain dcp.save after it warns as before."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    assert not dist.is_initialized()
+    workload = SyntheticWorkload(1 << 16, compute_ms=0)
+    workload.build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_twice(bench.get_strategy(name), workload, str(tmp_path), Timeline())
+        during = [str(w.message) for w in caught]
+        dcp_save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    assert not [text for text in during if "torch.distributed is disabled" in text], during
+    after = [str(w.message) for w in caught][len(during):]
+    assert any(text.startswith("torch.distributed is disabled") for text in after), after

@@ -130,14 +130,19 @@ def console_errors(page: Any) -> list[str]:
     return errors
 
 
-def open_and_run_all(page: Any, server: Server, notebook: str) -> None:
-    """Open ``notebook`` with the file browser folded away, wait for its kernel, Run All."""
+def open_notebook(page: Any, server: Server, notebook: str) -> None:
+    """Open ``notebook`` with the file browser folded away and wait for its kernel."""
     page.goto(f"{server.url}/lab/tree/{notebook}?token={server.token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-Notebook", timeout=60_000)
     # the file browser away: figures take the width they find when they render
     page.evaluate("window.jupyterapp.commands.execute('application:toggle-left-area')")
     # cells run while the kernel is still initializing are dropped: wait for idle
     page.get_by_text(re.compile(r"\| Idle$")).first.wait_for(timeout=90_000)
+
+
+def open_and_run_all(page: Any, server: Server, notebook: str) -> None:
+    """Open ``notebook`` (:func:`open_notebook`), then Run All."""
+    open_notebook(page, server, notebook)
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
 
@@ -162,14 +167,14 @@ def screenshot_for_docs(element: Any, name: str, docs_copy: Path) -> None:
 
 
 @contextmanager
-def chromium_page(failed_shot: str, *, height: int) -> Iterator[Any]:
-    """A Chromium page 1400 px wide. A failure in the block leaves a full-page screenshot at
+def chromium_page(failed_shot: str, *, height: int, width: int = 1400) -> Iterator[Any]:
+    """A Chromium page (1400 px wide by default). A failure in the block leaves a full-page screenshot at
     ``ARTIFACTS/failed_shot``; errors the console logged fail the test when the block ends."""
     sync_api = pytest.importorskip("playwright.sync_api")
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": height})
+        page = browser.new_page(viewport={"width": width, "height": height})
         errors = console_errors(page)
         try:
             yield page

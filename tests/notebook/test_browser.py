@@ -16,6 +16,7 @@ from helpers.jupyterlab import (
     chromium_page,
     jupyter_lab,
     open_and_run_all,
+    open_notebook,
     rerun_cell,
     screenshot_for_docs,
     until,
@@ -117,3 +118,61 @@ def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
         assert plot.bounding_box()["width"] > 0.9 * lab.bounding_box()["width"]
         page.screenshot(path=str(ARTIFACTS / "browser-lab.png"), full_page=True)
         screenshot_for_docs(lab, "lab.png", SCREENSHOT)  # the lab alone, for the README
+
+
+RELOAD_CELLS = [
+    'from nbckpt.notebook import Lab\n\n'
+    'first = Lab(directory="checkpoints/first", preset="synthetic", size_mb=2.0,\n'
+    '            strategies=["nbckpt-async"], steps=10, every=5, repeats=1)\n'
+    "first.run(); first.wait()\nfirst",
+    # creating a new lab closes the first: its output must not become a view of closed models
+    'lab = Lab(directory="checkpoints/second", preset="synthetic", size_mb=2.0,\n'
+    '          strategies=["nbckpt-async"], steps=10, every=5, repeats=1)\n'
+    "lab.run(); lab.wait()\nlab",
+]
+
+
+@pytest.fixture
+def reload_server(tmp_path: Path) -> Iterator[Server]:
+    root = tmp_path / "root"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in RELOAD_CELLS]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, root / "reload.ipynb")
+    with jupyter_lab(tmp_path, root) as running:
+        yield running
+
+
+def test_a_reloaded_page_shows_the_labs_as_they_are(reload_server: Server) -> None:
+    """Run two labs (the second closes the first), save, reload the page: the live lab's timeline
+    is drawn with the run's bars and final title (not an empty axis under the first title), and
+    the closed lab's output is a static note with its results, not "model not found".
+
+    The cells run one after the other as a user runs them, each once the one before has drawn
+    its lab: a widget output replaced while its child views are still being created makes
+    ipywidgets log "Could not add child view to box" (the page ends up right all the same)."""
+    with chromium_page("browser-reload-failed.png", height=1600) as page:
+        open_notebook(page, reload_server, "reload.ipynb")
+        cells = page.locator(".jp-Notebook .jp-CodeCell")
+        rerun_cell(page, "first = Lab(")
+        cells.nth(0).locator(".nbckpt-lab .js-plotly-plot g.trace.bars").first.wait_for(timeout=180_000)
+        rerun_cell(page, "lab = Lab(")
+        cells.nth(1).locator(".nbckpt-lab table.nbckpt-results").wait_for(timeout=180_000)
+        closed = cells.nth(0).locator(".nbckpt-info", has_text="closed nbckpt Lab")
+        closed.wait_for(timeout=60_000)
+        page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
+        page.reload()
+        page.wait_for_selector(".jp-NotebookPanel .jp-Notebook", timeout=60_000)
+        plot = cells.nth(1).locator(".nbckpt-lab .js-plotly-plot")
+        plot.wait_for(timeout=60_000)
+        title = plot.locator(".gtitle")
+        until(lambda: "each strategy's last repeat" in title.text_content(), 30,
+              f"the final title after the reload (it reads {title.text_content()!r})")
+        assert plot.locator("g.trace.bars g.point").count() > 0, "the timeline came back empty"
+        lanes = plot.locator(".ytick text").all_text_contents()
+        assert "nbckpt-async · train" in lanes, lanes
+        closed.wait_for(timeout=30_000)  # the static note, with the closed lab's results
+        assert cells.nth(0).locator("table.nbckpt-results td", has_text="nbckpt-async").count() == 1
+        assert page.get_by_text("model not found").count() == 0
+        page.screenshot(path=str(ARTIFACTS / "browser-reload.png"), full_page=True)

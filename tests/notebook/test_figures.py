@@ -109,6 +109,10 @@ def test_timeline_lanes_and_kinds() -> None:
     assert set(traces["persist"].y) == {"torch-save · background", "nbckpt-async · background"}
     assert "step 2" in stall.hovertext[0] and "100.0 MB" in stall.hovertext[0]
     assert traces["stall"].marker.color != traces["persist"].marker.color
+    assert fig.layout.xaxis.title.text == "seconds since the strategy's run started"
+    # a notebook session's timeline has no strategy: its caller says where its times count from
+    session = timeline_figure(sync_and_async_timeline(), origin="the session started")
+    assert session.layout.xaxis.title.text == "seconds since the session started"
 
 
 def test_timeline_shows_async_training_on_while_persisting() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.kernel import RealKernel
 
 from nbckpt import ConfigError
 from nbckpt.bench import OVERHEAD_DEFINITION, STALL_DEFINITION
@@ -67,6 +68,10 @@ def test_run_click_grows_the_timeline_and_fills_the_results(tmp_path: Path) -> N
     kinds = {trace.name for trace in lab.figure.data}
     assert {"step", "stall", "persist"} <= kinds
     assert points(lab) == len(lab.comparison.timeline)
+    # the widget's state is the figure as it is now (what a reloaded page draws)
+    state = lab.figure._widget_data
+    assert sum(len(trace.get("x", ())) for trace in state) == points(lab)
+    assert lab.figure._widget_layout["title"]["text"] == "Timeline: each strategy's last repeat"
     assert any("[nbckpt-async]" in line for line in lab.log_lines)
     # widgets changed only from the main thread (reset) and the one updater, never the worker
     assert changed_by <= {"MainThread", "nbckpt-lab-updater"}
@@ -301,3 +306,66 @@ def test_failures_the_lab_cannot_show_go_to_the_nbckpt_logger(
         lab._update_loop(posted(("error", OSError(28, "No space left on device"))))
     assert "the lab could not show an update: RuntimeError: the widget is gone" in caplog.text
     assert "the closed lab's run failed: Storage error: No space left on device" in caplog.text
+
+
+INTERRUPTED_LAB = """\
+from nbckpt.notebook import Lab
+lab = Lab(directory={directory!r}, preset="synthetic", size_mb=2.0, strategies=["nbckpt-async"],
+          steps=100_000, every=5, repeats=1, refresh_s=0.05)
+"""
+# Runs until the lab has trained `past` steps (beyond its first save), or stops, or 120 s pass.
+_UNTIL_PAST = ("import time\ndeadline = time.monotonic() + 120\n"
+               "while lab.running and lab.progress.value < {past} and time.monotonic() < deadline:\n"
+               "    time.sleep(0.01)\n"
+               "assert lab.running, lab.error")
+_STATE = ("print(lab.running, lab.stopped, lab.interrupted, lab.error)\n"
+          "print(lab.message.value)\n"
+          "print(lab.run_button.disabled, lab.stop_button.disabled)\n"
+          "print(int(lab.comparison.timeline['kind'].eq('step').sum()))")
+
+
+def _stopped_state(kernel: RealKernel) -> list[str]:
+    """The lab's state once its run has ended (60 s at most after the interrupt)."""
+    kernel.run("deadline = time.monotonic() + 60\n"
+               "while lab.running and time.monotonic() < deadline:\n    time.sleep(0.01)")
+    return kernel.run(_STATE).splitlines()
+
+
+def test_kernel_interrupt_stops_a_lab_run_as_stop_does_in_a_real_kernel(tmp_path: Path) -> None:
+    """Kernel > Interrupt (SIGINT to the kernel) while a lab runs behind an idle kernel, and
+    while a cell waits for it: the run stops after the current step, as Stop would, with a line
+    saying it was interrupted, and the lab runs again."""
+    kernel = RealKernel(tmp_path, {"OMP_NUM_THREADS": "1"})
+    try:
+        kernel.run(INTERRUPTED_LAB.format(directory=str(tmp_path / "lab")))
+        # Run clicked in the page: a comm message, as JupyterLab sends it; then the kernel is idle
+        button = kernel.evaluate("lab.run_button.model_id").strip("'")
+        click = kernel.kc.session.msg("comm_msg", {"comm_id": button, "data": {
+            "method": "custom", "content": {"event": "click"}}})
+        kernel.kc.shell_channel.send(click)
+        kernel.run("import time\ndeadline = time.monotonic() + 60\n"
+                   "while not lab.running and time.monotonic() < deadline:\n    time.sleep(0.01)")
+        kernel.run(_UNTIL_PAST.format(past=12))
+        kernel.km.interrupt_kernel()
+        running, message, buttons, steps = _stopped_state(kernel)
+        assert running == "False True True None", message  # stopped, interrupted, no error
+        assert "nbckpt-info" in message and "Interrupted (Kernel &gt; Interrupt) after" in message
+        assert "every checkpoint written so far is committed" in message
+        assert buttons == "False True"  # Run enabled again, Stop disabled
+        assert 12 <= int(steps) < 100_000
+        log = kernel.run("print(''.join(lab.log_lines))")
+        assert "interrupted (Kernel > Interrupt): finishing the current step" in log
+        # a cell that waits for the run: the interrupt ends the cell and stops the run
+        msg_id = kernel.send("lab.run()\n" + _UNTIL_PAST.format(past=12) + "\nprint('past')\nlab.wait()")
+        kernel.output(msg_id, until=lambda out: "past" in out)
+        kernel.km.interrupt_kernel()
+        reply = kernel.reply(msg_id, timeout=60)
+        assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
+        running, message, buttons, steps = _stopped_state(kernel)
+        assert running == "False True True None" and "Interrupted" in message
+        assert buttons == "False True" and 12 <= int(steps) < 100_000
+        # and the lab still runs to the end
+        done = kernel.run("lab.steps.value = 10\nlab.run()\nlab.wait()\n" + _STATE).splitlines()
+        assert done[0] == "False False False None" and "Done: 20 training steps" in done[1], done
+    finally:
+        kernel.close()

@@ -2,24 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import html
+import io
 import json
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
+from html import escape
 from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
+from helpers.jupyterlab import ARTIFACTS, CHROMIUM, chromium_page
 
 from nbckpt import ConfigError, NbckptError
 from nbckpt.notebook._report import EXTERNAL_LOAD, export_html, parse_value, run_report
 
-# The smallest run that still has every section: a baseline, a sync and an async strategy.
+# The smallest run that still has every section: a baseline, sync and async strategies (DCP's
+# too: without a process group torch warns on each of their saves, a stderr box in the report).
 SMALL = {
     "preset": "tiny",
-    "strategies": "none,torch-save,nbckpt-async",
+    "strategies": "none,torch-save,dcp-sync,dcp-async,nbckpt-async",
     "steps": 4,
     "every": 2,
     "probe_mb": 4,
@@ -29,20 +35,66 @@ SMALL = {
     "repeats": 2,
 }
 
+STRATEGIES = SMALL["strategies"].split(",")
+#: The report's run is the slow part: one per test worker, for the tests in its group.
+REPORT_GROUP = pytest.mark.xdist_group("report")
 
 
+@dataclass
+class SmallReport:
+    html: Path
+    progress: str  # what nbckpt report printed on stderr as it went
+
+
+@pytest.fixture(scope="module")
+def small_report(tmp_path_factory: pytest.TempPathFactory) -> SmallReport:
+    tmp_path = tmp_path_factory.mktemp("report")
+    progress = io.StringIO()
+    with contextlib.redirect_stderr(progress):
+        report = run_report("small", tmp_path / "out", {**SMALL, "target": str(tmp_path / "ckpt")},
+                            progress=True)
+    return SmallReport(report, progress.getvalue())
+
+
+@REPORT_GROUP
 def test_report_renders_offline_html_and_results(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, ip: Any
+    small_report: SmallReport, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, ip: Any
 ) -> None:
     """One run of the report (the slow part), checked five ways."""
-    report = run_report("small", tmp_path / "out", {**SMALL, "target": str(tmp_path / "ckpt")},
-                        progress=True)
-    _check_progress(capsys.readouterr().err)
+    report = small_report.html
+    _check_progress(small_report.progress)
     assert not (report.parent / ".small.progress").exists()
     _check_html_content(report)
+    _check_no_stderr(report.with_suffix(".ipynb"))
     _check_offline(report)
     _check_results_json(report)
     _check_same_figures(report, ip, capsys, monkeypatch)
+
+
+@REPORT_GROUP
+@pytest.mark.browser
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_report_fits_a_1280_px_page_in_chromium(small_report: SmallReport) -> None:
+    """The report's HTML in Chromium, 1,280 px wide: no table runs past the page's right edge,
+    no output is a stderr box, and the overhead chart's y-axis title is not cut off."""
+    with chromium_page("report-1280-failed.png", width=1280, height=900) as page:
+        page.goto(small_report.html.as_uri())
+        page.locator(".js-plotly-plot .ytitle").first.wait_for(timeout=60_000)
+        page_width = page.evaluate("document.documentElement.clientWidth")
+        tables = page.evaluate(
+            "() => [...document.querySelectorAll('table')].map(t => [t.className, "
+            "Math.ceil(t.getBoundingClientRect().right)])")
+        assert tables and all(right <= page_width for _, right in tables), (page_width, tables)
+        stderr = page.locator('[data-mime-type="application/vnd.jupyter.stderr"]')
+        assert stderr.count() == 0, stderr.all_inner_texts()
+        overhead = page.locator(".js-plotly-plot", has_text="Overhead against training")
+        chart, title = (overhead.locator(selector).first.bounding_box()
+                        for selector in ("svg.main-svg", ".ytitle"))
+        assert chart is not None and title is not None
+        assert chart["x"] <= title["x"] and chart["y"] <= title["y"]
+        assert title["y"] + title["height"] <= chart["y"] + chart["height"], (title, chart)
+        page.screenshot(path=str(ARTIFACTS / "report-1280.png"), full_page=True)
 
 
 def _check_progress(err: str) -> None:
@@ -73,6 +125,22 @@ def _check_html_content(report: Path) -> None:
     assert "10x or more" not in html and "cannot go faster" not in html
     assert "<title>test report</title>" in html
     assert "def as_list" not in html  # code is left out
+    # the notebook's note to whoever opens it is not the report's first paragraph
+    assert "Run it with" not in html and "Every number below is measured in this run" in html
+    # the published figures: each source's description once, however many figures it gives
+    from nbckpt.analysis import published_table
+
+    published = published_table()
+    for what in published["what"].unique():
+        assert html.count(escape(what, quote=False)) == 1, what
+
+
+def _check_no_stderr(executed: Path) -> None:
+    """No cell wrote to stderr (torch's warnings, say): the report would show a pink box."""
+    nb = nbformat.read(str(executed), as_version=4)
+    written = [output.get("text", "") for cell in nb.cells for output in cell.get("outputs", [])
+               if output.get("name") == "stderr"]
+    assert not written, written
 
 
 def _check_offline(report: Path) -> None:
@@ -88,7 +156,7 @@ def _check_results_json(report: Path) -> None:
     results = json.loads((report.parent / "results.json").read_text())
     assert results["schema"] == "nbckpt.report/3"
     measured = {row["strategy"]: row for row in results["comparison"]["results"]}
-    assert set(measured) == {"none", "torch-save", "nbckpt-async"}
+    assert set(measured) == set(STRATEGIES)
     assert measured["nbckpt-async"]["checkpoints"] == 2  # per run, in each of the repeats
     assert measured["nbckpt-async"]["repeats"] == results["parameters"]["repeats"] == 2
     assert len(measured["nbckpt-async"]["overhead_ci_pct"]) == 2
