@@ -26,10 +26,6 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 TUTORIALS = [path for path in NOTEBOOKS if path.name != "report.ipynb"]
 
-# Tutorials whose figures still use plotly's "notebook" renderer, which stores plotly.js (4.6 MB)
-# in the outputs of a run by hand; each should switch to "plotly_mimetype", as 02 did.
-EMBED_PLOTLY_JS = {"01_quickstart.ipynb", "03_storage_and_flashblade.ipynb",
-                   "05_distributed.ipynb", "07_interval_and_scale.ipynb"}
 # What plotly's "notebook" renderer puts before plotly.js in an output.
 PLOTLY_JS_LOADER = "window.PlotlyConfig"
 
@@ -152,10 +148,10 @@ def test_notebook_runs_with_small_parameters(path: Path, tmp_path: Path) -> None
     stderr = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", [])
                      if o.get("name") == "stderr")
     assert "torch.distributed is disabled" not in stderr  # nbckpt's DCP strategies made torch warn
-    if path.name not in EMBED_PLOTLY_JS:  # a run by hand leaves the notebook as small as this
-        html = [str(o.get("data", {}).get("text/html", "")) for c in nb.cells for o in c.get("outputs", [])]
-        assert not any(PLOTLY_JS_LOADER in text for text in html), f"{path.name} stores plotly.js"
-        assert executed.stat().st_size < 2**20, f"{path.name} ran to {executed.stat().st_size} bytes"
+    # figures as plotly JSON ("plotly_mimetype"): a run by hand leaves the notebook as small as this
+    html = [str(o.get("data", {}).get("text/html", "")) for c in nb.cells for o in c.get("outputs", [])]
+    assert not any(PLOTLY_JS_LOADER in text for text in html), f"{path.name} stores plotly.js"
+    assert executed.stat().st_size < 2**20, f"{path.name} ran to {executed.stat().st_size} bytes"
     if "results_path" in _parameters(path):
         assert results, f"{path.name} declares results_path but wrote nothing there"
     check = CHECKS.get(path.name)
