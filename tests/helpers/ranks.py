@@ -7,8 +7,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 WORKER = Path(__file__).with_name("rank_worker.py")
 
@@ -17,6 +19,35 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@dataclass
+class RankProcess:
+    """A rank's process, its output going to anonymous files: a pipe nobody reads while the test
+    waits for another rank fills up and blocks its writer, maybe inside a collective (a hang)."""
+
+    proc: subprocess.Popen[str]
+    out: IO[str]
+    err: IO[str]
+
+    @classmethod
+    def start(cls, command: list[str], env: dict[str, str]) -> RankProcess:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by kill)
+        return cls(subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True), out, err)
+
+    def finish(self, timeout: float) -> tuple[int, str, str]:
+        """Wait for the exit (a safety net against a hang, not a limit): code, stdout, stderr."""
+        code = self.proc.wait(timeout=timeout)
+        self.out.seek(0)
+        self.err.seek(0)
+        return code, self.out.read(), self.err.read()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.out.close()
+        self.err.close()
 
 
 def run_ranks(
@@ -37,21 +68,18 @@ def run_ranks(
         **(env or {}),
     }
     procs = {
-        rank: subprocess.Popen(
+        rank: RankProcess.start(
             [sys.executable, str(worker), scenario, str(directory)],
-            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
         )
         for rank in range(world_size)
     }
     results = {}
     try:
         for rank, proc in procs.items():
-            out, err = proc.communicate(timeout=timeout)
+            code, out, err = proc.finish(timeout)
             lines = [line for line in out.splitlines() if line.startswith("{")]
-            results[rank] = (proc.returncode, json.loads(lines[-1]) if lines else {}, err[-3000:])
+            results[rank] = (code, json.loads(lines[-1]) if lines else {}, err[-3000:])
     finally:
         for proc in procs.values():
             proc.kill()

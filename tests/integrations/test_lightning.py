@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 pytest.importorskip("lightning")
 
 import torch
-from helpers.ranks import free_port
+from helpers.ranks import RankProcess, free_port
 from integrations.lit_app import TinyModel, digest, fit
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
@@ -207,25 +206,18 @@ def test_ddp_two_processes_rank0_saves_alone(tmp_path: Path) -> None:
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
     }
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(tmp_path)],
-            env={**env, "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        RankProcess.start([sys.executable, str(WORKER), str(tmp_path)], {**env, "LOCAL_RANK": str(rank)})
         for rank in range(2)
     ]
     results = []
     try:
         for proc in procs:
-            out, err = proc.communicate(timeout=300)  # a safety net against a hang, not a limit
-            assert proc.returncode == 0, err[-3000:]
+            code, out, err = proc.finish(timeout=300)
+            assert code == 0, err[-3000:]
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+            proc.kill()
     assert [r["rank"] for r in results] == [0, 1]
     assert results[0]["resumed"] == results[0]["straight"] == results[1]["resumed"]
     assert results[0]["global_step"] == 16

@@ -111,7 +111,8 @@ def test_the_browser_deletes_while_the_autosave_holds_the_directory(
     run = tmp_path / "run"
     cell(kernel, SETUP + f"%ckpt_autosave model opt step --every 0.001s --step step -d {run}")
     for value in (10, 20, 30):
-        cell(kernel, f"step = {value}")
+        # the save of the cell before is done: this cell's end is not skipped for one in flight
+        cell(kernel, f"%ckpt_wait\nstep = {value}")
         assert kernel.evaluate("nbckpt.notebook.Autosave.active().last.handle.wait().step") == str(value)
     delete = "browser.select({}); print(browser.delete(), browser.confirm_delete(), browser.error)"
     out, err = cell(kernel, f"from nbckpt.notebook import Browser\nbrowser = Browser({str(run)!r})\n"
