@@ -15,7 +15,21 @@ from typing import Any
 from ._errors import CheckpointError, ConfigError, NbckptError
 from ._util import run_directory
 from ._version import __version__
-from .engine import CheckpointConfig, Checkpointer, Event, SaveHandle, SaveRecord, Timeline, close_all
+from .engine import (
+    AnyOf,
+    BestN,
+    CheckpointConfig,
+    Checkpointer,
+    CustomSteps,
+    Event,
+    EveryNSteps,
+    LatestN,
+    RetentionPolicy,
+    SaveHandle,
+    SaveRecord,
+    Timeline,
+    close_all,
+)
 
 # Background events (a failed delete, a final save on SIGTERM) go to this logger. A library
 # leaves the choice of where they go to the application: without a handler of the
@@ -23,12 +37,18 @@ from .engine import CheckpointConfig, Checkpointer, Event, SaveHandle, SaveRecor
 logging.getLogger("nbckpt").addHandler(logging.NullHandler())
 
 __all__ = [
+    "AnyOf",
+    "BestN",
     "CheckpointConfig",
     "CheckpointError",
     "Checkpointer",
     "ConfigError",
+    "CustomSteps",
     "Event",
+    "EveryNSteps",
+    "LatestN",
     "NbckptError",
+    "RetentionPolicy",
     "SaveHandle",
     "SaveRecord",
     "Timeline",

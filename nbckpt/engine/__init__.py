@@ -7,6 +7,7 @@ The bottom layer of nbckpt: it imports nothing from the bench, analysis or noteb
 from ._checkpointer import Checkpointer, close_all, writer_of
 from ._config import CheckpointConfig
 from ._handles import SaveHandle, SaveRecord
+from ._retention import AnyOf, BestN, CustomSteps, EveryNSteps, LatestN, RetentionPolicy, StepInfo
 from ._state import flatten
 from ._store import MAX_STEP, step_name
 from ._timeline import COLUMNS as TIMELINE_COLUMNS
@@ -17,12 +18,19 @@ __all__ = [
     "EVENT_KINDS",
     "MAX_STEP",
     "TIMELINE_COLUMNS",
+    "AnyOf",
+    "BestN",
     "CheckpointConfig",
     "Checkpointer",
+    "CustomSteps",
     "Event",
     "EventListener",
+    "EveryNSteps",
+    "LatestN",
+    "RetentionPolicy",
     "SaveHandle",
     "SaveRecord",
+    "StepInfo",
     "Timeline",
     "close_all",
     "events_to_pandas",

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from . import _faults, _rng
@@ -32,6 +32,7 @@ from ._manifest import build
 from ._provenance import provenance
 from ._ranks import RankInfo
 from ._reader import read_manifest
+from ._retention import expired, step_infos
 from ._shards import fingerprints
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten
@@ -40,11 +41,23 @@ from ._timeline import Timeline, now_ns
 from ._values import with_values
 from ._workers import Pool, Worker, run_all
 
-__all__ = ["Saver"]
+__all__ = ["CommitObserver", "Saver"]
 
 _log = logging.getLogger("nbckpt")
 #: Structures a run alternates between at most (a model, then with its optimizer state, ...).
 _LAYOUTS_KEPT = 4
+
+
+class CommitObserver(Protocol):
+    """A tier behind the run's directory (the mirror), told on rank 0 what the saver commits and
+    asked before retention deletes."""
+
+    def committed(self, store: Store, step: int, location: str) -> None:
+        """``step`` has committed at ``location`` of ``store``."""
+
+    def release(self, store: Store, steps: list[int]) -> set[int]:
+        """Retention is about to delete ``steps`` of ``store``: those still needed for now (an
+        upload reading them); the others are given up."""
 
 
 class Saver:
@@ -59,8 +72,12 @@ class Saver:
         io: Pool,
         nonce: str,
         committed: set[int],
+        observer: CommitObserver | None = None,
     ) -> None:
+        """``observer`` is told of each commit (on rank 0)."""
         self.config, self.store, self.ranks, self.timeline, self.io = config, store, ranks, timeline, io
+        self.policy = config.retention
+        self._observer = observer if ranks.rank == 0 else None
         self.records: list[SaveRecord] = []
         self.committed = committed
         self._nonce = nonce
@@ -72,14 +89,11 @@ class Saver:
         self._seq = 0
         self._origin: dict[str, Any] | None = None
         self._names: dict[int, tuple[str, ...]] = {}  # each step's top-level names, as read or saved
+        self._metrics: dict[int, Mapping[str, float | None]] = {}  # each step's metrics, as saved
         self.pool = StagingPool(config.max_inflight, pin=_cuda())
         self._stager = Stager()
         self._persister = Worker("nbckpt-persist", nice=config.writer_nice)
         self._retainer = Worker("nbckpt-retention", nice=config.writer_nice)
-        #: Called on rank 0 with (step, path) as each commit is reported (the mirror's upload).
-        self.after_commit: Callable[[int, str], None] | None = None
-        #: Steps retention must leave for now (those the mirror has still to upload).
-        self.protected: Callable[[], set[int]] = set
 
     # -- the caller's side ----------------------------------------------------------------------
 
@@ -91,6 +105,7 @@ class Saver:
         sync: bool,
         overlap: bool,
         capture_rng: bool,
+        metrics: Mapping[str, float | None],
         overwrite: bool,
         owner: object,
     ) -> SaveHandle:
@@ -139,7 +154,8 @@ class Saver:
             self._inflight.append(handle)
         try:
             self._persister.submit(
-                partial(self._persist, handle, flat, layout, rng_state, stage_done, start, sync, owner)
+                partial(self._persist, handle, flat, layout, rng_state, metrics, stage_done, start, sync,
+                        owner)
             )
             handle.stall_s = (now_ns() - start) / 1e9
             self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
@@ -159,6 +175,7 @@ class Saver:
             self.store = store
             self.committed = set(store.committed())
             self._names.clear()  # step numbers of another line are other steps
+            self._metrics.clear()
 
     def names_of(self, step: int) -> tuple[str, ...] | None:
         """The top-level names step ``step`` of this line holds (None if it cannot be read)."""
@@ -181,7 +198,7 @@ class Saver:
         names = top_names(flat.tree)
         latest = max((s for s in self.committed if s != step), default=None)
         before = self.names_of(latest) if latest is not None else None
-        kept = f"; retention keeps the newest {self.config.keep} of each" if self.config.keep else ""
+        kept = f"; retention keeps {self.policy} of each" if self.policy else ""
         if before is not None and names != before:
             warnings.warn(
                 f"nbckpt: step {step} holds {_listed(names)}, the newest step ({latest}) holds "
@@ -320,6 +337,7 @@ class Saver:
         flat: Flattened,
         layout: Layout,
         rng_state: dict[str, Any] | None,
+        metrics: Mapping[str, float | None],
         stage_done: Future[tuple[float, int]],
         start: int,
         sync: bool,
@@ -362,6 +380,7 @@ class Saver:
                 rank_trees={str(r): part[1] for r, part in enumerate(written) if part[1] != flat.tree},
                 rng={str(r): part[2] for r, part in enumerate(written) if part[2] is not None},
                 provenance=self._provenance(),
+                metrics=metrics,
                 timing={"stage_s": handle.stage_s, "write_s": (persisted - persist_began) / 1e9},
             )
             target = location
@@ -397,16 +416,32 @@ class Saver:
             older = set(self.committed)  # what retention may delete: never a step committed later
             self.committed.add(step)
             self._names[step] = top_names(flat.tree)
+            self._metrics[step] = metrics
         handle.phase = "committed"
-        retention: Future[None] | None = None
-        if self.config.keep is not None and rank == 0:
-            retention = Future()
-            self._retention = retention  # before the commit is reported: wait() must see it
-        if self.after_commit is not None and rank == 0:
-            self.after_commit(step, path)  # queued before retention: it protects this step
+        retention = self._retention_after(step, older) if rank == 0 else None
+        if self._observer is not None:
+            self._observer.committed(self.store, step, path)
         handle.committed.set_result(record)
         if retention is not None:  # after the commit is reported: a slow delete delays no save
-            self._retainer.submit(partial(self._retain, step, older, retention))
+            self._retainer.submit(retention)
+
+    def _retention_after(self, newest: int, older: set[int]) -> Callable[[], None] | None:
+        """The retention pass after ``newest`` committed, registered so that ``wait`` sees it."""
+        if self.policy is None:
+            return None
+        done: Future[None] = Future()
+        self._retention = done
+        return partial(self._retain, newest, older, done)
+
+    def retain(self) -> None:
+        """Apply retention now, in the background (a policy's answer may have changed)."""
+        with self._state:
+            newest = max(self.committed, default=None)
+            older = set(self.committed)
+        if newest is not None and self.ranks.rank == 0:
+            retention = self._retention_after(newest, older)
+            if retention is not None:
+                self._retainer.submit(retention)
 
     def _provenance(self) -> dict[str, Any]:
         if self._origin is None:  # once per Checkpointer: it runs git
@@ -455,38 +490,41 @@ class Saver:
         _log.warning("%s", error)
 
     def _retain(self, newest: int, older: set[int], done: Future[None]) -> None:
-        """Delete the oldest checkpoints beyond ``keep``, never ``newest``; failures are logged.
+        """Delete the steps the policy does not keep, never ``newest``; failures are logged.
 
         Only steps committed before ``newest`` (``older``) count: a retention that runs late
         must not take a step committed since for an old one (it could be the newest of all).
+        Only steps of ``newest``'s names count: a stray save never rotates out the run's real
+        checkpoints. A step the observer still reads (an upload) stays for now.
         """
         try:
-            keep = self.config.keep or 0
-            busy = self.protected()
             names = self.names_of(newest)
-            steps = sorted(
-                s
-                for s in self.store.committed()
-                # never the step just committed (a re-save of it is in ``older`` too), and only
-                # steps of its names: a stray save never rotates out the run's real checkpoints
-                if s in older and s != newest and s not in busy and self.names_of(s) == names
-            )
-            for step in steps[: max(len(steps) + 1 - keep, 0)]:
-                began = now_ns()
-                try:
-                    self.store.delete(step)
-                except Exception as exc:
-                    _log.warning(
-                        "nbckpt: could not delete old checkpoint %s: %s", step_name(step), describe_error(exc)
-                    )
-                    continue
-                with self._state:
-                    self.committed.discard(step)
-                self.timeline.record("delete", began, step=step)
+            steps = [
+                s for s in self.store.committed()
+                if (s in older or s == newest) and self.names_of(s) == names
+            ]
+            doomed = expired(self.policy, step_infos(self.policy, self.store, steps, self._metrics),
+                             newest=newest)
+            busy = self._observer.release(self.store, doomed) if self._observer and doomed else set()
+            for step in doomed:
+                if step not in busy:
+                    self._delete_old(step)
         except Exception as exc:
             _log.warning("nbckpt: retention failed: %s", describe_error(exc))
         finally:
             done.set_result(None)
+
+    def _delete_old(self, step: int) -> None:
+        began = now_ns()
+        try:
+            self.store.delete(step)
+        except Exception as exc:
+            _log.warning("nbckpt: could not delete old checkpoint %s: %s", step_name(step),
+                         describe_error(exc))
+            return
+        with self._state:
+            self.committed.discard(step)
+        self.timeline.record("delete", began, step=step)
 
 
 def top_names(tree: dict[str, Any]) -> tuple[str, ...]:
