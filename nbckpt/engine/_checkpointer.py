@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import signal
 import threading
@@ -37,6 +36,7 @@ from ._mirror import Mirror, mirror_of
 from ._ranks import Group, join
 from ._reader import Readable
 from ._restorer import Restorer
+from ._retention import check_metrics
 from ._saver import Saver
 from ._store import Store, check_step, open_store, step_name
 from ._timeline import Timeline
@@ -294,7 +294,7 @@ class Checkpointer:
                 sync=config.mode == "sync",
                 overlap=overlap,
                 capture_rng=config.capture_rng,
-                metrics=_checked_metrics(metrics),
+                metrics=check_metrics(metrics),
                 overwrite=overwrite,
                 owner=self,
             )
@@ -610,21 +610,6 @@ class Checkpointer:
 def _given(**overrides: Any) -> dict[str, Any]:
     """The per-call overrides that were given (None: the config's value)."""
     return {name: value for name, value in overrides.items() if value is not None}
-
-
-def _checked_metrics(metrics: Any) -> dict[str, float | None]:
-    """``metrics`` as a dict of names to floats (None for NaN and infinities, which JSON lacks);
-    ConfigError naming a bad entry."""
-    if metrics is None:
-        return {}
-    if not isinstance(metrics, Mapping):
-        raise ConfigError(f"metrics must be a dict of names to numbers, not {type(metrics).__name__}")
-    checked: dict[str, float | None] = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"metrics: {name!r}: {value!r} is not a name and a number")
-        checked[name] = float(value) if math.isfinite(value) else None
-    return checked
 
 
 def _device(map_location: Any) -> torch.device | None:

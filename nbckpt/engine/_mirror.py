@@ -29,7 +29,7 @@ from .._errors import CheckpointError, ConfigError, describe_error
 from ._files import copy_file
 from ._lines import BRANCH_FILE, MAIN, Line, discover, on, write_record
 from ._reader import damage_named, read_manifest
-from ._retention import RetentionPolicy, expired, step_infos
+from ._retention import RetentionPolicy, StepFacts, expired
 from ._store import LOCK_FILE, Store, step_name
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
@@ -207,7 +207,7 @@ class Mirror:
             there = set(mirrored[name].store.committed())
             wanted = sorted(local)
             if self.policy is not None:
-                kept = self.policy.keep(step_infos(self.policy, line.store, wanted))
+                kept = self.policy.keep(StepFacts(line.store).infos(self.policy, wanted))
                 wanted = [step for step in wanted if step in kept]
             missing = [step for step in wanted if step not in there]
             if missing and name != MAIN:
@@ -322,13 +322,14 @@ class Mirror:
             return False
         steps = {*store.committed(), entry.step}
         newer = [s for s in steps if s > entry.step]
-        infos = step_infos(self.policy, store, newer)
-        infos += step_infos(self.policy, entry.source, [entry.step])
+        infos = StepFacts(store).infos(self.policy, newer)
+        infos += StepFacts(entry.source).infos(self.policy, [entry.step])
         return bool(newer) and entry.step in expired(self.policy, infos, newest=max(newer))
 
     def _retain(self, store: Store, newest: int) -> None:
         """The mirror keeps what the run's directory keeps (never the step just uploaded)."""
-        for step in expired(self.policy, step_infos(self.policy, store, store.committed()), newest=newest):
+        infos = StepFacts(store).infos(self.policy, store.committed())
+        for step in expired(self.policy, infos, newest=newest):
             try:
                 store.delete(step)
             except Exception as exc:

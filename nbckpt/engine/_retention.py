@@ -9,14 +9,21 @@ commit, the mirror after each upload) asks :func:`expired`, so a rule is written
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from functools import partial
+from typing import Any, Literal, Protocol, runtime_checkable
 
-from .._errors import CheckpointError, ConfigError
+from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import check_count
-from ._reader import Readable, read_manifest
+from ._reader import read_manifest
+from ._store import Store, step_name
+from ._timeline import Timeline, now_ns
+from ._workers import Worker
 
 __all__ = [
     "AnyOf",
@@ -24,12 +31,18 @@ __all__ = [
     "CustomSteps",
     "EveryNSteps",
     "LatestN",
+    "Retainer",
     "RetentionPolicy",
+    "StepFacts",
     "StepInfo",
+    "check_metrics",
     "expired",
     "policy_of",
-    "step_infos",
+    "top_names",
 ]
+
+
+_log = logging.getLogger("nbckpt")
 
 
 @dataclass(frozen=True)
@@ -187,27 +200,130 @@ def expired(policy: RetentionPolicy | None, steps: Sequence[StepInfo], *, newest
     return [info.step for info in ordered if info.step not in kept and info.step != newest]
 
 
-def step_infos(
-    policy: RetentionPolicy | None,
-    store: Readable,
-    steps: Iterable[int],
-    known: Mapping[int, Mapping[str, float | None]] | None = None,
-) -> list[StepInfo]:
-    """``steps`` of ``store`` as ``policy`` sees them, oldest first: their metrics read from
-    their manifests (or taken from ``known``) only when the policy looks at metrics. A manifest
-    that cannot be read gives no metrics (the step is no best one, and is not deleted for that)."""
-    wanted = policy is not None and _uses_metrics(policy)
-    known = known or {}
-    return [
-        StepInfo(step, (known[step] if step in known else _metrics_in(store, step)) if wanted else {})
-        for step in sorted(steps)
-    ]
+def top_names(tree: Mapping[str, Any]) -> tuple[str, ...]:
+    """The names a state tree holds at its top (``("model", "optim", "step")``), sorted."""
+    return tuple(sorted(str(key) for key, _ in tree.get("items", [])))
 
 
-def _metrics_in(store: Readable, step: int) -> Mapping[str, float | None]:
-    location = store.committed_at(step)
-    try:
-        found = read_manifest(store, step, location)[0].body.get("metrics") if location else None
-    except CheckpointError:
+class StepFacts:
+    """What retention needs to know of each committed step of one line: the names at the top of
+    its state and its metrics, as saved, or read once from its manifest."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._known: dict[int, tuple[tuple[str, ...], Mapping[str, float | None]] | None] = {}
+        self._lock = threading.Lock()
+
+    def saved(self, step: int, tree: Mapping[str, Any], metrics: Mapping[str, float | None]) -> None:
+        with self._lock:
+            self._known[step] = (top_names(tree), dict(metrics))
+
+    def names(self, step: int) -> tuple[str, ...] | None:
+        """The top-level names ``step`` holds (None if it cannot be read)."""
+        facts = self._of(step)
+        return facts[0] if facts else None
+
+    def infos(self, policy: RetentionPolicy | None, steps: Iterable[int]) -> list[StepInfo]:
+        """``steps`` as ``policy`` sees them, oldest first (metrics only if it looks at them; a
+        step whose manifest cannot be read has none: it is no best one, nor deleted for that)."""
+        wanted = policy is not None and _uses_metrics(policy)
+        return [StepInfo(step, self._metrics(step) if wanted else {}) for step in sorted(steps)]
+
+    def _metrics(self, step: int) -> Mapping[str, float | None]:
+        facts = self._of(step)
+        return facts[1] if facts else {}
+
+    def _of(self, step: int) -> tuple[tuple[str, ...], Mapping[str, float | None]] | None:
+        with self._lock:
+            if step in self._known:
+                return self._known[step]
+        location = self.store.committed_at(step)
+        try:
+            body = read_manifest(self.store, step, location)[0].body if location else None
+        except CheckpointError:
+            body = None
+        metrics = body.get("metrics") if body is not None else None
+        facts = (top_names(body["tree"]), metrics if isinstance(metrics, dict) else {}) if body else None
+        with self._lock:
+            self._known[step] = facts
+        return facts
+
+
+def check_metrics(metrics: Any) -> dict[str, float | None]:
+    """``metrics`` given to a save as a dict of names to floats (None for NaN and infinities,
+    which JSON lacks); ConfigError naming a bad entry."""
+    if metrics is None:
         return {}
-    return found if isinstance(found, dict) else {}
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(f"metrics must be a dict of names to numbers, not {type(metrics).__name__}")
+    checked: dict[str, float | None] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"metrics: {name!r}: {value!r} is not a name and a number")
+        checked[name] = float(value) if math.isfinite(value) else None
+    return checked
+
+
+class Retainer:
+    """Deletes what the policy does not keep, one pass after each commit, on a background thread
+    of its own (a slow delete never delays a save); ``wait`` waits for the pass last asked for."""
+
+    def __init__(
+        self,
+        policy: RetentionPolicy | None,
+        timeline: Timeline,
+        nice: int,
+        release: Callable[[Store, list[int]], set[int]] | None,
+    ) -> None:
+        """``release``: of the steps about to be deleted, those a tier behind (the mirror's
+        upload) still reads, which stay for now."""
+        self.policy, self.timeline, self._release = policy, timeline, release
+        self._worker = Worker("nbckpt-retention", nice=nice)
+        self._last: Future[None] | None = None
+
+    def after(self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None]) -> None:
+        """Queue a pass over the line ``facts`` knows: only steps committed before ``newest``
+        (``older``) count, since a pass that runs late must not take a step committed since for
+        an old one (it could be the newest of all); and only steps of ``newest``'s names, since a
+        stray save must never rotate out the run's real checkpoints. Never ``newest`` itself;
+        ``deleted`` is told of each step deleted."""
+        if self.policy is None:
+            return
+        done: Future[None] = Future()
+        self._last = done
+        self._worker.submit(partial(self._pass, facts, newest, older, deleted, done))
+
+    def wait(self) -> None:
+        if self._last is not None:
+            self._last.result()
+
+    def stop(self, wait: bool) -> None:
+        self._worker.stop(wait)
+
+    def _pass(
+        self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None],
+        done: Future[None],
+    ) -> None:
+        store, names = facts.store, facts.names(newest)
+        try:
+            steps = [s for s in store.committed() if (s in older or s == newest) and facts.names(s) == names]
+            doomed = expired(self.policy, facts.infos(self.policy, steps), newest=newest)
+            busy = self._release(store, doomed) if self._release is not None and doomed else set()
+            for step in doomed:
+                if step not in busy:
+                    self._delete(store, step, deleted)
+        except Exception as exc:
+            _log.warning("nbckpt: retention failed: %s", describe_error(exc))
+        finally:
+            done.set_result(None)
+
+    def _delete(self, store: Store, step: int, deleted: Callable[[int], None]) -> None:
+        began = now_ns()
+        try:
+            store.delete(step)
+        except Exception as exc:
+            reason = describe_error(exc)
+            _log.warning("nbckpt: could not delete old checkpoint %s: %s", step_name(step), reason)
+            return
+        deleted(step)
+        self.timeline.record("delete", began, step=step)

@@ -4,10 +4,6 @@ One save goes: flatten and agree across ranks (:meth:`Saver.start`), plan the fi
 (cached per structure), wait for room (backpressure), copy into a staging slot, then on the
 persist thread write every file, agree, build the manifest and commit; retention deletes
 old steps on its own thread after the commit has been reported.
-
-Longer than 400 lines because the steps above share one save's state and its failure
-handling (a failed step must release the slot and fail the handle exactly once); split
-across modules, that state would have to be passed around in pieces.
 """
 
 from __future__ import annotations
@@ -22,6 +18,8 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any, Protocol
 
+import torch
+
 from .._errors import CheckpointError, ConfigError, describe_error
 from . import _faults, _rng
 from ._config import CheckpointConfig
@@ -31,12 +29,11 @@ from ._layout import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._manifest import build
 from ._provenance import provenance
 from ._ranks import RankInfo
-from ._reader import read_manifest
-from ._retention import expired, step_infos
-from ._shards import fingerprints
+from ._retention import Retainer, StepFacts, top_names
+from ._shards import check_replicas, fingerprints
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten
-from ._store import Store, step_name
+from ._store import Store
 from ._timeline import Timeline, now_ns
 from ._values import with_values
 from ._workers import Pool, Worker, run_all
@@ -76,7 +73,6 @@ class Saver:
     ) -> None:
         """``observer`` is told of each commit (on rank 0)."""
         self.config, self.store, self.ranks, self.timeline, self.io = config, store, ranks, timeline, io
-        self.policy = config.retention
         self._observer = observer if ranks.rank == 0 else None
         self.records: list[SaveRecord] = []
         self.committed = committed
@@ -85,15 +81,15 @@ class Saver:
         self._inflight: deque[SaveHandle] = deque()
         self._unreported: list[SaveHandle] = []
         self._layouts: dict[Any, Layout] = {}
-        self._retention: Future[None] | None = None
         self._seq = 0
         self._origin: dict[str, Any] | None = None
-        self._names: dict[int, tuple[str, ...]] = {}  # each step's top-level names, as read or saved
-        self._metrics: dict[int, Mapping[str, float | None]] = {}  # each step's metrics, as saved
-        self.pool = StagingPool(config.max_inflight, pin=_cuda())
+        self.facts = StepFacts(store)  # the names and metrics of the line's steps, for retention
+        self.pool = StagingPool(config.max_inflight, pin=torch.cuda.is_available())
         self._stager = Stager()
         self._persister = Worker("nbckpt-persist", nice=config.writer_nice)
-        self._retainer = Worker("nbckpt-retention", nice=config.writer_nice)
+        self._retainer = Retainer(
+            config.retention, timeline, config.writer_nice, self._observer.release if self._observer else None
+        )
 
     # -- the caller's side ----------------------------------------------------------------------
 
@@ -160,7 +156,7 @@ class Saver:
             handle.stall_s = (now_ns() - start) / 1e9
             self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
         finally:
-            handle._returned.set()  # stall_s is final: the record may be built
+            handle.returned.set()  # stall_s is final: the record may be built
         if sync:
             try:
                 handle.committed.result()
@@ -174,22 +170,7 @@ class Saver:
         with self._state:
             self.store = store
             self.committed = set(store.committed())
-            self._names.clear()  # step numbers of another line are other steps
-            self._metrics.clear()
-
-    def names_of(self, step: int) -> tuple[str, ...] | None:
-        """The top-level names step ``step`` of this line holds (None if it cannot be read)."""
-        names = self._names.get(step)
-        if names is None:
-            location = self.store.committed_at(step)
-            try:
-                names = top_names(read_manifest(self.store, step, location)[0].tree(0)) if location else None
-            except CheckpointError:
-                return None
-            if names is not None:
-                with self._state:
-                    self._names[step] = names
-        return names
+            self.facts = StepFacts(store)  # step numbers of another line are other steps
 
     def _warn_if_stray(self, step: int, flat: Flattened) -> None:
         """A save of other names than the run's newest step (``%ckpt_async x`` in a model's run),
@@ -197,8 +178,9 @@ class Saver:
         the newest ``keep`` of each set of names, so it never rotates the others out."""
         names = top_names(flat.tree)
         latest = max((s for s in self.committed if s != step), default=None)
-        before = self.names_of(latest) if latest is not None else None
-        kept = f"; retention keeps {self.policy} of each" if self.policy else ""
+        before = self.facts.names(latest) if latest is not None else None
+        policy = self._retainer.policy
+        kept = f"; retention keeps {policy} of each" if policy else ""
         if before is not None and names != before:
             warnings.warn(
                 f"nbckpt: step {step} holds {_listed(names)}, the newest step ({latest}) holds "
@@ -250,7 +232,7 @@ class Saver:
             if len(self._layouts) >= _LAYOUTS_KEPT:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[plans] = layout
-        _check_replicas(layout.shared, [prints for _, prints in everyone])
+        check_replicas(layout.shared, [prints for _, prints in everyone])
         return flat, layout
 
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
@@ -294,8 +276,7 @@ class Saver:
             with contextlib.suppress(CheckpointError):  # raised below, once
                 records.append(oldest.committed.result())
             self._settled(oldest)
-        if self._retention is not None:
-            self._retention.result()
+        self._retainer.wait()
         self.raise_pending()
         return records
 
@@ -396,7 +377,7 @@ class Saver:
             self._fail(handle, exc, began)
             return
         if not sync:
-            handle._returned.wait()  # stall_s is final once save() has returned
+            handle.returned.wait()  # stall_s is final once save() has returned
         persist_s = (now_ns() - persist_began) / 1e9
         record = SaveRecord(
             step=step,
@@ -415,33 +396,28 @@ class Saver:
             self.records.append(record)
             older = set(self.committed)  # what retention may delete: never a step committed later
             self.committed.add(step)
-            self._names[step] = top_names(flat.tree)
-            self._metrics[step] = metrics
+            self.facts.saved(step, flat.tree, metrics)
         handle.phase = "committed"
-        retention = self._retention_after(step, older) if rank == 0 else None
-        if self._observer is not None:
-            self._observer.committed(self.store, step, path)
+        if rank == 0:
+            if self._observer is not None:  # first: retention then knows of its upload
+                self._observer.committed(self.store, step, path)
+            self._retain(step, older)
         handle.committed.set_result(record)
-        if retention is not None:  # after the commit is reported: a slow delete delays no save
-            self._retainer.submit(retention)
-
-    def _retention_after(self, newest: int, older: set[int]) -> Callable[[], None] | None:
-        """The retention pass after ``newest`` committed, registered so that ``wait`` sees it."""
-        if self.policy is None:
-            return None
-        done: Future[None] = Future()
-        self._retention = done
-        return partial(self._retain, newest, older, done)
 
     def retain(self) -> None:
-        """Apply retention now, in the background (a policy's answer may have changed)."""
+        """Apply retention now (a policy's answer may have changed since the last commit)."""
         with self._state:
             newest = max(self.committed, default=None)
             older = set(self.committed)
         if newest is not None and self.ranks.rank == 0:
-            retention = self._retention_after(newest, older)
-            if retention is not None:
-                self._retainer.submit(retention)
+            self._retain(newest, older)
+
+    def _retain(self, newest: int, older: set[int]) -> None:
+        self._retainer.after(self.facts, newest, older, self._deleted)
+
+    def _deleted(self, step: int) -> None:
+        with self._state:
+            self.committed.discard(step)
 
     def _provenance(self) -> dict[str, Any]:
         if self._origin is None:  # once per Checkpointer: it runs git
@@ -489,71 +465,5 @@ class Saver:
         self.timeline.record("error", began, step=handle.step, message=str(error))
         _log.warning("%s", error)
 
-    def _retain(self, newest: int, older: set[int], done: Future[None]) -> None:
-        """Delete the steps the policy does not keep, never ``newest``; failures are logged.
-
-        Only steps committed before ``newest`` (``older``) count: a retention that runs late
-        must not take a step committed since for an old one (it could be the newest of all).
-        Only steps of ``newest``'s names count: a stray save never rotates out the run's real
-        checkpoints. A step the observer still reads (an upload) stays for now.
-        """
-        try:
-            names = self.names_of(newest)
-            steps = [
-                s for s in self.store.committed()
-                if (s in older or s == newest) and self.names_of(s) == names
-            ]
-            doomed = expired(self.policy, step_infos(self.policy, self.store, steps, self._metrics),
-                             newest=newest)
-            busy = self._observer.release(self.store, doomed) if self._observer and doomed else set()
-            for step in doomed:
-                if step not in busy:
-                    self._delete_old(step)
-        except Exception as exc:
-            _log.warning("nbckpt: retention failed: %s", describe_error(exc))
-        finally:
-            done.set_result(None)
-
-    def _delete_old(self, step: int) -> None:
-        began = now_ns()
-        try:
-            self.store.delete(step)
-        except Exception as exc:
-            _log.warning("nbckpt: could not delete old checkpoint %s: %s", step_name(step),
-                         describe_error(exc))
-            return
-        with self._state:
-            self.committed.discard(step)
-        self.timeline.record("delete", began, step=step)
-
-
-def top_names(tree: dict[str, Any]) -> tuple[str, ...]:
-    """The names a state tree holds at its top (``("model", "optim", "step")``), sorted."""
-    return tuple(sorted(str(key) for key, _ in tree.get("items", [])))
-
-
 def _listed(names: tuple[str, ...]) -> str:
     return ", ".join(repr(n) for n in names) or "nothing"
-
-
-def _check_replicas(shared: frozenset[str], prints: list[dict[str, str]]) -> None:
-    """A plain tensor under one key on several ranks is written once, so its copies must agree:
-    the same ConfigError on every rank (they all see every fingerprint) when they do not."""
-    for key in sorted(shared):
-        seen = {rank: found[key] for rank, found in enumerate(prints) if key in found}
-        if len(set(seen.values())) > 1:
-            groups: dict[str, list[int]] = {}
-            for rank, value in seen.items():
-                groups.setdefault(value, []).append(rank)
-            ranks = " vs ".join("rank " + ", ".join(map(str, g)) for g in groups.values())
-            raise ConfigError(
-                f"{key!r} is a plain tensor with different values on different ranks ({ranks}); "
-                "a plain tensor under one key is replicated and written once. Give each rank's "
-                f"its own key (e.g. f'{key}.rank{{rank}}'), or make it a DTensor"
-            )
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
