@@ -1,13 +1,11 @@
-"""Timing a storage path: durable writes and reads back (the probe's), and the floors beside them.
+"""Timing a storage path (durable writes, reads back, fsync) for the probe, and the floors.
 
 A write is ``bytes`` split over ``streams`` threads, each writing its own file in 4 MiB
 ``os.write`` calls and ending with ``fsync`` (objects: 8 MiB multipart parts), the fastest of
-``repeats`` rounds per stream count; every byte is random, so compressing or deduplicating
-storage cannot flatter the figures. A save stall is read against the copy floor (the same bytes
-into preallocated memory), a write rate against the write floor (this write, of the same bytes
-into the same directory). A comparison measures the floors before each repeat
-(:func:`combine_floors`), so that they meet the same moments of a shared machine as the runs; a
-strategy faster than a floor is a measurement problem.
+``repeats`` rounds per stream count; the bytes are random, so compressing storage cannot flatter
+them. A save stall is read against the copy floor (the same bytes into preallocated memory), a
+write rate against the write floor (this write of the same bytes, to the same directory), both
+measured before each repeat of a comparison so that they meet the same moments of the machine.
 """
 
 from __future__ import annotations
@@ -38,8 +36,6 @@ __all__ = ["DEFAULT_REPEATS", "FLOOR_SAMPLE_BYTES", "Floors", "StreamRun", "comb
 DEFAULT_REPEATS = 2
 _CHUNK = 4 * MIB  # os.write size: large writes, as DCP's writer makes
 _PART = 8 * MIB  # multipart part size for objects (S3's minimum is 5 MiB)
-_FSYNCS = 20  # 4 KiB write+fsync rounds for the latency
-_FSYNC_LIMIT_S = 3.0  # a slow fsync phase stops early; its figures stay exact
 
 
 @dataclass(frozen=True)
@@ -48,11 +44,9 @@ class StreamRun:
 
     streams: int
     bytes: int
-    write_s: float
-    """The fastest round's seconds (other load only ever slows a round down)."""
+    write_s: float  # the fastest round's (other load only ever slows a round down)
     read_s: float | None
-    write_rounds_s: tuple[float, ...] = ()
-    """Every round's write seconds, fastest or not: their spread is this machine's noise."""
+    write_rounds_s: tuple[float, ...] = ()  # every round's, fastest or not: this machine's noise
 
     @property
     def write_gbs(self) -> float:
@@ -65,17 +59,14 @@ class StreamRun:
 
 def stream_counts(streams: Sequence[int]) -> list[int]:
     """``streams`` as a list; ConfigError unless it holds one or more positive integers."""
-    counts = list(streams)
+    counts = [check_count(count, f"every stream count (streams={streams!r})") for count in streams]
     if not counts:
         raise ConfigError(f"streams must be positive integers, not {streams!r}")
-    for count in counts:
-        check_count(count, f"every stream count (streams={streams!r})")
     return counts
 
 
 def in_threads(count: int, work: Callable[[int], Any]) -> float:
-    """Run ``work(i)`` in ``count`` threads released together; wall seconds until all finish
-    (thread start-up is not timed). The first error of any thread is raised."""
+    """Seconds from releasing ``count`` started threads running ``work(i)`` until all end (or one fails)."""
     barrier = threading.Barrier(count + 1)
 
     def run(index: int) -> None:
@@ -143,15 +134,12 @@ def _cached_fraction(path: str) -> float | None:
     return None if status != 0 else sum(v & 1 for v in vector) / pages
 
 
-def stream_runs(
-    fs: Any, work: str, size: int, *, streams: Sequence[int], repeats: int, read_back: bool
-) -> tuple[list[StreamRun], list[float]]:
+def stream_runs(fs: Any, work: str, size: int, *, streams: Sequence[int], repeats: int,
+                read_back: bool) -> tuple[list[StreamRun], list[float]]:
     """Write ``size`` bytes into ``work`` (a directory, or an object prefix of ``fs``) at each
-    stream count, ``repeats`` rounds each. With ``read_back`` every round is read back too,
-    and the second list holds the share of each round's first file still in the page cache
-    when reading began (empty for objects)."""
-    runs: list[StreamRun] = []
-    cached: list[float] = []
+    stream count, ``repeats`` rounds each, and read each round back if ``read_back``: the second
+    list holds the share of each round's first file in the page cache as reading began."""
+    runs, cached = list[StreamRun](), list[float]()
     pattern = memoryview(os.urandom(min(_CHUNK if fs is None else _PART, size) + 64 * 1024))
     for count in streams:
         names = [f"{work}/stream-{count}-{i}" for i in range(count)]
@@ -172,20 +160,29 @@ def stream_runs(
 
 @contextmanager
 def scratch(target: str, storage_options: dict[str, Any] | None) -> Iterator[tuple[Any, str]]:
-    """``(fs, work)``: a fresh directory in ``target`` (``fs`` None), or a fresh prefix under an
-    object-store URL; removed with everything in it on leaving. ``target`` must exist."""
-    local, root = not is_url(target), target.removeprefix("file://")
+    """``(fs, work)``: a fresh directory in ``target`` (``fs`` None; ``target`` is created if
+    need be), or a fresh prefix under an object-store URL; on leaving, removed with everything in
+    it and every directory made for it. ConfigError if ``target`` cannot hold a directory."""
+    local, root, made = not is_url(target), target.removeprefix("file://"), list[str]()
     fs: Any = None
     if not local:
         fs, root = open_fsspec(target.rstrip("/"), fsspec_options(target.split("://", 1)[0], storage_options))
     work = f"{root.rstrip('/')}/.nbckpt-probe-{uuid.uuid4().hex[:8]}"
-    if local:
-        os.mkdir(work)
+    while local and not os.path.exists(root) and root != os.path.dirname(root):
+        made, root = [*made, root], os.path.dirname(root)  # deepest first
     try:
+        if local:
+            try:
+                os.makedirs(work)
+            except OSError as exc:
+                raise ConfigError(f"cannot write in {target}: {exc.strerror or exc}") from exc
         yield fs, work
     finally:
         if local:
             shutil.rmtree(work, ignore_errors=True)
+            for folder in made:
+                with suppress(OSError):
+                    os.rmdir(folder)
         else:
             with suppress(Exception):
                 fs.rm(work, recursive=True)
@@ -193,32 +190,23 @@ def scratch(target: str, storage_options: dict[str, Any] | None) -> Iterator[tup
 
 def fsync_latencies(path: str) -> list[float]:
     """Milliseconds of each 4 KiB write + fsync (appending, like a manifest or a log)."""
-    block = os.urandom(4096)
-    latencies: list[float] = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
+    block, latencies = os.urandom(4096), list[float]()
+    with open(path, "wb", buffering=0) as stream:
         started = time.perf_counter()
-        while len(latencies) < _FSYNCS and time.perf_counter() - started < _FSYNC_LIMIT_S:
+        while len(latencies) < 20 and time.perf_counter() - started < 3.0:  # a slow fsync stops early
             begin = time.perf_counter()
-            os.pwrite(fd, block, len(latencies) * 4096)
-            os.fsync(fd)
+            stream.write(block)
+            os.fsync(stream.fileno())
             latencies.append((time.perf_counter() - begin) * 1e3)
-    finally:
-        os.close(fd)
     return latencies
 
 
-def measure_write(
-    target: str | os.PathLike[str],
-    nbytes: int,
-    *,
-    streams: Sequence[int] = (1,),
-    repeats: int = DEFAULT_REPEATS,
-    storage_options: dict[str, Any] | None = None,
-) -> list[StreamRun]:
+def measure_write(target: str | os.PathLike[str], nbytes: int, *, streams: Sequence[int] = (1,),
+                  repeats: int = DEFAULT_REPEATS, storage_options: dict[str, Any] | None = None,
+                  ) -> list[StreamRun]:
     """Write ``nbytes`` split over each stream count, exactly as :func:`nbckpt.bench.probe` writes:
-    one :class:`StreamRun` per stream count (``read_s`` None). ``target`` must exist; everything
-    written is removed."""
+    one :class:`StreamRun` per stream count (``read_s`` None). Everything written is removed, and
+    every directory made for it."""
     check_count(nbytes, "nbytes of the write measurement")
     counts = stream_counts(streams)
     check_count(repeats, "repeats")
@@ -228,14 +216,11 @@ def measure_write(
 
 # Floors are measured on at most this many bytes and scaled: rates are flat well below it.
 FLOOR_SAMPLE_BYTES = GIB
-# nbckpt's staging splits a host copy over two threads (engine/_staging.py): so does the floor.
-_COPY_THREADS = 2
 
 
 @dataclass(frozen=True)
 class Floors:
-    """What the hardware allows for ``bytes``: a copy into preallocated memory, and a raw write
-    made durable (files fsync'd, objects uploaded) measured like ``nbckpt probe``."""
+    """What the hardware allows for ``bytes``: a copy into preallocated memory, a durable raw write."""
 
     bytes: int
     copy_s: float
@@ -255,20 +240,17 @@ class Floors:
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> Floors:
-        """The floors of a JSON document (``null`` numbers become NaN)."""
+        """The floors of a JSON document (which holds NaN as null, tuples as lists)."""
 
-        def number(value: Any) -> float:
-            return math.nan if value is None else float(value)
-
-        known = {name: value for name, value in body.items() if name in cls.__dataclass_fields__}
-        for name, value in known.items():
+        def restore(value: Any) -> Any:
             if isinstance(value, list):
-                known[name] = tuple(number(v) for v in value)
-            elif isinstance(value, dict):
-                known[name] = {str(k): number(v) for k, v in value.items()}
-        for name in ("copy_s", "copy_gbs", "write_gbs", "write_s"):
-            known[name] = number(known.get(name))
-        return cls(**known)
+                return tuple(map(restore, value))
+            if isinstance(value, dict):
+                return {str(k): restore(v) for k, v in value.items()}
+            return math.nan if value is None else value
+
+        known = {"copy_s": None, "copy_gbs": None, "write_gbs": None, **body}
+        return cls(**{name: restore(v) for name, v in known.items() if name in cls.__dataclass_fields__})
 
     def describe(self) -> str:
         def span(rates: Sequence[float], digits: int) -> str:
@@ -282,9 +264,6 @@ class Floors:
                      f"copy {span(self.copy_gbs_by_repeat, 1)}, write {span(self.write_gbs_by_repeat, 2)}")
         if self.write_gbs_rounds:
             text += f", best of {len(self.write_gbs_rounds)} rounds ({span(self.write_gbs_rounds, 2)})"
-        if len(self.write_gbs_by_streams) > 1:
-            by_streams = self.write_gbs_by_streams.items()
-            text += "; by streams: " + ", ".join(f"{k} -> {v:.2f} GB/s" for k, v in by_streams)
         if self.sample_bytes and self.sample_bytes < self.bytes:
             text += f"; measured on {format_bytes(self.sample_bytes)} and scaled"
         return text
@@ -297,31 +276,23 @@ def _copy_floor(nbytes: int, device: str) -> float:
     source = torch.ones(nbytes, dtype=torch.uint8, device=device)
     target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     target.copy_(source)  # touches every page once, as reused staging buffers are
-    if cuda:
-        times = []
-        for _ in range(3):
+    # nbckpt's staging splits a host copy over two threads (engine/_staging.py): so does the floor.
+    shards, times = list(zip(target.chunk(2), source.chunk(2), strict=True)), list[float]()
+    for _ in range(3):
+        if cuda:
             torch.cuda.synchronize()
             begin = time.perf_counter()
             target.copy_(source, non_blocking=True)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - begin)
-        return min(times)
-    shards = list(zip(target.chunk(_COPY_THREADS), source.chunk(_COPY_THREADS), strict=True))
-    times = []
-    for _ in range(3):  # copy_ releases the GIL: the shards are copied at once
-        times.append(in_threads(1, lambda _: target.copy_(source)))
-        times.append(in_threads(len(shards), lambda i: shards[i][0].copy_(shards[i][1])))
+        else:  # copy_ releases the GIL: the shards are copied at once
+            times.append(in_threads(1, lambda _: target.copy_(source)))
+            times.append(in_threads(len(shards), lambda i: shards[i][0].copy_(shards[i][1])))
     return min(times)
 
 
-def measure_floors(
-    nbytes: int,
-    directory: str,
-    *,
-    device: str = "cpu",
-    storage_options: dict[str, Any] | None = None,
-    repeats: int = DEFAULT_REPEATS,
-) -> Floors:
+def measure_floors(nbytes: int, directory: str, *, device: str = "cpu", repeats: int = DEFAULT_REPEATS,
+                   storage_options: dict[str, Any] | None = None) -> Floors:
     """Measure the copy floor and the raw fsync'd write rate of ``directory`` for ``nbytes``: the
     write at 1 stream (torch.save's and DCP's one file) and 2 (nbckpt's default writer threads),
     the faster counting. Up to :data:`FLOOR_SAMPLE_BYTES` are really copied and written; larger
@@ -343,10 +314,8 @@ def combine_floors(measured: Sequence[Floors]) -> Floors:
     """One floor from floors measured before each repeat: the fastest copy and write of any,
     every repeat's rates kept (``copy_gbs_by_repeat``, ``write_gbs_by_repeat``)."""
     copy = min(measured, key=lambda floors: floors.copy_s)
-    streams: dict[str, float] = {}
-    for floors in measured:
-        for key, rate in floors.write_gbs_by_streams.items():
-            streams[key] = max(streams.get(key, 0.0), rate)
+    keys = {key: None for floors in measured for key in floors.write_gbs_by_streams}  # in order
+    streams = {key: max(f.write_gbs_by_streams.get(key, 0.0) for f in measured) for key in keys}
     return replace(
         max(measured, key=lambda floors: floors.write_gbs), copy_s=copy.copy_s, copy_gbs=copy.copy_gbs,
         write_gbs_by_streams=streams,

@@ -3,9 +3,8 @@
     >>> result = probe("/mnt/flashblade/ckpt", size_mb=64, checkpoint_bytes=2 * 10**9)
     >>> print(result.summary()); result.to_pandas()      # streams, write_gbs, read_gbs, ...
 
-Its writes are the write floor's (:func:`nbckpt.bench.measure_write`); each piece of advice
-names the measured or mounted value it comes from.
-"""
+Its writes are the write floor's (:func:`nbckpt.bench.measure_write`); each piece of advice names
+the measured or mounted value it comes from."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import shutil
 import statistics
 import time
 from collections.abc import Sequence
-from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,15 +26,13 @@ from ._measure import DEFAULT_REPEATS, StreamRun, fsync_latencies, scratch, stre
 
 __all__ = ["MountInfo", "ProbeResult", "mount_info", "probe"]
 
-# FUSE counts as network: a checkpoint directory on FUSE is nearly always a network or
-# object-store driver (sshfs, s3fs, gcsfuse, juicefs, seaweedfs, ...).
+# FUSE counts too: a checkpoint directory on FUSE is nearly always on sshfs, s3fs, gcsfuse, juicefs...
 _NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "ceph", "lustre", "gpfs", "beegfs", "9p"})
 
 
 @dataclass(frozen=True)
 class MountInfo:
-    """The mount holding a path. ``options`` are the mount's and its superblock's (where an
-    NFS mount's ``vers``, ``nconnect``, ``rsize``... are)."""
+    """The mount holding a path; ``options`` are the mount's and its superblock's (NFS's ``nconnect``)."""
 
     source: str
     mount_point: str
@@ -153,72 +149,47 @@ def _advice(result: ProbeResult) -> list[str]:
                       f"{size / (best.write_gbs * GB):.3g} s to persist: checkpoint less often than that, "
                       "or saves queue up (async mode hides the write, not the bandwidth).")
     if size and free is not None and free < 2 * size:
-        advice.append(f"Free space {format_bytes(free)} is less than twice the checkpoint "
-                      f"({format_bytes(size)}): a new checkpoint is written before the old one is deleted, "
-                      "so "
-                      + ("saves will fail with ENOSPC." if free < size else "keep room for keep+1."))
+        advice.append(f"Free space {format_bytes(free)} is below twice the checkpoint ({format_bytes(size)}"
+                      + ("): saves will fail with ENOSPC." if free < size else "): a new checkpoint is "
+                         "written before the old one is deleted, so keep room for keep+1 of them."))
     if result.kind == "memory":
         advice.append(f"{result.mount_point} is {result.fstype}: it lives in RAM and is lost at reboot. "
                       "Good for experiments; not for protecting a run.")
     nconnect = result.options.get("nconnect") or "1"
     if result.fstype.startswith("nfs") and (not nconnect.isdigit() or int(nconnect) < 2):
-        advice.append("NFS mount without nconnect: all traffic goes over one TCP connection, often the "
-                      "limit of a single client. Remount with nconnect=8 or 16 (Linux 5.3 or later; Pure "
-                      "measured about 10 Gbps with one and 70 Gbps with nconnect=16 from a FlashBlade; "
-                      "see docs/storage.md).")
+        advice.append("NFS mount without nconnect: one TCP connection, often a client's limit. Remount with "
+                      "nconnect=8 or 16 (Linux 5.3+; Pure measured about 10 Gbps with one connection and 70 "
+                      "with 16 reading from a FlashBlade; see docs/storage.md).")
     if result.fsync_ms is not None and result.fsync_ms > 10:
         advice.append(f"fsync takes {result.fsync_ms:.1f} ms (median): every checkpoint file and "
                       "directory is fsynced, so use mode='async' to keep it off the training loop.")
     return advice or ["Nothing to change: the measured figures and mount options look fine."]
 
 
-def _created_directories(path: str) -> list[str]:
-    """Create ``path``; the directories that made, deepest first, to remove again afterwards."""
-    missing = []
-    while not os.path.exists(path) and path != os.path.dirname(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    try:
-        os.makedirs(missing[0] if missing else path, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"cannot probe {missing[0] if missing else path}: {exc.strerror or exc}") from exc
-    return missing
-
-
-def probe(
-    path_or_url: str | os.PathLike[str],
-    *,
-    size_mb: float = 64.0,
-    streams: Sequence[int] = (1, 2, 4, 8),
-    storage_options: dict[str, Any] | None = None,
-    checkpoint_bytes: int | None = None,
-    repeats: int = DEFAULT_REPEATS,
-) -> ProbeResult:
-    """Measure a directory (local, NFS, tmpfs...) or an ``s3://`` URL, and advise.
-
-    ``size_mb`` is written (and read back) ``repeats`` times per stream count, split over
-    the streams; the fastest round counts (other load only ever slows a round down).
-    ``checkpoint_bytes`` (optional) turns on the free-space and time-to-persist advice.
-    Leaves nothing behind; raises ConfigError for bad arguments, CheckpointError if the
-    target cannot be written.
-    """
+def probe(target: str | os.PathLike[str], *, size_mb: float = 64.0, streams: Sequence[int] = (1, 2, 4, 8),
+          checkpoint_bytes: int | None = None, repeats: int = DEFAULT_REPEATS,
+          storage_options: dict[str, Any] | None = None) -> ProbeResult:
+    """Measure a directory (local, NFS, tmpfs...) or an ``s3://`` URL, and advise: ``size_mb`` is
+    written (and read back) ``repeats`` times per stream count, split over the streams, the fastest
+    round counting; ``checkpoint_bytes`` turns on the free-space and time-to-persist advice. Leaves
+    nothing behind; ConfigError for bad arguments, CheckpointError if the target cannot be written."""
     if not isinstance(size_mb, (int, float)) or not size_mb > 0:
         raise ConfigError(f"size_mb must be a positive number, not {size_mb!r}")
     counts = stream_counts(streams)
     check_count(repeats, "repeats")
     if checkpoint_bytes is not None and checkpoint_bytes < 0:
         raise ConfigError(f"checkpoint_bytes must be non-negative, not {checkpoint_bytes!r}")
-    began, target, size = time.perf_counter(), os.fspath(path_or_url), int(size_mb * MIB)
+    began, target, size = time.perf_counter(), os.fspath(target), int(size_mb * MIB)
     url = is_url(target)
     options = fsspec_options(target.split("://", 1)[0], storage_options) if url else {}
     path = target if url else os.path.abspath(os.path.expanduser(target.removeprefix("file://")))
-    created = [] if url else _created_directories(path)
     failures: type[Exception] = Exception if url else OSError  # an object store's client raises anything
-    try:  # an object store shows its protocol as type and its endpoint as source
-        mount = MountInfo(endpoint(options) or "AWS default endpoint", "", path.split("://")[0], {}) \
-            if url else mount_info(path)
-        usage = None if url else shutil.disk_usage(path)
+    # an object store shows its protocol as type and its endpoint as source
+    mount = MountInfo(endpoint(options) or "AWS default endpoint", "", path.split("://")[0], {}) \
+        if url else mount_info(path)
+    try:
         with scratch(path, storage_options) as (fs, work):
+            usage = None if url else shutil.disk_usage(path)
             runs, cached = stream_runs(fs, work, size, streams=counts, repeats=repeats, read_back=True)
             fsyncs = fsync_latencies(os.path.join(work, "fsync")) if fs is None else []
     except NbckptError:
@@ -228,10 +199,6 @@ def probe(
             f"{getattr(exc, 'strerror', None) or exc} ({getattr(exc, 'filename', None)})"
         raise CheckpointError(f"probing {path}{f' (endpoint {mount.source})' if url else ''} failed: "
                               f"{why}") from exc
-    finally:
-        for folder in created:  # leave no directory the probe made
-            with suppress(OSError):
-                os.rmdir(folder)
     result = ProbeResult(
         target=path, kind="object" if url else mount.kind, fstype=mount.fstype, source=mount.source,
         mount_point=mount.mount_point, options=mount.options,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -11,8 +12,8 @@ from typing import Any
 import pytest
 
 from nbckpt import ConfigError
-from nbckpt.bench import ProbeResult, mount_info, probe
-from nbckpt.bench._measure import StreamRun
+from nbckpt.bench import Floors, ProbeResult, measure_write, mount_info, probe
+from nbckpt.bench._measure import StreamRun, _cached_fraction
 from nbckpt.bench._probe import MountInfo, _advice
 from nbckpt.cli import main as cli
 
@@ -173,7 +174,7 @@ def test_advice_well_mounted_nfs_has_no_mount_complaints() -> None:
 
 
 def test_advice_free_space_against_checkpoint_size() -> None:
-    assert "less than twice the checkpoint" in joined(result(free_bytes=15 * 10**9, checkpoint_bytes=10**10))
+    assert "below twice the checkpoint" in joined(result(free_bytes=15 * 10**9, checkpoint_bytes=10**10))
     assert "ENOSPC" in joined(result(free_bytes=5 * 10**9, checkpoint_bytes=10**10))
     assert "free space" not in joined(result(free_bytes=10**12, checkpoint_bytes=10**10)).lower()
 
@@ -246,12 +247,12 @@ def test_probe_rejects_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="streams"):
         probe(tmp_path, streams=(1, 0))
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="cannot probe"):
+    with pytest.raises(ConfigError, match="cannot write in"):
         probe(tmp_path / "file", size_mb=1)
 
 
 def test_probe_unwritable_target_is_a_clear_error() -> None:
-    with pytest.raises(ConfigError, match="cannot probe /proc/nbckpt-probe"):
+    with pytest.raises(ConfigError, match="cannot write in /proc/nbckpt-probe"):
         probe("/proc/nbckpt-probe", size_mb=1)
 
 
@@ -289,3 +290,39 @@ def test_probe_reports_its_repeats(tmp_path: Path) -> None:
     assert found.repeats == 3 and "best of 3" in found.summary()
     with pytest.raises(ConfigError, match="repeats"):
         probe(tmp_path, size_mb=1, repeats=0)
+
+
+def test_probe_removes_every_directory_it_made(tmp_path: Path) -> None:
+    probe(tmp_path / "a" / "b" / "c", size_mb=1, streams=(1,), repeats=1)
+    assert os.listdir(tmp_path) == []
+
+
+def test_measure_write_makes_its_directory_and_leaves_nothing(tmp_path: Path) -> None:
+    runs = measure_write(tmp_path / "new" / "dir", 1 << 20, streams=(1, 2), repeats=2)
+    assert [run.streams for run in runs] == [1, 2] and all(run.read_s is None for run in runs)
+    assert all(len(run.write_rounds_s) == 2 and run.write_s == min(run.write_rounds_s) for run in runs)
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_page_cache_check_sees_cached_and_dropped_pages(tmp_path: Path) -> None:
+    if mount_info(tmp_path).kind != "local":
+        pytest.skip(f"{tmp_path} is not on a local disk")
+    path = tmp_path / "data"
+    with open(path, "wb") as stream:
+        stream.write(os.urandom(4 << 20))
+        stream.flush()
+        os.fsync(stream.fileno())
+        assert _cached_fraction(str(path)) == 1.0  # just written: every page is in memory
+        os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert (_cached_fraction(str(path)) or 0.0) < 0.1
+    assert _cached_fraction(str(tmp_path / "missing")) is None
+
+
+def test_floors_read_back_from_json_with_nulls_and_lists() -> None:
+    body = {"bytes": 10, "copy_s": None, "copy_gbs": 1.0, "write_gbs": 2.0, "write_gbs_rounds": [1.5, None],
+            "write_gbs_by_streams": {"1": 2.0, "2": None}, "a_later_field": 1}
+    floors = Floors.from_dict(body)
+    assert floors.bytes == 10 and math.isnan(floors.copy_s) and floors.write_gbs == 2.0
+    assert floors.write_gbs_rounds[0] == 1.5 and math.isnan(floors.write_gbs_rounds[1])
+    assert isinstance(floors.write_gbs_rounds, tuple) and math.isnan(floors.write_gbs_by_streams["2"])
+    assert "floors for 10 B" in floors.describe()
