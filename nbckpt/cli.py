@@ -15,6 +15,7 @@ python -m nbckpt --help
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -46,13 +47,14 @@ def _stderr_line(line: str) -> None:
 
 
 def _probe_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``nbckpt probe``."""
+    """Options of ``nbckpt probe``; their defaults are :func:`nbckpt.bench.probe`'s own."""
+    defaults = {name: p.default for name, p in inspect.signature(bench.probe).parameters.items()}
     parser.add_argument("target", help="directory (local, NFS, tmpfs...) or s3://bucket/prefix")
-    parser.add_argument("--size-mb", type=float, default=bench.PROBE_SIZE_MB,
+    parser.add_argument("--size-mb", type=float, default=defaults["size_mb"],
                         help="MiB written and read per stream count (default %(default)s)")
-    parser.add_argument("--streams", default=",".join(map(str, bench.PROBE_STREAMS)),
+    parser.add_argument("--streams", default=",".join(map(str, defaults["streams"])),
                         help="parallel stream counts, comma separated (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=bench.PROBE_REPEATS,
+    parser.add_argument("--repeats", type=int, default=defaults["repeats"],
                         help="rounds per stream count; the fastest counts (default %(default)s)")
     parser.add_argument("--checkpoint-gb", type=float, default=None,
                         help="checkpoint size in GB, for free-space and persist-time advice "
@@ -95,7 +97,8 @@ def _probe(args: argparse.Namespace) -> int:
         checkpoint_bytes=checkpoint,
     )
     if args.json_out:  # before printing: a closed stdout must not lose the measurement
-        result.to_json(args.json_out)
+        with open(args.json_out, "w", encoding="utf-8") as stream:
+            json.dump(result.to_dict(), stream, indent=1, default=str)
     print(result.summary())
     if args.json_out:
         print(f"wrote {args.json_out}")

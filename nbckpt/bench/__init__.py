@@ -5,19 +5,13 @@ and returns a :class:`Comparison` (tables, timeline, floors, the machine's load)
 analysis and the notebook faces read.
 """
 
-from ._advice import storage_advice
 from ._aggregate import RESULT_COLUMNS, cycle_pairs
 from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, compare, environment
 from ._comparison import SCHEMA, SHOWN_COLUMNS, TIMELINE_COLUMNS, Comparison, format_results
-from ._floors import FLOOR_SAMPLE_BYTES, Floors, measure_floors
 from ._load import Load
-from ._measure import DEFAULT_REPEATS as PROBE_REPEATS
-from ._measure import StreamRun, measure_write
-from ._mounts import MountInfo, mount_info
+from ._measure import FLOOR_SAMPLE_BYTES, Floors, measure_floors, measure_write
 from ._options import add_bench_arguments, run_bench_from_args
-from ._probe import DEFAULT_SIZE_MB as PROBE_SIZE_MB
-from ._probe import DEFAULT_STREAMS as PROBE_STREAMS
-from ._probe import ProbeResult, probe
+from ._probe import ProbeResult, mount_info, probe
 from ._result import STALL_DEFINITION, STALL_NAMES, Cycle, ExperimentResult
 from ._runner import run_experiment
 from ._stats import (
@@ -45,9 +39,6 @@ __all__ = [
     "OVERHEAD_DEFINITION",
     "OVERHEAD_METHOD",
     "PRESETS",
-    "PROBE_REPEATS",
-    "PROBE_SIZE_MB",
-    "PROBE_STREAMS",
     "RESULT_COLUMNS",
     "SCHEMA",
     "SHOWN_COLUMNS",
@@ -62,11 +53,9 @@ __all__ = [
     "Floors",
     "GPTConfig",
     "Load",
-    "MountInfo",
     "NbckptStrategy",
     "ProbeResult",
     "Strategy",
-    "StreamRun",
     "Workload",
     "add_bench_arguments",
     "clustered_mean",
@@ -90,7 +79,6 @@ __all__ = [
     "register_strategy",
     "run_bench_from_args",
     "run_experiment",
-    "storage_advice",
     "synthetic",
     "t_interval",
     "tensor_bytes",
