@@ -20,21 +20,25 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from .._errors import CheckpointError, ConfigError, describe_error
+from .._util import is_url
+from ._config import CheckpointConfig
 from ._files import copy_file
 from ._lines import BRANCH_FILE, MAIN, Line, discover, on, write_record
+from ._ranks import Group
 from ._reader import damage_named, read_manifest
 from ._retention import RetentionPolicy, StepFacts, expired
-from ._store import LOCK_FILE, Store, step_name
+from ._store import LOCK_FILE, Store, open_store, step_name
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
-__all__ = ["MARKER", "Mirror", "mirror_of"]
+__all__ = ["MARKER", "Mirror", "mirror_of", "mirror_target", "open_mirror"]
 
 _log = logging.getLogger("nbckpt")
 #: At the mirror's root: the run the mirror belongs to.
@@ -336,3 +340,57 @@ class Mirror:
                 _log.warning(
                     "nbckpt: could not delete %s from the mirror: %s", step_name(step), describe_error(exc)
                 )
+
+
+def mirror_target(config: CheckpointConfig, run: Store) -> Store | None:
+    """The mirror's store, checked before anything is created: not a file, and neither the
+    run's directory nor inside it nor holding it (retention and clean-up in one would delete
+    the other's steps)."""
+    if config.mirror is None:
+        return None
+    store = open_store(config.mirror, config.mirror_options, "mirror")
+    here, there = run.url.rstrip("/"), store.url.rstrip("/")
+    if store.is_local:
+        if os.path.exists(there) and not os.path.isdir(there):
+            raise ConfigError(f"mirror {there} is a file, not a directory")
+        if run.is_local:
+            here, there = os.path.realpath(here), os.path.realpath(there)
+    if is_url(here) == is_url(there) and (
+        here == there or there.startswith(here + "/") or here.startswith(there + "/")
+    ):
+        how = "is" if here == there else "is inside" if there.startswith(here + "/") else "holds"
+        raise ConfigError(
+            f"mirror {store.url} {how} the run's directory {run.url}; a mirror needs a "
+            "place of its own (each one's retention and clean-up would delete the other's steps)"
+        )
+    return store
+
+
+def open_mirror(
+    store: Store | None, config: CheckpointConfig, run: Store, group: Group, timeline: Timeline, nonce: str
+) -> Mirror | None:
+    """The mirror of ``run`` at ``store``, claimed for it (checked only, when read-only)."""
+    if store is None:
+        return None
+    writes = group.rank == 0 and not config.read_only
+    mirror = Mirror(store, policy=config.retention, timeline=timeline, nonce=nonce, writes=writes,
+                    nice=config.writer_nice)
+    # The run a mirror belongs to: its directory as the file system knows it (a symlink or a
+    # relative path to the same run is the same run), or its URL.
+    owner = os.path.realpath(run.url) if run.is_local else run.url
+    try:
+        if config.read_only:
+            mirror.check(owner)
+        else:
+
+            def prepare() -> None:
+                store.prepare()
+                mirror.claim(owner)
+                for line in mirror.lines().values():
+                    line.store.recover()  # uploads cut short never count; their remains go
+
+            group.from_rank0(("open mirror",), prepare)
+    except BaseException:
+        mirror.stop(True)
+        raise
+    return mirror

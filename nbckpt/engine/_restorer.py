@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointError, ConfigError, describe_error
+from .._errors import CheckpointError, ConfigError, NbckptError, describe_error
 from . import _rng
 from ._agree import check_dcp_metadata, check_values
 from ._interrupts import deferred_interrupt
@@ -41,7 +41,7 @@ from ._template import align, apply, check_loadable, check_template, destination
 from ._timeline import Timeline, now_ns
 from ._workers import Pool
 
-__all__ = ["Restorer", "check_step_files"]
+__all__ = ["Restorer", "check_step_files", "device_of"]
 
 
 class Restorer:
@@ -76,11 +76,17 @@ class Restorer:
         return read_manifest(store, step, location)[0]
 
     def verify(self, step: int) -> dict[str, Any]:
+        """Every check of ``step``; whatever is wrong with it is a CheckpointError naming it."""
         store, location = self.find(step)
-        manifest = read_manifest(store, step, location)[0]
-        verify_files(store, self.io, location, manifest, [] if manifest.foreign else None)
-        check_step_files(store, self.io, location, manifest, True)
-        verify_framing(store, self.io, location, manifest)
+        try:
+            manifest = read_manifest(store, step, location)[0]
+            verify_files(store, self.io, location, manifest, [] if manifest.foreign else None)
+            check_step_files(store, self.io, location, manifest, True)
+            verify_framing(store, self.io, location, manifest)
+        except NbckptError:
+            raise
+        except Exception as exc:  # a hostile file the checks did not foresee: still a bad step
+            raise CheckpointError(f"{step_name(step)} is malformed: {describe_error(exc)}") from exc
         return manifest.body
 
     def restore(
@@ -341,3 +347,21 @@ def _apply(state: dict[str, Any], saved: dict[str, Any], tensors: dict[str, Any]
         apply(state, saved, tensors)
     except (ValueError, RuntimeError, KeyError, TypeError) as exc:  # e.g. an optimizer's groups
         raise ConfigError(f"cannot restore {step_name(step)} into this state: {describe_error(exc)}") from exc
+
+
+def device_of(map_location: Any) -> torch.device | None:
+    """``map_location`` as a device this process has; ConfigError in one line if it is none."""
+    if map_location is None:
+        return None
+    if not isinstance(map_location, (str, torch.device)):
+        raise ConfigError(
+            "map_location must be a device such as 'cpu', 'cuda:0' or 'meta', "
+            f"not {type(map_location).__name__}"
+        )
+    try:
+        device = torch.device(map_location)
+        torch.empty(0, device=device)  # the device exists here (a CPU-only torch has no 'cuda')
+    except (RuntimeError, AssertionError, ValueError, TypeError) as exc:
+        reason = describe_error(exc)
+        raise ConfigError(f"map_location {map_location!r} is not a device here: {reason}") from None
+    return device

@@ -210,17 +210,17 @@ def test_a_late_retention_never_deletes_a_newer_step(tmp_path: Path, monkeypatch
     """Retention runs on its own thread after each commit. When the one after step 1 runs late,
     step 2 has committed meanwhile: it must not count step 2 among the old ones (seen once in
     the suite on a loaded machine: keep=1 left no checkpoint at all)."""
-    from nbckpt.engine._saver import Saver
+    from nbckpt.engine._retention import Retainer, StepFacts
 
     step_2_committed = threading.Event()
-    original = Saver._retain
+    original = Retainer._pass
 
-    def late(self: Saver, newest: int, *rest: Any) -> None:
+    def late(self: Retainer, facts: StepFacts, newest: int, *rest: Any) -> None:
         if newest == 1:
             assert step_2_committed.wait(30)
-        original(self, newest, *rest)
+        original(self, facts, newest, *rest)
 
-    monkeypatch.setattr(Saver, "_retain", late)
+    monkeypatch.setattr(Retainer, "_pass", late)
     with Checkpointer(tmp_path, keep=1) as ckpt:
         ckpt.save({"w": torch.zeros(4)}, step=0).wait()
         ckpt.save({"w": torch.ones(4)}, step=1).wait()
