@@ -26,8 +26,8 @@ from .._errors import CheckpointError, ConfigError, describe_error
 from . import _faults, _rng
 from ._config import CheckpointConfig
 from ._files import FileResult, write_image
+from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan, step_name
 from ._handles import SaveHandle, SaveRecord
-from ._layout import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._manifest import build
 from ._provenance import provenance
 from ._ranks import RankInfo
@@ -35,7 +35,7 @@ from ._reader import read_manifest
 from ._shards import fingerprints
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten
-from ._store import Store, step_name
+from ._store import Store
 from ._timeline import Timeline, now_ns
 from ._values import with_values
 from ._workers import Pool, Worker, run_all
