@@ -1,4 +1,5 @@
-"""docs/format.md is enough to write a reader, and names every constant of the format.
+"""docs/format.md is enough to write a reader, names every constant of the format, and says what
+the optional `metrics` key of a manifest holds.
 
 The reader below was written from that page alone: json, xxhash and numpy, nothing of nbckpt's
 format code. It finds the committed steps of a run, checks the manifest's checksum and every
@@ -23,8 +24,8 @@ import xxhash
 from helpers import ROOT
 from helpers.ranks import run_ranks
 
-from nbckpt import Checkpointer
-from nbckpt.engine import _format
+from nbckpt import Checkpointer, CheckpointError
+from nbckpt.engine import _format, _manifest
 
 DOC = ROOT / "docs" / "format.md"
 
@@ -245,3 +246,23 @@ def test_the_page_spells_every_constant_of_the_format() -> None:
         if f"`{text}`" not in page
     }
     assert not missing, f"docs/format.md does not spell these constants of _format.py: {missing}"
+
+
+def test_metrics_are_an_optional_object_of_finite_numbers_as_the_page_says(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"w": torch.ones(2)}, 1)
+    data = (tmp_path / "step-000001" / "manifest.json").read_bytes()
+    assert _manifest.parse(data, 1, "manifest").metrics == {}  # absent: no metrics
+    body = json.loads(data)
+    good = _manifest.sign({**body, "metrics": {"loss": 0.25, "accuracy": 1}})
+    assert _manifest.parse(good, 1, "manifest").metrics == {"loss": 0.25, "accuracy": 1.0}
+    for bad in ({"loss": "low"}, {"loss": float("nan")}, {"loss": True}, [0.5]):
+        with pytest.raises(CheckpointError, match="malformed metrics"):
+            _manifest.parse(_manifest.sign({**body, "metrics": bad}), 1, "manifest")
+
+    written = json.loads(_manifest.build(
+        step=1, nbytes=0, world_size=1, files={}, items={}, tree={"t": "dict", "items": []}, rank_trees={},
+        rng={}, provenance={}, timing={}, metrics={"loss": 0.5},
+    ))
+    assert written["metrics"] == {"loss": 0.5}
+    assert set(written) <= set(_format.MANIFEST_KEYS)
