@@ -6,10 +6,10 @@ The bottom layer of nbckpt: it imports nothing from the bench, analysis or noteb
 
 from ._checkpointer import Checkpointer, close_all, writer_of
 from ._config import CheckpointConfig
+from ._format import MAX_STEP, POINTER_FORMAT, POINTER_LIMIT, step_name
 from ._handles import SaveHandle, SaveRecord
 from ._retention import AnyOf, BestN, CustomSteps, EveryNSteps, LatestN, RetentionPolicy, StepInfo
 from ._state import flatten
-from ._store import MAX_STEP, step_name
 from ._timeline import COLUMNS as TIMELINE_COLUMNS
 from ._timeline import KINDS as EVENT_KINDS
 from ._timeline import Event, EventListener, Timeline, events_to_pandas, now_ns
@@ -17,6 +17,8 @@ from ._timeline import Event, EventListener, Timeline, events_to_pandas, now_ns
 __all__ = [
     "EVENT_KINDS",
     "MAX_STEP",
+    "POINTER_FORMAT",
+    "POINTER_LIMIT",
     "TIMELINE_COLUMNS",
     "AnyOf",
     "BestN",

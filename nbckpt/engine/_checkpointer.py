@@ -30,15 +30,16 @@ from .._util import is_url
 from . import _final
 from ._config import CheckpointConfig, Mode
 from ._final import Snapshot
+from ._format import MAIN, step_name
 from ._handles import SaveHandle, SaveRecord
-from ._lines import MAIN, Line, ancestry, discover, last_committed, lineage, on, start_branch, write_record
+from ._lines import Line, ancestry, discover, last_committed, lineage, on, start_branch, write_record
 from ._mirror import Mirror, mirror_of
 from ._ranks import Group, join
 from ._reader import Readable
 from ._restorer import Restorer
 from ._retention import check_metrics
 from ._saver import Saver
-from ._store import Store, check_step, open_store, step_name
+from ._store import Store, check_step, open_store
 from ._timeline import Timeline
 from ._workers import Pool
 

@@ -24,8 +24,8 @@ from .._errors import CheckpointError, ConfigError, describe_error
 from . import _faults, _rng
 from ._config import CheckpointConfig
 from ._files import FileResult, write_image
+from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._handles import SaveHandle, SaveRecord
-from ._layout import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._manifest import build
 from ._provenance import provenance
 from ._ranks import RankInfo
