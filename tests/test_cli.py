@@ -96,7 +96,7 @@ def test_version_and_help_texts(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_bench_runs_the_strategies_the_docs_call_default() -> None:
-    from nbckpt.bench import STRATEGIES
+    from nbckpt.bench._internal import STRATEGIES
 
     args = cli.build_parser().parse_args(["bench"])
     assert args.strategies.split(",") == ex.DEFAULT_STRATEGIES

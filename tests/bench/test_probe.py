@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from nbckpt import ConfigError
-from nbckpt.bench import ProbeResult, StreamRun, mount_info, probe, storage_advice
+from nbckpt.bench import ProbeResult, mount_info, probe
+from nbckpt.bench._advice import storage_advice
+from nbckpt.bench._measure import StreamRun
 from nbckpt.bench._mounts import parse_mount_line
 from nbckpt.cli import main as cli
 

@@ -223,7 +223,7 @@ def test_cli_failing_notebook_gives_one_line_error(tmp_path: Path) -> None:
 
 def _figures(row: dict[str, object]) -> list[str]:
     """The figures every face shows for a row, as the one formatter writes them."""
-    from nbckpt import bench
+    from nbckpt.bench import _internal as bench
 
     return [bench.overhead_text(row), bench.interval_text(row["overhead_ci_pct"]),  # type: ignore[arg-type]
             bench.per_repeat_text(row), str(row["overhead_basis"]),
