@@ -67,6 +67,7 @@ def core_venv() -> Iterator[Path]:
 # process for everything: each start of a fresh venv's Python imports torch anew.
 SCRIPT = r"""
 import contextlib, importlib, io, json, sys, tempfile
+from pathlib import Path
 import torch
 import nbckpt
 from nbckpt import Checkpointer
@@ -107,6 +108,9 @@ found["errors"]["%load_ext nbckpt"] = error_of(lambda: nbckpt.load_ipython_exten
 found["errors"]["s3"] = error_of(lambda: Checkpointer("s3://bucket/run"))
 found["errors"]["to_pandas"] = error_of(lambda: nbckpt.Timeline().to_pandas())
 
+from nbckpt.integrations import load  # export's reader: the core too
+found["loaded"] = sorted(load(max(p for p in Path(directory).iterdir() if p.name.startswith("step-"))))
+
 for argv in (["ls", directory], ["verify", directory], ["bench", "--steps", "4"]):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -133,6 +137,7 @@ def test_the_core_alone_saves_restores_and_names_the_missing_extras(core_venv: P
         "s3": ["ImportError", "an s3:// directory needs the 's3' extra: pip install 'nbckpt[s3]'"],
         "to_pandas": ["ImportError", f"Timeline.to_pandas {NOTEBOOK}"],
     }
+    assert found["loaded"] == ["model", "optim"]
     # The core's commands run; one that needs the bench says which extra, in one line.
     ls_status, ls_out, _ = found["cli"]["ls"]
     assert ls_status == 0 and "3" in ls_out

@@ -155,9 +155,9 @@ def documentation() -> dict[str, str]:
     texts.update({str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "examples").glob("*.py"))})
     for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
         cells = json.loads(notebook.read_text())["cells"]
+        sources = [(cell["cell_type"], "".join(cell["source"])) for cell in cells]
         texts[str(notebook.relative_to(ROOT))] = "\n".join(
-            "".join(cell["source"]) if cell["cell_type"] == "code" else _code_of_markdown("".join(cell["source"]))
-            for cell in cells
+            source if kind == "code" else _code_of_markdown(source) for kind, source in sources
         )
     return texts
 

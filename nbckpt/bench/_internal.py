@@ -4,7 +4,8 @@ benchmarks and tests: command-line options, result texts, strategy lookup. Not p
 The one private module of the bench another layer may import (``tests/test_layout.py``).
 """
 
-from ._compare import DEFAULT_REPEATS
+from ._aggregate import RESULT_COLUMNS
+from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES
 from ._measure import DEFAULT_REPEATS as PROBE_REPEATS
 from ._options import add_bench_arguments, run_bench_from_args
 from ._probe import DEFAULT_SIZE_MB as PROBE_SIZE_MB
@@ -17,10 +18,12 @@ from ._workloads import PRESETS
 
 __all__ = [
     "DEFAULT_REPEATS",
+    "DEFAULT_STRATEGIES",
     "PRESETS",
     "PROBE_REPEATS",
     "PROBE_SIZE_MB",
     "PROBE_STREAMS",
+    "RESULT_COLUMNS",
     "STALL_NAMES",
     "STRATEGIES",
     "add_bench_arguments",

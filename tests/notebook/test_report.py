@@ -236,6 +236,7 @@ def _check_same_figures(report: Path, shell: Any, capsys: pytest.CaptureFixture[
     the one ``%ckpt_bench`` displays for a Comparison, the Lab's and the report's have the same
     overhead, interval, per-repeat overheads, what it rests on, and the stall with its parts."""
     from nbckpt import bench, cli
+    from nbckpt.bench import _internal
     from nbckpt.notebook import Lab
 
     document = json.loads((report.parent / "results.json").read_text())["comparison"]
@@ -243,7 +244,7 @@ def _check_same_figures(report: Path, shell: Any, capsys: pytest.CaptureFixture[
     rows = {r["strategy"]: r for r in comparison.results.to_dict(orient="records")}
     expected = {name: _figures(row) for name, row in rows.items() if name != "none"}
     # nbckpt bench prints the table of the comparison it measured: this one
-    monkeypatch.setattr(bench, "run_bench_from_args", lambda args, progress=None: comparison)
+    monkeypatch.setattr(_internal, "run_bench_from_args", lambda args, progress=None: comparison)
     capsys.readouterr()
     assert cli.main(["bench", "--quiet"]) == 0
     printed = capsys.readouterr().out
