@@ -19,7 +19,21 @@ from typing import Any
 from ._errors import CheckpointError, ConfigError, NbckptError
 from ._util import run_directory
 from ._version import __version__
-from .engine import CheckpointConfig, Checkpointer, Event, SaveHandle, SaveRecord, Timeline, close_all
+from .engine import (
+    AnyOf,
+    BestN,
+    CheckpointConfig,
+    Checkpointer,
+    CustomSteps,
+    Event,
+    EveryNSteps,
+    LatestN,
+    RetentionPolicy,
+    SaveHandle,
+    SaveRecord,
+    Timeline,
+    close_all,
+)
 
 # Background events (a failed delete, a final save on SIGTERM) go to this logger. A library
 # leaves the choice of where they go to the application: without a handler of the
@@ -30,12 +44,18 @@ logging.getLogger("nbckpt").addHandler(logging.NullHandler())
 # ``%load_ext nbckpt``, not names to call: they stay out of ``__all__``.
 
 __all__ = [
+    "AnyOf",
+    "BestN",
     "CheckpointConfig",
     "CheckpointError",
     "Checkpointer",
     "ConfigError",
+    "CustomSteps",
     "Event",
+    "EveryNSteps",
+    "LatestN",
     "NbckptError",
+    "RetentionPolicy",
     "SaveHandle",
     "SaveRecord",
     "Timeline",

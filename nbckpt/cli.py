@@ -15,6 +15,7 @@ python -m nbckpt --help
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -46,14 +47,15 @@ def _stderr_line(line: str) -> None:
 
 
 def _probe_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``nbckpt probe``."""
-    from .bench import _internal as bench
+    """Options of ``nbckpt probe``; their defaults are :func:`nbckpt.bench.probe`'s own."""
+    from . import bench
+    defaults = {name: p.default for name, p in inspect.signature(bench.probe).parameters.items()}
     parser.add_argument("target", help="directory (local, NFS, tmpfs...) or s3://bucket/prefix")
-    parser.add_argument("--size-mb", type=float, default=bench.PROBE_SIZE_MB,
+    parser.add_argument("--size-mb", type=float, default=defaults["size_mb"],
                         help="MiB written and read per stream count (default %(default)s)")
-    parser.add_argument("--streams", default=",".join(map(str, bench.PROBE_STREAMS)),
+    parser.add_argument("--streams", default=",".join(map(str, defaults["streams"])),
                         help="parallel stream counts, comma separated (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=bench.PROBE_REPEATS,
+    parser.add_argument("--repeats", type=int, default=defaults["repeats"],
                         help="rounds per stream count; the fastest counts (default %(default)s)")
     parser.add_argument("--checkpoint-gb", type=float, default=None,
                         help="checkpoint size in GB, for free-space and persist-time advice "
@@ -102,7 +104,8 @@ def _probe(args: argparse.Namespace) -> int:
         checkpoint_bytes=checkpoint,
     )
     if args.json_out:  # before printing: a closed stdout must not lose the measurement
-        result.to_json(args.json_out)
+        with open(args.json_out, "w", encoding="utf-8") as stream:
+            json.dump(result.to_dict(), stream, indent=1, default=str)
     print(result.summary())
     if args.json_out:
         print(f"wrote {args.json_out}")
@@ -376,11 +379,6 @@ FACES = {"bench": "nbckpt.bench", "probe": "nbckpt.bench", "report": "nbckpt.not
          "diff": "nbckpt.analysis"}  #: commands that need a face beyond the core (and its extra)
 
 
-def _missing_extra(message: str, args: argparse.Namespace) -> int:  # one line naming the extra
-    print(f"nbckpt {args.command}: error: {message}", file=sys.stderr)
-    return 2
-
-
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
@@ -398,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
         except ImportError as exc:  # the core alone: ls, show, verify and export still work
             missing = sub.add_parser(name, help=help_text, prefix_chars="\0", add_help=False)
             missing.add_argument("arguments", nargs="*")  # whatever they are: it names its extra
-            missing.set_defaults(run=partial(_missing_extra, str(exc)))
+            line = f"nbckpt {name}: error: {exc}"  # one line naming the extra, exit status 2
+            missing.set_defaults(run=lambda args, line=line: _stderr_line(line) or 2)
             continue
         command = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(command)

@@ -12,11 +12,9 @@ require_extra("nbckpt.bench")
 
 from ._compare import compare, environment
 from ._comparison import SHOWN_COLUMNS, Comparison, format_results
-from ._floors import FLOOR_SAMPLE_BYTES, Floors
 from ._load import Load
-from ._measure import measure_write
-from ._mounts import mount_info
-from ._probe import ProbeResult, probe
+from ._measure import FLOOR_SAMPLE_BYTES, Floors, measure_write
+from ._probe import ProbeResult, mount_info, probe
 from ._result import STALL_DEFINITION
 from ._stats import OVERHEAD_DEFINITION, OVERHEAD_METHOD
 from ._strategies import register_strategy

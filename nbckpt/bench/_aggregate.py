@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ._floors import Floors
+from ._measure import Floors
 from ._result import Cycle, ExperimentResult, pooled_metrics
 from ._stats import Clustered, clustered_mean
 

@@ -71,9 +71,9 @@ from .._util import GB, check_count, format_bytes, is_url, writable_directory
 from .._version import __version__
 from ._aggregate import RESULT_COLUMNS, aggregate
 from ._comparison import TIMELINE_COLUMNS, Comparison
-from ._floors import Floors, combine_floors, measure_floors
 from ._load import Load, LoadMonitor, combine_loads
 from ._measure import DEFAULT_REPEATS as WRITE_ROUNDS
+from ._measure import Floors, combine_floors, measure_floors
 from ._result import ExperimentResult
 from ._runner import (
     EventCallback,

@@ -81,8 +81,8 @@ import pandas as pd
 
 from .._errors import ConfigError
 from ._aggregate import RESULT_COLUMNS
-from ._floors import Floors
 from ._load import Load
+from ._measure import Floors
 from ._result import STALL_DEFINITION, STALL_NAMES
 from ._stats import (
     CONFIDENCE,

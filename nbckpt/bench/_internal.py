@@ -6,10 +6,7 @@ The one private module of the bench another layer may import (``tests/test_layou
 
 from ._aggregate import RESULT_COLUMNS
 from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES
-from ._measure import DEFAULT_REPEATS as PROBE_REPEATS
 from ._options import add_bench_arguments, run_bench_from_args
-from ._probe import DEFAULT_SIZE_MB as PROBE_SIZE_MB
-from ._probe import DEFAULT_STREAMS as PROBE_STREAMS
 from ._result import STALL_NAMES
 from ._stats import drag_text, interval_text, measurable, overhead_text, per_repeat_text, t_interval
 from ._strategies import STRATEGIES, get_strategy
@@ -20,9 +17,6 @@ __all__ = [
     "DEFAULT_REPEATS",
     "DEFAULT_STRATEGIES",
     "PRESETS",
-    "PROBE_REPEATS",
-    "PROBE_SIZE_MB",
-    "PROBE_STREAMS",
     "RESULT_COLUMNS",
     "STALL_NAMES",
     "STRATEGIES",

@@ -1,10 +1,11 @@
-"""The storage measurements: parallel durable writes (and reads back), fsync latency, small files.
+"""Timing a storage path (durable writes, reads back, fsync) for the probe, and the floors.
 
-The write measurement is the same for the probe and the floors (:func:`measure_write`):
-``bytes`` split over ``streams`` threads, each writing its own file in 4 MiB ``os.write``
-calls and ending with ``fsync`` (objects: multipart uploads), the fastest of ``repeats``
-rounds per stream count. Every byte written is random, so compressing or deduplicating
-storage cannot flatter the figures.
+A write is ``bytes`` split over ``streams`` threads, each writing its own file in 4 MiB
+``os.write`` calls and ending with ``fsync`` (objects: 8 MiB multipart parts), the fastest of
+``repeats`` rounds per stream count; the bytes are random, so compressing storage cannot flatter
+them. A save stall is read against the copy floor (the same bytes into preallocated memory), a
+write rate against the write floor (this write of the same bytes, to the same directory), both
+measured before each repeat of a comparison so that they meet the same moments of the machine.
 """
 
 from __future__ import annotations
@@ -17,32 +18,24 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from contextlib import suppress
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Any
 
-from .._errors import ConfigError
-from .._util import GB, MIB, check_count, fsspec_options, is_url, open_fsspec, write_all
+import torch
 
-__all__ = [
-    "DEFAULT_REPEATS",
-    "StreamRun",
-    "fsync_latencies",
-    "local_stream_runs",
-    "measure_write",
-    "metadata_rates",
-    "object_rates",
-    "object_stream_runs",
-    "stream_counts",
-]
+from .._errors import ConfigError
+from .._util import GB, GIB, MIB, check_count, format_bytes, fsspec_options, is_url, open_fsspec
+
+__all__ = ["DEFAULT_REPEATS", "FLOOR_SAMPLE_BYTES", "Floors", "StreamRun", "combine_floors",
+           "fsync_latencies", "measure_floors", "measure_write", "scratch", "stream_counts", "stream_runs"]
 
 DEFAULT_REPEATS = 2
 _CHUNK = 4 * MIB  # os.write size: large writes, as DCP's writer makes
-_S3_PART = 8 * MIB  # multipart part size for the object probe (S3's minimum is 5 MiB)
-_SMALL_FILES = 100  # files (or objects) for the create/rename/delete rates
-_FSYNCS = 20  # 4 KiB write+fsync rounds for the latency
-_PHASE_LIMIT_S = 3.0  # a slow metadata or fsync phase stops early; rates stay exact
+_PART = 8 * MIB  # multipart part size for objects (S3's minimum is 5 MiB)
 
 
 @dataclass(frozen=True)
@@ -51,11 +44,9 @@ class StreamRun:
 
     streams: int
     bytes: int
-    write_s: float
-    """The fastest round's seconds (other load only ever slows a round down)."""
+    write_s: float  # the fastest round's (other load only ever slows a round down)
     read_s: float | None
-    write_rounds_s: tuple[float, ...] = ()
-    """Every round's write seconds, fastest or not: their spread is this machine's noise."""
+    write_rounds_s: tuple[float, ...] = ()  # every round's, fastest or not: this machine's noise
 
     @property
     def write_gbs(self) -> float:
@@ -68,282 +59,268 @@ class StreamRun:
 
 def stream_counts(streams: Sequence[int]) -> list[int]:
     """``streams`` as a list; ConfigError unless it holds one or more positive integers."""
-    counts = list(streams)
+    counts = [check_count(count, f"every stream count (streams={streams!r})") for count in streams]
     if not counts:
         raise ConfigError(f"streams must be positive integers, not {streams!r}")
-    for count in counts:
-        check_count(count, f"every stream count (streams={streams!r})")
     return counts
 
 
-# -- the pieces --------------------------------------------------------------------------------
-
-
-def _pattern(nbytes: int) -> memoryview:
-    """Random bytes to write: compressing or deduplicating storage must not flatter the figures."""
-    return memoryview(os.urandom(nbytes + 64 * 1024))
-
-
-def _slice(pattern: memoryview, index: int, size: int) -> memoryview:
-    offset = (index * 4096 + 512) % (len(pattern) - size + 1)
-    return pattern[offset : offset + size]
-
-
-def _in_threads(count: int, work: Callable[[int], None]) -> float:
-    """Run ``work(i)`` in ``count`` threads started together; wall seconds until all finish."""
-    errors: list[BaseException] = []
+def in_threads(count: int, work: Callable[[int], Any]) -> float:
+    """Seconds from releasing ``count`` started threads running ``work(i)`` until all end (or one fails)."""
     barrier = threading.Barrier(count + 1)
 
     def run(index: int) -> None:
         barrier.wait()
-        try:
-            work(index)
-        except BaseException as exc:
-            errors.append(exc)
+        work(index)
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - start
-    if errors:
-        raise errors[0]
-    return elapsed
+    with ThreadPoolExecutor(count) as pool:
+        done = [pool.submit(run, i) for i in range(count)]
+        barrier.wait()
+        start = time.perf_counter()
+        for future in done:
+            future.result()
+        return time.perf_counter() - start
 
 
-def _timed_ops(count: int, op: Callable[[int], None]) -> float:
-    """Operations per second over up to ``count`` calls (fewer if the phase limit is reached)."""
-    start = time.perf_counter()
-    done = 0
-    while done < count:
-        op(done)
-        done += 1
-        if time.perf_counter() - start > _PHASE_LIMIT_S:
-            break
-    return done / max(time.perf_counter() - start, 1e-9)
+def _pieces(pattern: memoryview, nbytes: int, size: int, salt: int) -> Iterator[memoryview]:
+    """``nbytes`` in pieces of ``size``, each at another offset of ``pattern``: no two alike."""
+    done, index = 0, salt * 7919
+    while done < nbytes:
+        length = min(size, nbytes - done)
+        offset = (index * 4096 + 512) % (len(pattern) - length + 1)
+        yield pattern[offset : offset + length]
+        done, index = done + length, index + 1
 
 
-def _write_file(path: str, nbytes: int, pattern: memoryview, *, salt: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        done, index = 0, salt * 7919
-        while done < nbytes:
-            chunk = _slice(pattern, index, min(_CHUNK, nbytes - done))
-            write_all(fd, chunk)
-            done, index = done + len(chunk), index + 1
-        os.fsync(fd)
-        with suppress(OSError, AttributeError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def _write(fs: Any, names: list[str], nbytes: int, pattern: memoryview, index: int) -> None:
+    local = fs is None  # s3fs sends a multipart part each time block_size bytes are buffered
+    with open(names[index], "wb") if local else fs.open(names[index], "wb", block_size=_PART) as stream:
+        for piece in _pieces(pattern, nbytes, _CHUNK if local else _PART, index):
+            stream.write(piece)  # larger than the buffer: one os.write each, no copy
+        if local:
+            stream.flush()
+            os.fsync(stream.fileno())
+            with suppress(OSError, AttributeError):  # so that the read back comes from storage
+                os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _read_file(path: str) -> None:
+def _read(fs: Any, names: list[str], index: int) -> None:
+    if fs is not None:
+        fs.cat_file(names[index])
+        return
     buffer = bytearray(_CHUNK)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        while os.readv(fd, [buffer]) > 0:
+    with open(names[index], "rb", buffering=0) as stream:
+        while stream.readinto(buffer):
             pass
-    finally:
-        os.close(fd)
 
 
-def _write_round(files: list[str], share: int, pattern: memoryview) -> float:
-    """One measured round: every file written in its own thread, each ending with fsync."""
-    return _in_threads(len(files), lambda i: _write_file(files[i], share, pattern, salt=i))
+def _cached_fraction(path: str) -> float | None:
+    """Share of ``path``'s pages in the page cache (mincore), or None where it cannot be told.
 
-
-def _read_round(files: list[str]) -> float:
-    return _in_threads(len(files), lambda i: _read_file(files[i]))
-
-
-def _resident_fraction(path: str) -> float | None:
-    """Share of ``path``'s pages in the page cache (mincore), or None where it cannot be told."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0.0
+    posix_fadvise(DONTNEED) is only advice (tmpfs pages are the data, NFS and FUSE may keep
+    theirs): a read from memory is no read from storage, so the drop is checked, not assumed.
+    """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    except (OSError, AttributeError):
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) as view:
+            anchor = ctypes.c_char.from_buffer(view)  # a private mapping reports the file's pages
+            address = ctypes.addressof(anchor)
+            del anchor  # the mapping cannot close while a ctypes view of it exists
+            pages = (len(view) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vector = (ctypes.c_ubyte * pages)()
+            status = libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(view)), vector)
+    except (OSError, ValueError, AttributeError):
         return None
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if address is None or address == ctypes.c_void_p(-1).value:
-            return None
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vector = (ctypes.c_ubyte * pages)()
-        status = libc.mincore(address, size, vector)
-        libc.munmap(address, size)
-    finally:
-        os.close(fd)
     return None if status != 0 else sum(v & 1 for v in vector) / pages
 
 
-def _upload_round(fs: Any, keys: list[str], *, share: int, pattern: memoryview) -> float:
-    """One measured round: every object uploaded in its own thread."""
-
-    def upload(i: int) -> None:
-        # Parts of _S3_PART bytes: s3fs sends a multipart upload once a part is full.
-        with fs.open(keys[i], "wb", block_size=_S3_PART) as stream:
-            done, index = 0, i * 7919
-            while done < share:
-                chunk = _slice(pattern, index, min(_S3_PART, share - done))
-                stream.write(chunk)
-                done, index = done + len(chunk), index + 1
-
-    return _in_threads(len(keys), upload)
-
-
-def _download_round(fs: Any, keys: list[str]) -> float:
-    return _in_threads(len(keys), lambda i: fs.cat_file(keys[i]))
-
-
-# -- measurements ------------------------------------------------------------------------------
-
-
-def local_stream_runs(
-    work: str, size: int, *, streams: Sequence[int], repeats: int, read_back: bool
-) -> tuple[list[StreamRun], list[float]]:
-    """Write ``size`` bytes into files in ``work`` at each stream count, ``repeats`` rounds each.
-
-    With ``read_back`` every round is read back too, and the second list holds the share of
-    each round's first file still in the page cache when reading began (a read from memory
-    is no read from storage).
-    """
-    runs: list[StreamRun] = []
-    residents: list[float] = []
-    pattern = _pattern(min(_CHUNK, size))
+def stream_runs(fs: Any, work: str, size: int, *, streams: Sequence[int], repeats: int,
+                read_back: bool) -> tuple[list[StreamRun], list[float]]:
+    """Write ``size`` bytes into ``work`` (a directory, or an object prefix of ``fs``) at each
+    stream count, ``repeats`` rounds each, and read each round back if ``read_back``: the second
+    list holds the share of each round's first file in the page cache as reading began."""
+    runs, cached = list[StreamRun](), list[float]()
+    pattern = memoryview(os.urandom(min(_CHUNK if fs is None else _PART, size) + 64 * 1024))
     for count in streams:
-        files = [os.path.join(work, f"stream-{count}-{i}") for i in range(count)]
+        names = [f"{work}/stream-{count}-{i}" for i in range(count)]
         share = max(size // count, 4096)
         writes, reads = [], []
         for _ in range(repeats):
-            writes.append(_write_round(files, share, pattern))
+            writes.append(in_threads(count, partial(_write, fs, names, share, pattern)))
             if read_back:
-                fraction = _resident_fraction(files[0])
+                fraction = None if fs is not None else _cached_fraction(names[0])
                 if fraction is not None:
-                    residents.append(fraction)
-                reads.append(_read_round(files))
-        runs.append(StreamRun(count, share * count, min(writes), min(reads) if reads else None,
-                              tuple(writes)))
-        for name in files:
-            os.unlink(name)
-    return runs, residents
+                    cached.append(fraction)
+                reads.append(in_threads(count, partial(_read, fs, names)))
+        runs.append(StreamRun(count, share * count, min(writes), min(reads, default=None), tuple(writes)))
+        for name in names:
+            (os.unlink if fs is None else fs.rm_file)(name)
+    return runs, cached
 
 
-def object_stream_runs(
-    fs: Any, work: str, size: int, *, streams: Sequence[int], repeats: int, read_back: bool
-) -> list[StreamRun]:
-    """Upload ``size`` bytes as objects under ``work`` at each stream count (and download them)."""
-    runs: list[StreamRun] = []
-    pattern = _pattern(min(_S3_PART, size))
-    for count in streams:
-        share = max(size // count, 1)
-        keys = [f"{work}/stream-{count}-{i}" for i in range(count)]
-        writes, reads = [], []
-        for _ in range(repeats):
-            writes.append(_upload_round(fs, keys, share=share, pattern=pattern))
-            if read_back:
-                reads.append(_download_round(fs, keys))
-        runs.append(StreamRun(count, share * count, min(writes), min(reads) if reads else None,
-                              tuple(writes)))
-        fs.rm(keys)
-    return runs
+@contextmanager
+def scratch(target: str, storage_options: dict[str, Any] | None) -> Iterator[tuple[Any, str]]:
+    """``(fs, work)``: a fresh directory in ``target`` (``fs`` None; ``target`` is created if
+    need be), or a fresh prefix under an object-store URL; on leaving, removed with everything in
+    it and every directory made for it. ConfigError if ``target`` cannot hold a directory."""
+    local, root, made = not is_url(target), target.removeprefix("file://"), list[str]()
+    fs: Any = None
+    if not local:
+        fs, root = open_fsspec(target.rstrip("/"), fsspec_options(target.split("://", 1)[0], storage_options))
+    work = f"{root.rstrip('/')}/.nbckpt-probe-{uuid.uuid4().hex[:8]}"
+    while local and not os.path.exists(root) and root != os.path.dirname(root):
+        made, root = [*made, root], os.path.dirname(root)  # deepest first
+    try:
+        if local:
+            try:
+                os.makedirs(work)
+            except OSError as exc:
+                raise ConfigError(f"cannot write in {target}: {exc.strerror or exc}") from exc
+        yield fs, work
+    finally:
+        if local:
+            shutil.rmtree(work, ignore_errors=True)
+            for folder in made:
+                with suppress(OSError):
+                    os.rmdir(folder)
+        else:
+            with suppress(Exception):
+                fs.rm(work, recursive=True)
 
 
 def fsync_latencies(path: str) -> list[float]:
     """Milliseconds of each 4 KiB write + fsync (appending, like a manifest or a log)."""
-    block = os.urandom(4096)
-    latencies: list[float] = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
+    block, latencies = os.urandom(4096), list[float]()
+    with open(path, "wb", buffering=0) as stream:
         started = time.perf_counter()
-        for index in range(_FSYNCS):
+        while len(latencies) < 20 and time.perf_counter() - started < 3.0:  # a slow fsync stops early
             begin = time.perf_counter()
-            os.pwrite(fd, block, index * 4096)
-            os.fsync(fd)
+            stream.write(block)
+            os.fsync(stream.fileno())
             latencies.append((time.perf_counter() - begin) * 1e3)
-            if time.perf_counter() - started > _PHASE_LIMIT_S:
-                break
-    finally:
-        os.close(fd)
     return latencies
 
 
-def metadata_rates(work: str) -> tuple[float, float, float]:
-    """Creates, renames and deletes per second of small files (what a commit does)."""
-    folder = os.path.join(work, "meta")
-    os.mkdir(folder)
-    names: list[str] = []
-
-    def create(i: int) -> None:
-        name = os.path.join(folder, f"f{i}")
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        write_all(fd, b"nbckpt probe\n")
-        os.close(fd)
-        names.append(name)
-
-    create_rate = _timed_ops(_SMALL_FILES, create)
-    renamed: list[str] = []
-
-    def rename(i: int) -> None:
-        os.rename(names[i], names[i] + ".r")
-        renamed.append(names[i] + ".r")
-
-    rename_rate = _timed_ops(len(names), rename)
-    leftovers = renamed + names[len(renamed):]
-    delete_rate = _timed_ops(len(leftovers), lambda i: os.unlink(leftovers[i]))
-    return create_rate, rename_rate, delete_rate
-
-
-def object_rates(fs: Any, work: str) -> tuple[float, float]:
-    """PUTs and deletes per second of small objects under ``work``."""
-    small = [f"{work}/small-{i}" for i in range(_SMALL_FILES)]
-    put_rate = _timed_ops(len(small), lambda i: fs.pipe_file(small[i], b"nbckpt probe\n"))
-    fs.invalidate_cache()
-    written = [key for key in small if fs.exists(key)]
-    delete_rate = _timed_ops(len(written), lambda i: fs.rm_file(written[i]))
-    return put_rate, delete_rate
-
-
-def measure_write(
-    target: str | os.PathLike[str],
-    nbytes: int,
-    *,
-    streams: Sequence[int] = (1,),
-    repeats: int = DEFAULT_REPEATS,
-    storage_options: dict[str, Any] | None = None,
-) -> list[StreamRun]:
-    """Write ``nbytes`` split over each stream count, exactly as :func:`nbckpt.bench.probe` writes.
-
-    One :class:`StreamRun` per stream count (``read_s`` is None): the fastest of ``repeats``
-    rounds, every round kept in ``write_rounds_s``. Files end with fsync, objects with a
-    completed (multipart) upload; everything written is removed. ``target`` must exist.
-    """
+def measure_write(target: str | os.PathLike[str], nbytes: int, *, streams: Sequence[int] = (1,),
+                  repeats: int = DEFAULT_REPEATS, storage_options: dict[str, Any] | None = None,
+                  ) -> list[StreamRun]:
+    """Write ``nbytes`` split over each stream count, exactly as :func:`nbckpt.bench.probe` writes:
+    one :class:`StreamRun` per stream count (``read_s`` None). Everything written is removed, and
+    every directory made for it."""
     check_count(nbytes, "nbytes of the write measurement")
     counts = stream_counts(streams)
     check_count(repeats, "repeats")
-    text = os.fspath(target)
-    if is_url(text):
-        fs, root = open_fsspec(text.rstrip("/"), fsspec_options(text.split("://", 1)[0], storage_options))
-        work = f"{root.rstrip('/')}/.nbckpt-floor-{uuid.uuid4().hex[:8]}"
-        try:
-            return object_stream_runs(fs, work, nbytes, streams=counts, repeats=repeats, read_back=False)
-        finally:
-            with suppress(Exception):
-                fs.rm(work, recursive=True)
-    work = os.path.join(text.removeprefix("file://"), f".nbckpt-floor-{uuid.uuid4().hex[:8]}")
-    os.mkdir(work)
-    try:
-        return local_stream_runs(work, nbytes, streams=counts, repeats=repeats, read_back=False)[0]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with scratch(os.fspath(target), storage_options) as (fs, work):
+        return stream_runs(fs, work, nbytes, streams=counts, repeats=repeats, read_back=False)[0]
+
+
+# Floors are measured on at most this many bytes and scaled: rates are flat well below it.
+FLOOR_SAMPLE_BYTES = GIB
+
+
+@dataclass(frozen=True)
+class Floors:
+    """What the hardware allows for ``bytes``: a copy into preallocated memory, a durable raw write."""
+
+    bytes: int
+    copy_s: float
+    copy_gbs: float
+    write_gbs: float  # the best stream count's fastest round
+    write_s: float = math.nan
+    sample_bytes: int = 0
+    write_streams: int = 1
+    write_gbs_by_streams: dict[str, float] = field(default_factory=dict)
+    write_gbs_rounds: tuple[float, ...] = ()  # every round of the best stream count: the noise
+    repeats: int = 1
+    copy_gbs_by_repeat: tuple[float, ...] = ()  # the floors measured before each repeat
+    write_gbs_by_repeat: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> Floors:
+        """The floors of a JSON document (which holds NaN as null, tuples as lists)."""
+
+        def restore(value: Any) -> Any:
+            if isinstance(value, list):
+                return tuple(map(restore, value))
+            if isinstance(value, dict):
+                return {str(k): restore(v) for k, v in value.items()}
+            return math.nan if value is None else value
+
+        known = {"copy_s": None, "copy_gbs": None, "write_gbs": None, **body}
+        return cls(**{name: restore(v) for name, v in known.items() if name in cls.__dataclass_fields__})
+
+    def describe(self) -> str:
+        def span(rates: Sequence[float], digits: int) -> str:
+            return f"{min(rates):.{digits}f}-{max(rates):.{digits}f} GB/s"
+
+        text = (f"floors for {format_bytes(self.bytes)}: copy {self.copy_s:.4f} s ({self.copy_gbs:.1f} "
+                f"GB/s); raw durable write {self.write_gbs:.2f} GB/s ({self.write_s:.3f} s) with "
+                f"{self.write_streams} stream(s)")
+        if len(self.copy_gbs_by_repeat) > 1:
+            text += (f"; measured before each of {len(self.copy_gbs_by_repeat)} repeats, the fastest counts: "
+                     f"copy {span(self.copy_gbs_by_repeat, 1)}, write {span(self.write_gbs_by_repeat, 2)}")
+        if self.write_gbs_rounds:
+            text += f", best of {len(self.write_gbs_rounds)} rounds ({span(self.write_gbs_rounds, 2)})"
+        if self.sample_bytes and self.sample_bytes < self.bytes:
+            text += f"; measured on {format_bytes(self.sample_bytes)} and scaled"
+        return text
+
+
+def _copy_floor(nbytes: int, device: str) -> float:
+    """The fastest copy of ``nbytes`` into a preallocated host buffer (pinned on CUDA); on the
+    host on one thread and split over two, as nbckpt stages, three rounds each."""
+    cuda = device == "cuda"
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    target.copy_(source)  # touches every page once, as reused staging buffers are
+    # nbckpt's staging splits a host copy over two threads (engine/_staging.py): so does the floor.
+    shards, times = list(zip(target.chunk(2), source.chunk(2), strict=True)), list[float]()
+    for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            target.copy_(source, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - begin)
+        else:  # copy_ releases the GIL: the shards are copied at once
+            times.append(in_threads(1, lambda _: target.copy_(source)))
+            times.append(in_threads(len(shards), lambda i: shards[i][0].copy_(shards[i][1])))
+    return min(times)
+
+
+def measure_floors(nbytes: int, directory: str, *, device: str = "cpu", repeats: int = DEFAULT_REPEATS,
+                   storage_options: dict[str, Any] | None = None) -> Floors:
+    """Measure the copy floor and the raw fsync'd write rate of ``directory`` for ``nbytes``: the
+    write at 1 stream (torch.save's and DCP's one file) and 2 (nbckpt's default writer threads),
+    the faster counting. Up to :data:`FLOOR_SAMPLE_BYTES` are really copied and written; larger
+    sizes are scaled linearly from that sample."""
+    check_count(nbytes, "nbytes")
+    sample = min(nbytes, FLOOR_SAMPLE_BYTES)
+    copy_s = _copy_floor(sample, device) * nbytes / sample
+    runs = measure_write(directory, sample, streams=(1, 2), repeats=repeats, storage_options=storage_options)
+    best = max(runs, key=lambda run: run.write_gbs)
+    return Floors(
+        bytes=nbytes, copy_s=copy_s, copy_gbs=nbytes / copy_s / GB, write_gbs=best.write_gbs,
+        write_s=nbytes / (best.write_gbs * GB), sample_bytes=sample, write_streams=best.streams,
+        write_gbs_by_streams={str(run.streams): run.write_gbs for run in runs},
+        write_gbs_rounds=tuple(best.bytes / s / GB for s in best.write_rounds_s if s > 0), repeats=repeats,
+    )
+
+
+def combine_floors(measured: Sequence[Floors]) -> Floors:
+    """One floor from floors measured before each repeat: the fastest copy and write of any,
+    every repeat's rates kept (``copy_gbs_by_repeat``, ``write_gbs_by_repeat``)."""
+    copy = min(measured, key=lambda floors: floors.copy_s)
+    keys = {key: None for floors in measured for key in floors.write_gbs_by_streams}  # in order
+    streams = {key: max(f.write_gbs_by_streams.get(key, 0.0) for f in measured) for key in keys}
+    return replace(
+        max(measured, key=lambda floors: floors.write_gbs), copy_s=copy.copy_s, copy_gbs=copy.copy_gbs,
+        write_gbs_by_streams=streams,
+        write_gbs_rounds=tuple(rate for floors in measured for rate in floors.write_gbs_rounds),
+        repeats=sum(floors.repeats for floors in measured),
+        copy_gbs_by_repeat=tuple(floors.copy_gbs for floors in measured),
+        write_gbs_by_repeat=tuple(floors.write_gbs for floors in measured),
+    )

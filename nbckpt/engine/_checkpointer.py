@@ -36,6 +36,7 @@ from ._mirror import Mirror, mirror_of
 from ._ranks import Group, join
 from ._reader import Readable
 from ._restorer import Restorer
+from ._retention import check_metrics
 from ._saver import Saver
 from ._store import Store, check_step, open_store, step_name
 from ._timeline import Timeline
@@ -45,7 +46,6 @@ __all__ = ["Checkpointer", "close_all", "writer_of"]
 
 _log = logging.getLogger("nbckpt")
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
-_UNSET: Any = object()
 
 
 class Checkpointer:
@@ -62,19 +62,10 @@ class Checkpointer:
     """
 
     def __init__(
-        self,
-        directory: str | os.PathLike[str],
-        mode: Mode | None = None,
-        keep: int | None = _UNSET,
-        *,
-        config: CheckpointConfig | None = None,
-        **options: Any,
+        self, directory: str | os.PathLike[str], *, config: CheckpointConfig | None = None, **options: Any
     ) -> None:
-        """``mode``, ``keep`` and ``options`` (any :class:`CheckpointConfig` field) override ``config``."""
-        if mode is not None:
-            options["mode"] = mode
-        if keep is not _UNSET:
-            options["keep"] = keep
+        """``options`` are :class:`CheckpointConfig` fields (``mode="sync"``, ``keep=3``, ...);
+        given with ``config``, they replace its fields."""
         self.config = CheckpointConfig.build(config, **options)
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory).strip():
             raise ConfigError(f"directory must be a non-empty path or URL, not {directory!r}")
@@ -92,8 +83,10 @@ class Checkpointer:
         nonce, committed = ranks.caller.from_rank0(("open",), self._open_store)
         try:
             self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)
-            self._saver = Saver(self.config, self.store, ranks, self.timeline, self._io, nonce, committed)
             self._mirror = self._open_mirror(mirror_root, ranks.caller, nonce)
+            uploads = self._mirror if self._mirror is not None and not self.config.read_only else None
+            self._saver = Saver(self.config, self.store, ranks, self.timeline, self._io, nonce, committed,
+                                uploads)
             self._ranks = ranks
             self.line_name = MAIN
             self._from_mirror: set[str] = set()  # lines only the mirror still holds (a lost disk)
@@ -224,8 +217,8 @@ class Checkpointer:
         if store is None:
             return None
         writes = self.rank == 0 and not self.config.read_only
-        mirror = Mirror(store, keep=self.config.keep, timeline=self.timeline, nonce=nonce, writes=writes,
-                        nice=self.config.writer_nice)
+        mirror = Mirror(store, policy=self.config.retention, timeline=self.timeline, nonce=nonce,
+                        writes=writes, nice=self.config.writer_nice)
         # The run a mirror belongs to: its directory as the file system knows it (a symlink or a
         # relative path to the same run is the same run), or its URL.
         run = os.path.realpath(self.store.url) if self.store.is_local else self.store.url
@@ -244,10 +237,6 @@ class Checkpointer:
         except BaseException:
             mirror.stop(True)
             raise
-        if writes:
-            saver = self._saver  # not self: the Checkpointer must stay collectable when dropped
-            self._saver.after_commit = lambda step, path: mirror.upload(saver.store, step, path)
-            self._saver.protected = lambda: mirror.pending(saver.store.url)
         return mirror
 
     def _open_store(self) -> tuple[str, set[int]]:
@@ -279,19 +268,22 @@ class Checkpointer:
         step: int,
         *,
         overlap: bool = False,
-        rng: bool | None = None,
-        blocking: bool | None = None,
+        mode: Mode | None = None,
+        capture_rng: bool | None = None,
+        metrics: Mapping[str, float] | None = None,
         overwrite: bool = False,
     ) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; in async mode, return once the state is copied.
 
-        ``blocking=True`` makes this one save synchronous (committed before it returns)
-        whatever the mode; ``blocking=False`` makes it asynchronous. With ``overlap=True`` it
-        returns before the copy is done: call ``handle.wait_staged()`` (or
-        ``ckpt.wait_staged()``) before the next optimizer step changes the parameters.
-        Saving a step that exists already replaces it, with a warning unless ``overwrite``.
-        Errors of earlier background saves are raised here, once, as CheckpointError.
+        ``mode`` and ``capture_rng`` override the config's for this save (``mode="sync"``: committed
+        before it returns). With ``overlap=True`` it returns before the copy is done: call
+        ``handle.wait_staged()`` (or ``ckpt.wait_staged()``) before the next optimizer step
+        changes the parameters. ``metrics`` (name to number, such as ``{"val_loss": 0.31}``) are
+        kept in the step's manifest for retention by :class:`BestN`. Saving a step that exists
+        already replaces it, with a warning unless ``overwrite``. Errors of earlier background
+        saves are raised here, once, as CheckpointError.
         """
+        config = CheckpointConfig.build(self.config, **_given(mode=mode, capture_rng=capture_rng))
         with self._operation():
             self._check_open(writing=True)
             check_step(step)
@@ -299,9 +291,10 @@ class Checkpointer:
             return self._saver.start(
                 state,
                 step,
-                sync=self.config.mode == "sync" if blocking is None else bool(blocking),
+                sync=config.mode == "sync",
                 overlap=overlap,
-                capture_rng=self.config.capture_rng if rng is None else bool(rng),
+                capture_rng=config.capture_rng,
+                metrics=check_metrics(metrics),
                 overwrite=overwrite,
                 owner=self,
             )
@@ -495,6 +488,13 @@ class Checkpointer:
             if name == self.line_name:
                 self._saver.committed.discard(step)
 
+    def retain(self) -> None:
+        """Apply the ``keep`` policy now, in the background, as after a commit: for a policy whose
+        answer changes between commits (:class:`CustomSteps` of a framework's live checkpoints)."""
+        with self._operation():
+            self._check_open(writing=True)
+            self._saver.retain()
+
     def save_on_signal(
         self,
         snapshot: Snapshot,
@@ -516,14 +516,35 @@ class Checkpointer:
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("save_on_signal must be called from the main thread (signals reach only it)")
         timeout = _final.check_arguments(snapshot, timeout_s)
-        installed = _final.install(self, snapshot, _final.check_signals(signals), timeout)
+        installed = _final.install(self._on_signal, snapshot, _final.check_signals(signals), timeout)
         return partial(_final.uninstall, installed)
 
     def final_save(self, snapshot: Snapshot, *, timeout_s: float = 25.0, reason: str = "exit") -> str:
         """The final save of :meth:`save_on_signal`, for other ways out (a notebook kernel shutting
         down): ``snapshot()``'s ``(state, step)`` saved synchronously, given up after ``timeout_s``
         (the previous checkpoint stays). Logs and returns one line saying what happened."""
-        return _final.final_save(self, snapshot, _final.check_arguments(snapshot, timeout_s), reason)
+        line, ended = _final.final_save(self._save_now, snapshot, _final.check_arguments(snapshot, timeout_s),
+                                        reason)
+        # close() at exit would wait for a save still running (its lock is held): it is left behind.
+        self._abandoned = self._abandoned or not ended
+        return line
+
+    def _save_now(self, taken: tuple[Mapping[str, Any], int] | None) -> None:
+        if taken is not None:
+            self.save(taken[0], taken[1], mode="sync", overwrite=True)
+        self.wait()  # and retention's deletes, so the exit leaves no half-deleted step behind
+
+    def _on_signal(
+        self, snapshot: Snapshot, timeout_s: float, signum: int, again: Callable[[], None]
+    ) -> bool:
+        """The final save a signal asks for; False when the signal came inside one of this
+        Checkpointer's calls: ``again`` then runs as soon as that call returns."""
+        if self._main_depth:
+            self._deferred = again
+            return False
+        if not self._closed:
+            self.final_save(snapshot, timeout_s=timeout_s, reason=signal.Signals(signum).name)
+        return True
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -583,7 +604,12 @@ class Checkpointer:
             _log.warning("nbckpt: while handling %s: %s", type(exc).__name__, background)
 
     def __repr__(self) -> str:
-        return f"Checkpointer({self.store.url!r}, mode={self.config.mode!r}, keep={self.config.keep})"
+        return f"Checkpointer({self.store.url!r}, mode={self.config.mode!r}, keep={self.config.keep!r})"
+
+
+def _given(**overrides: Any) -> dict[str, Any]:
+    """The per-call overrides that were given (None: the config's value)."""
+    return {name: value for name, value in overrides.items() if value is not None}
 
 
 def _device(map_location: Any) -> torch.device | None:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from .._errors import ConfigError
 from .._util import check_count
+from ._retention import RetentionPolicy, policy_of
 
 __all__ = ["MAX_INFLIGHT", "MAX_WRITER_THREADS", "CheckpointConfig", "Mode", "Ranks"]
 
@@ -30,9 +31,11 @@ class CheckpointConfig:
     mode: Mode = "async"
     """``"async"``: ``save`` returns once the state is copied and persists in the background;
     ``"sync"``: ``save`` returns once the checkpoint has committed."""
-    keep: int | None = None
-    """Committed checkpoints to keep; older ones are deleted in the background after each
-    commit (never the one just committed). None keeps all."""
+    keep: int | RetentionPolicy | None = None
+    """Which committed checkpoints to keep: a number keeps the newest that many, a policy
+    (:class:`~nbckpt.LatestN`, :class:`~nbckpt.EveryNSteps`, :class:`~nbckpt.BestN`,
+    :class:`~nbckpt.CustomSteps`, combined with :class:`~nbckpt.AnyOf`) decides; the others are
+    deleted in the background after each commit (never the one just committed). None keeps all."""
     max_inflight: int = 1
     """Saves that may be staged or persisting at once; the next ``save`` waits (backpressure).
     Host memory for staging is ``max_inflight`` times the state size, allocated once."""
@@ -72,8 +75,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"mode must be 'sync' or 'async', not {self.mode!r}")
-        if self.keep is not None:
-            check_count(self.keep, "keep (or None to keep all)")
+        policy_of(self.keep)
         check_count(self.max_inflight, "max_inflight", maximum=MAX_INFLIGHT)
         check_count(self.writer_threads, "writer_threads", maximum=MAX_WRITER_THREADS)
         check_count(self.writer_nice, "writer_nice", minimum=0, maximum=19)
@@ -93,6 +95,11 @@ class CheckpointConfig:
         timeout = self.timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, not {timeout!r}")
+
+    @property
+    def retention(self) -> RetentionPolicy | None:
+        """``keep`` as a policy (None: keep every step)."""
+        return policy_of(self.keep)
 
     @classmethod
     def build(cls, config: Any = None, **options: Any) -> CheckpointConfig:

@@ -15,20 +15,18 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeAlias
 
 from .._errors import ConfigError
 from .._util import parse_duration
-
-if TYPE_CHECKING:
-    from ._checkpointer import Checkpointer
 
 __all__ = ["Snapshot", "check_arguments", "check_signals", "final_save", "install", "uninstall"]
 
 _log = logging.getLogger("nbckpt")
 
+Taken: TypeAlias = "tuple[Mapping[str, Any], int] | None"
 #: Gives the ``(state, step)`` to save when the time comes, or None when there is nothing new.
-Snapshot = Callable[[], "tuple[Mapping[str, Any], int] | None"]
+Snapshot = Callable[[], Taken]
 
 
 def check_arguments(snapshot: Any, timeout_s: Any) -> float:
@@ -69,11 +67,15 @@ def _is_state_and_step(taken: Any) -> bool:
     return isinstance(taken, (tuple, list)) and len(taken) == 2 and isinstance(taken[0], Mapping)
 
 
-def final_save(ckpt: Checkpointer, snapshot: Snapshot, timeout_s: float, reason: str) -> str:
-    """Save ``snapshot()`` synchronously within ``timeout_s``; log and return what happened.
+def final_save(
+    save: Callable[[Taken], None], snapshot: Snapshot, timeout_s: float, reason: str
+) -> tuple[str, bool]:
+    """Run ``save(snapshot())`` (a synchronous save, then a wait for everything in flight)
+    within ``timeout_s``; log what happened and return that line, and whether it ended in time.
 
-    With nothing new to save, the saves in flight are waited for, within the same bound.
+    ``save`` gets None when there is nothing new to save: it waits for the saves in flight.
     """
+    ended = True
     try:
         taken = snapshot()
     except Exception as exc:
@@ -81,39 +83,39 @@ def final_save(ckpt: Checkpointer, snapshot: Snapshot, timeout_s: float, reason:
     else:
         if taken is not None and not _is_state_and_step(taken):
             line = f"no final save, the snapshot returned {repr(taken)[:80]}, not (state, step) or None"
-            _log.warning("nbckpt: %s: %s", reason, line)
-            return line
-        outcome: list[str] = []
-        # On its own thread, so that the wait is bounded (another thread may hold the lock, or
-        # the storage may hang); a daemon thread, so that it never keeps the process alive.
-        saver = threading.Thread(target=_save_for, args=(ckpt, taken, outcome), daemon=True)
-        saver.start()
-        saver.join(timeout_s)
-        if saver.is_alive():
-            # close() at exit would wait for it (its lock is held): it is left behind instead.
-            ckpt._abandoned = True
-            outcome.append(f"did not commit within {timeout_s:g} s; the previous checkpoint stays")
-        if taken is None:
-            line = f"nothing new to save; the saves in flight {outcome[0]}"
         else:
-            line = f"final save of step {taken[1]} {outcome[0]}"
+            outcome: list[str] = []
+            # On its own thread, so that the wait is bounded (another thread may hold the lock, or
+            # the storage may hang); a daemon thread, so that it never keeps the process alive.
+            saver = threading.Thread(target=_save_for, args=(save, taken, outcome), daemon=True)
+            saver.start()
+            saver.join(timeout_s)
+            ended = not saver.is_alive()
+            if not ended:
+                outcome.append(f"did not commit within {timeout_s:g} s; the previous checkpoint stays")
+            what = "nothing new to save; the saves in flight" if taken is None else (
+                f"final save of step {taken[1]}")
+            line = f"{what} {outcome[0]}"
     _log.warning("nbckpt: %s: %s", reason, line)
-    return line
+    return line, ended
 
 
-def _save_for(ckpt: Checkpointer, taken: tuple[Mapping[str, Any], int] | None, outcome: list[str]) -> None:
+def _save_for(save: Callable[[Taken], None], taken: Taken, outcome: list[str]) -> None:
     try:
-        if taken is not None:
-            state, step = taken
-            ckpt.save(state, step, blocking=True, overwrite=True)
-        ckpt.wait()  # and retention's deletes, so the exit leaves no half-deleted step behind
+        save(taken)
         outcome.append("committed")
     except BaseException as exc:
         outcome.append(f"failed: {exc}")
 
 
+#: The Checkpointer's side of a signal: ``(snapshot, timeout_s, signum, again)`` runs the final
+#: save and returns True, or returns False when the signal came inside one of its calls (then
+#: ``again`` runs once that call returns).
+OnSignal = Callable[[Snapshot, float, int, Callable[[], None]], bool]
+
+
 def on_signal(
-    ref: weakref.ref[Checkpointer],
+    final: weakref.WeakMethod[OnSignal],
     snapshot: Snapshot,
     timeout_s: float,
     previous: Any,
@@ -121,31 +123,31 @@ def on_signal(
     frame: Any,
 ) -> None:
     """The signal handler of :meth:`Checkpointer.save_on_signal` (runs on the main thread)."""
-    ckpt = ref()
-    if ckpt is not None and ckpt._main_depth:  # interrupted inside a call: save once it returns
-        ckpt._deferred = partial(on_signal, ref, snapshot, timeout_s, previous, signum, frame)
-        return
+    deferred = False
     try:
-        if ckpt is not None and not ckpt._closed:
-            final_save(ckpt, snapshot, timeout_s, signal.Signals(signum).name)
+        method = final()  # None once the Checkpointer is gone: the signal just goes on
+        again = partial(on_signal, final, snapshot, timeout_s, previous, signum, frame)
+        deferred = method is not None and not method(snapshot, timeout_s, signum, again)
     finally:  # whatever happened, the signal goes on to do what it did before (end the process)
-        signal.signal(signum, previous)
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_DFL:
-            os.kill(os.getpid(), signum)
+        if not deferred:
+            signal.signal(signum, previous)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
 
 
 Installed = dict[int, tuple[Callable[..., None], Any]]
 
 
-def install(ckpt: Checkpointer, snapshot: Snapshot, signals: tuple[signal.Signals, ...],
+def install(final: OnSignal, snapshot: Snapshot, signals: tuple[signal.Signals, ...],
             timeout_s: float) -> Installed:
-    """Make each of ``signals`` run a final save first; what is needed to put them back."""
+    """Make each of ``signals`` run ``final`` (a Checkpointer's bound method, held weakly) first;
+    what is needed to put them back."""
     installed: Installed = {}
     for signum in signals:
         previous = signal.getsignal(signum)
-        handler = partial(on_signal, weakref.ref(ckpt), snapshot, timeout_s, previous)
+        handler = partial(on_signal, weakref.WeakMethod(final), snapshot, timeout_s, previous)  # type: ignore[arg-type]
         signal.signal(signum, handler)
         installed[signum] = (handler, previous)
     return installed

@@ -51,7 +51,8 @@ class SaveHandle:
         self.wait_s = 0.0
         self.reported = reported
         self.slot: Slot | None = None
-        self._returned = threading.Event()
+        self.returned = threading.Event()
+        """Set once ``save`` has returned: ``stall_s`` is final."""
 
     def done(self) -> bool:
         """True once the save has committed or failed."""

@@ -113,6 +113,7 @@ def build(
     rank_trees: Mapping[str, Any],
     rng: Mapping[str, Any],
     provenance: Mapping[str, Any],
+    metrics: Mapping[str, float | None],
     timing: Mapping[str, float],
 ) -> bytes:
     """The manifest of a checkpoint whose files have all been written."""
@@ -135,6 +136,7 @@ def build(
         "tree": tree,
         **({"rank_trees": dict(rank_trees)} if rank_trees else {}),
         **({"rng": dict(rng)} if rng else {}),
+        **({"metrics": dict(metrics)} if metrics else {}),
         "provenance": dict(provenance),
     }
     return sign(body)

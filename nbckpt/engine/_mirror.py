@@ -9,10 +9,11 @@ goes last, so a step counts on the mirror only once all of it is there.
 A mirror holds one run: ``.nbckpt-mirror.json`` at its root names the run it belongs to, and
 another run is refused (two runs sharing a mirror would delete each other's steps, and one
 would restore the other's). It keeps the run's lines in the run's layout, ``branch.json``
-included, so a restore from the mirror alone goes on in the right line. The backlog is
-bounded: with ``keep``, at most ``keep`` steps per line wait for a slow mirror (older ones are
-skipped, said in the log), so retention in the run's directory stays bounded too; a run
-reopened after a crash uploads what its mirror lacks.
+included, so a restore from the mirror alone goes on in the right line. It keeps what the run's
+retention policy keeps. The backlog is bounded: a step the run's retention gives up while its
+upload still waits is not uploaded (said in the log), so a slow mirror never makes the run's
+directory grow by more than the step being uploaded; a run reopened after a crash uploads what
+its mirror lacks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .._errors import CheckpointError, ConfigError, describe_error
 from ._files import copy_file
 from ._lines import BRANCH_FILE, MAIN, Line, discover, on, write_record
 from ._reader import damage_named, read_manifest
+from ._retention import RetentionPolicy, StepFacts, expired
 from ._store import LOCK_FILE, Store, step_name
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
@@ -75,10 +77,18 @@ class Mirror:
     """Uploads committed steps to ``root`` on one background thread, in commit order."""
 
     def __init__(
-        self, root: Store, *, keep: int | None, timeline: Timeline, nonce: str, writes: bool, nice: int = 0
+        self,
+        root: Store,
+        *,
+        policy: RetentionPolicy | None,
+        timeline: Timeline,
+        nonce: str,
+        writes: bool,
+        nice: int = 0,
     ) -> None:
         """``writes``: this process uploads (rank 0 of a run not opened read-only)."""
-        self.root, self.keep, self.timeline, self._nonce, self._writes = root, keep, timeline, nonce, writes
+        self.root, self.policy, self.timeline = root, policy, timeline
+        self._nonce, self._writes = nonce, writes
         self._worker = Worker("nbckpt-mirror", nice=nice)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -86,7 +96,6 @@ class Mirror:
         self._uploading: _Upload | None = None
         self._jobs = 0  # submitted to the worker and not yet over
         self._line = MAIN  # the line new commits belong to (set by follow)
-        self._newest: dict[str, deque[int]] = {}  # per line, the ``keep`` steps committed last
         self._skipped = 0
         self.failures: list[str] = []
         self._count = 0
@@ -142,51 +151,38 @@ class Mirror:
             if entry.name != MAIN and entry.name in mirrored:
                 self._queue(_Record(mirrored[entry.name]))
 
-    def pending(self, url: str) -> set[int]:
-        """Steps of the store at ``url`` queued or uploading that retention would otherwise
-        delete: it must leave them. The ``keep`` committed last are left anyway, and so still
-        count towards ``keep``: with a stuck mirror the directory holds ``keep + 1`` steps."""
+    def committed(self, store: Store, step: int, location: str) -> None:
+        """The saver's commit of ``step``: queued for upload."""
+        self.upload(store, step, location)
+
+    def release(self, store: Store, steps: list[int]) -> set[int]:
+        """Of ``steps`` of ``store`` (retention deletes them), the one being uploaded, which
+        stays for now; the waiting uploads of the others are dropped."""
         with self._lock:
-            entries = [*self._waiting, *([self._uploading] if self._uploading else [])]
-            return {
-                e.step
-                for e in entries
-                if isinstance(e, _Upload)
-                and e.source.url == url
-                and e.step not in self._newest.get(e.line, ())
-            }
+            doomed = set(steps)
+            dropped = [
+                e for e in self._waiting
+                if isinstance(e, _Upload) and e.source.url == store.url and e.step in doomed
+            ]
+            for entry in dropped:
+                self._waiting.remove(entry)
+            uploading = self._uploading
+        for entry in dropped:
+            self._said_skip(entry)
+        return {uploading.step} if uploading is not None and uploading.source.url == store.url else set()
 
     def upload(self, source: Store, step: int, location: str, line: str | None = None) -> None:
         """Queue ``step`` (committed at ``location`` of ``source``, in the current line unless
-        ``line`` is named) for upload. With ``keep``, the oldest waiting steps of that line beyond
-        ``keep`` are skipped: the mirror would delete them again at once."""
+        ``line`` is named) for upload."""
         with self._lock:
             entry = _Upload(line or self._line, step, source, location)
-            if self.keep is not None:  # without keep nothing is deleted: no need to know
-                newest = self._newest.setdefault(entry.line, deque(maxlen=self.keep))
-                if step in newest:
-                    newest.remove(step)
-                newest.append(step)
             key = (entry.line, step)
             same = [e for e in self._waiting if isinstance(e, _Upload) and (e.line, e.step) == key]
             if same:  # saved again before its upload began: the one upload takes the newest copy
                 same[0].source, same[0].location = source, location
                 return
             self._waiting.append(entry)
-            dropped = self._over_keep(entry.line)
-        for skipped in dropped:
-            self._said_skip(skipped)
         self._submit()
-
-    def _over_keep(self, line: str) -> list[_Upload]:
-        """Take the oldest waiting uploads of ``line`` beyond ``keep`` off the queue (lock held)."""
-        waiting = [e for e in self._waiting if isinstance(e, _Upload) and e.line == line]
-        if self.keep is None or len(waiting) <= self.keep:
-            return []
-        dropped = waiting[: len(waiting) - self.keep]  # the queue is in commit order
-        for entry in dropped:
-            self._waiting.remove(entry)
-        return dropped
 
     def _said_skip(self, entry: _Upload) -> None:
         self._skipped += 1
@@ -195,13 +191,13 @@ class Mirror:
         _log.log(
             level,
             "nbckpt: the mirror %s is slower than the saves: step %d%s is not uploaded (skipped %d so far); "
-            "it gets the newest %d step(s) of each line",
-            self.root.url, entry.step, where, self._skipped, self.keep,
+            "it gets what retention (%s) keeps of each line",
+            self.root.url, entry.step, where, self._skipped, self.policy,
         )
 
     def resume(self, lines: dict[str, Line]) -> int:
-        """Queue what the mirror lacks of each line's committed steps (the newest ``keep`` at most),
-        as after a crash that cut uploads short; return how many were queued."""
+        """Queue what the mirror lacks of each line's committed steps (those retention keeps), as
+        after a crash that cut uploads short; return how many were queued."""
         queued = 0
         mirrored = on(lines, self.root)
         for name, line in lines.items():
@@ -209,7 +205,10 @@ class Mirror:
             if name not in mirrored or not local:
                 continue
             there = set(mirrored[name].store.committed())
-            wanted = sorted(local)[-self.keep :] if self.keep is not None else sorted(local)
+            wanted = sorted(local)
+            if self.policy is not None:
+                kept = self.policy.keep(StepFacts(line.store).infos(self.policy, wanted))
+                wanted = [step for step in wanted if step in kept]
             missing = [step for step in wanted if step not in there]
             if missing and name != MAIN:
                 self._queue(_Record(mirrored[name]))
@@ -283,8 +282,8 @@ class Mirror:
         committed = False
         try:
             store = self._target(entry.line)
-            if self.keep is not None and len([s for s in store.committed() if s > step]) >= self.keep:
-                return  # the mirror has ``keep`` newer steps: this one would be deleted at once
+            if self._would_delete(store, entry):
+                return  # retention on the mirror would delete it again at once
             with self._lock:
                 self._count += 1
                 nonce = f"{self._nonce}f{self._count:x}"  # hex: a leftover of it is recognised
@@ -316,12 +315,21 @@ class Mirror:
             self.failures.append(message)
         _log.warning("nbckpt: %s", message)
 
+    def _would_delete(self, store: Store, entry: _Upload) -> bool:
+        """Whether the mirror's retention, with ``entry`` uploaded, would delete it at once (its
+        steps are older than those the policy keeps)."""
+        if self.policy is None:
+            return False
+        steps = {*store.committed(), entry.step}
+        newer = [s for s in steps if s > entry.step]
+        infos = StepFacts(store).infos(self.policy, newer)
+        infos += StepFacts(entry.source).infos(self.policy, [entry.step])
+        return bool(newer) and entry.step in expired(self.policy, infos, newest=max(newer))
+
     def _retain(self, store: Store, newest: int) -> None:
-        """The mirror keeps as many steps per line as the directory (never the one just uploaded)."""
-        if self.keep is None:
-            return
-        steps = sorted(s for s in store.committed() if s != newest)
-        for step in steps[: max(len(steps) + 1 - self.keep, 0)]:
+        """The mirror keeps what the run's directory keeps (never the step just uploaded)."""
+        infos = StepFacts(store).infos(self.policy, store.committed())
+        for step in expired(self.policy, infos, newest=newest):
             try:
                 store.delete(step)
             except Exception as exc:

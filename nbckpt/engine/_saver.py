@@ -4,10 +4,6 @@ One save goes: flatten and agree across ranks (:meth:`Saver.start`), plan the fi
 (cached per structure), wait for room (backpressure), copy into a staging slot, then on the
 persist thread write every file, agree, build the manifest and commit; retention deletes
 old steps on its own thread after the commit has been reported.
-
-Longer than 400 lines because the steps above share one save's state and its failure
-handling (a failed step must release the slot and fail the handle exactly once); split
-across modules, that state would have to be passed around in pieces.
 """
 
 from __future__ import annotations
@@ -20,7 +16,9 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from . import _faults, _rng
@@ -31,20 +29,32 @@ from ._layout import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._manifest import build
 from ._provenance import provenance
 from ._ranks import RankInfo
-from ._reader import read_manifest
-from ._shards import fingerprints
+from ._retention import Retainer, StepFacts, top_names
+from ._shards import check_replicas, fingerprints
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten
-from ._store import Store, step_name
+from ._store import Store
 from ._timeline import Timeline, now_ns
 from ._values import with_values
 from ._workers import Pool, Worker, run_all
 
-__all__ = ["Saver"]
+__all__ = ["CommitObserver", "Saver"]
 
 _log = logging.getLogger("nbckpt")
 #: Structures a run alternates between at most (a model, then with its optimizer state, ...).
 _LAYOUTS_KEPT = 4
+
+
+class CommitObserver(Protocol):
+    """A tier behind the run's directory (the mirror), told on rank 0 what the saver commits and
+    asked before retention deletes."""
+
+    def committed(self, store: Store, step: int, location: str) -> None:
+        """``step`` has committed at ``location`` of ``store``."""
+
+    def release(self, store: Store, steps: list[int]) -> set[int]:
+        """Retention is about to delete ``steps`` of ``store``: those still needed for now (an
+        upload reading them); the others are given up."""
 
 
 class Saver:
@@ -59,8 +69,11 @@ class Saver:
         io: Pool,
         nonce: str,
         committed: set[int],
+        observer: CommitObserver | None = None,
     ) -> None:
+        """``observer`` is told of each commit (on rank 0)."""
         self.config, self.store, self.ranks, self.timeline, self.io = config, store, ranks, timeline, io
+        self._observer = observer if ranks.rank == 0 else None
         self.records: list[SaveRecord] = []
         self.committed = committed
         self._nonce = nonce
@@ -68,18 +81,15 @@ class Saver:
         self._inflight: deque[SaveHandle] = deque()
         self._unreported: list[SaveHandle] = []
         self._layouts: dict[Any, Layout] = {}
-        self._retention: Future[None] | None = None
         self._seq = 0
         self._origin: dict[str, Any] | None = None
-        self._names: dict[int, tuple[str, ...]] = {}  # each step's top-level names, as read or saved
-        self.pool = StagingPool(config.max_inflight, pin=_cuda())
+        self.facts = StepFacts(store)  # the names and metrics of the line's steps, for retention
+        self.pool = StagingPool(config.max_inflight, pin=torch.cuda.is_available())
         self._stager = Stager()
         self._persister = Worker("nbckpt-persist", nice=config.writer_nice)
-        self._retainer = Worker("nbckpt-retention", nice=config.writer_nice)
-        #: Called on rank 0 with (step, path) as each commit is reported (the mirror's upload).
-        self.after_commit: Callable[[int, str], None] | None = None
-        #: Steps retention must leave for now (those the mirror has still to upload).
-        self.protected: Callable[[], set[int]] = set
+        self._retainer = Retainer(
+            config.retention, timeline, config.writer_nice, self._observer.release if self._observer else None
+        )
 
     # -- the caller's side ----------------------------------------------------------------------
 
@@ -91,6 +101,7 @@ class Saver:
         sync: bool,
         overlap: bool,
         capture_rng: bool,
+        metrics: Mapping[str, float | None],
         overwrite: bool,
         owner: object,
     ) -> SaveHandle:
@@ -139,12 +150,13 @@ class Saver:
             self._inflight.append(handle)
         try:
             self._persister.submit(
-                partial(self._persist, handle, flat, layout, rng_state, stage_done, start, sync, owner)
+                partial(self._persist, handle, flat, layout, rng_state, metrics, stage_done, start, sync,
+                        owner)
             )
             handle.stall_s = (now_ns() - start) / 1e9
             self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
         finally:
-            handle._returned.set()  # stall_s is final: the record may be built
+            handle.returned.set()  # stall_s is final: the record may be built
         if sync:
             try:
                 handle.committed.result()
@@ -158,21 +170,7 @@ class Saver:
         with self._state:
             self.store = store
             self.committed = set(store.committed())
-            self._names.clear()  # step numbers of another line are other steps
-
-    def names_of(self, step: int) -> tuple[str, ...] | None:
-        """The top-level names step ``step`` of this line holds (None if it cannot be read)."""
-        names = self._names.get(step)
-        if names is None:
-            location = self.store.committed_at(step)
-            try:
-                names = top_names(read_manifest(self.store, step, location)[0].tree(0)) if location else None
-            except CheckpointError:
-                return None
-            if names is not None:
-                with self._state:
-                    self._names[step] = names
-        return names
+            self.facts = StepFacts(store)  # step numbers of another line are other steps
 
     def _warn_if_stray(self, step: int, flat: Flattened) -> None:
         """A save of other names than the run's newest step (``%ckpt_async x`` in a model's run),
@@ -180,8 +178,9 @@ class Saver:
         the newest ``keep`` of each set of names, so it never rotates the others out."""
         names = top_names(flat.tree)
         latest = max((s for s in self.committed if s != step), default=None)
-        before = self.names_of(latest) if latest is not None else None
-        kept = f"; retention keeps the newest {self.config.keep} of each" if self.config.keep else ""
+        before = self.facts.names(latest) if latest is not None else None
+        policy = self._retainer.policy
+        kept = f"; retention keeps {policy} of each" if policy else ""
         if before is not None and names != before:
             warnings.warn(
                 f"nbckpt: step {step} holds {_listed(names)}, the newest step ({latest}) holds "
@@ -233,7 +232,7 @@ class Saver:
             if len(self._layouts) >= _LAYOUTS_KEPT:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[plans] = layout
-        _check_replicas(layout.shared, [prints for _, prints in everyone])
+        check_replicas(layout.shared, [prints for _, prints in everyone])
         return flat, layout
 
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
@@ -277,8 +276,7 @@ class Saver:
             with contextlib.suppress(CheckpointError):  # raised below, once
                 records.append(oldest.committed.result())
             self._settled(oldest)
-        if self._retention is not None:
-            self._retention.result()
+        self._retainer.wait()
         self.raise_pending()
         return records
 
@@ -320,6 +318,7 @@ class Saver:
         flat: Flattened,
         layout: Layout,
         rng_state: dict[str, Any] | None,
+        metrics: Mapping[str, float | None],
         stage_done: Future[tuple[float, int]],
         start: int,
         sync: bool,
@@ -362,6 +361,7 @@ class Saver:
                 rank_trees={str(r): part[1] for r, part in enumerate(written) if part[1] != flat.tree},
                 rng={str(r): part[2] for r, part in enumerate(written) if part[2] is not None},
                 provenance=self._provenance(),
+                metrics=metrics,
                 timing={"stage_s": handle.stage_s, "write_s": (persisted - persist_began) / 1e9},
             )
             target = location
@@ -377,7 +377,7 @@ class Saver:
             self._fail(handle, exc, began)
             return
         if not sync:
-            handle._returned.wait()  # stall_s is final once save() has returned
+            handle.returned.wait()  # stall_s is final once save() has returned
         persist_s = (now_ns() - persist_began) / 1e9
         record = SaveRecord(
             step=step,
@@ -396,17 +396,28 @@ class Saver:
             self.records.append(record)
             older = set(self.committed)  # what retention may delete: never a step committed later
             self.committed.add(step)
-            self._names[step] = top_names(flat.tree)
+            self.facts.saved(step, flat.tree, metrics)
         handle.phase = "committed"
-        retention: Future[None] | None = None
-        if self.config.keep is not None and rank == 0:
-            retention = Future()
-            self._retention = retention  # before the commit is reported: wait() must see it
-        if self.after_commit is not None and rank == 0:
-            self.after_commit(step, path)  # queued before retention: it protects this step
+        if rank == 0:
+            if self._observer is not None:  # first: retention then knows of its upload
+                self._observer.committed(self.store, step, path)
+            self._retain(step, older)
         handle.committed.set_result(record)
-        if retention is not None:  # after the commit is reported: a slow delete delays no save
-            self._retainer.submit(partial(self._retain, step, older, retention))
+
+    def retain(self) -> None:
+        """Apply retention now (a policy's answer may have changed since the last commit)."""
+        with self._state:
+            newest = max(self.committed, default=None)
+            older = set(self.committed)
+        if newest is not None and self.ranks.rank == 0:
+            self._retain(newest, older)
+
+    def _retain(self, newest: int, older: set[int]) -> None:
+        self._retainer.after(self.facts, newest, older, self._deleted)
+
+    def _deleted(self, step: int) -> None:
+        with self._state:
+            self.committed.discard(step)
 
     def _provenance(self) -> dict[str, Any]:
         if self._origin is None:  # once per Checkpointer: it runs git
@@ -454,68 +465,5 @@ class Saver:
         self.timeline.record("error", began, step=handle.step, message=str(error))
         _log.warning("%s", error)
 
-    def _retain(self, newest: int, older: set[int], done: Future[None]) -> None:
-        """Delete the oldest checkpoints beyond ``keep``, never ``newest``; failures are logged.
-
-        Only steps committed before ``newest`` (``older``) count: a retention that runs late
-        must not take a step committed since for an old one (it could be the newest of all).
-        """
-        try:
-            keep = self.config.keep or 0
-            busy = self.protected()
-            names = self.names_of(newest)
-            steps = sorted(
-                s
-                for s in self.store.committed()
-                # never the step just committed (a re-save of it is in ``older`` too), and only
-                # steps of its names: a stray save never rotates out the run's real checkpoints
-                if s in older and s != newest and s not in busy and self.names_of(s) == names
-            )
-            for step in steps[: max(len(steps) + 1 - keep, 0)]:
-                began = now_ns()
-                try:
-                    self.store.delete(step)
-                except Exception as exc:
-                    _log.warning(
-                        "nbckpt: could not delete old checkpoint %s: %s", step_name(step), describe_error(exc)
-                    )
-                    continue
-                with self._state:
-                    self.committed.discard(step)
-                self.timeline.record("delete", began, step=step)
-        except Exception as exc:
-            _log.warning("nbckpt: retention failed: %s", describe_error(exc))
-        finally:
-            done.set_result(None)
-
-
-def top_names(tree: dict[str, Any]) -> tuple[str, ...]:
-    """The names a state tree holds at its top (``("model", "optim", "step")``), sorted."""
-    return tuple(sorted(str(key) for key, _ in tree.get("items", [])))
-
-
 def _listed(names: tuple[str, ...]) -> str:
     return ", ".join(repr(n) for n in names) or "nothing"
-
-
-def _check_replicas(shared: frozenset[str], prints: list[dict[str, str]]) -> None:
-    """A plain tensor under one key on several ranks is written once, so its copies must agree:
-    the same ConfigError on every rank (they all see every fingerprint) when they do not."""
-    for key in sorted(shared):
-        seen = {rank: found[key] for rank, found in enumerate(prints) if key in found}
-        if len(set(seen.values())) > 1:
-            groups: dict[str, list[int]] = {}
-            for rank, value in seen.items():
-                groups.setdefault(value, []).append(rank)
-            ranks = " vs ".join("rank " + ", ".join(map(str, g)) for g in groups.values())
-            raise ConfigError(
-                f"{key!r} is a plain tensor with different values on different ranks ({ranks}); "
-                "a plain tensor under one key is replicated and written once. Give each rank's "
-                f"its own key (e.g. f'{key}.rank{{rank}}'), or make it a DTensor"
-            )
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

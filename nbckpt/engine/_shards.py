@@ -30,6 +30,7 @@ __all__ = [
     "SAMPLES",
     "Region",
     "Runs",
+    "check_replicas",
     "fingerprints",
     "is_dtensor",
     "local_part",
@@ -234,3 +235,20 @@ def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
             found[key] = xxhash.xxh3_64_hexdigest(data[at : at + size])
             at += size
     return found
+
+
+def check_replicas(shared: frozenset[str], prints: list[dict[str, str]]) -> None:
+    """A plain tensor under one key on several ranks is written once, so its copies must agree:
+    the same ConfigError on every rank (they all see every fingerprint) when they do not."""
+    for key in sorted(shared):
+        seen = {rank: found[key] for rank, found in enumerate(prints) if key in found}
+        if len(set(seen.values())) > 1:
+            groups: dict[str, list[int]] = {}
+            for rank, value in seen.items():
+                groups.setdefault(value, []).append(rank)
+            ranks = " vs ".join("rank " + ", ".join(map(str, g)) for g in groups.values())
+            raise ConfigError(
+                f"{key!r} is a plain tensor with different values on different ranks ({ranks}); "
+                "a plain tensor under one key is replicated and written once. Give each rank's "
+                f"its own key (e.g. f'{key}.rank{{rank}}'), or make it a DTensor"
+            )

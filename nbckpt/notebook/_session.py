@@ -193,7 +193,8 @@ class Session:
                               "%ckpt_config --new-run to save into a fresh run directory", stacklevel=2)
                 overwrite = True
             try:  # One Checkpointer per directory serves both modes: a sync save blocks per save.
-                handle = ckpt.save(state, step=step, blocking=mode == "sync", overwrite=overwrite)
+                handle = ckpt.save(state, step=step, mode="sync" if mode == "sync" else "async",
+                                   overwrite=overwrite)
             except KeyboardInterrupt:
                 raise Interrupted(self._interrupted(ckpt, key, step, mode, names)) from None
         save = Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names), handle=handle)

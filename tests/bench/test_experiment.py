@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from nbckpt import Checkpointer, ConfigError, Event, bench
-from nbckpt.bench import _aggregate, _compare, _comparison, _floors, _load, _runner, _stats
+from nbckpt.bench import _aggregate, _compare, _comparison, _load, _measure, _runner, _stats
 from nbckpt.bench._workloads import SyntheticWorkload
 
 MB = 1 << 20
@@ -319,7 +319,7 @@ def test_a_user_strategy_instance_can_be_compared(tmp_path: Any) -> None:
 
 
 def test_floors_measure_like_the_probe_and_leave_nothing_behind(tmp_path: Any) -> None:
-    floors = _floors.measure_floors(3 * MB, str(tmp_path))
+    floors = _measure.measure_floors(3 * MB, str(tmp_path))
     assert floors.sample_bytes == floors.bytes == 3 * MB
     assert floors.copy_gbs == pytest.approx(3 * MB / floors.copy_s / 1e9)
     assert floors.write_s > 0

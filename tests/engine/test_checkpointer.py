@@ -543,8 +543,10 @@ def test_config_is_frozen_and_checked_once(tmp_path: Path) -> None:
         config.keep = 5  # type: ignore[misc]
     with Checkpointer(tmp_path / "a", config=config) as ckpt:
         assert (ckpt.config.mode, ckpt.config.keep, ckpt.config.writer_threads) == ("sync", 3, 1)
-    with Checkpointer(tmp_path / "b", "async", None, config=config, max_inflight=2) as ckpt:
+    with Checkpointer(tmp_path / "b", config=config, mode="async", keep=None, max_inflight=2) as ckpt:
         assert (ckpt.config.mode, ckpt.config.keep, ckpt.config.max_inflight) == ("async", None, 2)
+    with pytest.raises(TypeError):  # one way to pass options: keywords, never by position
+        Checkpointer(tmp_path / "c", "async")  # type: ignore[misc]
 
 
 def test_bad_save_input(tmp_path: Path) -> None:
@@ -604,10 +606,10 @@ def test_importing_nbckpt_changes_no_global_state() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_blocking_save_in_async_mode_commits_before_returning(tmp_path: Path) -> None:
+def test_a_sync_save_in_async_mode_commits_before_returning(tmp_path: Path) -> None:
     with Checkpointer(tmp_path, mode="async") as ckpt:
         first = ckpt.save({"w": torch.zeros(1000)}, step=1)
-        second = ckpt.save({"w": torch.ones(1000)}, step=2, blocking=True)
+        second = ckpt.save({"w": torch.ones(1000)}, step=2, mode="sync")
         assert first.done() and second.done() and ckpt.steps() == [1, 2]
         assert second.wait().stall_s >= second.wait().persist_s
 

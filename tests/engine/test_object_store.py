@@ -184,11 +184,12 @@ def test_killed_writer_leaves_nothing_that_counts(
 ) -> None:
     url = f"s3://{bucket}/killed"
     env = {
-        **os.environ, "NBCKPT_CRASH_AT": crash_at, "AWS_ACCESS_KEY_ID": KEY,
+        **os.environ, "AWS_ACCESS_KEY_ID": KEY,
         "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_server.endpoint_url,
     }
     child = subprocess.run(
-        [sys.executable, str(CRASH_CHILD), url, *args], env=env, capture_output=True, timeout=300
+        [sys.executable, str(CRASH_CHILD), url, "--crash-at", crash_at, *args],
+        env=env, capture_output=True, timeout=300,
     )
     assert child.returncode == -9, child.stderr.decode()[-2000:]
     keys = keys_under(s3_server, f"{bucket}/killed")

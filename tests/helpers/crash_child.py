@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from nbckpt import Checkpointer
+from nbckpt.engine import _faults
 
 WIDTH = 768  # two Linear layers: about 4.7 MB of float32, so a save takes a while
 
@@ -134,7 +135,9 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="behave as on NFS: no renameat2(RENAME_EXCHANGE) for re-saves",
     )
+    parser.add_argument("--crash-at", default=None, help="a fault point of nbckpt.engine._faults: die there")
     args = parser.parse_args(argv)
+    _faults.arm(args.crash_at)
     if args.no_exchange:
         from nbckpt.engine import _store
 

@@ -254,7 +254,7 @@ def killed(directory: str) -> dict[str, Any]:
     ckpt = Checkpointer(Path(directory) / "killed", mode="async", timeout_s=20)
     ckpt.save({"model": msd, "optim": osd}, step=1).wait()
     if RANK == 1:
-        _faults._POINT = "after_data"
+        _faults.arm("after_data")
     result = outcome(lambda: ckpt.save({"model": msd, "optim": osd}, step=2).wait())
     return {
         "outcome": result,

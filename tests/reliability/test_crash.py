@@ -270,9 +270,9 @@ def test_crash_at_fault_point(
 def crash_at(directory: Path, point: str, extra: list[str], held: dict[int, int], leftover: str) -> None:
     """Kill a run at ``point``; the next open puts back or removes ``leftover``, and ``held`` stays."""
     save_step0(directory)
-    args = [sys.executable, str(CHILD), str(directory), "--seed", str(SEED), "--steps", "3", *extra]
-    env = {**os.environ, "NBCKPT_CRASH_AT": point}
-    child = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    args = [sys.executable, str(CHILD), str(directory), "--seed", str(SEED), "--steps", "3",
+            "--crash-at", point, *extra]
+    child = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert "finished" not in child.stdout
     names = leftovers(directory)

@@ -1,0 +1,329 @@
+"""Which committed steps to keep: retention policies, one rule for the saver, the mirror and
+the integrations.
+
+In the manner of Orbax v1's preservation policies: a policy is told every committed step (with
+the metrics its save was given) and answers which of them to keep; policies combine with
+:class:`AnyOf`. ``keep=3`` is :class:`LatestN` ``(3)``. Whoever deletes (the saver after each
+commit, the mirror after each upload) asks :func:`expired`, so a rule is written once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from .._errors import CheckpointError, ConfigError, describe_error
+from .._util import check_count
+from ._reader import read_manifest
+from ._store import Store, step_name
+from ._timeline import Timeline, now_ns
+from ._workers import Worker
+
+__all__ = [
+    "AnyOf",
+    "BestN",
+    "CustomSteps",
+    "EveryNSteps",
+    "LatestN",
+    "Retainer",
+    "RetentionPolicy",
+    "StepFacts",
+    "StepInfo",
+    "check_metrics",
+    "expired",
+    "policy_of",
+    "top_names",
+]
+
+
+_log = logging.getLogger("nbckpt")
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """A committed step as a policy sees it."""
+
+    step: int
+    metrics: Mapping[str, float | None] = field(default_factory=dict)
+    """What ``Checkpointer.save(..., metrics=...)`` was given for this step (empty if nothing)."""
+
+
+@runtime_checkable
+class RetentionPolicy(Protocol):
+    """Decides which committed steps stay; every other one may be deleted."""
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """The steps of ``steps`` (oldest first) to keep."""
+        ...
+
+
+@dataclass(frozen=True)
+class LatestN:
+    """The newest ``n`` steps."""
+
+    n: int
+    uses_metrics = False
+
+    def __post_init__(self) -> None:
+        check_count(self.n, "LatestN's n")
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        return {info.step for info in steps[-self.n :]}
+
+    def __str__(self) -> str:
+        return f"the newest {self.n}"
+
+
+@dataclass(frozen=True)
+class EveryNSteps:
+    """Every step that is a multiple of ``n`` (a long-term history beside the latest few)."""
+
+    n: int
+    uses_metrics = False
+
+    def __post_init__(self) -> None:
+        check_count(self.n, "EveryNSteps's n")
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        return {info.step for info in steps if info.step % self.n == 0}
+
+    def __str__(self) -> str:
+        return f"every multiple of {self.n}"
+
+
+@dataclass(frozen=True)
+class BestN:
+    """The ``n`` steps with the best value of ``metric`` (``"min"`` or ``"max"``); a step saved
+    without that metric, or with NaN, is never among them. Ties go to the newer step."""
+
+    metric: str
+    n: int
+    mode: Literal["min", "max"] = "min"
+    uses_metrics = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigError(f"BestN's metric must be a metric's name, not {self.metric!r}")
+        check_count(self.n, "BestN's n")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"BestN's mode must be 'min' or 'max', not {self.mode!r}")
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        sign = 1.0 if self.mode == "min" else -1.0
+        scored = [
+            (sign * value, -info.step)
+            for info in steps
+            if isinstance(value := info.metrics.get(self.metric), (int, float)) and not math.isnan(value)
+        ]
+        return {-negative for _, negative in sorted(scored)[: self.n]}
+
+    def __str__(self) -> str:
+        return f"the {self.n} of {'least' if self.mode == 'min' else 'most'} {self.metric}"
+
+
+@dataclass(frozen=True)
+class CustomSteps:
+    """The steps ``steps`` names: a fixed set, or a function asked each time (the steps a
+    framework still refers to, such as Lightning's top-k and last checkpoints)."""
+
+    steps: Iterable[int] | Callable[[], Iterable[int]]
+    uses_metrics = False
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        named = set(self.steps() if callable(self.steps) else self.steps)
+        return {info.step for info in steps if info.step in named}
+
+    def __str__(self) -> str:
+        return "the steps named" if callable(self.steps) else f"steps {sorted(self.steps)}"
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """A step stays if any of ``policies`` keeps it (``AnyOf(LatestN(3), EveryNSteps(1000))``)."""
+
+    policies: tuple[RetentionPolicy, ...]
+
+    def __init__(self, *policies: RetentionPolicy) -> None:
+        for policy in policies:
+            _check(policy)
+        object.__setattr__(self, "policies", policies)
+
+    @property
+    def uses_metrics(self) -> bool:
+        return any(_uses_metrics(policy) for policy in self.policies)
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        return set().union(*(policy.keep(steps) for policy in self.policies))
+
+    def __str__(self) -> str:
+        return " and ".join(str(policy) for policy in self.policies)
+
+
+def _uses_metrics(policy: RetentionPolicy) -> bool:
+    """Whether ``policy`` looks at metrics (a policy of the caller's own is assumed to)."""
+    return bool(getattr(policy, "uses_metrics", True))
+
+
+def _check(policy: object) -> RetentionPolicy:
+    if isinstance(policy, (bool, type)) or not isinstance(policy, RetentionPolicy):
+        raise ConfigError(
+            f"keep must be a number of steps, a retention policy (LatestN, BestN, ...) or None, "
+            f"not {policy!r}"
+        )
+    return policy
+
+
+def policy_of(keep: int | RetentionPolicy | None) -> RetentionPolicy | None:
+    """The policy ``keep`` stands for: a number is the newest that many; None keeps all."""
+    if keep is None:
+        return None
+    if isinstance(keep, int) and not isinstance(keep, bool):
+        return LatestN(check_count(keep, "keep (or None to keep all)"))
+    return _check(keep)
+
+
+def expired(policy: RetentionPolicy | None, steps: Sequence[StepInfo], *, newest: int) -> list[int]:
+    """The steps of ``steps`` that ``policy`` does not keep, oldest first; never ``newest``, the
+    step just committed, which the policy sees as the latest whatever its number (a loop that
+    starts over at step 10 keeps 10 and the newest others)."""
+    if policy is None:
+        return []
+    ordered = sorted((info for info in steps if info.step != newest), key=lambda info: info.step)
+    ordered += [info for info in steps if info.step == newest][:1]
+    kept = policy.keep(ordered)
+    return [info.step for info in ordered if info.step not in kept and info.step != newest]
+
+
+def top_names(tree: Mapping[str, Any]) -> tuple[str, ...]:
+    """The names a state tree holds at its top (``("model", "optim", "step")``), sorted."""
+    return tuple(sorted(str(key) for key, _ in tree.get("items", [])))
+
+
+class StepFacts:
+    """What retention needs to know of each committed step of one line: the names at the top of
+    its state and its metrics, as saved, or read once from its manifest."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._known: dict[int, tuple[tuple[str, ...], Mapping[str, float | None]] | None] = {}
+        self._lock = threading.Lock()
+
+    def saved(self, step: int, tree: Mapping[str, Any], metrics: Mapping[str, float | None]) -> None:
+        with self._lock:
+            self._known[step] = (top_names(tree), dict(metrics))
+
+    def names(self, step: int) -> tuple[str, ...] | None:
+        """The top-level names ``step`` holds (None if it cannot be read)."""
+        facts = self._of(step)
+        return facts[0] if facts else None
+
+    def infos(self, policy: RetentionPolicy | None, steps: Iterable[int]) -> list[StepInfo]:
+        """``steps`` as ``policy`` sees them, oldest first (metrics only if it looks at them; a
+        step whose manifest cannot be read has none: it is no best one, nor deleted for that)."""
+        wanted = policy is not None and _uses_metrics(policy)
+        return [StepInfo(step, self._metrics(step) if wanted else {}) for step in sorted(steps)]
+
+    def _metrics(self, step: int) -> Mapping[str, float | None]:
+        facts = self._of(step)
+        return facts[1] if facts else {}
+
+    def _of(self, step: int) -> tuple[tuple[str, ...], Mapping[str, float | None]] | None:
+        with self._lock:
+            if step in self._known:
+                return self._known[step]
+        location = self.store.committed_at(step)
+        try:
+            body = read_manifest(self.store, step, location)[0].body if location else None
+        except CheckpointError:
+            body = None
+        metrics = body.get("metrics") if body is not None else None
+        facts = (top_names(body["tree"]), metrics if isinstance(metrics, dict) else {}) if body else None
+        with self._lock:
+            self._known[step] = facts
+        return facts
+
+
+def check_metrics(metrics: Any) -> dict[str, float | None]:
+    """``metrics`` given to a save as a dict of names to floats (None for NaN and infinities,
+    which JSON lacks); ConfigError naming a bad entry."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(f"metrics must be a dict of names to numbers, not {type(metrics).__name__}")
+    checked: dict[str, float | None] = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"metrics: {name!r}: {value!r} is not a name and a number")
+        checked[name] = float(value) if math.isfinite(value) else None
+    return checked
+
+
+class Retainer:
+    """Deletes what the policy does not keep, one pass after each commit, on a background thread
+    of its own (a slow delete never delays a save); ``wait`` waits for the pass last asked for."""
+
+    def __init__(
+        self,
+        policy: RetentionPolicy | None,
+        timeline: Timeline,
+        nice: int,
+        release: Callable[[Store, list[int]], set[int]] | None,
+    ) -> None:
+        """``release``: of the steps about to be deleted, those a tier behind (the mirror's
+        upload) still reads, which stay for now."""
+        self.policy, self.timeline, self._release = policy, timeline, release
+        self._worker = Worker("nbckpt-retention", nice=nice)
+        self._last: Future[None] | None = None
+
+    def after(self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None]) -> None:
+        """Queue a pass over the line ``facts`` knows: only steps committed before ``newest``
+        (``older``) count, since a pass that runs late must not take a step committed since for
+        an old one (it could be the newest of all); and only steps of ``newest``'s names, since a
+        stray save must never rotate out the run's real checkpoints. Never ``newest`` itself;
+        ``deleted`` is told of each step deleted."""
+        if self.policy is None:
+            return
+        done: Future[None] = Future()
+        self._last = done
+        self._worker.submit(partial(self._pass, facts, newest, older, deleted, done))
+
+    def wait(self) -> None:
+        if self._last is not None:
+            self._last.result()
+
+    def stop(self, wait: bool) -> None:
+        self._worker.stop(wait)
+
+    def _pass(
+        self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None],
+        done: Future[None],
+    ) -> None:
+        store, names = facts.store, facts.names(newest)
+        try:
+            steps = [s for s in store.committed() if (s in older or s == newest) and facts.names(s) == names]
+            doomed = expired(self.policy, facts.infos(self.policy, steps), newest=newest)
+            busy = self._release(store, doomed) if self._release is not None and doomed else set()
+            for step in doomed:
+                if step not in busy:
+                    self._delete(store, step, deleted)
+        except Exception as exc:
+            _log.warning("nbckpt: retention failed: %s", describe_error(exc))
+        finally:
+            done.set_result(None)
+
+    def _delete(self, store: Store, step: int, deleted: Callable[[int], None]) -> None:
+        began = now_ns()
+        try:
+            store.delete(step)
+        except Exception as exc:
+            reason = describe_error(exc)
+            _log.warning("nbckpt: could not delete old checkpoint %s: %s", step_name(step), reason)
+            return
+        deleted(step)
+        self.timeline.record("delete", began, step=step)

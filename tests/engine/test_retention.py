@@ -1,0 +1,121 @@
+"""Retention policies: one rule for the saver and the mirror, ``keep=3`` as the simple case."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nbckpt import AnyOf, BestN, Checkpointer, ConfigError, CustomSteps, EveryNSteps, LatestN
+from nbckpt.engine._retention import StepInfo, expired, policy_of
+
+
+def infos(*steps: int, **metrics: list[float | None]) -> list[StepInfo]:
+    return [StepInfo(s, {k: v[i] for k, v in metrics.items()}) for i, s in enumerate(steps)]
+
+
+def test_each_policy_keeps_what_it_says() -> None:
+    steps = infos(0, 5, 10, 15, 20, loss=[0.9, 0.3, None, 0.3, float("nan")])
+    assert LatestN(2).keep(steps) == {15, 20}
+    assert EveryNSteps(10).keep(steps) == {0, 10, 20}
+    # least loss: 0.3 twice (the newer first on a tie), never a step without it or with NaN
+    assert BestN("loss", 1).keep(steps) == {15}
+    assert BestN("loss", 3).keep(steps) == {5, 15, 0}
+    assert BestN("loss", 1, mode="max").keep(steps) == {0}
+    named = {5}
+    assert CustomSteps(lambda: named).keep(steps) == {5}
+    named.add(20)  # asked each time
+    assert CustomSteps(lambda: named).keep(steps) == {5, 20}
+    assert AnyOf(LatestN(1), BestN("loss", 1)).keep(steps) == {15, 20}
+
+
+def test_the_step_just_committed_is_the_latest_and_never_expires() -> None:
+    steps = infos(10, 20, 30)
+    assert expired(LatestN(2), steps, newest=10) == [20]  # a loop that started over at 10
+    assert expired(BestN("loss", 1), steps, newest=30) == [10, 20]
+    assert expired(None, steps, newest=30) == []
+
+
+@pytest.mark.parametrize(
+    ("keep", "message"),
+    [(0, "keep"), (True, "keep must be"), ("3", "keep must be"), (LatestN, "keep must be")],
+)
+def test_a_bad_keep_is_one_line(keep: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as caught:
+        policy_of(keep)  # type: ignore[arg-type]
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "build", [lambda: LatestN(0), lambda: EveryNSteps(-1), lambda: BestN("", 1), lambda: BestN("x", 1, "low")]
+)
+def test_a_bad_policy_is_refused_when_made(build: object) -> None:
+    with pytest.raises(ConfigError):
+        build()  # type: ignore[operator]
+
+
+def test_keep_best_by_a_metric_given_to_save(tmp_path: Path) -> None:
+    losses = {1: 0.8, 2: 0.2, 3: 0.5, 4: 0.1, 5: 0.9}
+    with Checkpointer(tmp_path, keep=AnyOf(LatestN(1), BestN("val_loss", 2))) as ckpt:
+        for step, loss in losses.items():
+            ckpt.save({"w": torch.full((4,), float(step))}, step, metrics={"val_loss": loss})
+        ckpt.wait()
+        assert ckpt.steps() == [2, 4, 5]
+        assert ckpt.manifest(4)["metrics"] == {"val_loss": 0.1}
+    # the metrics are read back from the manifests by a Checkpointer opened later
+    with Checkpointer(tmp_path, keep=BestN("val_loss", 1)) as again:
+        again.save({"w": torch.zeros(4)}, 6, metrics={"val_loss": 0.05})
+        again.wait()
+        assert again.steps() == [6]
+
+
+def test_keep_every_n_steps_beside_the_latest(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, keep=AnyOf(LatestN(2), EveryNSteps(4)), mode="sync") as ckpt:
+        for step in range(10):
+            ckpt.save({"w": torch.zeros(2)}, step)
+        ckpt.wait()
+        assert ckpt.steps() == [0, 4, 8, 9]
+
+
+def test_retain_applies_a_policy_whose_answer_changed(tmp_path: Path) -> None:
+    live = {0, 1, 2}
+    with Checkpointer(tmp_path, keep=CustomSteps(lambda: set(live))) as ckpt:
+        for step in range(3):
+            ckpt.save({"w": torch.zeros(2)}, step)
+        ckpt.wait()
+        assert ckpt.steps() == [0, 1, 2]
+        live.discard(0)
+        ckpt.retain()
+        ckpt.wait()
+        assert ckpt.steps() == [1, 2]
+
+
+def test_the_mirror_keeps_what_the_directory_keeps(tmp_path: Path) -> None:
+    policy = BestN("loss", 2)
+    with Checkpointer(tmp_path / "run", keep=policy, mirror=str(tmp_path / "mirror")) as ckpt:
+        for step, loss in enumerate([0.5, 0.1, 0.7, 0.2, 0.9]):
+            ckpt.save({"w": torch.zeros(2)}, step, metrics={"loss": loss})
+        ckpt.wait()
+        local = ckpt.steps()
+    with Checkpointer(tmp_path / "mirror", read_only=True) as mirror:
+        assert mirror.steps() == local == [1, 3, 4]  # the newest stays until a later commit
+
+
+@pytest.mark.parametrize(
+    ("metrics", "message"),
+    [([1.0], "metrics must be a dict"), ({"loss": "low"}, "'loss': 'low'"), ({3: 1.0}, "3: 1.0")],
+)
+def test_bad_metrics_are_refused_before_anything_is_written(
+    tmp_path: Path, metrics: object, message: str
+) -> None:
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(ConfigError, match=message):
+            ckpt.save({"w": torch.zeros(2)}, 1, metrics=metrics)  # type: ignore[arg-type]
+        assert ckpt.steps() == []
+
+
+def test_non_finite_metrics_are_kept_as_none(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save({"w": torch.zeros(2)}, 1, metrics={"loss": float("inf"), "acc": 0.5})
+        assert ckpt.manifest(1)["metrics"] == {"loss": None, "acc": 0.5}
