@@ -396,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
         except ImportError as exc:  # the core alone: ls, show, verify and export still work
             missing = sub.add_parser(name, help=help_text, prefix_chars="\0", add_help=False)
             missing.add_argument("arguments", nargs="*")  # whatever they are: it names its extra
-            line = f"nbckpt {name}: error: {exc}"  # one line naming the extra, exit status 2
-            missing.set_defaults(run=lambda args, line=line: _stderr_line(line) or 2)
+            line = f"nbckpt {name}: error: {exc}\n"  # one line naming the extra
+            missing.set_defaults(run=lambda args, line=line, exit=missing.exit: exit(2, line))  # as argparse
             continue
         command = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(command)

@@ -7,13 +7,15 @@ configuration of the machine), then nbckpt with ``--no-deps`` plus exactly the c
 dependencies as pyproject.toml declares them: if the engine imported anything else, the save
 below would fail here. Built once per run, with what keeps it cheap (about 20 s on 2 cores): no
 pip inside the venv (the test's own pip installs into it with ``--python``), no bytecode
-compiled, no build isolation (torch already brought setuptools).
+compiled, no build isolation (torch already brought setuptools), built from a copy of the
+sources.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,7 +60,14 @@ def core_venv() -> Iterator[Path]:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
         python = venv / "bin" / "python"
         pip(python, "install", "--no-compile", TORCH)
-        pip(python, "install", "--no-compile", "--no-deps", "--no-build-isolation", str(ROOT),
+        # Built from a copy: a build in the work tree would leave build/ there, and setuptools
+        # would ship whatever stale module an earlier build left in it.
+        source = Path(folder) / "source"
+        for name in ("pyproject.toml", "README.md"):
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+        shutil.copytree(ROOT / "nbckpt", source / "nbckpt", ignore=shutil.ignore_patterns("__pycache__"))
+        pip(python, "install", "--no-compile", "--no-deps", "--no-build-isolation", str(source),
             *core_requirements())
         yield python
 
@@ -114,7 +123,10 @@ found["loaded"] = sorted(load(max(p for p in Path(directory).iterdir() if p.name
 for argv in (["ls", directory], ["verify", directory], ["bench", "--steps", "4"]):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(argv)
+        try:
+            status = main(argv)
+        except SystemExit as exc:  # argparse's way, for a command the install cannot run
+            status = exc.code
     found["cli"][argv[0]] = [status, out.getvalue(), err.getvalue()]
 print(json.dumps(found))
 """
