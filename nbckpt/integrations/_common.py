@@ -23,7 +23,8 @@ import torch
 
 from .._errors import CheckpointError, ConfigError
 from .._util import fsync_dir
-from ..engine import POINTER_FORMAT, POINTER_LIMIT, Checkpointer
+from ..engine import Checkpointer
+from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT
 
 __all__ = [
     "Key",

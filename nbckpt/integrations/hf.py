@@ -52,7 +52,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import WEIGHTS_NAME
 
 from .._errors import ConfigError
-from ..engine import CheckpointConfig, Checkpointer, SaveHandle, step_name
+from ..engine import CheckpointConfig, Checkpointer, SaveHandle
+from ..engine._internal import step_name
 from ._common import atomic_torch_save, atomic_write
 
 __all__ = ["NbckptCallback"]

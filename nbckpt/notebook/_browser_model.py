@@ -23,8 +23,9 @@ import torch
 
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url
-from ..analysis import diff_states
-from ..engine import Checkpointer, writer_of
+from ..analysis._internal import diff_states
+from ..engine import Checkpointer
+from ..engine._internal import writer_of
 
 __all__ = ["NOT_CHECKED", "Check", "RowKey", "RunIndex", "StepRow", "saved_values"]
 

@@ -96,7 +96,7 @@ class LabView:
         size_mb: float,
         repeats: int | None,
     ) -> None:
-        from ..bench import DEFAULT_REPEATS, PRESETS, STRATEGIES
+        from ..bench._internal import DEFAULT_REPEATS, PRESETS, STRATEGIES
 
         choices = {"preset": ([preset], [*PRESETS, SYNTHETIC]),
                    "strategy": (list(strategies), list(STRATEGIES)), "device": ([device], devices())}

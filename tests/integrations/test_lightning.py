@@ -18,8 +18,8 @@ from helpers.ranks import RankProcess, free_port
 from integrations.lit_app import TinyModel, digest, fit
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
-from nbckpt.integrations import export, load, read_pointer
-from nbckpt.integrations._common import Pointer
+from nbckpt.integrations import export, load
+from nbckpt.integrations._common import Pointer, read_pointer
 from nbckpt.integrations.lightning import ROOT_NAME, NbckptCheckpointIO, load_from_checkpoint
 
 WORKER = Path(__file__).with_name("lit_app.py")
