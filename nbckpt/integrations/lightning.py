@@ -212,8 +212,6 @@ class NbckptCheckpointIO(CheckpointIO):
                 errors.append(exc)
             finally:
                 del self._roots[root]
-        with self._lock:
-            self._pending.clear()
         if errors:
             raise errors[0]
 

@@ -125,7 +125,6 @@ def test_remove_and_rename_free_steps(tmp_path: Path) -> None:
     io.save_checkpoint({"w": net.state_dict(), "epoch": 0}, tmp_path / "last.ckpt")  # same state
     assert _names(tmp_path) == {"a.ckpt": 1, "last.ckpt": 1}
     io.remove_checkpoint(tmp_path / "a.ckpt")
-    io.wait()  # the removal's retention pass runs in the background
     assert _steps(tmp_path) == [1]  # still named by last
     with torch.no_grad():
         net.weight.mul_(2)  # in place: same storage, new version: a new step
