@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 import nbckpt
 from nbckpt import Checkpointer, CheckpointError, ConfigError, run_directory
 from nbckpt.cli import main as cli
-from nbckpt.engine._manifest import sign
 from nbckpt.engine._format import MAX_STEP
+from nbckpt.engine._manifest import sign
 
 HUGE = 10**5000  # more digits than Python turns into text (4,300) without being told to
 
