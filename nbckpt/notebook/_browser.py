@@ -2,116 +2,307 @@
 
     >>> from nbckpt.notebook import Browser
     >>> browser = Browser("data/checkpoints/run1", target={"model": model, "optim": opt})
-    >>> browser                   # in a notebook: the steps; click two and Diff, one and Restore
+    >>> browser                   # in a notebook: the steps; pick two and Diff, one and Restore
     >>> browser.select(100, 200); browser.diff().head()    # the same from Python
 
-A browser only reads (it opens the run read-only), so it can sit beside the Checkpointer that
-trains into the same directory; only Delete writes: through that Checkpointer when it is in this
-kernel (the magics', an autosave's), else for the length of the delete. Every
-action's error is one line in the widget (and in ``browser.error``), never a traceback.
-Creating another browser of the same run (re-running the cell) closes the previous one.
+A browser reads through read-only Checkpointers (no lock, nothing written) opened for each
+action and closed after it, so it never holds the run's directory, never blocks the Checkpointer
+training into it, and is never left holding one that ``nbckpt.close_all()`` closed. Only Delete
+writes: through that Checkpointer when it is in this kernel (the magics', an autosave's), else
+through one opened for the length of the delete. Every action's error is one line in the widget
+(and in ``browser.error``), never a traceback. Creating another browser of the same run
+(re-running the cell) closes the previous one.
+
+Longer than 400 lines: one job (a run's steps and the five actions on them) that used to be a
+model, a view and a table widget passing the same values along; what is left is the reading and
+deleting rules (branches, the holder of the directory, a save in flight, object stores) and the
+tables that show them.
 """
 
 from __future__ import annotations
 
+import argparse
 import html
 import logging
+import math
 import os
 import threading
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import ipywidgets as widgets
 import pandas as pd
+import torch
 
-from .._errors import ConfigError, NbckptError
-from .._util import is_url
-from ._browser_model import RowKey, RunIndex, StepRow
-from ._browser_view import BrowserView, diff_rows, diff_summary, step_row
+from .._errors import CheckpointError, ConfigError, NbckptError
+from .._util import format_bytes, is_url
+from ..analysis import diff_states
+from ..engine import Checkpointer, writer_of
 from ._cell import one_line
-from ._lab_widgets import notice, widgets_of
+from ._widget_parts import close_widgets, notice
 
-__all__ = ["Browser"]
+__all__ = ["Browser", "StepRow"]
 
 _log = logging.getLogger("nbckpt")
 _T = TypeVar("_T")
+RowKey = tuple[str, int]
+#: Tensors the diff table lists (most changed first); the whole frame is ``browser.diff_frame``.
+DIFF_ROWS = 50
+_MAIN = "main"
 _live_lock = threading.Lock()
 _live: dict[str, Browser] = {}  # one browser per run: a re-run cell replaces its own
+# (label, numeric) per column: numbers align right and sort largest first
+_STEP_COLUMNS = [("line", False), ("step", True), ("size", True), ("written (UTC)", False),
+                 ("stage s", True), ("write s", True), ("verification", False), ("values", False),
+                 ("provenance", False)]
+_DIFF_COLUMNS = [("tensor", False), ("status", False), ("dtype", False), ("shape", False),
+                 ("elements", True), ("changed", True), ("|b - a|", True), ("max |b - a|", True),
+                 ("relative change", True), ("cosine", True)]
+_TONES = {"damaged": "color:#cf222e;", "verified": "color:#1a7f37;", "quiet": "color:#57606a;"}
 
 
-class Browser(BrowserView):
+@dataclass(frozen=True)
+class StepRow:
+    """One committed step of one line, as its manifest describes it.
+
+    ``problem`` says why the manifest could not be read (the other facts are then None)."""
+
+    line: str
+    step: int
+    nbytes: int | None = None
+    unix_time: float | None = None
+    stage_s: float | None = None
+    write_s: float | None = None
+    tensors: int | None = None
+    checksum: str | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    problem: str | None = None
+
+    @property
+    def key(self) -> RowKey:
+        return (self.line, self.step)
+
+    @property
+    def id(self) -> str:
+        """The row's id in the table (a line's name never holds a colon)."""
+        return f"{self.line}:{self.step}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.line} step {self.step}"
+
+
+def _tensors_in(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, torch.Tensor):
+            return True
+        current = vars(current) if isinstance(current, argparse.Namespace) else current
+        stack.extend(current.values() if isinstance(current, Mapping)
+                     else current if isinstance(current, (list, tuple)) else ())
+    return False
+
+
+def saved_values(state: Mapping[Any, Any]) -> dict[str, Any]:
+    """The values saved beside the tensors, by dotted key: the state's plain entries and those
+    of its containers that hold no tensor (hyperparameters, counters). A module's or an
+    optimizer's own settings stay out (``nbckpt show`` lists everything)."""
+    found: dict[str, Any] = {}
+    stack: list[tuple[str, Any]] = [(str(key), value) for key, value in reversed(list(state.items()))]
+    while stack:
+        path, value = stack.pop()
+        # an optimizer that has not stepped holds no tensor, yet its param_groups are settings
+        if _tensors_in(value) or (isinstance(value, Mapping) and set(value) == {"state", "param_groups"}):
+            continue
+        value = vars(value) if isinstance(value, argparse.Namespace) else value
+        if isinstance(value, Mapping) and value:
+            stack.extend((f"{path}.{key}", item) for key, item in reversed(list(value.items())))
+        else:
+            found[path] = value
+    return found
+
+
+def _number(value: Any, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if isinstance(value, float) and math.isinf(value):
+        return "∞" if value > 0 else "-∞"
+    return f"{value:.{digits}g}"
+
+
+def _provenance(origin: dict[str, Any]) -> str:
+    """The provenance of a step on one line: versions, git commit, program, host."""
+    parts = [f"{name} {origin[key]}" for name, key in
+             (("nbckpt", "nbckpt"), ("torch", "torch"), ("Python", "python")) if origin.get(key)]
+    git = origin.get("git")
+    if isinstance(git, dict) and git.get("commit"):
+        parts.append(f"git {str(git['commit'])[:10]}{' (dirty)' if git.get('dirty') else ''}")
+    if origin.get("program"):
+        parts.append(os.path.basename(str(origin["program"])) or str(origin["program"]))
+    return " · ".join([*parts, *([str(origin["host"])] if origin.get("host") else [])])
+
+
+class _Table:
+    """Rows (dicts of ``id``, ``cells``, ``keys``: numbers by column, ``tone``, ``bar``) as an
+    HTML table that its ``sort`` dropdown orders: numbers largest first, text from A, no value
+    last. ipywidgets has no table a click comes back from: steps are picked in a list beside it."""
+
+    def __init__(self, columns: list[tuple[str, bool]], name: str, bar: int = -1) -> None:
+        self.columns, self.bar = columns, bar  # bar: the column drawn as a bar as well
+        self.rows: list[dict[str, Any]] = []
+        self.marked: Sequence[str] = ()  # the rows shown selected
+        self.sort = widgets.Dropdown(options=[("as listed", -1)] + [
+            (f"sort by {label}", i) for i, (label, _) in enumerate(columns)], layout={"width": "200px"})
+        self.html = widgets.HTML()
+        self.widget = widgets.VBox([self.sort, self.html])
+        self.widget.add_class(name)
+        self.sort.observe(lambda _: self.draw(), names="value")
+
+    def show(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+        self.draw()
+
+    def draw(self) -> None:
+        by, rows = self.sort.value, list(self.rows)
+        if by >= 0:
+            numeric = self.columns[by][1]
+
+            def key(row: dict[str, Any]) -> Any:
+                return row["keys"].get(by) if numeric else row["cells"][by]
+
+            def known(row: dict[str, Any]) -> bool:
+                return key(row) is not None and key(row) == key(row)  # not None, not NaN
+
+            rows = (sorted(filter(known, rows), key=key, reverse=numeric)
+                    + [row for row in rows if not known(row)])
+        align = ["text-align:" + ("right" if numeric else "left") for _, numeric in self.columns]
+        cell = "padding:2px 8px;white-space:nowrap;max-width:360px;overflow:hidden;text-overflow:ellipsis;"
+        head = "".join(f'<th style="{cell}{a}">{html.escape(label)}</th>'
+                       for (label, _), a in zip(self.columns, align, strict=True))
+        self.html.value = ('<div style="max-height:420px;overflow:auto"><table class="nbckpt-table" '
+                           'style="border-collapse:collapse;font-size:12px;font-variant-numeric:'
+                           f'tabular-nums"><thead><tr>{head}</tr></thead><tbody>'
+                           + "".join(self._tr(row, cell, align) for row in rows) + "</tbody></table></div>")
+
+    def _tr(self, row: dict[str, Any], cell: str, align: list[str]) -> str:
+        marked = row["id"] in self.marked
+        classes = [f"nbckpt-row-{row['tone']}"] if row["tone"] else []
+        classes += ["nbckpt-selected"] if marked else []
+        tds = []
+        for i, text in enumerate(row["cells"]):
+            bar = "" if i != self.bar or row["bar"] is None else (
+                f'<span class="nbckpt-bar" style="display:inline-block;height:9px;margin-right:6px;'
+                f'background:#0969da;width:{max(1, round(80 * row["bar"]))}px"></span>')
+            tds.append(f'<td title="{html.escape(text)}" style="{cell}{align[i]};'
+                       f'{_TONES.get(row["tone"], "")}">{bar}{html.escape(text)}</td>')
+        background = ' style="background:#ddf4ff"' if marked else ""
+        return (f'<tr data-id="{html.escape(row["id"])}" class="{" ".join(classes)}"{background}>'
+                + "".join(tds) + "</tr>")
+
+
+class Browser:
     """A run's checkpoints in a table, to verify, compare, restore into ``target`` and delete.
 
-    ``target`` is what Restore loads into, as ``Checkpointer.restore`` takes it (a dict of
-    name to module, optimizer, tensor or value); without it Restore is off.
-    ``storage_options`` are fsspec's, for ``s3://`` and other URLs.
+    ``directory`` is local, NFS or an fsspec URL (``storage_options`` are fsspec's). ``target``
+    is what Restore loads into, as ``Checkpointer.restore`` takes it (a dict of name to module,
+    optimizer, tensor or value); without it Restore is off. The widgets: ``steps`` (the step
+    picker), ``table``, ``refresh_button``, ``verify_button``, ``diff_button``,
+    ``restore_button``, ``delete_button`` with ``confirm_button`` and ``cancel_button``,
+    ``message``, ``diff_table``; ``widget`` is the whole browser.
     """
 
-    def __init__(
-        self,
-        directory: str | os.PathLike[str],
-        *,
-        target: dict[str, Any] | None = None,
-        storage_options: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, target: dict[str, Any] | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         if target is not None and not isinstance(target, dict):
             raise ConfigError(f"target must be a dict of name to module, optimizer or tensor, "
                               f"not {type(target).__name__}")
-        self.run = RunIndex(directory, storage_options)
-        super().__init__()
-        self.target = target
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory).strip():
+            raise ConfigError(f"directory must be a non-empty path or URL, not {directory!r}")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict, not {type(storage_options).__name__}")
+        self.directory = os.fspath(directory)
+        self.url = self.directory.rstrip("/") if is_url(self.directory) else os.path.abspath(
+            os.path.expanduser(self.directory))
+        self.storage_options, self.target = dict(storage_options or {}), target
+        self.rows: list[StepRow] = []  # every step of every line, as the table shows them
+        self.lines: dict[str, dict[str, Any]] = {}
+        self.checks: dict[RowKey, tuple[str | None, str]] = {}  # (checksum verified, verdict)
         self.error: str | None = None
         self.diff_frame: pd.DataFrame | None = None
         self.closed = False
+        self._restored: RowKey | None = None  # what the live objects were last restored from here
+        self._values: dict[str, dict[str, Any]] = {}  # by manifest checksum: read once per save
         self._lock = threading.Lock()  # one action at a time, whichever thread asks
         self._pending: RowKey | None = None  # the step Delete asked to confirm
-        self.refresh_button.on_click(lambda _: self.refresh())
-        self.verify_button.on_click(lambda _: self.verify())
-        self.diff_button.on_click(lambda _: self.diff())
-        self.restore_button.on_click(lambda _: self.restore())
-        self.delete_button.on_click(lambda _: self.delete())
-        self.confirm_button.on_click(lambda _: self.confirm_delete())
-        self.cancel_button.on_click(lambda _: self.cancel_delete())
-        self.table.observe(self._on_select, names="selected")
+        self._relisting = False  # the picker's options are being replaced
+        self.title = widgets.HTML()
+        self.steps = widgets.SelectMultiple(description="steps", rows=6,
+                                            layout={"width": "auto", "min_width": "320px"})
+        self.steps.add_class("nbckpt-pick")
+        self.table = _Table(_STEP_COLUMNS, "nbckpt-steps")
+        self.diff_table = _Table(_DIFF_COLUMNS, "nbckpt-diff", bar=8)
+        button = widgets.Button
+        self.refresh_button = button(description="Refresh", icon="refresh",
+                                     tooltip="read the run's steps again")
+        self.verify_button = button(description="Verify", icon="check", tooltip="check every block of "
+                                    "the selected steps (every step when none is selected)")
+        self.diff_button = button(description="Diff", icon="exchange",
+                                  tooltip="compare the two selected steps tensor by tensor")
+        self.restore_button = button(description="Restore", icon="undo",
+                                     tooltip="load the selected step into the live objects")
+        self.delete_button = button(description="Delete", icon="trash",
+                                    tooltip="delete the selected step (asks first)")
+        self.confirm_button = button(description="Confirm delete", button_style="danger",
+                                     layout={"display": "none"})
+        self.cancel_button = button(description="Cancel", layout={"display": "none"})
+        self.message, self.diff_header = widgets.HTML(), widgets.HTML()
+        self.widget = widgets.VBox([
+            widgets.HBox([self.title, self.refresh_button]), self.steps, self.table.widget,
+            widgets.HBox([self.verify_button, self.diff_button, self.restore_button,
+                          self.delete_button, self.confirm_button, self.cancel_button]),
+            self.message, self.diff_header, self.diff_table.widget])
+        self.widget.add_class("nbckpt-browser")
+        for name in ("refresh", "verify", "diff", "restore", "delete", "confirm", "cancel"):
+            action = getattr(self, {"confirm": "confirm_delete", "cancel": "cancel_delete"}.get(name, name))
+            getattr(self, f"{name}_button").on_click(lambda _, action=action: action())
+        self.steps.observe(self._on_select, names="value")
         with _live_lock:
-            previous = _live.get(self.run.url)
-            _live[self.run.url] = self
+            previous, _live[self.url] = _live.get(self.url), self
         if previous is not None:
             previous.close()
         self.refresh()
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         if self.closed:
-            return {"text/plain": f"<closed nbckpt Browser of {self.run.url}>"}
+            return {"text/plain": f"<closed nbckpt Browser of {self.url}>"}
         return self.widget._repr_mimebundle_(**kwargs)
 
     @property
-    def rows(self) -> list[StepRow]:
-        """Every step of every line, as the table shows them."""
-        return list(self.run.rows)
-
-    @property
     def selected(self) -> list[RowKey]:
-        """The selected steps as (line, step), in the order they were selected."""
-        keys = {row.id: row.key for row in self.run.rows}
-        return [keys[i] for i in self.table.selected if i in keys]
+        """The selected steps as (line, step)."""
+        keys = {row.id: row.key for row in self.rows}
+        return [keys[i] for i in self.steps.value if i in keys]
 
     def select(self, *steps: int | str | tuple[str, int]) -> None:
-        """Select steps as a click would: ``select(100, 200)`` or ``select(("branch-1", 60))``
+        """Select steps as the picker does: ``select(100, 200)`` or ``select(("branch-1", 60))``
         (a bare step number must name one step of one line)."""
         if len(steps) > 2:
             raise ConfigError("select at most two steps: two to diff, one to restore or delete")
-        self.table.selected = [self._row_of(step).id for step in steps]
+        self.steps.value = tuple(self._row_of(step).id for step in steps)
 
     def _row_of(self, step: int | str | tuple[str, int]) -> StepRow:
-        if isinstance(step, tuple):
-            return self.run.row(step)
-        matches = [r for r in self.run.rows if r.id == step or (isinstance(step, int) and r.step == step)]
+        matches = [r for r in self.rows if r.key == step or r.id == step or r.step == step]
         if len(matches) == 1:
             return matches[0]
         if not matches:
             raise ConfigError(f"the run has no committed step {step!r}; it has "
-                              f"{', '.join(r.id for r in self.run.rows) or 'none'}")
+                              f"{', '.join(r.id for r in self.rows) or 'none'}")
         raise ConfigError(f"step {step} is in {' and '.join(r.line for r in matches)}: name the line, "
                           f"e.g. select(({matches[-1].line!r}, {step}))")
 
@@ -122,25 +313,39 @@ class Browser(BrowserView):
         return self._act("read the run", self._refresh) is not None
 
     def _refresh(self) -> bool:
-        self.run.refresh()
+        with self._reader(_MAIN) as reader:
+            lines = reader.lines()
+            found = [self._read_row(reader, _MAIN, step) for step in lines[_MAIN]["steps"]]
+        for name, line in lines.items():
+            if name != _MAIN and line["steps"]:
+                with self._reader(name) as reader:
+                    found.extend(self._read_row(reader, name, step) for step in line["steps"])
+        self.lines, self.rows = lines, [row for row in found if row is not None]
+        live = {row.key: row.checksum for row in self.rows}  # a step saved again is not checked
+        self.checks = {key: c for key, c in self.checks.items() if live.get(key, "") == c[0]}
         self._show_rows()
-        if not self.run.rows:
-            missing = not is_url(self.run.url) and not os.path.isdir(self.run.url)
-            self._say("info", f"No committed checkpoint in {self.run.url}"
+        if not self.rows:
+            missing = not is_url(self.url) and not os.path.isdir(self.url)
+            self._say("info", f"No committed checkpoint in {self.url}"
                       + (" (the directory does not exist)" if missing else "") + ".")
         return True
 
     def verify(self) -> list[RowKey] | None:
-        """Verify the selected steps (every step when none is selected); return the damaged ones."""
+        """Verify the selected steps (every step when none is selected); return the damaged ones.
+        Damage is a result, not an error."""
 
         def work() -> list[RowKey]:
-            keys = self.selected or [row.key for row in self.run.rows if row.problem is None]
-            checks = self.run.verify(keys)
-            damaged = [key for key, check in zip(keys, checks, strict=True) if check.state == "damaged"]
+            keys = self.selected or [row.key for row in self.rows if row.problem is None]
+            for line, steps in _by_line(keys).items():
+                with self._reader(line) as reader:
+                    for step in steps:
+                        self.checks[(line, step)] = (self._row((line, step)).checksum,
+                                                     self._verdict(reader, line, step))
+            damaged = [key for key in keys if self.checks[key][1] != "verified"]
             self._show_rows()
-            names = ", ".join(self.run.row(key).name for key in damaged)
             if damaged:
-                self._say("error", f"Damaged: {names} (of {len(keys)} verified; see the table)")
+                self._say("error", f"Damaged: {', '.join(self._row(k).name for k in damaged)} "
+                                   f"(of {len(keys)} verified; see the table)")
             else:
                 self._say("ok", f"Verified {len(keys)} step(s): every block reads back intact.")
             return damaged
@@ -148,35 +353,34 @@ class Browser(BrowserView):
         return self._act("verify", work)
 
     def diff(self) -> pd.DataFrame | None:
-        """Compare the two selected steps tensor by tensor (the earlier one is ``a``)."""
+        """Compare the two selected steps tensor by tensor (the one committed first is ``a``)."""
 
         def work() -> pd.DataFrame:
-            picked = self.selected
-            if len(picked) != 2:
+            if len(picked := self.selected) != 2:
                 raise ConfigError(f"select two steps to compare, not {len(picked)}")
-            a, b = self.run.ordered(*picked)
+            a, b = sorted(map(self._row, picked), key=lambda r: (r.unix_time or 0.0, r.step))
             self._say("info", f"Loading {a.name} and {b.name} ...")
-            a, b, frame = self.run.diff(a.key, b.key)
-            self.diff_frame = frame
-            self.diff_header.value = diff_summary(a, b, frame)
-            self.diff_table.rows = diff_rows(frame)
+            self.diff_frame = frame = diff_states(*self._load(a.key, b.key))
+            self.diff_header.value = _diff_summary(a, b, frame)
+            self.diff_table.show(_diff_rows(frame))
             self._say("ok", f"Compared {a.name} with {b.name}.")
             return frame
 
         return self._act("diff", work)
 
     def restore(self) -> int | None:
-        """Load the selected step into ``target``'s objects in place; return its step."""
+        """Load the selected step into ``target``'s objects in place (``Checkpointer.restore``'s
+        rules); return its step."""
 
         def work() -> int:
             key = self._one_selected("restore")
             if self.target is None:
                 raise ConfigError("this browser has no target: Browser(..., target={'model': model, ...})")
-            step = self.run.restore(key, self.target)
-            names = ", ".join(map(repr, self.target))
-            text = f"Restored {self.run.row(key).name} into {names}."
-            newer = [s for s in self.run.lines.get(key[0], {}).get("steps", ()) if s > step]
-            if newer:
+            with self._reader(key[0]) as reader:
+                step = reader.restore(self.target, step=key[1])
+            self._restored = key
+            text = f"Restored {self._row(key).name} into {', '.join(map(repr, self.target))}."
+            if any(s > step for s in self.lines.get(key[0], {}).get("steps", ())):
                 text += (" To train on from it in a new branch, restore it with the run's "
                          f"Checkpointer too: ckpt.restore(state, step={step}).")
             self._say("ok", text)
@@ -189,12 +393,11 @@ class Browser(BrowserView):
 
         def work() -> bool:
             key = self._one_selected("delete")
-            reason = self.run.refusal(key)
-            if reason is not None:
+            if (reason := self._refusal(key)) is not None:
                 raise ConfigError(reason)
             self._pending = key
-            question = f"Delete {self.run.row(key).name}? This cannot be undone."
-            if is_url(self.run.url):
+            question = f"Delete {self._row(key).name}? This cannot be undone."
+            if is_url(self.url):
                 question += (" Nothing stops two writers on an object store: opening it for writing "
                              "discards the remains of a save going on there. Confirm only if no "
                              "run is saving into it now.")
@@ -212,9 +415,10 @@ class Browser(BrowserView):
             self._ask_confirmation(None)
             if key is None:
                 raise ConfigError("no delete to confirm: select a step and click Delete first")
-            row = self.run.row(key)
-            self.run.delete(key)
-            self.table.selected = [i for i in self.table.selected if i != row.id]
+            row = self._row(key)
+            self._delete(key)
+            self.checks.pop(key, None)
+            self.steps.value = tuple(i for i in self.steps.value if i != row.id)
             self._refresh()
             self._say("ok", f"Deleted {row.name}.")
             return True
@@ -230,16 +434,108 @@ class Browser(BrowserView):
         """Close the widgets; a closed browser does nothing (create a new one)."""
         self.closed = True
         with _live_lock:
-            if _live.get(self.run.url) is self:
-                del _live[self.run.url]
-        for widget in widgets_of(self.widget):
-            widget.close()
+            if _live.get(self.url) is self:
+                del _live[self.url]
+        close_widgets(self.widget)
+
+    # -- reading and writing the run ------------------------------------------------------------
+
+    @contextmanager
+    def _reader(self, line: str) -> Iterator[Checkpointer]:
+        # ranks="local": a browser in a torchrun'd kernel must never wait for the other ranks
+        reader = Checkpointer(self.directory, read_only=True, line=line, ranks="local",
+                              writer_threads=1, storage_options=self.storage_options)
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    def _row(self, key: RowKey) -> StepRow:
+        for row in self.rows:
+            if row.key == key:
+                return row
+        raise ConfigError(f"the browser shows no step {key[1]} in line {key[0]}; refresh it")
+
+    def _read_row(self, reader: Checkpointer, line: str, step: int) -> StepRow | None:
+        try:
+            manifest = reader.manifest(step)
+            checksum = str(manifest.get("checksum"))
+            if checksum not in self._values:
+                # map_location="meta": the values come from the manifest; no tensor byte is read
+                self._values[checksum] = saved_values(reader.load(step, map_location="meta"))
+        except CheckpointError as exc:
+            if step not in reader.lines().get(line, {}).get("steps", ()):
+                return None  # deleted since the listing (a run's retention): not damage
+            return StepRow(line, step, problem=str(exc))
+        timing = manifest.get("timing") or {}
+        return StepRow(line, step, nbytes=int(manifest["bytes"]), unix_time=float(manifest["unix_time"]),
+                       stage_s=timing.get("stage_s"), write_s=timing.get("write_s"),
+                       tensors=len(manifest["items"]), checksum=checksum, values=self._values[checksum],
+                       provenance=dict(manifest.get("provenance") or {}))
+
+    @staticmethod
+    def _verdict(reader: Checkpointer, line: str, step: int) -> str:
+        try:
+            reader.verify(step)
+        except CheckpointError as exc:
+            if step not in reader.lines().get(line, {}).get("steps", ()):
+                raise CheckpointError(f"{line} step {step} is gone; refresh the browser") from exc
+            return f"damaged: {exc}"
+        return "verified"
+
+    def _load(self, *keys: RowKey) -> list[dict[str, Any]]:
+        """Steps' whole states on the CPU, weights only (nothing is unpickled), one reader per line."""
+        states: dict[RowKey, dict[str, Any]] = {}
+        for line, steps in _by_line(keys).items():
+            with self._reader(line) as reader:
+                states.update({(line, step): reader.load(step, map_location="cpu") for step in steps})
+        return [states[key] for key in keys]
+
+    def _refusal(self, key: RowKey) -> str | None:
+        """Why the browser will not delete a step, or None."""
+        line, step = key
+        if key == self._restored:
+            return (f"the live objects were restored from it by this browser; restore another step "
+                    f"first (or delete it with the run's Checkpointer: ckpt.delete({step}))")
+        for name, other in self.lines.items():
+            if other.get("parent") == line and other.get("from_step") == step:
+                return f"{name} goes on from it, and would lose the step it starts from"
+        holder = writer_of(self.directory)
+        if holder is not None and line == holder.line_name and any(
+            handle.step == step and not handle.done() for handle in holder.handles
+        ):
+            return f"a save of step {step} is in flight in this kernel; delete it once it has committed"
+        return None
+
+    def _delete(self, key: RowKey) -> None:
+        """When a Checkpointer of this kernel writes into the run (the magics' or an autosave's,
+        even after ``%ckpt_autosave --off``: the session keeps the directory open), the delete
+        goes through it, with its lock, bookkeeping and rules (it waits for the saves in flight).
+        Else the run is opened for writing for the length of the delete: on a directory that
+        takes its lock, and when another process saves into it the engine refuses, with the
+        reason. An object store has no lock: the confirmation says so."""
+        if (reason := self._refusal(key)) is not None:
+            raise ConfigError(reason)
+        line, step = key
+        if (holder := writer_of(self.directory)) is not None:
+            if holder.world_size > 1:  # its delete is collective: every rank must call it
+                raise ConfigError(f"the run is open for writing on {holder.world_size} ranks of this "
+                                  f"job; delete with its Checkpointer on every rank: ckpt.delete({step})")
+            holder.delete(step, line=line)
+            return
+        try:
+            writer = Checkpointer(self.directory, line=line, ranks="local", writer_threads=1,
+                                  storage_options=self.storage_options)
+        except CheckpointError as exc:
+            raise CheckpointError(f"cannot open the run for writing: {exc} (the Checkpointer saving "
+                                  f"into it can: ckpt.delete({step}))") from exc
+        with writer:
+            writer.delete(step)
 
     # -- the plumbing ---------------------------------------------------------------------------
 
     def _one_selected(self, what: str) -> RowKey:
-        picked = self.selected
-        if len(picked) != 1:
+        if len(picked := self.selected) != 1:
             raise ConfigError(f"select the one step to {what}, not {len(picked)}")
         return picked[0]
 
@@ -258,10 +554,7 @@ class Browser(BrowserView):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 result = work()
-            notes = [one_line(w.message if isinstance(w.message, Warning) else Warning(w.message))
-                     for w in caught]
-            if notes:
-                self.message.value += "".join(notice("info", note) for note in notes)
+            self.message.value += "".join(notice("info", one_line(Warning(w.message))) for w in caught)
             return result
         except NbckptError as exc:
             self._fail(f"Cannot {what}: {one_line(exc)}")
@@ -281,20 +574,100 @@ class Browser(BrowserView):
         self.message.value = notice(kind, text)
 
     def _busy(self, busy: bool) -> None:
-        self._show_buttons(selected=len(self.selected), can_restore=self.target is not None, busy=busy)
+        selected = len(self.selected)
+        self.refresh_button.disabled = self.verify_button.disabled = busy
+        self.diff_button.disabled = busy or selected != 2
+        self.restore_button.disabled = busy or selected != 1 or self.target is None
+        self.delete_button.disabled = busy or selected != 1
+        self.confirm_button.disabled = self.cancel_button.disabled = busy
+
+    def _ask_confirmation(self, question: str | None) -> None:
+        """Show the confirm and cancel buttons with ``question``, or hide them (None)."""
+        self.confirm_button.layout.display = self.cancel_button.layout.display = (
+            "none" if question is None else "")
+        self.confirm_button.tooltip = question
 
     def _on_select(self, change: dict[str, Any]) -> None:
+        if self._relisting:
+            return
         if self._pending is not None and self._pending not in self.selected:
             self.cancel_delete()
+        self.table.marked = self.steps.value
+        self.table.draw()
         self._busy(self._lock.locked())
 
     def _show_rows(self) -> None:
-        self.table.rows = [step_row(row, self.run.checks.get(row.key), self.run.lines.get(row.line, {}))
-                           for row in self.run.rows]
-        live = {row.id for row in self.run.rows}
-        if any(i not in live for i in self.table.selected):
-            self.table.selected = [i for i in self.table.selected if i in live]
-        lines = len([name for name, line in self.run.lines.items() if line["steps"]])
-        self.title.value = (f'<b>Checkpoints</b> of <code title="{html.escape(self.run.url)}">'
-                            f"{html.escape(self.run.directory)}</code>: "
-                            f"{len(self.run.rows)} step(s) in {lines} line(s)")
+        options = [(row.name, row.id) for row in self.rows]
+        if list(self.steps.options) != options:
+            # new options drop the selection (not within hold_trait_notifications: the picker
+            # resets it after the hold): put back what is still there
+            kept = tuple(i for i in self.steps.value if i in {row.id for row in self.rows})
+            self._relisting = True
+            try:
+                self.steps.options = options
+                self.steps.value = kept
+            finally:
+                self._relisting = False
+        self.table.marked = self.steps.value
+        self.table.show([_step_row(row, self.checks.get(row.key), self.lines.get(row.line, {}))
+                         for row in self.rows])
+        lines = len([name for name, line in self.lines.items() if line["steps"]])
+        self.title.value = (f'<b>Checkpoints</b> of <code title="{html.escape(self.url)}">'
+                            f"{html.escape(self.directory)}</code>: "
+                            f"{len(self.rows)} step(s) in {lines} line(s)")
+
+
+def _by_line(keys: Iterable[RowKey]) -> dict[str, list[int]]:
+    """The steps of ``keys`` by line, lines in the order they first come (one reader each)."""
+    lines: dict[str, list[int]] = {}
+    for line, step in keys:
+        lines.setdefault(line, []).append(step)
+    return lines
+
+
+def _step_row(row: StepRow, check: tuple[str | None, str] | None, line: dict[str, Any]) -> dict[str, Any]:
+    """A step as a row of the steps table."""
+    label = row.line
+    if line.get("parent") is not None:
+        label += f" (from {line['parent']} {line.get('from_step')})"
+    verdict = f"damaged: {row.problem}" if row.problem is not None else check[1] if check else "not checked"
+    cells = [label, str(row.step), "—" if row.nbytes is None else format_bytes(row.nbytes),
+             "—" if row.unix_time is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row.unix_time)),
+             *("—" if s is None else f"{s:.3f}" for s in (row.stage_s, row.write_s)), verdict,
+             ", ".join(f"{key}={value!r}" if isinstance(value, (str, int, float, bool, type(None)))
+                       else f"{key}={value}" for key, value in row.values.items()),
+             _provenance(row.provenance)]
+    return {"id": row.id, "cells": cells, "tone": verdict.split(":")[0] if verdict != "not checked" else "",
+            "keys": {1: row.step, 2: row.nbytes, 4: row.stage_s, 5: row.write_s}, "bar": None}
+
+
+def _diff_rows(frame: pd.DataFrame, limit: int = DIFF_ROWS) -> list[dict[str, Any]]:
+    """The first ``limit`` rows of a diff as table rows, a bar for each relative change."""
+    shown = frame.head(limit)
+    finite = shown["rel_change"][shown["rel_change"].map(lambda v: math.isfinite(v) and v > 0)]
+    scale = float(finite.max()) if len(finite) else 1.0
+    rows = []
+    for record in shown.to_dict(orient="records"):
+        relative = float(record["rel_change"])
+        numbers = [record[name] for name in ("numel", "changed_elements", "diff_norm", "max_abs_diff")]
+        rows.append({
+            "id": str(record["key"]), "tone": "quiet" if record["status"] == "unchanged" else "",
+            "cells": [str(record[name]) for name in ("key", "status", "dtype", "shape")]
+            + [str(n) for n in numbers[:2]] + [_number(n) for n in numbers[2:]]
+            + [_number(relative), _number(record["cosine"], 6)],
+            "keys": dict(enumerate([*numbers, relative, record["cosine"]], start=4)),
+            "bar": None if math.isnan(relative) or relative <= 0 else min(1.0, relative / scale),
+        })
+    return rows
+
+
+def _diff_summary(a: StepRow, b: StepRow, frame: pd.DataFrame, limit: int = DIFF_ROWS) -> str:
+    """One line above the diff table: what was compared and what changed, as HTML."""
+    parts = ", ".join(f"{int(n)} {status}" for status, n in frame["status"].value_counts().items())
+    text = f"{a.name} → {b.name}: {len(frame)} tensors ({parts or 'none'})"
+    if len(moved := frame[frame["status"] == "changed"]):
+        text += (f"; the largest relative change is {moved.iloc[0]['key']} "
+                 f"({_number(float(moved.iloc[0]['rel_change']))})")
+    if len(frame) > limit:
+        text += f"; the table lists the {limit} that changed most"
+    return f'<div class="nbckpt-diff-summary">{html.escape(text)}</div>'

@@ -21,8 +21,7 @@ from helpers.kernel import RealKernel
 
 from nbckpt import ConfigError
 from nbckpt.bench import OVERHEAD_DEFINITION, STALL_DEFINITION
-from nbckpt.notebook._lab import Lab, live_lab
-from nbckpt.notebook._lab_view import LOG_LINES, SYNTHETIC, devices
+from nbckpt.notebook._lab import LOG_LINES, SYNTHETIC, Lab, devices, live_lab
 
 
 def make_lab(path: Path, **options: Any) -> Lab:
