@@ -13,35 +13,30 @@ through one opened for the length of the delete. Every action's error is one lin
 (and in ``browser.error``), never a traceback. Creating another browser of the same run
 (re-running the cell) closes the previous one.
 
-Longer than 400 lines: one job (a run's steps and the five actions on them) that used to be a
-model, a view and a table widget passing the same values along; what is left is the reading and
-deleting rules (branches, the holder of the directory, a save in flight, object stores) and the
-tables that show them.
+Longer than 400 lines: one job, the widget (its controls, the sortable tables, the selection,
+the five actions and one wrapper that turns each action's errors into a line). What it reads,
+verifies, loads and deletes, and the rules of deleting (branches, the holder of the directory, a
+save in flight, object stores), are :mod:`._browser_index`'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import html
 import logging
-import math
 import os
 import threading
-import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import ipywidgets as widgets
 import pandas as pd
-import torch
 
-from .._errors import CheckpointError, ConfigError, NbckptError
-from .._util import format_bytes, is_url
+from .._errors import ConfigError, NbckptError
+from .._util import is_url
 from ..analysis import diff_states
-from ..engine import Checkpointer, writer_of
+from . import _browser_index as index
+from ._browser_index import MAIN, RowKey, StepRow
 from ._cell import one_line
 from ._widget_parts import close_widgets, notice
 
@@ -49,10 +44,6 @@ __all__ = ["Browser", "StepRow"]
 
 _log = logging.getLogger("nbckpt")
 _T = TypeVar("_T")
-RowKey = tuple[str, int]
-#: Tensors the diff table lists (most changed first); the whole frame is ``browser.diff_frame``.
-DIFF_ROWS = 50
-_MAIN = "main"
 _live_lock = threading.Lock()
 _live: dict[str, Browser] = {}  # one browser per run: a re-run cell replaces its own
 # (label, numeric) per column: numbers align right and sort largest first
@@ -63,90 +54,6 @@ _DIFF_COLUMNS = [("tensor", False), ("status", False), ("dtype", False), ("shape
                  ("elements", True), ("changed", True), ("|b - a|", True), ("max |b - a|", True),
                  ("relative change", True), ("cosine", True)]
 _TONES = {"damaged": "color:#cf222e;", "verified": "color:#1a7f37;", "quiet": "color:#57606a;"}
-
-
-@dataclass(frozen=True)
-class StepRow:
-    """One committed step of one line, as its manifest describes it.
-
-    ``problem`` says why the manifest could not be read (the other facts are then None)."""
-
-    line: str
-    step: int
-    nbytes: int | None = None
-    unix_time: float | None = None
-    stage_s: float | None = None
-    write_s: float | None = None
-    tensors: int | None = None
-    checksum: str | None = None
-    values: dict[str, Any] = field(default_factory=dict)
-    provenance: dict[str, Any] = field(default_factory=dict)
-    problem: str | None = None
-
-    @property
-    def key(self) -> RowKey:
-        return (self.line, self.step)
-
-    @property
-    def id(self) -> str:
-        """The row's id in the table (a line's name never holds a colon)."""
-        return f"{self.line}:{self.step}"
-
-    @property
-    def name(self) -> str:
-        return f"{self.line} step {self.step}"
-
-
-def _tensors_in(value: Any) -> bool:
-    stack = [value]
-    while stack:
-        current = stack.pop()
-        if isinstance(current, torch.Tensor):
-            return True
-        current = vars(current) if isinstance(current, argparse.Namespace) else current
-        stack.extend(current.values() if isinstance(current, Mapping)
-                     else current if isinstance(current, (list, tuple)) else ())
-    return False
-
-
-def saved_values(state: Mapping[Any, Any]) -> dict[str, Any]:
-    """The values saved beside the tensors, by dotted key: the state's plain entries and those
-    of its containers that hold no tensor (hyperparameters, counters). A module's or an
-    optimizer's own settings stay out (``nbckpt show`` lists everything)."""
-    found: dict[str, Any] = {}
-    stack: list[tuple[str, Any]] = [(str(key), value) for key, value in reversed(list(state.items()))]
-    while stack:
-        path, value = stack.pop()
-        # an optimizer that has not stepped holds no tensor, yet its param_groups are settings
-        if _tensors_in(value) or (isinstance(value, Mapping) and set(value) == {"state", "param_groups"}):
-            continue
-        value = vars(value) if isinstance(value, argparse.Namespace) else value
-        if isinstance(value, Mapping) and value:
-            stack.extend((f"{path}.{key}", item) for key, item in reversed(list(value.items())))
-        else:
-            found[path] = value
-    return found
-
-
-def _number(value: Any, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "—"
-    if isinstance(value, float) and math.isinf(value):
-        return "∞" if value > 0 else "-∞"
-    return f"{value:.{digits}g}"
-
-
-def _provenance(origin: dict[str, Any]) -> str:
-    """The provenance of a step on one line: versions, git commit, program, host."""
-    parts = [f"{name} {origin[key]}" for name, key in
-             (("nbckpt", "nbckpt"), ("torch", "torch"), ("Python", "python")) if origin.get(key)]
-    git = origin.get("git")
-    if isinstance(git, dict) and git.get("commit"):
-        parts.append(f"git {str(git['commit'])[:10]}{' (dirty)' if git.get('dirty') else ''}")
-    if origin.get("program"):
-        parts.append(os.path.basename(str(origin["program"])) or str(origin["program"]))
-    return " · ".join([*parts, *([str(origin["host"])] if origin.get("host") else [])])
-
 
 class _Table:
     """Rows (dicts of ``id``, ``cells``, ``keys``: numbers by column, ``tone``, ``bar``) as an
@@ -313,13 +220,13 @@ class Browser:
         return self._act("read the run", self._refresh) is not None
 
     def _refresh(self) -> bool:
-        with self._reader(_MAIN) as reader:
+        with index.open_reader(self.directory, self.storage_options, MAIN) as reader:
             lines = reader.lines()
-            found = [self._read_row(reader, _MAIN, step) for step in lines[_MAIN]["steps"]]
+            found = [index.read_row(reader, MAIN, step, self._values) for step in lines[MAIN]["steps"]]
         for name, line in lines.items():
-            if name != _MAIN and line["steps"]:
-                with self._reader(name) as reader:
-                    found.extend(self._read_row(reader, name, step) for step in line["steps"])
+            if name != MAIN and line["steps"]:
+                with index.open_reader(self.directory, self.storage_options, name) as reader:
+                    found.extend(index.read_row(reader, name, step, self._values) for step in line["steps"])
         self.lines, self.rows = lines, [row for row in found if row is not None]
         live = {row.key: row.checksum for row in self.rows}  # a step saved again is not checked
         self.checks = {key: c for key, c in self.checks.items() if live.get(key, "") == c[0]}
@@ -336,11 +243,11 @@ class Browser:
 
         def work() -> list[RowKey]:
             keys = self.selected or [row.key for row in self.rows if row.problem is None]
-            for line, steps in _by_line(keys).items():
-                with self._reader(line) as reader:
+            for line, steps in index.by_line(keys).items():
+                with index.open_reader(self.directory, self.storage_options, line) as reader:
                     for step in steps:
                         self.checks[(line, step)] = (self._row((line, step)).checksum,
-                                                     self._verdict(reader, line, step))
+                                                     index.verdict(reader, line, step))
             damaged = [key for key in keys if self.checks[key][1] != "verified"]
             self._show_rows()
             if damaged:
@@ -360,9 +267,10 @@ class Browser:
                 raise ConfigError(f"select two steps to compare, not {len(picked)}")
             a, b = sorted(map(self._row, picked), key=lambda r: (r.unix_time or 0.0, r.step))
             self._say("info", f"Loading {a.name} and {b.name} ...")
-            self.diff_frame = frame = diff_states(*self._load(a.key, b.key))
-            self.diff_header.value = _diff_summary(a, b, frame)
-            self.diff_table.show(_diff_rows(frame))
+            states = index.load_states(self.directory, self.storage_options, [a.key, b.key])
+            self.diff_frame = frame = diff_states(*states)
+            self.diff_header.value = index.diff_summary(a, b, frame)
+            self.diff_table.show(index.diff_rows(frame))
             self._say("ok", f"Compared {a.name} with {b.name}.")
             return frame
 
@@ -376,7 +284,7 @@ class Browser:
             key = self._one_selected("restore")
             if self.target is None:
                 raise ConfigError("this browser has no target: Browser(..., target={'model': model, ...})")
-            with self._reader(key[0]) as reader:
+            with index.open_reader(self.directory, self.storage_options, key[0]) as reader:
                 step = reader.restore(self.target, step=key[1])
             self._restored = key
             text = f"Restored {self._row(key).name} into {', '.join(map(repr, self.target))}."
@@ -393,7 +301,7 @@ class Browser:
 
         def work() -> bool:
             key = self._one_selected("delete")
-            if (reason := self._refusal(key)) is not None:
+            if (reason := index.refusal(self.directory, self.lines, self._restored, key)) is not None:
                 raise ConfigError(reason)
             self._pending = key
             question = f"Delete {self._row(key).name}? This cannot be undone."
@@ -416,7 +324,7 @@ class Browser:
             if key is None:
                 raise ConfigError("no delete to confirm: select a step and click Delete first")
             row = self._row(key)
-            self._delete(key)
+            index.delete_step(self.directory, self.storage_options, self.lines, self._restored, key)
             self.checks.pop(key, None)
             self.steps.value = tuple(i for i in self.steps.value if i != row.id)
             self._refresh()
@@ -438,99 +346,12 @@ class Browser:
                 del _live[self.url]
         close_widgets(self.widget)
 
-    # -- reading and writing the run ------------------------------------------------------------
-
-    @contextmanager
-    def _reader(self, line: str) -> Iterator[Checkpointer]:
-        # ranks="local": a browser in a torchrun'd kernel must never wait for the other ranks
-        reader = Checkpointer(self.directory, read_only=True, line=line, ranks="local",
-                              writer_threads=1, storage_options=self.storage_options)
-        try:
-            yield reader
-        finally:
-            reader.close()
-
     def _row(self, key: RowKey) -> StepRow:
         for row in self.rows:
             if row.key == key:
                 return row
         raise ConfigError(f"the browser shows no step {key[1]} in line {key[0]}; refresh it")
 
-    def _read_row(self, reader: Checkpointer, line: str, step: int) -> StepRow | None:
-        try:
-            manifest = reader.manifest(step)
-            checksum = str(manifest.get("checksum"))
-            if checksum not in self._values:
-                # map_location="meta": the values come from the manifest; no tensor byte is read
-                self._values[checksum] = saved_values(reader.load(step, map_location="meta"))
-        except CheckpointError as exc:
-            if step not in reader.lines().get(line, {}).get("steps", ()):
-                return None  # deleted since the listing (a run's retention): not damage
-            return StepRow(line, step, problem=str(exc))
-        timing = manifest.get("timing") or {}
-        return StepRow(line, step, nbytes=int(manifest["bytes"]), unix_time=float(manifest["unix_time"]),
-                       stage_s=timing.get("stage_s"), write_s=timing.get("write_s"),
-                       tensors=len(manifest["items"]), checksum=checksum, values=self._values[checksum],
-                       provenance=dict(manifest.get("provenance") or {}))
-
-    @staticmethod
-    def _verdict(reader: Checkpointer, line: str, step: int) -> str:
-        try:
-            reader.verify(step)
-        except CheckpointError as exc:
-            if step not in reader.lines().get(line, {}).get("steps", ()):
-                raise CheckpointError(f"{line} step {step} is gone; refresh the browser") from exc
-            return f"damaged: {exc}"
-        return "verified"
-
-    def _load(self, *keys: RowKey) -> list[dict[str, Any]]:
-        """Steps' whole states on the CPU, weights only (nothing is unpickled), one reader per line."""
-        states: dict[RowKey, dict[str, Any]] = {}
-        for line, steps in _by_line(keys).items():
-            with self._reader(line) as reader:
-                states.update({(line, step): reader.load(step, map_location="cpu") for step in steps})
-        return [states[key] for key in keys]
-
-    def _refusal(self, key: RowKey) -> str | None:
-        """Why the browser will not delete a step, or None."""
-        line, step = key
-        if key == self._restored:
-            return (f"the live objects were restored from it by this browser; restore another step "
-                    f"first (or delete it with the run's Checkpointer: ckpt.delete({step}))")
-        for name, other in self.lines.items():
-            if other.get("parent") == line and other.get("from_step") == step:
-                return f"{name} goes on from it, and would lose the step it starts from"
-        holder = writer_of(self.directory)
-        if holder is not None and line == holder.line_name and any(
-            handle.step == step and not handle.done() for handle in holder.handles
-        ):
-            return f"a save of step {step} is in flight in this kernel; delete it once it has committed"
-        return None
-
-    def _delete(self, key: RowKey) -> None:
-        """When a Checkpointer of this kernel writes into the run (the magics' or an autosave's,
-        even after ``%ckpt_autosave --off``: the session keeps the directory open), the delete
-        goes through it, with its lock, bookkeeping and rules (it waits for the saves in flight).
-        Else the run is opened for writing for the length of the delete: on a directory that
-        takes its lock, and when another process saves into it the engine refuses, with the
-        reason. An object store has no lock: the confirmation says so."""
-        if (reason := self._refusal(key)) is not None:
-            raise ConfigError(reason)
-        line, step = key
-        if (holder := writer_of(self.directory)) is not None:
-            if holder.world_size > 1:  # its delete is collective: every rank must call it
-                raise ConfigError(f"the run is open for writing on {holder.world_size} ranks of this "
-                                  f"job; delete with its Checkpointer on every rank: ckpt.delete({step})")
-            holder.delete(step, line=line)
-            return
-        try:
-            writer = Checkpointer(self.directory, line=line, ranks="local", writer_threads=1,
-                                  storage_options=self.storage_options)
-        except CheckpointError as exc:
-            raise CheckpointError(f"cannot open the run for writing: {exc} (the Checkpointer saving "
-                                  f"into it can: ckpt.delete({step}))") from exc
-        with writer:
-            writer.delete(step)
 
     # -- the plumbing ---------------------------------------------------------------------------
 
@@ -609,65 +430,9 @@ class Browser:
             finally:
                 self._relisting = False
         self.table.marked = self.steps.value
-        self.table.show([_step_row(row, self.checks.get(row.key), self.lines.get(row.line, {}))
+        self.table.show([index.step_row(row, self.checks.get(row.key), self.lines.get(row.line, {}))
                          for row in self.rows])
         lines = len([name for name, line in self.lines.items() if line["steps"]])
         self.title.value = (f'<b>Checkpoints</b> of <code title="{html.escape(self.url)}">'
                             f"{html.escape(self.directory)}</code>: "
                             f"{len(self.rows)} step(s) in {lines} line(s)")
-
-
-def _by_line(keys: Iterable[RowKey]) -> dict[str, list[int]]:
-    """The steps of ``keys`` by line, lines in the order they first come (one reader each)."""
-    lines: dict[str, list[int]] = {}
-    for line, step in keys:
-        lines.setdefault(line, []).append(step)
-    return lines
-
-
-def _step_row(row: StepRow, check: tuple[str | None, str] | None, line: dict[str, Any]) -> dict[str, Any]:
-    """A step as a row of the steps table."""
-    label = row.line
-    if line.get("parent") is not None:
-        label += f" (from {line['parent']} {line.get('from_step')})"
-    verdict = f"damaged: {row.problem}" if row.problem is not None else check[1] if check else "not checked"
-    cells = [label, str(row.step), "—" if row.nbytes is None else format_bytes(row.nbytes),
-             "—" if row.unix_time is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row.unix_time)),
-             *("—" if s is None else f"{s:.3f}" for s in (row.stage_s, row.write_s)), verdict,
-             ", ".join(f"{key}={value!r}" if isinstance(value, (str, int, float, bool, type(None)))
-                       else f"{key}={value}" for key, value in row.values.items()),
-             _provenance(row.provenance)]
-    return {"id": row.id, "cells": cells, "tone": verdict.split(":")[0] if verdict != "not checked" else "",
-            "keys": {1: row.step, 2: row.nbytes, 4: row.stage_s, 5: row.write_s}, "bar": None}
-
-
-def _diff_rows(frame: pd.DataFrame, limit: int = DIFF_ROWS) -> list[dict[str, Any]]:
-    """The first ``limit`` rows of a diff as table rows, a bar for each relative change."""
-    shown = frame.head(limit)
-    finite = shown["rel_change"][shown["rel_change"].map(lambda v: math.isfinite(v) and v > 0)]
-    scale = float(finite.max()) if len(finite) else 1.0
-    rows = []
-    for record in shown.to_dict(orient="records"):
-        relative = float(record["rel_change"])
-        numbers = [record[name] for name in ("numel", "changed_elements", "diff_norm", "max_abs_diff")]
-        rows.append({
-            "id": str(record["key"]), "tone": "quiet" if record["status"] == "unchanged" else "",
-            "cells": [str(record[name]) for name in ("key", "status", "dtype", "shape")]
-            + [str(n) for n in numbers[:2]] + [_number(n) for n in numbers[2:]]
-            + [_number(relative), _number(record["cosine"], 6)],
-            "keys": dict(enumerate([*numbers, relative, record["cosine"]], start=4)),
-            "bar": None if math.isnan(relative) or relative <= 0 else min(1.0, relative / scale),
-        })
-    return rows
-
-
-def _diff_summary(a: StepRow, b: StepRow, frame: pd.DataFrame, limit: int = DIFF_ROWS) -> str:
-    """One line above the diff table: what was compared and what changed, as HTML."""
-    parts = ", ".join(f"{int(n)} {status}" for status, n in frame["status"].value_counts().items())
-    text = f"{a.name} → {b.name}: {len(frame)} tensors ({parts or 'none'})"
-    if len(moved := frame[frame["status"] == "changed"]):
-        text += (f"; the largest relative change is {moved.iloc[0]['key']} "
-                 f"({_number(float(moved.iloc[0]['rel_change']))})")
-    if len(frame) > limit:
-        text += f"; the table lists the {limit} that changed most"
-    return f'<div class="nbckpt-diff-summary">{html.escape(text)}</div>'

@@ -11,35 +11,25 @@ The run (or probe) goes on in a worker thread that never touches a widget: it qu
 results and log lines, and one updater thread applies them every ``refresh_s`` seconds. Kernel >
 Interrupt stops a run as Stop does; a closed lab's output becomes a static note with its results.
 
-Longer than 400 lines: one job (the lab widget and the life of its runs) whose parts each keep a
-promise the tests hold it to: Kernel > Interrupt reaching a run behind an idle kernel, a re-run
-cell stopping the old run before the new one takes the directory, widgets changed only from the
-updater thread, a live timeline that restarts a strategy's lanes for its next repeat.
+Longer than 400 lines: one job, the widget (its controls, the kernel's one live Lab, and how
+updates show: a live timeline that restarts a strategy's lanes for its next repeat, the results
+table, the log). Running a job, Stop and Kernel > Interrupt are :mod:`._lab_run`'s.
 """
 
 from __future__ import annotations
 
 import html
-import logging
-import os
-import queue
-import signal
 import threading
-import time
-import traceback
-import weakref
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from types import FrameType
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 import pandas as pd
 
-from .._errors import CheckpointError, ConfigError, NbckptError
-from .._util import check_count, is_url, writable_directory
+from .._errors import ConfigError
+from .._util import check_count
 from ..engine import Event
+from ._lab_run import LabRun, Settings, check_target, error_line, route_interrupts
 from ._live_figure import live_figure
 from ._timeline_figures import events_frame, extend_timeline, select_repeat, timeline_figure
 from ._widget_parts import close_widgets, notice
@@ -51,20 +41,14 @@ if TYPE_CHECKING:
 
 __all__ = ["Lab", "live_lab"]
 
-_log = logging.getLogger("nbckpt")
-
 #: The workload choice that means "a synthetic state of ``size_mb`` MiB" instead of a GPT preset.
 SYNTHETIC = "synthetic"
-#: Log lines the lab keeps (the oldest are dropped).
-LOG_LINES = 500
 #: Columns of ``format_results`` the results table shows, as keys of ``SHOWN_COLUMNS`` (the
 #: headers of every other nbckpt table); the text ones align left, the numbers right.
 _COLUMNS = ("strategy", "repeats", "checkpoints", "overhead", "overhead_95ci", "per_repeat",
             "rests_on", "mean_step_s", "stall_mean_s", "save_stall_s", "wait_s", "stall_p95_s",
             "drag", "persist_s", "write_gbs", "reduction_vs_torch_save", "floor_check")
 _TEXT_COLUMNS = ("strategy", "rests_on", "floor_check")
-# A quick probe: enough to see the write rate and the stream count that helps.
-_PROBE_MB, _PROBE_STREAMS = 32.0, (1, 2, 4)
 
 _live_lock = threading.Lock()
 _live: Lab | None = None
@@ -83,35 +67,6 @@ def devices() -> list[str]:
     import torch
 
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-
-
-def _check_target(path: str) -> None:
-    """ConfigError when ``path`` cannot hold checkpoints (URLs are not checked). Nothing is
-    created: a lab that is only validated leaves no directory behind."""
-    if not path.strip():
-        raise ConfigError("the target path is empty")
-    if is_url(path):
-        return
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"target {path} is not usable: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"target {path} is not writable ({existing} is read-only for this user)")
-
-
-def _error_line(exc: BaseException) -> str:
-    """One line for an error that ended a run."""
-    if isinstance(exc, ConfigError):
-        text = f"Cannot run: {exc}"
-    elif isinstance(exc, CheckpointError):
-        text = f"Checkpoint failed: {exc}"
-    elif isinstance(exc, OSError):
-        text = f"Storage error: {exc.strerror or exc}{f' ({exc.filename})' if exc.filename else ''}"
-    else:
-        text = f"Unexpected error: {type(exc).__name__}: {exc} (details in the log)"
-    return " ".join(text.split())
 
 
 def _results_html(results: pd.DataFrame, device: str, notes: Sequence[str], *,
@@ -144,64 +99,6 @@ def _log_html(lines: Sequence[str]) -> str:
             'max-height:160px;overflow:auto;border:1px solid #ddd;padding:2px 6px"><pre style="'
             f'margin:0;font-size:12px;flex:none">{html.escape("".join(lines))}</pre></div>')
 
-
-# Kernel > Interrupt is a SIGINT. While a cell runs, ipykernel makes it a KeyboardInterrupt
-# (Lab.wait catches it); while the kernel is idle it ignores it, so a run in the lab's threads
-# would never hear of it. The handler below (installed once) tells the lab that ran last, then
-# calls the one it replaced. ipykernel swaps handlers around each message it handles and puts
-# back ``kernel.saved_sigint_handler`` after it: inside one (a cell, a click), ours goes there.
-_previous_sigint: Any = signal.SIG_IGN
-_interrupted: weakref.WeakMethod[Callable[[], None]] | None = None
-
-
-def _on_sigint(signum: int, frame: FrameType | None) -> None:
-    if (note := _interrupted() if _interrupted is not None else None) is not None:
-        note()
-    if callable(_previous_sigint):
-        _previous_sigint(signum, frame)
-
-
-def _route_interrupts(note: Callable[[], None]) -> None:
-    """Every SIGINT from now on calls ``note`` (a bound method, held weakly) first. It must take
-    no lock: a signal handler runs between two bytecodes of the main thread, which may hold any.
-    Only the main thread can do this; where SIGINT ends the process, nothing changes."""
-    global _previous_sigint, _interrupted
-    _interrupted = weakref.WeakMethod(note)
-    if threading.current_thread() is not threading.main_thread():
-        return
-    from IPython import get_ipython
-
-    kernel: Any = getattr(get_ipython(), "kernel", None)  # type: ignore[no-untyped-call]
-    inside = (signal.getsignal(signal.SIGINT) is signal.default_int_handler
-              and hasattr(kernel, "saved_sigint_handler"))
-    current = kernel.saved_sigint_handler if inside else signal.getsignal(signal.SIGINT)
-    if current is _on_sigint or current in (signal.SIG_DFL, None):
-        return
-    _previous_sigint = current
-    if inside:
-        kernel.saved_sigint_handler = _on_sigint
-    else:
-        signal.signal(signal.SIGINT, _on_sigint)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Settings:
-    """What one run uses, read from the controls once (workers never read a widget)."""
-
-    directory: str
-    names: tuple[str, ...]
-    steps: int
-    every: int
-    repeats: int
-    preset: str | None
-    size_mb: float | None
-    device: str
-
-    @property
-    def runs(self) -> int:
-        return (len(self.names) + ("none" not in self.names)) * self.repeats
-
-
 def _make_live(lab: Lab | None) -> None:
     """Make ``lab`` the live Lab; close the previous one and say so in one line."""
     global _live
@@ -215,7 +112,7 @@ def _make_live(lab: Lab | None) -> None:
           if was_running else "nbckpt: closed the previous lab")
 
 
-class Lab:
+class Lab(LabRun):
     """Interactive checkpoint lab: controls, progress, live timeline, results table and log.
 
     Every control is a public widget (``path``, ``probe_button``, ``preset``, ``size_mb``,
@@ -241,13 +138,7 @@ class Lab:
         for what, (given, allowed) in choices.items():
             if unknown := [value for value in given if value not in allowed]:
                 raise ConfigError(f"unknown {what} {unknown[0]!r}; choose from {', '.join(allowed)}")
-        self.refresh_s, self.compute_ms, self.warmup = refresh_s, compute_ms, warmup
-        self.json_path = json_path
-        self.comparison: Comparison | None = None
-        self.error: str | None = None
-        self.stopped = False
-        self.interrupted = False  # stopped by Kernel > Interrupt (SIGINT), not by Stop
-        self.log_lines: deque[str] = deque(maxlen=LOG_LINES)
+        super().__init__(refresh_s=refresh_s, compute_ms=compute_ms, warmup=warmup, json_path=json_path)
         named = {"style": {"description_width": "90px"}}
         self.path = widgets.Text(directory, description="target", layout={"width": "420px"}, **named)
         self.probe_button = widgets.Button(description="Probe", icon="tachometer",
@@ -287,18 +178,6 @@ class Lab:
         self.run_button.on_click(lambda _: self.run())
         self.stop_button.on_click(lambda _: self.stop())
         self.probe_button.on_click(lambda _: self.probe())
-        self._settings: _Settings | None = None
-        self._results: dict[str, dict[str, Any]] = {}  # each strategy's latest run, for the table
-        self._lanes: dict[str, tuple[int, list[pd.DataFrame]]] = {}  # the timeline's origin, rows
-        self._finished: set[str] = set()  # strategies whose run ended: their next events restart
-        self._runs_done = 0
-        self._lock = threading.RLock()
-        self._closed = threading.Event()
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._job = ""
-        self._interrupt_noted = False  # set by the SIGINT handler; the updater acts on it
-        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._displays: list[Any] = []  # IPython DisplayHandles of the outputs showing it
         _make_live(self)  # closes one that another thread created meanwhile
 
@@ -331,15 +210,6 @@ class Lab:
         text = "closed nbckpt Lab (replaced by a newer one, or closed): lab.comparison keeps its results"
         return {"text/plain": f"<{text}>", "text/html": notice("info", text) + self.results.value}
 
-    @property
-    def running(self) -> bool:
-        """A run or probe is going on (or its last updates are being applied)."""
-        return any(thread.is_alive() for thread in self._threads)
-
-    @property
-    def closed(self) -> bool:
-        """Closed by :meth:`close` (or replaced by a newer Lab): it runs nothing any more."""
-        return self._closed.is_set()
 
     # -- actions ------------------------------------------------------------------------------
 
@@ -367,7 +237,7 @@ class Lab:
             baseline = "" if "none" in settings.names else " and none (the baseline)"
             self.message.value = notice("info", f"Running {', '.join(settings.names)}{baseline}: "
                                                 f"{settings.repeats} repeat(s) ...")
-            _route_interrupts(self._note_interrupt)  # Kernel > Interrupt stops it, as Stop does
+            route_interrupts(self._note_interrupt)  # Kernel > Interrupt stops it, as Stop does
             self._start("run", lambda: self._experiment(settings))
         return True
 
@@ -378,7 +248,7 @@ class Lab:
                 return False
             target = self.path.value
             try:
-                _check_target(target)
+                check_target(target)
             except ConfigError as exc:
                 self.probe_summary.value = notice("error", str(exc))
                 return False
@@ -395,22 +265,6 @@ class Lab:
             self.error, self.stopped, self.interrupted, self.comparison = None, False, False, comparison
             self._show_comparison(comparison)
 
-    def stop(self) -> None:
-        """End the run after the current step; saves in flight still commit (none half-written)."""
-        self._request_stop("stop requested")
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the run (or probe) and its last update are done; False on timeout.
-        Ctrl-C (Kernel > Interrupt) while it waits stops the run, as Stop does, and is raised."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            for thread in list(self._threads):
-                if thread is not threading.current_thread():
-                    thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        except KeyboardInterrupt:
-            self._interrupt()
-            raise
-        return not self.running
 
     def close(self) -> None:
         """Stop the run, wait until its saves in flight have committed and its directory is
@@ -434,24 +288,10 @@ class Lab:
             self._displays.clear()
             close_widgets(self.widget, self.figure)
 
-    def _request_stop(self, why: str, *, interrupted: bool = False) -> None:
-        if self._job != "run" or not self.running or self._stop.is_set():
-            return
-        self.interrupted = interrupted  # before the stop: the run's end reads it
-        self._stop.set()
-        self._post("log", f"{why}: finishing the current step and saves in flight")
-
-    def _note_interrupt(self) -> None:
-        self._interrupt_noted = True  # by the SIGINT handler: no lock; the updater stops the run
-
-    def _interrupt(self) -> None:
-        self._interrupt_noted = False
-        self._request_stop("interrupted (Kernel > Interrupt)", interrupted=True)
-
     # -- main thread, between runs --------------------------------------------------------------
 
-    def _read_settings(self) -> _Settings:
-        _check_target(self.path.value)
+    def _read_settings(self) -> Settings:
+        check_target(self.path.value)
         steps = check_count(self.steps.value, "steps")
         every = check_count(self.every.value, "checkpoint interval (every)", maximum=steps)
         repeats = check_count(self.repeats.value, "repeats")
@@ -460,24 +300,18 @@ class Lab:
         synthetic = self.preset.value == SYNTHETIC
         if synthetic and not self.size_mb.value > 0:
             raise ConfigError(f"size must be positive, not {self.size_mb.value}")
-        return _Settings(directory=self.path.value, names=tuple(self.strategies.value), steps=steps,
-                         every=every, repeats=repeats, preset=None if synthetic else self.preset.value,
-                         size_mb=self.size_mb.value if synthetic else None, device=self.device.value)
+        return Settings(directory=self.path.value, names=tuple(self.strategies.value), steps=steps,
+                        every=every, repeats=repeats, preset=None if synthetic else self.preset.value,
+                        size_mb=self.size_mb.value if synthetic else None, device=self.device.value)
 
-    def _reset(self, settings: _Settings) -> None:
+    def _reset(self, settings: Settings) -> None:
         """No timeline rows or lanes, results, error or log: a clean slate for a run."""
-        self._settings, self.comparison, self.error = settings, None, None
-        self.stopped = self.interrupted = False
-        self._results.clear()
-        self._lanes.clear()
-        self._finished.clear()
-        self._runs_done = 0
+        self._begin(settings)
         self._redraw(None)
         self.results.value = ""
         if "nbckpt-error" in self.probe_summary.value:
             self.probe_summary.value = ""
-        self.log_lines.clear()
-        self.log.value = _log_html(())
+        self._show_log()
         self.progress.value, self.progress.bar_style = 0, ""
         self.progress.max = settings.steps * settings.runs
 
@@ -487,90 +321,6 @@ class Lab:
             control.disabled = busy
         self.size_mb.disabled = busy or self.preset.value != SYNTHETIC
         self.stop_button.disabled = not busy
-
-    # -- worker side (never touches a widget) -------------------------------------------------
-
-    def _post(self, kind: str, item: Any) -> None:
-        self._queue.put((kind, item))
-
-    def _start(self, name: str, job: Callable[[], None]) -> None:
-        self._job = name
-        self._stop.clear()
-        self._interrupt_noted = False
-        self._queue = queue.Queue()
-        self._set_busy(True)
-
-        def work() -> None:
-            try:
-                job()
-            except BaseException as exc:
-                if not isinstance(exc, NbckptError | OSError):  # expected ones need no traceback
-                    self._post("log", traceback.format_exc())
-                self._post("error", exc)
-            finally:
-                self._post("finished", None)
-
-        updater = threading.Thread(target=self._update_loop, args=(self._queue,),
-                                   name="nbckpt-lab-updater", daemon=True)
-        worker = threading.Thread(target=work, name="nbckpt-lab-worker", daemon=True)
-        self._threads = [worker, updater]
-        updater.start()
-        worker.start()
-
-    def _experiment(self, settings: _Settings) -> None:
-        from ..bench import compare, make_workload
-
-        workload = make_workload(settings.preset, settings.size_mb, settings.device,
-                                 compute_ms=self.compute_ms)
-        comparison = compare(
-            workload, list(settings.names), settings.directory, steps=settings.steps,
-            every=settings.every, device=settings.device, repeats=settings.repeats,
-            warmup=self.warmup, stop=self._stop, progress=lambda line: self._post("log", line),
-            on_event=lambda event: self._post("event", event),
-            on_result=lambda name, metrics: self._post("result", (name, metrics)),
-        )
-        if self.json_path is not None:
-            comparison.to_json(self.json_path)
-            self._post("log", f"results written to {self.json_path}")
-        self.stopped = self._stop.is_set()
-        self.comparison = comparison
-        self._post("done", comparison)
-
-    def _probe(self, target: str) -> None:
-        from ..bench import probe
-
-        if not is_url(target):
-            writable_directory(target, "target")  # the lab writes there anyway
-        self._post("probe", probe(target, size_mb=_PROBE_MB, streams=_PROBE_STREAMS).summary())
-
-    # -- updater side (the only thread that changes widgets while a job runs) -----------------
-
-    def _update_loop(self, source: queue.Queue[tuple[str, Any]]) -> None:
-        finished = False
-        while not finished:
-            if self._interrupt_noted:
-                self._interrupt()
-            batch: list[tuple[str, Any]] = []
-            deadline = time.monotonic() + self.refresh_s
-            while not finished:
-                try:
-                    batch.append(source.get(timeout=max(0.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    break
-                finished = batch[-1][0] == "finished"
-            if self.closed:  # drain the queue; the widgets may be gone from the page
-                for kind, item in batch:
-                    if kind == "error":
-                        _log.warning("nbckpt: the closed lab's %s failed: %s", self._job, _error_line(item))
-                continue
-            try:
-                self._apply(batch)
-            except Exception as exc:  # the widgets may be what failed: say so outside them too
-                _log.warning("nbckpt: the lab could not show an update: %s: %s", type(exc).__name__, exc)
-                self.log_lines.append(traceback.format_exc())
-                self.log.value = _log_html(self.log_lines)
-        if not self.closed:
-            self._set_busy(False)
 
     def _apply(self, batch: list[tuple[str, Any]]) -> None:
         """Apply a batch in the order it was posted (events of a new run follow its result)."""
@@ -596,7 +346,7 @@ class Lab:
             elif kind == "probe":
                 self.probe_summary.value = notice("ok", item, pre=True)
             elif kind == "error":
-                self.error = _error_line(item)
+                self.error = error_line(item)
                 if self._job == "probe":  # a probe's error belongs next to the probe
                     self.probe_summary.value = notice("error", self.error)
                 else:
@@ -613,7 +363,10 @@ class Lab:
                                   f"{self._runs_done} of {self._settings.runs} runs; overhead comes at "
                                   f"the end{table_html}")
         if logs != len(self.log_lines):
-            self.log.value = _log_html(self.log_lines)
+            self._show_log()
+
+    def _show_log(self) -> None:
+        self.log.value = _log_html(self.log_lines)
 
     def _redraw(self, timeline: pd.DataFrame | None) -> None:
         """Replace the timeline's bars and lanes with ``timeline`` (None: an empty figure)."""

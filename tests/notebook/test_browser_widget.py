@@ -14,8 +14,8 @@ import torch
 from helpers.s3server import SeaweedS3
 
 from nbckpt import Checkpointer
-from nbckpt.notebook import Browser
-from nbckpt.notebook._browser import saved_values
+from nbckpt.notebook import Browser, _browser_index
+from nbckpt.notebook._browser_index import saved_values
 
 
 def trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -253,7 +253,7 @@ def test_errors_inside_an_action_are_one_line(tmp_path: Path, monkeypatch: pytes
     def broken(*args: Any) -> Any:
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(Browser, "_load", broken)
+    monkeypatch.setattr(_browser_index, "load_states", broken)
     browser.select(1, 2)
     assert browser.diff() is None
     assert one_line_error(browser) == "Cannot diff: unexpected RuntimeError: boom; second line"
