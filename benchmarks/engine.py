@@ -47,7 +47,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, Timeline
 from nbckpt._util import GB, MIB, fsync_dir, write_all
-from nbckpt.bench import get_strategy, make_workload, plain_state, t_interval, tensor_bytes
+from nbckpt.bench import make_workload
+from nbckpt.bench._internal import get_strategy, plain_state, t_interval, tensor_bytes
 
 # -- measuring ---------------------------------------------------------------------------------
 

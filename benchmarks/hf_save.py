@@ -37,7 +37,7 @@ from _output import finish, parser
 from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments
 from transformers.utils import logging as hf_logging
 
-from nbckpt.bench import t_interval
+from nbckpt.bench._internal import t_interval
 from nbckpt.integrations.hf import NbckptCallback
 
 warnings.filterwarnings("ignore")

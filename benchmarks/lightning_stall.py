@@ -46,7 +46,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from nbckpt.bench import t_interval
+from nbckpt.bench._internal import t_interval
 from nbckpt.integrations.lightning import NbckptCheckpointIO
 
 warnings.filterwarnings("ignore", module="lightning")

@@ -4,7 +4,11 @@ The engine's face is :class:`Checkpointer`. Above it, in layers that import only
 ``nbckpt.bench`` (workloads, strategies side by side, floors, the storage probe),
 ``nbckpt.analysis`` (advisor, published figures, conclusions), ``nbckpt.notebook`` (magics:
 ``%load_ext nbckpt``, the lab, figures, the report), ``nbckpt.integrations`` (Lightning,
-Hugging Face) and ``nbckpt.cli``. See docs/architecture.md.
+Hugging Face) and ``nbckpt.cli``. See docs/architecture.md; docs/api.md lists the public names.
+
+``import nbckpt`` imports the engine alone, which is all the core install (``pip install
+nbckpt``) carries; each face above it is imported when used and needs its extra
+(``nbckpt[notebook]``, ``[s3]``, ``[lightning]``, ``[hf]``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ from .engine import (
 # application's own they stay quiet (``%load_ext nbckpt`` shows them in the notebook).
 logging.getLogger("nbckpt").addHandler(logging.NullHandler())
 
+# ``load_ipython_extension`` and ``unload_ipython_extension`` are IPython's hooks for
+# ``%load_ext nbckpt``, not names to call: they stay out of ``__all__``.
+
 __all__ = [
     "AnyOf",
     "BestN",
@@ -54,9 +61,7 @@ __all__ = [
     "Timeline",
     "__version__",
     "close_all",
-    "load_ipython_extension",
     "run_directory",
-    "unload_ipython_extension",
 ]
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 
-__all__ = ["CheckpointError", "ConfigError", "NbckptError", "describe_error"]
+__all__ = ["EXTRAS", "CheckpointError", "ConfigError", "NbckptError", "describe_error", "require_extra"]
 
 
 class NbckptError(Exception):
@@ -39,3 +40,28 @@ def describe_error(exc: BaseException) -> str:
         return f"{root.strerror} [{name}]{where}"
     text = f"{type(root).__name__}: {root}".strip()
     return text.splitlines()[0] if text else type(root).__name__
+
+
+#: What each face beyond the core needs: (the extra that installs it, the modules it imports).
+#: ``pip install nbckpt`` is the engine alone (torch, numpy, xxhash, psutil): a training job
+#: that only checkpoints installs no Jupyter stack. The bench and the analysis read and write
+#: pandas frames and serve the notebook faces, so they come with the ``notebook`` extra.
+EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "nbckpt.bench": ("notebook", ("pandas",)),
+    "nbckpt.analysis": ("notebook", ("pandas",)),
+    "nbckpt.notebook": ("notebook", ("pandas", "plotly", "IPython", "ipywidgets", "anywidget",
+                                     "papermill", "nbconvert")),
+    "Timeline.to_pandas": ("notebook", ("pandas",)),
+    "an s3:// directory": ("s3", ("fsspec", "s3fs")),
+}
+
+
+def require_extra(face: str) -> None:
+    """ImportError in one line naming the extra to install when a module ``face`` needs is missing.
+
+    Checked with ``find_spec`` (nothing is imported), before the face imports anything, so the
+    user reads which extra to install rather than a ``ModuleNotFoundError`` from deep inside.
+    """
+    extra, modules = EXTRAS[face]
+    if any(importlib.util.find_spec(module) is None for module in modules):
+        raise ImportError(f"{face} needs the {extra!r} extra: pip install 'nbckpt[{extra}]'")

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError, describe_error
+from ._errors import ConfigError, describe_error, require_extra
 
 __all__ = [
     "GB",
@@ -175,6 +175,8 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
 
 def open_fsspec(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
     """``(filesystem, path)`` for an fsspec URL; ConfigError in one line when it cannot be opened."""
+    if url.partition("://")[0] in ("s3", "s3a"):
+        require_extra("an s3:// directory")
     from fsspec.core import url_to_fs
 
     try:

@@ -25,8 +25,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from . import bench
-from ._errors import CheckpointError, ConfigError, NbckptError
+from ._errors import CheckpointError, ConfigError, NbckptError, require_extra
 from ._util import check_count, format_bytes, is_url, parse_value
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -34,6 +33,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 
 def _bench(args: argparse.Namespace) -> int:
     """``nbckpt bench``: run, print the table, write JSON."""
+    from .bench import _internal as bench
     comparison = bench.run_bench_from_args(args, None if args.quiet else _stderr_line)
     print(comparison.table())
     if args.json is not None:
@@ -48,6 +48,7 @@ def _stderr_line(line: str) -> None:
 
 def _probe_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``nbckpt probe``; their defaults are :func:`nbckpt.bench.probe`'s own."""
+    from . import bench
     defaults = {name: p.default for name, p in inspect.signature(bench.probe).parameters.items()}
     parser.add_argument("target", help="directory (local, NFS, tmpfs...) or s3://bucket/prefix")
     parser.add_argument("--size-mb", type=float, default=defaults["size_mb"],
@@ -81,8 +82,14 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from .bench._internal import add_bench_arguments  # shared with %ckpt_bench
+    add_bench_arguments(parser)
+
+
 def _probe(args: argparse.Namespace) -> int:
     """``nbckpt probe``: measure, print the summary, write JSON."""
+    from . import bench
     try:
         streams = [int(part) for part in str(args.streams).split(",") if part.strip()]
     except ValueError as exc:
@@ -133,7 +140,7 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _report(args: argparse.Namespace) -> int:
     """``nbckpt report``: run the notebook, write the HTML and say where the results are."""
-    from .notebook import RESULTS_FILE, run_report
+    from .notebook._internal import RESULTS_FILE, run_report
 
     parameters = {key: parse_value(value) for key, value in args.parameter}
     html = run_report(args.name, args.output_dir, parameters, notebook=args.notebook, progress=True)
@@ -299,7 +306,7 @@ def _diff_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _diff(args: argparse.Namespace) -> int:
     """``nbckpt diff``: which tensors changed from one step to another, and by how much."""
-    from .analysis import diff_states
+    from .analysis._internal import diff_states
 
     top = check_count(args.top, "--top", minimum=0)
     with _reader(args) as ckpt:
@@ -349,7 +356,7 @@ def _verify(args: argparse.Namespace) -> int:
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 #: subcommand -> (help, add its options, run it)
 COMMANDS: dict[str, Command] = {
-    "bench": ("run sync and async checkpoint strategies side by side", bench.add_bench_arguments, _bench),
+    "bench": ("run sync and async checkpoint strategies side by side", _bench_arguments, _bench),
     "probe": ("measure what a storage path or s3:// URL can do", _probe_arguments, _probe),
     "report": ("run the report notebook and render offline HTML", _report_arguments, _report),
     "export": ("write a checkpoint as one torch.load-able file", _export_arguments, _export),
@@ -368,6 +375,10 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+FACES = {"bench": "nbckpt.bench", "probe": "nbckpt.bench", "report": "nbckpt.notebook",
+         "diff": "nbckpt.analysis"}  #: commands that need a face beyond the core (and its extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
@@ -379,6 +390,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"nbckpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments, run) in COMMANDS.items():
+        try:
+            if name in FACES:
+                require_extra(FACES[name])
+        except ImportError as exc:  # the core alone: ls, show, verify and export still work
+            missing = sub.add_parser(name, help=help_text, prefix_chars="\0", add_help=False)
+            missing.add_argument("arguments", nargs="*")  # whatever they are: it names its extra
+            line = f"nbckpt {name}: error: {exc}\n"  # one line naming the extra
+            missing.set_defaults(run=lambda args, line=line, exit=missing.exit: exit(2, line))  # as argparse
+            continue
         command = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(command)
         command.set_defaults(run=run)

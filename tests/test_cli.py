@@ -13,6 +13,7 @@ import pytest
 
 from nbckpt import bench as ex
 from nbckpt import cli
+from nbckpt.bench import _internal
 
 SMALL_RUN = ["--size-mb", "2", "--compute-ms", "1", "--steps", "4", "--every", "2"]
 
@@ -42,11 +43,11 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Any) -> None:
     document = json.loads(out.read_text())
     assert document["schema"] == "nbckpt.bench/3"
     assert document["bytes"] == 2 << 20
-    assert (document["steps"], document["every"], document["repeats"]) == (4, 2, ex.DEFAULT_REPEATS)
+    assert (document["steps"], document["every"], document["repeats"]) == (4, 2, _internal.DEFAULT_REPEATS)
     assert set(document["floors"]) >= {"bytes", "copy_s", "copy_gbs", "write_gbs", "write_gbs_by_streams"}
     assert [r["strategy"] for r in document["results"]] == ["none", "torch-save", "nbckpt-async"]
     for row in document["results"]:
-        assert list(row) == ex.RESULT_COLUMNS
+        assert list(row) == _internal.RESULT_COLUMNS
         lo, hi = row["overhead_ci_pct"]
         assert lo <= row["overhead_pct"] <= hi
     load = document["load"]
@@ -55,7 +56,7 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Any) -> None:
     assert {e["kind"] for e in document["timeline"]} >= {"step", "stall", "persist", "commit"}
     assert set(document["environment"]) >= {"python", "torch", "nbckpt", "cpus", "time_utc"}
     assert document["environment"]["torch_threads"] == 1
-    assert len(document["runs"]) == 3 * ex.DEFAULT_REPEATS
+    assert len(document["runs"]) == 3 * _internal.DEFAULT_REPEATS
     assert os.listdir(directory) == []  # checkpoints of the runs are cleaned up
 
 
@@ -96,11 +97,11 @@ def test_version_and_help_texts(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_bench_runs_the_strategies_the_docs_call_default() -> None:
-    from nbckpt.bench import STRATEGIES
+    from nbckpt.bench._internal import STRATEGIES
 
     args = cli.build_parser().parse_args(["bench"])
-    assert args.strategies.split(",") == ex.DEFAULT_STRATEGIES
-    assert set(ex.DEFAULT_STRATEGIES) == set(STRATEGIES) - {"dcp-async-process"}
+    assert args.strategies.split(",") == _internal.DEFAULT_STRATEGIES
+    assert set(_internal.DEFAULT_STRATEGIES) == set(STRATEGIES) - {"dcp-async-process"}
 
 
 @pytest.mark.parametrize(

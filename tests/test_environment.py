@@ -32,9 +32,12 @@ def _pip_section(env: dict[str, Any]) -> list[str]:
 
 
 def _declared() -> dict[str, Requirement]:
+    """The core and the extras the environment installs (the lab extra brings the notebook one)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = project["dependencies"] + project["optional-dependencies"]["lab"]
-    return {canonicalize_name(Requirement(text).name): Requirement(text) for text in wanted}
+    extras = project["optional-dependencies"]
+    wanted = project["dependencies"] + extras["notebook"] + extras["s3"] + extras["lab"]
+    requirements = [Requirement(text) for text in wanted]
+    return {canonicalize_name(r.name): r for r in requirements if canonicalize_name(r.name) != "nbckpt"}
 
 
 def test_environment_parses_with_python_and_pip() -> None:
@@ -50,7 +53,7 @@ def test_environment_parses_with_python_and_pip() -> None:
 
 def test_pip_section_installs_the_project() -> None:
     pip = _pip_section(_environment())
-    assert "-e .[lab]" in pip, "the pip section must install the project itself (-e .[lab])"
+    assert "-e .[lab,s3]" in pip, "the pip section must install the project itself (-e .[lab,s3])"
 
 
 def test_pip_packages_agree_with_pyproject() -> None:

@@ -54,7 +54,7 @@ def _overhead_phrase(row: Mapping[str, Any]) -> str:
     """``+12.3 % (95 % interval +8.0 to +16.6 %)``; where the interval contains 0, ``+1.5 %, no
     measurable difference (95 % interval -2.0 to +5.0 %)``: the estimate always, the words only
     beside an interval that contains 0."""
-    from ..bench import measurable
+    from ..bench._internal import measurable
 
     lo, hi = _interval(row)
     span = (f"95 % interval {lo:+.1f} to {hi:+.1f} %" if _finite(lo) and _finite(hi)
@@ -209,7 +209,7 @@ def _write_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str, *, floor
 
 def _measured_drag(row: Mapping[str, Any]) -> bool:
     """A drag whose interval lies above 0 (older results without an interval: a positive one)."""
-    from ..bench import measurable
+    from ..bench._internal import measurable
 
     interval = row.get("drag_ci_s")
     if isinstance(interval, (list, tuple)) and len(interval) == 2:
@@ -299,7 +299,7 @@ def _published_sentences(rows: Mapping[str, Mapping[str, Any]], focus: str, *,
     pure = anchors.get("pure_storage_flashblade")
     torch_save = rows.get("torch-save")
     if pure is not None and torch_save is not None:
-        from ..bench import measurable
+        from ..bench._internal import measurable
 
         quote = pure.get("quote", "")
         mine, theirs = _num(rows[focus].get("overhead_pct")), _num(torch_save.get("overhead_pct"))

@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from ..engine import flatten
+from ..engine._internal import flatten
 
 __all__ = ["DIFF_COLUMNS", "DIFF_STATUSES", "diff_states"]
 

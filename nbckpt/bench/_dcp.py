@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict_saver import (
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from .._errors import ConfigError
-from ..engine import Timeline, now_ns, step_name
+from ..engine import Timeline
+from ..engine._internal import now_ns, step_name
 from ._strategy import WAIT_NOISE_NS, BlockingSave, Strategy, failing_as, plain_state, tensor_bytes
 
 __all__ = ["DcpAsync", "DcpAsyncProcess", "DcpAsyncStager", "DcpSync"]

@@ -21,7 +21,8 @@ import torch
 
 from .._errors import ConfigError
 from .._util import MIB, check_count, format_duration
-from ..engine import Event, Timeline, now_ns
+from ..engine import Event, Timeline
+from ..engine._internal import now_ns
 from ._load import Load, LoadMonitor, combine_loads
 from ._result import STALL_NAMES, Cycle, ExperimentResult
 from ._strategies import get_strategy

@@ -20,7 +20,8 @@ import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import fsync_dir, is_url
-from ..engine import Checkpointer, Event, Timeline, now_ns, step_name
+from ..engine import Checkpointer, Event, Timeline
+from ..engine._internal import now_ns, step_name
 
 __all__ = [
     "WAIT_NOISE_NS",

@@ -1,30 +1,24 @@
 """The checkpoint engine: stage into reused host images, persist in the background, commit atomically.
 
-The bottom layer of nbckpt: it imports nothing from the bench, analysis or notebook layers.
-``Checkpointer`` is its face; the timeline is the record of every phase it runs.
+The bottom layer of nbckpt and the whole of the core install (``pip install nbckpt``): it
+imports nothing from the bench, analysis or notebook layers. ``Checkpointer`` is its face,
+retention policies say which steps it keeps, the timeline is the record of every phase it
+runs. Glue the layers above share with it is in ``_internal``, not here.
 """
 
-from ._checkpointer import Checkpointer, close_all, writer_of
+from ._checkpointer import Checkpointer, close_all
 from ._config import CheckpointConfig
 from ._handles import SaveHandle, SaveRecord
 from ._retention import AnyOf, BestN, CustomSteps, EveryNSteps, LatestN, RetentionPolicy, StepInfo
-from ._state import flatten
-from ._store import MAX_STEP, step_name
-from ._timeline import COLUMNS as TIMELINE_COLUMNS
-from ._timeline import KINDS as EVENT_KINDS
-from ._timeline import Event, EventListener, Timeline, events_to_pandas, now_ns
+from ._timeline import Event, Timeline
 
 __all__ = [
-    "EVENT_KINDS",
-    "MAX_STEP",
-    "TIMELINE_COLUMNS",
     "AnyOf",
     "BestN",
     "CheckpointConfig",
     "Checkpointer",
     "CustomSteps",
     "Event",
-    "EventListener",
     "EveryNSteps",
     "LatestN",
     "RetentionPolicy",
@@ -33,9 +27,4 @@ __all__ = [
     "StepInfo",
     "Timeline",
     "close_all",
-    "events_to_pandas",
-    "flatten",
-    "now_ns",
-    "step_name",
-    "writer_of",
 ]

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._errors import CheckpointError, describe_error
-from ._layout import METADATA_FILE
+from ._format import METADATA_FILE
 from ._manifest import Manifest
 from ._reader import Readable, read_file, step_file_label
 from ._unpickle import MetadataUnpickler, plain_blob

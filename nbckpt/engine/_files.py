@@ -1,7 +1,7 @@
 """Moving bytes between memory and checkpoint files: large writes and scattered reads that release
 the GIL, xxh3 of every block computed in the same pass, while the bytes are still in cache.
 
-Files are checksummed in fixed blocks (:data:`BLOCK_SIZE`) rather than whole, so a rank that
+Files are checksummed in fixed blocks (``_format.BLOCK_SIZE``) rather than whole, so a rank that
 needs part of a file reads and checks only the blocks holding its tensors.
 """
 
@@ -15,13 +15,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import xxhash
-
 from .._errors import CheckpointError
 from .._util import with_filename, write_all
+from ._format import BLOCK_SIZE, block_hasher, checksum
 
 __all__ = [
-    "BLOCK_SIZE",
     "IOV_MAX",
     "PIECE_SIZE",
     "FileResult",
@@ -38,8 +36,6 @@ __all__ = [
     "write_image",
 ]
 
-#: Granularity of the checksums in a manifest.
-BLOCK_SIZE = 16 << 20
 #: Bytes hashed and then written (or read and then hashed) at a time: small enough to stay in
 #: the core's cache between the two, large enough that each system call moves a lot.
 PIECE_SIZE = 1 << 20
@@ -199,7 +195,7 @@ def write_image(sink: Sink, image: memoryview, *, fsync: bool) -> FileResult:
     try:
         for start in range(0, len(image), BLOCK_SIZE):
             block = image[start : start + BLOCK_SIZE]
-            hasher = xxhash.xxh3_64()
+            hasher = block_hasher()
             for at in range(0, len(block), PIECE_SIZE):
                 piece = block[at : at + PIECE_SIZE]
                 hasher.update(piece)
@@ -219,7 +215,7 @@ def copy_file(source: Source, sink: Sink, blocks: Sequence[str], *, fsync: bool)
     copy is never passed on); fsync, close. Returns the bytes copied."""
     scratch = memoryview(bytearray(PIECE_SIZE))
     try:
-        hasher = xxhash.xxh3_64()
+        hasher = block_hasher()
         for offset in range(0, source.size, PIECE_SIZE):
             piece = scratch[: min(PIECE_SIZE, source.size - offset)]
             source.readinto(offset, [piece])
@@ -229,7 +225,7 @@ def copy_file(source: Source, sink: Sink, blocks: Sequence[str], *, fsync: bool)
                 block = (end - 1) // BLOCK_SIZE
                 if block >= len(blocks) or hasher.hexdigest() != blocks[block]:
                     raise CheckpointError(f"{source.name} is corrupt (checksum mismatch in block {block})")
-                hasher = xxhash.xxh3_64()
+                hasher = block_hasher()
             sink.write(piece)
         if fsync:
             sink.sync()
@@ -241,7 +237,7 @@ def copy_file(source: Source, sink: Sink, blocks: Sequence[str], *, fsync: bool)
 def hash_blocks(data: bytes | memoryview) -> list[str]:
     """Block checksums of bytes in memory (small files: the DCP metadata)."""
     view = memoryview(data).cast("B")
-    return [xxhash.xxh3_64_hexdigest(view[i : i + BLOCK_SIZE]) for i in range(0, len(view), BLOCK_SIZE)]
+    return [checksum(view[i : i + BLOCK_SIZE]) for i in range(0, len(view), BLOCK_SIZE)]
 
 
 def _walk(
@@ -307,7 +303,7 @@ def read_into(
     cursor = 0
     for span_start, span_end in spans:
         regions, cursor = _regions(wanted, cursor, span_start, span_end)
-        hasher = xxhash.xxh3_64()
+        hasher = block_hasher()
         for offset, block, views in _walk(regions, span_start, span_end, scratch):
             source.readinto(offset, views)
             if blocks is None:
@@ -317,7 +313,7 @@ def read_into(
             if offset + sum(len(v) for v in views) == min(span_end, (block + 1) * BLOCK_SIZE):
                 if block >= len(blocks) or hasher.hexdigest() != blocks[block]:
                     raise CheckpointError(f"{source.name} is corrupt (checksum mismatch in block {block})")
-                hasher = xxhash.xxh3_64()
+                hasher = block_hasher()
     return _cpu_time() - cpu
 
 

@@ -23,11 +23,10 @@ import xxhash
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from .._errors import CheckpointError
-from ._layout import METADATA_FILE, Chunk
-from ._manifest import Manifest, data_file_name
+from ._format import MANIFEST, METADATA_FILE, Chunk, is_data_file
+from ._manifest import Manifest
 from ._shards import Region, tiles
 from ._state import TensorSpec, dtype_name, flatten
-from ._store import MANIFEST
 from ._unpickle import MetadataUnpickler, load_blob
 
 __all__ = ["FOREIGN", "MAX_METADATA_BYTES", "dcp_steps", "read_dcp_manifest"]
@@ -135,7 +134,7 @@ def _where(
     offset, length = getattr(info, "offset", None), getattr(info, "length", None)
     if getattr(info, "transform_descriptors", None):
         raise CheckpointError(f"{label}: {key!r} is stored through DCP transforms nbckpt does not read")
-    if not (isinstance(name, str) and data_file_name(name)):
+    if not (isinstance(name, str) and is_data_file(name)):
         raise CheckpointError(f"{label}: {key!r} is stored in {name!r}, not a DCP data file of the step")
     if name not in sizes:
         source = store.source(location, name, None)

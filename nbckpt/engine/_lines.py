@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 import time
 from dataclasses import dataclass
 
 from .._errors import CheckpointError, ConfigError
 from ._files import Sink, Source
-from ._store import MANIFEST, Store
+from ._format import BRANCH_FILE, BRANCH_LIMIT, MAIN, MANIFEST, branch_name, is_branch
+from ._store import Store
 
 __all__ = [
-    "MAIN",
     "Line",
     "StepLimited",
     "ancestry",
@@ -37,11 +36,6 @@ __all__ = [
     "start_branch",
     "write_record",
 ]
-
-MAIN = "main"
-BRANCH_FILE = "branch.json"
-_BRANCH_RE = re.compile(r"branch-[1-9][0-9]*", re.ASCII)
-
 
 @dataclass(frozen=True)
 class Line:
@@ -85,11 +79,11 @@ def discover(root: Store) -> dict[str, Line]:
     with a valid branch.json."""
     lines = {MAIN: Line(MAIN, root)}
     for name in sorted(root.names(), key=lambda n: (len(n), n)):
-        store = root.child(name) if _BRANCH_RE.fullmatch(name) else None
+        store = root.child(name) if is_branch(name) else None
         if store is None:
             continue
         try:
-            record = json.loads(store.read_small(store.url, BRANCH_FILE, 1 << 16))
+            record = json.loads(store.read_small(store.url, BRANCH_FILE, BRANCH_LIMIT))
             parent, from_step = str(record["parent"]), int(record["from_step"])
         except (OSError, ValueError, KeyError, TypeError, CheckpointError):
             continue  # a branch whose record never got written: it holds nothing that counts
@@ -163,8 +157,8 @@ def start_branch(root: Store, lines: dict[str, Line], parent: str, from_step: in
     """A new line going on from ``parent``'s ``from_step``; its record is written before any step."""
     # Numbered past every branch-N entry, lines or not: a symlink or a branch whose record never
     # got written must not be taken over.
-    numbers = [int(name.split("-")[1]) for name in [*lines, *root.names()] if _BRANCH_RE.fullmatch(name)]
-    name = f"branch-{max(numbers, default=0) + 1}"
+    numbers = [int(name.split("-")[1]) for name in [*lines, *root.names()] if is_branch(name)]
+    name = branch_name(max(numbers, default=0) + 1)
     store = root.child(name)
     if store is None:  # appeared since the listing: not ours to write into
         raise CheckpointError(f"cannot start line {name} in {root.url}: {name} appeared meanwhile")

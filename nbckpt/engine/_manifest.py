@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import time
 from collections.abc import Mapping
@@ -18,41 +19,31 @@ from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import torch
-import xxhash
 
 from .._errors import CheckpointError
-from ._files import BLOCK_SIZE, FileResult
-from ._layout import METADATA_FILE, Chunk, framing
+from ._files import FileResult
+from ._format import (
+    BLOCK_SIZE,
+    FORMAT,
+    MANIFEST_KEYS,
+    MAX_MANIFEST_BYTES,
+    METADATA_FILE,
+    METRICS,
+    READS,
+    TREE_KINDS,
+    Chunk,
+    checksum,
+    framing,
+    is_data_file,
+)
 from ._shards import tiles
 from ._state import MAX_DEPTH, TensorSpec, dtype_from_name
 
-__all__ = ["FORMAT", "MAX_MANIFEST_BYTES", "Manifest", "build", "data_file_name", "parse", "sign"]
+__all__ = ["Manifest", "build", "parse", "sign"]
 
-FORMAT = "nbckpt/3"
-#: Older formats this nbckpt still reads (nbckpt/2: one ``[file, offset]`` per tensor, no shards).
-_READS = (FORMAT, "nbckpt/2")
-#: A manifest holds about 100 bytes per tensor: 64 MiB is room for half a million of them.
-MAX_MANIFEST_BYTES = 64 << 20
-_DATA_FILE_RE = re.compile(r"__[0-9]{1,6}_[0-9]{1,6}\.distcp", re.ASCII)
 _HEX16_RE = re.compile(r"[0-9a-f]{16}", re.ASCII)
 #: A rank as ``str(rank)`` spells it (bounded: int() of a hostile key must stay cheap).
 _RANK_RE = re.compile(r"0|[1-9][0-9]{0,17}", re.ASCII)
-_KINDS = {
-    "tensor",
-    "ndarray",
-    "module",
-    "optimizer",
-    "stateful",
-    "dict",
-    "namespace",
-    "list",
-    "tuple",
-    "value",
-    "float",
-    "path",
-    "dtype",
-    "device",
-}
 
 
 @dataclass(frozen=True)
@@ -89,6 +80,11 @@ class Manifest:
     def checksum(self) -> str:
         return str(self.body["checksum"])
 
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The values the save was given to rank its step by (none in older manifests)."""
+        return {name: float(value) for name, value in self.body.get(METRICS, {}).items()}
+
 
 # The file is ``{"checksum":"<16 hex>",`` then the rest of the JSON object, whose exact bytes
 # (with the opening brace) the checksum covers: checking it never re-serializes anything.
@@ -98,7 +94,7 @@ _SIGNED = re.compile(rb'\{"checksum":"([0-9a-f]{16})",')
 def sign(body: Mapping[str, Any]) -> bytes:
     """``body`` (without a checksum) as manifest bytes, signed."""
     rest = json.dumps({k: v for k, v in body.items() if k != "checksum"}, separators=(",", ":")).encode()
-    digest = xxhash.xxh3_64_hexdigest(rest).encode()
+    digest = checksum(rest).encode()
     return b'{"checksum":"' + digest + b'",' + rest[1:]
 
 
@@ -113,10 +109,11 @@ def build(
     rank_trees: Mapping[str, Any],
     rng: Mapping[str, Any],
     provenance: Mapping[str, Any],
-    metrics: Mapping[str, float | None],
     timing: Mapping[str, float],
+    metrics: Mapping[str, float] | None = None,
 ) -> bytes:
-    """The manifest of a checkpoint whose files have all been written."""
+    """The manifest of a checkpoint whose files have all been written (``metrics``: finite
+    numbers by name, checked by the caller)."""
     body: dict[str, Any] = {
         "format": FORMAT,
         "step": step,
@@ -136,9 +133,10 @@ def build(
         "tree": tree,
         **({"rank_trees": dict(rank_trees)} if rank_trees else {}),
         **({"rng": dict(rng)} if rng else {}),
-        **({"metrics": dict(metrics)} if metrics else {}),
         "provenance": dict(provenance),
+        **({METRICS: {name: float(value) for name, value in metrics.items()}} if metrics else {}),
     }
+    assert set(body) <= set(MANIFEST_KEYS), "a manifest key docs/format.md does not describe"
     return sign(body)
 
 
@@ -154,13 +152,13 @@ def parse(data: bytes, step: int, where: str) -> Manifest:
         raise CheckpointError(f"{where} is unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(body, dict) or not str(body.get("format", "")).startswith("nbckpt/"):
         raise CheckpointError(f"{where} is not an nbckpt manifest")
-    if body["format"] not in _READS:
+    if body["format"] not in READS:
         raise CheckpointError(
-            f"{where} is in format {body['format']}, this nbckpt reads {', '.join(_READS)}; "
+            f"{where} is in format {body['format']}, this nbckpt reads {', '.join(READS)}; "
             "its tensors load with torch.distributed.checkpoint.load"
         )
     signed = _SIGNED.match(data)
-    if signed is None or xxhash.xxh3_64_hexdigest(b"{" + data[signed.end() :]).encode() != signed.group(1):
+    if signed is None or checksum(b"{" + data[signed.end() :]).encode() != signed.group(1):
         raise CheckpointError(f"{where} was modified after it was written (checksum mismatch)")
     if body.get("step") != step:
         raise CheckpointError(f"{where} names step {body.get('step')}, not {step}")
@@ -177,7 +175,7 @@ def _check_body(
     if not isinstance(files, dict) or METADATA_FILE not in files:
         raise CheckpointError(f"{where} lists no DCP metadata file")
     for name, meta in files.items():
-        if not (name == METADATA_FILE or _DATA_FILE_RE.fullmatch(name)):
+        if not (name == METADATA_FILE or is_data_file(name)):
             raise CheckpointError(f"{where} names a file outside the checkpoint: {name!r}")
         size = meta.get("size") if isinstance(meta, dict) else None
         blocks = meta.get("blocks") if isinstance(meta, dict) else None
@@ -208,14 +206,17 @@ def _check_body(
         _check_tree(tree, specs, paths, data_bytes, where)
     if not isinstance(body.get("rng", {}), dict):
         raise CheckpointError(f"{where} has a malformed RNG record")
+    if not _metrics_ok(body.get(METRICS, {})):
+        raise CheckpointError(f"{where} has malformed metrics (not a JSON object of finite numbers)")
     chunks = {key: _chunks(items.get(key), spec, files, body["format"], where) for key, spec in specs.items()}
     _check_apart(chunks, specs, where)
     return specs, chunks, paths
 
 
-def data_file_name(name: str) -> bool:
-    """Whether ``name`` is a DCP data file's name (``__{rank}_{index}.distcp``), nothing else."""
-    return _DATA_FILE_RE.fullmatch(name) is not None
+def _metrics_ok(metrics: Any) -> bool:
+    return isinstance(metrics, dict) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in metrics.values()
+    )
 
 
 def _is_count(value: Any) -> TypeGuard[int]:
@@ -282,7 +283,7 @@ def _check_tree(
 
 
 def _is_kind(kind: Any) -> bool:
-    return isinstance(kind, str) and kind in _KINDS
+    return isinstance(kind, str) and kind in TREE_KINDS
 
 
 def _value_ok(kind: str, value: Any) -> bool:

@@ -30,11 +30,12 @@ from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import is_url
 from ._config import CheckpointConfig
 from ._files import copy_file
-from ._lines import BRANCH_FILE, MAIN, Line, discover, on, write_record
+from ._format import BRANCH_FILE, BRANCH_LIMIT, LOCK_FILE, MAIN, step_name
+from ._lines import Line, discover, on, write_record
 from ._ranks import Group
 from ._reader import damage_named, read_manifest
 from ._retention import RetentionPolicy, StepFacts, expired
-from ._store import LOCK_FILE, Store, open_store, step_name
+from ._store import Store, open_store
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
@@ -264,7 +265,7 @@ class Mirror:
     def _write_record(self, line: Line) -> None:
         try:
             try:
-                line.store.read_small(line.store.url, BRANCH_FILE, 1 << 16)
+                line.store.read_small(line.store.url, BRANCH_FILE, BRANCH_LIMIT)
                 return  # there already
             except (OSError, CheckpointError):
                 pass

@@ -11,7 +11,8 @@ from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import explain_fsspec_error, fsspec_options, open_fsspec, where
 from . import _faults
 from ._files import Sink, Source, StreamSink, StreamSource
-from ._store import MANIFEST, Store, parse_step, step_name
+from ._format import MANIFEST, PROBE_PREFIX, parse_step, step_name
+from ._store import Store
 
 __all__ = ["OBJECT_STORES", "FsspecStore"]
 
@@ -47,7 +48,7 @@ class FsspecStore(Store):
         return location.split("://", 1)[-1]
 
     def prepare(self) -> None:
-        probe = f"{self._root}/.nbckpt-probe-{uuid.uuid4().hex[:8]}"
+        probe = f"{self._root}/{PROBE_PREFIX}{uuid.uuid4().hex[:8]}"
         try:
             self.fs.pipe_file(probe, b"nbckpt")
             self.fs.rm_file(probe)

@@ -19,10 +19,9 @@ import torch
 from .._errors import CheckpointError, describe_error
 from ._files import Source, read_into
 from ._foreign import read_dcp_manifest
-from ._layout import METADATA_FILE, Chunk, framing
-from ._manifest import MAX_MANIFEST_BYTES, Manifest, parse
+from ._format import MANIFEST, MAX_MANIFEST_BYTES, METADATA_FILE, Chunk, framing, step_name
+from ._manifest import Manifest, parse
 from ._shards import Region, overlap, runs
-from ._store import MANIFEST, step_name
 from ._unpickle import load_blob
 from ._workers import Pool, run_all
 

@@ -18,8 +18,8 @@ import torch
 from .._errors import CheckpointError, ConfigError, NbckptError, describe_error
 from . import _rng
 from ._agree import check_dcp_metadata, check_values
+from ._format import MANIFEST, METADATA_FILE, step_name
 from ._interrupts import deferred_interrupt
-from ._layout import METADATA_FILE
 from ._manifest import Manifest
 from ._ranks import Group
 from ._reader import (
@@ -36,7 +36,6 @@ from ._reader import (
 )
 from ._shards import Region, region_of, wrap_like
 from ._state import decode, node_tensors, tree_specs
-from ._store import MANIFEST, step_name
 from ._template import align, apply, check_loadable, check_template, destinations, sharded_targets
 from ._timeline import Timeline, now_ns
 from ._workers import Pool

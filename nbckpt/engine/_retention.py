@@ -20,8 +20,9 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import check_count
+from ._format import step_name
 from ._reader import read_manifest
-from ._store import Store, step_name
+from ._store import Store
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
@@ -50,7 +51,7 @@ class StepInfo:
     """A committed step as a policy sees it."""
 
     step: int
-    metrics: Mapping[str, float | None] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
     """What ``Checkpointer.save(..., metrics=...)`` was given for this step (empty if nothing)."""
 
 
@@ -205,16 +206,20 @@ def top_names(tree: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(sorted(str(key) for key, _ in tree.get("items", [])))
 
 
+def _listed(names: tuple[str, ...]) -> str:
+    return ", ".join(repr(n) for n in names) or "nothing"
+
+
 class StepFacts:
     """What retention needs to know of each committed step of one line: the names at the top of
     its state and its metrics, as saved, or read once from its manifest."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._known: dict[int, tuple[tuple[str, ...], Mapping[str, float | None]] | None] = {}
+        self._known: dict[int, tuple[tuple[str, ...], Mapping[str, float]] | None] = {}
         self._lock = threading.Lock()
 
-    def saved(self, step: int, tree: Mapping[str, Any], metrics: Mapping[str, float | None]) -> None:
+    def saved(self, step: int, tree: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
         with self._lock:
             self._known[step] = (top_names(tree), dict(metrics))
 
@@ -223,17 +228,33 @@ class StepFacts:
         facts = self._of(step)
         return facts[0] if facts else None
 
+    def slip(
+        self, step: int, tree: Mapping[str, Any], tensors: bool, committed: Iterable[int],
+        policy: RetentionPolicy | None,
+    ) -> str | None:
+        """What is most often a slip about a save of ``tree`` as ``step``: other names than the
+        newest step holds (``%ckpt_async x`` in a model's run), or no tensor at all. Retention
+        keeps ``policy``'s steps of each set of names, so it never rotates the others out."""
+        names = top_names(tree)
+        latest = max((s for s in committed if s != step), default=None)
+        before = self.names(latest) if latest is not None else None
+        if before is not None and names != before:
+            kept = f"; retention keeps {policy} of each" if policy else ""
+            return (f"step {step} holds {_listed(names)}, the newest step ({latest}) holds "
+                    f"{_listed(before)}{kept}")
+        return None if tensors else f"step {step} holds no tensor ({_listed(names)})"
+
     def infos(self, policy: RetentionPolicy | None, steps: Iterable[int]) -> list[StepInfo]:
         """``steps`` as ``policy`` sees them, oldest first (metrics only if it looks at them; a
         step whose manifest cannot be read has none: it is no best one, nor deleted for that)."""
         wanted = policy is not None and _uses_metrics(policy)
         return [StepInfo(step, self._metrics(step) if wanted else {}) for step in sorted(steps)]
 
-    def _metrics(self, step: int) -> Mapping[str, float | None]:
+    def _metrics(self, step: int) -> Mapping[str, float]:
         facts = self._of(step)
         return facts[1] if facts else {}
 
-    def _of(self, step: int) -> tuple[tuple[str, ...], Mapping[str, float | None]] | None:
+    def _of(self, step: int) -> tuple[tuple[str, ...], Mapping[str, float]] | None:
         with self._lock:
             if step in self._known:
                 return self._known[step]
@@ -242,25 +263,25 @@ class StepFacts:
             body = read_manifest(self.store, step, location)[0].body if location else None
         except CheckpointError:
             body = None
-        metrics = body.get("metrics") if body is not None else None
-        facts = (top_names(body["tree"]), metrics if isinstance(metrics, dict) else {}) if body else None
+        facts = (top_names(body["tree"]), body.get("metrics", {})) if body else None
         with self._lock:
             self._known[step] = facts
         return facts
 
 
-def check_metrics(metrics: Any) -> dict[str, float | None]:
-    """``metrics`` given to a save as a dict of names to floats (None for NaN and infinities,
-    which JSON lacks); ConfigError naming a bad entry."""
+def check_metrics(metrics: Any) -> dict[str, float]:
+    """``metrics`` given to a save as a dict of names to floats, NaN and infinities left out (a
+    diverged loss ranks no step; JSON has no such numbers); ConfigError naming a bad entry."""
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping):
         raise ConfigError(f"metrics must be a dict of names to numbers, not {type(metrics).__name__}")
-    checked: dict[str, float | None] = {}
+    checked: dict[str, float] = {}
     for name, value in metrics.items():
         if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"metrics: {name!r}: {value!r} is not a name and a number")
-        checked[name] = float(value) if math.isfinite(value) else None
+        if math.isfinite(value):
+            checked[name] = float(value)
     return checked
 
 

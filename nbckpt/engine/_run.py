@@ -10,7 +10,8 @@ import warnings
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError
-from ._lines import MAIN, Line, ancestry, discover, last_committed, lineage, on, start_branch, write_record
+from ._format import MAIN
+from ._lines import Line, ancestry, discover, last_committed, lineage, on, start_branch, write_record
 from ._mirror import Mirror, mirror_of
 from ._ranks import Group
 from ._reader import Readable

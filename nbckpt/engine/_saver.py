@@ -24,12 +24,12 @@ from .._errors import CheckpointError, ConfigError, describe_error
 from . import _faults, _rng
 from ._config import CheckpointConfig
 from ._files import FileResult, write_image
+from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._handles import SaveHandle, SaveRecord
-from ._layout import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._manifest import build
 from ._provenance import provenance
 from ._ranks import RankInfo
-from ._retention import Retainer, StepFacts, top_names
+from ._retention import Retainer, StepFacts
 from ._shards import check_replicas, fingerprints
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten
@@ -71,7 +71,6 @@ class Saver:
         committed: set[int],
         observer: CommitObserver | None = None,
     ) -> None:
-        """``observer`` is told of each commit (on rank 0)."""
         self.config, self.store, self.ranks, self.timeline, self.io = config, store, ranks, timeline, io
         self._observer = observer if ranks.rank == 0 else None
         self.records: list[SaveRecord] = []
@@ -101,7 +100,7 @@ class Saver:
         sync: bool,
         overlap: bool,
         capture_rng: bool,
-        metrics: Mapping[str, float | None],
+        metrics: Mapping[str, float],
         overwrite: bool,
         owner: object,
     ) -> SaveHandle:
@@ -115,7 +114,10 @@ class Saver:
         self._seq += 1
         seq = self._seq
         flat, layout = self._plan(state, step, seq)
-        self._warn_if_stray(step, flat)
+        slip = self.facts.slip(step, flat.tree, bool(flat.specs or flat.aliases), self.committed,
+                               self._retainer.policy)
+        if slip is not None:  # said before it commits
+            warnings.warn(f"nbckpt: {slip}", stacklevel=3)  # the caller of Checkpointer.save
         if step in self.committed and not overwrite:
             warnings.warn(
                 f"nbckpt: step {step} already exists in {self.store.url} and is replaced; "
@@ -171,24 +173,6 @@ class Saver:
             self.store = store
             self.committed = set(store.committed())
             self.facts = StepFacts(store)  # step numbers of another line are other steps
-
-    def _warn_if_stray(self, step: int, flat: Flattened) -> None:
-        """A save of other names than the run's newest step (``%ckpt_async x`` in a model's run),
-        or of no tensor at all, is most often a slip: said before it commits. Retention keeps
-        the newest ``keep`` of each set of names, so it never rotates the others out."""
-        names = top_names(flat.tree)
-        latest = max((s for s in self.committed if s != step), default=None)
-        before = self.facts.names(latest) if latest is not None else None
-        policy = self._retainer.policy
-        kept = f"; retention keeps {policy} of each" if policy else ""
-        if before is not None and names != before:
-            warnings.warn(
-                f"nbckpt: step {step} holds {_listed(names)}, the newest step ({latest}) holds "
-                f"{_listed(before)}{kept}",
-                stacklevel=4,  # the caller of Checkpointer.save
-            )
-        elif not flat.specs and not flat.aliases:
-            warnings.warn(f"nbckpt: step {step} holds no tensor ({_listed(names)})", stacklevel=4)
 
     def warmup(self, state: Mapping[str, Any]) -> None:
         """Plan ``state``'s structure and fit every slot to it (each slot is taken in turn)."""
@@ -318,7 +302,7 @@ class Saver:
         flat: Flattened,
         layout: Layout,
         rng_state: dict[str, Any] | None,
-        metrics: Mapping[str, float | None],
+        metrics: Mapping[str, float],
         stage_done: Future[tuple[float, int]],
         start: int,
         sync: bool,
@@ -464,6 +448,3 @@ class Saver:
         handle.committed.set_exception(error)
         self.timeline.record("error", began, step=handle.step, message=str(error))
         _log.warning("%s", error)
-
-def _listed(names: tuple[str, ...]) -> str:
-    return ", ".join(repr(n) for n in names) or "nothing"

@@ -22,7 +22,7 @@ import torch
 
 from .._errors import CheckpointError, describe_error
 from .._util import format_bytes
-from ._layout import FileLayout
+from ._format import FileLayout
 from ._state import TensorSpec
 from ._workers import Worker
 

@@ -1,24 +1,13 @@
 """Where checkpoints live, and how one commits: a local (or NFS) directory, or an fsspec URL.
 
-Layout of a run directory::
-
-    run1/
-      .nbckpt.lock             held by the one writer (local only)
-      step-000120/             committed: data files, .metadata, manifest.json (written last)
-      .tmp-step-000140-ab12    a save being written; never counts
-      .trash-step-000100-ab12  a checkpoint being deleted; never counts
-      .old-step-000120-ab12    the previous copy of a step being saved again; put back by the
-                               next open if the new copy never arrived
-
-Exactly one spelling names a step: ``step-`` and at least six ASCII digits, with no extra
-leading zeros (``step-000002``, ``step-1234567``); ``step-2`` or ``step-0000002`` never count.
+The names of a run directory are in ``_format.py``; docs/format.md describes them and the
+commit protocol a :class:`LocalStore` follows.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import stat
 import uuid
@@ -29,33 +18,23 @@ from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import check_path, fsync_dir, is_url
 from . import _faults
 from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths
+from ._format import (
+    LEFTOVER_RE,
+    LOCK_FILE,
+    MANIFEST,
+    MAX_STEP,
+    OLD_PREFIX,
+    PROBE_PREFIX,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    parse_step,
+    step_name,
+)
 from ._lockfile import take_lock
 
-__all__ = [
-    "LOCK_FILE",
-    "MANIFEST",
-    "MAX_STEP",
-    "LocalStore",
-    "Store",
-    "check_step",
-    "open_store",
-    "parse_step",
-    "step_name",
-]
+__all__ = ["LocalStore", "Store", "check_step", "open_store"]
 
-MANIFEST = "manifest.json"
-LOCK_FILE = ".nbckpt.lock"
 _log = logging.getLogger("nbckpt")
-#: The highest step: an int64, as a step counter is in torch and in most JSON readers. Its name
-#: (19 digits) fits any file system; 10**300 would not (ENAMETOOLONG), and 10**5000 cannot
-#: even be turned into text without raising.
-MAX_STEP = 2**63 - 1
-_STEP_RE = re.compile(r"step-([0-9]{6,19})", re.ASCII)
-_LEFTOVER_RE = re.compile(r"\.(tmp|trash|old)-(step-[0-9]{6,19})-[0-9a-f]+", re.ASCII)
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 def check_step(step: Any) -> int:
@@ -67,14 +46,6 @@ def check_step(step: Any) -> int:
     shown = f"an integer of {step.bit_length()} bits" if big else repr(step)[:100]
     bound = " up to 2**63 - 1" if isinstance(step, int) and not isinstance(step, bool) and step > 0 else ""
     raise ConfigError(f"step must be a non-negative integer{bound}, not {shown}")
-
-
-def parse_step(name: str) -> int | None:
-    """The step a directory name stands for, or None (one canonical spelling per step)."""
-    match = _STEP_RE.fullmatch(name)
-    if match is None or int(match.group(1)) > MAX_STEP or step_name(int(match.group(1))) != name:
-        return None
-    return int(match.group(1))
 
 
 class Store(ABC):
@@ -183,7 +154,7 @@ class LocalStore(Store):
                 os.mkdir(directory)
                 # A new directory exists for good only once its parent's entry is on disk.
                 fsync_dir(os.path.dirname(directory))
-            probe = LocalSink(self._path(f".nbckpt-probe-{uuid.uuid4().hex[:8]}"))
+            probe = LocalSink(self._path(f"{PROBE_PREFIX}{uuid.uuid4().hex[:8]}"))
             try:
                 probe.write(memoryview(b"nbckpt"))
                 probe.sync()
@@ -225,7 +196,7 @@ class LocalStore(Store):
         done = []
         names = set(self.names())
         for name in sorted(names):
-            match = _LEFTOVER_RE.fullmatch(name)
+            match = LEFTOVER_RE.fullmatch(name)
             if match is None:
                 continue
             kind, step = match.groups()
@@ -287,13 +258,13 @@ class LocalStore(Store):
             sink.close()
 
     def write_small(self, name: str, data: bytes) -> None:
-        temporary = self._path(f".tmp-{name}-{uuid.uuid4().hex[:8]}")
+        temporary = self._path(f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
         self._write_new(temporary, data)
         os.rename(temporary, self._path(name))
         fsync_dir(self.url)
 
     def begin(self, step: int, nonce: str) -> str:
-        location = self._path(f".tmp-{step_name(step)}-{nonce}")
+        location = self._path(f"{TMP_PREFIX}{step_name(step)}-{nonce}")
         try:
             os.mkdir(location)
         except (FileNotFoundError, NotADirectoryError):
@@ -330,7 +301,7 @@ class LocalStore(Store):
         fsync_dir(location)
         _faults.hit("before_rename")
         final = self._path(step_name(step))
-        old = self._path(f".old-{step_name(step)}-{uuid.uuid4().hex[:8]}")
+        old = self._path(f"{OLD_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")
         replaced = os.path.lexists(final)
         if replaced:
             replaced = self._swap_in(location, final, old)
@@ -380,7 +351,7 @@ class LocalStore(Store):
             _log.warning("nbckpt: could not remove %s: %s", location, describe_error(exc))
 
     def delete(self, step: int) -> None:
-        trash = self._path(f".trash-{step_name(step)}-{uuid.uuid4().hex[:8]}")
+        trash = self._path(f"{TRASH_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")
         os.rename(self._path(step_name(step)), trash)
         fsync_dir(self.url)
         _faults.hit("during_delete")

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._errors import require_extra
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -151,6 +153,7 @@ COLUMNS = [
 
 def events_to_pandas(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
     """One row per event (:data:`COLUMNS`); ``start_s``/``end_s`` are seconds since ``origin_ns``."""
+    require_extra("Timeline.to_pandas")
     import pandas as pd
 
     rows = []

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from ._layout import DCP_VERSION, Layout, pad
+from ._format import DCP_VERSION, Layout, pad
 from ._state import decode, node_tensors
 from ._torch_compat import storage_info
 

@@ -14,7 +14,7 @@ Importing this package imports no framework: each lives in its module.
 
 from __future__ import annotations
 
-from ._common import load, read_pointer, resolve
+from ._common import load
 from ._export import export
 
-__all__ = ["export", "load", "read_pointer", "resolve"]
+__all__ = ["export", "load"]

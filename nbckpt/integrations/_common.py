@@ -24,9 +24,9 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from .._util import fsync_dir
 from ..engine import Checkpointer
+from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT
 
 __all__ = [
-    "POINTER_FORMAT",
     "Key",
     "Pointer",
     "Scalar",
@@ -40,9 +40,6 @@ __all__ = [
     "write_pointer",
 ]
 
-POINTER_FORMAT = "nbckpt-pointer/1"
-#: A pointer is a few hundred bytes; anything larger at a checkpoint path is some other file.
-_POINTER_LIMIT = 64 << 10
 #: A step directory: nbckpt's (``step-000120``) or plain DCP's as torchtitan names them (``step-120``).
 _STEP_DIR_RE = re.compile(r"step-([0-9]{1,19})", re.ASCII)
 #: A key of a dict or an index of a list on the way to a value; a value that JSON keeps exactly.
@@ -110,10 +107,10 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            head = f.read(_POINTER_LIMIT + 1)
+            head = f.read(POINTER_LIMIT + 1)
     except IsADirectoryError:
         return None
-    if len(head) > _POINTER_LIMIT or not head.lstrip().startswith(b"{"):
+    if len(head) > POINTER_LIMIT or not head.lstrip().startswith(b"{"):
         return None
     try:
         body = json.loads(head)

@@ -29,7 +29,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from .._errors import ConfigError
-from ..engine import Checkpointer, SaveHandle
+from ..engine import Checkpointer, RetentionPolicy, SaveHandle
 
 __all__ = ["AcceleratorCheckpointer"]
 
@@ -47,7 +47,8 @@ class AcceleratorCheckpointer:
     """Checkpoints of everything ``accelerator`` tracks, to ``directory``; create it after
     ``accelerator.prepare(...)`` (and ``register_for_checkpointing``), on every rank.
 
-    ``keep`` committed checkpoints stay on disk (None keeps all); ``mode="sync"`` makes each save
+    ``keep`` committed checkpoints stay on disk, or those a retention policy such as
+    ``AnyOf(LatestN(2), EveryNSteps(1000))`` keeps (None keeps all); ``mode="sync"`` makes each save
     durable before it returns; ``options`` are other :class:`~nbckpt.CheckpointConfig` fields.
     """
 
@@ -56,7 +57,7 @@ class AcceleratorCheckpointer:
         accelerator: Accelerator,
         directory: str | os.PathLike[str],
         *,
-        keep: int | None = None,
+        keep: int | RetentionPolicy | None = None,
         mode: str = "async",
         **options: Any,
     ) -> None:

@@ -8,7 +8,9 @@
 The Trainer's own policy decides *when* to save (``save_strategy``, ``save_steps``); at each of
 those moments the callback starts an nbckpt save of the model, optimizer, LR scheduler, RNG
 states and ``TrainerState``, returns once it is copied, and tells the Trainer not to write its own
-synchronous ``checkpoint-N/`` folder. ``keep`` plays ``save_total_limit``'s part. When the step
+synchronous ``checkpoint-N/`` folder. ``keep`` plays ``save_total_limit``'s part (a number, or a
+retention policy such as ``BestN("eval_loss", 2)``: each save carries the step's evaluation
+metrics); as with ``save_total_limit``, the Trainer's best step is kept too. When the step
 is also evaluated, the save waits for the evaluation, as the Trainer's own does, so the saved
 state knows the step's metrics and the best one so far.
 
@@ -26,8 +28,7 @@ not per save.
 
 ``load_best_model_at_end=True`` works as with the Trainer's checkpoints: the best step is the
 newest saved step whose metric was the best so far, and at the end of training its weights are
-loaded into the model and ``state.best_model_checkpoint`` names its step directory. It needs
-``keep=None`` (``keep`` would delete the best step as it ages).
+loaded into the model and ``state.best_model_checkpoint`` names its step directory.
 
 Not covered: ``save_strategy="best"`` (the Trainer decides that save after evaluating, where no
 callback can take it over: the Trainer then saves itself), DeepSpeed and FSDP (their optimizer
@@ -52,7 +53,8 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import WEIGHTS_NAME
 
 from .._errors import ConfigError
-from ..engine import CheckpointConfig, Checkpointer, SaveHandle, step_name
+from ..engine import AnyOf, CheckpointConfig, Checkpointer, CustomSteps, RetentionPolicy, SaveHandle
+from ..engine._internal import step_name
 from ._common import atomic_torch_save, atomic_write
 
 __all__ = ["NbckptCallback"]
@@ -65,16 +67,17 @@ _RESERVED = {"capture_rng", "ranks", "read_only"}
 class NbckptCallback(TrainerCallback):  # type: ignore[misc]
     """Takes over the Trainer's checkpoint saves with asynchronous nbckpt saves to ``directory``.
 
-    ``keep`` committed checkpoints stay on disk (None keeps all); ``mode="sync"`` makes each
-    save durable before training goes on; ``options`` are other :class:`~nbckpt.CheckpointConfig`
-    fields. Host memory: ``max_inflight`` copies of the state (1 by default).
+    ``keep`` committed checkpoints stay on disk, or those a retention policy keeps (None keeps
+    all), and the Trainer's best step; ``mode="sync"`` makes each save durable before training
+    goes on; ``options`` are other :class:`~nbckpt.CheckpointConfig` fields. Host memory:
+    ``max_inflight`` copies of the state (1 by default).
     """
 
     def __init__(
         self,
         directory: str | os.PathLike[str],
         *,
-        keep: int | None = None,
+        keep: int | RetentionPolicy | None = None,
         mode: str = "async",
         **options: Any,
     ) -> None:
@@ -85,7 +88,10 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
                 "format, every rank saving its part); drop it"
             )
         self.directory = os.path.abspath(os.fspath(directory))
-        self._config = CheckpointConfig.build(None, mode=mode, keep=keep, **options)  # fail now, not mid-run
+        config = CheckpointConfig.build(None, mode=mode, keep=keep, **options)  # fail now, not mid-run
+        if config.retention is not None:  # as save_total_limit does, never delete the best step
+            config = CheckpointConfig.build(config, keep=AnyOf(config.retention, CustomSteps(self._best)))
+        self._config = config
         self._ckpt: Checkpointer | None = None
         self._saved: set[int] = set()  # steps on disk at the start and saved since: the same on every rank
         self.handles: list[SaveHandle] = []
@@ -110,11 +116,6 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if args.load_best_model_at_end and self._config.keep is not None:
-            raise ConfigError(
-                f"NbckptCallback(keep={self._config.keep}) would delete the best step before "
-                "load_best_model_at_end loads it; pass keep=None"
-            )
         _ = self.ckpt  # open now: a bad directory fails before training, on every rank
 
     # -- saving -------------------------------------------------------------------------------
@@ -198,8 +199,13 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         if objects.get("lr_scheduler") is not None:
             saved["lr_scheduler"] = objects["lr_scheduler"]
         self.handles = [h for h in self.handles if not h.done()]
-        self.handles.append(self.ckpt.save(saved, step=state.global_step, overwrite=True))
+        numbers = {k: v for k, v in (metrics or {}).items() if type(v) in (int, float)}  # for BestN
+        self.handles.append(self.ckpt.save(saved, step=state.global_step, overwrite=True, metrics=numbers))
         control.should_save = False  # saved here: the Trainer skips its synchronous checkpoint-N/
+
+    def _best(self) -> tuple[int, ...]:
+        """The step the retention policy keeps beside ``keep``'s: the Trainer's best."""
+        return () if self.best_step is None else (self.best_step,)
 
     # -- resuming -----------------------------------------------------------------------------
 

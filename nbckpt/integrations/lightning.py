@@ -4,26 +4,18 @@
 >>> trainer = Trainer(plugins=[NbckptCheckpointIO()], callbacks=[ModelCheckpoint(save_last=True)])
 >>> trainer.fit(model, ckpt_path="last")
 
-Lightning names checkpoints by path (``epoch=3-step=40.ckpt``, ``last.ckpt``) and keeps its own
-top-k. Each path becomes a small JSON *pointer* naming a step of one nbckpt directory,
-``.nbckpt/`` beside the pointers; the pointer is written once that step has committed, so
-``fit(ckpt_path="last")`` never finds a name for a checkpoint that is not durable.
-
-One ``ModelCheckpoint`` event is one write. With ``save_last=True`` Lightning saves twice per event
-(the top-k name, then ``last``), changing ``last_model_path`` in between. A save whose tensors are
-those of the step written last (storage and version counter) is not written again: its pointer
-names that step and carries the plain values that differ, put back in place when it is loaded.
-A step no pointer names any more (top-k removed it, ``last`` moved on) is deleted once no save is
-in flight, so removal never waits for a background write.
-
-``save_checkpoint`` returns once the state is copied into host memory; the write runs in the
-background. ``teardown`` (the end of ``fit``) waits for every write and raises one that failed.
-Under DDP only global rank 0 saves (Lightning calls the plug-in there alone); the directory is
-opened rank-locally, and every rank reads checkpoints without a lock.
+Each path Lightning saves to (``epoch=3-step=40.ckpt``, ``last.ckpt``) becomes a small JSON
+*pointer* naming a step of one nbckpt directory, ``.nbckpt/`` beside it, written once that step has
+committed: ``fit(ckpt_path="last")`` never finds a name for a checkpoint that is not durable.
+One ``ModelCheckpoint`` event is one write: a save whose tensors are those of the step written
+last (same storage and version counter: ``save_last`` saves the top-k state again) names that
+step, its pointer carrying the plain values that differ. Retention is the engine's:
+``keep=CustomSteps(<the steps the names point to>)``, applied after each commit and when a name
+is removed. ``teardown`` waits for every write and raises one that failed. Under DDP only global
+rank 0 saves (Lightning calls the plug-in there alone); every rank reads without a lock.
 
 ``Model.load_from_checkpoint(path)`` reads the file with ``torch.load`` and bypasses plug-ins:
-use :func:`load_from_checkpoint` here (``load_from_checkpoint(Model, path)``), or turn a pointer
-into a real Lightning checkpoint with :func:`nbckpt.integrations.export`.
+use :func:`load_from_checkpoint` here, or :func:`nbckpt.integrations.export` for a real file.
 """
 
 from __future__ import annotations
@@ -34,14 +26,14 @@ import shutil
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url
-from ..engine import CheckpointConfig, Checkpointer, SaveHandle, SaveRecord
+from ..engine import CheckpointConfig, Checkpointer, CustomSteps, SaveHandle, SaveRecord
 from ._common import Key, Pointer, load, load_step, pointers_in, read_pointer, resolve, write_pointer
 
 if TYPE_CHECKING:
@@ -72,34 +64,13 @@ _PLAIN = (bool, int, float, str, torch.dtype, torch.device)  # compared by value
 
 @dataclass
 class _Written:
-    """The step written last to a directory: what it holds (see :func:`_skeleton`), and references
-    that keep its tensors alive, so their memory cannot be reused by new ones."""
+    """The step written last to a directory: its save, what it holds (see :func:`_skeleton`), and
+    its tensors, kept alive so that their memory cannot be reused by new ones."""
 
+    handle: SaveHandle
     shape: Any
     scalars: dict[tuple[Key, ...], Any]
-    keep: list[torch.Tensor]
-    step: int
-
-
-@dataclass
-class _Root:
-    """One nbckpt directory (``<checkpoint dir>/.nbckpt``) opened for writing by this process."""
-
-    path: str
-    ckpt: Checkpointer
-    next_step: int
-    handles: dict[int, SaveHandle] = field(default_factory=dict)
-    written: _Written | None = None
-
-    def idle(self) -> bool:
-        return all(h.done() for h in self.handles.values())
-
-    def alive(self, step: int) -> bool:
-        """Whether ``step`` is committed, or being saved and not failed."""
-        handle = self.handles.get(step)
-        if handle is not None:
-            return not (handle.done() and handle.error is not None)
-        return step in self.ckpt.steps()
+    tensors: list[torch.Tensor]
 
 
 class NbckptCheckpointIO(CheckpointIO):
@@ -107,8 +78,8 @@ class NbckptCheckpointIO(CheckpointIO):
 
     ``mode="sync"`` makes every save durable before it returns. ``options`` are any other
     :class:`~nbckpt.CheckpointConfig` fields (``max_inflight``, ``writer_threads``, ``verify``,
-    ...); ``ranks``, ``keep`` and ``read_only`` are decided here (rank-local, Lightning keeps its
-    top-k, writing). Host memory: ``max_inflight`` copies of the checkpoint per checkpoint
+    ...); ``ranks``, ``keep`` and ``read_only`` are decided here (rank-local, the steps Lightning's
+    names point to, writing). Host memory: ``max_inflight`` copies of the checkpoint per checkpoint
     directory, held until ``teardown``.
     """
 
@@ -122,14 +93,13 @@ class NbckptCheckpointIO(CheckpointIO):
         options["mode"] = mode
         CheckpointConfig.build(None, **options)  # a bad option fails now, not in the middle of fit()
         self._options = options
-        self._roots: dict[str, _Root] = {}
+        self._roots: dict[str, Checkpointer] = {}  # by nbckpt directory
+        self._written: dict[str, _Written] = {}
         self._records: list[SaveRecord] = []
-        self._lock = threading.Condition()  # pointer bookkeeping only; never held across a save
-        self._pending: dict[str, Pointer] = {}  # pointer files not yet written, by path
+        self._lock = threading.Lock()  # pointer bookkeeping only; never held across a save
+        self._pending: dict[str, tuple[Pointer, SaveHandle]] = {}  # pointers not yet written, by path
         self._errors: list[CheckpointError] = []
         _register_with_twin()
-
-    # -- saving -------------------------------------------------------------------------------
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
@@ -142,54 +112,51 @@ class NbckptCheckpointIO(CheckpointIO):
             raise ConfigError(f"checkpoint must be a dict, not {type(checkpoint).__name__}")
         target = _local_path(path)
         self._raise_errors()
-        root = self._open(os.path.dirname(target))
-        self._collect(root)
-        keep: list[torch.Tensor] = []
-        shape, scalars = _skeleton(checkpoint, keep)
-        written, changed = root.written, None
-        if written is not None and written.shape == shape and root.alive(written.step):
-            changed = [(path, pair[1]) for path, pair in scalars.items() if written.scalars[path] != pair]
-        if written is None or changed is None or len(changed) > _MAX_VALUES:  # a step of its own
-            root.written = None  # drop the old references before copying the new state
-            step = root.next_step
-            root.next_step += 1
-            root.handles[step] = root.ckpt.save(dict(checkpoint), step)
-            written, changed = _Written(shape, scalars, keep, step), []
-            root.written = written
-        self._name(root, target, Pointer(root.path, written.step, tuple(changed)))
-
-    def _name(self, root: _Root, target: str, pointer: Pointer) -> None:
-        """Write the pointer file ``target`` once the step it names has committed."""
+        root = os.path.join(os.path.dirname(target), ROOT_NAME)
+        ckpt = self._open(root)
+        tensors: list[torch.Tensor] = []
+        shape, scalars = _skeleton(checkpoint, tensors)
+        last, changed = self._written.get(root), None
+        if last is not None and last.shape == shape and not (last.handle.done() and last.handle.error):
+            changed = [(path, pair[1]) for path, pair in scalars.items() if last.scalars[path] != pair]
+        if last is None or changed is None or len(changed) > _MAX_VALUES:  # a step of its own
+            step = (last.handle.step if last is not None else ckpt.latest_step() or 0) + 1
+            self._written.pop(root, None)  # drop the old references before copying the new state
+            last, changed = _Written(ckpt.save(dict(checkpoint), step), shape, scalars, tensors), []
+            self._written[root] = last
+        pending = (Pointer(root, last.handle.step, tuple(changed)), last.handle)
         with self._lock:
-            self._pending[target] = pointer  # supersedes an earlier save to this name
-        handle = root.handles.get(pointer.step)
-        if handle is None or handle.done():
-            self._write(target, pointer, handle)
+            self._pending[target] = pending  # supersedes an earlier save to this name
+        if last.handle.done():
+            self._write(target, pending)
+            ckpt.retain()  # the step this name pointed to before may be free now
         else:
-            handle.committed.add_done_callback(lambda _: self._write(target, pointer, handle))
+            last.handle.committed.add_done_callback(lambda _: self._write(target, pending))
 
-    def _write(self, target: str, pointer: Pointer, handle: SaveHandle | None) -> None:
-        # Runs on nbckpt's committing thread, or on the caller's for a step already committed.
+    def _write(self, target: str, pending: tuple[Pointer, SaveHandle]) -> None:
+        """Write the pointer file ``target`` of a finished save, if it is still the one to write:
+        on nbckpt's committing thread (before its retention pass), or on the caller's."""
         with self._lock:
+            if self._pending.get(target) is not pending:
+                return  # written already, renamed or removed meanwhile
+            del self._pending[target]
             try:
-                if self._pending.get(target) != pointer:
-                    return  # renamed or removed while the step was being written
-                if handle is not None and handle.error is not None:
-                    return  # the save's own error reaches the caller from the next call
-                write_pointer(target, pointer, writer="nbckpt.integrations.lightning.NbckptCheckpointIO")
+                if pending[1].error is None:  # a save's own error reaches the caller from nbckpt
+                    write_pointer(target, pending[0], writer=f"{__name__}.NbckptCheckpointIO")
             except BaseException as exc:  # raised from the caller's next call, never lost here
                 error = CheckpointError(f"writing the pointer {target} failed: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
                 self._errors.append(error)
-            finally:
-                if self._pending.get(target) == pointer:
-                    del self._pending[target]
-                self._lock.notify_all()
 
-    # -- removing -----------------------------------------------------------------------------
+    def _named(self, root: str) -> set[int]:
+        """The steps of ``root`` that a name points to (the retention policy's answer), pending
+        names first: a pointer written meanwhile is then seen on disk."""
+        with self._lock:
+            named = {p.step for p, _ in self._pending.values() if p.root == root}
+        return named | {p.step for _, p in pointers_in(os.path.dirname(root)) if p.root == root}
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the name ``path``; its step goes once no name is left on it and no save is in flight."""
+        """Remove the name ``path``; its step goes once no name is left on it (in the background)."""
         target = _local_path(path)
         with self._lock:
             self._pending.pop(target, None)
@@ -197,129 +164,89 @@ class NbckptCheckpointIO(CheckpointIO):
             os.unlink(target)  # a pointer, Lightning's "last" link, or a file of an older run
         elif os.path.isdir(target):
             shutil.rmtree(target)
-        root = self._roots.get(os.path.join(os.path.dirname(target), ROOT_NAME))
-        if root is not None:
-            self._collect(root)
-
-    def _collect(self, root: _Root, *, force: bool = False) -> None:
-        """Delete the steps of ``root`` that no pointer names, when no save is in flight
-        (``Checkpointer.delete`` waits for saves in flight: that would stall training)."""
-        if not (force or root.idle()):
-            return
-        root.handles = {s: h for s, h in root.handles.items() if not h.done()}
-        with self._lock:  # pending first: a pointer written meanwhile is then seen on disk
-            named = {p.step for p in self._pending.values() if p.root == root.path}
-        named |= {p.step for _, p in pointers_in(os.path.dirname(root.path)) if p.root == root.path}
-        for step in root.ckpt.steps():
-            if step not in named:
-                root.ckpt.delete(step)
-        if root.written is not None and root.written.step not in named:
-            root.written = None
-
-    # -- loading ------------------------------------------------------------------------------
+        ckpt = self._roots.get(os.path.join(os.path.dirname(target), ROOT_NAME))
+        if ckpt is not None:
+            ckpt.retain()
 
     def load_checkpoint(
-        self,
-        path: str | os.PathLike[str],
-        map_location: Any | None = None,
-        weights_only: bool | None = None,
+        self, path: str | os.PathLike[str], map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """The checkpoint named ``path`` as Lightning's nested dict (tensors on CPU by default).
-
-        A file that is not an nbckpt pointer (a checkpoint Lightning wrote itself) is loaded by
-        Lightning's own ``TorchCheckpointIO``, so a run can resume from either.
-        """
+        """The checkpoint named ``path`` as Lightning's nested dict (tensors on CPU by default); a
+        file Lightning wrote itself is loaded by its own ``TorchCheckpointIO``."""
         target = _local_path(path)
-        location = _map_location(map_location)
         with self._lock:
-            pointer = self._pending.get(target)
-        if pointer is None and os.path.isfile(target):
-            pointer = read_pointer(target)
-        if pointer is None and os.path.isdir(target):
-            pointer = resolve(target)
-        if pointer is None:  # a file Lightning wrote itself
+            pointer = self._pending[target][0] if target in self._pending else None
+        if pointer is None and os.path.isfile(target) and read_pointer(target) is None:
             own = TorchCheckpointIO().load_checkpoint
             return own(target, map_location=map_location, weights_only=weights_only)
-        root = self._roots.get(pointer.root)  # this process writes there: read through its Checkpointer
-        return load_step(pointer, map_location=location, ckpt=root.ckpt if root is not None else None)
-
-    # -- lifetime -----------------------------------------------------------------------------
+        pointer = pointer or resolve(target)  # a pointer file, or a step directory
+        location = None if callable(map_location) else map_location  # Lightning's default: on CPU
+        return load_step(pointer, map_location=location, ckpt=self._roots.get(pointer.root))
 
     @property
     def records(self) -> list[SaveRecord]:
         """What each committed save cost (stall, persist time, bytes), in commit order."""
-        return [*self._records, *(r for root in self._roots.values() for r in root.ckpt.records)]
+        return [*self._records, *(r for ckpt in self._roots.values() for r in ckpt.records)]
 
     @property
     def host_bytes(self) -> int:
         """Host memory held for staging now (released by ``teardown``)."""
-        return sum(root.ckpt.host_bytes for root in self._roots.values())
+        return sum(ckpt.host_bytes for ckpt in self._roots.values())
 
     def wait(self) -> None:
         """Block until every save in flight has committed and its name is written; raise a failure."""
-        for root in list(self._roots.values()):
-            root.ckpt.wait()
-        late = self._drain()
-        if late is not None:
-            raise late
-        self._raise_errors()
-
-    def teardown(self) -> None:
-        """Wait for every save and pointer, delete unnamed steps, release the directories and memory.
-
-        Raises the first background error (a CheckpointError) once everything is closed.
-        """
-        errors: list[CheckpointError] = []
-        for root in list(self._roots.values()):
-            try:
-                root.ckpt.wait()
-            except CheckpointError as exc:
-                errors.append(exc)
-        late = self._drain()
-        if late is not None:
-            errors.append(late)
-        for path, root in list(self._roots.items()):
-            try:
-                if not errors:
-                    self._collect(root, force=True)
-                self._records.extend(root.ckpt.records)
-                root.ckpt.close()
-            except CheckpointError as exc:
-                errors.append(exc)
-            finally:
-                del self._roots[path]
-        with self._lock:
-            self._pending.clear()
-            errors.extend(self._errors)
-            self._errors.clear()
+        errors = self._settle()
         if errors:
             raise errors[0]
 
-    def _drain(self) -> CheckpointError | None:
-        """Wait for the pointers of finished saves: the committing thread writes each right after
-        its commit (or drops it, for a failed save), so none stays pending for long."""
+    def teardown(self) -> None:
+        """Wait for every save and pointer, release the directories and memory; raise the first
+        background error (a CheckpointError) once everything is closed."""
+        errors = self._settle()
+        self._written.clear()
+        for root, ckpt in list(self._roots.items()):
+            try:
+                self._records.extend(ckpt.records)
+                ckpt.close()
+            except CheckpointError as exc:
+                errors.append(exc)
+            finally:
+                del self._roots[root]
+        if errors:
+            raise errors[0]
+
+    def _settle(self) -> list[CheckpointError]:
+        """Wait for the saves, write the pointers their callbacks have not written yet (the
+        callbacks may run after the wait returns); every error so far, taken."""
+        errors: list[CheckpointError] = []
+        for ckpt in list(self._roots.values()):
+            try:
+                ckpt.wait()
+            except CheckpointError as exc:
+                errors.append(exc)
         with self._lock:
-            if self._lock.wait_for(lambda: not self._pending, timeout=60.0):
-                return None
-        return CheckpointError("pointer files were not written within 60 s of their commits")
+            pending = list(self._pending.items())
+        for target, entry in pending:
+            self._write(target, entry)
+        with self._lock:
+            errors.extend(self._errors)
+            self._errors.clear()
+        return errors
 
     def _raise_errors(self) -> None:
         with self._lock:
-            if not self._errors:
-                return
-            error = self._errors.pop(0)
-        raise error
+            error = self._errors.pop(0) if self._errors else None
+        if error is not None:
+            raise error
 
-    def _open(self, directory: str) -> _Root:
-        path = os.path.join(directory, ROOT_NAME)
-        root = self._roots.get(path)
-        if root is None:
-            os.makedirs(directory, exist_ok=True)
-            ckpt = Checkpointer(path, ranks="local", **self._options)
-            root = _Root(path, ckpt, next_step=(ckpt.latest_step() or 0) + 1)
-            self._roots[path] = root
-            self._collect(root)  # steps of a killed run that no pointer ever named
-        return root
+    def _open(self, root: str) -> Checkpointer:
+        ckpt = self._roots.get(root)
+        if ckpt is None:
+            os.makedirs(os.path.dirname(root), exist_ok=True)
+            policy = CustomSteps(lambda: self._named(root))
+            ckpt = self._roots[root] = Checkpointer(root, ranks="local", keep=policy, **self._options)
+            ckpt.retain()  # steps of a killed run that no pointer ever named
+        return ckpt
 
     def __repr__(self) -> str:
         return f"NbckptCheckpointIO(mode={self._options['mode']!r}, directories={sorted(self._roots)})"
@@ -329,8 +256,8 @@ def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: 
     """``cls.load_from_checkpoint(path, **kwargs)`` for a path nbckpt saved (a pointer), or any other.
 
     Lightning's ``load_from_checkpoint`` reads the file with ``torch.load`` and never asks a
-    plug-in; this loads the checkpoint the pointer names and hands it to Lightning's own
-    loader, so hyperparameters, ``on_load_checkpoint`` and ``strict`` behave as usual.
+    plug-in; this hands the checkpoint the pointer names to Lightning's own loader, so
+    hyperparameters, ``on_load_checkpoint`` and ``strict`` behave as usual.
     """
     loader: Callable[..., _T] | None = getattr(cls, "load_from_checkpoint", None)
     if loader is None:
@@ -338,9 +265,8 @@ def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: 
     target = _local_path(path)
     if os.path.isfile(target) and read_pointer(target) is None:
         return loader(target, **kwargs)
-    checkpoint = load(target)
     buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
+    torch.save(load(target), buffer)
     buffer.seek(0)
     # These bytes were pickled a line above from values nbckpt decoded as JSON: nothing foreign
     # is unpickled, and weights_only would refuse saved hyperparameters such as a Namespace.
@@ -359,15 +285,7 @@ def _local_path(path: Any) -> str:
     return os.path.abspath(text.removeprefix("file://"))
 
 
-def _map_location(map_location: Any) -> str | torch.device | None:
-    if map_location is None or callable(map_location):
-        return None  # Lightning's default (lambda storage, loc: storage) keeps tensors on CPU
-    if isinstance(map_location, (str, torch.device)):
-        return map_location
-    raise ConfigError(f"map_location must be a device or a device name, not {type(map_location).__name__}")
-
-
-def _skeleton(checkpoint: Any, keep: list[torch.Tensor]) -> tuple[Any, dict[tuple[Key, ...], Any]]:
+def _skeleton(checkpoint: Any, tensors: list[torch.Tensor]) -> tuple[Any, dict[tuple[Key, ...], Any]]:
     """What a checkpoint holds, in two parts: its shape, comparable with ``==`` (keys, lengths,
     tensors by storage, place and version counter: an in-place update bumps it), and its plain
     scalars by path, the values a pointer can carry. Anything else never compares equal, so a
@@ -379,24 +297,21 @@ def _skeleton(checkpoint: Any, keep: list[torch.Tensor]) -> tuple[Any, dict[tupl
         if depth > 64:
             return object()
         if isinstance(value, torch.Tensor):
-            keep.append(value)
+            tensors.append(value)
             try:
                 version, data = value._version, value.untyped_storage().data_ptr()
             except (RuntimeError, NotImplementedError):  # inference or wrapper tensors
                 return object()
-            layout = (value.storage_offset(), tuple(value.shape), value.stride(), value.dtype, value.device)
+            layout = (value.storage_offset(), value.shape, value.stride(), value.dtype, value.device)
             return ("t", data, *layout, version)
-        if type(value) in _SCALARS:
-            if path is None:
-                return (type(value), value)
+        if type(value) in _SCALARS and path is not None:
             scalars[path] = (type(value), value)
             return "v"
         if isinstance(value, _PLAIN) or type(value).__module__ == "pathlib":
             return (type(value), value)
-        if isinstance(value, Mapping):
-            return ("d", tuple((k, shape(v, _sub(path, k), depth + 1)) for k, v in value.items()))
-        if isinstance(value, list):
-            return ("l", tuple(shape(v, _sub(path, i), depth + 1) for i, v in enumerate(value)))
+        if isinstance(value, (Mapping, list)):
+            items = value.items() if isinstance(value, Mapping) else enumerate(value)
+            return (type(value) is list, tuple((k, shape(v, _sub(path, k), depth + 1)) for k, v in items))
         if isinstance(value, tuple):  # not assignable in place: its scalars are shape
             return ("u", tuple(shape(v, None, depth + 1) for v in value))
         return object()

@@ -166,7 +166,7 @@ AUTOSAVE_ARGS = (
 @functools.cache
 def bench_parser(doc: str | None) -> MagicArgumentParser:
     """``%ckpt_bench``'s parser: ``nbckpt bench``'s options plus ``--static``."""
-    from .. import bench
+    from ..bench import _internal as bench
 
     parser = _parser("ckpt_bench", doc)
     bench.add_bench_arguments(parser)

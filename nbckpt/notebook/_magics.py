@@ -310,7 +310,7 @@ class CheckpointMagics(Magics):
         foreground, prints progress, shows static figures and returns the Comparison, which
         displays as its results table.
         """
-        from .. import bench
+        from ..bench import _internal as bench
         from ._lab import Lab, live_lab
 
         if args.static or _batch_run(self.shell):

@@ -25,7 +25,7 @@ _REGISTRY_PALETTE = (
 def strategy_colour(strategy: str) -> str:
     """The colour a strategy has in every figure: by its place in ``nbckpt.bench.STRATEGIES``,
     past the palette (and for names never registered) a stable pick by name."""
-    from ..bench import STRATEGIES
+    from ..bench._internal import STRATEGIES
 
     registered = list(STRATEGIES)
     if strategy in registered and registered.index(strategy) < len(_REGISTRY_PALETTE):

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from .._errors import ConfigError
-from ..analysis import load_published, waste_curve
+from ..analysis._internal import load_published, waste_curve
 from ._plotting import output, require_columns, strategy_colour
 
 __all__ = [
@@ -96,7 +96,7 @@ def stall_figure(
     parts = {"save_stall_s", "wait_s"} <= set(rows.columns)
     if parts:
         # the stall in its two parts, by the names every table uses (nbckpt.bench.STALL_NAMES)
-        from ..bench import STALL_NAMES
+        from ..bench._internal import STALL_NAMES
 
         for column, opacity in (("save_stall_s", 1.0), ("wait_s", 0.45)):
             name = STALL_NAMES[column]
@@ -168,7 +168,7 @@ def overhead_figure(results_df: pd.DataFrame, *, widget: bool = False) -> go.Fig
     interval that contains 0), each repeat's overhead and what it rests on in the hover; a
     partial row (stopped) is drawn paler (``nbckpt.bench.OVERHEAD_METHOD``)."""
     require_columns(results_df, {"strategy", "overhead_pct", "overhead_ci_pct"}, "overhead_figure")
-    from ..bench import overhead_text, per_repeat_text
+    from ..bench._internal import overhead_text, per_repeat_text
 
     rows = results_df[(results_df["strategy"] != "none") & results_df["overhead_pct"].notna()]
     records = rows.to_dict(orient="records")

@@ -23,7 +23,8 @@ from IPython.core.error import UsageError
 
 from .._errors import CheckpointError, ConfigError, NbckptError
 from .._util import check_path, format_bytes, is_url, open_fsspec, run_directory
-from ..engine import CheckpointConfig, Checkpointer, events_to_pandas, now_ns
+from ..engine import CheckpointConfig, Checkpointer
+from ..engine._internal import events_to_pandas, now_ns
 from ._cell import CheckpointFailed, Interrupted, engine_call, one_line
 from ._save_status import Save
 

@@ -16,7 +16,8 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from .._util import GB, format_bytes
-from ..engine import Event, events_to_pandas
+from ..engine import Event
+from ..engine._internal import events_to_pandas
 from ._plotting import output, require_columns, strategy_colour
 
 __all__ = [

@@ -13,18 +13,14 @@ from nbckpt.analysis import (
     DEFAULTS,
     advise,
     checkpoint_gb,
-    cluster_mtbf_s,
     compare_modes,
     expected_waste,
-    mlperf_checkpoint_sizes,
-    node_mtbf_hours,
     project_scale,
-    waste_curve,
     young_daly_interval,
 )
 from nbckpt.analysis._costs import measurements
-from nbckpt.analysis._interval import ADVICE_COLUMNS
-from nbckpt.analysis._projection import PROJECTION_COLUMNS
+from nbckpt.analysis._interval import ADVICE_COLUMNS, cluster_mtbf_s, node_mtbf_hours, waste_curve
+from nbckpt.analysis._projection import PROJECTION_COLUMNS, mlperf_checkpoint_sizes
 
 
 def test_young_interval_is_sqrt_2cm() -> None:
@@ -324,7 +320,7 @@ def test_a_drag_that_is_noise_counts_as_zero_and_a_measured_one_as_measured() ->
     """The report's table showed drag -0.18 s for the sync strategies and the advisor 0, with no
     word why: now the table says "noise" where the interval contains 0, and the advisor counts
     exactly those (and any drag below 0) as 0."""
-    from nbckpt import bench
+    from nbckpt.bench import _internal as bench
 
     results = pd.DataFrame({
         "strategy": ["torch-save", "nbckpt-async", "nbckpt-sync"],

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from nbckpt.analysis import DIFF_COLUMNS, DIFF_STATUSES, diff_states
+from nbckpt.analysis._diff import DIFF_COLUMNS, DIFF_STATUSES, diff_states
 
 
 def by_key(frame: pd.DataFrame) -> dict[str, dict[str, Any]]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nbckpt import bench
+from nbckpt.bench import _stats
 from tests.helpers.load import spinning_core
 
 
@@ -46,7 +47,7 @@ def test_beside_a_spinning_core_torch_save_is_measurably_slower(tmp_path: Path,
     torch_save, ours = rows.loc["torch-save"], rows.loc["nbckpt-async"]
     lo = torch_save["overhead_ci_pct"][0]
     assert lo > 0, comparison.table()  # measurably slower than none
-    assert "no measurable" not in bench.overhead_text(torch_save.to_dict())
+    assert "no measurable" not in _stats.overhead_text(torch_save.to_dict())
     assert torch_save["overhead_basis"] == "3 repeats, 12 cycles"
     assert all(value > 0 for value in torch_save["overhead_by_repeat_pct"])
     # the stall of one save: nbckpt-async's copy against torch-save's whole write

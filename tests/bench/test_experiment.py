@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from nbckpt import Checkpointer, ConfigError, Event, bench
-from nbckpt.bench import _compare, _load, _stats
+from nbckpt.bench import _aggregate, _compare, _comparison, _load, _measure, _runner, _stats
 from nbckpt.bench._workloads import SyntheticWorkload
 
 MB = 1 << 20
@@ -28,7 +28,7 @@ def small_workload() -> SyntheticWorkload:
 
 def test_run_records_every_step_stall_and_engine_phase(tmp_path: Any) -> None:
     seen: list[Event] = []
-    result = bench.run_experiment(
+    result = _runner.run_experiment(
         small_workload(), "nbckpt-async", str(tmp_path), steps=6, every=3,
         on_event=seen.append, warmup=True,
     )
@@ -61,7 +61,7 @@ def test_run_records_every_step_stall_and_engine_phase(tmp_path: Any) -> None:
 
 
 def test_overlap_counts_the_wait_before_the_next_update_as_stall(tmp_path: Any) -> None:
-    result = bench.run_experiment(
+    result = _runner.run_experiment(
         small_workload(), "nbckpt-async-overlap", str(tmp_path), steps=5, every=2
     )
     stalls = [(e.step, e.detail["part"]) for e in result.events if e.kind == "stall"]
@@ -84,7 +84,7 @@ def test_stop_ends_the_run_after_the_step_and_saves_commit(tmp_path: Any) -> Non
         if event.kind == "stall" and event.step == 2:
             stop.set()
 
-    result = bench.run_experiment(
+    result = _runner.run_experiment(
         small_workload(), "nbckpt-async", str(tmp_path), steps=50, every=1,
         on_event=on_event, stop=stop,
     )
@@ -116,7 +116,7 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
     assert list(comparison.runs["strategy"]) == [name for name, _ in reported]
 
     results = comparison.results
-    assert list(results.columns) == bench.RESULT_COLUMNS
+    assert list(results.columns) == _aggregate.RESULT_COLUMNS
     assert list(results["strategy"]) == ["none", "torch-save", "nbckpt-async"]
     rows = results.set_index("strategy")
     assert rows.loc["none", "overhead_pct"] == 0 and rows.loc["none", "overhead_ci_pct"] == [0.0, 0.0]
@@ -158,7 +158,7 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
     )
 
     timeline = comparison.timeline
-    assert list(timeline.columns) == bench.TIMELINE_COLUMNS
+    assert list(timeline.columns) == _comparison.TIMELINE_COLUMNS
     assert set(timeline["strategy"]) == {"none", "torch-save", "nbckpt-async"}
     assert len(timeline) == len(events)
     assert (timeline["label"] == timeline["strategy"]).all()
@@ -192,12 +192,12 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
     out = tmp_path / "out.json"
     comparison.to_json(out)
     document = json.loads(out.read_text())
-    assert document["schema"] == bench.SCHEMA == "nbckpt.bench/3"
+    assert document["schema"] == _comparison.SCHEMA == "nbckpt.bench/3"
     assert set(document) >= {"workload", "bytes", "device", "directory", "environment", "order",
                              "overhead", "load", "warnings", "floors", "results", "runs", "timeline"}
     assert document["overhead"]["definition"] == bench.OVERHEAD_DEFINITION
     assert document["overhead"]["method"] == bench.OVERHEAD_METHOD
-    assert list(document["results"][0]) == bench.RESULT_COLUMNS
+    assert list(document["results"][0]) == _aggregate.RESULT_COLUMNS
     assert document["results"][0]["write_gbs"] is None  # NaN becomes null
     for row in document["results"]:
         assert len(row["overhead_ci_pct"]) == 2
@@ -222,13 +222,13 @@ def test_run_order_rotates_so_every_strategy_takes_every_place() -> None:
 def test_t_interval_against_a_hand_computed_case() -> None:
     # 10, 12, 14: mean 12, sample sd 2, standard error 2 / sqrt(3) = 1.1547,
     # t(0.975, 2 df) = 4.303: 12 -/+ 4.303 * 1.1547 = 12 -/+ 4.9686
-    mean, lo, hi = bench.t_interval([10.0, 12.0, 14.0])
+    mean, lo, hi = _stats.t_interval([10.0, 12.0, 14.0])
     assert mean == pytest.approx(12.0)
     assert (lo, hi) == pytest.approx((7.0314, 16.9686), abs=1e-4)
     assert _stats.t_quantile(2) == 4.303
     assert _stats.t_quantile(40) == pytest.approx(2.0211, abs=1e-3)  # the expansion beyond the table
     assert _stats.t_quantile(30) == pytest.approx(2.042, abs=1e-3)
-    single = bench.t_interval([5.0])
+    single = _stats.t_interval([5.0])
     assert single[0] == 5.0 and math.isnan(single[1]) and math.isnan(single[2])
 
 
@@ -319,7 +319,7 @@ def test_a_user_strategy_instance_can_be_compared(tmp_path: Any) -> None:
 
 
 def test_floors_measure_like_the_probe_and_leave_nothing_behind(tmp_path: Any) -> None:
-    floors = bench.measure_floors(3 * MB, str(tmp_path))
+    floors = _measure.measure_floors(3 * MB, str(tmp_path))
     assert floors.sample_bytes == floors.bytes == 3 * MB
     assert floors.copy_gbs == pytest.approx(3 * MB / floors.copy_s / 1e9)
     assert floors.write_s > 0

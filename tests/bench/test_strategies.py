@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError, Timeline, bench
+from nbckpt.bench import _strategies
 from nbckpt.bench._dcp import DcpAsyncProcess
 from nbckpt.bench._strategy import join
 from nbckpt.bench._workloads import SyntheticWorkload, gpt
@@ -63,13 +64,13 @@ def save_twice(strategy: bench.Strategy, workload: SyntheticWorkload, directory:
 
 
 def test_registry_has_the_built_in_strategies() -> None:
-    assert list(bench.STRATEGIES)[: len(BUILT_IN)] == BUILT_IN
+    assert list(_strategies.STRATEGIES)[: len(BUILT_IN)] == BUILT_IN
     for name in BUILT_IN:
-        strategy = bench.get_strategy(name)
+        strategy = _strategies.get_strategy(name)
         assert strategy.name == name
         assert strategy.description
     with pytest.raises(ConfigError, match="unknown strategy 'nope'; choose from none, torch-save"):
-        bench.get_strategy("nope")
+        _strategies.get_strategy("nope")
 
 
 def test_register_strategy_adds_a_user_strategy(tmp_path: Any) -> None:
@@ -82,14 +83,14 @@ def test_register_strategy_adds_a_user_strategy(tmp_path: Any) -> None:
             self.saved.append(step)
 
     try:
-        strategy = bench.get_strategy("test-counting")
+        strategy = _strategies.get_strategy("test-counting")
         assert isinstance(strategy, Counting)
         strategy.open(str(tmp_path), Timeline())
         strategy.save({}, 3)
         assert Counting.saved == [3]
         assert (tmp_path / "test-counting").is_dir()
     finally:
-        bench.STRATEGIES.pop("test-counting")
+        _strategies.STRATEGIES.pop("test-counting")
     with pytest.raises(ConfigError, match="not a Strategy subclass"):
         bench.register_strategy(int)  # type: ignore[type-var]
 
@@ -99,7 +100,7 @@ def test_strategy_saves_checkpoints_that_load_back(name: str, tmp_path: Any) -> 
     workload = SyntheticWorkload(1 << 20, compute_ms=0)
     workload.build()
     timeline = Timeline(label=name)
-    strategy = bench.get_strategy(name)
+    strategy = _strategies.get_strategy(name)
     expected = save_twice(strategy, workload, str(tmp_path), timeline)
     assert strategy.path == str(tmp_path / name)
     restored = load_model(name, strategy.path, 2, expected)
@@ -118,7 +119,7 @@ def test_model_and_optimizer_state_round_trip(name: str, tmp_path: Any) -> None:
     workload = gpt("tiny")
     workload.build()
     workload.train_step()
-    strategy = bench.get_strategy(name)
+    strategy = _strategies.get_strategy(name)
     strategy.open(str(tmp_path), Timeline())
     strategy.save(workload.state(), 1)
     strategy.finish()
@@ -139,7 +140,7 @@ def test_dcp_async_records_staging_and_background_persistence(tmp_path: Any) -> 
     workload = SyntheticWorkload(1 << 20, compute_ms=0)
     workload.build()
     timeline = Timeline()
-    save_twice(bench.get_strategy("dcp-async"), workload, str(tmp_path), timeline)
+    save_twice(_strategies.get_strategy("dcp-async"), workload, str(tmp_path), timeline)
     kinds = [(e.kind, e.step) for e in timeline.events if e.kind in ("stage", "persist")]
     assert sorted(kinds) == [("persist", 1), ("persist", 2), ("stage", 1), ("stage", 2)]
     stage = next(e for e in timeline.events if e.kind == "stage" and e.step == 2)
@@ -151,7 +152,7 @@ def test_nbckpt_strategies_forward_engine_events(tmp_path: Any) -> None:
     workload = SyntheticWorkload(1 << 20, compute_ms=0)
     workload.build()
     timeline = Timeline(label="nbckpt-async-overlap")
-    strategy = bench.get_strategy("nbckpt-async-overlap")
+    strategy = _strategies.get_strategy("nbckpt-async-overlap")
     assert strategy.blocks_before_step
     save_twice(strategy, workload, str(tmp_path), timeline)
     kinds = {e.kind for e in timeline.events}
@@ -168,7 +169,7 @@ def test_dcp_async_process_saves_through_its_own_process_group(tmp_path: Any) ->
     workload = SyntheticWorkload(1 << 20, compute_ms=0)
     workload.build()
     timeline = Timeline()
-    strategy = bench.get_strategy("dcp-async-process")
+    strategy = _strategies.get_strategy("dcp-async-process")
     try:
         expected = save_twice(strategy, workload, str(tmp_path), timeline)
     finally:
@@ -183,13 +184,13 @@ def test_dcp_async_process_saves_through_its_own_process_group(tmp_path: Any) ->
 
 def test_local_strategies_refuse_urls_and_nbckpt_accepts_them() -> None:
     with pytest.raises(ConfigError, match="torch-save writes local files only"):
-        bench.get_strategy("torch-save").open("s3://bucket/run", Timeline())
-    assert not bench.get_strategy("nbckpt-async").local_only
+        _strategies.get_strategy("torch-save").open("s3://bucket/run", Timeline())
+    assert not _strategies.get_strategy("nbckpt-async").local_only
     assert join("s3://bucket/run/", "nbckpt-async") == "s3://bucket/run/nbckpt-async"
 
 
 def test_a_failing_save_is_a_checkpoint_error(tmp_path: Any) -> None:
-    strategy = bench.get_strategy("torch-save")
+    strategy = _strategies.get_strategy("torch-save")
     strategy.open(str(tmp_path), Timeline())
     os.rmdir(strategy.path)
     (tmp_path / "torch-save").write_text("a file where the directory was")
@@ -198,7 +199,7 @@ def test_a_failing_save_is_a_checkpoint_error(tmp_path: Any) -> None:
 
 
 def test_none_never_writes(tmp_path: Any) -> None:
-    strategy = bench.get_strategy("none")
+    strategy = _strategies.get_strategy("none")
     assert not strategy.writes_checkpoints
     strategy.open(str(tmp_path), Timeline())
     assert list(tmp_path.iterdir()) == []
@@ -262,7 +263,7 @@ def test_dcp_async_stager_reuses_one_stager_over_several_saves_quietly(tmp_path:
 
 
 def test_dcp_async_stager_waits_for_its_copy_before_the_update() -> None:
-    strategy = bench.get_strategy("dcp-async-stager")
+    strategy = _strategies.get_strategy("dcp-async-stager")
     assert strategy.blocks_before_step  # the runner counts that wait as stall
     assert isinstance(strategy, DcpAsyncProcess)
     assert "DefaultStager" in strategy.description
@@ -282,7 +283,7 @@ def test_dcp_without_a_process_group_saves_without_torchs_warning_and_only_then(
     workload.build()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        save_twice(bench.get_strategy(name), workload, str(tmp_path), Timeline())
+        save_twice(_strategies.get_strategy(name), workload, str(tmp_path), Timeline())
         during = [str(w.message) for w in caught]
         dcp_save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
     assert not [text for text in during if "torch.distributed is disabled" in text], during

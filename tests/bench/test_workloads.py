@@ -10,7 +10,7 @@ import torch
 from nbckpt import ConfigError
 from nbckpt._util import MIB, format_bytes
 from nbckpt.bench import _workloads as wl
-from nbckpt.bench import plain_state, tensor_bytes
+from nbckpt.bench._strategy import plain_state, tensor_bytes
 
 # Approximate parameter counts the preset names promise.
 EXPECTED_PARAMS = {

@@ -24,7 +24,7 @@ from helpers.sync import main_thread_blocked, until
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from nbckpt import CheckpointConfig, Checkpointer, CheckpointError, ConfigError
-from nbckpt.engine import writer_of
+from nbckpt.engine._checkpointer import writer_of
 
 
 def trained_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

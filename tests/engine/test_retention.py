@@ -12,7 +12,9 @@ from nbckpt.engine._retention import StepInfo, expired, policy_of
 
 
 def infos(*steps: int, **metrics: list[float | None]) -> list[StepInfo]:
-    return [StepInfo(s, {k: v[i] for k, v in metrics.items()}) for i, s in enumerate(steps)]
+    return [
+        StepInfo(s, {k: v[i] for k, v in metrics.items() if v[i] is not None}) for i, s in enumerate(steps)
+    ]
 
 
 def test_each_policy_keeps_what_it_says() -> None:
@@ -115,7 +117,11 @@ def test_bad_metrics_are_refused_before_anything_is_written(
         assert ckpt.steps() == []
 
 
-def test_non_finite_metrics_are_kept_as_none(tmp_path: Path) -> None:
-    with Checkpointer(tmp_path, mode="sync") as ckpt:
-        ckpt.save({"w": torch.zeros(2)}, 1, metrics={"loss": float("inf"), "acc": 0.5})
-        assert ckpt.manifest(1)["metrics"] == {"loss": None, "acc": 0.5}
+def test_non_finite_metrics_are_left_out(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, mode="sync", keep=BestN("loss", 1)) as ckpt:
+        ckpt.save({"w": torch.zeros(2)}, 1, metrics={"loss": 0.5})
+        ckpt.save({"w": torch.zeros(2)}, 2, metrics={"loss": float("nan"), "acc": 0.5})
+        assert ckpt.manifest(2)["metrics"] == {"acc": 0.5}
+        ckpt.save({"w": torch.zeros(2)}, 3, metrics={"loss": 0.7})
+        ckpt.wait()
+        assert ckpt.steps() == [1, 3]  # the diverged step 2 is no best one

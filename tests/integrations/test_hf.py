@@ -17,7 +17,7 @@ pytest.importorskip("accelerate")
 import torch
 from integrations.hf_app import Tokens, digest, train
 
-from nbckpt import Checkpointer, ConfigError
+from nbckpt import BestN, Checkpointer, ConfigError
 from nbckpt.integrations.hf import NbckptCallback
 
 WORKER = Path(__file__).with_name("hf_app.py")
@@ -112,8 +112,27 @@ def test_load_best_model_at_end_as_the_trainer_does_it(tmp_path: Path) -> None:
     assert digest(resumed.model) == digest(own.model)
 
 
-def test_load_best_with_keep_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"keep=2\) would delete the best step"):
-        train(tmp_path, [NbckptCallback(tmp_path / "ckpt", keep=2)], **BEST)
+def test_keep_keeps_the_best_step_for_load_best_model_at_end(tmp_path: Path) -> None:
+    # keep=2 alone would have deleted step 4 by step 8: the best step stays beside the newest two
+    cb = NbckptCallback(tmp_path / "ckpt", keep=2)
+    ours = train(tmp_path / "ours", [cb], **BEST)
+    cb.close()
+    assert cb.best_step == ours.state.best_global_step == 4
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+        assert ckpt.steps() == [4, 10, 12]
+        assert digest(ckpt.load(4)["model"]) == digest(ours.model)  # what was loaded at the end
+        assert ckpt.manifest(4)["metrics"]["eval_loss"] == ours.state.best_metric  # for BestN
+
+    # a policy by the evaluation's metric: BestN keeps the lowest eval_loss
+    best = NbckptCallback(tmp_path / "best-ckpt", keep=BestN("eval_loss", 1))
+    train(tmp_path / "best", [best], **BEST)
+    best.close()
+    with Checkpointer(tmp_path / "best-ckpt", read_only=True) as ckpt:
+        assert ckpt.steps() == [4, 12]  # the best, and the newest that retention never deletes
+
+
+def test_bad_options_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="keep must be"):
+        NbckptCallback(tmp_path / "ckpt", keep="2")
     with pytest.raises(ConfigError, match="decides ranks"):
         NbckptCallback(tmp_path / "ckpt", ranks="local")

@@ -17,9 +17,9 @@ import torch
 from helpers.ranks import RankProcess, free_port
 from integrations.lit_app import TinyModel, digest, fit
 
-from nbckpt import Checkpointer, CheckpointError, ConfigError
-from nbckpt.integrations import export, load, read_pointer
-from nbckpt.integrations._common import Pointer
+from nbckpt import Checkpointer, CheckpointError, ConfigError, CustomSteps
+from nbckpt.integrations import export, load
+from nbckpt.integrations._common import Pointer, read_pointer
 from nbckpt.integrations.lightning import ROOT_NAME, NbckptCheckpointIO, load_from_checkpoint
 
 WORKER = Path(__file__).with_name("lit_app.py")
@@ -97,7 +97,7 @@ def test_pointer_written_only_after_commit(tmp_path: Path) -> None:
     net = torch.nn.Linear(8, 8)
     gate = threading.Event()
     io.save_checkpoint({"state_dict": net.state_dict(), "epoch": 0}, tmp_path / "warm.ckpt")
-    ckpt = io._roots[str(tmp_path / ROOT_NAME)].ckpt
+    ckpt = io._roots[str(tmp_path / ROOT_NAME)]
     ckpt.wait()
     store = ckpt.store
     commit = store.commit
@@ -152,6 +152,36 @@ def test_remove_and_rename_free_steps(tmp_path: Path) -> None:
     assert load(tmp_path / "d.ckpt")["tag"] == "x" and load(tmp_path / "last.ckpt")["epoch"] == 1
 
 
+def test_a_removed_name_frees_its_step_at_the_next_commit_without_waiting(tmp_path: Path) -> None:
+    # The engine's retention deletes (keep=CustomSteps of the named steps): a removal while a
+    # save is in flight neither waits for it nor leaves the unnamed step behind once it commits.
+    io = NbckptCheckpointIO()
+    net = torch.nn.Linear(4, 4)
+    io.save_checkpoint({"w": net.state_dict()}, tmp_path / "a.ckpt")
+    io.wait()
+    ckpt = io._roots[str(tmp_path / ROOT_NAME)]
+    assert isinstance(ckpt.config.keep, CustomSteps)
+    gate = threading.Event()
+    commit = ckpt.store.commit
+
+    def held_commit(*args: Any) -> str:
+        assert gate.wait(60)
+        return commit(*args)
+
+    ckpt.store.commit = held_commit  # type: ignore[method-assign,assignment]
+    with torch.no_grad():
+        net.weight.add_(1)
+    io.save_checkpoint({"w": net.state_dict()}, tmp_path / "b.ckpt")  # held before its commit
+    remover = threading.Thread(target=io.remove_checkpoint, args=(tmp_path / "a.ckpt",))
+    remover.start()
+    remover.join(60)
+    assert not remover.is_alive()  # the removal did not wait for the save in flight
+    gate.set()
+    io.wait()  # not teardown: the commit's own retention pass deleted step 1
+    assert _steps(tmp_path) == [2] and _names(tmp_path) == {"b.ckpt": 2}
+    io.teardown()
+
+
 def test_orphan_steps_of_a_killed_run_are_collected(tmp_path: Path) -> None:
     with Checkpointer(tmp_path / ROOT_NAME, mode="sync") as ckpt:
         ckpt.save({"x": torch.ones(3)}, step=7)  # committed, but its pointer was never written
@@ -181,7 +211,7 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
 def test_background_failure_is_raised_by_teardown(tmp_path: Path) -> None:
     io = NbckptCheckpointIO()
     io.save_checkpoint({"x": torch.ones(4)}, tmp_path / "a.ckpt")
-    ckpt = io._roots[str(tmp_path / ROOT_NAME)].ckpt
+    ckpt = io._roots[str(tmp_path / ROOT_NAME)]
     ckpt.wait()
     store = ckpt.store
 

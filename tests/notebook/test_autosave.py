@@ -21,7 +21,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from nbckpt import Checkpointer, ConfigError, SaveHandle, SaveRecord
 from nbckpt._util import format_bytes, parse_duration
-from nbckpt.engine import step_name
+from nbckpt.engine._internal import step_name
 from nbckpt.notebook import Autosave, Browser, _autosave
 from nbckpt.notebook._save_status import Save
 

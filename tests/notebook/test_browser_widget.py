@@ -14,8 +14,8 @@ import torch
 from helpers.s3server import SeaweedS3
 
 from nbckpt import Checkpointer
-from nbckpt.notebook import Browser
-from nbckpt.notebook._browser_model import saved_values
+from nbckpt.notebook import Browser, _browser_index
+from nbckpt.notebook._browser_index import saved_values
 
 
 def trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -253,7 +253,7 @@ def test_errors_inside_an_action_are_one_line(tmp_path: Path, monkeypatch: pytes
     def broken(*args: Any) -> Any:
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(type(browser.run), "load", broken)
+    monkeypatch.setattr(_browser_index, "load_states", broken)
     browser.select(1, 2)
     assert browser.diff() is None
     assert one_line_error(browser) == "Cannot diff: unexpected RuntimeError: boom; second line"
@@ -266,7 +266,7 @@ def test_a_new_browser_of_the_same_run_closes_the_previous_one(tmp_path: Path) -
     other = Browser(tmp_path / "other")
     second = Browser(str(tmp_path / "run") + "/")  # the same run, spelt differently
     assert first.closed and not second.closed and not other.closed
-    assert first.table.comm is None and second.table.comm is not None
+    assert first.widget.comm is None and second.widget.comm is not None
     assert not first.refresh() and "closed" in (first.error or "")
     assert "closed nbckpt Browser" in first._repr_mimebundle_()["text/plain"]
     second.close()

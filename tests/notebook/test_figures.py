@@ -12,22 +12,20 @@ import plotly.graph_objects as go
 import pytest
 
 from nbckpt import ConfigError, Timeline
-from nbckpt.analysis import advise, load_published, project_scale
+from nbckpt.analysis import advise, project_scale
+from nbckpt.analysis._internal import load_published
 from nbckpt.notebook import (
-    events_frame,
-    extend_timeline,
     interval_figure,
     overhead_figure,
     probe_figure,
     projection_figure,
-    scaling_figure,
     stall_figure,
-    strategy_colour,
     throughput_figure,
     timeline_figure,
 )
-from nbckpt.notebook._result_figures import anchor_factors, scaling_data
-from nbckpt.notebook._timeline_figures import timeline_traces
+from nbckpt.notebook._plotting import strategy_colour
+from nbckpt.notebook._result_figures import anchor_factors, scaling_data, scaling_figure
+from nbckpt.notebook._timeline_figures import events_frame, extend_timeline, timeline_traces
 
 MB = 10**6
 
@@ -396,7 +394,7 @@ def test_strategy_colours_are_stable() -> None:
 def test_colours_follow_the_strategy_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """No table of names: a strategy's colour is its place in the registry, and the built-in
     strategies keep the colours they have always had."""
-    from nbckpt.bench import STRATEGIES
+    from nbckpt.bench._internal import STRATEGIES
 
     builtin = {
         "none": "#7f7f7f", "torch-save": "#d62728", "dcp-sync": "#ff7f0e", "dcp-async": "#bcbd22",

@@ -21,8 +21,8 @@ from helpers.kernel import RealKernel
 
 from nbckpt import ConfigError
 from nbckpt.bench import OVERHEAD_DEFINITION, STALL_DEFINITION
-from nbckpt.notebook._lab import Lab, live_lab
-from nbckpt.notebook._lab_view import LOG_LINES, SYNTHETIC, devices
+from nbckpt.notebook._lab import SYNTHETIC, Lab, devices, live_lab
+from nbckpt.notebook._lab_run import LOG_LINES
 
 
 def make_lab(path: Path, **options: Any) -> Lab:

@@ -223,7 +223,7 @@ def test_cli_failing_notebook_gives_one_line_error(tmp_path: Path) -> None:
 
 def _figures(row: dict[str, object]) -> list[str]:
     """The figures every face shows for a row, as the one formatter writes them."""
-    from nbckpt import bench
+    from nbckpt.bench import _internal as bench
 
     return [bench.overhead_text(row), bench.interval_text(row["overhead_ci_pct"]),  # type: ignore[arg-type]
             bench.per_repeat_text(row), str(row["overhead_basis"]),
@@ -236,6 +236,7 @@ def _check_same_figures(report: Path, shell: Any, capsys: pytest.CaptureFixture[
     the one ``%ckpt_bench`` displays for a Comparison, the Lab's and the report's have the same
     overhead, interval, per-repeat overheads, what it rests on, and the stall with its parts."""
     from nbckpt import bench, cli
+    from nbckpt.bench import _internal
     from nbckpt.notebook import Lab
 
     document = json.loads((report.parent / "results.json").read_text())["comparison"]
@@ -243,7 +244,7 @@ def _check_same_figures(report: Path, shell: Any, capsys: pytest.CaptureFixture[
     rows = {r["strategy"]: r for r in comparison.results.to_dict(orient="records")}
     expected = {name: _figures(row) for name, row in rows.items() if name != "none"}
     # nbckpt bench prints the table of the comparison it measured: this one
-    monkeypatch.setattr(bench, "run_bench_from_args", lambda args, progress=None: comparison)
+    monkeypatch.setattr(_internal, "run_bench_from_args", lambda args, progress=None: comparison)
     capsys.readouterr()
     assert cli.main(["bench", "--quiet"]) == 0
     printed = capsys.readouterr().out

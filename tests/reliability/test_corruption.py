@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, CheckpointError
-from nbckpt.engine._layout import framing
+from nbckpt.engine._format import framing
 from nbckpt.engine._store import LocalStore
 
 

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 import nbckpt
 from nbckpt import Checkpointer, CheckpointError, ConfigError, run_directory
 from nbckpt.cli import main as cli
+from nbckpt.engine._format import MAX_STEP
 from nbckpt.engine._manifest import sign
 
 HUGE = 10**5000  # more digits than Python turns into text (4,300) without being told to
@@ -58,7 +59,7 @@ def test_item08_a_step_too_large_to_name_is_refused_at_once(tmp_path: Path, mode
     directory = tmp_path / "run"
     with Checkpointer(directory, mode=mode) as ckpt:
         ckpt.save(state_of(1), step=1).wait()
-        for step in (HUGE, 10**300, nbckpt.engine.MAX_STEP + 1):
+        for step in (HUGE, 10**300, MAX_STEP + 1):
             with pytest.raises(ConfigError, match="step must be a non-negative integer") as raised:
                 ckpt.save(state_of(1), step=step)  # never hangs (sync), never a handle that never ends
             assert len(one_line(raised.value)) < 200  # the step is not printed in full
@@ -74,13 +75,13 @@ def test_item08_a_step_too_large_to_name_is_refused_at_once(tmp_path: Path, mode
                 call(HUGE)
         assert ckpt.handles == [] and sorted(os.listdir(directory)) == [".nbckpt.lock", "step-000001"]
         # The bound itself is a step like any other.
-        ckpt.save(state_of(2), step=nbckpt.engine.MAX_STEP).wait()
-        assert ckpt.steps() == [1, nbckpt.engine.MAX_STEP]
+        ckpt.save(state_of(2), step=MAX_STEP).wait()
+        assert ckpt.steps() == [1, MAX_STEP]
         assert_holds(ckpt, 1)
     # A directory named like a step beyond the bound (245 digits) is not a step.
     (directory / f"step-{'1' * 245}").mkdir()
     with Checkpointer(directory, read_only=True) as reader:
-        assert reader.steps() == [1, nbckpt.engine.MAX_STEP]
+        assert reader.steps() == [1, MAX_STEP]
 
 
 # -- item 14: a failed constructor gives back everything it took --------------------------------

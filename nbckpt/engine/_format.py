@@ -1,19 +1,17 @@
-"""Where every byte of a checkpoint goes, planned once per state structure and then reused.
+"""nbckpt's on-disk format in one place: every name, constant and limit of a run directory, and
+the DCP layout of a step's data files. docs/format.md describes the same for a reader who has
+only that page (``tests/engine/test_format_doc.py`` checks it names every constant here).
 
-A checkpoint is in PyTorch DCP's format, so a plain ``torch.distributed.checkpoint.load``
-reads it: per rank, files ``__{rank}_{i}.distcp`` holding one ``torch.save`` blob per
-tensor, and a ``.metadata`` pickle naming each blob's file, offset and length. DCP writes
-every blob by running ``torch.save`` (a zip writer that also computes a CRC32 of every byte,
-which ``torch.load`` never checks). nbckpt instead asks ``torch.save`` once per tensor shape
-for the blob's framing only (``torch.serialization.skip_data``: the zip headers, with a hole
-where the bytes go) and lays each file out as an image: framing bytes fixed at planning time,
-tensor bytes copied into their holes by staging. A save is then one sequential write of each
-image, and the plan is cached: the same structure is never planned twice.
+The data files are in PyTorch DCP's format, so a plain ``torch.distributed.checkpoint.load``
+reads them: one ``torch.save`` blob per chunk of a tensor, named by a pickled ``.metadata``.
+nbckpt asks ``torch.save`` once per shape and dtype for a blob's framing only
+(``torch.serialization.skip_data``: zip headers with a hole where the bytes go) and lays each
+file out as an image: framing fixed at planning time, tensor bytes copied into the holes by
+staging. A save is then one sequential write per file, and the plan is cached per structure.
+A chunk several ranks hold, or a tensor two keys name (tied weights), is written once.
 
-A DTensor is one blob per rank's shard, each a chunk of the whole tensor in the metadata (as
-DCP's planner records it); a chunk several ranks hold, or a tensor two keys name (tied
-weights), is written once. Plain values (a learning rate, a step) are byte items too, in one
-more file of rank 0, so a plain ``dcp.load`` of ``get_state_dict(model, optim)`` finds them.
+The format's names and the layout that spells them are one job, kept in one file so that no
+other module defines a name of the format.
 """
 
 from __future__ import annotations
@@ -22,11 +20,13 @@ import functools
 import io
 import math
 import pickle
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, NamedTuple, cast
 
 import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -43,29 +43,107 @@ from ._state import TensorSpec, dtype_name
 from ._torch_compat import storage_info
 
 __all__ = [
-    "ALIGN",
-    "DCP_VERSION",
-    "METADATA_FILE",
-    "Chunk",
-    "FileLayout",
-    "Item",
-    "Layout",
-    "RankPlan",
-    "data_file",
-    "framing",
-    "pad",
-    "plan",
+    "ALIGN", "BLOCK_SIZE", "BRANCH_FILE", "BRANCH_LIMIT", "CHECKSUM", "DCP_VERSION",
+    "FORMAT", "LEFTOVER_RE", "LOCK_FILE", "MAIN", "MANIFEST", "MANIFEST_KEYS", "MAX_MANIFEST_BYTES",
+    "MAX_STEP", "METADATA_FILE", "METRICS", "OLD_PREFIX", "POINTER_FORMAT",
+    "POINTER_LIMIT", "PROBE_PREFIX", "READS", "TMP_PREFIX", "TRASH_PREFIX", "TREE_KINDS", "Chunk",
+    "FileLayout", "Item", "Layout", "RankPlan", "block_hasher", "branch_name", "checksum", "data_file",
+    "framing", "is_branch", "is_data_file", "pad", "parse_step", "plan", "step_name",
 ]
 
+# -- A run directory -------------------------------------------------------------------------
+#: The manifest: written last, it is what makes a step count.
+MANIFEST = "manifest.json"
+#: DCP's pickled index of a step's blobs.
 METADATA_FILE = ".metadata"
-DCP_VERSION = "1.0.0"
-#: Blobs start on this boundary, so every tensor's bytes in an image are aligned for any dtype.
-ALIGN = 64
+#: Held (flock) by the one process writing a local run.
+LOCK_FILE = ".nbckpt.lock"
+#: Prefixes of what never counts: a save being written, a step being deleted, the previous copy
+#: of a step being saved again, the probe that proves a root writable.
+TMP_PREFIX, TRASH_PREFIX, OLD_PREFIX, PROBE_PREFIX = ".tmp-", ".trash-", ".old-", ".nbckpt-probe-"
+#: The highest step: an int64, as a step counter is in torch and in most JSON readers. Its name
+#: (19 digits) fits any file system; 10**300 would not (ENAMETOOLONG).
+MAX_STEP = 2**63 - 1
+_STEP_RE = re.compile(r"step-([0-9]{6,19})", re.ASCII)
+#: ``.tmp-step-000140-ab12`` and its kin: leftovers an open cleans up (or puts back, ``.old-``).
+LEFTOVER_RE = re.compile(r"\.(tmp|trash|old)-(step-[0-9]{6,19})-[0-9a-f]+", re.ASCII)
+_DATA_FILE_RE = re.compile(r"__[0-9]{1,6}_[0-9]{1,6}\.distcp", re.ASCII)
+
+
+def step_name(step: int) -> str:
+    """The one spelling of a step's directory: ``step-`` and at least six digits."""
+    return f"step-{step:06d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step a directory name stands for, or None (``step-2``, ``step-0000002`` never count)."""
+    match = _STEP_RE.fullmatch(name)
+    if match is None or int(match.group(1)) > MAX_STEP or step_name(int(match.group(1))) != name:
+        return None
+    return int(match.group(1))
 
 
 def data_file(rank: int, index: int) -> str:
     """DCP's name for a rank's data file."""
     return f"__{rank}_{index}.distcp"
+
+
+def is_data_file(name: str) -> bool:
+    """Whether ``name`` is a DCP data file's name (``__{rank}_{index}.distcp``), nothing else."""
+    return _DATA_FILE_RE.fullmatch(name) is not None
+
+
+# -- Lines and pointers ----------------------------------------------------------------------
+#: The first line of a run: the run directory itself.
+MAIN = "main"
+#: A branch's record, in ``branch-N/``, and the most bytes one is read up to.
+BRANCH_FILE = "branch.json"
+BRANCH_LIMIT = 1 << 16
+_BRANCH_RE = re.compile(r"branch-[1-9][0-9]*", re.ASCII)
+
+
+def branch_name(number: int) -> str:
+    return f"branch-{number}"
+
+
+def is_branch(name: str) -> bool:
+    return _BRANCH_RE.fullmatch(name) is not None
+
+
+#: The format of an integration's pointer file (a Lightning ``.ckpt``), and its size limit.
+POINTER_FORMAT = "nbckpt-pointer/1"
+POINTER_LIMIT = 64 << 10
+
+# -- The manifest ----------------------------------------------------------------------------
+FORMAT = "nbckpt/3"
+#: Formats this nbckpt reads (nbckpt/2: one ``[file, data_offset]`` per tensor, no shards).
+READS = (FORMAT, "nbckpt/2")
+#: A manifest holds about 100 bytes per tensor: 64 MiB is room for half a million of them.
+MAX_MANIFEST_BYTES = 64 << 20
+#: The values a save was given to rank its step by (keep-best retention): ``{name: float}``.
+METRICS = "metrics"
+#: Every key a manifest may hold (``rank_trees``, ``rng`` and ``metrics`` only when there are some).
+MANIFEST_KEYS = (
+    "checksum", "format", "step", "unix_time", "timing", "time", "bytes", "world_size", "block_size",
+    "files", "items", "tree", "rank_trees", "rng", "provenance", METRICS,
+)
+#: The node kinds of a state tree (``{"t": kind, ...}``).
+TREE_KINDS = frozenset({
+    "tensor", "ndarray", "module", "optimizer", "stateful", "dict", "namespace", "list", "tuple",
+    "value", "float", "path", "dtype", "device",
+})
+#: Every file is checksummed in blocks of this many bytes (the last one shorter), so a rank that
+#: needs part of a file reads and checks only the blocks holding its tensors.
+BLOCK_SIZE = 16 << 20
+#: The checksum of a block and of the manifest: xxh3-64, as 16 lowercase hex digits.
+CHECKSUM = "xxh3-64"
+checksum = xxhash.xxh3_64_hexdigest
+block_hasher = xxhash.xxh3_64
+
+# -- The DCP layout --------------------------------------------------------------------------
+DCP_VERSION = "1.0.0"
+#: Blobs start on this boundary, so every tensor's bytes in an image are aligned for any dtype.
+ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -189,16 +267,8 @@ def _file_layout(name: str, specs: Sequence[TensorSpec]) -> FileLayout:
         pending += header
         data_offset = offset + len(pending)
         pieces.append((offset, bytes(pending)))
-        items.append(
-            Item(
-                spec.key,
-                data_offset,
-                spec.nbytes,
-                blob_offset,
-                len(header) + spec.nbytes + len(trailer),
-                spec.chunk.offsets,
-            )
-        )
+        blob_length = len(header) + spec.nbytes + len(trailer)
+        items.append(Item(spec.key, data_offset, spec.nbytes, blob_offset, blob_length, spec.chunk.offsets))
         offset = data_offset + spec.nbytes
         pending = bytearray(trailer)
     if pending:
