@@ -46,9 +46,10 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, Timeline
-from nbckpt._util import GB, MIB, fsync_dir, write_all
+from nbckpt._util import GB, MIB
 from nbckpt.bench import make_workload
 from nbckpt.bench._internal import get_strategy, plain_state, t_interval, tensor_bytes
+from nbckpt.engine._internal import fsync_dir, write_all
 
 # -- measuring ---------------------------------------------------------------------------------
 

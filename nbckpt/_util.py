@@ -1,4 +1,4 @@
-"""Small jobs every layer needs, written once: units, counts, paths, byte loops, fsspec targets.
+"""Small jobs every layer needs, written once: units, counts, durations, paths.
 
 The bottom of the package: it imports nothing from nbckpt but the errors.
 """
@@ -15,30 +15,22 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError, describe_error, require_extra
+from ._errors import ConfigError
 
 __all__ = [
     "GB",
     "GIB",
     "MIB",
-    "S3_DEFAULT_RETRIES",
     "check_count",
     "check_path",
-    "endpoint",
-    "explain_fsspec_error",
+    "could_create",
     "format_bytes",
     "format_duration",
-    "fsspec_options",
-    "fsync_dir",
     "is_url",
-    "open_fsspec",
     "parse_duration",
     "parse_value",
     "run_directory",
-    "where",
-    "with_filename",
     "writable_directory",
-    "write_all",
 ]
 
 MIB = 1 << 20
@@ -131,6 +123,19 @@ def is_url(path: str | os.PathLike[str]) -> bool:
     return "://" in text and not text.startswith("file://")
 
 
+def could_create(path: str) -> str | None:
+    """Why no directory can be made at local ``path`` (its nearest existing part is a file, or
+    not writable), or None. Nothing is created: a check at set-up leaves nothing behind."""
+    existing = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+    while not os.path.lexists(existing):  # the nearest part that exists: the save creates the rest
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
 def writable_directory(path: str | os.PathLike[str], what: str = "directory") -> Path:
     """Create ``path`` (and parents) if needed and prove a file can be written there.
 
@@ -164,103 +169,3 @@ def run_directory(workdir: str | os.PathLike[str], prefix: str = "run-") -> Path
     """
     root = writable_directory(workdir, "workdir")
     return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
-
-
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    """``os.write`` until every byte is out: on a nearly full disk one call may write only part."""
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def open_fsspec(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """``(filesystem, path)`` for an fsspec URL; ConfigError in one line when it cannot be opened."""
-    if url.partition("://")[0] in ("s3", "s3a"):
-        require_extra("an s3:// directory")
-    from fsspec.core import url_to_fs
-
-    try:
-        fs, path = url_to_fs(url, **(storage_options or {}))
-    except (ImportError, ValueError, TypeError) as exc:
-        raise ConfigError(f"cannot open {url}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
-    return fs, str(path)
-
-
-# botocore's "legacy" retry mode makes 5 attempts per request and s3fs retries timeouts
-# another 5 times on top: a hung endpoint would stall a save for many minutes. "standard"
-# mode with 3 attempts still rides out a brief outage; storage_options config_kwargs override it.
-S3_DEFAULT_RETRIES = {"max_attempts": 3, "mode": "standard"}
-
-
-def fsspec_options(protocol: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    """``storage_options`` plus nbckpt's defaults for the protocol (bounded retries for S3)."""
-    options = dict(storage_options or {})
-    if protocol in ("s3", "s3a"):
-        config = dict(options.get("config_kwargs") or {})
-        config.setdefault("retries", dict(S3_DEFAULT_RETRIES))
-        options["config_kwargs"] = config
-    return options
-
-
-def endpoint(storage_options: dict[str, Any]) -> str | None:
-    """The S3 endpoint that will be used: storage options first, then the AWS environment."""
-    client_kwargs = storage_options.get("client_kwargs") or {}
-    return (
-        storage_options.get("endpoint_url")
-        or client_kwargs.get("endpoint_url")
-        or os.environ.get("AWS_ENDPOINT_URL_S3")
-        or os.environ.get("AWS_ENDPOINT_URL")
-    )
-
-
-def where(url: str, storage_options: dict[str, Any]) -> str:
-    """``url`` with the endpoint it goes to, for error messages."""
-    at = endpoint(storage_options)
-    return f"{url} (endpoint {at})" if at else url
-
-
-def explain_fsspec_error(exc: BaseException, path: str) -> str:
-    """One line for an object-store error, saying what to check for the common ones."""
-    text = describe_error(exc)
-    if any(type(cause).__name__ == "NoCredentialsError" for cause in _causes(exc)):  # botocore's
-        return (
-            "no credentials found; give a key and secret (storage_options key/secret, or "
-            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
-        )
-    if isinstance(exc, PermissionError):
-        return (
-            f"access denied, {text}; check the key and secret (storage_options key/secret "
-            "or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket's permissions"
-        )
-    if isinstance(exc, FileNotFoundError):
-        return f"bucket {path.split('/', 1)[0]!r} does not exist"
-    return text
-
-
-def _causes(exc: BaseException) -> list[BaseException]:
-    """``exc`` and what it was raised from (s3fs wraps botocore's errors), at most 8 deep."""
-    chain: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and len(chain) < 8:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    return chain
-
-
-def with_filename(exc: OSError, path: str) -> OSError:
-    """``exc`` naming ``path`` (os.write and os.fsync errors do not say which file)."""
-    if exc.filename is None:
-        exc.filename = path
-    return exc
-
-
-def fsync_dir(path: str) -> None:
-    """Make a directory's entries durable (a new file or rename in it survives a power cut)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        with_filename(exc, path)
-        raise
-    finally:
-        os.close(fd)

@@ -202,3 +202,65 @@ def test_internal_modules_gather_glue_others_use(path: Path) -> None:
     used = "\n".join(p.read_text() for p in users)
     unused = [name for name in all_names(path) if not re.search(rf"\b{re.escape(name)}\b", used)]
     assert not unused, f"{here} exports glue no other layer uses (drop it from there): {unused}"
+
+
+ENGINE = PACKAGE / "engine"
+#: Where a checkpoint may be deleted, and why there: the one retention policy decides every
+#: delete of old steps (the saver's through its Retainer, the mirror's through ``expired``);
+#: the others are a user's own delete, and the stores that carry it out.
+DELETERS = {
+    "engine/_retention.py": "the policy's deletes after each commit",
+    "engine/_mirror.py": "the mirror applies the same policy (expired) to its copies",
+    "engine/_checkpointer.py": "Checkpointer.delete, the user's",
+    "engine/_store.py": "the local store carries a delete out",
+    "engine/_object_store.py": "the object store carries a delete out",
+    "notebook/_browser_index.py": "the Browser's Delete button, the user's, through the holder",
+}
+
+
+def test_one_retention_policy_decides_which_steps_go() -> None:
+    """Keeping the newest N (or the best, or every K) is written once, in engine/_retention.py:
+    no other module deletes steps (Lightning's plug-in, HF's callback and the mirror once kept
+    lists of their own). Any ``.delete(...)`` call outside the modules above fails here."""
+    found = []
+    for path in SOURCES:
+        relative = str(path.relative_to(PACKAGE))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "delete":
+                if relative not in DELETERS:
+                    found.append(f"{relative}:{node.lineno}")
+    assert not found, f"steps deleted outside the one retention policy (use keep= / retain()): {found}"
+    assert "expired" in (ENGINE / "_mirror.py").read_text()
+
+
+def _defined_privately(tree: ast.Module) -> set[str]:
+    """The private names a module defines for its own objects: ``self._x = ...`` and ``def _x``."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {name for name in names if name.startswith("_")}
+
+
+@pytest.mark.parametrize("path", sorted(ENGINE.glob("*.py")), ids=lambda p: module_name(p))
+def test_no_engine_module_reaches_into_another_ones_private_attributes(path: Path) -> None:
+    """Engine modules talk through each other's public names (the final save once set four
+    private attributes of the Checkpointer): ``x._name`` is allowed only on ``self``/``cls`` or
+    for a name the module itself defines. torch's internals are read in _torch_compat alone."""
+    if path.name == "_torch_compat.py":
+        return
+    tree = ast.parse(path.read_text())
+    own = _defined_privately(tree)
+    reached = [
+        f"{ast.unparse(node.value)}.{node.attr} (line {node.lineno})"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_") and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        and node.attr not in own
+    ]
+    assert not reached, f"{module_name(path)} reaches into private attributes: {reached}"

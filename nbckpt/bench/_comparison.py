@@ -72,7 +72,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +79,7 @@ import numpy as np
 import pandas as pd
 
 from .._errors import ConfigError
+from ..engine._internal import write_atomic
 from ._aggregate import RESULT_COLUMNS
 from ._load import Load
 from ._measure import Floors
@@ -288,16 +288,8 @@ class Comparison:
         return cls.from_dict(document)
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
-        """Write :meth:`to_dict` to ``path`` atomically (temporary file, then rename)."""
-        path = os.fspath(path)
-        temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(temporary, "w") as stream:
-                json.dump(self.to_dict(), stream, indent=1, allow_nan=False)
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
+        """Write :meth:`to_dict` to ``path`` whole or not at all."""
+        write_atomic(path, json.dumps(self.to_dict(), indent=1, allow_nan=False).encode())
 
     def table(self) -> str:
         """A readable table of the results; the overhead definition, floors and load under it."""

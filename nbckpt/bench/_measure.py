@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from .._errors import ConfigError
-from .._util import GB, GIB, MIB, check_count, format_bytes, fsspec_options, is_url, open_fsspec
+from .._util import GB, GIB, MIB, check_count, format_bytes, is_url
+from ..engine._internal import fsspec_options, open_fsspec
 
 __all__ = ["DEFAULT_REPEATS", "FLOOR_SAMPLE_BYTES", "Floors", "StreamRun", "combine_floors",
            "fsync_latencies", "measure_floors", "measure_write", "scratch", "stream_counts", "stream_runs"]

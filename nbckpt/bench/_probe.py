@@ -21,7 +21,8 @@ from typing import Any
 import pandas as pd
 
 from .._errors import CheckpointError, ConfigError, NbckptError
-from .._util import GB, MIB, check_count, endpoint, explain_fsspec_error, format_bytes, fsspec_options, is_url
+from .._util import GB, MIB, check_count, format_bytes, is_url
+from ..engine._internal import endpoint, explain_fsspec_error, fsspec_options
 from ._measure import DEFAULT_REPEATS, StreamRun, fsync_latencies, scratch, stream_counts, stream_runs
 
 __all__ = ["MountInfo", "ProbeResult", "mount_info", "probe"]

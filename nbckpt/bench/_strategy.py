@@ -19,9 +19,9 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
-from .._util import fsync_dir, is_url
+from .._util import is_url
 from ..engine import Checkpointer, Event, Timeline
-from ..engine._internal import now_ns, step_name
+from ..engine._internal import fsync_dir, now_ns, step_name
 
 __all__ = [
     "WAIT_NOISE_NS",

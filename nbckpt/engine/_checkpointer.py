@@ -88,7 +88,7 @@ class Checkpointer:
             # The directory is locked and threads run: a failed construction gives all of it back.
             release(self.store, True, *[getattr(self, name, None) for name in ("_saver", "_io", "_mirror")])
             raise
-        register(self)
+        register(self, self._at_exit)
         # A Checkpointer dropped without close() (a notebook cell run again) frees the directory.
         weakref.finalize(self, release, self.store, False, self._saver, self._io, self._mirror).atexit = False
 

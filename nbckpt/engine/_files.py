@@ -10,13 +10,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from .._errors import CheckpointError
-from .._util import with_filename, write_all
 from ._format import BLOCK_SIZE, block_hasher, checksum
 
 __all__ = [
@@ -31,10 +31,67 @@ __all__ = [
     "StreamSource",
     "copy_file",
     "exchange_paths",
+    "fsync_dir",
     "hash_blocks",
     "read_into",
+    "with_filename",
+    "write_all",
+    "write_atomic",
     "write_image",
 ]
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """``os.write`` until every byte is out: on a nearly full disk one call may write only part."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def with_filename(exc: OSError, path: str) -> OSError:
+    """``exc`` naming ``path`` (os.write and os.fsync errors do not say which file)."""
+    if exc.filename is None:
+        exc.filename = path
+    return exc
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries durable (a new file or rename in it survives a power cut)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        with_filename(exc, path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def write_atomic(
+    path: str | os.PathLike[str], fill: Callable[[IO[bytes]], object] | bytes, *, temporary: str | None = None
+) -> None:
+    """A file at ``path`` that replaces the old one only once it is whole and durable (``fill``
+    writes it, or is its bytes): a crash leaves the old file or the new, never half of one, and
+    at most the ``temporary`` file (a name a clean-up recognises; by default a fresh one)."""
+    path = os.path.abspath(os.fspath(path))
+    if temporary is None:
+        fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=os.path.dirname(path))
+    else:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            if isinstance(fill, bytes):
+                stream.write(fill)
+            else:
+                fill(stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+        fsync_dir(os.path.dirname(path))
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
 
 #: Bytes hashed and then written (or read and then hashed) at a time: small enough to stay in
 #: the core's cache between the two, large enough that each system call moves a lot.

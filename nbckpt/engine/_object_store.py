@@ -4,17 +4,26 @@ written last, is the commit; and the errors an object store gives, explained in 
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from typing import Any
 
-from .._errors import CheckpointError, ConfigError, describe_error
-from .._util import explain_fsspec_error, fsspec_options, open_fsspec, where
+from .._errors import CheckpointError, ConfigError, describe_error, require_extra
 from . import _faults
 from ._files import Sink, Source, StreamSink, StreamSource
 from ._format import MANIFEST, PROBE_PREFIX, parse_step, step_name
 from ._store import Store
 
-__all__ = ["OBJECT_STORES", "FsspecStore"]
+__all__ = [
+    "OBJECT_STORES",
+    "S3_DEFAULT_RETRIES",
+    "FsspecStore",
+    "endpoint",
+    "explain_fsspec_error",
+    "fsspec_options",
+    "open_fsspec",
+    "where",
+]
 
 _log = logging.getLogger("nbckpt")
 
@@ -140,3 +149,77 @@ class FsspecStore(Store):
         self.fs.rm_file(f"{path}/{MANIFEST}")
         _faults.hit("during_delete")
         self.fs.rm(path, recursive=True)
+
+
+def open_fsspec(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """``(filesystem, path)`` for an fsspec URL; ConfigError in one line when it cannot be opened."""
+    if url.partition("://")[0] in ("s3", "s3a"):
+        require_extra("an s3:// directory")
+    from fsspec.core import url_to_fs
+
+    try:
+        fs, path = url_to_fs(url, **(storage_options or {}))
+    except (ImportError, ValueError, TypeError) as exc:
+        raise ConfigError(f"cannot open {url}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+    return fs, str(path)
+
+
+# botocore's "legacy" retry mode makes 5 attempts per request and s3fs retries timeouts
+# another 5 times on top: a hung endpoint would stall a save for many minutes. "standard"
+# mode with 3 attempts still rides out a brief outage; storage_options config_kwargs override it.
+S3_DEFAULT_RETRIES = {"max_attempts": 3, "mode": "standard"}
+
+
+def fsspec_options(protocol: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` plus nbckpt's defaults for the protocol (bounded retries for S3)."""
+    options = dict(storage_options or {})
+    if protocol in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", dict(S3_DEFAULT_RETRIES))
+        options["config_kwargs"] = config
+    return options
+
+
+def endpoint(storage_options: dict[str, Any]) -> str | None:
+    """The S3 endpoint that will be used: storage options first, then the AWS environment."""
+    client_kwargs = storage_options.get("client_kwargs") or {}
+    return (
+        storage_options.get("endpoint_url")
+        or client_kwargs.get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
+
+
+def where(url: str, storage_options: dict[str, Any]) -> str:
+    """``url`` with the endpoint it goes to, for error messages."""
+    at = endpoint(storage_options)
+    return f"{url} (endpoint {at})" if at else url
+
+
+def explain_fsspec_error(exc: BaseException, path: str) -> str:
+    """One line for an object-store error, saying what to check for the common ones."""
+    text = describe_error(exc)
+    if any(type(cause).__name__ == "NoCredentialsError" for cause in _causes(exc)):  # botocore's
+        return (
+            "no credentials found; give a key and secret (storage_options key/secret, or "
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
+        )
+    if isinstance(exc, PermissionError):
+        return (
+            f"access denied, {text}; check the key and secret (storage_options key/secret "
+            "or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY) and the bucket's permissions"
+        )
+    if isinstance(exc, FileNotFoundError):
+        return f"bucket {path.split('/', 1)[0]!r} does not exist"
+    return text
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it was raised from (s3fs wraps botocore's errors), at most 8 deep."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(chain) < 8:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain

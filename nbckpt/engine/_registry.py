@@ -29,8 +29,6 @@ class _Open(Protocol):
 
     def close(self) -> None: ...
 
-    def _at_exit(self) -> None: ...
-
 
 class _Stoppable(Protocol):
     def stop(self, wait: bool) -> None: ...
@@ -49,10 +47,11 @@ _OPEN: weakref.WeakSet[_Open] = weakref.WeakSet()
 _EXITS: weakref.WeakKeyDictionary[_Open, Callable[[], None]] = weakref.WeakKeyDictionary()
 
 
-def register(ckpt: _Open) -> None:
-    """Count ``ckpt`` as open, and close it at exit unless it is closed or dropped before."""
+def register(ckpt: _Open, at_exit_method: Callable[[], None]) -> None:
+    """Count ``ckpt`` as open, and run ``at_exit_method`` (its bound method, held weakly) at
+    exit unless it is closed or dropped before."""
     _OPEN.add(ckpt)
-    method = weakref.WeakMethod(ckpt._at_exit)
+    method = weakref.WeakMethod(at_exit_method)
 
     def at_exit() -> None:
         bound = method()

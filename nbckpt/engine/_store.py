@@ -15,9 +15,9 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError, describe_error
-from .._util import check_path, fsync_dir, is_url
+from .._util import check_path, is_url
 from . import _faults
-from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths
+from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths, fsync_dir, write_atomic
 from ._format import (
     LEFTOVER_RE,
     LOCK_FILE,
@@ -258,10 +258,8 @@ class LocalStore(Store):
             sink.close()
 
     def write_small(self, name: str, data: bytes) -> None:
-        temporary = self._path(f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
-        self._write_new(temporary, data)
-        os.rename(temporary, self._path(name))
-        fsync_dir(self.url)
+        temporary = self._path(f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")  # recover() removes it
+        write_atomic(self._path(name), data, temporary=temporary)
 
     def begin(self, step: int, nonce: str) -> str:
         location = self._path(f"{TMP_PREFIX}{step_name(step)}-{nonce}")

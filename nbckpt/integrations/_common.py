@@ -14,24 +14,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import torch
 
 from .._errors import CheckpointError, ConfigError
-from .._util import fsync_dir
 from ..engine import Checkpointer
-from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT
+from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT, write_atomic
 
 __all__ = [
     "Key",
     "Pointer",
     "Scalar",
     "atomic_torch_save",
-    "atomic_write",
     "load",
     "load_step",
     "pointers_in",
@@ -58,32 +55,10 @@ class Pointer:
     values: tuple[tuple[tuple[Key, ...], Scalar], ...] = ()
 
 
-def _atomic_file(path: str | os.PathLike[str], fill: Callable[[IO[bytes]], object]) -> None:
-    """Let ``fill`` write a file that replaces ``path`` only once it is whole and durable: a crash
-    leaves the old file or the new one, never half (torch.save over a full disk leaves half)."""
-    path = os.path.abspath(os.fspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` whole or not at all."""
-    _atomic_file(path, lambda f: f.write(data))
-
-
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` of ``obj`` to ``path``, whole or not at all."""
-    _atomic_file(path, lambda f: torch.save(obj, f))
+    """``torch.save`` of ``obj`` to ``path``, whole or not at all (over a full disk torch.save
+    leaves half a file)."""
+    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def write_pointer(path: str, pointer: Pointer, **info: Any) -> None:
@@ -96,7 +71,7 @@ def write_pointer(path: str, pointer: Pointer, **info: Any) -> None:
     body = {"format": POINTER_FORMAT, "root": root, "step": pointer.step, **info}
     if pointer.values:
         body["values"] = [[list(path), value] for path, value in pointer.values]
-    atomic_write(path, (json.dumps(body, indent=1) + "\n").encode())
+    write_atomic(path, (json.dumps(body, indent=1) + "\n").encode())
 
 
 def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:

@@ -54,8 +54,8 @@ from transformers.utils import WEIGHTS_NAME
 
 from .._errors import ConfigError
 from ..engine import AnyOf, CheckpointConfig, Checkpointer, CustomSteps, RetentionPolicy, SaveHandle
-from ..engine._internal import step_name
-from ._common import atomic_torch_save, atomic_write
+from ..engine._internal import step_name, write_atomic
+from ._common import atomic_torch_save
 
 __all__ = ["NbckptCallback"]
 
@@ -234,7 +234,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
             atomic_torch_save(data["optimizer"], os.path.join(out, OPTIMIZER_NAME))
             if "lr_scheduler" in data:
                 atomic_torch_save(data["lr_scheduler"], os.path.join(out, SCHEDULER_NAME))
-            atomic_write(os.path.join(out, TRAINER_STATE_NAME), data["trainer_state"].encode())
+            write_atomic(os.path.join(out, TRAINER_STATE_NAME), data["trainer_state"].encode())
         _barrier()  # the folder exists before any rank writes its RNG file into it
         rng = data.get("rng", {})
         mine = rng.get(f"rank{rank}")

@@ -10,7 +10,6 @@ The worker only queues events, results and log lines; the updater applies them e
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import signal
 import threading
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from .._errors import CheckpointError, ConfigError, NbckptError
-from .._util import is_url, writable_directory
+from .._util import could_create, is_url, writable_directory
 
 if TYPE_CHECKING:
     from ..bench import Comparison
@@ -48,13 +47,9 @@ def check_target(path: str) -> None:
         raise ConfigError("the target path is empty")
     if is_url(path):
         return
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"target {path} is not usable: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"target {path} is not writable ({existing} is read-only for this user)")
+    reason = could_create(path)
+    if reason is not None:
+        raise ConfigError(f"target {path} is not usable: {reason}")
 
 
 def error_line(exc: BaseException) -> str:

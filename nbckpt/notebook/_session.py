@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 from .._errors import CheckpointError, ConfigError, NbckptError
-from .._util import check_path, format_bytes, is_url, open_fsspec, run_directory
+from .._util import check_path, could_create, format_bytes, is_url, run_directory
 from ..engine import CheckpointConfig, Checkpointer
-from ..engine._internal import events_to_pandas, now_ns
+from ..engine._internal import events_to_pandas, now_ns, open_fsspec
 from ._cell import CheckpointFailed, Interrupted, engine_call, one_line
 from ._save_status import Save
 
@@ -92,17 +92,9 @@ def usable_directory(directory: str) -> None:
             return
     except ConfigError as exc:
         raise UsageError(f"cannot checkpoint to {directory!r}: {one_line(exc)}") from None
-    path = os.path.abspath(os.path.expanduser(directory.removeprefix("file://")))
-    existing = path
-    while not os.path.lexists(existing):  # the nearest part that exists: the save creates the rest
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        reason = f"{existing} is a file, not a directory"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        reason = f"{existing} is not writable"
-    else:
-        return
-    raise UsageError(f"cannot checkpoint to {directory!r}: {reason}")
+    reason = could_create(directory)
+    if reason is not None:
+        raise UsageError(f"cannot checkpoint to {directory!r}: {reason}")
 
 
 def _changes(changes: dict[str, Any]) -> str:
