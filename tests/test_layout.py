@@ -225,10 +225,12 @@ def test_one_retention_policy_decides_which_steps_go() -> None:
     found = []
     for path in SOURCES:
         relative = str(path.relative_to(PACKAGE))
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "delete":
-                if relative not in DELETERS:
-                    found.append(f"{relative}:{node.lineno}")
+        found += [
+            f"{relative}:{node.lineno}"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "delete" and relative not in DELETERS
+        ]
     assert not found, f"steps deleted outside the one retention policy (use keep= / retain()): {found}"
     assert "expired" in (ENGINE / "_mirror.py").read_text()
 

@@ -302,17 +302,20 @@ class Retainer:
         self._worker = Worker("nbckpt-retention", nice=nice)
         self._last: Future[None] | None = None
 
-    def after(self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None]) -> None:
-        """Queue a pass over the line ``facts`` knows: only steps committed before ``newest``
-        (``older``) count, since a pass that runs late must not take a step committed since for
-        an old one (it could be the newest of all); and only steps of ``newest``'s names, since a
-        stray save must never rotate out the run's real checkpoints. Never ``newest`` itself;
-        ``deleted`` is told of each step deleted."""
+    def after(
+        self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None]
+    ) -> Callable[[], None]:
+        """A pass over the line ``facts`` knows, waited for by ``wait`` from now on; it is queued
+        when the returned function is called. Only steps committed before ``newest`` (``older``)
+        count, since a pass that runs late must not take a step committed since for an old one
+        (it could be the newest of all); and only steps of ``newest``'s names, since a stray save
+        must never rotate out the run's real checkpoints. Never ``newest`` itself; ``deleted`` is
+        told of each step deleted."""
         if self.policy is None:
-            return
+            return lambda: None
         done: Future[None] = Future()
         self._last = done
-        self._worker.submit(partial(self._pass, facts, newest, older, deleted, done))
+        return partial(self._worker.submit, partial(self._pass, facts, newest, older, deleted, done))
 
     def wait(self) -> None:
         if self._last is not None:

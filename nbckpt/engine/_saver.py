@@ -382,11 +382,12 @@ class Saver:
             self.committed.add(step)
             self.facts.saved(step, flat.tree, metrics)
         handle.phase = "committed"
-        if rank == 0:
-            if self._observer is not None:  # first: retention then knows of its upload
-                self._observer.committed(self.store, step, path)
-            self._retain(step, older)
-        handle.committed.set_result(record)
+        retention = self._retainer.after(self.facts, step, older, self._deleted) if rank == 0 else None
+        if self._observer is not None:  # first: retention then knows of its upload
+            self._observer.committed(self.store, step, path)
+        handle.committed.set_result(record)  # before retention: it sees what callbacks did (a pointer)
+        if retention is not None:
+            retention()
 
     def retain(self) -> None:
         """Apply retention now (a policy's answer may have changed since the last commit)."""
@@ -394,10 +395,7 @@ class Saver:
             newest = max(self.committed, default=None)
             older = set(self.committed)
         if newest is not None and self.ranks.rank == 0:
-            self._retain(newest, older)
-
-    def _retain(self, newest: int, older: set[int]) -> None:
-        self._retainer.after(self.facts, newest, older, self._deleted)
+            self._retainer.after(self.facts, newest, older, self._deleted)()
 
     def _deleted(self, step: int) -> None:
         with self._state:

@@ -120,9 +120,11 @@ def test_the_browser_deletes_while_the_autosave_holds_the_directory(
     assert (out, err) == ("True True None\n", "")
     out, _ = cell(kernel, "%ckpt_autosave --off\n" + delete.format(20))
     assert out.splitlines()[-1] == "True True None"
-    assert kernel.evaluate("[row.step for row in browser.rows]") == "[30]"
+    # the cell that turned the autosave on may have saved step 5 at its end (every 0.001 s)
+    rows = kernel.evaluate("[row.step for row in browser.rows]")
+    assert rows in ("[30]", "[5, 30]")
     with Checkpointer(run, read_only=True) as ckpt:
-        assert ckpt.steps() == [30]
+        assert str(ckpt.steps()) == rows
 
 
 def test_ctrl_c_in_a_large_sync_save_is_one_line_saying_what_was_kept(

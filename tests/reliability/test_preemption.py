@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import threading
-import weakref
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 from helpers import preempted_child
 
 from nbckpt import Checkpointer
-from nbckpt.engine._checkpointer import _close_at_exit
 
 
 def run_until_preempted(directory: Path, *extra: str) -> tuple[int, int, str]:
@@ -96,7 +94,7 @@ def test_a_final_save_that_cannot_start_in_time_is_left_behind_at_exit(tmp_path:
     try:
         line = ckpt.final_save(lambda: ({"step": 1}, 1), timeout_s=0.2)
         assert line == "final save of step 1 did not commit within 0.2 s; the previous checkpoint stays"
-        _close_at_exit(weakref.ref(ckpt))  # does not wait for the save left behind
+        ckpt._at_exit()  # does not wait for the save left behind
         assert not ckpt._closed
     finally:
         release.set()
