@@ -97,9 +97,16 @@ def digest(model: torch.nn.Module) -> str:
 
 
 def run_ddp(directory: Path) -> dict[str, Any]:
+    """Three fits in the same two processes, each ended by a barrier as separate launches end
+    (the next starts once the last has exited). Without it rank 1 leaves ``fit`` while rank 0
+    still waits for its async writes in teardown, looks for ``last.ckpt`` on disk before rank 0
+    has written it, starts from scratch while rank 0 resumes, and the ranks' collectives no
+    longer match: a hang (seen in full runs on a busy machine)."""
     ddp: dict[str, Any] = {"strategy": "ddp", "devices": 2}
     straight, _ = fit(directory / "straight", 4, **ddp)
+    torch.distributed.barrier()
     fit(directory / "resumed", 2, **ddp)
+    torch.distributed.barrier()
     resumed, t = fit(directory / "resumed", 4, resume=True, **ddp)
     return {
         "rank": t.global_rank,
