@@ -8,8 +8,10 @@ take the others down with it, as torchrun's agent would).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -229,4 +231,5 @@ def main(scenario: str, directory: str) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test prints where this rank was
     sys.exit(main(sys.argv[1], sys.argv[2]))

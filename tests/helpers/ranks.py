@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -42,12 +44,36 @@ class RankProcess:
         self.err.seek(0)
         return code, self.out.read(), self.err.read()
 
+    def stacks(self, within: float = 10.0) -> str:
+        """Its threads' stacks (each worker has faulthandler dump them on SIGUSR1) and the end of
+        its stderr, for the message of a hang; waits until the dump is written."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+            deadline = time.monotonic() + within
+            while "most recent call first" not in self._err_text() and time.monotonic() < deadline:
+                time.sleep(0.1)  # polling the file the dump goes to, up to a deadline
+        return self._err_text()[-6000:]
+
+    def _err_text(self) -> str:
+        self.err.seek(0)
+        return self.err.read()
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         self.out.close()
         self.err.close()
+
+
+def finish_all(procs: list[RankProcess], timeout: float) -> list[tuple[int, str, str]]:
+    """Each rank's (code, stdout, stderr), in order; a rank that does not end in ``timeout``
+    fails the test with every rank's stacks."""
+    try:
+        return [proc.finish(timeout) for proc in procs]
+    except subprocess.TimeoutExpired:
+        dumps = "\n".join(f"--- rank {rank}:\n{proc.stacks()}" for rank, proc in enumerate(procs))
+        raise AssertionError(f"a rank did not finish in {timeout:g} s; where each was:\n{dumps}") from None
 
 
 def run_ranks(
@@ -76,8 +102,7 @@ def run_ranks(
     }
     results = {}
     try:
-        for rank, proc in procs.items():
-            code, out, err = proc.finish(timeout)
+        for rank, (code, out, err) in enumerate(finish_all(list(procs.values()), timeout)):
             lines = [line for line in out.splitlines() if line.startswith("{")]
             results[rank] = (code, json.loads(lines[-1]) if lines else {}, err[-3000:])
     finally:

@@ -11,8 +11,10 @@ With ``WORLD_SIZE=1`` no process group is made: the restore is into a plain, uns
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -279,4 +281,5 @@ def main(scenarios: str, directory: str) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test prints where this rank was
     sys.exit(main(sys.argv[1], sys.argv[2]))

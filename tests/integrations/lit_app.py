@@ -8,8 +8,10 @@ from "last" in DIR/resumed, and prints one JSON line of what it saw.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -98,10 +100,9 @@ def digest(model: torch.nn.Module) -> str:
 
 def run_ddp(directory: Path) -> dict[str, Any]:
     """Three fits in the same two processes, each ended by a barrier as separate launches end
-    (the next starts once the last has exited). Without it rank 1 leaves ``fit`` while rank 0
-    still waits for its async writes in teardown, looks for ``last.ckpt`` on disk before rank 0
-    has written it, starts from scratch while rank 0 resumes, and the ranks' collectives no
-    longer match: a hang (seen in full runs on a busy machine)."""
+    (the next starts once the last has exited): rank 1 may leave ``fit`` while rank 0 still
+    waits for its async writes in teardown. Whether that caused the rare 300 s hang of full runs
+    is not proven (a slowed commit did not reproduce it); a hang now prints every rank's stacks."""
     ddp: dict[str, Any] = {"strategy": "ddp", "devices": 2}
     straight, _ = fit(directory / "straight", 4, **ddp)
     torch.distributed.barrier()
@@ -118,4 +119,5 @@ def run_ddp(directory: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test prints where this rank was
     print(json.dumps(run_ddp(Path(sys.argv[1]))), flush=True)

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("lightning")
 
 import torch
-from helpers.ranks import RankProcess, free_port
+from helpers.ranks import RankProcess, finish_all, free_port
 from integrations.lit_app import TinyModel, digest, fit
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError, CustomSteps
@@ -241,8 +241,7 @@ def test_ddp_two_processes_rank0_saves_alone(tmp_path: Path) -> None:
     ]
     results = []
     try:
-        for proc in procs:
-            code, out, err = proc.finish(timeout=300)
+        for code, out, err in finish_all(procs, timeout=300):
             assert code == 0, err[-3000:]
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
