@@ -99,6 +99,9 @@ def test_the_mirror_keeps_what_the_directory_keeps(tmp_path: Path) -> None:
         for step, loss in enumerate([0.5, 0.1, 0.7, 0.2, 0.9]):
             ckpt.save({"w": torch.zeros(2)}, step, metrics={"loss": loss})
         ckpt.wait()
+        # a step the mirror was still uploading when the last pass ran stayed for it: it goes now
+        ckpt.retain()
+        ckpt.wait()
         local = ckpt.steps()
     with Checkpointer(tmp_path / "mirror", read_only=True) as mirror:
         assert mirror.steps() == local == [1, 3, 4]  # the newest stays until a later commit
