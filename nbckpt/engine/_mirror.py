@@ -24,6 +24,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .._errors import CheckpointError, ConfigError, describe_error
@@ -34,7 +35,7 @@ from ._format import BRANCH_FILE, BRANCH_LIMIT, LOCK_FILE, MAIN, step_name
 from ._lines import Line, discover, on, write_record
 from ._ranks import Group
 from ._reader import damage_named, read_manifest
-from ._retention import RetentionPolicy, StepFacts, expired
+from ._retention import RetentionPolicy, StepFacts, StepInfo, expired
 from ._store import Store, open_store
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
@@ -102,6 +103,7 @@ class Mirror:
         self._jobs = 0  # submitted to the worker and not yet over
         self._line = MAIN  # the line new commits belong to (set by follow)
         self._skipped = 0
+        self._facts: dict[str, StepFacts] = {}  # per mirror line (its URL), for retention
         self.failures: list[str] = []
         self._count = 0
 
@@ -174,7 +176,8 @@ class Mirror:
             uploading = self._uploading
         for entry in dropped:
             self._said_skip(entry)
-        return {uploading.step} if uploading is not None and uploading.source.url == store.url else set()
+        busy = {uploading.step} if uploading is not None and uploading.source.url == store.url else set()
+        return busy & doomed
 
     def upload(self, source: Store, step: int, location: str, line: str | None = None) -> None:
         """Queue ``step`` (committed at ``location`` of ``source``, in the current line unless
@@ -287,12 +290,13 @@ class Mirror:
         committed = False
         try:
             store = self._target(entry.line)
-            if self._would_delete(store, entry):
+            manifest, data = read_manifest(source, step, location)
+            facts = self._facts_of(store)
+            if self._would_delete(facts, step, manifest.metrics):
                 return  # retention on the mirror would delete it again at once
             with self._lock:
                 self._count += 1
                 nonce = f"{self._nonce}f{self._count:x}"  # hex: a leftover of it is recognised
-            manifest, data = read_manifest(source, step, location)
             target = store.begin(step, nonce)
             copied = 0
             for name, meta in manifest.files.items():
@@ -305,8 +309,9 @@ class Mirror:
                     )
             store.commit(target, step, data)
             committed = True
+            facts.saved(step, manifest.tree(0), manifest.metrics)
             self.timeline.record("upload", began, step=step, nbytes=copied, mirror=store.url)
-            self._retain(store, step)
+            self._retain(facts, step)
         except Exception as exc:
             if store is not None and target is not None and not committed:
                 store.discard(target)
@@ -320,21 +325,27 @@ class Mirror:
             self.failures.append(message)
         _log.warning("nbckpt: %s", message)
 
-    def _would_delete(self, store: Store, entry: _Upload) -> bool:
-        """Whether the mirror's retention, with ``entry`` uploaded, would delete it at once (its
+    def _facts_of(self, store: Store) -> StepFacts:
+        """What retention knows of a mirror line's steps, kept across uploads: each upload adds
+        its step's from the manifest it read anyway, so a policy by metrics reads none back."""
+        facts = self._facts.get(store.url)
+        if facts is None:
+            facts = self._facts[store.url] = StepFacts(store)
+        return facts
+
+    def _would_delete(self, facts: StepFacts, step: int, metrics: Mapping[str, float]) -> bool:
+        """Whether the mirror's retention, with ``step`` uploaded, would delete it at once (its
         steps are older than those the policy keeps)."""
         if self.policy is None:
             return False
-        steps = {*store.committed(), entry.step}
-        newer = [s for s in steps if s > entry.step]
-        infos = StepFacts(store).infos(self.policy, newer)
-        infos += StepFacts(entry.source).infos(self.policy, [entry.step])
-        return bool(newer) and entry.step in expired(self.policy, infos, newest=max(newer))
+        newer = [s for s in facts.store.committed() if s > step]
+        infos = [*facts.infos(self.policy, newer), StepInfo(step, metrics)]
+        return bool(newer) and step in expired(self.policy, infos, newest=max(newer))
 
-    def _retain(self, store: Store, newest: int) -> None:
+    def _retain(self, facts: StepFacts, newest: int) -> None:
         """The mirror keeps what the run's directory keeps (never the step just uploaded)."""
-        infos = StepFacts(store).infos(self.policy, store.committed())
-        for step in expired(self.policy, infos, newest=newest):
+        store = facts.store
+        for step in expired(self.policy, facts.infos(self.policy, store.committed()), newest=newest):
             try:
                 store.delete(step)
             except Exception as exc:

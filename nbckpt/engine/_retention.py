@@ -260,10 +260,10 @@ class StepFacts:
                 return self._known[step]
         location = self.store.committed_at(step)
         try:
-            body = read_manifest(self.store, step, location)[0].body if location else None
+            manifest = read_manifest(self.store, step, location)[0] if location else None
         except CheckpointError:
-            body = None
-        facts = (top_names(body["tree"]), body.get("metrics", {})) if body else None
+            manifest = None
+        facts = (top_names(manifest.tree(0)), manifest.metrics) if manifest else None
         with self._lock:
             self._known[step] = facts
         return facts
