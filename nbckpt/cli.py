@@ -27,6 +27,7 @@ from typing import Any
 
 from ._errors import CheckpointError, ConfigError, NbckptError, require_extra
 from ._util import check_count, format_bytes, is_url, parse_value
+from .engine._internal import write_atomic
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -104,8 +105,7 @@ def _probe(args: argparse.Namespace) -> int:
         checkpoint_bytes=checkpoint,
     )
     if args.json_out:  # before printing: a closed stdout must not lose the measurement
-        with open(args.json_out, "w", encoding="utf-8") as stream:
-            json.dump(result.to_dict(), stream, indent=1, default=str)
+        write_atomic(args.json_out, json.dumps(result.to_dict(), indent=1, default=str).encode())
     print(result.summary())
     if args.json_out:
         print(f"wrote {args.json_out}")
