@@ -197,7 +197,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
                     atomic_torch_save(data[key], os.path.join(out, name))
             write_atomic(os.path.join(out, TRAINER_STATE_NAME), data["trainer_state"].encode())
         _barrier()  # the folder exists before any rank writes its RNG file into it
-        self.ckpt.restore({"best_step": None}, step)  # sets this rank's RNG states as they were saved
+        self.ckpt.restore({"trainer_state": None}, step)  # sets this rank's RNG states as saved
         name = "rng_state.pth" if world == 1 else f"rng_state_{rank}.pth"  # what the Trainer reads
         atomic_torch_save(_rng_states(world), os.path.join(out, name))
         self.best_step = data.get("best_step")
