@@ -6,46 +6,17 @@
     >>> print(cmp.table())  # overhead with its 95 % interval, stalls, floors, the machine's load
     >>> cmp.results         # one row per strategy; cmp.runs: one per run; cmp.timeline: events
 
-How it measures, on a machine that other work shares
-----------------------------------------------------
-- **Interleaved repeats.** Every repeat runs every strategy's steps once, in an order rotated
-  by one place per repeat (:func:`run_order`). Within a repeat the strategies take turns every
-  checkpoint cycle (``interleave="cycle"``): all of them are open, and each trains ``every``
-  steps (starting with the checkpoint due) before the next one does, the order rotated by one
-  place per cycle. Other work on a shared machine comes in bursts of seconds; taking turns
-  every few seconds spreads a burst over all strategies instead of letting it fall on one
-  whole run. Each strategy's clock only runs during its own turns, and a turn ends by waiting
-  for the strategy's background write, counted as the wait its next save would have had (one
-  save in flight). ``interleave="run"`` runs each strategy's steps in one go instead.
-- **A baseline in every repeat.** The ``none`` strategy (no checkpoints) runs in every repeat;
-  ``compare`` adds it when it is missing (``baseline=False`` leaves it out, and overhead with it).
-- **One method for overhead**, stated once (:data:`nbckpt.bench.OVERHEAD_METHOD`, the
-  docstring of the statistics module) and summed up under every table
-  (:data:`nbckpt.bench.OVERHEAD_DEFINITION`): the ratio of each cycle's loop time to the same
-  cycle of the ``none`` run beside it, averaged in log space, its 95 % interval clustered by
-  repeat (cycles pooled when the repeats agree, the repeats alone when they do not, one repeat
-  widened for what it cannot show). The table always shows the estimate, its interval, each
-  repeat's overhead and what the row rests on; "no measurable difference" only stands beside
-  an interval that contains 0.
-- **The stall in two parts**: per checkpoint, the *save stall* (``save()``, and an overlapped
-  copy's wait before the next update), the *wait for the earlier save* (backpressure), and the
-  *stall*, their sum; the same three names in log lines, tables and figures.
-- **The machine's load** (:class:`nbckpt.bench.Load`): load average, CPU steal (from
-  ``/proc/stat`` via psutil) and the CPU that other processes used, per run and over the whole
-  comparison; a warning is printed and stored when it is high.
-- **Partial runs.** A run ended by ``stop`` is marked ``stopped``; a strategy whose every run
-  was stopped is a ``partial`` row. Its overhead rests on the cycles completed before the stop
-  and says so; conclusions leave it out.
-- **Floors beside each repeat** (:func:`nbckpt.bench.measure_floors`): before every repeat, a
-  copy of the same bytes into preallocated memory (one thread, and two as nbckpt stages), and
-  the raw fsync'd write of the same bytes into the same directory measured exactly as ``nbckpt
-  probe`` measures, at 1 and 2 streams; the fastest of all repeats is the floor. A save stall
-  below the copy floor, or a write faster than the write floor, is flagged as a measurement
-  problem (``floor_check``, and a warning).
-- **Progress**: a line per checkpoint and per run: strategy, repeat, step, the stall in its
-  parts, the time elapsed and the time the whole comparison is expected to take.
+Every repeat runs every strategy (and the ``none`` baseline, added when missing) on the same
+steps and batches, in an order rotated by one place per repeat (:func:`run_order`). Within a
+repeat the strategies take turns every checkpoint cycle, so that a burst of other work on a
+shared machine falls on all of them alike: each one's clock only runs during its own turns, and
+a turn ends by waiting for the strategy's background write (the wait its next save would have
+had). Before every repeat the floors (:func:`~._measure.measure_floors`) are measured beside
+it; the machine's load (:class:`~._load.Load`) is recorded per run and over the comparison.
+How overhead and its interval come from the cycles is stated once, in
+:data:`nbckpt.bench.OVERHEAD_METHOD`; the metrics and the JSON document are described with
+:class:`nbckpt.bench.Comparison`. A line of progress per checkpoint and per run.
 
-The metrics and the JSON document are described with :class:`nbckpt.bench.Comparison`.
 From the shell (the default strategies, :data:`DEFAULT_STRATEGIES`, on the tiny preset)::
 
     nbckpt bench --dir data/checkpoints/bench --preset tiny --json bench.json
@@ -81,11 +52,10 @@ from ._runner import (
     Progress,
     RunProgress,
     check_run_args,
-    resolve_device,
     run_lanes,
     stall_text,
 )
-from ._strategies import get_strategy
+from ._strategies import STRATEGIES, get_strategy
 from ._strategy import Strategy
 from ._workloads import Workload
 
@@ -101,13 +71,8 @@ __all__ = [
 #: Repeats ``compare`` and ``nbckpt bench`` run unless told otherwise: the fewest that give a
 #: t-interval with a usable width, and one place in the rotation per strategy of a 3-way run.
 DEFAULT_REPEATS = 3
-#: What ``nbckpt bench`` runs without ``--strategies``: every built-in strategy except
-#: ``dcp-async-process`` (DCP's process executor with default staging), which
-#: ``dcp-async-stager`` runs in its best configuration.
-DEFAULT_STRATEGIES = [
-    "none", "torch-save", "dcp-sync", "dcp-async", "dcp-async-stager", "nbckpt-sync",
-    "nbckpt-async", "nbckpt-async-overlap",
-]
+#: What ``nbckpt bench`` runs without ``--strategies``: every built-in strategy.
+DEFAULT_STRATEGIES = list(STRATEGIES)
 #: Untimed training steps before the first run, so that no run pays for first-touch allocation.
 WARMUP_STEPS = 2
 
@@ -161,40 +126,28 @@ def compare(
     *,
     steps: int = 20,
     every: int = 5,
-    device: str | None = None,
     repeats: int = DEFAULT_REPEATS,
     warmup: bool = True,
+    progress: Progress | None = print,
+    stop: threading.Event | None = None,
     on_event: EventCallback | None = None,
     on_result: Callable[[str, dict[str, Any]], None] | None = None,
-    stop: threading.Event | None = None,
-    progress: Progress | None = print,
     storage_options: dict[str, Any] | None = None,
-    keep_checkpoints: bool = False,
-    baseline: bool = True,
-    interleave: str = "cycle",
 ) -> Comparison:
-    """Run every strategy in each of ``repeats`` repeats, interleaved (see the module doc).
+    """Run every strategy on ``workload`` (on its device) in each of ``repeats`` repeats.
 
-    ``interleave="cycle"`` (the default) keeps every strategy of a repeat open and alternates
-    them every checkpoint cycle, so a burst of other work on the machine falls on all of them
-    alike; ``"run"`` runs each strategy's steps in one go (one strategy open at a time: less
-    host memory, and ``cycle`` falls back to it when the staging buffers of every strategy at
-    once would not fit).
-
-    Every run trains the same steps on the same batches. ``baseline`` adds the ``none``
-    strategy when it is missing (overhead needs it in every repeat). Each run's checkpoints are
-    removed after it unless ``keep_checkpoints``. ``on_result(strategy, metrics)`` is called
-    after every run; ``stop`` ends the comparison after the current step (the rows that could
-    not finish are marked partial). Strategies that write local files only are skipped (with a
-    message) for URLs; there each repeat writes under ``<directory>/repeat-<r>/`` and nothing
-    is deleted (the bucket's retention is its owner's). ``warmup`` trains :data:`WARMUP_STEPS`
-    untimed steps first and makes one unrecorded save per run.
+    ``warmup`` trains :data:`WARMUP_STEPS` untimed steps first and makes one unrecorded save
+    per run. ``stop`` ends the comparison after the current step (what could not finish is
+    marked partial); ``on_event`` gets every event, ``on_result(strategy, metrics)`` every
+    finished run. Strategies given by name start fresh each run, instances are reopened. Each
+    run's checkpoints are removed after it, except in an object store (``storage_options``:
+    fsspec's), where each repeat writes under ``<directory>/repeat-<r>/`` and strategies that
+    write local files only are skipped. When the staging buffers of all strategies at once
+    would not fit in free memory, they run one after the other instead of taking turns.
     """
     check_run_args(steps, every)
     check_count(repeats, "repeats")
-    if interleave not in ("cycle", "run"):
-        raise ConfigError(f"interleave must be 'cycle' or 'run', not {interleave!r}")
-    device = resolve_device(workload, device)
+    device = workload.device
     if not strategies:
         raise ConfigError("give at least one strategy to compare")
     options = {"storage_options": storage_options} if storage_options else {}
@@ -203,7 +156,7 @@ def compare(
     names = [instance.name for instance, _ in chosen]
     if len(set(names)) != len(names):
         raise ConfigError(f"each strategy may appear once, got {', '.join(names)}")
-    add_baseline = baseline and "none" not in names
+    add_baseline = "none" not in names
     if add_baseline:
         chosen.insert(0, (get_strategy("none"), "none"))
         names.insert(0, "none")
@@ -233,7 +186,7 @@ def compare(
     frames: list[pd.DataFrame] = []
     measured_floors: list[Floors] = []
     floor_loads: list[Load] = []
-    mode = _interleaving(interleave, workload, strategies=len(names), say=say)
+    mode = _interleaving(workload, strategies=len(names), say=say)
     tracker = RunProgress(progress, total_steps=steps * len(names) * repeats, repeats=repeats)
     for repeat, names_in_order in enumerate(order):
         if stop is not None and stop.is_set():
@@ -255,7 +208,7 @@ def compare(
         for group in groups:
             if stop is not None and stop.is_set():
                 break
-            lanes = [Lane(name, factories[name](), workload, steps=steps, every=every, device=device,
+            lanes = [Lane(name, factories[name](), workload, steps=steps, every=every,
                           on_event=on_event, progress=tracker, repeat=repeat) for name in group]
             results_of_group = run_lanes(lanes, where, steps=steps, every=every, stop=stop,
                                          warmup=warmup)
@@ -263,8 +216,8 @@ def compare(
                         for lane, result in zip(lanes, results_of_group, strict=True))
         for name, strategy, result in done:
             position = names_in_order.index(name)
-            if not keep_checkpoints and strategy.writes_checkpoints:
-                _remove(strategy.path)
+            if strategy.writes_checkpoints and not is_url(strategy.path):
+                shutil.rmtree(strategy.path, ignore_errors=True)
             metrics = {**result.metrics(), "repeat": repeat, "position": position}
             run_rows.append(metrics)
             by_strategy[name].append(result)
@@ -284,7 +237,7 @@ def compare(
     for during, text in (("", load.warning()), ("while the floors were measured, ", floors_load.warning())):
         if text is not None:
             warnings.append(during + text)
-    if repeats == 1 and baseline:
+    if repeats == 1:
         warnings.append("a single repeat: its overhead intervals allow for the disagreement "
                         "between repeats that one repeat cannot show, so only a large effect is "
                         "measurable; use 3 or more repeats")
@@ -334,26 +287,20 @@ def _run_summary(name: str, repeat: int, repeats: int, metrics: dict[str, Any], 
     return text + (" (stopped: partial)" if stopped else "")
 
 
-def _interleaving(interleave: str, workload: Workload, *, strategies: int, say: Progress) -> str:
+def _interleaving(workload: Workload, *, strategies: int, say: Progress) -> str:
     """``cycle`` or ``run``: ``cycle`` holds every strategy's buffers at once (up to two copies
     of the state each, nbckpt's staging and DCP's), which must fit in the memory free now."""
-    if interleave == "cycle" and strategies > 1:
+    if strategies > 1:
         needed = 2 * strategies * workload.nbytes
         available = psutil.virtual_memory().available
         if needed > available:
             say(f"interleaving whole runs, not checkpoint cycles: {strategies} strategies open at "
                 f"once would hold about {format_bytes(needed)} and {format_bytes(available)} is free")
             return "run"
-    return interleave
+    return "cycle"
 
 
 def _factory(spec: str | Strategy, options: dict[str, Any]) -> Callable[[], Strategy]:
     if isinstance(spec, Strategy):
         return lambda: spec
     return lambda: get_strategy(spec, **options)
-
-
-def _remove(path: str) -> None:
-    if is_url(path):
-        return  # object stores: the user's bucket, the user's retention
-    shutil.rmtree(path, ignore_errors=True)

@@ -17,7 +17,7 @@ from .._util import check_count, is_url, writable_directory
 from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, compare
 from ._comparison import Comparison
 from ._runner import Progress, check_run_args
-from ._strategies import STRATEGIES
+from ._strategies import STRATEGIES, get_strategy
 from ._workloads import make_workload
 
 __all__ = ["add_bench_arguments", "run_bench_from_args"]
@@ -62,55 +62,35 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "run: strategy, repeat, step, the stall, elapsed and expected time)")
 
 
-def _parse_strategies(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise ConfigError("--strategies names no strategy")
-    unknown = [name for name in names if name not in STRATEGIES]
-    if unknown:
-        raise ConfigError(
-            f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}"
-        )
-    return names
-
-
-def _check_json_target(path: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ConfigError(f"--json {path} is a directory; give a file name")
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--json {path}: directory {parent} does not exist or is not writable")
-
-
-def _prepare_directory(directory: str) -> bool:
-    """Create ``directory`` if needed and prove it is writable; True if it was created here."""
-    created = not os.path.exists(directory)
-    writable_directory(directory, "--dir")
-    return created
-
-
 def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = None) -> Comparison:
     """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too)."""
     if args.preset is not None and args.size_mb is not None:
         raise ConfigError("give --preset or --size-mb, not both")
-    names = _parse_strategies(args.strategies)
+    names = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    if not names:
+        raise ConfigError("--strategies names no strategy")
+    for name in names:
+        get_strategy(name)  # unknown: the one-line error that lists them
     check_run_args(args.steps, args.every)
     check_count(args.repeats, "--repeats")
     if args.threads is not None:
         check_count(args.threads, "--threads")
     if args.json is not None:
-        _check_json_target(args.json)
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json):
+            raise ConfigError(f"--json {args.json} is a directory; give a file name")
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ConfigError(f"--json {args.json}: directory {parent} does not exist or is not writable")
     workload = make_workload(args.preset, args.size_mb, args.device, compute_ms=args.compute_ms)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    directory = args.dir
-    created = False if is_url(directory) else _prepare_directory(directory)
+    created = not is_url(args.dir) and not os.path.exists(args.dir)
+    if not is_url(args.dir):
+        writable_directory(args.dir, "--dir")
     try:
-        return compare(
-            workload, names, directory, steps=args.steps, every=args.every, device=args.device,
-            repeats=args.repeats, warmup=not args.no_warmup, progress=progress,
-        )
+        return compare(workload, names, args.dir, steps=args.steps, every=args.every,
+                       repeats=args.repeats, warmup=not args.no_warmup, progress=progress)
     except BaseException:
         if created:
-            shutil.rmtree(directory, ignore_errors=True)
+            shutil.rmtree(args.dir, ignore_errors=True)
         raise

@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import psutil
 import torch
@@ -35,7 +34,6 @@ __all__ = [
     "Progress",
     "RunProgress",
     "check_run_args",
-    "resolve_device",
     "run_experiment",
     "run_lanes",
     "stall_text",
@@ -88,13 +86,6 @@ def check_run_args(steps: int, every: int) -> None:
         raise ConfigError(f"every ({every}) must not exceed steps ({steps}): nothing would be saved")
 
 
-def resolve_device(workload: Workload, device: str | None) -> str:
-    """The workload's device; ConfigError when ``device`` names another one."""
-    if device is not None and device != workload.device:
-        raise ConfigError(f"device {device!r} differs from the workload's device {workload.device!r}")
-    return workload.device
-
-
 class _MemorySampler:
     """RSS of this process, sampled on a background thread: its peak since the last reset."""
 
@@ -139,10 +130,9 @@ class Lane:
     """
 
     def __init__(self, name: str, strategy: Strategy, workload: Workload, *, steps: int, every: int,
-                 device: str, on_event: EventCallback | None, progress: RunProgress | None,
-                 repeat: int) -> None:
+                 on_event: EventCallback | None, progress: RunProgress | None, repeat: int) -> None:
         self.name, self.strategy, self.workload = name, strategy, workload
-        self.steps, self.every, self.device, self.repeat = steps, every, device, repeat
+        self.steps, self.every, self.device, self.repeat = steps, every, workload.device, repeat
         self.on_event, self.progress = on_event, progress
         self.timeline = Timeline(label=name)
         self.timeline.add_listener(self._listen)
@@ -383,33 +373,15 @@ def run_lanes(
         return [lane.result(base_rss) for lane in lanes]
 
 
-def run_experiment(
-    workload: Workload,
-    strategy: str | Strategy,
-    directory: str,
-    *,
-    steps: int,
-    every: int,
-    device: str | None = None,
-    on_event: EventCallback | None = None,
-    stop: threading.Event | None = None,
-    warmup: bool = False,
-    progress: Progress | None = None,
-    storage_options: dict[str, Any] | None = None,
-    repeat: int = 0,
-) -> ExperimentResult:
-    """Train ``steps`` steps, checkpoint every ``every`` with ``strategy``, record everything.
-
-    ``on_event`` gets every event as it is recorded, on the thread that records it.
-    Setting ``stop`` ends the run after the current step; saves in flight still commit.
-    ``warmup`` makes one unrecorded save first (buffers, caches, spawned helpers).
-    Every run starts at the workload's step 0, so every strategy trains on the same batches.
-    """
+def run_experiment(workload: Workload, strategy: str | Strategy, directory: str, *, steps: int,
+                   every: int, on_event: EventCallback | None = None,
+                   stop: threading.Event | None = None, warmup: bool = False) -> ExperimentResult:
+    """One strategy's run alone: train ``steps`` steps, checkpoint every ``every``, record
+    everything (``on_event`` gets each event, ``stop`` ends the run after the current step,
+    ``warmup`` makes one unrecorded save first)."""
     check_run_args(steps, every)
-    device = resolve_device(workload, device)
-    chosen = get_strategy(strategy, **({"storage_options": storage_options} if storage_options else {}))
+    chosen = get_strategy(strategy)
     workload.build()
-    tracker = RunProgress(progress, total_steps=steps) if progress is not None else None
-    lane = Lane(chosen.name, chosen, workload, steps=steps, every=every, device=device,
-                on_event=on_event, progress=tracker, repeat=repeat)
+    lane = Lane(chosen.name, chosen, workload, steps=steps, every=every, on_event=on_event,
+                progress=None, repeat=0)
     return run_lanes([lane], directory, steps=steps, every=every, stop=stop, warmup=warmup)[0]
