@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import replace
 
 import psutil
@@ -41,9 +42,6 @@ __all__ = [
 
 EventCallback = Callable[[Event], None]
 Progress = Callable[[str], None]
-
-_MEMORY_SAMPLE_S = 0.01
-
 
 class RunProgress:
     """Where a run or comparison is, for its progress lines: steps done of all, time taken and
@@ -86,35 +84,25 @@ def check_run_args(steps: int, every: int) -> None:
         raise ConfigError(f"every ({every}) must not exceed steps ({steps}): nothing would be saved")
 
 
-class _MemorySampler:
-    """RSS of this process, sampled on a background thread: its peak since the last reset."""
+def _rss() -> int:
+    return int(psutil.Process().memory_info().rss)
 
-    def __init__(self) -> None:
-        self._process = psutil.Process()
-        self._stop = threading.Event()
-        self.peak = self.rss()
-        self._thread = threading.Thread(target=self._run, name="nbckpt-memory", daemon=True)
 
-    def rss(self) -> int:
-        return int(self._process.memory_info().rss)
+def _reset_peak_rss() -> int:
+    """Start the kernel's peak RSS (VmHWM) again at the current RSS, which it returns (writing 5
+    to /proc/self/clear_refs, Linux 4.0+): no sampling thread runs beside the measured runs."""
+    with suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return _rss()
 
-    def _run(self) -> None:
-        while not self._stop.wait(_MEMORY_SAMPLE_S):
-            self.peak = max(self.peak, self.rss())
 
-    def reset(self) -> int:
-        """Start a new peak at the current RSS, which it returns."""
-        now = self.rss()
-        self.peak = now
-        return now
-
-    def __enter__(self) -> _MemorySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
+def _peak_rss() -> int:
+    """The peak RSS since the last reset (the current RSS where the kernel does not say)."""
+    with suppress(OSError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return _rss()
 
 
 class Lane:
@@ -171,16 +159,16 @@ class Lane:
         if self.on_event is not None:
             self.on_event(moved)
 
-    def open(self, directory: str, warmup: bool, memory: _MemorySampler) -> None:
-        before = memory.rss()
+    def open(self, directory: str, warmup: bool) -> None:
+        before = _rss()
         self.strategy.open(directory, self.timeline)
         if warmup and self.strategy.writes_checkpoints:
             self.strategy.save(self.workload.state(), 0)
             self.strategy.before_step()
             self.strategy.finish()
-        self.held_rss = max(memory.rss() - before, 0)
+        self.held_rss = max(_rss() - before, 0)
 
-    def resume(self, memory: _MemorySampler) -> None:
+    def resume(self) -> None:
         if self.active:  # alone, a lane's chunks run back to back
             return
         now = now_ns()
@@ -191,7 +179,7 @@ class Lane:
         if self.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        self.rss_at_resume = memory.reset()
+        self.rss_at_resume = _reset_peak_rss()
         self.monitor = LoadMonitor()
         self.active = True
 
@@ -280,12 +268,12 @@ class Lane:
             self.cycles[-1] = replace(last, loop_s=last.loop_s + waited / 1e9,
                                       stall_s=last.stall_s + waited / 1e9)
 
-    def pause(self, memory: _MemorySampler) -> None:
+    def pause(self) -> None:
         if not self.active:
             return
         if self.monitor is not None:
             self.loads.append(self.monitor.stop())
-        self.peak_above = max(self.peak_above, memory.peak - self.rss_at_resume)
+        self.peak_above = max(self.peak_above, _peak_rss() - self.rss_at_resume)
         if self.device == "cuda":
             self.peak_device = max(self.peak_device, torch.cuda.max_memory_allocated())
         self.active = False
@@ -334,43 +322,42 @@ def run_lanes(
     if steps % every == 0:
         cycles.append((steps + 1, steps))  # the final checkpoint, no steps after it
     opened: list[Lane] = []
-    with _MemorySampler() as memory:
-        base_rss = memory.rss()
-        try:
-            for lane in lanes:
-                opened.append(lane)
-                lane.open(directory, warmup, memory)
-            alone = len(lanes) == 1
-            stopped = False
-            for index, (first, last) in enumerate(cycles):
-                final = index == len(cycles) - 1
-                for lane in lanes[index % len(lanes):] + lanes[: index % len(lanes)]:
-                    if stop is not None and stop.is_set() and not alone:
-                        stopped = True
-                        break
-                    lane.resume(memory)
-                    completed = lane.chunk(first, last, stop)
-                    if not alone or final or not completed:
-                        # The next chunk starts with the checkpoint of step `last`, if one is due.
-                        due = last if completed and not final and last % every == 0 else None
-                        lane.settle(due, final=completed and final)
-                        lane.pause(memory)
-                    lane.finished = completed and final
-                    if not completed:
-                        stopped = True
-                        break
-                if stopped:
+    base_rss = _rss()
+    try:
+        for lane in lanes:
+            opened.append(lane)
+            lane.open(directory, warmup)
+        alone = len(lanes) == 1
+        stopped = False
+        for index, (first, last) in enumerate(cycles):
+            final = index == len(cycles) - 1
+            for lane in lanes[index % len(lanes):] + lanes[: index % len(lanes)]:
+                if stop is not None and stop.is_set() and not alone:
+                    stopped = True
                     break
-            for lane in lanes:
-                if lane.active:  # alone and stopped between steps: wait for its saves
-                    lane.settle(None)
-                    lane.pause(memory)
-                lane.engine_cpu_s = lane.strategy.save_cpu_s()
-        finally:
-            for lane in reversed(opened):
-                lane.active = False
-                lane.strategy.close()
-        return [lane.result(base_rss) for lane in lanes]
+                lane.resume()
+                completed = lane.chunk(first, last, stop)
+                if not alone or final or not completed:
+                    # The next chunk starts with the checkpoint of step `last`, if one is due.
+                    due = last if completed and not final and last % every == 0 else None
+                    lane.settle(due, final=completed and final)
+                    lane.pause()
+                lane.finished = completed and final
+                if not completed:
+                    stopped = True
+                    break
+            if stopped:
+                break
+        for lane in lanes:
+            if lane.active:  # alone and stopped between steps: wait for its saves
+                lane.settle(None)
+                lane.pause()
+            lane.engine_cpu_s = lane.strategy.save_cpu_s()
+    finally:
+        for lane in reversed(opened):
+            lane.active = False
+            lane.strategy.close()
+    return [lane.result(base_rss) for lane in lanes]
 
 
 def run_experiment(workload: Workload, strategy: str | Strategy, directory: str, *, steps: int,
