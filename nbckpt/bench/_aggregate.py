@@ -62,10 +62,11 @@ def _paired(name: str, pairs: list[tuple[ExperimentResult, ExperimentResult]]) -
     """Overhead, drag (each with its interval) and CPU per checkpoint from (run, baseline run)
     pairs, one pair per repeat, their cycles paired (:mod:`._stats`)."""
     nan = math.nan
+    unmeasured = {"overhead_pct": nan, "overhead_ci_pct": [nan, nan], "overhead_by_repeat_pct": [],
+                  "drag_s": nan, "drag_ci_s": [nan, nan], "cpu_per_checkpoint_s": nan}
     if name == "none":
-        return {"overhead_pct": 0.0, "overhead_ci_pct": [0.0, 0.0], "overhead_by_repeat_pct": [],
-                "overhead_basis": "baseline", "overhead_method": "baseline", "drag_s": nan,
-                "drag_ci_s": [nan, nan], "cpu_per_checkpoint_s": nan}
+        return {**unmeasured, "overhead_pct": 0.0, "overhead_ci_pct": [0.0, 0.0],
+                "overhead_basis": "baseline", "overhead_method": "baseline"}
     ratios: list[list[float]] = []
     drags: list[list[float]] = []
     cpus: list[float] = []
@@ -81,9 +82,7 @@ def _paired(name: str, pairs: list[tuple[ExperimentResult, ExperimentResult]]) -
     drag = clustered_mean(drags, one_repeat_spread=0.0)  # seconds: the cycles' own spread
     if overhead.cycles == 0:
         method = "no baseline" if not pairs else "no cycle pairs"
-        return {"overhead_pct": nan, "overhead_ci_pct": [nan, nan], "overhead_by_repeat_pct": [],
-                "overhead_basis": method, "overhead_method": method, "drag_s": nan,
-                "drag_ci_s": [nan, nan], "cpu_per_checkpoint_s": nan}
+        return {**unmeasured, "overhead_basis": method, "overhead_method": method}
     stopped = any(run.stopped or base.stopped for run, base in pairs)
     return {
         "overhead_pct": _percent(overhead.mean),

@@ -50,23 +50,7 @@ _SINGLE_PROCESS_WARNING = re.escape(
     "save in a single process."
 )
 _quiet_lock = threading.Lock()
-_quiet_strategies = 0
-
-
-def _ignore_single_process_warning(ignore: bool) -> None:
-    """One more (``ignore``) or one fewer open strategy that saves without a process group."""
-    global _quiet_strategies
-    with _quiet_lock:
-        _quiet_strategies += 1 if ignore else -1
-        if ignore:  # (again: a test's catch_warnings may have dropped it meanwhile)
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
-            return
-        if _quiet_strategies > 0:
-            return
-        ours = [entry for entry in warnings.filters if entry[0] == "ignore"
-                and getattr(entry[1], "pattern", None) == _SINGLE_PROCESS_WARNING]
-        for entry in ours:
-            warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list at run time
+_quiet_strategies = 0  # open strategies that save without a process group
 
 
 class _SingleProcess(Strategy):
@@ -79,7 +63,7 @@ class _SingleProcess(Strategy):
         super().open(directory, timeline)
         if not self._quiet:
             self._quiet = True
-            _ignore_single_process_warning(True)
+            self._count_quiet(1)
 
     def close(self) -> None:
         try:
@@ -87,7 +71,19 @@ class _SingleProcess(Strategy):
         finally:
             if self._quiet:
                 self._quiet = False
-                _ignore_single_process_warning(False)
+                self._count_quiet(-1)
+
+    @staticmethod
+    def _count_quiet(change: int) -> None:
+        global _quiet_strategies
+        with _quiet_lock:
+            _quiet_strategies += change
+            if change > 0:  # (again: a test's catch_warnings may have dropped it meanwhile)
+                warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+            elif _quiet_strategies == 0:
+                for entry in [entry for entry in warnings.filters if entry[0] == "ignore"
+                              and getattr(entry[1], "pattern", None) == _SINGLE_PROCESS_WARNING]:
+                    warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list at run time
 
 
 class DcpSync(_SingleProcess, BlockingSave):

@@ -63,10 +63,6 @@ class ExperimentResult:
     """One strategy's run: its events and the metrics derived from them."""
 
     strategy: str
-    workload: str
-    device: str
-    steps: int
-    every: int
     bytes: int
     timeline: Timeline
     """Events of the measured run (warm-up excluded); ``origin_ns`` is the run's start."""
@@ -96,11 +92,6 @@ class ExperimentResult:
     @property
     def steps_run(self) -> int:
         return sum(1 for e in self.events if e.kind == "step")
-
-    @property
-    def mean_step_s(self) -> float:
-        steps = self.steps_run
-        return self.wall_s / steps if steps else math.nan
 
     @property
     def checkpoints(self) -> int:

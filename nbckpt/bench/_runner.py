@@ -285,10 +285,6 @@ class Lane:
         timeline.extend(self.recorded)
         return ExperimentResult(
             strategy=self.name,
-            workload=self.workload.describe(),
-            device=self.device,
-            steps=self.steps,
-            every=self.every,
             bytes=self.workload.nbytes,
             timeline=timeline,
             wall_s=self.loop_ns / 1e9,

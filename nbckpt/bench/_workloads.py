@@ -92,45 +92,27 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-class _Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
-        return out
-
-
 class GPT(nn.Module):
-    """A pre-LayerNorm decoder-only transformer with tied input and output embeddings."""
+    """A pre-LayerNorm decoder-only transformer (torch's own layers, causally masked) with tied
+    input and output embeddings."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layer))
+        layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.n_head, 4 * cfg.d_model, dropout=0.0,
+                                           activation="gelu", batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, cfg.n_layer, enable_nested_tensor=False)
         self.ln_f = nn.LayerNorm(cfg.d_model)
         # GPT-2's initial scale keeps the tied logits (and the first loss) sensible.
         for embedding in (self.tok, self.pos):
             nn.init.normal_(embedding.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(positions)
-        for block in self.blocks:
-            x = block(x)
+        length = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(length, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=idx.device)
+        x = self.blocks(x, mask=mask, is_causal=True)
         logits: torch.Tensor = self.ln_f(x) @ self.tok.weight.T
         return logits
 

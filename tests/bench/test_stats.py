@@ -112,7 +112,7 @@ def fake_run(name: str, repeat: int, cycle_loops: list[float], *, stall_s: float
     events += [Event("stall", 0, round(stall_s * 1e9), step=every * i, label=name,
                            detail={"part": "save"}) for i in range(1, len(cycles)) if name != "none"]
     return _result.ExperimentResult(
-        strategy=name, workload="fake", device="cpu", steps=steps, every=every, bytes=1 << 20,
+        strategy=name, bytes=1 << 20,
         timeline=Timeline(label=name), wall_s=sum(cycle_loops), peak_host_mb=1.0,
         stopped=stopped, events=events, repeat=repeat, cycles=cycles,
     )
