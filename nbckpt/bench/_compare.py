@@ -1,7 +1,7 @@
 """Run checkpoint strategies side by side on one workload and measure what each costs.
 
     >>> from nbckpt import bench
-    >>> cmp = bench.compare(bench.gpt("tiny"), ["torch-save", "nbckpt-async"],
+    >>> cmp = bench.compare(bench.make_workload("tiny"), ["torch-save", "nbckpt-async"],
     ...                     "data/checkpoints/bench", steps=20, every=5, repeats=3)
     >>> print(cmp.table())  # overhead with its 95 % interval, stalls, floors, the machine's load
     >>> cmp.results         # one row per strategy; cmp.runs: one per run; cmp.timeline: events
@@ -17,7 +17,8 @@ How overhead and its interval come from the cycles is stated once, in
 :data:`nbckpt.bench.OVERHEAD_METHOD`; the metrics and the JSON document are described with
 :class:`nbckpt.bench.Comparison`. A line of progress per checkpoint and per run.
 
-From the shell (the default strategies, :data:`DEFAULT_STRATEGIES`, on the tiny preset)::
+From the shell (:func:`add_bench_arguments` defines the options of ``nbckpt bench`` and
+``%ckpt_bench`` once; without ``--strategies``, :data:`DEFAULT_STRATEGIES`)::
 
     nbckpt bench --dir data/checkpoints/bench --preset tiny --json bench.json
     nbckpt bench --dir /mnt/flashblade/ckpt --preset small --strategies none,torch-save,nbckpt-async
@@ -25,6 +26,7 @@ From the shell (the default strategies, :data:`DEFAULT_STRATEGIES`, on the tiny 
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shutil
@@ -40,12 +42,11 @@ import torch
 from .._errors import ConfigError
 from .._util import GB, check_count, format_bytes, is_url, writable_directory
 from .._version import __version__
-from ._aggregate import RESULT_COLUMNS, aggregate
 from ._comparison import TIMELINE_COLUMNS, Comparison
 from ._load import Load, LoadMonitor, combine_loads
 from ._measure import DEFAULT_REPEATS as WRITE_ROUNDS
 from ._measure import Floors, combine_floors, measure_floors
-from ._result import ExperimentResult
+from ._result import RESULT_COLUMNS, ExperimentResult, aggregate
 from ._runner import (
     EventCallback,
     Lane,
@@ -57,14 +58,16 @@ from ._runner import (
 )
 from ._strategies import STRATEGIES, get_strategy
 from ._strategy import Strategy
-from ._workloads import Workload
+from ._workloads import Workload, make_workload
 
 __all__ = [
     "DEFAULT_REPEATS",
     "DEFAULT_STRATEGIES",
     "WARMUP_STEPS",
+    "add_bench_arguments",
     "compare",
     "environment",
+    "run_bench_from_args",
     "run_order",
 ]
 
@@ -304,3 +307,75 @@ def _factory(spec: str | Strategy, options: dict[str, Any]) -> Callable[[], Stra
     if isinstance(spec, Strategy):
         return lambda: spec
     return lambda: get_strategy(spec, **options)
+
+
+# -- the options of ``nbckpt bench`` and ``%ckpt_bench``, defined once --------------------------
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``nbckpt bench`` (and ``%ckpt_bench``)."""
+    parser.add_argument("-d", "--dir", default="data/checkpoints/bench",
+                        help="where checkpoints are written, a directory or s3:// URL "
+                        "(default: %(default)s)")
+    parser.add_argument("--preset", default=None,
+                        help="GPT workload preset: tiny, small, base, 350m, 1b, 3b "
+                        "(default: tiny unless --size-mb is given)")
+    parser.add_argument("--size-mb", type=float, default=None,
+                        help="synthetic workload: a state of this many MiB instead of a GPT "
+                        "(default: none)")
+    parser.add_argument("--compute-ms", type=float, default=5.0,
+                        help="synthetic workload: compute per step in ms (default: %(default)s)")
+    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                        help="comma-separated strategies, from: " + ", ".join(STRATEGIES)
+                        + " (default: %(default)s); none is added when missing")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="training steps per run (default: %(default)s)")
+    parser.add_argument("--every", type=int, default=5,
+                        help="checkpoint every K steps (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help="repeats, each running every strategy in a rotated order "
+                        "(default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for training (default: one per core); fewer "
+                        "leaves a core for background writes, as on a GPU node")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the warm-up steps and saves (default: warm up)")
+    parser.add_argument("--json", default=None, metavar="OUT",
+                        help="write the results as JSON to OUT (default: no file)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress lines (default: one per checkpoint and per run, on stderr)")
+
+
+def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = None) -> Comparison:
+    """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too)."""
+    if args.preset is not None and args.size_mb is not None:
+        raise ConfigError("give --preset or --size-mb, not both")
+    names = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    if not names:
+        raise ConfigError("--strategies names no strategy")
+    for name in names:
+        get_strategy(name)  # unknown: the one-line error that lists them
+    check_run_args(args.steps, args.every)
+    check_count(args.repeats, "--repeats")
+    if args.threads is not None:
+        check_count(args.threads, "--threads")
+    if args.json is not None:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json):
+            raise ConfigError(f"--json {args.json} is a directory; give a file name")
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ConfigError(f"--json {args.json}: directory {parent} does not exist or is not writable")
+    workload = make_workload(args.preset, args.size_mb, args.device, compute_ms=args.compute_ms)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    created = not is_url(args.dir) and not os.path.exists(args.dir)
+    if not is_url(args.dir):
+        writable_directory(args.dir, "--dir")
+    try:
+        return compare(workload, names, args.dir, steps=args.steps, every=args.every,
+                       repeats=args.repeats, warmup=not args.no_warmup, progress=progress)
+    except BaseException:
+        if created:
+            shutil.rmtree(args.dir, ignore_errors=True)
+        raise

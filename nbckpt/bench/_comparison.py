@@ -61,10 +61,9 @@ import pandas as pd
 
 from .._errors import ConfigError
 from ..engine._internal import write_atomic
-from ._aggregate import RESULT_COLUMNS
 from ._load import Load
 from ._measure import Floors
-from ._result import STALL_DEFINITION, STALL_NAMES
+from ._result import RESULT_COLUMNS, STALL_DEFINITION, STALL_NAMES
 from ._stats import (
     CONFIDENCE,
     OVERHEAD_DEFINITION,

@@ -134,8 +134,6 @@ class Lane:
         self.last_saved: int | None = None
         self.loads: list[Load] = []
         self.monitor: LoadMonitor | None = None
-        self.steps_done = 0
-        self.stopped = False
         self.held_rss = 0  # what opening and the warm-up save left resident
         self.rss_at_resume = 0
         self.peak_above = 0  # the most RSS rose above its level at the start of a chunk
@@ -210,18 +208,15 @@ class Lane:
                 self.last_saved = due
                 self._report_save(due, stall.duration_s)
                 if stop is not None and stop.is_set() and due < self.steps:
-                    self.stopped = True
                     return False
             for step in range(first, last + 1):
                 self.workload.step = step - 1  # every lane trains on the same batches
                 started = now_ns()
                 self.workload.train_step(self._before_update)
                 self.timeline.record("step", started, step=step)
-                self.steps_done += 1
                 if self.progress is not None:
                     self.progress.step()
                 if stop is not None and stop.is_set() and step < self.steps:
-                    self.stopped = True
                     return False
             completed = True
             return True

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from nbckpt import Checkpointer, ConfigError, Event, bench
-from nbckpt.bench import _aggregate, _compare, _comparison, _load, _measure, _runner, _stats
+from nbckpt.bench import _compare, _comparison, _load, _measure, _result, _runner, _stats
 from nbckpt.bench._workloads import SyntheticWorkload
 
 MB = 1 << 20
@@ -117,7 +117,7 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
     assert list(comparison.runs["strategy"]) == [name for name, _ in reported]
 
     results = comparison.results
-    assert list(results.columns) == _aggregate.RESULT_COLUMNS
+    assert list(results.columns) == _result.RESULT_COLUMNS
     assert list(results["strategy"]) == ["none", "torch-save", "nbckpt-async"]
     rows = results.set_index("strategy")
     assert rows.loc["none", "overhead_pct"] == 0 and rows.loc["none", "overhead_ci_pct"] == [0.0, 0.0]
@@ -198,7 +198,7 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
                              "overhead", "load", "warnings", "floors", "results", "runs", "timeline"}
     assert document["overhead"]["definition"] == bench.OVERHEAD_DEFINITION
     assert document["overhead"]["method"] == bench.OVERHEAD_METHOD
-    assert list(document["results"][0]) == _aggregate.RESULT_COLUMNS
+    assert list(document["results"][0]) == _result.RESULT_COLUMNS
     assert document["results"][0]["write_gbs"] is None  # NaN becomes null
     for row in document["results"]:
         assert len(row["overhead_ci_pct"]) == 2
