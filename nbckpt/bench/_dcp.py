@@ -203,12 +203,8 @@ _SPAWN_LOCK = threading.Lock()
 
 def _warning_logger(rank: int) -> None:
     """Stands in for DCP's ``_init_logger`` in the checkpoint process: warnings and errors only."""
-    root = logging.getLogger()
-    root.setLevel(logging.WARNING)
-    handler = logging.StreamHandler()
-    handler.setLevel(logging.WARNING)
-    handler.setFormatter(logging.Formatter(f"[{rank}] %(asctime)s - %(name)s - %(levelname)s - %(message)s"))
-    root.addHandler(handler)
+    logging.basicConfig(level=logging.WARNING, force=True,
+                        format=f"[{rank}] %(asctime)s - %(name)s - %(levelname)s - %(message)s")
 
 
 def _quiet_checkpoint_process(pg_init_info: Any, parent_conn: Any) -> None:

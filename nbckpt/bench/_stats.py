@@ -266,53 +266,44 @@ def interval_text(interval: Sequence[float] | None, unit: str = "%", digits: int
     return f"[{lo:+.{digits}f}, {hi:+.{digits}f}] {unit}".rstrip()
 
 
-def _getter(row: Any) -> Any:
-    if isinstance(row, Mapping):
-        return row.get
-    return lambda key, default=None: getattr(row, key, default)
-
-
 def _number(value: Any) -> float:
     try:
-        number = float(value)
+        return float(value)
     except (TypeError, ValueError):
         return math.nan
-    return number
 
 
-def overhead_text(row: Any) -> str:
+def overhead_text(row: Mapping[Any, Any]) -> str:
     """A results row's overhead: ``+12.3 %``, ``+1.5 % (no measurable difference)`` where the
     interval contains 0, ``baseline`` for ``none``, ``-`` where nothing could be paired."""
-    get = _getter(row)
-    if str(get("strategy", "")) == "none":
+    if str(row.get("strategy", "")) == "none":
         return "baseline"
-    pct = _number(get("overhead_pct", math.nan))
+    pct = _number(row.get("overhead_pct", math.nan))
     if not math.isfinite(pct):
         return "-"
     text = f"{pct:+.1f} %"
-    if not measurable(get("overhead_ci_pct", None)):
+    if not measurable(row.get("overhead_ci_pct")):
         text += " (no measurable difference)"
     return text
 
 
-def per_repeat_text(row: Any) -> str:
+def per_repeat_text(row: Mapping[Any, Any]) -> str:
     """Each repeat's overhead, ``+10.1, +12.0, +14.2 %``, so a reader sees whether they agree."""
-    values = [_number(v) for v in (_getter(row)("overhead_by_repeat_pct", None) or [])]
+    values = [_number(v) for v in (row.get("overhead_by_repeat_pct") or [])]
     shown = [f"{v:+.1f}" for v in values if math.isfinite(v)]
     return ", ".join(shown) + " %" if shown else "-"
 
 
-def drag_text(row: Any) -> str:
+def drag_text(row: Mapping[Any, Any]) -> str:
     """A row's drag per checkpoint: ``+0.0123 s`` where measurable, ``noise`` (with the point
     and interval) where its interval contains 0, ``below 0: measurement problem`` where the
     whole interval is below 0, ``-`` where not measured."""
-    get = _getter(row)
-    drag = _number(get("drag_s", math.nan))
+    drag = _number(row.get("drag_s", math.nan))
     if not math.isfinite(drag):
         return "-"
-    interval = get("drag_ci_s", None)
+    interval = row.get("drag_ci_s")
     span = interval_text(interval, "s", digits=4)
-    if not measurable(interval):
+    if interval is None or not measurable(interval):
         return f"noise ({drag:+.4f} s, {span})" if span != "-" else f"{drag:+.4f} s (no interval)"
     if _number(interval[1]) < 0:
         return f"below 0: measurement problem ({drag:+.4f} s, {span})"
