@@ -150,19 +150,20 @@ class Clustered:
     @property
     def method(self) -> str:
         """How the interval was made, in words (the ``overhead_method`` column)."""
-        if self.basis == "pooled":
-            return (f"cycles pooled: the {self.repeats} repeats agree (they differ no more than "
-                    f"their cycles do); t with {self.df} df")
-        if self.basis == "repeats":
-            return (f"{self.repeats} repeats: they disagree more than their cycles do; "
-                    f"cluster-robust t with {self.df} df")
-        if self.basis == "one repeat":
-            return (f"one repeat: its cycles, widened for the disagreement between repeats that "
-                    f"one repeat cannot show; t with {self.df} df")
-        if self.basis == "every repeat":
-            return (f"every one of the {self.repeats} repeats shows it on its own cycles, but they "
-                    f"disagree on its size: t with {self.df} df on the log of their extra time")
-        return "no interval: fewer than 2 cycle pairs"
+        text = _METHODS.get(self.basis, "no interval: fewer than 2 cycle pairs")
+        return text.format(repeats=self.repeats, df=self.df)
+
+
+_METHODS = {
+    "pooled": "cycles pooled: the {repeats} repeats agree (they differ no more than their cycles "
+              "do); t with {df} df",
+    "repeats": "{repeats} repeats: they disagree more than their cycles do; cluster-robust t with "
+               "{df} df",
+    "one repeat": "one repeat: its cycles, widened for the disagreement between repeats that one "
+                  "repeat cannot show; t with {df} df",
+    "every repeat": "every one of the {repeats} repeats shows it on its own cycles, but they "
+                    "disagree on its size: t with {df} df on the log of their extra time",
+}
 
 
 def clustered_mean(groups: Sequence[Sequence[float]], *,
