@@ -247,7 +247,7 @@ class LabRun(ABC):
                                  compute_ms=self.compute_ms)
         comparison = compare(
             workload, list(settings.names), settings.directory, steps=settings.steps,
-            every=settings.every, device=settings.device, repeats=settings.repeats,
+            every=settings.every, repeats=settings.repeats,
             warmup=self.warmup, stop=self._stop, progress=lambda line: self._post("log", line),
             on_event=lambda event: self._post("event", event),
             on_result=lambda name, metrics: self._post("result", (name, metrics)),
