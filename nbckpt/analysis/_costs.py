@@ -1,61 +1,30 @@
 """Measured checkpoint costs, one row per strategy: what the interval model and the projection
-start from.
-
-The rows are those of ``Comparison.results``: the stall the training loop saw per checkpoint,
-the time until the checkpoint was durable (``persist_s``), and the **drag**: loop time lost per
-checkpoint beyond the stall, while the background write competes with training for the host
-(``drag_s``; on a GPU node the PyTorch blog on cached save plans reports a background save of
-about 436 s before its fixes and about 67 s after, for Llama3-70B on 1856 H200 GPUs).
+start from. The **drag** is loop time lost per checkpoint beyond the stall, while the background
+write competes with training for the host (on a GPU node the PyTorch blog on cached save plans
+reports a background save of about 436 s before its fixes and 67 s after, Llama3-70B, 1856 H200s).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import pandas as pd
 
 from .._errors import ConfigError
 
-__all__ = ["Cost", "Measured", "measured_costs", "measurements"]
+__all__ = ["Measured", "measurements"]
 
 #: ``Comparison.results``, or ``strategy -> (stall_s, persist_s[, drag_s])``.
 Measured: TypeAlias = pd.DataFrame | Mapping[str, tuple[float, ...]]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Cost:
-    """Measured cost of one strategy's checkpoint (seconds)."""
-
-    strategy: str
-    mode: str
-    stall_s: float
-    persist_s: float
-    lag_s: float
-    drag_s: float = 0.0
-
-
-def measured_costs(results: Measured) -> list[Cost]:
-    """:func:`measurements` as a list of :class:`Cost`."""
-    return [
-        Cost(strategy=str(r["strategy"]), mode=str(r["mode"]),
-             **{k: float(r[k]) for k in ("stall_s", "persist_s", "lag_s", "drag_s")})
-        for r in measurements(results).to_dict("records")
-    ]
-
-
 def measurements(results: Measured) -> pd.DataFrame:
-    """Normalise measured costs to columns ``strategy, mode, stall_s, persist_s, lag_s, drag_s``.
+    """Measured costs as columns ``strategy, mode, stall_s, persist_s, lag_s, drag_s``.
 
-    ``results`` is ``Comparison.results`` (``stall_mean_s``, ``persist_s``, ``drag_s``; an optional
-    ``mode`` column of ``"sync"``/``"async"``) or a mapping ``strategy -> (stall_s, persist_s)``
-    or ``(stall_s, persist_s, drag_s)``. Rows without a checkpoint (the ``none`` baseline) and
-    partial rows (a stopped run) are dropped. Without a ``mode`` column a strategy counts as async
-    when its persist time exceeds its stall (the write went on after the loop resumed). Background
-    work cannot speed the steps up, so a drag that was not measured above 0 (its interval,
-    ``drag_ci_s``, contains 0: the bench's table says "noise") counts as 0, as does a drag below
-    0 where no interval is given; no drag column means 0.
+    Rows without a checkpoint (``none``) and partial rows are dropped. Without a ``mode`` column a
+    strategy is async when its persist time exceeds its stall. Background work cannot speed the
+    steps up, so a drag not measured above 0 (``drag_ci_s`` contains 0: "noise") counts as 0.
     """
     if isinstance(results, pd.DataFrame):
         stall_column = "stall_mean_s" if "stall_mean_s" in results.columns else "stall_s"
