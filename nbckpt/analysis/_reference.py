@@ -17,7 +17,7 @@ from .._errors import ConfigError
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["SOURCE_PATH", "cite", "load_published", "published_table", "published_value"]
+__all__ = ["SOURCE_PATH", "cite", "load_published", "published_table"]
 
 #: The file, inside the package.
 SOURCE_PATH = Path(__file__).resolve().parent / "data" / "published.json"
@@ -38,14 +38,6 @@ def load_published() -> dict[str, Any]:
     ``url``).
     """
     return copy.deepcopy(_load())
-
-
-def published_value(anchor: str, name: str) -> Any:
-    """One value, e.g. ``published_value("pytorch_ibm_7b", "reduction_factor") == 23.6``."""
-    try:
-        return _load()["anchors"][anchor]["values"][name]["value"]
-    except KeyError:
-        raise ConfigError(f"no published value {anchor}.{name}") from None
 
 
 def cite(anchor: str) -> str:

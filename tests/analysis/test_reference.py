@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from nbckpt import ConfigError
-from nbckpt.analysis._reference import SOURCE_PATH, cite, load_published, published_table, published_value
+from nbckpt.analysis._reference import SOURCE_PATH, cite, load_published, published_table
+
+
+def published_value(anchor: str, name: str) -> Any:
+    return load_published()["anchors"][anchor]["values"][name]["value"]
 
 
 def test_the_one_copy_ships_with_the_package() -> None:
@@ -73,7 +78,5 @@ def test_loaded_copy_can_be_edited_without_affecting_the_next_load() -> None:
 
 
 def test_bad_names_are_clear_errors() -> None:
-    with pytest.raises(ConfigError, match="no published value"):
-        published_value("pytorch_ibm_7b", "nope")
     with pytest.raises(ConfigError, match="known"):
         cite("nope")
