@@ -62,34 +62,22 @@ def _overhead(row: Row) -> str:
 
 @dataclass(frozen=True)
 class _Run:
-    """What every sentence reads: the complete rows by strategy, the one concluded about."""
+    """What every sentence reads: the complete rows by strategy, the one concluded about (its
+    name ``focus``, its ``row``), the floors, the environment, the published anchors."""
 
     rows: Mapping[str, Row]
     focus: str
+    row: Row
     floors: Mapping[str, Any]
     env: Mapping[str, Any]
+    device: str
     anchors: Mapping[str, Any]
 
-    @property
-    def row(self) -> Row:
-        return self.rows[self.focus]
 
-    @property
-    def device(self) -> str:
-        return str(self.env.get("device", "cpu"))
-
-
-def conclusions(
-    results: pd.DataFrame,
-    floors: Mapping[str, Any],
-    *,
-    advice: pd.DataFrame | None = None,
-    timeline: pd.DataFrame | None = None,
-    environment: Mapping[str, Any] | None = None,
-    assumptions: Mapping[str, Any] | None = None,
-    probe: pd.DataFrame | None = None,
-    load: Mapping[str, Any] | None = None,
-) -> list[str]:
+def conclusions(results: pd.DataFrame, floors: Mapping[str, Any], *, advice: pd.DataFrame | None = None,
+                timeline: pd.DataFrame | None = None, environment: Mapping[str, Any] | None = None,
+                assumptions: Mapping[str, Any] | None = None, probe: pd.DataFrame | None = None,
+                load: Mapping[str, Any] | None = None) -> list[str]:
     """Sentences stating what the measurements show, each computed from the numbers given.
 
     ``results`` is ``Comparison.results``, ``floors`` ``Floors.to_dict()``, ``advice``
@@ -108,7 +96,9 @@ def conclusions(
         return [*lines, "No asynchronous nbckpt strategy was measured to the end, so there is "
                 "nothing to conclude about asynchronous checkpointing; add nbckpt-async to the "
                 "strategies."]
-    run = _Run(rows, focus, floors, dict(environment or {}), load_published()["anchors"])
+    env = dict(environment or {})
+    run = _Run(rows, focus, rows[focus], floors, env, str(env.get("device", "cpu")),
+               load_published()["anchors"])
     lines.append(_stall_sentence(run))
     lines.extend(_copy_floor_sentence(run, timeline))
     lines.extend(_write_sentences(run, probe, load))
@@ -208,19 +198,19 @@ def _write_sentences(run: _Run, probe: pd.DataFrame | None, load: Mapping[str, A
             f"({spread}), and a short write can finish inside the device's or the hypervisor's "
             f"write-back cache (a burst), so on this machine rates within that spread are not different."
         )
-    if probe is not None and not probe.empty and {"streams", "write_gbs"} <= set(probe.columns):
+    if probe is not None and {"streams", "write_gbs"} <= set(probe.columns):
         by_streams = dict(zip(probe["streams"].astype(int), probe["write_gbs"].map(_num), strict=True))
         floor_by = {int(k): _num(v) for k, v in (floors.get("write_gbs_by_streams") or {}).items()}
         pairs = "; ".join(f"{k} stream(s): probe {by_streams[k]:.2f}, floor {floor_by[k]:.2f} GB/s"
                           for k in sorted(set(by_streams) & set(floor_by)))
         if pairs:
-            size = _size(probe["bytes"].iloc[0] if "bytes" in probe.columns else None)
             lines.append(
-                f"The storage probe and the write floor measure the same way (files written by "
-                f"parallel threads in 4 MiB writes, each ended by fsync, fastest round counts); "
-                f"the probe wrote {size} per stream count, the floor "
-                f"{_size(floors.get('sample_bytes'))}, at different moments: {pairs}. "
-                f"The floor is the one the strategies are measured against."
+                f"The storage probe and the write floor measure the same way (parallel threads, 4 MiB "
+                f"writes, each file ended by fsync, fastest round), the probe on "
+                f"{_size(probe['bytes'].iloc[0] if 'bytes' in probe.columns else None)} per stream count, "
+                f"the floor on "
+                f"{_size(floors.get('sample_bytes'))}, at different moments: {pairs}. The strategies "
+                f"are measured against the floor."
             )
     return lines
 
@@ -305,10 +295,6 @@ def _published_sentences(run: _Run) -> list[str]:
                 text += (f"; here torch-save's overhead was {theirs:+.1f} % and {run.focus}'s not "
                          f"measurably different from zero")
         lines.append(text + ".")
-    factor = anchors["bytecheckpoint"]["values"]["reduction_factor"]["value"]
-    lines.append(f"ByteCheckpoint's {factor}x fewer stalls is against other open-source "
-                 f"checkpointing systems, not async against sync of one system, so it has no "
-                 f"counterpart in this run.")
     return lines
 
 

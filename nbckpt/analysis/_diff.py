@@ -44,12 +44,8 @@ def diff_states(a: Mapping[str, Any], b: Mapping[str, Any]) -> pd.DataFrame:
     rows = [_compare(key, left.get(key), right.get(key)) for key in keys]
     frame = pd.DataFrame(rows, columns=DIFF_COLUMNS)
     frame["_rank"] = frame["status"].map({status: i for i, status in enumerate(DIFF_STATUSES)})
-    frame = frame.sort_values(
-        ["_rank", "rel_change", "changed_elements", "key"],
-        ascending=[True, False, False, True],
-        na_position="last",
-        kind="stable",
-    )
+    frame = frame.sort_values(["_rank", "rel_change", "changed_elements", "key"],
+                              ascending=[True, False, False, True], na_position="last", kind="stable")
     return frame.drop(columns="_rank").reset_index(drop=True)
 
 
@@ -58,17 +54,10 @@ def _kind(tensor: torch.Tensor) -> tuple[str, str]:
 
 
 def _row(key: str, status: str, tensor: torch.Tensor, **numbers: float) -> dict[str, Any]:
+    """One row of the frame; the numbers not given are NaN (``DIFF_COLUMNS`` fills them)."""
     dtype, shape = _kind(tensor)
-    return {
-        "key": key,
-        "status": status,
-        "dtype": dtype,
-        "shape": shape,
-        "numel": tensor.numel(),
-        "changed_elements": numbers.pop("changed_elements", tensor.numel()),
-        **dict.fromkeys(("diff_norm", "max_abs_diff", "rel_change", "cosine"), _NAN),
-        **numbers,
-    }
+    return {"key": key, "status": status, "dtype": dtype, "shape": shape, "numel": tensor.numel(),
+            "changed_elements": tensor.numel(), **numbers}
 
 
 def _compare(key: str, a: torch.Tensor | None, b: torch.Tensor | None) -> dict[str, Any]:

@@ -68,14 +68,8 @@ def young_daly_interval(cost_s: float, mtbf_s: float, method: str = "daly") -> f
     return young * (1.0 + math.sqrt(ratio) / 3.0 + cost_s / (18.0 * mtbf_s)) - cost_s
 
 
-def expected_waste(
-    interval_s: float,
-    cost_s: float,
-    mtbf_s: float,
-    *,
-    lag_s: float = 0.0,
-    restore_s: float = 0.0,
-) -> float:
+def expected_waste(interval_s: float, cost_s: float, mtbf_s: float, *, lag_s: float = 0.0,
+                   restore_s: float = 0.0) -> float:
     """Fraction of time lost, ``C / tau + (tau / 2 + lag + R) / M``, at most 1 (see module doc)."""
     if not interval_s > 0:
         raise ConfigError(f"checkpoint interval must be > 0 seconds, got {interval_s}")
@@ -97,15 +91,8 @@ def cluster_mtbf_s(mtbf_hours: float, gpus: int, gpus_per_node: int = 8) -> floa
     return mtbf_hours * HOUR_S / nodes
 
 
-def advise(
-    results: Measured,
-    *,
-    mtbf_hours: float,
-    gpus: int = 8,
-    gpus_per_node: int = 8,
-    restore_s: float = 0.0,
-    method: str = "daly",
-) -> pd.DataFrame:
+def advise(results: Measured, *, mtbf_hours: float, gpus: int = 8, gpus_per_node: int = 8,
+           restore_s: float = 0.0, method: str = "daly") -> pd.DataFrame:
     """The best checkpoint interval per strategy and what it costs (columns :data:`ADVICE_COLUMNS`).
 
     ``mtbf_hours`` is one node's; ``bound`` says what set the interval (the Young/Daly optimum,

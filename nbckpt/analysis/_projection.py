@@ -53,18 +53,11 @@ def mlperf_checkpoint_sizes() -> dict[str, float]:
     return {name: float(item["value"]) for name, item in values.items()}
 
 
-def project_scale(
-    results: Measured,
-    *,
-    nbytes: int,
-    storage_gbs: float,
-    models: Mapping[str, float] | None = None,
-    ranks: int | Sequence[int] = (8, 64, 512),
-    d2h_gbs: float | None = None,
-    interval_s: float = DEFAULTS.interval_s,
-    sharding: str = "full",
-    gpu_memory_gb: float | None = DEFAULTS.gpu_memory_gb,
-) -> pd.DataFrame:
+def project_scale(results: Measured, *, nbytes: int, storage_gbs: float,
+                  models: Mapping[str, float] | None = None, ranks: int | Sequence[int] = (8, 64, 512),
+                  d2h_gbs: float | None = None, interval_s: float = DEFAULTS.interval_s,
+                  sharding: str = "full", gpu_memory_gb: float | None = DEFAULTS.gpu_memory_gb,
+                  ) -> pd.DataFrame:
     """Project stall, drag, storage load and overhead of each strategy, measured on one rank with a
     checkpoint of ``nbytes``, to ``models`` (name -> GB; default MLPerf Storage's 8B, 70B, 405B)
     on ``ranks`` against ``storage_gbs`` of aggregate bandwidth (the model: the module's doc)."""
@@ -76,11 +69,9 @@ def project_scale(
             raise ConfigError(f"{name} must be > 0, got {value}")
     if sharding not in SHARDING:
         raise ConfigError(f"sharding must be one of {', '.join(SHARDING)}, not {sharding!r}")
-    rank_counts = [ranks] if isinstance(ranks, int) else list(ranks)
+    rank_counts = [check_count(count, "ranks") for count in ([ranks] if isinstance(ranks, int) else ranks)]
     if not rank_counts:
         raise ConfigError(f"ranks must be integers >= 1, got {ranks}")
-    for count in rank_counts:
-        check_count(count, "ranks")
     sizes = dict(models) if models is not None else {
         name: gb for name, gb in mlperf_checkpoint_sizes().items() if name in ("8B", "70B", "405B")
     }
@@ -133,14 +124,11 @@ def project_scale(
                     "overhead_pct": 100.0 * (stall + backpressure + drag) / interval_s,
                 })
     projection = pd.DataFrame(rows, columns=PROJECTION_COLUMNS)
+    placement = ("split evenly over the ranks, every rank writing its shard" if sharding == "full"
+                 else "replicated on every rank, one rank writing it")
     projection.attrs.update(
-        projection=True,
-        storage_gbs=storage_gbs,
-        measured_bytes=nbytes,
-        sharding=sharding,
+        projection=True, storage_gbs=storage_gbs, measured_bytes=nbytes, sharding=sharding,
         gpu_memory_gb=gpu_memory_gb,
-        note=("projection from rates measured on one rank, not a measurement; state "
-              + ("split evenly over the ranks, every rank writing its shard"
-                 if sharding == "full" else "replicated on every rank, one rank writing it")),
+        note=f"projection from rates measured on one rank, not a measurement; state {placement}",
     )
     return projection

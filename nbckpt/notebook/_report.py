@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +62,9 @@ EXTERNAL_LOAD = re.compile(r"""<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=
                            re.IGNORECASE)
 
 
-def run_report(
-    name: str = "report",
-    output_dir: str | os.PathLike[str] = "reports",
-    parameters: Mapping[str, Any] | None = None,
-    *,
-    notebook: str | os.PathLike[str] | None = None,
-    progress: bool = False,
-) -> Path:
+def run_report(name: str = "report", output_dir: str | os.PathLike[str] = "reports",
+               parameters: Mapping[str, Any] | None = None, *,
+               notebook: str | os.PathLike[str] | None = None, progress: bool = False) -> Path:
     """Execute the report notebook and write ``<output_dir>/<name>.html`` (the executed notebook
     beside it as ``<name>.ipynb``, and ``results.json``); return its path. A failing cell raises
     :class:`NbckptError`, and no HTML is written. ``progress`` prints the progress lines on stderr."""
@@ -99,16 +94,10 @@ def run_report(
         print(f"report: running {source.name} into {out} (progress as it goes)", file=sys.stderr,
               flush=True)
     try:
-        with _printing(lines if tail else None):
-            papermill.execute_notebook(
-                str(source),
-                str(executed),
-                parameters=params,
-                kernel_name="python3",
-                cwd=str(source.parent),
-                progress_bar=progress and not tail,
-                store_widget_state=False,
-            )
+        with _printing(lines) if tail else nullcontext():
+            papermill.execute_notebook(str(source), str(executed), parameters=params, kernel_name="python3",
+                                       cwd=str(source.parent), progress_bar=progress and not tail,
+                                       store_widget_state=False)
     except PapermillExecutionError as exc:
         evalue = (exc.evalue or "").strip().splitlines()
         detail = evalue[0] if evalue else "(no message)"
@@ -139,11 +128,8 @@ def report_progress(path: str | os.PathLike[str] | None) -> Callable[[str], None
 
 
 @contextmanager
-def _printing(path: Path | None) -> Iterator[None]:
-    """While the block runs, print on stderr every line appended to ``path`` (if any)."""
-    if path is None:
-        yield
-        return
+def _printing(path: Path) -> Iterator[None]:
+    """While the block runs, print on stderr every line appended to ``path``."""
     done = threading.Event()
 
     def follow() -> None:

@@ -22,13 +22,8 @@ from ._plotting import output, require_columns, strategy_colour
 __all__ = ["interval_figure", "overhead_figure", "probe_figure", "projection_figure", "stall_figure"]
 
 
-def stall_figure(
-    results_df: pd.DataFrame,
-    *,
-    published: Mapping[str, Any] | None = None,
-    log: bool = False,
-    widget: bool = False,
-) -> go.Figure:
+def stall_figure(results_df: pd.DataFrame, *, published: Mapping[str, Any] | None = None,
+                 log: bool = False, widget: bool = False) -> go.Figure:
     """Left: mean stall per checkpoint by strategy, stacked from the save stall and the wait for
     the earlier save where the results have them, the whisker up to the p95. Right: how many
     times shorter each stall is than ``dcp-sync``'s, beside the published figure that compares

@@ -75,18 +75,6 @@ class TimelineTraces:
     kinds: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
 
 
-def _hover(series: str, kind: str, *, step: Any, start: float, duration: float, nbytes: float) -> str:
-    text = f"<b>{series}</b> {kind}"
-    if step is not None and pd.notna(step):
-        text += f" · step {int(step)}"
-    text += f"<br>start {start:.3f} s · {duration * 1e3:.1f} ms"
-    if nbytes > 0:
-        text += f"<br>{format_bytes(nbytes)}"
-        if duration > 0:
-            text += f" · {nbytes / duration / GB:.2f} GB/s"
-    return text
-
-
 def events_frame(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
     """Rows for :func:`timeline_traces` from live :class:`~nbckpt.Event` objects (for example
     those ``compare(on_event=...)`` passes); ``start_s`` counts from ``origin_ns``, ``strategy``
@@ -115,9 +103,16 @@ def timeline_traces(timeline_df: pd.DataFrame, *, by_rank: bool | None = None) -
         values["x"].append(duration)
         values["base"].append(start)
         values["y"].append(f"{row['series']} · {TIMELINE_KINDS.get(kind, _OTHER_KIND)[0]}")
+        hover = f"<b>{row['series']}</b> {kind}"
+        if pd.notna(row["step"]):
+            hover += f" · step {int(row['step'])}"
+        hover += f"<br>start {start:.3f} s · {duration * 1e3:.1f} ms"
         nbytes = float(row["bytes"]) if pd.notna(row["bytes"]) else 0.0
-        values["hovertext"].append(_hover(row["series"], kind, step=row["step"], start=start,
-                                          duration=duration, nbytes=nbytes))
+        if nbytes > 0:
+            hover += f"<br>{format_bytes(nbytes)}"
+            if duration > 0:
+                hover += f" · {nbytes / duration / GB:.2f} GB/s"
+        values["hovertext"].append(hover)
     return data
 
 
@@ -137,14 +132,8 @@ def _timeline_height(lanes: int) -> int:
     return 140 + 30 * max(lanes, 2)
 
 
-def timeline_figure(
-    timeline_df: pd.DataFrame,
-    *,
-    repeat: int | None = None,
-    by_rank: bool | None = None,
-    widget: bool = False,
-    origin: str = "the strategy's run started",
-) -> go.Figure:
+def timeline_figure(timeline_df: pd.DataFrame, *, repeat: int | None = None, by_rank: bool | None = None,
+                    widget: bool = False, origin: str = "the strategy's run started") -> go.Figure:
     """Gantt chart of a run: per strategy (and rank) a "train" lane (steps, stalls, waits) and a
     "background" lane (staging, persistence, fsync, commit). ``repeat`` picks one repeat of a
     ``Comparison.timeline`` (default: each strategy's last); ``origin`` says what time 0 is."""
@@ -187,9 +176,8 @@ def extend_timeline(fig: go.Figure, timeline_df: pd.DataFrame, *, by_rank: bool 
             fig.layout.height = _timeline_height(len(lanes) + len(added))
 
 
-def throughput_figure(
-    timeline_df: pd.DataFrame, *, repeat: int | None = None, widget: bool = False
-) -> go.Figure:
+def throughput_figure(timeline_df: pd.DataFrame, *, repeat: int | None = None,
+                      widget: bool = False) -> go.Figure:
     """Steps per second over time per strategy: ``1 / (time between consecutive step ends)``,
     so a checkpoint that holds the loop shows as a dip at the step after it."""
     require_columns(timeline_df, _TIMELINE_COLUMNS, "throughput_figure")

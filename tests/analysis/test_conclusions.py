@@ -114,7 +114,7 @@ def test_conclusions_set_only_like_beside_like() -> None:
     [pure] = [line for line in lines if line.startswith("Pure Storage's post")]
     assert 'checkpoint overhead drops significantly, "often by 90% or more"' in pure
     assert "no model, GPU count or baseline given" in pure and "10x" not in " ".join(lines)
-    assert any("ByteCheckpoint's 54.2x" in line and "other open-source" in line for line in lines)
+    assert "54.2" not in " ".join(lines)  # ByteCheckpoint compares against other systems
     without = conclusions(_results(), FLOORS)
     assert any(line.startswith("No published figure compares against torch.save") for line in without)
 
