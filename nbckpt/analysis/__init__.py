@@ -1,9 +1,8 @@
 """What the measurements mean: the checkpoint-interval advisor, the scale-out projection, the
-published figures (with their sources), the report's computed conclusions, and what changed
-between two checkpoints, tensor by tensor.
+published figures with their sources, the report's conclusions, and checkpoint diffs.
 
-Reads the bench's results; knows nothing of notebooks. Comes with the ``notebook`` extra
-(pandas); glue the layers above share with it is in ``_internal``, not here.
+Reads the bench's results, knows nothing of notebooks; comes with the ``notebook`` extra. Glue
+the layers above share with it is in ``_internal``.
 """
 
 from .._errors import require_extra

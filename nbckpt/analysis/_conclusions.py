@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .._util import format_bytes
 from ..bench._internal import interval_text, measurable, overhead_text
 from ._costs import measurements
-from ._interval import compare_modes
+from ._interval import compare_modes, node_mtbf_hours
 from ._reference import load_published
 
 if TYPE_CHECKING:
@@ -312,8 +312,9 @@ def _advice_sentences(run: _Run, advice: pd.DataFrame, assumptions: Mapping[str,
         f"{_num(given.get('restore_s', best['restore_s'])):g} s to restore after a failure (report "
         f"parameters gpus, mtbf_hours, restore_s; Llama 3's report gives "
         f"{llama['unexpected_interruptions']['value']} interruptions in {llama['days']['value']} days "
-        f"on {llama['gpus']['value']:,} GPUs, about 6,335 h per 8-GPU node), and taking the costs "
-        f"measured here on {run.device} as one rank's, the advisor puts a {run.focus} checkpoint "
+        f"on {llama['gpus']['value']:,} GPUs, about {node_mtbf_hours():,.0f} h per 8-GPU node), and "
+        f"taking the costs measured here on {run.device} as one rank's, the advisor puts a "
+        f"{run.focus} checkpoint "
         f"every {float(best['interval_s']):.0f} s (job MTBF {float(best['cluster_mtbf_h']):.1f} h), "
         f"losing {float(best['waste_pct']):.3f} % of the time, "
         f"{float(best['gpu_hours_lost_per_day']):.1f} GPU-hours a day: "

@@ -40,10 +40,9 @@ def node_mtbf_hours() -> float:
 
 #: Columns :func:`advise` returns.
 ADVICE_COLUMNS = [
-    "strategy", "mode", "stall_s", "drag_s", "cost_s", "persist_s", "lag_s", "restore_s",
-    "cluster_mtbf_h", "interval_s", "bound", "checkpoint_pct", "drag_pct", "rework_pct",
-    "restore_pct", "waste_pct", "storage_duty_pct", "gpu_hours_lost_per_day",
-    "checkpoints_per_day",
+    "strategy", "mode", "stall_s", "drag_s", "cost_s", "persist_s", "lag_s", "restore_s", "cluster_mtbf_h",
+    "interval_s", "bound", "checkpoint_pct", "drag_pct", "rework_pct", "restore_pct", "waste_pct",
+    "storage_duty_pct", "gpu_hours_lost_per_day", "checkpoints_per_day",
 ]
 
 

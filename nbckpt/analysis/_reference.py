@@ -1,8 +1,5 @@
-"""Published checkpointing figures that results are compared with, each with its source.
-
-The one copy is ``nbckpt/analysis/data/published.json`` (package data, so an installed
-nbckpt finds it too).
-"""
+"""Published checkpointing figures that results are compared with, each with its source: the one
+copy is the package data file ``nbckpt/analysis/data/published.json``."""
 
 from __future__ import annotations
 
@@ -52,8 +49,7 @@ def cite(anchor: str) -> str:
 
 
 def published_table() -> pd.DataFrame:
-    """One row per published value: anchor, what, compares, quantity, value, units, qualifier,
-    source."""
+    """One row per published value: anchor, what, compares, quantity, value, units, qualifier, source."""
     import pandas as pd
 
     rows = [
