@@ -1,9 +1,8 @@
 """What the measurements mean: the checkpoint-interval advisor, the scale-out projection, the
-published figures (with their sources), the report's computed conclusions, and what changed
-between two checkpoints, tensor by tensor.
+published figures with their sources, the report's conclusions, and checkpoint diffs.
 
-Reads the bench's results; knows nothing of notebooks. Comes with the ``notebook`` extra
-(pandas); glue the layers above share with it is in ``_internal``, not here.
+Reads the bench's results, knows nothing of notebooks; comes with the ``notebook`` extra. Glue
+the layers above share with it is in ``_internal``.
 """
 
 from .._errors import require_extra
@@ -16,15 +15,5 @@ from ._interval import advise, compare_modes, expected_waste, young_daly_interva
 from ._projection import checkpoint_gb, project_scale
 from ._reference import cite, published_table
 
-__all__ = [
-    "DEFAULTS",
-    "advise",
-    "checkpoint_gb",
-    "cite",
-    "compare_modes",
-    "conclusions",
-    "expected_waste",
-    "project_scale",
-    "published_table",
-    "young_daly_interval",
-]
+__all__ = ["DEFAULTS", "advise", "checkpoint_gb", "cite", "compare_modes", "conclusions", "expected_waste",
+           "project_scale", "published_table", "young_daly_interval"]

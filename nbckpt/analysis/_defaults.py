@@ -12,8 +12,7 @@ __all__ = ["DEFAULTS", "AdvisorDefaults"]
 
 @dataclass(frozen=True, kw_only=True)
 class AdvisorDefaults:
-    """The one set of assumptions the report and notebook 07 use (their parameter cells
-    repeat these values, and a test keeps them equal)."""
+    """The assumptions the report and notebook 07 use (a test keeps their parameter cells equal)."""
 
     mtbf_hours: float = float(round(node_mtbf_hours()))
     """Node MTBF, hours: Llama 3's 419 interruptions in 54 days on 16,384 GPUs (8 per node)."""
@@ -25,9 +24,8 @@ class AdvisorDefaults:
     storage_gbs: float = 100.0
     """Aggregate write bandwidth of the storage in the projection, GB/s (an assumption)."""
     d2h_gbs: float = 52.8
-    """Per-rank device-to-host staging rate in the projection: nvbandwidth's H100
-    ``device_to_host_memcpy_sm``, an SM-kernel copy; torch's tensor copies use the copy
-    engines, which that source does not measure."""
+    """Per-rank staging rate in the projection: nvbandwidth's H100 SM-kernel copy (torch's tensor
+    copies use the copy engines, which it does not measure)."""
     gpu_memory_gb: float = 80.0
     """GPU memory per rank (H100 80GB): more state per rank than this cannot exist."""
     interval_s: float = 1800.0

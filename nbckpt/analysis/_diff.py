@@ -25,45 +25,27 @@ __all__ = ["DIFF_COLUMNS", "DIFF_STATUSES", "diff_states"]
 #: ``reshaped``: the shape or the dtype differs, so the elements do not compare one by one.
 DIFF_STATUSES = ("reshaped", "added", "removed", "changed", "unchanged")
 #: Columns of the frame :func:`diff_states` returns.
-DIFF_COLUMNS = [
-    "key",
-    "status",
-    "dtype",
-    "shape",
-    "numel",
-    "changed_elements",
-    "diff_norm",
-    "max_abs_diff",
-    "rel_change",
-    "cosine",
-]
+DIFF_COLUMNS = ["key", "status", "dtype", "shape", "numel", "changed_elements", "diff_norm", "max_abs_diff",
+                "rel_change", "cosine"]
 _NAN = float("nan")
 
 
 def diff_states(a: Mapping[str, Any], b: Mapping[str, Any]) -> pd.DataFrame:
     """Compare every tensor of state ``a`` with the tensor of the same key in state ``b``.
 
-    One row per key (:data:`DIFF_COLUMNS`): its status (:data:`DIFF_STATUSES`), dtype and
-    shape (``"float32 -> float16"`` where they differ), element count, how many elements
-    differ, and for floating-point tensors the norm of ``b - a``, the largest absolute
-    difference, the relative change ``|b - a| / |a|`` (inf when ``a`` is all zeros and ``b``
-    is not) and the cosine similarity (NaN when either side is all zeros). All of them are
-    computed in float64. Other tensors (integer, bool, complex) compare by equality: their
-    numbers are NaN. NaN elements in the same place on both sides count as equal. Sorted
-    most changed first: shape or dtype changes, added, removed, then changed tensors by
-    relative change, then unchanged ones. Values that are not tensors are not compared.
+    One row per key (:data:`DIFF_COLUMNS`), most changed first: status (:data:`DIFF_STATUSES`),
+    dtype and shape (``"float32 -> float16"`` where they differ), how many elements differ and,
+    for floating-point tensors, in float64, the norm of ``b - a``, the largest absolute
+    difference, ``|b - a| / |a|`` (inf from all zeros) and the cosine (NaN beside all zeros).
+    Other tensors compare by equality; NaNs in the same place are equal; non-tensors are skipped.
     """
     left, right = flatten(a).tensors, flatten(b).tensors
     keys = [*left, *(key for key in right if key not in left)]
     rows = [_compare(key, left.get(key), right.get(key)) for key in keys]
     frame = pd.DataFrame(rows, columns=DIFF_COLUMNS)
     frame["_rank"] = frame["status"].map({status: i for i, status in enumerate(DIFF_STATUSES)})
-    frame = frame.sort_values(
-        ["_rank", "rel_change", "changed_elements", "key"],
-        ascending=[True, False, False, True],
-        na_position="last",
-        kind="stable",
-    )
+    frame = frame.sort_values(["_rank", "rel_change", "changed_elements", "key"],
+                              ascending=[True, False, False, True], na_position="last", kind="stable")
     return frame.drop(columns="_rank").reset_index(drop=True)
 
 
@@ -72,17 +54,10 @@ def _kind(tensor: torch.Tensor) -> tuple[str, str]:
 
 
 def _row(key: str, status: str, tensor: torch.Tensor, **numbers: float) -> dict[str, Any]:
+    """One row of the frame; the numbers not given are NaN (``DIFF_COLUMNS`` fills them)."""
     dtype, shape = _kind(tensor)
-    return {
-        "key": key,
-        "status": status,
-        "dtype": dtype,
-        "shape": shape,
-        "numel": tensor.numel(),
-        "changed_elements": numbers.pop("changed_elements", tensor.numel()),
-        **dict.fromkeys(("diff_norm", "max_abs_diff", "rel_change", "cosine"), _NAN),
-        **numbers,
-    }
+    return {"key": key, "status": status, "dtype": dtype, "shape": shape, "numel": tensor.numel(),
+            "changed_elements": tensor.numel(), **numbers}
 
 
 def _compare(key: str, a: torch.Tensor | None, b: torch.Tensor | None) -> dict[str, Any]:

@@ -1,24 +1,13 @@
 """How often to checkpoint: the Young/Daly interval and the time it loses.
 
-The model is first-order (Young 1974, Daly 2006), valid while the cost and the interval are
-small against the MTBF. With per-checkpoint cost ``C = stall + drag`` (:mod:`._costs`),
-interval ``tau`` (training time between checkpoints) and job MTBF ``M``, the fraction of time
-lost is::
+A first-order model (Young 1974, Daly 2006), valid while cost and interval are small against the
+MTBF. With per-checkpoint cost ``C = stall + drag``, interval ``tau`` and job MTBF ``M``::
 
     waste(tau) = C / tau + (tau / 2 + lag + R) / M
 
-``C / tau`` is the stall and drag; each failure (rate ``1 / M``) loses on average half an
-interval of work, the restore time ``R``, and for async checkpoints the ``lag`` between the
-snapshot and the moment it is durable (a failure in that window falls back to the previous
-checkpoint). ``lag`` and ``R`` do not depend on ``tau``, so Young's ``sqrt(2 C M)`` is the
-optimum; Daly's expansion refines it. With one save in flight an async interval shorter than
-the persist time would make the next save wait, so the advised interval is never shorter than
-``lag``. The **storage duty cycle** is the share of time the storage is busy writing this job's
-checkpoints, ``persist / (tau + stall)``: what the job takes from storage others share.
-
-The job MTBF is a node MTBF divided by the nodes; the default node MTBF comes from Llama 3's
-report (419 unexpected interruptions in 54 days on 16,384 GPUs, 8 per node:
-:func:`node_mtbf_hours`).
+Each failure loses half an interval, the restore time ``R`` and, for async saves, the ``lag``
+until the snapshot is durable. With one save in flight the advised interval is never shorter
+than ``lag``. The job MTBF is a node MTBF divided by the nodes.
 """
 
 from __future__ import annotations
@@ -31,53 +20,29 @@ import pandas as pd
 
 from .._errors import ConfigError
 from .._util import check_count
-from ._costs import Measured, measured_costs
+from ._costs import Measured, measurements
 from ._reference import load_published
 
-__all__ = [
-    "ADVICE_COLUMNS",
-    "advise",
-    "cluster_mtbf_s",
-    "compare_modes",
-    "expected_waste",
-    "node_mtbf_hours",
-    "waste_curve",
-    "young_daly_interval",
-]
+__all__ = ["ADVICE_COLUMNS", "advise", "cluster_mtbf_s", "compare_modes", "expected_waste",
+           "node_mtbf_hours", "waste_curve", "young_daly_interval"]
 
 HOUR_S = 3600.0
 DAY_S = 86400.0
 
 
-def node_mtbf_hours(
-    *,
-    interruptions: float | None = None,
-    days: float | None = None,
-    gpus: float | None = None,
-    gpus_per_node: int = 8,
-) -> float:
-    """Mean hours between failures of one node, from a fleet's interruption count.
-
-    Defaults: Llama 3's pre-training (``published.json``, anchor ``llama3_interruptions``):
-    ``54 days * 24 h * (16384 / 8) nodes / 419 = 6334.6 h`` per 8-GPU node. Every unexpected
-    interruption counts (Meta attributes about 78 % of them to hardware).
-    """
+def node_mtbf_hours() -> float:
+    """Mean hours between failures of one 8-GPU node in Llama 3's pre-training (anchor
+    ``llama3_interruptions``): ``54 days * 24 h * (16384 / 8) nodes / 419 = 6334.6 h``."""
     values = load_published()["anchors"]["llama3_interruptions"]["values"]
-    count = float(values["unexpected_interruptions"]["value"]) if interruptions is None else interruptions
-    span = float(values["days"]["value"]) if days is None else days
-    fleet = float(values["gpus"]["value"]) if gpus is None else gpus
-    check_count(gpus_per_node, "gpus_per_node")
-    if not (count > 0 and span > 0 and fleet > 0):
-        raise ConfigError("interruptions, days and gpus must be > 0")
-    return span * 24.0 * (fleet / gpus_per_node) / count
+    nodes = float(values["gpus"]["value"]) / 8
+    return float(values["days"]["value"]) * 24.0 * nodes / float(values["unexpected_interruptions"]["value"])
 
 
 #: Columns :func:`advise` returns.
 ADVICE_COLUMNS = [
-    "strategy", "mode", "stall_s", "drag_s", "cost_s", "persist_s", "lag_s", "restore_s",
-    "cluster_mtbf_h", "interval_s", "bound", "checkpoint_pct", "drag_pct", "rework_pct",
-    "restore_pct", "waste_pct", "storage_duty_pct", "gpu_hours_lost_per_day",
-    "checkpoints_per_day",
+    "strategy", "mode", "stall_s", "drag_s", "cost_s", "persist_s", "lag_s", "restore_s", "cluster_mtbf_h",
+    "interval_s", "bound", "checkpoint_pct", "drag_pct", "rework_pct", "restore_pct", "waste_pct",
+    "storage_duty_pct", "gpu_hours_lost_per_day", "checkpoints_per_day",
 ]
 
 
@@ -102,14 +67,8 @@ def young_daly_interval(cost_s: float, mtbf_s: float, method: str = "daly") -> f
     return young * (1.0 + math.sqrt(ratio) / 3.0 + cost_s / (18.0 * mtbf_s)) - cost_s
 
 
-def expected_waste(
-    interval_s: float,
-    cost_s: float,
-    mtbf_s: float,
-    *,
-    lag_s: float = 0.0,
-    restore_s: float = 0.0,
-) -> float:
+def expected_waste(interval_s: float, cost_s: float, mtbf_s: float, *, lag_s: float = 0.0,
+                   restore_s: float = 0.0) -> float:
     """Fraction of time lost, ``C / tau + (tau / 2 + lag + R) / M``, at most 1 (see module doc)."""
     if not interval_s > 0:
         raise ConfigError(f"checkpoint interval must be > 0 seconds, got {interval_s}")
@@ -131,60 +90,36 @@ def cluster_mtbf_s(mtbf_hours: float, gpus: int, gpus_per_node: int = 8) -> floa
     return mtbf_hours * HOUR_S / nodes
 
 
-def advise(
-    results: Measured,
-    *,
-    mtbf_hours: float,
-    gpus: int = 8,
-    gpus_per_node: int = 8,
-    restore_s: float = 0.0,
-    method: str = "daly",
-) -> pd.DataFrame:
+def advise(results: Measured, *, mtbf_hours: float, gpus: int = 8, gpus_per_node: int = 8,
+           restore_s: float = 0.0, method: str = "daly") -> pd.DataFrame:
     """The best checkpoint interval per strategy and what it costs (columns :data:`ADVICE_COLUMNS`).
 
-    ``mtbf_hours`` is the mean time between failures of one node; the job's MTBF is that divided
-    by its nodes (``ceil(gpus / gpus_per_node)``). ``bound`` says what set the interval:
-    the Young/Daly optimum for ``cost = stall + drag``, or the persist time of an async save
-    (one save in flight). The lost time splits into ``checkpoint_pct`` (stalls), ``drag_pct``,
-    ``rework_pct`` (half an interval plus the lag per failure) and ``restore_pct``;
-    ``storage_duty_pct`` is the share of time the storage spends writing this job's checkpoints.
-    ``gpu_hours_lost_per_day = waste * gpus * 24``. The report and notebook 07 pass
-    :data:`DEFAULTS`.
+    ``mtbf_hours`` is one node's; ``bound`` says what set the interval (the Young/Daly optimum,
+    or the persist time of an async save). The lost time splits into stalls, drag, rework and
+    restores; ``storage_duty_pct`` is the share of time the storage writes this job's checkpoints.
     """
     if restore_s < 0:
         raise ConfigError(f"restore_s must be >= 0, got {restore_s}")
     mtbf_s = cluster_mtbf_s(mtbf_hours, gpus, gpus_per_node)
-    rows: list[dict[str, Any]] = []
-    for row in measured_costs(results):
-        cost = row.stall_s + row.drag_s
+    rows: list[dict[Any, Any]] = []
+    for row in measurements(results).to_dict("records"):
+        stall, lag = float(row["stall_s"]), float(row["lag_s"])
+        cost = stall + float(row["drag_s"])
         optimum = young_daly_interval(cost, mtbf_s, method)
-        interval = max(optimum, row.lag_s)
+        interval = max(optimum, lag)
         if interval <= 0:
-            raise ConfigError(f"strategy {row.strategy!r} has zero stall and zero persist time")
-        waste = expected_waste(interval, cost, mtbf_s, lag_s=row.lag_s, restore_s=restore_s)
-        rows.append(
-            {
-                "strategy": row.strategy,
-                "mode": row.mode,
-                "stall_s": row.stall_s,
-                "drag_s": row.drag_s,
-                "cost_s": cost,
-                "persist_s": row.persist_s,
-                "lag_s": row.lag_s,
-                "restore_s": restore_s,
-                "cluster_mtbf_h": mtbf_s / HOUR_S,
-                "interval_s": interval,
-                "bound": method if optimum >= row.lag_s else "persist",
-                "checkpoint_pct": 100.0 * row.stall_s / interval,
-                "drag_pct": 100.0 * row.drag_s / interval,
-                "rework_pct": 100.0 * (interval / 2.0 + row.lag_s) / mtbf_s,
-                "restore_pct": 100.0 * restore_s / mtbf_s,
-                "waste_pct": 100.0 * waste,
-                "storage_duty_pct": min(100.0, 100.0 * row.persist_s / (interval + row.stall_s)),
-                "gpu_hours_lost_per_day": waste * gpus * 24.0,
-                "checkpoints_per_day": DAY_S / (interval + row.stall_s),
-            }
-        )
+            raise ConfigError(f"strategy {row['strategy']!r} has zero stall and zero persist time")
+        waste = expected_waste(interval, cost, mtbf_s, lag_s=lag, restore_s=restore_s)
+        rows.append({
+            **row, "cost_s": cost, "restore_s": restore_s, "cluster_mtbf_h": mtbf_s / HOUR_S,
+            "interval_s": interval, "bound": method if optimum >= lag else "persist",
+            "checkpoint_pct": 100.0 * stall / interval, "drag_pct": 100.0 * row["drag_s"] / interval,
+            "rework_pct": 100.0 * (interval / 2.0 + lag) / mtbf_s,
+            "restore_pct": 100.0 * restore_s / mtbf_s, "waste_pct": 100.0 * waste,
+            "storage_duty_pct": min(100.0, 100.0 * row["persist_s"] / (interval + stall)),
+            "gpu_hours_lost_per_day": waste * gpus * 24.0,
+            "checkpoints_per_day": DAY_S / (interval + stall),
+        })
     advice = pd.DataFrame(rows, columns=ADVICE_COLUMNS)
     advice.attrs.update(
         mtbf_hours=mtbf_hours, gpus=gpus, gpus_per_node=gpus_per_node, method=method,
@@ -194,8 +129,8 @@ def advise(
 
 
 def compare_modes(advice: pd.DataFrame) -> list[str]:
-    """Sentences that explain, from an :func:`advise` table, why the best async strategy wins
-    or loses against the best sync one (empty when one of the two modes is missing)."""
+    """Why the best async strategy of an :func:`advise` table wins or loses against the best sync
+    one, as a sentence (none when a mode is missing)."""
     rows = advice.to_dict("records")
     sync = [r for r in rows if r["mode"] == "sync"]
     asyn = [r for r in rows if r["mode"] == "async"]
@@ -221,32 +156,15 @@ def compare_modes(advice: pd.DataFrame) -> list[str]:
 
 
 def waste_curve(advice: pd.DataFrame, intervals: Sequence[float] | None = None) -> pd.DataFrame:
-    """Expected waste (%) against interval for each row of :func:`advise`'s table.
-
-    Columns ``strategy, interval_s, waste_pct``. By default 120 intervals spaced evenly in log
-    from a tenth of the smallest advised interval to ten times the largest.
-    """
-    missing = {"strategy", "stall_s", "lag_s", "restore_s", "cluster_mtbf_h", "interval_s"} - set(
-        advice.columns
-    )
-    if missing:
-        raise ConfigError(f"advice table lacks columns {sorted(missing)}: build it with advise()")
+    """Expected waste (%) against interval per row of :func:`advise`'s table (columns ``strategy,
+    interval_s, waste_pct``); by default 120 log-spaced intervals around the advised ones."""
     if intervals is None:
         low = max(float(advice["interval_s"].min()) / 10.0, 1e-3)
         high = max(float(advice["interval_s"].max()) * 10.0, low * 10.0)
         intervals = [low * (high / low) ** (i / 119) for i in range(120)]
     rows = [
-        (
-            str(row["strategy"]),
-            tau,
-            100.0 * expected_waste(
-                tau,
-                float(row["stall_s"]) + float(row.get("drag_s", 0.0) or 0.0),
-                float(row["cluster_mtbf_h"]) * HOUR_S,
-                lag_s=float(row["lag_s"]),
-                restore_s=float(row["restore_s"]),
-            ),
-        )
+        (row["strategy"], tau, 100.0 * expected_waste(tau, row["cost_s"], row["cluster_mtbf_h"] * HOUR_S,
+                                                      lag_s=row["lag_s"], restore_s=row["restore_s"]))
         for row in advice.to_dict("records")
         for tau in intervals
     ]

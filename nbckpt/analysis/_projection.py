@@ -1,21 +1,13 @@
 """What checkpointing would cost at scale: costs measured on one rank projected to bigger models
 and more ranks (:func:`project_scale`), a projection and labelled as one.
 
-The model, per strategy, model size and rank count:
-
-- per rank: ``size / ranks`` (``full``) or ``size`` (``replicated``). A configuration whose
-  state per rank exceeds ``gpu_memory_gb`` cannot exist: its row has ``feasible`` False, a
-  ``note`` saying why, and no numbers.
-- writers: every rank (``full``) or one (``replicated``); the write runs at
-  ``min(storage_gbs, writers * rank_write)``, ``rank_write`` defaulting to the measured rate.
-- sync: the loop waits for the write. async: the loop waits for the copy to host,
-  ``per rank / stage_gbs`` (``d2h_gbs``, default the measured ``nbytes / stall``), the write
-  runs behind; when it outlasts the interval the next save waits (``backpressure_s``).
-- drag: ``drag_fraction * persist`` for async strategies, the fraction defaulting to the
-  measured ``drag_s / persist_s`` (0 to 1); a CPU measurement where training and the write
-  share the cores overstates what a GPU node sees.
-- ``storage_duty_pct = 100 * persist / (interval + stall + backpressure)``;
-  ``overhead_pct = 100 * (stall + backpressure + drag) / interval_s``.
+Per strategy, model size and rank count: the state per rank is ``size / ranks`` (``full``) or
+``size`` (``replicated``); more than ``gpu_memory_gb`` cannot exist (``feasible`` False, a
+``note``, no numbers). Every rank writes (``full``) or one does, at ``min(storage_gbs, writers *
+measured rank rate)``. Sync: the loop waits for the write. Async: it waits for the copy to host
+(``per rank / d2h_gbs``, default the measured rate) and, when the write outlasts the interval, for
+the write (``backpressure_s``); the drag is the measured share ``drag_s / persist_s`` of the
+write, which a CPU run overstates. ``overhead_pct = 100 * (stall + backpressure + drag) / interval``.
 """
 
 from __future__ import annotations
@@ -28,7 +20,7 @@ import pandas as pd
 
 from .._errors import ConfigError
 from .._util import GB, check_count
-from ._costs import Measured, measured_costs
+from ._costs import Measured, measurements
 from ._defaults import DEFAULTS
 from ._reference import load_published
 
@@ -61,46 +53,25 @@ def mlperf_checkpoint_sizes() -> dict[str, float]:
     return {name: float(item["value"]) for name, item in values.items()}
 
 
-def project_scale(
-    results: Measured,
-    *,
-    nbytes: int,
-    storage_gbs: float,
-    models: Mapping[str, float] | None = None,
-    ranks: int | Sequence[int] = (8, 64, 512),
-    d2h_gbs: float | None = None,
-    rank_write_gbs: float | None = None,
-    interval_s: float = DEFAULTS.interval_s,
-    sharding: str = "full",
-    gpu_memory_gb: float | None = DEFAULTS.gpu_memory_gb,
-    drag_fraction: float | None = None,
-) -> pd.DataFrame:
-    """Project stall, drag, storage load and overhead of each measured strategy to bigger models.
-
-    A projection, not a measurement (column ``kind`` and ``attrs["projection"]`` say so). Inputs:
-    ``results`` measured on one rank with a checkpoint of ``nbytes`` bytes; ``models`` maps a name
-    to a checkpoint size in GB (default: MLPerf Storage sizes for 8B, 70B and 405B); ``sharding``
-    (:data:`SHARDING`) places the state on ``ranks``; ``storage_gbs`` is the aggregate bandwidth of
-    the storage (for example a FlashBlade's).
-
-    The model is the module's docstring.
-    """
+def project_scale(results: Measured, *, nbytes: int, storage_gbs: float,
+                  models: Mapping[str, float] | None = None, ranks: int | Sequence[int] = (8, 64, 512),
+                  d2h_gbs: float | None = None, interval_s: float = DEFAULTS.interval_s,
+                  sharding: str = "full", gpu_memory_gb: float | None = DEFAULTS.gpu_memory_gb,
+                  ) -> pd.DataFrame:
+    """Project stall, drag, storage load and overhead of each strategy, measured on one rank with a
+    checkpoint of ``nbytes``, to ``models`` (name -> GB; default MLPerf Storage's 8B, 70B, 405B)
+    on ``ranks`` against ``storage_gbs`` of aggregate bandwidth (the model: the module's doc)."""
     if nbytes <= 0:
         raise ConfigError(f"nbytes (size of the measured checkpoint) must be > 0, got {nbytes}")
     for name, value in (("storage_gbs", storage_gbs), ("interval_s", interval_s),
-                        ("d2h_gbs", d2h_gbs), ("rank_write_gbs", rank_write_gbs),
-                        ("gpu_memory_gb", gpu_memory_gb)):
+                        ("d2h_gbs", d2h_gbs), ("gpu_memory_gb", gpu_memory_gb)):
         if value is not None and not value > 0:
             raise ConfigError(f"{name} must be > 0, got {value}")
-    if drag_fraction is not None and not 0 <= drag_fraction <= 1:
-        raise ConfigError(f"drag_fraction must be between 0 and 1, got {drag_fraction}")
     if sharding not in SHARDING:
         raise ConfigError(f"sharding must be one of {', '.join(SHARDING)}, not {sharding!r}")
-    rank_counts = [ranks] if isinstance(ranks, int) else list(ranks)
+    rank_counts = [check_count(count, "ranks") for count in ([ranks] if isinstance(ranks, int) else ranks)]
     if not rank_counts:
         raise ConfigError(f"ranks must be integers >= 1, got {ranks}")
-    for count in rank_counts:
-        check_count(count, "ranks")
     sizes = dict(models) if models is not None else {
         name: gb for name, gb in mlperf_checkpoint_sizes().items() if name in ("8B", "70B", "405B")
     }
@@ -109,35 +80,28 @@ def project_scale(
     measured_gb = nbytes / GB
     nan = math.nan
     rows: list[dict[str, Any]] = []
-    for row in measured_costs(results):
-        if row.stall_s <= 0 or (row.mode == "async" and row.persist_s <= 0):
-            raise ConfigError(f"strategy {row.strategy!r} has no measured time to project from")
-        is_async = row.mode == "async"
-        stage_gbs = (d2h_gbs or measured_gb / row.stall_s) if is_async else nan
-        write_gbs = rank_write_gbs or measured_gb / (row.persist_s if is_async else row.stall_s)
-        if not is_async:
-            fraction = 0.0
-        elif drag_fraction is not None:
-            fraction = drag_fraction
-        else:
-            fraction = min(max(row.drag_s / row.persist_s, 0.0), 1.0)
+    for row in measurements(results).to_dict("records"):
+        measured_stall, measured_persist = float(row["stall_s"]), float(row["persist_s"])
+        is_async = row["mode"] == "async"
+        if measured_stall <= 0 or (is_async and measured_persist <= 0):
+            raise ConfigError(f"strategy {row['strategy']!r} has no measured time to project from")
+        stage_gbs = (d2h_gbs or measured_gb / measured_stall) if is_async else nan
+        write_gbs = measured_gb / (measured_persist if is_async else measured_stall)
+        fraction = min(max(row["drag_s"] / measured_persist, 0.0), 1.0) if is_async else 0.0
         for model, size_gb in sizes.items():
             for count in rank_counts:
                 per_rank = size_gb / count if sharding == "full" else size_gb
                 base = {
-                    "kind": "projection", "strategy": row.strategy, "mode": row.mode,
+                    "kind": "projection", "strategy": row["strategy"], "mode": row["mode"],
                     "model": model, "checkpoint_gb": size_gb, "ranks": count,
                     "sharding": sharding, "per_rank_gb": per_rank, "interval_s": interval_s,
                     "stage_gbs": stage_gbs, "rank_write_gbs": write_gbs,
                 }
                 if gpu_memory_gb is not None and per_rank > gpu_memory_gb:
-                    rows.append({
-                        **base, "feasible": False,
+                    rows.append({  # the columns it lacks are NaN
+                        **base, "feasible": False, "limited_by": "",
                         "note": (f"cannot exist: {per_rank:.1f} GB of checkpointed state per rank "
                                  f"exceeds {gpu_memory_gb:g} GB of GPU memory"),
-                        "aggregate_gbs": nan, "limited_by": "", "stall_s": nan, "drag_s": nan,
-                        "persist_s": nan, "backpressure_s": nan, "storage_duty_pct": nan,
-                        "overhead_pct": nan,
                     })
                     continue
                 writers = count if sharding == "full" else 1
@@ -160,14 +124,11 @@ def project_scale(
                     "overhead_pct": 100.0 * (stall + backpressure + drag) / interval_s,
                 })
     projection = pd.DataFrame(rows, columns=PROJECTION_COLUMNS)
+    placement = ("split evenly over the ranks, every rank writing its shard" if sharding == "full"
+                 else "replicated on every rank, one rank writing it")
     projection.attrs.update(
-        projection=True,
-        storage_gbs=storage_gbs,
-        measured_bytes=nbytes,
-        sharding=sharding,
+        projection=True, storage_gbs=storage_gbs, measured_bytes=nbytes, sharding=sharding,
         gpu_memory_gb=gpu_memory_gb,
-        note=("projection from rates measured on one rank, not a measurement; state "
-              + ("split evenly over the ranks, every rank writing its shard"
-                 if sharding == "full" else "replicated on every rank, one rank writing it")),
+        note=f"projection from rates measured on one rank, not a measurement; state {placement}",
     )
     return projection

@@ -1,13 +1,10 @@
 """Live plotly figures: a ``go.FigureWidget`` whose views leave no listeners behind.
 
-Plotly's widget registers the listeners of each view on the model it got in ``initialize()``,
-so they outlive the view: once a cell's output is cleared (the cell runs again), every later
-update of the figure calls Plotly on a purged ``<div>``, and ipywidgets logs "Error setting
-state: gd.data must be an array" for each. The wrapper below hands plotly, while it renders,
-the view's own model, whose listeners anywidget removes with the view. And plotly measures its
-``<div>`` once, when it draws it, usually before the notebook has laid it out (it then falls
-back to 700 px): a responsive chart measures again on a window resize, sent here when the
-width of the ``<div>`` changes.
+Plotly's widget registers each view's listeners on the model of ``initialize()``, so they outlive
+the view: after a cell re-runs, every update calls Plotly on a purged ``<div>`` ("Error setting
+state: gd.data must be an array"). The wrapper hands plotly, while it renders, the view's own
+model, whose listeners anywidget removes with the view. Plotly also measures its ``<div>`` once,
+usually before the notebook laid it out (700 px): a width change here sends a window resize.
 """
 
 from __future__ import annotations
@@ -75,14 +72,11 @@ def _live_figure_class() -> type[go.FigureWidget]:
     class LiveFigure(go.FigureWidget):  # type: ignore[misc]
         """Plotly's widget, its views scoped (``_SCOPED_ESM``) and its state following the figure.
 
-        Plotly syncs the figure's data and layout (``_widget_data``, ``_widget_layout``) when
-        the widget is created and when it is displayed on its own; every later change travels
-        as a message (``_py2js_restyle``, ``_py2js_addTraces``, ...) that the page applies to
-        the views it has. A page loaded later asks the kernel for the state and got the figure
-        as it was created (a figure inside a VBox is never displayed on its own): an empty
-        timeline under its first title. Here each message, once sent (plotly sets it back to
-        None at once), is followed by the state it produced, as plotly's ``_repr_mimebundle_``
-        computes it; the page's copy already holds that state, so no view redraws.
+        Plotly syncs ``_widget_data`` and ``_widget_layout`` only at creation and when displayed on
+        its own; later changes travel as ``_py2js_*`` messages, so a page loaded later (a figure
+        in a VBox) got the figure as created: an empty timeline. Here each message, once sent
+        (plotly resets it to None), is followed by the state it produced, as
+        ``_repr_mimebundle_`` computes it; the page already holds it, so no view redraws.
         """
 
         _esm = esm

@@ -1,15 +1,7 @@
-"""``nbckpt report``: run the report notebook with papermill and render it as offline HTML.
-
-    nbckpt report --name report                       # reports/report.html + reports/results.json
-    nbckpt report -p target /mnt/flashblade/ckpt -p preset small -p steps 40
-
-The notebook (``notebooks/report.ipynb``) measures and writes ``results.json`` into
-``output_dir``; this module executes it, turns a failing cell into a one-line error
-and exports the outputs (no code) to a single HTML file that works without a network:
-plotly.js is inlined once and nothing is loaded from a CDN. With ``progress`` the notebook's
-progress lines (strategy, repeat, step, elapsed and expected time) are printed as they come,
-through a file the notebook appends to (:func:`report_progress`): papermill itself would show
-one cell for minutes.
+"""``nbckpt report``: run ``notebooks/report.ipynb`` with papermill (it writes ``results.json``),
+turn a failing cell into a one-line error and export the outputs, no code, to one HTML file that
+works offline (plotly.js inline, nothing from a CDN). Progress lines the notebook appends to a
+file (:func:`report_progress`) are printed as they come: papermill would show one cell for minutes.
 """
 
 from __future__ import annotations
@@ -20,27 +12,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigError, NbckptError
-from .._util import parse_value, writable_directory
+from .._util import writable_directory
 
-__all__ = [
-    "EXTERNAL_LOAD",
-    "NOTEBOOK_ONLY",
-    "PATH_PARAMETERS",
-    "REPORT_NOTEBOOK",
-    "RESULTS_FILE",
-    "export_html",
-    "notebooks_dir",
-    "parse_value",
-    "report_progress",
-    "run_report",
-]
+__all__ = ["EXTERNAL_LOAD", "NOTEBOOK_ONLY", "RESULTS_FILE", "export_html", "report_progress", "run_report"]
 
-REPORT_NOTEBOOK = "report.ipynb"
+#: The report notebook, in the checkout's ``notebooks/`` folder (it ships with the source tree).
+REPORT_NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "report.ipynb"
 RESULTS_FILE = "results.json"
 #: Parameters that name local paths: relative values are taken from the caller's directory,
 #: not from the notebook's (papermill runs the kernel in the notebook's folder).
@@ -80,33 +62,18 @@ EXTERNAL_LOAD = re.compile(r"""<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=
                            re.IGNORECASE)
 
 
-def notebooks_dir() -> Path:
-    """The checkout's ``notebooks/`` folder (the report ships with the source tree)."""
-    return Path(__file__).resolve().parents[2] / "notebooks"
-
-
-def run_report(
-    name: str = "report",
-    output_dir: str | os.PathLike[str] = "reports",
-    parameters: Mapping[str, Any] | None = None,
-    *,
-    notebook: str | os.PathLike[str] | None = None,
-    kernel_name: str = "python3",
-    progress: bool = False,
-) -> Path:
-    """Execute the report notebook and write ``<output_dir>/<name>.html``; return its path.
-
-    The executed notebook is kept as ``<name>.ipynb`` and the notebook writes
-    ``results.json`` beside the HTML. A failing cell raises :class:`NbckptError`
-    naming the error; no HTML is written then. ``progress`` prints the notebook's progress
-    lines on stderr as they come (when the notebook takes ``progress_path``).
-    """
+def run_report(name: str = "report", output_dir: str | os.PathLike[str] = "reports",
+               parameters: Mapping[str, Any] | None = None, *,
+               notebook: str | os.PathLike[str] | None = None, progress: bool = False) -> Path:
+    """Execute the report notebook and write ``<output_dir>/<name>.html`` (the executed notebook
+    beside it as ``<name>.ipynb``, and ``results.json``); return its path. A failing cell raises
+    :class:`NbckptError`, and no HTML is written. ``progress`` prints the progress lines on stderr."""
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
     if not name or Path(name).name != name or name.startswith("."):
         raise ConfigError(f"report name must be a plain file name, not {name!r}")
-    source = Path(notebook) if notebook is not None else notebooks_dir() / REPORT_NOTEBOOK
+    source = Path(notebook) if notebook is not None else REPORT_NOTEBOOK
     if not source.is_file():
         raise ConfigError(f"report notebook {source} not found (run from a source checkout)")
     out = writable_directory(output_dir, "output directory").resolve()
@@ -127,16 +94,10 @@ def run_report(
         print(f"report: running {source.name} into {out} (progress as it goes)", file=sys.stderr,
               flush=True)
     try:
-        with _printing(lines if tail else None):
-            papermill.execute_notebook(
-                str(source),
-                str(executed),
-                parameters=params,
-                kernel_name=kernel_name,
-                cwd=str(source.parent),
-                progress_bar=progress and not tail,
-                store_widget_state=False,
-            )
+        with _printing(lines) if tail else nullcontext():
+            papermill.execute_notebook(str(source), str(executed), parameters=params, kernel_name="python3",
+                                       cwd=str(source.parent), progress_bar=progress and not tail,
+                                       store_widget_state=False)
     except PapermillExecutionError as exc:
         evalue = (exc.evalue or "").strip().splitlines()
         detail = evalue[0] if evalue else "(no message)"
@@ -167,26 +128,20 @@ def report_progress(path: str | os.PathLike[str] | None) -> Callable[[str], None
 
 
 @contextmanager
-def _printing(path: Path | None) -> Iterator[None]:
-    """While the block runs, print on stderr every line appended to ``path`` (if any)."""
-    if path is None:
-        yield
-        return
+def _printing(path: Path) -> Iterator[None]:
+    """While the block runs, print on stderr every line appended to ``path``."""
     done = threading.Event()
-    offset = [0]
-
-    def flush() -> None:
-        with open(path, "rb") as stream:
-            stream.seek(offset[0])
-            data = stream.read()
-        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
-        offset[0] += len(complete)
-        for line in complete.decode("utf-8", errors="replace").splitlines():
-            print(line, file=sys.stderr, flush=True)
 
     def follow() -> None:
-        while not done.wait(_TAIL_S):
-            flush()
+        pending = ""
+        with open(path, encoding="utf-8", errors="replace") as stream:
+            while True:
+                finished = done.wait(_TAIL_S)
+                *complete, pending = (pending + stream.read()).split("\n")  # a line being written waits
+                for line in complete:
+                    print(line, file=sys.stderr, flush=True)
+                if finished:
+                    return
 
     follower = threading.Thread(target=follow, name="nbckpt-report-progress", daemon=True)
     follower.start()
@@ -195,7 +150,6 @@ def _printing(path: Path | None) -> Iterator[None]:
     finally:
         done.set()
         follower.join()
-        flush()
 
 
 def _check_parameters(source: Path, params: dict[str, Any]) -> dict[str, Any]:

@@ -20,16 +20,8 @@ from ..engine import Event
 from ..engine._internal import events_to_pandas
 from ._plotting import output, require_columns, strategy_colour
 
-__all__ = [
-    "TIMELINE_KINDS",
-    "TimelineTraces",
-    "events_frame",
-    "extend_timeline",
-    "select_repeat",
-    "throughput_figure",
-    "timeline_figure",
-    "timeline_traces",
-]
+__all__ = ["TIMELINE_KINDS", "TimelineTraces", "events_frame", "extend_timeline", "select_repeat",
+           "throughput_figure", "timeline_figure", "timeline_traces"]
 
 #: Event kind -> (timeline lane, colour, bar thickness). Blocking kinds go in the "train" lane,
 #: work done behind the training loop in the "background" lane; fsync and delete are thin so the
@@ -53,23 +45,15 @@ _TIMELINE_COLUMNS = {"kind", "start_s", "end_s"}
 
 def _strategy_names(df: pd.DataFrame) -> pd.Series:
     """Strategy of each event row: ``strategy``, else ``label`` (what the engine's events carry)."""
-    if "strategy" in df.columns:
-        names = df["strategy"]
-    elif "label" in df.columns:
-        names = df["label"]
-    else:
-        names = pd.Series("run", index=df.index)
+    names = df.get("strategy", df.get("label", pd.Series("run", index=df.index)))
     return names.fillna("").astype(str).replace("", "run")
 
 
 def _series_names(df: pd.DataFrame, by_rank: bool | None = None) -> pd.Series:
     """Strategy of each event row, with its rank when ``by_rank`` (default: when there are several)."""
-    names = _strategy_names(df)
     if by_rank is None:
         by_rank = "rank" in df.columns and df["rank"].nunique() > 1
-    if by_rank:
-        names = names + " r" + df["rank"].astype(str)
-    return names
+    return _strategy_names(df) + (" r" + df["rank"].astype(str) if by_rank else "")
 
 
 def select_repeat(timeline_df: pd.DataFrame, repeat: int | None = None) -> pd.DataFrame:
@@ -91,18 +75,6 @@ class TimelineTraces:
     kinds: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
 
 
-def _hover(series: str, kind: str, *, step: Any, start: float, duration: float, nbytes: float) -> str:
-    text = f"<b>{series}</b> {kind}"
-    if step is not None and pd.notna(step):
-        text += f" · step {int(step)}"
-    text += f"<br>start {start:.3f} s · {duration * 1e3:.1f} ms"
-    if nbytes > 0:
-        text += f"<br>{format_bytes(nbytes)}"
-        if duration > 0:
-            text += f" · {nbytes / duration / GB:.2f} GB/s"
-    return text
-
-
 def events_frame(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
     """Rows for :func:`timeline_traces` from live :class:`~nbckpt.Event` objects (for example
     those ``compare(on_event=...)`` passes); ``start_s`` counts from ``origin_ns``, ``strategy``
@@ -113,36 +85,34 @@ def events_frame(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
 
 
 def timeline_traces(timeline_df: pd.DataFrame, *, by_rank: bool | None = None) -> TimelineTraces:
-    """Convert event rows (``Timeline.to_pandas()`` columns, optionally ``strategy``) to bar data.
-
-    Used by :func:`timeline_figure` and, for live updates, by :func:`extend_timeline`. ``by_rank``
-    gives each rank its own lanes (default: when the rows hold several ranks; pass it explicitly
-    when rows arrive a few at a time).
-    """
+    """Event rows (``Timeline.to_pandas()`` columns, optionally ``strategy``) as bar data, for
+    :func:`timeline_figure` and :func:`extend_timeline`. ``by_rank`` gives each rank its own lanes
+    (default: when the rows hold several ranks; pass it when rows arrive a few at a time)."""
     require_columns(timeline_df, _TIMELINE_COLUMNS, "timeline_traces")
     data = TimelineTraces()
     if timeline_df.empty:
         return data
-    series = _series_names(timeline_df, by_rank)
-    steps = timeline_df["step"] if "step" in timeline_df.columns else pd.Series(None, index=timeline_df.index)
-    nbytes = timeline_df["bytes"] if "bytes" in timeline_df.columns else pd.Series(0, index=timeline_df.index)
-    for name, kind, step, start, end, size in zip(
-        series, timeline_df["kind"], steps, timeline_df["start_s"], timeline_df["end_s"], nbytes, strict=True
-    ):
-        lane_kind = TIMELINE_KINDS.get(str(kind), _OTHER_KIND)[0]
-        for lane in (f"{name} · train", f"{name} · background"):
-            if lane not in data.lanes:
-                data.lanes.append(lane)
-        lane = f"{name} · {lane_kind}"
-        values = data.kinds.setdefault(str(kind), {"x": [], "y": [], "base": [], "hovertext": []})
-        duration = float(end) - float(start)
+    events = timeline_df.assign(series=_series_names(timeline_df, by_rank),
+                                step=timeline_df.get("step"), bytes=timeline_df.get("bytes", 0.0))
+    data.lanes = [f"{name} · {lane}" for name in events["series"].unique()
+                  for lane in ("train", "background")]
+    for row in events.to_dict("records"):
+        kind = str(row["kind"])
+        values = data.kinds.setdefault(kind, {"x": [], "y": [], "base": [], "hovertext": []})
+        start, duration = float(row["start_s"]), float(row["end_s"]) - float(row["start_s"])
         values["x"].append(duration)
-        values["base"].append(float(start))
-        values["y"].append(lane)
-        values["hovertext"].append(
-            _hover(name, str(kind), step=step, start=float(start), duration=duration,
-                   nbytes=float(size) if pd.notna(size) else 0.0)
-        )
+        values["base"].append(start)
+        values["y"].append(f"{row['series']} · {TIMELINE_KINDS.get(kind, _OTHER_KIND)[0]}")
+        hover = f"<b>{row['series']}</b> {kind}"
+        if pd.notna(row["step"]):
+            hover += f" · step {int(row['step'])}"
+        hover += f"<br>start {start:.3f} s · {duration * 1e3:.1f} ms"
+        nbytes = float(row["bytes"]) if pd.notna(row["bytes"]) else 0.0
+        if nbytes > 0:
+            hover += f"<br>{format_bytes(nbytes)}"
+            if duration > 0:
+                hover += f" · {nbytes / duration / GB:.2f} GB/s"
+        values["hovertext"].append(hover)
     return data
 
 
@@ -153,39 +123,20 @@ def _kind_order(kinds: Iterable[str]) -> list[str]:
 
 def _timeline_bar(kind: str, values: Mapping[str, list[Any]]) -> go.Bar:
     _, colour, width = TIMELINE_KINDS.get(kind, _OTHER_KIND)
-    return go.Bar(
-        name=kind,
-        orientation="h",
-        x=values["x"],
-        base=values["base"],
-        y=values["y"],
-        width=width,
-        marker={"color": colour, "line": {"width": 0}},
-        hovertext=values["hovertext"],
-        hovertemplate="%{hovertext}<extra></extra>",
-    )
+    return go.Bar(name=kind, orientation="h", x=values["x"], base=values["base"], y=values["y"],
+                  width=width, marker={"color": colour, "line": {"width": 0}},
+                  hovertext=values["hovertext"], hovertemplate="%{hovertext}<extra></extra>")
 
 
 def _timeline_height(lanes: int) -> int:
     return 140 + 30 * max(lanes, 2)
 
 
-def timeline_figure(
-    timeline_df: pd.DataFrame,
-    *,
-    repeat: int | None = None,
-    by_rank: bool | None = None,
-    widget: bool = False,
-    origin: str = "the strategy's run started",
-) -> go.Figure:
+def timeline_figure(timeline_df: pd.DataFrame, *, repeat: int | None = None, by_rank: bool | None = None,
+                    widget: bool = False, origin: str = "the strategy's run started") -> go.Figure:
     """Gantt chart of a run: per strategy (and rank) a "train" lane (steps, stalls, waits) and a
-    "background" lane (staging, persistence, fsync, commit).
-
-    A sync strategy's train lane stops for each checkpoint (red); an async one keeps stepping while
-    its persistence (green) runs in the background lane. ``repeat`` picks one repeat of a
-    ``Comparison.timeline`` (default: each strategy's last). ``origin``: what time 0 is, for the
-    x axis ("seconds since ...").
-    """
+    "background" lane (staging, persistence, fsync, commit). ``repeat`` picks one repeat of a
+    ``Comparison.timeline`` (default: each strategy's last); ``origin`` says what time 0 is."""
     data = timeline_traces(select_repeat(timeline_df, repeat), by_rank=by_rank)
     fig = go.Figure([_timeline_bar(kind, data.kinds[kind]) for kind in _kind_order(data.kinds)])
     fig.update_layout(
@@ -203,12 +154,8 @@ def timeline_figure(
 
 
 def extend_timeline(fig: go.Figure, timeline_df: pd.DataFrame, *, by_rank: bool = False) -> None:
-    """Append new events to a figure (or FigureWidget) from :func:`timeline_figure`, in one update.
-
-    New kinds get new traces and new strategies new lanes, so a widget can start empty and grow
-    as ``on_event`` callbacks arrive (see :func:`events_frame`). ``by_rank=True`` for runs with
-    several ranks.
-    """
+    """Append new events to a figure (or FigureWidget) from :func:`timeline_figure` in one update:
+    new kinds get new traces and new strategies new lanes, so a live widget can start empty."""
     data = timeline_traces(timeline_df, by_rank=by_rank)
     if not data.kinds:
         return
@@ -229,9 +176,8 @@ def extend_timeline(fig: go.Figure, timeline_df: pd.DataFrame, *, by_rank: bool 
             fig.layout.height = _timeline_height(len(lanes) + len(added))
 
 
-def throughput_figure(
-    timeline_df: pd.DataFrame, *, repeat: int | None = None, widget: bool = False
-) -> go.Figure:
+def throughput_figure(timeline_df: pd.DataFrame, *, repeat: int | None = None,
+                      widget: bool = False) -> go.Figure:
     """Steps per second over time per strategy: ``1 / (time between consecutive step ends)``,
     so a checkpoint that holds the loop shows as a dip at the step after it."""
     require_columns(timeline_df, _TIMELINE_COLUMNS, "throughput_figure")
@@ -248,33 +194,20 @@ def throughput_figure(
         gaps = [first] + [later - earlier for earlier, later in itertools.pairwise(ends)]
         rates = [1.0 / gap if gap > 0 else None for gap in gaps]
         colour = strategy_colour(str(group["strategy_name"].iloc[0]))
-        fig.add_trace(
-            go.Scatter(
-                name=str(name),
-                x=ends,
-                y=rates,
-                mode="lines+markers",
-                line={"color": colour},
-                legendgroup=str(name),
-                hovertemplate="%{x:.3f} s: %{y:.1f} steps/s<extra>%{fullData.name}</extra>",
-            )
-        )
+        fig.add_trace(go.Scatter(
+            name=str(name), x=ends, y=rates, mode="lines+markers", line={"color": colour},
+            legendgroup=str(name),
+            hovertemplate="%{x:.3f} s: %{y:.1f} steps/s<extra>%{fullData.name}</extra>",
+        ))
         numbers = group["step"].tolist() if "step" in group else []
         after = [i for i in range(1, len(numbers)) if (name, numbers[i - 1]) in saved]
         if after:
-            fig.add_trace(
-                go.Scatter(
-                    name=f"{name} after a checkpoint",
-                    x=[ends[i] for i in after],
-                    y=[rates[i] for i in after],
-                    mode="markers",
-                    marker={"color": colour, "symbol": "x", "size": 10},
-                    legendgroup=str(name),
-                    showlegend=False,
-                    hovertemplate="%{x:.3f} s: %{y:.1f} steps/s, the step after a checkpoint"
-                                  "<extra>%{fullData.name}</extra>",
-                )
-            )
+            fig.add_trace(go.Scatter(
+                name=f"{name} after a checkpoint", x=[ends[i] for i in after], y=[rates[i] for i in after],
+                mode="markers", marker={"color": colour, "symbol": "x", "size": 10}, legendgroup=str(name),
+                showlegend=False, hovertemplate="%{x:.3f} s: %{y:.1f} steps/s, the step after a checkpoint"
+                "<extra>%{fullData.name}</extra>",
+            ))
     fig.update_layout(
         title="Training throughput per step (x: the step after a checkpoint); the none baseline "
               "dips only from this machine's own noise",

@@ -201,10 +201,7 @@ def test_checkpoint_size_helpers() -> None:
 def test_node_mtbf_from_llama3_and_the_shared_defaults() -> None:
     # 54 days * 24 h * 16384 / 8 nodes / 419 interruptions = 6334.6 h per node
     assert node_mtbf_hours() == pytest.approx(54 * 24 * 2048 / 419)
-    assert node_mtbf_hours(interruptions=10, days=10, gpus=80, gpus_per_node=8) == pytest.approx(240.0)
     assert DEFAULTS.mtbf_hours == round(node_mtbf_hours()) == 6335
-    with pytest.raises(ConfigError, match="must be > 0"):
-        node_mtbf_hours(interruptions=0)
 
 
 def test_report_and_notebook_07_state_the_same_advisor_defaults() -> None:
@@ -311,9 +308,6 @@ def test_project_scale_models_drag_and_storage_duty() -> None:
     assert row["drag_s"] == pytest.approx(2.5)  # 0.25 of the 10 s write
     assert row["storage_duty_pct"] == pytest.approx(100 * 10 / (90 + 1))
     assert row["overhead_pct"] == pytest.approx(100 * (1 + 2.5) / 90)
-    given = project_scale({"async": (0.1, 1.0, 0.25)}, nbytes=10**9, storage_gbs=100.0,
-                          models={"M": 1000.0}, ranks=[100], d2h_gbs=10.0, drag_fraction=0.0)
-    assert given["drag_s"].iloc[0] == 0.0
 
 
 def test_a_drag_that_is_noise_counts_as_zero_and_a_measured_one_as_measured() -> None:

@@ -52,9 +52,9 @@ def test_conclusions_follow_the_numbers() -> None:
     assert "50% of the raw fsync'd write floor of the target (0.50 GB/s, 1 stream(s), best of 2 " \
         "rounds)" in lines[2]
     overhead = next(line for line in lines if line.startswith("Overhead against training without"))
-    # the estimate always; the words only beside an interval that contains 0
-    assert "with nbckpt-async +2.0 %, no measurable difference (95 % interval -1.0 to +5.0 %)" in overhead
-    assert "with torch-save +40.0 % (95 % interval +30.0 to +50.0 %)" in overhead
+    # the estimate always; the words only beside an interval that contains 0 (as the tables say)
+    assert "with nbckpt-async +2.0 % (no measurable difference), 95 % interval [-1.0, +5.0] %" in overhead
+    assert "with torch-save +40.0 %, 95 % interval [+30.0, +50.0] %" in overhead
     assert overhead.endswith("; cycles pooled, overhead as defined under the table.")
 
     timeline = pd.DataFrame([
@@ -114,7 +114,7 @@ def test_conclusions_set_only_like_beside_like() -> None:
     [pure] = [line for line in lines if line.startswith("Pure Storage's post")]
     assert 'checkpoint overhead drops significantly, "often by 90% or more"' in pure
     assert "no model, GPU count or baseline given" in pure and "10x" not in " ".join(lines)
-    assert any("ByteCheckpoint's 54.2x" in line and "other open-source" in line for line in lines)
+    assert "54.2" not in " ".join(lines)  # ByteCheckpoint compares against other systems
     without = conclusions(_results(), FLOORS)
     assert any(line.startswith("No published figure compares against torch.save") for line in without)
 

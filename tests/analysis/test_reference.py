@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nbckpt import ConfigError
-from nbckpt.analysis._reference import SOURCE_PATH, cite, load_published, published_table, published_value
+from nbckpt.analysis._reference import SOURCE_PATH, cite, load_published, published_table
+
+
+def published_value(anchor: str, name: str) -> Any:
+    return load_published()["anchors"][anchor]["values"][name]["value"]
 
 
 def test_the_one_copy_ships_with_the_package() -> None:
@@ -73,14 +77,6 @@ def test_loaded_copy_can_be_edited_without_affecting_the_next_load() -> None:
     assert load_published()["anchors"]
 
 
-def test_bad_files_and_names_are_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="not found"):
-        load_published(tmp_path / "missing.json")
-    empty = tmp_path / "empty.json"
-    empty.write_text("{}")
-    with pytest.raises(ConfigError, match="anchors"):
-        load_published(empty)
-    with pytest.raises(ConfigError, match="no published value"):
-        published_value("pytorch_ibm_7b", "nope")
+def test_bad_names_are_clear_errors() -> None:
     with pytest.raises(ConfigError, match="known"):
         cite("nope")

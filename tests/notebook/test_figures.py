@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
@@ -24,7 +23,6 @@ from nbckpt.notebook import (
     timeline_figure,
 )
 from nbckpt.notebook._plotting import strategy_colour
-from nbckpt.notebook._result_figures import anchor_factors, scaling_data, scaling_figure
 from nbckpt.notebook._timeline_figures import events_frame, extend_timeline, timeline_traces
 
 MB = 10**6
@@ -239,7 +237,7 @@ def test_stall_figure_against_torch_save_draws_no_published_line() -> None:
 
 def test_stall_figure_computes_reduction_and_honours_options() -> None:
     results = RESULTS.drop(columns=["reduction_vs_torch_save", "stall_p95_s"])
-    fig = stall_figure(results, anchors=False, log=True)
+    fig = stall_figure(results, log=True)
     assert list(fig.data[1].y) == pytest.approx([1.0, 25.0])
     assert fig.data[0].error_y.array is None
     assert len(fig.layout.shapes) == 0
@@ -253,9 +251,8 @@ def test_stall_figure_uses_given_published_figures() -> None:
     published["anchors"]["pytorch_ibm_7b"]["values"]["reduction_factor"]["value"] = 30.0
     fig = stall_figure(DCP_RESULTS, published=published)
     assert [shape.y0 for shape in fig.layout.shapes] == [30.0]
-    assert [label for label, _, _ in anchor_factors(published)] == [
-        "PyTorch/IBM, 7B on GPUs, sync DCP 148.8 s → async DCP 6.3 s (30.0x)"
-    ]
+    texts = [annotation.text for annotation in fig.layout.annotations]
+    assert "published: PyTorch/IBM, 7B on GPUs, sync DCP 148.8 s → async DCP 6.3 s (30.0x)" in texts
 
 
 def test_overhead_figure_labels_every_bar_as_the_tables_do() -> None:
@@ -290,28 +287,6 @@ def test_stall_figure_stacks_the_save_stall_and_the_wait_for_the_earlier_save() 
     assert list(save.y) == [0.5, 0.005] and list(wait.y) == [0.0, 0.015]
     assert list(total.y) == [0.5, 0.02]  # the stall is the two together
     assert fig.layout.barmode == "stack"
-
-
-def test_scaling_figure() -> None:
-    df = pd.DataFrame({
-        "strategy": ["a", "a", "b", "b"], "bytes": [10 * MB, MB, MB, 10 * MB],
-        "stall_mean_s": [1.0, 0.1, 0.01, 0.02], "persist_s": [math.nan, math.nan, 0.1, 1.0],
-    })
-    traces = traces_by_name(scaling_figure(df))
-    assert list(traces) == ["a stall", "b stall", "b persist"]
-    assert list(traces["a stall"].x) == [1.0, 10.0] and list(traces["a stall"].y) == [0.1, 1.0]
-    assert traces["b persist"].line.dash == "dash"
-
-
-def test_scaling_data_stacks_comparisons_by_size() -> None:
-    small = SimpleNamespace(results=RESULTS, bytes=MB)
-    large = SimpleNamespace(results=RESULTS.assign(stall_mean_s=RESULTS["stall_mean_s"] * 10), bytes=10 * MB)
-    data = scaling_data([small, large])
-    assert data["bytes"].tolist() == [MB, MB, 10 * MB, 10 * MB]  # the no-checkpoint rows are dropped
-    traces = traces_by_name(scaling_figure(data))
-    assert list(traces["torch-save stall"].y) == pytest.approx([0.5, 5.0])
-    with pytest.raises(ConfigError, match="at least one"):
-        scaling_data([])
 
 
 def test_interval_figure_marks_advised_interval() -> None:
@@ -359,7 +334,6 @@ BUILDERS: list[tuple[Callable[..., go.Figure], Callable[[], pd.DataFrame]]] = [
     (stall_figure, lambda: RESULTS),
     (overhead_figure, lambda: pd.DataFrame({"strategy": ["a"], "overhead_pct": [1.0],
                                             "overhead_ci_pct": [[0.5, 1.5]]})),
-    (scaling_figure, lambda: pd.DataFrame({"strategy": ["a"], "bytes": [MB], "stall_mean_s": [0.1]})),
     (interval_figure, lambda: advise(RESULTS, mtbf_hours=24.0)),
     (projection_figure, lambda: project_scale(RESULTS, nbytes=MB, storage_gbs=10.0)),
     (probe_figure, lambda: pd.DataFrame({"streams": [1, 2], "write_gbs": [1.0, 1.5]})),

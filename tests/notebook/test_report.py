@@ -19,7 +19,8 @@ import pytest
 from helpers.jupyterlab import ARTIFACTS, CHROMIUM, chromium_page
 
 from nbckpt import ConfigError, NbckptError
-from nbckpt.notebook._report import EXTERNAL_LOAD, export_html, parse_value, run_report
+from nbckpt._util import parse_value
+from nbckpt.notebook._report import EXTERNAL_LOAD, export_html, run_report
 
 # The smallest run that still has every section: a baseline, sync and async strategies (DCP's
 # too: without a process group torch warns on each of their saves, a stderr box in the report).
