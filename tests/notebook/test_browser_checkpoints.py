@@ -72,7 +72,7 @@ def pick(page: Any, *labels: str) -> None:
 
 def test_two_picked_steps_diff_in_jupyterlab(server: Server) -> None:
     """Run All; pick steps 100 and 300, then Diff: the head's tensors head the diff table as
-    changed and the encoder's are unchanged; the sort menu sorts; Verify marks both verified;
+    changed and the encoder's are unchanged; Verify marks both verified;
     re-running the Browser's cell shows one working browser; the console stays clean."""
     with chromium_page("browser-checkpoints-failed.png", height=1200) as page:
         open_and_run_all(page, server, "browse.ipynb")
@@ -102,10 +102,6 @@ def test_two_picked_steps_diff_in_jupyterlab(server: Server) -> None:
         until(lambda: widget.locator(".nbckpt-steps tr.nbckpt-row-verified").count() == 2, 60,
               "the two selected steps to show verified")
         screenshot_for_docs(widget, "browser-checkpoints.png", SCREENSHOT)
-
-        widget.locator(".nbckpt-diff select").select_option(label="sort by tensor")
-        until(lambda: row_ids(diff) == sorted(row_ids(diff)), 30, "the diff sorted by tensor name")
-        assert len(row_ids(diff)) == 4
 
         # re-run the Browser's cell, as a user would: one browser again, and it works
         rerun_cell(page, "= Browser(")
