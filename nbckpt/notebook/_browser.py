@@ -28,7 +28,7 @@ import ipywidgets as widgets
 import pandas as pd
 
 from .._errors import ConfigError, NbckptError
-from .._util import is_url
+from .._util import check_path, is_url
 from ..analysis._internal import diff_states
 from . import _browser_index as index
 from ._browser_index import RowKey, StepRow
@@ -79,7 +79,7 @@ class _Table:
 
 
 def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser], _T | None]]:
-    """A Browser action: one at a time, its errors and warnings lines in the widget (and its
+    """A Browser action: its errors and warnings lines in the widget (and its
     errors in ``error``), never tracebacks; None when it failed."""
 
     def decorate(work: Callable[[Browser], _T]) -> Callable[[Browser], _T | None]:
@@ -87,9 +87,6 @@ def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser]
         def act(self: Browser) -> _T | None:
             if self.closed:
                 self.error = "this browser is closed (a newer one of the same run replaced it)"
-                return None
-            if not self._lock.acquire(blocking=False):
-                self._say("error", f"Cannot {what}: another action is still running")
                 return None
             self.error = None
             self._busy(True)
@@ -107,7 +104,6 @@ def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser]
                 self._say("error", self.error)
             finally:
                 self._busy(False)
-                self._lock.release()
             return None
 
         return act
@@ -128,9 +124,7 @@ class Browser:
         if target is not None and not isinstance(target, dict):
             raise ConfigError(f"target must be a dict of name to module, optimizer or tensor, "
                               f"not {type(target).__name__}")
-        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory).strip():
-            raise ConfigError(f"directory must be a non-empty path or URL, not {directory!r}")
-        self.directory = os.fspath(directory)
+        self.directory = check_path(directory, "directory")
         self.url = self.directory.rstrip("/") if is_url(self.directory) else os.path.abspath(
             os.path.expanduser(self.directory))
         self.storage_options, self.target = dict(storage_options or {}), target
@@ -141,9 +135,7 @@ class Browser:
         self.closed = False
         self._restored: RowKey | None = None  # what the live objects were last restored from here
         self._values: dict[str, dict[str, Any]] = {}  # by manifest checksum: read once per save
-        self._lock = threading.Lock()  # one action at a time, whichever thread asks
         self._pending: RowKey | None = None  # the step Delete asked to confirm
-        self._relisting = False  # the picker's options are being replaced
         self.title, self.message, self.diff_header = widgets.HTML(), widgets.HTML(), widgets.HTML()
         self.steps = widgets.SelectMultiple(description="steps", rows=6,
                                             layout={"width": "auto", "min_width": "320px"})
@@ -185,8 +177,7 @@ class Browser:
     @property
     def selected(self) -> list[RowKey]:
         """The selected steps as (line, step)."""
-        keys = {row.id: row.key for row in self.rows}
-        return [keys[i] for i in self.steps.value if i in keys]
+        return [row.key for row in self.rows if row.id in self.steps.value]
 
     def select(self, *steps: int | str | tuple[str, int]) -> None:
         """Select steps as the picker does: ``select(100, 200)`` or ``select(("branch-1", 60))``
@@ -228,12 +219,12 @@ class Browser:
         """Verify the selected steps (every step when none is selected); return the damaged ones.
         Damage is a result, not an error."""
         keys = self.selected or [row.key for row in self.rows if row.problem is None]
-        found = index.verdicts(self.directory, self.storage_options, keys)
+        found = index.per_line(self.directory, self.storage_options, keys, index.verdict)
         self.rows = [dataclasses.replace(row, verdict=found.get(row.key, row.verdict)) for row in self.rows]
         damaged = [key for key in keys if found[key] != "verified"]
         self._show_rows()
         if damaged:
-            self._say("error", f"Damaged: {', '.join(self._row(k).name for k in damaged)} "
+            self._say("error", f"Damaged: {', '.join(self._row_of(k).name for k in damaged)} "
                                f"(of {len(keys)} verified; see the table)")
         else:
             self._say("ok", f"Verified {len(keys)} step(s): every block reads back intact.")
@@ -244,10 +235,11 @@ class Browser:
         """Compare the two selected steps tensor by tensor (the one committed first is ``a``)."""
         if len(picked := self.selected) != 2:
             raise ConfigError(f"select two steps to compare, not {len(picked)}")
-        a, b = sorted(map(self._row, picked), key=lambda r: (r.unix_time or 0.0, r.step))
+        a, b = sorted(map(self._row_of, picked), key=lambda r: (r.unix_time or 0.0, r.step))
         self._say("info", f"Loading {a.name} and {b.name} ...")
-        self.diff_frame = frame = diff_states(*index.load_states(self.directory, self.storage_options,
-                                                                 [a.key, b.key]))
+        states = index.per_line(self.directory, self.storage_options, [a.key, b.key],
+                                lambda reader, _, step: reader.load(step, map_location="cpu"))
+        self.diff_frame = frame = diff_states(states[a.key], states[b.key])  # weights only, on the CPU
         self.diff_header.value = index.diff_summary(a, b, frame)
         self.diff_table.show(index.diff_rows(frame))
         self._say("ok", f"Compared {a.name} with {b.name}.")
@@ -260,9 +252,11 @@ class Browser:
         key = self._one_selected("restore")
         if self.target is None:
             raise ConfigError("this browser has no target: Browser(..., target={'model': model, ...})")
-        step = index.restore(self.directory, self.storage_options, key, self.target)
+        target = self.target
+        step = index.per_line(self.directory, self.storage_options, [key],
+                              lambda reader, _, step: reader.restore(target, step=step))[key]
         self._restored = key
-        text = f"Restored {self._row(key).name} into {', '.join(map(repr, self.target))}."
+        text = f"Restored {self._row_of(key).name} into {', '.join(map(repr, self.target))}."
         if any(s > step for s in self.lines.get(key[0], {}).get("steps", ())):
             text += (" To train on from it in a new branch, restore it with the run's "
                      f"Checkpointer too: ckpt.restore(state, step={step}).")
@@ -274,7 +268,7 @@ class Browser:
         """Ask to delete the selected step: the confirm button (or :meth:`confirm_delete`) does it."""
         key = self._deletable(self._one_selected("delete"))
         self._pending = key
-        question = f"Delete {self._row(key).name}? This cannot be undone."
+        question = f"Delete {self._row_of(key).name}? This cannot be undone."
         if is_url(self.url):
             question += (" Nothing stops two writers on an object store: opening it for writing "
                          "discards the remains of a save going on there. Confirm only if no "
@@ -290,7 +284,7 @@ class Browser:
         self._ask_confirmation(None)
         if key is None:
             raise ConfigError("no delete to confirm: select a step and click Delete first")
-        row = self._row(key)
+        row = self._row_of(key)
         index.delete_step(self.directory, self.storage_options, self._deletable(key))
         self.steps.value = tuple(i for i in self.steps.value if i != row.id)
         self._read()
@@ -311,12 +305,6 @@ class Browser:
         close_widgets(self.widget)
 
     # -- the plumbing ---------------------------------------------------------------------------
-
-    def _row(self, key: RowKey) -> StepRow:
-        for row in self.rows:
-            if row.key == key:
-                return row
-        raise ConfigError(f"the browser shows no step {key[1]} in line {key[0]}; refresh it")
 
     def _one_selected(self, what: str) -> RowKey:
         if len(picked := self.selected) != 1:
@@ -346,13 +334,11 @@ class Browser:
         self.confirm_button.tooltip = question
 
     def _on_select(self, change: dict[str, Any]) -> None:
-        if self._relisting:
-            return
         if self._pending is not None and self._pending not in self.selected:
             self.cancel_delete()
         self.table.marked = self.steps.value
         self.table.show()
-        self._busy(self._lock.locked())
+        self._busy(False)
 
     def _show_rows(self) -> None:
         options = [(row.name, row.id) for row in self.rows]
@@ -360,11 +346,9 @@ class Browser:
             # new options drop the selection (not within hold_trait_notifications: the picker
             # resets it after the hold): put back what is still there
             kept = tuple(i for i in self.steps.value if i in {row.id for row in self.rows})
-            self._relisting = True
-            try:
-                self.steps.options, self.steps.value = options, kept
-            finally:
-                self._relisting = False
+            self.steps.unobserve(self._on_select, names="value")
+            self.steps.options, self.steps.value = options, kept
+            self.steps.observe(self._on_select, names="value")
         self.table.marked = self.steps.value
         self.table.show([index.step_row(row, self.lines.get(row.line, {})) for row in self.rows])
         lines = len([name for name, line in self.lines.items() if line["steps"]])

@@ -12,10 +12,9 @@ import html
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pandas as pd
 import torch
@@ -25,8 +24,8 @@ from .._util import format_bytes
 from ..engine import Checkpointer
 from ..engine._internal import writer_of
 
-__all__ = ["DIFF_ROWS", "MAIN", "RowKey", "StepRow", "delete_step", "diff_rows", "diff_summary",
-           "load_states", "read_run", "refusal", "saved_values", "step_row", "verdicts"]
+__all__ = ["DIFF_ROWS", "MAIN", "RowKey", "StepRow", "delete_step", "diff_rows", "diff_summary", "per_line",
+           "read_run", "refusal", "saved_values", "step_row", "verdict"]
 
 RowKey = tuple[str, int]
 #: Tensors the diff table lists (most changed first); the whole frame is ``browser.diff_frame``.
@@ -34,6 +33,7 @@ DIFF_ROWS = 50
 #: The line every run has; branches start from one of its steps.
 MAIN = "main"
 Lines = dict[str, dict[str, Any]]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -94,85 +94,58 @@ def saved_values(state: Mapping[Any, Any], prefix: str = "") -> dict[str, Any]:
     return found
 
 
-@contextmanager
-def _reader(directory: str, storage_options: dict[str, Any], line: str) -> Iterator[Checkpointer]:
-    """A read-only Checkpointer of ``line``, closed on leaving."""
-    # ranks="local": a browser in a torchrun'd kernel must never wait for the other ranks
-    with Checkpointer(directory, read_only=True, line=line, ranks="local", writer_threads=1,
-                      storage_options=storage_options) as reader:
-        yield reader
+def per_line(directory: str, storage_options: dict[str, Any], keys: Sequence[RowKey],
+             read: Callable[[Checkpointer, str, int], _T]) -> dict[RowKey, _T]:
+    """``read(reader, line, step)`` for each of ``keys``, with one read-only Checkpointer a line."""
+    found: dict[RowKey, _T] = {}
+    for line in dict.fromkeys(line for line, _ in keys):
+        # ranks="local": a browser in a torchrun'd kernel must never wait for the other ranks
+        with Checkpointer(directory, read_only=True, line=line, ranks="local", writer_threads=1,
+                          storage_options=storage_options) as reader:
+            found.update({key: read(reader, *key) for key in keys if key[0] == line})
+    return found
 
 
-def _read_row(reader: Checkpointer, line: str, step: int, values: dict[str, Any]) -> StepRow | None:
-    try:
-        manifest = reader.manifest(step)
-        checksum = str(manifest.get("checksum"))
-        if checksum not in values:
-            # map_location="meta": the values come from the manifest; no tensor byte is read
-            values[checksum] = saved_values(reader.load(step, map_location="meta"))
-    except CheckpointError as exc:
-        if step not in reader.lines().get(line, {}).get("steps", ()):
-            return None  # deleted since the listing (a run's retention): not damage
-        return StepRow(line, step, problem=str(exc))
-    timing = manifest.get("timing") or {}
-    return StepRow(line, step, nbytes=int(manifest["bytes"]), unix_time=float(manifest["unix_time"]),
-                   stage_s=timing.get("stage_s"), write_s=timing.get("write_s"),
-                   tensors=len(manifest["items"]), checksum=checksum, values=values[checksum],
-                   provenance=dict(manifest.get("provenance") or {}))
+def _gone(reader: Checkpointer, line: str, step: int) -> bool:
+    """The step was deleted since the listing (a run's retention)."""
+    return step not in reader.lines().get(line, {}).get("steps", ())
 
 
 def read_run(directory: str, storage_options: dict[str, Any],
              values: dict[str, dict[str, Any]]) -> tuple[Lines, list[StepRow]]:
     """The run's lines and a row for each of their committed steps; ``values`` caches the saved
     values by manifest checksum (read once per save)."""
-    with _reader(directory, storage_options, MAIN) as reader:
-        lines = reader.lines()
-    rows = []
-    for name, line in lines.items():
-        if line["steps"]:
-            with _reader(directory, storage_options, name) as reader:
-                rows += [_read_row(reader, name, step, values) for step in line["steps"]]
-    return lines, [row for row in rows if row is not None]
+
+    def row(reader: Checkpointer, line: str, step: int) -> StepRow | None:
+        try:
+            manifest = reader.manifest(step)
+            checksum = str(manifest.get("checksum"))
+            if checksum not in values:
+                # map_location="meta": the values come from the manifest; no tensor byte is read
+                values[checksum] = saved_values(reader.load(step, map_location="meta"))
+        except CheckpointError as exc:
+            return None if _gone(reader, line, step) else StepRow(line, step, problem=str(exc))
+        timing = manifest.get("timing") or {}
+        return StepRow(line, step, nbytes=int(manifest["bytes"]), unix_time=float(manifest["unix_time"]),
+                       stage_s=timing.get("stage_s"), write_s=timing.get("write_s"),
+                       tensors=len(manifest["items"]), checksum=checksum, values=values[checksum],
+                       provenance=dict(manifest.get("provenance") or {}))
+
+    lines = per_line(directory, storage_options, [(MAIN, 0)], lambda reader, *_: reader.lines())[(MAIN, 0)]
+    rows = per_line(directory, storage_options,
+                    [(name, step) for name, line in lines.items() for step in line["steps"]], row)
+    return lines, [found for found in rows.values() if found is not None]
 
 
-def _by_line(keys: Sequence[RowKey]) -> dict[str, list[int]]:
-    """The steps of ``keys`` by line (one reader each)."""
-    lines: dict[str, list[int]] = {}
-    for line, step in keys:
-        lines.setdefault(line, []).append(step)
-    return lines
-
-
-def verdicts(directory: str, storage_options: dict[str, Any], keys: Sequence[RowKey]) -> dict[RowKey, str]:
-    """Each step's ``verified``, or ``damaged: <why>`` (damage is a result, not an error)."""
-    found = {}
-    for line, steps in _by_line(keys).items():
-        with _reader(directory, storage_options, line) as reader:
-            for step in steps:
-                try:
-                    reader.verify(step)
-                    found[(line, step)] = "verified"
-                except CheckpointError as exc:
-                    if step not in reader.lines().get(line, {}).get("steps", ()):
-                        raise CheckpointError(f"{line} step {step} is gone; refresh the browser") from exc
-                    found[(line, step)] = f"damaged: {exc}"
-    return found
-
-
-def load_states(directory: str, storage_options: dict[str, Any],
-                keys: Sequence[RowKey]) -> list[dict[str, Any]]:
-    """Steps' whole states on the CPU, weights only (nothing is unpickled)."""
-    states: dict[RowKey, dict[str, Any]] = {}
-    for line, steps in _by_line(keys).items():
-        with _reader(directory, storage_options, line) as reader:
-            states.update({(line, step): reader.load(step, map_location="cpu") for step in steps})
-    return [states[key] for key in keys]
-
-
-def restore(directory: str, storage_options: dict[str, Any], key: RowKey, target: dict[str, Any]) -> int:
-    """Load step ``key`` into ``target``'s objects in place (``Checkpointer.restore``'s rules)."""
-    with _reader(directory, storage_options, key[0]) as reader:
-        return reader.restore(target, step=key[1])
+def verdict(reader: Checkpointer, line: str, step: int) -> str:
+    """``verified``, or ``damaged: <why>`` (damage is a result, not an error)."""
+    try:
+        reader.verify(step)
+    except CheckpointError as exc:
+        if _gone(reader, line, step):
+            raise CheckpointError(f"{line} step {step} is gone; refresh the browser") from exc
+        return f"damaged: {exc}"
+    return "verified"
 
 
 def refusal(directory: str, lines: Lines, restored: RowKey | None, key: RowKey) -> str | None:

@@ -253,7 +253,7 @@ def test_errors_inside_an_action_are_one_line(tmp_path: Path, monkeypatch: pytes
     def broken(*args: Any) -> Any:
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(_browser_index, "load_states", broken)
+    monkeypatch.setattr(_browser_index, "per_line", broken)
     browser.select(1, 2)
     assert browser.diff() is None
     assert one_line_error(browser) == "Cannot diff: unexpected RuntimeError: boom; second line"
