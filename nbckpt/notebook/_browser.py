@@ -49,11 +49,11 @@ _TONES = {"damaged": "color:#cf222e;", "verified": "color:#1a7f37;", "quiet": "c
 
 
 class _Table:
-    """Rows (dicts of ``id``, ``cells``, ``tone``, ``bar``) as an HTML table, those ``marked``
-    shown selected. ipywidgets has no table a click comes back from: steps are picked in a list."""
+    """Rows (dicts of ``id``, ``cells``, ``tone``) as an HTML table, those ``marked`` shown
+    selected. ipywidgets has no table a click comes back from: steps are picked in a list."""
 
-    def __init__(self, name: str, columns: list[str], left: Collection[int], bar: int = -1) -> None:
-        self.columns, self.left, self.bar = columns, left, bar  # bar: a column drawn as a bar too
+    def __init__(self, name: str, columns: list[str], left: Collection[int]) -> None:
+        self.columns, self.left = columns, left
         self.rows: list[dict[str, Any]] = []
         self.marked: Collection[str] = ()
         self.widget = widgets.HTML()
@@ -69,13 +69,9 @@ class _Table:
         marked = row["id"] in self.marked
         classes = [f"nbckpt-row-{row['tone']}"] if row["tone"] else []
         classes += ["nbckpt-selected"] if marked else []
-        cells = [html.escape(text) for text in row["cells"]]
-        if row["bar"] is not None:
-            width = max(1, round(80 * row["bar"]))
-            cells[self.bar] = (f'<span class="nbckpt-bar" style="display:inline-block;height:9px;'
-                               f'margin-right:6px;background:#0969da;width:{width}px"></span>{cells[self.bar]}')
         style = _TONES.get(row["tone"], "") + ("background:#ddf4ff" if marked else "")
-        return f' data-id="{html.escape(row["id"])}" class="{" ".join(classes)}" style="{style}"', cells
+        return (f' data-id="{html.escape(row["id"])}" class="{" ".join(classes)}" style="{style}"',
+                [html.escape(text) for text in row["cells"]])
 
 
 def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser], _T | None]]:
@@ -141,7 +137,7 @@ class Browser:
                                             layout={"width": "auto", "min_width": "320px"})
         self.steps.add_class("nbckpt-pick")
         self.table = _Table("nbckpt-steps", _STEP_COLUMNS, left={0, 3, 6, 7, 8})
-        self.diff_table = _Table("nbckpt-diff", _DIFF_COLUMNS, left={0, 1, 2, 3}, bar=8)
+        self.diff_table = _Table("nbckpt-diff", _DIFF_COLUMNS, left={0, 1, 2, 3})
         buttons = [widgets.Button(description=name, icon=icon, tooltip=tip) for name, icon, tip in (
             ("Refresh", "refresh", "read the run's steps again"),
             ("Verify", "check", "check every block of the selected steps (every step when none is selected)"),

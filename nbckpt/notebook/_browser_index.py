@@ -191,8 +191,6 @@ def delete_step(directory: str, storage_options: dict[str, Any], key: RowKey) ->
 def _number(value: Any, digits: int = 3) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "—"
-    if isinstance(value, float) and math.isinf(value):
-        return "∞" if value > 0 else "-∞"
     return f"{value:.{digits}g}"
 
 
@@ -220,27 +218,17 @@ def step_row(row: StepRow, line: dict[str, Any]) -> dict[str, Any]:
              ", ".join(f"{key}={value!r}" if isinstance(value, (str, int, float, bool, type(None)))
                        else f"{key}={value}" for key, value in row.values.items()),
              _provenance(row.provenance)]
-    return {"id": row.id, "cells": cells, "tone": "" if shown == "not checked" else shown.split(":")[0],
-            "bar": None}
+    return {"id": row.id, "cells": cells, "tone": "" if shown == "not checked" else shown.split(":")[0]}
 
 
 def diff_rows(frame: pd.DataFrame, limit: int = DIFF_ROWS) -> list[dict[str, Any]]:
-    """The first ``limit`` rows of a diff as table rows, a bar for each relative change."""
-    shown = frame.head(limit)
-    finite = shown["rel_change"][shown["rel_change"].map(lambda v: math.isfinite(v) and v > 0)]
-    scale = float(finite.max()) if len(finite) else 1.0
-    rows = []
-    for record in shown.to_dict(orient="records"):
-        relative = float(record["rel_change"])
-        rows.append({
-            "id": str(record["key"]), "tone": "quiet" if record["status"] == "unchanged" else "",
-            "cells": [str(record[name]) for name in ("key", "status", "dtype", "shape", "numel",
-                                                     "changed_elements")]
-            + [_number(record[name]) for name in ("diff_norm", "max_abs_diff", "rel_change")]
-            + [_number(record["cosine"], 6)],
-            "bar": None if math.isnan(relative) or relative <= 0 else min(1.0, relative / scale),
-        })
-    return rows
+    """The first ``limit`` rows of a diff as table rows."""
+    return [{"id": str(record["key"]), "tone": "quiet" if record["status"] == "unchanged" else "",
+             "cells": [str(record[name]) for name in ("key", "status", "dtype", "shape", "numel",
+                                                      "changed_elements")]
+             + [_number(record[name]) for name in ("diff_norm", "max_abs_diff", "rel_change")]
+             + [_number(record["cosine"], 6)]}
+            for record in frame.head(limit).to_dict(orient="records")]
 
 
 def diff_summary(a: StepRow, b: StepRow, frame: pd.DataFrame, limit: int = DIFF_ROWS) -> str:

@@ -256,7 +256,7 @@ class Lab:
 
     def stop(self) -> None:
         """End the run after the current step; saves in flight still commit (none half-written)."""
-        self._request_stop("stop requested")
+        self._end_run(interrupted=False)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the run and its last update are done; False on timeout. Ctrl-C (Kernel >
@@ -267,7 +267,7 @@ class Lab:
                 if thread is not threading.current_thread():
                     thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except KeyboardInterrupt:
-            self._interrupt()
+            self._end_run(interrupted=True)
             raise
         return not self.running
 
@@ -321,19 +321,17 @@ class Lab:
 
     # -- stopping: Stop, Kernel > Interrupt, close ------------------------------------------------
 
-    def _request_stop(self, why: str, *, interrupted: bool = False) -> None:
-        if not self.running or self._stop.is_set():
-            return
-        self.interrupted = interrupted  # before the stop: the run's end reads it
-        self._stop.set()
-        self._post("log", f"{why}: finishing the current step and saves in flight")
+    def _end_run(self, *, interrupted: bool) -> None:
+        """Stop, or Kernel > Interrupt (``interrupted``): the run ends after the current step."""
+        self._interrupt_noted = False
+        if self.running and not self._stop.is_set():
+            self.interrupted = interrupted  # before the stop: the run's end reads it
+            self._stop.set()
+            why = "interrupted (Kernel > Interrupt)" if interrupted else "stop requested"
+            self._post("log", f"{why}: finishing the current step and saves in flight")
 
     def _note_interrupt(self) -> None:
         self._interrupt_noted = True  # by the SIGINT handler: no lock; the updater stops the run
-
-    def _interrupt(self) -> None:
-        self._interrupt_noted = False
-        self._request_stop("interrupted (Kernel > Interrupt)", interrupted=True)
 
     # -- the worker (never touches a widget) ----------------------------------------------------
 
@@ -380,7 +378,7 @@ class Lab:
         while not finished:
             time.sleep(self.refresh_s)  # one update per refresh_s, with all that came meanwhile
             if self._interrupt_noted:
-                self._interrupt()
+                self._end_run(interrupted=True)
             batch: list[tuple[str, Any]] = []
             while not finished and not source.empty():
                 batch.append(source.get())

@@ -96,7 +96,6 @@ def test_two_picked_steps_diff_in_jupyterlab(server: Server) -> None:
             cells = diff.locator(f'tr[data-id="{name}"] td').all_inner_texts()
             assert cells[:2] == [name, status], cells
         assert "main step 100 → main step 300" in widget.locator(".nbckpt-diff-summary").inner_text()
-        assert diff.locator(".nbckpt-bar").count() >= 2  # the relative changes as bars
 
         widget.locator("button", has_text="Verify").click()
         until(lambda: widget.locator(".nbckpt-steps tr.nbckpt-row-verified").count() == 2, 60,
