@@ -1,8 +1,8 @@
 """The checkpoint browser: every step of a run, what was saved with it, and what to do with it.
 
     >>> from nbckpt.notebook import Browser
-    >>> browser = Browser("data/checkpoints/run1", target={"model": model, "optim": opt})
-    >>> browser                   # in a notebook: the steps; pick two and Diff, one and Restore
+    >>> browser = Browser("data/checkpoints/run1")
+    >>> browser                   # in a notebook: the steps; pick two and Diff, one and Delete
     >>> browser.select(100, 200); browser.diff().head()    # the same from Python
 
 It reads through read-only Checkpointers opened for each action and closed after it
@@ -108,28 +108,23 @@ def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser]
 
 
 class Browser:
-    """A run's checkpoints in a table, to verify, compare, restore into ``target`` and delete.
+    """A run's checkpoints in a table, to verify, compare and delete.
 
-    ``directory`` is local, NFS or an fsspec URL (``storage_options`` are fsspec's). ``target``
-    is what Restore loads into, as ``Checkpointer.restore`` takes it; without it Restore is off.
-    ``widget`` is the whole browser; ``steps`` is its step picker.
+    ``directory`` is local, NFS or an fsspec URL (``storage_options`` are fsspec's). ``widget``
+    is the whole browser; ``steps`` is its step picker.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, target: dict[str, Any] | None = None,
+    def __init__(self, directory: str | os.PathLike[str], *,
                  storage_options: dict[str, Any] | None = None) -> None:
-        if target is not None and not isinstance(target, dict):
-            raise ConfigError(f"target must be a dict of name to module, optimizer or tensor, "
-                              f"not {type(target).__name__}")
         self.directory = check_path(directory, "directory")
         self.url = self.directory.rstrip("/") if is_url(self.directory) else os.path.abspath(
             os.path.expanduser(self.directory))
-        self.storage_options, self.target = dict(storage_options or {}), target
+        self.storage_options = dict(storage_options or {})
         self.rows: list[StepRow] = []  # every step of every line, as the table shows them
         self.lines: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
         self.diff_frame: pd.DataFrame | None = None
         self.closed = False
-        self._restored: RowKey | None = None  # what the live objects were last restored from here
         self._values: dict[str, dict[str, Any]] = {}  # by manifest checksum: read once per save
         self._pending: RowKey | None = None  # the step Delete asked to confirm
         self.title, self.message, self.diff_header = widgets.HTML(), widgets.HTML(), widgets.HTML()
@@ -142,15 +137,12 @@ class Browser:
             ("Refresh", "refresh", "read the run's steps again"),
             ("Verify", "check", "check every block of the selected steps (every step when none is selected)"),
             ("Diff", "exchange", "compare the two selected steps tensor by tensor"),
-            ("Restore", "undo", "load the selected step into the live objects"),
             ("Delete", "trash", "delete the selected step (asks first)"))]
-        (self.refresh_button, self.verify_button, self.diff_button, self.restore_button,
-         self.delete_button) = buttons
+        self.refresh_button, self.verify_button, self.diff_button, self.delete_button = buttons
         self.confirm_button = widgets.Button(description="Confirm delete", button_style="danger",
                                              layout={"display": "none"})
         self.cancel_button = widgets.Button(description="Cancel", layout={"display": "none"})
-        actions = [self.refresh, self.verify, self.diff, self.restore, self.delete, self.confirm_delete,
-                   self.cancel_delete]
+        actions = [self.refresh, self.verify, self.diff, self.delete, self.confirm_delete, self.cancel_delete]
         for button, action in zip([*buttons, self.confirm_button, self.cancel_button], actions, strict=True):
             button.on_click(lambda _, action=action: action())
         self.widget = widgets.VBox([
@@ -179,7 +171,7 @@ class Browser:
         """Select steps as the picker does: ``select(100, 200)`` or ``select(("branch-1", 60))``
         (a bare step number must name one step of one line)."""
         if len(steps) > 2:
-            raise ConfigError("select at most two steps: two to diff, one to restore or delete")
+            raise ConfigError("select at most two steps: two to diff, one to delete")
         self.steps.value = tuple(self._row_of(step).id for step in steps)
 
     def _row_of(self, step: int | str | tuple[str, int]) -> StepRow:
@@ -241,24 +233,6 @@ class Browser:
         self._say("ok", f"Compared {a.name} with {b.name}.")
         return frame
 
-    @_action("restore")
-    def restore(self) -> int:
-        """Load the selected step into ``target``'s objects in place (``Checkpointer.restore``'s
-        rules); return its step."""
-        key = self._one_selected("restore")
-        if self.target is None:
-            raise ConfigError("this browser has no target: Browser(..., target={'model': model, ...})")
-        target = self.target
-        step = index.per_line(self.directory, self.storage_options, [key],
-                              lambda reader, _, step: reader.restore(target, step=step))[key]
-        self._restored = key
-        text = f"Restored {self._row_of(key).name} into {', '.join(map(repr, self.target))}."
-        if any(s > step for s in self.lines.get(key[0], {}).get("steps", ())):
-            text += (" To train on from it in a new branch, restore it with the run's "
-                     f"Checkpointer too: ckpt.restore(state, step={step}).")
-        self._say("ok", text)
-        return step
-
     @_action("delete")
     def delete(self) -> bool:
         """Ask to delete the selected step: the confirm button (or :meth:`confirm_delete`) does it."""
@@ -308,7 +282,7 @@ class Browser:
         return picked[0]
 
     def _deletable(self, key: RowKey) -> RowKey:
-        if (reason := index.refusal(self.directory, self.lines, self._restored, key)) is not None:
+        if (reason := index.refusal(self.directory, self.lines, key)) is not None:
             raise ConfigError(reason)
         return key
 
@@ -319,7 +293,6 @@ class Browser:
         selected = len(self.selected)
         self.refresh_button.disabled = self.verify_button.disabled = busy
         self.diff_button.disabled = busy or selected != 2
-        self.restore_button.disabled = busy or selected != 1 or self.target is None
         self.delete_button.disabled = busy or selected != 1
         self.confirm_button.disabled = self.cancel_button.disabled = busy
 

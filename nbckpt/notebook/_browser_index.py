@@ -148,13 +148,10 @@ def verdict(reader: Checkpointer, line: str, step: int) -> str:
     return "verified"
 
 
-def refusal(directory: str, lines: Lines, restored: RowKey | None, key: RowKey) -> str | None:
-    """Why a step will not be deleted, or None: the live objects were ``restored`` from it, a
-    branch of ``lines`` starts from it, or a save of it is in flight in this kernel."""
+def refusal(directory: str, lines: Lines, key: RowKey) -> str | None:
+    """Why a step will not be deleted, or None: a branch of ``lines`` starts from it, or a save
+    of it is in flight in this kernel."""
     line, step = key
-    if key == restored:
-        return (f"the live objects were restored from it by this browser; restore another step "
-                f"first (or delete it with the run's Checkpointer: ckpt.delete({step}))")
     for name, other in lines.items():
         if other.get("parent") == line and other.get("from_step") == step:
             return f"{name} goes on from it, and would lose the step it starts from"

@@ -306,8 +306,6 @@ class Lab:
         if not self.strategies.value:
             raise ConfigError("select at least one strategy")
         synthetic = self.preset.value == SYNTHETIC
-        if synthetic and not self.size_mb.value > 0:
-            raise ConfigError(f"size must be positive, not {self.size_mb.value}")
         return {"strategies": list(self.strategies.value), "directory": self.path.value, "steps": steps,
                 "every": every, "repeats": repeats, "device": self.device.value,
                 "workload": (None, self.size_mb.value) if synthetic else (self.preset.value, None)}

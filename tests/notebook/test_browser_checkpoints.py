@@ -45,7 +45,7 @@ for step in (100, 200, 300):
     opt.zero_grad(); loss.backward(); opt.step()
     ckpt.save({"encoder": encoder, "head": head, "optim": opt, "step": step, "lr": 0.1}, step=step)
 """
-BROWSE = 'browser = Browser("checkpoints/run", target={"encoder": encoder, "head": head})\nbrowser'
+BROWSE = 'browser = Browser("checkpoints/run")\nbrowser'
 
 
 @pytest.fixture
@@ -109,8 +109,8 @@ def test_two_picked_steps_diff_in_jupyterlab(server: Server) -> None:
               "the browser of the re-run cell")
         assert page.locator(".nbckpt-browser").count() == 1
         pick(page, "main step 200")
-        page.locator(".nbckpt-browser button", has_text="Restore").click()
-        page.locator(".nbckpt-browser .nbckpt-ok", has_text="Restored main step 200").wait_for(
+        page.locator(".nbckpt-browser button", has_text="Verify").click()
+        page.locator(".nbckpt-browser .nbckpt-ok", has_text="Verified 1 step(s)").wait_for(
             timeout=60_000)
 
         # Delete while the kernel's Checkpointer holds the run: it deletes through that one
