@@ -1,15 +1,11 @@
 """The checkpoint browser: every step of a run, what was saved with it, and what to do with it.
 
-    >>> from nbckpt.notebook import Browser
     >>> browser = Browser("data/checkpoints/run1")
     >>> browser                   # in a notebook: the steps; pick two and Diff, one and Delete
     >>> browser.select(100, 200); browser.diff().head()    # the same from Python
 
-It reads through read-only Checkpointers opened for each action and closed after it
-(:mod:`._browser_index`), so it never holds the run's directory nor blocks the training saving
-into it. Only Delete writes, through the directory's holder in this kernel when there is one.
 Every action's error is one line in the widget (and in ``browser.error``), never a traceback.
-Creating another browser of the same run (re-running the cell) closes the previous one.
+Another browser of the same run (re-running the cell) closes this one.
 """
 
 from __future__ import annotations
@@ -170,8 +166,6 @@ class Browser:
     def select(self, *steps: int | str | tuple[str, int]) -> None:
         """Select steps as the picker does: ``select(100, 200)`` or ``select(("branch-1", 60))``
         (a bare step number must name one step of one line)."""
-        if len(steps) > 2:
-            raise ConfigError("select at most two steps: two to diff, one to delete")
         self.steps.value = tuple(self._row_of(step).id for step in steps)
 
     def _row_of(self, step: int | str | tuple[str, int]) -> StepRow:
@@ -243,7 +237,7 @@ class Browser:
             question += (" Nothing stops two writers on an object store: opening it for writing "
                          "discards the remains of a save going on there. Confirm only if no "
                          "run is saving into it now.")
-        self._ask_confirmation(question)
+        self.confirm_button.tooltip = question
         self._say("info", question)
         return True
 
@@ -251,7 +245,6 @@ class Browser:
     def confirm_delete(self) -> bool:
         """Delete the step :meth:`delete` asked about, then read the run again."""
         key, self._pending = self._pending, None
-        self._ask_confirmation(None)
         if key is None:
             raise ConfigError("no delete to confirm: select a step and click Delete first")
         row = self._row_of(key)
@@ -263,7 +256,7 @@ class Browser:
 
     def cancel_delete(self) -> None:
         self._pending = None
-        self._ask_confirmation(None)
+        self._busy(False)
         self._say("info", "Nothing deleted.")
 
     def close(self) -> None:
@@ -295,12 +288,9 @@ class Browser:
         self.diff_button.disabled = busy or selected != 2
         self.delete_button.disabled = busy or selected != 1
         self.confirm_button.disabled = self.cancel_button.disabled = busy
-
-    def _ask_confirmation(self, question: str | None) -> None:
-        """Show the confirm and cancel buttons with ``question``, or hide them (None)."""
+        # the confirm and cancel buttons show while a delete waits for its answer
         self.confirm_button.layout.display = self.cancel_button.layout.display = (
-            "none" if question is None else "")
-        self.confirm_button.tooltip = question
+            "none" if self._pending is None else "")
 
     def _on_select(self, change: dict[str, Any]) -> None:
         if self._pending is not None and self._pending not in self.selected:

@@ -1,9 +1,6 @@
 """A run's checkpoints as the Browser lists them: its steps read into rows, the rows of its
-tables, and verifying, loading and deleting steps. No widget here (:mod:`._browser` shows these).
-
-Every read goes through a read-only Checkpointer opened for it and closed after it (no lock,
-nothing written), so the browser never holds the run's directory.
-"""
+tables, and deleting a step. Every read goes through a read-only Checkpointer opened for it and
+closed after it (no lock, nothing written): the browser never holds the run's directory."""
 
 from __future__ import annotations
 
@@ -212,8 +209,7 @@ def step_row(row: StepRow, line: dict[str, Any]) -> dict[str, Any]:
     cells = [label, str(row.step), "—" if row.nbytes is None else format_bytes(row.nbytes),
              "—" if row.unix_time is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row.unix_time)),
              *("—" if s is None else f"{s:.3f}" for s in (row.stage_s, row.write_s)), shown,
-             ", ".join(f"{key}={value!r}" if isinstance(value, (str, int, float, bool, type(None)))
-                       else f"{key}={value}" for key, value in row.values.items()),
+             ", ".join(f"{key}={value!r}" for key, value in row.values.items()),
              _provenance(row.provenance)]
     return {"id": row.id, "cells": cells, "tone": "" if shown == "not checked" else shown.split(":")[0]}
 
@@ -232,9 +228,6 @@ def diff_summary(a: StepRow, b: StepRow, frame: pd.DataFrame, limit: int = DIFF_
     """One line above the diff table: what was compared and what changed, as HTML."""
     parts = ", ".join(f"{int(n)} {status}" for status, n in frame["status"].value_counts().items())
     text = f"{a.name} → {b.name}: {len(frame)} tensors ({parts or 'none'})"
-    if len(moved := frame[frame["status"] == "changed"]):
-        text += (f"; the largest relative change is {moved.iloc[0]['key']} "
-                 f"({_number(float(moved.iloc[0]['rel_change']))})")
     if len(frame) > limit:
         text += f"; the table lists the {limit} that changed most"
     return f'<div class="nbckpt-diff-summary">{html.escape(text)}</div>'
