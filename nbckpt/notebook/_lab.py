@@ -1,6 +1,5 @@
 """The checkpoint lab: pick a target, a workload and strategies, run them, watch the timeline grow.
 
-    >>> from nbckpt.notebook import Lab
     >>> lab = Lab(directory="data/checkpoints/lab", preset="tiny", steps=20, every=5)
     >>> lab                       # in a notebook: the controls, a live timeline, the results
     >>> lab.run(); lab.wait()     # or click Run; lab.comparison holds the Comparison
@@ -110,10 +109,9 @@ def _make_live(lab: Lab | None) -> None:
 class Lab:
     """Interactive checkpoint lab: controls, progress, live timeline, results table and log.
 
-    Every control is a public widget (``path``, ``preset``, ``size_mb``, ``device``,
-    ``strategies``, ``steps``, ``every``, ``repeats``, ``run_button``, ``stop_button``);
-    ``widget`` is the whole lab, ``figure`` its timeline. A run leaves ``comparison``,
-    ``error``, ``stopped``, ``interrupted`` and ``log_lines``.
+    Every control is a public widget (``path``, ``steps``, ``run_button``, ...); ``widget`` is the
+    whole lab, ``figure`` its timeline. A run leaves ``comparison``, ``error``, ``stopped``,
+    ``interrupted`` and ``log_lines``.
     """
 
     def __init__(self, directory: str = "data/checkpoints/lab", *, preset: str = "tiny",
@@ -139,7 +137,6 @@ class Lab:
         self.interrupted = False  # stopped by Kernel > Interrupt (SIGINT), not by Stop
         self.log_lines: deque[str] = deque(maxlen=LOG_LINES)
         self._origin: int | None = None  # the live timeline's time 0: the run's first event
-        self._lock = threading.RLock()
         self.closed = False  # by close() (or a newer Lab): it runs nothing any more
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -222,36 +219,42 @@ class Lab:
     def run(self) -> bool:
         """Validate the fields and start the comparison in the background; False if it did not
         start (the reason is in ``lab.error`` and the lab's message line)."""
-        with self._lock:
-            if self.closed:
-                self.error = "this lab is closed (a newer one replaced it): use the new one"
-                return False
-            if self.running:
-                self.message.value = notice("info", "A run is already in progress; Stop it first.")
-                return False
-            try:
-                settings = self._read_settings()
-            except ConfigError as exc:
-                self.error = " ".join(str(exc).split())
-                self.message.value = notice("error", self.error)
-                return False
-            for thread in threading.enumerate():  # a closed lab's run that a Ctrl-C cut close() short
-                if thread.name == _WORKER:  # may still hold the directory this one is about to lock
-                    thread.join()
-            names = settings["strategies"]
-            self.comparison, self.error, self.stopped, self.interrupted = None, None, False, False
-            self._origin = None
-            self.log_lines.clear()
-            self._show_log()
-            self._redraw(None, _LIVE_TITLE)
-            self.results.value = ""
-            runs = (len(names) + ("none" not in names)) * settings["repeats"]
-            self.progress.value, self.progress.bar_style, self.progress.max = 0, "", settings["steps"] * runs
-            baseline = "" if "none" in names else " and none (the baseline)"
-            self.message.value = notice("info", f"Running {', '.join(names)}{baseline}: "
-                                                f"{settings['repeats']} repeat(s) ...")
-            route_interrupts(self._note_interrupt)  # Kernel > Interrupt stops it, as Stop does
-            self._start(settings)
+        if self.closed:
+            self.error = "this lab is closed (a newer one replaced it): use the new one"
+            return False
+        if self.running:
+            self.message.value = notice("info", "A run is already in progress; Stop it first.")
+            return False
+        try:
+            settings = self._read_settings()
+        except ConfigError as exc:
+            self.error = " ".join(str(exc).split())
+            self.message.value = notice("error", self.error)
+            return False
+        for thread in threading.enumerate():  # a closed lab's run that a Ctrl-C cut close() short
+            if thread.name == _WORKER:  # may still hold the directory this one is about to lock
+                thread.join()
+        names = settings["strategies"]
+        self.comparison, self.error, self.stopped, self.interrupted = None, None, False, False
+        self._origin, self._interrupt_noted = None, False
+        self.log_lines.clear()
+        self._show_log()
+        self._redraw(None, _LIVE_TITLE)
+        self.results.value = ""
+        runs = (len(names) + ("none" not in names)) * settings["repeats"]
+        self.progress.value, self.progress.bar_style, self.progress.max = 0, "", settings["steps"] * runs
+        baseline = "" if "none" in names else " and none (the baseline)"
+        self.message.value = notice("info", f"Running {', '.join(names)}{baseline}: "
+                                            f"{settings['repeats']} repeat(s) ...")
+        route_interrupts(self._note_interrupt)  # Kernel > Interrupt stops it, as Stop does
+        self._stop.clear()
+        self._queue = queue.Queue()
+        self._set_busy(True)
+        self._threads = [threading.Thread(target=self._work, args=(settings,), name=_WORKER, daemon=True),
+                         threading.Thread(target=self._update_loop, args=(self._queue,),
+                                          name="nbckpt-lab-updater", daemon=True)]
+        for thread in self._threads:
+            thread.start()
         return True
 
     def stop(self) -> None:
@@ -274,11 +277,10 @@ class Lab:
     def show(self, comparison: Comparison) -> None:
         """Show a comparison measured before (``Comparison.from_json`` of a ``nbckpt bench
         --json`` file): its timeline, results and notes, as after a run."""
-        with self._lock:
-            if self.closed or self.running:
-                raise ConfigError("this lab is closed or running: show it in a new lab, or wait")
-            self.error, self.stopped, self.interrupted, self.comparison = None, False, False, comparison
-            self._show_comparison(comparison)
+        if self.closed or self.running:
+            raise ConfigError("this lab is closed or running: show it in a new lab, or wait")
+        self.error, self.stopped, self.interrupted, self.comparison = None, False, False, comparison
+        self._show_comparison(comparison)
 
     def close(self) -> None:
         """Stop the run, wait until its saves in flight have committed and its directory is
@@ -335,18 +337,6 @@ class Lab:
 
     def _post(self, kind: str, item: Any) -> None:
         self._queue.put((kind, item))
-
-    def _start(self, settings: dict[str, Any]) -> None:
-        self._stop.clear()
-        self._interrupt_noted = False
-        self._queue = queue.Queue()
-        self._set_busy(True)
-        updater = threading.Thread(target=self._update_loop, args=(self._queue,),
-                                   name="nbckpt-lab-updater", daemon=True)
-        worker = threading.Thread(target=self._work, args=(settings,), name=_WORKER, daemon=True)
-        self._threads = [worker, updater]
-        updater.start()
-        worker.start()
 
     def _work(self, settings: dict[str, Any]) -> None:
         from ..bench import compare, make_workload
