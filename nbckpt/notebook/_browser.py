@@ -71,8 +71,8 @@ class _Table:
 
 
 def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser], _T | None]]:
-    """A Browser action: its errors and warnings lines in the widget (and its
-    errors in ``error``), never tracebacks; None when it failed."""
+    """A Browser action: its errors and warnings are lines in the widget (its errors in
+    ``error`` too), never tracebacks; it returns None when it failed."""
 
     def decorate(work: Callable[[Browser], _T]) -> Callable[[Browser], _T | None]:
         @functools.wraps(work)
@@ -89,7 +89,7 @@ def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser]
                     result = work(self)
                 self.message.value += "".join(notice("info", one_line(Warning(w.message))) for w in caught)
                 return result
-            except Exception as exc:  # any other is a bug, ours or a library's: details in the log
+            except Exception as exc:  # an NbckptError says why; any other is a bug (details logged)
                 _log.debug("nbckpt: the browser's %s failed", what, exc_info=True)
                 unexpected = "" if isinstance(exc, NbckptError) else f"unexpected {type(exc).__name__}: "
                 self.error = f"Cannot {what}: {unexpected}{one_line(exc)}"

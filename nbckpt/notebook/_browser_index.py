@@ -161,10 +161,9 @@ def refusal(directory: str, lines: Lines, key: RowKey) -> str | None:
 
 
 def delete_step(directory: str, storage_options: dict[str, Any], key: RowKey) -> None:
-    """Delete through the Checkpointer of this kernel that writes into the run (the magics' or
-    an autosave's, even after ``%ckpt_autosave --off``), with its lock, bookkeeping and rules.
-    Else the run is opened for writing for the length of the delete: a directory's lock refuses
-    it while another process saves there. An object store has no lock: the confirmation says so."""
+    """Delete through the Checkpointer of this kernel that writes into the run (the magics',
+    an autosave's), with its lock and rules; else through one opened for the delete (a
+    directory's lock refuses it while another process saves there; an object store has none)."""
     line, step = key
     if (holder := writer_of(directory)) is not None:
         if holder.world_size > 1:  # its delete is collective: every rank must call it
