@@ -77,8 +77,8 @@ def _results_html(comparison: Comparison) -> str:
     text = {SHOWN_COLUMNS[key] for key in _TEXT_COLUMNS}
     rows = [("", [html.escape(str(row[c])) for c in columns]) for row in shown.to_dict("records")]
     notes = [OVERHEAD_DEFINITION, STALL_DEFINITION, comparison.floors.describe(), *comparison.warnings]
-    return ("<b>Results</b>" + html_table("nbckpt-results", columns, rows,
-                                          left={i for i, c in enumerate(columns) if c in text})
+    table = html_table("nbckpt-results", columns, rows, left={i for i, c in enumerate(columns) if c in text})
+    return (f'<b>Results</b><div style="overflow-x:auto">{table}</div>'  # wider than the lab: it scrolls
             + "".join(f'<div style="{_NOTE}">{html.escape(note)}</div>' for note in notes)
             + f'<details class="nbckpt-method" style="{_NOTE}"><summary>How overhead and its interval'
             f' are computed</summary><pre style="white-space:pre-wrap">'
