@@ -17,7 +17,7 @@ repeat so that drift on a shared machine hits all alike:
 - ``AsyncCheckpointIO``: Lightning's own asynchronous wrapper (clones the tensors on the
   caller's thread, ``torch.save`` on a worker thread; one event queues two saves);
 - ``NbckptCheckpointIO``: this project's plug-in (copy into reused host buffers, write, fsync and
-  commit in the background; one event is one write).
+  commit in the background; an event whose two saves are equal is one write: all but the first).
 
 "stall per event" is the time the training loop spends inside ``ModelCheckpoint``'s hook at an
 event (both saves, the removal, and any wait for an earlier write); "fit overhead" is the fit's

@@ -1,52 +1,24 @@
 """Run checkpoint strategies side by side on one workload and measure what each costs.
 
     >>> from nbckpt import bench
-    >>> cmp = bench.compare(bench.gpt("tiny"), ["torch-save", "nbckpt-async"],
+    >>> cmp = bench.compare(bench.make_workload("tiny"), ["torch-save", "nbckpt-async"],
     ...                     "data/checkpoints/bench", steps=20, every=5, repeats=3)
     >>> print(cmp.table())  # overhead with its 95 % interval, stalls, floors, the machine's load
     >>> cmp.results         # one row per strategy; cmp.runs: one per run; cmp.timeline: events
 
-How it measures, on a machine that other work shares
-----------------------------------------------------
-- **Interleaved repeats.** Every repeat runs every strategy's steps once, in an order rotated
-  by one place per repeat (:func:`run_order`). Within a repeat the strategies take turns every
-  checkpoint cycle (``interleave="cycle"``): all of them are open, and each trains ``every``
-  steps (starting with the checkpoint due) before the next one does, the order rotated by one
-  place per cycle. Other work on a shared machine comes in bursts of seconds; taking turns
-  every few seconds spreads a burst over all strategies instead of letting it fall on one
-  whole run. Each strategy's clock only runs during its own turns, and a turn ends by waiting
-  for the strategy's background write, counted as the wait its next save would have had (one
-  save in flight). ``interleave="run"`` runs each strategy's steps in one go instead.
-- **A baseline in every repeat.** The ``none`` strategy (no checkpoints) runs in every repeat;
-  ``compare`` adds it when it is missing (``baseline=False`` leaves it out, and overhead with it).
-- **One method for overhead**, stated once (:data:`nbckpt.bench.OVERHEAD_METHOD`, the
-  docstring of the statistics module) and summed up under every table
-  (:data:`nbckpt.bench.OVERHEAD_DEFINITION`): the ratio of each cycle's loop time to the same
-  cycle of the ``none`` run beside it, averaged in log space, its 95 % interval clustered by
-  repeat (cycles pooled when the repeats agree, the repeats alone when they do not, one repeat
-  widened for what it cannot show). The table always shows the estimate, its interval, each
-  repeat's overhead and what the row rests on; "no measurable difference" only stands beside
-  an interval that contains 0.
-- **The stall in two parts**: per checkpoint, the *save stall* (``save()``, and an overlapped
-  copy's wait before the next update), the *wait for the earlier save* (backpressure), and the
-  *stall*, their sum; the same three names in log lines, tables and figures.
-- **The machine's load** (:class:`nbckpt.bench.Load`): load average, CPU steal (from
-  ``/proc/stat`` via psutil) and the CPU that other processes used, per run and over the whole
-  comparison; a warning is printed and stored when it is high.
-- **Partial runs.** A run ended by ``stop`` is marked ``stopped``; a strategy whose every run
-  was stopped is a ``partial`` row. Its overhead rests on the cycles completed before the stop
-  and says so; conclusions leave it out.
-- **Floors beside each repeat** (:func:`nbckpt.bench.measure_floors`): before every repeat, a
-  copy of the same bytes into preallocated memory (one thread, and two as nbckpt stages), and
-  the raw fsync'd write of the same bytes into the same directory measured exactly as ``nbckpt
-  probe`` measures, at 1 and 2 streams; the fastest of all repeats is the floor. A save stall
-  below the copy floor, or a write faster than the write floor, is flagged as a measurement
-  problem (``floor_check``, and a warning).
-- **Progress**: a line per checkpoint and per run: strategy, repeat, step, the stall in its
-  parts, the time elapsed and the time the whole comparison is expected to take.
+Every repeat runs every strategy (and the ``none`` baseline, added when missing) on the same
+steps and batches, in an order rotated by one place per repeat (:func:`run_order`). Within a
+repeat the strategies take turns every checkpoint cycle, so that a burst of other work on a
+shared machine falls on all of them alike: each one's clock only runs during its own turns, and
+a turn ends by waiting for the strategy's background write (the wait its next save would have
+had). Before every repeat the floors (:func:`~._measure.measure_floors`) are measured beside
+it; the machine's load (:class:`~._load.Load`) is recorded per run and over the comparison.
+How overhead and its interval come from the cycles is stated once, in
+:data:`nbckpt.bench.OVERHEAD_METHOD`; the metrics and the JSON document are described with
+:class:`nbckpt.bench.Comparison`. A line of progress per checkpoint and per run.
 
-The metrics and the JSON document are described with :class:`nbckpt.bench.Comparison`.
-From the shell (the default strategies, :data:`DEFAULT_STRATEGIES`, on the tiny preset)::
+From the shell (:func:`add_bench_arguments` defines the options of ``nbckpt bench`` and
+``%ckpt_bench`` once; without ``--strategies``, :data:`DEFAULT_STRATEGIES`)::
 
     nbckpt bench --dir data/checkpoints/bench --preset tiny --json bench.json
     nbckpt bench --dir /mnt/flashblade/ckpt --preset small --strategies none,torch-save,nbckpt-async
@@ -54,6 +26,7 @@ From the shell (the default strategies, :data:`DEFAULT_STRATEGIES`, on the tiny 
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shutil
@@ -69,45 +42,40 @@ import torch
 from .._errors import ConfigError
 from .._util import GB, check_count, format_bytes, is_url, writable_directory
 from .._version import __version__
-from ._aggregate import RESULT_COLUMNS, aggregate
 from ._comparison import TIMELINE_COLUMNS, Comparison
 from ._load import Load, LoadMonitor, combine_loads
 from ._measure import DEFAULT_REPEATS as WRITE_ROUNDS
 from ._measure import Floors, combine_floors, measure_floors
-from ._result import ExperimentResult
+from ._result import RESULT_COLUMNS, ExperimentResult, aggregate
 from ._runner import (
     EventCallback,
     Lane,
     Progress,
     RunProgress,
     check_run_args,
-    resolve_device,
     run_lanes,
     stall_text,
 )
-from ._strategies import get_strategy
+from ._strategies import STRATEGIES, get_strategy
 from ._strategy import Strategy
-from ._workloads import Workload
+from ._workloads import Workload, make_workload
 
 __all__ = [
     "DEFAULT_REPEATS",
     "DEFAULT_STRATEGIES",
     "WARMUP_STEPS",
+    "add_bench_arguments",
     "compare",
     "environment",
+    "run_bench_from_args",
     "run_order",
 ]
 
 #: Repeats ``compare`` and ``nbckpt bench`` run unless told otherwise: the fewest that give a
 #: t-interval with a usable width, and one place in the rotation per strategy of a 3-way run.
 DEFAULT_REPEATS = 3
-#: What ``nbckpt bench`` runs without ``--strategies``: every built-in strategy except
-#: ``dcp-async-process`` (DCP's process executor with default staging), which
-#: ``dcp-async-stager`` runs in its best configuration.
-DEFAULT_STRATEGIES = [
-    "none", "torch-save", "dcp-sync", "dcp-async", "dcp-async-stager", "nbckpt-sync",
-    "nbckpt-async", "nbckpt-async-overlap",
-]
+#: What ``nbckpt bench`` runs without ``--strategies``: every built-in strategy.
+DEFAULT_STRATEGIES = list(STRATEGIES)
 #: Untimed training steps before the first run, so that no run pays for first-touch allocation.
 WARMUP_STEPS = 2
 
@@ -161,40 +129,28 @@ def compare(
     *,
     steps: int = 20,
     every: int = 5,
-    device: str | None = None,
     repeats: int = DEFAULT_REPEATS,
     warmup: bool = True,
+    progress: Progress | None = print,
+    stop: threading.Event | None = None,
     on_event: EventCallback | None = None,
     on_result: Callable[[str, dict[str, Any]], None] | None = None,
-    stop: threading.Event | None = None,
-    progress: Progress | None = print,
     storage_options: dict[str, Any] | None = None,
-    keep_checkpoints: bool = False,
-    baseline: bool = True,
-    interleave: str = "cycle",
 ) -> Comparison:
-    """Run every strategy in each of ``repeats`` repeats, interleaved (see the module doc).
+    """Run every strategy on ``workload`` (on its device) in each of ``repeats`` repeats.
 
-    ``interleave="cycle"`` (the default) keeps every strategy of a repeat open and alternates
-    them every checkpoint cycle, so a burst of other work on the machine falls on all of them
-    alike; ``"run"`` runs each strategy's steps in one go (one strategy open at a time: less
-    host memory, and ``cycle`` falls back to it when the staging buffers of every strategy at
-    once would not fit).
-
-    Every run trains the same steps on the same batches. ``baseline`` adds the ``none``
-    strategy when it is missing (overhead needs it in every repeat). Each run's checkpoints are
-    removed after it unless ``keep_checkpoints``. ``on_result(strategy, metrics)`` is called
-    after every run; ``stop`` ends the comparison after the current step (the rows that could
-    not finish are marked partial). Strategies that write local files only are skipped (with a
-    message) for URLs; there each repeat writes under ``<directory>/repeat-<r>/`` and nothing
-    is deleted (the bucket's retention is its owner's). ``warmup`` trains :data:`WARMUP_STEPS`
-    untimed steps first and makes one unrecorded save per run.
+    ``warmup`` trains :data:`WARMUP_STEPS` untimed steps first and makes one unrecorded save
+    per run. ``stop`` ends the comparison after the current step (what could not finish is
+    marked partial); ``on_event`` gets every event, ``on_result(strategy, metrics)`` every
+    finished run. Strategies given by name start fresh each run, instances are reopened. Each
+    run's checkpoints are removed after it, except in an object store (``storage_options``:
+    fsspec's), where each repeat writes under ``<directory>/repeat-<r>/`` and strategies that
+    write local files only are skipped. When the staging buffers of all strategies at once
+    would not fit in free memory, they run one after the other instead of taking turns.
     """
     check_run_args(steps, every)
     check_count(repeats, "repeats")
-    if interleave not in ("cycle", "run"):
-        raise ConfigError(f"interleave must be 'cycle' or 'run', not {interleave!r}")
-    device = resolve_device(workload, device)
+    device = workload.device
     if not strategies:
         raise ConfigError("give at least one strategy to compare")
     options = {"storage_options": storage_options} if storage_options else {}
@@ -203,7 +159,7 @@ def compare(
     names = [instance.name for instance, _ in chosen]
     if len(set(names)) != len(names):
         raise ConfigError(f"each strategy may appear once, got {', '.join(names)}")
-    add_baseline = baseline and "none" not in names
+    add_baseline = "none" not in names
     if add_baseline:
         chosen.insert(0, (get_strategy("none"), "none"))
         names.insert(0, "none")
@@ -233,7 +189,7 @@ def compare(
     frames: list[pd.DataFrame] = []
     measured_floors: list[Floors] = []
     floor_loads: list[Load] = []
-    mode = _interleaving(interleave, workload, strategies=len(names), say=say)
+    mode = _interleaving(workload, strategies=len(names), say=say)
     tracker = RunProgress(progress, total_steps=steps * len(names) * repeats, repeats=repeats)
     for repeat, names_in_order in enumerate(order):
         if stop is not None and stop.is_set():
@@ -255,7 +211,7 @@ def compare(
         for group in groups:
             if stop is not None and stop.is_set():
                 break
-            lanes = [Lane(name, factories[name](), workload, steps=steps, every=every, device=device,
+            lanes = [Lane(name, factories[name](), workload, steps=steps, every=every,
                           on_event=on_event, progress=tracker, repeat=repeat) for name in group]
             results_of_group = run_lanes(lanes, where, steps=steps, every=every, stop=stop,
                                          warmup=warmup)
@@ -263,8 +219,8 @@ def compare(
                         for lane, result in zip(lanes, results_of_group, strict=True))
         for name, strategy, result in done:
             position = names_in_order.index(name)
-            if not keep_checkpoints and strategy.writes_checkpoints:
-                _remove(strategy.path)
+            if strategy.writes_checkpoints and not is_url(strategy.path):
+                shutil.rmtree(strategy.path, ignore_errors=True)
             metrics = {**result.metrics(), "repeat": repeat, "position": position}
             run_rows.append(metrics)
             by_strategy[name].append(result)
@@ -284,7 +240,7 @@ def compare(
     for during, text in (("", load.warning()), ("while the floors were measured, ", floors_load.warning())):
         if text is not None:
             warnings.append(during + text)
-    if repeats == 1 and baseline:
+    if repeats == 1:
         warnings.append("a single repeat: its overhead intervals allow for the disagreement "
                         "between repeats that one repeat cannot show, so only a large effect is "
                         "measurable; use 3 or more repeats")
@@ -334,17 +290,17 @@ def _run_summary(name: str, repeat: int, repeats: int, metrics: dict[str, Any], 
     return text + (" (stopped: partial)" if stopped else "")
 
 
-def _interleaving(interleave: str, workload: Workload, *, strategies: int, say: Progress) -> str:
+def _interleaving(workload: Workload, *, strategies: int, say: Progress) -> str:
     """``cycle`` or ``run``: ``cycle`` holds every strategy's buffers at once (up to two copies
     of the state each, nbckpt's staging and DCP's), which must fit in the memory free now."""
-    if interleave == "cycle" and strategies > 1:
+    if strategies > 1:
         needed = 2 * strategies * workload.nbytes
         available = psutil.virtual_memory().available
         if needed > available:
             say(f"interleaving whole runs, not checkpoint cycles: {strategies} strategies open at "
                 f"once would hold about {format_bytes(needed)} and {format_bytes(available)} is free")
             return "run"
-    return interleave
+    return "cycle"
 
 
 def _factory(spec: str | Strategy, options: dict[str, Any]) -> Callable[[], Strategy]:
@@ -353,7 +309,73 @@ def _factory(spec: str | Strategy, options: dict[str, Any]) -> Callable[[], Stra
     return lambda: get_strategy(spec, **options)
 
 
-def _remove(path: str) -> None:
-    if is_url(path):
-        return  # object stores: the user's bucket, the user's retention
-    shutil.rmtree(path, ignore_errors=True)
+# -- the options of ``nbckpt bench`` and ``%ckpt_bench``, defined once --------------------------
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``nbckpt bench`` (and ``%ckpt_bench``)."""
+    parser.add_argument("-d", "--dir", default="data/checkpoints/bench",
+                        help="where checkpoints are written, a directory or s3:// URL "
+                        "(default: %(default)s)")
+    parser.add_argument("--preset", default=None,
+                        help="GPT workload preset: tiny, small, base, 350m, 1b, 3b "
+                        "(default: tiny unless --size-mb is given)")
+    parser.add_argument("--size-mb", type=float, default=None,
+                        help="synthetic workload: a state of this many MiB instead of a GPT "
+                        "(default: none)")
+    parser.add_argument("--compute-ms", type=float, default=5.0,
+                        help="synthetic workload: compute per step in ms (default: %(default)s)")
+    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                        help="comma-separated strategies, from: " + ", ".join(STRATEGIES)
+                        + " (default: %(default)s); none is added when missing")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="training steps per run (default: %(default)s)")
+    parser.add_argument("--every", type=int, default=5,
+                        help="checkpoint every K steps (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help="repeats, each running every strategy in a rotated order "
+                        "(default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for training (default: one per core); fewer "
+                        "leaves a core for background writes, as on a GPU node")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="skip the warm-up steps and saves (default: warm up)")
+    parser.add_argument("--json", default=None, metavar="OUT",
+                        help="write the results as JSON to OUT (default: no file)")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress lines (default: one per checkpoint and per run, on stderr)")
+
+
+def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = None) -> Comparison:
+    """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too)."""
+    if args.preset is not None and args.size_mb is not None:
+        raise ConfigError("give --preset or --size-mb, not both")
+    names = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    if not names:
+        raise ConfigError("--strategies names no strategy")
+    for name in names:
+        get_strategy(name)  # unknown: the one-line error that lists them
+    check_run_args(args.steps, args.every)
+    check_count(args.repeats, "--repeats")
+    if args.threads is not None:
+        check_count(args.threads, "--threads")
+    if args.json is not None:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json):
+            raise ConfigError(f"--json {args.json} is a directory; give a file name")
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ConfigError(f"--json {args.json}: directory {parent} does not exist or is not writable")
+    workload = make_workload(args.preset, args.size_mb, args.device, compute_ms=args.compute_ms)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    created = not is_url(args.dir) and not os.path.exists(args.dir)
+    if not is_url(args.dir):
+        writable_directory(args.dir, "--dir")
+    try:
+        return compare(workload, names, args.dir, steps=args.steps, every=args.every,
+                       repeats=args.repeats, warmup=not args.no_warmup, progress=progress)
+    except BaseException:
+        if created:
+            shutil.rmtree(args.dir, ignore_errors=True)
+        raise

@@ -1,37 +1,28 @@
 """What a comparison returns: :class:`Comparison`, its tables, and the JSON ``nbckpt bench`` writes.
 
-Metrics (``Comparison.results`` columns, :data:`RESULT_COLUMNS`):
+Metrics (``Comparison.results`` columns, :data:`RESULT_COLUMNS`), per run or per checkpoint:
 
 - ``repeats``: runs pooled into the row; ``partial``: every run of it was stopped.
-- ``steps`` / ``checkpoints``: per run.
-- ``mean_step_s``: loop time divided by steps (stalls included), over the pooled runs.
-- ``overhead_pct``, ``overhead_ci_pct`` (``[lo, hi]``), ``overhead_by_repeat_pct`` (one per
-  repeat), ``overhead_basis`` (what the row rests on: ``3 repeats, 12 cycles``) and
-  ``overhead_method`` (how its interval was made): the ratio of loop time to the ``none``
-  baseline trained beside it, paired per checkpoint cycle, as :data:`nbckpt.bench.
-  OVERHEAD_METHOD` states; never below -100 %.
-- ``stall_mean_s`` / ``stall_p95_s``: per checkpoint, the **stall**: all the time the loop was
-  blocked, the sum of ``save_stall_s`` (the **save stall**: ``save()`` itself, plus an
-  overlapped copy's wait before the next update) and ``wait_s`` (the **wait for the earlier
-  save**: backpressure before this save could start). :data:`nbckpt.bench.STALL_NAMES` names
-  them for every table and log line.
-- ``drag_s``, ``drag_ci_s``: per checkpoint, loop time lost beyond the stall (background work
-  slowing the steps), from the paired cycles, with its 95 % interval; where the interval
-  contains 0 the drag is noise (:func:`nbckpt.bench.drag_text`).
+- ``steps``, ``checkpoints`` (per run); ``mean_step_s``: loop time over steps, stalls included.
+- ``overhead_pct``, ``overhead_ci_pct`` (``[lo, hi]``), ``overhead_by_repeat_pct``,
+  ``overhead_basis`` (what it rests on: ``3 repeats, 12 cycles``), ``overhead_method``: against
+  the ``none`` baseline as :data:`nbckpt.bench.OVERHEAD_METHOD` states; ``drag_s``, ``drag_ci_s``:
+  loop time lost beyond the stall per checkpoint (:func:`nbckpt.bench.drag_text`).
+- ``stall_mean_s`` / ``stall_p95_s``: the **stall**, the sum of the **save stall**
+  (``save_stall_s``) and the **wait for the earlier save** (``wait_s``), as
+  :data:`nbckpt.bench.STALL_DEFINITION` states.
 - ``cpu_per_checkpoint_s``: CPU seconds this process (and its children) spent per checkpoint
-  beyond the baseline's, from the first step until the last checkpoint is durable: on a machine
-  whose cores all train, they are taken from training.
-- ``persist_s`` / ``write_gbs``: per checkpoint, time to write the data durably and its rate.
-- ``peak_host_mb``: RSS before any strategy opened, plus what opening this one and its
-  warm-up save left resident, plus the most RSS rose during its turns (sampled every 10 ms):
-  its peak as if it had run alone. ``peak_device_mb`` (CUDA): the peak during its turns, MiB.
+  beyond the baseline's: on a machine whose cores all train, taken from training.
+- ``persist_s`` / ``write_gbs``: time to write the data durably, and its rate.
+- ``peak_host_mb``: RSS before any strategy opened, plus what opening this one and its warm-up
+  save left resident, plus the most RSS rose during its turns: its peak as if it ran alone.
+  ``peak_device_mb`` (CUDA): the peak during its turns.
 - ``reduction_vs_torch_save`` / ``reduction_vs_dcp_sync``: that strategy's stall over this one's.
-- ``stall_vs_copy_floor``: save stall over the copy floor; ``write_vs_floor_pct``: write rate
-  as a percentage of the raw write floor; ``floor_check``: what is faster than a floor (a
-  measurement problem), or empty.
+- ``stall_vs_copy_floor``, ``write_vs_floor_pct``: against the floors; ``floor_check``: what is
+  faster than a floor (a measurement problem), or empty.
 
-:meth:`Comparison.to_json` writes this schema (``"schema": "nbckpt.bench/3"``; missing numbers
-are ``null``); :meth:`Comparison.from_json` reads it back::
+:meth:`Comparison.to_json` writes this schema (missing numbers are ``null``);
+:meth:`Comparison.from_json` reads it back::
 
     {
       "schema": "nbckpt.bench/3",
@@ -39,32 +30,22 @@ are ``null``); :meth:`Comparison.from_json` reads it back::
       "bytes": 12764368,                   # checkpoint size, bytes
       "device": "cpu", "directory": "/abs/path", "steps": 20, "every": 5, "repeats": 3,
       "order": [["none", "torch-save", ...], ["torch-save", ..., "none"], ...],  # per repeat
-      "interleave": "cycle",               # or "run" (see compare)
+      "interleave": "cycle",               # or "run": whole runs, when buffers would not fit
       "overhead": {"definition": "...", "method": "...", "confidence": 0.95, "baseline": "none"},
-      "environment": {"python": ..., "torch": ..., "nbckpt": ..., "platform": ..., "cpus": ...,
-                      "torch_threads": ..., "device_name": ..., "time_utc": ...},
-      "load": {"cpus": ..., "wall_s": ..., "other_cpu_cores": ..., "steal_pct": ...,
-               "loadavg_1m_start": ..., "loadavg_1m": ..., "own_cpu_s": ..., "high": false,
-               "floors": {<the same, while the floors were measured>}},
+      "environment": {<nbckpt.bench.environment()>},
+      "load": {<Load's fields>, "high": false, "floors": {<the same, during the floors>}},
       "warnings": ["..."],                 # high load, a single repeat, stops, floor problems
-      "floors": {"bytes": ..., "sample_bytes": ..., "copy_s": ..., "copy_gbs": ...,
-                 "write_s": ..., "write_gbs": ..., "write_streams": ...,
-                 "write_gbs_by_streams": {"1": ..., "2": ...}, "write_gbs_rounds": [...],
-                 "repeats": ..., "copy_gbs_by_repeat": [...], "write_gbs_by_repeat": [...]},
+      "floors": {<Floors' fields>},
       "results": [{"strategy": ..., <the RESULT_COLUMNS above>}, ...],
       "runs": [{"strategy": ..., "repeat": 0, "position": 0, <that run's metrics>, "wall_s": ...,
                 "cpu_s": ..., "other_cpu_cores": ..., "steal_pct": ..., "loadavg_1m": ...,
                 "cycle_loop_s": [...],     # each completed cycle's loop time, in order
                 "stopped": false}, ...],   # one per strategy and repeat, in the order run
-      "timeline": [{"strategy": ..., "repeat": ..., "kind": ..., "label": ..., "step": ...,
-                    "rank": ..., "start_s": ..., "end_s": ..., "duration_s": ..., "bytes": ...,
-                    "thread": ..., "pid": ..., "start_ns": ..., "end_ns": ...}, ...]
+      "timeline": [{<TIMELINE_COLUMNS>}, ...]  # every event of every run
     }
 
 Times are seconds, rates GB/s (1e9 bytes), memory MiB; ``start_s`` counts from the start
-of that run (after its warm-up save). Version 2 averaged per-repeat overheads in linear space
-(intervals could reach below -100 %) and had no stall parts; version 1 had neither intervals
-nor load, and counted ``steps`` and ``checkpoints`` over all repeats together.
+of that run (after its warm-up save).
 """
 
 from __future__ import annotations
@@ -80,10 +61,9 @@ import pandas as pd
 
 from .._errors import ConfigError
 from ..engine._internal import write_atomic
-from ._aggregate import RESULT_COLUMNS
 from ._load import Load
 from ._measure import Floors
-from ._result import STALL_DEFINITION, STALL_NAMES
+from ._result import RESULT_COLUMNS, STALL_DEFINITION, STALL_NAMES
 from ._stats import (
     CONFIDENCE,
     OVERHEAD_DEFINITION,

@@ -1,10 +1,9 @@
-"""PyTorch DCP's strategies: ``dcp.save``, ``dcp.async_save`` with a thread, with DCP's checkpoint
-process, and at its best (a reused ``DefaultStager``, cached plans, the process executor).
+"""PyTorch DCP's strategies: ``dcp.save``, ``dcp.async_save`` with torch's defaults, and DCP at
+its best (a reused ``DefaultStager``, cached plans, the process executor).
 
-The strategies that use DCP's process executor (``dcp-async-process``, ``dcp-async-stager``)
-need a process group; outside ``torchrun`` they start a gloo group of one on loopback. torch
-spawns its checkpoint process on the first such save, which re-imports ``__main__``: a script
-that runs them needs an ``if __name__ == "__main__":`` guard.
+``dcp-async-stager`` needs a process group; outside ``torchrun`` it starts a gloo group of one
+on loopback. torch spawns its checkpoint process on the first such save, which re-imports
+``__main__``: a script that runs it needs an ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
@@ -16,9 +15,8 @@ import signal
 import socket
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,7 +35,7 @@ from ..engine import Timeline
 from ..engine._internal import now_ns, step_name
 from ._strategy import WAIT_NOISE_NS, BlockingSave, Strategy, failing_as, plain_state, tensor_bytes
 
-__all__ = ["DcpAsync", "DcpAsyncProcess", "DcpAsyncStager", "DcpSync"]
+__all__ = ["DcpAsync", "DcpAsyncStager", "DcpSync"]
 
 
 # torch warns on every save without a process group ("torch.distributed is disabled,
@@ -52,23 +50,7 @@ _SINGLE_PROCESS_WARNING = re.escape(
     "save in a single process."
 )
 _quiet_lock = threading.Lock()
-_quiet_strategies = 0
-
-
-def _ignore_single_process_warning(ignore: bool) -> None:
-    """One more (``ignore``) or one fewer open strategy that saves without a process group."""
-    global _quiet_strategies
-    with _quiet_lock:
-        _quiet_strategies += 1 if ignore else -1
-        if ignore:  # (again: a test's catch_warnings may have dropped it meanwhile)
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
-            return
-        if _quiet_strategies > 0:
-            return
-        ours = [entry for entry in warnings.filters if entry[0] == "ignore"
-                and getattr(entry[1], "pattern", None) == _SINGLE_PROCESS_WARNING]
-        for entry in ours:
-            warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list at run time
+_quiet_strategies = 0  # open strategies that save without a process group
 
 
 class _SingleProcess(Strategy):
@@ -81,7 +63,7 @@ class _SingleProcess(Strategy):
         super().open(directory, timeline)
         if not self._quiet:
             self._quiet = True
-            _ignore_single_process_warning(True)
+            self._count_quiet(1)
 
     def close(self) -> None:
         try:
@@ -89,7 +71,19 @@ class _SingleProcess(Strategy):
         finally:
             if self._quiet:
                 self._quiet = False
-                _ignore_single_process_warning(False)
+                self._count_quiet(-1)
+
+    @staticmethod
+    def _count_quiet(change: int) -> None:
+        global _quiet_strategies
+        with _quiet_lock:
+            _quiet_strategies += change
+            if change > 0:  # (again: a test's catch_warnings may have dropped it meanwhile)
+                warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+            elif _quiet_strategies == 0:
+                for entry in [entry for entry in warnings.filters if entry[0] == "ignore"
+                              and getattr(entry[1], "pattern", None) == _SINGLE_PROCESS_WARNING]:
+                    warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list at run time
 
 
 class DcpSync(_SingleProcess, BlockingSave):
@@ -109,19 +103,15 @@ class DcpAsync(_SingleProcess):
 
     name = "dcp-async"
     description = "torch.distributed.checkpoint.async_save, default settings (thread)"
-    executor = AsyncCheckpointerType.THREAD
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__(storage_options)
         self._pending: tuple[int, Future[Any], threading.Event] | None = None
+        self._staging: tuple[int, Future[Any]] | None = None  # a copy behind the loop
 
     def _async_save(self, plain: dict[str, Any], path: str) -> Future[Any] | AsyncSaveResponse:
-        return async_save(
-            plain,
-            checkpoint_id=path,
-            async_checkpointer_type=self.executor,
-            no_dist=not dist.is_initialized(),
-        )
+        return async_save(plain, checkpoint_id=path, no_dist=not dist.is_initialized(),
+                          async_checkpointer_type=AsyncCheckpointerType.THREAD)
 
     def save(self, state: Mapping[str, Any], step: int) -> None:
         self._wait_pending(record_for=step)
@@ -151,6 +141,7 @@ class DcpAsync(_SingleProcess):
                 self.record(kind, begin, staged_at[0], step=step, nbytes=nbytes)
 
             staging.add_done_callback(on_staged)
+            self._staging = (step, staging)
         recorded = threading.Event()
 
         def on_done(done: Future[Any]) -> None:
@@ -185,6 +176,9 @@ class DcpAsync(_SingleProcess):
 
     def close(self) -> None:
         # Never leave a save running behind a closed strategy; its error was finish()'s to raise.
+        if self._staging is not None:
+            self._staging[1].exception()
+            self._staging = None
         if self._pending is not None:
             self._pending[1].exception()
             self._pending[2].wait()
@@ -209,12 +203,8 @@ _SPAWN_LOCK = threading.Lock()
 
 def _warning_logger(rank: int) -> None:
     """Stands in for DCP's ``_init_logger`` in the checkpoint process: warnings and errors only."""
-    root = logging.getLogger()
-    root.setLevel(logging.WARNING)
-    handler = logging.StreamHandler()
-    handler.setLevel(logging.WARNING)
-    handler.setFormatter(logging.Formatter(f"[{rank}] %(asctime)s - %(name)s - %(levelname)s - %(message)s"))
-    root.addHandler(handler)
+    logging.basicConfig(level=logging.WARNING, force=True,
+                        format=f"[{rank}] %(asctime)s - %(name)s - %(levelname)s - %(message)s")
 
 
 def _quiet_checkpoint_process(pg_init_info: Any, parent_conn: Any) -> None:
@@ -253,78 +243,6 @@ def _quiet_spawn() -> Callable[[], None]:
     return undo
 
 
-class DcpAsyncProcess(DcpAsync):
-    """``dcp.async_save`` with torch's process executor (needs a process group).
-
-    Outside ``torchrun`` it starts a gloo group of world size 1 on a free loopback port
-    and destroys it in :meth:`close`. torch keeps its checkpoint process for the life of
-    the interpreter (a daemon), so only the first save pays for spawning it.
-    """
-
-    name = "dcp-async-process"
-    description = "torch.distributed.checkpoint.async_save with the process executor"
-    executor = AsyncCheckpointerType.PROCESS
-
-    def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
-        super().__init__(storage_options)
-        self._own_group = False
-
-    def open(self, directory: str, timeline: Timeline) -> None:
-        super().open(directory, timeline)
-        if dist.is_initialized():
-            return
-        address = f"tcp://127.0.0.1:{_free_port()}"
-        try:
-            dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
-        except Exception as exc:
-            raise ConfigError(
-                f"{self.name} needs a process group and starting a gloo group of one on "
-                f"{address} failed ({type(exc).__name__}: {exc}); run under torchrun instead"
-            ) from exc
-        self._own_group = True
-
-    @contextmanager
-    def _loopback_master(self) -> Iterator[None]:
-        """For a group of our own, DCP's checkpoint process rendezvous on loopback: torch
-        otherwise takes the host's fully qualified name, which need not resolve to this host."""
-        if not self._own_group or "MASTER_ADDR" in os.environ:
-            yield
-            return
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        try:
-            yield
-        finally:
-            os.environ.pop("MASTER_ADDR", None)
-
-    def _process_save(self, plain: dict[str, Any], path: str,
-                      **options: Any) -> Future[Any] | AsyncSaveResponse:
-        undo = _quiet_spawn()
-        try:
-            with self._loopback_master():
-                response = async_save(
-                    plain,
-                    checkpoint_id=path,
-                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                    no_dist=not dist.is_initialized(),
-                    **options,
-                )
-        except BaseException:
-            undo()
-            raise
-        upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
-        upload.add_done_callback(lambda _: undo())
-        return response
-
-    def _async_save(self, plain: dict[str, Any], path: str) -> Future[Any] | AsyncSaveResponse:
-        return self._process_save(plain, path)
-
-    def close(self) -> None:
-        super().close()
-        if self._own_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self._own_group = False
-
-
 class _CachedPlanner(DefaultSavePlanner):
     """DCP's planner with cached save plans, under a cache key of its own: DCP keys its
     class-level plan cache by class name, and a user's own cached planner must not share it."""
@@ -333,7 +251,7 @@ class _CachedPlanner(DefaultSavePlanner):
         super().__init__(enable_plan_caching=True)
 
 
-class DcpAsyncStager(DcpAsyncProcess):
+class DcpAsyncStager(DcpAsync):
     """DCP at its best, as torchtitan's ``async_with_pinned_mem`` runs it.
 
     A ``DefaultStager`` reused across saves copies the state into the same (shared, and on
@@ -342,6 +260,10 @@ class DcpAsyncStager(DcpAsyncProcess):
     before the optimizer changes the parameters, so :meth:`before_step` waits for it (that
     wait counts as stall, as ``nbckpt-async-overlap``'s does). One save in flight: the next
     save waits for the previous upload, because the reused buffers are what it reads.
+
+    Outside ``torchrun`` it starts a gloo group of world size 1 on a free loopback port and
+    destroys it in :meth:`close`. torch keeps its checkpoint process for the life of the
+    interpreter (a daemon), so only the first save pays for spawning it.
     """
 
     name = "dcp-async-stager"
@@ -352,34 +274,56 @@ class DcpAsyncStager(DcpAsyncProcess):
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
         super().__init__(storage_options)
+        self._own_group = False
         self._stager: DefaultStager | None = None
         self._planner: _CachedPlanner | None = None
-        self._staging: tuple[int, Future[Any]] | None = None
 
     def open(self, directory: str, timeline: Timeline) -> None:
         super().open(directory, timeline)
-        # Pinned memory and non-blocking copies need an accelerator; a CPU-only torch refuses them.
-        cuda = torch.cuda.is_available()
         try:
+            if not dist.is_initialized():
+                address = f"tcp://127.0.0.1:{_free_port()}"
+                try:
+                    dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
+                except Exception as exc:
+                    raise ConfigError(
+                        f"{self.name} needs a process group and starting a gloo group of one on "
+                        f"{address} failed ({type(exc).__name__}: {exc}); run under torchrun instead"
+                    ) from exc
+                self._own_group = True
+            # Pinned memory and non-blocking copies need an accelerator; a CPU-only torch refuses them.
+            cuda = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(
                 use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
                 use_non_blocking_copy=cuda,
             ))
         except BaseException:
-            super().close()
+            self.close()
             raise
         self._planner = _CachedPlanner()
 
     def _async_save(self, plain: dict[str, Any], path: str) -> Future[Any] | AsyncSaveResponse:
         if self._stager is None or self._planner is None:
             raise ConfigError(f"strategy {self.name} is not open; call open() first")
-        return self._process_save(plain, path, async_stager=self._stager, planner=self._planner)
-
-    def _track(self, step: int, *, nbytes: int, begin: int, returned: int,
-               staging: Future[Any] | None, upload: Future[Any]) -> None:
-        super()._track(step, nbytes=nbytes, begin=begin, returned=returned, staging=staging,
-                       upload=upload)
-        self._staging = (step, staging) if staging is not None else None
+        # For a group of our own, DCP's checkpoint process rendezvous on loopback: torch
+        # otherwise takes the host's fully qualified name, which need not resolve to this host.
+        loopback = self._own_group and "MASTER_ADDR" not in os.environ
+        if loopback:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+        undo = _quiet_spawn()
+        try:
+            response = async_save(plain, checkpoint_id=path, no_dist=not dist.is_initialized(),
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                  async_stager=self._stager, planner=self._planner)
+        except BaseException:
+            undo()
+            raise
+        finally:
+            if loopback:
+                os.environ.pop("MASTER_ADDR", None)
+        upload = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
+        upload.add_done_callback(lambda _: undo())
+        return response
 
     def before_step(self) -> None:
         if self._staging is None:
@@ -394,9 +338,6 @@ class DcpAsyncStager(DcpAsyncProcess):
         super().finish()
 
     def close(self) -> None:
-        if self._staging is not None:
-            self._staging[1].exception()
-            self._staging = None
         try:
             super().close()  # waits for the upload still reading the buffers
         finally:
@@ -404,3 +345,6 @@ class DcpAsyncStager(DcpAsyncProcess):
                 self._stager.close()
                 self._stager = None
             self._planner = None
+            if self._own_group and dist.is_initialized():
+                dist.destroy_process_group()
+            self._own_group = False

@@ -4,10 +4,8 @@ benchmarks and tests: command-line options, result texts, strategy lookup. Not p
 The one private module of the bench another layer may import (``tests/test_layout.py``).
 """
 
-from ._aggregate import RESULT_COLUMNS
-from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES
-from ._options import add_bench_arguments, run_bench_from_args
-from ._result import STALL_NAMES
+from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, add_bench_arguments, run_bench_from_args
+from ._result import RESULT_COLUMNS, STALL_NAMES
 from ._stats import drag_text, interval_text, measurable, overhead_text, per_repeat_text, t_interval
 from ._strategies import STRATEGIES, get_strategy
 from ._strategy import plain_state, tensor_bytes

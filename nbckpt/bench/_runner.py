@@ -13,8 +13,8 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import replace
-from typing import Any
 
 import psutil
 import torch
@@ -35,7 +35,6 @@ __all__ = [
     "Progress",
     "RunProgress",
     "check_run_args",
-    "resolve_device",
     "run_experiment",
     "run_lanes",
     "stall_text",
@@ -43,9 +42,6 @@ __all__ = [
 
 EventCallback = Callable[[Event], None]
 Progress = Callable[[str], None]
-
-_MEMORY_SAMPLE_S = 0.01
-
 
 class RunProgress:
     """Where a run or comparison is, for its progress lines: steps done of all, time taken and
@@ -88,42 +84,25 @@ def check_run_args(steps: int, every: int) -> None:
         raise ConfigError(f"every ({every}) must not exceed steps ({steps}): nothing would be saved")
 
 
-def resolve_device(workload: Workload, device: str | None) -> str:
-    """The workload's device; ConfigError when ``device`` names another one."""
-    if device is not None and device != workload.device:
-        raise ConfigError(f"device {device!r} differs from the workload's device {workload.device!r}")
-    return workload.device
+def _rss() -> int:
+    return int(psutil.Process().memory_info().rss)
 
 
-class _MemorySampler:
-    """RSS of this process, sampled on a background thread: its peak since the last reset."""
+def _reset_peak_rss() -> int:
+    """Start the kernel's peak RSS (VmHWM) again at the current RSS, which it returns (writing 5
+    to /proc/self/clear_refs, Linux 4.0+): no sampling thread runs beside the measured runs."""
+    with suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return _rss()
 
-    def __init__(self) -> None:
-        self._process = psutil.Process()
-        self._stop = threading.Event()
-        self.peak = self.rss()
-        self._thread = threading.Thread(target=self._run, name="nbckpt-memory", daemon=True)
 
-    def rss(self) -> int:
-        return int(self._process.memory_info().rss)
-
-    def _run(self) -> None:
-        while not self._stop.wait(_MEMORY_SAMPLE_S):
-            self.peak = max(self.peak, self.rss())
-
-    def reset(self) -> int:
-        """Start a new peak at the current RSS, which it returns."""
-        now = self.rss()
-        self.peak = now
-        return now
-
-    def __enter__(self) -> _MemorySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
+def _peak_rss() -> int:
+    """The peak RSS since the last reset (the current RSS where the kernel does not say)."""
+    with suppress(OSError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return _rss()
 
 
 class Lane:
@@ -139,10 +118,9 @@ class Lane:
     """
 
     def __init__(self, name: str, strategy: Strategy, workload: Workload, *, steps: int, every: int,
-                 device: str, on_event: EventCallback | None, progress: RunProgress | None,
-                 repeat: int) -> None:
+                 on_event: EventCallback | None, progress: RunProgress | None, repeat: int) -> None:
         self.name, self.strategy, self.workload = name, strategy, workload
-        self.steps, self.every, self.device, self.repeat = steps, every, device, repeat
+        self.steps, self.every, self.device, self.repeat = steps, every, workload.device, repeat
         self.on_event, self.progress = on_event, progress
         self.timeline = Timeline(label=name)
         self.timeline.add_listener(self._listen)
@@ -156,8 +134,6 @@ class Lane:
         self.last_saved: int | None = None
         self.loads: list[Load] = []
         self.monitor: LoadMonitor | None = None
-        self.steps_done = 0
-        self.stopped = False
         self.held_rss = 0  # what opening and the warm-up save left resident
         self.rss_at_resume = 0
         self.peak_above = 0  # the most RSS rose above its level at the start of a chunk
@@ -181,16 +157,16 @@ class Lane:
         if self.on_event is not None:
             self.on_event(moved)
 
-    def open(self, directory: str, warmup: bool, memory: _MemorySampler) -> None:
-        before = memory.rss()
+    def open(self, directory: str, warmup: bool) -> None:
+        before = _rss()
         self.strategy.open(directory, self.timeline)
         if warmup and self.strategy.writes_checkpoints:
             self.strategy.save(self.workload.state(), 0)
             self.strategy.before_step()
             self.strategy.finish()
-        self.held_rss = max(memory.rss() - before, 0)
+        self.held_rss = max(_rss() - before, 0)
 
-    def resume(self, memory: _MemorySampler) -> None:
+    def resume(self) -> None:
         if self.active:  # alone, a lane's chunks run back to back
             return
         now = now_ns()
@@ -201,7 +177,7 @@ class Lane:
         if self.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        self.rss_at_resume = memory.reset()
+        self.rss_at_resume = _reset_peak_rss()
         self.monitor = LoadMonitor()
         self.active = True
 
@@ -232,18 +208,15 @@ class Lane:
                 self.last_saved = due
                 self._report_save(due, stall.duration_s)
                 if stop is not None and stop.is_set() and due < self.steps:
-                    self.stopped = True
                     return False
             for step in range(first, last + 1):
                 self.workload.step = step - 1  # every lane trains on the same batches
                 started = now_ns()
                 self.workload.train_step(self._before_update)
                 self.timeline.record("step", started, step=step)
-                self.steps_done += 1
                 if self.progress is not None:
                     self.progress.step()
                 if stop is not None and stop.is_set() and step < self.steps:
-                    self.stopped = True
                     return False
             completed = True
             return True
@@ -290,12 +263,12 @@ class Lane:
             self.cycles[-1] = replace(last, loop_s=last.loop_s + waited / 1e9,
                                       stall_s=last.stall_s + waited / 1e9)
 
-    def pause(self, memory: _MemorySampler) -> None:
+    def pause(self) -> None:
         if not self.active:
             return
         if self.monitor is not None:
             self.loads.append(self.monitor.stop())
-        self.peak_above = max(self.peak_above, memory.peak - self.rss_at_resume)
+        self.peak_above = max(self.peak_above, _peak_rss() - self.rss_at_resume)
         if self.device == "cuda":
             self.peak_device = max(self.peak_device, torch.cuda.max_memory_allocated())
         self.active = False
@@ -307,10 +280,6 @@ class Lane:
         timeline.extend(self.recorded)
         return ExperimentResult(
             strategy=self.name,
-            workload=self.workload.describe(),
-            device=self.device,
-            steps=self.steps,
-            every=self.every,
             bytes=self.workload.nbytes,
             timeline=timeline,
             wall_s=self.loop_ns / 1e9,
@@ -344,72 +313,53 @@ def run_lanes(
     if steps % every == 0:
         cycles.append((steps + 1, steps))  # the final checkpoint, no steps after it
     opened: list[Lane] = []
-    with _MemorySampler() as memory:
-        base_rss = memory.rss()
-        try:
-            for lane in lanes:
-                opened.append(lane)
-                lane.open(directory, warmup, memory)
-            alone = len(lanes) == 1
-            stopped = False
-            for index, (first, last) in enumerate(cycles):
-                final = index == len(cycles) - 1
-                for lane in lanes[index % len(lanes):] + lanes[: index % len(lanes)]:
-                    if stop is not None and stop.is_set() and not alone:
-                        stopped = True
-                        break
-                    lane.resume(memory)
-                    completed = lane.chunk(first, last, stop)
-                    if not alone or final or not completed:
-                        # The next chunk starts with the checkpoint of step `last`, if one is due.
-                        due = last if completed and not final and last % every == 0 else None
-                        lane.settle(due, final=completed and final)
-                        lane.pause(memory)
-                    lane.finished = completed and final
-                    if not completed:
-                        stopped = True
-                        break
-                if stopped:
+    base_rss = _rss()
+    try:
+        for lane in lanes:
+            opened.append(lane)
+            lane.open(directory, warmup)
+        alone = len(lanes) == 1
+        stopped = False
+        for index, (first, last) in enumerate(cycles):
+            final = index == len(cycles) - 1
+            for lane in lanes[index % len(lanes):] + lanes[: index % len(lanes)]:
+                if stop is not None and stop.is_set() and not alone:
+                    stopped = True
                     break
-            for lane in lanes:
-                if lane.active:  # alone and stopped between steps: wait for its saves
-                    lane.settle(None)
-                    lane.pause(memory)
-                lane.engine_cpu_s = lane.strategy.save_cpu_s()
-        finally:
-            for lane in reversed(opened):
-                lane.active = False
-                lane.strategy.close()
-        return [lane.result(base_rss) for lane in lanes]
+                lane.resume()
+                completed = lane.chunk(first, last, stop)
+                if not alone or final or not completed:
+                    # The next chunk starts with the checkpoint of step `last`, if one is due.
+                    due = last if completed and not final and last % every == 0 else None
+                    lane.settle(due, final=completed and final)
+                    lane.pause()
+                lane.finished = completed and final
+                if not completed:
+                    stopped = True
+                    break
+            if stopped:
+                break
+        for lane in lanes:
+            if lane.active:  # alone and stopped between steps: wait for its saves
+                lane.settle(None)
+                lane.pause()
+            lane.engine_cpu_s = lane.strategy.save_cpu_s()
+    finally:
+        for lane in reversed(opened):
+            lane.active = False
+            lane.strategy.close()
+    return [lane.result(base_rss) for lane in lanes]
 
 
-def run_experiment(
-    workload: Workload,
-    strategy: str | Strategy,
-    directory: str,
-    *,
-    steps: int,
-    every: int,
-    device: str | None = None,
-    on_event: EventCallback | None = None,
-    stop: threading.Event | None = None,
-    warmup: bool = False,
-    progress: Progress | None = None,
-    storage_options: dict[str, Any] | None = None,
-    repeat: int = 0,
-) -> ExperimentResult:
-    """Train ``steps`` steps, checkpoint every ``every`` with ``strategy``, record everything.
-
-    ``on_event`` gets every event as it is recorded, on the thread that records it.
-    Setting ``stop`` ends the run after the current step; saves in flight still commit.
-    ``warmup`` makes one unrecorded save first (buffers, caches, spawned helpers).
-    Every run starts at the workload's step 0, so every strategy trains on the same batches.
-    """
+def run_experiment(workload: Workload, strategy: str | Strategy, directory: str, *, steps: int,
+                   every: int, on_event: EventCallback | None = None,
+                   stop: threading.Event | None = None, warmup: bool = False) -> ExperimentResult:
+    """One strategy's run alone: train ``steps`` steps, checkpoint every ``every``, record
+    everything (``on_event`` gets each event, ``stop`` ends the run after the current step,
+    ``warmup`` makes one unrecorded save first)."""
     check_run_args(steps, every)
-    device = resolve_device(workload, device)
-    chosen = get_strategy(strategy, **({"storage_options": storage_options} if storage_options else {}))
+    chosen = get_strategy(strategy)
     workload.build()
-    tracker = RunProgress(progress, total_steps=steps) if progress is not None else None
-    lane = Lane(chosen.name, chosen, workload, steps=steps, every=every, device=device,
-                on_event=on_event, progress=tracker, repeat=repeat)
+    lane = Lane(chosen.name, chosen, workload, steps=steps, every=every, on_event=on_event,
+                progress=None, repeat=0)
     return run_lanes([lane], directory, steps=steps, every=every, stop=stop, warmup=warmup)[0]

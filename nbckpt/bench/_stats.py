@@ -2,71 +2,54 @@
 
 Every table, figure, log line and sentence that shows an overhead or a drag computes it here.
 
-**Pairs.** In a repeat of a comparison every strategy is open at once and they take turns every
-checkpoint cycle (:func:`nbckpt.bench.compare`): a cycle is the checkpoint due at its start,
-``every`` training steps, and the wait for that checkpoint's write before the next strategy's
-turn. A *cycle pair* is one cycle of a strategy and the same cycle (same steps, same batches)
-of the ``none`` baseline of the same repeat, trained seconds apart, so that a burst of other
-work or a drift of the machine's speed falls on both. The first cycle (no checkpoint is due
-before step 1) and the final one (the last checkpoint and the wait for its write, with no steps
-after it) are joined into one pair, so that no baseline cycle is empty and every pair holds one
-checkpoint and its write.
+**Pairs.** In a repeat every strategy is open at once and they take turns every checkpoint
+cycle: the checkpoint due at its start, ``every`` training steps, and the wait for that
+checkpoint's write before the next strategy's turn. A *cycle pair* is one cycle of a strategy
+and the same cycle (same steps, same batches) of the ``none`` baseline of the same repeat,
+trained seconds apart, so that a burst of other work falls on both. The first cycle (no
+checkpoint before step 1) and the final one (the last checkpoint and its write, no steps) are
+joined into one pair, so that every pair holds one checkpoint and its write.
 
-**Overhead.** Each pair gives ``d = ln(loop time / baseline loop time)``. The overhead is
-``100 * (exp(mean d) - 1) %``: the ratio of the strategy's loop time to the baseline measured
-beside it, minus one (a geometric mean over the cycles). The interval is computed for the mean
-of ``d``, where ratios live, and then transformed: it can never reach below -100 % (a loop
-that took no time), and it is as wide for a 10x slowdown as for a 10x speed-up.
+**Overhead.** Each pair gives ``d = ln(loop time / baseline loop time)``; the overhead is
+``100 * (exp(mean d) - 1) %``. The interval is computed for the mean of ``d`` and transformed:
+it never reaches below -100 %, and is as wide for a 10x slowdown as for a 10x speed-up.
 
-**Cycles and repeats.** The cycles of one repeat share that repeat's strategy objects, buffers,
-files and moment on the machine: they are not independent, and counting them as if they were
-(pseudo-replication) makes an interval too narrow. The ``d`` values are read as a
-random-intercept model ``d = mu + a(repeat) + e(cycle)`` (:func:`clustered_mean`):
+**Cycles and repeats.** Cycles of one repeat share its objects, files and moment on the
+machine: counting them as independent makes an interval too narrow. ``d`` is read as
+``mu + a(repeat) + e(cycle)`` (:func:`clustered_mean`):
 
-- when the repeats' means differ by more than the cycles within a repeat would make them
-  (between-repeat mean square above the within-repeat one), the interval rests on the repeats:
-  the cluster-robust variance of the mean, Student's t with ``repeats - 1`` degrees of freedom
-  (2 for 3 repeats: wide, as it must be when repeats disagree);
-- when they do not, the repeat effect is estimated as zero and every cycle counts: the variance
-  of all cycles over their number, t with ``cycles - 1`` degrees of freedom (11 for 3 repeats of
-  4 cycles), which is what makes 3 repeats enough on a busy machine;
-- when they disagree although every repeat shows the change on its own (its mean is more than a
-  t-quantile of standard errors from 0, on the same side, with the within-repeat variance pooled:
-  an intersection-union test, which keeps the 5 % level), the repeats differ in the size of a
-  change they all show. Such a cost varies by a factor between repeats (the write's time
-  depends on what else the disk and the cores do), so the interval is the t-interval (``repeats
-  - 1`` degrees of freedom) of the mean of the repeats' ln extra time, ``ln(exp(d) - 1)``, read
-  back as an overhead. Beside a spinning core torch-save's repeats of the Lab's default run were
+- when the repeats' means differ no more than their cycles would make them (between-repeat mean
+  square at most the within-repeat one), every cycle counts: t with ``cycles - 1`` degrees of
+  freedom (11 for 3 repeats of 4 cycles), which makes 3 repeats enough on a busy machine;
+- when they differ more, the interval rests on the repeats: the cluster-robust variance of the
+  mean, t with ``repeats - 1`` degrees of freedom (wide, as it must be);
+- when they differ although every repeat shows the change on its own (its mean more than a
+  t-quantile of standard errors from 0, on the same side, the within-repeat variance pooled: an
+  intersection-union test at the 5 % level), the cost varies by a factor between repeats, and
+  the interval is the t-interval (``repeats - 1`` df) of the repeats' ln extra time,
+  ``ln(exp(d) - 1)``, read back as an overhead. Beside a spinning core torch-save's repeats were
   2.6x, 14.5x and 4.9x slower than ``none``: +469 % [+31, +6232] %, where a t over the repeats
-  alone says [-34, +4805] %.
+  says [-34, +4805] %.
 
-For equal numbers of cycles per repeat the first two are what a REML fit of that model gives,
-with Satterthwaite's degrees of freedom. In simulated runs of 3 repeats of 4 cycles, with noise as
-measured on this project's shared 2-core machine, the interval covered the true overhead in 93 %
-or more of them where the repeats' true overheads differed by up to a factor of 1.8 (0.6 in
-``d``), and 89 % where they differed by 2.7x around no change at all; it found a 2x slowdown in
-86-99 % of them (99 % with the noise of ``tests/bench/test_stats.py``). A run's stopped cycle is
-left out; its other cycles count.
+For equal cycles per repeat the first two are what a REML fit of that model gives. In simulated
+runs of 3 repeats of 4 cycles with this project's measured noise, the interval covered the true
+overhead in 89-93 % or more of them and found a 2x slowdown in 86-99 %. A stopped cycle is left
+out; the run's other cycles count.
 
-**One repeat** (``--repeats 1``, or a run stopped in its second repeat) cannot show how much
-repeats disagree. Its interval allows for a between-repeat spread at least as large as one
-cycle's, and at least as large as repeats were seen to disagree on a busy shared 2-core machine
-(torch-save 7, 12 and 21 times slower than ``none`` in three repeats: a standard deviation of
-0.55 in ``d``, :data:`ONE_REPEAT_SPREAD`): ``var = max(s^2, 0.55^2) + s^2/cycles``, t with
-``cycles - 1`` degrees of freedom, and the row says it rests on one repeat. Only an effect of
-about 5x or more is measurable from one repeat of four cycles; for repeats that disagree less
-than that, three are always firmer together than any one of them alone: fewer data never give
-a firmer verdict.
+**One repeat** cannot show how much repeats disagree. Its interval allows for a between-repeat
+spread at least as large as one cycle's and as repeats were seen to disagree on a busy 2-core
+machine (torch-save 7, 12 and 21 times slower than ``none``: 0.55 in ``d``,
+:data:`ONE_REPEAT_SPREAD`): ``var = max(s^2, 0.55^2) + s^2/cycles``, t with ``cycles - 1`` df.
+Fewer data never give a firmer verdict: one repeat is never firmer than three.
 
-**Verdict.** An overhead is measurable when its 95 % interval excludes 0. Tables always show
-the estimate and its interval, "no measurable difference" only beside an interval that
-contains 0, the overhead of each repeat (do they agree?) and what the row rests on.
+**Verdict.** An overhead is measurable when its 95 % interval excludes 0. Tables show the
+estimate and its interval always, "no measurable difference" only beside an interval that
+contains 0, each repeat's overhead and what the row rests on.
 
 **Drag** is the loop time a cycle with a checkpoint lost beyond its stall, against the
 baseline's same cycle: ``(loop - baseline loop) - stall`` per checkpoint, in seconds, with the
-same clustered interval. Background work can only slow steps down, so a drag below 0 is noise:
-where its interval contains 0 the table says "noise", where the whole interval is below 0 it
-says "below 0", a measurement problem; the advisor counts a drag that is not measurable as 0.
+same interval. Background work can only slow steps down: where the interval contains 0 the
+table says "noise", where it is all below 0 "below 0", a measurement problem.
 """
 
 from __future__ import annotations
@@ -82,7 +65,6 @@ from .._util import check_count
 
 __all__ = [
     "CONFIDENCE",
-    "METHOD_REFERENCE",
     "ONE_REPEAT_SPREAD",
     "OVERHEAD_DEFINITION",
     "OVERHEAD_METHOD",
@@ -105,21 +87,15 @@ CONFIDENCE = 0.95
 ONE_REPEAT_SPREAD = 0.55
 #: The method in full: this module's docstring (``print(nbckpt.bench.OVERHEAD_METHOD)``).
 OVERHEAD_METHOD: str = __doc__ or ""
-#: Where the method is stated in full.
-METHOD_REFERENCE = ("print(nbckpt.bench.OVERHEAD_METHOD), or docs/architecture.md, section "
-                    "'How overhead is measured'")
 #: The definition printed under every table nbckpt shows.
 OVERHEAD_DEFINITION = (
     "Overhead: the ratio of the training loop's time to that of the `none` baseline trained beside "
     "it, 100 x (ratio - 1) %, paired per checkpoint cycle (same steps and batches, the strategies "
-    "taking turns every cycle) and averaged in log space, so an interval never reaches below "
-    "-100 %. Stalls (a save's own stall plus its wait for the earlier save), steps slowed by "
-    "background writes and the wait for the last write at the end count. 95 % interval: the "
-    "cycles of all repeats count when the repeats agree, the repeats alone (t with repeats - 1 "
-    "df) when they disagree, the log of their extra time when they disagree on the size of a "
-    "change every one of them shows; one repeat allows for the disagreement it cannot see, so "
-    "it is never firmer than three. 'no measurable difference': the interval contains 0. "
-    f"Method: {METHOD_REFERENCE}."
+    "taking turns every cycle) and averaged in log space. Stalls, steps slowed by background "
+    "writes and the wait for the last write count. 95 % interval: the cycles of all repeats count "
+    "when the repeats agree, the repeats alone when they do not; one repeat is never firmer than "
+    "three. 'no measurable difference': the interval contains 0. Method: "
+    "print(nbckpt.bench.OVERHEAD_METHOD)."
 )
 
 # Two-sided 95 % quantiles of Student's t for 1 to 30 degrees of freedom.
@@ -174,19 +150,20 @@ class Clustered:
     @property
     def method(self) -> str:
         """How the interval was made, in words (the ``overhead_method`` column)."""
-        if self.basis == "pooled":
-            return (f"cycles pooled: the {self.repeats} repeats agree (they differ no more than "
-                    f"their cycles do); t with {self.df} df")
-        if self.basis == "repeats":
-            return (f"{self.repeats} repeats: they disagree more than their cycles do; "
-                    f"cluster-robust t with {self.df} df")
-        if self.basis == "one repeat":
-            return (f"one repeat: its cycles, widened for the disagreement between repeats that "
-                    f"one repeat cannot show; t with {self.df} df")
-        if self.basis == "every repeat":
-            return (f"every one of the {self.repeats} repeats shows it on its own cycles, but they "
-                    f"disagree on its size: t with {self.df} df on the log of their extra time")
-        return "no interval: fewer than 2 cycle pairs"
+        text = _METHODS.get(self.basis, "no interval: fewer than 2 cycle pairs")
+        return text.format(repeats=self.repeats, df=self.df)
+
+
+_METHODS = {
+    "pooled": "cycles pooled: the {repeats} repeats agree (they differ no more than their cycles "
+              "do); t with {df} df",
+    "repeats": "{repeats} repeats: they disagree more than their cycles do; cluster-robust t with "
+               "{df} df",
+    "one repeat": "one repeat: its cycles, widened for the disagreement between repeats that one "
+                  "repeat cannot show; t with {df} df",
+    "every repeat": "every one of the {repeats} repeats shows it on its own cycles, but they "
+                    "disagree on its size: t with {df} df on the log of their extra time",
+}
 
 
 def clustered_mean(groups: Sequence[Sequence[float]], *,
@@ -290,53 +267,44 @@ def interval_text(interval: Sequence[float] | None, unit: str = "%", digits: int
     return f"[{lo:+.{digits}f}, {hi:+.{digits}f}] {unit}".rstrip()
 
 
-def _getter(row: Any) -> Any:
-    if isinstance(row, Mapping):
-        return row.get
-    return lambda key, default=None: getattr(row, key, default)
-
-
 def _number(value: Any) -> float:
     try:
-        number = float(value)
+        return float(value)
     except (TypeError, ValueError):
         return math.nan
-    return number
 
 
-def overhead_text(row: Any) -> str:
+def overhead_text(row: Mapping[Any, Any]) -> str:
     """A results row's overhead: ``+12.3 %``, ``+1.5 % (no measurable difference)`` where the
     interval contains 0, ``baseline`` for ``none``, ``-`` where nothing could be paired."""
-    get = _getter(row)
-    if str(get("strategy", "")) == "none":
+    if str(row.get("strategy", "")) == "none":
         return "baseline"
-    pct = _number(get("overhead_pct", math.nan))
+    pct = _number(row.get("overhead_pct", math.nan))
     if not math.isfinite(pct):
         return "-"
     text = f"{pct:+.1f} %"
-    if not measurable(get("overhead_ci_pct", None)):
+    if not measurable(row.get("overhead_ci_pct")):
         text += " (no measurable difference)"
     return text
 
 
-def per_repeat_text(row: Any) -> str:
+def per_repeat_text(row: Mapping[Any, Any]) -> str:
     """Each repeat's overhead, ``+10.1, +12.0, +14.2 %``, so a reader sees whether they agree."""
-    values = [_number(v) for v in (_getter(row)("overhead_by_repeat_pct", None) or [])]
+    values = [_number(v) for v in (row.get("overhead_by_repeat_pct") or [])]
     shown = [f"{v:+.1f}" for v in values if math.isfinite(v)]
     return ", ".join(shown) + " %" if shown else "-"
 
 
-def drag_text(row: Any) -> str:
+def drag_text(row: Mapping[Any, Any]) -> str:
     """A row's drag per checkpoint: ``+0.0123 s`` where measurable, ``noise`` (with the point
     and interval) where its interval contains 0, ``below 0: measurement problem`` where the
     whole interval is below 0, ``-`` where not measured."""
-    get = _getter(row)
-    drag = _number(get("drag_s", math.nan))
+    drag = _number(row.get("drag_s", math.nan))
     if not math.isfinite(drag):
         return "-"
-    interval = get("drag_ci_s", None)
+    interval = row.get("drag_ci_s")
     span = interval_text(interval, "s", digits=4)
-    if not measurable(interval):
+    if interval is None or not measurable(interval):
         return f"noise ({drag:+.4f} s, {span})" if span != "-" else f"{drag:+.4f} s (no interval)"
     if _number(interval[1]) < 0:
         return f"below 0: measurement problem ({drag:+.4f} s, {span})"

@@ -1,11 +1,10 @@
-"""The :class:`Strategy` interface, and the strategies that need no process group.
+"""The :class:`Strategy` interface every checkpoint strategy implements, and its helpers.
 
-A strategy writes under ``<directory>/<name>/``. The experiment runner times every ``save``
-(and ``before_step`` where a strategy declares it may block) as the stall the training loop
-sees; strategies record what happens inside (``stage``, ``persist``, ``wait``, ``fsync``,
-``commit``) into the timeline they are given, so a timeline shows background persistence
-under the training steps. Here: the ``none`` baseline, ``torch-save`` and nbckpt's own
-:class:`~nbckpt.Checkpointer`; DCP's strategies are in :mod:`._dcp`.
+A strategy writes under ``<directory>/<name>/``. The runner times every ``save`` (and
+``before_step`` where a strategy declares it may block) as the stall the training loop sees;
+strategies record what happens inside (``stage``, ``persist``, ``wait``, ``fsync``, ``commit``)
+into the timeline they are given. The built-in strategies are in :mod:`._strategies` and
+:mod:`._dcp`.
 """
 
 from __future__ import annotations
@@ -14,30 +13,17 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import is_url
-from ..engine import Checkpointer, Event, Timeline
-from ..engine._internal import fsync_dir, now_ns, step_name
+from ..engine import Event, Timeline
+from ..engine._internal import now_ns, step_name
 
-__all__ = [
-    "WAIT_NOISE_NS",
-    "BlockingSave",
-    "NbckptAsync",
-    "NbckptAsyncOverlap",
-    "NbckptStrategy",
-    "NbckptSync",
-    "NoCheckpoint",
-    "Strategy",
-    "TorchSave",
-    "failing_as",
-    "join",
-    "plain_state",
-    "tensor_bytes",
-]
+__all__ = ["WAIT_NOISE_NS", "BlockingSave", "Strategy", "failing_as", "join", "plain_state",
+           "tensor_bytes"]
 
 
 # A wait for background work shorter than this is bookkeeping (the work was already done), not
@@ -158,16 +144,6 @@ class Strategy(ABC):
         return f"<Strategy {self.name}>"
 
 
-class NoCheckpoint(Strategy):
-    name = "none"
-    description = "no checkpoints: the baseline"
-    writes_checkpoints = False
-    local_only = False
-
-    def save(self, state: Mapping[str, Any], step: int) -> None:
-        raise ConfigError("the 'none' strategy does not save")
-
-
 class BlockingSave(Strategy):
     """A save that returns once the checkpoint is durable: one ``persist`` event, the whole save."""
 
@@ -187,86 +163,3 @@ class BlockingSave(Strategy):
     @abstractmethod
     def write(self, plain: dict[str, Any], path: str) -> None:
         """Write ``plain`` to ``path``, durably, before returning."""
-
-
-class TorchSave(BlockingSave):
-    name = "torch-save"
-    description = "torch.save of the state dicts to one file, fsync of file and directory"
-    writer = "torch.save"
-    suffix = ".pt"
-
-    def write(self, plain: dict[str, Any], path: str) -> None:
-        with open(path, "wb") as stream:
-            torch.save(plain, stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-        fsync_dir(self.path)
-
-
-class NbckptStrategy(Strategy):
-    """nbckpt's own :class:`~nbckpt.Checkpointer`; its events are forwarded to the timeline."""
-
-    mode: ClassVar[Literal["sync", "async"]] = "async"
-    overlap: ClassVar[bool] = False
-    local_only = False
-
-    def __init__(self, storage_options: Mapping[str, Any] | None = None, **options: Any) -> None:
-        super().__init__(storage_options)
-        self.options = options
-        self.checkpointer: Checkpointer | None = None
-
-    def open(self, directory: str, timeline: Timeline) -> None:
-        super().open(directory, timeline)
-        self.checkpointer = Checkpointer(
-            self.path, mode=self.mode, storage_options=self.storage_options, **self.options
-        )
-        self.checkpointer.timeline.add_listener(self._forward)
-
-    def _forward(self, event: Event) -> None:
-        # The runner times the stall itself (adapter included); everything else is the engine's.
-        if event.kind != "stall":
-            self.record(event.kind, event.start_ns, event.end_ns, step=event.step,
-                        nbytes=event.bytes, **event.detail)
-
-    def _require(self) -> Checkpointer:
-        if self.checkpointer is None:
-            raise ConfigError(f"strategy {self.name} is not open; call open() first")
-        return self.checkpointer
-
-    def save(self, state: Mapping[str, Any], step: int) -> None:
-        self._require().save(state, step, overlap=self.overlap)
-
-    def before_step(self) -> None:
-        if self.overlap:
-            self._require().wait_staged()
-
-    def finish(self) -> None:
-        self._require().wait()
-
-    def save_cpu_s(self) -> float | None:
-        records = self.checkpointer.records if self.checkpointer is not None else []
-        return sum(record.cpu_s for record in records) if records else None
-
-    def close(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-            self.checkpointer = None
-
-
-class NbckptSync(NbckptStrategy):
-    name = "nbckpt-sync"
-    description = "nbckpt Checkpointer, mode='sync' (atomic, checksummed, blocking)"
-    mode = "sync"
-
-
-class NbckptAsync(NbckptStrategy):
-    name = "nbckpt-async"
-    description = "nbckpt Checkpointer, mode='async': copy into reused buffers, persist behind"
-
-
-class NbckptAsyncOverlap(NbckptStrategy):
-    name = "nbckpt-async-overlap"
-    description = "nbckpt async with overlap=True: the copy runs under the next forward/backward"
-    overlap = True
-    blocks_before_step = True
-    stall_covers_copy = False

@@ -7,8 +7,8 @@ Every workload states its size before it allocates anything::
     >>> w.build()                # ConfigError if it will not fit in free memory
     >>> w.train_step(); state = w.state()   # {"model": ..., "optim": ..., "step": ...}
 
-Batches are synthetic tokens from a seeded generator: step ``i`` of a workload with
-seed ``s`` always sees the same batch, so every strategy of a comparison does the same work.
+Batches are random tokens from a seeded generator: step ``i`` of a workload with seed ``s``
+always sees the same batch, so every strategy of a comparison does the same work.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,45 +92,27 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-class _Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.n_head = cfg.n_head
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
-        return out
-
-
 class GPT(nn.Module):
-    """A pre-LayerNorm decoder-only transformer with tied input and output embeddings."""
+    """A pre-LayerNorm decoder-only transformer (torch's own layers, causally masked) with tied
+    input and output embeddings."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.n_layer))
+        layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.n_head, 4 * cfg.d_model, dropout=0.0,
+                                           activation="gelu", batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, cfg.n_layer, enable_nested_tensor=False)
         self.ln_f = nn.LayerNorm(cfg.d_model)
         # GPT-2's initial scale keeps the tied logits (and the first loss) sensible.
         for embedding in (self.tok, self.pos):
             nn.init.normal_(embedding.weight, std=0.02)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(positions)
-        for block in self.blocks:
-            x = block(x)
+        length = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(length, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=idx.device)
+        x = self.blocks(x, mask=mask, is_causal=True)
         logits: torch.Tensor = self.ln_f(x) @ self.tok.weight.T
         return logits
 
@@ -194,9 +176,6 @@ class Workload(ABC):
         if not self.built:
             raise ConfigError(f"workload {self.name} is not built yet; call build() first")
 
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.describe()}>"
-
 
 class GPTWorkload(Workload):
     """A GPT decoder trained with AdamW on deterministic synthetic tokens."""
@@ -211,10 +190,6 @@ class GPTWorkload(Workload):
         self.nbytes = config.checkpoint_bytes()
         self.model: GPT | None = None
         self.optim: torch.optim.AdamW | None = None
-        self.last_loss = math.nan
-        # Bigram table the synthetic text follows, so the loss has something to learn.
-        table = torch.Generator().manual_seed(seed)
-        self._next_token = torch.randperm(config.vocab, generator=table)
 
     def describe(self) -> str:
         return (
@@ -224,21 +199,14 @@ class GPTWorkload(Workload):
             f"{self.device}"
         )
 
-    def memory_needed(self) -> tuple[int, int]:
-        """(host bytes, device bytes) for training plus one staged checkpoint copy."""
-        cfg = self.config
-        training = self.params * _TRAIN_BYTES_PER_PARAM + cfg.activation_bytes(
-            2 if self.device == "cuda" else 4
-        )
-        if self.device == "cuda":
-            return self.nbytes, training
-        return training + self.nbytes, 0
-
     def build(self) -> None:
         """Allocate model and AdamW state; one step runs so checkpoints have their full size."""
         if self.built:
             return
-        host, device = self.memory_needed()
+        cuda = self.device == "cuda"
+        # Training plus one staged checkpoint copy on the host.
+        training = self.params * _TRAIN_BYTES_PER_PARAM + self.config.activation_bytes(2 if cuda else 4)
+        host, device = (self.nbytes, training) if cuda else (training + self.nbytes, 0)
         _require_memory(f"gpt-{self.name}", host, device, device=self.device)
         torch.manual_seed(self.seed)
         self.model = GPT(self.config).to(self.device)
@@ -253,25 +221,16 @@ class GPTWorkload(Workload):
         """Inputs and targets of ``step``: a function of the seed and the step only."""
         cfg = self.config
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        tokens = torch.empty(cfg.batch_size, cfg.seq_len + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(cfg.vocab, (cfg.batch_size,), generator=gen)
-        noise = torch.randint(cfg.vocab, (cfg.batch_size, cfg.seq_len), generator=gen)
-        follow = torch.rand(cfg.batch_size, cfg.seq_len, generator=gen) < 0.9
-        for t in range(cfg.seq_len):
-            tokens[:, t + 1] = torch.where(follow[:, t], self._next_token[tokens[:, t]], noise[:, t])
+        tokens = torch.randint(cfg.vocab, (cfg.batch_size, cfg.seq_len + 1), generator=gen)
         tokens = tokens.to(self.device)
         return tokens[:, :-1], tokens[:, 1:]
-
-    def _autocast(self) -> AbstractContextManager[Any]:
-        if self.device == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return nullcontext()
 
     def train_step(self, before_update: Callable[[], None] | None = None) -> None:
         self._require_built()
         assert self.model is not None and self.optim is not None
         inputs, targets = self.batch(self.step)
-        with self._autocast():
+        cuda = self.device == "cuda"
+        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
             logits = self.model(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
@@ -279,7 +238,6 @@ class GPTWorkload(Workload):
             before_update()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
-        self.last_loss = float(loss.detach())
         self.step += 1
 
     def state(self) -> dict[str, Any]:

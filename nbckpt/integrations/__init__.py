@@ -6,7 +6,7 @@
   (``pip install nbckpt[hf]``);
 - :mod:`nbckpt.integrations.accelerate`: ``AcceleratorCheckpointer``, everything an
   ``accelerate.Accelerator`` tracks (``pip install nbckpt[accelerate]``);
-- :func:`export` and :func:`load`: a step directory or pointer file as one ``torch.load``-able
+- :func:`export` and :func:`load`: a step directory or a pointer to one as one ``torch.load``-able
   dict (``nbckpt export STEP_DIR out.pt``).
 
 Importing this package imports no framework: each lives in its module.
@@ -14,7 +14,6 @@ Importing this package imports no framework: each lives in its module.
 
 from __future__ import annotations
 
-from ._common import load
-from ._export import export
+from ._common import export, load
 
 __all__ = ["export", "load"]

@@ -1,23 +1,14 @@
 """nbckpt in an ``accelerate`` loop: what ``accelerator.save_state`` saves, saved asynchronously.
 
->>> from nbckpt.integrations.accelerate import AcceleratorCheckpointer
 >>> model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 >>> ckpt = AcceleratorCheckpointer(accelerator, "ckpt/run1", keep=2)
 >>> step = ckpt.restore()              # instead of accelerator.load_state(...); 0 on a fresh start
->>> ...
 >>> ckpt.save(step)                    # instead of accelerator.save_state(...)
 
-The state is what accelerate itself tracks, so nothing is listed by hand: every prepared model
-(unwrapped from DDP), optimizer and LR scheduler, every object passed to
-``accelerator.register_for_checkpointing``, the dataloaders that keep a position
-(``use_stateful_dataloader``: one per rank), the gradient scaler, ``accelerator.step``, and the
-RNG states of every rank (``capture_rng`` is always on). Under ``accelerate launch`` or
-``torchrun`` every rank calls ``save`` and ``restore`` (the model and optimizer are written once,
-spread over the ranks). ``save`` returns once the state is copied; the write runs in the
-background.
-
-Not covered: FSDP, DeepSpeed, Megatron-LM and XLA (their state is sharded or lives elsewhere:
-use ``accelerator.save_state``).
+The state is what accelerate itself tracks (:meth:`AcceleratorCheckpointer.state`), with every
+rank's RNG states. Under ``accelerate launch`` or ``torchrun`` every rank calls ``save`` and
+``restore``. FSDP, DeepSpeed, Megatron-LM and XLA are refused: their state is sharded or lives
+elsewhere (use ``accelerator.save_state``).
 """
 
 from __future__ import annotations
@@ -33,12 +24,10 @@ from ..engine import Checkpointer, RetentionPolicy, SaveHandle
 
 __all__ = ["AcceleratorCheckpointer"]
 
-_UNSUPPORTED = {
-    DistributedType.FSDP,
-    DistributedType.DEEPSPEED,
-    DistributedType.MEGATRON_LM,
-    DistributedType.XLA,
-}
+#: Sharded state, or state held elsewhere: accelerator.save_state's own.
+_UNSUPPORTED = (
+    DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA
+)
 #: Options decided here: every rank's RNG states are saved, every rank saves its part.
 _RESERVED = {"capture_rng", "ranks", "read_only"}
 
@@ -78,7 +67,10 @@ class AcceleratorCheckpointer:
 
     def state(self) -> dict[str, Any]:
         """What ``accelerator.save_state`` saves, as a Checkpointer state (objects by reference,
-        named as accelerate names its files: ``model``, ``model_1``, ``optimizer``, ...)."""
+        named as accelerate names its files: ``model``, ``model_1``, ``optimizer``, ...): every
+        prepared model (unwrapped from DDP), optimizer and LR scheduler, the objects given to
+        ``register_for_checkpointing``, the dataloaders that keep a position (one per rank), the
+        gradient scaler and ``accelerator.step``."""
         acc = self.accelerator
         state: dict[str, Any] = {}
         groups = {

@@ -308,9 +308,9 @@ class Lab:
         if not self.strategies.value:
             raise ConfigError("select at least one strategy")
         synthetic = self.preset.value == SYNTHETIC
+        preset, size_mb = (None, self.size_mb.value) if synthetic else (self.preset.value, None)
         return {"strategies": list(self.strategies.value), "directory": self.path.value, "steps": steps,
-                "every": every, "repeats": repeats, "device": self.device.value,
-                "workload": (None, self.size_mb.value) if synthetic else (self.preset.value, None)}
+                "every": every, "repeats": repeats, "workload": (preset, size_mb, self.device.value)}
 
     def _set_busy(self, busy: bool) -> None:
         for control in (self.run_button, self.path, self.preset, self.device, self.strategies,
@@ -342,8 +342,7 @@ class Lab:
         from ..bench import compare, make_workload
 
         try:
-            preset, size_mb = settings.pop("workload")
-            workload = make_workload(preset, size_mb, settings["device"], compute_ms=self.compute_ms)
+            workload = make_workload(*settings.pop("workload"), compute_ms=self.compute_ms)
             comparison = compare(workload, **settings, warmup=self.warmup, stop=self._stop,
                                  progress=lambda line: self._post("log", line),
                                  on_event=lambda event: self._post("event", event))

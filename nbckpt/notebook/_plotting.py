@@ -14,11 +14,11 @@ from ._live_figure import live_figure
 __all__ = ["output", "require_columns", "strategy_colour"]
 
 # plotly's D3 colours in the order the built-in strategies register (none, torch-save,
-# dcp-sync, dcp-async, dcp-async-process, dcp-async-stager, nbckpt-sync, nbckpt-async,
-# nbckpt-async-overlap), so each keeps the colour it has always had in nbckpt's figures.
+# dcp-sync, dcp-async, dcp-async-stager, nbckpt-sync, nbckpt-async, nbckpt-async-overlap),
+# so each keeps the colour it has always had in nbckpt's figures.
 _REGISTRY_PALETTE = (
-    "#7f7f7f", "#d62728", "#ff7f0e", "#bcbd22", "#8c564b", "#e377c2", "#9467bd", "#2ca02c",
-    "#1f77b4", "#17becf",
+    "#7f7f7f", "#d62728", "#ff7f0e", "#bcbd22", "#e377c2", "#9467bd", "#2ca02c", "#1f77b4",
+    "#17becf",
 )
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from nbckpt import Event, Timeline, bench
-from nbckpt.bench import _aggregate, _result, _stats
+from nbckpt.bench import _result, _stats
 
 SEEDS = range(200)
 REPEATS, CYCLES = 3, 4  # the Lab's defaults: 3 repeats of 20 steps, a checkpoint every 5
@@ -112,7 +112,7 @@ def fake_run(name: str, repeat: int, cycle_loops: list[float], *, stall_s: float
     events += [Event("stall", 0, round(stall_s * 1e9), step=every * i, label=name,
                            detail={"part": "save"}) for i in range(1, len(cycles)) if name != "none"]
     return _result.ExperimentResult(
-        strategy=name, workload="fake", device="cpu", steps=steps, every=every, bytes=1 << 20,
+        strategy=name, bytes=1 << 20,
         timeline=Timeline(label=name), wall_s=sum(cycle_loops), peak_host_mb=1.0,
         stopped=stopped, events=events, repeat=repeat, cycles=cycles,
     )
@@ -140,7 +140,7 @@ def issue_runs(seed: int = 0) -> dict[str, list[_result.ExperimentResult]]:
 def test_the_issue_run_is_measurable_and_never_below_minus_100_percent() -> None:
     """Reported as 'no measurable difference [-471.3, +3009.0] %' before: per-repeat overheads
     averaged in linear space. In log space, with the cycles paired, it is measurable."""
-    results = _aggregate.aggregate(issue_runs(), FLOORS).set_index("strategy")
+    results = _result.aggregate(issue_runs(), FLOORS).set_index("strategy")
     row = results.loc["torch-save"]
     lo, hi = row["overhead_ci_pct"]
     assert lo > 0 and lo > -100 and hi > row["overhead_pct"] > lo
@@ -152,7 +152,7 @@ def test_the_issue_run_is_measurable_and_never_below_minus_100_percent() -> None
     assert row["overhead_basis"] == "3 repeats, 12 cycles"
     # after Stop: the first repeat alone is less firm than the three, never more
     stopped = {name: runs[:1] for name, runs in issue_runs().items()}
-    alone = _aggregate.aggregate(stopped, FLOORS).set_index("strategy").loc["torch-save"]
+    alone = _result.aggregate(stopped, FLOORS).set_index("strategy").loc["torch-save"]
     lo1, hi1 = alone["overhead_ci_pct"]
     assert math.log1p(hi1 / 100) - math.log1p(lo1 / 100) > math.log1p(hi / 100) - math.log1p(lo / 100)
     assert alone["overhead_basis"] == "1 repeat, 4 cycles (widened)"
@@ -228,7 +228,7 @@ def test_overhead_pairs_each_cycle_with_the_baselines_same_cycle() -> None:
         base = [c * drift for c in cycles]
         runs["none"].append(fake_run("none", repeat, base))
         runs["slow"].append(fake_run("slow", repeat, [c * factor for c in base], stall_s=0.001))
-    row = _aggregate.aggregate(runs, FLOORS).set_index("strategy").loc["slow"]
+    row = _result.aggregate(runs, FLOORS).set_index("strategy").loc["slow"]
     assert row["overhead_pct"] == pytest.approx(11.99, abs=0.01)
     assert row["overhead_ci_pct"] == pytest.approx([7.13, 17.07], abs=0.01)
     assert row["overhead_by_repeat_pct"] == pytest.approx([10.0, 12.0, 14.0])
@@ -241,5 +241,5 @@ def test_overhead_pairs_each_cycle_with_the_baselines_same_cycle() -> None:
         expected += [(factor - 1) * c * drift - 0.001 for c in joined]
     assert row["drag_s"] == pytest.approx(float(np.mean(expected)))
     assert row["drag_ci_s"][0] < row["drag_s"] < row["drag_ci_s"][1]
-    baseline = _aggregate.aggregate(runs, FLOORS).set_index("strategy").loc["none"]
+    baseline = _result.aggregate(runs, FLOORS).set_index("strategy").loc["none"]
     assert baseline["overhead_pct"] == 0 and baseline["overhead_basis"] == "baseline"

@@ -54,10 +54,12 @@ def test_export_writes_one_nested_dict_with_values(tmp_path: Path) -> None:
 
 def test_export_refuses_what_is_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "old.ckpt").write_text('{"format": "nbckpt-pointer/1", "root": "run", "step": 3}\n')
     for source, message in [
         (tmp_path, "not a checkpoint step"),
         (tmp_path / "missing", "does not exist"),
         (tmp_path / "notes.txt", "neither"),
+        (tmp_path / "old.ckpt", "pointer file of an earlier nbckpt"),
     ]:
         with pytest.raises(ConfigError, match=message):
             export(source, tmp_path / "out.pt")

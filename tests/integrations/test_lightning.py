@@ -19,21 +19,18 @@ from integrations.lit_app import TinyModel, digest, fit
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError, CustomSteps
 from nbckpt.integrations import export, load
-from nbckpt.integrations._common import Pointer, read_pointer
 from nbckpt.integrations.lightning import ROOT_NAME, NbckptCheckpointIO, load_from_checkpoint
 
 WORKER = Path(__file__).with_name("lit_app.py")
 
 
 def _names(directory: Path) -> dict[str, int]:
-    """Each pointer file in ``directory`` and the step it names."""
+    """Each pointer in ``directory`` (a symlink to a step of its nbckpt directory) and that step."""
     out = {}
     for path in directory.iterdir():
-        if path.is_file() and not path.is_symlink():
-            pointer = read_pointer(path)
-            if pointer is not None:
-                assert pointer.root == str(directory / ROOT_NAME)
-                out[path.name] = pointer.step
+        target = os.readlink(path) if path.is_symlink() else ""
+        if target.startswith(ROOT_NAME + os.sep):
+            out[path.name] = int(target.rsplit("-", 1)[1])
     return out
 
 
@@ -74,7 +71,7 @@ def test_topk_and_last_resume_bit_identical(tmp_path: Path, save_last: bool | Li
 def test_load_from_checkpoint_and_export(tmp_path: Path) -> None:
     model, t = fit(tmp_path, 2)
     best = t.checkpoint_callback.best_model_path  # type: ignore[union-attr]
-    assert read_pointer(best) is not None
+    assert Path(best).name in _names(tmp_path)
     loaded = load_from_checkpoint(TinyModel, best)
     assert loaded.hparams["tag"] == tmp_path  # a pathlib.Path hyperparameter comes back a Path
     assert digest(loaded) != digest(TinyModel())
@@ -131,14 +128,12 @@ def test_remove_and_rename_free_steps(tmp_path: Path) -> None:
     io.save_checkpoint({"w": net.state_dict(), "epoch": 1}, tmp_path / "last.ckpt")
     io.save_checkpoint({"w": net.state_dict(), "epoch": 1}, tmp_path / "b.ckpt")
     assert _names(tmp_path) == {"last.ckpt": 2, "b.ckpt": 2}
-    # the same tensors with a value changed: the step is shared, the pointer carries the value
+    # the same tensors with a value changed: a step of its own (a pointer names a step, no more)
     with pytest.warns(UserWarning, match=r"step 3 holds 'epoch', 'tag', 'w', the newest step \(2\) holds"):
         io.save_checkpoint({"w": net.state_dict(), "epoch": 2, "tag": None}, tmp_path / "c.ckpt")
     assert _steps(tmp_path) == [2, 3]  # a key more is another shape: a step of its own
     io.save_checkpoint({"w": net.state_dict(), "epoch": 5, "tag": "x"}, tmp_path / "d.ckpt")
-    assert read_pointer(tmp_path / "d.ckpt") == Pointer(
-        str(tmp_path / ROOT_NAME), 3, ((("epoch",), 5), (("tag",), "x"))
-    )
+    assert _names(tmp_path)["d.ckpt"] == 4
     assert io.load_checkpoint(tmp_path / "d.ckpt")["epoch"] == 5 and load(tmp_path / "c.ckpt")["tag"] is None
     io.remove_checkpoint(tmp_path / "b.ckpt")
     io.remove_checkpoint(tmp_path / "c.ckpt")
@@ -146,9 +141,9 @@ def test_remove_and_rename_free_steps(tmp_path: Path) -> None:
     assert io.host_bytes >= 2 * net.weight.nbytes  # staging held until teardown
     io.teardown()
     assert io.host_bytes == 0
-    assert [r.step for r in io.records] == [1, 2, 3]  # six names, three writes
-    assert _names(tmp_path) == {"last.ckpt": 2, "d.ckpt": 3}
-    assert _steps(tmp_path) == [2, 3]
+    assert [r.step for r in io.records] == [1, 2, 3, 4]  # six names, four writes
+    assert _names(tmp_path) == {"last.ckpt": 2, "d.ckpt": 4}
+    assert _steps(tmp_path) == [2, 4]
     assert load(tmp_path / "d.ckpt")["tag"] == "x" and load(tmp_path / "last.ckpt")["epoch"] == 1
 
 
@@ -263,20 +258,16 @@ def test_pytorch_lightning_trainer_accepts_the_plugin(tmp_path: Path) -> None:
     assert isinstance(trainer.strategy.checkpoint_io, NbckptCheckpointIO)
 
 
-def test_one_modelcheckpoint_event_is_one_save(tmp_path: Path) -> None:
+def test_an_event_whose_two_saves_are_equal_is_one_write(tmp_path: Path) -> None:
     # save_top_k=2, save_last=True: Lightning saves twice per event and changes last_model_path
     # in between, so at the first event the two checkpoint dicts differ in that string.
     _, t = fit(tmp_path / "one", 3)
     io = t.strategy.checkpoint_io
     assert isinstance(io, NbckptCheckpointIO)
-    assert [r.step for r in io.records] == [1, 2, 3]  # three events, three writes
+    assert [r.step for r in io.records] == [1, 2, 3, 4]  # three events, four writes: two at the first
     names = _names(tmp_path / "one")
-    assert names["last.ckpt"] == names["epoch=2-step=24.ckpt"] == 3
-    assert names["epoch=1-step=16.ckpt"] == 2
-    # at later events the two saves are one dict: no values to carry
-    assert read_pointer(tmp_path / "one" / "last.ckpt") == read_pointer(
-        tmp_path / "one" / "epoch=2-step=24.ckpt"
-    )
+    assert names["last.ckpt"] == names["epoch=2-step=24.ckpt"] == 4
+    assert names["epoch=1-step=16.ckpt"] == 3
 
     # the first event on its own: the top-k name holds last_model_path "" and last.ckpt its own path
     fit(tmp_path / "first", 1)
@@ -286,12 +277,7 @@ def test_one_modelcheckpoint_event_is_one_save(tmp_path: Path) -> None:
     key = next(k for k in last["callbacks"] if "ModelCheckpoint" in k)
     assert top_k["callbacks"][key]["last_model_path"] == ""
     assert last["callbacks"][key]["last_model_path"] == str(tmp_path / "first" / "last.ckpt")
-    assert _steps(tmp_path / "first") == [1]
-    path = ("callbacks", key, "last_model_path")
-    root = str(tmp_path / "first" / ROOT_NAME)
-    assert read_pointer(tmp_path / "first" / "last.ckpt") == Pointer(
-        root, 1, ((path, last["callbacks"][key]["last_model_path"]),)
-    )
+    assert _steps(tmp_path / "first") == [1, 2]
     # what plain load and export see too
     assert load(tmp_path / "first" / "last.ckpt")["callbacks"][key]["last_model_path"].endswith("last.ckpt")
     first.teardown()

@@ -398,7 +398,7 @@ def test_colours_follow_the_strategy_registry(monkeypatch: pytest.MonkeyPatch) -
 
     builtin = {
         "none": "#7f7f7f", "torch-save": "#d62728", "dcp-sync": "#ff7f0e", "dcp-async": "#bcbd22",
-        "dcp-async-process": "#8c564b", "dcp-async-stager": "#e377c2", "nbckpt-sync": "#9467bd",
+        "dcp-async-stager": "#e377c2", "nbckpt-sync": "#9467bd",
         "nbckpt-async": "#2ca02c", "nbckpt-async-overlap": "#1f77b4",
     }
     assert {name: strategy_colour(name) for name in builtin} == builtin
