@@ -1,10 +1,6 @@
-"""A run's checkpoints as the Browser lists them: its lines and steps read into rows, the rows of
-the steps and diff tables, verifying, loading and deleting a step through the holder of the
-directory. No widget here: :mod:`._browser` shows these and runs them from its buttons.
-
-Every read goes through a read-only Checkpointer opened for it and closed after it (no lock,
-nothing written), so the browser never holds the run's directory.
-"""
+"""A run's checkpoints as the Browser lists them: its steps read into rows, the rows of its
+tables, and deleting a step. Every read goes through a read-only Checkpointer opened for it and
+closed after it (no lock, nothing written): the browser never holds the run's directory."""
 
 from __future__ import annotations
 
@@ -13,10 +9,9 @@ import html
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pandas as pd
 import torch
@@ -26,20 +21,22 @@ from .._util import format_bytes
 from ..engine import Checkpointer
 from ..engine._internal import writer_of
 
-__all__ = ["DIFF_ROWS", "MAIN", "RowKey", "StepRow", "by_line", "delete_step", "diff_rows", "diff_summary",
-           "load_states", "open_reader", "read_row", "refusal", "saved_values", "step_row", "verdict"]
+__all__ = ["DIFF_ROWS", "MAIN", "RowKey", "StepRow", "delete_step", "diff_rows", "diff_summary", "per_line",
+           "read_run", "refusal", "saved_values", "step_row", "verdict"]
 
 RowKey = tuple[str, int]
 #: Tensors the diff table lists (most changed first); the whole frame is ``browser.diff_frame``.
 DIFF_ROWS = 50
 #: The line every run has; branches start from one of its steps.
 MAIN = "main"
+Lines = dict[str, dict[str, Any]]
+_T = TypeVar("_T")
+
 
 @dataclass(frozen=True)
 class StepRow:
-    """One committed step of one line, as its manifest describes it.
-
-    ``problem`` says why the manifest could not be read (the other facts are then None)."""
+    """One committed step of one line, as its manifest describes it; ``problem`` says why the
+    manifest could not be read (the other facts are then None), ``verdict`` what Verify found."""
 
     line: str
     step: int
@@ -52,6 +49,7 @@ class StepRow:
     values: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
+    verdict: str = "not checked"
 
     @property
     def key(self) -> RowKey:
@@ -68,86 +66,72 @@ class StepRow:
 
 
 def _tensors_in(value: Any) -> bool:
-    stack = [value]
-    while stack:
-        current = stack.pop()
-        if isinstance(current, torch.Tensor):
-            return True
-        current = vars(current) if isinstance(current, argparse.Namespace) else current
-        stack.extend(current.values() if isinstance(current, Mapping)
-                     else current if isinstance(current, (list, tuple)) else ())
-    return False
+    if isinstance(value, torch.Tensor):
+        return True
+    value = vars(value) if isinstance(value, argparse.Namespace) else value
+    if isinstance(value, Mapping):
+        return any(map(_tensors_in, value.values()))
+    return isinstance(value, (list, tuple)) and any(map(_tensors_in, value))
 
 
-def saved_values(state: Mapping[Any, Any]) -> dict[str, Any]:
+def saved_values(state: Mapping[Any, Any], prefix: str = "") -> dict[str, Any]:
     """The values saved beside the tensors, by dotted key: the state's plain entries and those
     of its containers that hold no tensor (hyperparameters, counters). A module's or an
     optimizer's own settings stay out (``nbckpt show`` lists everything)."""
     found: dict[str, Any] = {}
-    stack: list[tuple[str, Any]] = [(str(key), value) for key, value in reversed(list(state.items()))]
-    while stack:
-        path, value = stack.pop()
+    for key, value in state.items():
         # an optimizer that has not stepped holds no tensor, yet its param_groups are settings
         if _tensors_in(value) or (isinstance(value, Mapping) and set(value) == {"state", "param_groups"}):
             continue
         value = vars(value) if isinstance(value, argparse.Namespace) else value
         if isinstance(value, Mapping) and value:
-            stack.extend((f"{path}.{key}", item) for key, item in reversed(list(value.items())))
+            found.update(saved_values(value, f"{prefix}{key}."))
         else:
-            found[path] = value
+            found[f"{prefix}{key}"] = value
     return found
 
 
-def _number(value: Any, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "—"
-    if isinstance(value, float) and math.isinf(value):
-        return "∞" if value > 0 else "-∞"
-    return f"{value:.{digits}g}"
+def per_line(directory: str, storage_options: dict[str, Any], keys: Sequence[RowKey],
+             read: Callable[[Checkpointer, str, int], _T]) -> dict[RowKey, _T]:
+    """``read(reader, line, step)`` for each of ``keys``, with one read-only Checkpointer a line."""
+    found: dict[RowKey, _T] = {}
+    for line in dict.fromkeys(line for line, _ in keys):
+        # ranks="local": a browser in a torchrun'd kernel must never wait for the other ranks
+        with Checkpointer(directory, read_only=True, line=line, ranks="local", writer_threads=1,
+                          storage_options=storage_options) as reader:
+            found.update({key: read(reader, *key) for key in keys if key[0] == line})
+    return found
 
 
-def _provenance(origin: dict[str, Any]) -> str:
-    """The provenance of a step on one line: versions, git commit, program, host."""
-    parts = [f"{name} {origin[key]}" for name, key in
-             (("nbckpt", "nbckpt"), ("torch", "torch"), ("Python", "python")) if origin.get(key)]
-    git = origin.get("git")
-    if isinstance(git, dict) and git.get("commit"):
-        parts.append(f"git {str(git['commit'])[:10]}{' (dirty)' if git.get('dirty') else ''}")
-    if origin.get("program"):
-        parts.append(os.path.basename(str(origin["program"])) or str(origin["program"]))
-    return " · ".join([*parts, *([str(origin["host"])] if origin.get("host") else [])])
+def _gone(reader: Checkpointer, line: str, step: int) -> bool:
+    """The step was deleted since the listing (a run's retention)."""
+    return step not in reader.lines().get(line, {}).get("steps", ())
 
 
-@contextmanager
-def open_reader(directory: str, storage_options: dict[str, Any], line: str) -> Iterator[Checkpointer]:
-    """A read-only Checkpointer of ``line``, closed on leaving."""
-    # ranks="local": a browser in a torchrun'd kernel must never wait for the other ranks
-    reader = Checkpointer(directory, read_only=True, line=line, ranks="local",
-                          writer_threads=1, storage_options=storage_options)
-    try:
-        yield reader
-    finally:
-        reader.close()
+def read_run(directory: str, storage_options: dict[str, Any],
+             values: dict[str, dict[str, Any]]) -> tuple[Lines, list[StepRow]]:
+    """The run's lines and a row for each of their committed steps; ``values`` caches the saved
+    values by manifest checksum (read once per save)."""
 
+    def row(reader: Checkpointer, line: str, step: int) -> StepRow | None:
+        try:
+            manifest = reader.manifest(step)
+            checksum = str(manifest.get("checksum"))
+            if checksum not in values:
+                # map_location="meta": the values come from the manifest; no tensor byte is read
+                values[checksum] = saved_values(reader.load(step, map_location="meta"))
+        except CheckpointError as exc:
+            return None if _gone(reader, line, step) else StepRow(line, step, problem=str(exc))
+        timing = manifest.get("timing") or {}
+        return StepRow(line, step, nbytes=int(manifest["bytes"]), unix_time=float(manifest["unix_time"]),
+                       stage_s=timing.get("stage_s"), write_s=timing.get("write_s"),
+                       tensors=len(manifest["items"]), checksum=checksum, values=values[checksum],
+                       provenance=dict(manifest.get("provenance") or {}))
 
-def read_row(reader: Checkpointer, line: str, step: int, values: dict[str, dict[str, Any]]) -> StepRow | None:
-    """A step's row from its manifest; ``values`` caches the saved values by manifest checksum
-    (read once per save). None when the step was deleted since the listing."""
-    try:
-        manifest = reader.manifest(step)
-        checksum = str(manifest.get("checksum"))
-        if checksum not in values:
-            # map_location="meta": the values come from the manifest; no tensor byte is read
-            values[checksum] = saved_values(reader.load(step, map_location="meta"))
-    except CheckpointError as exc:
-        if step not in reader.lines().get(line, {}).get("steps", ()):
-            return None  # deleted since the listing (a run's retention): not damage
-        return StepRow(line, step, problem=str(exc))
-    timing = manifest.get("timing") or {}
-    return StepRow(line, step, nbytes=int(manifest["bytes"]), unix_time=float(manifest["unix_time"]),
-                   stage_s=timing.get("stage_s"), write_s=timing.get("write_s"),
-                   tensors=len(manifest["items"]), checksum=checksum, values=values[checksum],
-                   provenance=dict(manifest.get("provenance") or {}))
+    lines = per_line(directory, storage_options, [(MAIN, 0)], lambda reader, *_: reader.lines())[(MAIN, 0)]
+    rows = per_line(directory, storage_options,
+                    [(name, step) for name, line in lines.items() for step in line["steps"]], row)
+    return lines, [found for found in rows.values() if found is not None]
 
 
 def verdict(reader: Checkpointer, line: str, step: int) -> str:
@@ -155,30 +139,16 @@ def verdict(reader: Checkpointer, line: str, step: int) -> str:
     try:
         reader.verify(step)
     except CheckpointError as exc:
-        if step not in reader.lines().get(line, {}).get("steps", ()):
+        if _gone(reader, line, step):
             raise CheckpointError(f"{line} step {step} is gone; refresh the browser") from exc
         return f"damaged: {exc}"
     return "verified"
 
 
-def load_states(directory: str, storage_options: dict[str, Any],
-                keys: Sequence[RowKey]) -> list[dict[str, Any]]:
-    """Steps' whole states on the CPU, weights only (nothing is unpickled), one reader per line."""
-    states: dict[RowKey, dict[str, Any]] = {}
-    for line, steps in by_line(keys).items():
-        with open_reader(directory, storage_options, line) as reader:
-            states.update({(line, step): reader.load(step, map_location="cpu") for step in steps})
-    return [states[key] for key in keys]
-
-
-def refusal(directory: str, lines: dict[str, dict[str, Any]], restored: RowKey | None,
-            key: RowKey) -> str | None:
-    """Why a step will not be deleted, or None: the live objects were ``restored`` from it, a
-    branch of ``lines`` starts from it, or a save of it is in flight in this kernel."""
+def refusal(directory: str, lines: Lines, key: RowKey) -> str | None:
+    """Why a step will not be deleted, or None: a branch of ``lines`` starts from it, or a save
+    of it is in flight in this kernel."""
     line, step = key
-    if key == restored:
-        return (f"the live objects were restored from it by this browser; restore another step "
-                f"first (or delete it with the run's Checkpointer: ckpt.delete({step}))")
     for name, other in lines.items():
         if other.get("parent") == line and other.get("from_step") == step:
             return f"{name} goes on from it, and would lose the step it starts from"
@@ -190,16 +160,10 @@ def refusal(directory: str, lines: dict[str, dict[str, Any]], restored: RowKey |
     return None
 
 
-def delete_step(directory: str, storage_options: dict[str, Any], lines: dict[str, dict[str, Any]],
-                restored: RowKey | None, key: RowKey) -> None:
-    """When a Checkpointer of this kernel writes into the run (the magics' or an autosave's,
-    even after ``%ckpt_autosave --off``: the session keeps the directory open), the delete
-    goes through it, with its lock, bookkeeping and rules (it waits for the saves in flight).
-    Else the run is opened for writing for the length of the delete: on a directory that
-    takes its lock, and when another process saves into it the engine refuses, with the
-    reason. An object store has no lock: the confirmation says so."""
-    if (reason := refusal(directory, lines, restored, key)) is not None:
-        raise ConfigError(reason)
+def delete_step(directory: str, storage_options: dict[str, Any], key: RowKey) -> None:
+    """Delete through the Checkpointer of this kernel that writes into the run (the magics',
+    an autosave's), with its lock and rules; else through one opened for the delete (a
+    directory's lock refuses it while another process saves there; an object store has none)."""
     line, step = key
     if (holder := writer_of(directory)) is not None:
         if holder.world_size > 1:  # its delete is collective: every rank must call it
@@ -217,57 +181,52 @@ def delete_step(directory: str, storage_options: dict[str, Any], lines: dict[str
         writer.delete(step)
 
 
-def by_line(keys: Iterable[RowKey]) -> dict[str, list[int]]:
-    """The steps of ``keys`` by line, lines in the order they first come (one reader each)."""
-    lines: dict[str, list[int]] = {}
-    for line, step in keys:
-        lines.setdefault(line, []).append(step)
-    return lines
+def _number(value: Any, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{value:.{digits}g}"
 
 
-def step_row(row: StepRow, check: tuple[str | None, str] | None, line: dict[str, Any]) -> dict[str, Any]:
+def _provenance(origin: dict[str, Any]) -> str:
+    """Versions, git commit, program and host of a step."""
+    parts = [f"{name} {origin[key]}" for name, key in
+             (("nbckpt", "nbckpt"), ("torch", "torch"), ("Python", "python")) if origin.get(key)]
+    git = origin.get("git")
+    if isinstance(git, dict) and git.get("commit"):
+        parts.append(f"git {str(git['commit'])[:10]}{' (dirty)' if git.get('dirty') else ''}")
+    if origin.get("program"):
+        parts.append(os.path.basename(str(origin["program"])) or str(origin["program"]))
+    return " · ".join([*parts, *([str(origin["host"])] if origin.get("host") else [])])
+
+
+def step_row(row: StepRow, line: dict[str, Any]) -> dict[str, Any]:
     """A step as a row of the steps table."""
     label = row.line
     if line.get("parent") is not None:
         label += f" (from {line['parent']} {line.get('from_step')})"
-    shown = f"damaged: {row.problem}" if row.problem is not None else check[1] if check else "not checked"
+    shown = f"damaged: {row.problem}" if row.problem is not None else row.verdict
     cells = [label, str(row.step), "—" if row.nbytes is None else format_bytes(row.nbytes),
              "—" if row.unix_time is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row.unix_time)),
              *("—" if s is None else f"{s:.3f}" for s in (row.stage_s, row.write_s)), shown,
-             ", ".join(f"{key}={value!r}" if isinstance(value, (str, int, float, bool, type(None)))
-                       else f"{key}={value}" for key, value in row.values.items()),
+             ", ".join(f"{key}={value!r}" for key, value in row.values.items()),
              _provenance(row.provenance)]
-    return {"id": row.id, "cells": cells, "tone": shown.split(":")[0] if shown != "not checked" else "",
-            "keys": {1: row.step, 2: row.nbytes, 4: row.stage_s, 5: row.write_s}, "bar": None}
+    return {"id": row.id, "cells": cells, "tone": "" if shown == "not checked" else shown.split(":")[0]}
 
 
 def diff_rows(frame: pd.DataFrame, limit: int = DIFF_ROWS) -> list[dict[str, Any]]:
-    """The first ``limit`` rows of a diff as table rows, a bar for each relative change."""
-    shown = frame.head(limit)
-    finite = shown["rel_change"][shown["rel_change"].map(lambda v: math.isfinite(v) and v > 0)]
-    scale = float(finite.max()) if len(finite) else 1.0
-    rows = []
-    for record in shown.to_dict(orient="records"):
-        relative = float(record["rel_change"])
-        numbers = [record[name] for name in ("numel", "changed_elements", "diff_norm", "max_abs_diff")]
-        rows.append({
-            "id": str(record["key"]), "tone": "quiet" if record["status"] == "unchanged" else "",
-            "cells": [str(record[name]) for name in ("key", "status", "dtype", "shape")]
-            + [str(n) for n in numbers[:2]] + [_number(n) for n in numbers[2:]]
-            + [_number(relative), _number(record["cosine"], 6)],
-            "keys": dict(enumerate([*numbers, relative, record["cosine"]], start=4)),
-            "bar": None if math.isnan(relative) or relative <= 0 else min(1.0, relative / scale),
-        })
-    return rows
+    """The first ``limit`` rows of a diff as table rows."""
+    return [{"id": str(record["key"]), "tone": "quiet" if record["status"] == "unchanged" else "",
+             "cells": [str(record[name]) for name in ("key", "status", "dtype", "shape", "numel",
+                                                      "changed_elements")]
+             + [_number(record[name]) for name in ("diff_norm", "max_abs_diff", "rel_change")]
+             + [_number(record["cosine"], 6)]}
+            for record in frame.head(limit).to_dict(orient="records")]
 
 
 def diff_summary(a: StepRow, b: StepRow, frame: pd.DataFrame, limit: int = DIFF_ROWS) -> str:
     """One line above the diff table: what was compared and what changed, as HTML."""
     parts = ", ".join(f"{int(n)} {status}" for status, n in frame["status"].value_counts().items())
     text = f"{a.name} → {b.name}: {len(frame)} tensors ({parts or 'none'})"
-    if len(moved := frame[frame["status"] == "changed"]):
-        text += (f"; the largest relative change is {moved.iloc[0]['key']} "
-                 f"({_number(float(moved.iloc[0]['rel_change']))})")
     if len(frame) > limit:
         text += f"; the table lists the {limit} that changed most"
     return f'<div class="nbckpt-diff-summary">{html.escape(text)}</div>'

@@ -155,30 +155,6 @@ def test_diff_of_two_steps_after_a_real_optimizer_step(tmp_path: Path) -> None:
     assert "main step 1 → main step 2: 16 tensors (16 changed)" in summary  # the earlier one is a
 
 
-def test_restore_loads_the_step_into_the_live_module(tmp_path: Path) -> None:
-    saved_run(tmp_path / "run")
-    with Checkpointer(tmp_path / "run", read_only=True) as reader:
-        saved = reader.load(2)["model"]
-    live, optim = trained(seed=5)
-    browser = Browser(tmp_path / "run", target={"model": live, "optim": optim})
-    browser.select(2)
-    browser.restore_button.click()
-    assert browser.error is None
-    for name, tensor in live.state_dict().items():
-        assert torch.equal(tensor, saved[name]), name
-    said = html.unescape(browser.message.value)
-    assert "Restored main step 2 into 'model', 'optim'." in said
-    assert "ckpt.restore(state, step=2)" in said  # step 3 is newer: how to go on in a branch
-    # without a target there is nothing to restore into: the button is off, the call one line
-    plain = Browser(tmp_path / "run")
-    plain.select(1)
-    assert plain.restore_button.disabled
-    assert plain.restore() is None
-    assert one_line_error(plain) == (
-        "Cannot restore: this browser has no target: Browser(..., target={'model': model, ...})"
-    )
-
-
 def test_delete_asks_first_then_deletes_and_refresh_shows_it_gone(tmp_path: Path) -> None:
     saved_run(tmp_path / "run")
     browser = Browser(tmp_path / "run")
@@ -201,12 +177,7 @@ def test_delete_asks_first_then_deletes_and_refresh_shows_it_gone(tmp_path: Path
 
 def test_refusals_are_one_line_and_delete_nothing(tmp_path: Path) -> None:
     saved_run(tmp_path / "run", steps=(1, 2))
-    live, optim = trained()
-    browser = Browser(tmp_path / "run", target={"model": live, "optim": optim})
-    browser.select(1)
-    browser.restore()
-    assert not browser.delete()  # the live objects came from it
-    assert one_line_error(browser).startswith("Cannot delete: the live objects were restored from it")
+    browser = Browser(tmp_path / "run")
     # the run's own Checkpointer is open for writing in this kernel: the delete goes through it
     browser.select(2)
     with Checkpointer(tmp_path / "run") as ckpt:
@@ -253,7 +224,7 @@ def test_errors_inside_an_action_are_one_line(tmp_path: Path, monkeypatch: pytes
     def broken(*args: Any) -> Any:
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(_browser_index, "load_states", broken)
+    monkeypatch.setattr(_browser_index, "per_line", broken)
     browser.select(1, 2)
     assert browser.diff() is None
     assert one_line_error(browser) == "Cannot diff: unexpected RuntimeError: boom; second line"

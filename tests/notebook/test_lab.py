@@ -21,8 +21,7 @@ from helpers.kernel import RealKernel
 
 from nbckpt import ConfigError
 from nbckpt.bench import OVERHEAD_DEFINITION, STALL_DEFINITION
-from nbckpt.notebook._lab import SYNTHETIC, Lab, devices, live_lab
-from nbckpt.notebook._lab_run import LOG_LINES
+from nbckpt.notebook._lab import LOG_LINES, SYNTHETIC, Lab, devices, live_lab
 
 
 def make_lab(path: Path, **options: Any) -> Lab:
@@ -139,18 +138,6 @@ def test_unwritable_target_is_a_clear_message(tmp_path: Path) -> None:
     assert lab.run_button.disabled is False  # ready for another try
 
 
-def test_probe_button_shows_the_probe_summary(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path / "target")
-    lab.probe_button.click()
-    assert lab.wait(120)
-    assert "nbckpt-ok" in lab.probe_summary.value
-    assert "Storage probe of" in lab.probe_summary.value and "write GB/s" in lab.probe_summary.value
-    lab.path.value = str(tmp_path / "file.txt")
-    (tmp_path / "file.txt").write_text("x")
-    assert not lab.probe()
-    assert "nbckpt-error" in lab.probe_summary.value
-
-
 def test_from_args_and_display(tmp_path: Path) -> None:
     args = argparse.Namespace(dir=str(tmp_path), preset=None, size_mb=8.0,
                               strategies="torch-save, nbckpt-async", steps=12, every=4,
@@ -259,18 +246,6 @@ def test_log_keeps_its_newest_lines_in_view(tmp_path: Path) -> None:
     assert "flex-direction:column-reverse" in lab.log.value  # scrolled to the end as it grows
     assert lab.log_lines[-1].rstrip() in lab.log.value
     assert lab.log_lines.maxlen == LOG_LINES
-
-
-def test_a_probe_error_shows_next_to_the_probe_only(tmp_path: Path) -> None:
-    lab = make_lab(tmp_path / "lab")
-    (tmp_path / "file.txt").write_text("x")
-    lab.path.value = str(tmp_path / "file.txt")
-    assert not lab.probe()
-    assert "nbckpt-error" in lab.probe_summary.value and lab.message.value == ""
-    lab.path.value = str(tmp_path / "lab")
-    assert lab.run()
-    assert lab.probe_summary.value == ""  # a run clears the old error
-    assert lab.wait(120)
 
 
 def test_the_live_figure_drops_the_listeners_of_removed_views(tmp_path: Path) -> None:
