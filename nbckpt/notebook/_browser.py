@@ -71,8 +71,8 @@ class _Table:
 
 
 def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser], _T | None]]:
-    """A Browser action: its errors and warnings are lines in the widget (its errors in
-    ``error`` too), never tracebacks; it returns None when it failed."""
+    """A Browser action: one at a time, whichever thread asks; its errors and warnings are lines
+    in the widget (its errors in ``error`` too), never tracebacks; it returns None when it failed."""
 
     def decorate(work: Callable[[Browser], _T]) -> Callable[[Browser], _T | None]:
         @functools.wraps(work)
@@ -80,10 +80,14 @@ def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser]
             if self.closed:
                 self.error = "this browser is closed (a newer one of the same run replaced it)"
                 return None
+            if not self._lock.acquire(blocking=False):
+                self.error = f"Cannot {what}: another action is still running"
+                self._say("error", self.error)
+                return None
             self.error = None
             self._busy(True)
             try:
-                # catch_warnings is process-wide: fine here, actions run on the kernel's main thread
+                # catch_warnings is process-wide: one action at a time, and they run on the kernel's thread
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     result = work(self)
@@ -96,6 +100,7 @@ def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser]
                 self._say("error", self.error)
             finally:
                 self._busy(False)
+                self._lock.release()
             return None
 
         return act
@@ -121,6 +126,7 @@ class Browser:
         self.error: str | None = None
         self.diff_frame: pd.DataFrame | None = None
         self.closed = False
+        self._lock = threading.Lock()  # one action at a time, whichever thread asks
         self._values: dict[str, dict[str, Any]] = {}  # by manifest checksum: read once per save
         self._pending: RowKey | None = None  # the step Delete asked to confirm
         self.title, self.message, self.diff_header = widgets.HTML(), widgets.HTML(), widgets.HTML()

@@ -137,6 +137,7 @@ class Lab:
         self.interrupted = False  # stopped by Kernel > Interrupt (SIGINT), not by Stop
         self.log_lines: deque[str] = deque(maxlen=LOG_LINES)
         self._origin: int | None = None  # the live timeline's time 0: the run's first event
+        self._lock = threading.Lock()
         self.closed = False  # by close() (or a newer Lab): it runs nothing any more
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -219,6 +220,10 @@ class Lab:
     def run(self) -> bool:
         """Validate the fields and start the comparison in the background; False if it did not
         start (the reason is in ``lab.error`` and the lab's message line)."""
+        with self._lock:  # from two threads at once: one run starts, the other is told why not
+            return self._start()
+
+    def _start(self) -> bool:
         if self.closed:
             self.error = "this lab is closed (a newer one replaced it): use the new one"
             return False

@@ -5,6 +5,7 @@ in a real JupyterLab)."""
 from __future__ import annotations
 
 import html
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -274,3 +275,30 @@ def test_browsing_a_run_on_s3(s3_server: SeaweedS3, bucket: str) -> None:
     wrong = Browser(url, storage_options=s3_server.storage_options(secret="not-the-secret"))
     assert wrong.rows == []
     assert one_line_error(wrong).startswith("Cannot read the run: ")
+
+
+def test_actions_from_two_threads_run_one_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved_run(tmp_path / "run", steps=(1, 2))
+    browser = Browser(tmp_path / "run")
+    browser.select(1, 2)
+    inside, release = threading.Event(), threading.Event()
+    reading = _browser_index.per_line
+
+    def held(*args: Any) -> Any:
+        inside.set()
+        assert release.wait(60)
+        return reading(*args)
+
+    monkeypatch.setattr(_browser_index, "per_line", held)
+    verified: list[Any] = []
+    worker = threading.Thread(target=lambda: verified.append(browser.verify()))
+    worker.start()
+    assert inside.wait(60)
+    try:
+        assert browser.diff() is None  # refused while the verify holds the browser
+        assert one_line_error(browser) == "Cannot diff: another action is still running"
+    finally:
+        release.set()
+        worker.join()
+    assert verified == [[]]  # the verify went on: no step damaged
+    assert browser.diff() is not None  # the browser is free again

@@ -92,6 +92,29 @@ def test_stop_ends_the_run_promptly_with_nothing_half_written(tmp_path: Path) ->
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith((".tmp-", ".trash-"))]
 
 
+def test_run_from_two_threads_at_once_starts_one_run(tmp_path: Path) -> None:
+    lab = make_lab(tmp_path / "lab", steps=100_000, every=5, strategies=("nbckpt-async",))
+    both = threading.Barrier(2)
+    started: list[bool] = []
+
+    def click() -> None:
+        both.wait()
+        started.append(lab.run())
+
+    threads = [threading.Thread(target=click) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert sorted(started) == [False, True]
+        assert "already in progress" in lab.message.value
+        assert sum(t.name == "nbckpt-lab-worker" for t in threading.enumerate()) <= 1
+    finally:
+        lab.stop()
+        assert lab.wait(60)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
