@@ -1,15 +1,9 @@
 """IPython magics: ``%load_ext nbckpt``, then ``h = %ckpt_async model opt`` and friends.
 
-Every magic is a thin face over :class:`nbckpt.Checkpointer` and answers ``--help`` (as does
-``%ckpt_async?``). Bad input (unknown flag or variable, a value that holds no state, a bad
-directory) raises :class:`~IPython.core.error.UsageError`; a save or restore that fails raises
-:class:`~._cell.CheckpointFailed`, a CheckpointError that IPython shows as one line, not a
-traceback. Either one fails a papermill run.
-
-The session (:class:`~._session.Session`) keeps one Checkpointer per directory. Its options
-come from ``%ckpt_config`` (the directory also from ``NBCKPT_DIR``) and ``--keep`` on a save.
-Warnings point at the cell that ran the magic. While the extension is loaded, the ``nbckpt``
-logger's warnings (failures in the background) show in the notebook's output.
+Thin faces over the session's Checkpointers (:class:`~._session.Session`), each answering
+``--help``. Bad input raises a UsageError, a failed save or restore :class:`~._cell.CheckpointFailed`:
+both one line, both fail a papermill run. While the extension is loaded, the ``nbckpt`` logger's
+warnings (failures in the background) show in the notebook.
 """
 
 from __future__ import annotations
@@ -69,8 +63,8 @@ def _rounded(value: float) -> float:
 
 
 class _NotebookLog(logging.Handler):
-    """Shows the ``nbckpt`` logger's warnings in the notebook: written to ``sys.stderr`` as it
-    is when the record comes (the kernel replaces it with a stream into the cell's output)."""
+    """The ``nbckpt`` logger's warnings, to ``sys.stderr`` as it is when the record comes (the
+    kernel's stream into the cell's output; a StreamHandler would keep the one at load)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -140,12 +134,9 @@ class CheckpointMagics(Magics):
     @line_magic
     @magic(*SAVE_ARGS)
     def ckpt_async(self, args: argparse.Namespace) -> SaveHandle:
-        """Checkpoint notebook variables in the background and return the SaveHandle.
-
-        The cell goes on once the state is copied; the status line under the cell changes to
-        "committed" when the checkpoint is durable. In a training loop:
-            if step % 50 == 0:
-                %ckpt_async model opt --step {step}
+        """Checkpoint notebook variables in the background and return the SaveHandle; the status
+        line under the cell turns "committed" when it is durable. In a loop: %ckpt_async model
+        opt --step {step}
         """
         return self._save(args, "async")
 
@@ -158,10 +149,8 @@ class CheckpointMagics(Magics):
     @line_magic
     @magic()
     def ckpt_wait(self, args: argparse.Namespace) -> None:
-        """Wait until every save of this session has committed and print how many did.
-
-        A save that failed in the background is raised here (once) as CheckpointFailed.
-        """
+        """Wait until every save of this session has committed and print how many did; one that
+        failed in the background is raised here (once)."""
         saves = self.session.saves
         waited = sum(not save.handle.done() for save in saves)
         error = self.session.wait()
@@ -178,42 +167,28 @@ class CheckpointMagics(Magics):
     @line_magic
     @magic()
     def ckpt_status(self, args: argparse.Namespace) -> pd.DataFrame:
-        """A table of this session's saves: directory, step, mode, phase, MB, stall (ms: all the
-        time save() blocked the cell), the part of it spent waiting for the earlier save (ms),
-        persist (s), write rate (GB/s) and error; above it, the host memory held for staging
-        (max-inflight host copies of the state per directory, pinned with CUDA)."""
+        """A table of this session's saves: stall (ms: all the time save() blocked the cell) and
+        its wait for the earlier save, persist (s), GB/s; above it, the host memory held for
+        staging (max-inflight copies of the state per directory, pinned with CUDA)."""
         import pandas as pd
 
         print(self.session.staging_memory())
-
         rows = []
         for save in self.session.saves:
-            handle = save.handle
-            record = handle.committed.result() if handle.done() and handle.error is None else None
-            rows.append({
-                "directory": save.directory,
-                "step": handle.step,
-                "mode": save.mode,
-                "variables": " ".join(save.names),
-                "phase": handle.phase,
-                "MB": _rounded(handle.bytes / 1e6),
-                "stall_ms": _rounded(handle.stall_s * 1e3),
-                "wait_ms": _rounded(handle.wait_s * 1e3),
-                "persist_s": _rounded(record.persist_s) if record else None,
-                "write_gbs": _rounded(record.write_gbs) if record else None,
-                "error": one_line(handle.error) if handle.error is not None else "",
-            })
-        columns = ["directory", "step", "mode", "variables", "phase", "MB", "stall_ms", "wait_ms",
-                   "persist_s", "write_gbs", "error"]
-        return pd.DataFrame(rows, columns=columns)
+            h = save.handle
+            record = h.committed.result() if h.done() and h.error is None else None
+            rows.append((save.directory, h.step, save.mode, " ".join(save.names), h.phase,
+                         _rounded(h.bytes / 1e6), _rounded(h.stall_s * 1e3), _rounded(h.wait_s * 1e3),
+                         _rounded(record.persist_s) if record else None,
+                         _rounded(record.write_gbs) if record else None,
+                         one_line(h.error) if h.error is not None else ""))
+        return pd.DataFrame(rows, columns=["directory", "step", "mode", "variables", "phase", "MB",
+                                           "stall_ms", "wait_ms", "persist_s", "write_gbs", "error"])
 
     @line_magic
     @magic()
     def ckpt_timeline(self, args: argparse.Namespace) -> go.Figure:
-        """The plotly timeline of this session's saves: stalls, staging, persistence, commits.
-
-        One pair of lanes (train, background) per kind of save: its mode and variables.
-        """
+        """The plotly timeline of this session's saves: a pair of lanes per mode and variables."""
         df = self.session.timeline()
         if df.empty:
             raise UsageError("no checkpoint events in this session yet: run %ckpt_async first")
@@ -224,10 +199,8 @@ class CheckpointMagics(Magics):
     @line_magic
     @magic(*AUTOSAVE_ARGS)
     def ckpt_autosave(self, args: argparse.Namespace) -> None:
-        """Autosave notebook variables: in the background once DURATION has passed, as a cell
-        ends; at once when a cell is interrupted; a final save on kernel shutdown, restart or
-        SIGTERM. Running it again replaces the autosave; %ckpt_autosave alone shows it.
-            %ckpt_autosave model opt --every 10min --step step
+        """Autosave notebook variables as a cell ends once DURATION has passed, at once when one is
+        interrupted, and finally on kernel shutdown, restart or SIGTERM. Alone: shows it.
         """
         autosave_command(self.shell, args)  # type: ignore[arg-type]
 
@@ -239,11 +212,7 @@ class CheckpointMagics(Magics):
         arg("names", nargs="+", metavar="NAME", help="notebook variables to load in place"),
     )
     def ckpt_restore(self, args: argparse.Namespace) -> None:
-        """Load a checkpoint into notebook variables and print the step restored.
-
-        Modules, optimizers and tensors are loaded in place; plain values are rebound.
-        "Newest" means the highest step number in the directory.
-        """
+        """Load a checkpoint into notebook variables (in place; plain values are rebound)."""
         state = self._state(args.names)
         directory = args.dir or self.session.defaults.directory
         if not is_url(directory) and not os.path.isdir(directory):
@@ -284,13 +253,8 @@ class CheckpointMagics(Magics):
         arg("--reset", action="store_true", help="back to the defaults (and $NBCKPT_DIR)"),
     )
     def ckpt_config(self, args: argparse.Namespace) -> None:
-        """Show or set this session's checkpoint options.
-
-        %ckpt_config shows them; %ckpt_config -d /mnt/fast --keep 3 sets them. Changes apply to
-        the directories already in use too: each one's Checkpointer is reopened with the new
-        options (after its saves in flight commit). The save mode is the magic's choice
-        (%ckpt_async or %ckpt_sync).
-        """
+        """Show or set this session's options; a change reopens each directory's Checkpointer
+        once its saves in flight have committed."""
         options = {name: getattr(args, name) for name in OPTIONS
                    if name != "keep" and getattr(args, name, None) is not None}
         if hasattr(args, "keep"):
@@ -302,13 +266,9 @@ class CheckpointMagics(Magics):
     @line_magic
     @magic(parser=bench_parser)
     def ckpt_bench(self, args: argparse.Namespace) -> Any:
-        """Run checkpoint strategies side by side (the options of nbckpt bench).
-
-        In JupyterLab or Notebook: shows the live lab and starts it in the background (running
-        it again, or creating another Lab, stops and closes the previous one). In batch runs
-        (papermill, nbconvert, terminal IPython, NBCKPT_BATCH=1 or --static): runs in the
-        foreground, prints progress, shows static figures and returns the Comparison, which
-        displays as its results table.
+        """Run checkpoint strategies side by side (nbckpt bench's options): the live lab in
+        JupyterLab; in batch runs (papermill, terminal IPython, NBCKPT_BATCH=1, --static) in the
+        foreground with static figures, returning the Comparison.
         """
         from ..bench import _internal as bench
         from ._lab import Lab, live_lab
@@ -345,11 +305,8 @@ class CheckpointMagics(Magics):
 
 
 def _batch_run(shell: Any) -> bool:
-    """True outside an interactive Jupyter frontend: where a live widget would never be seen.
-
-    JupyterLab and Notebook mark their execute requests with ``recordTiming`` metadata;
-    papermill/nbconvert (nbclient) and terminal IPython do not.
-    """
+    """True where a live widget would never be seen: JupyterLab and Notebook mark their execute
+    requests with ``recordTiming`` metadata, nbclient (papermill) and terminal IPython do not."""
     if os.environ.get(BATCH_ENV, "") not in ("", "0"):
         return True
     kernel = getattr(shell, "kernel", None)
