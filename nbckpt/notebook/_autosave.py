@@ -43,8 +43,7 @@ from .._errors import ConfigError
 from .._util import format_duration, parse_duration
 from ..engine import Checkpointer, SaveHandle, SaveRecord
 from ._cell import one_line, reraise
-from ._save_status import Save
-from ._session import Session, variables
+from ._session import Save, Session, variables
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import ExecutionResult, InteractiveShell

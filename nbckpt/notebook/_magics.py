@@ -9,6 +9,7 @@ warnings (failures in the background) show in the notebook.
 from __future__ import annotations
 
 import argparse
+import html
 import logging
 import os
 import sys
@@ -20,7 +21,7 @@ from IPython.core.magic import Magics, magics_class
 from IPython.display import DisplayHandle, display
 
 from .._errors import ConfigError
-from .._util import is_url
+from .._util import format_bytes, is_url
 from ..engine import SaveHandle
 from ._autosave import Autosave
 from ._autosave import command as autosave_command
@@ -37,8 +38,7 @@ from ._magic_args import (
     positive,
     step_value,
 )
-from ._save_status import Save, SaveStatus
-from ._session import DIR_ENV, OPTIONS, Session, variables
+from ._session import DIR_ENV, OPTIONS, Save, Session, variables
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -75,6 +75,44 @@ class _NotebookLog(logging.Handler):
             sys.stderr.write(self.format(record) + "\n")
         except Exception:
             self.handleError(record)
+
+
+class SaveStatus:
+    """A compact, self-describing line for one save: staged, persisting, committed or failed."""
+
+    def __init__(self, handle: SaveHandle, directory: str, mode: str) -> None:
+        self.handle = handle
+        self.directory = directory
+        self.mode = mode
+
+    def _parts(self) -> tuple[str, str]:
+        h = self.handle
+        where = f" -> {self.directory}" if self.directory else ""
+        head = f"nbckpt {self.mode} step {h.step} ({format_bytes(h.bytes)}){where}"
+        error = h.error
+        if error is not None:
+            return "failed", f"{head}: failed: {one_line(error)}"
+        stall = f"stall {h.stall_s * 1e3:.1f} ms"
+        if h.wait_s > 1e-4:  # the same names as the bench's: the stall, and its wait part
+            stall += f" (wait for the earlier save {h.wait_s * 1e3:.1f} ms)"
+        if h.committed.done():
+            record = h.committed.result()
+            return "committed", (
+                f"{head}: committed · {stall} · "
+                f"persist {record.persist_s:.2f} s · {record.write_gbs:.2f} GB/s"
+            )
+        return h.phase, f"{head}: {h.phase} · {stall} · writing in the background"
+
+    def __repr__(self) -> str:
+        return self._parts()[1]
+
+    def _repr_html_(self) -> str:
+        phase, text = self._parts()
+        colour = {"committed": "#1a7f37", "failed": "#cf222e"}.get(phase, "#9a6700")
+        return (
+            f'<div class="nbckpt-save nbckpt-{phase}" style="font-family:monospace;'
+            f'color:{colour}">{html.escape(text)}</div>'
+        )
 
 
 @magics_class
@@ -255,10 +293,9 @@ class CheckpointMagics(Magics):
     def ckpt_config(self, args: argparse.Namespace) -> None:
         """Show or set this session's options; a change reopens each directory's Checkpointer
         once its saves in flight have committed."""
-        options = {name: getattr(args, name) for name in OPTIONS
-                   if name != "keep" and getattr(args, name, None) is not None}
-        if hasattr(args, "keep"):
-            options["keep"] = args.keep
+        # --keep is absent unless given (its None means "keep all"); the others are None then
+        options = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)
+                   and (name == "keep" or getattr(args, name) is not None)}
         self.session.configure(options, reset=args.reset, directory=args.dir, new_run=args.new_run)
         for name, value in self.session.settings():
             print(f"{name:>15}: {value}")
@@ -319,8 +356,7 @@ def _batch_run(shell: Any) -> bool:
 #: Shown as its results table when it is a cell's value (registered by name: no import).
 _COMPARISON = ("nbckpt.bench._comparison", "Comparison")
 #: The magics, by name.
-MAGICS = ("ckpt_async", "ckpt_sync", "ckpt_wait", "ckpt_status", "ckpt_timeline", "ckpt_restore",
-          "ckpt_autosave", "ckpt_config", "ckpt_bench")
+MAGICS = tuple(CheckpointMagics.magics["line"])
 
 
 def _comparison_text(comparison: Any, printer: Any, cycle: bool) -> None:

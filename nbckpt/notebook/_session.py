@@ -22,10 +22,9 @@ from IPython.core.error import UsageError
 
 from .._errors import CheckpointError, ConfigError, NbckptError
 from .._util import check_path, could_create, format_bytes, is_url, run_directory
-from ..engine import CheckpointConfig, Checkpointer
+from ..engine import CheckpointConfig, Checkpointer, SaveHandle
 from ..engine._internal import events_to_pandas, now_ns, open_fsspec
 from ._cell import CheckpointFailed, Interrupted, engine_call, one_line
-from ._save_status import Save
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DIR_ENV",
     "OPTIONS",
+    "Save",
     "Session",
     "SessionDefaults",
     "usable_directory",
@@ -94,6 +94,28 @@ def usable_directory(directory: str) -> None:
     reason = could_create(directory)
     if reason is not None:
         raise UsageError(f"cannot checkpoint to {directory!r}: {reason}")
+
+
+@dataclass(kw_only=True)
+class Save:
+    """One save of this session, for ``%ckpt_status``, ``%ckpt_wait`` and ``%ckpt_timeline``."""
+
+    key: str
+    directory: str
+    mode: str
+    names: tuple[str, ...]
+    handle: SaveHandle
+    shown_at: int = 0  # execution count of the cell whose magic displayed it
+    live: list[tuple[Any, Any]] = field(default_factory=list)  # (SaveStatus, DisplayHandle)
+
+    def finalise(self, live: tuple[Any, Any]) -> None:
+        """Show the save's final state in one of its live displays (at most once)."""
+        try:
+            self.live.remove(live)
+        except ValueError:
+            return  # the commit callback and %ckpt_wait raced; the other one updated it
+        status, shown = live
+        shown.update(status)
 
 
 def _changes(changes: dict[str, Any]) -> str:
