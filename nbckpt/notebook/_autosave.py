@@ -99,18 +99,14 @@ class Autosave:
     ) -> None:
         if isinstance(names, str):
             names = names.split()
-        if not isinstance(names, Sequence) or not all(isinstance(name, str) for name in names):
-            raise ConfigError(
-                f"Autosave wants the names of notebook variables (a string or a list of strings), "
-                f"not {repr(names)[:80]}"
-            )
+        if not isinstance(names, Sequence) or not names or not all(isinstance(name, str) for name in names):
+            raise ConfigError("Autosave wants the names of notebook variables, e.g. "
+                              f"Autosave(['model', 'opt']), not {repr(names)[:80]}")
         found = _shell_or_current(shell)
         if found is None:
             raise ConfigError("Autosave needs an IPython shell: run it in a notebook or IPython")
         self.shell: InteractiveShell = found
         self.names = tuple(names)
-        if not self.names:
-            raise ConfigError("name the variables to autosave, e.g. Autosave(['model', 'opt'])")
         self.every_s = parse_duration(every_s, "every")
         self.timeout_s = parse_duration(timeout_s, "timeout")
         if step is not None and not isinstance(step, str) and not callable(step):

@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
-from IPython.core.magic import line_magic as _ipython_line_magic
+from IPython.core.magic import line_magic
 from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.utils.text import dedent
 
@@ -25,7 +25,6 @@ __all__ = [
     "bench_parser",
     "duration",
     "keep_value",
-    "line_magic",
     "magic",
     "positive",
     "step_value",
@@ -40,10 +39,6 @@ class _Decorator(Protocol):
     def __call__(self, func: F, /) -> F: ...
 
 
-#: ``line_magic`` as a plain decorator (IPython types it as decorator-or-decorator-factory).
-line_magic = cast(_Decorator, _ipython_line_magic)
-
-
 def _parser(name: str, doc: str | None) -> MagicArgumentParser:
     """A plain-text argparse parser for ``%name`` (IPython's default formats help as reST)."""
     parser: MagicArgumentParser = MagicArgumentParser(  # type: ignore[no-untyped-call]
@@ -56,7 +51,8 @@ def _parser(name: str, doc: str | None) -> MagicArgumentParser:
 
 def magic(*arguments: Argument,
           parser: Callable[[str | None], MagicArgumentParser] | None = None) -> _Decorator:
-    """A line magic taking parsed arguments: ``--help`` prints the help; bad input is a UsageError.
+    """A line magic (registered as IPython's ``@line_magic`` does) taking parsed arguments:
+    ``--help`` prints the help; bad input is a UsageError.
 
     ``arguments`` are :func:`arg` pairs; ``parser(docstring)`` builds the whole parser instead
     (on first use, so that a heavy import waits until the magic runs). The help becomes the
@@ -82,7 +78,7 @@ def magic(*arguments: Argument,
             return func(self, args)
 
         wrapper.parser = build  # type: ignore[attr-defined]
-        return cast(F, wrapper)
+        return cast(F, line_magic(wrapper))
 
     return decorate
 

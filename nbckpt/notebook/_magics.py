@@ -33,7 +33,6 @@ from ._magic_args import (
     arg,
     bench_parser,
     keep_value,
-    line_magic,
     magic,
     positive,
     step_value,
@@ -169,7 +168,6 @@ class CheckpointMagics(Magics):
 
     # -- magics -------------------------------------------------------------------------------
 
-    @line_magic
     @magic(*SAVE_ARGS)
     def ckpt_async(self, args: argparse.Namespace) -> SaveHandle:
         """Checkpoint notebook variables in the background and return the SaveHandle; the status
@@ -178,13 +176,11 @@ class CheckpointMagics(Magics):
         """
         return self._save(args, "async")
 
-    @line_magic
     @magic(*SAVE_ARGS)
     def ckpt_sync(self, args: argparse.Namespace) -> SaveHandle:
         """Checkpoint notebook variables and return once the checkpoint is durable."""
         return self._save(args, "sync")
 
-    @line_magic
     @magic()
     def ckpt_wait(self, args: argparse.Namespace) -> None:
         """Wait until every save of this session has committed and print how many did; one that
@@ -202,7 +198,6 @@ class CheckpointMagics(Magics):
         if error is not None:
             reraise(error)
 
-    @line_magic
     @magic()
     def ckpt_status(self, args: argparse.Namespace) -> pd.DataFrame:
         """A table of this session's saves: stall (ms: all the time save() blocked the cell) and
@@ -223,7 +218,6 @@ class CheckpointMagics(Magics):
         return pd.DataFrame(rows, columns=["directory", "step", "mode", "variables", "phase", "MB",
                                            "stall_ms", "wait_ms", "persist_s", "write_gbs", "error"])
 
-    @line_magic
     @magic()
     def ckpt_timeline(self, args: argparse.Namespace) -> go.Figure:
         """The plotly timeline of this session's saves: a pair of lanes per mode and variables."""
@@ -234,7 +228,6 @@ class CheckpointMagics(Magics):
 
         return timeline_figure(df, origin="this session started (%load_ext nbckpt)")
 
-    @line_magic
     @magic(*AUTOSAVE_ARGS)
     def ckpt_autosave(self, args: argparse.Namespace) -> None:
         """Autosave notebook variables as a cell ends once DURATION has passed, at once when one is
@@ -242,7 +235,6 @@ class CheckpointMagics(Magics):
         """
         autosave_command(self.shell, args)  # type: ignore[arg-type]
 
-    @line_magic
     @magic(
         DIR_ARG,
         arg("--step", type=step_value,
@@ -270,7 +262,6 @@ class CheckpointMagics(Magics):
         self.user_ns.update(state)
         print(f"nbckpt: restored step {step} from {ckpt.directory} into {listed}")
 
-    @line_magic
     @magic(
         arg("-d", "--dir", help="default checkpoint directory or s3:// URL "
             f"(default: ${DIR_ENV}, else ./checkpoints)"),
@@ -300,7 +291,6 @@ class CheckpointMagics(Magics):
         for name, value in self.session.settings():
             print(f"{name:>15}: {value}")
 
-    @line_magic
     @magic(parser=bench_parser)
     def ckpt_bench(self, args: argparse.Namespace) -> Any:
         """Run checkpoint strategies side by side (nbckpt bench's options): the live lab in

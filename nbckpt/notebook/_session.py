@@ -47,15 +47,11 @@ DIR_ENV = "NBCKPT_DIR"
 OPTIONS = ("keep", "max_inflight", "writer_threads", "verify", "capture_rng")
 
 
-def _default_dir() -> str:
-    return os.environ.get(DIR_ENV) or "checkpoints"
-
-
 @dataclass(kw_only=True)
 class SessionDefaults:
     """What ``%ckpt_config`` shows and sets; every directory's Checkpointer is opened with it."""
 
-    dir: str = field(default_factory=_default_dir)
+    dir: str = field(default_factory=lambda: os.environ.get(DIR_ENV) or "checkpoints")
     run: str | None = None  # the run-* directory inside ``dir`` of ``%ckpt_config --new-run``
     keep: int | None = None
     max_inflight: int = 1
