@@ -352,18 +352,17 @@ def command(shell: InteractiveShell, args: argparse.Namespace) -> None:
     running = Autosave.active(shell)
     given = {"--every": args.every, "--step": args.step, "-d": args.dir, "--timeout": args.timeout}
     options = [flag for flag, value in given.items() if value is not None]
+    if args.off and (args.names or options):
+        raise UsageError("--off takes no variables or options: %ckpt_autosave --off")
+    if not args.names and options:
+        raise UsageError(f"name the variables to autosave: %ckpt_autosave model opt {options[0]} ...")
     if args.off:
-        if args.names or options:
-            raise UsageError("--off takes no variables or options: %ckpt_autosave --off")
-        if running is None:
-            print("nbckpt: no autosave to stop")
-            return
-        running.stop()
-        print(f"nbckpt: stopped autosaving {' '.join(running.names)}")
+        if running is not None:
+            running.stop()
+        print(f"nbckpt: stopped autosaving {' '.join(running.names)}" if running else
+              "nbckpt: no autosave to stop")
         return
     if not args.names:
-        if options:
-            raise UsageError(f"name the variables to autosave: %ckpt_autosave model opt {options[0]} ...")
         print(running.status() if running else
               "nbckpt: no autosave running; start one with %ckpt_autosave model opt --every 10min")
         return

@@ -171,8 +171,8 @@ class CheckpointMagics(Magics):
     @magic(*SAVE_ARGS)
     def ckpt_async(self, args: argparse.Namespace) -> SaveHandle:
         """Checkpoint notebook variables in the background and return the SaveHandle; the status
-        line under the cell turns "committed" when it is durable. In a loop: %ckpt_async model
-        opt --step {step}
+        line under the cell turns "committed" when it is durable. In a loop:
+            %ckpt_async model opt --step {step}
         """
         return self._save(args, "async")
 

@@ -250,11 +250,10 @@ class Session:
         with self._lock:
             if reset:
                 self.defaults = SessionDefaults()
-                self._keep.clear()
+            if reset or "keep" in options:
+                self._keep.clear()  # a session-wide keep overrides the per-directory ones
             if directory is not None:
                 self.defaults.dir, self.defaults.run = directory, None
-            if "keep" in options:
-                self._keep.clear()  # a session-wide keep overrides the per-directory ones
             for name, value in options.items():
                 setattr(self.defaults, name, value)
             if new_run:
