@@ -290,19 +290,15 @@ class Session:
         opened = [*self._closed, *self.checkpointers.values()]
         keys = list(dict.fromkeys(self.key(ckpt.directory) for ckpt in opened))
         short = _short_names(keys)
-        saves = {(save.key, save.handle.step): save for save in self.saves}
+        labels = {(save.key, save.handle.step): f"{save.mode} {' '.join(save.names)}" for save in self.saves}
         frames = []
         for ckpt in opened:
             key = self.key(ckpt.directory)
             frame = events_to_pandas(ckpt.timeline.events, self.origin_ns)
             prefix = f"{short[key]}: " if len(keys) > 1 else ""
-            labels = []
-            for step in frame["step"]:
-                save = saves.get((key, int(step))) if step is not None and step == step else None
-                what = f"{save.mode} {' '.join(save.names)}" if save else short[key]
-                labels.append(prefix + what if save else what)
-            frame["label"] = labels
-            frame["strategy"] = labels
+            # a float step (a column with NaN) finds its int key; None and NaN find none
+            frame["label"] = frame["strategy"] = [prefix + labels[key, step] if (key, step) in labels
+                                                  else short[key] for step in frame["step"]]
             frames.append(frame)
         if not frames or all(frame.empty for frame in frames):
             return pd.DataFrame()
