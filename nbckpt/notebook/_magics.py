@@ -96,10 +96,8 @@ class SaveStatus:
             stall += f" (wait for the earlier save {h.wait_s * 1e3:.1f} ms)"
         if h.committed.done():
             record = h.committed.result()
-            return "committed", (
-                f"{head}: committed · {stall} · "
-                f"persist {record.persist_s:.2f} s · {record.write_gbs:.2f} GB/s"
-            )
+            return "committed", (f"{head}: committed · {stall} · persist {record.persist_s:.2f} s · "
+                                 f"{record.write_gbs:.2f} GB/s")
         return h.phase, f"{head}: {h.phase} · {stall} · writing in the background"
 
     def __repr__(self) -> str:
@@ -108,10 +106,8 @@ class SaveStatus:
     def _repr_html_(self) -> str:
         phase, text = self._parts()
         colour = {"committed": "#1a7f37", "failed": "#cf222e"}.get(phase, "#9a6700")
-        return (
-            f'<div class="nbckpt-save nbckpt-{phase}" style="font-family:monospace;'
-            f'color:{colour}">{html.escape(text)}</div>'
-        )
+        return (f'<div class="nbckpt-save nbckpt-{phase}" style="font-family:monospace;'
+                f'color:{colour}">{html.escape(text)}</div>')
 
 
 @magics_class
