@@ -13,12 +13,8 @@ class NbckptError(Exception):
 
 
 class CheckpointError(NbckptError):
-    """A checkpoint could not be saved, committed, verified or restored.
-
-    Errors from background work (staging, persisting, committing) are re-raised
-    as this type from the next ``save``, ``wait`` or ``close``, with the
-    original exception chained as ``__cause__``.
-    """
+    """A checkpoint could not be saved, committed, verified or restored (a failure in the
+    background is raised from the next ``save``, ``wait`` or ``close``, its cause chained)."""
 
 
 class ConfigError(NbckptError, ValueError):
@@ -42,10 +38,8 @@ def describe_error(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(root).__name__
 
 
-#: What each face beyond the core needs: (the extra that installs it, the modules it imports).
-#: ``pip install nbckpt`` is the engine alone (torch, numpy, xxhash, psutil): a training job
-#: that only checkpoints installs no Jupyter stack. The bench and the analysis read and write
-#: pandas frames and serve the notebook faces, so they come with the ``notebook`` extra.
+#: What each face beyond the core (the engine) needs: (the extra that installs it, the modules it
+#: imports). The bench and the analysis read and write pandas frames for the notebook faces.
 EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "nbckpt.bench": ("notebook", ("pandas",)),
     "nbckpt.analysis": ("notebook", ("pandas",)),
@@ -57,11 +51,9 @@ EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 
 def require_extra(face: str) -> None:
-    """ImportError in one line naming the extra to install when a module ``face`` needs is missing.
-
-    Checked with ``find_spec`` (nothing is imported), before the face imports anything, so the
-    user reads which extra to install rather than a ``ModuleNotFoundError`` from deep inside.
-    """
+    """ImportError in one line naming the extra to install when a module ``face`` needs is missing
+    (checked with ``find_spec`` before the face imports anything, rather than a deep
+    ``ModuleNotFoundError``)."""
     extra, modules = EXTRAS[face]
     if any(importlib.util.find_spec(module) is None for module in modules):
         raise ImportError(f"{face} needs the {extra!r} extra: pip install 'nbckpt[{extra}]'")

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import tempfile
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +100,7 @@ def check_count(value: Any, name: str, *, minimum: int = 1, maximum: int | None 
 
 def check_path(path: Any, what: str) -> str:
     """``path`` as text if it can name a file or directory (a local path or a URL); else a
-    one-line ConfigError naming ``what`` (the operating system would raise a bare ValueError
-    for a NUL, and an empty ``file://`` would mean the current directory)."""
+    one-line ConfigError naming ``what`` (the OS raises a bare ValueError for a NUL)."""
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"{what} must be a path, not {type(path).__name__} {repr(path)[:80]}")
     text = os.fspath(path)
@@ -137,11 +135,8 @@ def could_create(path: str) -> str | None:
 
 
 def writable_directory(path: str | os.PathLike[str], what: str = "directory") -> Path:
-    """Create ``path`` (and parents) if needed and prove a file can be written there.
-
-    Raises ConfigError in one line naming ``what`` and the reason; a directory created here
-    is removed again when it turns out to be unusable.
-    """
+    """Create ``path`` (and parents) if needed and prove a file can be written there; else a
+    one-line ConfigError naming ``what`` (a directory created here is removed again)."""
     target = Path(check_path(path, what).removeprefix("file://")).expanduser()
     if target.exists() and not target.is_dir():
         raise ConfigError(f"{what} {target} is not writable (it is a file, not a directory)")
@@ -149,12 +144,9 @@ def writable_directory(path: str | os.PathLike[str], what: str = "directory") ->
     while not missing.parent.exists() and missing.parent != missing:
         missing = missing.parent
     created = not target.exists()
-    probe = target / f".nbckpt-probe-{uuid.uuid4().hex[:8]}"
     try:
         target.mkdir(parents=True, exist_ok=True)
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
-        os.close(fd)
-        os.unlink(probe)
+        tempfile.TemporaryFile(prefix=".nbckpt-probe-", dir=target).close()
     except OSError as exc:
         if created and missing.exists():
             shutil.rmtree(missing, ignore_errors=True)
@@ -163,9 +155,7 @@ def writable_directory(path: str | os.PathLike[str], what: str = "directory") ->
 
 
 def run_directory(workdir: str | os.PathLike[str], prefix: str = "run-") -> Path:
-    """A new, empty directory inside ``workdir`` (created if needed) for one run of a notebook.
-
-    Re-running a notebook never meets the checkpoints of an earlier run: each run gets its own.
-    """
+    """A new, empty directory inside ``workdir`` (created if needed) for one run of a notebook,
+    so that re-running it never meets the checkpoints of an earlier run."""
     root = writable_directory(workdir, "workdir")
     return Path(tempfile.mkdtemp(prefix=prefix, dir=root))

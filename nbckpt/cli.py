@@ -2,19 +2,14 @@
 
 nbckpt bench --dir data/checkpoints/bench --preset tiny --json out.json
 nbckpt probe /mnt/flashblade
-nbckpt report --name report
-nbckpt export data/checkpoints/run1/step-000100 model.pt
-nbckpt ls data/checkpoints/run1
-nbckpt show data/checkpoints/run1 100
 nbckpt diff data/checkpoints/run1 100 200 --top 10
-nbckpt verify data/checkpoints/run1
-nbckpt --version
 python -m nbckpt --help
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import inspect
 import json
 import math
@@ -22,7 +17,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 from ._errors import CheckpointError, ConfigError, NbckptError, require_extra
@@ -32,10 +26,18 @@ from .engine._internal import write_atomic
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from .bench._internal import add_bench_arguments  # shared with %ckpt_bench
+
+    add_bench_arguments(parser)
+
+
 def _bench(args: argparse.Namespace) -> int:
     """``nbckpt bench``: run, print the table, write JSON."""
     from .bench import _internal as bench
-    comparison = bench.run_bench_from_args(args, None if args.quiet else _stderr_line)
+
+    progress = None if args.quiet else lambda line: print(line, file=sys.stderr, flush=True)
+    comparison = bench.run_bench_from_args(args, progress)
     print(comparison.table())
     if args.json is not None:
         comparison.to_json(args.json)
@@ -43,32 +45,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stderr_line(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def _probe_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``nbckpt probe``; their defaults are :func:`nbckpt.bench.probe`'s own."""
-    from . import bench
-    defaults = {name: p.default for name, p in inspect.signature(bench.probe).parameters.items()}
-    parser.add_argument("target", help="directory (local, NFS, tmpfs...) or s3://bucket/prefix")
-    parser.add_argument("--size-mb", type=float, default=defaults["size_mb"],
-                        help="MiB written and read per stream count (default %(default)s)")
-    parser.add_argument("--streams", default=",".join(map(str, defaults["streams"])),
-                        help="parallel stream counts, comma separated (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=defaults["repeats"],
-                        help="rounds per stream count; the fastest counts (default %(default)s)")
-    parser.add_argument("--checkpoint-gb", type=float, default=None,
-                        help="checkpoint size in GB, for free-space and persist-time advice "
-                        "(default: none, that advice is left out)")
-    _storage_arguments(parser)
-    parser.add_argument(
-        "--json",
-        dest="json_out",
-        default=None,
-        metavar="OUT",
-        help="also write the full result as JSON to OUT (default: no file)",
-    )
+def _storage_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--endpoint-url`` and ``--option``: how to reach an s3:// target."""
+    parser.add_argument("--endpoint-url", default=None,
+                        help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS's own)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra fsspec storage option, repeatable (VALUE parsed as JSON if it "
+                        "can be; default: none)")
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,27 +66,37 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from .bench._internal import add_bench_arguments  # shared with %ckpt_bench
-    add_bench_arguments(parser)
+def _probe_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``nbckpt probe``; their defaults are :func:`nbckpt.bench.probe`'s own."""
+    from . import bench
+
+    defaults = {name: p.default for name, p in inspect.signature(bench.probe).parameters.items()}
+    parser.add_argument("target", help="directory (local, NFS, tmpfs...) or s3://bucket/prefix")
+    parser.add_argument("--size-mb", type=float, default=defaults["size_mb"],
+                        help="MiB written and read per stream count (default %(default)s)")
+    parser.add_argument("--streams", default=",".join(map(str, defaults["streams"])),
+                        help="parallel stream counts, comma separated (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=defaults["repeats"],
+                        help="rounds per stream count; the fastest counts (default %(default)s)")
+    parser.add_argument("--checkpoint-gb", type=float, default=None,
+                        help="checkpoint size in GB, for free-space and persist-time advice "
+                        "(default: none, that advice is left out)")
+    _storage_arguments(parser)
+    parser.add_argument("--json", dest="json_out", default=None, metavar="OUT",
+                        help="also write the full result as JSON to OUT (default: no file)")
 
 
 def _probe(args: argparse.Namespace) -> int:
     """``nbckpt probe``: measure, print the summary, write JSON."""
     from . import bench
+
     try:
         streams = [int(part) for part in str(args.streams).split(",") if part.strip()]
     except ValueError as exc:
         raise ConfigError(f"--streams wants comma separated integers, not {args.streams!r}") from exc
     checkpoint = int(args.checkpoint_gb * 1e9) if args.checkpoint_gb is not None else None
-    result = bench.probe(
-        args.target,
-        size_mb=args.size_mb,
-        streams=streams,
-        repeats=args.repeats,
-        storage_options=_storage_options(args),
-        checkpoint_bytes=checkpoint,
-    )
+    result = bench.probe(args.target, size_mb=args.size_mb, streams=streams, repeats=args.repeats,
+                         storage_options=_storage_options(args), checkpoint_bytes=checkpoint)
     if args.json_out:  # before printing: a closed stdout must not lose the measurement
         write_atomic(args.json_out, json.dumps(result.to_dict(), indent=1, default=str).encode())
     print(result.summary())
@@ -113,29 +106,17 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _report_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``nbckpt report``."""
-    parser.add_argument(
-        "--name", default="report", help="file name of the report, without .html (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--output-dir",
-        default="reports",
-        help="folder for NAME.html, NAME.ipynb and results.json (default: %(default)s)",
-    )
-    parser.add_argument(
-        "-p",
-        "--parameter",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("KEY", "VALUE"),
-        help="set a parameter of the report notebook, repeatable, e.g. -p target /mnt/fb "
-        "-p preset small -p repeats 3; the names and their defaults are the first cell of "
-        "notebooks/report.ipynb (default: the notebook's own)",
-    )
-    parser.add_argument(
-        "--notebook", default=None, help="another report notebook to run (default: notebooks/report.ipynb)"
-    )
+    parser.add_argument("--name", default="report",
+                        help="file name of the report, without .html (default: %(default)s)")
+    parser.add_argument("--output-dir", default="reports",
+                        help="folder for NAME.html, NAME.ipynb and results.json (default: %(default)s)")
+    parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[],
+                        metavar=("KEY", "VALUE"),
+                        help="set a parameter of the report notebook, repeatable, e.g. -p target "
+                        "/mnt/fb -p preset small; the names and their defaults are the first cell "
+                        "of notebooks/report.ipynb (default: the notebook's own)")
+    parser.add_argument("--notebook", default=None,
+                        help="another report notebook to run (default: notebooks/report.ipynb)")
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -151,9 +132,8 @@ def _report(args: argparse.Namespace) -> int:
 def _export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a step directory (run1/step-000120) or a pointer file nbckpt wrote")
     parser.add_argument("out", help="the file to write: one torch.load-able dict, values included")
-    parser.add_argument(
-        "--map-location", default=None, help="device for the tensors in the file (default: cpu)"
-    )
+    parser.add_argument("--map-location", default=None,
+                        help="device for the tensors in the file (default: cpu)")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -164,33 +144,18 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _directory_arguments(parser: argparse.ArgumentParser, step: str) -> None:
+def _directory_arguments(parser: argparse.ArgumentParser, **steps: str) -> None:
+    """A run directory, the step arguments ``steps`` (name: help) and the storage options."""
     parser.add_argument("directory", help="a run directory (local, NFS) or s3:// URL")
-    if step == "one":
-        parser.add_argument("step", type=int, help="the step to show")
-    elif step == "some":
-        parser.add_argument(
-            "step",
-            type=int,
-            nargs="?",
-            default=None,
-            help="the step to verify (default: every committed step)",
-        )
+    for name, help_text in steps.items():
+        parser.add_argument(name, type=int, help=help_text)
     _storage_arguments(parser)
 
 
-def _storage_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--endpoint-url`` and ``--option``: how to reach an s3:// target (see :func:`_storage_options`)."""
-    parser.add_argument(
-        "--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS's own)"
-    )
-    parser.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra fsspec storage option, repeatable (VALUE parsed as JSON if it can be; default: none)",
-    )
+def _verify_arguments(parser: argparse.ArgumentParser) -> None:
+    _directory_arguments(parser)
+    parser.add_argument("step", type=int, nargs="?", default=None,
+                        help="the step to verify (default: every committed step)")
 
 
 def _reader(args: argparse.Namespace) -> Any:
@@ -209,30 +174,12 @@ def _reader(args: argparse.Namespace) -> Any:
 def _nothing_in(url: str) -> str:
     """"no committed checkpoint in URL", naming the runs inside it when it is a parent of runs."""
     line = f"no committed checkpoint in {url}"
-    runs = [] if is_url(url) else _runs_in(url)
+    pattern = os.path.join(glob.escape(url), "*", "step-*", "manifest.json")
+    manifests = [] if is_url(url) else glob.glob(pattern)
+    runs = sorted({os.path.basename(os.path.dirname(os.path.dirname(path))) for path in manifests})
     if runs:
         line += f"; it holds runs: {', '.join(runs)} (nbckpt ls {os.path.join(url, runs[0])})"
     return line
-
-
-def _runs_in(directory: str, limit: int = 1000) -> list[str]:
-    """Folders directly in ``directory`` that hold committed steps (of the first ``limit``)."""
-    try:
-        with os.scandir(directory) as entries:
-            folders = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))[:limit]
-    except OSError:
-        return []
-    return [name for name in folders if any(
-        os.path.isfile(os.path.join(directory, name, step, "manifest.json"))
-        for step in _step_names(os.path.join(directory, name))
-    )]
-
-
-def _step_names(directory: str) -> list[str]:
-    try:
-        return [name for name in os.listdir(directory) if name.startswith("step-")]
-    except OSError:
-        return []
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -245,12 +192,9 @@ def _ls(args: argparse.Namespace) -> int:
         print(f"{'step':>10}  {'written (UTC)':19}  {'size':>9}  {'tensors':>7}  program")
         for step in steps:
             manifest = ckpt.manifest(step)
-            origin = manifest.get("provenance", {})
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(manifest["unix_time"]))
-            print(
-                f"{step:>10}  {when}  {format_bytes(manifest['bytes']):>9}  {len(manifest['items']):>7}  "
-                f"{origin.get('program', '')}"
-            )
+            print(f"{step:>10}  {when}  {format_bytes(manifest['bytes']):>9}  "
+                  f"{len(manifest['items']):>7}  {manifest.get('provenance', {}).get('program', '')}")
     return 0
 
 
@@ -259,21 +203,11 @@ def _show(args: argparse.Namespace) -> int:
     with _reader(args) as ckpt:
         manifest = ckpt.manifest(args.step)
         values = ckpt.load(args.step, map_location="meta")  # no tensor data is read
-    print(
-        json.dumps(
-            {
-                "step": manifest["step"],
-                "time": manifest["time"],
-                "bytes": manifest["bytes"],
-                "world_size": manifest["world_size"],
-                "provenance": manifest.get("provenance", {}),
-                "files": {name: meta["size"] for name, meta in manifest["files"].items()},
-                "state": _describe(values),
-            },
-            indent=1,
-            default=str,
-        )
-    )
+    shown = {key: manifest[key] for key in ("step", "time", "bytes", "world_size")}
+    shown["provenance"] = manifest.get("provenance", {})
+    shown["files"] = {name: meta["size"] for name, meta in manifest["files"].items()}
+    shown["state"] = _describe(values)
+    print(json.dumps(shown, indent=1, default=str))
     return 0
 
 
@@ -291,9 +225,7 @@ def _describe(value: Any) -> Any:
 
 
 def _diff_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", help="a run directory (local, NFS) or s3:// URL")
-    parser.add_argument("step_a", type=int, help="the earlier step")
-    parser.add_argument("step_b", type=int, help="the later step")
+    _directory_arguments(parser, step_a="the earlier step", step_b="the later step")
     parser.add_argument("--top", type=int, default=20,
                         help="tensors to list, most changed first (default %(default)s; 0 lists all)")
     parser.add_argument("--line", default=None,
@@ -301,7 +233,6 @@ def _diff_arguments(parser: argparse.ArgumentParser) -> None:
                         "committed to last, with the steps of the lines it went on from)")
     parser.add_argument("--json", action="store_true",
                         help="print JSON instead of a table (default: a table)")
-    _storage_arguments(parser)
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -317,8 +248,9 @@ def _diff(args: argparse.Namespace) -> int:
     counts = {str(status): int(n) for status, n in frame["status"].value_counts().items()}
     shown = frame.head(top) if top else frame
     if args.json:
-        rows = [{key: _json_number(value) for key, value in row.items()}
-                for row in shown.to_dict(orient="records")]
+        # JSON has no NaN or infinity: an undefined number (a cosine of zeros) is null
+        rows = [{key: None if isinstance(value, float) and not math.isfinite(value) else value
+                 for key, value in row.items()} for row in shown.to_dict(orient="records")]
         print(json.dumps({"directory": url, "a": args.step_a, "b": args.step_b, "tensors": len(frame),
                           "counts": counts, "rows": rows}, indent=1))
         return 0
@@ -329,11 +261,6 @@ def _diff(args: argparse.Namespace) -> int:
     if len(shown) < len(frame):
         print(f"... and {len(frame) - len(shown)} more (--top 0 lists all)")
     return 0
-
-
-def _json_number(value: Any) -> Any:
-    """JSON has no NaN or infinity: an undefined number (a cosine of zeros) is null."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -360,31 +287,22 @@ COMMANDS: dict[str, Command] = {
     "probe": ("measure what a storage path or s3:// URL can do", _probe_arguments, _probe),
     "report": ("run the report notebook and render offline HTML", _report_arguments, _report),
     "export": ("write a checkpoint as one torch.load-able file", _export_arguments, _export),
-    "ls": ("list the committed steps of a run directory", partial(_directory_arguments, step="none"), _ls),
-    "show": (
-        "show one step: provenance, files, saved values",
-        partial(_directory_arguments, step="one"),
-        _show,
-    ),
+    "ls": ("list the committed steps of a run directory", _directory_arguments, _ls),
+    "show": ("show one step: provenance, files, saved values",
+             lambda parser: _directory_arguments(parser, step="the step to show"), _show),
     "diff": ("compare two steps tensor by tensor, most changed first", _diff_arguments, _diff),
-    "verify": (
-        "check every block of a run's checkpoints",
-        partial(_directory_arguments, step="some"),
-        _verify,
-    ),
+    "verify": ("check every block of a run's checkpoints", _verify_arguments, _verify),
 }
-
-
+#: Commands that need a face beyond the core (and so its extra).
 FACES = {"bench": "nbckpt.bench", "probe": "nbckpt.bench", "report": "nbckpt.notebook",
-         "diff": "nbckpt.analysis"}  #: commands that need a face beyond the core (and its extra)
+         "diff": "nbckpt.analysis"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
     parser = argparse.ArgumentParser(
-        prog="nbckpt",
-        description="See and fix what checkpointing costs a PyTorch training run.",
+        prog="nbckpt", description="See and fix what checkpointing costs a PyTorch training run.",
         epilog="Run 'nbckpt COMMAND --help' for the options of a command.",
     )
     parser.add_argument("--version", action="version", version=f"nbckpt {__version__}")
@@ -407,8 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the command; exit status 2 with one line for a user's mistake."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
     except NbckptError as exc:

@@ -1,10 +1,6 @@
-"""The notebook faces: the ``%ckpt_*`` magics, autosave, the lab widget, the checkpoint browser,
-the plotly figures and the report run.
-
-Thin faces over the engine, the bench and the analysis, installed by the ``notebook`` extra
-(``pip install 'nbckpt[notebook]'``); without it, importing this package (or
-``%load_ext nbckpt``) raises one line naming the extra. Glue the CLI shares with it is in
-``_internal``, not here.
+"""The notebook faces: the ``%ckpt_*`` magics, autosave, the lab, the checkpoint browser, the
+plotly figures and the report run; the ``notebook`` extra (without it, importing this raises one
+line naming the extra). Glue the CLI shares with it is in ``_internal``.
 """
 
 from .._errors import require_extra

@@ -4,38 +4,23 @@ and a final save when the work is about to be lost.
     %ckpt_autosave model opt --every 10min --step step
     Autosave(["model", "opt"], every_s="10min", step="step").start()    # the same, from Python
 
-When it saves:
-
-- **After a cell** (IPython's ``post_run_cell``), once ``every`` has passed since the last
-  autosave: an asynchronous save, so the next cell waits only for the host copy (staging), not
-  for the write. When a save to the directory is still in flight, the autosave is skipped (the
+- **After a cell** (``post_run_cell``), once ``every`` has passed: an async save, so the next cell
+  waits only for the host copy. With a save to the directory still in flight it is skipped (the
   next cell tries again): autosaves never queue up behind a slow disk.
-- **A cell that ended with KeyboardInterrupt** (Ctrl-C, or Jupyter's interrupt button): at once,
-  whatever the budget. The kernel's live state, wherever the interrupt landed, is what the user
-  goes on from, and an interrupted cell is often the step before a restart.
-- **Kernel shutdown or restart**: ipykernel answers a ``shutdown_request`` by stopping its event
-  loop; the process then exits normally and runs its ``atexit`` handlers on the main thread. The
-  autosave's handler makes a final synchronous save there, bounded by ``timeout_s``. It is
-  registered again after each cell so that it runs before the Checkpointers' own close at exit
-  (``atexit`` runs the newest first). Jupyter's kernel manager interrupts a running cell before
-  it asks for the shutdown (so that cell's interrupt autosave comes first), sends SIGTERM after
-  half its ``shutdown_wait_time`` (5 s by default) and SIGKILL at the end of it: raise
-  ``KernelManager.shutdown_wait_time`` for states that take longer to write.
-- **SIGTERM** (preemption, ``kill``): the engine's :meth:`~nbckpt.Checkpointer.save_on_signal`,
-  which makes the same bounded final save and then lets the signal end the process.
+- **A cell that ended with KeyboardInterrupt**: at once, whatever the budget (an interrupted cell
+  is often the step before a restart).
+- **Kernel shutdown or restart**: the process exits normally and runs ``atexit`` on the main
+  thread, where a final synchronous save runs, bounded by ``timeout_s``. The hook is registered
+  again after each cell so that it runs before the Checkpointers' own close (newest first).
+  Jupyter's manager sends SIGTERM after half its ``shutdown_wait_time`` (5 s) and SIGKILL at
+  the end: raise ``KernelManager.shutdown_wait_time`` for states that take longer to write.
+- **SIGTERM**: :meth:`~nbckpt.Checkpointer.save_on_signal` makes the same bounded final save.
 
-A final save writes only when a cell ran since the last autosave (else it waits for the saves in
-flight). It never corrupts the previous checkpoint: a save that does not commit never counts.
-Nothing runs on SIGKILL (the OOM killer, ``kill -9``, the manager's last resort) or a crash of
-the interpreter: the last committed autosave is what is left then.
-
-Steps: from the user's variable (``step="step"``, also saved with the state, so that
-``%ckpt_restore model opt step`` brings it back) or else one past the newest step of the
-directory. A step that is already in the directory and was not saved by this session is never
-replaced. Every failure is one line on the ``nbckpt`` logger (``%load_ext nbckpt`` shows it in the
-notebook, under the cell that triggered it), each time it happens, and ``%ckpt_autosave`` shows how
-many there were and the last one; they never fail the user's cell. A Checkpointer closed under it
-(``nbckpt.close_all()``) is reopened by the session as the next cell ends.
+A final save writes only when a cell ran since the last autosave; one that does not commit never
+counts. Nothing runs on SIGKILL or a crash: the last committed autosave is what is left then.
+Steps come from the user's variable (also saved, so ``%ckpt_restore`` brings it back) or else
+one past the newest step; a step already there that this session did not save is never replaced.
+Every failure is one line on the ``nbckpt`` logger, counted in the status; none fails the cell.
 """
 
 from __future__ import annotations
@@ -58,8 +43,7 @@ from .._errors import ConfigError
 from .._util import format_duration, parse_duration
 from ..engine import Checkpointer, SaveHandle, SaveRecord
 from ._cell import one_line, reraise
-from ._save_status import Save
-from ._session import Session, variables
+from ._session import Save, Session, variables
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
@@ -86,14 +70,20 @@ def _session_of(shell: InteractiveShell) -> Session:
     return session
 
 
-class Autosave:
-    """Autosave of ``names`` (notebook variables) into ``directory`` every ``every_s`` seconds
-    (a number or ``"30s"``, ``"10min"``, ``"1h"``); see the module's documentation for when.
+def _shell_or_current(shell: InteractiveShell | None) -> InteractiveShell | None:
+    if shell is not None:
+        return shell
+    from IPython import get_ipython
 
-    ``step``: the name of a variable holding the step number, or a function returning it; None
-    numbers the saves on from the newest step in the directory. ``timeout_s`` bounds the final
-    save (kernel shutdown, ``signals``). One autosave per shell: :meth:`start` replaces the one
-    running. ``directory`` defaults to the one ``%ckpt_config`` shows.
+    current: InteractiveShell | None = get_ipython()  # type: ignore[no-untyped-call]
+    return current
+
+
+class Autosave:
+    """Autosave of ``names`` (notebook variables) into ``directory`` (default: ``%ckpt_config``'s)
+    every ``every_s`` (seconds or ``"10min"``); ``step``: a variable's name or a function giving
+    the step (None: one past the newest); ``timeout_s`` bounds the final save. One per shell:
+    :meth:`start` replaces the one running.
     """
 
     def __init__(
@@ -109,21 +99,14 @@ class Autosave:
     ) -> None:
         if isinstance(names, str):
             names = names.split()
-        if not isinstance(names, Sequence) or not all(isinstance(name, str) for name in names):
-            raise ConfigError(
-                f"Autosave wants the names of notebook variables (a string or a list of strings), "
-                f"not {repr(names)[:80]}"
-            )
-        if shell is None:
-            from IPython import get_ipython
-
-            shell = get_ipython()  # type: ignore[no-untyped-call]
-            if shell is None:
-                raise ConfigError("Autosave needs an IPython shell: run it in a notebook or IPython")
-        self.shell: InteractiveShell = shell
+        if not isinstance(names, Sequence) or not names or not all(isinstance(name, str) for name in names):
+            raise ConfigError("Autosave wants the names of notebook variables, e.g. "
+                              f"Autosave(['model', 'opt']), not {repr(names)[:80]}")
+        found = _shell_or_current(shell)
+        if found is None:
+            raise ConfigError("Autosave needs an IPython shell: run it in a notebook or IPython")
+        self.shell: InteractiveShell = found
         self.names = tuple(names)
-        if not self.names:
-            raise ConfigError("name the variables to autosave, e.g. Autosave(['model', 'opt'])")
         self.every_s = parse_duration(every_s, "every")
         self.timeout_s = parse_duration(timeout_s, "timeout")
         if step is not None and not isinstance(step, str) and not callable(step):
@@ -131,7 +114,7 @@ class Autosave:
         self.step = step
         self.signals = tuple(signals)
         variables(self._namespace, self._saved_names)  # a typo fails now, not ten minutes later
-        self.session = _session_of(shell)
+        self.session = _session_of(self.shell)
         self.directory = directory or self.session.defaults.directory
         self.key = self.session.key(self.directory)
         self.running = False
@@ -149,10 +132,7 @@ class Autosave:
     @classmethod
     def active(cls, shell: InteractiveShell | None = None) -> Autosave | None:
         """The shell's running autosave, if any."""
-        if shell is None:
-            from IPython import get_ipython
-
-            shell = get_ipython()  # type: ignore[no-untyped-call]
+        shell = _shell_or_current(shell)
         return _ACTIVE.get(shell) if shell is not None else None
 
     @property
@@ -282,7 +262,8 @@ class Autosave:
         except TypeError:
             step = -1
         if step < 0:
-            raise ConfigError(f"the step {self._step_source} is {value!r}, not a non-negative integer")
+            source = f"variable {self.step!r}" if isinstance(self.step, str) else "function's value"
+            raise ConfigError(f"the step {source} is {value!r}, not a non-negative integer")
         # ours first: listing the directory is I/O, and a step this session saved needs none
         if not self._ours(step) and step in self.session.opened(self.directory).steps():
             raise ConfigError(f"step {step} is already in {self.directory} and was not saved in this "
@@ -296,10 +277,6 @@ class Autosave:
 
     def _ours(self, step: int) -> bool:
         return any(save.key == self.key and save.handle.step == step for save in self.session.saves)
-
-    @property
-    def _step_source(self) -> str:
-        return f"variable {self.step!r}" if isinstance(self.step, str) else "function's value"
 
     def _save(self, *, interrupted: bool) -> None:
         state, step = self._take()
@@ -375,18 +352,17 @@ def command(shell: InteractiveShell, args: argparse.Namespace) -> None:
     running = Autosave.active(shell)
     given = {"--every": args.every, "--step": args.step, "-d": args.dir, "--timeout": args.timeout}
     options = [flag for flag, value in given.items() if value is not None]
+    if args.off and (args.names or options):
+        raise UsageError("--off takes no variables or options: %ckpt_autosave --off")
+    if not args.names and options:
+        raise UsageError(f"name the variables to autosave: %ckpt_autosave model opt {options[0]} ...")
     if args.off:
-        if args.names or options:
-            raise UsageError("--off takes no variables or options: %ckpt_autosave --off")
-        if running is None:
-            print("nbckpt: no autosave to stop")
-            return
-        running.stop()
-        print(f"nbckpt: stopped autosaving {' '.join(running.names)}")
+        if running is not None:
+            running.stop()
+        print(f"nbckpt: stopped autosaving {' '.join(running.names)}" if running else
+              "nbckpt: no autosave to stop")
         return
     if not args.names:
-        if options:
-            raise UsageError(f"name the variables to autosave: %ckpt_autosave model opt {options[0]} ...")
         print(running.status() if running else
               "nbckpt: no autosave running; start one with %ckpt_autosave model opt --every 10min")
         return

@@ -26,19 +26,17 @@ _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__ or "")) + 
 
 
 class CheckpointFailed(CheckpointError):
-    """A magic's save, wait or restore failed. IPython shows it as one line, not a traceback;
-    ``except CheckpointError`` catches it; the engine's error is its ``__cause__``."""
+    """A magic's save, wait or restore failed: one line in IPython, the engine's error its cause."""
 
     def _render_traceback_(self) -> list[str]:
-        # IPython's hook for exceptions that format themselves (a UsageError subclass would not
-        # do: only UsageError itself gets the short form).
+        # IPython's hook for exceptions that format themselves (only UsageError itself, not a
+        # subclass, gets IPython's short form)
         return [f"{type(self).__name__}: {self}"]
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C in a magic's save or restore, shown as one line saying what was kept (IPython shows
-    what ``_render_traceback_`` gives instead of the traceback through nbckpt and torch). It is a
-    KeyboardInterrupt: ``except KeyboardInterrupt`` and the autosave's interrupt trigger see it."""
+    """Ctrl-C in a magic's save or restore, shown as one line saying what was kept; still a
+    KeyboardInterrupt (for ``except`` and the autosave's interrupt trigger)."""
 
     def _render_traceback_(self) -> list[str]:
         return [f"KeyboardInterrupt: {self}"]
@@ -57,10 +55,9 @@ def reraise(exc: NbckptError) -> None:
 
 
 class OneLineWarnings:
-    """``warnings.showwarning`` while the extension is loaded: nbckpt's warnings show as their one
-    line (``UserWarning: nbckpt: ...``), without the file and line of the cell, whose echo is
-    IPython's ``get_ipython().run_line_magic(...)``, not what the user typed. Filters still
-    apply (they run before this); other warnings show as before."""
+    """``warnings.showwarning`` while the extension is loaded: nbckpt's warnings as their one line,
+    without the cell's echo (IPython's ``run_line_magic(...)``, not what the user typed); other
+    warnings as before."""
 
     def __init__(self, previous: Callable[..., None]) -> None:
         self.previous = previous
@@ -93,9 +90,8 @@ def _warn_at_cell(warning: Warning | str, user_globals: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def engine_call(user_globals: Callable[[], dict[str, Any]]) -> Iterator[None]:
     """Around a call into the engine: its warnings move to the user's cell (whose namespace
-    ``user_globals()`` gives); its errors become one line. (catch_warnings swaps process-wide
-    state: only the magics, which run on the kernel's main thread, use it, and only for the
-    length of one call.)"""
+    ``user_globals()`` gives), its errors become one line. (catch_warnings swaps process-wide
+    state: only the magics use it, on the kernel's main thread, for one call.)"""
     caught: list[warnings.WarningMessage] = []
     try:
         with warnings.catch_warnings(record=True) as caught:

@@ -10,11 +10,10 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
-from IPython.core.magic import line_magic as _ipython_line_magic
+from IPython.core.magic import line_magic
 from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.utils.text import dedent
 
-from .._errors import ConfigError
 from .._util import check_count, parse_duration
 
 __all__ = [
@@ -26,22 +25,18 @@ __all__ = [
     "bench_parser",
     "duration",
     "keep_value",
-    "line_magic",
     "magic",
     "positive",
     "step_value",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 Argument = tuple[tuple[str, ...], dict[str, Any]]
 
 
 class _Decorator(Protocol):
     def __call__(self, func: F, /) -> F: ...
-
-
-#: ``line_magic`` as a plain decorator (IPython types it as decorator-or-decorator-factory).
-line_magic = cast(_Decorator, _ipython_line_magic)
 
 
 def _parser(name: str, doc: str | None) -> MagicArgumentParser:
@@ -54,13 +49,10 @@ def _parser(name: str, doc: str | None) -> MagicArgumentParser:
     return parser
 
 
-def _wants_help(line: str) -> bool:
-    return any(token in ("-h", "--help") for token in line.split())
-
-
 def magic(*arguments: Argument,
           parser: Callable[[str | None], MagicArgumentParser] | None = None) -> _Decorator:
-    """A line magic taking parsed arguments: ``--help`` prints the help; bad input is a UsageError.
+    """A line magic (registered as IPython's ``@line_magic`` does) taking parsed arguments:
+    ``--help`` prints the help; bad input is a UsageError.
 
     ``arguments`` are :func:`arg` pairs; ``parser(docstring)`` builds the whole parser instead
     (on first use, so that a heavy import waits until the magic runs). The help becomes the
@@ -79,14 +71,14 @@ def magic(*arguments: Argument,
 
         @functools.wraps(func)
         def wrapper(self: Any, line: str) -> Any:
-            if _wants_help(line):
+            if any(token in ("-h", "--help") for token in line.split()):
                 print(build().format_help())
                 return None
             args: argparse.Namespace = build().parse_argstring(line)  # type: ignore[no-untyped-call]
             return func(self, args)
 
         wrapper.parser = build  # type: ignore[attr-defined]
-        return cast(F, wrapper)
+        return cast(F, line_magic(wrapper))
 
     return decorate
 
@@ -96,35 +88,25 @@ def arg(*flags: str, **options: Any) -> Argument:
     return flags, options
 
 
-def _integer(text: str, minimum: int, what: str) -> int:
-    try:
-        return check_count(int(text), "value", minimum=minimum)
-    except (ValueError, ConfigError):
-        raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}") from None
+def _typed(parse: Callable[[str], T], what: str) -> Callable[[str], T]:
+    """An argparse type: ``parse(text)``, else "must be WHAT, not 'text'" (argparse adds the flag)."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError:  # ConfigError is one
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}") from None
+
+    return convert
 
 
-def keep_value(text: str) -> int | None:
-    """argparse type of ``--keep``: a positive integer, or ``none`` for keeping everything."""
-    if text.lower() in ("none", "all"):
-        return None
-    return _integer(text, 1, "a positive integer or 'none'")
-
-
-def positive(text: str) -> int:
-    return _integer(text, 1, "a positive integer")
-
-
-def step_value(text: str) -> int:
-    return _integer(text, 0, "a non-negative integer")
-
-
-def duration(text: str) -> float:
-    """argparse type of a duration: ``30s``, ``10min``, ``1h`` or plain seconds."""
-    try:
-        return parse_duration(text)
-    except ConfigError:
-        message = f"must be a duration such as 30s, 10min or 1h, not {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
+positive = _typed(lambda text: check_count(int(text), "value"), "a positive integer")
+step_value = _typed(lambda text: check_count(int(text), "value", minimum=0), "a non-negative integer")
+#: ``--keep``: a positive integer, or ``none`` for keeping everything.
+keep_value = _typed(lambda text: None if text.lower() in ("none", "all") else check_count(int(text), "value"),
+                    "a positive integer or 'none'")
+#: A duration: ``30s``, ``10min``, ``1h`` or plain seconds.
+duration = _typed(parse_duration, "a duration such as 30s, 10min or 1h")
 
 
 DIR_ARG = arg("-d", "--dir",

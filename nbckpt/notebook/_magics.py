@@ -1,20 +1,15 @@
 """IPython magics: ``%load_ext nbckpt``, then ``h = %ckpt_async model opt`` and friends.
 
-Every magic is a thin face over :class:`nbckpt.Checkpointer` and answers ``--help`` (as does
-``%ckpt_async?``). Bad input (unknown flag or variable, a value that holds no state, a bad
-directory) raises :class:`~IPython.core.error.UsageError`; a save or restore that fails raises
-:class:`~._cell.CheckpointFailed`, a CheckpointError that IPython shows as one line, not a
-traceback. Either one fails a papermill run.
-
-The session (:class:`~._session.Session`) keeps one Checkpointer per directory. Its options
-come from ``%ckpt_config`` (the directory also from ``NBCKPT_DIR``) and ``--keep`` on a save.
-Warnings point at the cell that ran the magic. While the extension is loaded, the ``nbckpt``
-logger's warnings (failures in the background) show in the notebook's output.
+Thin faces over the session's Checkpointers (:class:`~._session.Session`), each answering
+``--help``. Bad input raises a UsageError, a failed save or restore :class:`~._cell.CheckpointFailed`:
+both one line, both fail a papermill run. While the extension is loaded, the ``nbckpt`` logger's
+warnings (failures in the background) show in the notebook.
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import logging
 import os
 import sys
@@ -26,7 +21,7 @@ from IPython.core.magic import Magics, magics_class
 from IPython.display import DisplayHandle, display
 
 from .._errors import ConfigError
-from .._util import is_url
+from .._util import format_bytes, is_url
 from ..engine import SaveHandle
 from ._autosave import Autosave
 from ._autosave import command as autosave_command
@@ -38,13 +33,11 @@ from ._magic_args import (
     arg,
     bench_parser,
     keep_value,
-    line_magic,
     magic,
     positive,
     step_value,
 )
-from ._save_status import Save, SaveStatus
-from ._session import DIR_ENV, OPTIONS, Session, variables
+from ._session import DIR_ENV, OPTIONS, Save, Session, variables
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -69,8 +62,8 @@ def _rounded(value: float) -> float:
 
 
 class _NotebookLog(logging.Handler):
-    """Shows the ``nbckpt`` logger's warnings in the notebook: written to ``sys.stderr`` as it
-    is when the record comes (the kernel replaces it with a stream into the cell's output)."""
+    """The ``nbckpt`` logger's warnings, to ``sys.stderr`` as it is when the record comes (the
+    kernel's stream into the cell's output; a StreamHandler would keep the one at load)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -81,6 +74,40 @@ class _NotebookLog(logging.Handler):
             sys.stderr.write(self.format(record) + "\n")
         except Exception:
             self.handleError(record)
+
+
+class SaveStatus:
+    """A compact, self-describing line for one save: staged, persisting, committed or failed."""
+
+    def __init__(self, handle: SaveHandle, directory: str, mode: str) -> None:
+        self.handle = handle
+        self.directory = directory
+        self.mode = mode
+
+    def _parts(self) -> tuple[str, str]:
+        h = self.handle
+        where = f" -> {self.directory}" if self.directory else ""
+        head = f"nbckpt {self.mode} step {h.step} ({format_bytes(h.bytes)}){where}"
+        error = h.error
+        if error is not None:
+            return "failed", f"{head}: failed: {one_line(error)}"
+        stall = f"stall {h.stall_s * 1e3:.1f} ms"
+        if h.wait_s > 1e-4:  # the same names as the bench's: the stall, and its wait part
+            stall += f" (wait for the earlier save {h.wait_s * 1e3:.1f} ms)"
+        if h.committed.done():
+            record = h.committed.result()
+            return "committed", (f"{head}: committed · {stall} · persist {record.persist_s:.2f} s · "
+                                 f"{record.write_gbs:.2f} GB/s")
+        return h.phase, f"{head}: {h.phase} · {stall} · writing in the background"
+
+    def __repr__(self) -> str:
+        return self._parts()[1]
+
+    def _repr_html_(self) -> str:
+        phase, text = self._parts()
+        colour = {"committed": "#1a7f37", "failed": "#cf222e"}.get(phase, "#9a6700")
+        return (f'<div class="nbckpt-save nbckpt-{phase}" style="font-family:monospace;'
+                f'color:{colour}">{html.escape(text)}</div>')
 
 
 @magics_class
@@ -137,31 +164,23 @@ class CheckpointMagics(Magics):
 
     # -- magics -------------------------------------------------------------------------------
 
-    @line_magic
     @magic(*SAVE_ARGS)
     def ckpt_async(self, args: argparse.Namespace) -> SaveHandle:
-        """Checkpoint notebook variables in the background and return the SaveHandle.
-
-        The cell goes on once the state is copied; the status line under the cell changes to
-        "committed" when the checkpoint is durable. In a training loop:
-            if step % 50 == 0:
-                %ckpt_async model opt --step {step}
+        """Checkpoint notebook variables in the background and return the SaveHandle; the status
+        line under the cell turns "committed" when it is durable. In a loop:
+            %ckpt_async model opt --step {step}
         """
         return self._save(args, "async")
 
-    @line_magic
     @magic(*SAVE_ARGS)
     def ckpt_sync(self, args: argparse.Namespace) -> SaveHandle:
         """Checkpoint notebook variables and return once the checkpoint is durable."""
         return self._save(args, "sync")
 
-    @line_magic
     @magic()
     def ckpt_wait(self, args: argparse.Namespace) -> None:
-        """Wait until every save of this session has committed and print how many did.
-
-        A save that failed in the background is raised here (once) as CheckpointFailed.
-        """
+        """Wait until every save of this session has committed and print how many did; one that
+        failed in the background is raised here (once)."""
         saves = self.session.saves
         waited = sum(not save.handle.done() for save in saves)
         error = self.session.wait()
@@ -175,45 +194,29 @@ class CheckpointMagics(Magics):
         if error is not None:
             reraise(error)
 
-    @line_magic
     @magic()
     def ckpt_status(self, args: argparse.Namespace) -> pd.DataFrame:
-        """A table of this session's saves: directory, step, mode, phase, MB, stall (ms: all the
-        time save() blocked the cell), the part of it spent waiting for the earlier save (ms),
-        persist (s), write rate (GB/s) and error; above it, the host memory held for staging
-        (max-inflight host copies of the state per directory, pinned with CUDA)."""
+        """A table of this session's saves: stall (ms: all the time save() blocked the cell) and
+        its wait for the earlier save, persist (s), GB/s; above it, the host memory held for
+        staging (max-inflight copies of the state per directory, pinned with CUDA)."""
         import pandas as pd
 
         print(self.session.staging_memory())
-
         rows = []
         for save in self.session.saves:
-            handle = save.handle
-            record = handle.committed.result() if handle.done() and handle.error is None else None
-            rows.append({
-                "directory": save.directory,
-                "step": handle.step,
-                "mode": save.mode,
-                "variables": " ".join(save.names),
-                "phase": handle.phase,
-                "MB": _rounded(handle.bytes / 1e6),
-                "stall_ms": _rounded(handle.stall_s * 1e3),
-                "wait_ms": _rounded(handle.wait_s * 1e3),
-                "persist_s": _rounded(record.persist_s) if record else None,
-                "write_gbs": _rounded(record.write_gbs) if record else None,
-                "error": one_line(handle.error) if handle.error is not None else "",
-            })
-        columns = ["directory", "step", "mode", "variables", "phase", "MB", "stall_ms", "wait_ms",
-                   "persist_s", "write_gbs", "error"]
-        return pd.DataFrame(rows, columns=columns)
+            h = save.handle
+            record = h.committed.result() if h.done() and h.error is None else None
+            rows.append((save.directory, h.step, save.mode, " ".join(save.names), h.phase,
+                         _rounded(h.bytes / 1e6), _rounded(h.stall_s * 1e3), _rounded(h.wait_s * 1e3),
+                         _rounded(record.persist_s) if record else None,
+                         _rounded(record.write_gbs) if record else None,
+                         one_line(h.error) if h.error is not None else ""))
+        return pd.DataFrame(rows, columns=["directory", "step", "mode", "variables", "phase", "MB",
+                                           "stall_ms", "wait_ms", "persist_s", "write_gbs", "error"])
 
-    @line_magic
     @magic()
     def ckpt_timeline(self, args: argparse.Namespace) -> go.Figure:
-        """The plotly timeline of this session's saves: stalls, staging, persistence, commits.
-
-        One pair of lanes (train, background) per kind of save: its mode and variables.
-        """
+        """The plotly timeline of this session's saves: a pair of lanes per mode and variables."""
         df = self.session.timeline()
         if df.empty:
             raise UsageError("no checkpoint events in this session yet: run %ckpt_async first")
@@ -221,17 +224,13 @@ class CheckpointMagics(Magics):
 
         return timeline_figure(df, origin="this session started (%load_ext nbckpt)")
 
-    @line_magic
     @magic(*AUTOSAVE_ARGS)
     def ckpt_autosave(self, args: argparse.Namespace) -> None:
-        """Autosave notebook variables: in the background once DURATION has passed, as a cell
-        ends; at once when a cell is interrupted; a final save on kernel shutdown, restart or
-        SIGTERM. Running it again replaces the autosave; %ckpt_autosave alone shows it.
-            %ckpt_autosave model opt --every 10min --step step
+        """Autosave notebook variables as a cell ends once DURATION has passed, at once when one is
+        interrupted, and finally on kernel shutdown, restart or SIGTERM. Alone: shows it.
         """
         autosave_command(self.shell, args)  # type: ignore[arg-type]
 
-    @line_magic
     @magic(
         DIR_ARG,
         arg("--step", type=step_value,
@@ -239,11 +238,7 @@ class CheckpointMagics(Magics):
         arg("names", nargs="+", metavar="NAME", help="notebook variables to load in place"),
     )
     def ckpt_restore(self, args: argparse.Namespace) -> None:
-        """Load a checkpoint into notebook variables and print the step restored.
-
-        Modules, optimizers and tensors are loaded in place; plain values are rebound.
-        "Newest" means the highest step number in the directory.
-        """
+        """Load a checkpoint into notebook variables (in place; plain values are rebound)."""
         state = self._state(args.names)
         directory = args.dir or self.session.defaults.directory
         if not is_url(directory) and not os.path.isdir(directory):
@@ -263,7 +258,6 @@ class CheckpointMagics(Magics):
         self.user_ns.update(state)
         print(f"nbckpt: restored step {step} from {ckpt.directory} into {listed}")
 
-    @line_magic
     @magic(
         arg("-d", "--dir", help="default checkpoint directory or s3:// URL "
             f"(default: ${DIR_ENV}, else ./checkpoints)"),
@@ -284,31 +278,20 @@ class CheckpointMagics(Magics):
         arg("--reset", action="store_true", help="back to the defaults (and $NBCKPT_DIR)"),
     )
     def ckpt_config(self, args: argparse.Namespace) -> None:
-        """Show or set this session's checkpoint options.
-
-        %ckpt_config shows them; %ckpt_config -d /mnt/fast --keep 3 sets them. Changes apply to
-        the directories already in use too: each one's Checkpointer is reopened with the new
-        options (after its saves in flight commit). The save mode is the magic's choice
-        (%ckpt_async or %ckpt_sync).
-        """
-        options = {name: getattr(args, name) for name in OPTIONS
-                   if name != "keep" and getattr(args, name, None) is not None}
-        if hasattr(args, "keep"):
-            options["keep"] = args.keep
+        """Show or set this session's options; a change reopens each directory's Checkpointer
+        once its saves in flight have committed."""
+        # --keep is absent unless given (its None means "keep all"); the others are None then
+        options = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)
+                   and (name == "keep" or getattr(args, name) is not None)}
         self.session.configure(options, reset=args.reset, directory=args.dir, new_run=args.new_run)
         for name, value in self.session.settings():
             print(f"{name:>15}: {value}")
 
-    @line_magic
     @magic(parser=bench_parser)
     def ckpt_bench(self, args: argparse.Namespace) -> Any:
-        """Run checkpoint strategies side by side (the options of nbckpt bench).
-
-        In JupyterLab or Notebook: shows the live lab and starts it in the background (running
-        it again, or creating another Lab, stops and closes the previous one). In batch runs
-        (papermill, nbconvert, terminal IPython, NBCKPT_BATCH=1 or --static): runs in the
-        foreground, prints progress, shows static figures and returns the Comparison, which
-        displays as its results table.
+        """Run checkpoint strategies side by side (nbckpt bench's options): the live lab in
+        JupyterLab; in batch runs (papermill, terminal IPython, NBCKPT_BATCH=1, --static) in the
+        foreground with static figures, returning the Comparison.
         """
         from ..bench import _internal as bench
         from ._lab import Lab, live_lab
@@ -345,11 +328,8 @@ class CheckpointMagics(Magics):
 
 
 def _batch_run(shell: Any) -> bool:
-    """True outside an interactive Jupyter frontend: where a live widget would never be seen.
-
-    JupyterLab and Notebook mark their execute requests with ``recordTiming`` metadata;
-    papermill/nbconvert (nbclient) and terminal IPython do not.
-    """
+    """True where a live widget would never be seen: JupyterLab and Notebook mark their execute
+    requests with ``recordTiming`` metadata, nbclient (papermill) and terminal IPython do not."""
     if os.environ.get(BATCH_ENV, "") not in ("", "0"):
         return True
     kernel = getattr(shell, "kernel", None)
@@ -362,8 +342,7 @@ def _batch_run(shell: Any) -> bool:
 #: Shown as its results table when it is a cell's value (registered by name: no import).
 _COMPARISON = ("nbckpt.bench._comparison", "Comparison")
 #: The magics, by name.
-MAGICS = ("ckpt_async", "ckpt_sync", "ckpt_wait", "ckpt_status", "ckpt_timeline", "ckpt_restore",
-          "ckpt_autosave", "ckpt_config", "ckpt_bench")
+MAGICS = tuple(CheckpointMagics.magics["line"])
 
 
 def _comparison_text(comparison: Any, printer: Any, cycle: bool) -> None:

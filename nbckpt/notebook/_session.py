@@ -1,10 +1,9 @@
 """One notebook session's checkpointing, behind the magics: its options (``%ckpt_config``), one
-Checkpointer per directory, its saves (:mod:`._save_status`), and the timeline of them all.
+Checkpointer per directory, its saves, and the timeline of them all.
 
-A Checkpointer's config is frozen: when an option changes, the session closes the directory's
-Checkpointer once its saves in flight have committed and opens a new one with the new config,
-and says so in one line. One closed under the session (``nbckpt.close_all()``) is reopened, with
-the same config, by the next magic or autosave that needs it.
+A Checkpointer's config is frozen: when an option changes, the session reopens the directory's
+Checkpointer once its saves in flight have committed (one line says so), as it does one closed
+under it (``nbckpt.close_all()``).
 """
 
 from __future__ import annotations
@@ -23,10 +22,9 @@ from IPython.core.error import UsageError
 
 from .._errors import CheckpointError, ConfigError, NbckptError
 from .._util import check_path, could_create, format_bytes, is_url, run_directory
-from ..engine import CheckpointConfig, Checkpointer
+from ..engine import CheckpointConfig, Checkpointer, SaveHandle
 from ..engine._internal import events_to_pandas, now_ns, open_fsspec
 from ._cell import CheckpointFailed, Interrupted, engine_call, one_line
-from ._save_status import Save
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -34,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DIR_ENV",
     "OPTIONS",
+    "Save",
     "Session",
     "SessionDefaults",
     "usable_directory",
@@ -48,15 +47,11 @@ DIR_ENV = "NBCKPT_DIR"
 OPTIONS = ("keep", "max_inflight", "writer_threads", "verify", "capture_rng")
 
 
-def _default_dir() -> str:
-    return os.environ.get(DIR_ENV) or "checkpoints"
-
-
 @dataclass(kw_only=True)
 class SessionDefaults:
     """What ``%ckpt_config`` shows and sets; every directory's Checkpointer is opened with it."""
 
-    dir: str = field(default_factory=_default_dir)
+    dir: str = field(default_factory=lambda: os.environ.get(DIR_ENV) or "checkpoints")
     run: str | None = None  # the run-* directory inside ``dir`` of ``%ckpt_config --new-run``
     keep: int | None = None
     max_inflight: int = 1
@@ -84,7 +79,7 @@ def variables(namespace: dict[str, Any], names: Sequence[str]) -> dict[str, Any]
 
 def usable_directory(directory: str) -> None:
     """Refuse, in one line, a directory no save could use (under a file, not writable, a URL of
-    no known kind): checked when it is set, not at the next save. Nothing is created."""
+    no known kind) when it is set, not at the next save; nothing is created."""
     try:
         check_path(directory, "directory")
         if is_url(directory):
@@ -95,6 +90,28 @@ def usable_directory(directory: str) -> None:
     reason = could_create(directory)
     if reason is not None:
         raise UsageError(f"cannot checkpoint to {directory!r}: {reason}")
+
+
+@dataclass(kw_only=True)
+class Save:
+    """One save of this session, for ``%ckpt_status``, ``%ckpt_wait`` and ``%ckpt_timeline``."""
+
+    key: str
+    directory: str
+    mode: str
+    names: tuple[str, ...]
+    handle: SaveHandle
+    shown_at: int = 0  # execution count of the cell whose magic displayed it
+    live: list[tuple[Any, Any]] = field(default_factory=list)  # (SaveStatus, DisplayHandle)
+
+    def finalise(self, live: tuple[Any, Any]) -> None:
+        """Show the save's final state in one of its live displays (at most once)."""
+        try:
+            self.live.remove(live)
+        except ValueError:
+            return  # the commit callback and %ckpt_wait raced; the other one updated it
+        status, shown = live
+        shown.update(status)
 
 
 def _changes(changes: dict[str, Any]) -> str:
@@ -112,11 +129,8 @@ def _short_names(keys: list[str]) -> dict[str, str]:
 
 
 class Session:
-    """This session's options, Checkpointers (one per directory) and saves.
-
-    ``user_globals()`` is the notebook's namespace: engine warnings are pointed at the cell
-    that runs in it.
-    """
+    """This session's options, Checkpointers and saves; engine warnings point at the cell that
+    runs in ``user_globals()``, the notebook's namespace."""
 
     def __init__(self, user_globals: Callable[[], dict[str, Any]]) -> None:
         self.defaults = SessionDefaults()
@@ -138,20 +152,15 @@ class Session:
         return directory if is_url(directory) else os.path.abspath(directory)
 
     def checkpointer(self, directory: str | None = None) -> Checkpointer:
-        """The session's Checkpointer for ``directory``, opened with the session's options.
-
-        When an option changed since it was opened, it is closed once its saves in flight have
-        committed and a new one is opened with the changed config (one line says so).
-        """
+        """The session's Checkpointer for ``directory`` with the session's options now (reopened
+        once its saves in flight have committed when they changed)."""
         directory = directory or self.defaults.directory
         key = self.key(directory)
         with self._lock:
             ckpt = self.checkpointers.get(key)
-            if ckpt is not None and ckpt.closed:
-                return self._reopen(key, self._changed(key, ckpt))
             if ckpt is not None:
                 changes = self._changed(key, ckpt)
-                return self._reopen(key, changes) if changes else ckpt
+                return self._reopen(key, changes) if changes or ckpt.closed else ckpt
             try:
                 with self.engine_call():
                     config = CheckpointConfig(mode="async", **self._wanted(key))
@@ -162,9 +171,8 @@ class Session:
             return ckpt
 
     def opened(self, directory: str | None = None) -> Checkpointer:
-        """The directory's Checkpointer as it is, opened if there is none or it was closed
-        (never reopened only for changed options, as :meth:`checkpointer` does: a signal's final
-        save may be using it)."""
+        """The directory's Checkpointer as it is, opened if there is none or it was closed (never
+        reopened for changed options: a signal's final save may be using it)."""
         ckpt = self.checkpointers.get(self.key(directory))
         return ckpt if ckpt is not None and not ckpt.closed else self.checkpointer(directory)
 
@@ -195,8 +203,8 @@ class Session:
 
     def _interrupted(self, ckpt: Checkpointer, key: str, step: int, mode: str,
                      names: Sequence[str]) -> str:
-        """What a Ctrl-C in a save kept, in one line. A save that got as far as the background
-        goes on there (the engine never cuts a write in two) and joins the session's saves."""
+        """What a Ctrl-C in a save kept, in one line; a save that reached the background goes on
+        there (the engine never cuts a write in two) and joins the session's saves."""
         handle = next((h for h in reversed(ckpt.handles) if h.step == step), None)
         if handle is not None:
             self.saves.append(Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names),
@@ -236,17 +244,16 @@ class Session:
     def configure(self, options: dict[str, Any], *, reset: bool = False,
                   directory: str | None = None, new_run: bool = False) -> None:
         """Change the defaults (``options``: :data:`OPTIONS` given) and reopen the Checkpointers
-        they change; one that has saves in flight is reopened by its next save or restore."""
+        they change (one with saves in flight: at its next save or restore)."""
         if directory is not None:
             usable_directory(directory)  # before anything changes: a refused one changes nothing
         with self._lock:
             if reset:
                 self.defaults = SessionDefaults()
-                self._keep.clear()
+            if reset or "keep" in options:
+                self._keep.clear()  # a session-wide keep overrides the per-directory ones
             if directory is not None:
                 self.defaults.dir, self.defaults.run = directory, None
-            if "keep" in options:
-                self._keep.clear()  # a session-wide keep overrides the per-directory ones
             for name, value in options.items():
                 setattr(self.defaults, name, value)
             if new_run:
@@ -269,36 +276,29 @@ class Session:
                     self._reopen(key, changes)
 
     def settings(self) -> Iterator[tuple[str, Any]]:
-        """What ``%ckpt_config`` shows: the directory saves go to (one line, naming the directory
-        a ``--new-run`` is in), then every other default."""
+        """What ``%ckpt_config`` shows: where saves go (and the directory of a ``--new-run``), then
+        every other default."""
         run = self.defaults.run
         yield "directory", run + f" (a --new-run inside {self.defaults.dir})" if run else self.defaults.dir
         yield from ((k, v) for k, v in asdict(self.defaults).items() if k not in ("dir", "run"))
 
     def timeline(self) -> pd.DataFrame:
-        """Every event of this session's Checkpointers, ``start_s`` from the session's start.
-
-        Lanes are labelled by what was saved (the magic's mode and variables), with the
-        directory's last path part in front when the session used several.
-        """
+        """Every event of this session's Checkpointers from the session's start, in lanes named by
+        mode and variables (and the directory's short name when there are several)."""
         import pandas as pd
 
         opened = [*self._closed, *self.checkpointers.values()]
         keys = list(dict.fromkeys(self.key(ckpt.directory) for ckpt in opened))
         short = _short_names(keys)
-        saves = {(save.key, save.handle.step): save for save in self.saves}
+        labels = {(save.key, save.handle.step): f"{save.mode} {' '.join(save.names)}" for save in self.saves}
         frames = []
         for ckpt in opened:
             key = self.key(ckpt.directory)
             frame = events_to_pandas(ckpt.timeline.events, self.origin_ns)
             prefix = f"{short[key]}: " if len(keys) > 1 else ""
-            labels = []
-            for step in frame["step"]:
-                save = saves.get((key, int(step))) if step is not None and step == step else None
-                what = f"{save.mode} {' '.join(save.names)}" if save else short[key]
-                labels.append(prefix + what if save else what)
-            frame["label"] = labels
-            frame["strategy"] = labels
+            # a float step (a column with NaN) finds its int key; None and NaN find none
+            frame["label"] = frame["strategy"] = [prefix + labels[key, step] if (key, step) in labels
+                                                  else short[key] for step in frame["step"]]
             frames.append(frame)
         if not frames or all(frame.empty for frame in frames):
             return pd.DataFrame()
@@ -315,14 +315,12 @@ class Session:
         self.checkpointers.clear()
 
     def _wanted(self, key: str) -> dict[str, Any]:
-        """The options a directory's Checkpointer should have now."""
         wanted = {name: getattr(self.defaults, name) for name in OPTIONS}
         if key in self._keep:
             wanted["keep"] = self._keep[key]
         return wanted
 
     def _changed(self, key: str, ckpt: Checkpointer) -> dict[str, Any]:
-        """The options of a directory's Checkpointer that differ from what it should have now."""
         return {k: v for k, v in self._wanted(key).items() if getattr(ckpt.config, k) != v}
 
     def in_flight(self, key: str) -> list[Save]:
@@ -330,9 +328,8 @@ class Session:
         return [save for save in self.saves if save.key == key and not save.handle.done()]
 
     def _reopen(self, key: str, changes: dict[str, Any]) -> Checkpointer:
-        """A new Checkpointer for directory ``key``, with ``changes`` to its config, in place of
-        the one there (closed first; one closed under the session, by ``nbckpt.close_all()`` or
-        its own ``close()``, is replaced with the same config and the changes)."""
+        """A new Checkpointer for directory ``key`` in place of the one there (closed first), with
+        ``changes`` to its config."""
         old = self.checkpointers[key]
         was_closed = old.closed
         waited = len(self.in_flight(key))

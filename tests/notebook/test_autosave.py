@@ -23,7 +23,7 @@ from nbckpt import Checkpointer, ConfigError, SaveHandle, SaveRecord
 from nbckpt._util import format_bytes, parse_duration
 from nbckpt.engine._internal import step_name
 from nbckpt.notebook import Autosave, Browser, _autosave
-from nbckpt.notebook._save_status import Save
+from nbckpt.notebook._session import Save
 
 
 @pytest.fixture
