@@ -10,7 +10,7 @@ from .._errors import ConfigError
 from .._util import check_count
 from ._retention import RetentionPolicy, policy_of
 
-__all__ = ["MAX_INFLIGHT", "MAX_WRITER_THREADS", "CheckpointConfig", "Mode", "Ranks"]
+__all__ = ["CheckpointConfig", "Mode"]
 
 Mode = Literal["sync", "async"]
 Ranks = Literal["auto", "all", "local"]

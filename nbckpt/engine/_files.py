@@ -20,24 +20,8 @@ from .._errors import CheckpointError
 from ._format import BLOCK_SIZE, block_hasher, checksum
 
 __all__ = [
-    "IOV_MAX",
-    "PIECE_SIZE",
-    "FileResult",
-    "LocalSink",
-    "LocalSource",
-    "Sink",
-    "Source",
-    "StreamSink",
-    "StreamSource",
-    "copy_file",
-    "exchange_paths",
-    "fsync_dir",
-    "hash_blocks",
-    "read_into",
-    "with_filename",
-    "write_all",
-    "write_atomic",
-    "write_image",
+    "FileResult", "LocalSink", "LocalSource", "Sink", "Source", "StreamSink", "StreamSource", "copy_file",
+    "exchange_paths", "fsync_dir", "hash_blocks", "read_into", "write_all", "write_atomic", "write_image"
 ]
 
 def write_all(fd: int, data: bytes | memoryview) -> None:

@@ -29,7 +29,7 @@ from ._shards import Region, tiles
 from ._state import TensorSpec, dtype_name, flatten
 from ._unpickle import MetadataUnpickler, load_blob
 
-__all__ = ["FOREIGN", "MAX_METADATA_BYTES", "dcp_steps", "read_dcp_manifest"]
+__all__ = ["dcp_steps", "read_dcp_manifest"]
 
 #: The format a manifest made from a plain DCP checkpoint says it is in.
 FOREIGN = "dcp"

@@ -43,12 +43,11 @@ from ._state import TensorSpec, dtype_name
 from ._torch_compat import storage_info
 
 __all__ = [
-    "ALIGN", "BLOCK_SIZE", "BRANCH_FILE", "BRANCH_LIMIT", "CHECKSUM", "DCP_VERSION",
-    "FORMAT", "LEFTOVER_RE", "LOCK_FILE", "MAIN", "MANIFEST", "MANIFEST_KEYS", "MAX_MANIFEST_BYTES",
-    "MAX_STEP", "METADATA_FILE", "METRICS", "OLD_PREFIX", "POINTER_FORMAT",
-    "POINTER_LIMIT", "PROBE_PREFIX", "READS", "TMP_PREFIX", "TRASH_PREFIX", "TREE_KINDS", "Chunk",
-    "FileLayout", "Item", "Layout", "RankPlan", "block_hasher", "branch_name", "checksum", "data_file",
-    "framing", "is_branch", "is_data_file", "pad", "parse_step", "plan", "step_name",
+    "BLOCK_SIZE", "BRANCH_FILE", "BRANCH_LIMIT", "DCP_VERSION", "FORMAT", "LEFTOVER_RE", "LOCK_FILE", "MAIN",
+    "MANIFEST", "MANIFEST_KEYS", "MAX_MANIFEST_BYTES", "MAX_STEP", "METADATA_FILE", "METRICS", "OLD_PREFIX",
+    "POINTER_FORMAT", "POINTER_LIMIT", "PROBE_PREFIX", "READS", "TMP_PREFIX", "TRASH_PREFIX", "TREE_KINDS",
+    "Chunk", "FileLayout", "Item", "Layout", "RankPlan", "block_hasher", "branch_name", "checksum",
+    "data_file", "framing", "is_branch", "is_data_file", "pad", "parse_step", "plan", "step_name"
 ]
 
 # -- A run directory -------------------------------------------------------------------------

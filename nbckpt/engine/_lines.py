@@ -25,17 +25,7 @@ from ._files import Sink, Source
 from ._format import BRANCH_FILE, BRANCH_LIMIT, MAIN, MANIFEST, branch_name, is_branch
 from ._store import Store
 
-__all__ = [
-    "Line",
-    "StepLimited",
-    "ancestry",
-    "discover",
-    "last_committed",
-    "lineage",
-    "on",
-    "start_branch",
-    "write_record",
-]
+__all__ = ["Line", "ancestry", "discover", "last_committed", "lineage", "on", "start_branch", "write_record"]
 
 @dataclass(frozen=True)
 class Line:

@@ -40,7 +40,7 @@ from ._store import Store, open_store
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
-__all__ = ["MARKER", "Mirror", "mirror_of", "mirror_target", "open_mirror"]
+__all__ = ["Mirror", "mirror_of", "mirror_target", "open_mirror"]
 
 _log = logging.getLogger("nbckpt")
 #: At the mirror's root: the run the mirror belongs to.

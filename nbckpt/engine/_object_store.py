@@ -14,16 +14,7 @@ from ._files import Sink, Source, StreamSink, StreamSource
 from ._format import MANIFEST, PROBE_PREFIX, parse_step, step_name
 from ._store import Store
 
-__all__ = [
-    "OBJECT_STORES",
-    "S3_DEFAULT_RETRIES",
-    "FsspecStore",
-    "endpoint",
-    "explain_fsspec_error",
-    "fsspec_options",
-    "open_fsspec",
-    "where",
-]
+__all__ = ["FsspecStore", "endpoint", "explain_fsspec_error", "fsspec_options", "open_fsspec", "where"]
 
 _log = logging.getLogger("nbckpt")
 

@@ -26,20 +26,8 @@ from ._unpickle import load_blob
 from ._workers import Pool, run_all
 
 __all__ = [
-    "ReadPlan",
-    "Readable",
-    "byte_view",
-    "check_read",
-    "damage_named",
-    "fill",
-    "plan_read",
-    "read_file",
-    "read_manifest",
-    "read_metadata",
-    "read_tensors",
-    "step_file_label",
-    "verify_files",
-    "verify_framing",
+    "ReadPlan", "Readable", "check_read", "damage_named", "fill", "plan_read", "read_file", "read_manifest",
+    "read_metadata", "read_tensors", "step_file_label", "verify_files", "verify_framing"
 ]
 
 

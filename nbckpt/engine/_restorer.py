@@ -40,7 +40,7 @@ from ._template import align, apply, check_loadable, check_template, destination
 from ._timeline import Timeline, now_ns
 from ._workers import Pool
 
-__all__ = ["Restorer", "check_step_files", "device_of"]
+__all__ = ["Restorer", "device_of"]
 
 
 class Restorer:

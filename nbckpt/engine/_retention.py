@@ -27,19 +27,8 @@ from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
 __all__ = [
-    "AnyOf",
-    "BestN",
-    "CustomSteps",
-    "EveryNSteps",
-    "LatestN",
-    "Retainer",
-    "RetentionPolicy",
-    "StepFacts",
-    "StepInfo",
-    "check_metrics",
-    "expired",
-    "policy_of",
-    "top_names",
+    "AnyOf", "BestN", "CustomSteps", "EveryNSteps", "LatestN", "Retainer", "RetentionPolicy", "StepFacts",
+    "StepInfo", "check_metrics", "expired", "policy_of"
 ]
 
 

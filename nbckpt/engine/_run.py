@@ -21,7 +21,7 @@ from ._store import Store
 from ._timeline import Timeline
 from ._workers import Pool
 
-__all__ = ["Run", "open_run", "said_cleaned"]
+__all__ = ["Run", "open_run"]
 
 
 def said_cleaned(url: str, recovered: list[str], stacklevel: int) -> None:

@@ -22,12 +22,12 @@ import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from . import _faults, _rng
+from ._agree import with_values
 from ._config import CheckpointConfig
 from ._files import FileResult, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._handles import SaveHandle, SaveRecord
-from ._manifest import build
-from ._provenance import provenance
+from ._manifest import build, provenance
 from ._ranks import RankInfo
 from ._retention import Retainer, StepFacts
 from ._shards import check_replicas, fingerprints
@@ -35,7 +35,6 @@ from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten
 from ._store import Store
 from ._timeline import Timeline, now_ns
-from ._values import with_values
 from ._workers import Pool, Worker, run_all
 
 __all__ = ["CommitObserver", "Saver"]

@@ -27,18 +27,8 @@ from .._errors import ConfigError
 from ._torch_compat import dtensor_spec
 
 __all__ = [
-    "SAMPLES",
-    "Region",
-    "Runs",
-    "check_replicas",
-    "fingerprints",
-    "is_dtensor",
-    "local_part",
-    "overlap",
-    "region_of",
-    "runs",
-    "tiles",
-    "wrap_like",
+    "Region", "Runs", "check_replicas", "fingerprints", "is_dtensor", "local_part", "overlap", "region_of",
+    "runs", "tiles", "wrap_like"
 ]
 
 Shape = tuple[int, ...]

@@ -23,15 +23,8 @@ from .._errors import CheckpointError, ConfigError
 from ._shards import Region, is_dtensor, local_part
 
 __all__ = [
-    "MAX_DEPTH",
-    "Flattened",
-    "TensorSpec",
-    "decode",
-    "dtype_from_name",
-    "dtype_name",
-    "flatten",
-    "node_tensors",
-    "tree_specs",
+    "MAX_DEPTH", "Flattened", "TensorSpec", "decode", "dtype_from_name", "dtype_name", "flatten",
+    "node_tensors", "tree_specs"
 ]
 
 Node = dict[str, Any]

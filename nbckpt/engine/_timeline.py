@@ -15,25 +15,10 @@ from .._errors import require_extra
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["COLUMNS", "KINDS", "Event", "EventListener", "Timeline", "events_to_pandas", "now_ns"]
+__all__ = ["Event", "Timeline", "events_to_pandas", "now_ns"]
 
 EventListener = Callable[["Event"], None]
 _log = logging.getLogger("nbckpt")
-
-#: Event kinds the engine and the experiment runner emit.
-KINDS = (
-    "step",  # one training step
-    "stall",  # the training loop was blocked by checkpointing
-    "wait",  # backpressure: a save waited for an earlier one to commit
-    "stage",  # copy of the state into host buffers
-    "persist",  # background write of the staged copy
-    "fsync",  # making files and directories durable
-    "commit",  # manifest written and checkpoint renamed into place
-    "delete",  # retention removed an old checkpoint
-    "upload",  # a committed step copied to the mirror, with its own commit there
-    "restore",  # a checkpoint was loaded
-    "error",  # a phase failed
-)
 
 
 def now_ns() -> int:
@@ -43,7 +28,12 @@ def now_ns() -> int:
 
 @dataclass(frozen=True)
 class Event:
-    """One phase with a start and an end on the :func:`now_ns` clock."""
+    """One phase with a start and an end on the :func:`now_ns` clock.
+
+    Kinds: ``step`` (the runner's training step), ``stall`` (the loop blocked by a save),
+    ``wait`` (backpressure), ``stage``, ``persist``, ``fsync``, ``commit``, ``delete``
+    (retention), ``upload`` (to the mirror), ``restore``, ``error``.
+    """
 
     kind: str
     start_ns: int
@@ -75,11 +65,6 @@ class Timeline:
     def add_listener(self, listener: EventListener) -> None:
         with self._lock:
             self._listeners.append(listener)
-
-    def remove_listener(self, listener: EventListener) -> None:
-        with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
 
     def record(
         self,
@@ -135,24 +120,12 @@ class Timeline:
         return events_to_pandas(self.events, self.origin_ns)
 
 
-COLUMNS = [
-    "kind",
-    "label",
-    "step",
-    "rank",
-    "start_s",
-    "end_s",
-    "duration_s",
-    "bytes",
-    "thread",
-    "pid",
-    "start_ns",
-    "end_ns",
-]
+_COLUMNS = ["kind", "label", "step", "rank", "start_s", "end_s", "duration_s", "bytes", "thread", "pid",
+            "start_ns", "end_ns"]
 
 
 def events_to_pandas(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
-    """One row per event (:data:`COLUMNS`); ``start_s``/``end_s`` are seconds since ``origin_ns``."""
+    """One row per event; ``start_s``/``end_s`` are seconds since ``origin_ns``."""
     require_extra("Timeline.to_pandas")
     import pandas as pd
 
@@ -164,4 +137,4 @@ def events_to_pandas(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
         row["end_s"] = (event.end_ns - origin_ns) / 1e9
         row["duration_s"] = event.duration_s
         rows.append(row)
-    return pd.DataFrame(rows, columns=COLUMNS)
+    return pd.DataFrame(rows, columns=_COLUMNS)
