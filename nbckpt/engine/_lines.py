@@ -8,9 +8,8 @@ saves never meet the abandoned line's higher steps (and "newest" never picks one
         step-000060/
 
 A branch sees its parent's steps up to the one it started from. Opening a run continues the
-line committed to last, unless a line is named. A ``branch-N`` that is a symlink is never a
-line: it could point anywhere, and restore would read there, saves write there and clean-up
-delete there. A mirror holds the same lines (``branch.json`` included) in the same layout.
+line committed to last, unless one is named. A ``branch-N`` that is a symlink is never a line
+(it could point anywhere). A mirror holds the same lines in the same layout.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from .._errors import CheckpointError, ConfigError
-from ._files import Sink, Source
+from ._files import Source
 from ._format import BRANCH_FILE, BRANCH_LIMIT, MAIN, MANIFEST, branch_name, is_branch
 from ._store import Store
 
@@ -59,9 +58,6 @@ class StepLimited:
 
     def source(self, location: str, name: str, size: int | None) -> Source:
         return self._store.source(location, name, size)
-
-    def sink(self, location: str, name: str) -> Sink:
-        raise CheckpointError(f"{self.url} is a parent line, read only from its branch")
 
 
 def discover(root: Store) -> dict[str, Line]:

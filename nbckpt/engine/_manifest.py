@@ -387,7 +387,6 @@ def _check_apart(chunks: dict[str, list[Chunk]], specs: dict[str, TensorSpec], w
                 raise CheckpointError(f"{where} puts tensors' bytes over each other in {name}")
 
 
-
 def _git(*args: str) -> str | None:
     try:
         done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=2.0, check=False)
