@@ -1,8 +1,6 @@
 """Moving bytes between memory and checkpoint files: large writes and scattered reads that release
-the GIL, xxh3 of every block computed in the same pass, while the bytes are still in cache.
-
-Files are checksummed in fixed blocks (``_format.BLOCK_SIZE``) rather than whole, so a rank that
-needs part of a file reads and checks only the blocks holding its tensors.
+the GIL, the xxh3 of every block (``_format.BLOCK_SIZE``) computed in the same pass, while the
+bytes are in cache; the durable small-file write every layer uses.
 """
 
 from __future__ import annotations
@@ -284,12 +282,8 @@ def hash_blocks(data: bytes | memoryview) -> list[str]:
 def _walk(
     regions: Sequence[tuple[int, memoryview | None]], start: int, end: int, scratch: memoryview
 ) -> Iterator[tuple[int, int, list[memoryview]]]:
-    """Cut ``[start, end)`` into pieces that never cross a block: ``(offset, block, views)``.
-
-    ``regions`` are sorted ``(offset, view)`` with no gaps between them; a view of None means
-    bytes nobody wants (framing, another rank's tensors), read into ``scratch`` only to be
-    hashed.
-    """
+    """Cut ``[start, end)`` into pieces that never cross a block: ``(offset, block, views)``, from
+    gapless sorted ``regions``; a view of None is bytes nobody wants, read into ``scratch``."""
     index = 0
     while index + 1 < len(regions) and regions[index + 1][0] <= start:
         index += 1
@@ -324,13 +318,9 @@ def read_into(
     whole: bool = False,
     cover: Sequence[tuple[int, int]] = (),
 ) -> float:
-    """Read the byte ranges ``wanted`` (sorted ``(offset, view)``) from ``source`` into their views.
-
-    With ``blocks``, the whole blocks around them are read (every block with ``whole``, and
-    those around the ``(offset, length)`` ranges ``cover``, into scratch) and checked against
-    ``blocks``; raises CheckpointError naming the file on a mismatch. Without, only the wanted
-    bytes are read. Returns this thread's CPU seconds.
-    """
+    """Read the byte ranges ``wanted`` (sorted ``(offset, view)``) from ``source`` into their views;
+    with ``blocks``, read the whole blocks around them (all with ``whole``; those around the
+    ``cover`` ranges too, into scratch) and check each. Returns this thread's CPU seconds."""
     cpu = _cpu_time()
     scratch = memoryview(bytearray(PIECE_SIZE))
     wanted = [(offset, view) for offset, view in wanted if len(view)]
@@ -397,13 +387,9 @@ def _regions(
 
 
 def exchange_paths(a: str, b: str) -> bool:
-    """Swap two paths atomically with Linux renameat2(RENAME_EXCHANGE).
-
-    False only where the kernel or filesystem does not offer it; any other failure (a full
-    disk, a lost server) is raised, not mistaken for "unsupported". A file system that ignores
-    the flag renames instead: onto a step (never an empty directory) that fails, and is taken
-    for "unsupported"; the caller checks that ``a`` still exists after a success.
-    """
+    """Swap two paths atomically with Linux renameat2(RENAME_EXCHANGE); False only where it is not
+    offered (any other failure is raised). A file system that ignores the flag renames instead,
+    which fails onto a step; the caller checks that ``a`` still exists after a success."""
     import ctypes
     import ctypes.util
 

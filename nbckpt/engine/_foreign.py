@@ -1,11 +1,8 @@
-"""Checkpoints nbckpt did not write: a directory ``torch.distributed.checkpoint.save`` wrote
-(torchtitan's ``step-N`` folders), read so that a run can move to nbckpt mid-way.
-
-Such a step has no manifest and no checksums: its ``.metadata`` is read with the restricted
-unpickler, turned into a manifest of the same shape as nbckpt's own (the tree nested again
-from DCP's planner data), and every blob is read with ``torch.load(weights_only=True)``, so no
-pickle of anyone else's runs. A plain value of a type nbckpt cannot hold (a ``BytesIO``) is
-left out, with a warning naming it.
+"""Checkpoints ``torch.distributed.checkpoint.save`` wrote (torchtitan's ``step-N`` folders), read
+so that a run can move to nbckpt mid-way. Such a step has no manifest and no checksums: its
+``.metadata`` (read with the restricted unpickler) becomes a manifest of nbckpt's shape, and every
+blob is read with ``torch.load(weights_only=True)``; a value that does not load so is left out,
+with a warning.
 """
 
 from __future__ import annotations
@@ -42,9 +39,8 @@ _DCP_STEP_RE = re.compile(r"step-([0-9]{1,18})", re.ASCII)
 
 
 def dcp_steps(root: str, names: list[str]) -> dict[int, str]:
-    """Checkpoints ``torch.distributed.checkpoint.save`` wrote in the directory ``root`` (whose
-    entries are ``names``): ``step-N`` folders holding a ``.metadata`` and no manifest
-    (torchtitan's), or ``root`` itself when it is one (its step is the N of its name, else 0)."""
+    """DCP checkpoints in ``root`` (whose entries are ``names``): ``step-N`` folders with a
+    ``.metadata`` and no manifest, or ``root`` itself (its step: the N of its name, else 0)."""
     steps = {}
     if _is_dcp(root):
         match = _DCP_STEP_RE.fullmatch(os.path.basename(root))

@@ -36,6 +36,7 @@ from ._interrupts import deferred_interrupt
 from ._shards import Region, tiles
 from ._state import TensorSpec, dtype_name
 from ._torch_compat import storage_info
+from ._workers import balance
 
 __all__ = [
     "BLOCK_SIZE", "BRANCH_FILE", "BRANCH_LIMIT", "DCP_VERSION", "FORMAT", "LEFTOVER_RE", "LOCK_FILE", "MAIN",
@@ -348,20 +349,6 @@ def _aliases(ranks: Sequence[RankPlan], chunks: Mapping[str, list[TensorSpec]]) 
     return aliases
 
 
-def _bins(specs: Sequence[TensorSpec], count: int) -> list[list[TensorSpec]]:
-    """Split into ``count`` files of similar size (largest tensor to the lightest file first)."""
-    bins: list[list[TensorSpec]] = [[] for _ in range(count)]
-    sizes = [0] * count
-    placed: dict[str, int] = {}
-    for spec in sorted(specs, key=lambda s: -s.nbytes):
-        index = min(range(count), key=lambda i: (sizes[i], i))
-        placed[spec.key] = index
-        sizes[index] += spec.nbytes
-    for spec in specs:
-        bins[placed[spec.key]].append(spec)
-    return [b for b in bins if b]
-
-
 def plan(
     ranks: Sequence[RankPlan], paths: Mapping[str, tuple[str | int, ...]], files_per_rank: int
 ) -> Layout:
@@ -373,7 +360,7 @@ def plan(
     for rank, specs in enumerate(writes):
         files[rank] = tuple(
             _file_layout(data_file(rank, index), group)
-            for index, group in enumerate(_bins(specs, min(files_per_rank, max(len(specs), 1))))
+            for index, group in enumerate(balance(specs, files_per_rank, lambda spec: spec.nbytes))
         )
     placed: dict[tuple[str, tuple[int, ...]], tuple[str, Item]] = {
         (item.key, item.offsets): (layout.name, item)

@@ -1,9 +1,6 @@
 """Restore: rank 0 picks the checkpoint, every rank checks the caller's state against it, reads and
-verifies its part, and only then is anything of the caller's touched.
-
-A mistake of the caller (a missing key, another shape or dtype) is a ConfigError at once, on
-every rank; damage (a bad checksum, a missing or unreadable file) falls back to the next
-older checkpoint when no step was asked for.
+verifies its part, and only then is anything of the caller's touched. A mistake of the caller is
+a ConfigError at once, on every rank; damage falls back to the next older checkpoint (or copy).
 """
 
 from __future__ import annotations
@@ -44,12 +41,8 @@ __all__ = ["Restorer", "device_of"]
 
 
 class Restorer:
-    """Reads the checkpoints of a run for one rank (``group`` agrees every step with the others).
-
-    ``stores`` are where the run's checkpoints may be, in the order they are preferred: the
-    directory, then its mirror. A step found in both is read from the first, and from the
-    mirror only when the first copy turns out damaged.
-    """
+    """Reads the checkpoints of a run for one rank (``group`` agrees every step with the others)
+    from ``stores``, in the order they are preferred (the line, its ancestors, the mirror's)."""
 
     def __init__(self, stores: Sequence[Readable], io: Pool, group: Group, timeline: Timeline) -> None:
         self.stores, self.io, self.group, self.timeline = stores, io, group, timeline
@@ -89,13 +82,7 @@ class Restorer:
         return manifest.body
 
     def restore(
-        self,
-        state: dict[str, Any],
-        step: int | None,
-        *,
-        verify: bool,
-        rng: bool,
-        strict: bool,
+        self, state: dict[str, Any], step: int | None, *, verify: bool, rng: bool, strict: bool,
         key_map: Callable[[str], str | None] | None,
     ) -> int:
         tried: list[tuple[int, int]] = []
@@ -181,24 +168,12 @@ class Restorer:
         return left[0]
 
     def _read_for(
-        self,
-        state: dict[str, Any],
-        step: int,
-        store: Readable,
-        location: str,
-        verify: bool,
-        rng: bool,
-        attempt: int,
-        strict: bool,
-        key_map: Callable[[str], str | None] | None,
-        asked_for: bool,
+        self, state: dict[str, Any], step: int, store: Readable, location: str, verify: bool, rng: bool,
+        attempt: int, strict: bool, key_map: Callable[[str], str | None] | None, asked_for: bool,
     ) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None] | None, Callable[[], None]]:
-        """This rank's part of a restore, agreed by all: the caller's mistakes first, then damage.
-
-        Returns the tensors to load (DTensors where the caller's state holds DTensors), the
-        saved tree, the RNG streams to set (None: none of this rank's are in the step), and what
-        reads the checked bytes into the caller's own tensors (once every rank has checked).
-        """
+        """This rank's part of a restore, agreed by all: the tensors to load (DTensors where the
+        state holds them), the saved tree, the RNG streams to set (None: none of this rank's),
+        and what reads the checked bytes into the caller's own tensors once every rank checked."""
         box: list[Any] = []
 
         def check() -> tuple[str, list[str], list[str]]:
@@ -286,9 +261,8 @@ class Restorer:
 
 
 def check_step_files(store: Readable, io: Pool, location: str, manifest: Manifest, verify: bool) -> None:
-    """What a restore checks of a step beyond the tensors it reads: that the DCP metadata says
-    exactly what the manifest says, and the plain values' byte items hold the manifest's values
-    (both readers of a checkpoint, nbckpt and a plain ``dcp.load``, must agree on every byte)."""
+    """Beyond the tensors a restore reads: the DCP metadata says what the manifest says, and the
+    plain values' byte items hold the manifest's values (``_agree``)."""
     if manifest.foreign:  # its .metadata is what it was read from; there is nothing to compare
         return
     name = f"{step_name(manifest.step)}/{METADATA_FILE}"

@@ -1,9 +1,6 @@
-"""The save pipeline: plan, stage, persist in the background, commit, then retention.
-
-One save goes: flatten and agree across ranks (:meth:`Saver.start`), plan the file layout
-(cached per structure), wait for room (backpressure), copy into a staging slot, then on the
-persist thread write every file, agree, build the manifest and commit; retention deletes
-old steps on its own thread after the commit has been reported.
+"""The save pipeline: flatten and agree across ranks, plan the file layout (cached per
+structure), wait for room (backpressure), stage into a slot; then on the persist thread write
+every file, agree, build the manifest and commit; retention runs on its own thread after.
 """
 
 from __future__ import annotations
@@ -60,15 +57,8 @@ class Saver:
     """Everything a save needs and everything in flight; the Checkpointer drives it."""
 
     def __init__(
-        self,
-        config: CheckpointConfig,
-        store: Store,
-        ranks: RankInfo,
-        timeline: Timeline,
-        io: Pool,
-        nonce: str,
-        committed: set[int],
-        observer: CommitObserver | None = None,
+        self, config: CheckpointConfig, store: Store, ranks: RankInfo, timeline: Timeline, io: Pool,
+        nonce: str, committed: set[int], observer: CommitObserver | None = None,
     ) -> None:
         self.config, self.store, self.ranks, self.timeline, self.io = config, store, ranks, timeline, io
         self._observer = observer if ranks.rank == 0 else None
@@ -92,22 +82,11 @@ class Saver:
     # -- the caller's side ----------------------------------------------------------------------
 
     def start(
-        self,
-        state: Mapping[str, Any],
-        step: int,
-        *,
-        sync: bool,
-        overlap: bool,
-        capture_rng: bool,
-        metrics: Mapping[str, float],
-        overwrite: bool,
-        owner: object,
+        self, state: Mapping[str, Any], step: int, *, sync: bool, overlap: bool, capture_rng: bool,
+        metrics: Mapping[str, float], overwrite: bool, owner: object,
     ) -> SaveHandle:
-        """Stage ``state`` and queue its persist; with ``sync``, wait for the commit too.
-
-        The persist job holds ``owner`` (the Checkpointer): one dropped while a save is in
-        flight stays alive, and keeps its directory, until that save is over.
-        """
+        """Stage ``state`` and queue its persist; with ``sync``, wait for the commit too. The
+        persist job holds ``owner`` (the Checkpointer): it lives until the save is over."""
         start = now_ns()
         self.raise_pending()
         self._seq += 1
@@ -296,15 +275,8 @@ class Saver:
         handle.staged.set_result(None)
 
     def _persist(
-        self,
-        handle: SaveHandle,
-        flat: Flattened,
-        layout: Layout,
-        rng_state: dict[str, Any] | None,
-        metrics: Mapping[str, float],
-        stage_done: Future[tuple[float, int]],
-        start: int,
-        sync: bool,
+        self, handle: SaveHandle, flat: Flattened, layout: Layout, rng_state: dict[str, Any] | None,
+        metrics: Mapping[str, float], stage_done: Future[tuple[float, int]], start: int, sync: bool,
         owner: object,
     ) -> None:
         """Write, agree, commit; every outcome sets ``handle.committed`` exactly once."""

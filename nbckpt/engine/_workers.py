@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-__all__ = ["Pool", "Worker", "lower_priority", "run_all"]
+__all__ = ["Pool", "Worker", "balance", "lower_priority", "run_all"]
 
 T = TypeVar("T")
 
@@ -104,3 +104,17 @@ def run_all(pool: Pool, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
         if error is not None:
             raise error
     return [future.result() for future in futures]
+
+
+def balance(items: Sequence[T], count: int, size: Callable[[T], int]) -> list[list[T]]:
+    """``items`` split over ``count`` threads or files of similar total ``size`` (the largest item
+    to the lightest group first), each group in the items' order; empty groups are left out."""
+    sizes = [0] * count
+    groups: list[list[T]] = [[] for _ in range(count)]
+    placed = {}
+    for index in sorted(range(len(items)), key=lambda i: -size(items[i])):
+        placed[index] = min(range(count), key=lambda g: (sizes[g], g))
+        sizes[placed[index]] += size(items[index])
+    for index, item in enumerate(items):
+        groups[placed[index]].append(item)
+    return [group for group in groups if group]
