@@ -8,9 +8,8 @@ runs. Glue the layers above share with it is in ``_internal``, not here.
 
 from ._checkpointer import Checkpointer, close_all
 from ._config import CheckpointConfig
-from ._handles import SaveHandle, SaveRecord
 from ._retention import AnyOf, BestN, CustomSteps, EveryNSteps, LatestN, RetentionPolicy, StepInfo
-from ._timeline import Event, Timeline
+from ._timeline import Event, SaveHandle, SaveRecord, Timeline
 
 __all__ = [
     "AnyOf",

@@ -21,7 +21,6 @@ from .._errors import CheckpointError, ConfigError
 from . import _final
 from ._config import CheckpointConfig, Mode
 from ._final import Snapshot, close_all, register, release, unregister, writing_into
-from ._handles import SaveHandle, SaveRecord
 from ._mirror import mirror_target, open_mirror
 from ._ranks import join
 from ._restorer import device_of
@@ -29,7 +28,7 @@ from ._retention import check_metrics
 from ._run import Run, open_run
 from ._saver import Saver
 from ._store import Store, check_step, open_store
-from ._timeline import Timeline
+from ._timeline import SaveHandle, SaveRecord, Timeline
 from ._workers import Pool
 
 __all__ = ["Checkpointer", "close_all", "writer_of"]

@@ -311,12 +311,8 @@ def _walk(
 
 
 def read_into(
-    source: Source,
-    wanted: Sequence[tuple[int, memoryview]],
-    blocks: Sequence[str] | None,
-    *,
-    whole: bool = False,
-    cover: Sequence[tuple[int, int]] = (),
+    source: Source, wanted: Sequence[tuple[int, memoryview]], blocks: Sequence[str] | None, *,
+    whole: bool = False, cover: Sequence[tuple[int, int]] = (),
 ) -> float:
     """Read the byte ranges ``wanted`` (sorted ``(offset, view)``) from ``source`` into their views;
     with ``blocks``, read the whole blocks around them (all with ``whole``; those around the

@@ -202,11 +202,7 @@ OnSignal = Callable[[Snapshot, float, int, Callable[[], None]], bool]
 
 
 def on_signal(
-    final: weakref.WeakMethod[OnSignal],
-    snapshot: Snapshot,
-    timeout_s: float,
-    previous: Any,
-    signum: int,
+    final: weakref.WeakMethod[OnSignal], snapshot: Snapshot, timeout_s: float, previous: Any, signum: int,
     frame: Any,
 ) -> None:
     """The signal handler of :meth:`Checkpointer.save_on_signal` (runs on the main thread)."""

@@ -32,11 +32,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.serialization import skip_data
 
 from .._errors import CheckpointError
-from ._interrupts import deferred_interrupt
 from ._shards import Region, tiles
 from ._state import TensorSpec, dtype_name
 from ._torch_compat import storage_info
-from ._workers import balance
+from ._workers import balance, deferred_interrupt
 
 __all__ = [
     "BLOCK_SIZE", "BRANCH_FILE", "BRANCH_LIMIT", "DCP_VERSION", "FORMAT", "LEFTOVER_RE", "LOCK_FILE", "MAIN",
@@ -385,8 +384,7 @@ def plan(
 
 
 def _metadata(
-    chunks: Mapping[str, list[TensorSpec]],
-    locations: Mapping[str, list[Chunk]],
+    chunks: Mapping[str, list[TensorSpec]], locations: Mapping[str, list[Chunk]],
     paths: Mapping[str, tuple[str | int, ...]],
 ) -> Metadata:
     """DCP's record of every tensor: its whole size and chunks, and where each chunk's blob is."""

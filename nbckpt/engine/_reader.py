@@ -56,15 +56,8 @@ def step_file_label(location: str, name: str) -> str:
 
 
 def read_file(
-    store: Readable,
-    location: str,
-    name: str,
-    manifest: Manifest,
-    wanted: list[tuple[int, memoryview]],
-    verify: bool,
-    *,
-    whole: bool = False,
-    cover: Sequence[tuple[int, int]] = (),
+    store: Readable, location: str, name: str, manifest: Manifest, wanted: list[tuple[int, memoryview]],
+    verify: bool, *, whole: bool = False, cover: Sequence[tuple[int, int]] = (),
 ) -> float:
     meta = manifest.files[name]
     label = step_file_label(location, name)
@@ -138,9 +131,7 @@ class ReadPlan:
 
 
 def plan_read(
-    manifest: Manifest,
-    wanted: Mapping[str, Region | None],
-    into: Mapping[str, torch.Tensor] | None = None,
+    manifest: Manifest, wanted: Mapping[str, Region | None], into: Mapping[str, torch.Tensor] | None = None
 ) -> ReadPlan:
     """The runs that fill region ``wanted[key]`` (None: all of it) of each tensor from the bytes
     of each saved chunk's overlap with it, into ``into[key]`` where given (the caller's own,
@@ -214,13 +205,8 @@ def fill(
 
 
 def _read_files(
-    store: Readable,
-    io: Pool,
-    location: str,
-    manifest: Manifest,
-    views: Mapping[str, list[tuple[int, memoryview]]],
-    verify: bool,
-    *,
+    store: Readable, io: Pool, location: str, manifest: Manifest,
+    views: Mapping[str, list[tuple[int, memoryview]]], verify: bool, *,
     cover: Mapping[str, list[tuple[int, memoryview]]] | None = None,
 ) -> float:
     """Each file's ``views`` read in parallel, a file a thread (and the blocks around ``cover``'s
@@ -242,12 +228,7 @@ def _read_files(
 
 
 def read_tensors(
-    store: Readable,
-    io: Pool,
-    location: str,
-    manifest: Manifest,
-    wanted: Mapping[str, Region | None],
-    *,
+    store: Readable, io: Pool, location: str, manifest: Manifest, wanted: Mapping[str, Region | None], *,
     verify: bool,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """Region ``wanted[key]`` (None: all of it) of each tensor, read into fresh CPU tensors and

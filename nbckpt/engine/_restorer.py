@@ -13,10 +13,8 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, ConfigError, NbckptError, describe_error
-from . import _rng
 from ._agree import check_dcp_metadata, check_values
 from ._format import MANIFEST, METADATA_FILE, step_name
-from ._interrupts import deferred_interrupt
 from ._manifest import Manifest
 from ._ranks import Group
 from ._reader import (
@@ -32,10 +30,10 @@ from ._reader import (
     verify_framing,
 )
 from ._shards import Region, region_of, wrap_like
-from ._state import decode, node_tensors, tree_specs
+from ._state import decode, node_tensors, rng_owner, rng_parse, rng_process, tree_specs
 from ._template import align, apply, check_loadable, check_template, destinations, sharded_targets
 from ._timeline import Timeline, now_ns
-from ._workers import Pool
+from ._workers import Pool, deferred_interrupt
 
 __all__ = ["Restorer", "device_of"]
 
@@ -304,7 +302,7 @@ def _owned_rng(manifest: Manifest, rank: int, step: int) -> Callable[[], None] |
     record = manifest.rng(rank)
     if record is None:
         return None
-    owner, me = _rng.owner(record, rank), _rng.process()
+    owner, me = rng_owner(record, rank), rng_process()
     if owner[0] != me[0]:
         warnings.warn(
             f"nbckpt: {step_name(step)} holds the RNG streams of rank {owner[0]}; rank {me[0]} keeps "
@@ -312,7 +310,7 @@ def _owned_rng(manifest: Manifest, rank: int, step: int) -> Callable[[], None] |
             stacklevel=6,  # the caller of Checkpointer.restore
         )
         return None
-    return _rng.parse(record)
+    return rng_parse(record)
 
 
 def _apply(state: dict[str, Any], saved: dict[str, Any], tensors: dict[str, Any], step: int) -> None:

@@ -60,16 +60,8 @@ class Run:
     """The lines of the run in ``root`` and the one this Checkpointer is on."""
 
     def __init__(
-        self,
-        root: Store,
-        mirror: Mirror | None,
-        saver: Saver,
-        io: Pool,
-        group: Group,
-        timeline: Timeline,
-        *,
-        line: str | None,
-        read_only: bool,
+        self, root: Store, mirror: Mirror | None, saver: Saver, io: Pool, group: Group, timeline: Timeline, *,
+        line: str | None, read_only: bool,
     ) -> None:
         self.root, self.mirror, self.saver, self._io, self.group, self.timeline = (
             root, mirror, saver, io, group, timeline

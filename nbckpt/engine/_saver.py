@@ -18,20 +18,19 @@ from typing import Any, Protocol
 import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
-from . import _faults, _rng
+from . import _faults
 from ._agree import with_values
 from ._config import CheckpointConfig
 from ._files import FileResult, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
-from ._handles import SaveHandle, SaveRecord
 from ._manifest import build, provenance
 from ._ranks import RankInfo
 from ._retention import Retainer, StepFacts
 from ._shards import check_replicas, fingerprints
 from ._staging import Stager, StagingPool
-from ._state import Flattened, flatten
+from ._state import Flattened, flatten, rng_capture
 from ._store import Store
-from ._timeline import Timeline, now_ns
+from ._timeline import SaveHandle, SaveRecord, Timeline, now_ns
 from ._workers import Pool, Worker, run_all
 
 __all__ = ["CommitObserver", "Saver"]
@@ -104,7 +103,7 @@ class Saver:
             )
         handle = SaveHandle(step, flat.nbytes, seq, reported=sync)
         self._wait_for_room(handle, sync)
-        rng_state = _rng.capture() if capture_rng else None
+        rng_state = rng_capture() if capture_rng else None
         stage_done: Future[tuple[float, int]] = Future()
         stage_began = now_ns()
         stage_done.add_done_callback(partial(self._staged, handle, stage_began))

@@ -1,4 +1,5 @@
-"""Background threads the engine owns: ordered workers, and a small pool for file I/O.
+"""Background threads the engine owns (ordered workers, a small pool for file I/O), and the
+sections of the main thread a Ctrl-C must not cut in two.
 
 Not ``concurrent.futures.ThreadPoolExecutor``: it refuses new work once the interpreter
 starts shutting down, which is exactly when a save in flight must still finish (a normal
@@ -11,13 +12,15 @@ import contextlib
 import itertools
 import os
 import queue
+import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
-__all__ = ["Pool", "Worker", "balance", "lower_priority", "run_all"]
+__all__ = ["Pool", "Worker", "balance", "deferred_interrupt", "lower_priority", "run_all"]
 
 T = TypeVar("T")
 
@@ -118,3 +121,22 @@ def balance(items: Sequence[T], count: int, size: Callable[[T], int]) -> list[li
     for index, item in enumerate(items):
         groups[placed[index]].append(item)
     return [group for group in groups if group]
+
+
+@contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until it is over, then deliver it as
+    the handler in place would have: for loading a restored state into the caller's objects (half
+    loaded is worse than not at all) and torch.save's framing (its zip writer, cut mid-record,
+    raises an unrelated error). Only the main thread receives signals; elsewhere the block runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, caught[0])
