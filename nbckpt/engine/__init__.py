@@ -12,18 +12,6 @@ from ._retention import AnyOf, BestN, CustomSteps, EveryNSteps, LatestN, Retenti
 from ._timeline import Event, SaveHandle, SaveRecord, Timeline
 
 __all__ = [
-    "AnyOf",
-    "BestN",
-    "CheckpointConfig",
-    "Checkpointer",
-    "CustomSteps",
-    "Event",
-    "EveryNSteps",
-    "LatestN",
-    "RetentionPolicy",
-    "SaveHandle",
-    "SaveRecord",
-    "StepInfo",
-    "Timeline",
-    "close_all",
+    "AnyOf", "BestN", "CheckpointConfig", "Checkpointer", "CustomSteps", "Event", "EveryNSteps", "LatestN",
+    "RetentionPolicy", "SaveHandle", "SaveRecord", "StepInfo", "Timeline", "close_all"
 ]

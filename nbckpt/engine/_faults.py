@@ -1,10 +1,7 @@
 """Fault injection for the reliability tests: once a test process calls ``arm(point)``, reaching
-``point`` kills it.
-
-Points: ``after_data`` (files written, no manifest), ``before_rename`` (manifest written, not yet
-renamed into place), ``after_swap`` and ``between_renames`` (a re-save's two ways of putting the
-new copy in place), ``during_delete`` (retention half done). Nothing is read from the
-environment: a process is armed only by a test that says so.
+``point`` kills it (nothing is read from the environment). Points: ``after_data`` (files
+written, no manifest), ``before_rename`` (manifest written, not renamed), ``after_swap`` and
+``between_renames`` (a re-save's two ways of putting the new copy in place), ``during_delete``.
 """
 
 from __future__ import annotations

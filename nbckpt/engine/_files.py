@@ -223,13 +223,9 @@ class StreamSource:
         pass
 
 
-def _cpu_time() -> float:
-    return time.thread_time()
-
-
 def write_image(sink: Sink, image: memoryview, *, fsync: bool) -> FileResult:
     """Write ``image`` whole, hashing each block on the way; fsync; close. Runs on any thread."""
-    cpu = _cpu_time()
+    cpu = time.thread_time()
     hashes = []
     try:
         for start in range(0, len(image), BLOCK_SIZE):
@@ -246,7 +242,7 @@ def write_image(sink: Sink, image: memoryview, *, fsync: bool) -> FileResult:
         synced = (began, time.perf_counter_ns())
     finally:
         sink.close()
-    return FileResult(sink.name, len(image), hashes, synced, _cpu_time() - cpu)
+    return FileResult(sink.name, len(image), hashes, synced, time.thread_time() - cpu)
 
 
 def copy_file(source: Source, sink: Sink, blocks: Sequence[str], *, fsync: bool) -> int:
@@ -317,7 +313,7 @@ def read_into(
     """Read the byte ranges ``wanted`` (sorted ``(offset, view)``) from ``source`` into their views;
     with ``blocks``, read the whole blocks around them (all with ``whole``; those around the
     ``cover`` ranges too, into scratch) and check each. Returns this thread's CPU seconds."""
-    cpu = _cpu_time()
+    cpu = time.thread_time()
     scratch = memoryview(bytearray(PIECE_SIZE))
     wanted = [(offset, view) for offset, view in wanted if len(view)]
     ranges = [(offset, len(view)) for offset, view in wanted]
@@ -341,7 +337,7 @@ def read_into(
                 if block >= len(blocks) or hasher.hexdigest() != blocks[block]:
                     raise CheckpointError(f"{source.name} is corrupt (checksum mismatch in block {block})")
                 hasher = block_hasher()
-    return _cpu_time() - cpu
+    return time.thread_time() - cpu
 
 
 def _spans(ranges: Sequence[tuple[int, int]], size: int, align: int) -> list[tuple[int, int]]:

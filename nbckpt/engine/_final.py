@@ -98,10 +98,8 @@ def writing_into(directory: str | os.PathLike[str]) -> _Open | None:
 
 
 def close_all() -> list[str]:
-    """Close every Checkpointer of this process (a notebook's lost handles); return their directories.
-
-    Background errors are logged, not raised: this is the way out of a stuck session.
-    """
+    """Close every Checkpointer of this process (a notebook's lost handles); return their
+    directories. Background errors are logged, not raised: this is the way out of a stuck session."""
     closed = []
     for ckpt in list(_OPEN):
         try:
@@ -157,11 +155,8 @@ def _is_state_and_step(taken: Any) -> bool:
 def final_save(
     save: Callable[[Taken], None], snapshot: Snapshot, timeout_s: float, reason: str
 ) -> tuple[str, bool]:
-    """Run ``save(snapshot())`` (a synchronous save, then a wait for everything in flight)
-    within ``timeout_s``; log what happened and return that line, and whether it ended in time.
-
-    ``save`` gets None when there is nothing new to save: it waits for the saves in flight.
-    """
+    """Run ``save(snapshot())`` (a synchronous save, then a wait for everything in flight; None:
+    nothing new) within ``timeout_s``; log what happened, return that line and whether it ended."""
     ended = True
     try:
         taken = snapshot()

@@ -42,14 +42,11 @@ _LAYOUTS_KEPT = 4
 
 class CommitObserver(Protocol):
     """A tier behind the run's directory (the mirror), told on rank 0 what the saver commits and
-    asked before retention deletes."""
+    asked, before retention deletes ``steps``, which it still reads (they stay for now)."""
 
-    def committed(self, store: Store, step: int, location: str) -> None:
-        """``step`` has committed at ``location`` of ``store``."""
+    def committed(self, store: Store, step: int, location: str) -> None: ...
 
-    def release(self, store: Store, steps: list[int]) -> set[int]:
-        """Retention is about to delete ``steps`` of ``store``: those still needed for now (an
-        upload reading them); the others are given up."""
+    def release(self, store: Store, steps: list[int]) -> set[int]: ...
 
 
 class Saver:
@@ -199,24 +196,25 @@ class Saver:
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
         """Backpressure: wait while ``max_inflight`` saves are in flight (a sync save: for all)."""
         began = now_ns()
-        while True:
-            with self._state:
-                if not self._inflight or (not sync and len(self._inflight) < self.config.max_inflight):
-                    break
-                oldest = self._inflight[0]
-            with contextlib.suppress(CheckpointError):  # raised just below, once
-                oldest.committed.result()
-            self._settled(oldest)
+        self._drain(0 if sync else self.config.max_inflight - 1)
         handle.wait_s = (now_ns() - began) / 1e9
         if handle.wait_s > 1e-4:
             self.timeline.record("wait", began, step=handle.step)
         self.raise_pending()
 
-    def _settled(self, handle: SaveHandle) -> None:
-        """Forget a save that is done (only then: Ctrl-C while waiting keeps it tracked)."""
-        with self._state:
-            if self._inflight and self._inflight[0] is handle:
-                self._inflight.popleft()
+    def _drain(self, room: int) -> list[SaveRecord]:
+        """Wait for the oldest saves until at most ``room`` are in flight; their records."""
+        records: list[SaveRecord] = []
+        while True:
+            with self._state:
+                if len(self._inflight) <= room:
+                    return records
+                oldest = self._inflight[0]
+            with contextlib.suppress(CheckpointError):  # raised by raise_pending, once
+                records.append(oldest.committed.result())
+            with self._state:  # forgotten only once done: Ctrl-C while waiting keeps it tracked
+                if self._inflight and self._inflight[0] is oldest:
+                    self._inflight.popleft()
 
     def wait_staged(self) -> None:
         """Block until every save has finished copying the state (see ``save(overlap=True)``)."""
@@ -228,15 +226,7 @@ class Saver:
     def wait(self) -> list[SaveRecord]:
         """Block until every save in flight has committed and retention is done; raise the first
         background error."""
-        records = []
-        while True:
-            with self._state:
-                if not self._inflight:
-                    break
-                oldest = self._inflight[0]
-            with contextlib.suppress(CheckpointError):  # raised below, once
-                records.append(oldest.committed.result())
-            self._settled(oldest)
+        records = self._drain(0)
         self._retainer.wait()
         self.raise_pending()
         return records

@@ -77,9 +77,8 @@ _REGIONS: dict[Any, Region] = {}
 
 
 def region_of(tensor: Any) -> Region:
-    """The chunk of the whole tensor a DTensor holds on this rank, computed once per spec: a
-    model's hundreds of parameters otherwise cost milliseconds of every stall. Keyed by the
-    spec, never the tensor, so the cache holds no tensor alive."""
+    """The chunk of the whole tensor a DTensor holds on this rank, computed once per spec (never
+    keyed by the tensor, which it would keep alive): hundreds of them cost milliseconds a stall."""
     spec = dtensor_spec(tensor)
     region = _REGIONS.get(spec)
     if region is None:

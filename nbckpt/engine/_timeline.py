@@ -131,11 +131,8 @@ def events_to_pandas(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
 
 @dataclass(frozen=True)
 class SaveRecord:
-    """What one committed save cost. Times in seconds; ``stall_s`` is what the caller was blocked.
-
-    ``cpu_s`` counts the CPU time of nbckpt's own threads for this save (copying, hashing,
-    writing); the kernel's share of writing back pages after ``write`` returns is not in it.
-    """
+    """What one committed save cost, in seconds: ``stall_s`` the caller was blocked, ``cpu_s`` the
+    CPU time of nbckpt's threads (copying, hashing, writing; not the kernel's page writeback)."""
 
     step: int
     path: str
