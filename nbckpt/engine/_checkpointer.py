@@ -198,8 +198,7 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The highest committed step, or None when there is none."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return max(self.steps(), default=None)
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The checked manifest of a committed step (CheckpointError if it is invalid)."""

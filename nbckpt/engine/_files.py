@@ -246,22 +246,14 @@ def write_image(sink: Sink, image: memoryview, *, fsync: bool) -> FileResult:
 
 
 def copy_file(source: Source, sink: Sink, blocks: Sequence[str], *, fsync: bool) -> int:
-    """Copy ``source`` to ``sink`` piece by piece, checking every block on the way (a damaged
-    copy is never passed on); fsync, close. Returns the bytes copied."""
-    scratch = memoryview(bytearray(PIECE_SIZE))
+    """Copy ``source`` to ``sink`` block by block, checking each on the way (a damaged copy is
+    never passed on); fsync, close. Returns the bytes copied."""
+    scratch = memoryview(bytearray(min(BLOCK_SIZE, source.size)))
     try:
-        hasher = block_hasher()
-        for offset in range(0, source.size, PIECE_SIZE):
-            piece = scratch[: min(PIECE_SIZE, source.size - offset)]
-            source.readinto(offset, [piece])
-            hasher.update(piece)
-            end = offset + len(piece)
-            if end % BLOCK_SIZE == 0 or end == source.size:
-                block = (end - 1) // BLOCK_SIZE
-                if block >= len(blocks) or hasher.hexdigest() != blocks[block]:
-                    raise CheckpointError(f"{source.name} is corrupt (checksum mismatch in block {block})")
-                hasher = block_hasher()
-            sink.write(piece)
+        for offset in range(0, source.size, BLOCK_SIZE):
+            block = scratch[: min(BLOCK_SIZE, source.size - offset)]
+            read_into(source, [(offset, block)], blocks)
+            sink.write(block)
         if fsync:
             sink.sync()
     finally:

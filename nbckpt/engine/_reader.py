@@ -369,8 +369,6 @@ def verify_files(
 
 def read_metadata(store: Readable, location: str, manifest: Manifest) -> bytes:
     """The DCP metadata file, checked against its block checksums."""
-    size = manifest.files[METADATA_FILE]["size"]
-    data = torch.empty(size, dtype=torch.uint8)
-    if size:
-        read_file(store, location, METADATA_FILE, manifest, [(0, byte_view(data))], True)
-    return bytes(byte_view(data))
+    data = bytearray(manifest.files[METADATA_FILE]["size"])
+    read_file(store, location, METADATA_FILE, manifest, [(0, memoryview(data))], True)
+    return bytes(data)

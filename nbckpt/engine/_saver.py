@@ -18,7 +18,6 @@ from typing import Any, Protocol
 import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
-from . import _faults
 from ._agree import with_values
 from ._config import CheckpointConfig
 from ._files import FileResult, write_image
@@ -29,7 +28,7 @@ from ._retention import Retainer, StepFacts
 from ._shards import check_replicas, fingerprints
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten, rng_capture
-from ._store import Store
+from ._store import Store, crash_point
 from ._timeline import SaveHandle, SaveRecord, Timeline, now_ns
 from ._workers import Pool, Worker, run_all
 
@@ -386,7 +385,7 @@ class Saver:
             jobs.append(partial(self._write_one, location, METADATA_FILE, memoryview(metadata), fsync))
         # All of them finish, even after a failure: nothing may write into a removed location.
         results = {result.name: result for result in run_all(self.io, jobs)}
-        _faults.hit("after_data")
+        crash_point("after_data")
         return results, tree, rng_state
 
     def _write_one(self, location: str, name: str, data: memoryview, fsync: bool) -> FileResult:

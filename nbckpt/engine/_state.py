@@ -157,10 +157,7 @@ class _Encoder:
             return {"t": "namespace", "items": self.items(vars(value).items(), path, where)}
         if isinstance(value, (list, tuple)):
             kind = "list" if isinstance(value, list) else "tuple"
-            return {
-                "t": kind,
-                "items": [self.encode(item, (*path, i)) for i, item in enumerate(value)],
-            }
+            return {"t": kind, "items": [self.encode(item, (*path, i)) for i, item in enumerate(value)]}
         if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
             # LR schedulers, samplers, StatefulDataLoader: the torch.distributed.checkpoint
             # Stateful protocol, restored in place like a module.

@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import shutil
+import signal
 import stat
 import uuid
 from abc import ABC, abstractmethod
@@ -18,7 +19,6 @@ from typing import Any
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import check_path, is_url
-from . import _faults
 from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths, fsync_dir, write_atomic, write_image
 from ._format import (
     LEFTOVER_RE,
@@ -33,9 +33,24 @@ from ._format import (
     step_name,
 )
 
-__all__ = ["LocalStore", "Store", "check_step", "open_store"]
+__all__ = ["LocalStore", "Store", "arm_crash", "check_step", "crash_point", "open_store"]
 
 _log = logging.getLogger("nbckpt")
+_armed: str | None = None
+
+
+def arm_crash(point: str | None) -> None:
+    """Kill this process with SIGKILL when it reaches crash point ``point`` (None: never), for the
+    reliability tests (nothing is read from the environment). Points: ``after_data`` (files
+    written, no manifest), ``before_rename`` (manifest written, not renamed), ``after_swap`` and
+    ``between_renames`` (a re-save's two ways of putting the new copy in place), ``during_delete``."""
+    global _armed
+    _armed = point
+
+
+def crash_point(point: str) -> None:
+    if point == _armed:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def check_step(step: Any) -> int:
@@ -288,7 +303,7 @@ class LocalStore(Store):
     def commit(self, location: str, step: int, manifest: bytes) -> str:
         write_image(LocalSink(os.path.join(location, MANIFEST)), memoryview(manifest), fsync=True)
         fsync_dir(location)
-        _faults.hit("before_rename")
+        crash_point("before_rename")
         final = self._path(step_name(step))
         old = self._path(f"{OLD_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")
         replaced = os.path.lexists(final)
@@ -302,7 +317,7 @@ class LocalStore(Store):
             self._withdraw(location, final, old if replaced else None)
             raise
         if replaced:
-            _faults.hit("after_swap")
+            crash_point("after_swap")
             self._remove(old)
         return final
 
@@ -316,7 +331,7 @@ class LocalStore(Store):
             return True
         self._exchange_works = False  # once per store: each try costs a round trip on NFS
         os.rename(final, old)  # from here the next open puts ``old`` back if we stop
-        _faults.hit("between_renames")
+        crash_point("between_renames")
         try:
             os.rename(location, final)
         except OSError:
@@ -343,7 +358,7 @@ class LocalStore(Store):
         trash = self._path(f"{TRASH_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")
         os.rename(self._path(step_name(step)), trash)
         fsync_dir(self.url)
-        _faults.hit("during_delete")
+        crash_point("during_delete")
         self._remove(trash)
 
 

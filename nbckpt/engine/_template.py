@@ -77,16 +77,9 @@ def _check_module(module: torch.nn.Module, saved: Node, name: str) -> list[str]:
     missing = [key for key in wanted if key not in have]
     unexpected = [key for key in have if key not in wanted]
     if missing:
-        problems.append(
-            f"{name}: the checkpoint lacks {', '.join(missing[:5])}"
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        )
+        problems.append(f"{name}: the checkpoint lacks {_first_few(missing)}")
     if unexpected:
-        problems.append(
-            f"{name}: the checkpoint has keys the module lacks: "
-            f"{', '.join(map(str, unexpected[:5]))}"
-            + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
-        )
+        problems.append(f"{name}: the checkpoint has keys the module lacks: {_first_few(unexpected)}")
     for key, (_, shape) in wanted.items():
         child = have.get(key)
         if child is not None and child.get("t") == "tensor" and tuple(child["shape"]) != shape:
@@ -95,6 +88,10 @@ def _check_module(module: torch.nn.Module, saved: Node, name: str) -> list[str]:
                 f"the module has {_shape(shape)}"
             )
     return problems
+
+
+def _first_few(keys: list[Any]) -> str:
+    return ", ".join(map(str, keys[:5])) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
 _COMPILED = "_orig_mod."  # torch.compile's prefix on the keys of a compiled module
@@ -198,15 +195,11 @@ def check_loadable(target: Mapping[Any, Any], saved: Node, tensors: Mapping[str,
         node = items[key]
         if isinstance(current, torch.optim.Optimizer) and node.get("t") == "optimizer":
             groups = decode(node["state"], tensors).get("param_groups")
-            mine = current.param_groups
-            if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != [
-                len(g["params"]) for g in mine
-            ]:
-                problems.append(
-                    f"{key}: the checkpoint's optimizer has parameter groups of "
-                    f"{[len(g.get('params', ())) for g in groups] if isinstance(groups, list) else '?'} "
-                    f"parameters, this one {[len(g['params']) for g in mine]}"
-                )
+            theirs = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) else "?"
+            mine = [len(g["params"]) for g in current.param_groups]
+            if theirs != mine:
+                problems.append(f"{key}: the checkpoint's optimizer has parameter groups of {theirs} "
+                                f"parameters, this one {mine}")
     return problems
 
 
