@@ -1,12 +1,8 @@
 """Both readers of a checkpoint agree on every byte: nbckpt's (the manifest) and a plain
-``torch.distributed.checkpoint.load`` (the ``.metadata`` pickle, the blobs' framing).
-
-nbckpt keeps a state's plain values (a learning rate, a step counter) in its manifest, as JSON;
-a plain ``dcp.load`` looks for them in the data, each a ``torch.save`` blob under the key DCP's
-flattening gives it, so rank 0 writes them there too (:func:`with_values`). On restore, a step
-whose ``.metadata`` says anything the manifest does not (another shape, a chunk elsewhere, an
-entry more, a pickle with a payload) is refused like a damaged one, by ``restore`` and ``load``
-as much as by ``verify``.
+``torch.distributed.checkpoint.load`` (the ``.metadata`` pickle, the blobs' framing). A plain
+``dcp.load`` finds the plain values (kept in the manifest as JSON) as ``torch.save`` blobs, so
+rank 0 writes them there too (:func:`with_values`); a step whose ``.metadata`` says anything the
+manifest does not is refused like a damaged one, by ``restore`` and ``load`` as by ``verify``.
 """
 
 from __future__ import annotations

@@ -129,16 +129,9 @@ class Checkpointer:
             self._check_open(writing=True)
             check_step(step)
             self._run.branch_if_rewound()
-            return self._saver.start(
-                state,
-                step,
-                sync=config.mode == "sync",
-                overlap=overlap,
-                capture_rng=config.capture_rng,
-                metrics=check_metrics(metrics),
-                overwrite=overwrite,
-                owner=self,
-            )
+            return self._saver.start(state, step, sync=config.mode == "sync", overlap=overlap,
+                                     capture_rng=config.capture_rng, metrics=check_metrics(metrics),
+                                     overwrite=overwrite, owner=self)
 
     def warmup(self, state: Mapping[str, Any]) -> int:
         """Plan the files and allocate every staging slot for ``state``'s structure now, so the

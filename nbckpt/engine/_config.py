@@ -78,12 +78,11 @@ class CheckpointConfig:
         for name in ("verify", "capture_rng", "read_only"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
-        if not isinstance(self.storage_options, dict):
-            raise ConfigError(f"storage_options must be a dict, not {type(self.storage_options).__name__}")
+        for name in ("storage_options", "mirror_options"):
+            if not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"{name} must be a dict, not {type(getattr(self, name)).__name__}")
         if self.mirror is not None and (not isinstance(self.mirror, str) or not self.mirror.strip()):
             raise ConfigError(f"mirror must be a directory or URL, not {self.mirror!r}")
-        if not isinstance(self.mirror_options, dict):
-            raise ConfigError(f"mirror_options must be a dict, not {type(self.mirror_options).__name__}")
         if self.line is not None and not isinstance(self.line, str):
             raise ConfigError(f"line must be a line's name ('main', 'branch-1', ...), not {self.line!r}")
         if self.ranks not in ("auto", "all", "local"):

@@ -1,10 +1,7 @@
-"""How a Checkpointer's life ends: the Checkpointers a process holds open (the one writing into
-a directory, closing them all, closing each at exit so its saves in flight finish), and the
-final save, synchronous and bounded in time, on a signal such as SIGTERM or a kernel's exit.
-
-A final save that cannot commit in time is left running on its daemon thread while the process
-ends: it never counts (the manifest is written last), so the previous checkpoint stays, and the
-next open of the directory cleans up what it left. What happened is logged either way.
+"""How a Checkpointer's life ends: the Checkpointers a process holds open (the one writing into a
+directory, closing them all, closing each at exit so its saves in flight finish), and the final
+save, synchronous and bounded in time, on a signal such as SIGTERM or a kernel's exit: one that
+cannot commit in time is left on its daemon thread and never counts (the next open cleans up).
 """
 
 from __future__ import annotations

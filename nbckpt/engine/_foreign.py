@@ -204,13 +204,8 @@ def _child(node: Any, part: Any, new: Any, label: str) -> Any:
 
 def _node(value: Any) -> dict[str, Any]:
     if isinstance(value, TensorSpec):
-        return {
-            "t": "tensor",
-            "key": value.key,
-            "dtype": dtype_name(value.dtype),
-            "shape": list(value.shape),
-            "device": "cpu",
-        }
+        return {"t": "tensor", "key": value.key, "dtype": dtype_name(value.dtype), "shape": list(value.shape),
+                "device": "cpu"}
     if isinstance(value, dict):
         return {"t": "dict", "items": [[k, _node(v)] for k, v in value.items()]}
     if isinstance(value, list):

@@ -1,10 +1,8 @@
-"""The manifest: written last, it is what makes a checkpoint count, and what restore trusts.
-
-It lists every file with its size and block checksums, every tensor with the file and
-offset of its bytes, and the state tree (plain values as JSON). A checkpoint someone hands
-you may be hostile: :func:`parse` refuses anything that would make a reader leave the step
-directory, read past a file, allocate without bound, or recurse without bound, before a
-single byte of tensor data is read.
+"""The manifest: written last, it is what makes a checkpoint count, and what restore trusts. It
+lists every file with its size and block checksums, every tensor's chunks and where their bytes
+are, the state tree (plain values as JSON) and where the step came from. A checkpoint may be
+hostile: :func:`parse` refuses anything that would make a reader leave the step directory, read
+past a file, or allocate or recurse without bound, before a byte of tensor data is read.
 """
 
 from __future__ import annotations

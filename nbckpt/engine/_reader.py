@@ -334,14 +334,9 @@ def verify_framing(store: Readable, io: Pool, location: str, manifest: Manifest)
     for key, chunks in manifest.items.items():
         for chunk in chunks:
             if (chunk.file, chunk.blob_offset) not in blobs:
-                blobs[(chunk.file, chunk.blob_offset)] = _framing_views(
-                    key, chunk, manifest.specs[key].dtype, framing_views.setdefault(chunk.file, [])
-                )
-    jobs = [
-        partial(read_file, store, location, name, manifest, sorted(found, key=lambda w: w[0]), True)
-        for name, found in framing_views.items()
-    ]
-    run_all(io, jobs)
+                views, dtype = framing_views.setdefault(chunk.file, []), manifest.specs[key].dtype
+                blobs[(chunk.file, chunk.blob_offset)] = _framing_views(key, chunk, dtype, views)
+    _read_files(store, io, location, manifest, framing_views, True)
     _check_blobs(store, location, manifest, blobs.values(), True)
 
 

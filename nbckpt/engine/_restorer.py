@@ -244,18 +244,15 @@ class Restorer:
         saved = manifest.tree(self.rank)
         if map_location is not None and torch.device(map_location).type == "meta":
             # Shapes and dtypes without a byte read: the cheap look at what a checkpoint holds.
-            tensors = {
-                key: torch.empty(s.shape, dtype=s.dtype, device="meta")
-                for key, s in tree_specs(saved).items()
-            }
-            return dict(decode(saved, tensors))
+            specs = tree_specs(saved)
+            meta = {key: torch.empty(s.shape, dtype=s.dtype, device="meta") for key, s in specs.items()}
+            return dict(decode(saved, meta))
         check_step_files(store, self.io, location, manifest, verify)
         wanted: dict[str, Region | None] = {leaf["key"]: None for leaf in node_tensors(saved)}
         tensors, _ = read_tensors(store, self.io, location, manifest, wanted, verify=verify)
         if map_location is not None:
             tensors = {k: t.to(map_location) for k, t in tensors.items()}
-        value: dict[str, Any] = decode(saved, tensors)
-        return value
+        return dict(decode(saved, tensors))
 
 
 def check_step_files(store: Readable, io: Pool, location: str, manifest: Manifest, verify: bool) -> None:

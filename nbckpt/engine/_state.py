@@ -206,13 +206,8 @@ class _Encoder:
         else:
             self.out.specs.append(spec)
             self.out.nbytes += spec.nbytes
-        return {
-            "t": kind,
-            "key": key,
-            "dtype": dtype_name(tensor.dtype),
-            "shape": list(spec.whole),
-            "device": tensor.device.type,
-        }
+        return {"t": kind, "key": key, "dtype": dtype_name(tensor.dtype), "shape": list(spec.whole),
+                "device": tensor.device.type}
 
 
 def _check_dense(tensor: torch.Tensor, key: str) -> None:

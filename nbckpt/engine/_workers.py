@@ -1,9 +1,7 @@
 """Background threads the engine owns (ordered workers, a small pool for file I/O), and the
-sections of the main thread a Ctrl-C must not cut in two.
-
-Not ``concurrent.futures.ThreadPoolExecutor``: it refuses new work once the interpreter
-starts shutting down, which is exactly when a save in flight must still finish (a normal
-exit waits for it). Daemon threads, so a hung write never blocks the exit forever either.
+sections of the main thread a Ctrl-C must not cut in two. Not ``ThreadPoolExecutor``: it refuses
+work once the interpreter starts shutting down, just when a save in flight must still finish;
+daemon threads, so a hung write never blocks the exit forever either.
 """
 
 from __future__ import annotations
