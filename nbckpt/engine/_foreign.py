@@ -98,11 +98,8 @@ def read_dcp_manifest(store: Any, step: int, location: str) -> Manifest:
         else:
             raise CheckpointError(f"{label}: entry {key!r} is a {type(entry).__name__}")
     if skipped:
-        warnings.warn(
-            f"nbckpt: {label} holds value(s) that do not load with weights only, left out: "
-            f"{', '.join(skipped)}",
-            stacklevel=4,
-        )
+        warnings.warn(f"nbckpt: {label} holds value(s) that do not load with weights only, left out: "
+                      f"{', '.join(skipped)}", stacklevel=4)
     tree = _tree(specs, values, paths, label)
     written = store.modified(location, METADATA_FILE)
     body = {

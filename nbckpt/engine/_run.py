@@ -25,11 +25,8 @@ __all__ = ["Run", "open_run"]
 
 
 def said_cleaned(url: str, recovered: list[str], stacklevel: int) -> None:
-    warnings.warn(
-        f"nbckpt: cleaned up {len(recovered)} leftover(s) of interrupted saves in {url}: "
-        f"{', '.join(recovered)}",
-        stacklevel=stacklevel,
-    )
+    warnings.warn(f"nbckpt: cleaned up {len(recovered)} leftover(s) of interrupted saves in {url}: "
+                  f"{', '.join(recovered)}", stacklevel=stacklevel)
 
 
 def open_run(store: Store, read_only: bool) -> tuple[str, set[int]]:
