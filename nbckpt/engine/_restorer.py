@@ -29,6 +29,7 @@ from ._reader import (
     verify_files,
     verify_framing,
 )
+from ._retention import listed
 from ._shards import Region, region_of, wrap_like
 from ._state import decode, node_tensors, rng_owner, rng_parse, rng_process, tree_specs
 from ._template import align, apply, check_loadable, check_template, destinations, sharded_targets
@@ -135,8 +136,8 @@ class Restorer:
                 continue
             if lacking:
                 warnings.warn(
-                    f"nbckpt: restored step {candidate}, the newest holding {_listed(lacking[0].asked)} "
-                    f"(step {lacking[0].step} holds {_listed(lacking[0].holds)})",
+                    f"nbckpt: restored step {candidate}, the newest holding {listed(lacking[0].asked)} "
+                    f"(step {lacking[0].step} holds {listed(lacking[0].holds)})",
                     stacklevel=4,  # the caller of Checkpointer.restore
                 )
             self.timeline.record(
@@ -269,18 +270,14 @@ class _Lacks(CheckpointError):
     """The newest step holds other names than the caller's state asks for: try an older one."""
 
     def __init__(self, step: int, asked: list[str], holds: list[str]) -> None:
-        super().__init__(f"{step_name(step)} holds {_listed(holds)}")
+        super().__init__(f"{step_name(step)} holds {listed(holds)}")
         self.step, self.asked, self.holds = step, asked, holds
 
     def refusal(self, url: str) -> ConfigError:
         return ConfigError(
-            f"no step in {url} holds {_listed(self.asked)} (the newest, step {self.step}, holds "
-            f"{_listed(self.holds)})"
+            f"no step in {url} holds {listed(self.asked)} (the newest, step {self.step}, holds "
+            f"{listed(self.holds)})"
         )
-
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(repr(n) for n in names) or "nothing"
 
 
 def _refuse(problems: list[str], step: int) -> None:

@@ -25,7 +25,7 @@ from ._workers import Worker
 
 __all__ = [
     "AnyOf", "BestN", "CustomSteps", "EveryNSteps", "LatestN", "Retainer", "RetentionPolicy", "StepFacts",
-    "StepInfo", "check_metrics", "expired", "policy_of"
+    "StepInfo", "check_metrics", "expired", "listed", "policy_of"
 ]
 
 
@@ -192,7 +192,8 @@ def top_names(tree: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(sorted(str(key) for key, _ in tree.get("items", [])))
 
 
-def _listed(names: tuple[str, ...]) -> str:
+def listed(names: Sequence[str]) -> str:
+    """``'model', 'optim'``, or ``nothing``: the names a step holds, in messages."""
     return ", ".join(repr(n) for n in names) or "nothing"
 
 
@@ -230,9 +231,9 @@ class StepFacts:
         before = self.names(latest) if latest is not None else None
         if before is not None and names != before:
             kept = f"; retention keeps {policy} of each" if policy else ""
-            return (f"step {step} holds {_listed(names)}, the newest step ({latest}) holds "
-                    f"{_listed(before)}{kept}")
-        return None if tensors else f"step {step} holds no tensor ({_listed(names)})"
+            return (f"step {step} holds {listed(names)}, the newest step ({latest}) holds "
+                    f"{listed(before)}{kept}")
+        return None if tensors else f"step {step} holds no tensor ({listed(names)})"
 
     def infos(self, policy: RetentionPolicy | None, steps: Iterable[int]) -> list[StepInfo]:
         """``steps`` as ``policy`` sees them, oldest first (metrics only if it looks at them; a
