@@ -1,10 +1,8 @@
 """Both readers of a checkpoint agree on every byte: nbckpt's (the manifest) and a plain
-``torch.distributed.checkpoint.load`` (the ``.metadata`` pickle, the blobs' framing).
-
-A checkpoint is promised to load with plain PyTorch, and a user who restored one with nbckpt
-trusts it with ``dcp.load`` next. So a step whose ``.metadata`` says anything the manifest does
-not (another shape, a chunk elsewhere, an entry more, a pickle with a payload) is refused like
-a damaged one, by ``restore`` and ``load`` as much as by ``verify``.
+``torch.distributed.checkpoint.load`` (the ``.metadata`` pickle, the blobs' framing). A plain
+``dcp.load`` finds the plain values (kept in the manifest as JSON) as ``torch.save`` blobs, so
+rank 0 writes them there too (:func:`with_values`); a step whose ``.metadata`` says anything the
+manifest does not is refused like a damaged one, by ``restore`` and ``load`` as by ``verify``.
 """
 
 from __future__ import annotations
@@ -12,8 +10,10 @@ from __future__ import annotations
 import io
 import itertools
 import math
+import pickle
 from typing import Any, NamedTuple
 
+import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -22,13 +22,93 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._errors import CheckpointError, describe_error
-from ._format import METADATA_FILE
+from ._format import DCP_VERSION, METADATA_FILE, Layout, pad
 from ._manifest import Manifest
 from ._reader import Readable, read_file, step_file_label
+from ._state import decode, node_tensors
+from ._torch_compat import storage_info
 from ._unpickle import MetadataUnpickler, plain_blob
-from ._values import dcp_values
 
-__all__ = ["MAX_VALUE_BYTES", "ValueSpan", "check_dcp_metadata", "check_values", "same_value"]
+__all__ = ["check_dcp_metadata", "check_values", "with_values"]
+
+
+#: Plain values DCP stores as byte items (what ``torch.load(weights_only=True)`` gives back too).
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def dcp_values(tree: dict[str, Any]) -> list[tuple[str, tuple[str | int, ...], Any]]:
+    """The state's plain values as DCP's flattening sees them: ``(key, path, value)`` of every
+    leaf that is not a tensor, made of None, bool, int, float and str in lists, tuples and dicts.
+
+    DCP descends into mappings (modules, optimizers and stateful objects are their state dicts)
+    and into lists that hold tensors or mappings; any other value is one leaf. A leaf of another
+    kind (a path, a dtype, a namespace) is nbckpt's alone: a plain ``dcp.load`` skips it.
+    """
+    found: list[tuple[str, tuple[str | int, ...], Any]] = []
+    stack: list[tuple[tuple[str | int, ...], dict[str, Any]]] = [((), tree)]
+    while stack:
+        path, node = stack.pop()
+        kind = node.get("t")
+        if kind in ("module", "optimizer", "stateful"):
+            stack.append((path, node["state"]))
+        elif kind == "dict":
+            stack.extend(((*path, str(key)), child) for key, child in reversed(node["items"]))
+        elif kind == "list" and not _dcp_terminal(node):
+            stack.extend(((*path, index), child) for index, child in reversed(list(enumerate(node["items"]))))
+        elif kind not in ("tensor", "ndarray") and path:
+            value = decode(node, {}) if not any(True for _ in node_tensors(node)) else None
+            if _plain_value(value):
+                found.append((".".join(map(str, path)), path, value))
+    return found
+
+
+def _dcp_terminal(node: dict[str, Any]) -> bool:
+    """DCP's ``_is_terminal`` for a list: no tensor in it, no mapping, no list that is not one."""
+    for child in node["items"]:
+        kind = child.get("t")
+        if kind in ("tensor", "dict", "module", "optimizer", "stateful"):
+            return False
+        if kind == "list" and not _dcp_terminal(child):
+            return False
+    return True
+
+
+def _plain_value(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, (list, tuple)):
+            stack.extend(current)
+        elif isinstance(current, dict):
+            if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in current):
+                return False
+            stack.extend(current.values())
+        elif not isinstance(current, _PLAIN):
+            return False
+    return True
+
+
+def with_values(layout: Layout, tree: dict[str, Any], name: str) -> tuple[bytes, bytes]:
+    """The plain values of ``tree`` as DCP byte items in a data file ``name``: that file's bytes
+    (b"" when there are none), and the layout's DCP metadata with them. Built for every save:
+    values change from save to save, the tensors' layout does not."""
+    values = [(key, path, value) for key, path, value in dcp_values(tree) if key not in layout.locations]
+    if not values:
+        return b"", layout.metadata
+    image = io.BytesIO()
+    dcp = layout.dcp
+    state_dict_metadata = dict(dcp.state_dict_metadata)
+    storage_data = dict(dcp.storage_data)
+    planner_data = dict(dcp.planner_data)
+    for key, path, value in values:
+        image.write(bytes(pad(image.tell())))
+        start = image.tell()
+        torch.save(value, image)
+        state_dict_metadata[key] = BytesStorageMetadata()
+        storage_data[MetadataIndex(key)] = storage_info(name, start, image.tell() - start)
+        planner_data[key] = path
+    metadata = Metadata(state_dict_metadata, planner_data, storage_data, version=DCP_VERSION)
+    return image.getvalue(), pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class ValueSpan(NamedTuple):
@@ -42,14 +122,9 @@ class ValueSpan(NamedTuple):
 
 
 def check_dcp_metadata(data: bytes, manifest: Manifest, where: str) -> list[ValueSpan]:
-    """Refuse DCP metadata that a plain ``dcp.load`` would be misled (or attacked) by.
-
-    The checkpoint is promised to load with plain PyTorch, so its ``.metadata`` must say exactly
-    what the manifest says: only DCP's own classes unpickle; every tensor the manifest lists,
-    and nothing else, with its dtype, whole shape and chunks; each chunk stored exactly where
-    the manifest puts its blob; and each plain value of the state a byte item. Returns where
-    those byte items are, for :func:`check_values` to read.
-    """
+    """Refuse DCP metadata that says other than the manifest: only DCP's classes unpickle; every
+    tensor the manifest lists and nothing else, with its dtype, shape and chunks, each stored
+    where the manifest puts its blob; each plain value a byte item. Returns where those are."""
     try:
         metadata = MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:

@@ -1,9 +1,6 @@
-"""The one public face of the engine: :class:`Checkpointer`.
-
-It owns the guards (one operation at a time, closed or not, argument checks) and the
-lifetime (the directory lock, the threads, closing at exit or when dropped); the work is
-done by the save pipeline (:mod:`._saver`) and the restorer (:mod:`._restorer`).
-"""
+"""The one public face of the engine: :class:`Checkpointer`. It owns the guards (one operation at
+a time, closed or not, argument checks) and the lifetime (the lock, the threads, closing); the
+save pipeline (:mod:`._saver`) and the restorer (:mod:`._restorer`) do the work."""
 
 from __future__ import annotations
 
@@ -23,17 +20,15 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from . import _final
 from ._config import CheckpointConfig, Mode
-from ._final import Snapshot
-from ._handles import SaveHandle, SaveRecord
+from ._final import Snapshot, close_all, register, release, unregister, writing_into
 from ._mirror import mirror_target, open_mirror
 from ._ranks import join
-from ._registry import close_all, register, release, unregister, writing_into
 from ._restorer import device_of
 from ._retention import check_metrics
 from ._run import Run, open_run
 from ._saver import Saver
 from ._store import Store, check_step, open_store
-from ._timeline import Timeline
+from ._timeline import SaveHandle, SaveRecord, Timeline
 from ._workers import Pool
 
 __all__ = ["Checkpointer", "close_all", "writer_of"]
@@ -122,13 +117,11 @@ class Checkpointer:
     ) -> SaveHandle:
         """Checkpoint ``state`` as ``step``; in async mode, return once the state is copied.
 
-        ``mode`` and ``capture_rng`` override the config's for this save (``mode="sync"``: committed
-        before it returns). With ``overlap=True`` it returns before the copy is done: call
-        ``handle.wait_staged()`` (or ``ckpt.wait_staged()``) before the next optimizer step
-        changes the parameters. ``metrics`` (name to number, such as ``{"val_loss": 0.31}``) are
-        kept in the step's manifest for retention by :class:`BestN`. Saving a step that exists
-        already replaces it, with a warning unless ``overwrite``. Errors of earlier background
-        saves are raised here, once, as CheckpointError.
+        ``mode`` and ``capture_rng`` override the config's for this save. With ``overlap=True``
+        it returns before the copy is done: ``handle.wait_staged()`` before the next optimizer
+        step. ``metrics`` (``{"val_loss": 0.31}``) are kept in the manifest for :class:`BestN`.
+        Saving an existing step replaces it, with a warning unless ``overwrite``. Errors of
+        earlier background saves are raised here, once, as CheckpointError.
         """
         given = {"mode": mode, "capture_rng": capture_rng}
         config = CheckpointConfig.build(self.config, **{k: v for k, v in given.items() if v is not None})
@@ -136,16 +129,9 @@ class Checkpointer:
             self._check_open(writing=True)
             check_step(step)
             self._run.branch_if_rewound()
-            return self._saver.start(
-                state,
-                step,
-                sync=config.mode == "sync",
-                overlap=overlap,
-                capture_rng=config.capture_rng,
-                metrics=check_metrics(metrics),
-                overwrite=overwrite,
-                owner=self,
-            )
+            return self._saver.start(state, step, sync=config.mode == "sync", overlap=overlap,
+                                     capture_rng=config.capture_rng, metrics=check_metrics(metrics),
+                                     overwrite=overwrite, owner=self)
 
     def warmup(self, state: Mapping[str, Any]) -> int:
         """Plan the files and allocate every staging slot for ``state``'s structure now, so the
@@ -160,14 +146,14 @@ class Checkpointer:
         self._saver.wait_staged()
 
     def wait(self) -> list[SaveRecord]:
-        """Block until every save in flight has committed (and reached the mirror, if there is one);
-        raise the first background error. A failed upload is a warning: the step is committed."""
+        """Block until every save in flight has committed (and reached the mirror); raise the
+        first background error."""
         with self._operation():
             records = self._saver.wait()
             self._wait_mirror()
             return records
 
-    def _wait_mirror(self) -> None:
+    def _wait_mirror(self) -> None:  # a failed upload is a warning: the step is committed
         if self._mirror is not None:
             for failure in self._mirror.wait():
                 warnings.warn(f"nbckpt: {failure}", stacklevel=4)  # the caller of wait/close
@@ -205,8 +191,7 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The highest committed step, or None when there is none."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return max(self.steps(), default=None)
 
     def manifest(self, step: int) -> dict[str, Any]:
         """The checked manifest of a committed step (CheckpointError if it is invalid)."""
@@ -230,19 +215,17 @@ class Checkpointer:
     ) -> int:
         """Load a checkpoint into ``state`` in place and return its step.
 
-        The template rules: each key of ``state`` is filled from the checkpoint's entry of that
-        name. Modules, optimizers and objects with ``load_state_dict`` load in place (a module's
-        keys and shapes must match, as ``load_state_dict`` demands); tensors are copied into
-        (dtype and shape must match); a dict is filled in place with every saved entry; any
-        other value is replaced by the saved one. Saved entries that ``state`` does not name are
-        left out, unless ``strict``, which refuses to leave any out. ``key_map`` renames the
-        keys of saved modules (return None to drop one); without it, torch.compile's
-        ``_orig_mod.`` prefix is added or removed where that makes a module's keys match.
+        Each key of ``state`` is filled from the saved entry of that name: modules, optimizers
+        and objects with ``load_state_dict`` load in place, tensors are copied into (same dtype
+        and shape), a dict is filled in place, any other value is replaced. Saved entries
+        ``state`` does not name are left out, unless ``strict``. ``key_map`` renames the keys of
+        saved modules (None drops one); without it, torch.compile's ``_orig_mod.`` prefix is
+        added or removed where that makes a module's keys match.
 
-        A key the checkpoint lacks, or a shape or dtype that differs, is a ConfigError at once
-        (the caller's mistake, not damage). Without ``step``, the newest checkpoint that reads
-        back intact is used: a damaged one is skipped with a warning naming the file. Saves in
-        flight are waited for first; if the restore fails, ``state`` is unchanged.
+        A missing key, another shape or dtype is a ConfigError at once. Without ``step``, the
+        newest checkpoint that reads back intact is used (a damaged one is skipped with a
+        warning). Saves in flight are waited for first; if the restore fails, ``state`` is
+        unchanged.
         """
         with self._operation():
             self._check_open()
@@ -312,16 +295,13 @@ class Checkpointer:
         signals: tuple[signal.Signals | int | str, ...] = (signal.SIGTERM,),
         timeout_s: float = 25.0,
     ) -> Callable[[], None]:
-        """On ``signals`` (preemption: SIGTERM by default), save ``snapshot()``'s ``(state, step)``
+        """On ``signals`` (SIGTERM by default), save ``snapshot()``'s ``(state, step)``
         synchronously, then let the signal do what it did before (by default: end the process).
 
-        The final save gets ``timeout_s`` (inside a typical 30 s grace period). If it cannot
-        commit in time (the storage is slow, or the signal came in the middle of another
-        Checkpointer call), the process goes on to exit and the previous checkpoint stays:
-        a save that did not commit never counts. What happened is logged either way.
-        ``snapshot`` may return None: nothing new to save (the saves in flight are waited for).
-        Install from the main thread; ``snapshot`` runs there, when the signal arrives. Returns
-        a function that puts the previous handlers back.
+        The final save gets ``timeout_s`` (inside a typical 30 s grace period); one that cannot
+        commit in time never counts, and the previous checkpoint stays. What happened is logged.
+        ``snapshot`` may return None: nothing new (the saves in flight are waited for). Install
+        from the main thread, where ``snapshot`` runs. Returns what puts the old handlers back.
         """
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("save_on_signal must be called from the main thread (signals reach only it)")

@@ -10,7 +10,7 @@ from .._errors import ConfigError
 from .._util import check_count
 from ._retention import RetentionPolicy, policy_of
 
-__all__ = ["MAX_INFLIGHT", "MAX_WRITER_THREADS", "CheckpointConfig", "Mode", "Ranks"]
+__all__ = ["CheckpointConfig", "Mode"]
 
 Mode = Literal["sync", "async"]
 Ranks = Literal["auto", "all", "local"]
@@ -22,11 +22,8 @@ MAX_WRITER_THREADS = 64
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """Options of a :class:`~nbckpt.Checkpointer`; every field has a safe default.
-
-    Frozen: a running Checkpointer's behaviour never changes under it. To change an option,
-    make a new config with :func:`dataclasses.replace` and open a new Checkpointer.
-    """
+    """Options of a :class:`~nbckpt.Checkpointer`; every field has a safe default. Frozen: to
+    change one, make a new config (:func:`dataclasses.replace`) and open a new Checkpointer."""
 
     mode: Mode = "async"
     """``"async"``: ``save`` returns once the state is copied and persists in the background;
@@ -46,11 +43,10 @@ class CheckpointConfig:
     writer_threads: int = 2
     """Files each rank writes (and reads) in parallel, one thread each."""
     writer_nice: int = 10
-    """How many steps below the caller's scheduling priority the background threads run (the
-    writes, checksums, uploads and deletes; Linux, 0 to 19): they take the CPU time training
-    leaves instead of competing with it for cores. Staging, which training waits for, keeps
-    the caller's priority. Where training keeps every core busy the write lasts longer (the
-    newest step is durable later); 0 runs everything at the caller's priority."""
+    """How many steps below the caller's priority the background threads run (writes, checksums,
+    uploads, deletes; Linux, 0 to 19), so that they take the CPU time training leaves; staging
+    keeps the caller's. Where training keeps every core busy the newest step is durable later;
+    0 runs everything at the caller's priority."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for URLs such as ``s3://`` (``endpoint_url``, ``key``, ``secret``, ...)."""
     ranks: Ranks = "auto"
@@ -60,9 +56,9 @@ class CheckpointConfig:
     timeout_s: float = 600.0
     """Longest wait for the other ranks in one collective before the operation fails."""
     mirror: str | None = None
-    """A second place every committed step is uploaded to in the background (``s3://...`` or
-    a directory), with its own commit there; restore falls back to it when the directory has
-    no intact checkpoint. Uploads never delay a save; ``wait`` and ``close`` wait for them."""
+    """A second place (``s3://...`` or a directory) every committed step is uploaded to in the
+    background, committed there too; restore falls back to it when the directory has no intact
+    checkpoint. Uploads never delay a save; ``wait`` and ``close`` wait for them."""
     mirror_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for the mirror (``endpoint_url``, ``key``, ``secret``, ...)."""
     line: str | None = None
@@ -82,12 +78,11 @@ class CheckpointConfig:
         for name in ("verify", "capture_rng", "read_only"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
-        if not isinstance(self.storage_options, dict):
-            raise ConfigError(f"storage_options must be a dict, not {type(self.storage_options).__name__}")
+        for name in ("storage_options", "mirror_options"):
+            if not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"{name} must be a dict, not {type(getattr(self, name)).__name__}")
         if self.mirror is not None and (not isinstance(self.mirror, str) or not self.mirror.strip()):
             raise ConfigError(f"mirror must be a directory or URL, not {self.mirror!r}")
-        if not isinstance(self.mirror_options, dict):
-            raise ConfigError(f"mirror_options must be a dict, not {type(self.mirror_options).__name__}")
         if self.line is not None and not isinstance(self.line, str):
             raise ConfigError(f"line must be a line's name ('main', 'branch-1', ...), not {self.line!r}")
         if self.ranks not in ("auto", "all", "local"):

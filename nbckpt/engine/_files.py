@@ -1,8 +1,6 @@
 """Moving bytes between memory and checkpoint files: large writes and scattered reads that release
-the GIL, xxh3 of every block computed in the same pass, while the bytes are still in cache.
-
-Files are checksummed in fixed blocks (``_format.BLOCK_SIZE``) rather than whole, so a rank that
-needs part of a file reads and checks only the blocks holding its tensors.
+the GIL, the xxh3 of every block (``_format.BLOCK_SIZE``) computed in the same pass, while the
+bytes are in cache; the durable small-file write every layer uses.
 """
 
 from __future__ import annotations
@@ -20,24 +18,8 @@ from .._errors import CheckpointError
 from ._format import BLOCK_SIZE, block_hasher, checksum
 
 __all__ = [
-    "IOV_MAX",
-    "PIECE_SIZE",
-    "FileResult",
-    "LocalSink",
-    "LocalSource",
-    "Sink",
-    "Source",
-    "StreamSink",
-    "StreamSource",
-    "copy_file",
-    "exchange_paths",
-    "fsync_dir",
-    "hash_blocks",
-    "read_into",
-    "with_filename",
-    "write_all",
-    "write_atomic",
-    "write_image",
+    "FileResult", "LocalSink", "LocalSource", "Sink", "Source", "StreamSink", "StreamSource", "copy_file",
+    "exchange_paths", "fsync_dir", "hash_blocks", "read_into", "write_all", "write_atomic", "write_image"
 ]
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
@@ -241,13 +223,9 @@ class StreamSource:
         pass
 
 
-def _cpu_time() -> float:
-    return time.thread_time()
-
-
 def write_image(sink: Sink, image: memoryview, *, fsync: bool) -> FileResult:
     """Write ``image`` whole, hashing each block on the way; fsync; close. Runs on any thread."""
-    cpu = _cpu_time()
+    cpu = time.thread_time()
     hashes = []
     try:
         for start in range(0, len(image), BLOCK_SIZE):
@@ -264,26 +242,18 @@ def write_image(sink: Sink, image: memoryview, *, fsync: bool) -> FileResult:
         synced = (began, time.perf_counter_ns())
     finally:
         sink.close()
-    return FileResult(sink.name, len(image), hashes, synced, _cpu_time() - cpu)
+    return FileResult(sink.name, len(image), hashes, synced, time.thread_time() - cpu)
 
 
 def copy_file(source: Source, sink: Sink, blocks: Sequence[str], *, fsync: bool) -> int:
-    """Copy ``source`` to ``sink`` piece by piece, checking every block on the way (a damaged
-    copy is never passed on); fsync, close. Returns the bytes copied."""
-    scratch = memoryview(bytearray(PIECE_SIZE))
+    """Copy ``source`` to ``sink`` block by block, checking each on the way (a damaged copy is
+    never passed on); fsync, close. Returns the bytes copied."""
+    scratch = memoryview(bytearray(min(BLOCK_SIZE, source.size)))
     try:
-        hasher = block_hasher()
-        for offset in range(0, source.size, PIECE_SIZE):
-            piece = scratch[: min(PIECE_SIZE, source.size - offset)]
-            source.readinto(offset, [piece])
-            hasher.update(piece)
-            end = offset + len(piece)
-            if end % BLOCK_SIZE == 0 or end == source.size:
-                block = (end - 1) // BLOCK_SIZE
-                if block >= len(blocks) or hasher.hexdigest() != blocks[block]:
-                    raise CheckpointError(f"{source.name} is corrupt (checksum mismatch in block {block})")
-                hasher = block_hasher()
-            sink.write(piece)
+        for offset in range(0, source.size, BLOCK_SIZE):
+            block = scratch[: min(BLOCK_SIZE, source.size - offset)]
+            read_into(source, [(offset, block)], blocks)
+            sink.write(block)
         if fsync:
             sink.sync()
     finally:
@@ -300,12 +270,8 @@ def hash_blocks(data: bytes | memoryview) -> list[str]:
 def _walk(
     regions: Sequence[tuple[int, memoryview | None]], start: int, end: int, scratch: memoryview
 ) -> Iterator[tuple[int, int, list[memoryview]]]:
-    """Cut ``[start, end)`` into pieces that never cross a block: ``(offset, block, views)``.
-
-    ``regions`` are sorted ``(offset, view)`` with no gaps between them; a view of None means
-    bytes nobody wants (framing, another rank's tensors), read into ``scratch`` only to be
-    hashed.
-    """
+    """Cut ``[start, end)`` into pieces that never cross a block: ``(offset, block, views)``, from
+    gapless sorted ``regions``; a view of None is bytes nobody wants, read into ``scratch``."""
     index = 0
     while index + 1 < len(regions) and regions[index + 1][0] <= start:
         index += 1
@@ -333,21 +299,13 @@ def _walk(
 
 
 def read_into(
-    source: Source,
-    wanted: Sequence[tuple[int, memoryview]],
-    blocks: Sequence[str] | None,
-    *,
-    whole: bool = False,
-    cover: Sequence[tuple[int, int]] = (),
+    source: Source, wanted: Sequence[tuple[int, memoryview]], blocks: Sequence[str] | None, *,
+    whole: bool = False, cover: Sequence[tuple[int, int]] = (),
 ) -> float:
-    """Read the byte ranges ``wanted`` (sorted ``(offset, view)``) from ``source`` into their views.
-
-    With ``blocks``, the whole blocks around them are read (every block with ``whole``, and
-    those around the ``(offset, length)`` ranges ``cover``, into scratch) and checked against
-    ``blocks``; raises CheckpointError naming the file on a mismatch. Without, only the wanted
-    bytes are read. Returns this thread's CPU seconds.
-    """
-    cpu = _cpu_time()
+    """Read the byte ranges ``wanted`` (sorted ``(offset, view)``) from ``source`` into their views;
+    with ``blocks``, read the whole blocks around them (all with ``whole``; those around the
+    ``cover`` ranges too, into scratch) and check each. Returns this thread's CPU seconds."""
+    cpu = time.thread_time()
     scratch = memoryview(bytearray(PIECE_SIZE))
     wanted = [(offset, view) for offset, view in wanted if len(view)]
     ranges = [(offset, len(view)) for offset, view in wanted]
@@ -371,7 +329,7 @@ def read_into(
                 if block >= len(blocks) or hasher.hexdigest() != blocks[block]:
                     raise CheckpointError(f"{source.name} is corrupt (checksum mismatch in block {block})")
                 hasher = block_hasher()
-    return _cpu_time() - cpu
+    return time.thread_time() - cpu
 
 
 def _spans(ranges: Sequence[tuple[int, int]], size: int, align: int) -> list[tuple[int, int]]:
@@ -413,13 +371,9 @@ def _regions(
 
 
 def exchange_paths(a: str, b: str) -> bool:
-    """Swap two paths atomically with Linux renameat2(RENAME_EXCHANGE).
-
-    False only where the kernel or filesystem does not offer it; any other failure (a full
-    disk, a lost server) is raised, not mistaken for "unsupported". A file system that ignores
-    the flag renames instead: onto a step (never an empty directory) that fails, and is taken
-    for "unsupported"; the caller checks that ``a`` still exists after a success.
-    """
+    """Swap two paths atomically with Linux renameat2(RENAME_EXCHANGE); False only where it is not
+    offered (any other failure is raised). A file system that ignores the flag renames instead,
+    which fails onto a step; the caller checks that ``a`` still exists after a success."""
     import ctypes
     import ctypes.util
 

@@ -1,13 +1,12 @@
-"""The final save: synchronous and bounded in time, for the ways a process ends (a signal such as
-SIGTERM on preemption, a notebook kernel shutting down).
-
-A final save that cannot commit in time is left running on its daemon thread while the process
-ends: it never counts (the manifest is written last), so the previous checkpoint stays, and the
-next open of the directory cleans up what it left. What happened is logged either way.
+"""How a Checkpointer's life ends: the Checkpointers a process holds open (the one writing into a
+directory, closing them all, closing each at exit so its saves in flight finish), and the final
+save, synchronous and bounded in time, on a signal such as SIGTERM or a kernel's exit: one that
+cannot commit in time is left on its daemon thread and never counts (the next open cleans up).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -15,14 +14,97 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
-from .._errors import ConfigError
-from .._util import parse_duration
+from .._errors import CheckpointError, ConfigError
+from .._util import is_url, parse_duration
+from ._config import CheckpointConfig
+from ._store import Store, open_store
 
-__all__ = ["Snapshot", "check_arguments", "check_signals", "final_save", "install", "uninstall"]
+__all__ = [
+    "Snapshot", "check_arguments", "check_signals", "close_all", "final_save", "install", "register",
+    "release", "uninstall", "unregister", "writing_into"
+]
 
 _log = logging.getLogger("nbckpt")
+
+
+class _Open(Protocol):
+    store: Store
+    config: CheckpointConfig
+
+    @property
+    def closed(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class _Stoppable(Protocol):
+    def stop(self, wait: bool) -> None: ...
+
+
+def release(store: Store, wait: bool, *parts: _Stoppable | None) -> None:
+    """Stop the threads of ``parts`` and free the directory; ``wait`` for the threads to end (not
+    from a finalizer, which may run on one of them). Parts may be missing (a failed construction)."""
+    for part in parts:
+        if part is not None:
+            part.stop(wait)
+    store.unlock()
+
+
+_OPEN: weakref.WeakSet[_Open] = weakref.WeakSet()
+_EXITS: weakref.WeakKeyDictionary[_Open, Callable[[], None]] = weakref.WeakKeyDictionary()
+
+
+def register(ckpt: _Open, at_exit_method: Callable[[], None]) -> None:
+    """Count ``ckpt`` as open, and run ``at_exit_method`` (its bound method, held weakly) at
+    exit unless it is closed or dropped before."""
+    _OPEN.add(ckpt)
+    method = weakref.WeakMethod(at_exit_method)
+
+    def at_exit() -> None:
+        bound = method()
+        if bound is not None:
+            bound()
+
+    _EXITS[ckpt] = at_exit
+    atexit.register(at_exit)
+    # Unregistered when dropped too: a notebook that opens many readers keeps no dead entries
+    # in atexit's list.
+    weakref.finalize(ckpt, atexit.unregister, at_exit).atexit = False
+
+
+def unregister(ckpt: _Open) -> None:
+    _OPEN.discard(ckpt)
+    at_exit = _EXITS.pop(ckpt, None)
+    if at_exit is not None:
+        atexit.unregister(at_exit)
+
+
+def writing_into(directory: str | os.PathLike[str]) -> _Open | None:
+    """The open Checkpointer of this process that writes into ``directory`` (on a local
+    directory: the one holding its lock), or None."""
+    wanted = open_store(os.fspath(directory)).url
+    if not is_url(wanted):
+        wanted = os.path.realpath(wanted)  # a symlink or a relative path to the run is the run
+    for ckpt in list(_OPEN):
+        url = ckpt.store.url if is_url(ckpt.store.url) else os.path.realpath(ckpt.store.url)
+        if url == wanted and not ckpt.closed and not ckpt.config.read_only:
+            return ckpt
+    return None
+
+
+def close_all() -> list[str]:
+    """Close every Checkpointer of this process (a notebook's lost handles); return their
+    directories. Background errors are logged, not raised: this is the way out of a stuck session."""
+    closed = []
+    for ckpt in list(_OPEN):
+        try:
+            ckpt.close()
+        except CheckpointError as exc:
+            _log.warning("nbckpt: %s", exc)
+        closed.append(ckpt.store.url)
+    return closed
 
 Taken: TypeAlias = "tuple[Mapping[str, Any], int] | None"
 #: Gives the ``(state, step)`` to save when the time comes, or None when there is nothing new.
@@ -70,11 +152,8 @@ def _is_state_and_step(taken: Any) -> bool:
 def final_save(
     save: Callable[[Taken], None], snapshot: Snapshot, timeout_s: float, reason: str
 ) -> tuple[str, bool]:
-    """Run ``save(snapshot())`` (a synchronous save, then a wait for everything in flight)
-    within ``timeout_s``; log what happened and return that line, and whether it ended in time.
-
-    ``save`` gets None when there is nothing new to save: it waits for the saves in flight.
-    """
+    """Run ``save(snapshot())`` (a synchronous save, then a wait for everything in flight; None:
+    nothing new) within ``timeout_s``; log what happened, return that line and whether it ended."""
     ended = True
     try:
         taken = snapshot()
@@ -115,11 +194,7 @@ OnSignal = Callable[[Snapshot, float, int, Callable[[], None]], bool]
 
 
 def on_signal(
-    final: weakref.WeakMethod[OnSignal],
-    snapshot: Snapshot,
-    timeout_s: float,
-    previous: Any,
-    signum: int,
+    final: weakref.WeakMethod[OnSignal], snapshot: Snapshot, timeout_s: float, previous: Any, signum: int,
     frame: Any,
 ) -> None:
     """The signal handler of :meth:`Checkpointer.save_on_signal` (runs on the main thread)."""

@@ -1,11 +1,8 @@
-"""Checkpoints nbckpt did not write: a directory ``torch.distributed.checkpoint.save`` wrote
-(torchtitan's ``step-N`` folders), read so that a run can move to nbckpt mid-way.
-
-Such a step has no manifest and no checksums: its ``.metadata`` is read with the restricted
-unpickler, turned into a manifest of the same shape as nbckpt's own (the tree nested again
-from DCP's planner data), and every blob is read with ``torch.load(weights_only=True)``, so no
-pickle of anyone else's runs. A plain value of a type nbckpt cannot hold (a ``BytesIO``) is
-left out, with a warning naming it.
+"""Checkpoints ``torch.distributed.checkpoint.save`` wrote (torchtitan's ``step-N`` folders), read
+so that a run can move to nbckpt mid-way. Such a step has no manifest and no checksums: its
+``.metadata`` (read with the restricted unpickler) becomes a manifest of nbckpt's shape, and every
+blob is read with ``torch.load(weights_only=True)``; a value that does not load so is left out,
+with a warning.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ from ._shards import Region, tiles
 from ._state import TensorSpec, dtype_name, flatten
 from ._unpickle import MetadataUnpickler, load_blob
 
-__all__ = ["FOREIGN", "MAX_METADATA_BYTES", "dcp_steps", "read_dcp_manifest"]
+__all__ = ["dcp_steps", "read_dcp_manifest"]
 
 #: The format a manifest made from a plain DCP checkpoint says it is in.
 FOREIGN = "dcp"
@@ -42,9 +39,8 @@ _DCP_STEP_RE = re.compile(r"step-([0-9]{1,18})", re.ASCII)
 
 
 def dcp_steps(root: str, names: list[str]) -> dict[int, str]:
-    """Checkpoints ``torch.distributed.checkpoint.save`` wrote in the directory ``root`` (whose
-    entries are ``names``): ``step-N`` folders holding a ``.metadata`` and no manifest
-    (torchtitan's), or ``root`` itself when it is one (its step is the N of its name, else 0)."""
+    """DCP checkpoints in ``root`` (whose entries are ``names``): ``step-N`` folders with a
+    ``.metadata`` and no manifest, or ``root`` itself (its step: the N of its name, else 0)."""
     steps = {}
     if _is_dcp(root):
         match = _DCP_STEP_RE.fullmatch(os.path.basename(root))
@@ -102,11 +98,8 @@ def read_dcp_manifest(store: Any, step: int, location: str) -> Manifest:
         else:
             raise CheckpointError(f"{label}: entry {key!r} is a {type(entry).__name__}")
     if skipped:
-        warnings.warn(
-            f"nbckpt: {label} holds value(s) that do not load with weights only, left out: "
-            f"{', '.join(skipped)}",
-            stacklevel=4,
-        )
+        warnings.warn(f"nbckpt: {label} holds value(s) that do not load with weights only, left out: "
+                      f"{', '.join(skipped)}", stacklevel=4)
     tree = _tree(specs, values, paths, label)
     written = store.modified(location, METADATA_FILE)
     body = {
@@ -208,13 +201,8 @@ def _child(node: Any, part: Any, new: Any, label: str) -> Any:
 
 def _node(value: Any) -> dict[str, Any]:
     if isinstance(value, TensorSpec):
-        return {
-            "t": "tensor",
-            "key": value.key,
-            "dtype": dtype_name(value.dtype),
-            "shape": list(value.shape),
-            "device": "cpu",
-        }
+        return {"t": "tensor", "key": value.key, "dtype": dtype_name(value.dtype), "shape": list(value.shape),
+                "device": "cpu"}
     if isinstance(value, dict):
         return {"t": "dict", "items": [[k, _node(v)] for k, v in value.items()]}
     if isinstance(value, list):

@@ -1,17 +1,12 @@
 """nbckpt's on-disk format in one place: every name, constant and limit of a run directory, and
-the DCP layout of a step's data files. docs/format.md describes the same for a reader who has
-only that page (``tests/engine/test_format_doc.py`` checks it names every constant here).
+the DCP layout of a step's data files (docs/format.md describes the same; a test checks it
+names every constant here). No other module defines a name of the format.
 
-The data files are in PyTorch DCP's format, so a plain ``torch.distributed.checkpoint.load``
-reads them: one ``torch.save`` blob per chunk of a tensor, named by a pickled ``.metadata``.
-nbckpt asks ``torch.save`` once per shape and dtype for a blob's framing only
-(``torch.serialization.skip_data``: zip headers with a hole where the bytes go) and lays each
-file out as an image: framing fixed at planning time, tensor bytes copied into the holes by
-staging. A save is then one sequential write per file, and the plan is cached per structure.
-A chunk several ranks hold, or a tensor two keys name (tied weights), is written once.
-
-The format's names and the layout that spells them are one job, kept in one file so that no
-other module defines a name of the format.
+The data files are DCP's, so a plain ``torch.distributed.checkpoint.load`` reads them: one
+``torch.save`` blob per chunk of a tensor, named by a pickled ``.metadata``. nbckpt asks
+``torch.save`` once per shape and dtype for a blob's framing (``skip_data``: zip headers with
+a hole for the bytes) and lays each file out as an image whose holes staging fills: a save is
+one sequential write per file. A chunk several ranks hold, or a tied tensor, is written once.
 """
 
 from __future__ import annotations
@@ -37,18 +32,17 @@ from torch.distributed.checkpoint.metadata import (
 from torch.serialization import skip_data
 
 from .._errors import CheckpointError
-from ._interrupts import deferred_interrupt
 from ._shards import Region, tiles
 from ._state import TensorSpec, dtype_name
 from ._torch_compat import storage_info
+from ._workers import balance, deferred_interrupt
 
 __all__ = [
-    "ALIGN", "BLOCK_SIZE", "BRANCH_FILE", "BRANCH_LIMIT", "CHECKSUM", "DCP_VERSION",
-    "FORMAT", "LEFTOVER_RE", "LOCK_FILE", "MAIN", "MANIFEST", "MANIFEST_KEYS", "MAX_MANIFEST_BYTES",
-    "MAX_STEP", "METADATA_FILE", "METRICS", "OLD_PREFIX", "POINTER_FORMAT",
-    "POINTER_LIMIT", "PROBE_PREFIX", "READS", "TMP_PREFIX", "TRASH_PREFIX", "TREE_KINDS", "Chunk",
-    "FileLayout", "Item", "Layout", "RankPlan", "block_hasher", "branch_name", "checksum", "data_file",
-    "framing", "is_branch", "is_data_file", "pad", "parse_step", "plan", "step_name",
+    "BLOCK_SIZE", "BRANCH_FILE", "BRANCH_LIMIT", "DCP_VERSION", "FORMAT", "LEFTOVER_RE", "LOCK_FILE", "MAIN",
+    "MANIFEST", "MANIFEST_KEYS", "MAX_MANIFEST_BYTES", "MAX_STEP", "METADATA_FILE", "METRICS", "OLD_PREFIX",
+    "POINTER_FORMAT", "POINTER_LIMIT", "PROBE_PREFIX", "READS", "TMP_PREFIX", "TRASH_PREFIX", "TREE_KINDS",
+    "Chunk", "FileLayout", "Item", "Layout", "RankPlan", "block_hasher", "branch_name", "checksum",
+    "data_file", "framing", "is_branch", "is_data_file", "pad", "parse_step", "plan", "step_name"
 ]
 
 # -- A run directory -------------------------------------------------------------------------
@@ -287,12 +281,9 @@ class RankPlan(NamedTuple):
 def _assign(
     ranks: Sequence[RankPlan],
 ) -> tuple[list[list[TensorSpec]], dict[str, list[TensorSpec]], frozenset[str]]:
-    """Which rank writes each chunk: one several ranks hold is replicated (as DCP assumes) and
-    written once, by the holder with the fewest bytes so far.
-
-    Returns each rank's chunks to write (in its state's order), every key's distinct chunks,
-    and the plain tensors several ranks hold (whose values must agree).
-    """
+    """Which rank writes each chunk (one several ranks hold is replicated, as DCP assumes, and
+    written once, by the holder with the fewest bytes so far): each rank's chunks to write in
+    its state's order, every key's distinct chunks, and the plain tensors several ranks hold."""
     holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     spec_of: dict[tuple[str, tuple[int, ...]], TensorSpec] = {}
     kind_of: dict[str, tuple[int, TensorSpec]] = {}  # each key's first holder and spec: all must agree
@@ -357,35 +348,18 @@ def _aliases(ranks: Sequence[RankPlan], chunks: Mapping[str, list[TensorSpec]]) 
     return aliases
 
 
-def _bins(specs: Sequence[TensorSpec], count: int) -> list[list[TensorSpec]]:
-    """Split into ``count`` files of similar size (largest tensor to the lightest file first)."""
-    bins: list[list[TensorSpec]] = [[] for _ in range(count)]
-    sizes = [0] * count
-    placed: dict[str, int] = {}
-    for spec in sorted(specs, key=lambda s: -s.nbytes):
-        index = min(range(count), key=lambda i: (sizes[i], i))
-        placed[spec.key] = index
-        sizes[index] += spec.nbytes
-    for spec in specs:
-        bins[placed[spec.key]].append(spec)
-    return [b for b in bins if b]
-
-
 def plan(
     ranks: Sequence[RankPlan], paths: Mapping[str, tuple[str | int, ...]], files_per_rank: int
 ) -> Layout:
-    """The layout of every rank's files and the DCP metadata for them.
-
-    ``ranks`` holds each rank's tensors in its state's order; ``paths`` maps each key to its
-    path of keys in the state (so DCP's tools can nest the tensors again).
-    """
+    """The layout of every rank's files and the DCP metadata for them; ``paths`` maps each key
+    to its path of keys in the state (so DCP's tools can nest the tensors again)."""
     writes, chunks, shared = _assign(ranks)
     aliases = _aliases(ranks, chunks)
     files: dict[int, tuple[FileLayout, ...]] = {}
     for rank, specs in enumerate(writes):
         files[rank] = tuple(
             _file_layout(data_file(rank, index), group)
-            for index, group in enumerate(_bins(specs, min(files_per_rank, max(len(specs), 1))))
+            for index, group in enumerate(balance(specs, files_per_rank, lambda spec: spec.nbytes))
         )
     placed: dict[tuple[str, tuple[int, ...]], tuple[str, Item]] = {
         (item.key, item.offsets): (layout.name, item)
@@ -410,8 +384,7 @@ def plan(
 
 
 def _metadata(
-    chunks: Mapping[str, list[TensorSpec]],
-    locations: Mapping[str, list[Chunk]],
+    chunks: Mapping[str, list[TensorSpec]], locations: Mapping[str, list[Chunk]],
     paths: Mapping[str, tuple[str | int, ...]],
 ) -> Metadata:
     """DCP's record of every tensor: its whole size and chunks, and where each chunk's blob is."""

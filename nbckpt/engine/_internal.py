@@ -13,18 +13,7 @@ from ._state import flatten
 from ._timeline import events_to_pandas, now_ns
 
 __all__ = [
-    "POINTER_FORMAT",
-    "POINTER_LIMIT",
-    "endpoint",
-    "events_to_pandas",
-    "explain_fsspec_error",
-    "flatten",
-    "fsspec_options",
-    "fsync_dir",
-    "now_ns",
-    "open_fsspec",
-    "step_name",
-    "write_all",
-    "write_atomic",
-    "writer_of",
+    "POINTER_FORMAT", "POINTER_LIMIT", "endpoint", "events_to_pandas", "explain_fsspec_error", "flatten",
+    "fsspec_options", "fsync_dir", "now_ns", "open_fsspec", "step_name", "write_all", "write_atomic",
+    "writer_of"
 ]

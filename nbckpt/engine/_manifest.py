@@ -1,10 +1,8 @@
-"""The manifest: written last, it is what makes a checkpoint count, and what restore trusts.
-
-It lists every file with its size and block checksums, every tensor with the file and
-offset of its bytes, and the state tree (plain values as JSON). A checkpoint someone hands
-you may be hostile: :func:`parse` refuses anything that would make a reader leave the step
-directory, read past a file, allocate without bound, or recurse without bound, before a
-single byte of tensor data is read.
+"""The manifest: written last, it is what makes a checkpoint count, and what restore trusts. It
+lists every file with its size and block checksums, every tensor's chunks and where their bytes
+are, the state tree (plain values as JSON) and where the step came from. A checkpoint may be
+hostile: :func:`parse` refuses anything that would make a reader leave the step directory, read
+past a file, or allocate or recurse without bound, before a byte of tensor data is read.
 """
 
 from __future__ import annotations
@@ -12,7 +10,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import platform
 import re
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ from ._format import (
 from ._shards import tiles
 from ._state import MAX_DEPTH, TensorSpec, dtype_from_name
 
-__all__ = ["Manifest", "build", "parse", "sign"]
+__all__ = ["Manifest", "build", "parse", "provenance", "sign"]
 
 _HEX16_RE = re.compile(r"[0-9a-f]{16}", re.ASCII)
 #: A rank as ``str(rank)`` spells it (bounded: int() of a hostile key must stay cheap).
@@ -99,17 +102,9 @@ def sign(body: Mapping[str, Any]) -> bytes:
 
 
 def build(
-    *,
-    step: int,
-    nbytes: int,
-    world_size: int,
-    files: Mapping[str, FileResult],
-    items: Mapping[str, list[Chunk]],
-    tree: dict[str, Any],
-    rank_trees: Mapping[str, Any],
-    rng: Mapping[str, Any],
-    provenance: Mapping[str, Any],
-    timing: Mapping[str, float],
+    *, step: int, nbytes: int, world_size: int, files: Mapping[str, FileResult],
+    items: Mapping[str, list[Chunk]], tree: dict[str, Any], rank_trees: Mapping[str, Any],
+    rng: Mapping[str, Any], provenance: Mapping[str, Any], timing: Mapping[str, float],
     metrics: Mapping[str, float] | None = None,
 ) -> bytes:
     """The manifest of a checkpoint whose files have all been written (``metrics``: finite
@@ -235,10 +230,7 @@ def _bounded_bytes(shape: Any, itemsize: int, limit: int) -> int:
 
 
 def _check_tree(
-    tree: Any,
-    specs: dict[str, TensorSpec],
-    paths: dict[str, tuple[str | int, ...]],
-    data_bytes: int,
+    tree: Any, specs: dict[str, TensorSpec], paths: dict[str, tuple[str | int, ...]], data_bytes: int,
     where: str,
 ) -> None:
     """Every node well-formed, every tensor of a known dtype that fits in the files, walked
@@ -265,11 +257,8 @@ def _check_tree(
             children = [(child, (*path, str(key))) for key, child in pairs]
         elif kind in ("list", "tuple"):
             listed = node.get("items")
-            children = (
-                [(c, (*path, i)) for i, c in enumerate(listed)]
-                if isinstance(listed, list)
-                else [(None, path)]
-            )
+            listed = listed if isinstance(listed, list) else [None]  # None: a malformed child
+            children = [(c, (*path, i)) for i, c in enumerate(listed)]
         elif kind in ("tensor", "ndarray"):
             spec = _tensor_spec(node, data_bytes, where)
             if spec.key != ".".join(map(str, path)):  # the key flatten gives a tensor at that path
@@ -291,11 +280,8 @@ def _value_ok(kind: str, value: Any) -> bool:
     if kind == "value":
         return value is None or isinstance(value, (bool, int, str))
     if kind == "float":
-        return (isinstance(value, (int, float)) and not isinstance(value, bool)) or value in (
-            "nan",
-            "inf",
-            "-inf",
-        )
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return number or value in ("nan", "inf", "-inf")
     if kind == "path":
         return isinstance(value, str) and "\0" not in value
     if kind == "dtype":
@@ -336,16 +322,8 @@ def _chunks(entry: Any, spec: TensorSpec, files: dict[str, Any], fmt: str, where
         if not spec.nbytes:
             return []
         header, trailer = framing(spec.dtype, whole)
-        entry = [
-            [
-                entry[0],
-                entry[1] - len(header),
-                len(header) + spec.nbytes + len(trailer),
-                entry[1],
-                [0] * len(whole),
-                list(whole),
-            ]
-        ]
+        blob_length = len(header) + spec.nbytes + len(trailer)
+        entry = [[entry[0], entry[1] - len(header), blob_length, entry[1], [0] * len(whole), list(whole)]]
     if not isinstance(entry, list):
         raise CheckpointError(f"{where} does not say where tensor {key!r} is")
     chunks = [_chunk(raw, spec, files, where) for raw in entry]
@@ -394,3 +372,41 @@ def _check_apart(chunks: dict[str, list[Chunk]], specs: dict[str, TensorSpec], w
         for before, after in itertools.pairwise(listed):
             if before.blob_offset + before.blob_length > after.blob_offset:
                 raise CheckpointError(f"{where} puts tensors' bytes over each other in {name}")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=2.0, check=False)
+    except (OSError, subprocess.SubprocessError):  # no git, or a hung network mount
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _program() -> str:
+    # Jupyter Server gives each kernel the notebook's path; in a plain interpreter the script.
+    notebook = os.environ.get("JPY_SESSION_NAME")
+    if notebook:
+        return notebook
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv and sys.argv[0] else "")
+    return os.path.abspath(path) if path and path != "-c" else "<interactive>"
+
+
+def provenance() -> dict[str, Any]:
+    """Where a step came from (versions, host, program, git commit and whether it had changes):
+    gathered once per Checkpointer, since git takes milliseconds."""
+    from .._version import __version__
+
+    record: dict[str, Any] = {
+        "nbckpt": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": socket.gethostname(),
+        "program": _program(),
+        "cwd": os.getcwd(),
+    }
+    commit = _git("rev-parse", "HEAD")
+    if commit:
+        status = _git("status", "--porcelain", "--untracked-files=no")
+        record["git"] = {"commit": commit, "dirty": bool(status) if status is not None else None}
+    return record

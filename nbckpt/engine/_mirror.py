@@ -1,19 +1,12 @@
 """A second tier: every step committed in the run's directory is also uploaded, in the
 background, to a mirror (an object store, or another directory) with its own commit there.
 
-Saves never wait for the mirror: a restart restores from the fast local copy, and only when
-that is gone or damaged from the mirror. An upload reads the local files block by block,
-checking each against the manifest, so a damaged local copy is never passed on; the manifest
-goes last, so a step counts on the mirror only once all of it is there.
-
-A mirror holds one run: ``.nbckpt-mirror.json`` at its root names the run it belongs to, and
-another run is refused (two runs sharing a mirror would delete each other's steps, and one
-would restore the other's). It keeps the run's lines in the run's layout, ``branch.json``
-included, so a restore from the mirror alone goes on in the right line. It keeps what the run's
-retention policy keeps. The backlog is bounded: a step the run's retention gives up while its
-upload still waits is not uploaded (said in the log), so a slow mirror never makes the run's
-directory grow by more than the step being uploaded; a run reopened after a crash uploads what
-its mirror lacks.
+Saves never wait for it; a restore reads it only when the local copy is gone or damaged. An
+upload checks every block against the manifest (a damaged copy is never passed on) and writes
+the manifest last. A mirror holds one run (``.nbckpt-mirror.json`` names it; two runs would
+delete each other's steps), in the run's layout with its lines, and keeps what the run's
+retention keeps. The backlog is bounded: a step retention gives up while its upload waits is
+not uploaded (said in the log); a run reopened after a crash uploads what its mirror lacks.
 """
 
 from __future__ import annotations
@@ -32,15 +25,15 @@ from .._util import is_url
 from ._config import CheckpointConfig
 from ._files import copy_file
 from ._format import BRANCH_FILE, BRANCH_LIMIT, LOCK_FILE, MAIN, step_name
-from ._lines import Line, discover, on, write_record
 from ._ranks import Group
 from ._reader import damage_named, read_manifest
 from ._retention import RetentionPolicy, StepFacts, StepInfo, expired
+from ._run import Line, discover, on, write_record
 from ._store import Store, open_store
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
-__all__ = ["MARKER", "Mirror", "mirror_of", "mirror_target", "open_mirror"]
+__all__ = ["Mirror", "mirror_of", "mirror_target", "open_mirror"]
 
 _log = logging.getLogger("nbckpt")
 #: At the mirror's root: the run the mirror belongs to.
@@ -83,13 +76,7 @@ class Mirror:
     """Uploads committed steps to ``root`` on one background thread, in commit order."""
 
     def __init__(
-        self,
-        root: Store,
-        *,
-        policy: RetentionPolicy | None,
-        timeline: Timeline,
-        nonce: str,
-        writes: bool,
+        self, root: Store, *, policy: RetentionPolicy | None, timeline: Timeline, nonce: str, writes: bool,
         nice: int = 0,
     ) -> None:
         """``writes``: this process uploads (rank 0 of a run not opened read-only)."""
@@ -126,8 +113,7 @@ class Mirror:
             self.root.write_small(MARKER, json.dumps(record).encode())
 
     def check(self, run: str) -> None:
-        """For a reader: ConfigError when the mirror holds another run's steps. A mirror that
-        cannot be reached now is no reason not to read the run's own directory."""
+        """For a reader: ConfigError when the mirror holds another run's (unreachable: a warning)."""
         try:
             owner = mirror_of(self.root)
         except CheckpointError as exc:
@@ -137,8 +123,7 @@ class Mirror:
             raise ConfigError(f"the mirror {self.root.url} belongs to the run {owner}, not to {run}")
 
     def lines(self) -> dict[str, Line]:
-        """The lines the mirror holds (it may hold some the run's directory lost); only main
-        while it cannot be reached."""
+        """The lines the mirror holds (perhaps some the run's directory lost); main if unreachable."""
         try:
             return discover(self.root)
         except (OSError, CheckpointError) as exc:
@@ -159,12 +144,11 @@ class Mirror:
                 self._queue(_Record(mirrored[entry.name]))
 
     def committed(self, store: Store, step: int, location: str) -> None:
-        """The saver's commit of ``step``: queued for upload."""
         self.upload(store, step, location)
 
     def release(self, store: Store, steps: list[int]) -> set[int]:
-        """Of ``steps`` of ``store`` (retention deletes them), the one being uploaded, which
-        stays for now; the waiting uploads of the others are dropped."""
+        """Of ``steps`` of ``store`` (retention deletes them), the one being uploaded (it stays for
+        now); the waiting uploads of the others are dropped."""
         with self._lock:
             doomed = set(steps)
             dropped = [
@@ -203,9 +187,9 @@ class Mirror:
             self.root.url, entry.step, where, self._skipped, self.policy,
         )
 
-    def resume(self, lines: dict[str, Line]) -> int:
+    def resume(self, lines: dict[str, Line]) -> None:
         """Queue what the mirror lacks of each line's committed steps (those retention keeps), as
-        after a crash that cut uploads short; return how many were queued."""
+        after a crash that cut uploads short."""
         queued = 0
         mirrored = on(lines, self.root)
         for name, line in lines.items():
@@ -225,7 +209,6 @@ class Mirror:
             queued += len(missing)
         if queued:
             _log.info("nbckpt: uploading %d committed step(s) the mirror %s lacks", queued, self.root.url)
-        return queued
 
     def wait(self) -> list[str]:
         """Block until every queued upload is over; return (and forget) the failures since last."""
@@ -326,16 +309,11 @@ class Mirror:
         _log.warning("nbckpt: %s", message)
 
     def _facts_of(self, store: Store) -> StepFacts:
-        """What retention knows of a mirror line's steps, kept across uploads: each upload adds
-        its step's from the manifest it read anyway, so a policy by metrics reads none back."""
-        facts = self._facts.get(store.url)
-        if facts is None:
-            facts = self._facts[store.url] = StepFacts(store)
-        return facts
+        """What retention knows of a mirror line's steps, kept across uploads (each adds its own)."""
+        return self._facts.setdefault(store.url, StepFacts(store))
 
     def _would_delete(self, facts: StepFacts, step: int, metrics: Mapping[str, float]) -> bool:
-        """Whether the mirror's retention, with ``step`` uploaded, would delete it at once (its
-        steps are older than those the policy keeps)."""
+        """Whether the mirror's retention, with ``step`` uploaded, would delete it at once."""
         if self.policy is None:
             return False
         newer = [s for s in facts.store.committed() if s > step]
@@ -355,9 +333,8 @@ class Mirror:
 
 
 def mirror_target(config: CheckpointConfig, run: Store) -> Store | None:
-    """The mirror's store, checked before anything is created: not a file, and neither the
-    run's directory nor inside it nor holding it (retention and clean-up in one would delete
-    the other's steps)."""
+    """The mirror's store, checked before anything is created: not a file, and neither the run's
+    directory nor inside it nor holding it (one's retention would delete the other's steps)."""
     if config.mirror is None:
         return None
     store = open_store(config.mirror, config.mirror_options, "mirror")

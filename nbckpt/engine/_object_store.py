@@ -9,21 +9,11 @@ import uuid
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError, describe_error, require_extra
-from . import _faults
 from ._files import Sink, Source, StreamSink, StreamSource
 from ._format import MANIFEST, PROBE_PREFIX, parse_step, step_name
-from ._store import Store
+from ._store import Store, crash_point
 
-__all__ = [
-    "OBJECT_STORES",
-    "S3_DEFAULT_RETRIES",
-    "FsspecStore",
-    "endpoint",
-    "explain_fsspec_error",
-    "fsspec_options",
-    "open_fsspec",
-    "where",
-]
+__all__ = ["FsspecStore", "endpoint", "explain_fsspec_error", "fsspec_options", "open_fsspec", "where"]
 
 _log = logging.getLogger("nbckpt")
 
@@ -131,7 +121,7 @@ class FsspecStore(Store):
         return bytes(self.fs.cat_file(path))
 
     def commit(self, location: str, step: int, manifest: bytes) -> str:
-        _faults.hit("before_rename")
+        crash_point("before_rename")
         self.fs.pipe_file(f"{self._path(location)}/{MANIFEST}", manifest)
         return location
 
@@ -147,7 +137,7 @@ class FsspecStore(Store):
     def delete(self, step: int) -> None:
         path = f"{self._root}/{step_name(step)}"
         self.fs.rm_file(f"{path}/{MANIFEST}")
-        _faults.hit("during_delete")
+        crash_point("during_delete")
         self.fs.rm(path, recursive=True)
 
 

@@ -1,16 +1,8 @@
-"""Agreement across ranks: one helper, one rule.
-
-Every collective of nbckpt is an ``all_gather_object`` of ``(tag, value, error)``, where the
-tag names the operation and step it belongs to. So a rank that raised, skipped a save or
-runs a step ahead is seen by every rank at the next collective, and every rank raises the
-same error, instead of pairing one save's data with another's or waiting forever:
-
-- an exception on any rank becomes an error on all ranks (a ConfigError stays a ConfigError);
-- tags that differ are a CheckpointError on all ranks ("ranks are out of step");
-- a rank that died or stopped calling fails the others within ``timeout_s``.
-
-Each thread that talks to other ranks has its own process group (the caller's and the
-background writer's), so their collectives never interleave differently on two ranks.
+"""Agreement across ranks: every collective is an ``all_gather_object`` of ``(tag, value,
+error)``, the tag naming the operation and step. An exception on any rank is an error on all
+(a ConfigError stays one), tags that differ are "ranks are out of step" on all, and a rank that
+died fails the others within ``timeout_s``. Each thread that talks to other ranks (the caller's,
+the background writer's) has its own process group, so their collectives never interleave.
 """
 
 from __future__ import annotations
@@ -44,12 +36,9 @@ class Group:
         self.world_size = world_size
 
     def exchange(self, tag: Tag, run: Callable[[], T]) -> list[T]:
-        """Run ``run`` here, give every rank every rank's result; an error anywhere is raised on all.
-
-        The local exception itself is re-raised on the rank where it happened (so Ctrl-C stays
-        KeyboardInterrupt); the other ranks raise a CheckpointError (ConfigError for a user
-        mistake) naming the rank.
-        """
+        """Run ``run`` here, give every rank every rank's result; an error anywhere is raised on
+        all: the exception itself where it happened, a CheckpointError (ConfigError for a user
+        mistake) naming the rank elsewhere."""
         value: Any = None
         error: BaseException | None = None
         try:
@@ -126,11 +115,8 @@ class RankInfo:
 
 def join(mode: str, timeout_s: float) -> RankInfo:
     """The ranks a Checkpointer works with: all ranks of the default group, or this one alone.
-
-    With several ranks, every rank must create its Checkpointer; the ranks first meet in the
-    default group's store, so one that never comes (a framework that saves from rank 0 only)
-    is a ConfigError after :data:`JOIN_TIMEOUT_S`, not a hang.
-    """
+    They first meet in the default group's store, so a rank that never creates its Checkpointer
+    is a ConfigError after :data:`JOIN_TIMEOUT_S`, not a hang."""
     together = mode == "all" or (
         mode == "auto" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     )

@@ -1,9 +1,6 @@
 """Restore: rank 0 picks the checkpoint, every rank checks the caller's state against it, reads and
-verifies its part, and only then is anything of the caller's touched.
-
-A mistake of the caller (a missing key, another shape or dtype) is a ConfigError at once, on
-every rank; damage (a bad checksum, a missing or unreadable file) falls back to the next
-older checkpoint when no step was asked for.
+verifies its part, and only then is anything of the caller's touched. A mistake of the caller is
+a ConfigError at once, on every rank; damage falls back to the next older checkpoint (or copy).
 """
 
 from __future__ import annotations
@@ -16,10 +13,8 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, ConfigError, NbckptError, describe_error
-from . import _rng
 from ._agree import check_dcp_metadata, check_values
 from ._format import MANIFEST, METADATA_FILE, step_name
-from ._interrupts import deferred_interrupt
 from ._manifest import Manifest
 from ._ranks import Group
 from ._reader import (
@@ -34,22 +29,19 @@ from ._reader import (
     verify_files,
     verify_framing,
 )
+from ._retention import listed
 from ._shards import Region, region_of, wrap_like
-from ._state import decode, node_tensors, tree_specs
+from ._state import decode, node_tensors, rng_owner, rng_parse, rng_process, tree_specs
 from ._template import align, apply, check_loadable, check_template, destinations, sharded_targets
 from ._timeline import Timeline, now_ns
-from ._workers import Pool
+from ._workers import Pool, deferred_interrupt
 
-__all__ = ["Restorer", "check_step_files", "device_of"]
+__all__ = ["Restorer", "device_of"]
 
 
 class Restorer:
-    """Reads the checkpoints of a run for one rank (``group`` agrees every step with the others).
-
-    ``stores`` are where the run's checkpoints may be, in the order they are preferred: the
-    directory, then its mirror. A step found in both is read from the first, and from the
-    mirror only when the first copy turns out damaged.
-    """
+    """Reads the checkpoints of a run for one rank (``group`` agrees every step with the others)
+    from ``stores``, in the order they are preferred (the line, its ancestors, the mirror's)."""
 
     def __init__(self, stores: Sequence[Readable], io: Pool, group: Group, timeline: Timeline) -> None:
         self.stores, self.io, self.group, self.timeline = stores, io, group, timeline
@@ -89,13 +81,7 @@ class Restorer:
         return manifest.body
 
     def restore(
-        self,
-        state: dict[str, Any],
-        step: int | None,
-        *,
-        verify: bool,
-        rng: bool,
-        strict: bool,
+        self, state: dict[str, Any], step: int | None, *, verify: bool, rng: bool, strict: bool,
         key_map: Callable[[str], str | None] | None,
     ) -> int:
         tried: list[tuple[int, int]] = []
@@ -150,8 +136,8 @@ class Restorer:
                 continue
             if lacking:
                 warnings.warn(
-                    f"nbckpt: restored step {candidate}, the newest holding {_listed(lacking[0].asked)} "
-                    f"(step {lacking[0].step} holds {_listed(lacking[0].holds)})",
+                    f"nbckpt: restored step {candidate}, the newest holding {listed(lacking[0].asked)} "
+                    f"(step {lacking[0].step} holds {listed(lacking[0].holds)})",
                     stacklevel=4,  # the caller of Checkpointer.restore
                 )
             self.timeline.record(
@@ -181,24 +167,12 @@ class Restorer:
         return left[0]
 
     def _read_for(
-        self,
-        state: dict[str, Any],
-        step: int,
-        store: Readable,
-        location: str,
-        verify: bool,
-        rng: bool,
-        attempt: int,
-        strict: bool,
-        key_map: Callable[[str], str | None] | None,
-        asked_for: bool,
+        self, state: dict[str, Any], step: int, store: Readable, location: str, verify: bool, rng: bool,
+        attempt: int, strict: bool, key_map: Callable[[str], str | None] | None, asked_for: bool,
     ) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None] | None, Callable[[], None]]:
-        """This rank's part of a restore, agreed by all: the caller's mistakes first, then damage.
-
-        Returns the tensors to load (DTensors where the caller's state holds DTensors), the
-        saved tree, the RNG streams to set (None: none of this rank's are in the step), and what
-        reads the checked bytes into the caller's own tensors (once every rank has checked).
-        """
+        """This rank's part of a restore, agreed by all: the tensors to load (DTensors where the
+        state holds them), the saved tree, the RNG streams to set (None: none of this rank's),
+        and what reads the checked bytes into the caller's own tensors once every rank checked."""
         box: list[Any] = []
 
         def check() -> tuple[str, list[str], list[str]]:
@@ -271,24 +245,20 @@ class Restorer:
         saved = manifest.tree(self.rank)
         if map_location is not None and torch.device(map_location).type == "meta":
             # Shapes and dtypes without a byte read: the cheap look at what a checkpoint holds.
-            tensors = {
-                key: torch.empty(s.shape, dtype=s.dtype, device="meta")
-                for key, s in tree_specs(saved).items()
-            }
-            return dict(decode(saved, tensors))
+            specs = tree_specs(saved)
+            meta = {key: torch.empty(s.shape, dtype=s.dtype, device="meta") for key, s in specs.items()}
+            return dict(decode(saved, meta))
         check_step_files(store, self.io, location, manifest, verify)
         wanted: dict[str, Region | None] = {leaf["key"]: None for leaf in node_tensors(saved)}
         tensors, _ = read_tensors(store, self.io, location, manifest, wanted, verify=verify)
         if map_location is not None:
             tensors = {k: t.to(map_location) for k, t in tensors.items()}
-        value: dict[str, Any] = decode(saved, tensors)
-        return value
+        return dict(decode(saved, tensors))
 
 
 def check_step_files(store: Readable, io: Pool, location: str, manifest: Manifest, verify: bool) -> None:
-    """What a restore checks of a step beyond the tensors it reads: that the DCP metadata says
-    exactly what the manifest says, and the plain values' byte items hold the manifest's values
-    (both readers of a checkpoint, nbckpt and a plain ``dcp.load``, must agree on every byte)."""
+    """Beyond the tensors a restore reads: the DCP metadata says what the manifest says, and the
+    plain values' byte items hold the manifest's values (``_agree``)."""
     if manifest.foreign:  # its .metadata is what it was read from; there is nothing to compare
         return
     name = f"{step_name(manifest.step)}/{METADATA_FILE}"
@@ -300,18 +270,14 @@ class _Lacks(CheckpointError):
     """The newest step holds other names than the caller's state asks for: try an older one."""
 
     def __init__(self, step: int, asked: list[str], holds: list[str]) -> None:
-        super().__init__(f"{step_name(step)} holds {_listed(holds)}")
+        super().__init__(f"{step_name(step)} holds {listed(holds)}")
         self.step, self.asked, self.holds = step, asked, holds
 
     def refusal(self, url: str) -> ConfigError:
         return ConfigError(
-            f"no step in {url} holds {_listed(self.asked)} (the newest, step {self.step}, holds "
-            f"{_listed(self.holds)})"
+            f"no step in {url} holds {listed(self.asked)} (the newest, step {self.step}, holds "
+            f"{listed(self.holds)})"
         )
-
-
-def _listed(names: list[str]) -> str:
-    return ", ".join(repr(n) for n in names) or "nothing"
 
 
 def _refuse(problems: list[str], step: int) -> None:
@@ -330,7 +296,7 @@ def _owned_rng(manifest: Manifest, rank: int, step: int) -> Callable[[], None] |
     record = manifest.rng(rank)
     if record is None:
         return None
-    owner, me = _rng.owner(record, rank), _rng.process()
+    owner, me = rng_owner(record, rank), rng_process()
     if owner[0] != me[0]:
         warnings.warn(
             f"nbckpt: {step_name(step)} holds the RNG streams of rank {owner[0]}; rank {me[0]} keeps "
@@ -338,7 +304,7 @@ def _owned_rng(manifest: Manifest, rank: int, step: int) -> Callable[[], None] |
             stacklevel=6,  # the caller of Checkpointer.restore
         )
         return None
-    return _rng.parse(record)
+    return rng_parse(record)
 
 
 def _apply(state: dict[str, Any], saved: dict[str, Any], tensors: dict[str, Any], step: int) -> None:

@@ -1,10 +1,7 @@
-"""Which committed steps to keep: retention policies, one rule for the saver, the mirror and
-the integrations.
-
-In the manner of Orbax v1's preservation policies: a policy is told every committed step (with
-the metrics its save was given) and answers which of them to keep; policies combine with
-:class:`AnyOf`. ``keep=3`` is :class:`LatestN` ``(3)``. Whoever deletes (the saver after each
-commit, the mirror after each upload) asks :func:`expired`, so a rule is written once.
+"""Which committed steps to keep, one rule for the saver, the mirror and the integrations: as
+Orbax v1's preservation policies, a policy is told every committed step (with its metrics) and
+answers which to keep; :class:`AnyOf` combines them; ``keep=3`` is :class:`LatestN` ``(3)``.
+Whoever deletes (the saver after each commit, the mirror after each upload) asks :func:`expired`.
 """
 
 from __future__ import annotations
@@ -27,19 +24,8 @@ from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
 __all__ = [
-    "AnyOf",
-    "BestN",
-    "CustomSteps",
-    "EveryNSteps",
-    "LatestN",
-    "Retainer",
-    "RetentionPolicy",
-    "StepFacts",
-    "StepInfo",
-    "check_metrics",
-    "expired",
-    "policy_of",
-    "top_names",
+    "AnyOf", "BestN", "CustomSteps", "EveryNSteps", "LatestN", "Retainer", "RetentionPolicy", "StepFacts",
+    "StepInfo", "check_metrics", "expired", "listed", "policy_of"
 ]
 
 
@@ -206,7 +192,8 @@ def top_names(tree: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(sorted(str(key) for key, _ in tree.get("items", [])))
 
 
-def _listed(names: tuple[str, ...]) -> str:
+def listed(names: Sequence[str]) -> str:
+    """``'model', 'optim'``, or ``nothing``: the names a step holds, in messages."""
     return ", ".join(repr(n) for n in names) or "nothing"
 
 
@@ -228,6 +215,10 @@ class StepFacts:
         facts = self._of(step)
         return facts[0] if facts else None
 
+    def metrics(self, step: int) -> Mapping[str, float]:
+        facts = self._of(step)
+        return facts[1] if facts else {}
+
     def slip(
         self, step: int, tree: Mapping[str, Any], tensors: bool, committed: Iterable[int],
         policy: RetentionPolicy | None,
@@ -240,19 +231,15 @@ class StepFacts:
         before = self.names(latest) if latest is not None else None
         if before is not None and names != before:
             kept = f"; retention keeps {policy} of each" if policy else ""
-            return (f"step {step} holds {_listed(names)}, the newest step ({latest}) holds "
-                    f"{_listed(before)}{kept}")
-        return None if tensors else f"step {step} holds no tensor ({_listed(names)})"
+            return (f"step {step} holds {listed(names)}, the newest step ({latest}) holds "
+                    f"{listed(before)}{kept}")
+        return None if tensors else f"step {step} holds no tensor ({listed(names)})"
 
     def infos(self, policy: RetentionPolicy | None, steps: Iterable[int]) -> list[StepInfo]:
         """``steps`` as ``policy`` sees them, oldest first (metrics only if it looks at them; a
         step whose manifest cannot be read has none: it is no best one, nor deleted for that)."""
         wanted = policy is not None and _uses_metrics(policy)
-        return [StepInfo(step, self._metrics(step) if wanted else {}) for step in sorted(steps)]
-
-    def _metrics(self, step: int) -> Mapping[str, float]:
-        facts = self._of(step)
-        return facts[1] if facts else {}
+        return [StepInfo(step, self.metrics(step) if wanted else {}) for step in sorted(steps)]
 
     def _of(self, step: int) -> tuple[tuple[str, ...], Mapping[str, float]] | None:
         with self._lock:
@@ -289,15 +276,9 @@ class Retainer:
     """Deletes what the policy does not keep, one pass after each commit, on a background thread
     of its own (a slow delete never delays a save); ``wait`` waits for the pass last asked for."""
 
-    def __init__(
-        self,
-        policy: RetentionPolicy | None,
-        timeline: Timeline,
-        nice: int,
-        release: Callable[[Store, list[int]], set[int]] | None,
-    ) -> None:
-        """``release``: of the steps about to be deleted, those a tier behind (the mirror's
-        upload) still reads, which stay for now."""
+    def __init__(self, policy: RetentionPolicy | None, timeline: Timeline, nice: int,
+                 release: Callable[[Store, list[int]], set[int]] | None) -> None:
+        """``release``: of the steps about to be deleted, those the mirror's upload still reads."""
         self.policy, self.timeline, self._release = policy, timeline, release
         self._worker = Worker("nbckpt-retention", nice=nice)
         self._last: Future[None] | None = None
@@ -305,12 +286,11 @@ class Retainer:
     def after(
         self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None]
     ) -> Callable[[], None]:
-        """A pass over the line ``facts`` knows, waited for by ``wait`` from now on; it is queued
-        when the returned function is called. Only steps committed before ``newest`` (``older``)
-        count, since a pass that runs late must not take a step committed since for an old one
-        (it could be the newest of all); and only steps of ``newest``'s names, since a stray save
-        must never rotate out the run's real checkpoints. Never ``newest`` itself; ``deleted`` is
-        told of each step deleted."""
+        """A pass over the line ``facts`` knows (waited for by ``wait`` from now on), queued when
+        the returned function is called. Only steps committed before ``newest`` count (a late
+        pass must not take a newer step for an old one), only those of ``newest``'s names (a
+        stray save never rotates out the run's real ones), never ``newest``; ``deleted`` is told
+        of each step deleted."""
         if self.policy is None:
             return lambda: None
         done: Future[None] = Future()

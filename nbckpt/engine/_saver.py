@@ -1,9 +1,6 @@
-"""The save pipeline: plan, stage, persist in the background, commit, then retention.
-
-One save goes: flatten and agree across ranks (:meth:`Saver.start`), plan the file layout
-(cached per structure), wait for room (backpressure), copy into a staging slot, then on the
-persist thread write every file, agree, build the manifest and commit; retention deletes
-old steps on its own thread after the commit has been reported.
+"""The save pipeline: flatten and agree across ranks, plan the file layout (cached per
+structure), wait for room (backpressure), stage into a slot; then on the persist thread write
+every file, agree, build the manifest and commit; retention runs on its own thread after.
 """
 
 from __future__ import annotations
@@ -21,21 +18,18 @@ from typing import Any, Protocol
 import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
-from . import _faults, _rng
+from ._agree import with_values
 from ._config import CheckpointConfig
 from ._files import FileResult, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
-from ._handles import SaveHandle, SaveRecord
-from ._manifest import build
-from ._provenance import provenance
+from ._manifest import build, provenance
 from ._ranks import RankInfo
 from ._retention import Retainer, StepFacts
 from ._shards import check_replicas, fingerprints
 from ._staging import Stager, StagingPool
-from ._state import Flattened, flatten
-from ._store import Store
-from ._timeline import Timeline, now_ns
-from ._values import with_values
+from ._state import Flattened, flatten, rng_capture
+from ._store import Store, crash_point
+from ._timeline import SaveHandle, SaveRecord, Timeline, now_ns
 from ._workers import Pool, Worker, run_all
 
 __all__ = ["CommitObserver", "Saver"]
@@ -47,29 +41,19 @@ _LAYOUTS_KEPT = 4
 
 class CommitObserver(Protocol):
     """A tier behind the run's directory (the mirror), told on rank 0 what the saver commits and
-    asked before retention deletes."""
+    asked, before retention deletes ``steps``, which it still reads (they stay for now)."""
 
-    def committed(self, store: Store, step: int, location: str) -> None:
-        """``step`` has committed at ``location`` of ``store``."""
+    def committed(self, store: Store, step: int, location: str) -> None: ...
 
-    def release(self, store: Store, steps: list[int]) -> set[int]:
-        """Retention is about to delete ``steps`` of ``store``: those still needed for now (an
-        upload reading them); the others are given up."""
+    def release(self, store: Store, steps: list[int]) -> set[int]: ...
 
 
 class Saver:
     """Everything a save needs and everything in flight; the Checkpointer drives it."""
 
     def __init__(
-        self,
-        config: CheckpointConfig,
-        store: Store,
-        ranks: RankInfo,
-        timeline: Timeline,
-        io: Pool,
-        nonce: str,
-        committed: set[int],
-        observer: CommitObserver | None = None,
+        self, config: CheckpointConfig, store: Store, ranks: RankInfo, timeline: Timeline, io: Pool,
+        nonce: str, committed: set[int], observer: CommitObserver | None = None,
     ) -> None:
         self.config, self.store, self.ranks, self.timeline, self.io = config, store, ranks, timeline, io
         self._observer = observer if ranks.rank == 0 else None
@@ -93,22 +77,11 @@ class Saver:
     # -- the caller's side ----------------------------------------------------------------------
 
     def start(
-        self,
-        state: Mapping[str, Any],
-        step: int,
-        *,
-        sync: bool,
-        overlap: bool,
-        capture_rng: bool,
-        metrics: Mapping[str, float],
-        overwrite: bool,
-        owner: object,
+        self, state: Mapping[str, Any], step: int, *, sync: bool, overlap: bool, capture_rng: bool,
+        metrics: Mapping[str, float], overwrite: bool, owner: object,
     ) -> SaveHandle:
-        """Stage ``state`` and queue its persist; with ``sync``, wait for the commit too.
-
-        The persist job holds ``owner`` (the Checkpointer): one dropped while a save is in
-        flight stays alive, and keeps its directory, until that save is over.
-        """
+        """Stage ``state`` and queue its persist; with ``sync``, wait for the commit too. The
+        persist job holds ``owner`` (the Checkpointer): it lives until the save is over."""
         start = now_ns()
         self.raise_pending()
         self._seq += 1
@@ -126,7 +99,7 @@ class Saver:
             )
         handle = SaveHandle(step, flat.nbytes, seq, reported=sync)
         self._wait_for_room(handle, sync)
-        rng_state = _rng.capture() if capture_rng else None
+        rng_state = rng_capture() if capture_rng else None
         stage_done: Future[tuple[float, int]] = Future()
         stage_began = now_ns()
         stage_done.add_done_callback(partial(self._staged, handle, stage_began))
@@ -222,24 +195,25 @@ class Saver:
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
         """Backpressure: wait while ``max_inflight`` saves are in flight (a sync save: for all)."""
         began = now_ns()
-        while True:
-            with self._state:
-                if not self._inflight or (not sync and len(self._inflight) < self.config.max_inflight):
-                    break
-                oldest = self._inflight[0]
-            with contextlib.suppress(CheckpointError):  # raised just below, once
-                oldest.committed.result()
-            self._settled(oldest)
+        self._drain(0 if sync else self.config.max_inflight - 1)
         handle.wait_s = (now_ns() - began) / 1e9
         if handle.wait_s > 1e-4:
             self.timeline.record("wait", began, step=handle.step)
         self.raise_pending()
 
-    def _settled(self, handle: SaveHandle) -> None:
-        """Forget a save that is done (only then: Ctrl-C while waiting keeps it tracked)."""
-        with self._state:
-            if self._inflight and self._inflight[0] is handle:
-                self._inflight.popleft()
+    def _drain(self, room: int) -> list[SaveRecord]:
+        """Wait for the oldest saves until at most ``room`` are in flight; their records."""
+        records: list[SaveRecord] = []
+        while True:
+            with self._state:
+                if len(self._inflight) <= room:
+                    return records
+                oldest = self._inflight[0]
+            with contextlib.suppress(CheckpointError):  # raised by raise_pending, once
+                records.append(oldest.committed.result())
+            with self._state:  # forgotten only once done: Ctrl-C while waiting keeps it tracked
+                if self._inflight and self._inflight[0] is oldest:
+                    self._inflight.popleft()
 
     def wait_staged(self) -> None:
         """Block until every save has finished copying the state (see ``save(overlap=True)``)."""
@@ -251,15 +225,7 @@ class Saver:
     def wait(self) -> list[SaveRecord]:
         """Block until every save in flight has committed and retention is done; raise the first
         background error."""
-        records = []
-        while True:
-            with self._state:
-                if not self._inflight:
-                    break
-                oldest = self._inflight[0]
-            with contextlib.suppress(CheckpointError):  # raised below, once
-                records.append(oldest.committed.result())
-            self._settled(oldest)
+        records = self._drain(0)
         self._retainer.wait()
         self.raise_pending()
         return records
@@ -297,15 +263,8 @@ class Saver:
         handle.staged.set_result(None)
 
     def _persist(
-        self,
-        handle: SaveHandle,
-        flat: Flattened,
-        layout: Layout,
-        rng_state: dict[str, Any] | None,
-        metrics: Mapping[str, float],
-        stage_done: Future[tuple[float, int]],
-        start: int,
-        sync: bool,
+        self, handle: SaveHandle, flat: Flattened, layout: Layout, rng_state: dict[str, Any] | None,
+        metrics: Mapping[str, float], stage_done: Future[tuple[float, int]], start: int, sync: bool,
         owner: object,
     ) -> None:
         """Write, agree, commit; every outcome sets ``handle.committed`` exactly once."""
@@ -426,7 +385,7 @@ class Saver:
             jobs.append(partial(self._write_one, location, METADATA_FILE, memoryview(metadata), fsync))
         # All of them finish, even after a failure: nothing may write into a removed location.
         results = {result.name: result for result in run_all(self.io, jobs)}
-        _faults.hit("after_data")
+        crash_point("after_data")
         return results, tree, rng_state
 
     def _write_one(self, location: str, name: str, data: memoryview, fsync: bool) -> FileResult:

@@ -1,14 +1,10 @@
 """Sharded tensors: which part of a whole tensor a rank holds, and which bytes move where.
 
 A DTensor (FSDP2, tensor parallel, HSDP) is saved as DCP saves it: each rank writes its local
-shard as a *chunk* of the whole tensor (the chunk's offsets and sizes, as
-``DTensor.__create_chunk_list__`` gives them), and a chunk several ranks hold (a replicated
-placement) is written once. A restore asks for a *region* of the whole tensor (a DTensor
-template's local shard, or all of it) and reads, from each saved chunk that overlaps it, only
-the bytes of the overlap: runs of contiguous bytes, a row range where whole rows suffice.
-
-A plain tensor under one key on several ranks is replicated by definition (DCP's rule too),
-so it is written once; its copies must then agree, which :func:`fingerprints` checks cheaply.
+shard as a *chunk* of the whole tensor, and a chunk several ranks hold is written once. A
+restore asks for a *region* of the whole tensor and reads, from each saved chunk that overlaps
+it, only the bytes of the overlap. A plain tensor under one key on several ranks is replicated
+(DCP's rule too) and written once; :func:`fingerprints` checks cheaply that its copies agree.
 """
 
 from __future__ import annotations
@@ -27,18 +23,8 @@ from .._errors import ConfigError
 from ._torch_compat import dtensor_spec
 
 __all__ = [
-    "SAMPLES",
-    "Region",
-    "Runs",
-    "check_replicas",
-    "fingerprints",
-    "is_dtensor",
-    "local_part",
-    "overlap",
-    "region_of",
-    "runs",
-    "tiles",
-    "wrap_like",
+    "Region", "Runs", "check_replicas", "fingerprints", "is_dtensor", "local_part", "overlap", "region_of",
+    "runs", "tiles", "wrap_like"
 ]
 
 Shape = tuple[int, ...]
@@ -91,9 +77,8 @@ _REGIONS: dict[Any, Region] = {}
 
 
 def region_of(tensor: Any) -> Region:
-    """The chunk of the whole tensor a DTensor holds on this rank, computed once per spec: a
-    model's hundreds of parameters otherwise cost milliseconds of every stall. Keyed by the
-    spec, never the tensor, so the cache holds no tensor alive."""
+    """The chunk of the whole tensor a DTensor holds on this rank, computed once per spec (never
+    keyed by the tensor, which it would keep alive): hundreds of them cost milliseconds a stall."""
     spec = dtensor_spec(tensor)
     region = _REGIONS.get(spec)
     if region is None:
@@ -134,11 +119,8 @@ def overlap(a: Region, b: Region) -> Region | None:
 
 
 def tiles(chunks: Sequence[Region], shape: Shape) -> bool:
-    """Whether ``chunks`` cover the whole tensor of ``shape`` exactly once (no gap, no overlap).
-
-    Non-empty chunks inside the tensor whose volumes add up to the tensor's and of which no two
-    overlap: a sweep along the first dimension, so a grid of n chunks costs about n log n.
-    """
+    """Whether ``chunks`` cover the whole tensor of ``shape`` exactly once: inside it, volumes
+    adding up, no two overlapping (a sweep along the first dimension: n log n for n chunks)."""
     full = Region.whole(shape)
     if len(chunks) == 1 and chunks[0] == full:  # a plain tensor: one chunk, all of it
         return True
@@ -163,11 +145,8 @@ Runs = tuple[np.ndarray, np.ndarray, int]
 
 def runs(box: Region, source: Region, target: Region, itemsize: int) -> Runs:
     """The contiguous byte runs that copy ``box`` from ``source``'s row-major bytes into
-    ``target``'s (``box`` lies inside both).
-
-    Dimensions after the first one in which the box is narrower than either side are whole in
-    both, so each run spans them: one run for a row range, one per row for a column block.
-    """
+    ``target``'s (``box`` lies inside both): one run for a row range, one per row for a column
+    block (the dimensions after the last narrower one are whole in both)."""
     dims = len(box.sizes)
     if dims == 0:
         return np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), itemsize

@@ -1,9 +1,7 @@
 """Staging: the copy of the state into host memory that a save waits for (unless it overlaps).
-
 Each in-flight slot owns one host image per data file this rank writes, allocated once per
-state structure (pinned when CUDA is there, so device-to-host copies run asynchronously on a
-side stream) with the file's framing already in place: staging copies each tensor into its
-hole, and the writer then writes the image as it is.
+structure (pinned with CUDA, for asynchronous copies on a side stream) with the file's framing
+in place: staging copies each tensor into its hole, and the writer writes the image as it is.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from .._errors import CheckpointError, describe_error
 from .._util import format_bytes
 from ._format import FileLayout
 from ._state import TensorSpec
-from ._workers import Worker
+from ._workers import Worker, balance
 
 __all__ = ["Slot", "Stager", "StagingPool"]
 
@@ -84,11 +82,8 @@ class StagingPool:
         self._planned_for = -1  # bytes per slot the memory check below last ran for
 
     def preflight(self, slot_bytes: int) -> str | None:
-        """Before images of ``slot_bytes`` each are allocated: use fewer slots, or unpinned
-        memory, when the configured ones would not fit (rather than being OOM-killed).
-
-        Returns one line saying what was changed and why (None when nothing was).
-        """
+        """Before images of ``slot_bytes`` each are allocated: fewer slots, or unpinned memory,
+        when the configured ones would not fit (rather than an OOM kill); a line saying so."""
         if slot_bytes == self._planned_for:
             return None
         self._planned_for = slot_bytes
@@ -121,11 +116,8 @@ class StagingPool:
         return "; ".join(notes) or None
 
     def acquire(self, owner: Any) -> Slot:
-        """A free slot for ``owner`` (waits for one); ``owner.slot`` names it before it is taken.
-
-        Setting ``owner.slot`` first means an interrupt at any point leaves the caller able to
-        :meth:`release` whatever was taken: a slot is never lost.
-        """
+        """A free slot for ``owner`` (waits for one); ``owner.slot`` names it before it is taken,
+        so an interrupt at any point leaves the caller able to :meth:`release` it."""
         with self._free:
             while True:
                 slot = next((s for s in self._slots if s.owner is None), None)
@@ -172,10 +164,7 @@ class Stager:
         self, tensors: Mapping[str, torch.Tensor], slot: Slot, done: Future[tuple[float, int]], *, wait: bool
     ) -> None:
         """Copy every tensor this rank writes into ``slot``; ``done`` gets the CPU seconds spent
-        and the time (:func:`time.perf_counter_ns`) the last copy ended.
-
-        With ``wait`` it returns once the copy is over (or raises its error); otherwise at once.
-        """
+        and the time (``perf_counter_ns``) the last copy ended. With ``wait``, return after it."""
         keys = [key for key in tensors if key in slot.views]
         on_cuda = self._stream is not None and any(tensors[k].is_cuda for k in keys)
         # The caller's stream, read on the caller's thread: the copies must follow its work.
@@ -188,7 +177,7 @@ class Stager:
             # on a busy 2-core machine made staging 303 MB take 0.4-2.4 s instead of 0.04-0.12 s;
             # two threads with a shard each keep both cores busy without OpenMP barriers.
             if slot.shards is None:  # the keys are those of the slot's images: same until a refit
-                slot.shards = self._split(keys, slot)
+                slot.shards = balance(keys, len(self._workers), lambda key: slot.views[key].nbytes)
             shards = slot.shards
         lock = threading.Lock()
         pending = [len(shards)]
@@ -233,16 +222,6 @@ class Stager:
                 # The slot goes back on the way out: the copies must be over first.
                 done.exception()
                 raise
-
-    def _split(self, keys: list[str], slot: Slot) -> list[list[str]]:
-        """``keys`` in one shard per stage thread, of similar bytes (largest first)."""
-        shards: list[list[str]] = [[] for _ in self._workers]
-        loads = [0] * len(self._workers)
-        for key in sorted(keys, key=lambda k: -slot.views[k].nbytes):
-            index = loads.index(min(loads))
-            shards[index].append(key)
-            loads[index] += slot.views[key].nbytes
-        return shards
 
     def stop(self, wait: bool = True) -> None:
         for worker in self._workers:

@@ -1,5 +1,5 @@
 """A user's state (modules, optimizers, stateful objects, tensors, plain values) as tensors plus a
-JSON tree that references them by key, and back.
+JSON tree that references them by key, and back; and the RNG streams a resumed run needs.
 
 Tensors are written as DCP items under dotted keys (DCP's own naming, so a plain
 ``dcp.load`` finds them); everything else lives in the manifest as JSON, so restoring
@@ -10,28 +10,24 @@ tensor; two keys naming one tensor (tied weights) are one tensor with two names.
 from __future__ import annotations
 
 import argparse
+import base64
 import functools
 import math
 import pathlib
-from collections.abc import Iterator, Mapping
+import random
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .._errors import CheckpointError, ConfigError
 from ._shards import Region, is_dtensor, local_part
 
 __all__ = [
-    "MAX_DEPTH",
-    "Flattened",
-    "TensorSpec",
-    "decode",
-    "dtype_from_name",
-    "dtype_name",
-    "flatten",
-    "node_tensors",
-    "tree_specs",
+    "MAX_DEPTH", "Flattened", "TensorSpec", "decode", "dtype_from_name", "dtype_name", "flatten",
+    "node_tensors", "rng_capture", "rng_owner", "rng_parse", "rng_process", "tree_specs"
 ]
 
 Node = dict[str, Any]
@@ -161,10 +157,7 @@ class _Encoder:
             return {"t": "namespace", "items": self.items(vars(value).items(), path, where)}
         if isinstance(value, (list, tuple)):
             kind = "list" if isinstance(value, list) else "tuple"
-            return {
-                "t": kind,
-                "items": [self.encode(item, (*path, i)) for i, item in enumerate(value)],
-            }
+            return {"t": kind, "items": [self.encode(item, (*path, i)) for i, item in enumerate(value)]}
         if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
             # LR schedulers, samplers, StatefulDataLoader: the torch.distributed.checkpoint
             # Stateful protocol, restored in place like a module.
@@ -213,13 +206,8 @@ class _Encoder:
         else:
             self.out.specs.append(spec)
             self.out.nbytes += spec.nbytes
-        return {
-            "t": kind,
-            "key": key,
-            "dtype": dtype_name(tensor.dtype),
-            "shape": list(spec.whole),
-            "device": tensor.device.type,
-        }
+        return {"t": kind, "key": key, "dtype": dtype_name(tensor.dtype), "shape": list(spec.whole),
+                "device": tensor.device.type}
 
 
 def _check_dense(tensor: torch.Tensor, key: str) -> None:
@@ -240,8 +228,6 @@ def _is_ndarray(value: Any) -> bool:
 
 def _from_numpy(array: Any, where: str) -> torch.Tensor:
     """A numpy array as a tensor: a view where torch can share it, a native-order copy otherwise."""
-    import numpy as np
-
     if array.dtype.fields is not None or array.dtype.kind not in "biufc":
         raise ConfigError(f"{where} is a numpy array of dtype {array.dtype}, which has no torch dtype")
     if array.dtype == np.longdouble and np.dtype(np.longdouble).itemsize > 8:
@@ -313,3 +299,89 @@ def decode(node: Node, tensors: Mapping[str, Any]) -> Any:
     if kind == "device":
         return torch.device(node["v"])
     raise CheckpointError(f"manifest tree has an unknown node type {kind!r}")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
+
+
+def rng_process() -> tuple[int, int]:
+    """This process's rank and world size in the default process group ((0, 1) without one)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rng_owner(record: Any, rank: int) -> tuple[int, int]:
+    """The (rank, world size) of the process whose streams ``record`` holds (records of older
+    nbckpt say nothing: they were stored under their own rank)."""
+    saved = record.get("process") if isinstance(record, dict) else None
+    if isinstance(saved, list) and len(saved) == 2 and all(isinstance(n, int) for n in saved):
+        return saved[0], saved[1]
+    return rank, -1
+
+
+def rng_capture() -> dict[str, Any]:
+    """The torch (CPU and every CUDA device), numpy and ``random`` states of this process, as JSON
+    for the manifest (beside the user's state, so no key of theirs collides), naming the process
+    that drew them, so that a rank never takes another rank's streams."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "process": list(rng_process()),
+        "torch": _b64(torch.get_rng_state().numpy().tobytes()),
+        "random": [version, list(internal), gauss],
+        "numpy": [
+            kind,
+            _b64(np.asarray(keys, dtype=np.uint32).tobytes()),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def rng_parse(state: Any) -> Callable[[], None]:
+    """What sets every generator :func:`rng_capture` recorded, checked first: CheckpointError if the
+    record is malformed (nothing is set then)."""
+    try:
+        torch_state = _bytes_tensor(state["torch"])
+        version, internal, gauss = state["random"]
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        numpy_state = (
+            str(kind),
+            np.frombuffer(base64.b64decode(keys, validate=True), dtype=np.uint32),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
+        random_state = (
+            int(version),
+            tuple(int(x) for x in internal),
+            None if gauss is None else float(gauss),
+        )
+        cuda = [_bytes_tensor(s) for s in state.get("cuda", [])]
+        # Every generator takes its state on a copy first: a malformed one fails here, not halfway.
+        torch.Generator().set_state(torch_state)
+        random.Random().setstate(random_state)
+        np.random.RandomState().set_state(numpy_state)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+        raise CheckpointError(f"the manifest's RNG record is malformed ({exc})") from None
+
+    def restore() -> None:
+        torch.set_rng_state(torch_state)
+        random.setstate(random_state)
+        np.random.set_state(numpy_state)
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(cuda[: torch.cuda.device_count()])
+
+    return restore

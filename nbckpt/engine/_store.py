@@ -6,9 +6,12 @@ commit protocol a :class:`LocalStore` follows.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import shutil
+import signal
 import stat
 import uuid
 from abc import ABC, abstractmethod
@@ -16,8 +19,7 @@ from typing import Any
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import check_path, is_url
-from . import _faults
-from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths, fsync_dir, write_atomic
+from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths, fsync_dir, write_atomic, write_image
 from ._format import (
     LEFTOVER_RE,
     LOCK_FILE,
@@ -30,11 +32,25 @@ from ._format import (
     parse_step,
     step_name,
 )
-from ._lockfile import take_lock
 
-__all__ = ["LocalStore", "Store", "check_step", "open_store"]
+__all__ = ["LocalStore", "Store", "arm_crash", "check_step", "crash_point", "open_store"]
 
 _log = logging.getLogger("nbckpt")
+_armed: str | None = None
+
+
+def arm_crash(point: str | None) -> None:
+    """Kill this process with SIGKILL when it reaches crash point ``point`` (None: never), for the
+    reliability tests (nothing is read from the environment). Points: ``after_data`` (files
+    written, no manifest), ``before_rename`` (manifest written, not renamed), ``after_swap`` and
+    ``between_renames`` (a re-save's two ways of putting the new copy in place), ``during_delete``."""
+    global _armed
+    _armed = point
+
+
+def crash_point(point: str) -> None:
+    if point == _armed:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def check_step(step: Any) -> int:
@@ -247,16 +263,6 @@ class LocalStore(Store):
     def modified(self, location: str, name: str) -> float:
         return os.lstat(os.path.join(location, name)).st_mtime
 
-    @staticmethod
-    def _write_new(path: str, data: bytes) -> None:
-        """A new file holding ``data``, fsynced (its directory entry is the caller's to sync)."""
-        sink = LocalSink(path)
-        try:
-            sink.write(memoryview(data))
-            sink.sync()
-        finally:
-            sink.close()
-
     def write_small(self, name: str, data: bytes) -> None:
         temporary = self._path(f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")  # recover() removes it
         write_atomic(self._path(name), data, temporary=temporary)
@@ -295,9 +301,9 @@ class LocalStore(Store):
         return data
 
     def commit(self, location: str, step: int, manifest: bytes) -> str:
-        self._write_new(os.path.join(location, MANIFEST), manifest)
+        write_image(LocalSink(os.path.join(location, MANIFEST)), memoryview(manifest), fsync=True)
         fsync_dir(location)
-        _faults.hit("before_rename")
+        crash_point("before_rename")
         final = self._path(step_name(step))
         old = self._path(f"{OLD_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")
         replaced = os.path.lexists(final)
@@ -311,7 +317,7 @@ class LocalStore(Store):
             self._withdraw(location, final, old if replaced else None)
             raise
         if replaced:
-            _faults.hit("after_swap")
+            crash_point("after_swap")
             self._remove(old)
         return final
 
@@ -325,7 +331,7 @@ class LocalStore(Store):
             return True
         self._exchange_works = False  # once per store: each try costs a round trip on NFS
         os.rename(final, old)  # from here the next open puts ``old`` back if we stop
-        _faults.hit("between_renames")
+        crash_point("between_renames")
         try:
             os.rename(location, final)
         except OSError:
@@ -352,7 +358,7 @@ class LocalStore(Store):
         trash = self._path(f"{TRASH_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")
         os.rename(self._path(step_name(step)), trash)
         fsync_dir(self.url)
-        _faults.hit("during_delete")
+        crash_point("during_delete")
         self._remove(trash)
 
 
@@ -365,3 +371,57 @@ def open_store(url: str, storage_options: dict[str, Any] | None = None, what: st
 
         return FsspecStore(url, storage_options)
     return LocalStore(url.removeprefix("file://"))
+
+
+def take_lock(path: str, url: str) -> int:
+    """``flock`` the lock file ``path`` of the run at ``url`` and write our pid in it; its
+    descriptor (closing it releases the lock). Whatever else sits there is one line's error."""
+    # O_NOFOLLOW: a symlink planted there is never followed (nor its target truncated);
+    # O_NONBLOCK: a FIFO there never blocks the open.
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        raise _not_a_lock(path, exc) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _not_a_lock(path, None)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise CheckpointError(f"cannot lock {path} ({exc.strerror})") from exc
+        if holder == str(os.getpid()):
+            raise CheckpointError(
+                f"{url} is in use by another Checkpointer in this process; close it "
+                "(ckpt.close()) or call nbckpt.close_all()"
+            ) from exc
+        raise CheckpointError(
+            f"{url} is in use by another Checkpointer (pid {holder}); "
+            "use a different directory or close the other one first"
+        ) from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except OSError as exc:
+        os.close(fd)
+        raise CheckpointError(f"cannot lock {path} ({describe_error(exc)})") from exc
+    return fd
+
+
+def _not_a_lock(path: str, error: OSError | None) -> CheckpointError:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = 0
+    kinds = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+    kind = next((name for test, name in kinds if test(mode)), None)
+    if kind is None:
+        reason = describe_error(error) if error is not None else "not a regular file"
+        return CheckpointError(f"cannot lock {path} ({reason})")
+    return CheckpointError(f"cannot lock {path}: it is {kind}, not nbckpt's lock file; remove it")

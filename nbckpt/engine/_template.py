@@ -1,16 +1,11 @@
-"""The caller's state as the template of a restore: what it asks that the checkpoint cannot give,
-which part of each saved tensor it wants, and loading what was read into it.
-
-The template rules: each key of the state is filled from the checkpoint's entry of that name.
-Modules, optimizers and objects with ``load_state_dict`` load in place; tensors are copied into;
-a dict is filled in place with every saved entry; anything else is replaced. A DTensor in the
-template (directly, or as a module's or optimizer's state) asks for its own shard only: the
-checkpoint may have been written at another world size or with other placements.
+"""The caller's state as the template of a restore (the rules: ``Checkpointer.restore``): what it
+asks that the checkpoint cannot give, which part of each saved tensor it wants (a DTensor: its
+own shard, whatever world size or placements saved it), and loading what was read into it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -26,11 +21,8 @@ def _shape(shape: Any) -> str:
 
 
 def check_template(template: Mapping[Any, Any], saved: Node, where: str) -> list[str]:
-    """What the caller's ``template`` asks that the saved tree cannot give: one line each.
-
-    Called before a byte is read, so a wrong key, shape or dtype is the caller's mistake
-    (a ConfigError) and never mistaken for a damaged checkpoint.
-    """
+    """What the caller's ``template`` asks that the saved tree cannot give, one line each: checked
+    before a byte is read, so the caller's mistake is never taken for a damaged checkpoint."""
     problems: list[str] = []
     saved_items = {key: child for key, child in saved.get("items", [])}
     for key, current in template.items():
@@ -85,16 +77,9 @@ def _check_module(module: torch.nn.Module, saved: Node, name: str) -> list[str]:
     missing = [key for key in wanted if key not in have]
     unexpected = [key for key in have if key not in wanted]
     if missing:
-        problems.append(
-            f"{name}: the checkpoint lacks {', '.join(missing[:5])}"
-            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        )
+        problems.append(f"{name}: the checkpoint lacks {_first_few(missing)}")
     if unexpected:
-        problems.append(
-            f"{name}: the checkpoint has keys the module lacks: "
-            f"{', '.join(map(str, unexpected[:5]))}"
-            + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
-        )
+        problems.append(f"{name}: the checkpoint has keys the module lacks: {_first_few(unexpected)}")
     for key, (_, shape) in wanted.items():
         child = have.get(key)
         if child is not None and child.get("t") == "tensor" and tuple(child["shape"]) != shape:
@@ -105,29 +90,24 @@ def _check_module(module: torch.nn.Module, saved: Node, name: str) -> list[str]:
     return problems
 
 
+def _first_few(keys: list[Any]) -> str:
+    return ", ".join(map(str, keys[:5])) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
 _COMPILED = "_orig_mod."  # torch.compile's prefix on the keys of a compiled module
 
 
 def align(template: Mapping[Any, Any], saved: Node, key_map: Callable[[str], str | None] | None) -> Node:
-    """The saved tree with each module's keys as the template's module names them.
-
-    With ``key_map``, every key of a saved module's state dict is mapped through it (None
-    drops the key); without, torch.compile's ``_orig_mod.`` prefix is added or removed where
-    that, and only that, makes the keys match (a compiled model's checkpoint loads into a
-    plain one and back).
-    """
+    """The saved tree with each module's keys as the template's module names them: mapped
+    through ``key_map`` (None drops a key), or else with torch.compile's ``_orig_mod.`` prefix
+    added or removed where that, and only that, makes the keys match."""
     items = []
     for key, node in saved["items"]:
         current = template.get(key)
-        if (
-            isinstance(current, torch.nn.Module)
-            and node.get("t") == "module"
-            and node["state"].get("t") == "dict"
-        ):
-            node = {
-                **node,
-                "state": {**node["state"], "items": _renamed(current, node["state"]["items"], key_map)},
-            }
+        if isinstance(current, torch.nn.Module) and node.get("t") == "module":
+            state = node["state"]
+            if state.get("t") == "dict":
+                node = {**node, "state": {**state, "items": _renamed(current, state["items"], key_map)}}
         elif isinstance(current, torch.nn.Module) and node.get("t") == "dict":
             node = {**node, "items": _renamed(current, node["items"], key_map)}
         items.append([key, node])
@@ -143,56 +123,51 @@ def _renamed(
     have = [str(key) for key, _ in pairs]
     if set(have) == wanted:
         return pairs
-    renames: list[Callable[[str], str]] = [_uncompiled, _compiled]
+    renames: list[Callable[[str], str]] = [lambda key: key.removeprefix(_COMPILED),
+                                           lambda key: _COMPILED + key]
     for rename in renames:
         if {rename(k) for k in have} == wanted:
             return [[rename(str(key)), child] for key, child in pairs]
     return pairs
 
 
-def _uncompiled(key: str) -> str:
-    return key.removeprefix(_COMPILED)
-
-
-def _compiled(key: str) -> str:
-    return _COMPILED + key
-
-
 def sharded_targets(template: Mapping[Any, Any], saved: Node) -> dict[str, Any]:
     """The saved tensors the template holds as DTensors: saved key -> that DTensor (whose shard,
     mesh and placements the restored tensor takes). Every other tensor is read whole."""
-    found: dict[str, Any] = {}
-    items = {key: child for key, child in saved["items"]}
+    return {key: tensor for key, tensor, _ in _holders(template, saved) if is_dtensor(tensor)}
+
+
+def _holders(template: Mapping[Any, Any], saved: Node) -> Iterator[tuple[str, Any, bool]]:
+    """``(saved key, tensor, own)`` of each saved tensor the template holds: its own tensor, or
+    (``own`` False) for an optimizer's state before its first step, the parameter it belongs to
+    when the saved tensor has that parameter's shape (its state is sharded as the parameter)."""
+    items = dict(saved["items"])
     for key, current in template.items():
         if key in items:
-            _targets(current, items[key], found)
-    return found
+            yield from _node_holders(current, items[key])
 
 
-def _targets(current: Any, node: Node, found: dict[str, Any]) -> None:
+def _node_holders(current: Any, node: Node) -> Iterator[tuple[str, Any, bool]]:
     kind = node.get("t")
     if isinstance(current, torch.Tensor):
-        if kind == "tensor" and is_dtensor(current):
-            found[node["key"]] = current
+        if kind == "tensor":
+            yield node["key"], current, True
     elif isinstance(current, torch.nn.Module) and kind in ("module", "dict"):
-        _state_targets(current.state_dict(), node["state"] if kind == "module" else node, found)
+        yield from _state_holders(current.state_dict(), node["state"] if kind == "module" else node)
     elif isinstance(current, torch.optim.Optimizer) and kind == "optimizer":
-        _optimizer_targets(current, node["state"], found)
+        yield from _optimizer_holders(current, node["state"])
     elif isinstance(current, dict) and kind == "dict":
-        _state_targets(current, node, found)
+        yield from _state_holders(current, node)
 
 
-def _state_targets(current: Mapping[Any, Any], node: Node, found: dict[str, Any]) -> None:
-    if node.get("t") != "dict":
-        return
-    for key, child in node["items"]:
-        if key in current:
-            _targets(current[key], child, found)
+def _state_holders(current: Mapping[Any, Any], node: Node) -> Iterator[tuple[str, Any, bool]]:
+    if node.get("t") == "dict":
+        for key, child in node["items"]:
+            if key in current:
+                yield from _node_holders(current[key], child)
 
 
-def _optimizer_targets(optimizer: torch.optim.Optimizer, node: Node, found: dict[str, Any]) -> None:
-    """An optimizer's state is sharded as it is now, or, before its first step (no state yet), as
-    the parameter it belongs to, when the saved tensor has that parameter's shape."""
+def _optimizer_holders(optimizer: torch.optim.Optimizer, node: Node) -> Iterator[tuple[str, Any, bool]]:
     saved_state = dict(node.get("items", [])).get("state")
     if saved_state is None or saved_state.get("t") != "dict":
         return
@@ -206,46 +181,31 @@ def _optimizer_targets(optimizer: torch.optim.Optimizer, node: Node, found: dict
                 continue
             now = current.get(index, {}).get(name)
             if now is not None:
-                _targets(now, leaf, found)
-            elif (
-                index < len(params)
-                and is_dtensor(params[index])
-                and list(params[index].shape) == leaf["shape"]
-            ):
-                found[leaf["key"]] = params[index]
+                yield from _node_holders(now, leaf)
+            elif index < len(params) and list(params[index].shape) == leaf["shape"]:
+                yield leaf["key"], params[index], False
 
 
 def check_loadable(target: Mapping[Any, Any], saved: Node, tensors: Mapping[str, Any]) -> list[str]:
-    """What :func:`apply` would fail on after changing something: checked before it changes anything.
-
-    An optimizer refuses a state whose parameter groups differ from its own only once called;
-    by then a model saved beside it would already be overwritten.
-    """
+    """What :func:`apply` would fail on after changing something (an optimizer refuses other
+    parameter groups only once called, when a model beside it is already overwritten)."""
     problems = []
     items = {key: child for key, child in saved["items"]}
     for key, current in target.items():
         node = items[key]
         if isinstance(current, torch.optim.Optimizer) and node.get("t") == "optimizer":
             groups = decode(node["state"], tensors).get("param_groups")
-            mine = current.param_groups
-            if not isinstance(groups, list) or [len(g.get("params", ())) for g in groups] != [
-                len(g["params"]) for g in mine
-            ]:
-                problems.append(
-                    f"{key}: the checkpoint's optimizer has parameter groups of "
-                    f"{[len(g.get('params', ())) for g in groups] if isinstance(groups, list) else '?'} "
-                    f"parameters, this one {[len(g['params']) for g in mine]}"
-                )
+            theirs = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) else "?"
+            mine = [len(g["params"]) for g in current.param_groups]
+            if theirs != mine:
+                problems.append(f"{key}: the checkpoint's optimizer has parameter groups of {theirs} "
+                                f"parameters, this one {mine}")
     return problems
 
 
 def apply(target: dict[Any, Any], saved: Node, tensors: Mapping[str, Any]) -> None:
     """Load the saved tree into ``target`` in place (checked by :func:`check_template` and
-    :func:`check_loadable` first).
-
-    Modules, optimizers and stateful objects load their state in place; tensors are copied
-    into; a dict is filled in place with every saved entry; anything else is replaced.
-    """
+    :func:`check_loadable` first)."""
     items = {key: child for key, child in saved["items"]}
     for key in list(target):
         target[key] = _apply_one(target[key], items[key], tensors)
@@ -286,11 +246,8 @@ def destinations(
     DTensor's local shard) that :func:`apply` would copy into anyway, where it takes the bytes
     as they are (on the CPU, contiguous, the saved dtype and the wanted shape) and shares no
     memory with another. Every other key is read into fresh memory."""
-    found: dict[str, torch.Tensor] = {}
-    items = {key: child for key, child in saved["items"]}
-    for key, current in template.items():
-        if key in items:
-            _destinations(current, items[key], found)
+    holders = [(key, tensor) for key, tensor, own in _holders(template, saved) if own]
+    found = {key: cast(Any, tensor).to_local() if is_dtensor(tensor) else tensor for key, tensor in holders}
     usable: dict[str, torch.Tensor] = {}
     spans: list[tuple[int, int, str]] = []
     for key, tensor in found.items():
@@ -317,26 +274,3 @@ def destinations(
         if end > reach:
             reach, holder = end, key
     return usable
-
-
-def _destinations(current: Any, node: Node, found: dict[str, torch.Tensor]) -> None:
-    kind = node.get("t")
-    if isinstance(current, torch.Tensor):
-        if kind == "tensor":
-            found[node["key"]] = cast(Any, current).to_local() if is_dtensor(current) else current
-    elif isinstance(current, torch.nn.Module) and kind in ("module", "dict"):
-        _state_destinations(current.state_dict(), node["state"] if kind == "module" else node, found)
-    elif isinstance(current, torch.optim.Optimizer) and kind == "optimizer":
-        saved_state = dict(node["state"].get("items", [])).get("state")
-        if saved_state is not None and saved_state.get("t") == "dict":
-            _state_destinations(current.state_dict()["state"], saved_state, found)
-    elif isinstance(current, dict) and kind == "dict":
-        _state_destinations(current, node, found)
-
-
-def _state_destinations(current: Mapping[Any, Any], node: Node, found: dict[str, torch.Tensor]) -> None:
-    if node.get("t") != "dict":
-        return
-    for key, child in node["items"]:
-        if key in current:
-            _destinations(current[key], child, found)

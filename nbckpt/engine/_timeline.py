@@ -1,4 +1,5 @@
-"""A thread-safe log of timed events: the data every timeline figure is drawn from."""
+"""What a save gives back and leaves behind: a handle on its two phases, the record of what it
+cost, and a thread-safe log of timed events (the data every timeline figure is drawn from)."""
 
 from __future__ import annotations
 
@@ -7,33 +8,21 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._errors import require_extra
+from .._errors import CheckpointError, require_extra
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["COLUMNS", "KINDS", "Event", "EventListener", "Timeline", "events_to_pandas", "now_ns"]
+    from ._staging import Slot
+
+__all__ = ["Event", "SaveHandle", "SaveRecord", "Timeline", "events_to_pandas", "now_ns"]
 
 EventListener = Callable[["Event"], None]
 _log = logging.getLogger("nbckpt")
-
-#: Event kinds the engine and the experiment runner emit.
-KINDS = (
-    "step",  # one training step
-    "stall",  # the training loop was blocked by checkpointing
-    "wait",  # backpressure: a save waited for an earlier one to commit
-    "stage",  # copy of the state into host buffers
-    "persist",  # background write of the staged copy
-    "fsync",  # making files and directories durable
-    "commit",  # manifest written and checkpoint renamed into place
-    "delete",  # retention removed an old checkpoint
-    "upload",  # a committed step copied to the mirror, with its own commit there
-    "restore",  # a checkpoint was loaded
-    "error",  # a phase failed
-)
 
 
 def now_ns() -> int:
@@ -43,7 +32,12 @@ def now_ns() -> int:
 
 @dataclass(frozen=True)
 class Event:
-    """One phase with a start and an end on the :func:`now_ns` clock."""
+    """One phase with a start and an end on the :func:`now_ns` clock.
+
+    Kinds: ``step`` (the runner's training step), ``stall`` (the loop blocked by a save),
+    ``wait`` (backpressure), ``stage``, ``persist``, ``fsync``, ``commit``, ``delete``
+    (retention), ``upload`` (to the mirror), ``restore``, ``error``.
+    """
 
     kind: str
     start_ns: int
@@ -76,33 +70,13 @@ class Timeline:
         with self._lock:
             self._listeners.append(listener)
 
-    def remove_listener(self, listener: EventListener) -> None:
-        with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
     def record(
-        self,
-        kind: str,
-        start_ns: int,
-        end_ns: int | None = None,
-        *,
-        step: int | None = None,
-        nbytes: int = 0,
-        **detail: Any,
+        self, kind: str, start_ns: int, end_ns: int | None = None, *, step: int | None = None,
+        nbytes: int = 0, **detail: Any,
     ) -> Event:
-        event = Event(
-            kind=kind,
-            start_ns=start_ns,
-            end_ns=now_ns() if end_ns is None else end_ns,
-            step=step,
-            rank=self.rank,
-            bytes=nbytes,
-            thread=threading.current_thread().name,
-            pid=os.getpid(),
-            label=self.label,
-            detail=detail,
-        )
+        event = Event(kind=kind, start_ns=start_ns, end_ns=now_ns() if end_ns is None else end_ns,
+                      step=step, rank=self.rank, bytes=nbytes, thread=threading.current_thread().name,
+                      pid=os.getpid(), label=self.label, detail=detail)
         with self._lock:
             self._events.append(event)
             listeners = list(self._listeners)
@@ -135,24 +109,12 @@ class Timeline:
         return events_to_pandas(self.events, self.origin_ns)
 
 
-COLUMNS = [
-    "kind",
-    "label",
-    "step",
-    "rank",
-    "start_s",
-    "end_s",
-    "duration_s",
-    "bytes",
-    "thread",
-    "pid",
-    "start_ns",
-    "end_ns",
-]
+_COLUMNS = ["kind", "label", "step", "rank", "start_s", "end_s", "duration_s", "bytes", "thread", "pid",
+            "start_ns", "end_ns"]
 
 
 def events_to_pandas(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
-    """One row per event (:data:`COLUMNS`); ``start_s``/``end_s`` are seconds since ``origin_ns``."""
+    """One row per event; ``start_s``/``end_s`` are seconds since ``origin_ns``."""
     require_extra("Timeline.to_pandas")
     import pandas as pd
 
@@ -164,4 +126,71 @@ def events_to_pandas(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
         row["end_s"] = (event.end_ns - origin_ns) / 1e9
         row["duration_s"] = event.duration_s
         rows.append(row)
-    return pd.DataFrame(rows, columns=COLUMNS)
+    return pd.DataFrame(rows, columns=_COLUMNS)
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """What one committed save cost, in seconds: ``stall_s`` the caller was blocked, ``cpu_s`` the
+    CPU time of nbckpt's threads (copying, hashing, writing; not the kernel's page writeback)."""
+
+    step: int
+    path: str
+    bytes: int
+    stall_s: float
+    stage_s: float
+    persist_s: float
+    wait_s: float
+    write_gbs: float
+    cpu_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as plain values (for JSON and DataFrames)."""
+        return asdict(self)
+
+
+class SaveHandle:
+    """One save in its two phases: ``staged`` (host copy done) and ``committed`` (durable)."""
+
+    def __init__(self, step: int, nbytes: int, seq: int, *, reported: bool) -> None:
+        self.step = step
+        self.bytes = nbytes
+        self.seq = seq
+        self.staged: Future[None] = Future()
+        self.committed: Future[SaveRecord] = Future()
+        self.phase = "staging"
+        self.stall_s = 0.0
+        self.stage_s = 0.0
+        self.wait_s = 0.0
+        self.reported = reported
+        self.slot: Slot | None = None
+        self.returned = threading.Event()
+        """Set once ``save`` has returned: ``stall_s`` is final."""
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self.committed.done()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the state has been copied; required before mutating it with ``overlap=True``."""
+        self._result(self.staged, timeout)
+
+    def wait(self, timeout: float | None = None) -> SaveRecord:
+        """Block until committed; raises :class:`CheckpointError` if the save failed."""
+        record: SaveRecord = self._result(self.committed, timeout)
+        return record
+
+    def _result(self, future: Future[Any], timeout: float | None) -> Any:
+        try:
+            return future.result(timeout)
+        except CheckpointError:
+            self.reported = True
+            raise
+
+    @property
+    def error(self) -> BaseException | None:
+        """The CheckpointError of a failed save; None while running or after success."""
+        return self.committed.exception() if self.committed.done() else None
+
+    def __repr__(self) -> str:
+        return f"<SaveHandle step={self.step} {self.phase}>"

@@ -1,9 +1,5 @@
-"""Every use of a private torch API in nbckpt, in one place, with the versions it was checked on.
-
-Checked against torch 2.13.0 and 2.14.1. If an upgrade breaks one of these, this module is
-the only one to change, and ``tests/engine/test_layout.py`` (the plain ``dcp.load`` round
-trip) is the test that says so.
-"""
+"""Every use of a private torch API in nbckpt, in one place, checked against torch 2.13.0 and
+2.14.1: if an upgrade breaks one, this module is the only one to change."""
 
 from __future__ import annotations
 
@@ -27,11 +23,8 @@ def storage_info(relative_path: str, offset: int, length: int) -> Any:
 
 
 def default_store() -> Any:
-    """The key-value store of the default process group (where the ranks first met), or None.
-
-    Private in torch (``distributed_c10d._get_default_store``) and stable since torch 1.8;
-    nbckpt uses it only to see, with a deadline, whether every rank arrived.
-    """
+    """The key-value store of the default process group (``_get_default_store``, stable since
+    torch 1.8), or None: nbckpt sees in it, with a deadline, whether every rank arrived."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store
 
@@ -41,9 +34,6 @@ def default_store() -> Any:
 
 
 def dtensor_spec(tensor: Any) -> Any:
-    """A DTensor's spec (its mesh, placements and shape: hashable, the same object every save).
-
-    Private in torch (``DTensor._spec``), stable since DTensor became public (2.4); nbckpt keys
-    the cache of each DTensor's chunk by it.
-    """
+    """A DTensor's ``_spec`` (mesh, placements and shape: hashable, the same object every save;
+    stable since 2.4), the key of the cache of each DTensor's chunk."""
     return tensor._spec

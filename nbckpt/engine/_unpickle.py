@@ -22,25 +22,12 @@ __all__ = ["MetadataUnpickler", "load_blob", "plain_blob"]
 # Everything DCP's .metadata legitimately pickles; any other global is refused.
 _ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "StorageMeta",
-        "MetadataIndex",
-        "_MEM_FORMAT_ENCODING",
-    )
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")
 } | {
-    STORAGE_INFO_GLOBAL,
-    ("torch.distributed.checkpoint.planner", "WriteItemType"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("torch", "strided"),
-    ("torch", "device"),
-    ("collections", "OrderedDict"),
+    STORAGE_INFO_GLOBAL, ("torch.distributed.checkpoint.planner", "WriteItemType"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("torch", "strided"),
+    ("torch", "device"), ("collections", "OrderedDict"),
 }
 
 
@@ -63,14 +50,9 @@ def load_blob(data: bytes, what: str) -> Any:
         raise CheckpointError(f"{what} does not load with weights only ({describe_error(exc)})") from None
 
 
-_BLOB_RECORDS = {
-    "data.pkl",
-    ".format_version",
-    ".storage_alignment",
-    "byteorder",
-    "version",
-    ".data/serialization_id",
-}
+#: The records of a ``torch.save`` zip that holds no storage.
+_BLOB_RECORDS = {"data.pkl", ".format_version", ".storage_alignment", "byteorder", "version",
+                 ".data/serialization_id"}
 
 
 class _PlainUnpickler(pickle.Unpickler):

@@ -1,8 +1,7 @@
-"""Background threads the engine owns: ordered workers, and a small pool for file I/O.
-
-Not ``concurrent.futures.ThreadPoolExecutor``: it refuses new work once the interpreter
-starts shutting down, which is exactly when a save in flight must still finish (a normal
-exit waits for it). Daemon threads, so a hung write never blocks the exit forever either.
+"""Background threads the engine owns (ordered workers, a small pool for file I/O), and the
+sections of the main thread a Ctrl-C must not cut in two. Not ``ThreadPoolExecutor``: it refuses
+work once the interpreter starts shutting down, just when a save in flight must still finish;
+daemon threads, so a hung write never blocks the exit forever either.
 """
 
 from __future__ import annotations
@@ -11,13 +10,15 @@ import contextlib
 import itertools
 import os
 import queue
+import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
-__all__ = ["Pool", "Worker", "lower_priority", "run_all"]
+__all__ = ["Pool", "Worker", "balance", "deferred_interrupt", "lower_priority", "run_all"]
 
 T = TypeVar("T")
 
@@ -104,3 +105,36 @@ def run_all(pool: Pool, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
         if error is not None:
             raise error
     return [future.result() for future in futures]
+
+
+def balance(items: Sequence[T], count: int, size: Callable[[T], int]) -> list[list[T]]:
+    """``items`` split over ``count`` threads or files of similar total ``size`` (the largest item
+    to the lightest group first), each group in the items' order; empty groups are left out."""
+    sizes = [0] * count
+    groups: list[list[T]] = [[] for _ in range(count)]
+    placed = {}
+    for index in sorted(range(len(items)), key=lambda i: -size(items[i])):
+        placed[index] = min(range(count), key=lambda g: (sizes[g], g))
+        sizes[placed[index]] += size(items[index])
+    for index, item in enumerate(items):
+        groups[placed[index]].append(item)
+    return [group for group in groups if group]
+
+
+@contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until it is over, then deliver it as
+    the handler in place would have: for loading a restored state into the caller's objects (half
+    loaded is worse than not at all) and torch.save's framing (its zip writer, cut mid-record,
+    raises an unrelated error). Only the main thread receives signals; elsewhere the block runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, caught[0])

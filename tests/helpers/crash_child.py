@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from nbckpt import Checkpointer
-from nbckpt.engine import _faults
+from nbckpt.engine import _store
 
 WIDTH = 768  # two Linear layers: about 4.7 MB of float32, so a save takes a while
 
@@ -135,12 +135,10 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="behave as on NFS: no renameat2(RENAME_EXCHANGE) for re-saves",
     )
-    parser.add_argument("--crash-at", default=None, help="a fault point of nbckpt.engine._faults: die there")
+    parser.add_argument("--crash-at", default=None, help="a crash point (_store.arm_crash): die there")
     args = parser.parse_args(argv)
-    _faults.arm(args.crash_at)
+    _store.arm_crash(args.crash_at)
     if args.no_exchange:
-        from nbckpt.engine import _store
-
         _store.exchange_paths = lambda a, b: False  # type: ignore[assignment]
     train(
         args.directory, args.seed, args.steps, args.keep, lambda line: print(line, flush=True), ring=args.ring

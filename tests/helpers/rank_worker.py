@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nbckpt import Checkpointer, NbckptError
-from nbckpt.engine import _faults, _ranks
+from nbckpt.engine import _ranks, _store
 
 RANK = int(os.environ["RANK"])
 
@@ -99,7 +99,7 @@ def kill(directory: str) -> dict[str, Any]:
     ckpt = Checkpointer(directory, mode="async", timeout_s=60)
     ckpt.save(state_of(1), step=1).wait()
     if RANK == 1:
-        _faults.arm("after_data")  # this rank dies once its files of the next save are written
+        _store.arm_crash("after_data")  # this rank dies once its files of the next save are written
     began = time.monotonic()
     result = outcome(lambda: ckpt.save(state_of(2), step=2).wait())
     return {

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from nbckpt import Checkpointer, NbckptError
-from nbckpt.engine import _faults
+from nbckpt.engine import _store
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -256,7 +256,7 @@ def killed(directory: str) -> dict[str, Any]:
     ckpt = Checkpointer(Path(directory) / "killed", mode="async", timeout_s=20)
     ckpt.save({"model": msd, "optim": osd}, step=1).wait()
     if RANK == 1:
-        _faults.arm("after_data")
+        _store.arm_crash("after_data")
     result = outcome(lambda: ckpt.save({"model": msd, "optim": osd}, step=2).wait())
     return {
         "outcome": result,
