@@ -51,7 +51,7 @@ def imports(path: Path) -> list[tuple[int, str]]:
             else:
                 target = node.module or ""
             if target.startswith("nbckpt"):
-                # ``from nbckpt import bench`` and ``from nbckpt.engine import _faults`` import modules
+                # ``from nbckpt import bench`` and ``from nbckpt.engine import _store`` import modules
                 for alias in node.names:
                     inner = ROOT.joinpath(*target.split("."), alias.name)
                     is_module = inner.is_dir() or inner.with_suffix(".py").is_file()
