@@ -25,10 +25,10 @@ from .._util import is_url
 from ._config import CheckpointConfig
 from ._files import copy_file
 from ._format import BRANCH_FILE, BRANCH_LIMIT, LOCK_FILE, MAIN, step_name
+from ._lines import Line, discover, on, write_record
 from ._ranks import Group
 from ._reader import damage_named, read_manifest
 from ._retention import RetentionPolicy, StepFacts, StepInfo, expired
-from ._run import Line, discover, on, write_record
 from ._store import Store, open_store
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
