@@ -175,7 +175,7 @@ def _nothing_in(url: str) -> str:
     """"no committed checkpoint in URL", naming the runs inside it when it is a parent of runs."""
     line = f"no committed checkpoint in {url}"
     pattern = os.path.join(glob.escape(url), "*", "step-*", "manifest.json")
-    manifests = [] if is_url(url) else glob.glob(pattern)
+    manifests = [] if is_url(url) else glob.glob(pattern, include_hidden=True)  # Lightning's .nbckpt
     runs = sorted({os.path.basename(os.path.dirname(os.path.dirname(path))) for path in manifests})
     if runs:
         line += f"; it holds runs: {', '.join(runs)} (nbckpt ls {os.path.join(url, runs[0])})"

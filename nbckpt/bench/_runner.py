@@ -88,21 +88,23 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def _reset_peak_rss() -> int:
-    """Start the kernel's peak RSS (VmHWM) again at the current RSS, which it returns (writing 5
-    to /proc/self/clear_refs, Linux 4.0+): no sampling thread runs beside the measured runs."""
+def _reset_peak_rss() -> tuple[int, bool]:
+    """Start the kernel's peak RSS (VmHWM) again at the current RSS (writing 5 to
+    /proc/self/clear_refs, Linux 4.0+: no sampling thread runs beside the measured runs); that
+    RSS, and whether the reset took (a sandbox may refuse it, and VmHWM stays the process's peak)."""
     with suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
-    return _rss()
+    rss = _rss()
+    return rss, _kernel_peak_rss() <= rss + (8 << 20)
 
 
-def _peak_rss() -> int:
-    """The peak RSS since the last reset (the current RSS where the kernel does not say)."""
+def _kernel_peak_rss() -> int:
+    """VmHWM: the peak RSS since the last reset (a huge number where the kernel does not say)."""
     with suppress(OSError), open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    return _rss()
+    return 1 << 62
 
 
 class Lane:
@@ -135,7 +137,7 @@ class Lane:
         self.loads: list[Load] = []
         self.monitor: LoadMonitor | None = None
         self.held_rss = 0  # what opening and the warm-up save left resident
-        self.rss_at_resume = 0
+        self.rss_at_resume, self._kernel_peak = 0, False
         self.peak_above = 0  # the most RSS rose above its level at the start of a chunk
         self.peak_device = 0
         self.engine_cpu_s: float | None = None
@@ -177,7 +179,7 @@ class Lane:
         if self.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        self.rss_at_resume = _reset_peak_rss()
+        self.rss_at_resume, self._kernel_peak = _reset_peak_rss()
         self.monitor = LoadMonitor()
         self.active = True
 
@@ -268,7 +270,8 @@ class Lane:
             return
         if self.monitor is not None:
             self.loads.append(self.monitor.stop())
-        self.peak_above = max(self.peak_above, _peak_rss() - self.rss_at_resume)
+        peak = _kernel_peak_rss() if self._kernel_peak else _rss()  # else: the RSS at the turn's end
+        self.peak_above = max(self.peak_above, peak - self.rss_at_resume)
         if self.device == "cuda":
             self.peak_device = max(self.peak_device, torch.cuda.max_memory_allocated())
         self.active = False

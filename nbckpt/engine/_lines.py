@@ -55,6 +55,9 @@ class StepLimited:
     def foreign(self) -> dict[int, str]:
         return {s: path for s, path in self._store.foreign().items() if s <= self._last}
 
+    def modified(self, location: str, name: str) -> float:
+        return self._store.modified(location, name)
+
     def read_small(self, location: str, name: str, limit: int) -> bytes:
         return self._store.read_small(location, name, limit)
 

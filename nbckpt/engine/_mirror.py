@@ -18,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from contextlib import closing
 from dataclasses import dataclass
 
 from .._errors import CheckpointError, ConfigError, describe_error
@@ -283,13 +284,11 @@ class Mirror:
             target = store.begin(step, nonce)
             copied = 0
             for name, meta in manifest.files.items():
-                with damage_named(f"{step_name(step)}/{name}"):
-                    copied += copy_file(
-                        source.source(location, name, meta["size"]),
-                        store.sink(target, name),
-                        meta["blocks"],
-                        fsync=store.is_local,
-                    )
+                # closed after the copy: an open descriptor would keep the step's disk space once
+                # a retention pass deletes it
+                with damage_named(f"{step_name(step)}/{name}"), \
+                        closing(source.source(location, name, meta["size"])) as read:
+                    copied += copy_file(read, store.sink(target, name), meta["blocks"], fsync=store.is_local)
             store.commit(target, step, data)
             committed = True
             facts.saved(step, manifest.tree(0), manifest.metrics)

@@ -70,6 +70,11 @@ class Timeline:
         with self._lock:
             self._listeners.append(listener)
 
+    def remove_listener(self, listener: EventListener) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
     def record(
         self, kind: str, start_ns: int, end_ns: int | None = None, *, step: int | None = None,
         nbytes: int = 0, **detail: Any,

@@ -31,16 +31,21 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
-def earlier_pointer(path: str) -> bool:
-    """Whether ``path`` is a JSON pointer file of an earlier nbckpt, which pointers are no longer."""
-    if not os.path.isfile(path):
-        return False
+def earlier_pointer(path: str) -> tuple[str, int] | None:
+    """The (nbckpt directory, step) that ``path`` names if it is a JSON pointer file of an earlier
+    nbckpt (pointers are symlinks now), else None."""
+    if not os.path.isfile(path) or os.path.islink(path):
+        return None
     with open(path, "rb") as f:
         head = f.read(POINTER_LIMIT + 1)
     try:
-        return bool(json.loads(head).get("format") == POINTER_FORMAT)
-    except (ValueError, AttributeError):  # not JSON (a torch file), or not an object
-        return False
+        body = json.loads(head)
+        root, step = body["root"], body["step"]
+    except (ValueError, TypeError, KeyError):  # not JSON (a torch file), or not a pointer
+        return None
+    if body.get("format") != POINTER_FORMAT or not isinstance(root, str) or type(step) is not int:
+        return None
+    return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), root)), step
 
 
 def resolve(source: str | os.PathLike[str]) -> tuple[str, int]:

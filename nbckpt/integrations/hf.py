@@ -1,14 +1,38 @@
 """nbckpt behind ``transformers.Trainer``: asynchronous saves through the public callback API.
 
+>>> from nbckpt.integrations.hf import NbckptCallback
 >>> cb = NbckptCallback("ckpt/run1", keep=2)
 >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[cb])
 >>> trainer.train(resume_from_checkpoint=cb.resume_checkpoint())   # None on a fresh start
 
-The Trainer's policy decides *when* to save; at each of those moments the callback saves the
-model, optimizer, LR scheduler, RNG states and ``TrainerState`` asynchronously (after the step's
-evaluation, if any, as the Trainer does) and tells the Trainer to skip its own ``checkpoint-N/``.
-The Trainer resumes only from such a folder: :meth:`NbckptCallback.resume_checkpoint` writes one
-from the newest step, removed once read. What it covers and not: docs/integrations.md.
+The Trainer's own policy decides *when* to save (``save_strategy``, ``save_steps``); at each of
+those moments the callback starts an nbckpt save of the model, optimizer, LR scheduler, RNG
+states and ``TrainerState``, returns once it is copied, and tells the Trainer not to write its own
+synchronous ``checkpoint-N/`` folder. ``keep`` plays ``save_total_limit``'s part (a number, or a
+retention policy such as ``BestN("eval_loss", 2)``: each save carries the step's evaluation
+metrics); as with ``save_total_limit``, the Trainer's best step is kept too. When the step
+is also evaluated, the save waits for the evaluation, as the Trainer's own does, so the saved
+state knows the step's metrics and the best one so far.
+
+Under ``torchrun`` every rank saves its part (the model and optimizer once, spread over the
+ranks; each rank's RNG states under its own key). The Checkpointer opens at first use, once the
+``TrainingArguments`` have joined the process group.
+
+Resuming uses the Trainer's own resume path, which reads a ``checkpoint-N/`` folder:
+:meth:`NbckptCallback.resume_checkpoint` writes one from the newest nbckpt step (weights,
+``optimizer.pt``, ``scheduler.pt``, ``trainer_state.json`` from rank 0, and each rank's own
+``rng_state_{rank}.pth``, ``rng_state.pth`` in one process) and returns its path, so batches are
+skipped and RNGs set exactly as the Trainer does it. The folder is removed once every rank has
+read it (at the first training step). That is one synchronous write of the state per resume,
+not per save.
+
+``load_best_model_at_end=True`` works as with the Trainer's checkpoints: the best step is the
+newest saved step whose metric was the best so far, and at the end of training its weights are
+loaded into the model and ``state.best_model_checkpoint`` names its step directory.
+
+Not covered: ``save_strategy="best"`` (the Trainer decides that save after evaluating, where no
+callback can take it over: the Trainer then saves itself), DeepSpeed and FSDP (their optimizer
+state is sharded: use their own checkpointing).
 """
 
 from __future__ import annotations
@@ -36,10 +60,8 @@ from ._common import atomic_torch_save
 __all__ = ["NbckptCallback"]
 
 _log = logging.getLogger("nbckpt")
-#: Options the callback decides itself: every rank saves its part and its RNG states.
+#: Options the callback decides itself: the RNGs are saved in the Trainer's format, every rank saves.
 _RESERVED = {"capture_rng", "ranks", "read_only"}
-#: The Trainer's files of a ``checkpoint-N/`` folder, and the saved entries they hold.
-_FILES = {WEIGHTS_NAME: "model", OPTIMIZER_NAME: "optimizer", SCHEDULER_NAME: "lr_scheduler"}
 
 
 class NbckptCallback(TrainerCallback):  # type: ignore[misc]
@@ -62,11 +84,11 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         reserved = sorted(_RESERVED & set(options))
         if reserved:
             raise ConfigError(
-                f"NbckptCallback decides {', '.join(reserved)} itself (every rank saving its part "
-                "and its RNG states); drop it"
+                f"NbckptCallback decides {', '.join(reserved)} itself (RNG states in the Trainer's "
+                "format, every rank saving its part); drop it"
             )
         self.directory = os.path.abspath(os.fspath(directory))
-        config = CheckpointConfig.build(None, mode=mode, keep=keep, capture_rng=True, **options)  # fail now
+        config = CheckpointConfig.build(None, mode=mode, keep=keep, **options)  # fail now, not mid-run
         if config.retention is not None:  # as save_total_limit does, never delete the best step
             config = CheckpointConfig.build(config, keep=AnyOf(config.retention, CustomSteps(self._best)))
         self._config = config
@@ -101,14 +123,12 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if not control.should_save or kwargs.get("model") is None or kwargs.get("optimizer") is None:
-            return  # nothing to take over: the Trainer saves by itself
-        if control.should_evaluate:
-            self._due = True  # the Trainer evaluates, then saves: so does this callback
-        else:
-            self._save(args, state, control, kwargs, None)
+        self._take_over(args, state, control, kwargs)
 
-    on_epoch_end = on_step_end
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._take_over(args, state, control, kwargs)
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -135,6 +155,16 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
             self.ckpt.restore({"model": model}, step=self.best_step, rng=False)
             state.best_model_checkpoint = os.path.join(self.directory, step_name(self.best_step))
 
+    def _take_over(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, objects: dict[str, Any]
+    ) -> None:
+        if not control.should_save or objects.get("model") is None or objects.get("optimizer") is None:
+            return  # nothing to take over: the Trainer saves by itself
+        if control.should_evaluate:
+            self._due = True  # the Trainer evaluates, then saves: so does this callback
+        else:
+            self._save(args, state, control, objects, None)
+
     def _save(
         self,
         args: TrainingArguments,
@@ -158,8 +188,16 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         self._saved.add(state.global_step)
         if trainer_state["best_global_step"] in self._saved:
             self.best_step = trainer_state["best_global_step"]  # as the Trainer does: if it was saved
-        saved = {key: objects[key] for key in _FILES.values() if objects.get(key) is not None}
-        saved.update(trainer_state=json.dumps(trainer_state, sort_keys=True), best_step=self.best_step)
+        rank, world = _rank_and_world()
+        saved: dict[str, Any] = {
+            "model": objects["model"],
+            "optimizer": objects["optimizer"],
+            "trainer_state": json.dumps(trainer_state, sort_keys=True),
+            "rng": {"world_size": world, f"rank{rank}": _rng_states(world)},  # each rank its own key
+            "best_step": self.best_step,
+        }
+        if objects.get("lr_scheduler") is not None:
+            saved["lr_scheduler"] = objects["lr_scheduler"]
         self.handles = [h for h in self.handles if not h.done()]
         numbers = {k: v for k, v in (metrics or {}).items() if type(v) in (int, float)}  # for BestN
         self.handles.append(self.ckpt.save(saved, step=state.global_step, overwrite=True, metrics=numbers))
@@ -185,21 +223,32 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
             step = self.ckpt.latest_step()
             if step is None:
                 return None
-        data = self.ckpt.load(step)
-        rank, world = self.ckpt.rank, self.ckpt.world_size
+        data = self.ckpt.load(step)  # this rank's part: its own RNG states
+        rank, world = _rank_and_world()
         base = os.path.abspath(os.fspath(folder)) if folder is not None else self.directory + "-resume"
         out = os.path.join(base, f"checkpoint-{step}")
         if rank == 0:
             shutil.rmtree(base, ignore_errors=True)
             os.makedirs(out)
-            for name, key in _FILES.items():
-                if key in data:
-                    atomic_torch_save(data[key], os.path.join(out, name))
+            atomic_torch_save(data["model"], os.path.join(out, WEIGHTS_NAME))
+            atomic_torch_save(data["optimizer"], os.path.join(out, OPTIMIZER_NAME))
+            if "lr_scheduler" in data:
+                atomic_torch_save(data["lr_scheduler"], os.path.join(out, SCHEDULER_NAME))
             write_atomic(os.path.join(out, TRAINER_STATE_NAME), data["trainer_state"].encode())
         _barrier()  # the folder exists before any rank writes its RNG file into it
-        self.ckpt.restore({"trainer_state": None}, step)  # sets this rank's RNG states as saved
-        name = "rng_state.pth" if world == 1 else f"rng_state_{rank}.pth"  # what the Trainer reads
-        atomic_torch_save(_rng_states(world), os.path.join(out, name))
+        rng = data.get("rng", {})
+        mine = rng.get(f"rank{rank}")
+        if mine is not None and rng.get("world_size") == world:
+            name = "rng_state.pth" if world == 1 else f"rng_state_{rank}.pth"  # what the Trainer reads
+            atomic_torch_save(_rng_for_trainer(mine), os.path.join(out, name))
+        else:
+            _log.warning(
+                "nbckpt: step %s holds no RNG states for rank %s of %s: the resumed run draws other "
+                "random numbers than an uninterrupted one would",
+                step,
+                rank,
+                world,
+            )
         self.best_step = data.get("best_step")
         self._resume_folder = base
         _barrier()  # every rank's files are there before the Trainer reads them
@@ -209,7 +258,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         if self._resume_folder is None:
             return
         _barrier()  # every rank has read its files
-        if self.ckpt.rank == 0:
+        if _rank_and_world()[0] == 0:
             shutil.rmtree(self._resume_folder, ignore_errors=True)
         self._resume_folder = None
 
@@ -221,6 +270,13 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This process's global rank and the world size (what the Trainer calls process_index)."""
+    if _distributed():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def _barrier() -> None:
@@ -246,9 +302,35 @@ def _count_evaluation(saved: dict[str, Any], args: TrainingArguments, metrics: d
 
 
 def _rng_states(world: int) -> dict[str, Any]:
-    """This process's RNG states as the Trainer saves them (``Trainer._save_rng_state``)."""
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    """The RNG states the Trainer saves (``rng_state.pth``), in values nbckpt stores as they are
+    (numpy's key as a tensor: ``load(map_location="meta")`` cannot give an ndarray without data)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, Any, int, int, float], np.random.get_state())
+    rng: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(np.array(keys, dtype=np.uint32)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "cpu": torch.random.get_rng_state(),
+    }
     if torch.cuda.is_available():  # every device's under DDP, as the Trainer loads them then
         cuda = torch.cuda.random
-        states["cuda"] = cuda.get_rng_state_all() if world > 1 else cuda.get_rng_state()
-    return states
+        rng["cuda"] = cuda.get_rng_state_all() if world > 1 else cuda.get_rng_state()
+    return rng
+
+
+def _rng_for_trainer(saved: dict[str, Any]) -> dict[str, Any]:
+    """Back into the exact objects ``random.setstate`` and ``np.random.set_state`` take."""
+    py, npy = saved["python"], saved["numpy"]
+    out: dict[str, Any] = {
+        "python": (py["version"], tuple(py["state"]), py["gauss"]),
+        "numpy": (npy["kind"], npy["keys"].numpy(), npy["pos"], npy["has_gauss"], npy["cached"]),
+        "cpu": saved["cpu"],
+    }
+    if "cuda" in saved:
+        out["cuda"] = saved["cuda"]
+    return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -117,13 +118,8 @@ class NbckptCheckpointIO(CheckpointIO):
             del self._pending[target]
             if handle.error is not None:
                 return  # a save's own error reaches the caller from nbckpt
-            temporary = target + _TEMPORARY
-            try:  # a new symlink renamed over the old name: the old pointer or the new, never none
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(temporary)  # left by a killed run
-                os.symlink(os.path.join(ROOT_NAME, step_name(handle.step)), temporary)
-                os.replace(temporary, target)
-                fsync_dir(os.path.dirname(target))
+            try:
+                _point(target, handle.step)
             except BaseException as exc:  # raised from the caller's next call, never lost here
                 error = CheckpointError(f"making the pointer {target} failed: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
@@ -148,7 +144,9 @@ class NbckptCheckpointIO(CheckpointIO):
         target = _local_path(path)
         with self._lock:
             self._pending.pop(target, None)
-        if os.path.lexists(target):
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)  # left at this name by an older run: removed whole, as Lightning does
+        elif os.path.lexists(target):
             os.unlink(target)  # a pointer, Lightning's "last" link, or a file of an older run
         ckpt = self._roots.get(os.path.join(os.path.dirname(target), ROOT_NAME))
         if ckpt is not None:
@@ -219,10 +217,30 @@ class NbckptCheckpointIO(CheckpointIO):
     def _open(self, root: str) -> Checkpointer:
         if root not in self._roots:
             os.makedirs(os.path.dirname(root), exist_ok=True)
+            for entry in os.scandir(os.path.dirname(root)):
+                old = earlier_pointer(entry.path)
+                if old is not None and os.path.realpath(old[0]) == os.path.realpath(root):
+                    _point(entry.path, old[1])  # an earlier nbckpt's JSON pointer: retention sees links
             keep = CustomSteps(lambda: self._named(root))
             self._roots[root] = Checkpointer(root, config=self._config, ranks="local", keep=keep)
             self._roots[root].retain()  # steps of a killed run that no pointer ever named
         return self._roots[root]
+
+
+def _point(target: str, step: int) -> None:
+    """Make the name ``target`` a symlink to ``step`` of the nbckpt directory beside it: a new link
+    renamed over the old name, so that the name is the old pointer or the new, never none."""
+    temporary = target + _TEMPORARY
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary)  # left by a killed run
+    os.symlink(os.path.join(ROOT_NAME, step_name(step)), temporary)
+    try:
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    fsync_dir(os.path.dirname(target))
 
 
 def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: Any) -> _T:

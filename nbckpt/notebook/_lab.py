@@ -282,10 +282,11 @@ class Lab:
     def show(self, comparison: Comparison) -> None:
         """Show a comparison measured before (``Comparison.from_json`` of a ``nbckpt bench
         --json`` file): its timeline, results and notes, as after a run."""
-        if self.closed or self.running:
-            raise ConfigError("this lab is closed or running: show it in a new lab, or wait")
-        self.error, self.stopped, self.interrupted, self.comparison = None, False, False, comparison
-        self._show_comparison(comparison)
+        with self._lock:  # never beside a run another thread starts
+            if self.closed or self.running:
+                raise ConfigError("this lab is closed or running: show it in a new lab, or wait")
+            self.error, self.stopped, self.interrupted, self.comparison = None, False, False, comparison
+            self._show_comparison(comparison)
 
     def close(self) -> None:
         """Stop the run, wait until its saves in flight have committed and its directory is

@@ -367,3 +367,11 @@ def test_the_environment_names_the_cpu_model_not_just_the_architecture() -> None
         assert name == " ".join(models[0].split()) and name != platform.machine()
     else:
         assert name in (platform.processor(), platform.machine())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's peak-RSS reset")
+def test_the_peak_host_memory_starts_again_at_each_turn() -> None:
+    touched = b"x" * (256 << 20)  # resident: the process's peak is now at least this much higher
+    del touched
+    rss, took = _runner._reset_peak_rss()
+    assert took and _runner._kernel_peak_rss() < rss + (64 << 20)

@@ -44,6 +44,17 @@ def test_a_torchtitan_run_is_listed_restored_loaded_verified_and_kept(tmp_path: 
     assert (tmp_path / "run" / "step-7" / ".metadata").exists()
 
 
+def test_a_branch_restores_a_plain_dcp_step_of_its_parent_line(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "run" / "step-10"), no_dist=True)
+    with Checkpointer(tmp_path / "run", mode="sync") as ckpt:
+        ckpt.save({"w": torch.full((4,), 2.0)}, step=20)
+        ckpt.restore({"w": torch.zeros(4)}, step=10)
+        ckpt.save({"w": torch.full((4,), 3.0)}, step=11)  # on a branch that sees main's step 10
+    with Checkpointer(tmp_path / "run", mode="sync") as ckpt:  # continues the branch
+        state = {"w": torch.zeros(4)}
+        assert ckpt.restore(state, step=10) == 10 and torch.equal(state["w"], torch.ones(4))
+
+
 def test_a_directory_dcp_save_wrote_is_a_run_of_one_step_for_the_cli(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -47,9 +47,11 @@ def main(argv: list[str]) -> int:
     ckpt = Checkpointer(args.directory, keep=2)
     ckpt.save_on_signal(snapshot, timeout_s=2.0)
     while True:
-        step += 1
+        # The weight first, then the step: the signal handler runs between any two bytecodes of
+        # this loop, and its snapshot must never pair a step with the previous step's weight.
         with torch.no_grad():
-            model.weight.fill_(float(step))
+            model.weight.fill_(float(step + 1))
+        step += 1
         if step % 5 == 0:
             ckpt.save({"model": model, "step": step}, step=step)
         print(f"step {step}", flush=True)

@@ -187,6 +187,27 @@ def test_orphan_steps_of_a_killed_run_are_collected(tmp_path: Path) -> None:
     assert _names(tmp_path) == {"new.ckpt": 8}
 
 
+def test_an_earlier_nbckpts_json_pointers_become_links_and_keep_their_steps(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / ROOT_NAME, mode="sync") as ckpt:
+        ckpt.save({"x": torch.full((3,), 5.0)}, step=5)
+    old = {"format": "nbckpt-pointer/1", "root": ROOT_NAME, "step": 5}
+    (tmp_path / "last.ckpt").write_text(json.dumps(old))  # as the previous release wrote them
+    io = NbckptCheckpointIO()
+    io.save_checkpoint({"x": torch.zeros(3)}, tmp_path / "new.ckpt")  # opens the directory
+    io.teardown()
+    assert _names(tmp_path) == {"last.ckpt": 5, "new.ckpt": 6} and _steps(tmp_path) == [5, 6]
+    assert torch.equal(io.load_checkpoint(tmp_path / "last.ckpt")["x"], torch.full((3,), 5.0))
+
+
+def test_a_directory_at_a_name_is_removed_whole(tmp_path: Path) -> None:
+    (tmp_path / "epoch=0.ckpt").mkdir()  # as an older run may have left it
+    (tmp_path / "epoch=0.ckpt" / "data").write_bytes(b"x")
+    io = NbckptCheckpointIO()
+    io.remove_checkpoint(tmp_path / "epoch=0.ckpt")
+    io.teardown()
+    assert not (tmp_path / "epoch=0.ckpt").exists()
+
+
 def test_bad_input_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="decides keep"):
         NbckptCheckpointIO(keep=3)

@@ -338,13 +338,13 @@ def test_item18_a_missing_or_empty_directory_is_an_error_for_the_cli(
 def test_item18_ls_of_a_parent_directory_names_the_runs_in_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for run in ("run-a", "run-b"):
+    for run in ("run-a", "run-b", ".nbckpt"):  # .nbckpt: where the Lightning plug-in saves
         with Checkpointer(tmp_path / run) as ckpt:
             ckpt.save(state_of(1), step=1).wait()
     (tmp_path / "notes").mkdir()
     code, out, err = run_cli(capsys, "ls", str(tmp_path))
     assert code == 0 and err == "", err
-    assert "no committed checkpoint" in out and "it holds runs: run-a, run-b" in out, out
+    assert "no committed checkpoint" in out and "it holds runs: .nbckpt, run-a, run-b" in out, out
     code, out, err = run_cli(capsys, "verify", str(tmp_path))
-    assert code != 0 and "it holds runs: run-a, run-b" in err, err
+    assert code != 0 and "it holds runs: .nbckpt, run-a, run-b" in err, err
 
