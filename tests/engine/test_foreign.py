@@ -49,7 +49,8 @@ def test_a_branch_restores_a_plain_dcp_step_of_its_parent_line(tmp_path: Path) -
     with Checkpointer(tmp_path / "run", mode="sync") as ckpt:
         ckpt.save({"w": torch.full((4,), 2.0)}, step=20)
         ckpt.restore({"w": torch.zeros(4)}, step=10)
-        ckpt.save({"w": torch.full((4,), 3.0)}, step=11)  # on a branch that sees main's step 10
+        with pytest.warns(UserWarning, match="saves now go to a new line, branch-1"):
+            ckpt.save({"w": torch.full((4,), 3.0)}, step=11)  # a branch that sees main's step 10
     with Checkpointer(tmp_path / "run", mode="sync") as ckpt:  # continues the branch
         state = {"w": torch.zeros(4)}
         assert ckpt.restore(state, step=10) == 10 and torch.equal(state["w"], torch.ones(4))
