@@ -101,7 +101,7 @@ def test_the_bench_runs_the_strategies_the_docs_call_default() -> None:
 
     args = cli.build_parser().parse_args(["bench"])
     assert args.strategies.split(",") == _internal.DEFAULT_STRATEGIES
-    assert set(_internal.DEFAULT_STRATEGIES) == set(STRATEGIES) - {"dcp-async-process"}
+    assert set(_internal.DEFAULT_STRATEGIES) == set(STRATEGIES)
 
 
 @pytest.mark.parametrize(
