@@ -12,7 +12,7 @@ from .._util import format_bytes
 from ..bench._internal import interval_text, measurable, overhead_text
 from ._costs import measurements
 from ._interval import compare_modes, node_mtbf_hours
-from ._reference import load_published
+from ._reference import _load as published  # read-only here: no copy
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -98,7 +98,7 @@ def conclusions(results: pd.DataFrame, floors: Mapping[str, Any], *, advice: pd.
                 "strategies."]
     env = dict(environment or {})
     run = _Run(rows, focus, rows[focus], floors, env, str(env.get("device", "cpu")),
-               load_published()["anchors"])
+               published()["anchors"])
     lines.append(_stall_sentence(run))
     lines.extend(_copy_floor_sentence(run, timeline))
     lines.extend(_write_sentences(run, probe, load))

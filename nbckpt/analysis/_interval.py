@@ -21,7 +21,7 @@ import pandas as pd
 from .._errors import ConfigError
 from .._util import check_count
 from ._costs import Measured, measurements
-from ._reference import load_published
+from ._reference import _load as published  # read-only here: no copy
 
 __all__ = ["ADVICE_COLUMNS", "advise", "cluster_mtbf_s", "compare_modes", "expected_waste",
            "node_mtbf_hours", "waste_curve", "young_daly_interval"]
@@ -33,7 +33,7 @@ DAY_S = 86400.0
 def node_mtbf_hours() -> float:
     """Mean hours between failures of one 8-GPU node in Llama 3's pre-training (anchor
     ``llama3_interruptions``): ``54 days * 24 h * (16384 / 8) nodes / 419 = 6334.6 h``."""
-    values = load_published()["anchors"]["llama3_interruptions"]["values"]
+    values = published()["anchors"]["llama3_interruptions"]["values"]
     nodes = float(values["gpus"]["value"]) / 8
     return float(values["days"]["value"]) * 24.0 * nodes / float(values["unexpected_interruptions"]["value"])
 

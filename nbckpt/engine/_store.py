@@ -19,7 +19,7 @@ from typing import Any
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import check_path, is_url
-from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths, fsync_dir, write_atomic, write_image
+from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths, fsync_dir, write_atomic
 from ._format import (
     LEFTOVER_RE,
     LOCK_FILE,
@@ -301,7 +301,12 @@ class LocalStore(Store):
         return data
 
     def commit(self, location: str, step: int, manifest: bytes) -> str:
-        write_image(LocalSink(os.path.join(location, MANIFEST)), memoryview(manifest), fsync=True)
+        sink = LocalSink(os.path.join(location, MANIFEST))  # one write: no block hashes to keep
+        try:
+            sink.write(memoryview(manifest))
+            sink.sync()
+        finally:
+            sink.close()
         fsync_dir(location)
         crash_point("before_rename")
         final = self._path(step_name(step))

@@ -217,9 +217,10 @@ class NbckptCheckpointIO(CheckpointIO):
     def _open(self, root: str) -> Checkpointer:
         if root not in self._roots:
             os.makedirs(os.path.dirname(root), exist_ok=True)
+            real_root = os.path.realpath(root)
             for entry in os.scandir(os.path.dirname(root)):
                 old = earlier_pointer(entry.path)
-                if old is not None and os.path.realpath(old[0]) == os.path.realpath(root):
+                if old is not None and os.path.realpath(old[0]) == real_root:
                     _point(entry.path, old[1])  # an earlier nbckpt's JSON pointer: retention sees links
             keep = CustomSteps(lambda: self._named(root))
             self._roots[root] = Checkpointer(root, config=self._config, ranks="local", keep=keep)
