@@ -67,12 +67,29 @@ class RealKernel:
         return shown
 
     def reply(self, msg_id: str, timeout: float = 180) -> dict[str, Any]:
-        """The execute reply's content of the cell ``msg_id``."""
+        """The execute reply's content of the cell ``msg_id``; after an error, once the kernel
+        takes requests again."""
+        content = self._reply(msg_id, timeout)
+        if content["status"] == "error":
+            self._settle(timeout)
+        return content
+
+    def _reply(self, msg_id: str, timeout: float) -> dict[str, Any]:
         while True:
             reply = self.kc.get_shell_msg(timeout=timeout)
             if reply["parent_header"].get("msg_id") == msg_id:
                 content: dict[str, Any] = reply["content"]
                 return content
+
+    def _settle(self, timeout: float) -> None:
+        """Wait until the kernel stops aborting what comes after a failed cell. ipykernel sets
+        its abort flag once the error reply is out and clears it by a message its shell thread
+        queues: a cell sent at once after that reply can overtake it on a busy machine and come
+        back "aborted" (ipykernel#609), which no user clicking Run a moment later ever sees. A
+        silent request runs no cell hooks; the first one not aborted says the flag is clear."""
+        deadline = time.monotonic() + timeout
+        while self._reply(self.kc.execute("", silent=True), timeout)["status"] == "aborted":
+            assert time.monotonic() < deadline, "the kernel still aborts requests after an error"
 
     def run(self, code: str, *, lab: bool = False, timeout: float = 180, stream: str = "stdout") -> str:
         """Run a cell; return what it wrote to ``stream`` (it must succeed)."""
