@@ -301,7 +301,10 @@ class Checkpointer:
         The final save gets ``timeout_s`` (inside a typical 30 s grace period); one that cannot
         commit in time never counts, and the previous checkpoint stays. What happened is logged.
         ``snapshot`` may return None: nothing new (the saves in flight are waited for). Install
-        from the main thread, where ``snapshot`` runs. Returns what puts the old handlers back.
+        from the main thread, where ``snapshot`` runs, between any two bytecodes: a state that
+        changes in several statements (the weights, then a step counter) can be caught between
+        them, so take the step from the state itself where you can. Returns what puts the old
+        handlers back.
         """
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("save_on_signal must be called from the main thread (signals reach only it)")
