@@ -21,7 +21,7 @@ from typing import Any
 
 from ._errors import CheckpointError, ConfigError, NbckptError, require_extra
 from ._util import check_count, format_bytes, is_url, parse_value
-from .engine._internal import write_atomic
+from .engine._internal import MANIFEST, write_atomic
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -174,7 +174,7 @@ def _reader(args: argparse.Namespace) -> Any:
 def _nothing_in(url: str) -> str:
     """"no committed checkpoint in URL", naming the runs inside it when it is a parent of runs."""
     line = f"no committed checkpoint in {url}"
-    pattern = os.path.join(glob.escape(url), "*", "step-*", "manifest.json")
+    pattern = os.path.join(glob.escape(url), "*", "step-*", MANIFEST)
     manifests = [] if is_url(url) else glob.glob(pattern, include_hidden=True)  # Lightning's .nbckpt
     runs = sorted({os.path.basename(os.path.dirname(os.path.dirname(path))) for path in manifests})
     if runs:
