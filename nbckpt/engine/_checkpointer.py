@@ -327,11 +327,20 @@ class Checkpointer:
             self.save(taken[0], taken[1], mode="sync", overwrite=True)
         self.wait()  # and retention's deletes, so the exit leaves no half-deleted step behind
 
+    @contextmanager
+    def whole_step(self) -> Iterator[None]:
+        """Around a training step and its counter (``step += 1`` inside): a final save that a
+        signal asks for (:meth:`save_on_signal`) inside it waits until it ends, so that it holds
+        a whole step, never weights already updated beside the count of the step before. Keep a
+        step well inside the grace period the final save has to fit in."""
+        with self._signals_deferred():
+            yield
+
     def _on_signal(
         self, snapshot: Snapshot, timeout_s: float, signum: int, again: Callable[[], None]
     ) -> bool:
         """The final save a signal asks for; False when the signal came inside one of this
-        Checkpointer's calls: ``again`` then runs as soon as that call returns."""
+        Checkpointer's calls or a :meth:`whole_step`: ``again`` then runs as soon as it ends."""
         if self._main_depth:
             self._deferred = again
             return False
@@ -339,22 +348,31 @@ class Checkpointer:
             self.final_save(snapshot, timeout_s=timeout_s, reason=signal.Signals(signum).name)
         return True
 
+    @contextmanager
+    def _signals_deferred(self) -> Iterator[None]:
+        """A final save asked for by a signal inside runs as soon as the outermost block ends,
+        even one ended by an exception (the signal still ends the process)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach only the main thread
+            return
+        self._main_depth += 1
+        try:
+            yield
+        finally:
+            self._main_depth -= 1
+            if self._main_depth == 0 and self._deferred is not None:
+                deferred, self._deferred = self._deferred, None
+                deferred()
+
     # -- lifetime -----------------------------------------------------------------------------
 
     @contextmanager
     def _operation(self) -> Iterator[None]:
         """One public operation at a time; a final save asked for by a signal that arrived
-        inside one runs as soon as it ends (re-entering it from the handler could corrupt it)."""
-        main = threading.current_thread() is threading.main_thread()
-        with self._lock:
-            self._main_depth += main
-            try:
-                yield
-            finally:
-                self._main_depth -= main
-        if main and self._main_depth == 0 and self._deferred is not None:
-            deferred, self._deferred = self._deferred, None
-            deferred()
+        inside one runs as soon as it ends (re-entering it from the handler could corrupt it),
+        with the lock released (the final save's own thread takes it)."""
+        with self._signals_deferred(), self._lock:
+            yield
 
     @property
     def closed(self) -> bool:

@@ -1,18 +1,22 @@
 """A training run that saves every 5 steps and on SIGTERM (``save_on_signal``), for the preemption tests.
 
-    python tests/helpers/preempted_child.py DIR [--slow-final]
+    python tests/helpers/preempted_child.py DIR [--slow-final] [--signal-at N] [--bare]
 
 Prints ``step N`` after each step. The weight is ``step`` everywhere, so a checkpoint's
-content says which step it holds. With ``--slow-final`` the final save's writes hang, so it
-cannot commit within its 2 s.
+content says which step it holds. Each step runs inside ``ckpt.whole_step()``, as the recipe
+has it; ``--bare`` leaves that out. With ``--slow-final`` the final save's writes hang, so it
+cannot commit within its 2 s. With ``--signal-at N`` the run sends itself SIGTERM in the middle
+of step N, between its weight and its counter.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import threading
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -25,6 +29,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("directory")
     parser.add_argument("--slow-final", action="store_true")
+    parser.add_argument("--signal-at", type=int, default=0)
+    parser.add_argument("--bare", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # nbckpt's log on stderr
     model = torch.nn.Linear(64, 64)
@@ -41,19 +47,18 @@ def main(argv: list[str]) -> int:
     step = 0
 
     def snapshot() -> tuple[dict[str, Any], int]:
-        # The handler runs between any two bytecodes of the loop, so the counter beside the
-        # weight may be a step behind it (it was in CI, whichever line came first; holding the
-        # signal back cannot help, as the engine's threads take it): the step is the weight's.
         final.set()
-        held = int(model.weight.detach()[0, 0])
-        return {"model": model, "step": held}, held
+        return {"model": model, "step": step}, step
 
     ckpt = Checkpointer(args.directory, keep=2)
     ckpt.save_on_signal(snapshot, timeout_s=2.0)
     while True:
-        with torch.no_grad():
-            model.weight.fill_(float(step + 1))
-        step += 1
+        with nullcontext() if args.bare else ckpt.whole_step():
+            with torch.no_grad():
+                model.weight.fill_(float(step + 1))
+            if step + 1 == args.signal_at:
+                signal.raise_signal(signal.SIGTERM)  # to this thread: its handler runs right here
+            step += 1
         if step % 5 == 0:
             ckpt.save({"model": model, "step": step}, step=step)
         print(f"step {step}", flush=True)

@@ -6,7 +6,10 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +19,8 @@ from nbckpt import Checkpointer
 
 
 def run_until_preempted(directory: Path, *extra: str) -> tuple[int, int, str]:
-    """Start the child, SIGTERM it after step 12; return (exit code, last step it printed, stderr)."""
+    """Start the child, SIGTERM it after step 12 (unless it signals itself: ``--signal-at``);
+    return (exit code, last step it printed, stderr)."""
     child = subprocess.Popen(
         [sys.executable, preempted_child.__file__, str(directory), *extra],
         stdout=subprocess.PIPE,
@@ -27,7 +31,7 @@ def run_until_preempted(directory: Path, *extra: str) -> tuple[int, int, str]:
     last = 0
     for line in child.stdout:
         last = int(line.split()[1])
-        if last == 12:
+        if last == 12 and "--signal-at" not in extra:
             child.send_signal(signal.SIGTERM)
             break
     rest, err = child.communicate(timeout=120)
@@ -50,6 +54,20 @@ def test_sigterm_commits_a_final_save_of_the_current_step(tmp_path: Path) -> Non
         assert final is not None and final >= last >= 12
         assert held_step(ckpt, final) == final  # exactly the state at the signal
         ckpt.verify(final)
+    assert f"SIGTERM: final save of step {final} committed" in err
+
+
+@pytest.mark.parametrize("whole_step", [True, False], ids=["whole_step", "bare"])
+def test_a_signal_in_the_middle_of_a_step_saves_a_whole_step(tmp_path: Path, whole_step: bool) -> None:
+    """SIGTERM between a step's weight update and its counter: inside ``whole_step()`` the final
+    save waits for the step's end; without it, it pairs step 12's count with step 13's weight."""
+    bare = [] if whole_step else ["--bare"]
+    code, last, err = run_until_preempted(tmp_path / "run", "--signal-at", "13", *bare)
+    assert code == -signal.SIGTERM, err
+    with Checkpointer(tmp_path / "run") as ckpt:
+        final = ckpt.latest_step()
+        assert final == (13 if whole_step else 12) and last == 12
+        assert held_step(ckpt, final) == 13.0
     assert f"SIGTERM: final save of step {final} committed" in err
 
 
@@ -78,27 +96,33 @@ def test_final_save_says_what_happened(tmp_path: Path, caplog: pytest.LogCapture
         assert ckpt.steps() == [3]
 
 
-def test_a_final_save_that_cannot_start_in_time_is_left_behind_at_exit(tmp_path: Path) -> None:
-    ckpt = Checkpointer(tmp_path / "run")
-    release = threading.Event()
-    held = threading.Event()
+@contextmanager
+def another_thread_inside(block: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+    """Another thread stays inside ``block()`` while the with-statement runs."""
+    entered, release = threading.Event(), threading.Event()
 
-    def busy() -> None:  # another thread inside a Checkpointer call, for longer than the bound
-        with ckpt._operation():
-            held.set()
+    def inside() -> None:
+        with block():
+            entered.set()
             release.wait(60)
 
-    other = threading.Thread(target=busy)
+    other = threading.Thread(target=inside)
     other.start()
-    assert held.wait(60)
+    assert entered.wait(60)
     try:
+        yield
+    finally:
+        release.set()
+        other.join()
+
+
+def test_a_final_save_that_cannot_start_in_time_is_left_behind_at_exit(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path / "run")
+    with another_thread_inside(ckpt._operation):  # inside a Checkpointer call, longer than the bound
         line = ckpt.final_save(lambda: ({"step": 1}, 1), timeout_s=0.2)
         assert line == "final save of step 1 did not commit within 0.2 s; the previous checkpoint stays"
         ckpt._at_exit()  # does not wait for the save left behind
         assert not ckpt._closed
-    finally:
-        release.set()
-        other.join()
     ckpt.close()  # the save left behind went on once the lock was free: it counts only if it commits
     assert ckpt.steps() in ([], [1])
 
@@ -110,3 +134,34 @@ def test_save_on_signal_gives_back_the_previous_handlers(tmp_path: Path) -> None
         assert signal.getsignal(signal.SIGUSR1) is not previous
         uninstall()
         assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_whole_step_defers_the_final_save_past_a_failing_step_and_past_saves_inside(tmp_path: Path) -> None:
+    """A signal inside ``whole_step()`` saves when the outermost block ends, also one ended by an
+    exception, with a save inside it; the signal then goes on to the handler before ours."""
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    weight = torch.zeros(4)
+    try:
+        with Checkpointer(tmp_path / "run") as ckpt:
+            snapshot = lambda: ({"w": weight}, int(weight[0]))  # noqa: E731
+            ckpt.save_on_signal(snapshot, signals=(signal.SIGUSR1,))  # the signal takes it off again
+            with pytest.raises(RuntimeError, match="the step failed"), ckpt.whole_step():
+                weight.fill_(1.0)
+                signal.raise_signal(signal.SIGUSR1)  # its handler runs here, and defers
+                with ckpt.whole_step():
+                    ckpt.save({"w": weight}, step=1, mode="sync")
+                assert ckpt.steps() == [1] and seen == []  # the inner ends: still deferred
+                weight.fill_(2.0)
+                raise RuntimeError("the step failed")
+            assert ckpt.steps() == [1, 2] and seen == [signal.SIGUSR1]
+            assert float(ckpt.load(2)["w"][0]) == 2.0
+            # another thread's block defers nothing (signals reach the main thread only) and
+            # does not hold the main thread's final save back
+            with another_thread_inside(ckpt.whole_step):
+                weight.fill_(3.0)
+                ckpt.save_on_signal(snapshot, signals=(signal.SIGUSR1,))
+                signal.raise_signal(signal.SIGUSR1)
+            assert ckpt.steps() == [1, 2, 3] and seen == [signal.SIGUSR1] * 2
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
