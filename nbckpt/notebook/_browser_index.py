@@ -91,14 +91,18 @@ def saved_values(state: Mapping[Any, Any], prefix: str = "") -> dict[str, Any]:
     return found
 
 
+def _reader(directory: str, storage_options: dict[str, Any], line: str) -> Checkpointer:
+    # ranks="local": a browser in a torchrun'd kernel must never wait for the other ranks
+    return Checkpointer(directory, read_only=True, line=line, ranks="local", writer_threads=1,
+                        storage_options=storage_options)
+
+
 def per_line(directory: str, storage_options: dict[str, Any], keys: Sequence[RowKey],
              read: Callable[[Checkpointer, str, int], _T]) -> dict[RowKey, _T]:
     """``read(reader, line, step)`` for each of ``keys``, with one read-only Checkpointer a line."""
     found: dict[RowKey, _T] = {}
     for line in dict.fromkeys(line for line, _ in keys):
-        # ranks="local": a browser in a torchrun'd kernel must never wait for the other ranks
-        with Checkpointer(directory, read_only=True, line=line, ranks="local", writer_threads=1,
-                          storage_options=storage_options) as reader:
+        with _reader(directory, storage_options, line) as reader:
             found.update({key: read(reader, *key) for key in keys if key[0] == line})
     return found
 
@@ -128,10 +132,12 @@ def read_run(directory: str, storage_options: dict[str, Any],
                        tensors=len(manifest["items"]), checksum=checksum, values=values[checksum],
                        provenance=dict(manifest.get("provenance") or {}))
 
-    lines = per_line(directory, storage_options, [(MAIN, 0)], lambda reader, *_: reader.lines())[(MAIN, 0)]
-    rows = per_line(directory, storage_options,
-                    [(name, step) for name, line in lines.items() for step in line["steps"]], row)
-    return lines, [found for found in rows.values() if found is not None]
+    with _reader(directory, storage_options, MAIN) as main:  # the lines, and the main line's rows
+        lines = main.lines()
+        rows = [row(main, MAIN, step) for step in lines.get(MAIN, {}).get("steps", ())]
+    others = [(name, step) for name, line in lines.items() if name != MAIN for step in line["steps"]]
+    rows += per_line(directory, storage_options, others, row).values()
+    return lines, [found for found in rows if found is not None]
 
 
 def verdict(reader: Checkpointer, line: str, step: int) -> str:
