@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._util import format_bytes
 from ..bench._internal import interval_text, measurable, overhead_text
-from ._costs import measurements
+from ._costs import measured_drag
 from ._interval import compare_modes, node_mtbf_hours
 from ._reference import _load as published  # read-only here: no copy
 
@@ -102,7 +102,7 @@ def conclusions(results: pd.DataFrame, floors: Mapping[str, Any], *, advice: pd.
     lines.append(_stall_sentence(run))
     lines.extend(_copy_floor_sentence(run, timeline))
     lines.extend(_write_sentences(run, probe, load))
-    lines.extend(_overhead_sentences(run, results))
+    lines.extend(_overhead_sentences(run))
     lines.extend(_published_sentences(run))
     overlap = rows.get("nbckpt-async-overlap")
     if focus == "nbckpt-async" and overlap is not None and _finite(overlap["stall_mean_s"]):
@@ -215,7 +215,7 @@ def _write_sentences(run: _Run, probe: pd.DataFrame | None, load: Mapping[str, A
     return lines
 
 
-def _overhead_sentences(run: _Run, results: pd.DataFrame) -> list[str]:
+def _overhead_sentences(run: _Run) -> list[str]:
     """Overhead with its interval, and on CPU runs when and why async loses."""
     row, focus = run.row, run.focus
     if not _finite(row.get("overhead_pct")):
@@ -231,8 +231,7 @@ def _overhead_sentences(run: _Run, results: pd.DataFrame) -> list[str]:
     cpus, threads = _num(run.env.get("cpus")), _num(run.env.get("torch_threads"))
     losing = [r for r in sync if _ci(row)[0] > _ci(r)[1]]
     if losing:
-        # the drag as the advisor counts it: 0 unless measured above 0
-        drag = float(measurements(results).set_index("strategy")["drag_s"].get(focus, 0.0))
+        drag = measured_drag(row)
         cpu = _num(row.get("cpu_per_checkpoint_s"))
         text = (f"On this CPU run {focus} cost measurably more than {losing[0]['strategy']}: its "
                 f"background write runs on the same {cpus:.0f} cores as training "

@@ -7,24 +7,33 @@ reports a background save of about 436 s before its fixes and 67 s after, Llama3
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import pandas as pd
 
 from .._errors import ConfigError
 
-__all__ = ["Measured", "measurements"]
+__all__ = ["Measured", "measured_drag", "measurements"]
 
 #: ``Comparison.results``, or ``strategy -> (stall_s, persist_s[, drag_s])``.
 Measured: TypeAlias = pd.DataFrame | Mapping[str, tuple[float, ...]]
+
+
+def measured_drag(row: Mapping[Any, Any]) -> float:
+    """A result row's drag per checkpoint as the advisor counts it: background work cannot speed
+    the steps up, so a drag not measured above 0 (``drag_ci_s`` contains 0: "noise") counts as 0."""
+    ci = row.get("drag_ci_s")
+    if "drag_ci_s" in row and not (isinstance(ci, (list, tuple)) and len(ci) == 2 and float(ci[0]) > 0):
+        return 0.0
+    drag = pd.to_numeric(row.get("drag_s", 0.0), errors="coerce")
+    return 0.0 if pd.isna(drag) else max(float(drag), 0.0)
 
 
 def measurements(results: Measured) -> pd.DataFrame:
     """Measured costs as columns ``strategy, mode, stall_s, persist_s, lag_s, drag_s``.
 
     Rows without a checkpoint (``none``) and partial rows are dropped. Without a ``mode`` column a
-    strategy is async when its persist time exceeds its stall. Background work cannot speed the
-    steps up, so a drag not measured above 0 (``drag_ci_s`` contains 0: "noise") counts as 0.
+    strategy is async when its persist time exceeds its stall; the drag is :func:`measured_drag`.
     """
     if not isinstance(results, pd.DataFrame):
         if any(len(values) not in (2, 3) for values in results.values()):
@@ -40,12 +49,8 @@ def measurements(results: Measured) -> pd.DataFrame:
         return pd.to_numeric(results.get(name, pd.Series(0.0, index=results.index)), errors="coerce")
 
     frame = pd.DataFrame({"strategy": results["strategy"].astype(str), "stall_s": numbers(stall_column),
-                          "persist_s": numbers("persist_s").fillna(0.0), "drag_s": numbers("drag_s")})
-    if "drag_ci_s" in results.columns:
-        measured = [isinstance(ci, (list, tuple)) and len(ci) == 2 and float(ci[0]) > 0
-                    for ci in results["drag_ci_s"]]
-        frame["drag_s"] = frame["drag_s"].where(pd.Series(measured, index=frame.index), 0.0)
-    frame["drag_s"] = frame["drag_s"].fillna(0.0).clip(lower=0.0)
+                          "persist_s": numbers("persist_s").fillna(0.0)})
+    frame["drag_s"] = [measured_drag(row) for row in results.to_dict(orient="records")]
     frame["mode"] = (results["mode"].astype(str) if "mode" in results.columns
                      else (frame["persist_s"] > frame["stall_s"]).map({True: "async", False: "sync"}))
     keep = frame["strategy"].ne("none") & frame["stall_s"].notna()
