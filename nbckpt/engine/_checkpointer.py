@@ -11,7 +11,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -303,8 +303,8 @@ class Checkpointer:
         ``snapshot`` may return None: nothing new (the saves in flight are waited for). Install
         from the main thread, where ``snapshot`` runs, between any two bytecodes: a state that
         changes in several statements (the weights, then a step counter) can be caught between
-        them, so take the step from the state itself where you can. Returns what puts the old
-        handlers back.
+        them unless each step runs inside :meth:`whole_step`. Returns what puts the old handlers
+        back.
         """
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("save_on_signal must be called from the main thread (signals reach only it)")
@@ -349,17 +349,24 @@ class Checkpointer:
         return True
 
     @contextmanager
-    def _signals_deferred(self) -> Iterator[None]:
-        """A final save asked for by a signal inside runs as soon as the outermost block ends,
-        even one ended by an exception (the signal still ends the process)."""
+    def _signals_deferred(self, lock: AbstractContextManager[Any] | None = None) -> Iterator[None]:
+        """Inside ``lock``, a final save asked for by a signal runs as soon as the outermost such
+        block ends, even one ended by an exception (the signal still ends the process), and once
+        ``lock`` is released (the final save's own thread takes it). A signal while waiting for
+        ``lock`` is not deferred: another thread may hold it for long."""
+        lock = nullcontext() if lock is None else lock
         if threading.current_thread() is not threading.main_thread():
-            yield  # signals reach only the main thread
+            with lock:  # signals reach only the main thread
+                yield
             return
-        self._main_depth += 1
         try:
-            yield
+            with lock:
+                self._main_depth += 1
+                try:
+                    yield
+                finally:
+                    self._main_depth -= 1
         finally:
-            self._main_depth -= 1
             if self._main_depth == 0 and self._deferred is not None:
                 deferred, self._deferred = self._deferred, None
                 deferred()
@@ -369,9 +376,8 @@ class Checkpointer:
     @contextmanager
     def _operation(self) -> Iterator[None]:
         """One public operation at a time; a final save asked for by a signal that arrived
-        inside one runs as soon as it ends (re-entering it from the handler could corrupt it),
-        with the lock released (the final save's own thread takes it)."""
-        with self._signals_deferred(), self._lock:
+        inside one runs as soon as it ends (re-entering it from the handler could corrupt it)."""
+        with self._signals_deferred(self._lock):
             yield
 
     @property
