@@ -11,7 +11,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -64,8 +64,7 @@ class Checkpointer:
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.timeline = Timeline(rank=self.rank, label=f"nbckpt-{self.config.mode}")
         self._lock = threading.RLock()  # one operation at a time, whichever thread calls
-        self._main_depth = 0  # operations the main thread is inside (a signal may interrupt them)
-        self._deferred: Callable[[], None] | None = None  # a final save waiting for one to end
+        self._signals = _final.Deferral(ranks.caller)  # when a signal's final save runs
         self._abandoned = False  # a final save did not end in time: the exit must not wait for it
         self._closed = False
         opening = partial(open_run, self.store, self.config.read_only)
@@ -310,7 +309,15 @@ class Checkpointer:
             raise ConfigError("save_on_signal must be called from the main thread (signals reach only it)")
         timeout = _final.check_arguments(snapshot, timeout_s)
         installed = _final.install(self._on_signal, snapshot, _final.check_signals(signals), timeout)
-        return partial(_final.uninstall, installed)
+        # the final save of a rank that another rank's signal makes save too
+        self._signals.save_here = partial(self.final_save, snapshot, timeout_s=timeout,
+                                          reason="a signal to another rank")
+
+        def uninstall() -> None:
+            _final.uninstall(installed)
+            self._signals.save_here = None
+
+        return uninstall
 
     def final_save(self, snapshot: Snapshot, *, timeout_s: float = 25.0, reason: str = "exit") -> str:
         """The final save of :meth:`save_on_signal`, for other ways out (a notebook kernel shutting
@@ -332,44 +339,24 @@ class Checkpointer:
         """Around a training step and its counter (``step += 1`` inside): a final save that a
         signal asks for (:meth:`save_on_signal`) inside it waits until it ends, so that it holds
         a whole step, never weights already updated beside the count of the step before. Keep a
-        step well inside the grace period the final save has to fit in."""
-        with self._signals_deferred():
+        step well inside the grace period the final save has to fit in. With several ranks the
+        ranks save at the end of the same step: every step's end is then a small collective."""
+        with self._signals.block(self._is_closed, step=True):
             yield
 
     def _on_signal(
         self, snapshot: Snapshot, timeout_s: float, signum: int, again: Callable[[], None]
     ) -> bool:
-        """The final save a signal asks for; False when the signal came inside one of this
-        Checkpointer's calls or a :meth:`whole_step`: ``again`` then runs as soon as it ends."""
-        if self._main_depth:
-            self._deferred = again
+        """The final save a signal asks for; False when it must wait (:class:`_final.Deferral`):
+        ``again`` then runs when it can."""
+        if self._signals.defers(again):
             return False
-        if not self._closed:
+        if not self._closed and not self._signals.done:
             self.final_save(snapshot, timeout_s=timeout_s, reason=signal.Signals(signum).name)
         return True
 
-    @contextmanager
-    def _signals_deferred(self, lock: AbstractContextManager[Any] | None = None) -> Iterator[None]:
-        """Inside ``lock``, a final save asked for by a signal runs as soon as the outermost such
-        block ends, even one ended by an exception (the signal still ends the process), and once
-        ``lock`` is released (the final save's own thread takes it). A signal while waiting for
-        ``lock`` is not deferred: another thread may hold it for long."""
-        lock = nullcontext() if lock is None else lock
-        if threading.current_thread() is not threading.main_thread():
-            with lock:  # signals reach only the main thread
-                yield
-            return
-        try:
-            with lock:
-                self._main_depth += 1
-                try:
-                    yield
-                finally:
-                    self._main_depth -= 1
-        finally:
-            if self._main_depth == 0 and self._deferred is not None:
-                deferred, self._deferred = self._deferred, None
-                deferred()
+    def _is_closed(self) -> bool:
+        return self._closed
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -377,7 +364,7 @@ class Checkpointer:
     def _operation(self) -> Iterator[None]:
         """One public operation at a time; a final save asked for by a signal that arrived
         inside one runs as soon as it ends (re-entering it from the handler could corrupt it)."""
-        with self._signals_deferred(self._lock):
+        with self._signals.block(self._is_closed, self._lock):
             yield
 
     @property

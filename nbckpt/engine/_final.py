@@ -12,18 +12,20 @@ import os
 import signal
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Any, Protocol, TypeAlias
 
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url, parse_duration
 from ._config import CheckpointConfig
+from ._ranks import Group
 from ._store import Store, open_store
 
 __all__ = [
-    "Snapshot", "check_arguments", "check_signals", "close_all", "final_save", "install", "register",
-    "release", "uninstall", "unregister", "writing_into"
+    "Deferral", "Snapshot", "check_arguments", "check_signals", "close_all", "final_save", "install",
+    "register", "release", "uninstall", "unregister", "writing_into"
 ]
 
 _log = logging.getLogger("nbckpt")
@@ -185,6 +187,77 @@ def _save_for(save: Callable[[Taken], None], taken: Taken, outcome: list[str]) -
         outcome.append("committed")
     except BaseException as exc:
         outcome.append(f"failed: {exc}")
+
+
+class Deferral:
+    """When a Checkpointer's final save runs, its signal handler running between any two
+    bytecodes of the main thread: at once, or once the main thread leaves the Checkpointer call
+    or the ``whole_step`` block the signal came in. With several ranks whose steps run in
+    ``whole_step``, only at the end of a step, and on every rank at once: the ranks agree there
+    whether any was signalled (a rank saving alone would wait for the others in its collectives
+    while they wait for it in their training step's). A signal after the last step ends the
+    process when the Checkpointer is closed, saving nothing more."""
+
+    def __init__(self, group: Group) -> None:
+        self._group = group
+        self._depth = 0  # blocks the main thread is inside
+        self._deferred: Callable[[], None] | None = None  # the handler's rest, waiting
+        self._stepping = False  # whole_step was used: several ranks save at a step's end
+        self._now = False  # the agreed moment: the handler saves
+        self.save_here: Callable[[], object] | None = None  # a rank's final save, signalled or not
+        self.done = False  # an agreed final save ran: a later signal saves nothing more
+
+    def _agreeing(self) -> bool:
+        return self._group.pg is not None and self._stepping and self.save_here is not None and not self.done
+
+    def defers(self, again: Callable[[], None]) -> bool:
+        """In the handler: True when the final save waits (``again`` runs it later)."""
+        if self._now or not (self._depth or self._agreeing()):
+            return False
+        self._deferred = again
+        return True
+
+    @contextmanager
+    def block(self, closed: Callable[[], bool], lock: AbstractContextManager[Any] | None = None,
+              *, step: bool = False) -> Iterator[None]:
+        """A Checkpointer call (inside ``lock``, taken first: a signal while another thread holds
+        it is not deferred behind that thread's work) or, with ``step``, a training step."""
+        lock = nullcontext() if lock is None else lock
+        if threading.current_thread() is not threading.main_thread():
+            with lock:  # signals reach only the main thread
+                yield
+            return
+        self._stepping |= step
+        ended = False
+        try:
+            with lock:
+                self._depth += 1
+                try:
+                    yield
+                finally:
+                    self._depth -= 1
+            ended = True
+        finally:  # even after an exception: the signal still ends the process
+            if self._depth == 0:
+                self._run(step and ended, closed())
+
+    def _run(self, step: bool, closed: bool) -> None:
+        """``step``: a step ended (not by an exception: the other ranks are not here then)."""
+        deferred = self._deferred
+        agreed = self._agreeing() and not closed
+        if agreed:
+            if not step or not any(self._group.exchange(("whole_step",), lambda: deferred is not None)):
+                return
+            if deferred is None and self.save_here is not None:
+                self.done = True  # every rank saves now, and once
+                self.save_here()  # not signalled (yet) here: save with the others, go on
+                return
+        if deferred is not None:
+            self._deferred, self._now = None, True
+            try:
+                deferred()
+            finally:
+                self._now, self.done = False, self.done or agreed
 
 
 #: The Checkpointer's side of a signal: ``(snapshot, timeout_s, signum, again)`` runs the final

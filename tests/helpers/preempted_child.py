@@ -1,25 +1,29 @@
 """A training run that saves every 5 steps and on SIGTERM (``save_on_signal``), for the preemption tests.
 
-    python tests/helpers/preempted_child.py DIR [--slow-final] [--signal-at N] [--bare]
+    python tests/helpers/preempted_child.py DIR [--slow-final] [--signal-at N] [--bare] [--timeout S]
 
 Prints ``step N`` after each step. The weight is ``step`` everywhere, so a checkpoint's
 content says which step it holds. Each step runs inside ``ckpt.whole_step()``, as the recipe
 has it; ``--bare`` leaves that out. With ``--slow-final`` the final save's writes hang, so it
 cannot commit within its 2 s. With ``--signal-at N`` the run sends itself SIGTERM in the middle
-of step N, between its weight and its counter.
+of step N, between its weight and its counter. With ``WORLD_SIZE`` (and ``RANK``, ``MASTER_*``)
+set it is one rank of a gloo group whose steps all-reduce, as DDP's do, and every rank saves.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 from contextlib import nullcontext
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nbckpt import Checkpointer
 from nbckpt.engine._store import LocalStore
@@ -31,8 +35,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--slow-final", action="store_true")
     parser.add_argument("--signal-at", type=int, default=0)
     parser.add_argument("--bare", action="store_true")
+    parser.add_argument("--timeout", type=float, default=2.0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # nbckpt's log on stderr
+    torch.manual_seed(0)  # the same bias on every rank: a replicated model
     model = torch.nn.Linear(64, 64)
     final = threading.Event()
     if args.slow_final:
@@ -50,12 +56,17 @@ def main(argv: list[str]) -> int:
         final.set()
         return {"model": model, "step": step}, step
 
+    ranks = "WORLD_SIZE" in os.environ
+    if ranks:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     ckpt = Checkpointer(args.directory, keep=2)
-    ckpt.save_on_signal(snapshot, timeout_s=2.0)
+    ckpt.save_on_signal(snapshot, timeout_s=args.timeout)
     while True:
         with nullcontext() if args.bare else ckpt.whole_step():
             with torch.no_grad():
                 model.weight.fill_(float(step + 1))
+            if ranks:
+                dist.all_reduce(torch.ones(1))  # the gradients' all-reduce: the ranks keep in step
             if step + 1 == args.signal_at:
                 signal.raise_signal(signal.SIGTERM)  # to this thread: its handler runs right here
             step += 1

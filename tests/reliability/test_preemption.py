@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers import preempted_child
+from helpers.ranks import RankProcess, free_port
 
 from nbckpt import Checkpointer
 
@@ -165,3 +169,41 @@ def test_whole_step_defers_the_final_save_past_a_failing_step_and_past_saves_ins
             assert ckpt.steps() == [1, 2, 3] and seen == [signal.SIGUSR1] * 2
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sigterm_to_every_rank_commits_one_final_step_of_all_of_them(tmp_path: Path, world_size: int) -> None:
+    """SIGTERM to every rank after step 12, as torchrun's agent forwards it: each rank's final
+    save waits for the end of its step (their all-reduce keeps them in step), and the ranks
+    commit one final step together, which plain ``dcp.load`` reads as nbckpt restores it."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, preempted_child.__file__, str(tmp_path / "run"), "--timeout", "30"]
+    others = [RankProcess.start(command, {**env, "RANK": str(rank)}) for rank in range(1, world_size)]
+    first = subprocess.Popen(command, env={**env, "RANK": "0"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None
+        for line in first.stdout:
+            if int(line.split()[1]) == 12:
+                for proc in [first, *(other.proc for other in others)]:
+                    proc.send_signal(signal.SIGTERM)
+                break
+        _, err = first.communicate(timeout=120)
+        ended = [(first.returncode, err), *[other.finish(120)[::2] for other in others]]
+    finally:
+        first.kill()
+        for other in others:
+            other.kill()
+    assert [code for code, _ in ended] == [-signal.SIGTERM] * world_size, ended
+    said = {re.search(r"SIGTERM: final save of step (\d+) committed", err) for _, err in ended}
+    steps = {int(match[1]) for match in said if match is not None}
+    assert len(steps) == 1 and None not in said, ended  # every rank, the same step
+    final = steps.pop()
+    with Checkpointer(tmp_path / "run") as ckpt:
+        assert ckpt.latest_step() == final >= 12
+        assert held_step(ckpt, final) == final
+        ckpt.verify(final)
+    plain = {"model.weight": torch.zeros(64, 64)}
+    dcp.load(plain, checkpoint_id=str(tmp_path / "run" / f"step-{final:06d}"))
+    assert torch.equal(plain["model.weight"], torch.full((64, 64), float(final)))
