@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Mapping
 from contextlib import closing
 from dataclasses import dataclass
+from typing import Any
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import is_url
@@ -29,7 +30,7 @@ from ._format import BRANCH_FILE, BRANCH_LIMIT, LOCK_FILE, MAIN, step_name
 from ._lines import Line, discover, on, write_record
 from ._ranks import Group
 from ._reader import damage_named, read_manifest
-from ._retention import RetentionPolicy, StepFacts, StepInfo, expired
+from ._retention import RetentionPolicy, StepFacts, StepInfo, doomed, expired, top_names
 from ._store import Store, open_store
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
@@ -276,7 +277,7 @@ class Mirror:
             store = self._target(entry.line)
             manifest, data = read_manifest(source, step, location)
             facts = self._facts_of(store)
-            if self._would_delete(facts, step, manifest.metrics):
+            if self._would_delete(facts, step, manifest.tree(0), manifest.metrics):
                 return  # retention on the mirror would delete it again at once
             with self._lock:
                 self._count += 1
@@ -311,18 +312,22 @@ class Mirror:
         """What retention knows of a mirror line's steps, kept across uploads (each adds its own)."""
         return self._facts.setdefault(store.url, StepFacts(store))
 
-    def _would_delete(self, facts: StepFacts, step: int, metrics: Mapping[str, float]) -> bool:
-        """Whether the mirror's retention, with ``step`` uploaded, would delete it at once."""
+    def _would_delete(
+        self, facts: StepFacts, step: int, tree: Mapping[str, Any], metrics: Mapping[str, float]
+    ) -> bool:
+        """Whether the mirror's retention, with ``step`` uploaded, would delete it at once (by
+        the rule of :func:`doomed`: only newer steps of its names count)."""
         if self.policy is None:
             return False
-        newer = [s for s in facts.store.committed() if s > step]
+        names = top_names(tree)
+        newer = [s for s in facts.store.committed() if s > step and facts.names(s) == names]
         infos = [*facts.infos(self.policy, newer), StepInfo(step, metrics)]
         return bool(newer) and step in expired(self.policy, infos, newest=max(newer))
 
     def _retain(self, facts: StepFacts, newest: int) -> None:
         """The mirror keeps what the run's directory keeps (never the step just uploaded)."""
         store = facts.store
-        for step in expired(self.policy, facts.infos(self.policy, store.committed()), newest=newest):
+        for step in doomed(self.policy, facts, newest):
             try:
                 store.delete(step)
             except Exception as exc:

@@ -1,7 +1,8 @@
 """Which committed steps to keep, one rule for the saver, the mirror and the integrations: as
 Orbax v1's preservation policies, a policy is told every committed step (with its metrics) and
 answers which to keep; :class:`AnyOf` combines them; ``keep=3`` is :class:`LatestN` ``(3)``.
-Whoever deletes (the saver after each commit, the mirror after each upload) asks :func:`expired`.
+Whoever deletes (the saver after each commit, the mirror after each upload) asks :func:`doomed`,
+the one retention decision of a line: the run's directory and its mirror keep the same steps.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ._workers import Worker
 
 __all__ = [
     "AnyOf", "BestN", "CustomSteps", "EveryNSteps", "LatestN", "Retainer", "RetentionPolicy", "StepFacts",
-    "StepInfo", "check_metrics", "expired", "listed", "policy_of"
+    "StepInfo", "check_metrics", "doomed", "expired", "listed", "policy_of", "top_names"
 ]
 
 
@@ -256,6 +257,24 @@ class StepFacts:
         return facts
 
 
+def doomed(
+    policy: RetentionPolicy | None, facts: StepFacts, newest: int, older: Iterable[int] | None = None
+) -> list[int]:
+    """The steps of ``facts``' line to delete once ``newest`` has committed, oldest first: of the
+    steps committed before it (``older``; all the line's steps if None), those holding
+    ``newest``'s top-level names (a stray save never rotates out the run's real ones, nor they
+    it) that ``policy`` does not keep; never ``newest``. The run and its mirror both ask this."""
+    if policy is None:
+        return []
+    names = facts.names(newest)
+    before = None if older is None else set(older)
+    steps = [
+        s for s in facts.store.committed()
+        if (before is None or s in before or s == newest) and facts.names(s) == names
+    ]
+    return expired(policy, facts.infos(policy, steps), newest=newest)
+
+
 def check_metrics(metrics: Any) -> dict[str, float]:
     """``metrics`` given to a save as a dict of names to floats, NaN and infinities left out (a
     diverged loss ranks no step; JSON has no such numbers); ConfigError naming a bad entry."""
@@ -308,12 +327,11 @@ class Retainer:
         self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None],
         done: Future[None],
     ) -> None:
-        store, names = facts.store, facts.names(newest)
+        store = facts.store
         try:
-            steps = [s for s in store.committed() if (s in older or s == newest) and facts.names(s) == names]
-            doomed = expired(self.policy, facts.infos(self.policy, steps), newest=newest)
-            busy = self._release(store, doomed) if self._release is not None and doomed else set()
-            for step in doomed:
+            deleting = doomed(self.policy, facts, newest, older)
+            busy = self._release(store, deleting) if self._release is not None and deleting else set()
+            for step in deleting:
                 if step not in busy:
                     self._delete(store, step, deleted)
         except Exception as exc:

@@ -128,3 +128,22 @@ def test_non_finite_metrics_are_left_out(tmp_path: Path) -> None:
         ckpt.save({"w": torch.zeros(2)}, 3, metrics={"loss": 0.7})
         ckpt.wait()
         assert ckpt.steps() == [1, 3]  # the diverged step 2 is no best one
+
+
+def test_the_mirror_applies_the_runs_retention_rule_to_a_stray_save(tmp_path: Path) -> None:
+    """One retention decision for both tiers: with ``keep=2``, three model saves and a stray
+    ``{"x": 5}`` keep the two model steps beside the stray one, locally and on the mirror (the
+    mirror counted every step alike and kept one model step: after losing the local disk,
+    ``keep=2`` had promised two)."""
+    with Checkpointer(tmp_path / "run", keep=2, mirror=str(tmp_path / "mirror")) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save({"model": {"w": torch.full((2,), float(step))}}, step)
+        ckpt.wait()
+        with pytest.warns(UserWarning, match="step 4 holds 'x'"):
+            ckpt.save({"x": 5}, 4)
+        ckpt.wait()
+        ckpt.retain()
+        ckpt.wait()
+        local = ckpt.steps()
+    with Checkpointer(tmp_path / "mirror", read_only=True) as mirror:
+        assert mirror.steps() == local == [2, 3, 4]
