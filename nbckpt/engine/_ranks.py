@@ -3,6 +3,10 @@ error)``, the tag naming the operation and step. An exception on any rank is an 
 (a ConfigError stays one), tags that differ are "ranks are out of step" on all, and a rank that
 died fails the others within ``timeout_s``. Each thread that talks to other ranks (the caller's,
 the background writer's) has its own process group, so their collectives never interleave.
+Before each of the caller's collectives the ranks check in through the default group's store,
+so that a save called on some ranks only (nanoGPT's ``if master_process:`` around it, while the
+others wait in DDP's all-reduce) is a ConfigError within :data:`ARRIVAL_TIMEOUT_S`, not a hang
+until the process group's timeout.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -25,15 +30,51 @@ Tag = tuple[Any, ...]
 _opened = itertools.count()
 #: How long the ranks wait for each other to create a Checkpointer before saying why not.
 JOIN_TIMEOUT_S = 60.0
+#: How long a rank waits for the others to reach the same Checkpointer call. Ranks of a training
+#: job come to a save from the same step (their gradients' all-reduce keeps them together), so a
+#: rank still missing after this long is in something else.
+ARRIVAL_TIMEOUT_S = 30.0
+
+
+class Arrivals:
+    """The ranks' check-in before each collective of one group, in the default group's store:
+    each rank sets its key for the collective and waits, within a deadline, for everyone's."""
+
+    def __init__(self, store: Any, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
+        self._store, self._prefix, self._rank, self._world = store, prefix, rank, world_size
+        self._timeout = timeout_s
+        self._count = 0
+
+    def wait(self, tag: Tag) -> None:
+        """Return once every rank has reached this collective; ConfigError naming the ranks
+        missing after the deadline."""
+        self._count += 1
+        here = f"{self._prefix}/{self._count}"
+        self._store.set(f"{here}/{self._rank}", "")
+        if self._count > 2:  # every rank has passed the collective after that one: never read again
+            with suppress(Exception):  # a store that cannot delete only keeps a few bytes more
+                self._store.delete_key(f"{self._prefix}/{self._count - 2}/{self._rank}")
+        keys = [f"{here}/{r}" for r in range(self._world)]
+        try:
+            self._store.wait(keys, timedelta(seconds=min(ARRIVAL_TIMEOUT_S, self._timeout)))
+        except Exception as exc:
+            missing = [str(r) for r, key in enumerate(keys) if not self._store.check([key])]
+            raise ConfigError(
+                f"rank {self._rank} is in {_what(tag)}, rank(s) {', '.join(missing)} did not come to it "
+                f"within {min(ARRIVAL_TIMEOUT_S, self._timeout):.0f} s: every rank must make the same "
+                "Checkpointer calls, or pass ranks='local' to save on one rank alone (as under "
+                "nanoGPT's 'if master_process:')"
+            ) from exc
 
 
 class Group:
     """The collectives of one thread; ``pg`` is None for a single process (no communication)."""
 
-    def __init__(self, pg: Any, rank: int, world_size: int) -> None:
+    def __init__(self, pg: Any, rank: int, world_size: int, arrivals: Arrivals | None = None) -> None:
         self.pg = pg
         self.rank = rank
         self.world_size = world_size
+        self._arrivals = arrivals
 
     def exchange(self, tag: Tag, run: Callable[[], T]) -> list[T]:
         """Run ``run`` here, give every rank every rank's result; an error anywhere is raised on
@@ -49,6 +90,8 @@ class Group:
             error = exc
         if self.pg is None:
             return [value]
+        if self._arrivals is not None:
+            self._arrivals.wait(tag)
         sent = (tag, None if error is not None else value, _summary(error))
         gathered: list[Any] = [None] * self.world_size
         try:
@@ -125,7 +168,7 @@ def join(mode: str, timeout_s: float) -> RankInfo:
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("ranks='all' needs torch.distributed initialized (torchrun); use ranks='local'")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    _meet(rank, world_size)
+    opened = _meet(rank, world_size)
     timeout = timedelta(seconds=timeout_s)
     try:
         groups = [dist.new_group(backend="gloo", timeout=timeout) for _ in range(2)]
@@ -133,14 +176,19 @@ def join(mode: str, timeout_s: float) -> RankInfo:
         raise CheckpointError(
             f"could not set up the ranks' checkpoint groups: {describe_error(exc)}"
         ) from exc
-    return RankInfo(Group(groups[0], rank, world_size), Group(groups[1], rank, world_size))
+    store = default_store()
+    # only the caller's calls can be made on some ranks only; the background thread's
+    # collectives follow a save every rank has entered
+    arrivals = None if store is None else Arrivals(store, f"nbckpt/in/{opened}", rank, world_size, timeout_s)
+    return RankInfo(Group(groups[0], rank, world_size, arrivals), Group(groups[1], rank, world_size))
 
 
-def _meet(rank: int, world_size: int) -> None:
+def _meet(rank: int, world_size: int) -> int:
+    """The number of this Checkpointer among those the ranks opened (the same on every rank)."""
+    opened = next(_opened)
     store = default_store()
     if store is None:
-        return
-    opened = next(_opened)
+        return opened
     prefix = f"nbckpt/open/{opened}"
     store.set(f"{prefix}/{rank}", str(os.getpid()))
     try:
@@ -152,3 +200,4 @@ def _meet(rank: int, world_size: int) -> None:
             f"within {JOIN_TIMEOUT_S:.0f} s; every rank must create it, or pass ranks='local' when "
             "one rank saves alone (as Lightning and nanoGPT do)"
         ) from exc
+    return opened

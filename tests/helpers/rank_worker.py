@@ -82,6 +82,7 @@ def _tree_steps(ckpt: Checkpointer, step: int) -> dict[str, Any]:
 
 def skip(directory: str) -> dict[str, Any]:
     """Rank 1 raises between saves and misses step 2; both ranks go on saving."""
+    _ranks.ARRIVAL_TIMEOUT_S = 3.0  # the last save of the rank ahead waits for one that never comes
     results = {}
     with Checkpointer(directory, mode="sync", timeout_s=60) as ckpt:
         for step in (1, 2, 3, 4):
@@ -142,6 +143,22 @@ def rank0_only_auto(directory: str) -> dict[str, Any]:
             "seconds": time.monotonic() - began,
         }
     dist.barrier()
+    return result
+
+
+def save_on_rank0_only(directory: str) -> dict[str, Any]:
+    """nanoGPT's natural adoption: every rank has a Checkpointer, only rank 0 calls ``save``
+    (inside ``if master_process:``) while the others go on to the next step's all-reduce."""
+    _ranks.ARRIVAL_TIMEOUT_S = 3.0
+    model = torch.nn.Linear(4, 4)
+    result: dict[str, Any] = {}
+    with Checkpointer(directory, timeout_s=120) as ckpt:
+        if RANK == 0:
+            began = time.monotonic()
+            result = {"outcome": outcome(lambda: ckpt.save({"model": model}, step=1)),
+                      "seconds": time.monotonic() - began}
+        dist.all_reduce(torch.ones(1))  # the next step's gradients (rank 1 waits here all along)
+        result["steps"] = ckpt.steps()
     return result
 
 
@@ -215,6 +232,7 @@ SCENARIOS = {
         stale_listing,
         rank0_only,
         rank0_only_auto,
+        save_on_rank0_only,
         tied,
         rng_rank0_only,
         rng_every_rank,
