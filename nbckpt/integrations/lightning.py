@@ -5,7 +5,10 @@
 
 Each path Lightning saves to (``epoch=3-step=40.ckpt``, ``last.ckpt``) becomes a *pointer*: a
 symlink to a step of one nbckpt directory, ``.nbckpt/`` beside it, made once that step has
-committed, so ``fit(ckpt_path="last")`` never finds a checkpoint that is not durable. A save equal
+committed, so ``fit(ckpt_path="last")`` never finds a checkpoint that is not durable. A new name
+exists from the moment ``save_checkpoint`` accepts the save (a small *reservation* file the
+pointer replaces), because ``ModelCheckpoint`` picks its ``-vN`` names by what exists: a name
+still missing while its save was in flight was handed out again, and the save it named lost. A save equal
 to the step written last (``save_last`` saves the top-k state again) writes nothing and points to
 that step. The engine's retention keeps the steps the pointers name. Under DDP only global rank 0
 saves (Lightning calls the plug-in there alone); every rank reads without a lock.
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -53,6 +58,10 @@ _RESERVED = {"ranks", "keep", "read_only"}
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 #: The ending of a pointer being made (a name Lightning never looks for).
 _TEMPORARY = ".nbckpt-tmp"
+#: What a reservation file holds: a name taken by a save that has not committed yet.
+_RESERVED_FORMAT = "nbckpt-reserved/1"
+#: The plug-ins of this process, for :func:`load_from_checkpoint` of a name still reserved.
+_LIVE: weakref.WeakSet[NbckptCheckpointIO] = weakref.WeakSet()
 
 
 class NbckptCheckpointIO(CheckpointIO):
@@ -79,6 +88,7 @@ class NbckptCheckpointIO(CheckpointIO):
         self._pending: dict[str, SaveHandle] = {}  # pointers not made yet, by path
         self._errors: list[CheckpointError] = []
         _register_with_twin()
+        _LIVE.add(self)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
@@ -105,6 +115,8 @@ class NbckptCheckpointIO(CheckpointIO):
         handle = last[1]
         with self._lock:
             self._pending[target] = handle  # supersedes an earlier save to this name
+            if not os.path.lexists(target):  # a name in use keeps its old pointer until the commit
+                _reserve(target, handle.step)
         # On nbckpt's committing thread before its retention pass, or here and now when committed.
         handle.committed.add_done_callback(lambda _: self._link(target, handle))
         if handle.done():
@@ -116,14 +128,27 @@ class NbckptCheckpointIO(CheckpointIO):
             if self._pending.get(target) is not handle:
                 return  # made already, saved again or removed meanwhile
             del self._pending[target]
-            if handle.error is not None:
-                return  # a save's own error reaches the caller from nbckpt
+            if handle.error is not None:  # a save's own error reaches the caller from nbckpt
+                if _reserved_step(target) == handle.step:
+                    os.unlink(target)  # the name it reserved was never a checkpoint
+                return
             try:
                 _point(target, handle.step)
             except BaseException as exc:  # raised from the caller's next call, never lost here
                 error = CheckpointError(f"making the pointer {target} failed: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
                 self._errors.append(error)
+
+    def settle(self, target: str) -> None:
+        """Wait until the save ``target`` names, if it is one of this plug-in's in flight, has
+        committed and made its pointer (raise its failure)."""
+        with self._lock:
+            handle = self._pending.get(target)
+        if handle is not None:
+            try:
+                handle.wait()
+            finally:
+                self._link(target, handle)
 
     def _named(self, root: str) -> set[int]:
         """The steps of ``root`` a pointer names (the retention policy's answer), pending pointers
@@ -223,8 +248,9 @@ class NbckptCheckpointIO(CheckpointIO):
                 if old is not None and os.path.realpath(old[0]) == real_root:
                     _point(entry.path, old[1])  # an earlier nbckpt's JSON pointer: retention sees links
             keep = CustomSteps(lambda: self._named(root))
-            self._roots[root] = Checkpointer(root, config=self._config, ranks="local", keep=keep)
-            self._roots[root].retain()  # steps of a killed run that no pointer ever named
+            ckpt = self._roots[root] = Checkpointer(root, config=self._config, ranks="local", keep=keep)
+            _settle_reservations(os.path.dirname(root), set(ckpt.steps()))
+            ckpt.retain()  # steps of a killed run that no pointer ever named
         return self._roots[root]
 
 
@@ -244,6 +270,39 @@ def _point(target: str, step: int) -> None:
     fsync_dir(os.path.dirname(target))
 
 
+def _reserve(target: str, step: int) -> None:
+    """Take the name ``target`` for ``step`` before it commits (see the module's docstring).
+    Not fsynced: on the caller's thread it would add to the stall, and a reopened plug-in
+    settles every reservation a crash left (:func:`_settle_reservations`)."""
+    temporary = target + _TEMPORARY
+    with open(temporary, "wb") as f:
+        f.write(json.dumps({"format": _RESERVED_FORMAT, "step": step}).encode())
+    os.replace(temporary, target)
+
+
+def _reserved_step(path: str) -> int | None:
+    """The step a reservation file at ``path`` holds the name for, else None."""
+    if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > 256:
+        return None
+    with open(path, "rb") as f:
+        try:
+            body = json.loads(f.read())
+        except ValueError:
+            return None
+    step = body.get("step") if isinstance(body, dict) and body.get("format") == _RESERVED_FORMAT else None
+    return step if type(step) is int else None
+
+
+def _settle_reservations(directory: str, committed: set[int]) -> None:
+    """Reservations a killed run left: its pointer if the step committed, else no name."""
+    for entry in os.scandir(directory):
+        step = _reserved_step(entry.path)
+        if step is not None and step in committed:
+            _point(entry.path, step)
+        elif step is not None:
+            os.unlink(entry.path)
+
+
 def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: Any) -> _T:
     """``cls.load_from_checkpoint(path, **kwargs)`` for a path nbckpt saved (a pointer), or any other.
 
@@ -255,6 +314,8 @@ def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: 
     if loader is None:
         raise ConfigError(f"{cls.__name__} has no load_from_checkpoint (not a LightningModule or DataModule)")
     target = _local_path(path)
+    for plugin in list(_LIVE):  # a name saved a moment ago: its step first commits
+        plugin.settle(target)
     if os.path.isfile(target) and not earlier_pointer(target):
         return loader(target, **kwargs)
     buffer = io.BytesIO()

@@ -13,9 +13,11 @@ import pytest
 
 pytest.importorskip("lightning")
 
+import lightning.pytorch as pl
 import torch
 from helpers.ranks import RankProcess, finish_all, free_port
-from integrations.lit_app import TinyModel, digest, fit
+from integrations.lit_app import TinyModel, data, digest, fit
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError, CustomSteps
 from nbckpt.integrations import export, load
@@ -108,11 +110,46 @@ def test_pointer_written_only_after_commit(tmp_path: Path) -> None:
         net.weight.add_(1)
     target = tmp_path / "epoch=1.ckpt"
     io.save_checkpoint({"state_dict": net.state_dict(), "epoch": 1}, target)
-    assert not target.exists()  # copied, not committed: no name for it yet
+    # copied, not committed: no pointer yet, but the name is taken (ModelCheckpoint's version
+    # counter asks whether it exists: it handed a name out again while its save was in flight)
+    assert "epoch=1.ckpt" not in _names(tmp_path) and target.exists() and not target.is_symlink()
+    again = tmp_path / "warm.ckpt"
+    io.save_checkpoint({"state_dict": net.state_dict(), "epoch": 1}, again)
+    assert _names(tmp_path)["warm.ckpt"] == 1  # a name in use keeps its old pointer until the commit
     gate.set()
     io.teardown()
-    assert _names(tmp_path)["epoch=1.ckpt"] == max(_steps(tmp_path))
+    assert _names(tmp_path)["epoch=1.ckpt"] == _names(tmp_path)["warm.ckpt"] == max(_steps(tmp_path))
     assert torch.equal(io.load_checkpoint(target)["state_dict"]["weight"], net.weight)
+
+
+def test_a_version_counted_name_is_never_handed_out_twice(tmp_path: Path) -> None:
+    """Issue 31, item 2: ``filename="test"``, a monitor and ``save_top_k=-1`` over 4 epochs keep
+    test, test-v1, test-v2 and test-v3, as Lightning's own IO does (nbckpt kept two: a name whose save was in
+    flight did not exist yet, so it was reused and the step it named deleted); each name holds
+    its own epoch, and one saved a moment ago loads at once."""
+    model = TinyModel()
+    trainer = pl.Trainer(
+        max_epochs=4, accelerator="cpu", plugins=[NbckptCheckpointIO()], logger=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="test", monitor="train_loss", save_top_k=-1)],
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, data())
+    names = _names(tmp_path)
+    assert sorted(names) == ["test-v1.ckpt", "test-v2.ckpt", "test-v3.ckpt", "test.ckpt"], names
+    assert len(set(names.values())) == 4 and _steps(tmp_path) == sorted(names.values())
+    epochs = [load(tmp_path / name)["epoch"] for name in ("test.ckpt", "test-v1.ckpt", "test-v2.ckpt")]
+    assert epochs == [0, 1, 2]
+
+
+def test_a_name_saved_a_moment_ago_loads_at_once(tmp_path: Path) -> None:
+    """Issue 31, item 2: ``trainer.save_checkpoint(p)`` then ``load_from_checkpoint(Model, p)``
+    (or ``fit(ckpt_path=p)``) found no ``p`` while its save was in flight."""
+    model, trainer = fit(tmp_path / "run", 1)
+    target = tmp_path / "run" / "manual.ckpt"
+    trainer.save_checkpoint(target)
+    loaded = load_from_checkpoint(TinyModel, target)
+    assert digest(loaded) == digest(model)
+    trainer.strategy.checkpoint_io.teardown()
 
 
 def test_remove_and_rename_free_steps(tmp_path: Path) -> None:
@@ -302,3 +339,18 @@ def test_an_event_whose_two_saves_are_equal_is_one_write(tmp_path: Path) -> None
     # what plain load and export see too
     assert load(tmp_path / "first" / "last.ckpt")["callbacks"][key]["last_model_path"].endswith("last.ckpt")
     first.teardown()
+
+
+def test_reservations_a_killed_run_left_are_settled(tmp_path: Path) -> None:
+    """A name reserved by a save that a kill cut short: its pointer if the step committed, no
+    name if it never did (the next plug-in on the directory settles them)."""
+    io = NbckptCheckpointIO(mode="sync")
+    io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "a.ckpt")
+    io.teardown()
+    for name, step in (("b.ckpt", 1), ("c.ckpt", 7)):
+        (tmp_path / name).write_text(json.dumps({"format": "nbckpt-reserved/1", "step": step}))
+    io = NbckptCheckpointIO(mode="sync")
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "d.ckpt")
+    io.teardown()
+    assert _names(tmp_path) == {"a.ckpt": 1, "b.ckpt": 1, "d.ckpt": 2}
+    assert not (tmp_path / "c.ckpt").exists()
