@@ -79,6 +79,10 @@ class NbckptCheckpointIO(CheckpointIO):
                 "ModelCheckpoint's save_top_k decides what to keep)"
             )
         self._config = CheckpointConfig.build(None, mode=mode, **options)  # fails now, not mid-fit()
+        self._start()
+
+    def _start(self) -> None:
+        """What a plug-in holds while it saves: none of it travels with a copy (see __getstate__)."""
         self._roots: dict[str, Checkpointer] = {}  # by nbckpt directory
         # By nbckpt directory: what the step written last holds (see _fingerprint), its save, and
         # its tensors, kept alive so that their memory cannot be reused by new ones.
@@ -89,6 +93,16 @@ class NbckptCheckpointIO(CheckpointIO):
         self._errors: list[CheckpointError] = []
         _register_with_twin()
         _LIVE.add(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``ddp_spawn`` pickles the Trainer to each process, ``copy.deepcopy(trainer)``,
+        ``torch.save(trainer)``) is a new plug-in with the same options: open directories,
+        threads and saves in flight stay with the original."""
+        return {"_config": self._config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._config = state["_config"]
+        self._start()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None

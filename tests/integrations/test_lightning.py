@@ -354,3 +354,20 @@ def test_reservations_a_killed_run_left_are_settled(tmp_path: Path) -> None:
     io.teardown()
     assert _names(tmp_path) == {"a.ckpt": 1, "b.ckpt": 1, "d.ckpt": 2}
     assert not (tmp_path / "c.ckpt").exists()
+
+
+def test_the_plugin_can_be_copied_and_pickled(tmp_path: Path) -> None:
+    """Issue 31, item 4: ``strategy="ddp_spawn"`` pickles the Trainer with its plug-in, as do
+    ``copy.deepcopy(trainer)`` and ``torch.save(trainer)`` ("cannot pickle '_thread.lock'").
+    A copy is a new plug-in with the same options that saves on its own."""
+    import copy
+    import pickle
+
+    io = NbckptCheckpointIO(mode="sync", writer_threads=3)
+    io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "a.ckpt")  # holds a directory, a lock, threads
+    for twin in (copy.deepcopy(io), pickle.loads(pickle.dumps(io))):
+        assert twin._config == io._config and twin._roots == {}
+        twin.save_checkpoint({"w": torch.ones(2)}, tmp_path / "other" / "b.ckpt")
+        twin.teardown()
+    io.teardown()
+    assert torch.equal(load(tmp_path / "other" / "b.ckpt")["w"], torch.ones(2))
