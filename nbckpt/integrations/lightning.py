@@ -20,6 +20,7 @@ use :func:`load_from_checkpoint` here, or :func:`nbckpt.integrations.export` for
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -60,6 +61,12 @@ _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _TEMPORARY = ".nbckpt-tmp"
 #: What a reservation file holds: a name taken by a save that has not committed yet.
 _RESERVED_FORMAT = "nbckpt-reserved/1"
+#: Hyperparameter classes Lightning records by class (``hparams_type`` beside Hydra/OmegaConf
+#: hyperparameters): a checkpoint names them by qualified name, and only these are imported back.
+_HPARAMS_TYPES = {
+    "omegaconf.dictconfig.DictConfig": ("omegaconf", "DictConfig"),
+    "omegaconf.listconfig.ListConfig": ("omegaconf", "ListConfig"),
+}
 #: The plug-ins of this process, for :func:`load_from_checkpoint` of a name still reserved.
 _LIVE: weakref.WeakSet[NbckptCheckpointIO] = weakref.WeakSet()
 
@@ -117,6 +124,7 @@ class NbckptCheckpointIO(CheckpointIO):
         with self._lock:
             if self._errors:
                 raise self._errors.pop(0)
+        checkpoint = _portable(checkpoint)
         root = os.path.join(os.path.dirname(target), ROOT_NAME)
         ckpt = self._open(root)
         tensors: list[torch.Tensor] = []
@@ -202,7 +210,7 @@ class NbckptCheckpointIO(CheckpointIO):
             own = TorchCheckpointIO().load_checkpoint
             return own(target, map_location=map_location, weights_only=weights_only)
         location = None if callable(map_location) else map_location  # Lightning's default: on CPU
-        return load(target, map_location=location)
+        return _revived(load(target, map_location=location))
 
     @property
     def records(self) -> list[SaveRecord]:
@@ -284,6 +292,32 @@ def _point(target: str, step: int) -> None:
     fsync_dir(os.path.dirname(target))
 
 
+def _portable(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` with Hydra/OmegaConf hyperparameters as plain containers (interpolations
+    kept as written) and the class Lightning records beside them as its qualified name, as
+    Lightning's own older checkpoints have it."""
+    out = dict(checkpoint)
+    for key, value in checkpoint.items():
+        if key.endswith("hparams_type") and isinstance(value, type):
+            out[key] = f"{value.__module__}.{value.__qualname__}"
+        elif type(value).__module__.startswith("omegaconf."):
+            from omegaconf import OmegaConf  # present: the value is one of its containers
+
+            out[key] = OmegaConf.to_container(value, resolve=False)
+    return out
+
+
+def _revived(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`_portable` changed, back: the recorded class of an allow-listed name (with
+    omegaconf missing, the name stays, which Lightning reads as a plain dict of hyperparameters)."""
+    for key, value in checkpoint.items():
+        if key.endswith("hparams_type") and isinstance(value, str) and value in _HPARAMS_TYPES:
+            module, name = _HPARAMS_TYPES[value]
+            with contextlib.suppress(ImportError):
+                checkpoint[key] = getattr(importlib.import_module(module), name)
+    return checkpoint
+
+
 def _reserve(target: str, step: int) -> None:
     """Take the name ``target`` for ``step`` before it commits (see the module's docstring).
     Not fsynced: on the caller's thread it would add to the stall, and a reopened plug-in
@@ -333,7 +367,7 @@ def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: 
     if os.path.isfile(target) and not earlier_pointer(target):
         return loader(target, **kwargs)
     buffer = io.BytesIO()
-    torch.save(load(target), buffer)
+    torch.save(_revived(load(target)), buffer)
     buffer.seek(0)
     # These bytes were pickled a line above from values nbckpt decoded as JSON: nothing foreign
     # is unpickled, and weights_only would refuse saved hyperparameters such as a Namespace.

@@ -371,3 +371,29 @@ def test_the_plugin_can_be_copied_and_pickled(tmp_path: Path) -> None:
         twin.teardown()
     io.teardown()
     assert torch.equal(load(tmp_path / "other" / "b.ckpt")["w"], torch.ones(2))
+
+
+def test_hydra_hyperparameters_are_saved_and_come_back_as_they_were(tmp_path: Path) -> None:
+    """Issue 31, item 3: ``save_hyperparameters(DictConfig)`` (Hydra) made the first checkpoint
+    fail ("hparams_type holds a ABCMeta"); Lightning's own IO saves it. Saved as plain
+    containers and the class's name, they load back as a DictConfig, interpolation included."""
+    omegaconf = pytest.importorskip("omegaconf")
+    config = omegaconf.OmegaConf.create({"hidden": 8, "lr": 0.05, "tags": ["a", "b"], "twice": "${hidden}"})
+
+    class HydraModel(TinyModel):
+        def __init__(self, cfg: Any) -> None:
+            super().__init__(hidden=cfg.hidden, lr=cfg.lr)
+            self.save_hyperparameters(cfg)
+
+    model = HydraModel(config)
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", plugins=[NbckptCheckpointIO()], logger=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, data())
+    trainer.strategy.checkpoint_io.teardown()
+    loaded = load_from_checkpoint(HydraModel, tmp_path / "last.ckpt")
+    assert isinstance(loaded.hparams, omegaconf.DictConfig)
+    assert loaded.hparams == config and loaded.hparams.twice == 8
+    assert digest(loaded) == digest(model)
