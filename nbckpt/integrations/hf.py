@@ -8,7 +8,8 @@
 The Trainer's own policy decides *when* to save (``save_strategy``, ``save_steps``); at each of
 those moments the callback starts an nbckpt save of the model, optimizer, LR scheduler, RNG
 states and ``TrainerState``, returns once it is copied, and tells the Trainer not to write its own
-synchronous ``checkpoint-N/`` folder. ``keep`` plays ``save_total_limit``'s part (a number, or a
+synchronous ``checkpoint-N/`` folder. ``keep`` plays ``save_total_limit``'s part (without
+``keep``, ``save_total_limit`` itself applies; with both, ``keep`` does, with a warning; a number, or a
 retention policy such as ``BestN("eval_loss", 2)``: each save carries the step's evaluation
 metrics); as with ``save_total_limit``, the Trainer's best step is kept too. When the step
 is also evaluated, the save waits for the evaluation, as the Trainer's own does, so the saved
@@ -89,9 +90,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
             )
         self.directory = os.path.abspath(os.fspath(directory))
         config = CheckpointConfig.build(None, mode=mode, keep=keep, **options)  # fail now, not mid-run
-        if config.retention is not None:  # as save_total_limit does, never delete the best step
-            config = CheckpointConfig.build(config, keep=AnyOf(config.retention, CustomSteps(self._best)))
-        self._config = config
+        self._config = self._with_best(config)
         self._ckpt: Checkpointer | None = None
         self._saved: set[int] = set()  # steps on disk at the start and saved since: the same on every rank
         self.handles: list[SaveHandle] = []
@@ -113,9 +112,24 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
             self._saved = set(self._ckpt.steps())
         return self._ckpt
 
+    def _with_best(self, config: CheckpointConfig) -> CheckpointConfig:
+        """As ``save_total_limit`` does, a retention that never deletes the Trainer's best step."""
+        if config.retention is None:
+            return config
+        return CheckpointConfig.build(config, keep=AnyOf(config.retention, CustomSteps(self._best)))
+
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        limit = args.save_total_limit
+        if limit and self._ckpt is None:  # the Trainer's own retention, taken over with its saves
+            if self._config.keep is None:
+                self._config = self._with_best(CheckpointConfig.build(self._config, keep=limit))
+            else:
+                _log.warning(
+                    "nbckpt: NbckptCallback keeps %s; TrainingArguments.save_total_limit=%s is not "
+                    "applied (pass one of the two)", self._config.keep, limit
+                )
         _ = self.ckpt  # open now: a bad directory fails before training, on every rank
 
     # -- saving -------------------------------------------------------------------------------

@@ -131,6 +131,26 @@ def test_keep_keeps_the_best_step_for_load_best_model_at_end(tmp_path: Path) -> 
         assert ckpt.steps() == [4, 12]  # the best, and the newest that retention never deletes
 
 
+def test_save_total_limit_applies_to_the_callbacks_steps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 31, item 7: ``save_total_limit=2`` with the callback kept every step, silently.
+    Without ``keep`` it applies to nbckpt's steps; with both, ``keep`` does and a line says so."""
+    cb = NbckptCallback(tmp_path / "ckpt")
+    train(tmp_path / "out", [cb], save_total_limit=2)
+    cb.close()
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+        assert ckpt.steps() == [8, 12]
+    both = NbckptCallback(tmp_path / "both", keep=3)
+    with caplog.at_level("WARNING", logger="nbckpt"):
+        train(tmp_path / "out2", [both], save_total_limit=1)
+    both.close()
+    said = "NbckptCallback keeps the newest 3 and the steps named; TrainingArguments.save_total_limit=1"
+    assert said in caplog.text
+    with Checkpointer(tmp_path / "both", read_only=True) as ckpt:
+        assert ckpt.steps() == [4, 8, 12]
+
+
 def test_bad_options_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="keep must be"):
         NbckptCallback(tmp_path / "ckpt", keep="2")
