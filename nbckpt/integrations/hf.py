@@ -150,6 +150,12 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         if self._due and control.should_save:  # still ours: no other callback took the save back
             self._save(args, state, control, kwargs, kwargs.get("metrics") or {})
 
+    def on_log(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._due and control.should_save and not control.should_evaluate:  # else on_evaluate saves
+            self._save(args, state, control, kwargs, None)
+
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -174,8 +180,11 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         if not control.should_save or objects.get("model") is None or objects.get("optimizer") is None:
             return  # nothing to take over: the Trainer saves by itself
-        if control.should_evaluate:
-            self._due = True  # the Trainer evaluates, then saves: so does this callback
+        if control.should_evaluate or control.should_log:
+            # the Trainer logs and evaluates, then saves (the step's log line is in its saved
+            # state): so does this callback, from on_log or on_evaluate; if neither comes, the
+            # save is still the Trainer's to make
+            self._due = True
         else:
             self._save(args, state, control, objects, None)
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -149,6 +150,27 @@ def test_save_total_limit_applies_to_the_callbacks_steps(
     assert said in caplog.text
     with Checkpointer(tmp_path / "both", read_only=True) as ckpt:
         assert ckpt.steps() == [4, 8, 12]
+
+
+def test_the_log_history_of_a_resumed_run_is_the_straight_runs(tmp_path: Path) -> None:
+    """Issue 31, item 8: the saved TrainerState lacked the save step's log line (the callback
+    saved before the Trainer logged), so a resumed run's log_history missed it (transformers'
+    test_can_resume_training fails on exactly that). The save now follows the step's log."""
+    straight_cb = NbckptCallback(tmp_path / "straight-ckpt")
+    straight = train(tmp_path / "straight", [straight_cb], logging_steps=2)
+    straight_cb.close()
+    first = NbckptCallback(tmp_path / "ckpt")
+    train(tmp_path / "out", [first], stop_at=6, logging_steps=2)
+    first.close()
+    second = NbckptCallback(tmp_path / "ckpt")
+    resumed = train(tmp_path / "out", [second], resume=second.resume_checkpoint(), logging_steps=2)
+    second.close()
+
+    def steps(trainer: Any) -> list[dict[str, Any]]:
+        return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+    assert [e["step"] for e in steps(straight)] == [2, 4, 6, 8, 10, 12]
+    assert steps(resumed) == steps(straight)
 
 
 def test_bad_options_are_refused(tmp_path: Path) -> None:
