@@ -37,7 +37,13 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import _internal as bench
 
     progress = None if args.quiet else lambda line: print(line, file=sys.stderr, flush=True)
-    comparison = bench.run_bench_from_args(args, progress)
+    if bench.in_torchrun():  # one rank of many: rank 0 alone prints and writes the results
+        ranked = bench.run_bench_on_ranks(args, progress)
+        if ranked is None:
+            return 0
+        comparison = ranked
+    else:
+        comparison = bench.run_bench_from_args(args, progress)
     print(comparison.table())
     if args.json is not None:
         comparison.to_json(args.json)
