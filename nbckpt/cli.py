@@ -30,6 +30,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     from .bench._internal import add_bench_arguments  # shared with %ckpt_bench
 
     add_bench_arguments(parser)
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the last repeat's checkpoints under --dir, to inspect or restore "
+                        "them (default: remove every run's checkpoints after it)")
 
 
 def _bench(args: argparse.Namespace) -> int:

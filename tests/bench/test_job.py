@@ -69,3 +69,20 @@ def test_a_rank_that_writes_nothing_adds_no_span_and_a_tie_names_the_lowest_rank
     assert row["ranks_writing"] == 1 and row["bytes"] == 1_000
     assert job["strategies"][1]["straggler"]["rank"] == 0
     assert straggler({}, {}) is None
+
+
+def test_a_rank_holds_a_gpt_replicated_and_any_other_state_under_keys_of_its_own() -> None:
+    from nbckpt.bench._ranks import RankWorkload
+    from nbckpt.bench._workloads import gpt, synthetic
+
+    replicated = RankWorkload(gpt("tiny"), rank=1, world_size=2)
+    own = RankWorkload(synthetic(0.25, compute_ms=0), rank=1, world_size=2)
+    assert replicated.replicated and not own.replicated
+    assert replicated.share_bytes == -(-replicated.nbytes // 2) and own.share_bytes == own.nbytes
+    own.build()
+    own.step = 3  # the runner sets the step it trains next
+    own.train_step()
+    state = own.state()
+    assert list(state["model"]) == ["rank1"] and state["step"] == own.inner.step == 4
+    assert "own state on each of 2 ranks" in own.describe()
+    assert "replicated (DDP-like) on 2 ranks" in replicated.describe()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from nbckpt.bench import Comparison
+
 HELPER = Path(__file__).parents[1] / "helpers" / "bench_rank_worker.py"
 WRITERS = ["torch-save", "dcp-sync", "nbckpt-async"]
 SLOW_RANK, SLOW_S = 1, 0.4
@@ -37,6 +39,9 @@ def test_two_ranks_report_every_rank_the_job_and_the_slowed_rank_as_straggler(tm
     assert done.stdout.count("results written to") == 1, done.stdout
     assert done.stdout.count("on 2 ranks, 1 host(s)") == 1
     document = json.loads(out.read_text())
+    again = Comparison.from_json(out)  # the job's figures read back, and shown under the table
+    assert again.job == document["job"] and again.ranks == document["ranks"]
+    assert "straggler rank 1" in again.table()
     rows = {(row["rank"], row["strategy"]): row for row in document["ranks"]}
     assert set(rows) == {(rank, name) for rank in (0, 1) for name in ["none", *WRITERS]}
     host = socket.gethostname()

@@ -3,7 +3,7 @@
 python -m torch.distributed.run --standalone --nproc-per-node 2 tests/helpers/bench_rank_worker.py \
     SLOW_RANK SLOW_S bench --dir DIR ...
 
-The fault seam (``nbckpt.bench._ranks.arm_slow``) is armed here, in the rank's own code, as
+The fault seam (``arm_slow``, in ``nbckpt.bench._ranks``) is armed here, in the rank's own code, as
 ``arm_crash`` is by the crash tests' children; the rest is ``nbckpt``'s command line itself.
 """
 
@@ -12,12 +12,12 @@ from __future__ import annotations
 import sys
 
 from nbckpt import cli
-from nbckpt.bench import _ranks
+from nbckpt.bench import _internal
 
 
 def main(argv: list[str]) -> int:
     slow_rank, slow_s, *command = argv
-    _ranks.arm_slow(int(slow_rank), float(slow_s))
+    _internal.arm_slow(int(slow_rank), float(slow_s))
     return cli.main(command)
 
 
