@@ -70,7 +70,8 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
           "checkpoints": [{"repeat": 0, "step": 5, "ranks_writing": 2, "bytes": ...,
                            "time_to_durable_s": ...,   # first save's start to last commit, any rank
                            "aggregate_write_gbs": ...,  # all ranks' bytes over that time
-                           "first_rank": 0, "last_rank": 1}, ...]}, ...]}
+                           "first_rank": 0, "last_rank": 1,
+                           "start_spread_s": ...}, ...]}, ...]}  # last rank's save start - first's
 
 Times are seconds, rates GB/s (1e9 bytes), memory MiB; ``start_s`` counts from the start
 of that run (after its warm-up save).

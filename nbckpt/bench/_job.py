@@ -85,9 +85,12 @@ def _checkpoints(records: Sequence[RankRecord], strategy: str) -> list[dict[str,
     rows = []
     for (repeat, step), group in sorted(spans.items()):
         seconds, rate, total, first, last = _aggregate(group)
+        starts = [int(span["start_ns"]) for span in group]
         rows.append({"repeat": repeat, "step": step, "ranks_writing": len(group), "bytes": total,
                      "time_to_durable_s": seconds, "aggregate_write_gbs": rate,
-                     "first_rank": first, "last_rank": last})
+                     "first_rank": first, "last_rank": last,
+                     # how far apart the ranks began this save: small when they run in lockstep
+                     "start_spread_s": (max(starts) - min(starts)) / 1e9})
     return rows
 
 

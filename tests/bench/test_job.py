@@ -56,6 +56,7 @@ def test_the_job_spans_every_rank_and_names_the_straggler_and_its_host() -> None
     assert (first["time_to_durable_s"], first["first_rank"], first["last_rank"]) == (4.0, 2, 1)
     assert first["bytes"] == 3_000 and first["ranks_writing"] == 3
     assert first["aggregate_write_gbs"] == pytest.approx(3_000 / 4 / 1e9)
+    assert first["start_spread_s"] == 1.0
     assert second["time_to_durable_s"] == 2.0
     assert ours["time_to_durable_s"] == pytest.approx(3.0)
 
