@@ -91,7 +91,8 @@ class Coordination(Protocol):
     def lane(self, name: str, strategy: Strategy, workload: Workload, *, steps: int, every: int,
              on_event: EventCallback | None, progress: RunProgress | None, repeat: int) -> Lane: ...
 
-    def before_repeat(self, repeat: int, directory: str) -> None: ...
+    def before_repeat(self, repeat: int, directory: str,
+                      storage_options: dict[str, Any] | None) -> None: ...
 
     def remove(self, path: str) -> None: ...
 
@@ -218,7 +219,7 @@ def compare(
         if stop is not None and stop.is_set():
             break
         if ranks is not None:  # every rank starts the repeat together (and after the last's cleanup)
-            ranks.before_repeat(repeat, directory)
+            ranks.before_repeat(repeat, directory, storage_options)
         # The floors beside each repeat: they see the same moments of the machine as its runs.
         floor_monitor = LoadMonitor()
         measured_floors.append(measure_floors(

@@ -299,13 +299,14 @@ class RankJob:
         self.lanes.append(lane)
         return lane
 
-    def before_repeat(self, repeat: int, directory: str) -> None:
+    def before_repeat(self, repeat: int, directory: str,
+                      storage_options: dict[str, Any] | None) -> None:
         """Start the repeat together, every rank first writing its share of a checkpoint at
         once, raw and durably: the write floor of the storage as this job sees it."""
         share = self.workload.share_bytes if self.workload is not None else 1
         self.barrier()
         begin = time.time_ns()
-        (run,) = measure_write(directory, share, streams=(1,), repeats=1)
+        (run,) = measure_write(directory, share, streams=(1,), repeats=1, storage_options=storage_options)
         # The span starts as the directory for it is made (a metadata operation) and lasts the write.
         self.floor_writes.append({"repeat": repeat, "start_ns": begin,
                                   "end_ns": begin + round(run.write_s * 1e9), "bytes": run.bytes})
