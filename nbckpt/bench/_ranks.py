@@ -33,6 +33,7 @@ from typing import Any
 import pandas as pd
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
 from .._errors import ConfigError
 from .._util import GB, is_url
@@ -40,6 +41,7 @@ from ..engine import Event, Timeline
 from ..engine._internal import step_name
 from ._compare import run_bench_from_args as run_one_process
 from ._comparison import Comparison
+from ._dcp import DcpAsync, DcpSync
 from ._job import RankRecord, job_summary
 from ._measure import measure_write
 from ._runner import EventCallback, Lane, Progress, RunProgress
@@ -79,18 +81,38 @@ def in_torchrun() -> bool:
         return False
 
 
+def _shard(workload: GPTWorkload) -> None:
+    """FSDP2 over the ranks: each block, then the whole model (each rank keeps 1/N of every
+    parameter); the optimizer made again over the sharded parameters, and one step so that its
+    state has its size, as :meth:`GPTWorkload.build` does."""
+    model = workload.model
+    if model is None:
+        raise ConfigError(f"workload {workload.name} is not built yet; call build() first")
+    for block in model.blocks.layers:
+        fully_shard(block)
+    fully_shard(model)
+    workload.optim = torch.optim.AdamW(model.parameters(), lr=workload.config.lr,
+                                       weight_decay=workload.config.weight_decay)
+    workload.train_step()
+    workload.step = 0
+
+
 class RankWorkload(Workload):
     """The user's workload as one rank holds it: a GPT replicated as under DDP (every rank the
-    same weights, built from the same seed), any other state as this rank's own, under keys of
-    its own (``model/rank<r>/...``: replicated keys would be written once and checked to agree)."""
+    same weights, built from the same seed) or, ``sharded``, under FSDP2 (each rank 1/N of
+    them); any other state as this rank's own, under keys of its own (``model/rank<r>/...``:
+    replicated keys would be written once and checked to agree)."""
 
-    def __init__(self, inner: Workload, rank: int, world_size: int) -> None:
+    def __init__(self, inner: Workload, rank: int, world_size: int, *, sharded: bool = False) -> None:
+        if sharded and not isinstance(inner, GPTWorkload):
+            raise ConfigError(f"--fsdp shards a GPT preset, not {inner.name}; drop --size-mb")
         self.inner = inner
         super().__init__()
         self.name, self.nbytes, self.params = inner.name, inner.nbytes, inner.params
         self.device = inner.device
         self.rank, self.world_size = rank, world_size
-        self.replicated = isinstance(inner, GPTWorkload)
+        self.sharded = sharded
+        self.replicated = isinstance(inner, GPTWorkload) and not sharded
 
     @property  # type: ignore[override]  # the runner sets the inner workload's step
     def step(self) -> int:
@@ -104,10 +126,15 @@ class RankWorkload(Workload):
     def share_bytes(self) -> int:
         """What this rank writes of a checkpoint: its own state, or its part of a replicated one
         (nbckpt and DCP spread a replicated state's tensors over the ranks)."""
-        return math.ceil(self.nbytes / self.world_size) if self.replicated else self.nbytes
+        spread = self.replicated or self.sharded
+        return math.ceil(self.nbytes / self.world_size) if spread else self.nbytes
 
     def build(self) -> None:
+        if self.built:
+            return
         self.inner.build()
+        if self.sharded and isinstance(self.inner, GPTWorkload):
+            _shard(self.inner)
         self.built = True
 
     def train_step(self, before_update: Any = None) -> None:
@@ -115,12 +142,13 @@ class RankWorkload(Workload):
 
     def state(self) -> dict[str, Any]:
         state = self.inner.state()
-        if self.replicated:
+        if self.replicated or self.sharded:
             return state
         return {**state, "model": {f"rank{self.rank}": state["model"]}}
 
     def describe(self) -> str:
-        how = "replicated (DDP-like) on" if self.replicated else "its own state on each of"
+        how = ("replicated (DDP-like) on" if self.replicated else "sharded with FSDP2 over"
+               if self.sharded else "its own state on each of")
         return f"{self.inner.describe()}; {how} {self.world_size} ranks"
 
 
@@ -137,6 +165,8 @@ class RankStrategy(Strategy):
             "name", "description", "writes_checkpoints", "blocks_before_step", "local_only",
             "stall_covers_copy")})
         self.torch_save = isinstance(inner, TorchSave)
+        if isinstance(inner, (DcpSync, DcpAsync)):
+            inner.process_group = job.dcp_group
         self.saves = not (self.torch_save and job.replicated and job.rank != 0)
 
     def open(self, directory: str, timeline: Timeline) -> None:
@@ -250,9 +280,11 @@ class RankJob:
     """This rank's part in a bench on many ranks (the :class:`~._compare.Coordination` that
     :func:`~._compare.compare` takes as ``ranks``)."""
 
-    def __init__(self, group: Any, *, own_default: bool) -> None:
+    def __init__(self, group: Any, dcp_group: Any, *, own_default: bool, sharded: bool = False) -> None:
         self.group = group
+        self.dcp_group = dcp_group
         self.own_default = own_default
+        self.sharded = sharded
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.host = socket.gethostname()
         self.workload: RankWorkload | None = None
@@ -262,9 +294,10 @@ class RankJob:
         self.wall_offset_ns = time.time_ns() - time.perf_counter_ns()
 
     @classmethod
-    def start(cls, device: str) -> RankJob:
+    def start(cls, device: str, *, sharded: bool = False) -> RankJob:
         """Join torchrun's ranks (starting the default group if the caller has not: gloo, and
-        NCCL for CUDA tensors) and open the bench's own gloo group."""
+        NCCL for CUDA tensors) and open the bench's own gloo group; ``sharded``: the GPT is
+        sharded with FSDP2 over the default group."""
         own = not dist.is_initialized()
         if own:
             if device == "cuda":
@@ -274,14 +307,15 @@ class RankJob:
             except (ValueError, RuntimeError) as exc:
                 raise ConfigError(f"cannot join the other ranks (run under torchrun): {exc}") from exc
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=BARRIER_TIMEOUT_S))
-        return cls(group, own_default=own)
+        dcp_group = dist.new_group(backend="gloo")  # DCP's strategies' own (see their process_group)
+        return cls(group, dcp_group, own_default=own, sharded=sharded)
 
     @property
     def replicated(self) -> bool:
         return self.workload is not None and self.workload.replicated
 
     def adopt(self, workload: Workload) -> RankWorkload:
-        self.workload = RankWorkload(workload, self.rank, self.world_size)
+        self.workload = RankWorkload(workload, self.rank, self.world_size, sharded=self.sharded)
         return self.workload
 
     def barrier(self) -> None:
@@ -353,6 +387,7 @@ class RankJob:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group(self.group)
+            dist.destroy_process_group(self.dcp_group)
             if self.own_default:
                 dist.destroy_process_group()
 
@@ -369,7 +404,7 @@ def run_bench_on_ranks(args: argparse.Namespace, progress: Progress | None = Non
     """``nbckpt bench`` under torchrun: this rank's part of the bench on many ranks. Returns the
     comparison with the job's figures on rank 0, None on every other rank (rank 0 alone prints
     and writes results)."""
-    job = RankJob.start(args.device)
+    job = RankJob.start(args.device, sharded=args.fsdp)
     try:
         comparison = run_one_process(args, progress if job.rank == 0 else None, ranks=job)
         records = job.gather(job.record(comparison))

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from nbckpt import cli
 from nbckpt.bench import Comparison
 
 HELPER = Path(__file__).parents[1] / "helpers" / "bench_rank_worker.py"
@@ -87,13 +88,25 @@ def test_two_ranks_report_every_rank_the_job_and_the_slowed_rank_as_straggler(tm
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_replicated_gpt_is_written_once_over_the_ranks_and_torch_save_on_rank_0(tmp_path: Path) -> None:
-    _, document = _bench_on_two_ranks(tmp_path, "--preset", "tiny")
+@pytest.mark.parametrize("form", ["replicated", "fsdp"])
+def test_a_gpt_replicated_or_sharded_is_written_once_over_the_ranks(tmp_path: Path, form: str) -> None:
+    options = ["--preset", "tiny", *(["--fsdp"] if form == "fsdp" else [])]
+    _, document = _bench_on_two_ranks(tmp_path, *options)
     rows = {(row["rank"], row["strategy"]): row for row in document["ranks"]}
     _check_bytes_on_disk(tmp_path, rows)
-    assert rows[1, "torch-save"]["bytes"] == 0 < rows[0, "torch-save"]["bytes"]
-    state = document["bytes"]  # one checkpoint of the whole replicated state
+    state = document["bytes"]  # one checkpoint of the whole model and optimizer
+    if form == "replicated":  # torch.save of the replicated state on rank 0 alone
+        assert rows[1, "torch-save"]["bytes"] == 0 < rows[0, "torch-save"]["bytes"]
+    else:  # under FSDP each rank torch.saves its shard
+        assert all(0.4 * state < rows[rank, "torch-save"]["bytes"] / 2 < 0.6 * state for rank in (0, 1))
     for name in ("dcp-sync", "nbckpt-async"):  # each rank writes a part, the parts add up to one state
         assert all(0 < rows[rank, name]["bytes"] < 2 * state for rank in (0, 1))
         (summary,) = [row for row in document["job"]["strategies"] if row["strategy"] == name]
         assert all(state <= row["bytes"] < 1.05 * state for row in summary["checkpoints"])
+
+
+def test_fsdp_outside_torchrun_is_a_one_line_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--fsdp", "--dir", str(tmp_path)]) == 2
+    assert "--fsdp shards the model over the ranks of torchrun" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
