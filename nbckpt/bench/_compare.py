@@ -97,7 +97,7 @@ class Coordination(Protocol):
     def remove(self, path: str) -> None: ...
 
     def adopt(self, workload: Workload) -> Workload:
-        """The workload as this rank holds it (replicated, or a state of its own)."""
+        """The workload as this rank holds it (replicated, sharded, or a state of its own)."""
 
 
 def run_order(names: Sequence[str], repeats: int) -> list[list[str]]:
@@ -384,7 +384,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = None, *,
                         ranks: Coordination | None = None) -> Comparison:
     """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too);
-    ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_from_args`)."""
+    ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_on_ranks`)."""
     if args.preset is not None and args.size_mb is not None:
         raise ConfigError("give --preset or --size-mb, not both")
     names = [name.strip() for name in args.strategies.split(",") if name.strip()]
