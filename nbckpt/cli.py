@@ -30,6 +30,12 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     from .bench._internal import add_bench_arguments  # shared with %ckpt_bench
 
     add_bench_arguments(parser)
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the last repeat's checkpoints under --dir, to inspect or restore "
+                        "them (default: remove every run's checkpoints after it)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="under torchrun: shard the GPT preset over the ranks with FSDP2, each "
+                        "rank saving its shard (default: replicated on every rank, as under DDP)")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -37,7 +43,15 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import _internal as bench
 
     progress = None if args.quiet else lambda line: print(line, file=sys.stderr, flush=True)
-    comparison = bench.run_bench_from_args(args, progress)
+    if args.fsdp and not bench.in_torchrun():
+        raise ConfigError("--fsdp shards the model over the ranks of torchrun; run under torchrun")
+    if bench.in_torchrun():  # one rank of many: rank 0 alone prints and writes the results
+        ranked = bench.run_bench_on_ranks(args, progress)
+        if ranked is None:
+            return 0
+        comparison = ranked
+    else:
+        comparison = bench.run_bench_from_args(args, progress)
     print(comparison.table())
     if args.json is not None:
         comparison.to_json(args.json)

@@ -33,7 +33,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import pandas as pd
 import psutil
@@ -64,6 +64,7 @@ __all__ = [
     "DEFAULT_REPEATS",
     "DEFAULT_STRATEGIES",
     "WARMUP_STEPS",
+    "Coordination",
     "add_bench_arguments",
     "compare",
     "environment",
@@ -78,6 +79,25 @@ DEFAULT_REPEATS = 3
 DEFAULT_STRATEGIES = list(STRATEGIES)
 #: Untimed training steps before the first run, so that no run pays for first-touch allocation.
 WARMUP_STEPS = 2
+
+
+class Coordination(Protocol):
+    """How :func:`compare` runs as one rank of many (``nbckpt.bench._ranks.RankJob``): the
+    strategies in their many-rank form, lanes that take their turns in lockstep with the other
+    ranks, a measurement of all ranks at once before each repeat, and who removes checkpoints."""
+
+    def strategy(self, strategy: Strategy) -> Strategy: ...
+
+    def lane(self, name: str, strategy: Strategy, workload: Workload, *, steps: int, every: int,
+             on_event: EventCallback | None, progress: RunProgress | None, repeat: int) -> Lane: ...
+
+    def before_repeat(self, repeat: int, directory: str,
+                      storage_options: dict[str, Any] | None) -> None: ...
+
+    def remove(self, path: str) -> None: ...
+
+    def adopt(self, workload: Workload) -> Workload:
+        """The workload as this rank holds it (replicated, sharded, or a state of its own)."""
 
 
 def run_order(names: Sequence[str], repeats: int) -> list[list[str]]:
@@ -136,6 +156,8 @@ def compare(
     on_event: EventCallback | None = None,
     on_result: Callable[[str, dict[str, Any]], None] | None = None,
     storage_options: dict[str, Any] | None = None,
+    keep: bool = False,
+    ranks: Coordination | None = None,
 ) -> Comparison:
     """Run every strategy on ``workload`` (on its device) in each of ``repeats`` repeats.
 
@@ -147,6 +169,8 @@ def compare(
     fsspec's), where each repeat writes under ``<directory>/repeat-<r>/`` and strategies that
     write local files only are skipped. When the staging buffers of all strategies at once
     would not fit in free memory, they run one after the other instead of taking turns.
+    ``keep`` keeps the checkpoints of the last repeat (to inspect or restore them). ``ranks``
+    makes this one rank of a bench on many (``nbckpt bench`` under torchrun sets it).
     """
     check_run_args(steps, every)
     check_count(repeats, "repeats")
@@ -163,7 +187,7 @@ def compare(
     if add_baseline:
         chosen.insert(0, (get_strategy("none"), "none"))
         names.insert(0, "none")
-    factories = {instance.name: _factory(spec, options) for instance, spec in chosen}
+    factories = {instance.name: _factory(spec, options, ranks) for instance, spec in chosen}
     say = progress or (lambda _line: None)
     warnings: list[str] = []
     if add_baseline:
@@ -194,6 +218,8 @@ def compare(
     for repeat, names_in_order in enumerate(order):
         if stop is not None and stop.is_set():
             break
+        if ranks is not None:  # every rank starts the repeat together (and after the last's cleanup)
+            ranks.before_repeat(repeat, directory, storage_options)
         # The floors beside each repeat: they see the same moments of the machine as its runs.
         floor_monitor = LoadMonitor()
         measured_floors.append(measure_floors(
@@ -211,16 +237,21 @@ def compare(
         for group in groups:
             if stop is not None and stop.is_set():
                 break
-            lanes = [Lane(name, factories[name](), workload, steps=steps, every=every,
-                          on_event=on_event, progress=tracker, repeat=repeat) for name in group]
+            make_lane = Lane if ranks is None else ranks.lane
+            lanes = [make_lane(name, factories[name](), workload, steps=steps, every=every,
+                               on_event=on_event, progress=tracker, repeat=repeat) for name in group]
             results_of_group = run_lanes(lanes, where, steps=steps, every=every, stop=stop,
                                          warmup=warmup)
             done.extend((lane.name, lane.strategy, result)
                         for lane, result in zip(lanes, results_of_group, strict=True))
         for name, strategy, result in done:
             position = names_in_order.index(name)
-            if strategy.writes_checkpoints and not is_url(strategy.path):
-                shutil.rmtree(strategy.path, ignore_errors=True)
+            kept = keep and repeat == repeats - 1
+            if strategy.writes_checkpoints and not is_url(strategy.path) and not kept:
+                if ranks is None:
+                    shutil.rmtree(strategy.path, ignore_errors=True)
+                else:
+                    ranks.remove(strategy.path)
             metrics = {**result.metrics(), "repeat": repeat, "position": position}
             run_rows.append(metrics)
             by_strategy[name].append(result)
@@ -303,10 +334,13 @@ def _interleaving(workload: Workload, *, strategies: int, say: Progress) -> str:
     return "cycle"
 
 
-def _factory(spec: str | Strategy, options: dict[str, Any]) -> Callable[[], Strategy]:
-    if isinstance(spec, Strategy):
-        return lambda: spec
-    return lambda: get_strategy(spec, **options)
+def _factory(spec: str | Strategy, options: dict[str, Any],
+             ranks: Coordination | None) -> Callable[[], Strategy]:
+    def make() -> Strategy:
+        strategy = spec if isinstance(spec, Strategy) else get_strategy(spec, **options)
+        return strategy if ranks is None else ranks.strategy(strategy)
+
+    return make
 
 
 # -- the options of ``nbckpt bench`` and ``%ckpt_bench``, defined once --------------------------
@@ -347,8 +381,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no progress lines (default: one per checkpoint and per run, on stderr)")
 
 
-def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = None) -> Comparison:
-    """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too)."""
+def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = None, *,
+                        ranks: Coordination | None = None) -> Comparison:
+    """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too);
+    ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_on_ranks`)."""
     if args.preset is not None and args.size_mb is not None:
         raise ConfigError("give --preset or --size-mb, not both")
     names = [name.strip() for name in args.strategies.split(",") if name.strip()]
@@ -367,6 +403,8 @@ def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = No
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise ConfigError(f"--json {args.json}: directory {parent} does not exist or is not writable")
     workload = make_workload(args.preset, args.size_mb, args.device, compute_ms=args.compute_ms)
+    if ranks is not None:
+        workload = ranks.adopt(workload)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     created = not is_url(args.dir) and not os.path.exists(args.dir)
@@ -374,7 +412,9 @@ def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = No
         writable_directory(args.dir, "--dir")
     try:
         return compare(workload, names, args.dir, steps=args.steps, every=args.every,
-                       repeats=args.repeats, warmup=not args.no_warmup, progress=progress)
+                       repeats=args.repeats, warmup=not args.no_warmup, progress=progress,
+                       # nbckpt bench's own option (the live lab of %ckpt_bench removes them all)
+                       keep=getattr(args, "keep", False), ranks=ranks)
     except BaseException:
         if created:
             shutil.rmtree(args.dir, ignore_errors=True)

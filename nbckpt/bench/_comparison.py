@@ -44,6 +44,35 @@ Metrics (``Comparison.results`` columns, :data:`RESULT_COLUMNS`), per run or per
       "timeline": [{<TIMELINE_COLUMNS>}, ...]  # every event of every run
     }
 
+Under ``torchrun`` (``nbckpt bench`` on many ranks, :mod:`nbckpt.bench._ranks`) rank 0 alone
+writes the document: everything above is rank 0's own, and two more keys hold every rank's
+figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one process)::
+
+      "ranks": [{"rank": 0, "host": "node-a", "strategy": "nbckpt-async",
+                 "stall_s": ...,          # mean stall per checkpoint on this rank
+                 "persist_s": ...,        # mean persist per checkpoint on this rank
+                 "bytes": ...,            # this rank's checkpoint files on disk (every checkpoint
+                                          # and repeat): a replicated state is written once in all
+                 "write_gbs": ...,        # those bytes over this rank's persist time
+                 "mean_step_s": ..., "overhead_pct": ..., "checkpoints": 2}, ...],  # rank x strategy
+      "job": {
+        "world_size": 2, "hosts": {"node-a": [0, 1]},
+        "floors": {"concurrent_write_gbs": ...,  # every rank writing its share at once, raw
+                   "concurrent_write_gbs_by_repeat": [...], "bytes": ..., "ranks": 2},
+        "strategies": [{
+          "strategy": "nbckpt-async",
+          "overhead_pct": ..., "slowest_rank": 1,   # the job goes at its slowest rank
+          "stall_s": {"median": ..., "p99": ..., "max": ...},   # over ranks
+          "straggler": {"rank": 1, "host": "node-a", "stall_s": ..., "median_s": ...,
+                        "over_median_s": ..., "over_median_ratio": ...} or null,
+          "time_to_durable_s": ..., "aggregate_write_gbs": ...,  # medians over checkpoints
+          "bytes_per_checkpoint": ...,
+          "checkpoints": [{"repeat": 0, "step": 5, "ranks_writing": 2, "bytes": ...,
+                           "time_to_durable_s": ...,   # first save's start to last commit, any rank
+                           "aggregate_write_gbs": ...,  # all ranks' bytes over that time
+                           "first_rank": 0, "last_rank": 1,
+                           "start_spread_s": ...}, ...]}, ...]}  # last rank's save start - first's
+
 Times are seconds, rates GB/s (1e9 bytes), memory MiB; ``start_s`` counts from the start
 of that run (after its warm-up save).
 """
@@ -61,6 +90,7 @@ import pandas as pd
 
 from .._errors import ConfigError
 from ..engine._internal import write_atomic
+from ._job import job_text
 from ._load import Load
 from ._measure import Floors
 from ._result import RESULT_COLUMNS, STALL_DEFINITION, STALL_NAMES
@@ -202,6 +232,10 @@ class Comparison:
     """``cycle``: strategies alternated every checkpoint cycle; ``run``: run by run."""
     load: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """On many ranks: one row per rank and strategy (see the module's docstring); else empty."""
+    job: dict[str, Any] = field(default_factory=dict)
+    """On many ranks: the job's figures (see the module's docstring); else empty."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document described in this module's docstring."""
@@ -225,6 +259,7 @@ class Comparison:
             "results": _records(self.results),
             "runs": _records(self.runs),
             "timeline": _records(self.timeline),
+            **({"ranks": _json_value(self.ranks), "job": _json_value(self.job)} if self.job else {}),
         }
 
     @classmethod
@@ -244,7 +279,8 @@ class Comparison:
         results["partial"] = results["partial"].astype(bool)
         fields = {name: document[name] for name in ("workload", "device", "directory", "steps",
                                                     "every", "repeats", "bytes", "order",
-                                                    "interleave", "load", "warnings")
+                                                    "interleave", "load", "warnings", "ranks",
+                                                    "job")
                   if name in document}
         return cls(
             results=results,
@@ -287,5 +323,7 @@ class Comparison:
         if self.load:
             fields = {key: value for key, value in self.load.items() if key in Load.__dataclass_fields__}
             lines.append(f"load during the runs: {Load(**fields).describe()}")
+        if self.job:
+            lines.extend(job_text(self.job))
         lines.extend(f"warning: {text}" for text in self.warnings)
         return "\n".join(lines)

@@ -55,9 +55,13 @@ _quiet_strategies = 0  # open strategies that save without a process group
 
 class _SingleProcess(Strategy):
     """A DCP strategy that saves without a process group: torch's warning about that is
-    ignored while it is open."""
+    ignored while it is open. On many ranks DCP's collectives use :attr:`process_group`."""
 
     _quiet = False
+    process_group: Any = None
+    """The group DCP's collectives use (None: the default group). A bench on many ranks gives
+    them a gloo group of their own: an async save's collectives run in a background thread, and
+    on the default group they would interleave with FSDP's collectives in the training step."""
 
     def open(self, directory: str, timeline: Timeline) -> None:
         super().open(directory, timeline)
@@ -92,7 +96,8 @@ class DcpSync(_SingleProcess, BlockingSave):
     writer = "dcp.save"
 
     def write(self, plain: dict[str, Any], path: str) -> None:
-        dcp_save(plain, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp_save(plain, checkpoint_id=path, no_dist=not dist.is_initialized(),
+                 process_group=self.process_group)
 
 
 class DcpAsync(_SingleProcess):
@@ -111,6 +116,7 @@ class DcpAsync(_SingleProcess):
 
     def _async_save(self, plain: dict[str, Any], path: str) -> Future[Any] | AsyncSaveResponse:
         return async_save(plain, checkpoint_id=path, no_dist=not dist.is_initialized(),
+                          process_group=self.process_group,
                           async_checkpointer_type=AsyncCheckpointerType.THREAD)
 
     def save(self, state: Mapping[str, Any], step: int) -> None:
@@ -313,6 +319,7 @@ class DcpAsyncStager(DcpAsync):
         undo = _quiet_spawn()
         try:
             response = async_save(plain, checkpoint_id=path, no_dist=not dist.is_initialized(),
+                                  process_group=self.process_group,
                                   async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                                   async_stager=self._stager, planner=self._planner)
         except BaseException:

@@ -5,6 +5,7 @@ The one private module of the bench another layer may import (``tests/test_layou
 """
 
 from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, add_bench_arguments, run_bench_from_args
+from ._ranks import arm_slow, in_torchrun, run_bench_on_ranks
 from ._result import RESULT_COLUMNS, STALL_NAMES
 from ._stats import drag_text, interval_text, measurable, overhead_text, per_repeat_text, t_interval
 from ._strategies import STRATEGIES, get_strategy
@@ -19,14 +20,17 @@ __all__ = [
     "STALL_NAMES",
     "STRATEGIES",
     "add_bench_arguments",
+    "arm_slow",
     "drag_text",
     "get_strategy",
+    "in_torchrun",
     "interval_text",
     "measurable",
     "overhead_text",
     "per_repeat_text",
     "plain_state",
     "run_bench_from_args",
+    "run_bench_on_ranks",
     "t_interval",
     "tensor_bytes",
 ]

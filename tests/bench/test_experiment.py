@@ -9,6 +9,7 @@ import platform
 import threading
 from collections import namedtuple
 from collections.abc import Mapping
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -375,3 +376,14 @@ def test_the_peak_host_memory_starts_again_at_each_turn() -> None:
     del touched
     rss, took = _runner._reset_peak_rss()
     assert took and _runner._kernel_peak_rss() < rss + (64 << 20)
+
+
+def test_keep_leaves_the_last_repeats_checkpoints_and_removes_the_others(tmp_path: Path) -> None:
+    bench.compare(small_workload(), ["torch-save"], str(tmp_path), steps=2, every=1, repeats=2,
+                  warmup=False, progress=None, keep=True)
+    # The second repeat saved steps 1 and 2 again into the folder the first repeat's were removed from.
+    assert sorted(path.name for path in (tmp_path / "torch-save").iterdir()) == [
+        "step-000001.pt", "step-000002.pt"]
+    bench.compare(small_workload(), ["torch-save"], str(tmp_path / "gone"), steps=2, every=1,
+                  repeats=1, warmup=False, progress=None)
+    assert not (tmp_path / "gone" / "torch-save").exists()

@@ -1,0 +1,185 @@
+"""What checkpointing costs the whole job, from every rank's records: :func:`job_summary`.
+
+Pure: no processes, no clocks. Each rank of a bench on many ranks (:mod:`._ranks`) hands rank 0
+one :data:`RankRecord`; this module turns the list into the ``ranks`` rows and the ``job``
+section of the JSON document (schema in :mod:`._comparison`). Times across ranks are wall-clock
+nanoseconds (each rank's event clock moved onto ``time.time_ns``), so a checkpoint's time to
+durable spans ranks and, on a cluster, hosts (as exactly as their clocks agree).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._util import GB
+
+__all__ = ["RankRecord", "job_summary", "job_text", "straggler"]
+
+#: One rank's record, as it is gathered to rank 0::
+#:
+#:     {"rank": 1, "host": "node-a",
+#:      "strategies": [{"strategy", "stall_s", "persist_s", "bytes", "write_gbs", "mean_step_s",
+#:                      "overhead_pct", "checkpoints"}, ...],
+#:      "checkpoints": [{"strategy", "repeat", "step", "start_ns", "end_ns", "bytes"}, ...],
+#:      "floor_writes": [{"repeat", "start_ns", "end_ns", "bytes"}, ...]}
+RankRecord = Mapping[str, Any]
+
+
+def _number(value: Any) -> float:
+    """A float, NaN for what is missing (JSON's null, pandas' NA)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return number
+
+
+def _aggregate(spans: Sequence[Mapping[str, Any]]) -> tuple[float, float, int, int, int]:
+    """Over the spans of one checkpoint (or one floor write), one per rank that wrote: the time
+    from the first start to the last end (s), the rate of all their bytes over it (GB/s), the
+    bytes, and which rank started first and ended last."""
+    first = min(spans, key=lambda span: int(span["start_ns"]))
+    last = max(spans, key=lambda span: int(span["end_ns"]))
+    seconds = (int(last["end_ns"]) - int(first["start_ns"])) / 1e9
+    total = sum(int(span["bytes"]) for span in spans)
+    rate = total / seconds / GB if seconds > 0 else math.nan
+    return seconds, rate, total, int(first["rank"]), int(last["rank"])
+
+
+def straggler(stalls: Mapping[int, float], hosts: Mapping[int, str]) -> dict[str, Any] | None:
+    """The rank whose stall is the longest, its host, and by how much it exceeds the median
+    over ranks (seconds and ratio); None when no rank stalled."""
+    if not stalls or max(stalls.values()) <= 0:
+        return None
+    rank = max(stalls, key=lambda r: (stalls[r], -r))  # the lowest rank of a tie
+    median = statistics.median(stalls.values())
+    return {
+        "rank": rank,
+        "host": hosts.get(rank, ""),
+        "stall_s": stalls[rank],
+        "median_s": median,
+        "over_median_s": stalls[rank] - median,
+        "over_median_ratio": stalls[rank] / median if median > 0 else math.nan,
+    }
+
+
+def _distribution(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"median": math.nan, "p99": math.nan, "max": math.nan}
+    return {"median": float(np.median(values)), "p99": float(np.percentile(values, 99)),
+            "max": float(max(values))}
+
+
+def _checkpoints(records: Sequence[RankRecord], strategy: str) -> list[dict[str, Any]]:
+    spans: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for record in records:
+        for span in record.get("checkpoints", []):
+            if span["strategy"] == strategy:
+                key = (int(span["repeat"]), int(span["step"]))
+                spans.setdefault(key, []).append({**span, "rank": record["rank"]})
+    rows = []
+    for (repeat, step), group in sorted(spans.items()):
+        seconds, rate, total, first, last = _aggregate(group)
+        starts = [int(span["start_ns"]) for span in group]
+        rows.append({"repeat": repeat, "step": step, "ranks_writing": len(group), "bytes": total,
+                     "time_to_durable_s": seconds, "aggregate_write_gbs": rate,
+                     "first_rank": first, "last_rank": last,
+                     # how far apart the ranks began this save: small when they run in lockstep
+                     "start_spread_s": (max(starts) - min(starts)) / 1e9})
+    return rows
+
+
+def _strategy_summary(records: Sequence[RankRecord], strategy: str,
+                      hosts: Mapping[int, str]) -> dict[str, Any]:
+    rows = {int(record["rank"]): row for record in records for row in record.get("strategies", [])
+            if row["strategy"] == strategy}
+    stalls = {rank: _number(row.get("stall_s")) for rank, row in rows.items()}
+    stalls = {rank: value for rank, value in stalls.items() if not math.isnan(value)}
+    overheads = {rank: _number(row.get("overhead_pct")) for rank, row in rows.items()}
+    overheads = {rank: value for rank, value in overheads.items() if not math.isnan(value)}
+    # The job trains at its slowest rank's pace: its overhead is the largest of any rank's.
+    slowest = max(overheads, key=lambda r: (overheads[r], -r)) if overheads else None
+    checkpoints = _checkpoints(records, strategy)
+    durable = [row["time_to_durable_s"] for row in checkpoints]
+    rates = [row["aggregate_write_gbs"] for row in checkpoints if not math.isnan(row["aggregate_write_gbs"])]
+    return {
+        "strategy": strategy,
+        "overhead_pct": overheads[slowest] if slowest is not None else math.nan,
+        "slowest_rank": slowest,
+        "stall_s": _distribution(list(stalls.values())),
+        "straggler": straggler(stalls, hosts),
+        "time_to_durable_s": float(np.median(durable)) if durable else math.nan,
+        "aggregate_write_gbs": float(np.median(rates)) if rates else math.nan,
+        "bytes_per_checkpoint": int(np.median([row["bytes"] for row in checkpoints])) if checkpoints else 0,
+        "checkpoints": checkpoints,
+    }
+
+
+def _floor(records: Sequence[RankRecord]) -> dict[str, Any]:
+    """The concurrent raw write: every rank wrote its share at once, in each repeat."""
+    by_repeat: dict[int, list[dict[str, Any]]] = {}
+    for record in records:
+        for span in record.get("floor_writes", []):
+            by_repeat.setdefault(int(span["repeat"]), []).append({**span, "rank": record["rank"]})
+    rounds = [_aggregate(group) for _, group in sorted(by_repeat.items())]
+    rates = [rate for _, rate, _, _, _ in rounds if not math.isnan(rate)]
+    return {
+        "concurrent_write_gbs": max(rates) if rates else math.nan,  # the fastest, as the one-rank floor
+        "concurrent_write_gbs_by_repeat": [rate for _, rate, _, _, _ in rounds],
+        "bytes": rounds[0][2] if rounds else 0,
+        "ranks": len(records),
+    }
+
+
+def job_summary(records: Sequence[RankRecord]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``(ranks, job)`` of the JSON document from every rank's record (any order).
+
+    ``ranks``: one row per rank and strategy. ``job``: the world size, the ranks on each host,
+    the concurrent write floor, and per strategy its overhead at the slowest rank, the stall's
+    distribution over ranks, the straggler and every checkpoint's time to durable (first start
+    to last commit on any rank) and aggregate write rate (all ranks' bytes over that time).
+    """
+    ordered = sorted(records, key=lambda record: int(record["rank"]))
+    hosts = {int(record["rank"]): str(record.get("host", "")) for record in ordered}
+    rows = [{"rank": int(record["rank"]), "host": hosts[int(record["rank"])], **row}
+            for record in ordered for row in record.get("strategies", [])]
+    strategies = list(dict.fromkeys(row["strategy"] for row in rows))
+    on_host: dict[str, list[int]] = {}
+    for rank, host in hosts.items():
+        on_host.setdefault(host, []).append(rank)
+    job = {
+        "world_size": len(ordered),
+        "hosts": on_host,
+        "floors": _floor(ordered),
+        "strategies": [_strategy_summary(ordered, name, hosts) for name in strategies],
+    }
+    return rows, job
+
+
+def job_text(job: Mapping[str, Any]) -> list[str]:
+    """The job's figures as lines under the results table: the concurrent floor, then per
+    strategy that writes its time to durable, aggregate rate, overhead and straggler."""
+    hosts = job.get("hosts", {})
+    floors = job.get("floors", {})
+    lines = [f"on {job.get('world_size', 0)} ranks, {len(hosts)} host(s); all ranks writing at once "
+             f"raw: {_number(floors.get('concurrent_write_gbs')):.2f} GB/s aggregate"]
+    for row in job.get("strategies", []):
+        if not row.get("checkpoints"):
+            continue
+        stall = row["stall_s"]
+        text = (f"[{row['strategy']}] time to durable {_number(row['time_to_durable_s']):.3f} s, "
+                f"aggregate write {_number(row['aggregate_write_gbs']):.2f} GB/s; stall over ranks "
+                f"median {_number(stall['median']):.4f} s, p99 {_number(stall['p99']):.4f} s, max "
+                f"{_number(stall['max']):.4f} s; overhead at the slowest rank "
+                f"{_number(row['overhead_pct']):.1f} %")
+        late = row.get("straggler")
+        if late is not None:
+            text += (f"; straggler rank {late['rank']} on {late['host']}, "
+                     f"{_number(late['over_median_s']):+.4f} s over the median")
+        lines.append(text)
+    return lines

@@ -1,0 +1,416 @@
+"""The bench on many ranks: ``nbckpt bench`` under ``torchrun`` (one node or many).
+
+Every rank runs the same comparison (:func:`~._compare.compare`) on its own workload, and the
+strategies take their turns in lockstep: a barrier on a gloo group of the bench's own at the
+start and the end of every strategy's turn (outside the lane's clock), and at the start of every
+repeat, so all ranks hit the storage together as a real job does. Each rank saves as its users
+would on many ranks: nbckpt's and DCP's strategies with the group (one checkpoint folder, each
+rank writing its part); ``torch-save`` of a replicated (DDP-like) state on rank 0 alone, of a
+state per rank into a file per rank. Before every repeat all ranks write their share of a
+checkpoint at once, raw (the concurrent write floor). At the end each rank's record (its
+per-strategy figures and the wall-clock span of each checkpoint it wrote) is gathered to rank 0,
+outside every timed region, and :func:`~._job.job_summary` makes the job's figures of them; rank
+0 alone prints and writes results.
+
+Launch (``srun torchrun ...`` on SLURM, one agent per node)::
+
+    torchrun --nproc-per-node 4 -m nbckpt bench --size-mb 256 --dir /mnt/shared/bench --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import os
+import shutil
+import socket
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from .._errors import ConfigError
+from .._util import GB, is_url
+from ..engine import Event, Timeline
+from ..engine._internal import step_name
+from ._compare import run_bench_from_args as run_one_process
+from ._comparison import Comparison
+from ._dcp import DcpAsync, DcpSync
+from ._job import RankRecord, job_summary
+from ._measure import measure_write
+from ._runner import EventCallback, Lane, Progress, RunProgress
+from ._strategies import TorchSave
+from ._strategy import Strategy, join
+from ._workloads import GPTWorkload, Workload
+
+__all__ = ["RankJob", "RankLane", "RankStrategy", "RankWorkload", "arm_slow", "in_torchrun",
+           "run_bench_on_ranks"]
+
+#: How long a rank waits at the bench's barriers for the others (a rank that died: torchrun's
+#: agent ends the others first, as a rule).
+BARRIER_TIMEOUT_S = 600.0
+# Events that mark a checkpoint's span on a rank: from its save's start to its last durable write.
+_SPAN_START = frozenset({"stall", "stage", "persist", "fsync", "commit"})
+_SPAN_END = frozenset({"persist", "fsync", "commit"})
+
+_slow: tuple[int, float] | None = None
+
+
+def arm_slow(rank: int | None, seconds: float = 0.0) -> None:
+    """Make every checkpoint save of rank ``rank`` return ``seconds`` late (None: no rank), for
+    the straggler's tests (nothing is read from the environment): that rank's stall, and only
+    its, grows by ``seconds`` per checkpoint, as on a rank whose copy is slow."""
+    global _slow
+    _slow = None if rank is None else (rank, seconds)
+
+
+def in_torchrun() -> bool:
+    """True in one of several ranks: torch.distributed initialized with more than one, or
+    torchrun's ``WORLD_SIZE`` above 1 (the group is then started by :meth:`RankJob.start`)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def _shard(workload: GPTWorkload) -> None:
+    """FSDP2 over the ranks: each block, then the whole model (each rank keeps 1/N of every
+    parameter); the optimizer made again over the sharded parameters, and one step so that its
+    state has its size, as :meth:`GPTWorkload.build` does."""
+    model = workload.model
+    if model is None:
+        raise ConfigError(f"workload {workload.name} is not built yet; call build() first")
+    for block in model.blocks.layers:
+        fully_shard(block)
+    fully_shard(model)
+    workload.optim = torch.optim.AdamW(model.parameters(), lr=workload.config.lr,
+                                       weight_decay=workload.config.weight_decay)
+    workload.train_step()
+    workload.step = 0
+
+
+class RankWorkload(Workload):
+    """The user's workload as one rank holds it: a GPT replicated as under DDP (every rank the
+    same weights, built from the same seed) or, ``sharded``, under FSDP2 (each rank 1/N of
+    them); any other state as this rank's own, under keys of its own (``model/rank<r>/...``:
+    replicated keys would be written once and checked to agree)."""
+
+    def __init__(self, inner: Workload, rank: int, world_size: int, *, sharded: bool = False) -> None:
+        if sharded and not isinstance(inner, GPTWorkload):
+            raise ConfigError(f"--fsdp shards a GPT preset, not {inner.name}; drop --size-mb")
+        self.inner = inner
+        super().__init__()
+        self.name, self.nbytes, self.params = inner.name, inner.nbytes, inner.params
+        self.device = inner.device
+        self.rank, self.world_size = rank, world_size
+        self.sharded = sharded
+        self.replicated = isinstance(inner, GPTWorkload) and not sharded
+
+    @property  # type: ignore[override]  # the runner sets the inner workload's step
+    def step(self) -> int:
+        return self.inner.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.inner.step = value
+
+    @property
+    def share_bytes(self) -> int:
+        """What this rank writes of a checkpoint: its own state, or its part of a replicated one
+        (nbckpt and DCP spread a replicated state's tensors over the ranks)."""
+        spread = self.replicated or self.sharded
+        return math.ceil(self.nbytes / self.world_size) if spread else self.nbytes
+
+    def build(self) -> None:
+        if self.built:
+            return
+        self.inner.build()
+        if self.sharded and isinstance(self.inner, GPTWorkload):
+            _shard(self.inner)
+        self.built = True
+
+    def train_step(self, before_update: Any = None) -> None:
+        self.inner.train_step(before_update)
+
+    def state(self) -> dict[str, Any]:
+        state = self.inner.state()
+        if self.replicated or self.sharded:
+            return state
+        return {**state, "model": {f"rank{self.rank}": state["model"]}}
+
+    def describe(self) -> str:
+        how = ("replicated (DDP-like) on" if self.replicated else "sharded with FSDP2 over"
+               if self.sharded else "its own state on each of")
+        return f"{self.inner.describe()}; {how} {self.world_size} ranks"
+
+
+class RankStrategy(Strategy):
+    """A strategy in its many-rank form; the runner and the comparison read the flags of the
+    strategy it wraps. ``torch-save`` saves on rank 0 alone when the state is replicated, else
+    each rank into a folder of its own; every other strategy saves on every rank, with the group."""
+
+    def __init__(self, inner: Strategy, job: RankJob) -> None:
+        super().__init__(inner.storage_options)
+        self.inner, self.job = inner, job
+        # Class-level flags of the inner strategy, as instance attributes (read the same way).
+        vars(self).update({flag: getattr(inner, flag) for flag in (
+            "name", "description", "writes_checkpoints", "blocks_before_step", "local_only",
+            "stall_covers_copy")})
+        self.torch_save = isinstance(inner, TorchSave)
+        if isinstance(inner, (DcpSync, DcpAsync)):
+            inner.process_group = job.dcp_group
+        self.saves = not (self.torch_save and job.replicated and job.rank != 0)
+
+    def open(self, directory: str, timeline: Timeline) -> None:
+        self._timeline = timeline
+        self.inner.open(directory, timeline)
+        self.path = self.inner.path  # what the comparison removes: every rank's files
+        if self.torch_save and not self.job.replicated:
+            self.inner.path = join(self.path, f"rank-{self.job.rank}")
+            os.makedirs(self.inner.path, exist_ok=True)
+
+    def save(self, state: Mapping[str, Any], step: int) -> None:
+        if self.saves:
+            self.inner.save(state, step)
+        if _slow is not None and _slow[0] == self.job.rank:
+            time.sleep(_slow[1])  # the test-only fault: this rank's save returns late
+
+    def written(self, step: int) -> int | None:
+        """Bytes of this rank's files of checkpoint ``step`` on disk (DCP's and nbckpt's
+        ``__<rank>_<n>.distcp``, torch.save's file); None where that cannot be told (an object
+        store, a checkpoint already removed by retention)."""
+        if not self.writes_checkpoints or is_url(self.path):
+            return None
+        if self.torch_save:
+            if not self.saves:
+                return 0
+            files = [os.path.join(self.inner.path, step_name(step) + TorchSave.suffix)]
+        else:
+            pattern = os.path.join(glob.escape(self.path), step_name(step), f"__{self.job.rank}_*.distcp")
+            files = glob.glob(pattern)
+        sizes = [os.path.getsize(name) for name in files if os.path.isfile(name)]
+        return sum(sizes) if sizes else None
+
+    def before_step(self) -> None:
+        self.inner.before_step()
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def save_cpu_s(self) -> float | None:
+        return self.inner.save_cpu_s()
+
+
+class RankLane(Lane):
+    """A lane that starts and ends each turn together with the other ranks (the barriers run
+    outside its clock) and keeps its events on the wall clock, for the job's spans."""
+
+    def __init__(self, job: RankJob, name: str, strategy: Strategy, workload: Workload, *,
+                 steps: int, every: int, on_event: EventCallback | None,
+                 progress: RunProgress | None, repeat: int) -> None:
+        super().__init__(name, strategy, workload, steps=steps, every=every, on_event=on_event,
+                         progress=progress, repeat=repeat)
+        self.job = job
+        self.raw: list[Event] = []
+        self.written: dict[int, int | None] = {}  # bytes on disk of each checkpoint, by step
+        self.timeline.add_listener(self._keep)
+
+    def _keep(self, event: Event) -> None:
+        if self.active:
+            self.raw.append(event)
+
+    def resume(self) -> None:
+        if not self.active:
+            self.job.barrier()
+        super().resume()
+
+    def pause(self) -> None:
+        turned = self.active
+        super().pause()
+        if turned:
+            self._measure_written()
+            self.job.barrier()
+
+    def _measure_written(self) -> None:
+        """What this rank wrote of each checkpoint of the turn, from its files: the engines'
+        events give the bytes of the state, and a replicated state is written once over all."""
+        if not isinstance(self.strategy, RankStrategy):
+            return
+        for event in self.raw:
+            if event.kind in _SPAN_END and event.step is not None and event.step not in self.written:
+                self.written[event.step] = self.strategy.written(event.step)
+
+    def spans(self) -> list[dict[str, Any]]:
+        """Each checkpoint this rank wrote in the lane: from its save's start to its last
+        durable write (wall-clock ns), and the bytes it wrote."""
+        by_step: dict[int, list[Event]] = {}
+        for event in self.raw:
+            saving = event.kind in _SPAN_START and event.detail.get("part") in (None, "save")
+            if event.step is not None and saving:
+                by_step.setdefault(event.step, []).append(event)
+        spans = []
+        for step, events in sorted(by_step.items()):
+            ends = [event.end_ns for event in events if event.kind in _SPAN_END]
+            if not ends:
+                continue  # nothing written here (torch-save of a replicated state off rank 0)
+            on_disk = self.written.get(step)
+            persists = [event for event in events if event.kind == "persist"]
+            spans.append({
+                "strategy": self.name, "repeat": self.repeat, "step": step,
+                "start_ns": min(event.start_ns for event in events) + self.job.wall_offset_ns,
+                "end_ns": max(ends) + self.job.wall_offset_ns,
+                "bytes": sum(event.bytes for event in persists) if on_disk is None else on_disk,
+                "persist_s": sum(event.duration_s for event in persists),
+            })
+        return spans
+
+
+class RankJob:
+    """This rank's part in a bench on many ranks (the :class:`~._compare.Coordination` that
+    :func:`~._compare.compare` takes as ``ranks``)."""
+
+    def __init__(self, group: Any, dcp_group: Any, *, own_default: bool, sharded: bool = False) -> None:
+        self.group = group
+        self.dcp_group = dcp_group
+        self.own_default = own_default
+        self.sharded = sharded
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.host = socket.gethostname()
+        self.workload: RankWorkload | None = None
+        self.lanes: list[RankLane] = []
+        self.floor_writes: list[dict[str, Any]] = []
+        # The event clock (perf_counter) on the wall clock, which the ranks (and hosts) share.
+        self.wall_offset_ns = time.time_ns() - time.perf_counter_ns()
+
+    @classmethod
+    def start(cls, device: str, *, sharded: bool = False) -> RankJob:
+        """Join torchrun's ranks (starting the default group if the caller has not: gloo, and
+        NCCL for CUDA tensors) and open the bench's own gloo group; ``sharded``: the GPT is
+        sharded with FSDP2 over the default group."""
+        own = not dist.is_initialized()
+        if own:
+            if device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            try:
+                dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo")
+            except (ValueError, RuntimeError) as exc:
+                raise ConfigError(f"cannot join the other ranks (run under torchrun): {exc}") from exc
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=BARRIER_TIMEOUT_S))
+        dcp_group = dist.new_group(backend="gloo")  # DCP's strategies' own (see their process_group)
+        return cls(group, dcp_group, own_default=own, sharded=sharded)
+
+    @property
+    def replicated(self) -> bool:
+        return self.workload is not None and self.workload.replicated
+
+    def adopt(self, workload: Workload) -> RankWorkload:
+        self.workload = RankWorkload(workload, self.rank, self.world_size, sharded=self.sharded)
+        return self.workload
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    # -- the Coordination compare() takes --------------------------------------------------
+
+    def strategy(self, strategy: Strategy) -> Strategy:
+        return RankStrategy(strategy, self)
+
+    def lane(self, name: str, strategy: Strategy, workload: Workload, *, steps: int, every: int,
+             on_event: EventCallback | None, progress: RunProgress | None, repeat: int) -> Lane:
+        lane = RankLane(self, name, strategy, workload, steps=steps, every=every,
+                        on_event=on_event, progress=progress, repeat=repeat)
+        self.lanes.append(lane)
+        return lane
+
+    def before_repeat(self, repeat: int, directory: str,
+                      storage_options: dict[str, Any] | None) -> None:
+        """Start the repeat together, every rank first writing its share of a checkpoint at
+        once, raw and durably: the write floor of the storage as this job sees it."""
+        share = self.workload.share_bytes if self.workload is not None else 1
+        self.barrier()
+        begin = time.time_ns()
+        (run,) = measure_write(directory, share, streams=(1,), repeats=1, storage_options=storage_options)
+        # The span starts as the directory for it is made (a metadata operation) and lasts the write.
+        self.floor_writes.append({"repeat": repeat, "start_ns": begin,
+                                  "end_ns": begin + round(run.write_s * 1e9), "bytes": run.bytes})
+        self.barrier()
+
+    def remove(self, path: str) -> None:
+        """Rank 0 removes the shared folder (every rank is done with it: the turns ended together);
+        the next repeat starts with a barrier, after it."""
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # -- after the comparison ------------------------------------------------------------------
+
+    def record(self, comparison: Comparison) -> dict[str, Any]:
+        """This rank's record (:data:`~._job.RankRecord`)."""
+        spans = [span for lane in self.lanes for span in lane.spans()]
+        written: dict[str, list[float]] = {}
+        for span in spans:
+            totals = written.setdefault(span["strategy"], [0, 0.0])
+            totals[0] += span["bytes"]
+            totals[1] += span["persist_s"]
+        rows = comparison.results.to_dict(orient="records") if len(comparison.results) else []
+        return {
+            "rank": self.rank,
+            "host": self.host,
+            "strategies": [{
+                "strategy": row["strategy"], "stall_s": _float(row["stall_mean_s"]),
+                "persist_s": _float(row["persist_s"]),
+                "bytes": int(written.get(row["strategy"], [0, 0.0])[0]),
+                "write_gbs": _rate(*written.get(row["strategy"], [0, 0.0])),
+                "mean_step_s": _float(row["mean_step_s"]),
+                "overhead_pct": _float(row["overhead_pct"]), "checkpoints": int(row["checkpoints"]),
+            } for row in rows],
+            "checkpoints": spans,
+            "floor_writes": list(self.floor_writes),
+        }
+
+    def gather(self, record: RankRecord) -> list[RankRecord] | None:
+        """Every rank's record on rank 0 (in rank order), None elsewhere."""
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(record, gathered, dst=0, group=self.group)
+        return gathered
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group(self.group)
+            dist.destroy_process_group(self.dcp_group)
+            if self.own_default:
+                dist.destroy_process_group()
+
+
+def _float(value: Any) -> float:
+    return math.nan if value is None or pd.isna(value) else float(value)
+
+
+def _rate(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / GB if seconds > 0 else math.nan
+
+
+def run_bench_on_ranks(args: argparse.Namespace, progress: Progress | None = None) -> Comparison | None:
+    """``nbckpt bench`` under torchrun: this rank's part of the bench on many ranks. Returns the
+    comparison with the job's figures on rank 0, None on every other rank (rank 0 alone prints
+    and writes results)."""
+    job = RankJob.start(args.device, sharded=args.fsdp)
+    try:
+        comparison = run_one_process(args, progress if job.rank == 0 else None, ranks=job)
+        records = job.gather(job.record(comparison))
+        if records is None:
+            return None
+        comparison.ranks, comparison.job = job_summary(records)
+        return comparison
+    finally:
+        job.close()

@@ -1,0 +1,89 @@
+"""The job's figures from per-rank records (``nbckpt.bench._job``): pure, no processes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from nbckpt.bench._job import job_summary, straggler
+
+S = 1_000_000_000  # ns per second
+
+
+def _rank(rank: int, host: str, stall: float, overhead: float, spans: list[tuple[int, int, int]],
+          floor: tuple[int, int, int]) -> dict[str, Any]:
+    return {
+        "rank": rank, "host": host,
+        "strategies": [
+            {"strategy": "none", "stall_s": 0.0, "persist_s": math.nan, "bytes": 0,
+             "write_gbs": math.nan, "mean_step_s": 0.1, "overhead_pct": math.nan, "checkpoints": 0},
+            {"strategy": "nbckpt-async", "stall_s": stall, "persist_s": 0.5, "bytes": 2_000,
+             "write_gbs": 1.0, "mean_step_s": 0.11, "overhead_pct": overhead, "checkpoints": 2},
+        ],
+        "checkpoints": [{"strategy": "nbckpt-async", "repeat": 0, "step": step, "start_ns": start,
+                         "end_ns": end, "bytes": 1_000} for step, start, end in spans],
+        "floor_writes": [{"repeat": 0, "start_ns": floor[0], "end_ns": floor[1], "bytes": floor[2]}],
+    }
+
+
+def test_the_job_spans_every_rank_and_names_the_straggler_and_its_host() -> None:
+    records = [
+        # out of order on purpose: rank 0 is gathered first in practice, but not required
+        _rank(2, "b", 0.9, 12.0, [(5, 1 * S, 3 * S), (10, 10 * S, 11 * S)], (0, 2 * S, 4_000)),
+        _rank(0, "a", 0.1, 2.0, [(5, 2 * S, 4 * S), (10, 10 * S, 12 * S)], (0, 1 * S, 4_000)),
+        _rank(1, "a", 0.2, 3.0, [(5, 2 * S, 5 * S), (10, 11 * S, 12 * S)], (1 * S, 2 * S, 4_000)),
+    ]
+    rows, job = job_summary(records)
+    assert [(row["rank"], row["host"], row["strategy"]) for row in rows][:3] == [
+        (0, "a", "none"), (0, "a", "nbckpt-async"), (1, "a", "none")]
+    assert job["world_size"] == 3
+    assert job["hosts"] == {"a": [0, 1], "b": [2]}
+    # All three wrote 4000 bytes from 0 s to 2 s: 12000 bytes in 2 s.
+    assert job["floors"]["concurrent_write_gbs"] == pytest.approx(12_000 / 2 / 1e9)
+    none, ours = job["strategies"]
+    assert none["straggler"] is None and math.isnan(none["overhead_pct"])
+    assert ours["overhead_pct"] == 12.0 and ours["slowest_rank"] == 2
+    assert ours["stall_s"]["median"] == pytest.approx(0.2)
+    assert ours["stall_s"]["max"] == pytest.approx(0.9)
+    assert 0.2 < ours["stall_s"]["p99"] <= 0.9
+    assert ours["straggler"]["rank"] == 2 and ours["straggler"]["host"] == "b"
+    assert ours["straggler"]["over_median_s"] == pytest.approx(0.7)
+    assert ours["straggler"]["over_median_ratio"] == pytest.approx(4.5)
+    first, second = ours["checkpoints"]
+    # Step 5: rank 2 starts at 1 s, rank 1 ends at 5 s: 4 s to durable, 3000 bytes over it.
+    assert (first["time_to_durable_s"], first["first_rank"], first["last_rank"]) == (4.0, 2, 1)
+    assert first["bytes"] == 3_000 and first["ranks_writing"] == 3
+    assert first["aggregate_write_gbs"] == pytest.approx(3_000 / 4 / 1e9)
+    assert first["start_spread_s"] == 1.0
+    assert second["time_to_durable_s"] == 2.0
+    assert ours["time_to_durable_s"] == pytest.approx(3.0)
+
+
+def test_a_rank_that_writes_nothing_adds_no_span_and_a_tie_names_the_lowest_rank() -> None:
+    # torch-save on many ranks: rank 0 alone writes the replicated state.
+    records = [_rank(0, "a", 0.3, 5.0, [(5, 0, 2 * S)], (0, S, 10)),
+               _rank(1, "a", 0.3, 5.0, [], (0, S, 10))]
+    _, job = job_summary(records)
+    (row,) = job["strategies"][1]["checkpoints"]
+    assert row["ranks_writing"] == 1 and row["bytes"] == 1_000
+    assert job["strategies"][1]["straggler"]["rank"] == 0
+    assert straggler({}, {}) is None
+
+
+def test_a_rank_holds_a_gpt_replicated_and_any_other_state_under_keys_of_its_own() -> None:
+    from nbckpt.bench._ranks import RankWorkload
+    from nbckpt.bench._workloads import gpt, synthetic
+
+    replicated = RankWorkload(gpt("tiny"), rank=1, world_size=2)
+    own = RankWorkload(synthetic(0.25, compute_ms=0), rank=1, world_size=2)
+    assert replicated.replicated and not own.replicated
+    assert replicated.share_bytes == -(-replicated.nbytes // 2) and own.share_bytes == own.nbytes
+    own.build()
+    own.step = 3  # the runner sets the step it trains next
+    own.train_step()
+    state = own.state()
+    assert list(state["model"]) == ["rank1"] and state["step"] == own.inner.step == 4
+    assert "own state on each of 2 ranks" in own.describe()
+    assert "replicated (DDP-like) on 2 ranks" in replicated.describe()

@@ -1,0 +1,112 @@
+"""``nbckpt bench`` on many ranks: real torchrun, gloo, tiny sizes (``nbckpt.bench._ranks``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nbckpt import cli
+from nbckpt.bench import Comparison
+
+HELPER = Path(__file__).parents[1] / "helpers" / "bench_rank_worker.py"
+WRITERS = ["torch-save", "dcp-sync", "nbckpt-async"]
+SLOW_RANK, SLOW_S = 1, 0.4
+
+
+def _data_bytes(folder: Path) -> int:
+    """The checkpoints' data files under ``folder``: DCP's and nbckpt's shards, torch.save's files."""
+    return sum(path.stat().st_size for path in folder.rglob("*")
+               if path.is_file() and path.suffix in (".distcp", ".pt"))
+
+
+def _bench_on_two_ranks(tmp_path: Path, *options: str, slow_s: float = 0.0) -> tuple[str, dict[str, Any]]:
+    """``nbckpt bench`` under torchrun on 2 gloo ranks, checkpoints kept; its stdout and JSON."""
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(HELPER), str(SLOW_RANK), str(slow_s),
+               "bench", "--dir", str(tmp_path / "ckpt"), "--strategies", ",".join(WRITERS),
+               "--steps", "4", "--every", "2", "--repeats", "1", "--no-warmup", "--keep", "--quiet",
+               "--json", str(out), *options]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=200, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout, json.loads(out.read_text())
+
+
+def _check_bytes_on_disk(tmp_path: Path, rows: dict[tuple[int, str], dict[str, Any]]) -> None:
+    """Every byte each rank says it wrote is on disk, and nothing else is."""
+    for name in WRITERS:
+        written = sum(rows[rank, name]["bytes"] for rank in (0, 1))
+        assert written == _data_bytes(tmp_path / "ckpt" / name), name
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_report_every_rank_the_job_and_the_slowed_rank_as_straggler(tmp_path: Path) -> None:
+    stdout, document = _bench_on_two_ranks(tmp_path, "--size-mb", "1", "--compute-ms", "1",
+                                           slow_s=SLOW_S)
+    # Rank 0 alone prints and writes results: one table, one file.
+    assert stdout.count("results written to") == 1, stdout
+    assert stdout.count("on 2 ranks, 1 host(s)") == 1
+    # The job's figures read back, and shown under the table.
+    again = Comparison.from_json(tmp_path / "bench.json")
+    assert again.job == document["job"] and again.ranks == document["ranks"]
+    assert "straggler rank 1" in again.table()
+    rows = {(row["rank"], row["strategy"]): row for row in document["ranks"]}
+    assert set(rows) == {(rank, name) for rank in (0, 1) for name in ["none", *WRITERS]}
+    host = socket.gethostname()
+    for name in WRITERS:
+        for rank in (0, 1):
+            row = rows[rank, name]
+            assert row["host"] == host and row["checkpoints"] == 2 and row["stall_s"] > 0
+            assert row["bytes"] > 2 * 1024 * 1024  # its own MiB in each of two checkpoints
+    _check_bytes_on_disk(tmp_path, rows)
+    job = document["job"]
+    assert job["world_size"] == 2 and job["hosts"] == {host: [0, 1]}
+    assert job["floors"]["concurrent_write_gbs"] > 0 and job["floors"]["bytes"] == 2 * 1024 * 1024
+    for summary in job["strategies"]:
+        if summary["strategy"] == "none":
+            assert summary["straggler"] is None and summary["checkpoints"] == []
+            continue
+        late = summary["straggler"]
+        assert (late["rank"], late["host"]) == (SLOW_RANK, host), summary
+        assert late["over_median_s"] > SLOW_S / 2 - 0.05  # the median of two is their middle
+        assert summary["stall_s"]["max"] >= SLOW_S
+        steps = [(row["step"], row["ranks_writing"]) for row in summary["checkpoints"]]
+        assert steps == [(2, 2), (4, 2)]
+        for row in summary["checkpoints"]:
+            assert row["time_to_durable_s"] > 0 and row["aggregate_write_gbs"] > 0
+            # In lockstep the slowed rank starts each save with the other, not a turn behind.
+            assert row["start_spread_s"] < SLOW_S / 2, summary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("form", ["replicated", "fsdp"])
+def test_a_gpt_replicated_or_sharded_is_written_once_over_the_ranks(tmp_path: Path, form: str) -> None:
+    options = ["--preset", "tiny", *(["--fsdp"] if form == "fsdp" else [])]
+    _, document = _bench_on_two_ranks(tmp_path, *options)
+    rows = {(row["rank"], row["strategy"]): row for row in document["ranks"]}
+    _check_bytes_on_disk(tmp_path, rows)
+    state = document["bytes"]  # one checkpoint of the whole model and optimizer
+    if form == "replicated":  # torch.save of the replicated state on rank 0 alone
+        assert rows[1, "torch-save"]["bytes"] == 0 < rows[0, "torch-save"]["bytes"]
+    else:  # under FSDP each rank torch.saves its shard
+        assert all(0.4 * state < rows[rank, "torch-save"]["bytes"] / 2 < 0.6 * state for rank in (0, 1))
+    for name in ("dcp-sync", "nbckpt-async"):  # each rank writes a part, the parts add up to one state
+        assert all(0 < rows[rank, name]["bytes"] < 2 * state for rank in (0, 1))
+        (summary,) = [row for row in document["job"]["strategies"] if row["strategy"] == name]
+        assert all(state <= row["bytes"] < 1.05 * state for row in summary["checkpoints"])
+
+
+def test_fsdp_outside_torchrun_is_a_one_line_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--fsdp", "--dir", str(tmp_path)]) == 2
+    assert "--fsdp shards the model over the ranks of torchrun" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
