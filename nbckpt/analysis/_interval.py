@@ -1,7 +1,8 @@
 """How often to checkpoint: the Young/Daly interval and the time it loses.
 
-A first-order model (Young 1974, Daly 2006), valid while cost and interval are small against the
-MTBF. With per-checkpoint cost ``C = stall + drag``, interval ``tau`` and job MTBF ``M``::
+A first-order model (Young 1974, Daly 2006; the formulas are the engine's, which a training
+loop's save schedule uses too), valid while cost and interval are small against the MTBF. With
+per-checkpoint cost ``C = stall + drag``, interval ``tau`` and job MTBF ``M``::
 
     waste(tau) = C / tau + (tau / 2 + lag + R) / M
 
@@ -20,6 +21,7 @@ import pandas as pd
 
 from .._errors import ConfigError
 from .._util import check_count
+from ..engine._internal import expected_waste, young_daly_interval
 from ._costs import Measured, measurements
 from ._reference import _load as published  # read-only here: no copy
 
@@ -44,40 +46,6 @@ ADVICE_COLUMNS = [
     "interval_s", "bound", "checkpoint_pct", "drag_pct", "rework_pct", "restore_pct", "waste_pct",
     "storage_duty_pct", "gpu_hours_lost_per_day", "checkpoints_per_day",
 ]
-
-
-def young_daly_interval(cost_s: float, mtbf_s: float, method: str = "daly") -> float:
-    """Checkpoint interval (seconds of training between checkpoints) that minimises lost time.
-
-    ``method="young"``: ``sqrt(2 C M)``. ``method="daly"`` (Daly 2006, higher order):
-    ``sqrt(2 C M) (1 + sqrt(C / 2M) / 3 + C / 18M) - C`` for ``C < 2M``, else ``M``.
-    """
-    if not cost_s >= 0 or math.isinf(cost_s):
-        raise ConfigError(f"checkpoint cost must be a finite number >= 0 seconds, got {cost_s}")
-    if not mtbf_s > 0 or math.isinf(mtbf_s):
-        raise ConfigError(f"MTBF must be a finite number > 0 seconds, got {mtbf_s}")
-    young = math.sqrt(2.0 * cost_s * mtbf_s)
-    if method == "young":
-        return young
-    if method != "daly":
-        raise ConfigError(f"unknown interval method {method!r}: use 'young' or 'daly'")
-    if cost_s >= 2.0 * mtbf_s:
-        return mtbf_s
-    ratio = cost_s / (2.0 * mtbf_s)
-    return young * (1.0 + math.sqrt(ratio) / 3.0 + cost_s / (18.0 * mtbf_s)) - cost_s
-
-
-def expected_waste(interval_s: float, cost_s: float, mtbf_s: float, *, lag_s: float = 0.0,
-                   restore_s: float = 0.0) -> float:
-    """Fraction of time lost, ``C / tau + (tau / 2 + lag + R) / M``, at most 1 (see module doc)."""
-    if not interval_s > 0:
-        raise ConfigError(f"checkpoint interval must be > 0 seconds, got {interval_s}")
-    if not mtbf_s > 0:
-        raise ConfigError(f"MTBF must be > 0 seconds, got {mtbf_s}")
-    if min(cost_s, lag_s, restore_s) < 0:
-        raise ConfigError("checkpoint cost, lag and restore time must be >= 0 seconds")
-    waste = cost_s / interval_s + (interval_s / 2.0 + lag_s + restore_s) / mtbf_s
-    return min(waste, 1.0)
 
 
 def cluster_mtbf_s(mtbf_hours: float, gpus: int, gpus_per_node: int = 8) -> float:
