@@ -8,8 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from nbckpt import Checkpointer, ConfigError
+from nbckpt.cli import main as cli
+from nbckpt.integrations import load
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -74,3 +78,38 @@ def test_resume_checkpoint_never_removes_a_folder_nbckpt_did_not_make(tmp_path: 
         third.resume_checkpoint(folder=out / "resume")
     assert (out / "resume" / "mine.txt").read_text() == "put here by the user"
     third.close()
+
+
+# -- 8d: plain-DCP steps in a run ------------------------------------------------------------
+
+
+def test_a_rewind_below_a_plain_dcp_step_starts_a_new_line(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with Checkpointer(run, mode="sync") as ckpt:
+        ckpt.save({"w": torch.full((4,), 1.0)}, step=1)
+    dcp.save({"w": torch.full((4,), 9.0)}, checkpoint_id=str(run / "step-9"), no_dist=True)
+    with Checkpointer(run, mode="sync") as ckpt:
+        state = {"w": torch.zeros(4)}
+        assert ckpt.restore(state, step=1) == 1
+        with pytest.warns(UserWarning, match="saves now go to a new line, branch-1"):
+            ckpt.save({"w": torch.full((4,), 2.0)}, step=2)
+        ckpt.save({"w": torch.full((4,), 3.0)}, step=3)
+        assert ckpt.restore(state) == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
+    with Checkpointer(run, mode="sync") as ckpt:  # the line saved to last: not main's step 9
+        assert ckpt.restore(state) == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
+    assert (run / "step-9" / ".metadata").is_file()  # the plain-DCP step stays where it was
+
+
+def test_a_path_naming_a_plain_dcp_folder_reads_that_folder(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with Checkpointer(run, mode="sync") as ckpt:
+        ckpt.save({"w": torch.full((4,), 2.0)}, step=2)  # step-000002
+    dcp.save({"w": torch.full((4,), 7.0)}, checkpoint_id=str(run / "step-2"), no_dist=True)
+    assert torch.equal(load(run / "step-2")["w"], torch.full((4,), 7.0))
+    assert torch.equal(load(run / "step-000002")["w"], torch.full((4,), 2.0))
+    assert cli(["export", str(run / "step-2"), str(tmp_path / "out.pt")]) == 0
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.full((4,), 7.0))
+    # a name that is not nbckpt's spelling of a step, without .metadata, names no step at all
+    (run / "step-02").mkdir()
+    with pytest.raises(ConfigError, match="step-02"):
+        load(run / "step-02")
