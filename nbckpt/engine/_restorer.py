@@ -200,9 +200,10 @@ class Restorer:
         checked = self.group.exchange(("check", step, attempt), check)
         if len({checksum for checksum, _, _ in checked}) > 1:
             raise CheckpointError(f"{step_name(step)}/{MANIFEST} reads differently on different ranks")
-        for _, missing, holds in checked:
-            if missing:
-                raise _Lacks(step, [str(k) for k in state], holds)
+        lacks = {rank: missing for rank, (_, missing, _) in enumerate(checked) if missing}
+        if lacks:  # every rank names the ranks and keys: one rank's template may differ
+            holds = checked[min(lacks)][2]
+            raise _Lacks(step, [str(k) for k in state], holds, lacks if len(checked) > 1 else {})
         manifest, saved, targets = box[0]
 
         def read() -> None:
@@ -269,14 +270,23 @@ def check_step_files(store: Readable, io: Pool, location: str, manifest: Manifes
 class _Lacks(CheckpointError):
     """The newest step holds other names than the caller's state asks for: try an older one."""
 
-    def __init__(self, step: int, asked: list[str], holds: list[str]) -> None:
+    def __init__(self, step: int, asked: list[str], holds: list[str], by_rank: dict[int, list[str]]) -> None:
         super().__init__(f"{step_name(step)} holds {listed(holds)}")
-        self.step, self.asked, self.holds = step, asked, holds
+        self.step, self.asked, self.holds, self.by_rank = step, asked, holds, by_rank
 
     def refusal(self, url: str) -> ConfigError:
+        newest = f"(the newest, step {self.step}, holds {listed(self.holds)})"
+        if not self.by_rank:  # one process
+            return ConfigError(f"no step in {url} holds {listed(self.asked)} {newest}")
+        ranks: dict[tuple[str, ...], list[int]] = {}
+        for rank, missing in sorted(self.by_rank.items()):
+            ranks.setdefault(tuple(missing), []).append(rank)
+        whose = "; ".join(
+            f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {listed(list(m))}"
+            for m, r in ranks.items()
+        )
         return ConfigError(
-            f"no step in {url} holds {listed(self.asked)} (the newest, step {self.step}, holds "
-            f"{listed(self.holds)})"
+            f"no step in {url} holds every key the ranks' states name (missing on {whose}) {newest}"
         )
 
 
