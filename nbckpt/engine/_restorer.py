@@ -174,6 +174,8 @@ class Restorer:
         state holds them), the saved tree, the RNG streams to set (None: none of this rank's),
         and what reads the checked bytes into the caller's own tensors once every rank checked."""
         box: list[Any] = []
+        # which rank's template a refusal is about: another rank is told it too (the same line)
+        whose = f"rank {self.rank}'s state" if self.group.world_size > 1 else "this state"
 
         def check() -> tuple[str, list[str], list[str]]:
             manifest = read_manifest(store, step, location)[0]
@@ -193,7 +195,7 @@ class Restorer:
                 left = [repr(key) for key, _ in saved["items"] if key not in state]
                 if left:
                     problems.append(f"strict: the state does not name the saved {', '.join(left)}")
-            _refuse(problems, step)
+            _refuse(problems, step, whose)
             box.append((manifest, saved, sharded_targets(state, saved)))
             return manifest.checksum, [], holds
 
@@ -227,7 +229,7 @@ class Restorer:
             for key, like in targets.items():
                 if key in tensors:
                     tensors[key] = wrap_like(tensors[key], like)
-            _refuse(check_loadable(state, saved, tensors), step)
+            _refuse(check_loadable(state, saved, tensors), step, whose)
             box.append((plan, tensors, _owned_rng(manifest, self.rank, step) if rng else None))
 
         self.group.exchange(("read", step, attempt), read)
@@ -290,14 +292,14 @@ class _Lacks(CheckpointError):
         )
 
 
-def _refuse(problems: list[str], step: int) -> None:
+def _refuse(problems: list[str], step: int, whose: str = "this state") -> None:
     if problems:
         more = (
             f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
             if len(problems) > 1
             else ""
         )
-        raise ConfigError(f"cannot restore {step_name(step)} into this state: {problems[0]}{more}")
+        raise ConfigError(f"cannot restore {step_name(step)} into {whose}: {problems[0]}{more}")
 
 
 def _owned_rng(manifest: Manifest, rank: int, step: int) -> Callable[[], None] | None:

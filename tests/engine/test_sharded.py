@@ -120,6 +120,9 @@ def test_a_key_only_one_rank_asks_for_is_named_with_its_rank_on_every_rank(runs:
         assert lacking.startswith("ConfigError: no step in "), (rank, lacking)
         assert "(missing on rank 1: 'extra')" in lacking, (rank, lacking)
         assert "holds 'r', 'w'" in lacking, (rank, lacking)
+        named = seen["replicas"]["named"]  # restore(step=2): that step, refused on every rank
+        assert "cannot restore step-000002 into rank 1's state: " in named, (rank, named)
+        assert "'extra'" in named, (rank, named)
 
 
 def test_a_rank_killed_mid_save_of_sharded_state_leaves_nothing_committed(tmp_path: Path) -> None:

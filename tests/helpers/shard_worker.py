@@ -268,6 +268,7 @@ def replicas(directory: str) -> dict[str, Any]:
         if RANK == 1:
             state["extra"] = torch.zeros(1)
         lacking = outcome(lambda: ckpt.restore(state))
+        named = outcome(lambda: ckpt.restore(state, step=2))
         state.pop("extra", None)
         restored = ckpt.restore(state)
         return {
@@ -275,6 +276,7 @@ def replicas(directory: str) -> dict[str, Any]:
             "refused_steps": refused_steps,
             "agreed": agreed,
             "lacking": lacking,
+            "named": named,
             "restored": restored,
             "values": state["r"].to_local().tolist(),
         }
