@@ -247,8 +247,10 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         if rank == 0:
             if os.path.lexists(base):
                 shutil.rmtree(base)
-            os.makedirs(out)
+            os.makedirs(base)
+            # the marker first: a folder cut short after it is still known as ours next time
             write_atomic(os.path.join(base, RESUME_MARKER), b"made by nbckpt's resume_checkpoint\n")
+            os.makedirs(out)
             atomic_torch_save(data["model"], os.path.join(out, WEIGHTS_NAME))
             atomic_torch_save(data["optimizer"], os.path.join(out, OPTIMIZER_NAME))
             if "lr_scheduler" in data:
