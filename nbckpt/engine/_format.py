@@ -17,7 +17,7 @@ import math
 import pickle
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any, NamedTuple, cast
 
 import torch
@@ -191,6 +191,9 @@ class Layout:
     """Tensor bytes in all the ranks' files (a replicated chunk, a tied tensor count once)."""
     shared: frozenset[str] = frozenset()
     """Plain tensors several ranks hold under one key: replicated, so their values must agree."""
+    replicated: Mapping[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    """DTensors a chunk of which several ranks hold (a Replicate placement): each such group of
+    ranks, whose values of that chunk must agree (it is written once)."""
 
     @functools.cached_property
     def metadata(self) -> bytes:
@@ -270,6 +273,10 @@ def _file_layout(name: str, specs: Sequence[TensorSpec]) -> FileLayout:
     return FileLayout(name, offset + len(pending), tuple(items), tuple(pieces))
 
 
+#: Each DTensor key: the groups of ranks that hold one chunk of it.
+Replicas = dict[str, tuple[tuple[int, ...], ...]]
+
+
 class RankPlan(NamedTuple):
     """What one rank says of its state when a save is planned (its part of the agreement)."""
 
@@ -280,10 +287,11 @@ class RankPlan(NamedTuple):
 
 def _assign(
     ranks: Sequence[RankPlan],
-) -> tuple[list[list[TensorSpec]], dict[str, list[TensorSpec]], frozenset[str]]:
+) -> tuple[list[list[TensorSpec]], dict[str, list[TensorSpec]], frozenset[str], Replicas]:
     """Which rank writes each chunk (one several ranks hold is replicated, as DCP assumes, and
     written once, by the holder with the fewest bytes so far): each rank's chunks to write in
-    its state's order, every key's distinct chunks, and the plain tensors several ranks hold."""
+    its state's order, every key's distinct chunks, the plain tensors several ranks hold, and
+    the groups of ranks holding one chunk of a DTensor."""
     holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
     spec_of: dict[tuple[str, tuple[int, ...]], TensorSpec] = {}
     kind_of: dict[str, tuple[int, TensorSpec]] = {}  # each key's first holder and spec: all must agree
@@ -317,13 +325,17 @@ def _assign(
     shared = frozenset(
         key for (key, _), ranks_ in holders.items() if len(ranks_) > 1 and not kind_of[key][1].sharded
     )
+    replicated: Replicas = {}
+    for (key, _), ranks_ in holders.items():
+        if len(ranks_) > 1 and kind_of[key][1].sharded:
+            replicated[key] = (*replicated.get(key, ()), tuple(ranks_))
     # Each rank keeps its own order of keys: files then follow the state's order. An empty
     # chunk (an uneven shard's last ranks) has no bytes: nothing is written for it.
     writes = [
         [s for s in p.specs if owner[(s.key, s.chunk.offsets)] == rank and s.nbytes]
         for rank, p in enumerate(ranks)
     ]
-    return writes, chunks, shared
+    return writes, chunks, shared, replicated
 
 
 def _disagree(key: str, rank_a: int, a: TensorSpec, rank_b: int, b: TensorSpec) -> str:
@@ -353,7 +365,7 @@ def plan(
 ) -> Layout:
     """The layout of every rank's files and the DCP metadata for them; ``paths`` maps each key
     to its path of keys in the state (so DCP's tools can nest the tensors again)."""
-    writes, chunks, shared = _assign(ranks)
+    writes, chunks, shared, replicated = _assign(ranks)
     aliases = _aliases(ranks, chunks)
     files: dict[int, tuple[FileLayout, ...]] = {}
     for rank, specs in enumerate(writes):
@@ -380,7 +392,7 @@ def plan(
         chunks[key] = chunks[first]
     nbytes = sum(item.nbytes for _, item in placed.values())
     metadata = _metadata(chunks, locations, paths)
-    return Layout(files, metadata, locations, nbytes, shared)
+    return Layout(files, metadata, locations, nbytes, shared, replicated)
 
 
 def _metadata(

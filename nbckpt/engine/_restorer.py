@@ -174,6 +174,8 @@ class Restorer:
         state holds them), the saved tree, the RNG streams to set (None: none of this rank's),
         and what reads the checked bytes into the caller's own tensors once every rank checked."""
         box: list[Any] = []
+        # which rank's template a refusal is about: another rank is told it too (the same line)
+        whose = f"rank {self.rank}'s state" if self.group.world_size > 1 else "this state"
 
         def check() -> tuple[str, list[str], list[str]]:
             manifest = read_manifest(store, step, location)[0]
@@ -193,16 +195,17 @@ class Restorer:
                 left = [repr(key) for key, _ in saved["items"] if key not in state]
                 if left:
                     problems.append(f"strict: the state does not name the saved {', '.join(left)}")
-            _refuse(problems, step)
+            _refuse(problems, step, whose)
             box.append((manifest, saved, sharded_targets(state, saved)))
             return manifest.checksum, [], holds
 
         checked = self.group.exchange(("check", step, attempt), check)
         if len({checksum for checksum, _, _ in checked}) > 1:
             raise CheckpointError(f"{step_name(step)}/{MANIFEST} reads differently on different ranks")
-        for _, missing, holds in checked:
-            if missing:
-                raise _Lacks(step, [str(k) for k in state], holds)
+        lacks = {rank: missing for rank, (_, missing, _) in enumerate(checked) if missing}
+        if lacks:  # every rank names the ranks and keys: one rank's template may differ
+            holds = checked[min(lacks)][2]
+            raise _Lacks(step, [str(k) for k in state], holds, lacks if len(checked) > 1 else {})
         manifest, saved, targets = box[0]
 
         def read() -> None:
@@ -226,7 +229,7 @@ class Restorer:
             for key, like in targets.items():
                 if key in tensors:
                     tensors[key] = wrap_like(tensors[key], like)
-            _refuse(check_loadable(state, saved, tensors), step)
+            _refuse(check_loadable(state, saved, tensors), step, whose)
             box.append((plan, tensors, _owned_rng(manifest, self.rank, step) if rng else None))
 
         self.group.exchange(("read", step, attempt), read)
@@ -269,25 +272,34 @@ def check_step_files(store: Readable, io: Pool, location: str, manifest: Manifes
 class _Lacks(CheckpointError):
     """The newest step holds other names than the caller's state asks for: try an older one."""
 
-    def __init__(self, step: int, asked: list[str], holds: list[str]) -> None:
+    def __init__(self, step: int, asked: list[str], holds: list[str], by_rank: dict[int, list[str]]) -> None:
         super().__init__(f"{step_name(step)} holds {listed(holds)}")
-        self.step, self.asked, self.holds = step, asked, holds
+        self.step, self.asked, self.holds, self.by_rank = step, asked, holds, by_rank
 
     def refusal(self, url: str) -> ConfigError:
+        newest = f"(the newest, step {self.step}, holds {listed(self.holds)})"
+        if not self.by_rank:  # one process
+            return ConfigError(f"no step in {url} holds {listed(self.asked)} {newest}")
+        ranks: dict[tuple[str, ...], list[int]] = {}
+        for rank, missing in sorted(self.by_rank.items()):
+            ranks.setdefault(tuple(missing), []).append(rank)
+        whose = "; ".join(
+            f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {listed(list(m))}"
+            for m, r in ranks.items()
+        )
         return ConfigError(
-            f"no step in {url} holds {listed(self.asked)} (the newest, step {self.step}, holds "
-            f"{listed(self.holds)})"
+            f"no step in {url} holds every key the ranks' states name (missing on {whose}) {newest}"
         )
 
 
-def _refuse(problems: list[str], step: int) -> None:
+def _refuse(problems: list[str], step: int, whose: str = "this state") -> None:
     if problems:
         more = (
             f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
             if len(problems) > 1
             else ""
         )
-        raise ConfigError(f"cannot restore {step_name(step)} into this state: {problems[0]}{more}")
+        raise ConfigError(f"cannot restore {step_name(step)} into {whose}: {problems[0]}{more}")
 
 
 def _owned_rng(manifest: Manifest, rank: int, step: int) -> Callable[[], None] | None:

@@ -138,8 +138,10 @@ class Run:
     def restored(self, step: int) -> None:
         """The restorer loaded ``step``: a save after it branches off if newer steps exist
         anywhere the line reads from (the mirror too: after a lost disk it may hold the only
-        copies)."""
-        newer = [s for store in self.restorer.stores for s in store.committed() if s > step]
+        copies), plain-DCP steps included: a restore without a step picks the newest of either kind."""
+        newer = [
+            s for store in self.restorer.stores for s in (*store.committed(), *store.foreign()) if s > step
+        ]
         source = self.restorer.last_source
         self.restored_from = self.restorer.stores[source].url
         line = self._chain[source] if source < len(self._chain) else self.current

@@ -162,7 +162,8 @@ class Saver:
         self, state: Mapping[str, Any], step: int, seq: int, compare_values: bool = True
     ) -> tuple[Flattened, Layout]:
         """Flatten and agree across ranks, then the file layout (cached per structure); with
-        ``compare_values``, a plain tensor of different values on two ranks is refused."""
+        ``compare_values``, a plain tensor (or a DTensor's replicated chunk) of different values
+        on two ranks is refused."""
         box: list[Flattened] = []
         several = self.ranks.world_size > 1
 
@@ -170,8 +171,9 @@ class Saver:
             flat = flatten(state)
             box.append(flat)
             compared = several and compare_values
-            plain = {s.key: flat.tensors[s.key] for s in flat.specs if not s.sharded} if compared else {}
-            return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items()))), fingerprints(plain)
+            copies = [s.key for s in flat.specs if not s.sharded or s.key in flat.replicas]
+            prints = fingerprints({key: flat.tensors[key] for key in copies} if compared else {})
+            return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items()))), prints
 
         everyone = self.ranks.caller.exchange(("save", step, seq), local)
         flat = box[0]
@@ -189,7 +191,7 @@ class Saver:
             if len(self._layouts) >= _LAYOUTS_KEPT:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[plans] = layout
-        check_replicas(layout.shared, [prints for _, prints in everyone])
+        check_replicas(layout.shared, layout.replicated, [prints for _, prints in everyone])
         return flat, layout
 
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +23,8 @@ from .._errors import ConfigError
 from ._torch_compat import dtensor_spec
 
 __all__ = [
-    "Region", "Runs", "check_replicas", "fingerprints", "is_dtensor", "local_part", "overlap", "region_of",
-    "runs", "tiles", "wrap_like"
+    "Region", "Runs", "check_replicas", "fingerprints", "is_dtensor", "is_replicated", "local_part",
+    "overlap", "region_of", "runs", "tiles", "wrap_like"
 ]
 
 Shape = tuple[int, ...]
@@ -53,6 +53,11 @@ def is_dtensor(value: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(value, DTensor)
+
+
+def is_replicated(tensor: Any) -> bool:
+    """Whether other ranks hold a DTensor's chunk too (a Replicate placement on a mesh dimension)."""
+    return any(placement.is_replicate() for placement in tensor.placements)
 
 
 def local_part(tensor: Any, key: str) -> tuple[torch.Tensor, Region]:
@@ -216,18 +221,37 @@ def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return found
 
 
-def check_replicas(shared: frozenset[str], prints: list[dict[str, str]]) -> None:
-    """A plain tensor under one key on several ranks is written once, so its copies must agree:
-    the same ConfigError on every rank (they all see every fingerprint) when they do not."""
+def check_replicas(
+    shared: frozenset[str], replicated: Mapping[str, Sequence[Sequence[int]]], prints: list[dict[str, str]]
+) -> None:
+    """A tensor several ranks hold (a plain tensor under one key; a DTensor's chunk under a
+    Replicate placement) is written once, so its copies must agree: the same ConfigError on
+    every rank (they all see every fingerprint) when they do not."""
     for key in sorted(shared):
-        seen = {rank: found[key] for rank, found in enumerate(prints) if key in found}
-        if len(set(seen.values())) > 1:
-            groups: dict[str, list[int]] = {}
-            for rank, value in seen.items():
-                groups.setdefault(value, []).append(rank)
-            ranks = " vs ".join("rank " + ", ".join(map(str, g)) for g in groups.values())
+        differ = _differ(key, range(len(prints)), prints)
+        if differ:
             raise ConfigError(
-                f"{key!r} is a plain tensor with different values on different ranks ({ranks}); "
+                f"{key!r} is a plain tensor with different values on different ranks ({differ}); "
                 "a plain tensor under one key is replicated and written once. Give each rank's "
                 f"its own key (e.g. f'{key}.rank{{rank}}'), or make it a DTensor"
             )
+    for key in sorted(replicated):
+        for group in replicated[key]:
+            differ = _differ(key, group, prints)
+            if differ:
+                raise ConfigError(
+                    f"{key!r} is a DTensor whose replicas differ ({differ}); a Replicate placement's "
+                    "copies are written once, by one rank. Make them agree (broadcast from one "
+                    "rank) or shard it (a Shard placement)"
+                )
+
+
+def _differ(key: str, ranks: Iterable[int], prints: list[dict[str, str]]) -> str:
+    """Which of ``ranks`` hold which value of ``key`` ("rank 0 vs rank 1, 2"); "" if one value."""
+    groups: dict[str, list[int]] = {}
+    for rank in ranks:
+        if key in prints[rank]:
+            groups.setdefault(prints[rank][key], []).append(rank)
+    if len(groups) < 2:
+        return ""
+    return " vs ".join("rank " + ", ".join(map(str, g)) for g in groups.values())

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .._errors import CheckpointError, ConfigError
-from ._shards import Region, is_dtensor, local_part
+from ._shards import Region, is_dtensor, is_replicated, local_part
 
 __all__ = [
     "MAX_DEPTH", "Flattened", "TensorSpec", "decode", "dtype_from_name", "dtype_name", "flatten",
@@ -88,6 +88,8 @@ class Flattened:
     """Each tensor's key, dtype and chunk, in the state's order: what a file layout depends on."""
     aliases: dict[str, str] = field(default_factory=dict)
     """Keys whose tensor is one an earlier key names (tied weights): key -> that earlier key."""
+    replicas: set[str] = field(default_factory=set)
+    """DTensors with a Replicate placement: other ranks hold the same chunk, which must agree."""
     nbytes: int = 0
 
 
@@ -187,6 +189,8 @@ class _Encoder:
         if type(tensor) not in _PLAIN_TENSORS:
             if is_dtensor(tensor):
                 whole = tuple(tensor.shape)
+                if is_replicated(tensor):
+                    self.out.replicas.add(key)
                 tensor, chunk = local_part(tensor, key)
             elif type(tensor).__name__ == "ShardedTensor":
                 raise ConfigError(

@@ -17,7 +17,7 @@ import torch
 
 from .._errors import ConfigError
 from ..engine import Checkpointer
-from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT, write_atomic
+from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT, dcp_steps, parse_step, write_atomic
 
 __all__ = ["STEP_DIR", "atomic_torch_save", "earlier_pointer", "export", "load", "resolve"]
 
@@ -49,8 +49,9 @@ def earlier_pointer(path: str) -> tuple[str, int] | None:
 
 
 def resolve(source: str | os.PathLike[str]) -> tuple[str, int]:
-    """The nbckpt directory and step that ``source`` names: a step directory (``run1/step-000120``,
-    or one plain DCP wrote), or a symlink to one (a Lightning ``.ckpt`` nbckpt saved)."""
+    """The nbckpt directory and step that ``source`` names: a step directory (``run1/step-000120``),
+    one plain DCP wrote (that folder itself, whatever steps sit beside it), or a symlink to one
+    (a Lightning ``.ckpt`` nbckpt saved)."""
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(f"source must be a path, not {type(source).__name__}")
     path = os.path.realpath(source)
@@ -61,13 +62,17 @@ def resolve(source: str | os.PathLike[str]) -> tuple[str, int]:
         raise ConfigError(f"{source} is {old}: read it with that version, or pass its step directory")
     if not os.path.isdir(path):
         raise ConfigError(f"{source} is neither an nbckpt step directory nor a pointer to one")
-    match = STEP_DIR.fullmatch(os.path.basename(path))
-    if match is not None:
-        return os.path.dirname(path), int(match.group(1))
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return path, 0  # a directory plain dcp.save wrote, named otherwise: one step
+    # A folder plain dcp.save wrote is read as a run of one step, itself: read from its run, a
+    # step-2 would be found as step 2, which is the run's own step-000002 where there is one.
+    plain = dcp_steps(path, [])
+    if plain:
+        return path, next(iter(plain))
+    step = parse_step(os.path.basename(path))
+    if step is not None:
+        return os.path.dirname(path), step
     raise ConfigError(
-        f"{source} is a directory but not a checkpoint step (step-NNNNNN); pass one of its steps"
+        f"{source} is a directory but not a checkpoint step (step-NNNNNN, or one plain DCP wrote); "
+        "pass one of its steps"
     )
 
 

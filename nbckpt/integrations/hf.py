@@ -25,7 +25,8 @@ Resuming uses the Trainer's own resume path, which reads a ``checkpoint-N/`` fol
 ``rng_state_{rank}.pth``, ``rng_state.pth`` in one process) and returns its path, so batches are
 skipped and RNGs set exactly as the Trainer does it. The folder is removed once every rank has
 read it (at the first training step). That is one synchronous write of the state per resume,
-not per save.
+not per save. nbckpt makes that folder itself and marks it (:data:`RESUME_MARKER`): a folder it
+did not make (the Trainer's ``output_dir``, the run) is refused, never removed.
 
 ``load_best_model_at_end=True`` works as with the Trainer's checkpoints: the best step is the
 newest saved step whose metric was the best so far, and at the end of training its weights are
@@ -43,6 +44,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from typing import Any, cast
 
@@ -63,6 +65,13 @@ __all__ = ["NbckptCallback"]
 _log = logging.getLogger("nbckpt")
 #: Options the callback decides itself: the RNGs are saved in the Trainer's format, every rank saves.
 _RESERVED = {"capture_rng", "ranks", "read_only"}
+#: The file nbckpt writes in each resume folder it makes: only a folder holding it is ever removed.
+RESUME_MARKER = ".nbckpt-resume"
+#: What nbckpt writes in a resume folder's ``checkpoint-N/`` (and write_atomic's temporary files).
+_WRITTEN = "|".join(
+    re.escape(n) for n in (WEIGHTS_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME)
+) + r"|rng_state(?:_[0-9]+)?\.pth"
+_RESUME_FILE = re.compile(rf"(?:{_WRITTEN})|\.(?:{_WRITTEN})\.tmp-.+")
 
 
 class NbckptCallback(TrainerCallback):  # type: ignore[misc]
@@ -239,8 +248,9 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         ``trainer.train(resume_from_checkpoint=...)``; None when there is no checkpoint yet.
 
         Every rank calls it (under torchrun), and gets the same path. Written to ``folder``
-        (default: ``<directory>-resume``), replacing an older one there, and removed once the
-        Trainer has read it.
+        (default: ``<directory>-resume``), which nbckpt makes, replacing an older one it made
+        there, and removed once the Trainer has read it. A ``folder`` that exists and is not one
+        nbckpt made (the Trainer's ``output_dir``) is a ConfigError: nothing in it is touched.
         """
         if step is None:
             step = self.ckpt.latest_step()
@@ -250,8 +260,19 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         rank, world = _rank_and_world()
         base = os.path.abspath(os.fspath(folder)) if folder is not None else self.directory + "-resume"
         out = os.path.join(base, f"checkpoint-{step}")
+        refused = _not_ours(base, self.directory)  # every rank, before rank 0 changes anything
+        if refused is not None:
+            raise ConfigError(
+                f"resume_checkpoint(folder={base}): {refused}; it would be replaced and removed. Name a "
+                "folder nbckpt can make for itself (one that does not exist yet)"
+            )
+        _barrier()  # every rank has looked before rank 0 replaces an older folder of ours
         if rank == 0:
-            shutil.rmtree(base, ignore_errors=True)
+            if os.path.lexists(base):
+                shutil.rmtree(base)
+            os.makedirs(base)
+            # the marker first: a folder cut short after it is still known as ours next time
+            write_atomic(os.path.join(base, RESUME_MARKER), b"made by nbckpt's resume_checkpoint\n")
             os.makedirs(out)
             atomic_torch_save(data["model"], os.path.join(out, WEIGHTS_NAME))
             atomic_torch_save(data["optimizer"], os.path.join(out, OPTIMIZER_NAME))
@@ -281,14 +302,45 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         if self._resume_folder is None:
             return
         _barrier()  # every rank has read its files
-        if _rank_and_world()[0] == 0:
-            shutil.rmtree(self._resume_folder, ignore_errors=True)
-        self._resume_folder = None
+        folder, self._resume_folder = self._resume_folder, None
+        if _rank_and_world()[0] != 0:
+            return
+        refused = _not_ours(folder, self.directory)
+        if refused is None:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:  # something appeared in it since: left as it is
+            _log.warning("nbckpt: leaving the resume folder %s in place: %s", folder, refused)
 
     def close(self) -> None:
         """Wait for the saves in flight and release the directory."""
         if self._ckpt is not None:
             self._ckpt.close()
+
+
+def _not_ours(folder: str, run: str) -> str | None:
+    """Why ``folder`` is not a resume folder nbckpt made (None: it is, or it does not exist): it
+    must be a real directory holding nbckpt's marker and only the ``checkpoint-N/`` folders of
+    files nbckpt writes, and neither hold the run nor lie inside it."""
+    inside = os.path.commonpath([folder, run])
+    if inside in (folder, run):
+        return f"it {'holds' if inside == folder else 'is inside'} the nbckpt run {run}"
+    if not os.path.lexists(folder):
+        return None
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        return "it exists and is not a directory nbckpt made (a file or a link)"
+    if not os.path.isfile(os.path.join(folder, RESUME_MARKER)):
+        return f"it exists and is not a folder nbckpt made (no {RESUME_MARKER} in it)"
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name == RESUME_MARKER:
+            continue
+        folder_of_ours = re.fullmatch(r"checkpoint-[0-9]+", name) and not os.path.islink(path)
+        if not (folder_of_ours and os.path.isdir(path)):
+            return f"it holds {name!r}, which nbckpt did not write"
+        strange = [f for f in os.listdir(path) if not _RESUME_FILE.fullmatch(f)]
+        if strange:
+            return f"it holds {name}/{strange[0]}, which nbckpt did not write"
+    return None
 
 
 def _distributed() -> bool:

@@ -34,7 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict[s
     directory = tmp_path_factory.mktemp("sharded")
     return {
         "at 4": launch("save,modules,divergent", directory, 4),
-        "at 2": launch("restore,modules,save", directory, 2),
+        "at 2": launch("restore,modules,save,replicas", directory, 2),
         "at 1": launch("restore", directory, 1),
         "at 4 again": launch("restore", directory, 4),
     }
@@ -102,6 +102,27 @@ def test_a_plain_tensor_with_other_values_on_other_ranks_is_refused_on_every_ran
             found
         )
         assert found["then"] == "ok" and found["steps"] == [2], (rank, found)
+
+
+def test_a_replicated_dtensor_with_other_values_on_other_ranks_is_refused_on_every_rank(runs: Any) -> None:
+    for rank, seen in runs["at 2"].items():
+        found = seen["replicas"]
+        differ = "ConfigError: 'r' is a DTensor whose replicas differ (rank 0 vs rank 1)"
+        assert found["differ"].startswith(differ), (rank, found)
+        assert found["refused_steps"] == [], found  # nothing committed
+        assert found["agreed"] == "ok" and found["restored"] == 2, found
+        assert found["values"] == [[5.0, 5.0]] * 4, found
+
+
+def test_a_key_only_one_rank_asks_for_is_named_with_its_rank_on_every_rank(runs: Any) -> None:
+    for rank, seen in runs["at 2"].items():
+        lacking = seen["replicas"]["lacking"]
+        assert lacking.startswith("ConfigError: no step in "), (rank, lacking)
+        assert "(missing on rank 1: 'extra')" in lacking, (rank, lacking)
+        assert "holds 'r', 'w'" in lacking, (rank, lacking)
+        named = seen["replicas"]["named"]  # restore(step=2): that step, refused on every rank
+        assert "cannot restore step-000002 into rank 1's state: " in named, (rank, named)
+        assert "'extra'" in named, (rank, named)
 
 
 def test_a_rank_killed_mid_save_of_sharded_state_leaves_nothing_committed(tmp_path: Path) -> None:

@@ -248,6 +248,40 @@ def divergent(directory: str) -> dict[str, Any]:
         }
 
 
+def replicas(directory: str) -> dict[str, Any]:
+    """A Replicate DTensor holding each rank's own values: refused on every rank, nothing
+    committed (as a plain tensor is); a restore whose template on rank 1 names a key no step
+    holds: every rank is told that rank and that key."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+
+    def replicated(value: float) -> Any:
+        return DTensor.from_local(torch.full((4, 2), value), mesh, [Replicate()], run_check=False)
+
+    with Checkpointer(Path(directory) / "replicas", mode="async", timeout_s=60) as ckpt:
+        differ = outcome(lambda: ckpt.save({"r": replicated(float(RANK)), "w": torch.ones(2)}, step=1))
+        refused_steps = ckpt.steps()
+        agreed = outcome(lambda: ckpt.save({"r": replicated(5.0), "w": torch.ones(2)}, step=2).wait())
+        state: dict[str, Any] = {"r": replicated(0.0), "w": torch.zeros(2)}
+        if RANK == 1:
+            state["extra"] = torch.zeros(1)
+        lacking = outcome(lambda: ckpt.restore(state))
+        named = outcome(lambda: ckpt.restore(state, step=2))
+        state.pop("extra", None)
+        restored = ckpt.restore(state)
+        return {
+            "differ": differ,
+            "refused_steps": refused_steps,
+            "agreed": agreed,
+            "lacking": lacking,
+            "named": named,
+            "restored": restored,
+            "values": state["r"].to_local().tolist(),
+        }
+
+
 def killed(directory: str) -> dict[str, Any]:
     """Rank 1 dies once its files of a sharded save are written: nothing commits, rank 0 fails."""
     model, optim = sharded("fsdp", seed=1)
@@ -267,7 +301,7 @@ def killed(directory: str) -> dict[str, Any]:
 #: What each world size saves; (world, layout) pairs a restore at that world can use as they are.
 KINDS = {4: ["fsdp", "hsdp", "fsdp+tp"], 2: ["fsdp", "tp"]}
 LAYOUTS = {(4, "fsdp"), (2, "fsdp"), (2, "tp"), (4, "hsdp"), (4, "fsdp+tp")}
-SCENARIOS = {f.__name__: f for f in (save, restore, modules, divergent, killed)}
+SCENARIOS = {f.__name__: f for f in (save, restore, modules, divergent, replicas, killed)}
 
 
 def main(scenarios: str, directory: str) -> int:
