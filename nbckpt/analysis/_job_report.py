@@ -183,8 +183,9 @@ def job_conclusions(table: pd.DataFrame) -> list[str]:
             text += (f", {row['vs_floor']:.2f}x the {row['concurrent_floor_gbs']:.2f} GB/s every rank "
                      "wrote raw at once in the same run")
         text += (f"; stall over ranks median {row['stall_median_s']:.4f} s, max "
-                 f"{row['stall_max_s']:.4f} s; the job, at its slowest rank ({row['slowest_rank']}), "
-                 f"{row['overhead_pct']:+.1f} % slower than without checkpoints")
+                 f"{row['stall_max_s']:.4f} s")
+        if math.isfinite(row["overhead_pct"]):  # the job goes at its slowest rank's pace
+            text += f"; overhead at the slowest rank ({row['slowest_rank']}) {row['overhead_pct']:+.1f} %"
         # A straggler only where a rank stalled longer than the median (never in a job of one).
         if not pd.isna(row["straggler_rank"]) and row["straggler_over_median_s"] > 0:
             text += (f"; straggler rank {int(row['straggler_rank'])} on {row['straggler_host']}, "

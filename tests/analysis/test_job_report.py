@@ -124,6 +124,11 @@ def test_conclusions_say_what_their_table_shows() -> None:
     # The sentence follows the numbers, not the other way round.
     doubled = table.assign(aggregate_write_gbs=table["aggregate_write_gbs"] * 2)
     assert f"{doubled['aggregate_write_gbs'].iloc[0]:.2f} GB/s" in job_conclusions(doubled)[0]
+    first = table.iloc[0]
+    overhead = f"overhead at the slowest rank ({first['slowest_rank']}) {first['overhead_pct']:+.1f} %"
+    assert overhead in lines[0]
+    unmeasured = table.assign(overhead_pct=math.nan)  # no baseline: no overhead sentence
+    assert "overhead" not in job_conclusions(unmeasured)[0]
 
 
 def test_scaling_conclusions_go_from_the_fewest_ranks_to_the_most() -> None:
