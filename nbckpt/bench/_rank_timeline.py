@@ -4,7 +4,8 @@ Under torchrun each rank's comparison keeps its own events (``Comparison.timelin
 event clock (``time.perf_counter_ns``). After the comparison, and outside every timed region,
 :func:`gather_rank_timeline` moves them onto the wall clock (``time.time_ns``, which the ranks
 and hosts share as well as their clocks agree) and gathers them to rank 0, which writes them as
-``rank_timeline``: one row per event and rank, :data:`RANK_TIMELINE_COLUMNS`. Kept apart from the
+``rank_timeline``: one row per event and rank (``rank``, ``strategy``, ``repeat``, ``kind``,
+``step``, ``start_ns``, ``end_ns``, ``bytes``; times in wall-clock ns). Kept apart from the
 job's figures (``._job``): they need none of it, and a report without events still draws those.
 """
 
@@ -17,10 +18,7 @@ from typing import Any
 import pandas as pd
 import torch.distributed as dist
 
-__all__ = ["RANK_TIMELINE_COLUMNS", "gather_rank_timeline", "wall_events"]
-
-#: Columns of a ``rank_timeline`` row; ``start_ns``/``end_ns`` are wall-clock nanoseconds.
-RANK_TIMELINE_COLUMNS = ["rank", "strategy", "repeat", "kind", "step", "start_ns", "end_ns", "bytes"]
+__all__ = ["gather_rank_timeline", "wall_events"]
 
 
 def wall_events(timeline: pd.DataFrame, rank: int, offset_ns: int) -> list[dict[str, Any]]:
@@ -28,15 +26,21 @@ def wall_events(timeline: pd.DataFrame, rank: int, offset_ns: int) -> list[dict[
     event-clock times moved by ``offset_ns`` onto the wall clock."""
     rows = []
     for event in timeline.to_dict(orient="records"):
-        step = event.get("step")
+        step, nbytes = _whole(event.get("step")), _whole(event.get("bytes"))
         rows.append({
             "rank": rank, "strategy": str(event["strategy"]), "repeat": int(event["repeat"]),
-            "kind": str(event["kind"]),
-            "step": None if step is None or (isinstance(step, float) and math.isnan(step)) else int(step),
+            "kind": str(event["kind"]), "step": step,
             "start_ns": int(event["start_ns"]) + offset_ns, "end_ns": int(event["end_ns"]) + offset_ns,
-            "bytes": int(event.get("bytes") or 0),
+            "bytes": nbytes or 0,
         })
     return rows
+
+
+def _whole(value: Any) -> int | None:
+    """An int, None for what is missing (None, NaN: pandas' mark in a numeric column)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return int(value)
 
 
 def gather_rank_timeline(group: Any, timeline: pd.DataFrame) -> list[dict[str, Any]]:
