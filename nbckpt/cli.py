@@ -131,12 +131,21 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
                         "of notebooks/report.ipynb (default: the notebook's own)")
     parser.add_argument("--notebook", default=None,
                         help="another report notebook to run (default: notebooks/report.ipynb)")
+    parser.add_argument("--from", dest="sources", nargs="+", default=None, metavar="JSON",
+                        help="measure nothing: build NAME.html from these results of nbckpt bench "
+                        "under torchrun (a cluster's; several rank counts give the scaling curve) "
+                        "(default: run the notebook)")
 
 
 def _report(args: argparse.Namespace) -> int:
     """``nbckpt report``: run the notebook, write the HTML and say where the results are."""
-    from .notebook._internal import RESULTS_FILE, run_report
+    from .notebook._internal import RESULTS_FILE, report_from, run_report
 
+    if args.sources is not None:
+        if args.parameter or args.notebook:
+            raise ConfigError("--from measures nothing: it takes no -p or --notebook")
+        print(f"wrote {report_from(args.sources, args.name, args.output_dir)}")
+        return 0
     parameters = {key: parse_value(value) for key, value in args.parameter}
     html = run_report(args.name, args.output_dir, parameters, notebook=args.notebook, progress=True)
     print(f"results: {html.parent / RESULTS_FILE}")

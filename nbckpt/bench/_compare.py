@@ -46,6 +46,7 @@ from ._comparison import TIMELINE_COLUMNS, Comparison
 from ._load import Load, LoadMonitor, combine_loads
 from ._measure import DEFAULT_REPEATS as WRITE_ROUNDS
 from ._measure import Floors, combine_floors, measure_floors
+from ._rank_timeline import gather_rank_timeline
 from ._result import RESULT_COLUMNS, ExperimentResult, aggregate
 from ._runner import (
     EventCallback,
@@ -95,6 +96,9 @@ class Coordination(Protocol):
                       storage_options: dict[str, Any] | None) -> None: ...
 
     def remove(self, path: str) -> None: ...
+
+    #: The bench's own gloo group, for gathering what rank 0 writes (``_rank_timeline``).
+    group: Any
 
     def adopt(self, workload: Workload) -> Workload:
         """The workload as this rank holds it (replicated, sharded, or a state of its own)."""
@@ -411,11 +415,14 @@ def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = No
     if not is_url(args.dir):
         writable_directory(args.dir, "--dir")
     try:
-        return compare(workload, names, args.dir, steps=args.steps, every=args.every,
-                       repeats=args.repeats, warmup=not args.no_warmup, progress=progress,
-                       # nbckpt bench's own option (the live lab of %ckpt_bench removes them all)
-                       keep=getattr(args, "keep", False), ranks=ranks)
+        comparison = compare(workload, names, args.dir, steps=args.steps, every=args.every,
+                             repeats=args.repeats, warmup=not args.no_warmup, progress=progress,
+                             # nbckpt bench's own option (the live lab of %ckpt_bench removes them all)
+                             keep=getattr(args, "keep", False), ranks=ranks)
     except BaseException:
         if created:
             shutil.rmtree(args.dir, ignore_errors=True)
         raise
+    if ranks is not None:  # every rank's events to rank 0, for the report's swimlanes
+        comparison.rank_timeline = gather_rank_timeline(ranks.group, comparison.timeline)
+    return comparison

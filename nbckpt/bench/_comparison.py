@@ -71,7 +71,10 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
                            "time_to_durable_s": ...,   # first save's start to last commit, any rank
                            "aggregate_write_gbs": ...,  # all ranks' bytes over that time
                            "first_rank": 0, "last_rank": 1,
-                           "start_spread_s": ...}, ...]}, ...]}  # last rank's save start - first's
+                           "start_spread_s": ...}, ...]}, ...]},  # last rank's save start - first's
+      "rank_timeline": [{"rank": 1, "strategy": "nbckpt-async", "repeat": 0, "kind": "persist",
+                         "step": 4, "start_ns": ..., "end_ns": ...,  # wall clock (time.time_ns)
+                         "bytes": ...}, ...]  # every event of every rank (nbckpt.bench._rank_timeline)
 
 Times are seconds, rates GB/s (1e9 bytes), memory MiB; ``start_s`` counts from the start
 of that run (after its warm-up save).
@@ -236,6 +239,8 @@ class Comparison:
     """On many ranks: one row per rank and strategy (see the module's docstring); else empty."""
     job: dict[str, Any] = field(default_factory=dict)
     """On many ranks: the job's figures (see the module's docstring); else empty."""
+    rank_timeline: list[dict[str, Any]] = field(default_factory=list)
+    """On many ranks: every rank's events on the wall clock (:mod:`._rank_timeline`); else empty."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document described in this module's docstring."""
@@ -260,6 +265,7 @@ class Comparison:
             "runs": _records(self.runs),
             "timeline": _records(self.timeline),
             **({"ranks": _json_value(self.ranks), "job": _json_value(self.job)} if self.job else {}),
+            **({"rank_timeline": _json_value(self.rank_timeline)} if self.rank_timeline else {}),
         }
 
     @classmethod
@@ -280,7 +286,7 @@ class Comparison:
         fields = {name: document[name] for name in ("workload", "device", "directory", "steps",
                                                     "every", "repeats", "bytes", "order",
                                                     "interleave", "load", "warnings", "ranks",
-                                                    "job")
+                                                    "job", "rank_timeline")
                   if name in document}
         return cls(
             results=results,

@@ -4,5 +4,6 @@ The one private module of the notebook faces another layer may import (``tests/t
 """
 
 from ._report import RESULTS_FILE, run_report
+from ._report_from import report_from
 
-__all__ = ["RESULTS_FILE", "run_report"]
+__all__ = ["RESULTS_FILE", "report_from", "run_report"]

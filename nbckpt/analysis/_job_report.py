@@ -1,0 +1,218 @@
+"""The numbers behind the report of a bench on many ranks (``nbckpt report --from``): pure.
+
+Each function reads what ``nbckpt bench`` wrote under torchrun (a :class:`~nbckpt.bench.Comparison`
+with ``ranks``, ``job`` and, when rank 0 gathered them, every rank's events in
+``rank_timeline``) and returns a table; :func:`job_conclusions` and :func:`scaling_conclusions`
+say in sentences what those tables show, and nothing else. :func:`read_jobs` reads the files
+and refuses, in one line, what is not a bench on many ranks. No processes, no clocks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .._errors import ConfigError
+from .._util import GB
+from ..bench import Comparison
+
+__all__ = ["JOB_COLUMNS", "SCALING_COLUMNS", "checkpoint_rates", "job_conclusions", "job_table",
+           "rank_rows", "rate_over_time", "read_jobs", "scaling_conclusions", "scaling_table",
+           "swimlanes"]
+
+#: Columns of :func:`job_table`: one row per strategy that wrote checkpoints.
+JOB_COLUMNS = ["strategy", "checkpoints", "time_to_durable_s", "aggregate_write_gbs",
+               "concurrent_floor_gbs", "vs_floor", "stall_median_s", "stall_p99_s", "stall_max_s",
+               "overhead_pct", "slowest_rank", "straggler_rank", "straggler_host",
+               "straggler_over_median_s"]
+#: Columns of :func:`scaling_table`: one row per run (world size) and strategy.
+SCALING_COLUMNS = ["ranks", "hosts", "strategy", "aggregate_write_gbs", "concurrent_floor_gbs",
+                   "stall_median_s", "stall_max_s", "overhead_pct", "time_to_durable_s", "source"]
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def read_jobs(paths: Sequence[str | os.PathLike[str]]) -> list[Comparison]:
+    """The comparisons ``nbckpt bench`` wrote under torchrun, in the order given; the first file
+    that is missing, not a bench result, or a one-process bench raises :class:`ConfigError`
+    naming it (before anything is drawn or written)."""
+    if not paths:
+        raise ConfigError("--from names no bench result")
+    jobs = []
+    for path in paths:
+        name = os.fspath(path)
+        if not os.path.isfile(name):
+            raise ConfigError(f"--from {name}: no such file")
+        comparison = Comparison.from_json(name)  # not JSON, or not a bench result: its one line
+        if not comparison.job or not comparison.ranks:
+            raise ConfigError(f"--from {name}: a one-process bench result (no 'job'); measure under "
+                              "torchrun (torchrun --nproc-per-node N -m nbckpt bench ... --json OUT)")
+        jobs.append(comparison)
+    return jobs
+
+
+def rank_rows(comparison: Comparison) -> pd.DataFrame:
+    """Every rank's figures (the JSON's ``ranks``), strategies that wrote checkpoints only, in
+    host then rank order."""
+    rows = pd.DataFrame(comparison.ranks)
+    rows = rows[pd.to_numeric(rows["checkpoints"], errors="coerce").fillna(0) > 0]
+    for column in ("stall_s", "persist_s", "write_gbs", "mean_step_s", "overhead_pct"):
+        rows[column] = pd.to_numeric(rows[column], errors="coerce")
+    return rows.sort_values(["host", "rank"], kind="stable").reset_index(drop=True)
+
+
+def _floor(comparison: Comparison) -> float:
+    return _number(comparison.job.get("floors", {}).get("concurrent_write_gbs"))
+
+
+def job_table(comparison: Comparison) -> pd.DataFrame:
+    """The job's figures per strategy that wrote checkpoints: median time to durable and
+    aggregate write rate over checkpoints, that rate over the concurrent raw-write floor of the
+    same run, the stall over ranks, the overhead at the slowest rank and the straggler."""
+    floor = _floor(comparison)
+    rows = []
+    for row in comparison.job.get("strategies", []):
+        if not row.get("checkpoints"):
+            continue
+        stall, late = row.get("stall_s") or {}, row.get("straggler") or {}
+        rate = _number(row.get("aggregate_write_gbs"))
+        rows.append({
+            "strategy": row["strategy"], "checkpoints": len(row["checkpoints"]),
+            "time_to_durable_s": _number(row.get("time_to_durable_s")), "aggregate_write_gbs": rate,
+            "concurrent_floor_gbs": floor, "vs_floor": rate / floor if floor > 0 else math.nan,
+            "stall_median_s": _number(stall.get("median")), "stall_p99_s": _number(stall.get("p99")),
+            "stall_max_s": _number(stall.get("max")), "overhead_pct": _number(row.get("overhead_pct")),
+            "slowest_rank": row.get("slowest_rank"), "straggler_rank": late.get("rank"),
+            "straggler_host": late.get("host"),
+            "straggler_over_median_s": _number(late.get("over_median_s")),
+        })
+    return pd.DataFrame(rows, columns=JOB_COLUMNS)
+
+
+def checkpoint_rates(comparison: Comparison) -> pd.DataFrame:
+    """Every checkpoint of every strategy: its time to durable, its aggregate write rate (all
+    ranks' bytes over that time) and the ranks that started first and ended last."""
+    rows = [{"strategy": row["strategy"], **checkpoint}
+            for row in comparison.job.get("strategies", []) for checkpoint in row.get("checkpoints", [])]
+    columns = ["strategy", "repeat", "step", "ranks_writing", "bytes", "time_to_durable_s",
+               "aggregate_write_gbs", "first_rank", "last_rank"]
+    frame = pd.DataFrame(rows, columns=columns)
+    for column in ("time_to_durable_s", "aggregate_write_gbs"):
+        frame[column] = pd.to_numeric(frame[column], errors="coerce")
+    return frame
+
+
+def swimlanes(comparison: Comparison, strategy: str, repeat: int | None = None) -> pd.DataFrame:
+    """``strategy``'s events on every rank in one repeat (default: its last), for a swimlane per
+    rank: ``lane`` (``host · rank r``, grouped by host), ``start_s``/``end_s`` from the first
+    event of that repeat on any rank. Empty when the JSON carries no ``rank_timeline``."""
+    columns = ["lane", "host", "rank", "kind", "step", "start_s", "end_s", "bytes"]
+    events = pd.DataFrame(comparison.rank_timeline)
+    if events.empty:
+        return pd.DataFrame(columns=columns)
+    events = events[events["strategy"] == strategy]
+    if events.empty:
+        return pd.DataFrame(columns=columns)
+    chosen = int(events["repeat"].max()) if repeat is None else repeat
+    events = events[events["repeat"] == chosen]
+    hosts = {int(row["rank"]): str(row["host"]) for row in comparison.ranks}
+    origin = int(events["start_ns"].min())
+    frame = events.assign(
+        host=[hosts.get(int(rank), "") for rank in events["rank"]],
+        start_s=(events["start_ns"] - origin) / 1e9, end_s=(events["end_ns"] - origin) / 1e9)
+    frame = frame.sort_values(["host", "rank", "start_s"], kind="stable")
+    frame["lane"] = frame["host"] + " · rank " + frame["rank"].astype(str)
+    return frame[columns].reset_index(drop=True)
+
+
+def rate_over_time(events: pd.DataFrame, bin_s: float | None = None) -> pd.DataFrame:
+    """All ranks' persist rate over time from :func:`swimlanes` rows: each persist's bytes spread
+    evenly over its duration, summed over ranks in bins of ``bin_s`` (default: a 40th of the
+    span); columns ``start_s`` (the bin's) and ``write_gbs``."""
+    persists = events[(events["kind"] == "persist") & (events["end_s"] > events["start_s"])]
+    if persists.empty:
+        return pd.DataFrame(columns=["start_s", "write_gbs"])
+    begin, end = float(persists["start_s"].min()), float(persists["end_s"].max())
+    width = bin_s if bin_s is not None and bin_s > 0 else max((end - begin) / 40, 1e-6)
+    edges = begin + width * np.arange(math.ceil((end - begin) / width) + 1)
+    written = np.zeros(len(edges) - 1)
+    spans = zip(persists["start_s"].astype(float), persists["end_s"].astype(float),
+                persists["bytes"].astype(float), strict=True)
+    for start, stop, nbytes in spans:
+        overlap = (np.minimum(edges[1:], stop) - np.maximum(edges[:-1], start)).clip(min=0)
+        written += nbytes / (stop - start) * overlap
+    return pd.DataFrame({"start_s": edges[:-1], "write_gbs": written / width / GB})
+
+
+def scaling_table(jobs: Sequence[Comparison], sources: Sequence[str] | None = None) -> pd.DataFrame:
+    """One row per run and strategy that wrote: the job's rank and host counts, its aggregate
+    write rate beside the concurrent raw-write floor measured in the same run, the stall over
+    ranks and the overhead at the slowest rank; sorted by rank count (the measured curve)."""
+    names = list(sources) if sources is not None else [""] * len(jobs)
+    rows = []
+    for comparison, source in zip(jobs, names, strict=True):
+        for row in job_table(comparison).to_dict(orient="records"):
+            world = comparison.job.get("world_size") or len({r["rank"] for r in comparison.ranks})
+            rows.append({"ranks": int(world),
+                         "hosts": len(comparison.job.get("hosts", {})), "strategy": row["strategy"],
+                         **{key: row[key] for key in ("aggregate_write_gbs", "concurrent_floor_gbs",
+                                                      "stall_median_s", "stall_max_s", "overhead_pct",
+                                                      "time_to_durable_s")},
+                         "source": source})
+    frame = pd.DataFrame(rows, columns=SCALING_COLUMNS)
+    return frame.sort_values(["strategy", "ranks"], kind="stable").reset_index(drop=True)
+
+
+def job_conclusions(table: pd.DataFrame) -> list[str]:
+    """What :func:`job_table`'s rows show, one sentence per finding."""
+    lines = []
+    for row in table.to_dict(orient="records"):
+        text = (f"{row['strategy']}: all ranks' checkpoint durable in {row['time_to_durable_s']:.3f} s "
+                f"(median), {row['aggregate_write_gbs']:.2f} GB/s aggregate")
+        if math.isfinite(row["vs_floor"]):
+            text += (f", {row['vs_floor']:.2f}x the {row['concurrent_floor_gbs']:.2f} GB/s every rank "
+                     "wrote raw at once in the same run")
+        text += (f"; stall over ranks median {row['stall_median_s']:.4f} s, max "
+                 f"{row['stall_max_s']:.4f} s")
+        if math.isfinite(row["overhead_pct"]):  # the job goes at its slowest rank's pace
+            text += f"; overhead at the slowest rank ({row['slowest_rank']}) {row['overhead_pct']:+.1f} %"
+        # A straggler only where a rank stalled longer than the median (never in a job of one).
+        if not pd.isna(row["straggler_rank"]) and row["straggler_over_median_s"] > 0:
+            text += (f"; straggler rank {int(row['straggler_rank'])} on {row['straggler_host']}, "
+                     f"{row['straggler_over_median_s']:+.4f} s over the median")
+        lines.append(text + ".")
+    stalls = {str(row["strategy"]): float(row["stall_max_s"]) for row in table.to_dict(orient="records")
+              if math.isfinite(float(row["stall_max_s"]))}
+    if len(stalls) > 1:
+        best = min(stalls, key=lambda name: stalls[name])
+        lines.append(f"Lowest stall on the slowest rank: {best} ({stalls[best]:.4f} s).")
+    return lines
+
+
+def scaling_conclusions(table: pd.DataFrame) -> list[str]:
+    """What :func:`scaling_table`'s rows show: per strategy, from the fewest ranks measured to
+    the most, how the aggregate rate, the floor, the stall and the overhead changed."""
+    lines = []
+    for strategy, rows in table.groupby("strategy", sort=False):
+        rows = rows.sort_values("ranks")
+        if rows["ranks"].nunique() < 2:
+            continue
+        low, high = rows.iloc[0], rows.iloc[-1]
+        lines.append(
+            f"{strategy}, measured on {int(low['ranks'])} to {int(high['ranks'])} ranks: aggregate "
+            f"write {low['aggregate_write_gbs']:.2f} -> {high['aggregate_write_gbs']:.2f} GB/s "
+            f"(concurrent raw-write floor {low['concurrent_floor_gbs']:.2f} -> "
+            f"{high['concurrent_floor_gbs']:.2f} GB/s); median stall {low['stall_median_s']:.4f} -> "
+            f"{high['stall_median_s']:.4f} s; overhead at the slowest rank {low['overhead_pct']:+.1f} "
+            f"-> {high['overhead_pct']:+.1f} %.")
+    return lines

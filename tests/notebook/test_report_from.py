@@ -1,0 +1,102 @@
+"""``nbckpt report --from``: the offline HTML report of benches measured elsewhere, measuring nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+from nbckpt import cli
+from nbckpt.notebook._report import EXTERNAL_LOAD
+
+DATA = ROOT / "tests" / "data"
+ONE, TWO = DATA / "bench_job_1rank.json", DATA / "bench_job_2ranks.json"
+WORKER = ROOT / "tests" / "helpers" / "bench_rank_worker.py"
+PLOTLY_JS = "plotly.js v"  # the bundle's licence header: plotly.js is in the page itself
+
+
+def _report(capsys: pytest.CaptureFixture[str], out: Path, *sources: Path) -> str:
+    code = cli.main(["report", "--from", *map(str, sources), "--output-dir", str(out), "--name", "job"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    page = out / "job.html"
+    assert captured.out.strip() == f"wrote {page}"
+    return page.read_text()
+
+
+@pytest.mark.timeout(240)
+def test_a_torchrun_runs_json_renders_every_rank_and_the_straggler(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(WORKER), "1", "0.3", "bench", "--dir", str(tmp_path / "ckpt"), "--size-mb", "1",
+               "--compute-ms", "1", "--strategies", "nbckpt-async", "--steps", "4", "--every", "2",
+               "--repeats", "1", "--no-warmup", "--quiet", "--json", str(result)]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=200, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    events = json.loads(result.read_text())["rank_timeline"]  # rank 0 gathered every rank's events
+    assert {(row["rank"], row["kind"]) for row in events} >= {
+        (rank, kind) for rank in (0, 1) for kind in ("step", "stall", "stage", "persist", "commit")}
+    page = _report(capsys, tmp_path / "out", result)
+    assert PLOTLY_JS in page and not EXTERNAL_LOAD.search(page)
+    host = socket.gethostname()
+    for rank in (0, 1):
+        assert json.dumps(f"{host} · rank {rank}") in page  # its swimlane (in the figure's JSON)
+    assert f"straggler rank 1 on {host}" in page
+    assert "Measured scaling" not in page  # one rank count: no curve
+
+
+def test_runs_of_one_and_two_ranks_give_the_measured_scaling_curve(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    page = _report(capsys, tmp_path, TWO, ONE)
+    assert "Measured scaling" in page and "Measured on 1, 2 ranks (no projection beyond)" in page
+    assert "measured on 1 to 2 ranks: aggregate write" in page
+    assert page.count(PLOTLY_JS) == 1  # inlined once, for every figure
+    assert "1 ranks on 1 host(s)" in page and "2 ranks on 1 host(s)" in page
+
+
+def _not_a_bench(folder: Path) -> Path:
+    path = folder / "other.json"
+    path.write_text(json.dumps({"schema": "something/1"}))
+    return path
+
+
+def _one_process(folder: Path) -> Path:
+    document = json.loads(TWO.read_text())
+    for key in ("ranks", "job", "rank_timeline"):
+        del document[key]
+    path = folder / "one_process.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda folder: folder / "missing.json", "missing.json: no such file"),
+    (_not_a_bench, "not a nbckpt.bench/3 document"),
+    (_one_process, "one_process.json: a one-process bench result"),
+], ids=["missing", "not-a-bench", "one-process"])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], make: Callable[[Path], Path],
+        message: str) -> None:
+    bad = make(tmp_path)
+    out = tmp_path / "out"
+    code = cli.main(["report", "--from", str(TWO), str(bad), "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("nbckpt report: error: ") and message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_from_takes_no_notebook_parameters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = ["--output-dir", str(tmp_path / "o")]
+    code = cli.main(["report", "--from", str(TWO), "-p", "preset", "tiny", *out])
+    assert code == 2 and "takes no -p or --notebook" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
