@@ -91,19 +91,19 @@ class _Scan:
         self.depth: list[int] = []
         self.stack: list[int] = []
         self.marks: list[int] = []
-        self.memo: dict[int, int] = {}
-        self.table: dict[str, Callable[[Any], None]] = {}
+        self.memo: list[int] = []  # indices in order (the next, or one stored before)
+        self.table: dict[pickletools.OpcodeInfo, Callable[[Any], None]] = {}
         for op in pickletools.opcodes:
             if op.name in _LEAVES:
-                self.table[op.code] = self.leaf
+                self.table[op] = self.leaf
             elif op.name in _MAKERS:
-                self.table[op.code] = partial(self.make, *_MAKERS[op.name])
+                self.table[op] = partial(self.make, *_MAKERS[op.name])
             elif op.name in _FILLERS:
-                self.table[op.code] = partial(self.fill, _FILLERS[op.name])
+                self.table[op] = partial(self.fill, _FILLERS[op.name])
             elif op.name in _STACK_OPS:
-                self.table[op.code] = getattr(self, _STACK_OPS[op.name])
-        if persistent:  # a torch.save blob names its storages so: a storage is one object
-            self.table["Q"] = partial(self.make, 1, False)
+                self.table[op] = getattr(self, _STACK_OPS[op.name])
+            elif op.name == "BINPERSID" and persistent:  # how a torch.save blob names a storage
+                self.table[op] = partial(self.make, 1, False)
 
     def leaf(self, _: Any) -> None:
         self.depth.append(-1)
@@ -169,16 +169,19 @@ class _Scan:
     def put(self, index: Any) -> None:
         if not 0 <= index <= len(self.memo):  # the unpickler's memo grows to the index, zeroed
             raise ValueError(f"it stores memo entry {index} of {len(self.memo)}")
-        self.memo[index] = self.top()
+        if index == len(self.memo):
+            self.memo.append(self.top())
+        else:
+            self.memo[index] = self.top()
 
     def memoize(self, _: Any) -> None:
-        self.memo[len(self.memo)] = self.top()
+        self.memo.append(self.top())
 
     def nothing(self, _: Any) -> None:
         pass
 
     def get(self, index: Any) -> None:
-        if index not in self.memo:
+        if not 0 <= index < len(self.memo):
             raise ValueError(f"it reads memo entry {index!r}, never stored")
         self.stack.append(self.memo[index])
 
@@ -194,7 +197,7 @@ def scan_pickle(data: bytes, *, persistent: bool = False) -> int:
     table = scan.table
     try:
         for opcode, arg, _ in pickletools.genops(data):
-            step = table.get(opcode.code)
+            step = table.get(opcode)
             if step is None:
                 raise ValueError(f"it holds opcode {opcode.name}")
             step(arg)
