@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
 from nbckpt.cli import main as cli
-from nbckpt.engine import _foreign
+from nbckpt.engine import _foreign, _shards
+from nbckpt.engine._shards import Region
 from nbckpt.engine._unpickle import MAX_PICKLE_DEPTH, scan_pickle
 
 
@@ -369,3 +370,42 @@ def test_item08a_a_manifest_claiming_a_huge_metadata_allocates_nothing(run: Path
         else f"has {real} bytes, manifest says {claimed}"
     )
     assert child.stdout.splitlines() == ["restored 1 1", f"refused step-000002/.metadata {refusal}"]
+
+
+def test_item02_chunks_in_columns_are_checked_without_comparing_each_pair(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """20,000 chunks that all span the first dimension (1 MB of ``.metadata`` or a manifest) were
+    compared each with each: 200 million comparisons, many minutes. Past the sweep's budget,
+    straight cuts tell a tiling apart in n log n; an overlap is still found."""
+    limit = _shards.SWEEP_BUDGET + 2 * 20_000  # the sweep's budget, and each chunk inside the tensor
+    compared = 0
+    real_overlap = _shards.overlap
+
+    def counted(a: Region, b: Region) -> Region | None:
+        nonlocal compared
+        compared += 1
+        assert compared <= limit, "comparing each chunk with each"
+        return real_overlap(a, b)
+
+    def tiles(chunks: list[Region], shape: tuple[int, ...]) -> bool:
+        nonlocal compared
+        compared = 0
+        return _shards.tiles(chunks, shape)
+
+    monkeypatch.setattr(_shards, "overlap", counted)
+    columns = [Region((0, i), (1, 1)) for i in range(20_000)]
+    assert tiles(columns, (1, 20_000))
+    wide = [Region((0, 0), (1, 2)), *columns[1:-1]]  # overlaps column 1, leaves 19,999 out
+    assert not tiles(wide, (1, 20_000))
+    grid = [Region((i, j), (2, 3)) for i in range(0, 8, 2) for j in range(0, 9, 3)]
+    assert tiles(grid[::-1], (8, 9))
+    pinwheel = [
+        Region((0, 0), (2, 1)),
+        Region((0, 1), (1, 2)),
+        Region((1, 2), (2, 1)),
+        Region((2, 0), (1, 2)),
+    ]
+    assert tiles([*pinwheel, Region((1, 1), (1, 1))], (3, 3))  # no straight cut: the sweep's, within budget
+    monkeypatch.setattr(_shards, "SWEEP_BUDGET", 0)  # straight cuts only: the same answers
+    assert tiles(grid[::-1], (8, 9)) and not tiles(wide, (1, 20_000))
