@@ -295,8 +295,9 @@ def _verify(args: argparse.Namespace) -> int:
             raise CheckpointError(_nothing_in(ckpt.store.url))
         for step in steps:
             try:
-                ckpt.verify(step)
-                print(f"step {step}: ok")
+                left_out = ckpt.verify(step).get("left_out", {})  # a plain DCP step's unreadable values
+                note = f" (left out: {', '.join(left_out)}: nbckpt does not read them)" if left_out else ""
+                print(f"step {step}: ok{note}")
             except CheckpointError as exc:
                 bad += 1
                 print(f"step {step}: {exc}")

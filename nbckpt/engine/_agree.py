@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.metadata import (
 from .._errors import CheckpointError, describe_error
 from ._format import DCP_VERSION, METADATA_FILE, Layout, pad
 from ._manifest import Manifest
-from ._reader import Readable, read_file, step_file_label
+from ._reader import Readable, read_file, stat_files, step_file_label
 from ._state import decode, node_tensors
 from ._torch_compat import storage_info
-from ._unpickle import MetadataUnpickler, plain_blob
+from ._unpickle import load_metadata, plain_blob
 
 __all__ = ["check_dcp_metadata", "check_values", "with_values"]
 
@@ -125,13 +125,11 @@ def check_dcp_metadata(data: bytes, manifest: Manifest, where: str) -> list[Valu
     """Refuse DCP metadata that says other than the manifest: only DCP's classes unpickle; every
     tensor the manifest lists and nothing else, with its dtype, shape and chunks, each stored
     where the manifest puts its blob; each plain value a byte item. Returns where those are."""
-    try:
-        metadata = MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:
-        raise CheckpointError(f"{where}: unsafe or unreadable DCP metadata ({exc})") from None
+    metadata = load_metadata(data, where)
     try:
         return _agree(metadata, manifest, where)
-    except (AttributeError, TypeError, ValueError) as exc:  # DCP's classes with other fields in them
+    except (AttributeError, TypeError, ValueError, LookupError, RuntimeError, OverflowError) as exc:
+        # DCP's classes with other fields in them
         raise CheckpointError(f"{where}: malformed DCP metadata ({describe_error(exc)})") from None
 
 
@@ -211,6 +209,7 @@ MAX_VALUE_BYTES = 16 << 20
 def check_values(store: Readable, location: str, manifest: Manifest, spans: list[ValueSpan]) -> None:
     """Read each plain value's DCP byte item and check it holds that value and nothing else: a
     pickle with no global in it, so a plain ``dcp.load`` runs no code of anyone's."""
+    stat_files(store, location, manifest, (span.file for span in spans))  # before allocating
     by_file: dict[str, list[tuple[ValueSpan, bytearray]]] = {}
     for span in spans:
         by_file.setdefault(span.file, []).append((span, bytearray(span.length)))

@@ -1,30 +1,45 @@
 """Checkpoints ``torch.distributed.checkpoint.save`` wrote (torchtitan's ``step-N`` folders), read
 so that a run can move to nbckpt mid-way. Such a step has no manifest and no checksums: its
 ``.metadata`` (read with the restricted unpickler) becomes a manifest of nbckpt's shape, and every
-blob is read with ``torch.load(weights_only=True)``; a value that does not load so is left out,
-with a warning.
+blob is read with ``torch.load(weights_only=True)``; a value that does not load so, or that
+nbckpt's tree cannot hold (bytes, a set, a complex: torchtitan's dataloader state), is left out,
+with one warning naming its key (a restore that asks for it is told it is not there).
+
+Every field of ``.metadata`` is checked for its type and range before it is used, and no file
+costs more than its size: each tensor's chunks lie inside their byte ranges, no two ranges
+overlap (so what is allocated never exceeds the data files together), and the planner data
+leaves at most one empty list position per key (and :data:`SPARE_HOLES` more).
 """
 
 from __future__ import annotations
 
-import io
 import itertools
+import math
 import os
 import re
+import reprlib
 import stat
 import time
 import warnings
-from typing import Any
+from typing import Any, TypeGuard
 
+import torch
 import xxhash
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, NbckptError, describe_error
 from ._format import MANIFEST, METADATA_FILE, Chunk, is_data_file
 from ._manifest import Manifest
-from ._shards import Region, tiles
-from ._state import TensorSpec, dtype_name, flatten
-from ._unpickle import MetadataUnpickler, load_blob
+from ._shards import tiles
+from ._state import MAX_DEPTH, TensorSpec, dtype_from_name, dtype_name, flatten
+from ._unpickle import load_blob, load_metadata
 
 __all__ = ["dcp_steps", "read_dcp_manifest"]
 
@@ -32,6 +47,9 @@ __all__ = ["dcp_steps", "read_dcp_manifest"]
 FOREIGN = "dcp"
 #: DCP's ``.metadata`` grows with tensors times ranks: far more room than a manifest gets.
 MAX_METADATA_BYTES = 1 << 30
+#: Empty list positions the planner data may leave beyond one per key (a list holding an empty
+#: dict has one): a 2 KB file placing a value at position 2**20 - 1 would make a million nodes.
+SPARE_HOLES = 1024
 
 
 #: A step folder of another writer: torchtitan names them ``step-{step}``, without padding.
@@ -63,45 +81,22 @@ def _is_dcp(path: str) -> bool:
 
 
 def read_dcp_manifest(store: Any, step: int, location: str) -> Manifest:
-    """The manifest of the DCP checkpoint at ``location``: its files, tensors, chunks and tree."""
+    """The manifest of the DCP checkpoint at ``location``: its files, tensors, chunks and tree.
+    Anything malformed in ``.metadata`` is a CheckpointError naming it and the field."""
     label = f"{location.rstrip('/').rsplit('/', 1)[-1]}/{METADATA_FILE}"
     data = store.read_small(location, METADATA_FILE, MAX_METADATA_BYTES)
+    metadata = load_metadata(data, label)
     try:
-        metadata = MetadataUnpickler(io.BytesIO(data)).load()
-        entries, storage = metadata.state_dict_metadata, metadata.storage_data
-        paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    except Exception as exc:
-        raise CheckpointError(f"{label}: unsafe or unreadable DCP metadata ({exc})") from None
-    sizes: dict[str, int] = {}
-    items: dict[str, list[Chunk]] = {}
-    specs: dict[str, TensorSpec] = {}
-    values: dict[str, Any] = {}
-    skipped: list[str] = []
-    for key, entry in entries.items():
-        if not isinstance(key, str):
-            raise CheckpointError(f"{label}: an entry is named {key!r}")
-        if isinstance(entry, TensorStorageMetadata):
-            specs[key] = TensorSpec(key, entry.properties.dtype, tuple(int(n) for n in entry.size))
-            items[key] = [
-                _chunk(key, chunk, storage, sizes, store, location, label) for chunk in entry.chunks
-            ]
-            items[key] = [c for c in items[key] if c.blob_length]
-            if not tiles([c.region for c in items[key]], specs[key].shape):
-                raise CheckpointError(f"{label}: the chunks of {key!r} do not make up its shape")
-        elif isinstance(entry, BytesStorageMetadata):
-            name, offset, length = _where(storage.get(MetadataIndex(key)), sizes, store, location, label, key)
-            blob = _read(store, location, name, sizes[name], offset, length)
-            try:
-                values[key] = load_blob(blob, f"{label}: value {key!r}")
-            except CheckpointError:
-                skipped.append(key)
-        else:
-            raise CheckpointError(f"{label}: entry {key!r} is a {type(entry).__name__}")
-    if skipped:
-        warnings.warn(f"nbckpt: {label} holds value(s) that do not load with weights only, left out: "
-                      f"{', '.join(skipped)}", stacklevel=4)
-    tree = _tree(specs, values, paths, label)
+        found = _Entries(store, location, label, metadata)
+        tree = _Nest(label, len(found.paths)).tree(found)
+    except (AttributeError, TypeError, ValueError, LookupError, RuntimeError, OverflowError) as exc:
+        # A field of DCP's classes holding what the checks above did not foresee.
+        raise CheckpointError(f"{label}: malformed DCP metadata ({describe_error(exc)})") from None
+    if found.skipped:
+        left = ", ".join(f"{key} ({why})" for key, why in found.skipped.items())
+        warnings.warn(f"nbckpt: {label} holds value(s) nbckpt does not read, left out: {left}", stacklevel=4)
     written = store.modified(location, METADATA_FILE)
+    items = found.items
     body = {
         "checksum": xxhash.xxh3_64_hexdigest(data),  # what the ranks compare: all read one .metadata
         "format": FOREIGN,
@@ -109,47 +104,146 @@ def read_dcp_manifest(store: Any, step: int, location: str) -> Manifest:
         "unix_time": written,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(written)),
         "bytes": sum(c.blob_length for chunks in items.values() for c in chunks),
-        "world_size": len({name.split("_")[2] for name in sizes}),  # __<rank>_<i>.distcp
-        "files": {name: {"size": size, "blocks": None} for name, size in sorted(sizes.items())},
+        "world_size": len({name.split("_")[2] for name in found.sizes}),  # __<rank>_<i>.distcp
+        "files": {name: {"size": size, "blocks": None} for name, size in sorted(found.sizes.items())},
         "items": {
             key: [[*c[:4], list(c.offsets), list(c.sizes)] for c in chunks] for key, chunks in items.items()
         },
         "tree": tree,
         "provenance": {"program": "torch.distributed.checkpoint.save"},
+        **({"left_out": dict(found.skipped)} if found.skipped else {}),
     }
-    return Manifest(step, body, items, specs, foreign=True)
+    return Manifest(step, body, items, found.specs, foreign=True)
 
 
-def _where(
-    info: Any, sizes: dict[str, int], store: Any, location: str, label: str, key: str
-) -> tuple[str, int, int]:
-    name = getattr(info, "relative_path", None)
-    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-    if getattr(info, "transform_descriptors", None):
-        raise CheckpointError(f"{label}: {key!r} is stored through DCP transforms nbckpt does not read")
-    if not (isinstance(name, str) and is_data_file(name)):
-        raise CheckpointError(f"{label}: {key!r} is stored in {name!r}, not a DCP data file of the step")
-    if name not in sizes:
-        source = store.source(location, name, None)
-        sizes[name] = source.size
-        source.close()
-    if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
-        raise CheckpointError(f"{label}: the storage entry of {key!r} is malformed")
-    if offset + length > sizes[name]:
-        raise CheckpointError(f"{label}: {key!r} lies past the end of {name} ({sizes[name]} bytes)")
-    return name, offset, length
+class _Entries:
+    """The entries of a DCP ``Metadata``, each field checked: tensors (their chunks where the
+    storage data puts them), plain values (read, and encoded as nbckpt's tree nodes), and the
+    values left out, with why."""
+
+    def __init__(self, store: Any, location: str, label: str, metadata: Any) -> None:
+        self.store, self.location, self.label = store, location, label
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{label} holds a {type(metadata).__name__}, not DCP's Metadata")
+        entries, self.storage = metadata.state_dict_metadata, metadata.storage_data
+        planner = metadata.planner_data
+        for name, value in (("state_dict_metadata", entries), ("storage_data", self.storage)):
+            if not isinstance(value, dict):
+                raise CheckpointError(f"{label}: its {name} is a {type(value).__name__}, not a dict")
+        self.sizes: dict[str, int] = {}
+        self.items: dict[str, list[Chunk]] = {}
+        self.specs: dict[str, TensorSpec] = {}
+        self.values: dict[str, dict[str, Any]] = {}
+        self.skipped: dict[str, str] = {}
+        self.ranges: list[tuple[str, int, int, str]] = []
+        for key, entry in entries.items():
+            if not isinstance(key, str):
+                raise CheckpointError(f"{label}: an entry is named {key!r}")
+            if isinstance(entry, TensorStorageMetadata):
+                self.tensor(key, entry)
+            elif isinstance(entry, BytesStorageMetadata):
+                self.value(key)
+            else:
+                raise CheckpointError(f"{label}: entry {key!r} is a {type(entry).__name__}")
+        self.apart()
+        planned = planner if isinstance(planner, dict) else {}
+        self.paths = {key: planned.get(key, (key,)) for key in [*self.specs, *self.values, *self.skipped]}
+
+    def tensor(self, key: str, entry: TensorStorageMetadata) -> None:
+        label, properties = self.label, entry.properties
+        dtype = properties.dtype if isinstance(properties, TensorProperties) else None
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"{label}: the properties of {key!r} name no dtype ({dtype!r})")
+        try:  # never a dtype stored in fewer bytes than it has
+            dtype = dtype_from_name(dtype_name(dtype))
+        except CheckpointError:
+            raise CheckpointError(f"{label}: {key!r} has dtype {dtype}, which nbckpt does not read") from None
+        shape = _counts(entry.size, label, f"the size of {key!r}")
+        if not isinstance(entry.chunks, list):
+            raise CheckpointError(f"{label}: the chunks of {key!r} are a {type(entry.chunks).__name__}")
+        chunks = [self.chunk(key, chunk, len(shape), dtype.itemsize) for chunk in entry.chunks]
+        if not tiles([c.region for c in chunks], shape):
+            raise CheckpointError(f"{label}: the chunks of {key!r} do not make up its shape {list(shape)}")
+        self.specs[key] = TensorSpec(key, dtype, shape)
+        self.items[key] = [c for c in chunks if c.blob_length]
+
+    def chunk(self, key: str, chunk: Any, ndim: int, itemsize: int) -> Chunk:
+        what = f"a chunk of {key!r}"
+        if not isinstance(chunk, ChunkStorageMetadata):
+            raise CheckpointError(f"{self.label}: {what} is a {type(chunk).__name__}")
+        offsets = _counts(chunk.offsets, self.label, f"the offsets of {what}")
+        extent = _counts(chunk.sizes, self.label, f"the sizes of {what}")
+        if len(offsets) != ndim or len(extent) != ndim:
+            raise CheckpointError(f"{self.label}: {what} has other dimensions than {key!r} ({list(offsets)})")
+        nbytes = math.prod(extent) * itemsize
+        if not nbytes:
+            return Chunk("", 0, 0, 0, offsets, extent)  # an empty shard: nothing to read
+        name, offset, length = self.where(MetadataIndex(key, offsets), key)
+        if length < nbytes:  # its blob holds the data and more: never allocate past the files
+            raise CheckpointError(
+                f"{self.label}: {what} at {list(offsets)} is {nbytes} bytes, its storage entry {length}"
+            )
+        return Chunk(name, offset, length, -1, offsets, extent)
+
+    def value(self, key: str) -> None:
+        name, offset, length = self.where(MetadataIndex(key), key)
+        blob = _read(self.store, self.location, name, self.sizes[name], offset, length)
+        try:
+            value = load_blob(blob, f"{self.label}: value {key!r}")
+        except CheckpointError:
+            self.skipped[key] = "does not load with weights only"
+            return
+        try:
+            encoded = flatten({"v": value})
+        except NbckptError:
+            self.skipped[key] = f"a {type(value).__name__}, which nbckpt's tree does not hold"
+            return
+        if encoded.tensors:
+            self.skipped[key] = "holds tensors inside a value"
+            return
+        self.values[key] = encoded.tree["items"][0][1]
+
+    def where(self, index: MetadataIndex, key: str) -> tuple[str, int, int]:
+        """The file and byte range of the storage entry ``index`` of ``key``, checked to lie
+        inside a data file of the step."""
+        info, label = self.storage.get(index), self.label
+        name = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{label}: {key!r} is stored through DCP transforms nbckpt does not read")
+        if not (isinstance(name, str) and is_data_file(name)):
+            raise CheckpointError(f"{label}: {key!r} is stored in {name!r}, not a DCP data file of the step")
+        if name not in self.sizes:
+            source = self.store.source(self.location, name, None)
+            self.sizes[name] = source.size
+            source.close()
+        if not (_is_count(offset) and _is_count(length)):
+            raise CheckpointError(f"{label}: the storage entry of {key!r} is at {offset!r}, {length!r} bytes")
+        if offset + length > self.sizes[name]:
+            raise CheckpointError(f"{label}: {key!r} lies past the end of {name} ({self.sizes[name]} bytes)")
+        if length:
+            self.ranges.append((name, offset, length, key))
+        return name, offset, length
+
+    def apart(self) -> None:
+        """No byte of the files in two entries: so all a read allocates fits in the files."""
+        for before, after in itertools.pairwise(sorted(self.ranges)):
+            if before[0] == after[0] and before[1] + before[2] > after[1]:
+                raise CheckpointError(
+                    f"{self.label}: the storage entries of {before[3]!r} and {after[3]!r} overlap in "
+                    f"{after[0]}"
+                )
 
 
-def _chunk(
-    key: str, chunk: Any, storage: Any, sizes: dict[str, int], store: Any, location: str, label: str
-) -> Chunk:
-    offsets, extent = tuple(int(n) for n in chunk.offsets), tuple(int(n) for n in chunk.sizes)
-    if not Region(offsets, extent).numel:
-        return Chunk("", 0, 0, 0, offsets, extent)  # an empty shard: nothing to read
-    name, offset, length = _where(
-        storage.get(MetadataIndex(key, offsets)), sizes, store, location, label, key
-    )
-    return Chunk(name, offset, length, -1, offsets, extent)
+def _is_count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
+
+
+def _counts(value: Any, label: str, what: str) -> tuple[int, ...]:
+    """A shape, offsets or sizes of ``.metadata``: at most 64 counts below 2**63."""
+    if not (isinstance(value, (tuple, list)) and len(value) <= MAX_DEPTH and all(map(_is_count, value))):
+        raise CheckpointError(f"{label}: {what} is not a list of counts ({reprlib.repr(value)})")
+    return tuple(value)
 
 
 def _read(store: Any, location: str, name: str, size: int, offset: int, length: int) -> bytes:
@@ -162,41 +256,60 @@ def _read(store: Any, location: str, name: str, size: int, offset: int, length: 
     return bytes(data)
 
 
-def _tree(
-    specs: dict[str, TensorSpec], values: dict[str, Any], paths: dict[Any, Any], label: str
-) -> dict[str, Any]:
-    """The state as DCP's planner data nests it (mapping keys, list positions), as nbckpt's tree."""
-    root: dict[str, Any] = {}
-    for key in [*specs, *values]:
-        path = paths.get(key, (key,))
-        if not (isinstance(path, tuple) and path and all(isinstance(p, (str, int)) for p in path)):
-            raise CheckpointError(f"{label}: the planner data of {key!r} is malformed")
-        node: Any = root
-        for part, after in itertools.pairwise(path):
-            node = _child(node, part, [] if isinstance(after, int) else {}, label)
-        _child(node, path[-1], specs[key] if key in specs else _Value(values[key]), label)
-    return _node(root)
+class _Nest:
+    """The state as DCP's planner data nests it (mapping keys, list positions), as nbckpt's tree,
+    made with at most one empty list position per key (and :data:`SPARE_HOLES` more)."""
+
+    def __init__(self, label: str, keys: int) -> None:
+        self.label, self.spare = label, SPARE_HOLES + keys
+
+    def tree(self, found: _Entries) -> dict[str, Any]:
+        root: dict[str, Any] = {}
+        for key, path in found.paths.items():
+            if not (
+                isinstance(path, tuple)
+                and 0 < len(path) <= MAX_DEPTH
+                and all(isinstance(p, str) or _is_count(p) for p in path)
+            ):
+                raise CheckpointError(f"{self.label}: the planner data of {key!r} is malformed")
+            node: Any = root
+            for part, after in itertools.pairwise(path):
+                node = self.child(node, part, [] if isinstance(after, int) else {})
+            if key in found.specs:
+                self.child(node, path[-1], found.specs[key])
+            elif key in found.values:
+                self.child(node, path[-1], _Value(found.values[key]))
+        return _node(root)
+
+    def child(self, node: Any, part: Any, new: Any) -> Any:
+        """``node[part]``, made ``new`` where it is not there yet (a list grows to reach ``part``)."""
+        if isinstance(node, list):
+            if not isinstance(part, int):
+                raise CheckpointError(f"{self.label}: a DCP path has a list position {part!r}")
+            holes = part - len(node)
+            if holes > 0:
+                self.spare -= holes
+                if self.spare < 0:
+                    raise CheckpointError(
+                        f"{self.label}: the planner data leaves more empty list positions than "
+                        f"{SPARE_HOLES} and one per key (position {part})"
+                    )
+                node.extend([None] * holes)
+            if part == len(node):
+                node.append(new)
+            elif node[part] is None:
+                node[part] = new
+            return node[part]
+        if not isinstance(node, dict):
+            raise CheckpointError(f"{self.label}: two DCP paths disagree on what {part!r} is in")
+        return node.setdefault(part, new)
 
 
 class _Value:
-    """A plain value from a DCP byte item, kept apart from the containers being nested."""
+    """A plain value's tree node, kept apart from the containers being nested."""
 
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _child(node: Any, part: Any, new: Any, label: str) -> Any:
-    """``node[part]``, made ``new`` where it is not there yet (a list grows to reach ``part``)."""
-    if isinstance(node, list):
-        if not isinstance(part, int) or not 0 <= part < 1 << 20:
-            raise CheckpointError(f"{label}: a DCP path has a list position {part!r}")
-        node.extend([None] * (part + 1 - len(node)))
-        if node[part] is None:
-            node[part] = new
-        return node[part]
-    if not isinstance(node, dict):
-        raise CheckpointError(f"{label}: two DCP paths disagree on what {part!r} is in")
-    return node.setdefault(part, new)
+    def __init__(self, node: dict[str, Any]) -> None:
+        self.node = node
 
 
 def _node(value: Any) -> dict[str, Any]:
@@ -207,9 +320,6 @@ def _node(value: Any) -> dict[str, Any]:
         return {"t": "dict", "items": [[k, _node(v)] for k, v in value.items()]}
     if isinstance(value, list):
         return {"t": "list", "items": [_node(v) for v in value]}
-    plain = value.value if isinstance(value, _Value) else value
-    encoded = flatten({"v": plain})
-    if encoded.tensors:  # a byte item that holds tensors: nbckpt has no place for them
-        return {"t": "value", "v": None}
-    node: dict[str, Any] = encoded.tree["items"][0][1]
-    return node
+    if isinstance(value, _Value):
+        return value.node
+    return {"t": "value", "v": None}  # a list position no key fills

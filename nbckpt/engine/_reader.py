@@ -16,7 +16,7 @@ import torch
 
 from .._errors import CheckpointError, describe_error
 from ._files import Source, read_into
-from ._foreign import read_dcp_manifest
+from ._foreign import MAX_METADATA_BYTES, read_dcp_manifest
 from ._format import MANIFEST, MAX_MANIFEST_BYTES, METADATA_FILE, Chunk, framing, step_name
 from ._manifest import Manifest, parse
 from ._shards import Region, overlap, runs
@@ -25,7 +25,8 @@ from ._workers import Pool, run_all
 
 __all__ = [
     "ReadPlan", "Readable", "check_read", "damage_named", "fill", "plan_read", "read_file", "read_manifest",
-    "read_metadata", "read_tensors", "step_file_label", "verify_files", "verify_framing"
+    "read_metadata", "read_tensors", "stat_files", "step_file_label", "tensor_files", "verify_files",
+    "verify_framing",
 ]
 
 
@@ -236,6 +237,7 @@ def read_tensors(
     checked in the same pass; returns them and the CPU seconds spent."""
     if manifest.foreign:
         return _read_foreign(store, location, manifest, wanted), 0.0
+    stat_files(store, location, manifest, tensor_files(manifest, wanted))
     plan = plan_read(manifest, wanted)
     cpu = fill(store, io, location, manifest, plan, verify=verify)
     cpu += check_read(store, io, location, manifest, plan, verify=verify)
@@ -364,7 +366,30 @@ def verify_files(
 
 
 def read_metadata(store: Readable, location: str, manifest: Manifest) -> bytes:
-    """The DCP metadata file, checked against its block checksums."""
-    data = bytearray(manifest.files[METADATA_FILE]["size"])
+    """The DCP metadata file, checked against its block checksums: no larger than a plain DCP
+    step's may be, and its real size the manifest's before a buffer is made for it."""
+    size = manifest.files[METADATA_FILE]["size"]
+    if size > MAX_METADATA_BYTES:
+        raise CheckpointError(
+            f"{step_file_label(location, METADATA_FILE)} has {size} bytes, more than DCP metadata may "
+            f"({MAX_METADATA_BYTES})"
+        )
+    stat_files(store, location, manifest, [METADATA_FILE])
+    data = bytearray(size)
     read_file(store, location, METADATA_FILE, manifest, [(0, memoryview(data))], True)
     return bytes(data)
+
+
+def tensor_files(manifest: Manifest, keys: Iterable[str]) -> list[str]:
+    """The files the chunks of tensors ``keys`` are in."""
+    return list(dict.fromkeys(chunk.file for key in keys for chunk in manifest.items[key]))
+
+
+def stat_files(store: Readable, location: str, manifest: Manifest, names: Iterable[str]) -> None:
+    """Each file of ``names`` is there with the size the manifest says: checked before memory is
+    made to read it into, so a re-signed manifest that claims a huge file allocates nothing."""
+    for name in dict.fromkeys(names):
+        label = step_file_label(location, name)
+        with damage_named(label):
+            source = store.source(location, name, manifest.files[name]["size"])
+        source.close()

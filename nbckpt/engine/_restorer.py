@@ -26,6 +26,8 @@ from ._reader import (
     read_manifest,
     read_metadata,
     read_tensors,
+    stat_files,
+    tensor_files,
     verify_files,
     verify_framing,
 )
@@ -221,6 +223,7 @@ class Restorer:
                 # Straight into the caller's own tensors where they can take the bytes (no fresh
                 # memory to fault in: half of a restore's time), once every byte is checked.
                 into = destinations(state, saved, targets, manifest.specs) if store.is_local else None
+                stat_files(store, location, manifest, tensor_files(manifest, wanted))  # before allocating
                 plan = plan_read(manifest, wanted, into)
                 if not plan.direct:
                     fill(store, self.io, location, manifest, plan, verify=verify)

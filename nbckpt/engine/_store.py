@@ -293,11 +293,12 @@ class LocalStore(Store):
                 raise CheckpointError(f"{name} is not a regular file")
             if info.st_size > limit:
                 raise CheckpointError(f"{name} has {info.st_size} bytes, more than a manifest may ({limit})")
-            data = os.pread(fd, limit + 1, 0)
+            # Its size and one byte more, never ``limit``: pread makes a buffer of what it is asked.
+            data = os.pread(fd, info.st_size + 1, 0)
         finally:
             os.close(fd)
-        if len(data) > limit:
-            raise CheckpointError(f"{name} is larger than a manifest may be ({limit} bytes)")
+        if len(data) > info.st_size:
+            raise CheckpointError(f"{name} grew while it was read")
         return data
 
     def commit(self, location: str, step: int, manifest: bytes) -> str:

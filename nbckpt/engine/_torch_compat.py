@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
+
+import torch
 
 # DCP's FileSystemReader looks each item up in ``Metadata.storage_data`` and expects this
 # dataclass (relative path, offset, length) there: nbckpt writes DCP's format itself, so it
@@ -11,7 +14,7 @@ from typing import Any
 # ``torch.distributed.checkpoint.filesystem._StorageInfo``.
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-__all__ = ["STORAGE_INFO_GLOBAL", "default_store", "dtensor_spec", "storage_info"]
+__all__ = ["STORAGE_INFO_GLOBAL", "default_store", "dtensor_spec", "pickle_record", "storage_info"]
 
 #: The (module, name) under which DCP's metadata pickle refers to :func:`storage_info` records.
 STORAGE_INFO_GLOBAL = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
@@ -37,3 +40,9 @@ def dtensor_spec(tensor: Any) -> Any:
     """A DTensor's ``_spec`` (mesh, placements and shape: hashable, the same object every save;
     stable since 2.4), the key of the cache of each DTensor's chunk."""
     return tensor._spec
+
+
+def pickle_record(blob: bytes) -> bytes:
+    """The ``data.pkl`` record of a ``torch.save`` zip, read by the zip reader ``torch.load`` uses
+    (``torch._C.PyTorchFileReader``, stable since 1.6): the very pickle it would unpickle."""
+    return bytes(torch._C.PyTorchFileReader(io.BytesIO(blob)).get_record("data.pkl"))
