@@ -5,6 +5,7 @@ The one private module of the bench another layer may import (``tests/test_layou
 """
 
 from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, add_bench_arguments, run_bench_from_args
+from ._load import machine_load
 from ._result import RESULT_COLUMNS, STALL_NAMES
 from ._stats import drag_text, interval_text, measurable, overhead_text, per_repeat_text, t_interval
 from ._strategies import STRATEGIES, get_strategy
@@ -22,6 +23,7 @@ __all__ = [
     "drag_text",
     "get_strategy",
     "interval_text",
+    "machine_load",
     "measurable",
     "overhead_text",
     "per_repeat_text",

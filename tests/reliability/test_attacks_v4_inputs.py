@@ -4,6 +4,7 @@ no traceback at interpreter exit (v4.8), a report that says early when it cannot
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import signal
@@ -149,3 +150,74 @@ def test_v4_8_the_exit_and_signal_hooks_hold_the_checkpointer_weakly(tmp_path: P
         signal.signal(signal.SIGTERM, previous)
     with Checkpointer(tmp_path / "run", mode="sync") as again:  # its lock went with it
         again.save(state_of(1), 1)
+
+
+# -- v4.9: the report says before it measures when it cannot mean much, and shortens ------------
+
+SMALL_REPORT = ["-p", "preset", "small", "-p", "steps", "12", "-p", "every", "4", "-p", "repeats", "3"]
+
+#: A report notebook of one parameters cell and one cell that writes what it was given.
+RECORDING_NOTEBOOK = {
+    "cells": [
+        {"cell_type": "code", "metadata": {"tags": ["parameters"]}, "execution_count": None, "outputs": [],
+         "source": 'preset = "small"\nstrategies = "none,nbckpt-async"\nsize_mb = None\nsteps = 12\n'
+                   'every = 4\nrepeats = 3\noutput_dir = "."\nprogress_path = ""\n'},
+        {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
+         "source": 'import json, os\nwith open(os.path.join(output_dir, "given.json"), "w") as f:\n'
+                   '    json.dump({"steps": steps, "repeats": repeats}, f)\n'},
+    ],
+    "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+    "nbformat": 4, "nbformat_minor": 5,
+}
+
+
+def _report(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], load_1m: float,
+            *args: str) -> list[str]:
+    """``nbckpt report ARGS`` with the machine's load fed in: the lines it said on stderr."""
+    from nbckpt import cli
+    from nbckpt.bench import _internal as bench
+
+    monkeypatch.setattr(bench, "machine_load", lambda: (load_1m, 2))  # the seam: no real load needed
+    assert cli.main(["report", *args]) == 0
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("report: ")]
+
+
+@pytest.mark.parametrize(
+    ("load_1m", "args", "said"),
+    [
+        # the issue's machine: load 6-15 on 2 cores; make report's own parameters
+        (9.0, SMALL_REPORT, ["about 25 min (3 repeats of 12 steps); 1-minute load 9.0 on 2 cores",
+                             "intervals will be too wide to mean much",
+                             "shortened to 2 repeats of 8 steps (about 11.1 min; the machine is busy); "
+                             "--full runs as asked, Ctrl-C stops"]),
+        (9.0, [*SMALL_REPORT, "--full"], ["about 25 min", "intervals will be too wide"]),
+        (0.2, [*SMALL_REPORT[:3], "-p", "steps", "40", *SMALL_REPORT[6:]],
+         ["about 16.7 min (3 repeats of 40 steps); 1-minute load 0.2 on 2 cores",
+          "shortened to 2 repeats of 36 steps (about 10 min; over the 10 min budget)"]),
+        # never under two repeats of two checkpoints, even where that is still over the budget
+        (0.2, [*SMALL_REPORT, "--max-minutes", "2"], ["about 5 min", "shortened to 2 repeats of 8 steps"]),
+        (0.2, SMALL_REPORT, ["about 5 min (3 repeats of 12 steps); 1-minute load 0.2 on 2 cores"]),
+    ],
+    ids=["busy", "busy-full", "over-budget", "max-minutes", "quiet"],
+)
+def test_v4_9_the_report_says_first_what_it_will_take_and_shortens_what_cannot_mean_much(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, load_1m: float,
+    args: list[str], said: list[str],
+) -> None:
+    """Before this it measured for 16.9 minutes and warned at the end (``--dry-run`` stops here)."""
+    lines = _report(monkeypatch, capsys, load_1m, "--dry-run", "--output-dir", str(tmp_path / "out"), *args)
+    assert len(lines) == len(said), lines
+    for line, part in zip(lines, said, strict=True):
+        assert part in line, (part, line)
+    assert not (tmp_path / "out").exists()  # nothing measured, nothing written
+
+
+def test_v4_9_the_shortened_run_is_what_the_notebook_gets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    notebook = tmp_path / "recording.ipynb"
+    notebook.write_text(json.dumps(RECORDING_NOTEBOOK))
+    out = tmp_path / "out"
+    lines = _report(monkeypatch, capsys, 9.0, "--notebook", str(notebook), "--output-dir", str(out))
+    assert any("shortened to 2 repeats of 8 steps" in line for line in lines), lines
+    assert json.loads((out / "given.json").read_text()) == {"steps": 8, "repeats": 2}
