@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from helpers.hostile import assert_falls_back, blank, rewrite_manifest, rewrite_metadata, two_steps
 from helpers.states import state_of
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from nbckpt import AnyOf, Checkpointer, ConfigError, CustomSteps, LatestN
 from nbckpt.notebook import Autosave
@@ -221,3 +224,33 @@ def test_v4_9_the_shortened_run_is_what_the_notebook_gets(
     lines = _report(monkeypatch, capsys, 9.0, "--notebook", str(notebook), "--output-dir", str(out))
     assert any("shortened to 2 repeats of 8 steps" in line for line in lines), lines
     assert json.loads((out / "given.json").read_text()) == {"steps": 8, "repeats": 2}
+
+
+# -- v4.8: a shape the manifest and .metadata both lie about is damage, not the caller's fault ---
+
+
+@pytest.mark.parametrize("shape", [[2048, 2], [2048]])
+def test_v4_8_a_shape_both_files_lie_about_falls_back(tmp_path: Path, shape: list[int]) -> None:
+    """Step 2's 'w' (4096 floats) edited to another shape in the manifest and in .metadata alike,
+    both re-signed: restore() blamed the caller's template (ConfigError, no fallback), though the
+    blob itself still holds the saved shape."""
+    run = two_steps(tmp_path / "run")
+
+    def metadata_lies(metadata: Any) -> None:
+        w = metadata.state_dict_metadata["w"]
+        w.size = torch.Size(shape)
+        w.chunks = [ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))]
+        metadata.storage_data[MetadataIndex("w", (0,) * len(shape))] = metadata.storage_data.pop(
+            MetadataIndex("w", (0,)))
+
+    def manifest_lies(manifest: dict[str, Any]) -> None:
+        next(n for k, n in manifest["tree"]["items"] if k == "w")["shape"] = shape
+        chunk = manifest["items"]["w"][0]
+        chunk[4], chunk[5] = [0] * len(shape), shape
+
+    rewrite_metadata(run / "step-000002", metadata_lies)
+    rewrite_manifest(run / "step-000002", manifest_lies)
+    assert_falls_back(run, f"the blob of tensor 'w' holds torch.float32 (4096,), the manifest says "
+                           f"torch.float32 {tuple(shape)}")
+    with Checkpointer(run, read_only=True) as ckpt, pytest.raises(ConfigError, match="the target is"):
+        ckpt.restore({**blank(), "w": torch.zeros(4095)}, step=1)  # the caller's own mistake still is one
