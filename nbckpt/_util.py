@@ -98,6 +98,23 @@ def check_count(value: Any, name: str, *, minimum: int = 1, maximum: int | None 
     return value
 
 
+def check_flag(value: Any, name: str) -> bool:
+    """``value`` if it is True or False (``verify="no"`` would be taken as true), else ConfigError."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, not {value!r}")
+    return value
+
+
+def check_options(value: Any, name: str) -> dict[str, Any]:
+    """``value`` as fsspec's keyword arguments: a dict whose keys are names, else ConfigError."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a dict, not {type(value).__name__}")
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ConfigError(f"{name} must have option names as keys, not {key!r}")
+    return value
+
+
 def check_path(path: Any, what: str) -> str:
     """``path`` as text if it can name a file or directory (a local path or a URL); else a
     one-line ConfigError naming ``what`` (the OS raises a bare ValueError for a NUL)."""

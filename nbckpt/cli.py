@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ._errors import CheckpointError, ConfigError, NbckptError, require_extra
@@ -135,19 +136,46 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure nothing: build NAME.html from these results of nbckpt bench "
                         "under torchrun (a cluster's; several rank counts give the scaling curve) "
                         "(default: run the notebook)")
+    parser.add_argument("--max-minutes", type=float, default=10.0,
+                        help="the time budget: a run estimated to take longer, or on a machine too busy "
+                        "to measure, is shortened to fewer repeats and steps (default: %(default)g)")
+    parser.add_argument("--full", action="store_true",
+                        help="run the repeats and steps asked for even over the budget or on a busy "
+                        "machine (default: shorten, and say so)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="say the estimate, the load and what would run, then stop (default: run)")
 
 
 def _report(args: argparse.Namespace) -> int:
     """``nbckpt report``: run the notebook, write the HTML and say where the results are."""
-    from .notebook._internal import RESULTS_FILE, report_from, run_report
+    from .bench import _internal as bench
+    from .notebook._internal import (
+        REPORT_NOTEBOOK,
+        RESULTS_FILE,
+        notebook_defaults,
+        plan_report,
+        report_from,
+        run_report,
+    )
 
     if args.sources is not None:
         if args.parameter or args.notebook:
             raise ConfigError("--from measures nothing: it takes no -p or --notebook")
         print(f"wrote {report_from(args.sources, args.name, args.output_dir)}")
         return 0
+    if not 0 < args.max_minutes < math.inf:
+        raise ConfigError(f"--max-minutes must be a positive number of minutes, not {args.max_minutes:g}")
     parameters = {key: parse_value(value) for key, value in args.parameter}
-    html = run_report(args.name, args.output_dir, parameters, notebook=args.notebook, progress=True)
+    source = Path(args.notebook) if args.notebook is not None else REPORT_NOTEBOOK
+    load_1m, cores = bench.machine_load()
+    # Said before anything is measured: a run that cannot mean much is shortened, not sat through.
+    plan = plan_report(parameters, notebook_defaults(source) if source.is_file() else {}, load_1m=load_1m,
+                       cores=cores, max_minutes=args.max_minutes, full=args.full)
+    for line in plan.lines:
+        print(line, file=sys.stderr, flush=True)
+    if args.dry_run:
+        return 0
+    html = run_report(args.name, args.output_dir, plan.parameters, notebook=args.notebook, progress=True)
     print(f"results: {html.parent / RESULTS_FILE}")
     return 0
 

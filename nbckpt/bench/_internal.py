@@ -5,6 +5,7 @@ The one private module of the bench another layer may import (``tests/test_layou
 """
 
 from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, add_bench_arguments, run_bench_from_args
+from ._load import machine_load
 from ._ranks import arm_slow, in_torchrun, run_bench_on_ranks
 from ._result import RESULT_COLUMNS, STALL_NAMES
 from ._stats import drag_text, interval_text, measurable, overhead_text, per_repeat_text, t_interval
@@ -25,6 +26,7 @@ __all__ = [
     "get_strategy",
     "in_torchrun",
     "interval_text",
+    "machine_load",
     "measurable",
     "overhead_text",
     "per_repeat_text",

@@ -15,11 +15,18 @@ from typing import Any
 
 import psutil
 
-__all__ = ["Load", "LoadMonitor", "combine_loads"]
+__all__ = ["Load", "LoadMonitor", "combine_loads", "machine_load"]
 
 # "High" load: other processes kept a quarter of the cores busy, or the hypervisor took 5 %.
 _HIGH_OTHER_SHARE = 0.25
 _HIGH_STEAL_PCT = 5.0
+
+
+def machine_load() -> tuple[float, int]:
+    """The 1-minute load average and the cores this process may use, as a measurement is about to
+    start (before it, the load is the other processes')."""
+    return os.getloadavg()[0], len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, ConfigError
+from .._util import check_flag
 from . import _final
-from ._config import CheckpointConfig, Mode
+from ._config import CheckpointConfig, Mode, check_line
 from ._final import Snapshot, close_all, register, release, unregister, writing_into
 from ._mirror import mirror_target, open_mirror
 from ._ranks import join
@@ -122,6 +123,8 @@ class Checkpointer:
         Saving an existing step replaces it, with a warning unless ``overwrite``. Errors of
         earlier background saves are raised here, once, as CheckpointError.
         """
+        check_flag(overlap, "overlap")
+        check_flag(overwrite, "overwrite")
         given = {"mode": mode, "capture_rng": capture_rng}
         config = CheckpointConfig.build(self.config, **{k: v for k, v in given.items() if v is not None})
         with self._operation():
@@ -232,8 +235,13 @@ class Checkpointer:
                 raise ConfigError(f"state must be a dict, not {type(state).__name__}")
             if step is not None:
                 check_step(step)
+            for name, flag in (("verify", verify), ("rng", rng), ("strict", strict)):
+                if flag is not None:
+                    check_flag(flag, name)
+            if key_map is not None and not callable(key_map):
+                raise ConfigError(f"key_map must be a function of a key, or None, not {key_map!r}")
             self._saver.wait()
-            verify = self.config.verify if verify is None else bool(verify)
+            verify = self.config.verify if verify is None else verify
             return self._run.restore(state, step, verify=verify, rng=rng, strict=strict, key_map=key_map)
 
     @property
@@ -265,8 +273,8 @@ class Checkpointer:
         go to or of the run's line ``line``."""
         with self._operation():
             self._check_open(writing=True)
+            name = check_line(line) or self.line_name
             self._saver.wait()
-            name = self.line_name if line is None else line
             store = self._run.store_of(name)
             if store.committed_at(check_step(step)) is None:
                 if step in store.foreign():
@@ -323,6 +331,8 @@ class Checkpointer:
         """The final save of :meth:`save_on_signal`, for other ways out (a notebook kernel shutting
         down): ``snapshot()``'s ``(state, step)`` saved synchronously, given up after ``timeout_s``
         (the previous checkpoint stays). Logs and returns one line saying what happened."""
+        if not isinstance(reason, str):
+            raise ConfigError(f"reason must be text (it is logged), not {reason!r}")
         line, ended = _final.final_save(self._save_now, snapshot, _final.check_arguments(snapshot, timeout_s),
                                         reason)
         # close() at exit would wait for a save still running (its lock is held): it is left behind.

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .._errors import ConfigError
-from .._util import check_count
+from .._util import check_count, check_flag, check_options
 from ._retention import RetentionPolicy, policy_of
 
-__all__ = ["CheckpointConfig", "Mode"]
+__all__ = ["CheckpointConfig", "Mode", "check_line"]
 
 Mode = Literal["sync", "async"]
 Ranks = Literal["auto", "all", "local"]
@@ -18,6 +19,13 @@ Ranks = Literal["auto", "all", "local"]
 # beyond these a typo (10**9) would allocate until the OOM killer ends the kernel.
 MAX_INFLIGHT = 8
 MAX_WRITER_THREADS = 64
+
+
+def check_line(line: Any) -> str | None:
+    """``line`` if it can name a line of a run (None: the default), else ConfigError."""
+    if line is not None and (not isinstance(line, str) or not line.strip()):
+        raise ConfigError(f"line must be a line's name ('main', 'branch-1', ...), not {line!r}")
+    return line
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,19 +84,19 @@ class CheckpointConfig:
         check_count(self.writer_threads, "writer_threads", maximum=MAX_WRITER_THREADS)
         check_count(self.writer_nice, "writer_nice", minimum=0, maximum=19)
         for name in ("verify", "capture_rng", "read_only"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
+            check_flag(getattr(self, name), name)
         for name in ("storage_options", "mirror_options"):
-            if not isinstance(getattr(self, name), dict):
-                raise ConfigError(f"{name} must be a dict, not {type(getattr(self, name)).__name__}")
+            check_options(getattr(self, name), name)
         if self.mirror is not None and (not isinstance(self.mirror, str) or not self.mirror.strip()):
             raise ConfigError(f"mirror must be a directory or URL, not {self.mirror!r}")
-        if self.line is not None and not isinstance(self.line, str):
-            raise ConfigError(f"line must be a line's name ('main', 'branch-1', ...), not {self.line!r}")
+        if self.mirror_options and self.mirror is None:  # the options of a mirror not set: a slip
+            raise ConfigError("mirror_options are given but no mirror (mirror='s3://...')")
+        check_line(self.line)
         if self.ranks not in ("auto", "all", "local"):
             raise ConfigError(f"ranks must be 'auto', 'all' or 'local', not {self.ranks!r}")
         timeout = self.timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        # inf too is refused: a collective's timeout becomes a timedelta, which has no infinity
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise ConfigError(f"timeout_s must be a positive number of seconds, not {timeout!r}")
 
     @property

@@ -15,7 +15,8 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
-from typing import Any, Protocol, TypeAlias
+from types import MethodType
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar, cast
 
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url, parse_duration
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("nbckpt")
+_M = TypeVar("_M", bound=Callable[..., Any])
 
 
 class _Open(Protocol):
@@ -58,11 +60,31 @@ _OPEN: weakref.WeakSet[_Open] = weakref.WeakSet()
 _EXITS: weakref.WeakKeyDictionary[_Open, Callable[[], None]] = weakref.WeakKeyDictionary()
 
 
+class WeakBound(Generic[_M]):
+    """A bound method held weakly: its object by a plain weak reference, its function strongly
+    (a class's function outlives its objects). Not :class:`weakref.WeakMethod`, whose callback
+    can run during the interpreter's teardown after the WeakMethod itself is gone and print
+    ``Exception ignored in: ... AttributeError: 'NoneType' object has no attribute '_alive'``
+    at the exit of a script that installed a final save."""
+
+    __slots__ = ("_func", "_obj")
+
+    def __init__(self, method: _M) -> None:
+        bound: Any = method
+        self._obj = weakref.ref(bound.__self__)  # no callback: nothing runs when it dies
+        self._func = bound.__func__
+
+    def __call__(self) -> _M | None:
+        """The bound method, or None once its object is gone."""
+        obj = self._obj()
+        return None if obj is None else cast(_M, MethodType(self._func, obj))
+
+
 def register(ckpt: _Open, at_exit_method: Callable[[], None]) -> None:
     """Count ``ckpt`` as open, and run ``at_exit_method`` (its bound method, held weakly) at
     exit unless it is closed or dropped before."""
     _OPEN.add(ckpt)
-    method = weakref.WeakMethod(at_exit_method)
+    method = WeakBound(at_exit_method)
 
     def at_exit() -> None:
         bound = method()
@@ -267,7 +289,7 @@ OnSignal = Callable[[Snapshot, float, int, Callable[[], None]], bool]
 
 
 def on_signal(
-    final: weakref.WeakMethod[OnSignal], snapshot: Snapshot, timeout_s: float, previous: Any, signum: int,
+    final: WeakBound[OnSignal], snapshot: Snapshot, timeout_s: float, previous: Any, signum: int,
     frame: Any,
 ) -> None:
     """The signal handler of :meth:`Checkpointer.save_on_signal` (runs on the main thread)."""
@@ -295,7 +317,7 @@ def install(final: OnSignal, snapshot: Snapshot, signals: tuple[signal.Signals, 
     installed: Installed = {}
     for signum in signals:
         previous = signal.getsignal(signum)
-        handler = partial(on_signal, weakref.WeakMethod(final), snapshot, timeout_s, previous)  # type: ignore[arg-type]
+        handler = partial(on_signal, WeakBound(final), snapshot, timeout_s, previous)
         signal.signal(signum, handler)
         installed[signum] = (handler, previous)
     return installed

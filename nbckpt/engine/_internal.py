@@ -7,6 +7,7 @@ private module of the engine another layer may import (``tests/test_layout.py`` 
 
 from ._checkpointer import writer_of
 from ._files import fsync_dir, write_all, write_atomic
+from ._final import check_signals
 from ._foreign import dcp_steps
 from ._format import MANIFEST, POINTER_FORMAT, POINTER_LIMIT, parse_step, step_name
 from ._object_store import endpoint, explain_fsspec_error, fsspec_options, open_fsspec
@@ -15,7 +16,8 @@ from ._state import flatten
 from ._timeline import events_to_pandas, now_ns
 
 __all__ = [
-    "MANIFEST", "POINTER_FORMAT", "POINTER_LIMIT", "dcp_steps", "endpoint", "events_to_pandas",
-    "expected_waste", "explain_fsspec_error", "flatten", "fsspec_options", "fsync_dir", "now_ns",
-    "open_fsspec", "parse_step", "step_name", "write_all", "write_atomic", "writer_of", "young_daly_interval"
+    "MANIFEST", "POINTER_FORMAT", "POINTER_LIMIT", "check_signals", "dcp_steps", "endpoint",
+    "events_to_pandas", "expected_waste", "explain_fsspec_error", "flatten", "fsspec_options", "fsync_dir",
+    "now_ns", "open_fsspec", "parse_step", "step_name", "write_all", "write_atomic", "writer_of",
+    "young_daly_interval"
 ]

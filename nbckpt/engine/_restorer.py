@@ -197,6 +197,10 @@ class Restorer:
                 left = [repr(key) for key, _ in saved["items"] if key not in state]
                 if left:
                     problems.append(f"strict: the state does not name the saved {', '.join(left)}")
+            if problems and self.rank == 0:
+                # A shape the manifest and .metadata agree on but the blobs do not hold is damage
+                # (fall back), not the caller's template: check the blobs before blaming it.
+                verify_framing(store, self.io, location, manifest)
             _refuse(problems, step, whose)
             box.append((manifest, saved, sharded_targets(state, saved)))
             return manifest.checksum, [], holds

@@ -123,6 +123,19 @@ class CustomSteps:
     steps: Iterable[int] | Callable[[], Iterable[int]]
     uses_metrics = False
 
+    def __post_init__(self) -> None:
+        # Checked here, not at the first save's retention pass in the background, where an error
+        # is only logged, at every save (CustomSteps(5) for CustomSteps([5])).
+        if callable(self.steps):
+            return
+        if isinstance(self.steps, (str, bytes)) or not isinstance(self.steps, Iterable):
+            raise ConfigError(
+                f"CustomSteps wants step numbers or a function returning them, not {self.steps!r}"
+            )
+        # read once: a generator would give its steps to the first pass only
+        named = frozenset(check_count(step, "CustomSteps' steps", minimum=0) for step in self.steps)
+        object.__setattr__(self, "steps", named)
+
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         named = set(self.steps() if callable(self.steps) else self.steps)
         return {info.step for info in steps if info.step in named}
@@ -138,6 +151,8 @@ class AnyOf:
     policies: tuple[RetentionPolicy, ...]
 
     def __init__(self, *policies: RetentionPolicy) -> None:
+        if not policies:  # would keep nothing but the newest step
+            raise ConfigError("AnyOf needs at least one policy, e.g. AnyOf(LatestN(3), EveryNSteps(1000))")
         for policy in policies:
             _check(policy)
         object.__setattr__(self, "policies", policies)

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._errors import CheckpointError, require_extra
+from .._errors import CheckpointError, ConfigError, require_extra
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -186,6 +186,10 @@ class SaveHandle:
         return record
 
     def _result(self, future: Future[Any], timeout: float | None) -> Any:
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+        ):
+            raise ConfigError(f"timeout must be a number of seconds >= 0 or None, not {timeout!r}")
         try:
             return future.result(timeout)
         except CheckpointError:

@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 
 from .._errors import ConfigError
-from .._util import format_duration, parse_duration
+from .._util import check_path, format_duration, parse_duration
 from ..engine import Checkpointer, SaveHandle, SaveRecord
+from ..engine._internal import check_signals
 from ._cell import one_line, reraise
 from ._session import Save, Session, variables
 
@@ -102,6 +103,9 @@ class Autosave:
         if not isinstance(names, Sequence) or not names or not all(isinstance(name, str) for name in names):
             raise ConfigError("Autosave wants the names of notebook variables, e.g. "
                               f"Autosave(['model', 'opt']), not {repr(names)[:80]}")
+        self.signals = check_signals(signals)  # not when start() installs them
+        if directory is not None:
+            check_path(directory, "directory")
         found = _shell_or_current(shell)
         if found is None:
             raise ConfigError("Autosave needs an IPython shell: run it in a notebook or IPython")
@@ -112,7 +116,6 @@ class Autosave:
         if step is not None and not isinstance(step, str) and not callable(step):
             raise ConfigError(f"step must be a variable's name or a function, not {step!r}")
         self.step = step
-        self.signals = tuple(signals)
         variables(self._namespace, self._saved_names)  # a typo fails now, not ten minutes later
         self.session = _session_of(self.shell)
         self.directory = directory or self.session.defaults.directory

@@ -3,7 +3,8 @@
 The one private module of the notebook faces another layer may import (``tests/test_layout.py``).
 """
 
-from ._report import RESULTS_FILE, run_report
+from ._plan import notebook_defaults, plan_report
+from ._report import REPORT_NOTEBOOK, RESULTS_FILE, run_report
 from ._report_from import report_from
 
-__all__ = ["RESULTS_FILE", "report_from", "run_report"]
+__all__ = ["REPORT_NOTEBOOK", "RESULTS_FILE", "notebook_defaults", "plan_report", "report_from", "run_report"]

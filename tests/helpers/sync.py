@@ -3,6 +3,7 @@ once the main thread waits."""
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import threading
@@ -46,11 +47,15 @@ def ctrl_c_raises() -> Iterator[None]:
 
 
 def press_ctrl_c_once_blocked(saving: threading.Event) -> None:
-    """From another thread: once a save is writing and the main thread waits, send SIGINT."""
+    """From another thread: once a save is writing and the main thread waits, send SIGINT.
+    Waits for both without a clock (a timeout ran out on a loaded machine and pressed early)."""
+    armed = threading.Event()
 
     def press() -> None:
-        saving.wait(30)
-        until(main_thread_blocked)
+        saving.wait()
+        armed.wait()  # not while the main thread still waits in Thread.start() for this thread
+        until(main_thread_blocked, timeout=math.inf)
         signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
     threading.Thread(target=press, daemon=True).start()
+    armed.set()

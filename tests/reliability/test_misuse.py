@@ -190,18 +190,18 @@ def test_a_dropped_checkpointer_frees_the_directory(tmp_path: Path) -> None:
 def test_keyboard_interrupt_while_persisting(tmp_path: Path, throttle: Throttle, blocked_in: str) -> None:
     """Ctrl-C while waiting for a save: the save stays tracked and completes in the background."""
     with ctrl_c_raises(), Checkpointer(tmp_path / "run", mode="async") as ckpt:
-        handle = step_2_held(ckpt, throttle)
-        with pytest.raises(KeyboardInterrupt):
-            press_ctrl_c_once_blocked(throttle.entered)
-            if blocked_in == "handle.wait":
-                handle.wait()
-            elif blocked_in == "ckpt.wait":
-                ckpt.wait()
-            else:
-                ckpt.save(state_of(3), step=3)  # waits for step 2 (max_inflight=1)
-        assert not handle.done() and handle.phase == "persisting"
-        assert ckpt.steps() == [1]  # a save in progress never counts
-        throttle.release.set()
+        with throttle.released_after():  # step 2's writes wait for the end of this block, not for a clock
+            handle = step_2_held(ckpt, throttle)
+            with pytest.raises(KeyboardInterrupt):
+                press_ctrl_c_once_blocked(throttle.entered)
+                if blocked_in == "handle.wait":
+                    handle.wait()
+                elif blocked_in == "ckpt.wait":
+                    ckpt.wait()
+                else:
+                    ckpt.save(state_of(3), step=3)  # waits for step 2 (max_inflight=1)
+            assert not handle.done() and handle.phase == "persisting", handle.error
+            assert ckpt.steps() == [1]  # a save in progress never counts
         assert [r.step for r in ckpt.wait()] == [2]  # still tracked: wait() waits for it
         assert ckpt.steps() == [1, 2]
         assert_holds(ckpt, 2)
