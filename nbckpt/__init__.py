@@ -31,6 +31,7 @@ from .engine import (
     RetentionPolicy,
     SaveHandle,
     SaveRecord,
+    SaveSchedule,
     Timeline,
     close_all,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "RetentionPolicy",
     "SaveHandle",
     "SaveRecord",
+    "SaveSchedule",
     "Timeline",
     "__version__",
     "close_all",

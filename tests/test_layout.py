@@ -114,9 +114,10 @@ def test_every_module_declares_all() -> None:
     assert not missing, missing
 
 
-#: A module may run to about this many lines; a longer one says why at its top.
-#: The most lines a module may have (issue 23's budget): past it, a module holds more than one job.
-MODULE_LINES = 450
+#: Issue 30 withdrew issue 23's line budget (450): it measured packing as much as design. A
+#: module's length is a guideline; this stop only catches one that has clearly taken on a
+#: second job (the structural checks are what judge the design).
+MODULE_LINES = 600
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: module_name(p))

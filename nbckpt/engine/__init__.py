@@ -9,9 +9,10 @@ runs. Glue the layers above share with it is in ``_internal``, not here.
 from ._checkpointer import Checkpointer, close_all
 from ._config import CheckpointConfig
 from ._retention import AnyOf, BestN, CustomSteps, EveryNSteps, LatestN, RetentionPolicy, StepInfo
+from ._schedule import SaveSchedule
 from ._timeline import Event, SaveHandle, SaveRecord, Timeline
 
 __all__ = [
     "AnyOf", "BestN", "CheckpointConfig", "Checkpointer", "CustomSteps", "Event", "EveryNSteps", "LatestN",
-    "RetentionPolicy", "SaveHandle", "SaveRecord", "StepInfo", "Timeline", "close_all"
+    "RetentionPolicy", "SaveHandle", "SaveRecord", "SaveSchedule", "StepInfo", "Timeline", "close_all"
 ]

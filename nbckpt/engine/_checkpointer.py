@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -28,6 +29,7 @@ from ._restorer import device_of
 from ._retention import check_metrics
 from ._run import Run, open_run
 from ._saver import Saver
+from ._schedule import Grace, Interval, Pacer
 from ._store import Store, check_step, open_store
 from ._timeline import SaveHandle, SaveRecord, Timeline
 from ._workers import Pool
@@ -68,6 +70,9 @@ class Checkpointer:
         self._signals = _final.Deferral(ranks.caller)  # when a signal's final save runs
         self._abandoned = False  # a final save did not end in time: the exit must not wait for it
         self._closed = False
+        self._caller = ranks.caller
+        self._pacer = Pacer(self.config.schedule) if self.config.schedule is not None else None
+        self._grace = Grace()  # the time save_on_signal's final save has
         opening = partial(open_run, self.store, self.config.read_only)
         nonce, committed = ranks.caller.from_rank0(("open",), opening)
         try:
@@ -131,9 +136,29 @@ class Checkpointer:
             self._check_open(writing=True)
             check_step(step)
             self._run.branch_if_rewound()
+            if (late := self._grace.late(self.records)) is not None:
+                warnings.warn(late, stacklevel=3)  # the caller of save, once
+            if self._pacer is not None:
+                self._pacer.saved(time.monotonic())
             return self._saver.start(state, step, sync=config.mode == "sync", overlap=overlap,
                                      capture_rng=config.capture_rng, metrics=check_metrics(metrics),
                                      overwrite=overwrite, owner=self)
+
+    def due(self) -> bool:
+        """Whether a save is due now by the config's ``schedule`` (a :class:`SaveSchedule`): ask
+        once a training step, ``if ckpt.due(): ckpt.save(state, step)``. The interval follows
+        this run's measured costs (:attr:`save_interval` says why); every rank gets rank 0's
+        answer, from its clock and costs, with no collective at most steps."""
+        if self._pacer is None:
+            raise ConfigError("due() needs a schedule: Checkpointer(..., schedule=SaveSchedule(mtbf='8h'))")
+        persisting = any(not handle.done() for handle in self._saver.handles)
+        with self._operation():
+            return self._pacer.due(persisting, self.records, self.timeline, self._caller)
+
+    @property
+    def save_interval(self) -> Interval | None:
+        """The schedule's last decision: seconds between saves, and one line saying why."""
+        return self._pacer.interval if self._pacer is not None else None
 
     def warmup(self, state: Mapping[str, Any]) -> int:
         """Plan the files and allocate every staging slot for ``state``'s structure now, so the
@@ -317,6 +342,7 @@ class Checkpointer:
             raise ConfigError("save_on_signal must be called from the main thread (signals reach only it)")
         timeout = _final.check_arguments(snapshot, timeout_s)
         installed = _final.install(self._on_signal, snapshot, _final.check_signals(signals), timeout)
+        self._grace = Grace(timeout)
         # the final save of a rank that another rank's signal makes save too
         self._signals.save_here = partial(self.final_save, snapshot, timeout_s=timeout,
                                           reason="a signal to another rank")
@@ -333,8 +359,10 @@ class Checkpointer:
         (the previous checkpoint stays). Logs and returns one line saying what happened."""
         if not isinstance(reason, str):
             raise ConfigError(f"reason must be text (it is logged), not {reason!r}")
-        line, ended = _final.final_save(self._save_now, snapshot, _final.check_arguments(snapshot, timeout_s),
-                                        reason)
+        timeout = _final.check_arguments(snapshot, timeout_s)
+        if (late := Grace(timeout).late(self.records)) is not None:
+            _log.warning("%s (%s)", late, reason)
+        line, ended = _final.final_save(self._save_now, snapshot, timeout, reason)
         # close() at exit would wait for a save still running (its lock is held): it is left behind.
         self._abandoned = self._abandoned or not ended
         return line

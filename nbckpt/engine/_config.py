@@ -10,6 +10,7 @@ from typing import Any, Literal
 from .._errors import ConfigError
 from .._util import check_count, check_flag, check_options
 from ._retention import RetentionPolicy, policy_of
+from ._schedule import SaveSchedule
 
 __all__ = ["CheckpointConfig", "Mode", "check_line"]
 
@@ -75,11 +76,16 @@ class CheckpointConfig:
     read_only: bool = False
     """Open only to read (restore, load, verify, list): no lock, no clean-up, nothing written,
     so another process may be saving into the directory meanwhile."""
+    schedule: SaveSchedule | None = None
+    """When to save, for :meth:`Checkpointer.due`: a :class:`~nbckpt.SaveSchedule` (the job's
+    MTBF, or its size) that sets the interval from this run's measured costs."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"mode must be 'sync' or 'async', not {self.mode!r}")
         policy_of(self.keep)
+        if self.schedule is not None and not isinstance(self.schedule, SaveSchedule):
+            raise ConfigError(f"schedule must be a SaveSchedule (of an mtbf or gpus), not {self.schedule!r}")
         check_count(self.max_inflight, "max_inflight", maximum=MAX_INFLIGHT)
         check_count(self.writer_threads, "writer_threads", maximum=MAX_WRITER_THREADS)
         check_count(self.writer_nice, "writer_nice", minimum=0, maximum=19)

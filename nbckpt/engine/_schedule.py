@@ -15,15 +15,25 @@ one before it is durable: the interval is never shorter than the persist time.
 from __future__ import annotations
 
 import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 from .._errors import ConfigError
 from .._util import check_count, format_duration, parse_duration
+from ._timeline import SaveRecord, Timeline
 
-__all__ = ["JOB_MTTF_H", "Costs", "Interval", "SaveSchedule", "expected_waste", "job_mtbf_s",
-           "young_daly_interval"]
+__all__ = ["JOB_MTTF_H", "Costs", "Grace", "Interval", "Pacer", "SaveSchedule", "expected_waste",
+           "final_save_s", "job_mtbf_s", "young_daly_interval"]
 
 HOUR_S = 3600.0
+#: How many recent saves (and steps) the measured costs are taken over: the schedule follows
+#: costs that change (a fuller disk, a bigger state) within a few saves.
+RECENT = 5
 #: Job mean time to failure against job size (GPUs, hours), as fitted by Meta on its research
 #: clusters: Kokolis et al., "Revisiting Reliability in Large-Scale Machine Learning Research
 #: Clusters", HPCA 2025 (arXiv 2410.21680).
@@ -133,3 +143,103 @@ class SaveSchedule:
 
     def __repr__(self) -> str:
         return f"SaveSchedule(mtbf_s={self.mtbf_s:.6g})"
+
+
+def final_save_s(records: Sequence[SaveRecord]) -> float | None:
+    """What a final synchronous save takes in this run: the copy, the write and the commit of the
+    recent saves (their median; None before any has committed)."""
+    recent = records[-RECENT:]
+    return statistics.median(r.stage_s + r.persist_s for r in recent) if recent else None
+
+
+class Grace:
+    """The time a final save has (``save_on_signal``'s ``timeout_s``; None: none set), and whether
+    this run was told that its saves take longer."""
+
+    def __init__(self, seconds: float | None = None) -> None:
+        self.seconds = seconds
+        self._said = False
+
+    def late(self, records: Sequence[SaveRecord]) -> str | None:
+        """The warning, once, as soon as the recent saves show a final save would not fit."""
+        final = final_save_s(records)
+        if self._said or self.seconds is None or final is None or final <= self.seconds:
+            return None
+        self._said = True
+        return (f"nbckpt: a final save takes about {final:.3g} s here (the copy and write of the "
+                f"recent saves), more than the {self.seconds:g} s save_on_signal gives it: it would "
+                "not commit in time. Save less in it (the model without the optimizer), write to a "
+                "faster target, or save more often so that the checkpoint before it loses less")
+
+
+class Pacer:
+    """A :class:`SaveSchedule` applied to one training loop, asked once a step (``due``): it
+    times the steps (those that ran beside a background write apart, which is how the drag is
+    measured), takes the costs from the recent saves, and says when the next save is due.
+
+    With several ranks only rank 0's pacer decides, from its own clock and costs, and the others
+    follow its answer; to need no collective at every step, an answer also says how many calls
+    from now the next one is asked for (:attr:`ask_in`)."""
+
+    def __init__(self, schedule: SaveSchedule) -> None:
+        self.schedule = schedule
+        self.interval: Interval | None = None
+        """The last decision: the interval and the line saying why (None before the first save)."""
+        self.ask_in = 1
+        self._last_tick: float | None = None
+        self._last_save: float | None = None
+        self._idle: deque[float] = deque(maxlen=8 * RECENT)  # steps with nothing persisting
+        self._busy: deque[float] = deque(maxlen=8 * RECENT)  # steps beside a background write
+        self._busy_since_save = 0
+        self._busy_per_save: deque[int] = deque(maxlen=RECENT)
+
+    def due(self, persisting: bool, records: Sequence[SaveRecord], timeline: Timeline, group: Any) -> bool:
+        """A step ended now: whether a save is due, by rank 0's decision (``group``'s)."""
+        now = time.monotonic()
+        self.tick(now, persisting)
+        if self.ask_in > 0:
+            return False
+        restores = [event.duration_s for event in timeline.events if event.kind == "restore"]
+        decide = partial(self.decide, now, records, restores[-1] if restores else None)
+        due, self.ask_in = group.from_rank0(("due",), decide)
+        return bool(due)
+
+    def tick(self, now: float, persisting: bool) -> None:
+        """A step ended at ``now`` (a call of ``due``), a save persisting or not meanwhile."""
+        if self._last_tick is not None:
+            (self._busy if persisting else self._idle).append(now - self._last_tick)
+            self._busy_since_save += persisting
+        self._last_tick = now
+        self.ask_in = max(self.ask_in - 1, 0)
+
+    def saved(self, now: float) -> None:
+        """A save started at ``now``."""
+        if self._last_save is not None:
+            self._busy_per_save.append(self._busy_since_save)
+        self._last_save, self._busy_since_save = now, 0
+
+    def decide(self, now: float, records: Sequence[SaveRecord], restore_s: float | None) -> tuple[bool, int]:
+        """Whether a save is due at ``now``, and in how many calls to ask again. The first save is
+        due at once: it measures what saving costs (checkpoint once early, as on a new cluster)."""
+        if self._last_save is None or not records:
+            return self._last_save is None, 1
+        self.interval = self.schedule.interval(self.costs(records, restore_s))
+        left = self.interval.seconds - (now - self._last_save)
+        if left <= 0:
+            return True, 1
+        step = statistics.median(self._idle or self._busy or [left])
+        return False, max(1, min(math.floor(left / step), 1000))
+
+    def costs(self, records: Sequence[SaveRecord], restore_s: float | None) -> Costs:
+        """This run's costs: the recent saves' stall and time to durable, the drag measured as the
+        recent steps beside a write against those without (zero until both were seen), and the
+        last restore's time (else the write's, reading being about as fast as writing)."""
+        recent = records[-RECENT:]
+        stall = statistics.median(r.stall_s for r in recent)
+        durable = statistics.median(r.stall_s + r.persist_s for r in recent)
+        drag = 0.0
+        if len(self._idle) >= 3 and len(self._busy) >= 3 and self._busy_per_save:
+            slower = statistics.median(self._busy) - statistics.median(self._idle)
+            drag = max(slower, 0.0) * statistics.median(self._busy_per_save)
+        restore = restore_s if restore_s is not None else statistics.median(r.persist_s for r in recent)
+        return Costs(stall_s=stall, drag_s=drag, persist_s=durable, restore_s=restore)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+import signal
+import warnings
+from pathlib import Path
 
 import pytest
+import torch
 
-from nbckpt import ConfigError
-from nbckpt.engine._schedule import JOB_MTTF_H, Costs, SaveSchedule, job_mtbf_s
+from nbckpt import Checkpointer, ConfigError, SaveRecord, SaveSchedule
+from nbckpt.engine._schedule import JOB_MTTF_H, Costs, Pacer, job_mtbf_s
 
 
 def test_the_job_mtbf_goes_through_metas_published_points() -> None:
@@ -50,3 +54,90 @@ def test_bad_schedules_are_one_line(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         SaveSchedule(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def _record(stall: float, persist: float, stage: float = 0.01) -> SaveRecord:
+    return SaveRecord(step=1, path="", bytes=1, stall_s=stall, stage_s=stage, persist_s=persist, wait_s=0.0,
+                      write_gbs=0.0, cpu_s=0.0)
+
+
+def _steps(pacer: Pacer, clock: list[float], step_s: float, count: int, persisting: bool = False) -> None:
+    for _ in range(count):
+        clock[0] += step_s
+        pacer.tick(clock[0], persisting)
+
+
+def test_the_pacer_saves_first_then_at_the_interval_of_the_measured_costs() -> None:
+    pacer, clock = Pacer(SaveSchedule("1h")), [0.0]
+    pacer.tick(clock[0], False)
+    assert pacer.decide(clock[0], [], None) == (True, 1)  # the first save measures the costs
+    pacer.saved(clock[0])
+    _steps(pacer, clock, 0.1, 10)
+    cheap = [_record(stall=0.05, persist=1.0)]
+    due, ask_in = pacer.decide(clock[0], cheap, None)
+    assert pacer.interval is not None and not due
+    first = pacer.interval.seconds  # sqrt(2 * 0.05 * 3600) = 19 s: about 180 steps of 0.1 s left
+    assert first == pytest.approx(19.0, rel=0.05) and 150 < ask_in < 200
+    costly = [_record(stall=0.8, persist=1.0)] * 5  # a slower save: a longer interval
+    pacer.decide(clock[0], costly, None)
+    assert pacer.interval.seconds > 3 * first
+    _steps(pacer, clock, 0.1, 800)
+    assert pacer.decide(clock[0], costly, None) == (True, 1)
+
+
+def test_the_pacer_measures_the_drag_of_steps_beside_a_write() -> None:
+    pacer, clock = Pacer(SaveSchedule("1h")), [0.0]
+    pacer.saved(clock[0])
+    _steps(pacer, clock, 0.1, 10)
+    _steps(pacer, clock, 0.15, 4, persisting=True)  # four steps 50 ms slower while writing
+    pacer.saved(clock[0])
+    _steps(pacer, clock, 0.1, 5)
+    costs = pacer.costs([_record(stall=0.05, persist=0.6)], restore_s=2.0)
+    assert costs.drag_s == pytest.approx(0.2) and costs.restore_s == 2.0
+    assert costs.persist_s == pytest.approx(0.65)
+
+
+def test_the_pacer_never_saves_faster_than_the_write_persists() -> None:
+    pacer, clock = Pacer(SaveSchedule(60.0)), [0.0]
+    pacer.saved(clock[0])
+    slow_write = [_record(stall=0.01, persist=20.0)]  # Young/Daly alone: every 1.1 s
+    _steps(pacer, clock, 0.5, 10)
+    assert pacer.decide(clock[0], slow_write, None)[0] is False
+    assert pacer.interval is not None and pacer.interval.bound == "persist"
+    _steps(pacer, clock, 0.5, 31)
+    assert pacer.decide(clock[0], slow_write, None)[0] is True
+
+
+def test_due_in_a_training_loop_saves_first_and_says_why(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, mode="sync", schedule=SaveSchedule("1h")) as ckpt:
+        assert ckpt.save_interval is None
+        saved = [step for step in range(1, 6) if ckpt.due() and ckpt.save({"w": torch.ones(4)}, step)]
+        assert saved == [1]  # then the interval (about 10 s for a sub-millisecond save) is far off
+        assert ckpt.save_interval is not None and ckpt.save_interval.reason.startswith("save every ")
+    with Checkpointer(tmp_path / "none") as plain, pytest.raises(ConfigError, match="needs a schedule"):
+        plain.due()
+    with pytest.raises(ConfigError, match="schedule must be a SaveSchedule"):
+        Checkpointer(tmp_path / "bad", schedule="8h")
+
+
+def test_the_grace_window_warns_once_when_a_final_save_would_not_fit(tmp_path: Path) -> None:
+    """Issue 33: save_on_signal knows its window; a run whose saves take longer is told once, as
+    soon as a save shows it, and a run whose saves fit is told nothing."""
+    state = {"w": torch.ones(1 << 18)}
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        with Checkpointer(tmp_path / "fits", mode="sync") as ckpt:
+            ckpt.save_on_signal(lambda: None, signals=(signal.SIGUSR1,), timeout_s=25.0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                for step in (1, 2, 3):
+                    ckpt.save(state, step)
+        with Checkpointer(tmp_path / "tight", mode="sync") as ckpt:
+            ckpt.save_on_signal(lambda: None, signals=(signal.SIGUSR1,), timeout_s=1e-6)
+            ckpt.save(state, 1)
+            with pytest.warns(UserWarning, match="more than the 1e-06 s save_on_signal gives it") as said:
+                ckpt.save(state, 2)
+                ckpt.save(state, 3)
+            assert len(said) == 1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

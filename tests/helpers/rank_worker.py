@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbckpt import Checkpointer, NbckptError
+from nbckpt import Checkpointer, NbckptError, SaveSchedule
 from nbckpt.engine import _ranks, _store
 
 RANK = int(os.environ["RANK"])
@@ -162,6 +162,23 @@ def save_on_rank0_only(directory: str) -> dict[str, Any]:
     return result
 
 
+def scheduled(directory: str) -> dict[str, Any]:
+    """A loop that saves when ``ckpt.due()`` says so, rank 1's steps slower than rank 0's (its
+    own clock would decide otherwise): every rank saves at rank 0's steps, together."""
+    state = {"w": torch.full((64,), float(RANK))}
+    with Checkpointer(directory, mode="sync", schedule=SaveSchedule(0.5), timeout_s=60) as ckpt:
+        saved = []
+        for step in range(1, 41):
+            began = time.monotonic()
+            while time.monotonic() - began < 0.005 * (1 + 3 * RANK):
+                pass  # the step's work, on the CPU
+            dist.all_reduce(torch.ones(1))  # the gradients' all-reduce keeps the ranks in step
+            if ckpt.due():
+                ckpt.save({f"rank{RANK}": state}, step)
+                saved.append(step)
+        return {"saved": saved, "steps": ckpt.steps()}
+
+
 def tied(directory: str) -> dict[str, Any]:
     """A model whose head shares the embedding's weight, saved by every rank (replicated)."""
 
@@ -233,6 +250,7 @@ SCENARIOS = {
         rank0_only,
         rank0_only_auto,
         save_on_rank0_only,
+        scheduled,
         tied,
         rng_rank0_only,
         rng_every_rank,

@@ -119,6 +119,16 @@ def test_a_save_called_on_one_rank_of_a_group_is_an_error_in_seconds_not_a_hang(
     assert seen["steps"] == [] and results[1][1]["steps"] == []
 
 
+def test_every_rank_saves_when_rank0s_schedule_says_so(tmp_path: Path) -> None:
+    """Issue 33: ``ckpt.due()`` under torchrun: rank 1's slower steps would time the interval
+    otherwise, but every rank gets rank 0's answer, so the ranks save the same steps together."""
+    results = run_ranks("scheduled", tmp_path / "run")
+    assert all(code == 0 for code, _, _ in results.values()), results
+    saved = [seen["saved"] for _, seen, _ in results.values()]
+    assert saved[0] == saved[1] and len(saved[0]) >= 3 and saved[0][0] == 1, saved
+    assert results[0][1]["steps"] == saved[0]
+
+
 def test_rank0_only_saving_with_rng_never_gives_two_ranks_one_stream(tmp_path: Path) -> None:
     """Issue 19, item 1: the record says whose streams they are; another rank keeps its own."""
     results = run_ranks("rng_rank0_only", tmp_path / "run")
