@@ -220,7 +220,10 @@ def _is_count(value: Any) -> TypeGuard[int]:
 
 def _bounded_bytes(shape: Any, itemsize: int, limit: int) -> int:
     """``prod(shape) * itemsize``, stopping once it passes ``limit`` (a hostile shape must not
-    become a huge number to compute with, or a huge allocation)."""
+    become a huge number to compute with, or a huge allocation). A zero anywhere makes it 0: an
+    empty tensor of shape (4096, 0) holds no bytes, whatever its leading sizes."""
+    if 0 in shape:  # before the product, which would stop at 4096 * itemsize past a small limit
+        return 0
     nbytes = itemsize
     for n in shape:
         nbytes *= n
