@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers.hostile import assert_falls_back, assert_is_step, blank, rewrite_manifest, state_of, two_steps
+from helpers.ranks import run_ranks
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
 from nbckpt.engine._format import checksum
@@ -203,6 +204,16 @@ def test_item07_the_objects_loaded_before_the_one_that_refuses_are_put_back(tmp_
                 ckpt.restore(target)
     assert target["schedule"].last_epoch == 0  # before the fix: 3, the saved schedule's
     assert _same(_snapshot(target), before)
+
+
+def test_item07_a_refusal_on_one_rank_puts_back_every_rank(tmp_path: Path) -> None:
+    results = run_ranks("refused_on_one_rank", tmp_path / "run")
+    for rank, (code, seen, err) in results.items():
+        assert code == 0, err
+        said = "ConfigError: " + ("" if rank == 1 else "rank 1: ")
+        assert seen["outcome"].startswith(said + "cannot restore step-000001 into this state: scaler: "), seen
+        # before the fix: rank 0 kept the saved schedule (last_epoch 3) and both loaded the model
+        assert seen["last_epoch"] == 0 and seen["step"] == 2 and seen["untouched"], seen
 
 
 def _two_steps_with_bfloat16(directory: Path) -> Path:
