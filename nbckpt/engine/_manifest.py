@@ -44,8 +44,6 @@ from ._state import MAX_DEPTH, TensorSpec, dtype_from_name, dtype_name, numpy_ha
 
 __all__ = ["Manifest", "build", "parse", "provenance", "sign"]
 
-#: Ints at or past this are no float (``float()`` raises OverflowError); JSON parses 1e400 as inf.
-_FLOAT_LIMIT = 2**1024
 _HEX16_RE = re.compile(r"[0-9a-f]{16}", re.ASCII)
 #: A rank as ``str(rank)`` spells it (bounded: int() of a hostile key must stay cheap).
 _RANK_RE = re.compile(r"0|[1-9][0-9]{0,17}", re.ASCII)
@@ -322,7 +320,7 @@ def _value_ok(kind: str, value: Any) -> bool:
         return value is None or isinstance(value, (bool, int, str))
     if kind == "float":
         if isinstance(value, int) and not isinstance(value, bool):
-            return -_FLOAT_LIMIT < value < _FLOAT_LIMIT  # float(10**400) raises OverflowError
+            return _fits_float(value)
         return isinstance(value, float) or value in ("nan", "inf", "-inf")
     if kind == "path":
         return isinstance(value, str) and "\0" not in value
@@ -339,6 +337,16 @@ def _value_ok(kind: str, value: Any) -> bool:
             return False
         return True
     return False
+
+
+def _fits_float(value: int) -> bool:
+    """Whether ``float(value)`` is a float (``float(10**400)`` raises OverflowError; JSON ints
+    have at most 4,300 digits, so this stays cheap)."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _tensor_spec(node: dict[str, Any], data_bytes: int, where: str) -> TensorSpec:

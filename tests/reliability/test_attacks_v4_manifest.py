@@ -245,8 +245,8 @@ def test_item07_a_bfloat16_tensor_relabelled_as_an_array_is_damage_refused_befor
 
 @pytest.mark.parametrize(
     ("kind", "value"),
-    [("float", 10**400), ("float", -(10**400)), ("value", None)],
-    ids=["float-10**400", "float--10**400", "value-without-v"],
+    [("float", 10**400), ("float", -(10**400)), ("float", 2**1024 - 1), ("value", None)],
+    ids=["float-10**400", "float--10**400", "float-2**1024-1", "value-without-v"],
 )
 def test_item07_item08b_a_value_that_does_not_decode_falls_back(run: Path, kind: str, value: Any) -> None:
     """A float past the doubles (a raw OverflowError before), a value node without "v" (a raw
