@@ -40,7 +40,7 @@ from ._format import (
     is_data_file,
 )
 from ._shards import tiles
-from ._state import MAX_DEPTH, TensorSpec, dtype_from_name
+from ._state import MAX_DEPTH, TensorSpec, dtype_from_name, dtype_name, numpy_has
 
 __all__ = ["Manifest", "build", "parse", "provenance", "sign"]
 
@@ -140,9 +140,11 @@ def parse(data: bytes, step: int, where: str) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{where} is larger than a manifest may be ({MAX_MANIFEST_BYTES} bytes)")
     try:
-        body = json.loads(data)
+        body = json.loads(data, object_pairs_hook=_members)
     except RecursionError:
         raise CheckpointError(f"{where} is unreadable (nested too deeply)") from None
+    except _Twice as exc:
+        raise CheckpointError(f"{where} names a JSON member twice ({exc.args[0]!r})") from None
     except ValueError as exc:
         raise CheckpointError(f"{where} is unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(body, dict) or not str(body.get("format", "")).startswith("nbckpt/"):
@@ -159,6 +161,23 @@ def parse(data: bytes, step: int, where: str) -> Manifest:
         raise CheckpointError(f"{where} names step {body.get('step')}, not {step}")
     specs, items, paths = _check_body(body, where)
     return Manifest(step, body, items, specs, paths)
+
+
+class _Twice(Exception):
+    """A JSON object names a member twice."""
+
+
+def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused if it names a member twice: ``json.loads`` would keep the last,
+    another reader (or an older nbckpt) the first, and the two would read different steps."""
+    members = dict(pairs)
+    if len(members) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Twice(key)
+            seen.add(key)
+    return members
 
 
 def _check_body(
@@ -220,7 +239,10 @@ def _is_count(value: Any) -> TypeGuard[int]:
 
 def _bounded_bytes(shape: Any, itemsize: int, limit: int) -> int:
     """``prod(shape) * itemsize``, stopping once it passes ``limit`` (a hostile shape must not
-    become a huge number to compute with, or a huge allocation)."""
+    become a huge number to compute with, or a huge allocation). A zero anywhere makes it 0: an
+    empty tensor of shape (4096, 0) holds no bytes, whatever its leading sizes."""
+    if 0 in shape:  # before the product, which would stop at 4096 * itemsize past a small limit
+        return 0
     nbytes = itemsize
     for n in shape:
         nbytes *= n
@@ -254,6 +276,7 @@ def _check_tree(
                 for p in pairs
             ):
                 raise CheckpointError(f"{where} has a malformed state tree")
+            _check_unique([key for key, _ in pairs], path, where)
             children = [(child, (*path, str(key))) for key, child in pairs]
         elif kind in ("list", "tuple"):
             listed = node.get("items")
@@ -263,12 +286,28 @@ def _check_tree(
             spec = _tensor_spec(node, data_bytes, where)
             if spec.key != ".".join(map(str, path)):  # the key flatten gives a tensor at that path
                 raise CheckpointError(f"{where} puts tensor {spec.key!r} at {'.'.join(map(str, path))!r}")
-            if specs.setdefault(spec.key, spec) != spec:
-                raise CheckpointError(f"{where} gives tensor {spec.key!r} two shapes or dtypes")
+            _check_tensor(kind, spec, specs, where)
             paths[spec.key] = path
-        elif not _value_ok(kind, node.get("v")):
+        elif "v" not in node or not _value_ok(kind, node["v"]):
             raise CheckpointError(f"{where} has a malformed {kind} value")
         stack.extend(children)
+
+
+def _check_tensor(kind: str, spec: TensorSpec, specs: dict[str, TensorSpec], where: str) -> None:
+    if specs.setdefault(spec.key, spec) != spec:
+        raise CheckpointError(f"{where} gives tensor {spec.key!r} two shapes or dtypes")
+    if kind == "ndarray" and not numpy_has(spec.dtype):  # decoding it would raise TypeError
+        raise CheckpointError(f"{where} names an array of dtype {dtype_name(spec.dtype)}, which numpy lacks")
+
+
+def _check_unique(keys: list[str | int], path: tuple[str | int, ...], where: str) -> None:
+    """A dict lists each key once (a reader keeping the first and one keeping the last disagree)."""
+    seen: set[str | int] = set()
+    for key in keys:
+        if key in seen:
+            place = f" in {'.'.join(map(str, path))}" if path else ""
+            raise CheckpointError(f"{where} lists key {key!r} twice{place}")
+        seen.add(key)
 
 
 def _is_kind(kind: Any) -> bool:
@@ -280,8 +319,9 @@ def _value_ok(kind: str, value: Any) -> bool:
     if kind == "value":
         return value is None or isinstance(value, (bool, int, str))
     if kind == "float":
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return number or value in ("nan", "inf", "-inf")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return _fits_float(value)
+        return isinstance(value, float) or value in ("nan", "inf", "-inf")
     if kind == "path":
         return isinstance(value, str) and "\0" not in value
     if kind == "dtype":
@@ -297,6 +337,16 @@ def _value_ok(kind: str, value: Any) -> bool:
             return False
         return True
     return False
+
+
+def _fits_float(value: int) -> bool:
+    """Whether ``float(value)`` is a float (``float(10**400)`` raises OverflowError; JSON ints
+    have at most 4,300 digits, so this stays cheap)."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _tensor_spec(node: dict[str, Any], data_bytes: int, where: str) -> TensorSpec:

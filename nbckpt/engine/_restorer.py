@@ -34,7 +34,16 @@ from ._reader import (
 from ._retention import listed
 from ._shards import Region, region_of, wrap_like
 from ._state import decode, node_tensors, rng_owner, rng_parse, rng_process, tree_specs
-from ._template import align, apply, check_loadable, check_template, destinations, sharded_targets
+from ._template import (
+    Loaders,
+    Refused,
+    align,
+    apply,
+    check_loadable,
+    check_template,
+    destinations,
+    sharded_targets,
+)
 from ._timeline import Timeline, now_ns
 from ._workers import Pool, deferred_interrupt
 
@@ -73,6 +82,8 @@ class Restorer:
         store, location = self.find(step)
         try:
             manifest = read_manifest(store, step, location)[0]
+            for record in manifest.body.get("rng", {}).values():
+                rng_parse(record)  # what restore refuses, verify refuses (its streams are set nowhere)
             verify_files(store, self.io, location, manifest, [] if manifest.foreign else None)
             check_step_files(store, self.io, location, manifest, True)
             verify_framing(store, self.io, location, manifest)
@@ -104,7 +115,7 @@ class Restorer:
             began = now_ns()
             failure: CheckpointError | None = None
             try:
-                tensors, saved, streams, fill_them = self._read_for(
+                tensors, saved, streams, fill_them, loaders = self._read_for(
                     state, candidate, store, location, verify, rng, attempt, strict, key_map, step is not None
                 )
             except _Lacks as exc:
@@ -115,14 +126,8 @@ class Restorer:
                 failure = exc
             if failure is None:
                 with deferred_interrupt():  # a Ctrl-C from here would leave the state half loaded
-                    try:
-                        self.group.exchange(("fill", candidate, attempt), fill_them)
-                    except CheckpointError as exc:
-                        failure = exc
-                    else:
-                        self.group.exchange(
-                            ("apply", candidate, attempt), partial(_apply, state, saved, tensors, candidate)
-                        )
+                    failure = self._load_into(state, saved, tensors, fill_them, loaders, (candidate, attempt))
+                    if failure is None:
                         if streams is not None:
                             streams()
                         self.applied, self.last_source = candidate, index
@@ -146,6 +151,31 @@ class Restorer:
                 "restore", began, step=candidate, nbytes=sum(t.nbytes for t in tensors.values())
             )
             return candidate
+
+    def _load_into(
+        self, state: dict[str, Any], saved: dict[str, Any], tensors: dict[str, Any],
+        fill_them: Callable[[], None], loaders: Loaders, tag: tuple[int, int],
+    ) -> CheckpointError | None:
+        """Load the checked step into the caller's state, every rank at once: first the objects
+        that load their own small state (one refusing it puts them back: nothing else has
+        changed yet), then the bytes into the caller's tensors, then the rest. Damage found
+        meanwhile is returned, a refusal raised; either way those objects are put back first."""
+        step = tag[0]
+        try:
+            self.group.exchange(("load", *tag), partial(_load_own, loaders, tensors, step))
+            self.group.exchange(("fill", *tag), fill_them)
+        except CheckpointError as exc:
+            loaders.undo()
+            return exc
+        except BaseException:
+            loaders.undo()
+            raise
+        try:
+            self.group.exchange(("apply", *tag), partial(_apply, state, saved, tensors, step, loaders.done))
+        except BaseException:
+            loaders.undo()
+            raise
+        return None
 
     def _candidates(self, step: int | None, tried: list[tuple[int, int]]) -> list[tuple[int, int, str]]:
         """(step, store index, location) not yet tried: newest step first, preferred store first."""
@@ -171,10 +201,11 @@ class Restorer:
     def _read_for(
         self, state: dict[str, Any], step: int, store: Readable, location: str, verify: bool, rng: bool,
         attempt: int, strict: bool, key_map: Callable[[str], str | None] | None, asked_for: bool,
-    ) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None] | None, Callable[[], None]]:
+    ) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None] | None, Callable[[], None], Loaders]:
         """This rank's part of a restore, agreed by all: the tensors to load (DTensors where the
         state holds them), the saved tree, the RNG streams to set (None: none of this rank's),
-        and what reads the checked bytes into the caller's own tensors once every rank checked."""
+        what reads the checked bytes into the caller's own tensors once every rank checked, and
+        the objects that load their own state, to load first."""
         box: list[Any] = []
         # which rank's template a refusal is about: another rank is told it too (the same line)
         whose = f"rank {self.rank}'s state" if self.group.world_size > 1 else "this state"
@@ -220,6 +251,10 @@ class Restorer:
                 leaf["key"]: (region_of(targets[leaf["key"]]) if leaf["key"] in targets else None)
                 for leaf in node_tensors(subtree)
             }
+            loaders = Loaders(state, saved)
+            # The tensors in their state are read first, apart: they load before the others are read.
+            early = {key: wanted.pop(key) for key in loaders.tensor_keys() & wanted.keys()}
+            first, _ = read_tensors(store, self.io, location, manifest, early, verify=verify)
             if manifest.foreign:
                 tensors, _ = read_tensors(store, self.io, location, manifest, wanted, verify=verify)
                 plan = ReadPlan(tensors)
@@ -232,22 +267,23 @@ class Restorer:
                 if not plan.direct:
                     fill(store, self.io, location, manifest, plan, verify=verify)
                 check_read(store, self.io, location, manifest, plan, verify=verify)
-            tensors = dict(plan.tensors)
+            tensors = {**first, **plan.tensors}
             for key, like in targets.items():
                 if key in tensors:
                     tensors[key] = wrap_like(tensors[key], like)
+            _decodes(subtree, tensors, step)
             _refuse(check_loadable(state, saved, tensors), step, whose)
-            box.append((plan, tensors, _owned_rng(manifest, self.rank, step) if rng else None))
+            box.append((plan, tensors, _owned_rng(manifest, self.rank, step) if rng else None, loaders))
 
         self.group.exchange(("read", step, attempt), read)
-        plan, tensors, streams = box[1]
+        plan, tensors, streams, loaders = box[1]
 
         def fill_them() -> None:
             """Every rank has checked all it reads: only now may the caller's memory be written."""
             if plan.direct:
                 fill(store, self.io, location, manifest, plan, verify=verify)
 
-        return tensors, saved, streams, fill_them
+        return tensors, saved, streams, fill_them, loaders
 
     def load(self, step: int, *, verify: bool, map_location: str | torch.device | None) -> dict[str, Any]:
         store, location = self.find(step)
@@ -263,7 +299,7 @@ class Restorer:
         tensors, _ = read_tensors(store, self.io, location, manifest, wanted, verify=verify)
         if map_location is not None:
             tensors = {k: t.to(map_location) for k, t in tensors.items()}
-        return dict(decode(saved, tensors))
+        return dict(_decodes(saved, tensors, step))
 
 
 def check_step_files(store: Readable, io: Pool, location: str, manifest: Manifest, verify: bool) -> None:
@@ -326,9 +362,30 @@ def _owned_rng(manifest: Manifest, rank: int, step: int) -> Callable[[], None] |
     return rng_parse(record)
 
 
-def _apply(state: dict[str, Any], saved: dict[str, Any], tensors: dict[str, Any], step: int) -> None:
+def _decodes(tree: dict[str, Any], tensors: dict[str, Any], step: int) -> Any:
+    """The values of ``tree``; one that does not decode (the manifest's checks missed it) is a
+    damaged step, found before the caller's state changes."""
     try:
-        apply(state, saved, tensors)
+        return decode(tree, tensors)
+    except NbckptError:
+        raise
+    except Exception as exc:  # whatever a hostile tree makes decoding raise
+        raise CheckpointError(f"{step_name(step)}/{MANIFEST} holds a value that does not decode: "
+                              f"{describe_error(exc)}") from exc
+
+
+def _load_own(loaders: Loaders, tensors: dict[str, Any], step: int) -> None:
+    try:
+        loaders.load(tensors)
+    except Refused as exc:
+        raise ConfigError(f"cannot restore {step_name(step)} into this state: {exc}") from exc
+
+
+def _apply(
+    state: dict[str, Any], saved: dict[str, Any], tensors: dict[str, Any], step: int, done: set[int]
+) -> None:
+    try:
+        apply(state, saved, tensors, done)
     except (ValueError, RuntimeError, KeyError, TypeError) as exc:  # e.g. an optimizer's groups
         raise ConfigError(f"cannot restore {step_name(step)} into this state: {describe_error(exc)}") from exc
 

@@ -27,7 +27,7 @@ from ._shards import Region, is_dtensor, is_replicated, local_part
 
 __all__ = [
     "MAX_DEPTH", "Flattened", "TensorSpec", "decode", "dtype_from_name", "dtype_name", "flatten",
-    "node_tensors", "rng_capture", "rng_owner", "rng_parse", "rng_process", "tree_specs"
+    "node_tensors", "numpy_has", "rng_capture", "rng_owner", "rng_parse", "rng_process", "tree_specs"
 ]
 
 Node = dict[str, Any]
@@ -105,6 +105,16 @@ def dtype_from_name(name: Any) -> torch.dtype:
     if dtype in _UNSTORABLE:
         raise CheckpointError(f"manifest names dtype {name!r}, which nbckpt never writes")
     return dtype
+
+
+@functools.cache
+def numpy_has(dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` becomes a numpy array (bfloat16, float8, complex32: not)."""
+    try:
+        torch.empty(0, dtype=dtype).numpy()
+    except (TypeError, RuntimeError):
+        return False
+    return True
 
 
 def flatten(state: Mapping[str, Any]) -> Flattened:
@@ -378,7 +388,7 @@ def rng_parse(state: Any) -> Callable[[], None]:
         torch.Generator().set_state(torch_state)
         random.Random().setstate(random_state)
         np.random.RandomState().set_state(numpy_state)
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, OverflowError) as exc:
         raise CheckpointError(f"the manifest's RNG record is malformed ({exc})") from None
 
     def restore() -> None:

@@ -5,15 +5,21 @@ own shard, whatever world size or placements saved it), and loading what was rea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import copy
+from collections import defaultdict
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, cast
 
 import torch
 
+from .._errors import describe_error
 from ._shards import is_dtensor
-from ._state import STATEFUL, Node, decode, dtype_from_name, dtype_name
+from ._state import STATEFUL, Node, decode, dtype_from_name, dtype_name, node_tensors
 
-__all__ = ["align", "apply", "check_loadable", "check_template", "destinations", "sharded_targets"]
+__all__ = [
+    "Loaders", "Refused", "align", "apply", "check_loadable", "check_template", "destinations", "own_loaders",
+    "sharded_targets",
+]
 
 
 def _shape(shape: Any) -> str:
@@ -188,7 +194,8 @@ def _optimizer_holders(optimizer: torch.optim.Optimizer, node: Node) -> Iterator
 
 def check_loadable(target: Mapping[Any, Any], saved: Node, tensors: Mapping[str, Any]) -> list[str]:
     """What :func:`apply` would fail on after changing something (an optimizer refuses other
-    parameter groups only once called, when a model beside it is already overwritten)."""
+    parameter groups, or another optimizer's state, only once called, when a model beside it is
+    already overwritten): each optimizer loads its state into a stand-in first."""
     problems = []
     items = {key: child for key, child in saved["items"]}
     for key, current in target.items():
@@ -200,27 +207,170 @@ def check_loadable(target: Mapping[Any, Any], saved: Node, tensors: Mapping[str,
             if theirs != mine:
                 problems.append(f"{key}: the checkpoint's optimizer has parameter groups of {theirs} "
                                 f"parameters, this one {mine}")
+    for name, current, node in own_loaders(target, saved):
+        if isinstance(current, torch.optim.Optimizer) and not problems:
+            problem = _trial(name, current, _loadable(current, node, tensors))
+            problems.extend([problem] if problem else [])
     return problems
 
 
-def apply(target: dict[Any, Any], saved: Node, tensors: Mapping[str, Any]) -> None:
+def _trial(name: str, optimizer: torch.optim.Optimizer, value: Any) -> str | None:
+    """Why ``optimizer`` would refuse ``value``, found on a stand-in: its class and settings,
+    its parameters and the value's tensors as meta tensors (no memory, nothing of the caller's
+    changed). Confirmed with the real tensors before the restore is refused, so a class that
+    computes on its state (which meta tensors cannot) is never refused for that."""
+    try:
+        _stand_in(optimizer, meta=True).load_state_dict(_as_meta(value))
+        return None
+    except Exception:  # whatever its class raises: confirmed below on the real tensors
+        pass
+    try:
+        _stand_in(optimizer, meta=False).load_state_dict(value)
+    except Exception as exc:  # what the caller's optimizer would raise, once its model was loaded
+        return f"{name}: {type(optimizer).__name__} refuses the saved state ({describe_error(exc)})"
+    return None
+
+
+def _stand_in(optimizer: torch.optim.Optimizer, *, meta: bool) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class sharing its settings (and hooks), not its state:
+    loading into it replaces the stand-in's ``state`` and ``param_groups`` only."""
+    stand_in = object.__new__(type(optimizer))
+    vars(stand_in).update(vars(optimizer))
+    stand_in.state = defaultdict(dict)
+    stand_in.param_groups = [
+        {**group, "params": [_as_meta(p) if meta else p for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    return stand_in
+
+
+def _as_meta(value: Any) -> Any:
+    """``value`` with every tensor a meta tensor of its dtype and shape (no bytes)."""
+    if isinstance(value, torch.Tensor):
+        local = cast(Any, value).to_local() if is_dtensor(value) else value
+        return torch.empty(local.shape, dtype=local.dtype, device="meta")
+    if isinstance(value, dict):
+        return {key: _as_meta(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_meta(item) for item in value)
+    return value
+
+
+def own_loaders(target: Mapping[Any, Any], saved: Node) -> list[tuple[str, Any, Node]]:
+    """``(name, object, saved node)`` of each object other than a module that :func:`apply` loads
+    through its own ``load_state_dict`` (optimizers, LR schedulers, GradScalers, data loaders),
+    in the order it loads them."""
+    items = {key: child for key, child in saved["items"]}
+    return [found for key, current in target.items() for found in _loaders(current, items[key], str(key))]
+
+
+def _loaders(current: Any, node: Node, name: str) -> Iterator[tuple[str, Any, Node]]:
+    kind = node.get("t")
+    if _loads_itself(current, kind):
+        if not isinstance(current, torch.nn.Module):  # checked key by key and shape by shape
+            yield name, current, node
+    elif isinstance(current, dict) and kind == "dict":
+        for key, child in node["items"]:
+            if key in current:
+                yield from _loaders(current[key], child, f"{name}.{key}")
+
+
+def _loads_itself(current: Any, kind: Any) -> bool:
+    return callable(getattr(current, "load_state_dict", None)) and (
+        kind in STATEFUL or (kind == "dict" and isinstance(current, (torch.nn.Module, torch.optim.Optimizer)))
+    )
+
+
+def _loadable(current: Any, node: Node, tensors: Mapping[str, Any]) -> Any:
+    """The value ``current.load_state_dict`` is given for ``node``."""
+    value = decode(node, tensors)
+    if isinstance(current, torch.optim.Optimizer) and node.get("t") == "dict":
+        value = _numbered(value)
+    return value
+
+
+class Refused(ValueError):
+    """An object of the caller's refused its saved state (its own load_state_dict raised)."""
+
+
+class Loaders:
+    """The objects other than modules and optimizers that load their own state (LR schedulers,
+    GradScalers, data loaders, the caller's own): loaded first, before any byte of the caller's
+    state changes, each after a copy of its own state is taken, so that one refusing its state
+    puts those loaded before it back (:meth:`undo`) and nothing is changed. Their state is
+    small; a module's or optimizer's is not, and is checked before instead (shapes, groups, a
+    stand-in's load)."""
+
+    def __init__(self, target: Mapping[Any, Any], saved: Node) -> None:
+        self.pending = [
+            found for found in own_loaders(target, saved) if not isinstance(found[1], torch.optim.Optimizer)
+        ]
+        self.loaded: list[tuple[Any, Any]] = []  # (object, its state before), in the order loaded
+
+    @property
+    def done(self) -> set[int]:
+        return {id(current) for current, _ in self.loaded}
+
+    def tensor_keys(self) -> set[str]:
+        """The saved tensors in the state of these objects (read before they load)."""
+        return {leaf["key"] for _, _, node in self.pending for leaf in node_tensors(node)}
+
+    def load(self, tensors: Mapping[str, Any]) -> None:
+        """Load each; the first to refuse puts back every one loaded, itself included, and
+        raises :class:`Refused` naming it."""
+        for name, current, node in self.pending:
+            value = _loadable(current, node, tensors)
+            self.loaded.append((current, _state_before(current)))
+            try:
+                current.load_state_dict(value)
+            except Exception as exc:  # the object's own refusal, of whatever type its class raises
+                raise Refused(_refusal(name, current, node, exc) + self.undo()) from exc
+
+    def undo(self) -> str:
+        """Put back every object loaded, the last first; what could not be put back, or ''."""
+        failed = []
+        while self.loaded:
+            current, before = self.loaded.pop()
+            try:
+                current.load_state_dict(before)
+            except Exception:  # said in the error; the others are still put back
+                failed.append(type(current).__name__)
+        return f"; could not put back the state of {', '.join(failed)}" if failed else ""
+
+
+def _state_before(current: Any) -> Any:
+    """A copy of ``current``'s state to put back: deep, since ``load_state_dict`` may change the
+    objects it holds in place (a SequentialLR loads its schedulers); as it is where it cannot
+    be copied (a lock or a generator in it)."""
+    state = current.state_dict()
+    try:
+        return copy.deepcopy(state)
+    except Exception:  # copying fails in the ways each of its values' classes chooses
+        return state
+
+
+def _refusal(name: str, current: Any, node: Node, exc: BaseException) -> str:
+    """``name`` refused its state, in one line (naming the class that saved it, where another)."""
+    mine, theirs = type(current).__name__, node.get("class")
+    of = f" of a {theirs}" if isinstance(theirs, str) and theirs != mine else ""
+    return f"{name}: {mine} refuses the saved state{of} ({describe_error(exc)})"
+
+
+def apply(
+    target: dict[Any, Any], saved: Node, tensors: Mapping[str, Any], done: Collection[int] = ()
+) -> None:
     """Load the saved tree into ``target`` in place (checked by :func:`check_template` and
-    :func:`check_loadable` first)."""
+    :func:`check_loadable` first); the objects whose ids are in ``done`` are loaded already."""
     items = {key: child for key, child in saved["items"]}
     for key in list(target):
-        target[key] = _apply_one(target[key], items[key], tensors)
+        target[key] = _apply_one(target[key], items[key], tensors, done)
 
 
-def _apply_one(current: Any, node: Node, tensors: Mapping[str, Any]) -> Any:
+def _apply_one(current: Any, node: Node, tensors: Mapping[str, Any], done: Collection[int]) -> Any:
     kind = node.get("t")
-    stateful = callable(getattr(current, "load_state_dict", None))
-    if stateful and (
-        kind in STATEFUL or (kind == "dict" and isinstance(current, (torch.nn.Module, torch.optim.Optimizer)))
-    ):
-        value = decode(node, tensors)
-        if isinstance(current, torch.optim.Optimizer) and kind == "dict":
-            value = _numbered(value)
-        current.load_state_dict(value)
+    if _loads_itself(current, kind):
+        if id(current) not in done:
+            current.load_state_dict(_loadable(current, node, tensors))
         return current
     if isinstance(current, torch.Tensor) and kind == "tensor":
         restored = tensors[node["key"]]
@@ -233,7 +383,7 @@ def _apply_one(current: Any, node: Node, tensors: Mapping[str, Any]) -> Any:
     if isinstance(current, dict) and kind == "dict":
         for key, child in node["items"]:
             current[key] = (
-                _apply_one(current[key], child, tensors) if key in current else decode(child, tensors)
+                _apply_one(current[key], child, tensors, done) if key in current else decode(child, tensors)
             )
         return current
     return decode(node, tensors)

@@ -240,9 +240,42 @@ def rng_every_rank(directory: str) -> dict[str, Any]:
     return {"exact": torch.equal(expected, resumed), "apart": not torch.equal(gathered[0], gathered[1])}
 
 
+def refused_on_one_rank(directory: str) -> dict[str, Any]:
+    """Only rank 1's GradScaler refuses the saved state: rank 0 has loaded its scheduler by then,
+    and must put it back; neither rank's model may change (issue 34, item 7)."""
+    import warnings
+
+    warnings.simplefilter("ignore")  # GradScaler on the CPU
+
+    def schedule(steps: int) -> Any:
+        torch.manual_seed(0)
+        optim = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.StepLR(optim, 2)
+        for _ in range(steps):
+            optim.step()
+            scheduler.step()
+        return scheduler
+
+    saved = {**state_of(1), "schedule": schedule(3), "scaler": torch.amp.GradScaler("cpu", enabled=False)}
+    scaler = torch.amp.GradScaler("cpu", enabled=RANK == 1)
+    target = {**state_of(2), "schedule": schedule(0), "scaler": scaler}
+    with Checkpointer(directory, mode="sync", timeout_s=60) as ckpt:
+        ckpt.save(saved, step=1)
+        result = outcome(lambda: ckpt.restore(target))
+    untouched = all(
+        torch.equal(a, b)
+        for a, b in zip(
+            target["model"].state_dict().values(), state_of(2)["model"].state_dict().values(), strict=True
+        )
+    )
+    return {"outcome": result, "last_epoch": target["schedule"].last_epoch, "step": target["step"],
+            "untouched": untouched and torch.equal(target[f"rank{RANK}"], state_of(2)[f"rank{RANK}"])}
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
+        refused_on_one_rank,
         refusal,
         skip,
         kill,
