@@ -27,13 +27,14 @@ From the shell (:func:`add_bench_arguments` defines the options of ``nbckpt benc
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import pandas as pd
 import psutil
@@ -70,6 +71,9 @@ __all__ = [
     "run_bench_from_args",
     "run_order",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 #: Repeats ``compare`` and ``nbckpt bench`` run unless told otherwise: the fewest that give a
 #: t-interval with a usable width, and one place in the rotation per strategy of a 3-way run.
@@ -122,6 +126,29 @@ def environment(device: str) -> dict[str, Any]:
     }
 
 
+class ComparisonInterrupted(KeyboardInterrupt):
+    """Ctrl-C in a comparison, as one line saying what is left; still a KeyboardInterrupt."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython's hook for exceptions that format themselves, looked up by name (no import):
+        # a notebook shows this line instead of a traceback through every frame of the run
+        return [f"KeyboardInterrupt: {self}"]
+
+
+def _one_line_interrupt(function: Callable[P, R]) -> Callable[P, R]:
+    @functools.wraps(function)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return function(*args, **kwargs)
+        except ComparisonInterrupted:
+            raise
+        except KeyboardInterrupt:
+            raise ComparisonInterrupted("the comparison was stopped; the checkpoints its runs "
+                                        "wrote were removed") from None
+    return wrapper
+
+
+@_one_line_interrupt
 def compare(
     workload: Workload,
     strategies: Sequence[str | Strategy],
@@ -213,14 +240,16 @@ def compare(
                 break
             lanes = [Lane(name, factories[name](), workload, steps=steps, every=every,
                           on_event=on_event, progress=tracker, repeat=repeat) for name in group]
-            results_of_group = run_lanes(lanes, where, steps=steps, every=every, stop=stop,
-                                         warmup=warmup)
+            try:
+                results_of_group = run_lanes(lanes, where, steps=steps, every=every, stop=stop,
+                                             warmup=warmup)
+            finally:  # after each run, and after a Ctrl-C in it: its checkpoints go
+                for lane in lanes:
+                    _remove_checkpoints(lane.strategy)
             done.extend((lane.name, lane.strategy, result)
                         for lane, result in zip(lanes, results_of_group, strict=True))
-        for name, strategy, result in done:
+        for name, _strategy, result in done:
             position = names_in_order.index(name)
-            if strategy.writes_checkpoints and not is_url(strategy.path):
-                shutil.rmtree(strategy.path, ignore_errors=True)
             metrics = {**result.metrics(), "repeat": repeat, "position": position}
             run_rows.append(metrics)
             by_strategy[name].append(result)
@@ -278,6 +307,12 @@ def compare(
         load={**load.to_dict(), "floors": floors_load.to_dict()},
         warnings=warnings,
     )
+
+
+def _remove_checkpoints(strategy: Strategy) -> None:
+    """A run's local checkpoints (closed by then: run_lanes closes every lane it opened)."""
+    if strategy.writes_checkpoints and strategy.path and not is_url(strategy.path):
+        shutil.rmtree(strategy.path, ignore_errors=True)
 
 
 def _run_summary(name: str, repeat: int, repeats: int, metrics: dict[str, Any], *,

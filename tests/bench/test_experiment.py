@@ -375,3 +375,28 @@ def test_the_peak_host_memory_starts_again_at_each_turn() -> None:
     del touched
     rss, took = _runner._reset_peak_rss()
     assert took and _runner._kernel_peak_rss() < rss + (64 << 20)
+
+
+def test_an_interrupted_comparison_leaves_its_directory_empty(tmp_path: Any) -> None:
+    """Issue 29 defect 8: Ctrl-C in a comparison left every checkpoint its runs wrote (3.6 GB
+    after one interrupted bench.compare). A real SIGINT, sent at the third checkpoint committed
+    (both strategies have files by then), ends it with KeyboardInterrupt and nothing left."""
+    import signal
+
+    directory = tmp_path / "bench"
+    commits: list[Event] = []
+
+    def interrupt(event: Event) -> None:
+        if event.kind == "commit":
+            commits.append(event)
+            if len(commits) == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        bench.compare(small_workload(), ["torch-save", "nbckpt-async"], str(directory), steps=8,
+                      every=2, repeats=2, on_event=interrupt, progress=None)
+    assert len(commits) >= 3
+    # in a notebook, one line (it was a traceback through every frame of the run)
+    assert stopped.value._render_traceback_() == [  # type: ignore[attr-defined]
+        "KeyboardInterrupt: the comparison was stopped; the checkpoints its runs wrote were removed"]
+    assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == []
