@@ -167,8 +167,10 @@ def _copy_floor_sentence(run: _Run, timeline: pd.DataFrame | None) -> list[str]:
         return [text + "."]
     per_checkpoint = float(stage.sum()) / checkpoints
     return [text + f". Per checkpoint the copy into the staging buffers took {_ms(per_checkpoint)}; "
-            f"the other {_ms(max(save - per_checkpoint, 0.0))} of the save stall was spent elsewhere "
-            f"in save()."]
+            f"the other {_ms(max(save - per_checkpoint, 0.0))} of the save stall was spent on the rest "
+            f"of save(): flattening the state and planning its files, the retention and host-memory "
+            f"checks, taking a staging slot and handing the write to the background thread (the "
+            f"wait for the earlier save is counted apart)."]
 
 
 def _write_sentences(run: _Run, probe: pd.DataFrame | None, load: Mapping[str, Any] | None) -> list[str]:

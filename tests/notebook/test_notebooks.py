@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -268,3 +269,15 @@ def test_fault_tolerance_labels_each_leftover_as_what_it_is(tmp_path: Path) -> N
     text = "".join(c.source for c in nbformat.read(str(NOTEBOOK_DIR / "04_fault_tolerance.ipynb"),
                                                    as_version=4).cells if c.cell_type == "markdown")
     assert "`.trash-step-*`" in text
+
+
+def test_the_magics_default_directory_is_ignored_by_git() -> None:
+    """Issue 29 (minor): ``%ckpt_async`` without a directory writes ./checkpoints where the kernel
+    runs (``notebooks/`` when JupyterLab opens a notebook there), which git showed as new files."""
+    import subprocess
+
+    from nbckpt.notebook._session import SessionDefaults
+
+    assert SessionDefaults().dir in ("checkpoints", os.environ.get("NBCKPT_DIR"))
+    for where in ("notebooks/checkpoints/step-000000/manifest.json", "checkpoints/step-000000/x"):
+        assert subprocess.run(["git", "check-ignore", "-q", where], cwd=ROOT).returncode == 0, where
