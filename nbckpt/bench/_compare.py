@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import platform
 import shutil
@@ -68,6 +69,7 @@ __all__ = [
     "add_bench_arguments",
     "compare",
     "environment",
+    "queueing",
     "run_bench_from_args",
     "run_order",
 ]
@@ -283,6 +285,9 @@ def compare(
     for row in results.to_dict(orient="records"):
         if row["floor_check"]:
             warnings.append(f"{row['strategy']}: {row['floor_check']}")
+    queued = queueing(results, every)
+    if queued is not None:
+        warnings.append(queued)
     for text in warnings:
         say(f"warning: {text}")
     timeline = (
@@ -307,6 +312,29 @@ def compare(
         load={**load.to_dict(), "floors": floors_load.to_dict()},
         warnings=warnings,
     )
+
+
+def queueing(results: pd.DataFrame, every: int) -> str | None:
+    """One line when checkpoints came faster than the asynchronous saves persist (the interval,
+    ``every`` of the baseline's steps, shorter than a save's persist time): each save then waits
+    for the one before it, which no training job that checkpoints every few minutes sees; None
+    when every save persisted within the interval."""
+    rows = results.set_index("strategy") if "strategy" in results.columns else results
+    if "none" not in rows.index or not {"mean_step_s", "persist_s", "stall_mean_s"} <= set(rows.columns):
+        return None
+    step_s = float(rows["mean_step_s"]["none"])
+    interval = every * step_s
+    slower = [(str(name), float(persist)) for name, persist, stall in
+              zip(rows.index, rows["persist_s"], rows["stall_mean_s"], strict=True)
+              if name != "none" and float(persist) > max(interval, float(stall) * 1.05)]
+    if not slower or not interval > 0:
+        return None
+    longest = max(persist for _, persist in slower)
+    steps = math.ceil(3 * longest / step_s)
+    return (f"queueing regime: a checkpoint every {every} steps ({interval:.3f} s) came before the "
+            f"previous save had persisted ({', '.join(f'{n} {p:.3f} s' for n, p in slower)}), so "
+            f"saves waited for each other, which a training job checkpointing every few minutes "
+            f"never sees; every >= {steps} (or longer steps) shows that regime")
 
 
 def _remove_checkpoints(strategy: Strategy) -> None:

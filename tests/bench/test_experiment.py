@@ -400,3 +400,25 @@ def test_an_interrupted_comparison_leaves_its_directory_empty(tmp_path: Any) -> 
     assert stopped.value._render_traceback_() == [  # type: ignore[attr-defined]
         "KeyboardInterrupt: the comparison was stopped; the checkpoints its runs wrote were removed"]
     assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == []
+
+
+def test_a_run_in_the_queueing_regime_says_so_in_one_line() -> None:
+    """Issue 29 defect 7: checkpoints every 4 steps of 5 ms (20 ms) against a 90 ms background
+    write: each save waited for the one before it (async +557 % against torch-save +635 %); one
+    line says which regime that is and what every would leave it."""
+    import pandas as pd
+
+    def results(persist: float) -> pd.DataFrame:
+        return pd.DataFrame([
+            {"strategy": "none", "mean_step_s": 0.005, "persist_s": math.nan, "stall_mean_s": 0.0},
+            {"strategy": "torch-save", "mean_step_s": 0.03, "persist_s": 0.08, "stall_mean_s": 0.08},
+            {"strategy": "nbckpt-async", "mean_step_s": 0.02, "persist_s": persist, "stall_mean_s": 0.06},
+        ])
+
+    line = _compare.queueing(results(0.09), every=4)
+    assert line == ("queueing regime: a checkpoint every 4 steps (0.020 s) came before the previous "
+                    "save had persisted (nbckpt-async 0.090 s), so saves waited for each other, which "
+                    "a training job checkpointing every few minutes never sees; every >= 54 (or "
+                    "longer steps) shows that regime")
+    assert _compare.queueing(results(0.015), every=4) is None  # persisted within the interval
+    assert _compare.queueing(results(0.09), every=40) is None
