@@ -334,7 +334,7 @@ def queueing(results: pd.DataFrame, every: int) -> str | None:
     return (f"queueing regime: a checkpoint every {every} steps ({interval:.3f} s) came before the "
             f"previous save had persisted ({', '.join(f'{n} {p:.3f} s' for n, p in slower)}), so "
             f"saves waited for each other, which a training job checkpointing every few minutes "
-            f"never sees; every >= {steps} (or longer steps) shows that regime")
+            f"never sees; every {steps} steps or more (or longer steps) shows that regime")
 
 
 def _remove_checkpoints(strategy: Strategy) -> None:

@@ -418,7 +418,7 @@ def test_a_run_in_the_queueing_regime_says_so_in_one_line() -> None:
     line = _compare.queueing(results(0.09), every=4)
     assert line == ("queueing regime: a checkpoint every 4 steps (0.020 s) came before the previous "
                     "save had persisted (nbckpt-async 0.090 s), so saves waited for each other, which "
-                    "a training job checkpointing every few minutes never sees; every >= 54 (or "
+                    "a training job checkpointing every few minutes never sees; every 54 steps or more (or "
                     "longer steps) shows that regime")
     assert _compare.queueing(results(0.015), every=4) is None  # persisted within the interval
     assert _compare.queueing(results(0.09), every=40) is None
