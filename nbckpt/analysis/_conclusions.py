@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .._util import format_bytes
 from ..bench._internal import interval_text, measurable, overhead_text
 from ._costs import measured_drag
-from ._interval import compare_modes, node_mtbf_hours
+from ._interval import Overhead, compare_modes, node_mtbf_hours, table_order
 from ._reference import _load as published  # read-only here: no copy
 
 if TYPE_CHECKING:
@@ -53,6 +53,11 @@ def _ci(row: Row) -> tuple[float, float]:
     if isinstance(interval, (list, tuple)) and len(interval) == 2:
         return _num(interval[0]), _num(interval[1])
     return math.nan, math.nan
+
+
+def _overheads(run: _Run) -> dict[str, Overhead]:
+    """Each strategy's overhead as the results table shows it, for the advisor's sentences."""
+    return {name: (_num(row.get("overhead_pct")), *_ci(row)) for name, row in run.rows.items()}
 
 
 def _overhead(row: Row) -> str:
@@ -162,8 +167,10 @@ def _copy_floor_sentence(run: _Run, timeline: pd.DataFrame | None) -> list[str]:
         return [text + "."]
     per_checkpoint = float(stage.sum()) / checkpoints
     return [text + f". Per checkpoint the copy into the staging buffers took {_ms(per_checkpoint)}; "
-            f"the other {_ms(max(save - per_checkpoint, 0.0))} of the save stall was spent elsewhere "
-            f"in save()."]
+            f"the other {_ms(max(save - per_checkpoint, 0.0))} of the save stall was spent on the rest "
+            f"of save(): flattening the state and planning its files, the retention and host-memory "
+            f"checks, taking a staging slot and handing the write to the background thread (the "
+            f"wait for the earlier save is counted apart)."]
 
 
 def _write_sentences(run: _Run, probe: pd.DataFrame | None, load: Mapping[str, Any] | None) -> list[str]:
@@ -322,13 +329,21 @@ def _advice_sentences(run: _Run, advice: pd.DataFrame, assumptions: Mapping[str,
         f"{float(best['restore_pct']):.3f} % restores; the storage is busy with these "
         f"checkpoints {float(best['storage_duty_pct']):.1f} % of the time"
     )
+    table = _overheads(run)
     slow = by_name.get("torch-save")
     if slow is not None:
         saved = float(slow["gpu_hours_lost_per_day"]) - float(best["gpu_hours_lost_per_day"])
         text += (f"; torch-save every {float(slow['interval_s']):.0f} s loses "
-                 f"{float(slow['waste_pct']):.3f} %, {abs(saved):.1f} GPU-hours a day "
-                 f"{'more' if saved >= 0 else 'less'}")
+                 f"{float(slow['waste_pct']):.3f} %")
+        shown = table_order(table.get(run.focus), table.get("torch-save"))
+        if shown == (0 if saved == 0 else -1 if saved > 0 else 1):
+            text += f", {abs(saved):.1f} GPU-hours a day {'more' if saved >= 0 else 'less'}"
+        else:  # a conclusion says only what its own table shows
+            text += (f", but the measured overheads ({_overhead(run.row)} against "
+                     f"{_overhead(run.rows['torch-save'])}) "
+                     f"{'do not differ measurably' if shown == 0 else 'rank them the other way'}, "
+                     f"so this run does not say which of the two loses less")
     if run.device == "cpu":
         text += (". Costs measured on a CPU stand in for a GPU rank's only roughly: "
                  "take the numbers as an illustration of the method")
-    return [text + ".", *compare_modes(advice)]
+    return [text + ".", *compare_modes(advice, table)]

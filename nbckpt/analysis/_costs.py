@@ -6,6 +6,7 @@ reports a background save of about 436 s before its fixes and 67 s after, Llama3
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
@@ -22,9 +23,14 @@ Measured: TypeAlias = pd.DataFrame | Mapping[str, tuple[float, ...]]
 def measured_drag(row: Mapping[Any, Any]) -> float:
     """A result row's drag per checkpoint as the advisor counts it: background work cannot speed
     the steps up, so a drag not measured above 0 (``drag_ci_s`` contains 0: "noise") counts as 0."""
-    ci = row.get("drag_ci_s")
-    if "drag_ci_s" in row and not (isinstance(ci, (list, tuple)) and len(ci) == 2 and float(ci[0]) > 0):
-        return 0.0
+    if "drag_ci_s" in row:  # any sequence: a list from JSON, a tuple, an array from pandas
+        ci = row["drag_ci_s"]
+        try:
+            lo = float(ci[0]) if len(ci) == 2 else math.nan
+        except (TypeError, ValueError, IndexError):
+            lo = math.nan
+        if not lo > 0:
+            return 0.0
     drag = pd.to_numeric(row.get("drag_s", 0.0), errors="coerce")
     return 0.0 if pd.isna(drag) else max(float(drag), 0.0)
 

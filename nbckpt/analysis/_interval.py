@@ -14,7 +14,7 @@ than ``lag``. The job MTBF is a node MTBF divided by the nodes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -25,8 +25,8 @@ from ..engine._internal import expected_waste, young_daly_interval
 from ._costs import Measured, measurements
 from ._reference import _load as published  # read-only here: no copy
 
-__all__ = ["ADVICE_COLUMNS", "advise", "cluster_mtbf_s", "compare_modes", "expected_waste",
-           "node_mtbf_hours", "waste_curve", "young_daly_interval"]
+__all__ = ["ADVICE_COLUMNS", "Overhead", "advise", "cluster_mtbf_s", "compare_modes", "expected_waste",
+           "node_mtbf_hours", "table_order", "waste_curve", "young_daly_interval"]
 
 HOUR_S = 3600.0
 DAY_S = 86400.0
@@ -96,9 +96,27 @@ def advise(results: Measured, *, mtbf_hours: float, gpus: int = 8, gpus_per_node
     return advice
 
 
-def compare_modes(advice: pd.DataFrame) -> list[str]:
+#: A strategy's measured overhead as its table shows it: ``(pct, lo, hi)`` of ``overhead_ci_pct``.
+Overhead = tuple[float, float, float]
+
+
+def table_order(a: Overhead | None, b: Overhead | None) -> int:
+    """What a results table shows of two strategies' overheads: -1 when ``a``'s 95 % interval
+    lies wholly below ``b``'s, +1 when wholly above, 0 when they overlap or one was not measured."""
+    if a is None or b is None or not all(math.isfinite(v) for v in (*a[1:], *b[1:])):
+        return 0
+    return -1 if a[2] < b[1] else 1 if a[1] > b[2] else 0
+
+
+def _overhead_text(overhead: Overhead) -> str:
+    return f"{overhead[0]:+.1f} % [{overhead[1]:+.1f}, {overhead[2]:+.1f}]"
+
+
+def compare_modes(advice: pd.DataFrame, table: Mapping[str, Overhead] | None = None) -> list[str]:
     """Why the best async strategy of an :func:`advise` table wins or loses against the best sync
-    one, as a sentence (none when a mode is missing)."""
+    one, as a sentence (none when a mode is missing). With ``table`` (each strategy's measured
+    overhead), the sentence ranks them only as that table does: where the measured overheads do
+    not differ, or differ the other way, it says so instead of the model's ranking."""
     rows = advice.to_dict("records")
     sync = [r for r in rows if r["mode"] == "sync"]
     asyn = [r for r in rows if r["mode"] == "async"]
@@ -111,13 +129,25 @@ def compare_modes(advice: pd.DataFrame) -> list[str]:
     def part(name: str) -> str:
         return f"{float(a[name]):.3f} % against {float(s[name]):.3f} %"
 
-    text = (f"{a['strategy']} (async) loses {abs(diff):.1f} GPU-hours a day "
-            f"{'more' if diff > 0 else 'less'} than {s['strategy']} (sync): stalls "
-            f"{part('checkpoint_pct')}, drag of the background write {part('drag_pct')}, rework "
-            f"{part('rework_pct')} (the async rework includes its {float(a['lag_s']):.3g} s lag: a "
-            f"failure before the write is durable falls back one checkpoint)")
-    if diff > 0:
-        text += "; here the background write costs more than the stall it hides"
+    costs = (f"stalls {part('checkpoint_pct')}, drag of the background write {part('drag_pct')}, "
+             f"rework {part('rework_pct')} (the async rework includes its {float(a['lag_s']):.3g} s "
+             f"lag: a failure before the write is durable falls back one checkpoint)")
+    order = 0 if diff == 0 else 1 if diff > 0 else -1
+    mine, theirs = (table.get(a["strategy"]), table.get(s["strategy"])) if table is not None else (None, None)
+    shown = table_order(mine, theirs)
+    if table is not None and shown != order:
+        verdict = ("do not differ measurably" if shown == 0 else
+                   f"put {a['strategy']} {'above' if shown > 0 else 'below'} {s['strategy']}")
+        measured = (f"the measured overheads, {_overhead_text(mine)} % against {_overhead_text(theirs)} %, "
+                    f"{verdict}" if mine is not None and theirs is not None
+                    else "their overheads were not both measured")
+        text = (f"{a['strategy']} (async) against {s['strategy']} (sync): {measured}, so this run does "
+                f"not say which loses less time, whatever the model's {costs}")
+    else:
+        text = (f"{a['strategy']} (async) loses {abs(diff):.1f} GPU-hours a day "
+                f"{'more' if diff > 0 else 'less'} than {s['strategy']} (sync): {costs}")
+        if diff > 0:
+            text += "; here the background write costs more than the stall it hides"
     text += (f". Restoring after each failure ({float(a['restore_s']):.0f} s) costs every strategy "
              f"the same {float(a['restore_pct']):.3f} % of the {float(a['waste_pct']):.3f} % lost.")
     return [text]

@@ -27,13 +27,15 @@ From the shell (:func:`add_bench_arguments` defines the options of ``nbckpt benc
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import os
 import platform
 import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import pandas as pd
 import psutil
@@ -69,9 +71,13 @@ __all__ = [
     "add_bench_arguments",
     "compare",
     "environment",
+    "queueing",
     "run_bench_from_args",
     "run_order",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 #: Repeats ``compare`` and ``nbckpt bench`` run unless told otherwise: the fewest that give a
 #: t-interval with a usable width, and one place in the rotation per strategy of a 3-way run.
@@ -146,6 +152,29 @@ def environment(device: str) -> dict[str, Any]:
     }
 
 
+class ComparisonInterrupted(KeyboardInterrupt):
+    """Ctrl-C in a comparison, as one line saying what is left; still a KeyboardInterrupt."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython's hook for exceptions that format themselves, looked up by name (no import):
+        # a notebook shows this line instead of a traceback through every frame of the run
+        return [f"KeyboardInterrupt: {self}"]
+
+
+def _one_line_interrupt(function: Callable[P, R]) -> Callable[P, R]:
+    @functools.wraps(function)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return function(*args, **kwargs)
+        except ComparisonInterrupted:
+            raise
+        except KeyboardInterrupt:
+            raise ComparisonInterrupted("the comparison was stopped; the checkpoints its runs "
+                                        "wrote were removed") from None
+    return wrapper
+
+
+@_one_line_interrupt
 def compare(
     workload: Workload,
     strategies: Sequence[str | Strategy],
@@ -244,18 +273,17 @@ def compare(
             make_lane = Lane if ranks is None else ranks.lane
             lanes = [make_lane(name, factories[name](), workload, steps=steps, every=every,
                                on_event=on_event, progress=tracker, repeat=repeat) for name in group]
-            results_of_group = run_lanes(lanes, where, steps=steps, every=every, stop=stop,
-                                         warmup=warmup)
+            kept = keep and repeat == repeats - 1
+            try:
+                results_of_group = run_lanes(lanes, where, steps=steps, every=every, stop=stop,
+                                             warmup=warmup)
+            finally:  # after each run, and after a Ctrl-C in it: its checkpoints go (unless kept)
+                for lane in [] if kept else lanes:
+                    _remove_checkpoints(lane.strategy, ranks)
             done.extend((lane.name, lane.strategy, result)
                         for lane, result in zip(lanes, results_of_group, strict=True))
-        for name, strategy, result in done:
+        for name, _strategy, result in done:
             position = names_in_order.index(name)
-            kept = keep and repeat == repeats - 1
-            if strategy.writes_checkpoints and not is_url(strategy.path) and not kept:
-                if ranks is None:
-                    shutil.rmtree(strategy.path, ignore_errors=True)
-                else:
-                    ranks.remove(strategy.path)
             metrics = {**result.metrics(), "repeat": repeat, "position": position}
             run_rows.append(metrics)
             by_strategy[name].append(result)
@@ -289,6 +317,9 @@ def compare(
     for row in results.to_dict(orient="records"):
         if row["floor_check"]:
             warnings.append(f"{row['strategy']}: {row['floor_check']}")
+    queued = queueing(results, every)
+    if queued is not None:
+        warnings.append(queued)
     for text in warnings:
         say(f"warning: {text}")
     timeline = (
@@ -313,6 +344,39 @@ def compare(
         load={**load.to_dict(), "floors": floors_load.to_dict()},
         warnings=warnings,
     )
+
+
+def queueing(results: pd.DataFrame, every: int) -> str | None:
+    """One line when checkpoints came faster than the asynchronous saves persist (the interval,
+    ``every`` of the baseline's steps, shorter than a save's persist time): each save then waits
+    for the one before it, which no training job that checkpoints every few minutes sees; None
+    when every save persisted within the interval."""
+    rows = results.set_index("strategy") if "strategy" in results.columns else results
+    if "none" not in rows.index or not {"mean_step_s", "persist_s", "stall_mean_s"} <= set(rows.columns):
+        return None
+    step_s = float(rows["mean_step_s"]["none"])
+    interval = every * step_s
+    slower = [(str(name), float(persist)) for name, persist, stall in
+              zip(rows.index, rows["persist_s"], rows["stall_mean_s"], strict=True)
+              if name != "none" and float(persist) > max(interval, float(stall) * 1.05)]
+    if not slower or not interval > 0:
+        return None
+    longest = max(persist for _, persist in slower)
+    steps = math.ceil(3 * longest / step_s)
+    return (f"queueing regime: a checkpoint every {every} steps ({interval:.3f} s) came before the "
+            f"previous save had persisted ({', '.join(f'{n} {p:.3f} s' for n, p in slower)}), so "
+            f"saves waited for each other, which a training job checkpointing every few minutes "
+            f"never sees; every {steps} steps or more (or longer steps) shows that regime")
+
+
+def _remove_checkpoints(strategy: Strategy, ranks: Any) -> None:
+    """A run's local checkpoints (closed by then: run_lanes closes every lane it opened); on many
+    ranks, rank 0 removes the shared folder once every rank is done with it."""
+    if strategy.writes_checkpoints and strategy.path and not is_url(strategy.path):
+        if ranks is None:
+            shutil.rmtree(strategy.path, ignore_errors=True)
+        else:
+            ranks.remove(strategy.path)
 
 
 def _run_summary(name: str, repeat: int, repeats: int, metrics: dict[str, Any], *,

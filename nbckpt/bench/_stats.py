@@ -94,7 +94,8 @@ OVERHEAD_DEFINITION = (
     "taking turns every cycle) and averaged in log space. Stalls, steps slowed by background "
     "writes and the wait for the last write count. 95 % interval: the cycles of all repeats count "
     "when the repeats agree, the repeats alone when they do not; one repeat is never firmer than "
-    "three. 'no measurable difference': the interval contains 0. Method: "
+    "three. 'no measurable difference': the interval contains 0 (where every repeat fell on one "
+    "side of 0, further from it than the interval reaches past it, the table says so instead). Method: "
     "print(nbckpt.bench.OVERHEAD_METHOD)."
 )
 
@@ -284,8 +285,23 @@ def overhead_text(row: Mapping[Any, Any]) -> str:
         return "-"
     text = f"{pct:+.1f} %"
     if not measurable(row.get("overhead_ci_pct")):
-        text += " (no measurable difference)"
+        text += f" ({_unmeasured(row)})"
     return text
+
+
+def _unmeasured(row: Mapping[Any, Any]) -> str:
+    """Why an interval containing 0 was not a measured difference. Where every repeat fell on one
+    side of 0, each further from 0 than the interval reaches past it (a wide interval on a busy
+    machine: [-20.5, +1127] % with every repeat +66 % or more), that is said; else no difference."""
+    repeats = [_number(v) for v in (row.get("overhead_by_repeat_pct") or [])]
+    repeats = [v for v in repeats if math.isfinite(v)]
+    interval = row.get("overhead_ci_pct")
+    if len(repeats) >= 2 and interval is not None and len(interval) == 2:
+        lo, hi = (_number(v) for v in interval)
+        if all(v > max(-lo, 0.0) for v in repeats) or all(v < min(-hi, 0.0) for v in repeats):
+            side = "above" if repeats[0] > 0 else "below"
+            return f"every repeat {side} 0; the interval is too wide to say how far"
+    return "no measurable difference"
 
 
 def per_repeat_text(row: Mapping[Any, Any]) -> str:

@@ -251,6 +251,8 @@ class Saver:
         self._stager.stop(wait)
         self._persister.stop(wait)
         self._retainer.stop(wait)
+        if wait:  # no thread reads the images any more: give the staging memory back
+            self.pool.free()
 
     # -- the background's side ------------------------------------------------------------------
 

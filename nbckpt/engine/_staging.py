@@ -147,6 +147,14 @@ class StagingPool:
                 slot.owner = None
                 self._free.notify_all()
 
+    def free(self) -> None:
+        """Drop the images of every slot no save holds: a closed Checkpointer gives its staging
+        memory back (a notebook that replaces one would otherwise hold one more copy each time)."""
+        with self._free:
+            for slot in self._slots:
+                if slot.owner is None:
+                    slot.files, slot.images, slot.views, slot.shards = (), {}, {}, None
+
     @property
     def host_bytes(self) -> int:
         """Host memory the slots hold now."""

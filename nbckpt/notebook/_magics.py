@@ -76,6 +76,14 @@ class _NotebookLog(logging.Handler):
             self.handleError(record)
 
 
+def _stall_s(handle: SaveHandle) -> float:
+    """All the time the save blocked its cell: the committed record's (a sync save's includes the
+    write it waited for; the handle's ends where the write was handed to the background)."""
+    if handle.done() and handle.error is None:
+        return handle.committed.result().stall_s
+    return handle.stall_s
+
+
 class SaveStatus:
     """A compact, self-describing line for one save: staged, persisting, committed or failed."""
 
@@ -91,7 +99,7 @@ class SaveStatus:
         error = h.error
         if error is not None:
             return "failed", f"{head}: failed: {one_line(error)}"
-        stall = f"stall {h.stall_s * 1e3:.1f} ms"
+        stall = f"stall {_stall_s(h) * 1e3:.1f} ms"
         if h.wait_s > 1e-4:  # the same names as the bench's: the stall, and its wait part
             stall += f" (wait for the earlier save {h.wait_s * 1e3:.1f} ms)"
         if h.committed.done():
@@ -207,7 +215,7 @@ class CheckpointMagics(Magics):
             h = save.handle
             record = h.committed.result() if h.done() and h.error is None else None
             rows.append((save.directory, h.step, save.mode, " ".join(save.names), h.phase,
-                         _rounded(h.bytes / 1e6), _rounded(h.stall_s * 1e3), _rounded(h.wait_s * 1e3),
+                         _rounded(h.bytes / 1e6), _rounded(_stall_s(h) * 1e3), _rounded(h.wait_s * 1e3),
                          _rounded(record.persist_s) if record else None,
                          _rounded(record.write_gbs) if record else None,
                          one_line(h.error) if h.error is not None else ""))

@@ -140,6 +140,7 @@ class Session:
         self._user_globals = user_globals
         self._keep: dict[str, int | None] = {}  # --keep given on a save, per directory
         self._closed: list[Checkpointer] = []  # replaced ones: their events stay on the timeline
+        self._retiring: list[Checkpointer] = []  # no longer the default's, closed once their saves commit
         self._lock = threading.RLock()
 
     def engine_call(self) -> AbstractContextManager[None]:
@@ -157,6 +158,7 @@ class Session:
         directory = directory or self.defaults.directory
         key = self.key(directory)
         with self._lock:
+            self._sweep()
             ckpt = self.checkpointers.get(key)
             if ckpt is not None:
                 changes = self._changed(key, ckpt)
@@ -228,7 +230,7 @@ class Session:
         """Wait until every save has committed or failed; the first failure, if any."""
         error: NbckptError | None = None
         try:
-            for ckpt in [c for c in self.checkpointers.values() if not c.closed]:
+            for ckpt in [c for c in [*self._retiring, *self.checkpointers.values()] if not c.closed]:
                 try:
                     ckpt.wait()
                 except NbckptError as exc:
@@ -239,6 +241,8 @@ class Session:
                 if save.handle.done():
                     for live in list(save.live):
                         save.finalise(live)
+            with self._lock:
+                self._sweep()
         return error
 
     def configure(self, options: dict[str, Any], *, reset: bool = False,
@@ -248,6 +252,7 @@ class Session:
         if directory is not None:
             usable_directory(directory)  # before anything changes: a refused one changes nothing
         with self._lock:
+            before = self.key(None)
             if reset:
                 self.defaults = SessionDefaults()
             if reset or "keep" in options:
@@ -263,6 +268,8 @@ class Session:
                     self.defaults.run = str(run_directory(self.defaults.dir))
                 except ConfigError as exc:
                     raise UsageError(one_line(exc)) from None
+            if self.key(None) != before:
+                self._retire(before)
             for key in list(self.checkpointers):
                 ckpt = self.checkpointers[key]
                 changes = self._changed(key, ckpt)
@@ -304,15 +311,36 @@ class Session:
             return pd.DataFrame()
         return pd.concat(frames, ignore_index=True).sort_values("start_ns", ignore_index=True)
 
+    def _retire(self, key: str) -> None:
+        """The Checkpointer of a directory that is no longer the default one gives back its staging
+        memory: closed now, or once its saves in flight have committed (never blocking the cell).
+        A later save there opens a new one."""
+        ckpt = self.checkpointers.pop(key, None)
+        if ckpt is None:
+            return
+        self._closed.append(ckpt)
+        self._retiring.append(ckpt)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Close the retired Checkpointers whose saves have all committed or failed."""
+        for ckpt in [c for c in self._retiring if all(h.done() for h in c.handles)]:
+            self._retiring.remove(ckpt)
+            try:
+                ckpt.close()
+            except CheckpointError as exc:  # a save that failed in the background
+                _log.warning("nbckpt: %s", one_line(exc))
+
     def close(self) -> None:
         """Finish saves in flight and release every directory."""
-        for ckpt in self.checkpointers.values():
+        for ckpt in [*self._retiring, *self.checkpointers.values()]:
             try:
                 ckpt.close()
             except CheckpointError as exc:  # a save that failed in the background
                 _log.warning("nbckpt: %s", one_line(exc))
         self._closed.extend(self.checkpointers.values())
         self.checkpointers.clear()
+        self._retiring.clear()
 
     def _wanted(self, key: str) -> dict[str, Any]:
         wanted = {name: getattr(self.defaults, name) for name in OPTIONS}

@@ -133,10 +133,13 @@ def _timeline_height(lanes: int) -> int:
 
 
 def timeline_figure(timeline_df: pd.DataFrame, *, repeat: int | None = None, by_rank: bool | None = None,
-                    widget: bool = False, origin: str = "the strategy's run started") -> go.Figure:
+                    widget: bool = False, origin: str | None = None) -> go.Figure:
     """Gantt chart of a run: per strategy (and rank) a "train" lane (steps, stalls, waits) and a
     "background" lane (staging, persistence, fsync, commit). ``repeat`` picks one repeat of a
-    ``Comparison.timeline`` (default: each strategy's last); ``origin`` says what time 0 is."""
+    ``Comparison.timeline`` (default: each strategy's last); ``origin`` says what time 0 is
+    (default: the strategy's run for a comparison's timeline, else the timeline's start)."""
+    if origin is None:  # a comparison's timeline has its repeats; a Checkpointer's has no strategies
+        origin = "the strategy's run started" if "repeat" in timeline_df.columns else "the timeline began"
     data = timeline_traces(select_repeat(timeline_df, repeat), by_rank=by_rank)
     fig = go.Figure([_timeline_bar(kind, data.kinds[kind]) for kind in _kind_order(data.kinds)])
     fig.update_layout(

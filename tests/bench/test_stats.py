@@ -207,6 +207,13 @@ def test_texts_show_the_estimate_always_and_the_words_only_beside_zero() -> None
     assert _stats.overhead_text({**row, "overhead_pct": -3.0, "overhead_ci_pct": [-4.0, -1.0]}) == "-3.0 %"
     assert _stats.overhead_text({**row, "partial": True}) == "+1.5 % (no measurable difference)"
     assert _stats.overhead_text({**row, "strategy": "none"}) == "baseline"
+    # issue 29: under load every repeat +66 % or more, the interval [-20.5, +1127] %
+    busy = {**row, "overhead_pct": 250.0, "overhead_ci_pct": [-20.5, 1127.0],
+            "overhead_by_repeat_pct": [66.0, 410.0, 380.0]}
+    assert _stats.overhead_text(busy) == (
+        "+250.0 % (every repeat above 0; the interval is too wide to say how far)")
+    assert _stats.overhead_text({**busy, "overhead_by_repeat_pct": [-5.0, 410.0, 380.0]}).endswith(
+        "(no measurable difference)")
     assert _stats.overhead_text({**row, "overhead_pct": math.nan}) == "-"
     assert _stats.per_repeat_text(row) == "+1.0, +2.5, +1.0 %"
     assert _stats.interval_text([-2.0, 5.0]) == "[-2.0, +5.0] %"

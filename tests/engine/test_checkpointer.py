@@ -670,6 +670,7 @@ def test_staging_memory_is_reported_and_reused(tmp_path: Path) -> None:
         ckpt.wait()
         held = ckpt.host_bytes
     assert 400_000 <= held <= 2 * 400_000 + 64_000  # two slots at most, each about the state's size
+    assert ckpt.host_bytes == 0  # closed: the staging memory is given back (issue 29 defect 2)
 
 
 def test_warmup_allocates_before_the_first_save(tmp_path: Path) -> None:

@@ -149,6 +149,16 @@ def test_timeline_without_strategy_column_uses_label() -> None:
     assert "torch-save · train" in timeline_figure(plain).layout.yaxis.categoryarray
 
 
+def test_a_timeline_without_strategies_does_not_speak_of_the_strategys_run() -> None:
+    """Issue 29 (minor): notebooks 01 and 05 draw a Checkpointer's timeline, which has no
+    strategies, under the axis title "seconds since the strategy's run started"."""
+    timeline = Timeline()
+    timeline.record("step", timeline.origin_ns, step=1)
+    assert timeline_figure(timeline.to_pandas()).layout.xaxis.title.text == "seconds since the timeline began"
+    compared = timeline_figure(sync_and_async_timeline()).layout.xaxis.title.text
+    assert compared == "seconds since the strategy's run started"
+
+
 def test_extend_timeline_appends_to_a_live_widget() -> None:
     timeline = sync_and_async_timeline()
     fig = timeline_figure(timeline.iloc[:0], widget=True)

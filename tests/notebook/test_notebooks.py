@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -233,3 +234,50 @@ def test_bad_parameter_fails_with_a_readable_error(tmp_path: Path) -> None:
     assert caught.value.evalue.startswith("workdir ") and "is not writable" in caught.value.evalue
     assert str(blocker / "sub") in caught.value.evalue
     assert "\n" not in caught.value.evalue.strip()
+
+
+def _notebook_function(path: Path, name: str) -> Any:
+    """The function ``name`` as a cell of the notebook ``path`` defines it (only its ``def``)."""
+    nb = nbformat.read(str(path), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type != "code" or f"def {name}(" not in cell.source:
+            continue
+        tree = ast.parse(cell.source)
+        [node] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+        namespace: dict[str, Any] = {}
+        exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+        return namespace[name]
+    raise AssertionError(f"no cell of {path.name} defines {name}")
+
+
+def test_fault_tolerance_labels_each_leftover_as_what_it_is(tmp_path: Path) -> None:
+    """Issue 29 defect 5: notebook 04 labelled a ``.trash-step-*`` folder whose listing showed its
+    manifest.json "IGNORED: no manifest.json"; and its text explains the ``.trash`` folders."""
+    describe = _notebook_function(NOTEBOOK_DIR / "04_fault_tolerance.ipynb", "describe")
+    folders = {"step-000005": ["manifest.json", "__0_0.distcp"],
+               ".trash-step-000002-ab12cd34": ["manifest.json", "__0_0.distcp"],
+               ".tmp-step-000006-ef56ab78": ["__0_0.distcp"]}
+    for name, files in folders.items():
+        (tmp_path / name).mkdir()
+        for file in files:
+            (tmp_path / name / file).write_bytes(b"x")
+    said = {name: describe(tmp_path / name).split("-> ")[1] for name in folders}
+    assert said["step-000005"] == "committed"
+    assert "no manifest.json" not in said[".trash-step-000002-ab12cd34"]
+    assert "deleted" in said[".trash-step-000002-ab12cd34"]
+    assert said[".tmp-step-000006-ef56ab78"].startswith("IGNORED: no manifest.json")
+    text = "".join(c.source for c in nbformat.read(str(NOTEBOOK_DIR / "04_fault_tolerance.ipynb"),
+                                                   as_version=4).cells if c.cell_type == "markdown")
+    assert "`.trash-step-*`" in text
+
+
+def test_the_magics_default_directory_is_ignored_by_git() -> None:
+    """Issue 29 (minor): ``%ckpt_async`` without a directory writes ./checkpoints where the kernel
+    runs (``notebooks/`` when JupyterLab opens a notebook there), which git showed as new files."""
+    import subprocess
+
+    from nbckpt.notebook._session import SessionDefaults
+
+    assert SessionDefaults().dir in ("checkpoints", os.environ.get("NBCKPT_DIR"))
+    for where in ("notebooks/checkpoints/step-000000/manifest.json", "checkpoints/step-000000/x"):
+        assert subprocess.run(["git", "check-ignore", "-q", where], cwd=ROOT).returncode == 0, where

@@ -7,6 +7,7 @@ import html
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from helpers.jupyterlab import ARTIFACTS, CHROMIUM, chromium_page
 
 from nbckpt import ConfigError, NbckptError
 from nbckpt._util import parse_value
-from nbckpt.notebook._report import EXTERNAL_LOAD, export_html, run_report
+from nbckpt.notebook._report import EXTERNAL_LOAD, REPORT_NOTEBOOK, export_html, run_report
 
 # The smallest run that still has every section: a baseline, sync and async strategies (DCP's
 # too: without a process group torch warns on each of their saves, a stderr box in the report).
@@ -270,3 +271,23 @@ def _check_same_figures(report: Path, shell: Any, capsys: pytest.CaptureFixture[
     for header in ("overhead", "95 % interval", "per repeat", "rests on", "stall s",
                    "save stall s", "wait for the earlier save s"):
         assert header in headers and all(header in text for text in faces.values()), header
+
+
+@REPORT_GROUP
+def test_the_report_notebook_run_with_its_defaults_writes_no_results_json(tmp_path: Path) -> None:
+    """Issue 29 defect 4: opened in the Lab and run with its defaults, report.ipynb replaced
+    ``reports/results.json`` under a report.html that still says its numbers are there. Run from a
+    copy (so its default paths land in ``tmp_path``), it writes nothing outside its checkpoints."""
+    import papermill
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    shutil.copy(REPORT_NOTEBOOK, notebooks / "report.ipynb")
+    small = {**SMALL, "strategies": "none,nbckpt-async", "probe_streams": "1", "probe_mb": 1}
+    papermill.execute_notebook(str(notebooks / "report.ipynb"), str(tmp_path / "executed.ipynb"),
+                               parameters=small, kernel_name="python3", cwd=str(notebooks),
+                               progress_bar=False, store_widget_state=False)
+    assert not (tmp_path / "reports").exists()
+    assert sorted(p.name for p in notebooks.iterdir()) == ["report.ipynb"]
+    shown = (tmp_path / "executed.ipynb").read_text()
+    assert "no `results.json` written" in shown
