@@ -135,17 +135,15 @@ def _bare_rate(args: argparse.Namespace) -> float:
     shutil.rmtree(directory, ignore_errors=True)
     proc = subprocess.Popen(_command(args, directory, "sync", 0.0), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    stamps: list[tuple[int, float]] = []
-    for line in proc.stdout:  # from its first step on, for --calibrate seconds
-        words = line.split()
-        if words[:1] == ["step"]:
-            stamps.append((int(words[1]), float(words[2])))
-            if stamps[-1][1] - stamps[0][1] >= args.calibrate:
-                break
-    proc.kill()
-    proc.communicate()
+    try:  # read as the runs read their children (a line a step), until well past its start-up
+        out, _ = proc.communicate(timeout=args.calibrate)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
     shutil.rmtree(directory, ignore_errors=True)
+    stamps = [(int(w[1]), float(w[2])) for w in map(str.split, out.splitlines()) if w[:1] == ["step"]]
+    if len(stamps) < 10:
+        raise SystemExit(f"the bare loop made {len(stamps)} steps in {args.calibrate:g} s: raise --calibrate")
     (first, began), (last, ended) = stamps[len(stamps) // 10], stamps[-1]  # past the first, slower steps
     return (last - first) / (ended - began)
 
@@ -154,7 +152,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rate = _bare_rate(args)
     schedule = SaveSchedule(args.mtbf)
     plans: dict[str, dict[str, Any]] = {}
-    for mode in ("sync", "async"):
+    for mode in args.modes:
         costs = _costs(args, mode)
         stall = costs["stall_s"] if mode == "async" else costs["stall_s"] + costs["persist_s"]
         lag = costs["stall_s"] + costs["persist_s"] if mode == "async" else 0.0
@@ -166,7 +164,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     runs = []
     for repeat in range(args.repeats):
         for mode, plan in plans.items():
-            for factor in (0.25, 1.0, 4.0):
+            for factor in args.factors:
                 interval = plan["advised_s"] * factor
                 run = _run(args, mode, interval, args.mtbf, 1000 * repeat + int(factor * 8), args.duration)
                 run["goodput"] = run["steps"] / (rate * run["seconds"])
@@ -177,14 +175,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"repeat {repeat + 1} {mode:5s} x{factor:<4g} interval {interval:7.2f} s: "
                       f"{run['kills']:3d} kills, goodput {run['goodput']:.3f} "
                       f"(model {run['predicted']:.3f})", flush=True)
-    return {"benchmark": "kill_goodput", "options": vars(args) | {"child": None}, "bare_steps_per_s": rate,
-            "plans": plans, "runs": runs, "table": _table(runs)}
+    return {"benchmark": "kill_goodput", "options": vars(args), "bare_steps_per_s": rate,
+            "plans": plans, "runs": runs, "table": _table(runs, args)}
 
 
-def _table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _table(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    for mode in ("sync", "async"):
-        for factor in (0.25, 1.0, 4.0):
+    for mode in args.modes:
+        for factor in args.factors:
             mine = [r for r in runs if r["mode"] == mode and r["factor"] == factor]
             measured = sum(r["steps"] for r in mine) / sum(r["steps"] / r["goodput"] for r in mine)
             rows.append({"mode": mode, "factor": factor, "interval_s": mine[0]["interval_s"],
@@ -204,18 +202,22 @@ def main() -> None:
         child_args.add_argument("--mode", default="async")
         child_args.add_argument("--interval", type=float, default=0.0)
         child_args.add_argument("--size-mb", type=int, default=64)
-        child_args.add_argument("--work", type=int, default=256)
+        child_args.add_argument("--work", type=int, default=1024)
         sys.exit(child(child_args.parse_args()))
     options = parser(__doc__, repeats=1, directory="data/checkpoints/kill-goodput",
                      quick="failures every few seconds, 20 s per configuration")
     options.add_argument("--mtbf", type=float, default=60.0, help="mean seconds between kills")
     options.add_argument("--duration", type=float, default=900.0, help="seconds per configuration")
-    options.add_argument("--calibrate", type=float, default=30.0, help="seconds of bare steps")
+    options.add_argument("--calibrate", type=float, default=60.0,
+                         help="seconds the bare loop runs, its start-up included")
     options.add_argument("--size-mb", type=int, default=64)
-    options.add_argument("--work", type=int, default=256, help="the step's matrix size")
+    options.add_argument("--work", type=int, default=1024, help="the step's matrix size")
+    options.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    options.add_argument("--factors", nargs="+", type=float, default=[0.25, 1.0, 4.0],
+                         help="intervals tried, as multiples of the advised one")
     args = options.parse_args()
-    if args.quick:
-        args.mtbf, args.duration, args.calibrate, args.size_mb = 12.0, 30.0, 8.0, 8
+    if args.quick:  # seconds-scale failures: checks the script, measures nothing worth keeping
+        args.mtbf, args.duration, args.calibrate, args.size_mb, args.work = 6.0, 15.0, 12.0, 8, 512
     os.makedirs(args.dir, exist_ok=True)
     finish(measure, args)
 
