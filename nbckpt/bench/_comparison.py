@@ -73,6 +73,10 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
                            "first_rank": 0, "last_rank": 1,
                            "start_spread_s": ...}, ...]}, ...]}  # last rank's save start - first's
 
+``nbckpt bench --ranks 1,2,4`` (:mod:`nbckpt.bench._sweep`) writes one document over every
+size, ``nbckpt.bench.scaling/1``: each size's document above under ``runs``, and a ``scaling``
+row per size and strategy (schema in :func:`nbckpt.bench._sweep.scaling_document`).
+
 Times are seconds, rates GB/s (1e9 bytes), memory MiB; ``start_s`` counts from the start
 of that run (after its warm-up save).
 """

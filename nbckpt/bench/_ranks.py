@@ -72,9 +72,13 @@ def arm_slow(rank: int | None, seconds: float = 0.0) -> None:
 
 def in_torchrun() -> bool:
     """True in one of several ranks: torch.distributed initialized with more than one, or
-    torchrun's ``WORLD_SIZE`` above 1 (the group is then started by :meth:`RankJob.start`)."""
+    torchrun's ``WORLD_SIZE`` above 1 (the group is then started by :meth:`RankJob.start`); and
+    in any rank torchrun started, one alone too (``TORCHELASTIC_RUN_ID``: the 1 of ``--ranks
+    1,2,4`` is a job of one rank, its figures measured as the others')."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return True
     try:
         return int(os.environ.get("WORLD_SIZE", "1")) > 1
     except ValueError:

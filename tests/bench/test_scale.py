@@ -1,0 +1,115 @@
+"""``nbckpt bench --ranks 1,2``: the sweep that launches torchrun per size (``nbckpt.bench._sweep``).
+
+Real torchrun, gloo, a 1 MiB state per rank, one strategy: each test earns its time. The sweep's
+end is reached at a defined point through its seam (a stderr line of the ranks), never a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from nbckpt import cli
+from nbckpt.bench import _internal
+from nbckpt.bench._sweep import parse_ranks, passthrough
+
+# A checkpoint of the first run that saves: every rank is inside the bench's turns.
+IN_A_TURN = "[nbckpt-async] repeat 1/1, step 1/"
+
+
+def _options(tmp_path: Path, ranks: str) -> list[str]:
+    return ["bench", "--ranks", ranks, "--dir", str(tmp_path / "ckpt"), "--size-mb", "1",
+            "--compute-ms", "1", "--strategies", "nbckpt-async", "--steps", "2", "--every", "1",
+            "--repeats", "1", "--no-warmup", "--json", str(tmp_path / "scaling.json")]
+
+
+@pytest.fixture
+def seam() -> Iterator[None]:
+    yield
+    _internal.arm_sweep_seam(None)
+
+
+def _running(processes: list[psutil.Process]) -> list[str]:
+    alive = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(f"{process.pid} {' '.join(process.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.mark.timeout(240)
+def test_a_sweep_over_1_and_2_ranks_writes_one_table_and_one_json_of_both(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(_options(tmp_path, "1,2")) == 0
+    out = capsys.readouterr().out
+    assert out.count("results written to") == 1 and "x floor" in out
+    document = json.loads((tmp_path / "scaling.json").read_text())
+    assert document["schema"] == "nbckpt.bench.scaling/1" and document["sizes"] == [1, 2]
+    assert "--ranks" not in document["options"] and "--size-mb" in document["options"]
+    for run, size in zip(document["runs"], (1, 2), strict=True):
+        # Each size's own JSON kept beside the sweep's, and held in it.
+        assert run["json"] == str(tmp_path / f"scaling.ranks-{size}.json")
+        assert json.loads(Path(run["json"]).read_text()) == run["document"]
+        job = run["document"]["job"]
+        assert job["world_size"] == size and sum(len(ranks) for ranks in job["hosts"].values()) == size
+    rows = {(row["ranks"], row["strategy"]): row for row in document["scaling"]}
+    assert set(rows) == {(1, "nbckpt-async"), (2, "nbckpt-async")}
+    for row in rows.values():
+        assert row["aggregate_write_gbs"] > 0 and row["concurrent_floor_gbs"] > 0
+        assert row["stall_median_s"] > 0 and row["stall_p99_s"] >= row["stall_median_s"]
+        assert row["vs_floor"] == pytest.approx(row["aggregate_write_gbs"] / row["concurrent_floor_gbs"])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("end", ["interrupt", "rank-dies"])
+def test_ctrl_c_or_a_dying_rank_ends_every_process_and_a_dead_rank_is_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], seam: None, end: str) -> None:
+    noted: list[psutil.Process] = []
+
+    def at_a_turn(line: str, torchrun: subprocess.Popen[str]) -> None:
+        if IN_A_TURN not in line or noted:
+            return
+        noted.extend(psutil.Process(torchrun.pid).children(recursive=True))
+        noted.append(psutil.Process(torchrun.pid))
+        if end == "interrupt":
+            raise KeyboardInterrupt  # as Ctrl-C in the sweep's terminal
+        (rank1,) = [worker for worker in psutil.Process(torchrun.pid).children()
+                    if worker.environ().get("RANK") == "1"]
+        rank1.send_signal(signal.SIGKILL)
+
+    _internal.arm_sweep_seam(at_a_turn)
+    code = cli.main(_options(tmp_path, "2"))
+    err = capsys.readouterr().err
+    assert len(noted) >= 3, err[-2000:]  # torchrun and its 2 ranks at least
+    assert _running(noted) == []
+    if end == "interrupt":
+        assert code == 130 and "nbckpt bench: interrupted" in err
+    else:
+        assert code == 2
+        (line,) = [line for line in err.splitlines() if line.startswith("nbckpt bench: error:")]
+        assert "rank 1 of 2 died (exit code -9: SIGKILL)" in line, err[-3000:]
+    assert not (tmp_path / "scaling.json").exists()
+
+
+def test_rank_counts_and_the_options_passed_through() -> None:
+    assert parse_ranks("1,2,4") == [1, 2, 4]
+    for bad in ("", "0,1", "1,1", "two"):
+        with pytest.raises(ValueError, match="--ranks wants distinct rank counts"):
+            parse_ranks(bad)
+    args = cli.build_parser().parse_args(["bench", "--ranks", "1,2", "--size-mb", "2", "--no-warmup",
+                                          "--json", "x.json", "--fsdp"])
+    argv = passthrough(args)
+    assert "--ranks" not in argv and "--json" not in argv
+    assert argv[argv.index("--size-mb") + 1] == "2.0" and "--no-warmup" in argv and "--fsdp" in argv
+    # What is passed parses back to the same options.
+    again = cli.build_parser().parse_args(["bench", *argv])
+    assert {**vars(again), "ranks": "1,2", "json": "x.json"} == vars(args)
