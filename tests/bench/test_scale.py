@@ -7,8 +7,10 @@ end is reached at a defined point through its seam (a stderr line of the ranks),
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,16 +19,23 @@ import pytest
 
 from nbckpt import cli
 from nbckpt.bench import _internal
+from nbckpt.bench._ranks import HOST_VARIABLE
 from nbckpt.bench._sweep import parse_ranks, passthrough
+from tests.helpers.ranks import RankProcess, finish_all, free_port
 
 # A checkpoint of the first run that saves: every rank is inside the bench's turns.
 IN_A_TURN = "[nbckpt-async] repeat 1/1, step 1/"
 
 
+def _bench(tmp_path: Path) -> list[str]:
+    """A small bench: 1 MiB per rank, one strategy, two checkpoints, one repeat."""
+    return ["bench", "--dir", str(tmp_path / "ckpt"), "--size-mb", "1", "--compute-ms", "1",
+            "--strategies", "nbckpt-async", "--steps", "2", "--every", "1", "--repeats", "1",
+            "--no-warmup"]
+
+
 def _options(tmp_path: Path, ranks: str) -> list[str]:
-    return ["bench", "--ranks", ranks, "--dir", str(tmp_path / "ckpt"), "--size-mb", "1",
-            "--compute-ms", "1", "--strategies", "nbckpt-async", "--steps", "2", "--every", "1",
-            "--repeats", "1", "--no-warmup", "--json", str(tmp_path / "scaling.json")]
+    return [*_bench(tmp_path), "--ranks", ranks, "--json", str(tmp_path / "scaling.json")]
 
 
 @pytest.fixture
@@ -113,3 +122,32 @@ def test_rank_counts_and_the_options_passed_through() -> None:
     # What is passed parses back to the same options.
     again = cli.build_parser().parse_args(["bench", *argv])
     assert {**vars(again), "ranks": "1,2", "json": "x.json"} == vars(args)
+
+
+@pytest.mark.timeout(240)
+def test_two_agents_as_two_hosts_name_both_and_group_the_ranks_by_host(tmp_path: Path) -> None:
+    """Two torchrun agents (--nnodes 2, one rank each) told apart by NBCKPT_BENCH_HOST."""
+    out = tmp_path / "job.json"
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [RankProcess.start(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-hosts",
+         "--nproc-per-node", "1", "-m", "nbckpt", *_bench(tmp_path), "--quiet",
+         "--json", str(out)],
+        {**os.environ, "OMP_NUM_THREADS": "1", HOST_VARIABLE: f"host-{node}"}) for node in (0, 1)]
+    try:
+        for code, _, err in finish_all(agents, timeout=200):
+            assert code == 0, err[-3000:]
+    finally:
+        for agent in agents:
+            agent.kill()
+    document = json.loads(out.read_text())
+    job = document["job"]
+    # Which agent's rank is 0 is the rendezvous' choice; each host holds one rank either way.
+    assert set(job["hosts"]) == {"host-0", "host-1"} and job["world_size"] == 2
+    assert sorted(rank for ranks in job["hosts"].values() for rank in ranks) == [0, 1]
+    hosts = {rank: host for host, ranks in job["hosts"].items() for rank in ranks}
+    assert {(row["rank"], row["host"]) for row in document["ranks"]} == set(hosts.items())
+    (summary,) = [row for row in job["strategies"] if row["strategy"] == "nbckpt-async"]
+    assert [row["ranks_writing"] for row in summary["checkpoints"]] == [2, 2]
+    assert summary["straggler"]["host"] == hosts[summary["straggler"]["rank"]]
