@@ -51,7 +51,7 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
       "ranks": [{"rank": 0, "host": "node-a", "strategy": "nbckpt-async",
                  "stall_s": ...,          # mean stall per checkpoint on this rank
                  "persist_s": ...,        # mean persist per checkpoint on this rank
-                 "bytes": ...,            # this rank's checkpoint files on disk (every checkpoint
+                 "bytes": ...,            # this rank's checkpoint files on disk or objects (every checkpoint
                                           # and repeat): a replicated state is written once in all
                  "write_gbs": ...,        # those bytes over this rank's persist time
                  "mean_step_s": ..., "overhead_pct": ..., "checkpoints": 2}, ...],  # rank x strategy

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import fully_shard
 from .._errors import ConfigError
 from .._util import GB, is_url
 from ..engine import Event, Timeline
-from ..engine._internal import step_name
+from ..engine._internal import fsspec_options, open_fsspec, step_name
 from ._compare import run_bench_from_args as run_one_process
 from ._comparison import Comparison
 from ._dcp import DcpAsync, DcpSync
@@ -192,10 +192,12 @@ class RankStrategy(Strategy):
 
     def written(self, step: int) -> int | None:
         """Bytes of this rank's files of checkpoint ``step`` on disk (DCP's and nbckpt's
-        ``__<rank>_<n>.distcp``, torch.save's file); None where that cannot be told (an object
-        store, a checkpoint already removed by retention)."""
-        if not self.writes_checkpoints or is_url(self.path):
+        ``__<rank>_<n>.distcp``, torch.save's file), or objects in an object store; None where
+        that cannot be told (a checkpoint already removed by retention)."""
+        if not self.writes_checkpoints:
             return None
+        if is_url(self.path):
+            return self._written_objects(step)
         if self.torch_save:
             if not self.saves:
                 return 0
@@ -204,6 +206,16 @@ class RankStrategy(Strategy):
             pattern = os.path.join(glob.escape(self.path), step_name(step), f"__{self.job.rank}_*.distcp")
             files = glob.glob(pattern)
         sizes = [os.path.getsize(name) for name in files if os.path.isfile(name)]
+        return sum(sizes) if sizes else None
+
+    def _written_objects(self, step: int) -> int | None:
+        """Bytes of this rank's ``__<rank>_<n>.distcp`` objects of checkpoint ``step`` (only
+        nbckpt's strategies write to an object store; one listing per checkpoint, after its turn)."""
+        protocol = self.path.partition("://")[0]
+        fs, root = open_fsspec(self.path, fsspec_options(protocol, self.storage_options))
+        fs.invalidate_cache()  # the listing must see what the turn just wrote
+        found = fs.glob(f"{root}/{step_name(step)}/__{self.job.rank}_*.distcp", detail=True)
+        sizes = [int(info["size"]) for info in found.values()]
         return sum(sizes) if sizes else None
 
     def before_step(self) -> None:

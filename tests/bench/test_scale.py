@@ -11,11 +11,13 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+from helpers.s3server import KEY, SECRET, SeaweedS3
 
 from nbckpt import cli
 from nbckpt.bench import _internal
@@ -151,3 +153,38 @@ def test_two_agents_as_two_hosts_name_both_and_group_the_ranks_by_host(tmp_path:
     (summary,) = [row for row in job["strategies"] if row["strategy"] == "nbckpt-async"]
     assert [row["ranks_writing"] for row in summary["checkpoints"]] == [2, 2]
     assert summary["straggler"]["host"] == hosts[summary["straggler"]["rank"]]
+
+
+@pytest.mark.s3
+@pytest.mark.xdist_group("s3")
+@pytest.mark.timeout(240)
+def test_two_ranks_write_to_s3_and_their_bytes_add_up_to_the_objects(
+        tmp_path: Path, s3_server: SeaweedS3) -> None:
+    bucket = f"nbckpt-{uuid.uuid4().hex[:10]}"
+    s3_server.make_bucket(bucket)
+    target = f"s3://{bucket}/bench"
+    out = tmp_path / "job.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AWS_ENDPOINT_URL": s3_server.endpoint_url,
+           "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "nbckpt", *_bench(tmp_path), "--dir", target,
+               "--strategies", "torch-save,dcp-sync,nbckpt-sync,nbckpt-async", "--json", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=200, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    # Skipped with one line each, as in one process: they write local files only.
+    for name in ("torch-save", "dcp-sync"):
+        assert done.stderr.count(f"skipping {name}: it writes local files only") == 1, done.stderr[-3000:]
+    document = json.loads(out.read_text())
+    rows = {(row["rank"], row["strategy"]): row for row in document["ranks"]}
+    assert {name for _, name in rows} == {"none", "nbckpt-sync", "nbckpt-async"}
+    files = s3_server.filesystem()
+    for name in ("nbckpt-sync", "nbckpt-async"):
+        objects = files.find(f"{bucket}/bench", detail=True)
+        data = sum(info["size"] for path, info in objects.items()
+                   if f"/{name}/" in path and path.endswith(".distcp"))
+        assert all(rows[rank, name]["bytes"] > 1024 * 1024 for rank in (0, 1))  # 2 x 1 MiB each
+        assert rows[0, name]["bytes"] + rows[1, name]["bytes"] == data, name
+        (summary,) = [row for row in document["job"]["strategies"] if row["strategy"] == name]
+        assert [row["ranks_writing"] for row in summary["checkpoints"]] == [2, 2]
+        assert summary["aggregate_write_gbs"] > 0
+    assert document["job"]["floors"]["concurrent_write_gbs"] > 0
