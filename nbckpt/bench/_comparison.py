@@ -71,7 +71,13 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
                            "time_to_durable_s": ...,   # first save's start to last commit, any rank
                            "aggregate_write_gbs": ...,  # all ranks' bytes over that time
                            "first_rank": 0, "last_rank": 1,
-                           "start_spread_s": ...}, ...]}, ...]}  # last rank's save start - first's
+                           "start_spread_s": ...}, ...]}, ...],  # last rank's save start - first's
+        "coordination": {"seconds": ..., "rank": 1,  # the bench's own barriers and gather,
+                         "per_step_s": ...},          # outside the lanes' clocks, on the rank
+                                                      # that spent most; per step trained there
+        "kept": [{"rank": 0, "strategy": "nbckpt-async", "repeat": 2, "step": 20,  # --keep only:
+                  "digests": {"model.lm_head.weight": "<sha256>", ...}}, ...]}  # the last repeat's
+                  # last checkpoint, each tensor this rank holds (its local shard under FSDP2)
 
 ``nbckpt bench --ranks 1,2,4`` (:mod:`nbckpt.bench._sweep`) writes one document over every
 size, ``nbckpt.bench.scaling/1``: each size's document above under ``runs``, and a ``scaling``

@@ -20,9 +20,8 @@ import pytest
 from helpers.s3server import KEY, SECRET, SeaweedS3
 
 from nbckpt import cli
-from nbckpt.bench import _internal
 from nbckpt.bench._ranks import HOST_VARIABLE
-from nbckpt.bench._sweep import parse_ranks, passthrough
+from nbckpt.bench._sweep import arm_sweep_seam, parse_ranks, passthrough
 from tests.helpers.ranks import RankProcess, finish_all, free_port
 
 # A checkpoint of the first run that saves: every rank is inside the bench's turns.
@@ -43,7 +42,7 @@ def _options(tmp_path: Path, ranks: str) -> list[str]:
 @pytest.fixture
 def seam() -> Iterator[None]:
     yield
-    _internal.arm_sweep_seam(None)
+    arm_sweep_seam(None)
 
 
 def _running(processes: list[psutil.Process]) -> list[str]:
@@ -72,6 +71,8 @@ def test_a_sweep_over_1_and_2_ranks_writes_one_table_and_one_json_of_both(
         assert json.loads(Path(run["json"]).read_text()) == run["document"]
         job = run["document"]["job"]
         assert job["world_size"] == size and sum(len(ranks) for ranks in job["hosts"].values()) == size
+        # The bench's own barriers and gather, timed outside the lanes: there, and per step trained.
+        assert job["coordination"]["seconds"] > 0 and job["coordination"]["per_step_s"] > 0
     rows = {(row["ranks"], row["strategy"]): row for row in document["scaling"]}
     assert set(rows) == {(1, "nbckpt-async"), (2, "nbckpt-async")}
     for row in rows.values():
@@ -97,7 +98,7 @@ def test_ctrl_c_or_a_dying_rank_ends_every_process_and_a_dead_rank_is_named(
                     if worker.environ().get("RANK") == "1"]
         rank1.send_signal(signal.SIGKILL)
 
-    _internal.arm_sweep_seam(at_a_turn)
+    arm_sweep_seam(at_a_turn)
     code = cli.main(_options(tmp_path, "2"))
     err = capsys.readouterr().err
     assert len(noted) >= 3, err[-2000:]  # torchrun and its 2 ranks at least
@@ -188,3 +189,37 @@ def test_two_ranks_write_to_s3_and_their_bytes_add_up_to_the_objects(
         assert [row["ranks_writing"] for row in summary["checkpoints"]] == [2, 2]
         assert summary["aggregate_write_gbs"] > 0
     assert document["job"]["floors"]["concurrent_write_gbs"] > 0
+
+
+RESTORER = Path(__file__).parents[1] / "helpers" / "bench_restore_worker.py"
+
+
+def _torchrun_two(*command: str) -> str:
+    """``command`` on 2 local gloo ranks under torchrun; its stdout (a failure shows stderr)."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", *command],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=250, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_sharded_workloads_kept_checkpoints_restore_bit_exactly_on_the_same_ranks(tmp_path: Path) -> None:
+    out, folder = tmp_path / "job.json", tmp_path / "ckpt"
+    _torchrun_two("-m", "nbckpt", "bench", "--dir", str(folder), "--preset", "tiny", "--fsdp", "--keep",
+                  "--strategies", "dcp-sync,nbckpt-async", "--steps", "4", "--every", "2",
+                  "--repeats", "1", "--no-warmup", "--quiet", "--json", str(out))
+    kept = json.loads(out.read_text())["job"]["kept"]
+    # Each rank's last checkpoint of each strategy, every tensor it holds digested.
+    assert sorted((row["rank"], row["strategy"], row["step"]) for row in kept) == [
+        (rank, name, 4) for rank in (0, 1) for name in ("dcp-sync", "nbckpt-async")]
+    shards = {row["rank"]: row["digests"] for row in kept if row["strategy"] == "nbckpt-async"}
+    assert shards[0].keys() == shards[1].keys() and shards[0] != shards[1]  # each rank its own 1/2
+    lines = [json.loads(line) for line in _torchrun_two(str(RESTORER), str(out), str(folder)).splitlines()
+             if line.startswith("{")]
+    assert sorted(line["rank"] for line in lines) == [0, 1]
+    for line in lines:
+        for name in ("dcp-sync", "nbckpt-async"):
+            assert line["checked"][name] > 10 and line["differ"][name] == [], line
