@@ -37,6 +37,11 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fsdp", action="store_true",
                         help="under torchrun: shard the GPT preset over the ranks with FSDP2, each "
                         "rank saving its shard (default: replicated on every rank, as under DDP)")
+    parser.add_argument("--ranks", default=None, metavar="N,N,...",
+                        help="measured scaling on this node: run the bench under torchrun on each "
+                        "rank count in turn (e.g. 1,2,4) and print one table of every size; --json "
+                        "OUT holds every size, each size's own beside it as OUT.ranks-N.json "
+                        "(default: the ranks this process was started with)")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -44,6 +49,8 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import _internal as bench
 
     progress = None if args.quiet else lambda line: print(line, file=sys.stderr, flush=True)
+    if args.ranks is not None:
+        return _bench_sweep(args, progress)
     if args.fsdp and not bench.in_torchrun():
         raise ConfigError("--fsdp shards the model over the ranks of torchrun; run under torchrun")
     if bench.in_torchrun():  # one rank of many: rank 0 alone prints and writes the results
@@ -56,6 +63,24 @@ def _bench(args: argparse.Namespace) -> int:
     print(comparison.table())
     if args.json is not None:
         comparison.to_json(args.json)
+        print(f"results written to {args.json}")
+    return 0
+
+
+def _bench_sweep(args: argparse.Namespace, progress: Callable[[str], None] | None) -> int:
+    """``nbckpt bench --ranks 1,2,4``: torchrun launched per size, one table and one JSON of all."""
+    from .bench import _internal as bench
+
+    if bench.in_torchrun():
+        raise ConfigError("--ranks launches torchrun itself; run it outside torchrun")
+    if args.json is not None:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent) or os.path.isdir(args.json):
+            raise ConfigError(f"--json {args.json}: give a file name in an existing directory")
+    document = bench.run_sweep(args, progress)
+    print(bench.scaling_table(document["scaling"]))
+    if args.json is not None:
+        write_atomic(args.json, json.dumps(bench.json_value(document), indent=1, allow_nan=False).encode())
         print(f"results written to {args.json}")
     return 0
 

@@ -51,7 +51,7 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
       "ranks": [{"rank": 0, "host": "node-a", "strategy": "nbckpt-async",
                  "stall_s": ...,          # mean stall per checkpoint on this rank
                  "persist_s": ...,        # mean persist per checkpoint on this rank
-                 "bytes": ...,            # this rank's checkpoint files on disk (every checkpoint
+                 "bytes": ...,            # this rank's checkpoint files on disk or objects (every checkpoint
                                           # and repeat): a replicated state is written once in all
                  "write_gbs": ...,        # those bytes over this rank's persist time
                  "mean_step_s": ..., "overhead_pct": ..., "checkpoints": 2}, ...],  # rank x strategy
@@ -71,10 +71,20 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
                            "time_to_durable_s": ...,   # first save's start to last commit, any rank
                            "aggregate_write_gbs": ...,  # all ranks' bytes over that time
                            "first_rank": 0, "last_rank": 1,
-                           "start_spread_s": ...}, ...]}, ...]},  # last rank's save start - first's
+                           "start_spread_s": ...}, ...]}, ...],  # last rank's save start - first's
+        "coordination": {"seconds": ..., "rank": 1,  # the bench's own barriers and gather,
+                         "per_step_s": ...},          # outside the lanes' clocks, on the rank
+                                                      # that spent most; per step trained there
+        "kept": [{"rank": 0, "strategy": "nbckpt-async", "repeat": 2, "step": 20,  # --keep only:
+                  "digests": {"model.lm_head.weight": "<sha256>", ...}}, ...]},  # the last repeat's
+                  # last checkpoint, each tensor this rank holds (its local shard under FSDP2)
       "rank_timeline": [{"rank": 1, "strategy": "nbckpt-async", "repeat": 0, "kind": "persist",
                          "step": 4, "start_ns": ..., "end_ns": ...,  # wall clock (time.time_ns)
                          "bytes": ...}, ...]  # every event of every rank (nbckpt.bench._rank_timeline)
+
+``nbckpt bench --ranks 1,2,4`` (:mod:`nbckpt.bench._sweep`) writes one document over every
+size, ``nbckpt.bench.scaling/1``: each size's document above under ``runs``, and a ``scaling``
+row per size and strategy (schema in :func:`nbckpt.bench._sweep.scaling_document`).
 
 Times are seconds, rates GB/s (1e9 bytes), memory MiB; ``start_s`` counts from the start
 of that run (after its warm-up save).

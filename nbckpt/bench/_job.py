@@ -26,7 +26,9 @@ __all__ = ["RankRecord", "job_summary", "job_text", "straggler"]
 #:      "strategies": [{"strategy", "stall_s", "persist_s", "bytes", "write_gbs", "mean_step_s",
 #:                      "overhead_pct", "checkpoints"}, ...],
 #:      "checkpoints": [{"strategy", "repeat", "step", "start_ns", "end_ns", "bytes"}, ...],
-#:      "floor_writes": [{"repeat", "start_ns", "end_ns", "bytes"}, ...]}
+#:      "floor_writes": [{"repeat", "start_ns", "end_ns", "bytes"}, ...],
+#:      "kept": [{"strategy", "repeat", "step", "digests": {key: sha256}}, ...],  # with --keep
+#:      "coordination_s": 0.12, "steps_trained": 60}  # the bench's barriers and gathers
 RankRecord = Mapping[str, Any]
 
 
@@ -136,6 +138,20 @@ def _floor(records: Sequence[RankRecord]) -> dict[str, Any]:
     }
 
 
+def _coordination(records: Sequence[RankRecord]) -> dict[str, Any]:
+    """The bench's own cost: time in its barriers (and rank 0's gather) on the rank that spent
+    the most, and that per step trained there (to set beside the step time)."""
+    spent = {int(record["rank"]): _number(record.get("coordination_s")) + _number(record.get("gather_s", 0.0))
+             for record in records}
+    spent = {rank: value for rank, value in spent.items() if not math.isnan(value)}
+    if not spent:
+        return {"seconds": math.nan, "per_step_s": math.nan, "rank": None}
+    rank = max(spent, key=lambda r: (spent[r], -r))
+    steps = {int(record["rank"]): int(record.get("steps_trained", 0)) for record in records}
+    return {"seconds": spent[rank], "rank": rank,
+            "per_step_s": spent[rank] / steps[rank] if steps.get(rank) else math.nan}
+
+
 def job_summary(records: Sequence[RankRecord]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``(ranks, job)`` of the JSON document from every rank's record (any order).
 
@@ -158,6 +174,10 @@ def job_summary(records: Sequence[RankRecord]) -> tuple[list[dict[str, Any]], di
         "floors": _floor(ordered),
         "strategies": [_strategy_summary(ordered, name, hosts) for name in strategies],
     }
+    job["coordination"] = _coordination(ordered)
+    kept = [{"rank": int(record["rank"]), **saved} for record in ordered for saved in record.get("kept", [])]
+    if kept:  # --keep: what each rank's kept checkpoints hold, to check a restore against
+        job["kept"] = kept
     return rows, job
 
 

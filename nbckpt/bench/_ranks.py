@@ -33,23 +33,23 @@ from typing import Any
 import pandas as pd
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
 from .._errors import ConfigError
 from .._util import GB, is_url
 from ..engine import Event, Timeline
-from ..engine._internal import step_name
+from ..engine._internal import fsspec_options, open_fsspec, step_name
 from ._compare import run_bench_from_args as run_one_process
 from ._comparison import Comparison
 from ._dcp import DcpAsync, DcpSync
 from ._job import RankRecord, job_summary
 from ._measure import measure_write
+from ._rank_workload import RankWorkload, state_digests
 from ._runner import EventCallback, Lane, Progress, RunProgress
 from ._strategies import TorchSave
 from ._strategy import Strategy, join
-from ._workloads import GPTWorkload, Workload
+from ._workloads import Workload
 
-__all__ = ["RankJob", "RankLane", "RankStrategy", "RankWorkload", "arm_slow", "in_torchrun",
+__all__ = ["HOST_VARIABLE", "RankJob", "RankLane", "RankStrategy", "arm_slow", "in_torchrun",
            "run_bench_on_ranks"]
 
 #: How long a rank waits at the bench's barriers for the others (a rank that died: torchrun's
@@ -58,6 +58,9 @@ BARRIER_TIMEOUT_S = 600.0
 # Events that mark a checkpoint's span on a rank: from its save's start to its last durable write.
 _SPAN_START = frozenset({"stall", "stage", "persist", "fsync", "commit"})
 _SPAN_END = frozenset({"persist", "fsync", "commit"})
+
+#: The environment variable that names this rank's host in the results (default: the host name).
+HOST_VARIABLE = "NBCKPT_BENCH_HOST"
 
 _slow: tuple[int, float] | None = None
 
@@ -72,84 +75,17 @@ def arm_slow(rank: int | None, seconds: float = 0.0) -> None:
 
 def in_torchrun() -> bool:
     """True in one of several ranks: torch.distributed initialized with more than one, or
-    torchrun's ``WORLD_SIZE`` above 1 (the group is then started by :meth:`RankJob.start`)."""
+    torchrun's ``WORLD_SIZE`` above 1 (the group is then started by :meth:`RankJob.start`); and
+    in any rank torchrun started, one alone too (``TORCHELASTIC_RUN_ID``: the 1 of ``--ranks
+    1,2,4`` is a job of one rank, its figures measured as the others')."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return True
     try:
         return int(os.environ.get("WORLD_SIZE", "1")) > 1
     except ValueError:
         return False
-
-
-def _shard(workload: GPTWorkload) -> None:
-    """FSDP2 over the ranks: each block, then the whole model (each rank keeps 1/N of every
-    parameter); the optimizer made again over the sharded parameters, and one step so that its
-    state has its size, as :meth:`GPTWorkload.build` does."""
-    model = workload.model
-    if model is None:
-        raise ConfigError(f"workload {workload.name} is not built yet; call build() first")
-    for block in model.blocks.layers:
-        fully_shard(block)
-    fully_shard(model)
-    workload.optim = torch.optim.AdamW(model.parameters(), lr=workload.config.lr,
-                                       weight_decay=workload.config.weight_decay)
-    workload.train_step()
-    workload.step = 0
-
-
-class RankWorkload(Workload):
-    """The user's workload as one rank holds it: a GPT replicated as under DDP (every rank the
-    same weights, built from the same seed) or, ``sharded``, under FSDP2 (each rank 1/N of
-    them); any other state as this rank's own, under keys of its own (``model/rank<r>/...``:
-    replicated keys would be written once and checked to agree)."""
-
-    def __init__(self, inner: Workload, rank: int, world_size: int, *, sharded: bool = False) -> None:
-        if sharded and not isinstance(inner, GPTWorkload):
-            raise ConfigError(f"--fsdp shards a GPT preset, not {inner.name}; drop --size-mb")
-        self.inner = inner
-        super().__init__()
-        self.name, self.nbytes, self.params = inner.name, inner.nbytes, inner.params
-        self.device = inner.device
-        self.rank, self.world_size = rank, world_size
-        self.sharded = sharded
-        self.replicated = isinstance(inner, GPTWorkload) and not sharded
-
-    @property  # type: ignore[override]  # the runner sets the inner workload's step
-    def step(self) -> int:
-        return self.inner.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.inner.step = value
-
-    @property
-    def share_bytes(self) -> int:
-        """What this rank writes of a checkpoint: its own state, or its part of a replicated one
-        (nbckpt and DCP spread a replicated state's tensors over the ranks)."""
-        spread = self.replicated or self.sharded
-        return math.ceil(self.nbytes / self.world_size) if spread else self.nbytes
-
-    def build(self) -> None:
-        if self.built:
-            return
-        self.inner.build()
-        if self.sharded and isinstance(self.inner, GPTWorkload):
-            _shard(self.inner)
-        self.built = True
-
-    def train_step(self, before_update: Any = None) -> None:
-        self.inner.train_step(before_update)
-
-    def state(self) -> dict[str, Any]:
-        state = self.inner.state()
-        if self.replicated or self.sharded:
-            return state
-        return {**state, "model": {f"rank{self.rank}": state["model"]}}
-
-    def describe(self) -> str:
-        how = ("replicated (DDP-like) on" if self.replicated else "sharded with FSDP2 over"
-               if self.sharded else "its own state on each of")
-        return f"{self.inner.describe()}; {how} {self.world_size} ranks"
 
 
 class RankStrategy(Strategy):
@@ -185,10 +121,12 @@ class RankStrategy(Strategy):
 
     def written(self, step: int) -> int | None:
         """Bytes of this rank's files of checkpoint ``step`` on disk (DCP's and nbckpt's
-        ``__<rank>_<n>.distcp``, torch.save's file); None where that cannot be told (an object
-        store, a checkpoint already removed by retention)."""
-        if not self.writes_checkpoints or is_url(self.path):
+        ``__<rank>_<n>.distcp``, torch.save's file), or objects in an object store; None where
+        that cannot be told (a checkpoint already removed by retention)."""
+        if not self.writes_checkpoints:
             return None
+        if is_url(self.path):
+            return self._written_objects(step)
         if self.torch_save:
             if not self.saves:
                 return 0
@@ -197,6 +135,16 @@ class RankStrategy(Strategy):
             pattern = os.path.join(glob.escape(self.path), step_name(step), f"__{self.job.rank}_*.distcp")
             files = glob.glob(pattern)
         sizes = [os.path.getsize(name) for name in files if os.path.isfile(name)]
+        return sum(sizes) if sizes else None
+
+    def _written_objects(self, step: int) -> int | None:
+        """Bytes of this rank's ``__<rank>_<n>.distcp`` objects of checkpoint ``step`` (only
+        nbckpt's strategies write to an object store; one listing per checkpoint, after its turn)."""
+        protocol = self.path.partition("://")[0]
+        fs, root = open_fsspec(self.path, fsspec_options(protocol, self.storage_options))
+        fs.invalidate_cache()  # the listing must see what the turn just wrote
+        found = fs.glob(f"{root}/{step_name(step)}/__{self.job.rank}_*.distcp", detail=True)
+        sizes = [int(info["size"]) for info in found.values()]
         return sum(sizes) if sizes else None
 
     def before_step(self) -> None:
@@ -240,7 +188,19 @@ class RankLane(Lane):
         super().pause()
         if turned:
             self._measure_written()
+            self._digest_kept()
             self.job.barrier()
+
+    def _digest_kept(self) -> None:
+        """With ``--keep``, the digests of the state the last repeat's last checkpoint saved:
+        taken outside the clock, at the turn's end, when no step has trained since that save."""
+        last = self.last_saved
+        if (not self.job.keep or self.repeat != self.job.repeats - 1 or last is None
+                or self.workload.step != last or not self.strategy.writes_checkpoints
+                or any(kept["strategy"] == self.name for kept in self.job.kept)):
+            return
+        self.job.kept.append({"strategy": self.name, "repeat": self.repeat, "step": last,
+                              "digests": state_digests(self.workload.state())})
 
     def _measure_written(self) -> None:
         """What this rank wrote of each checkpoint of the turn, from its files: the engines'
@@ -286,10 +246,16 @@ class RankJob:
         self.own_default = own_default
         self.sharded = sharded
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.host = socket.gethostname()
+        # The host the record names: NBCKPT_BENCH_HOST where the host name does not tell the
+        # agents apart (two torchrun agents on one machine imitating two hosts, containers).
+        self.host = os.environ.get(HOST_VARIABLE) or socket.gethostname()
         self.workload: RankWorkload | None = None
         self.lanes: list[RankLane] = []
         self.floor_writes: list[dict[str, Any]] = []
+        self.keep, self.repeats = False, 1  # --keep: the kept checkpoints' digests are recorded
+        self.kept: list[dict[str, Any]] = []
+        # Time in the bench's own barriers and gathers, outside every lane's clock.
+        self.coordination_ns = 0
         # The event clock (perf_counter) on the wall clock, which the ranks (and hosts) share.
         self.wall_offset_ns = time.time_ns() - time.perf_counter_ns()
 
@@ -319,7 +285,9 @@ class RankJob:
         return self.workload
 
     def barrier(self) -> None:
+        begin = time.perf_counter_ns()
         dist.barrier(group=self.group)
+        self.coordination_ns += time.perf_counter_ns() - begin
 
     # -- the Coordination compare() takes --------------------------------------------------
 
@@ -376,12 +344,19 @@ class RankJob:
             } for row in rows],
             "checkpoints": spans,
             "floor_writes": list(self.floor_writes),
+            "kept": list(self.kept),
+            "coordination_s": self.coordination_ns / 1e9,
+            "steps_trained": sum(lane.steps for lane in self.lanes),
         }
 
     def gather(self, record: RankRecord) -> list[RankRecord] | None:
         """Every rank's record on rank 0 (in rank order), None elsewhere."""
         gathered: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        begin = time.perf_counter_ns()
         dist.gather_object(record, gathered, dst=0, group=self.group)
+        # The gather's own time is known only after it: rank 0 adds its own to the job's figures.
+        if gathered is not None:
+            gathered[0] = {**gathered[0], "gather_s": (time.perf_counter_ns() - begin) / 1e9}
         return gathered
 
     def close(self) -> None:
@@ -405,6 +380,7 @@ def run_bench_on_ranks(args: argparse.Namespace, progress: Progress | None = Non
     comparison with the job's figures on rank 0, None on every other rank (rank 0 alone prints
     and writes results)."""
     job = RankJob.start(args.device, sharded=args.fsdp)
+    job.keep, job.repeats = bool(getattr(args, "keep", False)), args.repeats
     try:
         comparison = run_one_process(args, progress if job.rank == 0 else None, ranks=job)
         records = job.gather(job.record(comparison))

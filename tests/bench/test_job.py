@@ -73,7 +73,7 @@ def test_a_rank_that_writes_nothing_adds_no_span_and_a_tie_names_the_lowest_rank
 
 
 def test_a_rank_holds_a_gpt_replicated_and_any_other_state_under_keys_of_its_own() -> None:
-    from nbckpt.bench._ranks import RankWorkload
+    from nbckpt.bench._rank_workload import RankWorkload
     from nbckpt.bench._workloads import gpt, synthetic
 
     replicated = RankWorkload(gpt("tiny"), rank=1, world_size=2)
@@ -87,3 +87,15 @@ def test_a_rank_holds_a_gpt_replicated_and_any_other_state_under_keys_of_its_own
     assert list(state["model"]) == ["rank1"] and state["step"] == own.inner.step == 4
     assert "own state on each of 2 ranks" in own.describe()
     assert "replicated (DDP-like) on 2 ranks" in replicated.describe()
+
+
+def test_the_benchs_own_coordination_is_the_rank_that_spent_most_per_step_it_trained() -> None:
+    records = [{**_rank(0, "a", 0.1, 2.0, [], (0, S, 10)), "coordination_s": 0.2, "steps_trained": 40,
+                "gather_s": 0.1},
+               {**_rank(1, "a", 0.1, 2.0, [], (0, S, 10)), "coordination_s": 0.25, "steps_trained": 50}]
+    _, job = job_summary(records)
+    # Rank 0: 0.2 s in barriers and 0.1 s gathering, the most; over the 40 steps it trained.
+    assert job["coordination"] == {"seconds": pytest.approx(0.3), "rank": 0,
+                                   "per_step_s": pytest.approx(0.3 / 40)}
+    _, without = job_summary([_rank(0, "a", 0.1, 2.0, [], (0, S, 10))])
+    assert without["coordination"]["rank"] is None

@@ -1,0 +1,113 @@
+"""The user's workload as one rank of a bench on many ranks holds it (:class:`RankWorkload`), and
+the digests of what a rank saved (:func:`state_digests`), for a restore to be checked against."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from .._errors import ConfigError
+from ._strategy import plain_state
+from ._workloads import GPTWorkload, Workload
+
+__all__ = ["RankWorkload", "state_digests"]
+
+
+def _shard(workload: GPTWorkload) -> None:
+    """FSDP2 over the ranks: each block, then the whole model (each rank keeps 1/N of every
+    parameter); the optimizer made again over the sharded parameters, and one step so that its
+    state has its size, as :meth:`GPTWorkload.build` does."""
+    model = workload.model
+    if model is None:
+        raise ConfigError(f"workload {workload.name} is not built yet; call build() first")
+    for block in model.blocks.layers:
+        fully_shard(block)
+    fully_shard(model)
+    workload.optim = torch.optim.AdamW(model.parameters(), lr=workload.config.lr,
+                                       weight_decay=workload.config.weight_decay)
+    workload.train_step()
+    workload.step = 0
+
+
+def state_digests(state: Mapping[str, Any]) -> dict[str, str]:
+    """SHA-256 of every tensor this rank holds of ``state`` (modules and optimizers as their
+    state dicts; a DTensor as its local shard), by its dotted key: what a restore into the same
+    ranks must give back bit for bit."""
+    digests: dict[str, str] = {}
+
+    def visit(value: Any, key: str) -> None:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            digests[key] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
+        elif isinstance(value, Mapping):
+            for name, item in value.items():
+                visit(item, f"{key}.{name}" if key else str(name))
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                visit(item, f"{key}.{index}")
+
+    visit(plain_state(state), "")
+    return digests
+
+
+class RankWorkload(Workload):
+    """The user's workload as one rank holds it: a GPT replicated as under DDP (every rank the
+    same weights, built from the same seed) or, ``sharded``, under FSDP2 (each rank 1/N of
+    them); any other state as this rank's own, under keys of its own (``model/rank<r>/...``:
+    replicated keys would be written once and checked to agree)."""
+
+    def __init__(self, inner: Workload, rank: int, world_size: int, *, sharded: bool = False) -> None:
+        if sharded and not isinstance(inner, GPTWorkload):
+            raise ConfigError(f"--fsdp shards a GPT preset, not {inner.name}; drop --size-mb")
+        self.inner = inner
+        super().__init__()
+        self.name, self.nbytes, self.params = inner.name, inner.nbytes, inner.params
+        self.device = inner.device
+        self.rank, self.world_size = rank, world_size
+        self.sharded = sharded
+        self.replicated = isinstance(inner, GPTWorkload) and not sharded
+
+    @property  # type: ignore[override]  # the runner sets the inner workload's step
+    def step(self) -> int:
+        return self.inner.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.inner.step = value
+
+    @property
+    def share_bytes(self) -> int:
+        """What this rank writes of a checkpoint: its own state, or its part of a replicated one
+        (nbckpt and DCP spread a replicated state's tensors over the ranks)."""
+        spread = self.replicated or self.sharded
+        return math.ceil(self.nbytes / self.world_size) if spread else self.nbytes
+
+    def build(self) -> None:
+        if self.built:
+            return
+        self.inner.build()
+        if self.sharded and isinstance(self.inner, GPTWorkload):
+            _shard(self.inner)
+        self.built = True
+
+    def train_step(self, before_update: Any = None) -> None:
+        self.inner.train_step(before_update)
+
+    def state(self) -> dict[str, Any]:
+        state = self.inner.state()
+        if self.replicated or self.sharded:
+            return state
+        return {**state, "model": {f"rank{self.rank}": state["model"]}}
+
+    def describe(self) -> str:
+        how = ("replicated (DDP-like) on" if self.replicated else "sharded with FSDP2 over"
+               if self.sharded else "its own state on each of")
+        return f"{self.inner.describe()}; {how} {self.world_size} ranks"
