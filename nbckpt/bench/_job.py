@@ -55,11 +55,14 @@ def _aggregate(spans: Sequence[Mapping[str, Any]]) -> tuple[float, float, int, i
 
 def straggler(stalls: Mapping[int, float], hosts: Mapping[int, str]) -> dict[str, Any] | None:
     """The rank whose stall is the longest, its host, and by how much it exceeds the median
-    over ranks (seconds and ratio); None when no rank stalled."""
+    over ranks (seconds and ratio); None when no rank stalled longer than the median (one rank,
+    or every rank alike: nobody straggles)."""
     if not stalls or max(stalls.values()) <= 0:
         return None
     rank = max(stalls, key=lambda r: (stalls[r], -r))  # the lowest rank of a tie
     median = statistics.median(stalls.values())
+    if stalls[rank] <= median:
+        return None
     return {
         "rank": rank,
         "host": hosts.get(rank, ""),
