@@ -70,7 +70,7 @@ def test_a_rank_that_writes_nothing_adds_no_span_and_a_tie_names_no_straggler() 
     assert row["ranks_writing"] == 1 and row["bytes"] == 1_000
     assert job["strategies"][1]["straggler"] is None  # every rank alike: nobody straggles
     assert straggler({}, {}) is None and straggler({0: 0.5}, {0: "h"}) is None
-    assert straggler({0: 0.2, 1: 0.2, 2: 0.5, 3: 0.5}, {})["rank"] == 2  # of a tie above the median, the lowest
+    assert straggler({0: 0.2, 1: 0.2, 2: 0.5, 3: 0.5}, {})["rank"] == 2  # a tie: the lowest rank
 
 
 def test_a_rank_holds_a_gpt_replicated_and_any_other_state_under_keys_of_its_own() -> None:
