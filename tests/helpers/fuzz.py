@@ -86,7 +86,7 @@ class Child:
     def __init__(self, runs: Path, seed: int, cases: list[str], memory_mb: int) -> None:
         path = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-        self.stderr = open(runs / "child-stderr.log", "ab")  # noqa: SIM115  (closed in close())
+        self.stderr = open(runs / "child-stderr.log", "ab")  # noqa: SIM115  (closed in stop())
         self.process = subprocess.Popen(
             [sys.executable, "-m", "helpers.fuzz", "child", str(runs), str(seed), str(memory_mb)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env, cwd=runs,
@@ -133,7 +133,7 @@ def run_cases(runs: Path, seed: int, cases: list[str], *, timeout_s: float = 20.
         while (line := child.line(deadline)) is not None:
             word, _, rest = line.partition(" ")
             if word == "case":
-                current, phase, deadline = rest, "copy", time.monotonic() + timeout_s
+                current, phase, what, deadline = rest, "copy", "", time.monotonic() + timeout_s
             elif word == "what":
                 what = rest
             elif word == "phase":

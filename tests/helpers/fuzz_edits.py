@@ -124,6 +124,14 @@ def manifest_field(body: dict[str, Any], rng: random.Random) -> tuple[str, str]:
 
 
 def manifest_extreme(body: dict[str, Any], rng: random.Random) -> tuple[str, str]:
+    """A number set to an extreme one; or, one time in four, a file's size claimed far larger, with
+    a block list to match (a 4 KB manifest claiming a 3 GiB ``.metadata``: issue 34 item 8a)."""
+    if rng.random() < 0.25:
+        name = rng.choice(sorted(body["files"]))
+        size = rng.choice([1 << 30, 3 << 30, 1 << 40])
+        meta = body["files"][name]
+        meta.update(size=size, blocks=meta["blocks"][:1] * -(-size // body["block_size"]))
+        return json.dumps(body, separators=(",", ":")), f"files/{name} claims {size} bytes, blocks to match"
     numbers = [p for p in leaves(body) if p and type(at(body, p)) in (int, float)]
     path, text = rng.choice(numbers), rng.choice(EXTREME_TEXT)
     return with_text(body, path, text), f"{'/'.join(map(str, path))} = {text[:24]}"
