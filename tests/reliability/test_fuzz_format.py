@@ -25,9 +25,10 @@ CASES_PER_FAMILY = 5
 #: data/results/fuzz-format-cpu.json) fails in these and in native-metadata-deep (a tuple nested
 #: 400,000 deep as a key: SIGSEGV; 1,000 deep: RecursionError, item 1), native-manifest-dupkey
 #: (a tree listing a key twice: load and plain dcp.load read different values, item 8b),
-#: dcp-metadata-field and dcp-metadata-flip (raw ValueError, AttributeError: item 6) and
-#: native-distcp-flip (a re-signed flip in a plain value's DCP byte item: nbckpt reads the step,
-#: plain dcp.load cannot; in none of issue 34's items).
+#: dcp-metadata-field and dcp-metadata-flip (raw ValueError, AttributeError: item 6),
+#: native-manifest-extreme (a re-signed manifest claiming a 3 GiB .metadata: MemoryError under
+#: the limit, item 8a) and native-distcp-flip (a re-signed flip in a plain value's DCP byte
+#: item: nbckpt reads the step, plain dcp.load cannot; in none of issue 34's items).
 KNOWN = {
     "dcp-metadata-deep": "issue 34 items 1 and 6, fixed on another branch: a nested tuple or list in "
     ".metadata gives SIGSEGV (400,000 deep as a key), RecursionError (as a key or a path) or a raw "
