@@ -148,6 +148,11 @@ class _Entries:
         self.apart()
         planned = planner if isinstance(planner, dict) else {}
         self.paths = {key: planned.get(key, (key,)) for key in [*self.specs, *self.values, *self.skipped]}
+        placed: dict[str, str] = {}
+        for key, path in self.paths.items():  # one place, one entry: else two readers read two values
+            other = placed.setdefault(repr(tuple(path) if isinstance(path, list) else path), key)
+            if other != key:
+                raise CheckpointError(f"{label}: its planner data puts {other!r} and {key!r} in one place")
 
     def tensor(self, key: str, entry: TensorStorageMetadata) -> None:
         label, properties = self.label, entry.properties

@@ -46,3 +46,17 @@ def pickle_record(blob: bytes) -> bytes:
     """The ``data.pkl`` record of a ``torch.save`` zip, read by the zip reader ``torch.load`` uses
     (``torch._C.PyTorchFileReader``, stable since 1.6): the very pickle it would unpickle."""
     return bytes(torch._C.PyTorchFileReader(io.BytesIO(blob)).get_record("data.pkl"))
+
+
+def torch_archive_records(data: bytes) -> dict[str, bytes]:
+    """Every record of a ``torch.save`` archive as torch's own reader reads it
+    (``torch._C.PyTorchFileReader``, what ``torch.load`` and so a plain ``dcp.load`` use; stable
+    since 1.6): zip parsing only, nothing unpickled. An archive it refuses (its zip headers are
+    stricter than Python's ``zipfile``) raises here too, so nbckpt never reads a value that a
+    plain ``dcp.load`` of the same bytes would fail on."""
+    import io
+
+    import torch
+
+    reader = torch._C.PyTorchFileReader(io.BytesIO(data))
+    return {name: reader.get_record(name) for name in reader.get_all_records()}

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, describe_error
-from ._torch_compat import STORAGE_INFO_GLOBAL, pickle_record
+from ._torch_compat import STORAGE_INFO_GLOBAL, pickle_record, torch_archive_records
 
 __all__ = ["MAX_PICKLE_DEPTH", "MetadataUnpickler", "load_blob", "load_metadata", "plain_blob", "scan_pickle"]
 
@@ -268,6 +268,8 @@ def plain_blob(data: bytes, what: str) -> Any:
             if archive.read(f"{prefix}/byteorder") != b"little":
                 raise CheckpointError(f"{what} is not little-endian")
             pickled = archive.read(f"{prefix}/data.pkl")
+            if torch_archive_records(data).get("data.pkl") != pickled:  # what dcp.load would read
+                raise CheckpointError(f"{what}: torch's reader reads another value from it")
             scan_pickle(pickled)
             return _PlainUnpickler(io.BytesIO(pickled)).load()
     except CheckpointError:
