@@ -114,10 +114,36 @@ def _check_never_lose_work(results: dict[str, Any]) -> None:
     assert results["restored_from_mirror"] is True and results["mirror_identical"] is True
 
 
+def _check_interval(results: dict[str, Any]) -> None:
+    decision, advice = results["decision"], results["advice"]
+    ours = [row for row in advice if row["strategy"].startswith("nbckpt")]
+    best = min(ours, key=lambda row: row["waste_pct"])
+    assert decision["strategy"] == best["strategy"] and decision["mode"] == best["mode"]
+    # the interval is the schedule's for the measured costs, never shorter than the write
+    assert decision["interval_s"] >= decision["lag_s"] and decision["interval_s"] > 0
+    assert decision["job_mtbf_h"] == pytest.approx(7.9)  # Meta's fit at the default 1,024 GPUs
+    demo = results["schedule_demo"]
+    assert demo["saves_at_s"] and demo["reason"].startswith("save every ")
+
+
+#: Notebooks that end in a "Your decision" section whose printed advice comes from the run.
+DECIDED = {"07_interval_and_scale.ipynb"}
+
+
+def _check_decision(executed: Path) -> None:
+    """The last section is "Your decision", and its cells print a choice ("USE ...") and code."""
+    nb = nbformat.read(str(executed), as_version=4)
+    headings = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and c.source.startswith("## ")]
+    assert headings and nb.cells[headings[-1]].source.startswith("## Your decision"), executed.name
+    printed = "".join(o.get("text", "") for c in nb.cells[headings[-1]:] for o in c.get("outputs", []))
+    assert "USE " in printed and "WHEN IT CHANGES" in printed and "from nbckpt import" in printed, printed
+
+
 CHECKS = {
     "01_quickstart.ipynb": _check_quickstart,
     "04_fault_tolerance.ipynb": _check_fault_tolerance,
     "05_distributed.ipynb": _check_distributed,
+    "07_interval_and_scale.ipynb": _check_interval,
     "08_never_lose_work.ipynb": _check_never_lose_work,
 }
 
@@ -160,6 +186,8 @@ def test_notebook_runs_with_small_parameters(path: Path, tmp_path: Path) -> None
         check(results)
     if path.name == "06_lab.ipynb":
         _check_lab(executed)
+    if path.name in DECIDED:
+        _check_decision(executed)
     work = tmp_path / "work"
     if work.is_dir():  # the notebooks clean up after themselves unless told to keep files
         assert not [p for p in work.iterdir() if p.name.startswith("run-")]
