@@ -112,6 +112,10 @@ def _check_never_lose_work(results: dict[str, Any]) -> None:
     assert results["browser_lines"] == ["branch-1", "main"]
     assert results["mirror_restored_step"] == results["mirrored_step"]
     assert results["restored_from_mirror"] is True and results["mirror_identical"] is True
+    decision = results["decision"]  # computed from the autosaves and the mirror's uploads measured
+    assert 60.0 <= decision["every_s"] <= 600.0 and decision["every_s"] >= decision["write_s"]
+    assert decision["every_s"] >= min(100 * decision["stall_s"], 600.0) - 60.0
+    assert decision["mirror_keeps_up"] == (decision["upload_s"] < decision["every_s"])
 
 
 def _check_interval(results: dict[str, Any]) -> None:
@@ -210,6 +214,7 @@ def test_after_run_all_every_cell_runs_again_in_the_same_kernel(name: str, tmp_p
         CHECKS[name](json.loads(results.read_text()))
         # a handle's "staged" printed beside status lines that say "committed" reads as a contradiction
         assert "<SaveHandle" not in printed
+        assert f"--every {json.loads(results.read_text())['decision']['every']}" in printed  # its decision
         loaded = "'ckpt_async' in get_ipython().magics_manager.magics['line']"
         assert kernel.evaluate(loaded) == "True"  # a magic cell run again finds its magic
         assert Path(ast.literal_eval(kernel.evaluate("str(run_root)"))).is_dir()
