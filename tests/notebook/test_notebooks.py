@@ -102,6 +102,14 @@ def _check_distributed(results: dict[str, Any]) -> None:
     assert results["one_process_identical"] is True and results["plain_dcp_identical"] is True
     assert results["resharded_world"] == 3 and results["resharded_identical"] is True
     assert results["ranks_in_timeline"] == [0, 1]
+    # exported three ways and read back; a new run started from the body of this one's weights
+    assert results["export_identical"] is True and results["dcp_to_torch_save_identical"] is True
+    assert results["export_mb"]["model-bf16.pt"] < results["export_mb"]["exported.pt"] / 2
+    assert results["body_identical"] is True and results["finetune_steps"] == [3]
+    decision = results["decision"]  # from the ranks' measured steps, stalls and writes
+    interval_s = decision["every"] * decision["step_s"]
+    assert interval_s >= decision["persist_s"] and decision["stall_s"] <= 0.05 * interval_s + 1e-9
+    assert decision["stall_s"] == max(results["stall_ms"]) / 1e3
 
 
 def _check_never_lose_work(results: dict[str, Any]) -> None:
@@ -138,7 +146,7 @@ def _check_interval(results: dict[str, Any]) -> None:
 
 
 #: Notebooks that end in a "Your decision" section whose printed advice comes from the run.
-DECIDED = {"06_lab.ipynb", "07_interval_and_scale.ipynb"}
+DECIDED = {"05_distributed.ipynb", "06_lab.ipynb", "07_interval_and_scale.ipynb"}
 
 
 def _check_decision(executed: Path) -> None:
