@@ -141,6 +141,9 @@ def _check_interval(results: dict[str, Any]) -> None:
     # the interval is the schedule's for the measured costs, never shorter than the write
     assert decision["interval_s"] >= decision["lag_s"] and decision["interval_s"] > 0
     assert decision["job_mtbf_h"] == pytest.approx(7.9)  # Meta's fit at the default 1,024 GPUs
+    kill = {row["interval"]: row for row in results["kill"]}  # SIGKILLed at the same random times
+    assert list(kill) == ["0.25x advised", "1x advised", "4x advised"]
+    assert all(row["kills"] >= 1 and 0 <= row["goodput"] < 1.2 for row in kill.values()), kill
     demo = results["schedule_demo"]
     assert demo["saves_at_s"] and demo["reason"].startswith("save every ")
 
