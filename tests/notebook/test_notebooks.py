@@ -84,6 +84,13 @@ def _check_lab(executed: Path) -> None:
     nb = nbformat.read(str(executed), as_version=4)
     printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
     assert "nbckpt-async" in printed and "Overhead:" in printed, printed[-2000:]
+    # its decision names the strategy the lab's own table ranked first, from the lab's own numbers
+    decided = re.search(r"USE (nbckpt-[a-z-]+): ([+-][0-9.]+) %", printed)
+    assert decided, printed[-2000:]
+    overheads = dict(re.findall(r"^ *(nbckpt-[a-z-]+) +\d+ +\d+ +([+-][0-9.]+) %", printed, re.M))
+    assert overheads and decided[1] == min(overheads, key=lambda name: float(overheads[name]))
+    assert decided[2] == overheads[decided[1]]
+    assert re.search(r"SAVE EVERY \d+ steps", printed)
 
 
 def _check_distributed(results: dict[str, Any]) -> None:
@@ -95,6 +102,14 @@ def _check_distributed(results: dict[str, Any]) -> None:
     assert results["one_process_identical"] is True and results["plain_dcp_identical"] is True
     assert results["resharded_world"] == 3 and results["resharded_identical"] is True
     assert results["ranks_in_timeline"] == [0, 1]
+    # exported three ways and read back; a new run started from the body of this one's weights
+    assert results["export_identical"] is True and results["dcp_to_torch_save_identical"] is True
+    assert results["export_mb"]["model-bf16.pt"] < results["export_mb"]["exported.pt"] / 2
+    assert results["body_identical"] is True and results["finetune_steps"] == [3]
+    decision = results["decision"]  # from the ranks' measured steps, stalls and writes
+    interval_s = decision["every"] * decision["step_s"]
+    assert interval_s >= decision["persist_s"] and decision["stall_s"] <= 0.05 * interval_s + 1e-9
+    assert decision["stall_s"] == max(results["stall_ms"]) / 1e3
 
 
 def _check_never_lose_work(results: dict[str, Any]) -> None:
@@ -112,12 +127,45 @@ def _check_never_lose_work(results: dict[str, Any]) -> None:
     assert results["browser_lines"] == ["branch-1", "main"]
     assert results["mirror_restored_step"] == results["mirrored_step"]
     assert results["restored_from_mirror"] is True and results["mirror_identical"] is True
+    decision = results["decision"]  # computed from the autosaves and the mirror's uploads measured
+    assert 60.0 <= decision["every_s"] <= 600.0 and decision["every_s"] >= decision["write_s"]
+    assert decision["every_s"] >= min(100 * decision["stall_s"], 600.0) - 60.0
+    assert decision["mirror_keeps_up"] == (decision["upload_s"] < decision["every_s"])
+
+
+def _check_interval(results: dict[str, Any]) -> None:
+    decision, advice = results["decision"], results["advice"]
+    ours = [row for row in advice if row["strategy"].startswith("nbckpt")]
+    best = min(ours, key=lambda row: row["waste_pct"])
+    assert decision["strategy"] == best["strategy"] and decision["mode"] == best["mode"]
+    # the interval is the schedule's for the measured costs, never shorter than the write
+    assert decision["interval_s"] >= decision["lag_s"] and decision["interval_s"] > 0
+    assert decision["job_mtbf_h"] == pytest.approx(7.9)  # Meta's fit at the default 1,024 GPUs
+    kill = {row["interval"]: row for row in results["kill"]}  # SIGKILLed at the same random times
+    assert list(kill) == ["0.25x advised", "1x advised", "4x advised"]
+    assert all(row["kills"] >= 1 and 0 <= row["goodput"] < 1.2 for row in kill.values()), kill
+    demo = results["schedule_demo"]
+    assert demo["saves_at_s"] and demo["reason"].startswith("save every ")
+
+
+#: Notebooks that end in a "Your decision" section whose printed advice comes from the run.
+DECIDED = {"05_distributed.ipynb", "06_lab.ipynb", "07_interval_and_scale.ipynb"}
+
+
+def _check_decision(executed: Path) -> None:
+    """The last section is "Your decision", and its cells print a choice ("USE ...") and code."""
+    nb = nbformat.read(str(executed), as_version=4)
+    headings = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and c.source.startswith("## ")]
+    assert headings and nb.cells[headings[-1]].source.startswith("## Your decision"), executed.name
+    printed = "".join(o.get("text", "") for c in nb.cells[headings[-1]:] for o in c.get("outputs", []))
+    assert "USE " in printed and "WHEN IT CHANGES" in printed and "from nbckpt import" in printed, printed
 
 
 CHECKS = {
     "01_quickstart.ipynb": _check_quickstart,
     "04_fault_tolerance.ipynb": _check_fault_tolerance,
     "05_distributed.ipynb": _check_distributed,
+    "07_interval_and_scale.ipynb": _check_interval,
     "08_never_lose_work.ipynb": _check_never_lose_work,
 }
 
@@ -160,6 +208,8 @@ def test_notebook_runs_with_small_parameters(path: Path, tmp_path: Path) -> None
         check(results)
     if path.name == "06_lab.ipynb":
         _check_lab(executed)
+    if path.name in DECIDED:
+        _check_decision(executed)
     work = tmp_path / "work"
     if work.is_dir():  # the notebooks clean up after themselves unless told to keep files
         assert not [p for p in work.iterdir() if p.name.startswith("run-")]
@@ -182,6 +232,7 @@ def test_after_run_all_every_cell_runs_again_in_the_same_kernel(name: str, tmp_p
         CHECKS[name](json.loads(results.read_text()))
         # a handle's "staged" printed beside status lines that say "committed" reads as a contradiction
         assert "<SaveHandle" not in printed
+        assert f"--every {json.loads(results.read_text())['decision']['every']}" in printed  # its decision
         loaded = "'ckpt_async' in get_ipython().magics_manager.magics['line']"
         assert kernel.evaluate(loaded) == "True"  # a magic cell run again finds its magic
         assert Path(ast.literal_eval(kernel.evaluate("str(run_root)"))).is_dir()
