@@ -36,6 +36,9 @@ PLOTLY_JS_LOADER = "window.PlotlyConfig"
 SMALL = {"steps": 8, "every": 4, "kill_after": 4, "width": 256, "run_now": True, "clean_up": True}
 #: Notebooks whose every cell runs again, in the same kernel, after Run All.
 RERUNNABLE = ["01_quickstart.ipynb", "08_never_lose_work.ipynb"]
+#: Notebooks that end in a decision computed from their run (issue 29).
+DECIDING = ["01_quickstart.ipynb", "02_sync_vs_async.ipynb", "03_storage_and_flashblade.ipynb",
+            "04_fault_tolerance.ipynb"]
 
 
 @pytest.fixture(autouse=True)
@@ -78,6 +81,20 @@ def _check_fault_tolerance(results: dict[str, Any]) -> None:
     assert results["restored_step"] == results["killed_step"] - 1
     assert results["restored_step"] in results["committed_before_restore"]
     assert results["tensors_compared"] > 0
+
+
+def _check_decision(path: Path, results: dict[str, Any], printed: str) -> None:
+    """Issue 29: the notebook's last section is "Your decision", and what it printed holds the code
+    to paste that the run computed (the same text the results JSON carries)."""
+    cells = nbformat.read(str(path), as_version=4).cells
+    headings = [line for c in cells if c.cell_type == "markdown" for line in c.source.splitlines()
+                if line.startswith("## ")]
+    assert headings[-1] == "## Your decision", headings[-1]
+    last_heading = max(i for i, c in enumerate(cells)
+                       if c.cell_type == "markdown" and "## Your decision" in c.source)
+    assert any(c.cell_type == "code" for c in cells[last_heading:]), "the decision computes nothing"
+    code = results["decision"]["code"]
+    assert "Checkpointer(" in code and code in printed, (code, printed[-3000:])
 
 
 def _check_lab(executed: Path) -> None:
@@ -206,6 +223,9 @@ def test_notebook_runs_with_small_parameters(path: Path, tmp_path: Path) -> None
     check = CHECKS.get(path.name)
     if check is not None:
         check(results)
+    if path.name in DECIDING:
+        printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+        _check_decision(path, results, printed)
     if path.name == "06_lab.ipynb":
         _check_lab(executed)
     if path.name in DECIDED:
@@ -230,6 +250,8 @@ def test_after_run_all_every_cell_runs_again_in_the_same_kernel(name: str, tmp_p
     try:
         printed = "".join(kernel.run(source, timeout=300) for source in [cells[0], injected, *cells[1:]])
         CHECKS[name](json.loads(results.read_text()))
+        if name in DECIDING:
+            _check_decision(path, json.loads(results.read_text()), printed)
         # a handle's "staged" printed beside status lines that say "committed" reads as a contradiction
         assert "<SaveHandle" not in printed
         assert f"--every {json.loads(results.read_text())['decision']['every']}" in printed  # its decision
