@@ -169,7 +169,7 @@ def _check_interval(results: dict[str, Any]) -> None:
 DECIDED = {"05_distributed.ipynb", "06_lab.ipynb", "07_interval_and_scale.ipynb"}
 
 
-def _check_decision(executed: Path) -> None:
+def _check_printed_decision(executed: Path) -> None:
     """The last section is "Your decision", and its cells print a choice ("USE ...") and code."""
     nb = nbformat.read(str(executed), as_version=4)
     headings = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and c.source.startswith("## ")]
@@ -229,7 +229,7 @@ def test_notebook_runs_with_small_parameters(path: Path, tmp_path: Path) -> None
     if path.name == "06_lab.ipynb":
         _check_lab(executed)
     if path.name in DECIDED:
-        _check_decision(executed)
+        _check_printed_decision(executed)
     work = tmp_path / "work"
     if work.is_dir():  # the notebooks clean up after themselves unless told to keep files
         assert not [p for p in work.iterdir() if p.name.startswith("run-")]
