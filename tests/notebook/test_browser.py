@@ -176,3 +176,45 @@ def test_a_reloaded_page_shows_the_labs_as_they_are(reload_server: Server) -> No
         assert cells.nth(0).locator("table.nbckpt-results td", has_text="nbckpt-async").count() == 1
         assert page.get_by_text("model not found").count() == 0
         page.screenshot(path=str(ARTIFACTS / "browser-reload.png"), full_page=True)
+
+
+REPLACED_LAB_CELL = (
+    'from nbckpt.notebook import Lab\n\n'
+    'lab = Lab(directory="checkpoints/replaced", preset="synthetic", size_mb=2.0,\n'
+    '          strategies=["nbckpt-async"], steps=10, every=5, repeats=1)\n'
+    "lab.run(); lab.wait()\nlab"
+)
+
+
+@pytest.fixture
+def replaced_server(tmp_path: Path) -> Iterator[Server]:
+    root = tmp_path / "root"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(REPLACED_LAB_CELL)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, root / "replaced.ipynb")
+    with jupyter_lab(tmp_path, root) as running:
+        yield running
+
+
+def test_a_replaced_lab_draws_its_timeline(replaced_server: Server) -> None:
+    """Issue 29 defect 1: a Lab's timeline stayed plotly's empty placeholder, on the first run
+    as on re-runs: anywidget applies no update to a model whose module took over 2 s to load
+    ("[anywidget] Failed to initialize model."), and each figure's module imported plotly's
+    4.6 MB. Three runs of the cell: each lab, shown once its run has ended, draws its
+    timeline's bars, and the console logs no error (chromium_page)."""
+    with chromium_page("browser-replaced-lab-failed.png", height=1200) as page:
+        open_and_run_all(page, replaced_server, "replaced.ipynb")
+        prompt = page.locator(".jp-Notebook .jp-CodeCell .jp-InputPrompt").first
+        lab = page.locator(".nbckpt-lab")
+        bars = lab.locator(".js-plotly-plot g.trace.bars g.point")
+        for run in range(1, 4):
+            if run > 1:
+                rerun_cell(page, "= Lab(")
+            # the cell ends with its lab's run (lab.wait()): then its prompt shows its count
+            until(lambda run=run: prompt.inner_text().strip() == f"[{run}]:", 180, f"run {run} to end")
+            until(lambda: lab.count() == 1 and lab.locator(".nbckpt-results").count() == 1, 60,
+                  f"run {run}'s results table")
+            until(lambda: bars.count() > 0, 30, f"run {run}'s timeline bars")
+        page.screenshot(path=str(ARTIFACTS / "browser-replaced-lab.png"), full_page=True)
