@@ -10,34 +10,54 @@ usually before the notebook laid it out (700 px): a width change here sends a wi
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from copy import deepcopy
 from typing import Any
 
 import plotly.graph_objects as go
+import traitlets
 
 __all__ = ["live_figure"]
 
+# anywidget applies no message to a model until its module is imported and initialized, and
+# gives that 2 s ("[anywidget] Failed to initialize model."); past them the model drops every
+# update for good, and its views draw the figure as created: an empty timeline. Importing
+# plotly's 4.6 MB module took longer on a busy page, so the module here is small and waits for
+# nothing: plotly's source travels as a trait (_plotly_esm), imported once per page, and only
+# a view waits for it. Plotly's model part (initialize) is made by the first view; its
+# listeners only edit copies (plotly's get deserializes), so making it late loses nothing.
 _SCOPED_ESM = """\
-const source = __PLOTLY_ESM__;
-const url = URL.createObjectURL(new Blob([source], { type: "text/javascript" }));
-const plotly = await import(url);
-URL.revokeObjectURL(url);
+const key = "__nbckpt_plotly_" + __PLOTLY_KEY__;
+const plotlyModule = (model) => (globalThis[key] ??= (async () => {
+  const url = URL.createObjectURL(new Blob([model.get("_plotly_esm")], { type: "text/javascript" }));
+  try {
+    return await import(url);
+  } finally {
+    URL.revokeObjectURL(url);
+  }
+})());
 
 export default () => {
-  const base = typeof plotly.default === "function" ? plotly.default() : plotly.default;
+  let initial = null;
+  let base = null;
   let rendering = null;
   return {
     initialize(context) {
-      const model = context.model;
-      const routed = {
-        ...model,
-        on: (name, callback) => (rendering ?? model).on(name, callback),
-        off: (name, callback) => (rendering ?? model).off(name, callback),
-      };
-      return base.initialize?.({ ...context, model: routed });
+      initial = context;
     },
-    render(context) {
+    async render(context) {
+      const plotly = await plotlyModule(context.model);
+      if (base === null) {
+        base = typeof plotly.default === "function" ? plotly.default() : plotly.default;
+        const model = initial.model;
+        const routed = {
+          ...model,
+          on: (name, callback) => (rendering ?? model).on(name, callback),
+          off: (name, callback) => (rendering ?? model).off(name, callback),
+        };
+        base.initialize?.({ ...initial, model: routed });
+      }
       rendering = context.model;
       let cleanup;
       try {
@@ -67,7 +87,9 @@ export default () => {
 @functools.cache
 def _live_figure_class() -> type[go.FigureWidget]:
     # Made on first use: go.FigureWidget itself raises ImportError where anywidget is missing.
-    esm = _SCOPED_ESM.replace("__PLOTLY_ESM__", json.dumps(str(go.FigureWidget._esm)))
+    source = str(go.FigureWidget._esm)
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]  # another plotly version: its own import
+    esm = _SCOPED_ESM.replace("__PLOTLY_KEY__", json.dumps(key))
 
     class LiveFigure(go.FigureWidget):  # type: ignore[misc]
         """Plotly's widget, its views scoped (``_SCOPED_ESM``) and its state following the figure.
@@ -80,6 +102,7 @@ def _live_figure_class() -> type[go.FigureWidget]:
         """
 
         _esm = esm
+        _plotly_esm = traitlets.Unicode(source).tag(sync=True)
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)

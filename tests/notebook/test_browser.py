@@ -176,3 +176,53 @@ def test_a_reloaded_page_shows_the_labs_as_they_are(reload_server: Server) -> No
         assert cells.nth(0).locator("table.nbckpt-results td", has_text="nbckpt-async").count() == 1
         assert page.get_by_text("model not found").count() == 0
         page.screenshot(path=str(ARTIFACTS / "browser-reload.png"), full_page=True)
+
+
+REPLACED_LAB_CELL = (
+    'from nbckpt.notebook import Lab\n\n'
+    'lab = Lab(directory="checkpoints/replaced", preset="synthetic", size_mb=2.0,\n'
+    '          strategies=["nbckpt-async"], steps=10, every=5, repeats=1)\n'
+    "lab.run(); lab.wait()\nlab"
+)
+REPLACED_BENCH_CELL = ("%load_ext nbckpt\n%ckpt_bench -d checkpoints/bench --size-mb 2"
+                       " --strategies nbckpt-async --steps 10 --every 5 --repeats 1")
+
+
+@pytest.fixture
+def replaced_server(tmp_path: Path) -> Iterator[Server]:
+    root = tmp_path / "root"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(REPLACED_LAB_CELL), nbformat.v4.new_code_cell(REPLACED_BENCH_CELL)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, root / "replaced.ipynb")
+    with jupyter_lab(tmp_path, root) as running:
+        yield running
+
+
+def test_a_replaced_lab_draws_its_timeline(replaced_server: Server) -> None:
+    """Issue 29 defect 1: a Lab's timeline stayed plotly's empty placeholder, on re-runs (and on
+    a busy page's first run): anywidget applies no update to a model whose module took over 2 s
+    to load ("[anywidget] Failed to initialize model."), and each figure's module imported
+    plotly's 4.6 MB. The Lab cell run twice (the first time on a page slowed down 8 times),
+    then %ckpt_bench twice: each new lab, once its run has ended, draws its timeline's bars,
+    and the console logs no error (chromium_page)."""
+    with chromium_page("browser-replaced-lab-failed.png", height=1200) as page:
+        open_notebook(page, replaced_server, "replaced.ipynb")
+        # the first run on a page 8 times slower: plotly's module then takes anywidget's 2 s on
+        # any machine; the page's later figures import nothing
+        cdp = page.context.new_cdp_session(page)
+        cdp.send("Emulation.setCPUThrottlingRate", {"rate": 8})
+        for run, text in enumerate(["= Lab(", "= Lab(", "%ckpt_bench", "%ckpt_bench"], start=1):
+            cell = rerun_cell(page, text)
+            # a re-run clears the cell's output before it ends: then its prompt shows its count
+            # (the Lab cell ends with its run, lab.wait(); %ckpt_bench's with its lab shown)
+            prompt, lab = cell.locator(".jp-InputPrompt"), cell.locator(".nbckpt-lab")
+            until(lambda run=run, prompt=prompt: prompt.inner_text().strip() == f"[{run}]:", 180,
+                  f"run {run} to end")
+            until(lambda lab=lab: lab.locator("table.nbckpt-results").count() == 1, 60,
+                  f"run {run}'s results table")
+            bars = lab.locator(".js-plotly-plot g.trace.bars g.point")
+            until(lambda bars=bars: bars.count() > 0, 30, f"run {run}'s timeline bars")
+            cdp.send("Emulation.setCPUThrottlingRate", {"rate": 1})
+        page.screenshot(path=str(ARTIFACTS / "browser-replaced-lab.png"), full_page=True)
