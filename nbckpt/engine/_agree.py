@@ -33,12 +33,16 @@ __all__ = ["check_dcp_metadata", "check_values", "with_values"]
 
 
 #: Plain values DCP stores as byte items (what ``torch.load(weights_only=True)`` gives back too).
-_PLAIN = (type(None), bool, int, float, str)
+_PLAIN = (type(None), bool, int, float, str, bytes)
+#: The pickle protocol of a value's byte item: 3 is the first that writes bytes as bytes (2 calls
+#: ``_codecs.encode``, a global, which the plain reader refuses).
+VALUE_PROTOCOL = 3
 
 
 def dcp_values(tree: dict[str, Any]) -> list[tuple[str, tuple[str | int, ...], Any]]:
     """The state's plain values as DCP's flattening sees them: ``(key, path, value)`` of every
-    leaf that is not a tensor, made of None, bool, int, float and str in lists, tuples and dicts.
+    leaf that is not a tensor, made of None, bool, int, float, str and bytes in lists, tuples and
+    dicts.
 
     DCP descends into mappings (modules, optimizers and stateful objects are their state dicts)
     and into lists that hold tensors or mappings; any other value is one leaf. A leaf of another
@@ -103,7 +107,7 @@ def with_values(layout: Layout, tree: dict[str, Any], name: str) -> tuple[bytes,
     for key, path, value in values:
         image.write(bytes(pad(image.tell())))
         start = image.tell()
-        torch.save(value, image)
+        torch.save(value, image, pickle_protocol=VALUE_PROTOCOL)
         state_dict_metadata[key] = BytesStorageMetadata()
         storage_data[MetadataIndex(key)] = storage_info(name, start, image.tell() - start)
         planner_data[key] = path

@@ -96,3 +96,50 @@ def test_a_hostile_dcp_metadata_is_refused(tmp_path: Path) -> None:
         with pytest.raises(CheckpointError, match=r"refusing to load global builtins\.exec"):
             ckpt.load(4)
     assert not marker.exists()
+
+
+def test_bytes_values_are_saved_as_bytes_and_read_by_nbckpt_and_plain_dcp(tmp_path: Path) -> None:
+    """torchtitan's data loader state is ``{"dp_rank_0": pickle.dumps(state)}``: opaque bytes."""
+    blob = pickle.dumps({"pos": 17})
+    state = {"w": torch.ones(3), "loader": {"dp_rank_0": blob}, "raw": bytearray(b"\x00\xff")}
+    with Checkpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(state, step=1)
+        back = {"w": torch.zeros(3), "loader": {"dp_rank_0": b""}, "raw": b""}
+        assert ckpt.restore(back) == 1
+        assert back["loader"] == {"dp_rank_0": blob} and back["raw"] == b"\x00\xff"
+        assert ckpt.load(1)["loader"]["dp_rank_0"] == blob
+        assert ckpt.verify(1)["step"] == 1
+    plain: dict[str, object] = {"w": torch.zeros(3), "loader": {"dp_rank_0": b""}, "raw": b""}
+    dcp.load(plain, checkpoint_id=tmp_path / "step-000001", no_dist=True)
+    assert plain["loader"] == {"dp_rank_0": blob} and plain["raw"] == b"\x00\xff"
+
+
+def test_a_torchtitan_shaped_dcp_step_is_restored_completely(tmp_path: Path) -> None:
+    """model, optimizer, LR scheduler, train state and a bytes data loader state, as torchtitan's
+    CheckpointManager saves them (each a Stateful's state dict)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda n: 0.5**n)
+    for _ in range(3):
+        model(torch.randn(2, 6)).sum().backward()
+        optim.step()
+        sched.step()
+    loader = pickle.dumps({"pos": 96, "epoch": 1})
+    saved = {
+        "model": model.state_dict(), "optimizer": optim.state_dict(), "lr_scheduler": sched.state_dict(),
+        "train_state": {"step": 3, "global_avg_losses": [1.0, 0.5]}, "dataloader": {"dp_rank_0": loader},
+    }
+    dcp.save(saved, checkpoint_id=tmp_path / "step-3", no_dist=True)
+    fresh = torch.nn.Linear(6, 4)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    state = {
+        "model": fresh, "optimizer": fresh_optim, "lr_scheduler": {},
+        "train_state": {"step": 0, "global_avg_losses": []}, "dataloader": {"dp_rank_0": b""},
+    }
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        assert ckpt.restore(state) == 3
+    assert torch.equal(fresh.weight, model.weight) and fresh_optim.param_groups[0]["lr"] == 0.01 * 0.5**3
+    assert state["dataloader"] == {"dp_rank_0": loader}
+    assert state["train_state"] == {"step": 3, "global_avg_losses": [1.0, 0.5]}
+    assert state["lr_scheduler"]["last_epoch"] == 3  # type: ignore[index]
