@@ -1,7 +1,7 @@
 """Both readers of a checkpoint agree on every byte: nbckpt's (the manifest) and a plain
 ``torch.distributed.checkpoint.load`` (the ``.metadata`` pickle, the blobs' framing). A plain
 ``dcp.load`` finds the plain values (kept in the manifest as JSON) as ``torch.save`` blobs, so
-rank 0 writes them there too (:func:`with_values`); a step whose ``.metadata`` says anything the
+each rank writes its own there too (:func:`value_items`); a step whose ``.metadata`` says anything the
 manifest does not is refused like a damaged one, by ``restore`` and ``load`` as by ``verify``.
 """
 
@@ -29,16 +29,20 @@ from ._state import decode, node_tensors
 from ._torch_compat import storage_info
 from ._unpickle import load_metadata, plain_blob
 
-__all__ = ["check_dcp_metadata", "check_values", "with_values"]
+__all__ = ["ValueItem", "check_dcp_metadata", "check_values", "dcp_metadata", "dcp_values", "value_items"]
 
 
 #: Plain values DCP stores as byte items (what ``torch.load(weights_only=True)`` gives back too).
-_PLAIN = (type(None), bool, int, float, str)
+_PLAIN = (type(None), bool, int, float, str, bytes)
+#: The pickle protocol of a value's byte item: 3 is the first that writes bytes as bytes (2 calls
+#: ``_codecs.encode``, a global, which the plain reader refuses).
+VALUE_PROTOCOL = 3
 
 
 def dcp_values(tree: dict[str, Any]) -> list[tuple[str, tuple[str | int, ...], Any]]:
     """The state's plain values as DCP's flattening sees them: ``(key, path, value)`` of every
-    leaf that is not a tensor, made of None, bool, int, float and str in lists, tuples and dicts.
+    leaf that is not a tensor, made of None, bool, int, float, str and bytes in lists, tuples and
+    dicts.
 
     DCP descends into mappings (modules, optimizers and stateful objects are their state dicts)
     and into lists that hold tensors or mappings; any other value is one leaf. A leaf of another
@@ -88,27 +92,65 @@ def _plain_value(value: Any) -> bool:
     return True
 
 
-def with_values(layout: Layout, tree: dict[str, Any], name: str) -> tuple[bytes, bytes]:
-    """The plain values of ``tree`` as DCP byte items in a data file ``name``: that file's bytes
-    (b"" when there are none), and the layout's DCP metadata with them. Built for every save:
-    values change from save to save, the tensors' layout does not."""
-    values = [(key, path, value) for key, path, value in dcp_values(tree) if key not in layout.locations]
-    if not values:
-        return b"", layout.metadata
+class ValueItem(NamedTuple):
+    """A plain value's DCP byte item as a rank wrote it: its key, path, file and byte range."""
+
+    key: str
+    path: tuple[str | int, ...]
+    file: str
+    offset: int
+    length: int
+
+
+def value_items(
+    layout: Layout, tree: dict[str, Any], name: str, skip: frozenset[str]
+) -> tuple[bytes, list[ValueItem]]:
+    """This rank's plain values (those of its own tree, but the keys in ``skip``: rank 0's, which
+    rank 0 writes) as DCP byte items of a data file ``name``: that file's bytes (b"" when there
+    are none), and where each is. Every rank writes its own, as DCP's planner would, so a plain
+    ``dcp.load`` on each rank finds its per-rank keys."""
     image = io.BytesIO()
+    items = []
+    for key, path, value in dcp_values(tree):
+        if key in layout.locations or key in skip:
+            continue
+        image.write(bytes(pad(image.tell())))
+        start = image.tell()
+        torch.save(value, image, pickle_protocol=VALUE_PROTOCOL)
+        items.append(ValueItem(key, path, name, start, image.tell() - start))
+    return image.getvalue(), items
+
+
+def dcp_metadata(layout: Layout, written: list[list[ValueItem]]) -> bytes:
+    """The layout's DCP metadata with the byte items every rank wrote (``written``, by rank): a key
+    several ranks hold (a value all ranks share) is the lowest rank's, as :func:`all_values` reads
+    it back."""
+    if not any(written):
+        return layout.metadata
     dcp = layout.dcp
     state_dict_metadata = dict(dcp.state_dict_metadata)
     storage_data = dict(dcp.storage_data)
     planner_data = dict(dcp.planner_data)
-    for key, path, value in values:
-        image.write(bytes(pad(image.tell())))
-        start = image.tell()
-        torch.save(value, image)
-        state_dict_metadata[key] = BytesStorageMetadata()
-        storage_data[MetadataIndex(key)] = storage_info(name, start, image.tell() - start)
-        planner_data[key] = path
+    for item in itertools.chain.from_iterable(written):
+        if item.key in state_dict_metadata:
+            continue
+        state_dict_metadata[item.key] = BytesStorageMetadata()
+        storage_data[MetadataIndex(item.key)] = storage_info(item.file, item.offset, item.length)
+        planner_data[item.key] = item.path
     metadata = Metadata(state_dict_metadata, planner_data, storage_data, version=DCP_VERSION)
-    return image.getvalue(), pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def all_values(manifest: Manifest) -> list[tuple[str, tuple[str | int, ...], Any]]:
+    """Every rank's plain values not stored as tensors, each key once: the lowest rank's."""
+    rank_trees = manifest.body.get("rank_trees", {})
+    trees = [manifest.tree(0), *(rank_trees[rank] for rank in sorted(rank_trees, key=int))]
+    found: dict[str, tuple[str, tuple[str | int, ...], Any]] = {}
+    for tree in trees:
+        for key, path, value in dcp_values(tree):
+            if key not in manifest.specs:
+                found.setdefault(key, (key, path, value))
+    return list(found.values())
 
 
 class ValueSpan(NamedTuple):
@@ -141,7 +183,7 @@ def _agree(metadata: Any, manifest: Manifest, where: str) -> list[ValueSpan]:
     ):
         raise CheckpointError(f"{where}: DCP metadata is a {type(metadata).__name__}")
     specs = manifest.specs
-    found = [(key, path, value) for key, path, value in dcp_values(manifest.tree(0)) if key not in specs]
+    found = all_values(manifest)
     values = {key: value for key, _, value in found}
     entries = metadata.state_dict_metadata
     for key in entries:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing.util
 import os
 import signal
 import threading
@@ -58,6 +59,10 @@ def release(store: Store, wait: bool, *parts: _Stoppable | None) -> None:
 
 _OPEN: weakref.WeakSet[_Open] = weakref.WeakSet()
 _EXITS: weakref.WeakKeyDictionary[_Open, Callable[[], None]] = weakref.WeakKeyDictionary()
+_FINALIZERS: weakref.WeakKeyDictionary[_Open, multiprocessing.util.Finalize] = weakref.WeakKeyDictionary()
+#: Where the close at exit runs among multiprocessing's finalizers: before a Pool's (15) and the
+#: other priority-0-or-more ones, whose threads and processes a save in flight does not need.
+EXIT_PRIORITY = 20
 
 
 class WeakBound(Generic[_M]):
@@ -93,16 +98,29 @@ def register(ckpt: _Open, at_exit_method: Callable[[], None]) -> None:
 
     _EXITS[ckpt] = at_exit
     atexit.register(at_exit)
+    # A multiprocessing child (Lightning's ddp_fork in a notebook) leaves by os._exit once its
+    # target returns, running multiprocessing's finalizers but never atexit's: the close is one
+    # of those too. Where both run (a parent's exit) the second finds the Checkpointer closed.
+    finalizer = multiprocessing.util.Finalize(None, at_exit, exitpriority=EXIT_PRIORITY)
+    _FINALIZERS[ckpt] = finalizer
     # Unregistered when dropped too: a notebook that opens many readers keeps no dead entries
-    # in atexit's list.
-    weakref.finalize(ckpt, atexit.unregister, at_exit).atexit = False
+    # in atexit's list nor multiprocessing's.
+    weakref.finalize(ckpt, _forget, at_exit, finalizer).atexit = False
+
+
+def _forget(at_exit: Callable[[], None], finalizer: multiprocessing.util.Finalize) -> None:
+    atexit.unregister(at_exit)
+    finalizer.cancel()
 
 
 def unregister(ckpt: _Open) -> None:
     _OPEN.discard(ckpt)
     at_exit = _EXITS.pop(ckpt, None)
+    finalizer = _FINALIZERS.pop(ckpt, None)
     if at_exit is not None:
         atexit.unregister(at_exit)
+    if finalizer is not None:
+        finalizer.cancel()
 
 
 def writing_into(directory: str | os.PathLike[str]) -> _Open | None:

@@ -2,8 +2,9 @@
 so that a run can move to nbckpt mid-way. Such a step has no manifest and no checksums: its
 ``.metadata`` (read with the restricted unpickler) becomes a manifest of nbckpt's shape, and every
 blob is read with ``torch.load(weights_only=True)``; a value that does not load so, or that
-nbckpt's tree cannot hold (bytes, a set, a complex: torchtitan's dataloader state), is left out,
-with one warning naming its key (a restore that asks for it is told it is not there).
+nbckpt's tree cannot hold (a set, a complex, a BytesIO) is left out, with one warning naming its
+key (a restore that asks for it is told it is not there); bytes (torchtitan's pickled dataloader
+state) are kept as opaque bytes, never unpickled.
 
 Every field of ``.metadata`` is checked for its type and range before it is used, and no file
 costs more than its size: each tensor's chunks lie inside their byte ranges, no two ranges

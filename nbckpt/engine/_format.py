@@ -124,7 +124,7 @@ MANIFEST_KEYS = (
 #: The node kinds of a state tree (``{"t": kind, ...}``).
 TREE_KINDS = frozenset({
     "tensor", "ndarray", "module", "optimizer", "stateful", "dict", "namespace", "list", "tuple",
-    "value", "float", "path", "dtype", "device",
+    "value", "float", "bytes", "path", "dtype", "device",
 })
 #: Every file is checksummed in blocks of this many bytes (the last one shorter), so a rank that
 #: needs part of a file reads and checks only the blocks holding its tensors.

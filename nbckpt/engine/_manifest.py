@@ -7,6 +7,7 @@ past a file, or allocate or recurse without bound, before a byte of tensor data 
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import math
@@ -40,7 +41,7 @@ from ._format import (
     is_data_file,
 )
 from ._shards import tiles
-from ._state import MAX_DEPTH, TensorSpec, dtype_from_name, dtype_name, numpy_has
+from ._state import MAX_BYTES_VALUE, MAX_DEPTH, TensorSpec, dtype_from_name, dtype_name, numpy_has
 
 __all__ = ["Manifest", "build", "parse", "provenance", "sign"]
 
@@ -322,6 +323,8 @@ def _value_ok(kind: str, value: Any) -> bool:
         if isinstance(value, int) and not isinstance(value, bool):
             return _fits_float(value)
         return isinstance(value, float) or value in ("nan", "inf", "-inf")
+    if kind == "bytes":
+        return _is_base64(value)
     if kind == "path":
         return isinstance(value, str) and "\0" not in value
     if kind == "dtype":
@@ -337,6 +340,17 @@ def _value_ok(kind: str, value: Any) -> bool:
             return False
         return True
     return False
+
+
+def _is_base64(value: Any) -> bool:
+    """Whether ``value`` is base64 text of at most :data:`MAX_BYTES_VALUE` bytes."""
+    if not isinstance(value, str) or len(value) > (MAX_BYTES_VALUE + 2) // 3 * 4:
+        return False
+    try:
+        base64.b64decode(value, validate=True)
+    except ValueError:
+        return False
+    return True
 
 
 def _fits_float(value: int) -> bool:

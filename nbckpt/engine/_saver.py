@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
-from ._agree import with_values
+from ._agree import ValueItem, dcp_metadata, dcp_values, value_items
 from ._config import CheckpointConfig
 from ._files import FileResult, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
@@ -283,16 +283,20 @@ class Saver:
             handle.phase = "persisting"
             persist_began = now_ns()
             nonce = f"{self._nonce}{tag:x}"
-            location = background.from_rank0(("begin", step, tag), lambda: self.store.begin(step, nonce))
+            location, shared = background.from_rank0(
+                ("begin", step, tag), lambda: self._begin(step, nonce, flat.tree)
+            )
             written = background.exchange(
                 ("write", step, tag),
-                lambda: self._write(handle, location or "", layout, flat.tree, rng_state),
+                lambda: self._write(handle, location or "", layout, flat.tree, rng_state, shared),
             )
             assert handle.slot is not None
             self.pool.release(handle.slot, handle)  # the images are written: the slot is free
             files: dict[str, FileResult] = {}
             for part in written:
                 files.update(part[0])
+            if rank == 0:
+                self._write_metadata(location, layout, written, files)
             cpu_s += sum(result.cpu_s for result in written[rank][0].values())
             for result in written[rank][0].values():
                 if result.fsync_ns != (0, 0):
@@ -369,10 +373,18 @@ class Saver:
             self._origin = provenance()
         return self._origin
 
+    def _begin(self, step: int, nonce: str, tree: dict[str, Any]) -> tuple[str, frozenset[str]]:
+        """Rank 0 opens the step's location; with it go the keys of rank 0's plain values, which
+        the other ranks then leave to rank 0 (a value every rank holds is written once)."""
+        keys = frozenset(key for key, _, _ in dcp_values(tree)) if self.ranks.world_size > 1 else frozenset()
+        return self.store.begin(step, nonce), keys
+
     def _write(
-        self, handle: SaveHandle, location: str, layout: Layout, tree: Any, rng_state: Any
-    ) -> tuple[dict[str, FileResult], Any, Any]:
-        """This rank's files, written in parallel (rank 0 adds the DCP metadata)."""
+        self, handle: SaveHandle, location: str, layout: Layout, tree: Any, rng_state: Any,
+        shared: frozenset[str],
+    ) -> tuple[dict[str, FileResult], Any, Any, list[ValueItem]]:
+        """This rank's files, written in parallel: its tensors' and its plain values' (DCP byte
+        items, where it has any), and where those values are, for rank 0's DCP metadata."""
         slot = handle.slot
         assert slot is not None
         fsync = self.store.is_local
@@ -380,17 +392,23 @@ class Saver:
             partial(self._write_one, location, name, image.numpy().data, fsync)
             for name, image in slot.images.items()
         ]
-        if self.ranks.rank == 0:
-            # Rank 0's plain values go to one more file of its own, as DCP byte items.
-            name = data_file(0, len(layout.files.get(0, ())))
-            values, metadata = with_values(layout, tree, name)
-            if values:
-                jobs.append(partial(self._write_one, location, name, memoryview(values), fsync))
-            jobs.append(partial(self._write_one, location, METADATA_FILE, memoryview(metadata), fsync))
+        rank = self.ranks.rank
+        # This rank's plain values go to one more file of its own, as DCP byte items.
+        name = data_file(rank, len(layout.files.get(rank, ())))
+        values, items = value_items(layout, tree, name, frozenset() if rank == 0 else shared)
+        if values:
+            jobs.append(partial(self._write_one, location, items[0].file, memoryview(values), fsync))
         # All of them finish, even after a failure: nothing may write into a removed location.
         results = {result.name: result for result in run_all(self.io, jobs)}
         crash_point("after_data")
-        return results, tree, rng_state
+        return results, tree, rng_state, items
+
+    def _write_metadata(
+        self, location: str, layout: Layout, written: list[Any], files: dict[str, FileResult]
+    ) -> None:
+        """Rank 0's DCP metadata, once every rank has said where its plain values are."""
+        metadata = memoryview(dcp_metadata(layout, [part[3] for part in written]))
+        files[METADATA_FILE] = self._write_one(location, METADATA_FILE, metadata, self.store.is_local)
 
     def _write_one(self, location: str, name: str, data: memoryview, fsync: bool) -> FileResult:
         return write_image(self.store.sink(location, name), data, fsync=fsync)

@@ -26,14 +26,18 @@ from .._errors import CheckpointError, ConfigError
 from ._shards import Region, is_dtensor, is_replicated, local_part
 
 __all__ = [
-    "MAX_DEPTH", "Flattened", "TensorSpec", "decode", "dtype_from_name", "dtype_name", "flatten",
-    "node_tensors", "numpy_has", "rng_capture", "rng_owner", "rng_parse", "rng_process", "tree_specs"
+    "MAX_BYTES_VALUE", "MAX_DEPTH", "Flattened", "TensorSpec", "decode", "dtype_from_name", "dtype_name",
+    "flatten", "node_tensors", "numpy_has", "rng_capture", "rng_owner", "rng_parse", "rng_process",
+    "tree_specs",
 ]
 
 Node = dict[str, Any]
 #: Deepest nesting of a state: far beyond any real one, far below Python's recursion limit.
 MAX_DEPTH = 64
 STATEFUL = ("module", "optimizer", "stateful")
+#: The largest ``bytes`` value a state may hold (torchtitan's pickled data loader state is a few
+#: KB): it lives in the manifest as base64 and as a DCP byte item, both of which stay small.
+MAX_BYTES_VALUE = 8 << 20
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 #: Dtypes whose storage is not ``itemsize`` bytes an element (``torch.empty(n, dtype=quint4x2)``
 #: holds n/2 bytes): no buffer sized by ``nbytes`` may ever be made for one read from a file.
@@ -150,6 +154,8 @@ class _Encoder:
             return {"t": "dtype", "v": dtype_name(value)}
         if isinstance(value, torch.device):
             return {"t": "device", "v": str(value)}
+        if isinstance(value, (bytes, bytearray)):
+            return _bytes_node(value, where)
         if id(value) in self.active:
             raise ConfigError(f"{where} contains itself")
         self.active.add(id(value))
@@ -179,7 +185,7 @@ class _Encoder:
             f"{where} holds a {type(value).__name__}, which nbckpt cannot checkpoint; it takes "
             "tensors, numpy arrays, modules, optimizers, objects with state_dict()/"
             "load_state_dict(), dicts, lists, tuples, argparse.Namespace, str, int, float, "
-            "bool, None, pathlib paths, torch dtypes and devices"
+            "bool, bytes, None, pathlib paths, torch dtypes and devices"
         )
 
     def items(self, pairs: Any, path: tuple[str | int, ...], where: str) -> list[list[Any]]:
@@ -222,6 +228,17 @@ class _Encoder:
             self.out.nbytes += spec.nbytes
         return {"t": kind, "key": key, "dtype": dtype_name(tensor.dtype), "shape": list(spec.whole),
                 "device": tensor.device.type}
+
+
+def _bytes_node(value: bytes | bytearray, where: str) -> Node:
+    """Opaque bytes (torchtitan's ``pickle.dumps`` of its data loader): kept as they are, never
+    unpickled by nbckpt; a bytearray comes back as bytes."""
+    if len(value) > MAX_BYTES_VALUE:
+        raise ConfigError(
+            f"{where} is {len(value)} bytes, over the {MAX_BYTES_VALUE} a bytes value may hold; save it as a "
+            "uint8 tensor (torch.frombuffer)"
+        )
+    return {"t": "bytes", "v": _b64(bytes(value))}
 
 
 def _check_dense(tensor: torch.Tensor, key: str) -> None:
@@ -306,6 +323,8 @@ def decode(node: Node, tensors: Mapping[str, Any]) -> Any:
         return node["v"]
     if kind == "float":
         return float(node["v"])
+    if kind == "bytes":
+        return base64.b64decode(node["v"], validate=True)
     if kind == "path":
         return pathlib.Path(node["v"])
     if kind == "dtype":

@@ -60,6 +60,8 @@ def _check_one(current: Any, node: Node, name: str) -> list[str]:
         return []
     if isinstance(current, torch.optim.Optimizer) and kind not in ("optimizer", "dict"):
         return [f"{name} is an optimizer, the checkpoint holds a {kind}"]
+    if _is_stateful(current) and kind not in (*STATEFUL, "dict"):  # never replaced by the saved value
+        return [f"{name} is a {type(current).__name__}, the checkpoint holds a {kind}"]
     if isinstance(current, dict) and kind == "dict":
         return check_template(current, node, f"{name}.")
     return []
@@ -276,8 +278,18 @@ def _loaders(current: Any, node: Node, name: str) -> Iterator[tuple[str, Any, No
 
 
 def _loads_itself(current: Any, kind: Any) -> bool:
-    return callable(getattr(current, "load_state_dict", None)) and (
-        kind in STATEFUL or (kind == "dict" and isinstance(current, (torch.nn.Module, torch.optim.Optimizer)))
+    """Whether ``current`` takes the saved ``kind`` through its own ``load_state_dict``: a state
+    dict saved as a plain dict loads into any object of the caller's too (plain DCP saves every
+    Stateful, torchtitan's LR schedulers, data loaders and TrainState, as its state dict)."""
+    return _is_stateful(current) and (kind in STATEFUL or kind == "dict")
+
+
+def _is_stateful(current: Any) -> bool:
+    """An object with ``state_dict``/``load_state_dict`` (DCP's Stateful), not a dict itself."""
+    return (
+        not isinstance(current, Mapping)
+        and callable(getattr(current, "load_state_dict", None))
+        and callable(getattr(current, "state_dict", None))
     )
 
 

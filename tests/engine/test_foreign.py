@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from nbckpt import Checkpointer, CheckpointError
+from nbckpt import Checkpointer, CheckpointError, ConfigError
 from nbckpt.cli import main as cli
 
 
@@ -96,3 +96,88 @@ def test_a_hostile_dcp_metadata_is_refused(tmp_path: Path) -> None:
         with pytest.raises(CheckpointError, match=r"refusing to load global builtins\.exec"):
             ckpt.load(4)
     assert not marker.exists()
+
+
+def test_bytes_values_are_saved_as_bytes_and_read_by_nbckpt_and_plain_dcp(tmp_path: Path) -> None:
+    """torchtitan's data loader state is ``{"dp_rank_0": pickle.dumps(state)}``: opaque bytes."""
+    blob = pickle.dumps({"pos": 17})
+    state = {"w": torch.ones(3), "loader": {"dp_rank_0": blob}, "raw": bytearray(b"\x00\xff")}
+    with Checkpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(state, step=1)
+        back = {"w": torch.zeros(3), "loader": {"dp_rank_0": b""}, "raw": b""}
+        assert ckpt.restore(back) == 1
+        assert back["loader"] == {"dp_rank_0": blob} and back["raw"] == b"\x00\xff"
+        assert ckpt.load(1)["loader"]["dp_rank_0"] == blob
+        assert ckpt.verify(1)["step"] == 1
+    plain: dict[str, object] = {"w": torch.zeros(3), "loader": {"dp_rank_0": b""}, "raw": b""}
+    dcp.load(plain, checkpoint_id=tmp_path / "step-000001", no_dist=True)
+    assert plain["loader"] == {"dp_rank_0": blob} and plain["raw"] == b"\x00\xff"
+
+
+class TrainState:
+    """torchtitan's TrainState (a Stateful, neither module nor optimizer)."""
+
+    def __init__(self) -> None:
+        self.step, self.losses = 0, [0.0]
+
+    def state_dict(self) -> dict[str, object]:
+        return {"step": self.step, "global_avg_losses": self.losses}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.step, self.losses = state["step"], state["global_avg_losses"]  # type: ignore[assignment]
+
+
+class Loader:
+    """torchtitan's ParallelAwareDataloader: its state is this rank's pickled loader state."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, bytes]:
+        return {"dp_rank_0": pickle.dumps({"pos": self.pos})}
+
+    def load_state_dict(self, state: dict[str, bytes]) -> None:
+        self.pos = pickle.loads(state["dp_rank_0"])["pos"]  # the test's own bytes
+
+
+def titan_objects() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda n: 0.5**n)
+    return {"model": model, "optimizer": optim, "lr_scheduler": sched, "train_state": TrainState(),
+            "dataloader": Loader()}
+
+
+def test_a_torchtitan_shaped_dcp_step_is_restored_completely(tmp_path: Path) -> None:
+    """model, optimizer, LR scheduler, train state and a bytes data loader state, as torchtitan's
+    CheckpointManager saves them (dcp.save of Stateful objects), each restored through its own
+    load_state_dict (before: every object but the model and optimizer replaced by a dict)."""
+    saved = titan_objects()
+    model, optim, sched = saved["model"], saved["optimizer"], saved["lr_scheduler"]
+    for _ in range(3):
+        model(torch.randn(2, 6)).sum().backward()  # type: ignore[operator]
+        optim.step()  # type: ignore[attr-defined]
+        sched.step()  # type: ignore[attr-defined]
+    saved["train_state"].step, saved["dataloader"].pos = 3, 96  # type: ignore[attr-defined]
+    dcp.save(saved, checkpoint_id=tmp_path / "step-3", no_dist=True)
+    state = titan_objects()
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        assert ckpt.restore(state) == 3
+    assert torch.equal(state["model"].weight, model.weight)  # type: ignore[attr-defined]
+    assert state["optimizer"].param_groups[0]["lr"] == 0.01 * 0.5**3  # type: ignore[attr-defined]
+    assert isinstance(state["lr_scheduler"], torch.optim.lr_scheduler.LambdaLR)
+    assert state["lr_scheduler"].last_epoch == 3
+    assert isinstance(state["train_state"], TrainState) and state["train_state"].step == 3
+    assert isinstance(state["dataloader"], Loader) and state["dataloader"].pos == 96
+
+
+def test_a_stateful_object_the_step_holds_no_state_for_is_refused_naming_it(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(2), "train_state": 5}, checkpoint_id=tmp_path / "step-1", no_dist=True)
+    state = {"w": torch.zeros(2), "train_state": TrainState()}
+    with (
+        Checkpointer(tmp_path, read_only=True) as ckpt,
+        pytest.raises(ConfigError, match="train_state is a TrainState, the checkpoint holds a value"),
+    ):
+        ckpt.restore(state)
+    assert isinstance(state["train_state"], TrainState) and torch.equal(state["w"], torch.zeros(2))

@@ -34,7 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict[s
     directory = tmp_path_factory.mktemp("sharded")
     return {
         "at 4": launch("save,modules,divergent", directory, 4),
-        "at 2": launch("restore,modules,save,replicas", directory, 2),
+        "at 2": launch("restore,modules,save,replicas,ranked", directory, 2),
         "at 1": launch("restore", directory, 1),
         "at 4 again": launch("restore", directory, 4),
     }
@@ -123,6 +123,17 @@ def test_a_key_only_one_rank_asks_for_is_named_with_its_rank_on_every_rank(runs:
         named = seen["replicas"]["named"]  # restore(step=2): that step, refused on every rank
         assert "cannot restore step-000002 into rank 1's state: " in named, (rank, named)
         assert "'extra'" in named, (rank, named)
+
+
+def test_plain_dcp_load_reads_every_ranks_own_plain_values(runs: Any) -> None:
+    """Issue 31 item 11: each rank writes its own plain values' DCP byte items (before: rank 0's
+    alone, so ``dcp.load`` on rank 1 stopped at ``Missing key ... loader.rank1.pos`` and
+    ``dcp_to_torch_save`` dropped them)."""
+    for rank, seen in runs["at 2"].items():
+        assert seen["ranked"]["loaded"] == "ok" and seen["ranked"]["same"], (rank, seen["ranked"])
+    assert runs["at 2"][0]["ranked"]["kept"] == {
+        "rank0": {"pos": "10", "tag": "b'r0'"}, "rank1": {"pos": "11", "tag": "b'r1'"}
+    }
 
 
 def test_a_rank_killed_mid_save_of_sharded_state_leaves_nothing_committed(tmp_path: Path) -> None:

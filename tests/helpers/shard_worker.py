@@ -282,6 +282,33 @@ def replicas(directory: str) -> dict[str, Any]:
         }
 
 
+def ranked(directory: str) -> dict[str, Any]:
+    """Per-rank plain values (the keys nbckpt's docs ask for, ``loader.rank<N>``) saved by nbckpt:
+    what a plain ``dcp.load`` on each rank reads back, and on rank 0 what ``dcp_to_torch_save``
+    keeps of every rank's."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root = Path(directory) / "ranked"
+    own = {"pos": 10 + RANK, "tag": f"r{RANK}".encode()}
+    with Checkpointer(root, mode="async", timeout_s=60) as ckpt:
+        ckpt.save({"w": torch.ones(2), "loader": {f"rank{RANK}": own}, "step": 4}, step=1).wait()
+    blank = {"pos": 0, "tag": b""}
+    state: dict[str, Any] = {"w": torch.zeros(2), "loader": {f"rank{RANK}": blank}, "step": 0}
+    try:
+        dcp.load(state, checkpoint_id=str(root / "step-000001"))
+        loaded = "ok"
+    except Exception as exc:  # DCP's CheckpointException, naming the missing key
+        loaded = repr(exc)[:300]
+    dist.barrier()
+    kept = None
+    if RANK == 0:
+        dcp_to_torch_save(root / "step-000001", root / "whole.pt")
+        whole = torch.load(root / "whole.pt", weights_only=True)
+        kept = {key: {k: repr(v) for k, v in value.items()} for key, value in whole["loader"].items()}
+    return {"loaded": loaded, "same": state["loader"] == {f"rank{RANK}": own} and state["step"] == 4,
+            "kept": kept}
+
+
 def killed(directory: str) -> dict[str, Any]:
     """Rank 1 dies once its files of a sharded save are written: nothing commits, rank 0 fails."""
     model, optim = sharded("fsdp", seed=1)
@@ -301,7 +328,7 @@ def killed(directory: str) -> dict[str, Any]:
 #: What each world size saves; (world, layout) pairs a restore at that world can use as they are.
 KINDS = {4: ["fsdp", "hsdp", "fsdp+tp"], 2: ["fsdp", "tp"]}
 LAYOUTS = {(4, "fsdp"), (2, "fsdp"), (2, "tp"), (4, "hsdp"), (4, "fsdp+tp")}
-SCENARIOS = {f.__name__: f for f in (save, restore, modules, divergent, replicas, killed)}
+SCENARIOS = {f.__name__: f for f in (save, restore, modules, divergent, replicas, ranked, killed)}
 
 
 def main(scenarios: str, directory: str) -> int:

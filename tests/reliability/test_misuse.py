@@ -208,18 +208,28 @@ def test_keyboard_interrupt_while_persisting(tmp_path: Path, throttle: Throttle,
 
 
 EXITS_WITH_A_SAVE_IN_FLIGHT = """
-import os, sys, torch
+import multiprocessing, os, sys, torch
 from nbckpt import Checkpointer
-ckpt = Checkpointer(sys.argv[1], mode="async", writer_threads=1)
-handle = ckpt.save({"w": torch.arange(16 << 20, dtype=torch.float32) + 1, "step": 1}, step=1)
-print(f"in flight at exit: {not handle.done()}", flush=True)
+def save():
+    global ckpt  # held, never closed (Lightning's plug-in in its trainer)
+    ckpt = Checkpointer(sys.argv[1], mode="async", writer_threads=1)
+    handle = ckpt.save({"w": torch.arange(16 << 20, dtype=torch.float32) + 1, "step": 1}, step=1)
+    print(f"in flight at exit: {not handle.done()}", flush=True)
+if sys.argv[2] == "fork":  # Lightning's ddp_fork: the child leaves by os._exit after its finalizers
+    child = multiprocessing.get_context("fork").Process(target=save)
+    child.start()
+    child.join()
+    sys.exit(child.exitcode)
+save()
 if sys.argv[2] == "hard":
     os._exit(0)  # no atexit: the save is abandoned wherever it was
 """
 
 
 def test_exit_with_a_save_in_flight(tmp_path: Path) -> None:
-    """A normal exit finishes the save (with a warning); a hard one leaves nothing that counts."""
+    """A normal exit finishes the save (with a warning), and so does a multiprocessing fork child
+    returning from its target (it leaves by os._exit, running multiprocessing's finalizers, not
+    atexit's); a hard one leaves nothing that counts."""
     children = {
         how: subprocess.Popen(
             [sys.executable, "-c", EXITS_WITH_A_SAVE_IN_FLIGHT, str(tmp_path / how), how],
@@ -227,17 +237,18 @@ def test_exit_with_a_save_in_flight(tmp_path: Path) -> None:
             stderr=subprocess.PIPE,
             text=True,
         )
-        for how in ("normal", "hard")
+        for how in ("normal", "fork", "hard")
     }
     outputs = {how: child.communicate(timeout=300) for how, child in children.items()}
     for how, child in children.items():
         assert child.returncode == 0, outputs[how][1]
-    out, err = outputs["normal"]
-    if out.strip() == "in flight at exit: True":
-        assert "nbckpt: finishing save(s) of step 1 before exit" in err
-    with Checkpointer(tmp_path / "normal") as ckpt:
-        assert ckpt.steps() == [1]
-        assert_holds(ckpt, 1, 16 << 20)
+    for how in ("normal", "fork"):
+        out, err = outputs[how]
+        if out.strip() == "in flight at exit: True":
+            assert err.count("nbckpt: finishing save(s) of step 1 before exit") == 1, err
+        with Checkpointer(tmp_path / how) as ckpt:
+            assert ckpt.steps() == [1], how
+            assert_holds(ckpt, 1, 16 << 20)
     abandoned = leftovers(tmp_path / "hard")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
