@@ -220,7 +220,11 @@ def _trial(name: str, optimizer: torch.optim.Optimizer, value: Any) -> str | Non
     """Why ``optimizer`` would refuse ``value``, found on a stand-in: its class and settings,
     its parameters and the value's tensors as meta tensors (no memory, nothing of the caller's
     changed). Confirmed with the real tensors before the restore is refused, so a class that
-    computes on its state (which meta tensors cannot) is never refused for that."""
+    computes on its state (which meta tensors cannot) is never refused for that. A wrapper
+    (accelerate's AcceleratedOptimizer, Lightning's) keeps its state in the optimizer it wraps,
+    so a stand-in would write into the caller's: it is not tried."""
+    if not _stands_in(optimizer):
+        return None
     try:
         _stand_in(optimizer, meta=True).load_state_dict(_as_meta(value))
         return None
@@ -231,6 +235,15 @@ def _trial(name: str, optimizer: torch.optim.Optimizer, value: Any) -> str | Non
     except Exception as exc:  # what the caller's optimizer would raise, once its model was loaded
         return f"{name}: {type(optimizer).__name__} refuses the saved state ({describe_error(exc)})"
     return None
+
+
+def _stands_in(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a stand-in of ``optimizer`` shares nothing that loading changes: its state and
+    groups are its own attributes (not properties over another's) and it wraps no optimizer."""
+    own = vars(optimizer)
+    return "state" in own and "param_groups" in own and not any(
+        isinstance(value, torch.optim.Optimizer) for value in own.values()
+    )
 
 
 def _stand_in(optimizer: torch.optim.Optimizer, *, meta: bool) -> torch.optim.Optimizer:
