@@ -20,6 +20,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _deterministic_mode_is_the_tests_own():  # type: ignore[no-untyped-def]
+    """A test that turns torch's deterministic mode on (a Lightning Trainer with
+    ``deterministic=True`` does, and never turns it off) leaves it as it found it: with it on,
+    ``torch.empty`` of the bits dtypes raises in the tests that run after it in that worker."""
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    if torch.are_deterministic_algorithms_enabled() != before:
+        torch.use_deterministic_algorithms(before)
+
+
 # -- S3 (storage engineer): one real SeaweedFS server per test session, on free loopback ports.
 # Tests using it are marked `s3` and `xdist_group("s3")` so that `--dist loadgroup` runs them in one worker.
 

@@ -254,7 +254,8 @@ def test_after_run_all_every_cell_runs_again_in_the_same_kernel(name: str, tmp_p
             _check_decision(path, json.loads(results.read_text()), printed)
         # a handle's "staged" printed beside status lines that say "committed" reads as a contradiction
         assert "<SaveHandle" not in printed
-        assert f"--every {json.loads(results.read_text())['decision']['every']}" in printed  # its decision
+        if name == "08_never_lose_work.ipynb":  # its decision, as the autosave's option
+            assert f"--every {json.loads(results.read_text())['decision']['every']}" in printed
         loaded = "'ckpt_async' in get_ipython().magics_manager.magics['line']"
         assert kernel.evaluate(loaded) == "True"  # a magic cell run again finds its magic
         assert Path(ast.literal_eval(kernel.evaluate("str(run_root)"))).is_dir()
