@@ -48,6 +48,12 @@ def two_steps(directory: Path) -> Path:
     return directory
 
 
+def node(manifest: dict[str, Any], key: str) -> dict[str, Any]:
+    """The tree node of top-level ``key`` in a manifest."""
+    found: dict[str, Any] = next(n for k, n in manifest["tree"]["items"] if k == key)
+    return found
+
+
 def rewrite_manifest(step_dir: Path, edit: Callable[[dict[str, Any]], None] = lambda m: None) -> None:
     """Re-hash every listed file, apply ``edit`` and re-sign: a manifest that passes its own checksum."""
     path = step_dir / "manifest.json"

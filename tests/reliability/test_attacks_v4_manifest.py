@@ -19,7 +19,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers.hostile import assert_falls_back, assert_is_step, blank, rewrite_manifest, state_of, two_steps
+from helpers.hostile import (
+    assert_falls_back,
+    assert_is_step,
+    blank,
+    node,
+    rewrite_manifest,
+    state_of,
+    two_steps,
+)
 from helpers.ranks import run_ranks
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
@@ -29,11 +37,6 @@ from nbckpt.engine._format import checksum
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     return two_steps(tmp_path / "run")
-
-
-def node(manifest: dict[str, Any], key: str) -> dict[str, Any]:
-    found: dict[str, Any] = next(n for k, n in manifest["tree"]["items"] if k == key)
-    return found
 
 
 # -- item 3: an empty tensor whose leading sizes are not zero is a step like any other -------------

@@ -25,6 +25,7 @@ from helpers.hostile import (
     assert_falls_back,
     assert_is_step,
     blank,
+    node,
     rewrite_manifest,
     rewrite_metadata,
     two_steps,
@@ -37,11 +38,6 @@ from nbckpt import Checkpointer, CheckpointError, ConfigError
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     return two_steps(tmp_path / "run")
-
-
-def node(manifest: dict[str, Any], key: str) -> dict[str, Any]:
-    found: dict[str, Any] = next(n for k, n in manifest["tree"]["items"] if k == key)
-    return found
 
 
 def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
