@@ -387,7 +387,13 @@ def train(steps, report=False):
     global step
     for _ in range(steps):
         opt.zero_grad()
-        model(data).pow(2).mean().backward()
+        # torch's optimizer step turns gradients off and back on in a finally block; a Ctrl-C
+        # that lands inside that block (the signal is taken at its first Python call) leaves them
+        # off for the kernel: the next train() would fail on a loss without a graph, no fault of
+        # the autosave's. (Seen once in a full suite run.)
+        with torch.enable_grad():
+            loss = model(data).pow(2).mean()
+        loss.backward()
         opt.step()
         step += 1
         if report:
