@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,13 @@ def two_steps(directory: Path) -> Path:
         for step in (1, 2):
             ckpt.save(state_of(step), step=step)
     return directory
+
+
+def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter: a crash (SIGABRT, SIGSEGV) is its exit code, not ours."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def node(manifest: dict[str, Any], key: str) -> dict[str, Any]:

@@ -26,18 +26,11 @@ from helpers.hostile import (
     node,
     rewrite_manifest,
     state_of,
-    two_steps,
 )
 from helpers.ranks import run_ranks
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
 from nbckpt.engine._format import checksum
-
-
-@pytest.fixture
-def run(tmp_path: Path) -> Path:
-    return two_steps(tmp_path / "run")
-
 
 # -- item 3: an empty tensor whose leading sizes are not zero is a step like any other -------------
 

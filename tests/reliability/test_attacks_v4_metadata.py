@@ -14,9 +14,6 @@ import dataclasses
 import io
 import pickle
 import re
-import subprocess
-import sys
-import textwrap
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers.hostile import assert_is_step, blank, load_metadata, rewrite_manifest, two_steps
+from helpers.hostile import assert_is_step, blank, load_metadata, rewrite_manifest, run_child
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
@@ -32,18 +29,6 @@ from nbckpt.cli import main as cli
 from nbckpt.engine import _foreign, _shards
 from nbckpt.engine._shards import Region
 from nbckpt.engine._unpickle import MAX_PICKLE_DEPTH, scan_pickle
-
-
-@pytest.fixture
-def run(tmp_path: Path) -> Path:
-    return two_steps(tmp_path / "run")
-
-
-def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """``code`` in a fresh interpreter: a crash (SIGSEGV) is its exit code, not ours."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=300
-    )
 
 
 def dcp_step(run: Path, step: int, state: dict[str, Any]) -> Path:

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import pickle
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -28,24 +25,11 @@ from helpers.hostile import (
     node,
     rewrite_manifest,
     rewrite_metadata,
-    two_steps,
+    run_child,
 )
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
-
-
-@pytest.fixture
-def run(tmp_path: Path) -> Path:
-    return two_steps(tmp_path / "run")
-
-
-def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """``code`` in a fresh interpreter: a crash (SIGABRT, SIGSEGV) is its exit code, not ours."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=300
-    )
-
 
 # -- item 1: a heap overflow from a dtype whose storage is smaller than nbytes ----------------------
 
