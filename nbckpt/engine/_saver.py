@@ -295,7 +295,7 @@ class Saver:
             files: dict[str, FileResult] = {}
             for part in written:
                 files.update(part[0])
-            if rank == 0:
+            if rank == 0 and len(written) > 1:  # one process wrote it with its data
                 self._write_metadata(location, layout, written, files)
             cpu_s += sum(result.cpu_s for result in written[rank][0].values())
             for result in written[rank][0].values():
@@ -398,6 +398,9 @@ class Saver:
         values, items = value_items(layout, tree, name, frozenset() if rank == 0 else shared)
         if values:
             jobs.append(partial(self._write_one, location, items[0].file, memoryview(values), fsync))
+        if self.ranks.world_size == 1:  # no other rank to hear from: the metadata beside the data
+            metadata = memoryview(dcp_metadata(layout, [items]))
+            jobs.append(partial(self._write_one, location, METADATA_FILE, metadata, fsync))
         # All of them finish, even after a failure: nothing may write into a removed location.
         results = {result.name: result for result in run_all(self.io, jobs)}
         crash_point("after_data")
