@@ -43,6 +43,7 @@ lab: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check nbckpt tests benchmarks scripts examples
+	$(BIN)/ruff format --check nbckpt tests benchmarks scripts examples
 	$(BIN)/mypy
 
 # Two pytest workers share the two cores: one torch thread each, since OpenMP threads that

@@ -37,8 +37,17 @@ from tests.helpers.load import spinning_core  # noqa: E402  (the busy-machine te
 #: The Makefile's report parameters (``make report`` without REPORT_PARAMS).
 REPORT_PARAMS = "-p preset small -p steps 12 -p every 4 -p repeats 3 -p torch_threads 1"
 BENCH_MAGIC = "--size-mb 64 --strategies torch-save,nbckpt-async"
-SHOWN = ("strategy", "overhead", "95 % interval", "per repeat", "rests on", "mean step s",
-         "stall s", "save stall s", "wait for the earlier save s")
+SHOWN = (
+    "strategy",
+    "overhead",
+    "95 % interval",
+    "per repeat",
+    "rests on",
+    "mean step s",
+    "stall s",
+    "save stall s",
+    "wait for the earlier save s",
+)
 
 
 def lab_default(directory: Path, quick: bool) -> bench.Comparison:
@@ -66,10 +75,23 @@ def ckpt_bench_magic(directory: Path, quick: bool) -> bench.Comparison:
 
 def make_report(directory: Path, quick: bool) -> bench.Comparison:
     params = "-p size_mb 2 -p steps 8 -p every 4 -p repeats 2 -p torch_threads 1" if quick else REPORT_PARAMS
-    subprocess.run([str(Path(sys.executable).parent / "nbckpt"), "report", "--name", "faces",
-                    "--output-dir", str(directory), *shlex.split(params),
-                    "-p", "target", str(directory / "ckpt")], check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            str(Path(sys.executable).parent / "nbckpt"),
+            "report",
+            "--name",
+            "faces",
+            "--output-dir",
+            str(directory),
+            *shlex.split(params),
+            "-p",
+            "target",
+            str(directory / "ckpt"),
+        ],
+        check=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )
     document = json.loads((directory / "results.json").read_text())["comparison"]
     return bench.Comparison.from_dict(document)
 
@@ -102,13 +124,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     comparison = measure(Path(scratch) / f"{len(runs)}", args.quick)
                 table = bench.format_results(comparison.results)
                 shown = table[[c for c in SHOWN if c in table.columns]]
-                print(f"\n== {face}, {name} (load average {load_before:.1f} before, "
-                      f"{time.perf_counter() - started:.0f} s)")
+                print(
+                    f"\n== {face}, {name} (load average {load_before:.1f} before, "
+                    f"{time.perf_counter() - started:.0f} s)"
+                )
                 print(shown.to_string(index=False))
-                runs.append({"face": face, "condition": name, "load_average_before": load_before,
-                             "wall_s": time.perf_counter() - started,
-                             "table": shown.to_dict(orient="records"),
-                             "results": comparison.to_dict()["results"]})
+                runs.append(
+                    {
+                        "face": face,
+                        "condition": name,
+                        "load_average_before": load_before,
+                        "wall_s": time.perf_counter() - started,
+                        "table": shown.to_dict(orient="records"),
+                        "results": comparison.to_dict()["results"],
+                    }
+                )
     return {"runs": runs, "environment": bench.environment("cpu")}
 
 

@@ -63,8 +63,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if time.monotonic() - began > args.budget_s:
                 print(f"budget of {args.budget_s:.0f} s spent: {len(cases) - start} cases not run")
                 break
-            results += run_cases(runs, args.seed, cases[start : start + 220], timeout_s=args.timeout_s,
-                                 memory_mb=args.memory_mb)
+            results += run_cases(
+                runs,
+                args.seed,
+                cases[start : start + 220],
+                timeout_s=args.timeout_s,
+                memory_mb=args.memory_mb,
+            )
             failed = sum(r.outcome in FAILURES for r in results)
             print(f"{len(results)} cases, {failed} failures, {time.monotonic() - began:.0f} s", flush=True)
     wall = time.monotonic() - began
@@ -75,9 +80,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"  {result.case} {result.outcome}: {result.detail[:240]}")
     header, rows = table(results)
     return {
-        "seed": args.seed, "cases": len(results), "wall_s": wall, "timeout_s": args.timeout_s,
-        "memory_mb": args.memory_mb, "table": [dict(zip(header, row, strict=True)) for row in rows],
-        "failures": [vars(r) for r in failures], "load_average": os.getloadavg(),
+        "seed": args.seed,
+        "cases": len(results),
+        "wall_s": wall,
+        "timeout_s": args.timeout_s,
+        "memory_mb": args.memory_mb,
+        "table": [dict(zip(header, row, strict=True)) for row in rows],
+        "failures": [vars(r) for r in failures],
+        "load_average": os.getloadavg(),
     }
 
 

@@ -72,8 +72,20 @@ def _progress(out: str) -> int:
 
 
 def _command(args: argparse.Namespace, directory: Path, mode: str, interval: float) -> list[str]:
-    return [sys.executable, __file__, "--child", str(directory), "--mode", mode, "--interval", str(interval),
-            "--size-mb", str(args.size_mb), "--work", str(args.work)]
+    return [
+        sys.executable,
+        __file__,
+        "--child",
+        str(directory),
+        "--mode",
+        mode,
+        "--interval",
+        str(interval),
+        "--size-mb",
+        str(args.size_mb),
+        "--work",
+        str(args.work),
+    ]
 
 
 def _run(
@@ -99,8 +111,15 @@ def _run(
             kills += time.monotonic() < deadline
         progress = max(progress, _progress(out))  # a child killed before its restore reported none
     shutil.rmtree(directory, ignore_errors=True)
-    return {"mode": mode, "interval_s": interval, "mtbf_s": mtbf, "seed": seed, "kills": kills,
-            "steps": progress, "seconds": time.monotonic() - began}
+    return {
+        "mode": mode,
+        "interval_s": interval,
+        "mtbf_s": mtbf,
+        "seed": seed,
+        "kills": kills,
+        "steps": progress,
+        "seconds": time.monotonic() - began,
+    }
 
 
 def _costs(args: argparse.Namespace, mode: str) -> dict[str, float]:
@@ -116,16 +135,20 @@ def _costs(args: argparse.Namespace, mode: str) -> dict[str, float]:
             ckpt.save(state, step).wait()
         records = ckpt.records[1:]  # the first pays for allocating the host buffers
     began = time.monotonic()
-    proc = subprocess.Popen(_command(args, directory, mode, 0.0), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        _command(args, directory, mode, 0.0), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     assert proc.stdout is not None
     proc.stdout.readline()  # "restored 5"
     recovery = time.monotonic() - began
     proc.kill()
     proc.communicate()
     shutil.rmtree(directory, ignore_errors=True)
-    return {"stall_s": statistics.median(r.stall_s for r in records),
-            "persist_s": statistics.median(r.persist_s for r in records), "recovery_s": recovery}
+    return {
+        "stall_s": statistics.median(r.stall_s for r in records),
+        "persist_s": statistics.median(r.persist_s for r in records),
+        "recovery_s": recovery,
+    }
 
 
 def _bare_rate(args: argparse.Namespace) -> float:
@@ -133,8 +156,9 @@ def _bare_rate(args: argparse.Namespace) -> float:
     failures pays its start-up once; each restart's is part of the recovery)."""
     directory = Path(args.dir) / "bare"
     shutil.rmtree(directory, ignore_errors=True)
-    proc = subprocess.Popen(_command(args, directory, "sync", 0.0), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        _command(args, directory, "sync", 0.0), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:  # read as the runs read their children (a line a step), until well past its start-up
         out, _ = proc.communicate(timeout=args.calibrate)
     except subprocess.TimeoutExpired:
@@ -158,8 +182,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         lag = costs["stall_s"] + costs["persist_s"] if mode == "async" else 0.0
         recovery = costs["recovery_s"]
         advised = schedule.interval(Costs(stall_s=stall, drag_s=0.0, persist_s=lag, restore_s=recovery))
-        plans[mode] = {"costs": costs, "cost_s": stall, "lag_s": lag, "recovery_s": recovery,
-                       "advised_s": advised.seconds, "reason": advised.reason}
+        plans[mode] = {
+            "costs": costs,
+            "cost_s": stall,
+            "lag_s": lag,
+            "recovery_s": recovery,
+            "advised_s": advised.seconds,
+            "reason": advised.reason,
+        }
         print(f"{mode}: {advised.reason}", flush=True)
     runs = []
     for repeat in range(args.repeats):
@@ -168,15 +198,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 interval = plan["advised_s"] * factor
                 run = _run(args, mode, interval, args.mtbf, 1000 * repeat + int(factor * 8), args.duration)
                 run["goodput"] = run["steps"] / (rate * run["seconds"])
-                run["predicted"] = 1.0 - expected_waste(interval, plan["cost_s"], args.mtbf,
-                                                        lag_s=plan["lag_s"], restore_s=plan["recovery_s"])
+                run["predicted"] = 1.0 - expected_waste(
+                    interval, plan["cost_s"], args.mtbf, lag_s=plan["lag_s"], restore_s=plan["recovery_s"]
+                )
                 run["factor"] = factor
                 runs.append(run)
-                print(f"repeat {repeat + 1} {mode:5s} x{factor:<4g} interval {interval:7.2f} s: "
-                      f"{run['kills']:3d} kills, goodput {run['goodput']:.3f} "
-                      f"(model {run['predicted']:.3f})", flush=True)
-    return {"benchmark": "kill_goodput", "options": vars(args), "bare_steps_per_s": rate,
-            "plans": plans, "runs": runs, "table": _table(runs, args)}
+                print(
+                    f"repeat {repeat + 1} {mode:5s} x{factor:<4g} interval {interval:7.2f} s: "
+                    f"{run['kills']:3d} kills, goodput {run['goodput']:.3f} "
+                    f"(model {run['predicted']:.3f})",
+                    flush=True,
+                )
+    return {
+        "benchmark": "kill_goodput",
+        "options": vars(args),
+        "bare_steps_per_s": rate,
+        "plans": plans,
+        "runs": runs,
+        "table": _table(runs, args),
+    }
 
 
 def _table(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -185,13 +225,22 @@ def _table(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[st
         for factor in args.factors:
             mine = [r for r in runs if r["mode"] == mode and r["factor"] == factor]
             measured = sum(r["steps"] for r in mine) / sum(r["steps"] / r["goodput"] for r in mine)
-            rows.append({"mode": mode, "factor": factor, "interval_s": mine[0]["interval_s"],
-                         "kills": sum(r["kills"] for r in mine), "goodput": measured,
-                         "predicted": statistics.fmean(r["predicted"] for r in mine)})
+            rows.append(
+                {
+                    "mode": mode,
+                    "factor": factor,
+                    "interval_s": mine[0]["interval_s"],
+                    "kills": sum(r["kills"] for r in mine),
+                    "goodput": measured,
+                    "predicted": statistics.fmean(r["predicted"] for r in mine),
+                }
+            )
     print(f"{'mode':6s} {'interval':>9s} {'kills':>6s} {'goodput':>8s} {'model':>7s} {'diff pp':>8s}")
     for row in rows:
-        print(f"{row['mode']:6s} {row['interval_s']:8.2f}s {row['kills']:6d} {row['goodput']:8.3f} "
-              f"{row['predicted']:7.3f} {100 * (row['goodput'] - row['predicted']):+8.1f}")
+        print(
+            f"{row['mode']:6s} {row['interval_s']:8.2f}s {row['kills']:6d} {row['goodput']:8.3f} "
+            f"{row['predicted']:7.3f} {100 * (row['goodput'] - row['predicted']):+8.1f}"
+        )
     return rows
 
 
@@ -204,17 +253,27 @@ def main() -> None:
         child_args.add_argument("--size-mb", type=int, default=64)
         child_args.add_argument("--work", type=int, default=1024)
         sys.exit(child(child_args.parse_args()))
-    options = parser(__doc__, repeats=1, directory="data/checkpoints/kill-goodput",
-                     quick="failures every few seconds, 20 s per configuration")
+    options = parser(
+        __doc__,
+        repeats=1,
+        directory="data/checkpoints/kill-goodput",
+        quick="failures every few seconds, 20 s per configuration",
+    )
     options.add_argument("--mtbf", type=float, default=60.0, help="mean seconds between kills")
     options.add_argument("--duration", type=float, default=900.0, help="seconds per configuration")
-    options.add_argument("--calibrate", type=float, default=60.0,
-                         help="seconds the bare loop runs, its start-up included")
+    options.add_argument(
+        "--calibrate", type=float, default=60.0, help="seconds the bare loop runs, its start-up included"
+    )
     options.add_argument("--size-mb", type=int, default=64)
     options.add_argument("--work", type=int, default=1024, help="the step's matrix size")
     options.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
-    options.add_argument("--factors", nargs="+", type=float, default=[0.25, 1.0, 4.0],
-                         help="intervals tried, as multiples of the advised one")
+    options.add_argument(
+        "--factors",
+        nargs="+",
+        type=float,
+        default=[0.25, 1.0, 4.0],
+        help="intervals tried, as multiples of the advised one",
+    )
     args = options.parse_args()
     if args.quick:  # seconds-scale failures: checks the script, measures nothing worth keeping
         args.mtbf, args.duration, args.calibrate, args.size_mb, args.work = 6.0, 15.0, 12.0, 8, 512

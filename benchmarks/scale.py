@@ -47,15 +47,44 @@ def run_once(target: str, args: argparse.Namespace, scratch: str, label: str) ->
     """One torchrun of the bench on ``target``; its JSON document."""
     out = os.path.join(scratch, f"run-{label}.json")
     directory = tempfile.mkdtemp(prefix="nbckpt-scale-", dir=target)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(args.ranks), "-m", "nbckpt", "bench", "--dir", directory,
-               "--size-mb", str(args.size_mb),
-               "--compute-ms", str(args.compute_ms), "--strategies", ",".join(STRATEGIES),
-               "--steps", str(args.steps), "--every", str(args.every), "--repeats", "1",
-               "--threads", "1", "--quiet", "--json", out]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.ranks),
+        "-m",
+        "nbckpt",
+        "bench",
+        "--dir",
+        directory,
+        "--size-mb",
+        str(args.size_mb),
+        "--compute-ms",
+        str(args.compute_ms),
+        "--strategies",
+        ",".join(STRATEGIES),
+        "--steps",
+        str(args.steps),
+        "--every",
+        str(args.every),
+        "--repeats",
+        "1",
+        "--threads",
+        "1",
+        "--quiet",
+        "--json",
+        out,
+    ]
     try:
-        subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       stdout=subprocess.DEVNULL, timeout=args.timeout)
+        subprocess.run(
+            command,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL,
+            timeout=args.timeout,
+        )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     document: dict[str, Any] = json.loads(Path(out).read_text())
@@ -69,8 +98,10 @@ def ratios(document: dict[str, Any]) -> dict[str, float]:
     (baseline,) = [row for row in document["results"] if row["strategy"] == "none"]
     floor = job["floors"]["concurrent_write_gbs"] or float("nan")
     return {
-        "aggregate_gbs": ours["aggregate_write_gbs"], "floor_gbs": floor,
-        "stall_s": ours["stall_s"]["median"], "dcp_stall_s": dcp["stall_s"]["median"],
+        "aggregate_gbs": ours["aggregate_write_gbs"],
+        "floor_gbs": floor,
+        "stall_s": ours["stall_s"]["median"],
+        "dcp_stall_s": dcp["stall_s"]["median"],
         "coordination_per_step_s": job["coordination"]["per_step_s"],
         "step_s": baseline["mean_step_s"],
         "aggregate_vs_floor": ours["aggregate_write_gbs"] / floor,
@@ -103,11 +134,13 @@ def table(summary: dict[str, Any]) -> str:
             met = "yes" if row["met"] else "no"
             lines.append(f"{target:<6} {what:<48} {row['median']:>8.3f} {span:>20} {bound:>8} {met}")
         figures = found["figures"]
-        lines.append(f"{'':<6} aggregate {figures['aggregate_gbs']['median']:.3f} GB/s, floor "
-                     f"{figures['floor_gbs']['median']:.3f} GB/s; stall {figures['stall_s']['median']:.4f} s "
-                     f"against DCP-best {figures['dcp_stall_s']['median']:.4f} s; step "
-                     f"{figures['step_s']['median']:.4f} s, coordination "
-                     f"{figures['coordination_per_step_s']['median'] * 1e3:.3f} ms per step")
+        lines.append(
+            f"{'':<6} aggregate {figures['aggregate_gbs']['median']:.3f} GB/s, floor "
+            f"{figures['floor_gbs']['median']:.3f} GB/s; stall {figures['stall_s']['median']:.4f} s "
+            f"against DCP-best {figures['dcp_stall_s']['median']:.4f} s; step "
+            f"{figures['step_s']['median']:.4f} s, coordination "
+            f"{figures['coordination_per_step_s']['median'] * 1e3:.3f} ms per step"
+        )
     return "\n".join(lines)
 
 
@@ -134,16 +167,21 @@ def main() -> int:
         for repeat in range(args.repeats):
             order = targets if repeat % 2 == 0 else targets[::-1]  # interleaved, alternating
             for name in order:
-                print(f"repeat {repeat + 1}/{args.repeats}: {args.ranks} ranks on {name}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"repeat {repeat + 1}/{args.repeats}: {args.ranks} ranks on {name}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 document = run_once(TARGETS[name], args, scratch, f"{name}-{repeat}")
                 runs[name].append(ratios(document))
     summary = summarise(runs)
     print(table(summary))
     if args.note:
         print(f"note: {args.note}")
-    write_json(args.json, {"options": vars(args), "runs": runs, "summary": summary, "note": args.note,
-                           "machine": machine()})
+    write_json(
+        args.json,
+        {"options": vars(args), "runs": runs, "summary": summary, "note": args.note, "machine": machine()},
+    )
     return 0
 
 

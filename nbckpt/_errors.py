@@ -43,8 +43,10 @@ def describe_error(exc: BaseException) -> str:
 EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "nbckpt.bench": ("notebook", ("pandas",)),
     "nbckpt.analysis": ("notebook", ("pandas",)),
-    "nbckpt.notebook": ("notebook", ("pandas", "plotly", "IPython", "ipywidgets", "anywidget",
-                                     "papermill", "nbconvert")),
+    "nbckpt.notebook": (
+        "notebook",
+        ("pandas", "plotly", "IPython", "ipywidgets", "anywidget", "papermill", "nbconvert"),
+    ),
     "Timeline.to_pandas": ("notebook", ("pandas",)),
     "an s3:// directory": ("s3", ("fsspec", "s3fs")),
 }

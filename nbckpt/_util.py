@@ -47,8 +47,17 @@ def format_bytes(nbytes: float) -> str:
 
 
 #: Units a duration may be written in, in seconds ("500ms", "30s", "10min", "1.5h", "2 d").
-_DURATION_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
-                   "hr": 3600.0, "d": 86400.0}
+_DURATION_UNITS = {
+    "": 1.0,
+    "ms": 1e-3,
+    "s": 1.0,
+    "sec": 1.0,
+    "m": 60.0,
+    "min": 60.0,
+    "h": 3600.0,
+    "hr": 3600.0,
+    "d": 86400.0,
+}
 _DURATION_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", re.ASCII | re.IGNORECASE)
 
 
@@ -88,11 +97,16 @@ def format_duration(seconds: float) -> str:
 
 def check_count(value: Any, name: str, *, minimum: int = 1, maximum: int | None = None) -> int:
     """``value`` if it is an integer in ``[minimum, maximum]``, else ConfigError naming ``name``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (
-        maximum is not None and value > maximum
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < minimum
+        or (maximum is not None and value > maximum)
     ):
-        bound = f"an integer from {minimum} to {maximum}" if maximum is not None else (
-            "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        bound = (
+            f"an integer from {minimum} to {maximum}"
+            if maximum is not None
+            else ("a positive integer" if minimum == 1 else f"an integer >= {minimum}")
         )
         raise ConfigError(f"{name} must be {bound}, not {value!r}")
     return value
@@ -126,9 +140,10 @@ def check_path(path: Any, what: str) -> str:
     if "\0" in text:
         raise ConfigError(f"{what} {text!r} holds a NUL character, which no path can")
     if not text.removeprefix("file://").strip():
-        raise ConfigError(f"{what} {text!r} names no directory" + (
-            "; a file:// URL needs a path (file:///data/run1)" if text.startswith("file://") else ""
-        ))
+        raise ConfigError(
+            f"{what} {text!r} names no directory"
+            + ("; a file:// URL needs a path (file:///data/run1)" if text.startswith("file://") else "")
+        )
     return text
 
 

@@ -31,17 +31,27 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     from .bench._internal import add_bench_arguments  # shared with %ckpt_bench
 
     add_bench_arguments(parser)
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the last repeat's checkpoints under --dir, to inspect or restore "
-                        "them (default: remove every run's checkpoints after it)")
-    parser.add_argument("--fsdp", action="store_true",
-                        help="under torchrun: shard the GPT preset over the ranks with FSDP2, each "
-                        "rank saving its shard (default: replicated on every rank, as under DDP)")
-    parser.add_argument("--ranks", default=None, metavar="N,N,...",
-                        help="measured scaling on this node: run the bench under torchrun on each "
-                        "rank count in turn (e.g. 1,2,4) and print one table of every size; --json "
-                        "OUT holds every size, each size's own beside it as OUT.ranks-N.json "
-                        "(default: the ranks this process was started with)")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the last repeat's checkpoints under --dir, to inspect or restore "
+        "them (default: remove every run's checkpoints after it)",
+    )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun: shard the GPT preset over the ranks with FSDP2, each "
+        "rank saving its shard (default: replicated on every rank, as under DDP)",
+    )
+    parser.add_argument(
+        "--ranks",
+        default=None,
+        metavar="N,N,...",
+        help="measured scaling on this node: run the bench under torchrun on each "
+        "rank count in turn (e.g. 1,2,4) and print one table of every size; --json "
+        "OUT holds every size, each size's own beside it as OUT.ranks-N.json "
+        "(default: the ranks this process was started with)",
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -87,11 +97,16 @@ def _bench_sweep(args: argparse.Namespace, progress: Callable[[str], None] | Non
 
 def _storage_arguments(parser: argparse.ArgumentParser) -> None:
     """``--endpoint-url`` and ``--option``: how to reach an s3:// target."""
-    parser.add_argument("--endpoint-url", default=None,
-                        help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS's own)")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra fsspec storage option, repeatable (VALUE parsed as JSON if it "
-                        "can be; default: none)")
+    parser.add_argument(
+        "--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL, else AWS's own)"
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra fsspec storage option, repeatable (VALUE parsed as JSON if it can be; default: none)",
+    )
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,18 +127,38 @@ def _probe_arguments(parser: argparse.ArgumentParser) -> None:
 
     defaults = {name: p.default for name, p in inspect.signature(bench.probe).parameters.items()}
     parser.add_argument("target", help="directory (local, NFS, tmpfs...) or s3://bucket/prefix")
-    parser.add_argument("--size-mb", type=float, default=defaults["size_mb"],
-                        help="MiB written and read per stream count (default %(default)s)")
-    parser.add_argument("--streams", default=",".join(map(str, defaults["streams"])),
-                        help="parallel stream counts, comma separated (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=defaults["repeats"],
-                        help="rounds per stream count; the fastest counts (default %(default)s)")
-    parser.add_argument("--checkpoint-gb", type=float, default=None,
-                        help="checkpoint size in GB, for free-space and persist-time advice "
-                        "(default: none, that advice is left out)")
+    parser.add_argument(
+        "--size-mb",
+        type=float,
+        default=defaults["size_mb"],
+        help="MiB written and read per stream count (default %(default)s)",
+    )
+    parser.add_argument(
+        "--streams",
+        default=",".join(map(str, defaults["streams"])),
+        help="parallel stream counts, comma separated (default %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=defaults["repeats"],
+        help="rounds per stream count; the fastest counts (default %(default)s)",
+    )
+    parser.add_argument(
+        "--checkpoint-gb",
+        type=float,
+        default=None,
+        help="checkpoint size in GB, for free-space and persist-time advice "
+        "(default: none, that advice is left out)",
+    )
     _storage_arguments(parser)
-    parser.add_argument("--json", dest="json_out", default=None, metavar="OUT",
-                        help="also write the full result as JSON to OUT (default: no file)")
+    parser.add_argument(
+        "--json",
+        dest="json_out",
+        default=None,
+        metavar="OUT",
+        help="also write the full result as JSON to OUT (default: no file)",
+    )
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -135,8 +170,14 @@ def _probe(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"--streams wants comma separated integers, not {args.streams!r}") from exc
     checkpoint = int(args.checkpoint_gb * 1e9) if args.checkpoint_gb is not None else None
-    result = bench.probe(args.target, size_mb=args.size_mb, streams=streams, repeats=args.repeats,
-                         storage_options=_storage_options(args), checkpoint_bytes=checkpoint)
+    result = bench.probe(
+        args.target,
+        size_mb=args.size_mb,
+        streams=streams,
+        repeats=args.repeats,
+        storage_options=_storage_options(args),
+        checkpoint_bytes=checkpoint,
+    )
     if args.json_out:  # before printing: a closed stdout must not lose the measurement
         write_atomic(args.json_out, json.dumps(result.to_dict(), indent=1, default=str).encode())
     print(result.summary())
@@ -146,29 +187,56 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def _report_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--name", default="report",
-                        help="file name of the report, without .html (default: %(default)s)")
-    parser.add_argument("--output-dir", default="reports",
-                        help="folder for NAME.html, NAME.ipynb and results.json (default: %(default)s)")
-    parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[],
-                        metavar=("KEY", "VALUE"),
-                        help="set a parameter of the report notebook, repeatable, e.g. -p target "
-                        "/mnt/fb -p preset small; the names and their defaults are the first cell "
-                        "of notebooks/report.ipynb (default: the notebook's own)")
-    parser.add_argument("--notebook", default=None,
-                        help="another report notebook to run (default: notebooks/report.ipynb)")
-    parser.add_argument("--from", dest="sources", nargs="+", default=None, metavar="JSON",
-                        help="measure nothing: build NAME.html from these results of nbckpt bench "
-                        "under torchrun (a cluster's; several rank counts give the scaling curve) "
-                        "(default: run the notebook)")
-    parser.add_argument("--max-minutes", type=float, default=10.0,
-                        help="the time budget: a run estimated to take longer, or on a machine too busy "
-                        "to measure, is shortened to fewer repeats and steps (default: %(default)g)")
-    parser.add_argument("--full", action="store_true",
-                        help="run the repeats and steps asked for even over the budget or on a busy "
-                        "machine (default: shorten, and say so)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="say the estimate, the load and what would run, then stop (default: run)")
+    parser.add_argument(
+        "--name", default="report", help="file name of the report, without .html (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--output-dir",
+        default="reports",
+        help="folder for NAME.html, NAME.ipynb and results.json (default: %(default)s)",
+    )
+    parser.add_argument(
+        "-p",
+        "--parameter",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("KEY", "VALUE"),
+        help="set a parameter of the report notebook, repeatable, e.g. -p target "
+        "/mnt/fb -p preset small; the names and their defaults are the first cell "
+        "of notebooks/report.ipynb (default: the notebook's own)",
+    )
+    parser.add_argument(
+        "--notebook", default=None, help="another report notebook to run (default: notebooks/report.ipynb)"
+    )
+    parser.add_argument(
+        "--from",
+        dest="sources",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="measure nothing: build NAME.html from these results of nbckpt bench "
+        "under torchrun (a cluster's; several rank counts give the scaling curve) "
+        "(default: run the notebook)",
+    )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=10.0,
+        help="the time budget: a run estimated to take longer, or on a machine too busy "
+        "to measure, is shortened to fewer repeats and steps (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="run the repeats and steps asked for even over the budget or on a busy "
+        "machine (default: shorten, and say so)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="say the estimate, the load and what would run, then stop (default: run)",
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -194,8 +262,14 @@ def _report(args: argparse.Namespace) -> int:
     source = Path(args.notebook) if args.notebook is not None else REPORT_NOTEBOOK
     load_1m, cores = bench.machine_load()
     # Said before anything is measured: a run that cannot mean much is shortened, not sat through.
-    plan = plan_report(parameters, notebook_defaults(source) if source.is_file() else {}, load_1m=load_1m,
-                       cores=cores, max_minutes=args.max_minutes, full=args.full)
+    plan = plan_report(
+        parameters,
+        notebook_defaults(source) if source.is_file() else {},
+        load_1m=load_1m,
+        cores=cores,
+        max_minutes=args.max_minutes,
+        full=args.full,
+    )
     for line in plan.lines:
         print(line, file=sys.stderr, flush=True)
     if args.dry_run:
@@ -208,8 +282,9 @@ def _report(args: argparse.Namespace) -> int:
 def _export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a step directory (run1/step-000120) or a pointer file nbckpt wrote")
     parser.add_argument("out", help="the file to write: one torch.load-able dict, values included")
-    parser.add_argument("--map-location", default=None,
-                        help="device for the tensors in the file (default: cpu)")
+    parser.add_argument(
+        "--map-location", default=None, help="device for the tensors in the file (default: cpu)"
+    )
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -230,8 +305,9 @@ def _directory_arguments(parser: argparse.ArgumentParser, **steps: str) -> None:
 
 def _verify_arguments(parser: argparse.ArgumentParser) -> None:
     _directory_arguments(parser)
-    parser.add_argument("step", type=int, nargs="?", default=None,
-                        help="the step to verify (default: every committed step)")
+    parser.add_argument(
+        "step", type=int, nargs="?", default=None, help="the step to verify (default: every committed step)"
+    )
 
 
 def _reader(args: argparse.Namespace) -> Any:
@@ -243,12 +319,16 @@ def _reader(args: argparse.Namespace) -> Any:
     if not is_url(args.directory) and not os.path.lexists(os.path.expanduser(path)):
         raise CheckpointError(f"{path} does not exist")
     # read-only: no lock, nothing written, so a run may be saving into the directory meanwhile
-    return Checkpointer(args.directory, read_only=True, storage_options=_storage_options(args),
-                        line=getattr(args, "line", None))
+    return Checkpointer(
+        args.directory,
+        read_only=True,
+        storage_options=_storage_options(args),
+        line=getattr(args, "line", None),
+    )
 
 
 def _nothing_in(url: str) -> str:
-    """"no committed checkpoint in URL", naming the runs inside it when it is a parent of runs."""
+    """ "no committed checkpoint in URL", naming the runs inside it when it is a parent of runs."""
     line = f"no committed checkpoint in {url}"
     pattern = os.path.join(glob.escape(url), "*", "step-*", MANIFEST)
     manifests = [] if is_url(url) else glob.glob(pattern, include_hidden=True)  # Lightning's .nbckpt
@@ -269,8 +349,10 @@ def _ls(args: argparse.Namespace) -> int:
         for step in steps:
             manifest = ckpt.manifest(step)
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(manifest["unix_time"]))
-            print(f"{step:>10}  {when}  {format_bytes(manifest['bytes']):>9}  "
-                  f"{len(manifest['items']):>7}  {manifest.get('provenance', {}).get('program', '')}")
+            print(
+                f"{step:>10}  {when}  {format_bytes(manifest['bytes']):>9}  "
+                f"{len(manifest['items']):>7}  {manifest.get('provenance', {}).get('program', '')}"
+            )
     return 0
 
 
@@ -302,13 +384,21 @@ def _describe(value: Any) -> Any:
 
 def _diff_arguments(parser: argparse.ArgumentParser) -> None:
     _directory_arguments(parser, step_a="the earlier step", step_b="the later step")
-    parser.add_argument("--top", type=int, default=20,
-                        help="tensors to list, most changed first (default %(default)s; 0 lists all)")
-    parser.add_argument("--line", default=None,
-                        help="the line of the run the steps are in, e.g. branch-1 (default: the line "
-                        "committed to last, with the steps of the lines it went on from)")
-    parser.add_argument("--json", action="store_true",
-                        help="print JSON instead of a table (default: a table)")
+    parser.add_argument(
+        "--top",
+        type=int,
+        default=20,
+        help="tensors to list, most changed first (default %(default)s; 0 lists all)",
+    )
+    parser.add_argument(
+        "--line",
+        default=None,
+        help="the line of the run the steps are in, e.g. branch-1 (default: the line "
+        "committed to last, with the steps of the lines it went on from)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON instead of a table (default: a table)"
+    )
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -318,17 +408,34 @@ def _diff(args: argparse.Namespace) -> int:
     top = check_count(args.top, "--top", minimum=0)
     with _reader(args) as ckpt:
         # weights only, on the CPU: nothing in a checkpoint is ever unpickled
-        frame = diff_states(ckpt.load(args.step_a, map_location="cpu"),
-                            ckpt.load(args.step_b, map_location="cpu"))
+        frame = diff_states(
+            ckpt.load(args.step_a, map_location="cpu"), ckpt.load(args.step_b, map_location="cpu")
+        )
         url = ckpt.store.url
     counts = {str(status): int(n) for status, n in frame["status"].value_counts().items()}
     shown = frame.head(top) if top else frame
     if args.json:
         # JSON has no NaN or infinity: an undefined number (a cosine of zeros) is null
-        rows = [{key: None if isinstance(value, float) and not math.isfinite(value) else value
-                 for key, value in row.items()} for row in shown.to_dict(orient="records")]
-        print(json.dumps({"directory": url, "a": args.step_a, "b": args.step_b, "tensors": len(frame),
-                          "counts": counts, "rows": rows}, indent=1))
+        rows = [
+            {
+                key: None if isinstance(value, float) and not math.isfinite(value) else value
+                for key, value in row.items()
+            }
+            for row in shown.to_dict(orient="records")
+        ]
+        print(
+            json.dumps(
+                {
+                    "directory": url,
+                    "a": args.step_a,
+                    "b": args.step_b,
+                    "tensors": len(frame),
+                    "counts": counts,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
         return 0
     summary = ", ".join(f"{n} {status}" for status, n in counts.items()) or "no tensors"
     print(f"step {args.step_a} -> step {args.step_b} of {url}: {len(frame)} tensors ({summary})")
@@ -365,21 +472,29 @@ COMMANDS: dict[str, Command] = {
     "report": ("run the report notebook and render offline HTML", _report_arguments, _report),
     "export": ("write a checkpoint as one torch.load-able file", _export_arguments, _export),
     "ls": ("list the committed steps of a run directory", _directory_arguments, _ls),
-    "show": ("show one step: provenance, files, saved values",
-             lambda parser: _directory_arguments(parser, step="the step to show"), _show),
+    "show": (
+        "show one step: provenance, files, saved values",
+        lambda parser: _directory_arguments(parser, step="the step to show"),
+        _show,
+    ),
     "diff": ("compare two steps tensor by tensor, most changed first", _diff_arguments, _diff),
     "verify": ("check every block of a run's checkpoints", _verify_arguments, _verify),
 }
 #: Commands that need a face beyond the core (and so its extra).
-FACES = {"bench": "nbckpt.bench", "probe": "nbckpt.bench", "report": "nbckpt.notebook",
-         "diff": "nbckpt.analysis"}
+FACES = {
+    "bench": "nbckpt.bench",
+    "probe": "nbckpt.bench",
+    "report": "nbckpt.notebook",
+    "diff": "nbckpt.analysis",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     from ._version import __version__
 
     parser = argparse.ArgumentParser(
-        prog="nbckpt", description="See and fix what checkpointing costs a PyTorch training run.",
+        prog="nbckpt",
+        description="See and fix what checkpointing costs a PyTorch training run.",
         epilog="Run 'nbckpt COMMAND --help' for the options of a command.",
     )
     parser.add_argument("--version", action="version", version=f"nbckpt {__version__}")

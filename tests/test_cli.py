@@ -22,20 +22,52 @@ def test_bench_prints_a_table_and_writes_json(tmp_path: Any) -> None:
     out = tmp_path / "bench.json"
     directory = tmp_path / "ckpt"
     proc = subprocess.run(
-        [sys.executable, "-m", "nbckpt", "bench", "--dir", str(directory), *SMALL_RUN,
-         "--strategies", "none,torch-save,nbckpt-async", "--threads", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-m",
+            "nbckpt",
+            "bench",
+            "--dir",
+            str(directory),
+            *SMALL_RUN,
+            "--strategies",
+            "none,torch-save,nbckpt-async",
+            "--threads",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     table = proc.stdout
-    for expected in ("strategy", "none", "torch-save", "nbckpt-async", "floors for 2.1 MB",
-                     "stall s", "save stall s", "wait for the earlier save s", "95 % interval",
-                     "per repeat", "rests on", ex.OVERHEAD_DEFINITION, ex.STALL_DEFINITION,
-                     "load during the runs", f"results written to {out}"):
+    for expected in (
+        "strategy",
+        "none",
+        "torch-save",
+        "nbckpt-async",
+        "floors for 2.1 MB",
+        "stall s",
+        "save stall s",
+        "wait for the earlier save s",
+        "95 % interval",
+        "per repeat",
+        "rests on",
+        ex.OVERHEAD_DEFINITION,
+        ex.STALL_DEFINITION,
+        "load during the runs",
+        f"results written to {out}",
+    ):
         assert expected in table
     # progress lines: strategy, repeat, step, the stall in its parts, elapsed and expected time
-    progress = [line for line in proc.stderr.splitlines()
-                if line.startswith("[torch-save] repeat 2/3, step 2/4: stall ")]
+    progress = [
+        line
+        for line in proc.stderr.splitlines()
+        if line.startswith("[torch-save] repeat 2/3, step 2/4: stall ")
+    ]
     assert len(progress) == 1, proc.stderr
     assert "= save stall" in progress[0] and "+ wait for the earlier save" in progress[0]
     assert "elapsed of about" in progress[0]
@@ -67,9 +99,23 @@ def test_a_strategy_that_spawns_a_process_runs_from_the_command_line(tmp_path: P
     script = str(Path(sys.executable).with_name("nbckpt"))
     command = [script] if started_as == "nbckpt" else [sys.executable, "-m", "nbckpt"]
     proc = subprocess.run(
-        [*command, "bench", "--dir", str(tmp_path / "ckpt"), *SMALL_RUN, "--strategies", "dcp-async-stager",
-         "--repeats", "1", "--threads", "1"],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            *command,
+            "bench",
+            "--dir",
+            str(tmp_path / "ckpt"),
+            *SMALL_RUN,
+            "--strategies",
+            "dcp-async-stager",
+            "--repeats",
+            "1",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("repeat 1/1:") == 1, proc.stderr[-3000:]
@@ -140,11 +186,17 @@ def test_unwritable_directory_is_refused(tmp_path: Any, capsys: pytest.CaptureFi
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
-def test_json_into_a_missing_directory_is_refused(
-    tmp_path: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
-    code = cli.main(["bench", "--dir", str(tmp_path / "ckpt"), *SMALL_RUN,
-                     "--json", str(tmp_path / "missing" / "out.json")])
+def test_json_into_a_missing_directory_is_refused(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(
+        [
+            "bench",
+            "--dir",
+            str(tmp_path / "ckpt"),
+            *SMALL_RUN,
+            "--json",
+            str(tmp_path / "missing" / "out.json"),
+        ]
+    )
     assert code == 2
     assert "does not exist or is not writable" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

@@ -39,14 +39,29 @@ def core_requirements() -> list[str]:
 
 
 def pip(venv_python: Path, *args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv_python), *args,
-                    "--quiet", "--disable-pip-version-check"], check=True, timeout=900)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv_python),
+            *args,
+            "--quiet",
+            "--disable-pip-version-check",
+        ],
+        check=True,
+        timeout=900,
+    )
 
 
 def isolated_env() -> dict[str, str]:
     """The environment without what would put the work tree or the test venv on the path."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP")
+    }
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -67,8 +82,15 @@ def core_venv() -> Iterator[Path]:
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, source / name)
         shutil.copytree(ROOT / "nbckpt", source / "nbckpt", ignore=shutil.ignore_patterns("__pycache__"))
-        pip(python, "install", "--no-compile", "--no-deps", "--no-build-isolation", str(source),
-            *core_requirements())
+        pip(
+            python,
+            "install",
+            "--no-compile",
+            "--no-deps",
+            "--no-build-isolation",
+            str(source),
+            *core_requirements(),
+        )
         yield python
 
 
@@ -135,8 +157,14 @@ NOTEBOOK = "needs the 'notebook' extra: pip install 'nbckpt[notebook]'"
 
 
 def test_the_core_alone_saves_restores_and_names_the_missing_extras(core_venv: Path, tmp_path: Path) -> None:
-    done = subprocess.run([str(core_venv), "-c", SCRIPT], capture_output=True, text=True, cwd=tmp_path,
-                          env=isolated_env(), timeout=600)
+    done = subprocess.run(
+        [str(core_venv), "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=isolated_env(),
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(found["nbckpt"]).is_relative_to(found["prefix"]), "nbckpt was not imported from the venv"
@@ -158,12 +186,30 @@ def test_the_core_alone_saves_restores_and_names_the_missing_extras(core_venv: P
 
 
 def test_pip_check_passes_in_the_core_venv(core_venv: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(core_venv), "check",
-                           "--disable-pip-version-check"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(core_venv), "check", "--disable-pip-version-check"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(core_venv), "list",
-                                "--format", "json", "--disable-pip-version-check"],
-                               capture_output=True, text=True, timeout=300, check=True)
+    installed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(core_venv),
+            "list",
+            "--format",
+            "json",
+            "--disable-pip-version-check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     names = {package["name"].lower() for package in json.loads(installed.stdout)}
     assert {"nbckpt", "torch", "numpy", "xxhash", "psutil"} <= names
     assert not names & {"pandas", "plotly", "ipython", "ipywidgets", "anywidget", "papermill", "s3fs"}

@@ -22,13 +22,31 @@ import pytest
 from helpers import ROOT
 
 PACKAGE = ROOT / "nbckpt"
-LEVELS = {"_version": 0, "_errors": 0, "_util": 1, "engine": 2, "bench": 3, "analysis": 4,
-          "notebook": 5, "integrations": 5, "cli": 6, "__main__": 7, "__init__": 7}
+LEVELS = {
+    "_version": 0,
+    "_errors": 0,
+    "_util": 1,
+    "engine": 2,
+    "bench": 3,
+    "analysis": 4,
+    "notebook": 5,
+    "integrations": 5,
+    "cli": 6,
+    "__main__": 7,
+    "__init__": 7,
+}
 #: Layers at the same level that may use each other (the bottom's two modules).
 BESIDE = {("_util", "_errors"), ("_util", "_version")}
 #: What each test folder tests: it may import that layer's private modules, no other's.
-TEST_LAYERS = {"engine": "engine", "reliability": "engine", "helpers": "engine", "bench": "bench",
-               "analysis": "analysis", "notebook": "notebook", "integrations": "integrations"}
+TEST_LAYERS = {
+    "engine": "engine",
+    "reliability": "engine",
+    "helpers": "engine",
+    "bench": "bench",
+    "analysis": "analysis",
+    "notebook": "notebook",
+    "integrations": "integrations",
+}
 
 
 def module_name(path: Path) -> str:
@@ -103,14 +121,20 @@ TESTS = sorted(p for p in (ROOT / "tests").rglob("*.py"))
 def test_tests_use_only_their_own_layers_private_modules(path: Path) -> None:
     folder = path.relative_to(ROOT / "tests").parts[0]
     allowed = TEST_LAYERS.get(folder)
-    wrong = [f"line {line}: {target}" for line, target in imports(path)
-             if private_of(target) not in (None, allowed)]
+    wrong = [
+        f"line {line}: {target}"
+        for line, target in imports(path)
+        if private_of(target) not in (None, allowed)
+    ]
     assert not wrong, f"{path.name} reaches into another layer's private modules:\n" + "\n".join(wrong)
 
 
 def test_every_module_declares_all() -> None:
-    missing = [str(p.relative_to(PACKAGE)) for p in SOURCES
-               if p.name != "__main__.py" and "__all__" not in p.read_text()]
+    missing = [
+        str(p.relative_to(PACKAGE))
+        for p in SOURCES
+        if p.name != "__main__.py" and "__all__" not in p.read_text()
+    ]
     assert not missing, missing
 
 
@@ -148,8 +172,12 @@ def _code_of_markdown(text: str) -> str:
 def documentation() -> dict[str, str]:
     """Where a user meets the public names: README, docs, the notebooks' cells, the examples."""
     texts = {"README.md": _code_of_markdown((ROOT / "README.md").read_text())}
-    texts.update({str(p.relative_to(ROOT)): _code_of_markdown(p.read_text())
-                  for p in sorted((ROOT / "docs").glob("*.md"))})
+    texts.update(
+        {
+            str(p.relative_to(ROOT)): _code_of_markdown(p.read_text())
+            for p in sorted((ROOT / "docs").glob("*.md"))
+        }
+    )
     texts.update({str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "examples").glob("*.py"))})
     for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
         cells = json.loads(notebook.read_text())["cells"]
@@ -163,8 +191,11 @@ def documentation() -> dict[str, str]:
 @pytest.mark.parametrize("path", INITS, ids=lambda p: module_name(p))
 def test_every_public_name_is_documented(path: Path) -> None:
     texts = documentation()
-    undocumented = [name for name in all_names(path)
-                    if not any(re.search(rf"(?<![\w]){re.escape(name)}\b", text) for text in texts.values())]
+    undocumented = [
+        name
+        for name in all_names(path)
+        if not any(re.search(rf"(?<![\w]){re.escape(name)}\b", text) for text in texts.values())
+    ]
     assert not undocumented, (
         f"{module_name(path)} exports names no README, docs/*.md, notebook or example shows: {undocumented}; "
         f"document them (docs/api.md) or, if they are glue between layers, move them to {INTERNAL}.py"
@@ -189,17 +220,28 @@ def test_internal_modules_gather_glue_others_use(path: Path) -> None:
     which some other layer, a test of another layer, a benchmark or a script uses."""
     here = module_name(path)
     tree = ast.parse(path.read_text())
-    defined = [type(node).__name__ for node in tree.body
-               if not isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.Expr))]
+    defined = [
+        type(node).__name__
+        for node in tree.body
+        if not isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.Expr))
+    ]
     assert not defined, f"{here} defines code ({defined}); it only gathers names from its layer's modules"
     foreign = [t for _, t in imports(path) if layer(t) != layer(here)]
     assert not foreign, f"{here} re-exports another layer's names: {foreign}"
     own_folder = next((f for f, layer_ in TEST_LAYERS.items() if layer_ == layer(here)), None)
-    users = [p for p in (*SOURCES, *TESTS, *sorted((ROOT / "benchmarks").glob("*.py")),
-                         *sorted((ROOT / "scripts").glob("*.py")))
-             if p != path and any(t == here for _, t in imports(p))
-             and not (p.is_relative_to(PACKAGE) and layer(module_name(p)) == layer(here))
-             and not (own_folder and p.is_relative_to(ROOT / "tests" / own_folder))]
+    users = [
+        p
+        for p in (
+            *SOURCES,
+            *TESTS,
+            *sorted((ROOT / "benchmarks").glob("*.py")),
+            *sorted((ROOT / "scripts").glob("*.py")),
+        )
+        if p != path
+        and any(t == here for _, t in imports(p))
+        and not (p.is_relative_to(PACKAGE) and layer(module_name(p)) == layer(here))
+        and not (own_folder and p.is_relative_to(ROOT / "tests" / own_folder))
+    ]
     used = "\n".join(p.read_text() for p in users)
     unused = [name for name in all_names(path) if not re.search(rf"\b{re.escape(name)}\b", used)]
     assert not unused, f"{here} exports glue no other layer uses (drop it from there): {unused}"
@@ -230,8 +272,10 @@ def test_one_retention_policy_decides_which_steps_go() -> None:
         found += [
             f"{relative}:{node.lineno}"
             for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "delete" and relative not in DELETERS
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "delete"
+            and relative not in DELETERS
         ]
     assert not found, f"steps deleted outside the one retention policy (use keep= / retain()): {found}"
 
@@ -262,7 +306,8 @@ def test_no_engine_module_reaches_into_another_ones_private_attributes(path: Pat
         f"{ast.unparse(node.value)}.{node.attr} (line {node.lineno})"
         for node in ast.walk(tree)
         if isinstance(node, ast.Attribute)
-        and node.attr.startswith("_") and not node.attr.startswith("__")
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
         and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
         and node.attr not in own
     ]

@@ -15,5 +15,15 @@ from ._interval import advise, compare_modes, expected_waste, young_daly_interva
 from ._projection import checkpoint_gb, project_scale
 from ._reference import cite, published_table
 
-__all__ = ["DEFAULTS", "advise", "checkpoint_gb", "cite", "compare_modes", "conclusions", "expected_waste",
-           "project_scale", "published_table", "young_daly_interval"]
+__all__ = [
+    "DEFAULTS",
+    "advise",
+    "checkpoint_gb",
+    "cite",
+    "compare_modes",
+    "conclusions",
+    "expected_waste",
+    "project_scale",
+    "published_table",
+    "young_daly_interval",
+]

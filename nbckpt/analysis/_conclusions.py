@@ -79,10 +79,17 @@ class _Run:
     anchors: Mapping[str, Any]
 
 
-def conclusions(results: pd.DataFrame, floors: Mapping[str, Any], *, advice: pd.DataFrame | None = None,
-                timeline: pd.DataFrame | None = None, environment: Mapping[str, Any] | None = None,
-                assumptions: Mapping[str, Any] | None = None, probe: pd.DataFrame | None = None,
-                load: Mapping[str, Any] | None = None) -> list[str]:
+def conclusions(
+    results: pd.DataFrame,
+    floors: Mapping[str, Any],
+    *,
+    advice: pd.DataFrame | None = None,
+    timeline: pd.DataFrame | None = None,
+    environment: Mapping[str, Any] | None = None,
+    assumptions: Mapping[str, Any] | None = None,
+    probe: pd.DataFrame | None = None,
+    load: Mapping[str, Any] | None = None,
+) -> list[str]:
     """Sentences stating what the measurements show, each computed from the numbers given.
 
     ``results`` is ``Comparison.results``, ``floors`` ``Floors.to_dict()``, ``advice``
@@ -94,16 +101,24 @@ def conclusions(results: pd.DataFrame, floors: Mapping[str, Any], *, advice: pd.
     records = [{str(k): v for k, v in r.items()} for r in results.to_dict(orient="records")]
     partial = [str(r["strategy"]) for r in records if bool(r.get("partial", False))]
     rows = {str(r["strategy"]): r for r in records if not bool(r.get("partial", False))}
-    lines = [f"Left out of these conclusions because their runs were stopped before the end "
-             f"(partial): {', '.join(partial)}."] if partial else []
+    lines = (
+        [
+            f"Left out of these conclusions because their runs were stopped before the end "
+            f"(partial): {', '.join(partial)}."
+        ]
+        if partial
+        else []
+    )
     focus = next((name for name in ("nbckpt-async", "nbckpt-async-overlap") if name in rows), None)
     if focus is None:
-        return [*lines, "No asynchronous nbckpt strategy was measured to the end, so there is "
-                "nothing to conclude about asynchronous checkpointing; add nbckpt-async to the "
-                "strategies."]
+        return [
+            *lines,
+            "No asynchronous nbckpt strategy was measured to the end, so there is "
+            "nothing to conclude about asynchronous checkpointing; add nbckpt-async to the "
+            "strategies.",
+        ]
     env = dict(environment or {})
-    run = _Run(rows, focus, rows[focus], floors, env, str(env.get("device", "cpu")),
-               published()["anchors"])
+    run = _Run(rows, focus, rows[focus], floors, env, str(env.get("device", "cpu")), published()["anchors"])
     lines.append(_stall_sentence(run))
     lines.extend(_copy_floor_sentence(run, timeline))
     lines.extend(_write_sentences(run, probe, load))
@@ -126,17 +141,24 @@ def _stall_sentence(run: _Run) -> str:
     row, torch_save = run.row, run.rows.get("torch-save")
     stall = float(row["stall_mean_s"])
     save, wait = _num(row.get("save_stall_s")), _num(row.get("wait_s"))
-    parts = (f" (save stall {_ms(save)} + wait for the earlier save {_ms(wait)})"
-             if _finite(save) and wait > 0 else "")
-    text = (f"{run.focus}'s stall (the time the training loop was blocked) was {_ms(stall)} per "
-            f"checkpoint of {_size(run.floors.get('bytes'))}{parts} (p95 {_ms(float(row['stall_p95_s']))})")
+    parts = (
+        f" (save stall {_ms(save)} + wait for the earlier save {_ms(wait)})"
+        if _finite(save) and wait > 0
+        else ""
+    )
+    text = (
+        f"{run.focus}'s stall (the time the training loop was blocked) was {_ms(stall)} per "
+        f"checkpoint of {_size(run.floors.get('bytes'))}{parts} (p95 {_ms(float(row['stall_p95_s']))})"
+    )
     if torch_save is not None and _finite(torch_save["stall_mean_s"]) and stall > 0:
         theirs = float(torch_save["stall_mean_s"])
         if theirs >= stall:
             text += f", {_times(theirs / stall)} less than torch-save's ({_ms(theirs)})"
         else:
-            text += (f", {_times(stall / theirs)} more than torch-save's ({_ms(theirs)}): here the "
-                     f"synchronous write was cheaper than the asynchronous stall")
+            text += (
+                f", {_times(stall / theirs)} more than torch-save's ({_ms(theirs)}): here the "
+                f"synchronous write was cheaper than the asynchronous stall"
+            )
     return text + "."
 
 
@@ -151,10 +173,12 @@ def _copy_floor_sentence(run: _Run, timeline: pd.DataFrame | None) -> list[str]:
     ratio = save / copy_s
     floor = f"the copy floor ({_ms(copy_s)} to copy the same bytes into preallocated memory)"
     if ratio < 1:
-        return [f"Its save stall, {_ms(save)}, is {_times(ratio)} {floor}: below what the hardware "
-                f"allows, which is a measurement problem (the floor and the runs met different "
-                f"moments of a shared machine; the floor is the fastest of its rounds before "
-                f"each repeat), not a result."]
+        return [
+            f"Its save stall, {_ms(save)}, is {_times(ratio)} {floor}: below what the hardware "
+            f"allows, which is a measurement problem (the floor and the runs met different "
+            f"moments of a shared machine; the floor is the fastest of its rounds before "
+            f"each repeat), not a result."
+        ]
     text = f"Its save stall is {_times(ratio)} {floor}"
     if ratio <= 1.5:
         return [text + ": save() takes little more than the copy itself."]
@@ -166,11 +190,13 @@ def _copy_floor_sentence(run: _Run, timeline: pd.DataFrame | None) -> list[str]:
     if stage.empty:
         return [text + "."]
     per_checkpoint = float(stage.sum()) / checkpoints
-    return [text + f". Per checkpoint the copy into the staging buffers took {_ms(per_checkpoint)}; "
-            f"the other {_ms(max(save - per_checkpoint, 0.0))} of the save stall was spent on the rest "
-            f"of save(): flattening the state and planning its files, the retention and host-memory "
-            f"checks, taking a staging slot and handing the write to the background thread (the "
-            f"wait for the earlier save is counted apart)."]
+    return [
+        text + f". Per checkpoint the copy into the staging buffers took {_ms(per_checkpoint)}; "
+        f"the other {_ms(max(save - per_checkpoint, 0.0))} of the save stall was spent on the rest "
+        f"of save(): flattening the state and planning its files, the retention and host-memory "
+        f"checks, taking a staging slot and handing the write to the background thread (the "
+        f"wait for the earlier save is counted apart)."
+    ]
 
 
 def _write_sentences(run: _Run, probe: pd.DataFrame | None, load: Mapping[str, Any] | None) -> list[str]:
@@ -189,15 +215,23 @@ def _write_sentences(run: _Run, probe: pd.DataFrame | None, load: Mapping[str, A
             f"{len(rounds) or 1} rounds), taking {_ms(float(row['persist_s']))} per checkpoint while "
             f"training went on."
         )
-    above = [f"{name} ({_num(r.get('write_gbs')):.2f} GB/s)" for name, r in run.rows.items()
-             if _num(r.get("write_gbs")) > floor]
+    above = [
+        f"{name} ({_num(r.get('write_gbs')):.2f} GB/s)"
+        for name, r in run.rows.items()
+        if _num(r.get("write_gbs")) > floor
+    ]
     if above:
-        spread = (f"its rounds ranged {min(rounds):.2f}-{max(rounds):.2f} GB/s" if rounds
-                  else "it was measured once")
+        spread = (
+            f"its rounds ranged {min(rounds):.2f}-{max(rounds):.2f} GB/s"
+            if rounds
+            else "it was measured once"
+        )
         if load is not None and isinstance(load.get("floors"), Mapping):
-            spread += (f"; other processes used {_num(load['floors'].get('other_cpu_cores')):.2f} "
-                       f"cores while the floor was measured and "
-                       f"{_num(load.get('other_cpu_cores')):.2f} on average over the runs")
+            spread += (
+                f"; other processes used {_num(load['floors'].get('other_cpu_cores')):.2f} "
+                f"cores while the floor was measured and "
+                f"{_num(load.get('other_cpu_cores')):.2f} on average over the runs"
+            )
         lines.append(
             f"Above the floor, which is a measurement problem, not a result: {', '.join(above)}. "
             f"Both the floor and these writes end with fsync, so the page cache alone does not "
@@ -208,8 +242,10 @@ def _write_sentences(run: _Run, probe: pd.DataFrame | None, load: Mapping[str, A
     if probe is not None and {"streams", "write_gbs"} <= set(probe.columns):
         by_streams = dict(zip(probe["streams"].astype(int), probe["write_gbs"].map(_num), strict=True))
         floor_by = {int(k): _num(v) for k, v in (floors.get("write_gbs_by_streams") or {}).items()}
-        pairs = "; ".join(f"{k} stream(s): probe {by_streams[k]:.2f}, floor {floor_by[k]:.2f} GB/s"
-                          for k in sorted(set(by_streams) & set(floor_by)))
+        pairs = "; ".join(
+            f"{k} stream(s): probe {by_streams[k]:.2f}, floor {floor_by[k]:.2f} GB/s"
+            for k in sorted(set(by_streams) & set(floor_by))
+        )
         if pairs:
             lines.append(
                 f"The storage probe and the write floor measure the same way (parallel threads, 4 MiB "
@@ -227,12 +263,17 @@ def _overhead_sentences(run: _Run) -> list[str]:
     row, focus = run.row, run.focus
     if not _finite(row.get("overhead_pct")):
         return []
-    sync = [run.rows[name] for name in ("torch-save", "nbckpt-sync", "dcp-sync")
-            if name in run.rows and _finite(run.rows[name].get("overhead_pct"))]
-    lines = [f"Overhead against training without checkpoints (the none run of the same repeat): "
-             f"with {focus} {_overhead(row)}"
-             + "".join(f", with {r['strategy']} {_overhead(r)}" for r in sync)
-             + f"; {row.get('overhead_method', '')}, overhead as defined under the table."]
+    sync = [
+        run.rows[name]
+        for name in ("torch-save", "nbckpt-sync", "dcp-sync")
+        if name in run.rows and _finite(run.rows[name].get("overhead_pct"))
+    ]
+    lines = [
+        f"Overhead against training without checkpoints (the none run of the same repeat): "
+        f"with {focus} {_overhead(row)}"
+        + "".join(f", with {r['strategy']} {_overhead(r)}" for r in sync)
+        + f"; {row.get('overhead_method', '')}, overhead as defined under the table."
+    ]
     if run.device != "cpu":
         return lines
     cpus, threads = _num(run.env.get("cpus")), _num(run.env.get("torch_threads"))
@@ -240,20 +281,26 @@ def _overhead_sentences(run: _Run) -> list[str]:
     if losing:
         drag = measured_drag(row)
         cpu = _num(row.get("cpu_per_checkpoint_s"))
-        text = (f"On this CPU run {focus} cost measurably more than {losing[0]['strategy']}: its "
-                f"background write runs on the same {cpus:.0f} cores as training "
-                f"({threads:.0f} torch thread(s) for training)")
+        text = (
+            f"On this CPU run {focus} cost measurably more than {losing[0]['strategy']}: its "
+            f"background write runs on the same {cpus:.0f} cores as training "
+            f"({threads:.0f} torch thread(s) for training)"
+        )
         if _finite(cpu):
             text += f", takes about {cpu:.2f} CPU seconds per checkpoint from them"
         if drag > 0:
             text += f" and slowed the steps by {_ms(drag)} per checkpoint beyond its stall"
-        text += (". A GPU node trains on the GPU and leaves its host cores to the write; "
-                 "`--threads 1` (report parameter torch_threads = 1) leaves a core free here to "
-                 "imitate that")
+        text += (
+            ". A GPU node trains on the GPU and leaves its host cores to the write; "
+            "`--threads 1` (report parameter torch_threads = 1) leaves a core free here to "
+            "imitate that"
+        )
         if threads < cpus:
-            text += (f", and this run already left {cpus - threads:.0f} core(s) free, so the "
-                     f"write still competed with training for memory bandwidth or the other work "
-                     f"on this machine")
+            text += (
+                f", and this run already left {cpus - threads:.0f} core(s) free, so the "
+                f"write still competed with training for memory bandwidth or the other work "
+                f"on this machine"
+            )
         lines.append(text + ".")
     elif sync and all(_ci(row)[1] < _ci(r)[0] for r in sync):
         lines.append(
@@ -270,10 +317,12 @@ def _published_sentences(run: _Run) -> list[str]:
     rows, anchors = run.rows, run.anchors
     dcp_sync = rows.get("dcp-sync")
     base = _num(dcp_sync.get("stall_mean_s")) if dcp_sync is not None else math.nan
-    measured = [f"{name} {_ms(float(rows[name]['stall_mean_s']))} "
-                f"({_times(base / float(rows[name]['stall_mean_s']))} less)"
-                for name in ("dcp-async", "dcp-async-stager", run.focus)
-                if name in rows and _num(rows[name].get("stall_mean_s")) > 0]
+    measured = [
+        f"{name} {_ms(float(rows[name]['stall_mean_s']))} "
+        f"({_times(base / float(rows[name]['stall_mean_s']))} less)"
+        for name in ("dcp-async", "dcp-async-stager", run.focus)
+        if name in rows and _num(rows[name].get("stall_mean_s")) > 0
+    ]
     if base > 0 and measured:
         values = anchors["pytorch_ibm_7b"]["values"]
         lines.append(
@@ -285,21 +334,29 @@ def _published_sentences(run: _Run) -> list[str]:
             f"multi-GB states on GPUs, where the synchronous write dominates more than here."
         )
     elif not base > 0:
-        lines.append("No published figure compares against torch.save; run dcp-sync and "
-                     "dcp-async to set this run beside PyTorch/IBM's sync-against-async DCP figure.")
+        lines.append(
+            "No published figure compares against torch.save; run dcp-sync and "
+            "dcp-async to set this run beside PyTorch/IBM's sync-against-async DCP figure."
+        )
     torch_save = rows.get("torch-save")
     if torch_save is not None:
         mine, theirs = _num(run.row.get("overhead_pct")), _num(torch_save.get("overhead_pct"))
-        text = (f"Pure Storage's post says that with async checkpointing on FlashBlade checkpoint "
-                f"overhead drops significantly, \"{anchors['pure_storage_flashblade']['quote']}\", "
-                f"with no model, GPU count or baseline given")
+        text = (
+            f"Pure Storage's post says that with async checkpointing on FlashBlade checkpoint "
+            f'overhead drops significantly, "{anchors["pure_storage_flashblade"]["quote"]}", '
+            f"with no model, GPU count or baseline given"
+        )
         if measurable(torch_save.get("overhead_ci_pct")) and theirs > 0 and _finite(mine):
             if measurable(run.row.get("overhead_ci_pct")):
-                text += (f"; here {run.focus}'s overhead was {100.0 * (1.0 - mine / theirs):.0f} % "
-                         f"lower than torch-save's ({mine:+.1f} % against {theirs:+.1f} %)")
+                text += (
+                    f"; here {run.focus}'s overhead was {100.0 * (1.0 - mine / theirs):.0f} % "
+                    f"lower than torch-save's ({mine:+.1f} % against {theirs:+.1f} %)"
+                )
             else:
-                text += (f"; here torch-save's overhead was {theirs:+.1f} % and {run.focus}'s not "
-                         f"measurably different from zero")
+                text += (
+                    f"; here torch-save's overhead was {theirs:+.1f} % and {run.focus}'s not "
+                    f"measurably different from zero"
+                )
         lines.append(text + ".")
     return lines
 
@@ -333,17 +390,20 @@ def _advice_sentences(run: _Run, advice: pd.DataFrame, assumptions: Mapping[str,
     slow = by_name.get("torch-save")
     if slow is not None:
         saved = float(slow["gpu_hours_lost_per_day"]) - float(best["gpu_hours_lost_per_day"])
-        text += (f"; torch-save every {float(slow['interval_s']):.0f} s loses "
-                 f"{float(slow['waste_pct']):.3f} %")
+        text += f"; torch-save every {float(slow['interval_s']):.0f} s loses {float(slow['waste_pct']):.3f} %"
         shown = table_order(table.get(run.focus), table.get("torch-save"))
         if shown == (0 if saved == 0 else -1 if saved > 0 else 1):
             text += f", {abs(saved):.1f} GPU-hours a day {'more' if saved >= 0 else 'less'}"
         else:  # a conclusion says only what its own table shows
-            text += (f", but the measured overheads ({_overhead(run.row)} against "
-                     f"{_overhead(run.rows['torch-save'])}) "
-                     f"{'do not differ measurably' if shown == 0 else 'rank them the other way'}, "
-                     f"so this run does not say which of the two loses less")
+            text += (
+                f", but the measured overheads ({_overhead(run.row)} against "
+                f"{_overhead(run.rows['torch-save'])}) "
+                f"{'do not differ measurably' if shown == 0 else 'rank them the other way'}, "
+                f"so this run does not say which of the two loses less"
+            )
     if run.device == "cpu":
-        text += (". Costs measured on a CPU stand in for a GPU rank's only roughly: "
-                 "take the numbers as an illustration of the method")
+        text += (
+            ". Costs measured on a CPU stand in for a GPU rank's only roughly: "
+            "take the numbers as an illustration of the method"
+        )
     return [text + ".", *compare_modes(advice, table)]

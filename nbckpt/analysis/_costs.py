@@ -48,17 +48,27 @@ def measurements(results: Measured) -> pd.DataFrame:
         results = pd.DataFrame(rows, columns=["strategy", "stall_s", "persist_s", "drag_s"])
     stall_column = "stall_mean_s" if "stall_mean_s" in results.columns else "stall_s"
     if not {"strategy", stall_column} <= set(results.columns):
-        raise ConfigError(f"results need columns strategy and stall_mean_s (or stall_s), got "
-                          f"{', '.join(map(str, results.columns))}")
+        raise ConfigError(
+            f"results need columns strategy and stall_mean_s (or stall_s), got "
+            f"{', '.join(map(str, results.columns))}"
+        )
 
     def numbers(name: str) -> pd.Series:
         return pd.to_numeric(results.get(name, pd.Series(0.0, index=results.index)), errors="coerce")
 
-    frame = pd.DataFrame({"strategy": results["strategy"].astype(str), "stall_s": numbers(stall_column),
-                          "persist_s": numbers("persist_s").fillna(0.0)})
+    frame = pd.DataFrame(
+        {
+            "strategy": results["strategy"].astype(str),
+            "stall_s": numbers(stall_column),
+            "persist_s": numbers("persist_s").fillna(0.0),
+        }
+    )
     frame["drag_s"] = [measured_drag(row) for row in results.to_dict(orient="records")]
-    frame["mode"] = (results["mode"].astype(str) if "mode" in results.columns
-                     else (frame["persist_s"] > frame["stall_s"]).map({True: "async", False: "sync"}))
+    frame["mode"] = (
+        results["mode"].astype(str)
+        if "mode" in results.columns
+        else (frame["persist_s"] > frame["stall_s"]).map({True: "async", False: "sync"})
+    )
     keep = frame["strategy"].ne("none") & frame["stall_s"].notna()
     if "checkpoints" in results.columns:
         keep &= numbers("checkpoints").fillna(0) > 0

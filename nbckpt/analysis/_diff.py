@@ -25,8 +25,18 @@ __all__ = ["DIFF_COLUMNS", "DIFF_STATUSES", "diff_states"]
 #: ``reshaped``: the shape or the dtype differs, so the elements do not compare one by one.
 DIFF_STATUSES = ("reshaped", "added", "removed", "changed", "unchanged")
 #: Columns of the frame :func:`diff_states` returns.
-DIFF_COLUMNS = ["key", "status", "dtype", "shape", "numel", "changed_elements", "diff_norm", "max_abs_diff",
-                "rel_change", "cosine"]
+DIFF_COLUMNS = [
+    "key",
+    "status",
+    "dtype",
+    "shape",
+    "numel",
+    "changed_elements",
+    "diff_norm",
+    "max_abs_diff",
+    "rel_change",
+    "cosine",
+]
 _NAN = float("nan")
 
 
@@ -44,8 +54,12 @@ def diff_states(a: Mapping[str, Any], b: Mapping[str, Any]) -> pd.DataFrame:
     rows = [_compare(key, left.get(key), right.get(key)) for key in keys]
     frame = pd.DataFrame(rows, columns=DIFF_COLUMNS)
     frame["_rank"] = frame["status"].map({status: i for i, status in enumerate(DIFF_STATUSES)})
-    frame = frame.sort_values(["_rank", "rel_change", "changed_elements", "key"],
-                              ascending=[True, False, False, True], na_position="last", kind="stable")
+    frame = frame.sort_values(
+        ["_rank", "rel_change", "changed_elements", "key"],
+        ascending=[True, False, False, True],
+        na_position="last",
+        kind="stable",
+    )
     return frame.drop(columns="_rank").reset_index(drop=True)
 
 
@@ -56,8 +70,15 @@ def _kind(tensor: torch.Tensor) -> tuple[str, str]:
 def _row(key: str, status: str, tensor: torch.Tensor, **numbers: float) -> dict[str, Any]:
     """One row of the frame; the numbers not given are NaN (``DIFF_COLUMNS`` fills them)."""
     dtype, shape = _kind(tensor)
-    return {"key": key, "status": status, "dtype": dtype, "shape": shape, "numel": tensor.numel(),
-            "changed_elements": tensor.numel(), **numbers}
+    return {
+        "key": key,
+        "status": status,
+        "dtype": dtype,
+        "shape": shape,
+        "numel": tensor.numel(),
+        "changed_elements": tensor.numel(),
+        **numbers,
+    }
 
 
 def _compare(key: str, a: torch.Tensor | None, b: torch.Tensor | None) -> dict[str, Any]:

@@ -18,6 +18,17 @@ from ._job_report import (
 )
 from ._reference import load_published
 
-__all__ = ["checkpoint_rates", "diff_states", "job_conclusions", "job_table", "load_published",
-           "rank_rows", "rate_over_time", "read_jobs", "scaling_conclusions", "scaling_table",
-           "swimlanes", "waste_curve"]
+__all__ = [
+    "checkpoint_rates",
+    "diff_states",
+    "job_conclusions",
+    "job_table",
+    "load_published",
+    "rank_rows",
+    "rate_over_time",
+    "read_jobs",
+    "scaling_conclusions",
+    "scaling_table",
+    "swimlanes",
+    "waste_curve",
+]

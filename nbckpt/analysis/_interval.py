@@ -25,8 +25,18 @@ from ..engine._internal import expected_waste, young_daly_interval
 from ._costs import Measured, measurements
 from ._reference import _load as published  # read-only here: no copy
 
-__all__ = ["ADVICE_COLUMNS", "Overhead", "advise", "cluster_mtbf_s", "compare_modes", "expected_waste",
-           "node_mtbf_hours", "table_order", "waste_curve", "young_daly_interval"]
+__all__ = [
+    "ADVICE_COLUMNS",
+    "Overhead",
+    "advise",
+    "cluster_mtbf_s",
+    "compare_modes",
+    "expected_waste",
+    "node_mtbf_hours",
+    "table_order",
+    "waste_curve",
+    "young_daly_interval",
+]
 
 HOUR_S = 3600.0
 DAY_S = 86400.0
@@ -42,9 +52,25 @@ def node_mtbf_hours() -> float:
 
 #: Columns :func:`advise` returns.
 ADVICE_COLUMNS = [
-    "strategy", "mode", "stall_s", "drag_s", "cost_s", "persist_s", "lag_s", "restore_s", "cluster_mtbf_h",
-    "interval_s", "bound", "checkpoint_pct", "drag_pct", "rework_pct", "restore_pct", "waste_pct",
-    "storage_duty_pct", "gpu_hours_lost_per_day", "checkpoints_per_day",
+    "strategy",
+    "mode",
+    "stall_s",
+    "drag_s",
+    "cost_s",
+    "persist_s",
+    "lag_s",
+    "restore_s",
+    "cluster_mtbf_h",
+    "interval_s",
+    "bound",
+    "checkpoint_pct",
+    "drag_pct",
+    "rework_pct",
+    "restore_pct",
+    "waste_pct",
+    "storage_duty_pct",
+    "gpu_hours_lost_per_day",
+    "checkpoints_per_day",
 ]
 
 
@@ -58,8 +84,15 @@ def cluster_mtbf_s(mtbf_hours: float, gpus: int, gpus_per_node: int = 8) -> floa
     return mtbf_hours * HOUR_S / nodes
 
 
-def advise(results: Measured, *, mtbf_hours: float, gpus: int = 8, gpus_per_node: int = 8,
-           restore_s: float = 0.0, method: str = "daly") -> pd.DataFrame:
+def advise(
+    results: Measured,
+    *,
+    mtbf_hours: float,
+    gpus: int = 8,
+    gpus_per_node: int = 8,
+    restore_s: float = 0.0,
+    method: str = "daly",
+) -> pd.DataFrame:
     """The best checkpoint interval per strategy and what it costs (columns :data:`ADVICE_COLUMNS`).
 
     ``mtbf_hours`` is one node's; ``bound`` says what set the interval (the Young/Daly optimum,
@@ -78,20 +111,32 @@ def advise(results: Measured, *, mtbf_hours: float, gpus: int = 8, gpus_per_node
         if interval <= 0:
             raise ConfigError(f"strategy {row['strategy']!r} has zero stall and zero persist time")
         waste = expected_waste(interval, cost, mtbf_s, lag_s=lag, restore_s=restore_s)
-        rows.append({
-            **row, "cost_s": cost, "restore_s": restore_s, "cluster_mtbf_h": mtbf_s / HOUR_S,
-            "interval_s": interval, "bound": method if optimum >= lag else "persist",
-            "checkpoint_pct": 100.0 * stall / interval, "drag_pct": 100.0 * row["drag_s"] / interval,
-            "rework_pct": 100.0 * (interval / 2.0 + lag) / mtbf_s,
-            "restore_pct": 100.0 * restore_s / mtbf_s, "waste_pct": 100.0 * waste,
-            "storage_duty_pct": min(100.0, 100.0 * row["persist_s"] / (interval + stall)),
-            "gpu_hours_lost_per_day": waste * gpus * 24.0,
-            "checkpoints_per_day": DAY_S / (interval + stall),
-        })
+        rows.append(
+            {
+                **row,
+                "cost_s": cost,
+                "restore_s": restore_s,
+                "cluster_mtbf_h": mtbf_s / HOUR_S,
+                "interval_s": interval,
+                "bound": method if optimum >= lag else "persist",
+                "checkpoint_pct": 100.0 * stall / interval,
+                "drag_pct": 100.0 * row["drag_s"] / interval,
+                "rework_pct": 100.0 * (interval / 2.0 + lag) / mtbf_s,
+                "restore_pct": 100.0 * restore_s / mtbf_s,
+                "waste_pct": 100.0 * waste,
+                "storage_duty_pct": min(100.0, 100.0 * row["persist_s"] / (interval + stall)),
+                "gpu_hours_lost_per_day": waste * gpus * 24.0,
+                "checkpoints_per_day": DAY_S / (interval + stall),
+            }
+        )
     advice = pd.DataFrame(rows, columns=ADVICE_COLUMNS)
     advice.attrs.update(
-        mtbf_hours=mtbf_hours, gpus=gpus, gpus_per_node=gpus_per_node, method=method,
-        nodes=math.ceil(gpus / gpus_per_node), restore_s=restore_s,
+        mtbf_hours=mtbf_hours,
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        method=method,
+        nodes=math.ceil(gpus / gpus_per_node),
+        restore_s=restore_s,
     )
     return advice
 
@@ -129,27 +174,40 @@ def compare_modes(advice: pd.DataFrame, table: Mapping[str, Overhead] | None = N
     def part(name: str) -> str:
         return f"{float(a[name]):.3f} % against {float(s[name]):.3f} %"
 
-    costs = (f"stalls {part('checkpoint_pct')}, drag of the background write {part('drag_pct')}, "
-             f"rework {part('rework_pct')} (the async rework includes its {float(a['lag_s']):.3g} s "
-             f"lag: a failure before the write is durable falls back one checkpoint)")
+    costs = (
+        f"stalls {part('checkpoint_pct')}, drag of the background write {part('drag_pct')}, "
+        f"rework {part('rework_pct')} (the async rework includes its {float(a['lag_s']):.3g} s "
+        f"lag: a failure before the write is durable falls back one checkpoint)"
+    )
     order = 0 if diff == 0 else 1 if diff > 0 else -1
     mine, theirs = (table.get(a["strategy"]), table.get(s["strategy"])) if table is not None else (None, None)
     shown = table_order(mine, theirs)
     if table is not None and shown != order:
-        verdict = ("do not differ measurably" if shown == 0 else
-                   f"put {a['strategy']} {'above' if shown > 0 else 'below'} {s['strategy']}")
-        measured = (f"the measured overheads, {_overhead_text(mine)} % against {_overhead_text(theirs)} %, "
-                    f"{verdict}" if mine is not None and theirs is not None
-                    else "their overheads were not both measured")
-        text = (f"{a['strategy']} (async) against {s['strategy']} (sync): {measured}, so this run does "
-                f"not say which loses less time, whatever the model's {costs}")
+        verdict = (
+            "do not differ measurably"
+            if shown == 0
+            else f"put {a['strategy']} {'above' if shown > 0 else 'below'} {s['strategy']}"
+        )
+        measured = (
+            f"the measured overheads, {_overhead_text(mine)} % against {_overhead_text(theirs)} %, {verdict}"
+            if mine is not None and theirs is not None
+            else "their overheads were not both measured"
+        )
+        text = (
+            f"{a['strategy']} (async) against {s['strategy']} (sync): {measured}, so this run does "
+            f"not say which loses less time, whatever the model's {costs}"
+        )
     else:
-        text = (f"{a['strategy']} (async) loses {abs(diff):.1f} GPU-hours a day "
-                f"{'more' if diff > 0 else 'less'} than {s['strategy']} (sync): {costs}")
+        text = (
+            f"{a['strategy']} (async) loses {abs(diff):.1f} GPU-hours a day "
+            f"{'more' if diff > 0 else 'less'} than {s['strategy']} (sync): {costs}"
+        )
         if diff > 0:
             text += "; here the background write costs more than the stall it hides"
-    text += (f". Restoring after each failure ({float(a['restore_s']):.0f} s) costs every strategy "
-             f"the same {float(a['restore_pct']):.3f} % of the {float(a['waste_pct']):.3f} % lost.")
+    text += (
+        f". Restoring after each failure ({float(a['restore_s']):.0f} s) costs every strategy "
+        f"the same {float(a['restore_pct']):.3f} % of the {float(a['waste_pct']):.3f} % lost."
+    )
     return [text]
 
 
@@ -161,8 +219,18 @@ def waste_curve(advice: pd.DataFrame, intervals: Sequence[float] | None = None) 
         high = max(float(advice["interval_s"].max()) * 10.0, low * 10.0)
         intervals = [low * (high / low) ** (i / 119) for i in range(120)]
     rows = [
-        (row["strategy"], tau, 100.0 * expected_waste(tau, row["cost_s"], row["cluster_mtbf_h"] * HOUR_S,
-                                                      lag_s=row["lag_s"], restore_s=row["restore_s"]))
+        (
+            row["strategy"],
+            tau,
+            100.0
+            * expected_waste(
+                tau,
+                row["cost_s"],
+                row["cluster_mtbf_h"] * HOUR_S,
+                lag_s=row["lag_s"],
+                restore_s=row["restore_s"],
+            ),
+        )
         for row in advice.to_dict("records")
         for tau in intervals
     ]

@@ -21,18 +21,50 @@ from .._errors import ConfigError
 from .._util import GB
 from ..bench import Comparison
 
-__all__ = ["JOB_COLUMNS", "SCALING_COLUMNS", "checkpoint_rates", "job_conclusions", "job_table",
-           "rank_rows", "rate_over_time", "read_jobs", "scaling_conclusions", "scaling_table",
-           "swimlanes"]
+__all__ = [
+    "JOB_COLUMNS",
+    "SCALING_COLUMNS",
+    "checkpoint_rates",
+    "job_conclusions",
+    "job_table",
+    "rank_rows",
+    "rate_over_time",
+    "read_jobs",
+    "scaling_conclusions",
+    "scaling_table",
+    "swimlanes",
+]
 
 #: Columns of :func:`job_table`: one row per strategy that wrote checkpoints.
-JOB_COLUMNS = ["strategy", "checkpoints", "time_to_durable_s", "aggregate_write_gbs",
-               "concurrent_floor_gbs", "vs_floor", "stall_median_s", "stall_p99_s", "stall_max_s",
-               "overhead_pct", "slowest_rank", "straggler_rank", "straggler_host",
-               "straggler_over_median_s"]
+JOB_COLUMNS = [
+    "strategy",
+    "checkpoints",
+    "time_to_durable_s",
+    "aggregate_write_gbs",
+    "concurrent_floor_gbs",
+    "vs_floor",
+    "stall_median_s",
+    "stall_p99_s",
+    "stall_max_s",
+    "overhead_pct",
+    "slowest_rank",
+    "straggler_rank",
+    "straggler_host",
+    "straggler_over_median_s",
+]
 #: Columns of :func:`scaling_table`: one row per run (world size) and strategy.
-SCALING_COLUMNS = ["ranks", "hosts", "strategy", "aggregate_write_gbs", "concurrent_floor_gbs",
-                   "stall_median_s", "stall_max_s", "overhead_pct", "time_to_durable_s", "source"]
+SCALING_COLUMNS = [
+    "ranks",
+    "hosts",
+    "strategy",
+    "aggregate_write_gbs",
+    "concurrent_floor_gbs",
+    "stall_median_s",
+    "stall_max_s",
+    "overhead_pct",
+    "time_to_durable_s",
+    "source",
+]
 
 
 def _number(value: Any) -> float:
@@ -55,8 +87,10 @@ def read_jobs(paths: Sequence[str | os.PathLike[str]]) -> list[Comparison]:
             raise ConfigError(f"--from {name}: no such file")
         comparison = Comparison.from_json(name)  # not JSON, or not a bench result: its one line
         if not comparison.job or not comparison.ranks:
-            raise ConfigError(f"--from {name}: a one-process bench result (no 'job'); measure under "
-                              "torchrun (torchrun --nproc-per-node N -m nbckpt bench ... --json OUT)")
+            raise ConfigError(
+                f"--from {name}: a one-process bench result (no 'job'); measure under "
+                "torchrun (torchrun --nproc-per-node N -m nbckpt bench ... --json OUT)"
+            )
         jobs.append(comparison)
     return jobs
 
@@ -86,26 +120,46 @@ def job_table(comparison: Comparison) -> pd.DataFrame:
             continue
         stall, late = row.get("stall_s") or {}, row.get("straggler") or {}
         rate = _number(row.get("aggregate_write_gbs"))
-        rows.append({
-            "strategy": row["strategy"], "checkpoints": len(row["checkpoints"]),
-            "time_to_durable_s": _number(row.get("time_to_durable_s")), "aggregate_write_gbs": rate,
-            "concurrent_floor_gbs": floor, "vs_floor": rate / floor if floor > 0 else math.nan,
-            "stall_median_s": _number(stall.get("median")), "stall_p99_s": _number(stall.get("p99")),
-            "stall_max_s": _number(stall.get("max")), "overhead_pct": _number(row.get("overhead_pct")),
-            "slowest_rank": row.get("slowest_rank"), "straggler_rank": late.get("rank"),
-            "straggler_host": late.get("host"),
-            "straggler_over_median_s": _number(late.get("over_median_s")),
-        })
+        rows.append(
+            {
+                "strategy": row["strategy"],
+                "checkpoints": len(row["checkpoints"]),
+                "time_to_durable_s": _number(row.get("time_to_durable_s")),
+                "aggregate_write_gbs": rate,
+                "concurrent_floor_gbs": floor,
+                "vs_floor": rate / floor if floor > 0 else math.nan,
+                "stall_median_s": _number(stall.get("median")),
+                "stall_p99_s": _number(stall.get("p99")),
+                "stall_max_s": _number(stall.get("max")),
+                "overhead_pct": _number(row.get("overhead_pct")),
+                "slowest_rank": row.get("slowest_rank"),
+                "straggler_rank": late.get("rank"),
+                "straggler_host": late.get("host"),
+                "straggler_over_median_s": _number(late.get("over_median_s")),
+            }
+        )
     return pd.DataFrame(rows, columns=JOB_COLUMNS)
 
 
 def checkpoint_rates(comparison: Comparison) -> pd.DataFrame:
     """Every checkpoint of every strategy: its time to durable, its aggregate write rate (all
     ranks' bytes over that time) and the ranks that started first and ended last."""
-    rows = [{"strategy": row["strategy"], **checkpoint}
-            for row in comparison.job.get("strategies", []) for checkpoint in row.get("checkpoints", [])]
-    columns = ["strategy", "repeat", "step", "ranks_writing", "bytes", "time_to_durable_s",
-               "aggregate_write_gbs", "first_rank", "last_rank"]
+    rows = [
+        {"strategy": row["strategy"], **checkpoint}
+        for row in comparison.job.get("strategies", [])
+        for checkpoint in row.get("checkpoints", [])
+    ]
+    columns = [
+        "strategy",
+        "repeat",
+        "step",
+        "ranks_writing",
+        "bytes",
+        "time_to_durable_s",
+        "aggregate_write_gbs",
+        "first_rank",
+        "last_rank",
+    ]
     frame = pd.DataFrame(rows, columns=columns)
     for column in ("time_to_durable_s", "aggregate_write_gbs"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce")
@@ -129,7 +183,9 @@ def swimlanes(comparison: Comparison, strategy: str, repeat: int | None = None) 
     origin = int(events["start_ns"].min())
     frame = events.assign(
         host=[hosts.get(int(rank), "") for rank in events["rank"]],
-        start_s=(events["start_ns"] - origin) / 1e9, end_s=(events["end_ns"] - origin) / 1e9)
+        start_s=(events["start_ns"] - origin) / 1e9,
+        end_s=(events["end_ns"] - origin) / 1e9,
+    )
     frame = frame.sort_values(["host", "rank", "start_s"], kind="stable")
     frame["lane"] = frame["host"] + " · rank " + frame["rank"].astype(str)
     return frame[columns].reset_index(drop=True)
@@ -146,8 +202,12 @@ def rate_over_time(events: pd.DataFrame, bin_s: float | None = None) -> pd.DataF
     width = bin_s if bin_s is not None and bin_s > 0 else max((end - begin) / 40, 1e-6)
     edges = begin + width * np.arange(math.ceil((end - begin) / width) + 1)
     written = np.zeros(len(edges) - 1)
-    spans = zip(persists["start_s"].astype(float), persists["end_s"].astype(float),
-                persists["bytes"].astype(float), strict=True)
+    spans = zip(
+        persists["start_s"].astype(float),
+        persists["end_s"].astype(float),
+        persists["bytes"].astype(float),
+        strict=True,
+    )
     for start, stop, nbytes in spans:
         overlap = (np.minimum(edges[1:], stop) - np.maximum(edges[:-1], start)).clip(min=0)
         written += nbytes / (stop - start) * overlap
@@ -163,12 +223,25 @@ def scaling_table(jobs: Sequence[Comparison], sources: Sequence[str] | None = No
     for comparison, source in zip(jobs, names, strict=True):
         for row in job_table(comparison).to_dict(orient="records"):
             world = comparison.job.get("world_size") or len({r["rank"] for r in comparison.ranks})
-            rows.append({"ranks": int(world),
-                         "hosts": len(comparison.job.get("hosts", {})), "strategy": row["strategy"],
-                         **{key: row[key] for key in ("aggregate_write_gbs", "concurrent_floor_gbs",
-                                                      "stall_median_s", "stall_max_s", "overhead_pct",
-                                                      "time_to_durable_s")},
-                         "source": source})
+            rows.append(
+                {
+                    "ranks": int(world),
+                    "hosts": len(comparison.job.get("hosts", {})),
+                    "strategy": row["strategy"],
+                    **{
+                        key: row[key]
+                        for key in (
+                            "aggregate_write_gbs",
+                            "concurrent_floor_gbs",
+                            "stall_median_s",
+                            "stall_max_s",
+                            "overhead_pct",
+                            "time_to_durable_s",
+                        )
+                    },
+                    "source": source,
+                }
+            )
     frame = pd.DataFrame(rows, columns=SCALING_COLUMNS)
     return frame.sort_values(["strategy", "ranks"], kind="stable").reset_index(drop=True)
 
@@ -177,22 +250,30 @@ def job_conclusions(table: pd.DataFrame) -> list[str]:
     """What :func:`job_table`'s rows show, one sentence per finding."""
     lines = []
     for row in table.to_dict(orient="records"):
-        text = (f"{row['strategy']}: all ranks' checkpoint durable in {row['time_to_durable_s']:.3f} s "
-                f"(median), {row['aggregate_write_gbs']:.2f} GB/s aggregate")
+        text = (
+            f"{row['strategy']}: all ranks' checkpoint durable in {row['time_to_durable_s']:.3f} s "
+            f"(median), {row['aggregate_write_gbs']:.2f} GB/s aggregate"
+        )
         if math.isfinite(row["vs_floor"]):
-            text += (f", {row['vs_floor']:.2f}x the {row['concurrent_floor_gbs']:.2f} GB/s every rank "
-                     "wrote raw at once in the same run")
-        text += (f"; stall over ranks median {row['stall_median_s']:.4f} s, max "
-                 f"{row['stall_max_s']:.4f} s")
+            text += (
+                f", {row['vs_floor']:.2f}x the {row['concurrent_floor_gbs']:.2f} GB/s every rank "
+                "wrote raw at once in the same run"
+            )
+        text += f"; stall over ranks median {row['stall_median_s']:.4f} s, max {row['stall_max_s']:.4f} s"
         if math.isfinite(row["overhead_pct"]):  # the job goes at its slowest rank's pace
             text += f"; overhead at the slowest rank ({row['slowest_rank']}) {row['overhead_pct']:+.1f} %"
         # A straggler only where a rank stalled longer than the median (never in a job of one).
         if not pd.isna(row["straggler_rank"]) and row["straggler_over_median_s"] > 0:
-            text += (f"; straggler rank {int(row['straggler_rank'])} on {row['straggler_host']}, "
-                     f"{row['straggler_over_median_s']:+.4f} s over the median")
+            text += (
+                f"; straggler rank {int(row['straggler_rank'])} on {row['straggler_host']}, "
+                f"{row['straggler_over_median_s']:+.4f} s over the median"
+            )
         lines.append(text + ".")
-    stalls = {str(row["strategy"]): float(row["stall_max_s"]) for row in table.to_dict(orient="records")
-              if math.isfinite(float(row["stall_max_s"]))}
+    stalls = {
+        str(row["strategy"]): float(row["stall_max_s"])
+        for row in table.to_dict(orient="records")
+        if math.isfinite(float(row["stall_max_s"]))
+    }
     if len(stalls) > 1:
         best = min(stalls, key=lambda name: stalls[name])
         lines.append(f"Lowest stall on the slowest rank: {best} ({stalls[best]:.4f} s).")
@@ -214,5 +295,6 @@ def scaling_conclusions(table: pd.DataFrame) -> list[str]:
             f"(concurrent raw-write floor {low['concurrent_floor_gbs']:.2f} -> "
             f"{high['concurrent_floor_gbs']:.2f} GB/s); median stall {low['stall_median_s']:.4f} -> "
             f"{high['stall_median_s']:.4f} s; overhead at the slowest rank {low['overhead_pct']:+.1f} "
-            f"-> {high['overhead_pct']:+.1f} %.")
+            f"-> {high['overhead_pct']:+.1f} %."
+        )
     return lines

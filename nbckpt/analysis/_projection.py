@@ -33,9 +33,27 @@ SHARDING = ("full", "replicated")
 
 #: Columns :func:`project_scale` returns.
 PROJECTION_COLUMNS = [
-    "kind", "strategy", "mode", "model", "checkpoint_gb", "ranks", "sharding", "per_rank_gb",
-    "feasible", "note", "stage_gbs", "rank_write_gbs", "aggregate_gbs", "limited_by", "stall_s",
-    "drag_s", "persist_s", "backpressure_s", "interval_s", "storage_duty_pct", "overhead_pct",
+    "kind",
+    "strategy",
+    "mode",
+    "model",
+    "checkpoint_gb",
+    "ranks",
+    "sharding",
+    "per_rank_gb",
+    "feasible",
+    "note",
+    "stage_gbs",
+    "rank_write_gbs",
+    "aggregate_gbs",
+    "limited_by",
+    "stall_s",
+    "drag_s",
+    "persist_s",
+    "backpressure_s",
+    "interval_s",
+    "storage_duty_pct",
+    "overhead_pct",
 ]
 
 
@@ -53,18 +71,29 @@ def mlperf_checkpoint_sizes() -> dict[str, float]:
     return {name: float(item["value"]) for name, item in values.items()}
 
 
-def project_scale(results: Measured, *, nbytes: int, storage_gbs: float,
-                  models: Mapping[str, float] | None = None, ranks: int | Sequence[int] = (8, 64, 512),
-                  d2h_gbs: float | None = None, interval_s: float = DEFAULTS.interval_s,
-                  sharding: str = "full", gpu_memory_gb: float | None = DEFAULTS.gpu_memory_gb,
-                  ) -> pd.DataFrame:
+def project_scale(
+    results: Measured,
+    *,
+    nbytes: int,
+    storage_gbs: float,
+    models: Mapping[str, float] | None = None,
+    ranks: int | Sequence[int] = (8, 64, 512),
+    d2h_gbs: float | None = None,
+    interval_s: float = DEFAULTS.interval_s,
+    sharding: str = "full",
+    gpu_memory_gb: float | None = DEFAULTS.gpu_memory_gb,
+) -> pd.DataFrame:
     """Project stall, drag, storage load and overhead of each strategy, measured on one rank with a
     checkpoint of ``nbytes``, to ``models`` (name -> GB; default MLPerf Storage's 8B, 70B, 405B)
     on ``ranks`` against ``storage_gbs`` of aggregate bandwidth (the model: the module's doc)."""
     if nbytes <= 0:
         raise ConfigError(f"nbytes (size of the measured checkpoint) must be > 0, got {nbytes}")
-    for name, value in (("storage_gbs", storage_gbs), ("interval_s", interval_s),
-                        ("d2h_gbs", d2h_gbs), ("gpu_memory_gb", gpu_memory_gb)):
+    for name, value in (
+        ("storage_gbs", storage_gbs),
+        ("interval_s", interval_s),
+        ("d2h_gbs", d2h_gbs),
+        ("gpu_memory_gb", gpu_memory_gb),
+    ):
         if value is not None and not value > 0:
             raise ConfigError(f"{name} must be > 0, got {value}")
     if sharding not in SHARDING:
@@ -72,9 +101,11 @@ def project_scale(results: Measured, *, nbytes: int, storage_gbs: float,
     rank_counts = [check_count(count, "ranks") for count in ([ranks] if isinstance(ranks, int) else ranks)]
     if not rank_counts:
         raise ConfigError(f"ranks must be integers >= 1, got {ranks}")
-    sizes = dict(models) if models is not None else {
-        name: gb for name, gb in mlperf_checkpoint_sizes().items() if name in ("8B", "70B", "405B")
-    }
+    sizes = (
+        dict(models)
+        if models is not None
+        else {name: gb for name, gb in mlperf_checkpoint_sizes().items() if name in ("8B", "70B", "405B")}
+    )
     if not sizes or min(sizes.values()) <= 0:
         raise ConfigError("models must map names to checkpoint sizes > 0 GB")
     measured_gb = nbytes / GB
@@ -92,17 +123,30 @@ def project_scale(results: Measured, *, nbytes: int, storage_gbs: float,
             for count in rank_counts:
                 per_rank = size_gb / count if sharding == "full" else size_gb
                 base = {
-                    "kind": "projection", "strategy": row["strategy"], "mode": row["mode"],
-                    "model": model, "checkpoint_gb": size_gb, "ranks": count,
-                    "sharding": sharding, "per_rank_gb": per_rank, "interval_s": interval_s,
-                    "stage_gbs": stage_gbs, "rank_write_gbs": write_gbs,
+                    "kind": "projection",
+                    "strategy": row["strategy"],
+                    "mode": row["mode"],
+                    "model": model,
+                    "checkpoint_gb": size_gb,
+                    "ranks": count,
+                    "sharding": sharding,
+                    "per_rank_gb": per_rank,
+                    "interval_s": interval_s,
+                    "stage_gbs": stage_gbs,
+                    "rank_write_gbs": write_gbs,
                 }
                 if gpu_memory_gb is not None and per_rank > gpu_memory_gb:
-                    rows.append({  # the columns it lacks are NaN
-                        **base, "feasible": False, "limited_by": "",
-                        "note": (f"cannot exist: {per_rank:.1f} GB of checkpointed state per rank "
-                                 f"exceeds {gpu_memory_gb:g} GB of GPU memory"),
-                    })
+                    rows.append(
+                        {  # the columns it lacks are NaN
+                            **base,
+                            "feasible": False,
+                            "limited_by": "",
+                            "note": (
+                                f"cannot exist: {per_rank:.1f} GB of checkpointed state per rank "
+                                f"exceeds {gpu_memory_gb:g} GB of GPU memory"
+                            ),
+                        }
+                    )
                     continue
                 writers = count if sharding == "full" else 1
                 aggregate = min(storage_gbs, writers * write_gbs)
@@ -116,18 +160,32 @@ def project_scale(results: Measured, *, nbytes: int, storage_gbs: float,
                     limited_by = "storage" if storage_gbs <= writers * write_gbs else "ranks"
                 drag = fraction * persist
                 duty = min(100.0, 100.0 * persist / (interval_s + stall + backpressure))
-                rows.append({
-                    **base, "feasible": True, "note": "", "aggregate_gbs": aggregate,
-                    "limited_by": limited_by, "stall_s": stall + backpressure, "drag_s": drag,
-                    "persist_s": persist, "backpressure_s": backpressure,
-                    "storage_duty_pct": duty,
-                    "overhead_pct": 100.0 * (stall + backpressure + drag) / interval_s,
-                })
+                rows.append(
+                    {
+                        **base,
+                        "feasible": True,
+                        "note": "",
+                        "aggregate_gbs": aggregate,
+                        "limited_by": limited_by,
+                        "stall_s": stall + backpressure,
+                        "drag_s": drag,
+                        "persist_s": persist,
+                        "backpressure_s": backpressure,
+                        "storage_duty_pct": duty,
+                        "overhead_pct": 100.0 * (stall + backpressure + drag) / interval_s,
+                    }
+                )
     projection = pd.DataFrame(rows, columns=PROJECTION_COLUMNS)
-    placement = ("split evenly over the ranks, every rank writing its shard" if sharding == "full"
-                 else "replicated on every rank, one rank writing it")
+    placement = (
+        "split evenly over the ranks, every rank writing its shard"
+        if sharding == "full"
+        else "replicated on every rank, one rank writing it"
+    )
     projection.attrs.update(
-        projection=True, storage_gbs=storage_gbs, measured_bytes=nbytes, sharding=sharding,
+        projection=True,
+        storage_gbs=storage_gbs,
+        measured_bytes=nbytes,
+        sharding=sharding,
         gpu_memory_gb=gpu_memory_gb,
         note=f"projection from rates measured on one rank, not a measurement; state {placement}",
     )

@@ -53,9 +53,16 @@ def published_table() -> pd.DataFrame:
     import pandas as pd
 
     rows = [
-        {"anchor": anchor, "what": entry["what"], "compares": entry.get("compares", ""),
-         "quantity": name, "value": item["value"], "units": item["units"],
-         "qualifier": item.get("qualifier", ""), "source": cite(anchor)}
+        {
+            "anchor": anchor,
+            "what": entry["what"],
+            "compares": entry.get("compares", ""),
+            "quantity": name,
+            "value": item["value"],
+            "units": item["units"],
+            "qualifier": item.get("qualifier", ""),
+            "source": cite(anchor),
+        }
         for anchor, entry in _load()["anchors"].items()
         for name, item in entry["values"].items()
     ]

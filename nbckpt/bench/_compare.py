@@ -95,11 +95,20 @@ class Coordination(Protocol):
 
     def strategy(self, strategy: Strategy) -> Strategy: ...
 
-    def lane(self, name: str, strategy: Strategy, workload: Workload, *, steps: int, every: int,
-             on_event: EventCallback | None, progress: RunProgress | None, repeat: int) -> Lane: ...
+    def lane(
+        self,
+        name: str,
+        strategy: Strategy,
+        workload: Workload,
+        *,
+        steps: int,
+        every: int,
+        on_event: EventCallback | None,
+        progress: RunProgress | None,
+        repeat: int,
+    ) -> Lane: ...
 
-    def before_repeat(self, repeat: int, directory: str,
-                      storage_options: dict[str, Any] | None) -> None: ...
+    def before_repeat(self, repeat: int, directory: str, storage_options: dict[str, Any] | None) -> None: ...
 
     def remove(self, path: str) -> None: ...
 
@@ -120,7 +129,7 @@ def run_order(names: Sequence[str], repeats: int) -> list[list[str]]:
     items = list(names)
     if not items:
         return [[] for _ in range(repeats)]
-    return [items[r % len(items):] + items[: r % len(items)] for r in range(repeats)]
+    return [items[r % len(items) :] + items[: r % len(items)] for r in range(repeats)]
 
 
 def _cpu_model() -> str:
@@ -169,8 +178,10 @@ def _one_line_interrupt(function: Callable[P, R]) -> Callable[P, R]:
         except ComparisonInterrupted:
             raise
         except KeyboardInterrupt:
-            raise ComparisonInterrupted("the comparison was stopped; the checkpoints its runs "
-                                        "wrote were removed") from None
+            raise ComparisonInterrupted(
+                "the comparison was stopped; the checkpoints its runs wrote were removed"
+            ) from None
+
     return wrapper
 
 
@@ -255,13 +266,21 @@ def compare(
             ranks.before_repeat(repeat, directory, storage_options)
         # The floors beside each repeat: they see the same moments of the machine as its runs.
         floor_monitor = LoadMonitor()
-        measured_floors.append(measure_floors(
-            workload.nbytes, directory, device=device, storage_options=storage_options,
-            repeats=1 if repeats > 1 else WRITE_ROUNDS))
+        measured_floors.append(
+            measure_floors(
+                workload.nbytes,
+                directory,
+                device=device,
+                storage_options=storage_options,
+                repeats=1 if repeats > 1 else WRITE_ROUNDS,
+            )
+        )
         floor_loads.append(floor_monitor.stop())
         floor = measured_floors[-1]
-        say(f"repeat {repeat + 1}/{repeats}: {', '.join(names_in_order)}; floors beside it: copy "
-            f"{floor.copy_gbs:.1f} GB/s, write {floor.write_gbs:.2f} GB/s; {tracker.timing()}")
+        say(
+            f"repeat {repeat + 1}/{repeats}: {', '.join(names_in_order)}; floors beside it: copy "
+            f"{floor.copy_gbs:.1f} GB/s, write {floor.write_gbs:.2f} GB/s; {tracker.timing()}"
+        )
         # Local runs' checkpoints are removed after each run; objects stay in the user's bucket,
         # so each repeat gets a prefix of its own instead of saving the same steps again.
         where = f"{directory.rstrip('/')}/repeat-{repeat}" if is_url(directory) else directory
@@ -271,17 +290,29 @@ def compare(
             if stop is not None and stop.is_set():
                 break
             make_lane = Lane if ranks is None else ranks.lane
-            lanes = [make_lane(name, factories[name](), workload, steps=steps, every=every,
-                               on_event=on_event, progress=tracker, repeat=repeat) for name in group]
+            lanes = [
+                make_lane(
+                    name,
+                    factories[name](),
+                    workload,
+                    steps=steps,
+                    every=every,
+                    on_event=on_event,
+                    progress=tracker,
+                    repeat=repeat,
+                )
+                for name in group
+            ]
             kept = keep and repeat == repeats - 1
             try:
-                results_of_group = run_lanes(lanes, where, steps=steps, every=every, stop=stop,
-                                             warmup=warmup)
+                results_of_group = run_lanes(lanes, where, steps=steps, every=every, stop=stop, warmup=warmup)
             finally:  # after each run, and after a Ctrl-C in it: its checkpoints go (unless kept)
                 for lane in [] if kept else lanes:
                     _remove_checkpoints(lane.strategy, ranks)
-            done.extend((lane.name, lane.strategy, result)
-                        for lane, result in zip(lanes, results_of_group, strict=True))
+            done.extend(
+                (lane.name, lane.strategy, result)
+                for lane, result in zip(lanes, results_of_group, strict=True)
+            )
         for name, _strategy, result in done:
             position = names_in_order.index(name)
             metrics = {**result.metrics(), "repeat": repeat, "position": position}
@@ -296,21 +327,28 @@ def compare(
                 on_result(name, metrics)
 
     load = overall.stop()
-    floors = combine_floors(measured_floors) if measured_floors else measure_floors(
-        workload.nbytes, directory, device=device, storage_options=storage_options)
+    floors = (
+        combine_floors(measured_floors)
+        if measured_floors
+        else measure_floors(workload.nbytes, directory, device=device, storage_options=storage_options)
+    )
     floors_load = combine_loads(floor_loads) or load
     say(floors.describe())
     for during, text in (("", load.warning()), ("while the floors were measured, ", floors_load.warning())):
         if text is not None:
             warnings.append(during + text)
     if repeats == 1:
-        warnings.append("a single repeat: its overhead intervals allow for the disagreement "
-                        "between repeats that one repeat cannot show, so only a large effect is "
-                        "measurable; use 3 or more repeats")
+        warnings.append(
+            "a single repeat: its overhead intervals allow for the disagreement "
+            "between repeats that one repeat cannot show, so only a large effect is "
+            "measurable; use 3 or more repeats"
+        )
     stopped = sorted({str(row["strategy"]) for row in run_rows if row["stopped"]})
     if stopped:
-        warnings.append(f"stopped before the end: {', '.join(stopped)}; their rows rest on the "
-                        "cycles completed before the stop (see 'rests on')")
+        warnings.append(
+            f"stopped before the end: {', '.join(stopped)}; their rows rest on the "
+            "cycles completed before the stop (see 'rests on')"
+        )
 
     runs = pd.DataFrame(run_rows)
     results = aggregate(by_strategy, floors) if run_rows else pd.DataFrame(columns=RESULT_COLUMNS)
@@ -323,7 +361,8 @@ def compare(
     for text in warnings:
         say(f"warning: {text}")
     timeline = (
-        pd.concat(frames, ignore_index=True)[TIMELINE_COLUMNS] if frames
+        pd.concat(frames, ignore_index=True)[TIMELINE_COLUMNS]
+        if frames
         else pd.DataFrame(columns=TIMELINE_COLUMNS)
     )
     return Comparison(
@@ -356,17 +395,21 @@ def queueing(results: pd.DataFrame, every: int) -> str | None:
         return None
     step_s = float(rows["mean_step_s"]["none"])
     interval = every * step_s
-    slower = [(str(name), float(persist)) for name, persist, stall in
-              zip(rows.index, rows["persist_s"], rows["stall_mean_s"], strict=True)
-              if name != "none" and float(persist) > max(interval, float(stall) * 1.05)]
+    slower = [
+        (str(name), float(persist))
+        for name, persist, stall in zip(rows.index, rows["persist_s"], rows["stall_mean_s"], strict=True)
+        if name != "none" and float(persist) > max(interval, float(stall) * 1.05)
+    ]
     if not slower or not interval > 0:
         return None
     longest = max(persist for _, persist in slower)
     steps = math.ceil(3 * longest / step_s)
-    return (f"queueing regime: a checkpoint every {every} steps ({interval:.3f} s) came before the "
-            f"previous save had persisted ({', '.join(f'{n} {p:.3f} s' for n, p in slower)}), so "
-            f"saves waited for each other, which a training job checkpointing every few minutes "
-            f"never sees; every {steps} steps or more (or longer steps) shows that regime")
+    return (
+        f"queueing regime: a checkpoint every {every} steps ({interval:.3f} s) came before the "
+        f"previous save had persisted ({', '.join(f'{n} {p:.3f} s' for n, p in slower)}), so "
+        f"saves waited for each other, which a training job checkpointing every few minutes "
+        f"never sees; every {steps} steps or more (or longer steps) shows that regime"
+    )
 
 
 def _remove_checkpoints(strategy: Strategy, ranks: Any) -> None:
@@ -379,8 +422,7 @@ def _remove_checkpoints(strategy: Strategy, ranks: Any) -> None:
             ranks.remove(strategy.path)
 
 
-def _run_summary(name: str, repeat: int, repeats: int, metrics: dict[str, Any], *,
-                 stopped: bool) -> str:
+def _run_summary(name: str, repeat: int, repeats: int, metrics: dict[str, Any], *, stopped: bool) -> str:
     """The progress line after a run: its mean step, and per checkpoint the stall in parts."""
     text = f"[{name}] repeat {repeat + 1}/{repeats} done: mean step {metrics['mean_step_s']:.4f} s"
     if metrics["checkpoints"]:
@@ -396,14 +438,17 @@ def _interleaving(workload: Workload, *, strategies: int, say: Progress) -> str:
         needed = 2 * strategies * workload.nbytes
         available = psutil.virtual_memory().available
         if needed > available:
-            say(f"interleaving whole runs, not checkpoint cycles: {strategies} strategies open at "
-                f"once would hold about {format_bytes(needed)} and {format_bytes(available)} is free")
+            say(
+                f"interleaving whole runs, not checkpoint cycles: {strategies} strategies open at "
+                f"once would hold about {format_bytes(needed)} and {format_bytes(available)} is free"
+            )
             return "run"
     return "cycle"
 
 
-def _factory(spec: str | Strategy, options: dict[str, Any],
-             ranks: Coordination | None) -> Callable[[], Strategy]:
+def _factory(
+    spec: str | Strategy, options: dict[str, Any], ranks: Coordination | None
+) -> Callable[[], Strategy]:
     def make() -> Strategy:
         strategy = spec if isinstance(spec, Strategy) else get_strategy(spec, **options)
         return strategy if ranks is None else ranks.strategy(strategy)
@@ -416,41 +461,70 @@ def _factory(spec: str | Strategy, options: dict[str, Any],
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``nbckpt bench`` (and ``%ckpt_bench``)."""
-    parser.add_argument("-d", "--dir", default="data/checkpoints/bench",
-                        help="where checkpoints are written, a directory or s3:// URL "
-                        "(default: %(default)s)")
-    parser.add_argument("--preset", default=None,
-                        help="GPT workload preset: tiny, small, base, 350m, 1b, 3b "
-                        "(default: tiny unless --size-mb is given)")
-    parser.add_argument("--size-mb", type=float, default=None,
-                        help="synthetic workload: a state of this many MiB instead of a GPT "
-                        "(default: none)")
-    parser.add_argument("--compute-ms", type=float, default=5.0,
-                        help="synthetic workload: compute per step in ms (default: %(default)s)")
-    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                        help="comma-separated strategies, from: " + ", ".join(STRATEGIES)
-                        + " (default: %(default)s); none is added when missing")
-    parser.add_argument("--steps", type=int, default=20,
-                        help="training steps per run (default: %(default)s)")
-    parser.add_argument("--every", type=int, default=5,
-                        help="checkpoint every K steps (default: %(default)s)")
+    parser.add_argument(
+        "-d",
+        "--dir",
+        default="data/checkpoints/bench",
+        help="where checkpoints are written, a directory or s3:// URL (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--preset",
+        default=None,
+        help="GPT workload preset: tiny, small, base, 350m, 1b, 3b (default: tiny unless --size-mb is given)",
+    )
+    parser.add_argument(
+        "--size-mb",
+        type=float,
+        default=None,
+        help="synthetic workload: a state of this many MiB instead of a GPT (default: none)",
+    )
+    parser.add_argument(
+        "--compute-ms",
+        type=float,
+        default=5.0,
+        help="synthetic workload: compute per step in ms (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--strategies",
+        default=",".join(DEFAULT_STRATEGIES),
+        help="comma-separated strategies, from: "
+        + ", ".join(STRATEGIES)
+        + " (default: %(default)s); none is added when missing",
+    )
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: %(default)s)")
+    parser.add_argument(
+        "--every", type=int, default=5, help="checkpoint every K steps (default: %(default)s)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                        help="repeats, each running every strategy in a rotated order "
-                        "(default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads for training (default: one per core); fewer "
-                        "leaves a core for background writes, as on a GPU node")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="skip the warm-up steps and saves (default: warm up)")
-    parser.add_argument("--json", default=None, metavar="OUT",
-                        help="write the results as JSON to OUT (default: no file)")
-    parser.add_argument("--quiet", action="store_true",
-                        help="no progress lines (default: one per checkpoint and per run, on stderr)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="repeats, each running every strategy in a rotated order (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads for training (default: one per core); fewer "
+        "leaves a core for background writes, as on a GPU node",
+    )
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="skip the warm-up steps and saves (default: warm up)"
+    )
+    parser.add_argument(
+        "--json", default=None, metavar="OUT", help="write the results as JSON to OUT (default: no file)"
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress lines (default: one per checkpoint and per run, on stderr)",
+    )
 
 
-def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = None, *,
-                        ranks: Coordination | None = None) -> Comparison:
+def run_bench_from_args(
+    args: argparse.Namespace, progress: Progress | None = None, *, ranks: Coordination | None = None
+) -> Comparison:
     """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too);
     ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_on_ranks`)."""
     if args.preset is not None and args.size_mb is not None:
@@ -479,10 +553,19 @@ def run_bench_from_args(args: argparse.Namespace, progress: Progress | None = No
     if not is_url(args.dir):
         writable_directory(args.dir, "--dir")
     try:
-        comparison = compare(workload, names, args.dir, steps=args.steps, every=args.every,
-                             repeats=args.repeats, warmup=not args.no_warmup, progress=progress,
-                             # nbckpt bench's own option (the live lab of %ckpt_bench removes them all)
-                             keep=getattr(args, "keep", False), ranks=ranks)
+        comparison = compare(
+            workload,
+            names,
+            args.dir,
+            steps=args.steps,
+            every=args.every,
+            repeats=args.repeats,
+            warmup=not args.no_warmup,
+            progress=progress,
+            # nbckpt bench's own option (the live lab of %ckpt_bench removes them all)
+            keep=getattr(args, "keep", False),
+            ranks=ranks,
+        )
     except BaseException:
         if created:
             shutil.rmtree(args.dir, ignore_errors=True)

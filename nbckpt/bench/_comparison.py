@@ -127,8 +127,20 @@ __all__ = [
 
 SCHEMA = "nbckpt.bench/3"
 TIMELINE_COLUMNS = [
-    "strategy", "repeat", "kind", "label", "step", "rank", "start_s", "end_s", "duration_s",
-    "bytes", "thread", "pid", "start_ns", "end_ns",
+    "strategy",
+    "repeat",
+    "kind",
+    "label",
+    "step",
+    "rank",
+    "start_s",
+    "end_s",
+    "duration_s",
+    "bytes",
+    "thread",
+    "pid",
+    "start_ns",
+    "end_ns",
 ]
 
 
@@ -158,10 +170,18 @@ SHOWN_COLUMNS = {
     "floor_check": "floor check",
 }
 _FORMATS = {
-    "mean_step_s": "{:.4f}", "stall_mean_s": "{:.4f}", "save_stall_s": "{:.4f}", "wait_s": "{:.4f}",
-    "stall_p95_s": "{:.4f}", "persist_s": "{:.3f}", "write_gbs": "{:.2f}", "peak_host_mb": "{:.0f}",
-    "peak_device_mb": "{:.0f}", "reduction_vs_torch_save": "{:.1f}x",
-    "reduction_vs_dcp_sync": "{:.1f}x", "write_vs_floor_pct": "{:.0f} %",
+    "mean_step_s": "{:.4f}",
+    "stall_mean_s": "{:.4f}",
+    "save_stall_s": "{:.4f}",
+    "wait_s": "{:.4f}",
+    "stall_p95_s": "{:.4f}",
+    "persist_s": "{:.3f}",
+    "write_gbs": "{:.2f}",
+    "peak_host_mb": "{:.0f}",
+    "peak_device_mb": "{:.0f}",
+    "reduction_vs_torch_save": "{:.1f}x",
+    "reduction_vs_dcp_sync": "{:.1f}x",
+    "write_vs_floor_pct": "{:.0f} %",
 }
 # Columns of RESULT_COLUMNS that hold lists or text (the others are numbers).
 _LIST_COLUMNS = ("overhead_ci_pct", "overhead_by_repeat_pct", "drag_ci_s")
@@ -182,8 +202,9 @@ def format_results(results: pd.DataFrame, device: str = "cpu") -> pd.DataFrame:
             "repeats": row.get("repeats", "-"),
             "checkpoints": row.get("checkpoints", "-"),
             "overhead": overhead_text(row),
-            "overhead_95ci": ("-" if str(row["strategy"]) == "none"
-                              else interval_text(row.get("overhead_ci_pct"))),
+            "overhead_95ci": (
+                "-" if str(row["strategy"]) == "none" else interval_text(row.get("overhead_ci_pct"))
+            ),
             "per_repeat": per_repeat_text(row),
             "rests_on": str(row.get("overhead_basis") or "-"),
             "drag": drag_text(row),
@@ -196,8 +217,12 @@ def format_results(results: pd.DataFrame, device: str = "cpu") -> pd.DataFrame:
             finite = value is not None and isinstance(value, (int, float)) and math.isfinite(value)
             shown[column] = fmt.format(value) if finite else "-"
         rows.append({SHOWN_COLUMNS[key]: shown[key] for key in SHOWN_COLUMNS if key in shown})
-    frame = pd.DataFrame(rows, columns=[label for key, label in SHOWN_COLUMNS.items()
-                                        if key != "peak_device_mb" or device == "cuda"])
+    frame = pd.DataFrame(
+        rows,
+        columns=[
+            label for key, label in SHOWN_COLUMNS.items() if key != "peak_device_mb" or device == "cuda"
+        ],
+    )
     # A column nothing was measured for (no dcp-sync run, say) only widens the table.
     always = {SHOWN_COLUMNS[key] for key in _ALWAYS}
     empty = [c for c in frame.columns if c not in always and frame[c].isin(["-", ""]).all()]
@@ -265,8 +290,12 @@ class Comparison:
             "repeats": self.repeats,
             "order": self.order,
             "interleave": self.interleave,
-            "overhead": {"definition": OVERHEAD_DEFINITION, "method": OVERHEAD_METHOD,
-                         "confidence": CONFIDENCE, "baseline": "none"},
+            "overhead": {
+                "definition": OVERHEAD_DEFINITION,
+                "method": OVERHEAD_METHOD,
+                "confidence": CONFIDENCE,
+                "baseline": "none",
+            },
             "environment": self.environment,
             "load": _json_value(self.load),
             "warnings": list(self.warnings),
@@ -283,21 +312,39 @@ class Comparison:
         """The comparison a :meth:`to_dict` document describes (``nbckpt bench --json``'s file):
         ``null`` numbers become NaN, so its tables read as when it was measured."""
         if document.get("schema") != SCHEMA:
-            raise ConfigError(f"not a {SCHEMA} document (schema {document.get('schema')!r}); "
-                              "measure again with this version of nbckpt")
+            raise ConfigError(
+                f"not a {SCHEMA} document (schema {document.get('schema')!r}); "
+                "measure again with this version of nbckpt"
+            )
         results = pd.DataFrame(document.get("results") or [], columns=RESULT_COLUMNS)
         for column in RESULT_COLUMNS:
             if column in _LIST_COLUMNS:
-                results[column] = [[math.nan if v is None else float(v) for v in value or []]
-                                   for value in results[column]]
+                results[column] = [
+                    [math.nan if v is None else float(v) for v in value or []] for value in results[column]
+                ]
             elif column not in _TEXT_COLUMNS:
                 results[column] = pd.to_numeric(results[column], errors="coerce")
         results["partial"] = results["partial"].astype(bool)
-        fields = {name: document[name] for name in ("workload", "device", "directory", "steps",
-                                                    "every", "repeats", "bytes", "order",
-                                                    "interleave", "load", "warnings", "ranks",
-                                                    "job", "rank_timeline")
-                  if name in document}
+        fields = {
+            name: document[name]
+            for name in (
+                "workload",
+                "device",
+                "directory",
+                "steps",
+                "every",
+                "repeats",
+                "bytes",
+                "order",
+                "interleave",
+                "load",
+                "warnings",
+                "ranks",
+                "job",
+                "rank_timeline",
+            )
+            if name in document
+        }
         return cls(
             results=results,
             runs=pd.DataFrame(document.get("runs") or []),

@@ -85,8 +85,11 @@ class _SingleProcess(Strategy):
             if change > 0:  # (again: a test's catch_warnings may have dropped it meanwhile)
                 warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
             elif _quiet_strategies == 0:
-                for entry in [entry for entry in warnings.filters if entry[0] == "ignore"
-                              and getattr(entry[1], "pattern", None) == _SINGLE_PROCESS_WARNING]:
+                for entry in [
+                    entry
+                    for entry in warnings.filters
+                    if entry[0] == "ignore" and getattr(entry[1], "pattern", None) == _SINGLE_PROCESS_WARNING
+                ]:
                     warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list at run time
 
 
@@ -96,8 +99,9 @@ class DcpSync(_SingleProcess, BlockingSave):
     writer = "dcp.save"
 
     def write(self, plain: dict[str, Any], path: str) -> None:
-        dcp_save(plain, checkpoint_id=path, no_dist=not dist.is_initialized(),
-                 process_group=self.process_group)
+        dcp_save(
+            plain, checkpoint_id=path, no_dist=not dist.is_initialized(), process_group=self.process_group
+        )
 
 
 class DcpAsync(_SingleProcess):
@@ -115,9 +119,13 @@ class DcpAsync(_SingleProcess):
         self._staging: tuple[int, Future[Any]] | None = None  # a copy behind the loop
 
     def _async_save(self, plain: dict[str, Any], path: str) -> Future[Any] | AsyncSaveResponse:
-        return async_save(plain, checkpoint_id=path, no_dist=not dist.is_initialized(),
-                          process_group=self.process_group,
-                          async_checkpointer_type=AsyncCheckpointerType.THREAD)
+        return async_save(
+            plain,
+            checkpoint_id=path,
+            no_dist=not dist.is_initialized(),
+            process_group=self.process_group,
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        )
 
     def save(self, state: Mapping[str, Any], step: int) -> None:
         self._wait_pending(record_for=step)
@@ -131,16 +139,26 @@ class DcpAsync(_SingleProcess):
             staging, upload = response.staging_completion, response.upload_completion
         else:
             staging, upload = None, response
-        self._track(step, nbytes=tensor_bytes(plain), begin=begin, returned=returned,
-                    staging=staging, upload=upload)
+        self._track(
+            step, nbytes=tensor_bytes(plain), begin=begin, returned=returned, staging=staging, upload=upload
+        )
 
-    def _track(self, step: int, *, nbytes: int, begin: int, returned: int,
-               staging: Future[Any] | None, upload: Future[Any]) -> None:
+    def _track(
+        self,
+        step: int,
+        *,
+        nbytes: int,
+        begin: int,
+        returned: int,
+        staging: Future[Any] | None,
+        upload: Future[Any],
+    ) -> None:
         """Record ``stage`` until the copy is done and ``persist`` from then until durable."""
         staged_at = [returned]
         if staging is None:
             self.record("stage", begin, returned, step=step, nbytes=nbytes)
         else:
+
             def on_staged(done: Future[Any]) -> None:
                 staged_at[0] = now_ns()
                 kind = "error" if done.exception() is not None else "stage"
@@ -209,8 +227,11 @@ _SPAWN_LOCK = threading.Lock()
 
 def _warning_logger(rank: int) -> None:
     """Stands in for DCP's ``_init_logger`` in the checkpoint process: warnings and errors only."""
-    logging.basicConfig(level=logging.WARNING, force=True,
-                        format=f"[{rank}] %(asctime)s - %(name)s - %(levelname)s - %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        force=True,
+        format=f"[{rank}] %(asctime)s - %(name)s - %(levelname)s - %(message)s",
+    )
 
 
 def _quiet_checkpoint_process(pg_init_info: Any, parent_conn: Any) -> None:
@@ -274,8 +295,10 @@ class DcpAsyncStager(DcpAsync):
 
     name = "dcp-async-stager"
     stall_covers_copy = False  # async staging: the copy runs behind the loop
-    description = ("DCP at its best: reused DefaultStager, cached save plans, process "
-                   "executor (torchtitan's async_with_pinned_mem)")
+    description = (
+        "DCP at its best: reused DefaultStager, cached save plans, process "
+        "executor (torchtitan's async_with_pinned_mem)"
+    )
     blocks_before_step = True
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
@@ -299,10 +322,14 @@ class DcpAsyncStager(DcpAsync):
                 self._own_group = True
             # Pinned memory and non-blocking copies need an accelerator; a CPU-only torch refuses them.
             cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True,
-                use_non_blocking_copy=cuda,
-            ))
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=True,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
+            )
         except BaseException:
             self.close()
             raise
@@ -318,10 +345,15 @@ class DcpAsyncStager(DcpAsync):
             os.environ["MASTER_ADDR"] = "127.0.0.1"
         undo = _quiet_spawn()
         try:
-            response = async_save(plain, checkpoint_id=path, no_dist=not dist.is_initialized(),
-                                  process_group=self.process_group,
-                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                                  async_stager=self._stager, planner=self._planner)
+            response = async_save(
+                plain,
+                checkpoint_id=path,
+                no_dist=not dist.is_initialized(),
+                process_group=self.process_group,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self._stager,
+                planner=self._planner,
+            )
         except BaseException:
             undo()
             raise

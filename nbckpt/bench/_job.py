@@ -76,8 +76,11 @@ def straggler(stalls: Mapping[int, float], hosts: Mapping[int, str]) -> dict[str
 def _distribution(values: Sequence[float]) -> dict[str, float]:
     if not values:
         return {"median": math.nan, "p99": math.nan, "max": math.nan}
-    return {"median": float(np.median(values)), "p99": float(np.percentile(values, 99)),
-            "max": float(max(values))}
+    return {
+        "median": float(np.median(values)),
+        "p99": float(np.percentile(values, 99)),
+        "max": float(max(values)),
+    }
 
 
 def _checkpoints(records: Sequence[RankRecord], strategy: str) -> list[dict[str, Any]]:
@@ -91,18 +94,32 @@ def _checkpoints(records: Sequence[RankRecord], strategy: str) -> list[dict[str,
     for (repeat, step), group in sorted(spans.items()):
         seconds, rate, total, first, last = _aggregate(group)
         starts = [int(span["start_ns"]) for span in group]
-        rows.append({"repeat": repeat, "step": step, "ranks_writing": len(group), "bytes": total,
-                     "time_to_durable_s": seconds, "aggregate_write_gbs": rate,
-                     "first_rank": first, "last_rank": last,
-                     # how far apart the ranks began this save: small when they run in lockstep
-                     "start_spread_s": (max(starts) - min(starts)) / 1e9})
+        rows.append(
+            {
+                "repeat": repeat,
+                "step": step,
+                "ranks_writing": len(group),
+                "bytes": total,
+                "time_to_durable_s": seconds,
+                "aggregate_write_gbs": rate,
+                "first_rank": first,
+                "last_rank": last,
+                # how far apart the ranks began this save: small when they run in lockstep
+                "start_spread_s": (max(starts) - min(starts)) / 1e9,
+            }
+        )
     return rows
 
 
-def _strategy_summary(records: Sequence[RankRecord], strategy: str,
-                      hosts: Mapping[int, str]) -> dict[str, Any]:
-    rows = {int(record["rank"]): row for record in records for row in record.get("strategies", [])
-            if row["strategy"] == strategy}
+def _strategy_summary(
+    records: Sequence[RankRecord], strategy: str, hosts: Mapping[int, str]
+) -> dict[str, Any]:
+    rows = {
+        int(record["rank"]): row
+        for record in records
+        for row in record.get("strategies", [])
+        if row["strategy"] == strategy
+    }
     stalls = {rank: _number(row.get("stall_s")) for rank, row in rows.items()}
     stalls = {rank: value for rank, value in stalls.items() if not math.isnan(value)}
     overheads = {rank: _number(row.get("overhead_pct")) for rank, row in rows.items()}
@@ -144,15 +161,20 @@ def _floor(records: Sequence[RankRecord]) -> dict[str, Any]:
 def _coordination(records: Sequence[RankRecord]) -> dict[str, Any]:
     """The bench's own cost: time in its barriers (and rank 0's gather) on the rank that spent
     the most, and that per step trained there (to set beside the step time)."""
-    spent = {int(record["rank"]): _number(record.get("coordination_s")) + _number(record.get("gather_s", 0.0))
-             for record in records}
+    spent = {
+        int(record["rank"]): _number(record.get("coordination_s")) + _number(record.get("gather_s", 0.0))
+        for record in records
+    }
     spent = {rank: value for rank, value in spent.items() if not math.isnan(value)}
     if not spent:
         return {"seconds": math.nan, "per_step_s": math.nan, "rank": None}
     rank = max(spent, key=lambda r: (spent[r], -r))
     steps = {int(record["rank"]): int(record.get("steps_trained", 0)) for record in records}
-    return {"seconds": spent[rank], "rank": rank,
-            "per_step_s": spent[rank] / steps[rank] if steps.get(rank) else math.nan}
+    return {
+        "seconds": spent[rank],
+        "rank": rank,
+        "per_step_s": spent[rank] / steps[rank] if steps.get(rank) else math.nan,
+    }
 
 
 def job_summary(records: Sequence[RankRecord]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -165,8 +187,11 @@ def job_summary(records: Sequence[RankRecord]) -> tuple[list[dict[str, Any]], di
     """
     ordered = sorted(records, key=lambda record: int(record["rank"]))
     hosts = {int(record["rank"]): str(record.get("host", "")) for record in ordered}
-    rows = [{"rank": int(record["rank"]), "host": hosts[int(record["rank"])], **row}
-            for record in ordered for row in record.get("strategies", [])]
+    rows = [
+        {"rank": int(record["rank"]), "host": hosts[int(record["rank"])], **row}
+        for record in ordered
+        for row in record.get("strategies", [])
+    ]
     strategies = list(dict.fromkeys(row["strategy"] for row in rows))
     on_host: dict[str, list[int]] = {}
     for rank, host in hosts.items():
@@ -189,20 +214,26 @@ def job_text(job: Mapping[str, Any]) -> list[str]:
     strategy that writes its time to durable, aggregate rate, overhead and straggler."""
     hosts = job.get("hosts", {})
     floors = job.get("floors", {})
-    lines = [f"on {job.get('world_size', 0)} ranks, {len(hosts)} host(s); all ranks writing at once "
-             f"raw: {_number(floors.get('concurrent_write_gbs')):.2f} GB/s aggregate"]
+    lines = [
+        f"on {job.get('world_size', 0)} ranks, {len(hosts)} host(s); all ranks writing at once "
+        f"raw: {_number(floors.get('concurrent_write_gbs')):.2f} GB/s aggregate"
+    ]
     for row in job.get("strategies", []):
         if not row.get("checkpoints"):
             continue
         stall = row["stall_s"]
-        text = (f"[{row['strategy']}] time to durable {_number(row['time_to_durable_s']):.3f} s, "
-                f"aggregate write {_number(row['aggregate_write_gbs']):.2f} GB/s; stall over ranks "
-                f"median {_number(stall['median']):.4f} s, p99 {_number(stall['p99']):.4f} s, max "
-                f"{_number(stall['max']):.4f} s; overhead at the slowest rank "
-                f"{_number(row['overhead_pct']):.1f} %")
+        text = (
+            f"[{row['strategy']}] time to durable {_number(row['time_to_durable_s']):.3f} s, "
+            f"aggregate write {_number(row['aggregate_write_gbs']):.2f} GB/s; stall over ranks "
+            f"median {_number(stall['median']):.4f} s, p99 {_number(stall['p99']):.4f} s, max "
+            f"{_number(stall['max']):.4f} s; overhead at the slowest rank "
+            f"{_number(row['overhead_pct']):.1f} %"
+        )
         late = row.get("straggler")
         if late is not None:
-            text += (f"; straggler rank {late['rank']} on {late['host']}, "
-                     f"{_number(late['over_median_s']):+.4f} s over the median")
+            text += (
+                f"; straggler rank {late['rank']} on {late['host']}, "
+                f"{_number(late['over_median_s']):+.4f} s over the median"
+            )
         lines.append(text)
     return lines

@@ -26,7 +26,8 @@ def machine_load() -> tuple[float, int]:
     """The 1-minute load average and the cores this process may use, as a measurement is about to
     start (before it, the load is the other processes')."""
     return os.getloadavg()[0], len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
+        os.cpu_count() or 1
+    )
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,18 @@ class Load:
             reasons.append(f"the 1-minute load average was {self.loadavg_1m:.1f} on {self.cpus} cores")
         if not reasons:
             return None
-        return (f"the machine was busy while this ran ({'; '.join(reasons)}): expect wide "
-                "intervals, and repeat when it is quieter")
+        return (
+            f"the machine was busy while this ran ({'; '.join(reasons)}): expect wide "
+            "intervals, and repeat when it is quieter"
+        )
 
     def describe(self) -> str:
-        return (f"other processes used {self.other_cpu_cores:.2f} of {self.cpus} cores on average, "
-                f"CPU steal {self.steal_pct:.1f} %, 1-minute load average "
-                f"{self.loadavg_1m_start:.2f} -> {self.loadavg_1m:.2f} (this process used "
-                f"{self.own_cores:.2f} cores)")
+        return (
+            f"other processes used {self.other_cpu_cores:.2f} of {self.cpus} cores on average, "
+            f"CPU steal {self.steal_pct:.1f} %, 1-minute load average "
+            f"{self.loadavg_1m_start:.2f} -> {self.loadavg_1m:.2f} (this process used "
+            f"{self.own_cores:.2f} cores)"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "high": self.warning() is not None}

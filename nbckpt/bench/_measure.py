@@ -31,8 +31,19 @@ from .._errors import ConfigError
 from .._util import GB, GIB, MIB, check_count, format_bytes, is_url
 from ..engine._internal import fsspec_options, open_fsspec
 
-__all__ = ["DEFAULT_REPEATS", "FLOOR_SAMPLE_BYTES", "Floors", "StreamRun", "combine_floors",
-           "fsync_latencies", "measure_floors", "measure_write", "scratch", "stream_counts", "stream_runs"]
+__all__ = [
+    "DEFAULT_REPEATS",
+    "FLOOR_SAMPLE_BYTES",
+    "Floors",
+    "StreamRun",
+    "combine_floors",
+    "fsync_latencies",
+    "measure_floors",
+    "measure_write",
+    "scratch",
+    "stream_counts",
+    "stream_runs",
+]
 
 DEFAULT_REPEATS = 2
 _CHUNK = 4 * MIB  # os.write size: large writes, as DCP's writer makes
@@ -135,8 +146,9 @@ def _cached_fraction(path: str) -> float | None:
     return None if status != 0 else sum(v & 1 for v in vector) / pages
 
 
-def stream_runs(fs: Any, work: str, size: int, *, streams: Sequence[int], repeats: int,
-                read_back: bool) -> tuple[list[StreamRun], list[float]]:
+def stream_runs(
+    fs: Any, work: str, size: int, *, streams: Sequence[int], repeats: int, read_back: bool
+) -> tuple[list[StreamRun], list[float]]:
     """Write ``size`` bytes into ``work`` (a directory, or an object prefix of ``fs``) at each
     stream count, ``repeats`` rounds each, and read each round back if ``read_back``: the second
     list holds the share of each round's first file in the page cache as reading began."""
@@ -202,9 +214,14 @@ def fsync_latencies(path: str) -> list[float]:
     return latencies
 
 
-def measure_write(target: str | os.PathLike[str], nbytes: int, *, streams: Sequence[int] = (1,),
-                  repeats: int = DEFAULT_REPEATS, storage_options: dict[str, Any] | None = None,
-                  ) -> list[StreamRun]:
+def measure_write(
+    target: str | os.PathLike[str],
+    nbytes: int,
+    *,
+    streams: Sequence[int] = (1,),
+    repeats: int = DEFAULT_REPEATS,
+    storage_options: dict[str, Any] | None = None,
+) -> list[StreamRun]:
     """Write ``nbytes`` split over each stream count, exactly as :func:`nbckpt.bench.probe` writes:
     one :class:`StreamRun` per stream count (``read_s`` None). Everything written is removed, and
     every directory made for it."""
@@ -257,12 +274,16 @@ class Floors:
         def span(rates: Sequence[float], digits: int) -> str:
             return f"{min(rates):.{digits}f}-{max(rates):.{digits}f} GB/s"
 
-        text = (f"floors for {format_bytes(self.bytes)}: copy {self.copy_s:.4f} s ({self.copy_gbs:.1f} "
-                f"GB/s); raw durable write {self.write_gbs:.2f} GB/s ({self.write_s:.3f} s) with "
-                f"{self.write_streams} stream(s)")
+        text = (
+            f"floors for {format_bytes(self.bytes)}: copy {self.copy_s:.4f} s ({self.copy_gbs:.1f} "
+            f"GB/s); raw durable write {self.write_gbs:.2f} GB/s ({self.write_s:.3f} s) with "
+            f"{self.write_streams} stream(s)"
+        )
         if len(self.copy_gbs_by_repeat) > 1:
-            text += (f"; measured before each of {len(self.copy_gbs_by_repeat)} repeats, the fastest counts: "
-                     f"copy {span(self.copy_gbs_by_repeat, 1)}, write {span(self.write_gbs_by_repeat, 2)}")
+            text += (
+                f"; measured before each of {len(self.copy_gbs_by_repeat)} repeats, the fastest counts: "
+                f"copy {span(self.copy_gbs_by_repeat, 1)}, write {span(self.write_gbs_by_repeat, 2)}"
+            )
         if self.write_gbs_rounds:
             text += f", best of {len(self.write_gbs_rounds)} rounds ({span(self.write_gbs_rounds, 2)})"
         if self.sample_bytes and self.sample_bytes < self.bytes:
@@ -292,8 +313,14 @@ def _copy_floor(nbytes: int, device: str) -> float:
     return min(times)
 
 
-def measure_floors(nbytes: int, directory: str, *, device: str = "cpu", repeats: int = DEFAULT_REPEATS,
-                   storage_options: dict[str, Any] | None = None) -> Floors:
+def measure_floors(
+    nbytes: int,
+    directory: str,
+    *,
+    device: str = "cpu",
+    repeats: int = DEFAULT_REPEATS,
+    storage_options: dict[str, Any] | None = None,
+) -> Floors:
     """Measure the copy floor and the raw fsync'd write rate of ``directory`` for ``nbytes``: the
     write at 1 stream (torch.save's and DCP's one file) and 2 (nbckpt's default writer threads),
     the faster counting. Up to :data:`FLOOR_SAMPLE_BYTES` are really copied and written; larger
@@ -304,10 +331,16 @@ def measure_floors(nbytes: int, directory: str, *, device: str = "cpu", repeats:
     runs = measure_write(directory, sample, streams=(1, 2), repeats=repeats, storage_options=storage_options)
     best = max(runs, key=lambda run: run.write_gbs)
     return Floors(
-        bytes=nbytes, copy_s=copy_s, copy_gbs=nbytes / copy_s / GB, write_gbs=best.write_gbs,
-        write_s=nbytes / (best.write_gbs * GB), sample_bytes=sample, write_streams=best.streams,
+        bytes=nbytes,
+        copy_s=copy_s,
+        copy_gbs=nbytes / copy_s / GB,
+        write_gbs=best.write_gbs,
+        write_s=nbytes / (best.write_gbs * GB),
+        sample_bytes=sample,
+        write_streams=best.streams,
         write_gbs_by_streams={str(run.streams): run.write_gbs for run in runs},
-        write_gbs_rounds=tuple(best.bytes / s / GB for s in best.write_rounds_s if s > 0), repeats=repeats,
+        write_gbs_rounds=tuple(best.bytes / s / GB for s in best.write_rounds_s if s > 0),
+        repeats=repeats,
     )
 
 
@@ -318,7 +351,9 @@ def combine_floors(measured: Sequence[Floors]) -> Floors:
     keys = {key: None for floors in measured for key in floors.write_gbs_by_streams}  # in order
     streams = {key: max(f.write_gbs_by_streams.get(key, 0.0) for f in measured) for key in keys}
     return replace(
-        max(measured, key=lambda floors: floors.write_gbs), copy_s=copy.copy_s, copy_gbs=copy.copy_gbs,
+        max(measured, key=lambda floors: floors.write_gbs),
+        copy_s=copy.copy_s,
+        copy_gbs=copy.copy_gbs,
         write_gbs_by_streams=streams,
         write_gbs_rounds=tuple(rate for floors in measured for rate in floors.write_gbs_rounds),
         repeats=sum(floors.repeats for floors in measured),

@@ -121,11 +121,15 @@ class ProbeResult:
             lines.append(f"  mounted on {self.mount_point}: {options}")
         if self.free_bytes is not None and self.total_bytes:
             lines.append(f"  free space: {format_bytes(self.free_bytes)} of {format_bytes(self.total_bytes)}")
-        reads = {None: "reads are object GETs (no page cache)",
-                 True: "page cache dropped before reading (posix_fadvise, checked with mincore)",
-                 False: "page cache could NOT be dropped: read figures may be memory speed"}
-        lines.append(f"  {self.size_bytes / MIB:,.0f} MiB written and read back per stream count, best of "
-                     f"{self.repeats} ({self.elapsed_s:.1f} s in all); {reads[self.cache_dropped]}")
+        reads = {
+            None: "reads are object GETs (no page cache)",
+            True: "page cache dropped before reading (posix_fadvise, checked with mincore)",
+            False: "page cache could NOT be dropped: read figures may be memory speed",
+        }
+        lines.append(
+            f"  {self.size_bytes / MIB:,.0f} MiB written and read back per stream count, best of "
+            f"{self.repeats} ({self.elapsed_s:.1f} s in all); {reads[self.cache_dropped]}"
+        )
         lines.append("  streams  write GB/s  read GB/s")
         lines.extend(f"  {run.streams:7d}  {run.write_gbs:10.3f}  {run.read_gbs:9.3f}" for run in self.runs)
         if self.fsync_ms is not None:
@@ -138,38 +142,62 @@ def _advice(result: ProbeResult) -> list[str]:
     advice: list[str] = []
     best, first, size, free = result.best(), result.runs[0], result.checkpoint_bytes, result.free_bytes
     if best.streams > first.streams and best.write_gbs > 1.25 * first.write_gbs:
-        advice.append(f"{first.streams} stream(s) wrote {first.write_gbs:.2f} GB/s, {best.streams} streams "
-                      f"{best.write_gbs:.2f} GB/s: use Checkpointer(..., writer_threads={best.streams}) so "
-                      "one rank writes several files at once.")
+        advice.append(
+            f"{first.streams} stream(s) wrote {first.write_gbs:.2f} GB/s, {best.streams} streams "
+            f"{best.write_gbs:.2f} GB/s: use Checkpointer(..., writer_threads={best.streams}) so "
+            "one rank writes several files at once."
+        )
     elif len(result.runs) > 1:
-        advice.append(f"{first.streams} stream(s) already reached {first.write_gbs:.2f} GB/s (best "
-                      f"{best.write_gbs:.2f} GB/s with {best.streams}): more writer threads do not pay "
-                      "off here; keep writer_threads at 1 or 2.")
+        advice.append(
+            f"{first.streams} stream(s) already reached {first.write_gbs:.2f} GB/s (best "
+            f"{best.write_gbs:.2f} GB/s with {best.streams}): more writer threads do not pay "
+            "off here; keep writer_threads at 1 or 2."
+        )
     if size and best.write_gbs > 0:
-        advice.append(f"At {best.write_gbs:.2f} GB/s a {format_bytes(size)} checkpoint takes about "
-                      f"{size / (best.write_gbs * GB):.3g} s to persist: checkpoint less often than that, "
-                      "or saves queue up (async mode hides the write, not the bandwidth).")
+        advice.append(
+            f"At {best.write_gbs:.2f} GB/s a {format_bytes(size)} checkpoint takes about "
+            f"{size / (best.write_gbs * GB):.3g} s to persist: checkpoint less often than that, "
+            "or saves queue up (async mode hides the write, not the bandwidth)."
+        )
     if size and free is not None and free < 2 * size:
-        advice.append(f"Free space {format_bytes(free)} is below twice the checkpoint ({format_bytes(size)}"
-                      + ("): saves will fail with ENOSPC." if free < size else "): a new checkpoint is "
-                         "written before the old one is deleted, so keep room for keep+1 of them."))
+        advice.append(
+            f"Free space {format_bytes(free)} is below twice the checkpoint ({format_bytes(size)}"
+            + (
+                "): saves will fail with ENOSPC."
+                if free < size
+                else "): a new checkpoint is "
+                "written before the old one is deleted, so keep room for keep+1 of them."
+            )
+        )
     if result.kind == "memory":
-        advice.append(f"{result.mount_point} is {result.fstype}: it lives in RAM and is lost at reboot. "
-                      "Good for experiments; not for protecting a run.")
+        advice.append(
+            f"{result.mount_point} is {result.fstype}: it lives in RAM and is lost at reboot. "
+            "Good for experiments; not for protecting a run."
+        )
     nconnect = result.options.get("nconnect") or "1"
     if result.fstype.startswith("nfs") and (not nconnect.isdigit() or int(nconnect) < 2):
-        advice.append("NFS mount without nconnect: one TCP connection, often a client's limit. Remount with "
-                      "nconnect=8 or 16 (Linux 5.3+; Pure measured about 10 Gbps with one connection and 70 "
-                      "with 16 reading from a FlashBlade; see docs/storage.md).")
+        advice.append(
+            "NFS mount without nconnect: one TCP connection, often a client's limit. Remount with "
+            "nconnect=8 or 16 (Linux 5.3+; Pure measured about 10 Gbps with one connection and 70 "
+            "with 16 reading from a FlashBlade; see docs/storage.md)."
+        )
     if result.fsync_ms is not None and result.fsync_ms > 10:
-        advice.append(f"fsync takes {result.fsync_ms:.1f} ms (median): every checkpoint file and "
-                      "directory is fsynced, so use mode='async' to keep it off the training loop.")
+        advice.append(
+            f"fsync takes {result.fsync_ms:.1f} ms (median): every checkpoint file and "
+            "directory is fsynced, so use mode='async' to keep it off the training loop."
+        )
     return advice or ["Nothing to change: the measured figures and mount options look fine."]
 
 
-def probe(target: str | os.PathLike[str], *, size_mb: float = 64.0, streams: Sequence[int] = (1, 2, 4, 8),
-          checkpoint_bytes: int | None = None, repeats: int = DEFAULT_REPEATS,
-          storage_options: dict[str, Any] | None = None) -> ProbeResult:
+def probe(
+    target: str | os.PathLike[str],
+    *,
+    size_mb: float = 64.0,
+    streams: Sequence[int] = (1, 2, 4, 8),
+    checkpoint_bytes: int | None = None,
+    repeats: int = DEFAULT_REPEATS,
+    storage_options: dict[str, Any] | None = None,
+) -> ProbeResult:
     """Measure a directory (local, NFS, tmpfs...) or an ``s3://`` URL, and advise: ``size_mb`` is
     written (and read back) ``repeats`` times per stream count, split over the streams, the fastest
     round counting; ``checkpoint_bytes`` turns on the free-space and time-to-persist advice. Leaves
@@ -186,8 +214,11 @@ def probe(target: str | os.PathLike[str], *, size_mb: float = 64.0, streams: Seq
     path = target if url else os.path.abspath(os.path.expanduser(target.removeprefix("file://")))
     failures: type[Exception] = Exception if url else OSError  # an object store's client raises anything
     # an object store shows its protocol as type and its endpoint as source
-    mount = MountInfo(endpoint(options) or "AWS default endpoint", "", path.split("://")[0], {}) \
-        if url else mount_info(path)
+    mount = (
+        MountInfo(endpoint(options) or "AWS default endpoint", "", path.split("://")[0], {})
+        if url
+        else mount_info(path)
+    )
     try:
         with scratch(path, storage_options) as (fs, work):
             usage = None if url else shutil.disk_usage(path)
@@ -196,18 +227,31 @@ def probe(target: str | os.PathLike[str], *, size_mb: float = 64.0, streams: Seq
     except NbckptError:
         raise
     except failures as exc:
-        why = explain_fsspec_error(exc, path.split("://", 1)[1]) if url else \
-            f"{getattr(exc, 'strerror', None) or exc} ({getattr(exc, 'filename', None)})"
-        raise CheckpointError(f"probing {path}{f' (endpoint {mount.source})' if url else ''} failed: "
-                              f"{why}") from exc
+        why = (
+            explain_fsspec_error(exc, path.split("://", 1)[1])
+            if url
+            else f"{getattr(exc, 'strerror', None) or exc} ({getattr(exc, 'filename', None)})"
+        )
+        raise CheckpointError(
+            f"probing {path}{f' (endpoint {mount.source})' if url else ''} failed: {why}"
+        ) from exc
     result = ProbeResult(
-        target=path, kind="object" if url else mount.kind, fstype=mount.fstype, source=mount.source,
-        mount_point=mount.mount_point, options=mount.options,
-        free_bytes=usage.free if usage else None, total_bytes=usage.total if usage else None,
-        size_bytes=size, runs=runs, fsync_ms=statistics.median(fsyncs) if fsyncs else None,
+        target=path,
+        kind="object" if url else mount.kind,
+        fstype=mount.fstype,
+        source=mount.source,
+        mount_point=mount.mount_point,
+        options=mount.options,
+        free_bytes=usage.free if usage else None,
+        total_bytes=usage.total if usage else None,
+        size_bytes=size,
+        runs=runs,
+        fsync_ms=statistics.median(fsyncs) if fsyncs else None,
         fsync_p95_ms=sorted(fsyncs)[math.ceil(0.95 * len(fsyncs)) - 1] if fsyncs else None,
         cache_dropped=None if url else bool(cached) and max(cached) < 0.1,
-        checkpoint_bytes=checkpoint_bytes, repeats=repeats, elapsed_s=time.perf_counter() - began,
+        checkpoint_bytes=checkpoint_bytes,
+        repeats=repeats,
+        elapsed_s=time.perf_counter() - began,
     )
     result.advice = _advice(result)
     return result

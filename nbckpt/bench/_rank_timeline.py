@@ -27,12 +27,18 @@ def wall_events(timeline: pd.DataFrame, rank: int, offset_ns: int) -> list[dict[
     rows = []
     for event in timeline.to_dict(orient="records"):
         step, nbytes = _whole(event.get("step")), _whole(event.get("bytes"))
-        rows.append({
-            "rank": rank, "strategy": str(event["strategy"]), "repeat": int(event["repeat"]),
-            "kind": str(event["kind"]), "step": step,
-            "start_ns": int(event["start_ns"]) + offset_ns, "end_ns": int(event["end_ns"]) + offset_ns,
-            "bytes": nbytes or 0,
-        })
+        rows.append(
+            {
+                "rank": rank,
+                "strategy": str(event["strategy"]),
+                "repeat": int(event["repeat"]),
+                "kind": str(event["kind"]),
+                "step": step,
+                "start_ns": int(event["start_ns"]) + offset_ns,
+                "end_ns": int(event["end_ns"]) + offset_ns,
+                "bytes": nbytes or 0,
+            }
+        )
     return rows
 
 

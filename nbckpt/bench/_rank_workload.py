@@ -29,8 +29,9 @@ def _shard(workload: GPTWorkload) -> None:
     for block in model.blocks.layers:
         fully_shard(block)
     fully_shard(model)
-    workload.optim = torch.optim.AdamW(model.parameters(), lr=workload.config.lr,
-                                       weight_decay=workload.config.weight_decay)
+    workload.optim = torch.optim.AdamW(
+        model.parameters(), lr=workload.config.lr, weight_decay=workload.config.weight_decay
+    )
     workload.train_step()
     workload.step = 0
 
@@ -108,6 +109,11 @@ class RankWorkload(Workload):
         return {**state, "model": {f"rank{self.rank}": state["model"]}}
 
     def describe(self) -> str:
-        how = ("replicated (DDP-like) on" if self.replicated else "sharded with FSDP2 over"
-               if self.sharded else "its own state on each of")
+        how = (
+            "replicated (DDP-like) on"
+            if self.replicated
+            else "sharded with FSDP2 over"
+            if self.sharded
+            else "its own state on each of"
+        )
         return f"{self.inner.describe()}; {how} {self.world_size} ranks"

@@ -49,8 +49,15 @@ from ._strategies import TorchSave
 from ._strategy import Strategy, join
 from ._workloads import Workload
 
-__all__ = ["HOST_VARIABLE", "RankJob", "RankLane", "RankStrategy", "arm_slow", "in_torchrun",
-           "run_bench_on_ranks"]
+__all__ = [
+    "HOST_VARIABLE",
+    "RankJob",
+    "RankLane",
+    "RankStrategy",
+    "arm_slow",
+    "in_torchrun",
+    "run_bench_on_ranks",
+]
 
 #: How long a rank waits at the bench's barriers for the others (a rank that died: torchrun's
 #: agent ends the others first, as a rule).
@@ -97,9 +104,19 @@ class RankStrategy(Strategy):
         super().__init__(inner.storage_options)
         self.inner, self.job = inner, job
         # Class-level flags of the inner strategy, as instance attributes (read the same way).
-        vars(self).update({flag: getattr(inner, flag) for flag in (
-            "name", "description", "writes_checkpoints", "blocks_before_step", "local_only",
-            "stall_covers_copy")})
+        vars(self).update(
+            {
+                flag: getattr(inner, flag)
+                for flag in (
+                    "name",
+                    "description",
+                    "writes_checkpoints",
+                    "blocks_before_step",
+                    "local_only",
+                    "stall_covers_copy",
+                )
+            }
+        )
         self.torch_save = isinstance(inner, TorchSave)
         if isinstance(inner, (DcpSync, DcpAsync)):
             inner.process_group = job.dcp_group
@@ -164,11 +181,29 @@ class RankLane(Lane):
     """A lane that starts and ends each turn together with the other ranks (the barriers run
     outside its clock) and keeps its events on the wall clock, for the job's spans."""
 
-    def __init__(self, job: RankJob, name: str, strategy: Strategy, workload: Workload, *,
-                 steps: int, every: int, on_event: EventCallback | None,
-                 progress: RunProgress | None, repeat: int) -> None:
-        super().__init__(name, strategy, workload, steps=steps, every=every, on_event=on_event,
-                         progress=progress, repeat=repeat)
+    def __init__(
+        self,
+        job: RankJob,
+        name: str,
+        strategy: Strategy,
+        workload: Workload,
+        *,
+        steps: int,
+        every: int,
+        on_event: EventCallback | None,
+        progress: RunProgress | None,
+        repeat: int,
+    ) -> None:
+        super().__init__(
+            name,
+            strategy,
+            workload,
+            steps=steps,
+            every=every,
+            on_event=on_event,
+            progress=progress,
+            repeat=repeat,
+        )
         self.job = job
         self.raw: list[Event] = []
         self.written: dict[int, int | None] = {}  # bytes on disk of each checkpoint, by step
@@ -195,12 +230,23 @@ class RankLane(Lane):
         """With ``--keep``, the digests of the state the last repeat's last checkpoint saved:
         taken outside the clock, at the turn's end, when no step has trained since that save."""
         last = self.last_saved
-        if (not self.job.keep or self.repeat != self.job.repeats - 1 or last is None
-                or self.workload.step != last or not self.strategy.writes_checkpoints
-                or any(kept["strategy"] == self.name for kept in self.job.kept)):
+        if (
+            not self.job.keep
+            or self.repeat != self.job.repeats - 1
+            or last is None
+            or self.workload.step != last
+            or not self.strategy.writes_checkpoints
+            or any(kept["strategy"] == self.name for kept in self.job.kept)
+        ):
             return
-        self.job.kept.append({"strategy": self.name, "repeat": self.repeat, "step": last,
-                              "digests": state_digests(self.workload.state())})
+        self.job.kept.append(
+            {
+                "strategy": self.name,
+                "repeat": self.repeat,
+                "step": last,
+                "digests": state_digests(self.workload.state()),
+            }
+        )
 
     def _measure_written(self) -> None:
         """What this rank wrote of each checkpoint of the turn, from its files: the engines'
@@ -226,13 +272,17 @@ class RankLane(Lane):
                 continue  # nothing written here (torch-save of a replicated state off rank 0)
             on_disk = self.written.get(step)
             persists = [event for event in events if event.kind == "persist"]
-            spans.append({
-                "strategy": self.name, "repeat": self.repeat, "step": step,
-                "start_ns": min(event.start_ns for event in events) + self.job.wall_offset_ns,
-                "end_ns": max(ends) + self.job.wall_offset_ns,
-                "bytes": sum(event.bytes for event in persists) if on_disk is None else on_disk,
-                "persist_s": sum(event.duration_s for event in persists),
-            })
+            spans.append(
+                {
+                    "strategy": self.name,
+                    "repeat": self.repeat,
+                    "step": step,
+                    "start_ns": min(event.start_ns for event in events) + self.job.wall_offset_ns,
+                    "end_ns": max(ends) + self.job.wall_offset_ns,
+                    "bytes": sum(event.bytes for event in persists) if on_disk is None else on_disk,
+                    "persist_s": sum(event.duration_s for event in persists),
+                }
+            )
         return spans
 
 
@@ -294,15 +344,33 @@ class RankJob:
     def strategy(self, strategy: Strategy) -> Strategy:
         return RankStrategy(strategy, self)
 
-    def lane(self, name: str, strategy: Strategy, workload: Workload, *, steps: int, every: int,
-             on_event: EventCallback | None, progress: RunProgress | None, repeat: int) -> Lane:
-        lane = RankLane(self, name, strategy, workload, steps=steps, every=every,
-                        on_event=on_event, progress=progress, repeat=repeat)
+    def lane(
+        self,
+        name: str,
+        strategy: Strategy,
+        workload: Workload,
+        *,
+        steps: int,
+        every: int,
+        on_event: EventCallback | None,
+        progress: RunProgress | None,
+        repeat: int,
+    ) -> Lane:
+        lane = RankLane(
+            self,
+            name,
+            strategy,
+            workload,
+            steps=steps,
+            every=every,
+            on_event=on_event,
+            progress=progress,
+            repeat=repeat,
+        )
         self.lanes.append(lane)
         return lane
 
-    def before_repeat(self, repeat: int, directory: str,
-                      storage_options: dict[str, Any] | None) -> None:
+    def before_repeat(self, repeat: int, directory: str, storage_options: dict[str, Any] | None) -> None:
         """Start the repeat together, every rank first writing its share of a checkpoint at
         once, raw and durably: the write floor of the storage as this job sees it."""
         share = self.workload.share_bytes if self.workload is not None else 1
@@ -310,8 +378,14 @@ class RankJob:
         begin = time.time_ns()
         (run,) = measure_write(directory, share, streams=(1,), repeats=1, storage_options=storage_options)
         # The span starts as the directory for it is made (a metadata operation) and lasts the write.
-        self.floor_writes.append({"repeat": repeat, "start_ns": begin,
-                                  "end_ns": begin + round(run.write_s * 1e9), "bytes": run.bytes})
+        self.floor_writes.append(
+            {
+                "repeat": repeat,
+                "start_ns": begin,
+                "end_ns": begin + round(run.write_s * 1e9),
+                "bytes": run.bytes,
+            }
+        )
         self.barrier()
 
     def remove(self, path: str) -> None:
@@ -334,14 +408,19 @@ class RankJob:
         return {
             "rank": self.rank,
             "host": self.host,
-            "strategies": [{
-                "strategy": row["strategy"], "stall_s": _float(row["stall_mean_s"]),
-                "persist_s": _float(row["persist_s"]),
-                "bytes": int(written.get(row["strategy"], [0, 0.0])[0]),
-                "write_gbs": _rate(*written.get(row["strategy"], [0, 0.0])),
-                "mean_step_s": _float(row["mean_step_s"]),
-                "overhead_pct": _float(row["overhead_pct"]), "checkpoints": int(row["checkpoints"]),
-            } for row in rows],
+            "strategies": [
+                {
+                    "strategy": row["strategy"],
+                    "stall_s": _float(row["stall_mean_s"]),
+                    "persist_s": _float(row["persist_s"]),
+                    "bytes": int(written.get(row["strategy"], [0, 0.0])[0]),
+                    "write_gbs": _rate(*written.get(row["strategy"], [0, 0.0])),
+                    "mean_step_s": _float(row["mean_step_s"]),
+                    "overhead_pct": _float(row["overhead_pct"]),
+                    "checkpoints": int(row["checkpoints"]),
+                }
+                for row in rows
+            ],
             "checkpoints": spans,
             "floor_writes": list(self.floor_writes),
             "kept": list(self.kept),

@@ -29,16 +29,46 @@ from ._load import Load
 from ._measure import Floors
 from ._stats import Clustered, clustered_mean
 
-__all__ = ["RESULT_COLUMNS", "STALL_DEFINITION", "STALL_NAMES", "Cycle", "ExperimentResult",
-           "aggregate", "cycle_pairs", "floor_check", "pooled_metrics"]
+__all__ = [
+    "RESULT_COLUMNS",
+    "STALL_DEFINITION",
+    "STALL_NAMES",
+    "Cycle",
+    "ExperimentResult",
+    "aggregate",
+    "cycle_pairs",
+    "floor_check",
+    "pooled_metrics",
+]
 
 RESULT_COLUMNS = [
-    "strategy", "repeats", "partial", "steps", "checkpoints", "mean_step_s", "overhead_pct",
-    "overhead_ci_pct", "overhead_by_repeat_pct", "overhead_basis", "overhead_method",
-    "stall_mean_s", "stall_p95_s", "save_stall_s", "wait_s", "drag_s", "drag_ci_s",
-    "cpu_per_checkpoint_s", "persist_s", "write_gbs", "peak_host_mb", "peak_device_mb",
-    "reduction_vs_torch_save", "reduction_vs_dcp_sync", "stall_vs_copy_floor",
-    "write_vs_floor_pct", "floor_check",
+    "strategy",
+    "repeats",
+    "partial",
+    "steps",
+    "checkpoints",
+    "mean_step_s",
+    "overhead_pct",
+    "overhead_ci_pct",
+    "overhead_by_repeat_pct",
+    "overhead_basis",
+    "overhead_method",
+    "stall_mean_s",
+    "stall_p95_s",
+    "save_stall_s",
+    "wait_s",
+    "drag_s",
+    "drag_ci_s",
+    "cpu_per_checkpoint_s",
+    "persist_s",
+    "write_gbs",
+    "peak_host_mb",
+    "peak_device_mb",
+    "reduction_vs_torch_save",
+    "reduction_vs_dcp_sync",
+    "stall_vs_copy_floor",
+    "write_vs_floor_pct",
+    "floor_check",
 ]
 
 #: The label of each of the three numbers, used by every table, log line and figure.
@@ -201,9 +231,12 @@ def cycle_pairs(run: ExperimentResult, base: ExperimentResult) -> list[tuple[Cyc
 
 
 def _joined(first: Cycle, second: Cycle) -> Cycle:
-    return Cycle(steps=first.steps + second.steps, loop_s=first.loop_s + second.loop_s,
-                 stall_s=first.stall_s + second.stall_s,
-                 checkpoints=first.checkpoints + second.checkpoints)
+    return Cycle(
+        steps=first.steps + second.steps,
+        loop_s=first.loop_s + second.loop_s,
+        stall_s=first.stall_s + second.stall_s,
+        checkpoints=first.checkpoints + second.checkpoints,
+    )
 
 
 def _percent(log_ratio: float) -> float:
@@ -214,8 +247,10 @@ def _basis(estimate: Clustered, stopped: bool) -> str:
     """What a row rests on: ``3 repeats, 12 cycles``, ``1 repeat, 4 cycles (widened)``."""
     if estimate.cycles == 0:
         return "no cycle pairs"
-    text = (f"{estimate.repeats} repeat{'s' if estimate.repeats != 1 else ''}, "
-            f"{estimate.cycles} cycle{'s' if estimate.cycles != 1 else ''}")
+    text = (
+        f"{estimate.repeats} repeat{'s' if estimate.repeats != 1 else ''}, "
+        f"{estimate.cycles} cycle{'s' if estimate.cycles != 1 else ''}"
+    )
     if estimate.basis == "one repeat":
         text += " (widened)"
     return text + (", stopped" if stopped else "")
@@ -225,20 +260,41 @@ def _paired(name: str, pairs: list[tuple[ExperimentResult, ExperimentResult]]) -
     """Overhead, drag (each with its interval) and CPU per checkpoint from (run, baseline run)
     pairs, one pair per repeat, their cycles paired (:mod:`._stats`)."""
     nan = math.nan
-    unmeasured = {"overhead_pct": nan, "overhead_ci_pct": [nan, nan], "overhead_by_repeat_pct": [],
-                  "drag_s": nan, "drag_ci_s": [nan, nan], "cpu_per_checkpoint_s": nan}
+    unmeasured = {
+        "overhead_pct": nan,
+        "overhead_ci_pct": [nan, nan],
+        "overhead_by_repeat_pct": [],
+        "drag_s": nan,
+        "drag_ci_s": [nan, nan],
+        "cpu_per_checkpoint_s": nan,
+    }
     if name == "none":
-        return {**unmeasured, "overhead_pct": 0.0, "overhead_ci_pct": [0.0, 0.0],
-                "overhead_basis": "baseline", "overhead_method": "baseline"}
+        return {
+            **unmeasured,
+            "overhead_pct": 0.0,
+            "overhead_ci_pct": [0.0, 0.0],
+            "overhead_basis": "baseline",
+            "overhead_method": "baseline",
+        }
     ratios: list[list[float]] = []
     drags: list[list[float]] = []
     cpus: list[float] = []
     for run, base in pairs:
         cycles = cycle_pairs(run, base)
-        ratios.append([math.log(ours.loop_s / theirs.loop_s) for ours, theirs in cycles
-                       if ours.loop_s > 0 and theirs.loop_s > 0])
-        drags.append([(ours.loop_s - theirs.loop_s - ours.stall_s) / ours.checkpoints
-                      for ours, theirs in cycles if ours.checkpoints])
+        ratios.append(
+            [
+                math.log(ours.loop_s / theirs.loop_s)
+                for ours, theirs in cycles
+                if ours.loop_s > 0 and theirs.loop_s > 0
+            ]
+        )
+        drags.append(
+            [
+                (ours.loop_s - theirs.loop_s - ours.stall_s) / ours.checkpoints
+                for ours, theirs in cycles
+                if ours.checkpoints
+            ]
+        )
         if run.checkpoints and run.load is not None and base.load is not None and not run.stopped:
             cpus.append((run.load.own_cpu_s - base.load.own_cpu_s) / run.checkpoints)
     overhead = clustered_mean(ratios, log_ratios=True)
@@ -285,10 +341,16 @@ def aggregate(results: dict[str, list[ExperimentResult]], floors: Floors) -> pd.
         complete = [run for run in runs if not run.stopped]
         used = complete or runs
         pairs = [(run, baseline[run.repeat]) for run in runs if run.repeat in baseline]
-        row = {"strategy": name, "repeats": len(used), "partial": not complete,
-               **pooled_metrics(used), **_paired(name, pairs)}
-        row["stall_vs_copy_floor"] = (row["save_stall_s"] / floors.copy_s
-                                      if row["save_stall_s"] > 0 and floors.copy_s > 0 else math.nan)
+        row = {
+            "strategy": name,
+            "repeats": len(used),
+            "partial": not complete,
+            **pooled_metrics(used),
+            **_paired(name, pairs),
+        }
+        row["stall_vs_copy_floor"] = (
+            row["save_stall_s"] / floors.copy_s if row["save_stall_s"] > 0 and floors.copy_s > 0 else math.nan
+        )
         row["write_vs_floor_pct"] = row["write_gbs"] / floors.write_gbs * 100
         row["floor_check"] = floor_check(row, floors, covers_copy=runs[0].stall_covers_copy)
         rows.append(row)
@@ -299,8 +361,10 @@ def aggregate(results: dict[str, list[ExperimentResult]], floors: Floors) -> pd.
         row = by_name.get(name)
         return float(row["stall_mean_s"]) if row is not None else math.nan
 
-    for column, reference in (("reduction_vs_torch_save", "torch-save"),
-                              ("reduction_vs_dcp_sync", "dcp-sync")):
+    for column, reference in (
+        ("reduction_vs_torch_save", "torch-save"),
+        ("reduction_vs_dcp_sync", "dcp-sync"),
+    ):
         theirs = stall_of(reference)
         frame[column] = [theirs / stall if stall > 0 else math.nan for stall in frame["stall_mean_s"]]
     return frame[RESULT_COLUMNS]

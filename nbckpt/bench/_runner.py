@@ -43,6 +43,7 @@ __all__ = [
 EventCallback = Callable[[Event], None]
 Progress = Callable[[str], None]
 
+
 class RunProgress:
     """Where a run or comparison is, for its progress lines: steps done of all, time taken and
     the time it will take in all at the pace so far (floors, warm-up and turns included)."""
@@ -72,8 +73,10 @@ class RunProgress:
 
 def stall_text(stall_s: float, save_s: float, wait_s: float) -> str:
     """The stall of a checkpoint and its two parts, named as everywhere (``STALL_NAMES``)."""
-    return (f"{STALL_NAMES['stall_mean_s']} {stall_s:.4f} s = {STALL_NAMES['save_stall_s']} "
-            f"{save_s:.4f} s + {STALL_NAMES['wait_s']} {wait_s:.4f} s")
+    return (
+        f"{STALL_NAMES['stall_mean_s']} {stall_s:.4f} s = {STALL_NAMES['save_stall_s']} "
+        f"{save_s:.4f} s + {STALL_NAMES['wait_s']} {wait_s:.4f} s"
+    )
 
 
 def check_run_args(steps: int, every: int) -> None:
@@ -119,8 +122,18 @@ class Lane:
     counts.
     """
 
-    def __init__(self, name: str, strategy: Strategy, workload: Workload, *, steps: int, every: int,
-                 on_event: EventCallback | None, progress: RunProgress | None, repeat: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        strategy: Strategy,
+        workload: Workload,
+        *,
+        steps: int,
+        every: int,
+        on_event: EventCallback | None,
+        progress: RunProgress | None,
+        repeat: int,
+    ) -> None:
         self.name, self.strategy, self.workload = name, strategy, workload
         self.steps, self.every, self.device, self.repeat = steps, every, workload.device, repeat
         self.on_event, self.progress = on_event, progress
@@ -203,8 +216,9 @@ class Lane:
                 self._inner_wait_ns = 0
                 started = now_ns()
                 self.strategy.save(self.workload.state(), due)
-                stall = self.timeline.record("stall", started, step=due, nbytes=self.workload.nbytes,
-                                             part="save")
+                stall = self.timeline.record(
+                    "stall", started, step=due, nbytes=self.workload.nbytes, part="save"
+                )
                 saved = 1
                 self.pending[:] = [due]
                 self.last_saved = due
@@ -226,8 +240,14 @@ class Lane:
             elapsed = now_ns() - begin
             self.loop_ns += elapsed
             if completed:
-                self.cycles.append(Cycle(steps=last - first + 1, loop_s=elapsed / 1e9,
-                                         stall_s=self._blocked_ns / 1e9, checkpoints=saved))
+                self.cycles.append(
+                    Cycle(
+                        steps=last - first + 1,
+                        loop_s=elapsed / 1e9,
+                        stall_s=self._blocked_ns / 1e9,
+                        checkpoints=saved,
+                    )
+                )
 
     def _report_save(self, step: int, stall_s: float) -> None:
         """One progress line per checkpoint: its stall and the stall's two parts."""
@@ -262,8 +282,9 @@ class Lane:
         self.loop_ns += waited
         if self.cycles:
             last = self.cycles[-1]
-            self.cycles[-1] = replace(last, loop_s=last.loop_s + waited / 1e9,
-                                      stall_s=last.stall_s + waited / 1e9)
+            self.cycles[-1] = replace(
+                last, loop_s=last.loop_s + waited / 1e9, stall_s=last.stall_s + waited / 1e9
+            )
 
     def pause(self) -> None:
         if not self.active:
@@ -325,7 +346,7 @@ def run_lanes(
         stopped = False
         for index, (first, last) in enumerate(cycles):
             final = index == len(cycles) - 1
-            for lane in lanes[index % len(lanes):] + lanes[: index % len(lanes)]:
+            for lane in lanes[index % len(lanes) :] + lanes[: index % len(lanes)]:
                 if stop is not None and stop.is_set() and not alone:
                     stopped = True
                     break
@@ -354,15 +375,24 @@ def run_lanes(
     return [lane.result(base_rss) for lane in lanes]
 
 
-def run_experiment(workload: Workload, strategy: str | Strategy, directory: str, *, steps: int,
-                   every: int, on_event: EventCallback | None = None,
-                   stop: threading.Event | None = None, warmup: bool = False) -> ExperimentResult:
+def run_experiment(
+    workload: Workload,
+    strategy: str | Strategy,
+    directory: str,
+    *,
+    steps: int,
+    every: int,
+    on_event: EventCallback | None = None,
+    stop: threading.Event | None = None,
+    warmup: bool = False,
+) -> ExperimentResult:
     """One strategy's run alone: train ``steps`` steps, checkpoint every ``every``, record
     everything (``on_event`` gets each event, ``stop`` ends the run after the current step,
     ``warmup`` makes one unrecorded save first)."""
     check_run_args(steps, every)
     chosen = get_strategy(strategy)
     workload.build()
-    lane = Lane(chosen.name, chosen, workload, steps=steps, every=every, on_event=on_event,
-                progress=None, repeat=0)
+    lane = Lane(
+        chosen.name, chosen, workload, steps=steps, every=every, on_event=on_event, progress=None, repeat=0
+    )
     return run_lanes([lane], directory, steps=steps, every=every, stop=stop, warmup=warmup)[0]

@@ -101,9 +101,36 @@ OVERHEAD_DEFINITION = (
 
 # Two-sided 95 % quantiles of Student's t for 1 to 30 degrees of freedom.
 _T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
 )
 _Z975 = 1.959964
 
@@ -157,18 +184,21 @@ class Clustered:
 
 _METHODS = {
     "pooled": "cycles pooled: the {repeats} repeats agree (they differ no more than their cycles "
-              "do); t with {df} df",
-    "repeats": "{repeats} repeats: they disagree more than their cycles do; cluster-robust t with "
-               "{df} df",
+    "do); t with {df} df",
+    "repeats": "{repeats} repeats: they disagree more than their cycles do; cluster-robust t with {df} df",
     "one repeat": "one repeat: its cycles, widened for the disagreement between repeats that one "
-                  "repeat cannot show; t with {df} df",
+    "repeat cannot show; t with {df} df",
     "every repeat": "every one of the {repeats} repeats shows it on its own cycles, but they "
-                    "disagree on its size: t with {df} df on the log of their extra time",
+    "disagree on its size: t with {df} df on the log of their extra time",
 }
 
 
-def clustered_mean(groups: Sequence[Sequence[float]], *,
-                   one_repeat_spread: float = ONE_REPEAT_SPREAD, log_ratios: bool = False) -> Clustered:
+def clustered_mean(
+    groups: Sequence[Sequence[float]],
+    *,
+    one_repeat_spread: float = ONE_REPEAT_SPREAD,
+    log_ratios: bool = False,
+) -> Clustered:
     """The mean of all values of ``groups`` (one group per repeat, one value per cycle) and its
     95 % interval, cycles clustered by repeat as this module's doc states.
 
@@ -179,8 +209,7 @@ def clustered_mean(groups: Sequence[Sequence[float]], *,
     interval of their extra time (see the module doc). Non-finite values and empty groups are
     dropped. Fewer than two values give no interval.
     """
-    kept = [np.asarray([float(v) for v in group if math.isfinite(float(v))], dtype=float)
-            for group in groups]
+    kept = [np.asarray([float(v) for v in group if math.isfinite(float(v))], dtype=float) for group in groups]
     kept = [group for group in kept if group.size]
     sizes = np.asarray([group.size for group in kept], dtype=float)
     total = int(sizes.sum())
@@ -198,8 +227,11 @@ def clustered_mean(groups: Sequence[Sequence[float]], *,
         return _interval(mean, variance, total - 1, repeats, total, "one repeat", means)
     between = float(np.sum(sizes * (np.asarray(means) - mean) ** 2)) / (repeats - 1)
     within_df = total - repeats
-    within = (float(sum(np.sum((group - group.mean()) ** 2) for group in kept)) / within_df
-              if within_df > 0 else math.inf)
+    within = (
+        float(sum(np.sum((group - group.mean()) ** 2) for group in kept)) / within_df
+        if within_df > 0
+        else math.inf
+    )
     if within_df > 0 and between <= within:
         variance = float(values.var(ddof=1)) / total
         return _interval(mean, variance, total - 1, repeats, total, "pooled", means)
@@ -240,12 +272,21 @@ def _every_repeat(groups: list[np.ndarray], clustered: Clustered) -> Clustered |
         lo = math.log1p(-math.exp(high)) if math.exp(high) < 1 else -math.inf
         hi = math.log1p(-math.exp(low)) if math.exp(low) < 1 else -math.inf
     lo, hi = min(lo, clustered.mean), max(hi, clustered.mean)  # the estimate lies within
-    return Clustered(clustered.mean, lo, hi, clustered.repeats, clustered.cycles,
-                     clustered.repeats - 1, "every repeat", clustered.repeat_means)
+    return Clustered(
+        clustered.mean,
+        lo,
+        hi,
+        clustered.repeats,
+        clustered.cycles,
+        clustered.repeats - 1,
+        "every repeat",
+        clustered.repeat_means,
+    )
 
 
-def _interval(mean: float, variance: float, df: int, repeats: int, cycles: int, basis: str,
-              means: tuple[float, ...]) -> Clustered:
+def _interval(
+    mean: float, variance: float, df: int, repeats: int, cycles: int, basis: str, means: tuple[float, ...]
+) -> Clustered:
     half = t_quantile(df) * math.sqrt(max(variance, 0.0))
     return Clustered(mean, mean - half, mean + half, repeats, cycles, df, basis, means)
 

@@ -109,8 +109,9 @@ class NbckptStrategy(Strategy):
     def _forward(self, event: Event) -> None:
         # The runner times the stall itself (adapter included); everything else is the engine's.
         if event.kind != "stall":
-            self.record(event.kind, event.start_ns, event.end_ns, step=event.step,
-                        nbytes=event.bytes, **event.detail)
+            self.record(
+                event.kind, event.start_ns, event.end_ns, step=event.step, nbytes=event.bytes, **event.detail
+            )
 
     def _require(self) -> Checkpointer:
         if self.checkpointer is None:
@@ -157,6 +158,14 @@ class NbckptAsyncOverlap(NbckptStrategy):
 
 
 # In the order help texts list them (and figures colour them).
-for _built_in in (NoCheckpoint, TorchSave, DcpSync, DcpAsync, DcpAsyncStager, NbckptSync,
-                  NbckptAsync, NbckptAsyncOverlap):
+for _built_in in (
+    NoCheckpoint,
+    TorchSave,
+    DcpSync,
+    DcpAsync,
+    DcpAsyncStager,
+    NbckptSync,
+    NbckptAsync,
+    NbckptAsyncOverlap,
+):
     register_strategy(_built_in)

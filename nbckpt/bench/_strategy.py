@@ -22,8 +22,7 @@ from .._util import is_url
 from ..engine import Event, Timeline
 from ..engine._internal import now_ns, step_name
 
-__all__ = ["WAIT_NOISE_NS", "BlockingSave", "Strategy", "failing_as", "join", "plain_state",
-           "tensor_bytes"]
+__all__ = ["WAIT_NOISE_NS", "BlockingSave", "Strategy", "failing_as", "join", "plain_state", "tensor_bytes"]
 
 
 # A wait for background work shorter than this is bookkeeping (the work was already done), not
@@ -79,9 +78,9 @@ def failing_as(what: str) -> Iterator[None]:
 class Strategy(ABC):
     """How a training loop checkpoints. The runner calls, in order::
 
-        open(directory, timeline)
-        for each step: before_step(); <train>; save(state, step) every k steps
-        finish(); close()
+    open(directory, timeline)
+    for each step: before_step(); <train>; save(state, step) every k steps
+    finish(); close()
     """
 
     name: ClassVar[str] = ""
@@ -136,8 +135,16 @@ class Strategy(ABC):
         """CPU seconds the strategy's own threads spent on its saves so far, where it knows."""
         return None
 
-    def record(self, kind: str, start_ns: int, end_ns: int | None = None, *,
-               step: int | None = None, nbytes: int = 0, **detail: Any) -> Event:
+    def record(
+        self,
+        kind: str,
+        start_ns: int,
+        end_ns: int | None = None,
+        *,
+        step: int | None = None,
+        nbytes: int = 0,
+        **detail: Any,
+    ) -> Event:
         return self.timeline.record(kind, start_ns, end_ns, step=step, nbytes=nbytes, **detail)
 
     def __repr__(self) -> str:

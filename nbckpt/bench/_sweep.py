@@ -36,8 +36,16 @@ import psutil
 from .._errors import CheckpointError, ConfigError
 from ._job import _number
 
-__all__ = ["SCALING_SCHEMA", "arm_sweep_seam", "parse_ranks", "passthrough", "run_sweep",
-           "scaling_document", "scaling_rows", "scaling_table"]
+__all__ = [
+    "SCALING_SCHEMA",
+    "arm_sweep_seam",
+    "parse_ranks",
+    "passthrough",
+    "run_sweep",
+    "scaling_document",
+    "scaling_rows",
+    "scaling_table",
+]
 
 SCALING_SCHEMA = "nbckpt.bench.scaling/1"
 #: How long torchrun has to end its ranks after SIGTERM before every process left is killed.
@@ -66,8 +74,9 @@ def parse_ranks(text: str) -> list[int]:
     except ValueError:
         sizes = []
     if not sizes or any(size < 1 for size in sizes) or len(set(sizes)) != len(sizes):
-        raise ConfigError(f"--ranks wants distinct rank counts >= 1 separated by commas (1,2,4), "
-                          f"not {text!r}")
+        raise ConfigError(
+            f"--ranks wants distinct rank counts >= 1 separated by commas (1,2,4), not {text!r}"
+        )
     return sizes
 
 
@@ -90,7 +99,7 @@ def _size_json(json_path: str, size: int) -> str:
 
 def _failure(size: int, code: int, tail: str) -> str:
     """One line: which rank died and how, from torchrun's root cause (else its last line)."""
-    root = tail[tail.rfind("Root Cause"):] if "Root Cause" in tail else ""
+    root = tail[tail.rfind("Root Cause") :] if "Root Cause" in tail else ""
     rank, exit_code = _ROOT_RANK.search(root), _ROOT_EXIT.search(root)
     if rank is not None:
         how = "" if exit_code is None else f" (exit code {exit_code.group(1)}"
@@ -107,8 +116,9 @@ class _Size:
     """One size's torchrun, its ranks' stderr streamed to ours, every process under it noted."""
 
     def __init__(self, command: list[str], out: IO[str]) -> None:
-        self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True, env={**os.environ})
+        self.proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ}
+        )
         self.seen: dict[int, psutil.Process] = {}
         self.tail: deque[str] = deque(maxlen=200)
 
@@ -149,8 +159,20 @@ class _Size:
 
 def run_size(size: int, bench_argv: Sequence[str], json_path: str) -> dict[str, Any]:
     """``nbckpt bench`` on ``size`` local ranks under torchrun; its JSON document."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(size), "-m", "nbckpt", "bench", *bench_argv, "--json", json_path]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(size),
+        "-m",
+        "nbckpt",
+        "bench",
+        *bench_argv,
+        "--json",
+        json_path,
+    ]
     with tempfile.TemporaryFile("w+") as out:  # rank 0's table: the sweep prints its own
         child = _Size(command, out)
         try:
@@ -174,50 +196,66 @@ def scaling_rows(documents: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
             if not summary.get("checkpoints"):
                 continue  # the baseline, or a strategy that wrote nothing
             rate = _number(summary.get("aggregate_write_gbs"))
-            rows.append({
-                "ranks": int(job.get("world_size", 0)), "hosts": len(job.get("hosts", {})),
-                "strategy": summary["strategy"], "aggregate_write_gbs": rate,
-                "concurrent_floor_gbs": floor,
-                "vs_floor": rate / floor if floor > 0 and not math.isnan(rate) else math.nan,
-                "stall_median_s": _number(summary["stall_s"].get("median")),
-                "stall_p99_s": _number(summary["stall_s"].get("p99")),
-                "overhead_pct": _number(summary.get("overhead_pct")),
-                "time_to_durable_s": _number(summary.get("time_to_durable_s")),
-            })
+            rows.append(
+                {
+                    "ranks": int(job.get("world_size", 0)),
+                    "hosts": len(job.get("hosts", {})),
+                    "strategy": summary["strategy"],
+                    "aggregate_write_gbs": rate,
+                    "concurrent_floor_gbs": floor,
+                    "vs_floor": rate / floor if floor > 0 and not math.isnan(rate) else math.nan,
+                    "stall_median_s": _number(summary["stall_s"].get("median")),
+                    "stall_p99_s": _number(summary["stall_s"].get("p99")),
+                    "overhead_pct": _number(summary.get("overhead_pct")),
+                    "time_to_durable_s": _number(summary.get("time_to_durable_s")),
+                }
+            )
     return rows
 
 
-def scaling_document(sizes: Sequence[int], bench_argv: Sequence[str],
-                     documents: Sequence[Mapping[str, Any]], files: Sequence[str]) -> dict[str, Any]:
+def scaling_document(
+    sizes: Sequence[int],
+    bench_argv: Sequence[str],
+    documents: Sequence[Mapping[str, Any]],
+    files: Sequence[str],
+) -> dict[str, Any]:
     """The sweep's JSON::
 
-        {"schema": "nbckpt.bench.scaling/1", "sizes": [1, 2, 4],
-         "options": ["--size-mb", "64", ...],          # passed to every size's nbckpt bench
-         "scaling": [{"ranks": 2, "hosts": 1, "strategy": "nbckpt-async",
-                      "aggregate_write_gbs": ..., "concurrent_floor_gbs": ..., "vs_floor": ...,
-                      "stall_median_s": ..., "stall_p99_s": ...,  # over ranks
-                      "overhead_pct": ...,                       # at the slowest rank
-                      "time_to_durable_s": ...}, ...],          # per size and strategy
-         "runs": [{"ranks": 1, "json": "out.ranks-1.json", "document": {<nbckpt.bench/3>}}, ...]}
+    {"schema": "nbckpt.bench.scaling/1", "sizes": [1, 2, 4],
+     "options": ["--size-mb", "64", ...],          # passed to every size's nbckpt bench
+     "scaling": [{"ranks": 2, "hosts": 1, "strategy": "nbckpt-async",
+                  "aggregate_write_gbs": ..., "concurrent_floor_gbs": ..., "vs_floor": ...,
+                  "stall_median_s": ..., "stall_p99_s": ...,  # over ranks
+                  "overhead_pct": ...,                       # at the slowest rank
+                  "time_to_durable_s": ...}, ...],          # per size and strategy
+     "runs": [{"ranks": 1, "json": "out.ranks-1.json", "document": {<nbckpt.bench/3>}}, ...]}
     """
     return {
-        "schema": SCALING_SCHEMA, "sizes": list(sizes), "options": list(bench_argv),
+        "schema": SCALING_SCHEMA,
+        "sizes": list(sizes),
+        "options": list(bench_argv),
         "scaling": scaling_rows(documents),
-        "runs": [{"ranks": size, "json": path, "document": document}
-                 for size, path, document in zip(sizes, files, documents, strict=True)],
+        "runs": [
+            {"ranks": size, "json": path, "document": document}
+            for size, path, document in zip(sizes, files, documents, strict=True)
+        ],
     }
 
 
 def scaling_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """One line per size and strategy, the floor beside each."""
-    head = (f"{'ranks':>5} {'strategy':<20} {'aggregate GB/s':>14} {'floor GB/s':>10} {'x floor':>7} "
-            f"{'stall median s':>14} {'stall p99 s':>11} {'overhead %':>10}")
+    head = (
+        f"{'ranks':>5} {'strategy':<20} {'aggregate GB/s':>14} {'floor GB/s':>10} {'x floor':>7} "
+        f"{'stall median s':>14} {'stall p99 s':>11} {'overhead %':>10}"
+    )
     lines = [head]
     for row in rows:
-        lines.append(f"{row['ranks']:>5} {row['strategy']:<20} {row['aggregate_write_gbs']:>14.3f} "
-                     f"{row['concurrent_floor_gbs']:>10.3f} {row['vs_floor']:>7.2f} "
-                     f"{row['stall_median_s']:>14.4f} {row['stall_p99_s']:>11.4f} "
-                     f"{row['overhead_pct']:>10.1f}")
+        lines.append(
+            f"{row['ranks']:>5} {row['strategy']:<20} {row['aggregate_write_gbs']:>14.3f} "
+            f"{row['concurrent_floor_gbs']:>10.3f} {row['vs_floor']:>7.2f} "
+            f"{row['stall_median_s']:>14.4f} {row['stall_p99_s']:>11.4f} "
+            f"{row['overhead_pct']:>10.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -235,6 +273,7 @@ def run_sweep(args: argparse.Namespace, say: Callable[[str], None] | None = None
             if say is not None:
                 say(f"--- {size} rank(s): torchrun --nproc-per-node {size}")
             documents.append(run_size(size, bench_argv, path))
-        document = scaling_document(sizes, bench_argv, documents,
-                                    files if args.json is not None else [""] * len(sizes))
+        document = scaling_document(
+            sizes, bench_argv, documents, files if args.json is not None else [""] * len(sizes)
+        )
     return document

@@ -100,8 +100,15 @@ class GPT(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.n_head, 4 * cfg.d_model, dropout=0.0,
-                                           activation="gelu", batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            cfg.d_model,
+            cfg.n_head,
+            4 * cfg.d_model,
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
         self.blocks = nn.TransformerEncoder(layer, cfg.n_layer, enable_nested_tensor=False)
         self.ln_f = nn.LayerNorm(cfg.d_model)
         # GPT-2's initial scale keeps the tied logits (and the first loss) sensible.
@@ -355,4 +362,3 @@ def make_workload(
     if size_mb is not None:
         return synthetic(size_mb, compute_ms, device)
     return gpt(preset or "tiny", device=device)
-

@@ -13,6 +13,19 @@ from ._schedule import SaveSchedule
 from ._timeline import Event, SaveHandle, SaveRecord, Timeline
 
 __all__ = [
-    "AnyOf", "BestN", "CheckpointConfig", "Checkpointer", "CustomSteps", "Event", "EveryNSteps", "LatestN",
-    "RetentionPolicy", "SaveHandle", "SaveRecord", "SaveSchedule", "StepInfo", "Timeline", "close_all"
+    "AnyOf",
+    "BestN",
+    "CheckpointConfig",
+    "Checkpointer",
+    "CustomSteps",
+    "Event",
+    "EveryNSteps",
+    "LatestN",
+    "RetentionPolicy",
+    "SaveHandle",
+    "SaveRecord",
+    "SaveSchedule",
+    "StepInfo",
+    "Timeline",
+    "close_all",
 ]

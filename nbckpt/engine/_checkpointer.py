@@ -77,13 +77,23 @@ class Checkpointer:
         nonce, committed = ranks.caller.from_rank0(("open",), opening)
         try:
             self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)
-            self._mirror = open_mirror(mirror_root, self.config, self.store, ranks.caller, self.timeline,
-                                       nonce)
+            self._mirror = open_mirror(
+                mirror_root, self.config, self.store, ranks.caller, self.timeline, nonce
+            )
             uploads = self._mirror if self._mirror is not None and not self.config.read_only else None
-            self._saver = Saver(self.config, self.store, ranks, self.timeline, self._io, nonce, committed,
-                                uploads)
-            self._run = Run(self.store, self._mirror, self._saver, self._io, ranks.caller, self.timeline,
-                            line=self.config.line, read_only=self.config.read_only)
+            self._saver = Saver(
+                self.config, self.store, ranks, self.timeline, self._io, nonce, committed, uploads
+            )
+            self._run = Run(
+                self.store,
+                self._mirror,
+                self._saver,
+                self._io,
+                ranks.caller,
+                self.timeline,
+                line=self.config.line,
+                read_only=self.config.read_only,
+            )
         except BaseException:
             # The directory is locked and threads run: a failed construction gives all of it back.
             release(self.store, True, *[getattr(self, name, None) for name in ("_saver", "_io", "_mirror")])
@@ -140,9 +150,16 @@ class Checkpointer:
                 warnings.warn(late, stacklevel=3)  # the caller of save, once
             if self._pacer is not None:
                 self._pacer.saved(time.monotonic())
-            return self._saver.start(state, step, sync=config.mode == "sync", overlap=overlap,
-                                     capture_rng=config.capture_rng, metrics=check_metrics(metrics),
-                                     overwrite=overwrite, owner=self)
+            return self._saver.start(
+                state,
+                step,
+                sync=config.mode == "sync",
+                overlap=overlap,
+                capture_rng=config.capture_rng,
+                metrics=check_metrics(metrics),
+                overwrite=overwrite,
+                owner=self,
+            )
 
     def due(self) -> bool:
         """Whether a save is due now by the config's ``schedule`` (a :class:`SaveSchedule`): ask
@@ -344,8 +361,9 @@ class Checkpointer:
         installed = _final.install(self._on_signal, snapshot, _final.check_signals(signals), timeout)
         self._grace = Grace(timeout)
         # the final save of a rank that another rank's signal makes save too
-        self._signals.save_here = partial(self.final_save, snapshot, timeout_s=timeout,
-                                          reason="a signal to another rank")
+        self._signals.save_here = partial(
+            self.final_save, snapshot, timeout_s=timeout, reason="a signal to another rank"
+        )
 
         def uninstall() -> None:
             _final.uninstall(installed)

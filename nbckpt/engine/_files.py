@@ -18,9 +18,23 @@ from .._errors import CheckpointError
 from ._format import BLOCK_SIZE, block_hasher, checksum
 
 __all__ = [
-    "FileResult", "LocalSink", "LocalSource", "Sink", "Source", "StreamSink", "StreamSource", "copy_file",
-    "exchange_paths", "fsync_dir", "hash_blocks", "read_into", "write_all", "write_atomic", "write_image"
+    "FileResult",
+    "LocalSink",
+    "LocalSource",
+    "Sink",
+    "Source",
+    "StreamSink",
+    "StreamSource",
+    "copy_file",
+    "exchange_paths",
+    "fsync_dir",
+    "hash_blocks",
+    "read_into",
+    "write_all",
+    "write_atomic",
+    "write_image",
 ]
+
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
     """``os.write`` until every byte is out: on a nearly full disk one call may write only part."""
@@ -299,8 +313,12 @@ def _walk(
 
 
 def read_into(
-    source: Source, wanted: Sequence[tuple[int, memoryview]], blocks: Sequence[str] | None, *,
-    whole: bool = False, cover: Sequence[tuple[int, int]] = (),
+    source: Source,
+    wanted: Sequence[tuple[int, memoryview]],
+    blocks: Sequence[str] | None,
+    *,
+    whole: bool = False,
+    cover: Sequence[tuple[int, int]] = (),
 ) -> float:
     """Read the byte ranges ``wanted`` (sorted ``(offset, view)``) from ``source`` into their views;
     with ``blocks``, read the whole blocks around them (all with ``whole``; those around the

@@ -26,8 +26,18 @@ from ._ranks import Group
 from ._store import Store, open_store
 
 __all__ = [
-    "Deferral", "Snapshot", "check_arguments", "check_signals", "close_all", "final_save", "install",
-    "register", "release", "uninstall", "unregister", "writing_into"
+    "Deferral",
+    "Snapshot",
+    "check_arguments",
+    "check_signals",
+    "close_all",
+    "final_save",
+    "install",
+    "register",
+    "release",
+    "uninstall",
+    "unregister",
+    "writing_into",
 ]
 
 _log = logging.getLogger("nbckpt")
@@ -148,6 +158,7 @@ def close_all() -> list[str]:
         closed.append(ckpt.store.url)
     return closed
 
+
 Taken: TypeAlias = "tuple[Mapping[str, Any], int] | None"
 #: Gives the ``(state, step)`` to save when the time comes, or None when there is nothing new.
 Snapshot = Callable[[], Taken]
@@ -214,8 +225,11 @@ def final_save(
             ended = not saver.is_alive()
             if not ended:
                 outcome.append(f"did not commit within {timeout_s:g} s; the previous checkpoint stays")
-            what = "nothing new to save; the saves in flight" if taken is None else (
-                f"final save of step {taken[1]}")
+            what = (
+                "nothing new to save; the saves in flight"
+                if taken is None
+                else (f"final save of step {taken[1]}")
+            )
             line = f"{what} {outcome[0]}"
     _log.warning("nbckpt: %s: %s", reason, line)
     return line, ended
@@ -258,8 +272,13 @@ class Deferral:
         return True
 
     @contextmanager
-    def block(self, closed: Callable[[], bool], lock: AbstractContextManager[Any] | None = None,
-              *, step: bool = False) -> Iterator[None]:
+    def block(
+        self,
+        closed: Callable[[], bool],
+        lock: AbstractContextManager[Any] | None = None,
+        *,
+        step: bool = False,
+    ) -> Iterator[None]:
         """A Checkpointer call (inside ``lock``, taken first: a signal while another thread holds
         it is not deferred behind that thread's work) or, with ``step``, a training step."""
         lock = nullcontext() if lock is None else lock
@@ -307,7 +326,11 @@ OnSignal = Callable[[Snapshot, float, int, Callable[[], None]], bool]
 
 
 def on_signal(
-    final: WeakBound[OnSignal], snapshot: Snapshot, timeout_s: float, previous: Any, signum: int,
+    final: WeakBound[OnSignal],
+    snapshot: Snapshot,
+    timeout_s: float,
+    previous: Any,
+    signum: int,
     frame: Any,
 ) -> None:
     """The signal handler of :meth:`Checkpointer.save_on_signal` (runs on the main thread)."""
@@ -328,8 +351,9 @@ def on_signal(
 Installed = dict[int, tuple[Callable[..., None], Any]]
 
 
-def install(final: OnSignal, snapshot: Snapshot, signals: tuple[signal.Signals, ...],
-            timeout_s: float) -> Installed:
+def install(
+    final: OnSignal, snapshot: Snapshot, signals: tuple[signal.Signals, ...], timeout_s: float
+) -> Installed:
     """Make each of ``signals`` run ``final`` (a Checkpointer's bound method, held weakly) first;
     what is needed to put them back."""
     installed: Installed = {}

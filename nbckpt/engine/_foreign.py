@@ -320,8 +320,13 @@ class _Value:
 
 def _node(value: Any) -> dict[str, Any]:
     if isinstance(value, TensorSpec):
-        return {"t": "tensor", "key": value.key, "dtype": dtype_name(value.dtype), "shape": list(value.shape),
-                "device": "cpu"}
+        return {
+            "t": "tensor",
+            "key": value.key,
+            "dtype": dtype_name(value.dtype),
+            "shape": list(value.shape),
+            "device": "cpu",
+        }
     if isinstance(value, dict):
         return {"t": "dict", "items": [[k, _node(v)] for k, v in value.items()]}
     if isinstance(value, list):

@@ -38,11 +38,44 @@ from ._torch_compat import storage_info
 from ._workers import balance, deferred_interrupt
 
 __all__ = [
-    "BLOCK_SIZE", "BRANCH_FILE", "BRANCH_LIMIT", "DCP_VERSION", "FORMAT", "LEFTOVER_RE", "LOCK_FILE", "MAIN",
-    "MANIFEST", "MANIFEST_KEYS", "MAX_MANIFEST_BYTES", "MAX_STEP", "METADATA_FILE", "METRICS", "OLD_PREFIX",
-    "POINTER_FORMAT", "POINTER_LIMIT", "PROBE_PREFIX", "READS", "TMP_PREFIX", "TRASH_PREFIX", "TREE_KINDS",
-    "Chunk", "FileLayout", "Item", "Layout", "RankPlan", "block_hasher", "branch_name", "checksum",
-    "data_file", "framing", "is_branch", "is_data_file", "pad", "parse_step", "plan", "step_name"
+    "BLOCK_SIZE",
+    "BRANCH_FILE",
+    "BRANCH_LIMIT",
+    "DCP_VERSION",
+    "FORMAT",
+    "LEFTOVER_RE",
+    "LOCK_FILE",
+    "MAIN",
+    "MANIFEST",
+    "MANIFEST_KEYS",
+    "MAX_MANIFEST_BYTES",
+    "MAX_STEP",
+    "METADATA_FILE",
+    "METRICS",
+    "OLD_PREFIX",
+    "POINTER_FORMAT",
+    "POINTER_LIMIT",
+    "PROBE_PREFIX",
+    "READS",
+    "TMP_PREFIX",
+    "TRASH_PREFIX",
+    "TREE_KINDS",
+    "Chunk",
+    "FileLayout",
+    "Item",
+    "Layout",
+    "RankPlan",
+    "block_hasher",
+    "branch_name",
+    "checksum",
+    "data_file",
+    "framing",
+    "is_branch",
+    "is_data_file",
+    "pad",
+    "parse_step",
+    "plan",
+    "step_name",
 ]
 
 # -- A run directory -------------------------------------------------------------------------
@@ -118,14 +151,43 @@ MAX_MANIFEST_BYTES = 64 << 20
 METRICS = "metrics"
 #: Every key a manifest may hold (``rank_trees``, ``rng`` and ``metrics`` only when there are some).
 MANIFEST_KEYS = (
-    "checksum", "format", "step", "unix_time", "timing", "time", "bytes", "world_size", "block_size",
-    "files", "items", "tree", "rank_trees", "rng", "provenance", METRICS,
+    "checksum",
+    "format",
+    "step",
+    "unix_time",
+    "timing",
+    "time",
+    "bytes",
+    "world_size",
+    "block_size",
+    "files",
+    "items",
+    "tree",
+    "rank_trees",
+    "rng",
+    "provenance",
+    METRICS,
 )
 #: The node kinds of a state tree (``{"t": kind, ...}``).
-TREE_KINDS = frozenset({
-    "tensor", "ndarray", "module", "optimizer", "stateful", "dict", "namespace", "list", "tuple",
-    "value", "float", "bytes", "path", "dtype", "device",
-})
+TREE_KINDS = frozenset(
+    {
+        "tensor",
+        "ndarray",
+        "module",
+        "optimizer",
+        "stateful",
+        "dict",
+        "namespace",
+        "list",
+        "tuple",
+        "value",
+        "float",
+        "bytes",
+        "path",
+        "dtype",
+        "device",
+    }
+)
 #: Every file is checksummed in blocks of this many bytes (the last one shorter), so a rank that
 #: needs part of a file reads and checks only the blocks holding its tensors.
 BLOCK_SIZE = 16 << 20
@@ -396,7 +458,8 @@ def plan(
 
 
 def _metadata(
-    chunks: Mapping[str, list[TensorSpec]], locations: Mapping[str, list[Chunk]],
+    chunks: Mapping[str, list[TensorSpec]],
+    locations: Mapping[str, list[Chunk]],
     paths: Mapping[str, tuple[str | int, ...]],
 ) -> Metadata:
     """DCP's record of every tensor: its whole size and chunks, and where each chunk's blob is."""

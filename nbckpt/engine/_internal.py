@@ -16,8 +16,24 @@ from ._state import flatten
 from ._timeline import events_to_pandas, now_ns
 
 __all__ = [
-    "MANIFEST", "POINTER_FORMAT", "POINTER_LIMIT", "check_signals", "dcp_steps", "endpoint",
-    "events_to_pandas", "expected_waste", "explain_fsspec_error", "flatten", "fsspec_options", "fsync_dir",
-    "now_ns", "open_fsspec", "parse_step", "step_name", "write_all", "write_atomic", "writer_of",
-    "young_daly_interval"
+    "MANIFEST",
+    "POINTER_FORMAT",
+    "POINTER_LIMIT",
+    "check_signals",
+    "dcp_steps",
+    "endpoint",
+    "events_to_pandas",
+    "expected_waste",
+    "explain_fsspec_error",
+    "flatten",
+    "fsspec_options",
+    "fsync_dir",
+    "now_ns",
+    "open_fsspec",
+    "parse_step",
+    "step_name",
+    "write_all",
+    "write_atomic",
+    "writer_of",
+    "young_daly_interval",
 ]

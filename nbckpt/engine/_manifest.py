@@ -103,9 +103,17 @@ def sign(body: Mapping[str, Any]) -> bytes:
 
 
 def build(
-    *, step: int, nbytes: int, world_size: int, files: Mapping[str, FileResult],
-    items: Mapping[str, list[Chunk]], tree: dict[str, Any], rank_trees: Mapping[str, Any],
-    rng: Mapping[str, Any], provenance: Mapping[str, Any], timing: Mapping[str, float],
+    *,
+    step: int,
+    nbytes: int,
+    world_size: int,
+    files: Mapping[str, FileResult],
+    items: Mapping[str, list[Chunk]],
+    tree: dict[str, Any],
+    rank_trees: Mapping[str, Any],
+    rng: Mapping[str, Any],
+    provenance: Mapping[str, Any],
+    timing: Mapping[str, float],
     metrics: Mapping[str, float] | None = None,
 ) -> bytes:
     """The manifest of a checkpoint whose files have all been written (``metrics``: finite
@@ -253,7 +261,10 @@ def _bounded_bytes(shape: Any, itemsize: int, limit: int) -> int:
 
 
 def _check_tree(
-    tree: Any, specs: dict[str, TensorSpec], paths: dict[str, tuple[str | int, ...]], data_bytes: int,
+    tree: Any,
+    specs: dict[str, TensorSpec],
+    paths: dict[str, tuple[str | int, ...]],
+    data_bytes: int,
     where: str,
 ) -> None:
     """Every node well-formed, every tensor of a known dtype that fits in the files, walked

@@ -78,7 +78,13 @@ class Mirror:
     """Uploads committed steps to ``root`` on one background thread, in commit order."""
 
     def __init__(
-        self, root: Store, *, policy: RetentionPolicy | None, timeline: Timeline, nonce: str, writes: bool,
+        self,
+        root: Store,
+        *,
+        policy: RetentionPolicy | None,
+        timeline: Timeline,
+        nonce: str,
+        writes: bool,
         nice: int = 0,
     ) -> None:
         """``writes``: this process uploads (rank 0 of a run not opened read-only)."""
@@ -154,7 +160,8 @@ class Mirror:
         with self._lock:
             doomed = set(steps)
             dropped = [
-                e for e in self._waiting
+                e
+                for e in self._waiting
                 if isinstance(e, _Upload) and e.source.url == store.url and e.step in doomed
             ]
             for entry in dropped:
@@ -186,7 +193,11 @@ class Mirror:
             level,
             "nbckpt: the mirror %s is slower than the saves: step %d%s is not uploaded (skipped %d so far); "
             "it gets what retention (%s) keeps of each line",
-            self.root.url, entry.step, where, self._skipped, self.policy,
+            self.root.url,
+            entry.step,
+            where,
+            self._skipped,
+            self.policy,
         )
 
     def resume(self, lines: dict[str, Line]) -> None:
@@ -287,8 +298,10 @@ class Mirror:
             for name, meta in manifest.files.items():
                 # closed after the copy: an open descriptor would keep the step's disk space once
                 # a retention pass deletes it
-                with damage_named(f"{step_name(step)}/{name}"), \
-                        closing(source.source(location, name, meta["size"])) as read:
+                with (
+                    damage_named(f"{step_name(step)}/{name}"),
+                    closing(source.source(location, name, meta["size"])) as read,
+                ):
                     copied += copy_file(read, store.sink(target, name), meta["blocks"], fsync=store.is_local)
             store.commit(target, step, data)
             committed = True
@@ -366,8 +379,9 @@ def open_mirror(
     if store is None:
         return None
     writes = group.rank == 0 and not config.read_only
-    mirror = Mirror(store, policy=config.retention, timeline=timeline, nonce=nonce, writes=writes,
-                    nice=config.writer_nice)
+    mirror = Mirror(
+        store, policy=config.retention, timeline=timeline, nonce=nonce, writes=writes, nice=config.writer_nice
+    )
     # The run a mirror belongs to: its directory as the file system knows it (a symlink or a
     # relative path to the same run is the same run), or its URL.
     owner = os.path.realpath(run.url) if run.is_local else run.url

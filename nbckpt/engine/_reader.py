@@ -24,8 +24,20 @@ from ._unpickle import load_blob
 from ._workers import Pool, run_all
 
 __all__ = [
-    "ReadPlan", "Readable", "check_read", "damage_named", "fill", "plan_read", "read_file", "read_manifest",
-    "read_metadata", "read_tensors", "stat_files", "step_file_label", "tensor_files", "verify_files",
+    "ReadPlan",
+    "Readable",
+    "check_read",
+    "damage_named",
+    "fill",
+    "plan_read",
+    "read_file",
+    "read_manifest",
+    "read_metadata",
+    "read_tensors",
+    "stat_files",
+    "step_file_label",
+    "tensor_files",
+    "verify_files",
     "verify_framing",
 ]
 
@@ -58,8 +70,15 @@ def step_file_label(location: str, name: str) -> str:
 
 
 def read_file(
-    store: Readable, location: str, name: str, manifest: Manifest, wanted: list[tuple[int, memoryview]],
-    verify: bool, *, whole: bool = False, cover: Sequence[tuple[int, int]] = (),
+    store: Readable,
+    location: str,
+    name: str,
+    manifest: Manifest,
+    wanted: list[tuple[int, memoryview]],
+    verify: bool,
+    *,
+    whole: bool = False,
+    cover: Sequence[tuple[int, int]] = (),
 ) -> float:
     meta = manifest.files[name]
     label = step_file_label(location, name)
@@ -207,8 +226,13 @@ def fill(
 
 
 def _read_files(
-    store: Readable, io: Pool, location: str, manifest: Manifest,
-    views: Mapping[str, list[tuple[int, memoryview]]], verify: bool, *,
+    store: Readable,
+    io: Pool,
+    location: str,
+    manifest: Manifest,
+    views: Mapping[str, list[tuple[int, memoryview]]],
+    verify: bool,
+    *,
     cover: Mapping[str, list[tuple[int, memoryview]]] | None = None,
 ) -> float:
     """Each file's ``views`` read in parallel, a file a thread (and the blocks around ``cover``'s
@@ -230,7 +254,12 @@ def _read_files(
 
 
 def read_tensors(
-    store: Readable, io: Pool, location: str, manifest: Manifest, wanted: Mapping[str, Region | None], *,
+    store: Readable,
+    io: Pool,
+    location: str,
+    manifest: Manifest,
+    wanted: Mapping[str, Region | None],
+    *,
     verify: bool,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """Region ``wanted[key]`` (None: all of it) of each tensor, read into fresh CPU tensors and

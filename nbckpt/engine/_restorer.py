@@ -94,7 +94,13 @@ class Restorer:
         return manifest.body
 
     def restore(
-        self, state: dict[str, Any], step: int | None, *, verify: bool, rng: bool, strict: bool,
+        self,
+        state: dict[str, Any],
+        step: int | None,
+        *,
+        verify: bool,
+        rng: bool,
+        strict: bool,
         key_map: Callable[[str], str | None] | None,
     ) -> int:
         tried: list[tuple[int, int]] = []
@@ -153,8 +159,13 @@ class Restorer:
             return candidate
 
     def _load_into(
-        self, state: dict[str, Any], saved: dict[str, Any], tensors: dict[str, Any],
-        fill_them: Callable[[], None], loaders: Loaders, tag: tuple[int, int],
+        self,
+        state: dict[str, Any],
+        saved: dict[str, Any],
+        tensors: dict[str, Any],
+        fill_them: Callable[[], None],
+        loaders: Loaders,
+        tag: tuple[int, int],
     ) -> CheckpointError | None:
         """Load the checked step into the caller's state, every rank at once: first the objects
         that load their own small state (one refusing it puts them back: nothing else has
@@ -199,8 +210,17 @@ class Restorer:
         return left[0]
 
     def _read_for(
-        self, state: dict[str, Any], step: int, store: Readable, location: str, verify: bool, rng: bool,
-        attempt: int, strict: bool, key_map: Callable[[str], str | None] | None, asked_for: bool,
+        self,
+        state: dict[str, Any],
+        step: int,
+        store: Readable,
+        location: str,
+        verify: bool,
+        rng: bool,
+        attempt: int,
+        strict: bool,
+        key_map: Callable[[str], str | None] | None,
+        asked_for: bool,
     ) -> tuple[dict[str, Any], dict[str, Any], Callable[[], None] | None, Callable[[], None], Loaders]:
         """This rank's part of a restore, agreed by all: the tensors to load (DTensors where the
         state holds them), the saved tree, the RNG streams to set (None: none of this rank's),
@@ -370,8 +390,9 @@ def _decodes(tree: dict[str, Any], tensors: dict[str, Any], step: int) -> Any:
     except NbckptError:
         raise
     except Exception as exc:  # whatever a hostile tree makes decoding raise
-        raise CheckpointError(f"{step_name(step)}/{MANIFEST} holds a value that does not decode: "
-                              f"{describe_error(exc)}") from exc
+        raise CheckpointError(
+            f"{step_name(step)}/{MANIFEST} holds a value that does not decode: {describe_error(exc)}"
+        ) from exc
 
 
 def _load_own(loaders: Loaders, tensors: dict[str, Any], step: int) -> None:

@@ -25,8 +25,21 @@ from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
 __all__ = [
-    "AnyOf", "BestN", "CustomSteps", "EveryNSteps", "LatestN", "Retainer", "RetentionPolicy", "StepFacts",
-    "StepInfo", "check_metrics", "doomed", "expired", "listed", "policy_of", "top_names"
+    "AnyOf",
+    "BestN",
+    "CustomSteps",
+    "EveryNSteps",
+    "LatestN",
+    "Retainer",
+    "RetentionPolicy",
+    "StepFacts",
+    "StepInfo",
+    "check_metrics",
+    "doomed",
+    "expired",
+    "listed",
+    "policy_of",
+    "top_names",
 ]
 
 
@@ -236,7 +249,11 @@ class StepFacts:
         return facts[1] if facts else {}
 
     def slip(
-        self, step: int, tree: Mapping[str, Any], tensors: bool, committed: Iterable[int],
+        self,
+        step: int,
+        tree: Mapping[str, Any],
+        tensors: bool,
+        committed: Iterable[int],
         policy: RetentionPolicy | None,
     ) -> str | None:
         """What is most often a slip about a save of ``tree`` as ``step``: other names than the
@@ -247,8 +264,9 @@ class StepFacts:
         before = self.names(latest) if latest is not None else None
         if before is not None and names != before:
             kept = f"; retention keeps {policy} of each" if policy else ""
-            return (f"step {step} holds {listed(names)}, the newest step ({latest}) holds "
-                    f"{listed(before)}{kept}")
+            return (
+                f"step {step} holds {listed(names)}, the newest step ({latest}) holds {listed(before)}{kept}"
+            )
         return None if tensors else f"step {step} holds no tensor ({listed(names)})"
 
     def infos(self, policy: RetentionPolicy | None, steps: Iterable[int]) -> list[StepInfo]:
@@ -284,7 +302,8 @@ def doomed(
     names = facts.names(newest)
     before = None if older is None else set(older)
     steps = [
-        s for s in facts.store.committed()
+        s
+        for s in facts.store.committed()
         if (before is None or s in before or s == newest) and facts.names(s) == names
     ]
     return expired(policy, facts.infos(policy, steps), newest=newest)
@@ -310,8 +329,13 @@ class Retainer:
     """Deletes what the policy does not keep, one pass after each commit, on a background thread
     of its own (a slow delete never delays a save); ``wait`` waits for the pass last asked for."""
 
-    def __init__(self, policy: RetentionPolicy | None, timeline: Timeline, nice: int,
-                 release: Callable[[Store, list[int]], set[int]] | None) -> None:
+    def __init__(
+        self,
+        policy: RetentionPolicy | None,
+        timeline: Timeline,
+        nice: int,
+        release: Callable[[Store, list[int]], set[int]] | None,
+    ) -> None:
         """``release``: of the steps about to be deleted, those the mirror's upload still reads."""
         self.policy, self.timeline, self._release = policy, timeline, release
         self._worker = Worker("nbckpt-retention", nice=nice)
@@ -339,7 +363,11 @@ class Retainer:
         self._worker.stop(wait)
 
     def _pass(
-        self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None],
+        self,
+        facts: StepFacts,
+        newest: int,
+        older: set[int],
+        deleted: Callable[[int], None],
         done: Future[None],
     ) -> None:
         store = facts.store

@@ -23,8 +23,11 @@ __all__ = ["Run", "open_run"]
 
 
 def said_cleaned(url: str, recovered: list[str], stacklevel: int) -> None:
-    warnings.warn(f"nbckpt: cleaned up {len(recovered)} leftover(s) of interrupted saves in {url}: "
-                  f"{', '.join(recovered)}", stacklevel=stacklevel)
+    warnings.warn(
+        f"nbckpt: cleaned up {len(recovered)} leftover(s) of interrupted saves in {url}: "
+        f"{', '.join(recovered)}",
+        stacklevel=stacklevel,
+    )
 
 
 def open_run(store: Store, read_only: bool) -> tuple[str, set[int]]:
@@ -55,11 +58,24 @@ class Run:
     """The lines of the run in ``root`` and the one this Checkpointer is on."""
 
     def __init__(
-        self, root: Store, mirror: Mirror | None, saver: Saver, io: Pool, group: Group, timeline: Timeline, *,
-        line: str | None, read_only: bool,
+        self,
+        root: Store,
+        mirror: Mirror | None,
+        saver: Saver,
+        io: Pool,
+        group: Group,
+        timeline: Timeline,
+        *,
+        line: str | None,
+        read_only: bool,
     ) -> None:
         self.root, self.mirror, self.saver, self._io, self.group, self.timeline = (
-            root, mirror, saver, io, group, timeline
+            root,
+            mirror,
+            saver,
+            io,
+            group,
+            timeline,
         )
         self.read_only, self._writes = read_only, group.rank == 0 and not read_only
         self.current = MAIN

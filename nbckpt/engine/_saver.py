@@ -52,8 +52,15 @@ class Saver:
     """Everything a save needs and everything in flight; the Checkpointer drives it."""
 
     def __init__(
-        self, config: CheckpointConfig, store: Store, ranks: RankInfo, timeline: Timeline, io: Pool,
-        nonce: str, committed: set[int], observer: CommitObserver | None = None,
+        self,
+        config: CheckpointConfig,
+        store: Store,
+        ranks: RankInfo,
+        timeline: Timeline,
+        io: Pool,
+        nonce: str,
+        committed: set[int],
+        observer: CommitObserver | None = None,
     ) -> None:
         self.config, self.store, self.ranks, self.timeline, self.io = config, store, ranks, timeline, io
         self._observer = observer if ranks.rank == 0 else None
@@ -77,8 +84,16 @@ class Saver:
     # -- the caller's side ----------------------------------------------------------------------
 
     def start(
-        self, state: Mapping[str, Any], step: int, *, sync: bool, overlap: bool, capture_rng: bool,
-        metrics: Mapping[str, float], overwrite: bool, owner: object,
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        *,
+        sync: bool,
+        overlap: bool,
+        capture_rng: bool,
+        metrics: Mapping[str, float],
+        overwrite: bool,
+        owner: object,
     ) -> SaveHandle:
         """Stage ``state`` and queue its persist; with ``sync``, wait for the commit too. The
         persist job holds ``owner`` (the Checkpointer): it lives until the save is over."""
@@ -87,8 +102,9 @@ class Saver:
         self._seq += 1
         seq = self._seq
         flat, layout = self._plan(state, step, seq)
-        slip = self.facts.slip(step, flat.tree, bool(flat.specs or flat.aliases), self.committed,
-                               self._retainer.policy)
+        slip = self.facts.slip(
+            step, flat.tree, bool(flat.specs or flat.aliases), self.committed, self._retainer.policy
+        )
         if slip is not None:  # said before it commits
             warnings.warn(f"nbckpt: {slip}", stacklevel=3)  # the caller of Checkpointer.save
         if step in self.committed and not overwrite:
@@ -125,8 +141,9 @@ class Saver:
             self._inflight.append(handle)
         try:
             self._persister.submit(
-                partial(self._persist, handle, flat, layout, rng_state, metrics, stage_done, start, sync,
-                        owner)
+                partial(
+                    self._persist, handle, flat, layout, rng_state, metrics, stage_done, start, sync, owner
+                )
             )
             handle.stall_s = (now_ns() - start) / 1e9
             self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
@@ -267,8 +284,15 @@ class Saver:
         handle.staged.set_result(None)
 
     def _persist(
-        self, handle: SaveHandle, flat: Flattened, layout: Layout, rng_state: dict[str, Any] | None,
-        metrics: Mapping[str, float], stage_done: Future[tuple[float, int]], start: int, sync: bool,
+        self,
+        handle: SaveHandle,
+        flat: Flattened,
+        layout: Layout,
+        rng_state: dict[str, Any] | None,
+        metrics: Mapping[str, float],
+        stage_done: Future[tuple[float, int]],
+        start: int,
+        sync: bool,
         owner: object,
     ) -> None:
         """Write, agree, commit; every outcome sets ``handle.committed`` exactly once."""
@@ -380,7 +404,12 @@ class Saver:
         return self.store.begin(step, nonce), keys
 
     def _write(
-        self, handle: SaveHandle, location: str, layout: Layout, tree: Any, rng_state: Any,
+        self,
+        handle: SaveHandle,
+        location: str,
+        layout: Layout,
+        tree: Any,
+        rng_state: Any,
         shared: frozenset[str],
     ) -> tuple[dict[str, FileResult], Any, Any, list[ValueItem]]:
         """This rank's files, written in parallel: its tensors' and its plain values' (DCP byte

@@ -27,8 +27,18 @@ from .._errors import ConfigError
 from .._util import check_count, format_duration, parse_duration
 from ._timeline import SaveRecord, Timeline
 
-__all__ = ["JOB_MTTF_H", "Costs", "Grace", "Interval", "Pacer", "SaveSchedule", "expected_waste",
-           "final_save_s", "job_mtbf_s", "young_daly_interval"]
+__all__ = [
+    "JOB_MTTF_H",
+    "Costs",
+    "Grace",
+    "Interval",
+    "Pacer",
+    "SaveSchedule",
+    "expected_waste",
+    "final_save_s",
+    "job_mtbf_s",
+    "young_daly_interval",
+]
 
 HOUR_S = 3600.0
 #: How many recent saves (and steps) the measured costs are taken over: the schedule follows
@@ -61,8 +71,9 @@ def young_daly_interval(cost_s: float, mtbf_s: float, method: str = "daly") -> f
     return young * (1.0 + math.sqrt(ratio) / 3.0 + cost_s / (18.0 * mtbf_s)) - cost_s
 
 
-def expected_waste(interval_s: float, cost_s: float, mtbf_s: float, *, lag_s: float = 0.0,
-                   restore_s: float = 0.0) -> float:
+def expected_waste(
+    interval_s: float, cost_s: float, mtbf_s: float, *, lag_s: float = 0.0, restore_s: float = 0.0
+) -> float:
     """Fraction of time lost, ``C / tau + (tau / 2 + lag + R) / M``, at most 1 (see module doc)."""
     if not interval_s > 0:
         raise ConfigError(f"checkpoint interval must be > 0 seconds, got {interval_s}")
@@ -123,21 +134,27 @@ class SaveSchedule:
             self.source = f"an MTBF of {format_duration(self.mtbf_s)}"
         else:
             self.mtbf_s = job_mtbf_s(check_count(gpus, "gpus"))
-            self.source = (f"a job MTBF of {format_duration(self.mtbf_s)} at {gpus:,} GPUs "
-                           "(Meta's fit, Kokolis et al., HPCA 2025)")
+            self.source = (
+                f"a job MTBF of {format_duration(self.mtbf_s)} at {gpus:,} GPUs "
+                "(Meta's fit, Kokolis et al., HPCA 2025)"
+            )
 
     def interval(self, costs: Costs) -> Interval:
         """The interval for ``costs``: the Young/Daly optimum, never shorter than the persist time."""
         cost = costs.stall_s + costs.drag_s
         optimum = young_daly_interval(cost, self.mtbf_s)
         seconds, bound = (optimum, "daly") if optimum >= costs.persist_s else (costs.persist_s, "persist")
-        waste = expected_waste(max(seconds, 1e-9), cost, self.mtbf_s, lag_s=costs.persist_s,
-                               restore_s=costs.restore_s)
-        why = (f"Young/Daly for {format_duration(cost)} a save (stall {format_duration(costs.stall_s)}, "
-               f"drag {format_duration(costs.drag_s)}) and {self.source}" if bound == "daly" else
-               f"the background write's {format_duration(costs.persist_s)} (Young/Daly for "
-               f"{format_duration(cost)} a save and {self.source} would save every "
-               f"{format_duration(optimum)}: faster than one save in flight can persist)")
+        waste = expected_waste(
+            max(seconds, 1e-9), cost, self.mtbf_s, lag_s=costs.persist_s, restore_s=costs.restore_s
+        )
+        why = (
+            f"Young/Daly for {format_duration(cost)} a save (stall {format_duration(costs.stall_s)}, "
+            f"drag {format_duration(costs.drag_s)}) and {self.source}"
+            if bound == "daly"
+            else f"the background write's {format_duration(costs.persist_s)} (Young/Daly for "
+            f"{format_duration(cost)} a save and {self.source} would save every "
+            f"{format_duration(optimum)}: faster than one save in flight can persist)"
+        )
         reason = f"save every {format_duration(seconds)}: {why}; expected loss {100 * waste:.2g} % of time"
         return Interval(seconds, bound, reason)
 
@@ -166,10 +183,12 @@ class Grace:
         if self._said or self.seconds is None or final is None or final <= self.seconds:
             return None
         self._said = True
-        return (f"nbckpt: a final save takes about {final:.3g} s here (the copy and write of the "
-                f"recent saves), more than the {self.seconds:g} s save_on_signal gives it: it would "
-                "not commit in time. Save less in it (the model without the optimizer), write to a "
-                "faster target, or save more often so that the checkpoint before it loses less")
+        return (
+            f"nbckpt: a final save takes about {final:.3g} s here (the copy and write of the "
+            f"recent saves), more than the {self.seconds:g} s save_on_signal gives it: it would "
+            "not commit in time. Save less in it (the model without the optimizer), write to a "
+            "faster target, or save more often so that the checkpoint before it loses less"
+        )
 
 
 class Pacer:

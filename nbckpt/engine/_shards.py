@@ -23,8 +23,18 @@ from .._errors import ConfigError
 from ._torch_compat import dtensor_spec
 
 __all__ = [
-    "Region", "Runs", "check_replicas", "fingerprints", "is_dtensor", "is_replicated", "local_part",
-    "overlap", "region_of", "runs", "tiles", "wrap_like"
+    "Region",
+    "Runs",
+    "check_replicas",
+    "fingerprints",
+    "is_dtensor",
+    "is_replicated",
+    "local_part",
+    "overlap",
+    "region_of",
+    "runs",
+    "tiles",
+    "wrap_like",
 ]
 
 Shape = tuple[int, ...]

@@ -26,8 +26,20 @@ from .._errors import CheckpointError, ConfigError
 from ._shards import Region, is_dtensor, is_replicated, local_part
 
 __all__ = [
-    "MAX_BYTES_VALUE", "MAX_DEPTH", "Flattened", "TensorSpec", "decode", "dtype_from_name", "dtype_name",
-    "flatten", "node_tensors", "numpy_has", "rng_capture", "rng_owner", "rng_parse", "rng_process",
+    "MAX_BYTES_VALUE",
+    "MAX_DEPTH",
+    "Flattened",
+    "TensorSpec",
+    "decode",
+    "dtype_from_name",
+    "dtype_name",
+    "flatten",
+    "node_tensors",
+    "numpy_has",
+    "rng_capture",
+    "rng_owner",
+    "rng_parse",
+    "rng_process",
     "tree_specs",
 ]
 
@@ -226,8 +238,13 @@ class _Encoder:
         else:
             self.out.specs.append(spec)
             self.out.nbytes += spec.nbytes
-        return {"t": kind, "key": key, "dtype": dtype_name(tensor.dtype), "shape": list(spec.whole),
-                "device": tensor.device.type}
+        return {
+            "t": kind,
+            "key": key,
+            "dtype": dtype_name(tensor.dtype),
+            "shape": list(spec.whole),
+            "device": tensor.device.type,
+        }
 
 
 def _bytes_node(value: bytes | bytearray, where: str) -> Node:

@@ -424,8 +424,14 @@ def _not_a_lock(path: str, error: OSError | None) -> CheckpointError:
         mode = os.lstat(path).st_mode
     except OSError:
         mode = 0
-    kinds = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+    kinds = (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    )
     kind = next((name for test, name in kinds if test(mode)), None)
     if kind is None:
         reason = describe_error(error) if error is not None else "not a regular file"

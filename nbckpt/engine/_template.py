@@ -17,7 +17,14 @@ from ._shards import is_dtensor
 from ._state import STATEFUL, Node, decode, dtype_from_name, dtype_name, node_tensors
 
 __all__ = [
-    "Loaders", "Refused", "align", "apply", "check_loadable", "check_template", "destinations", "own_loaders",
+    "Loaders",
+    "Refused",
+    "align",
+    "apply",
+    "check_loadable",
+    "check_template",
+    "destinations",
+    "own_loaders",
     "sharded_targets",
 ]
 
@@ -131,8 +138,10 @@ def _renamed(
     have = [str(key) for key, _ in pairs]
     if set(have) == wanted:
         return pairs
-    renames: list[Callable[[str], str]] = [lambda key: key.removeprefix(_COMPILED),
-                                           lambda key: _COMPILED + key]
+    renames: list[Callable[[str], str]] = [
+        lambda key: key.removeprefix(_COMPILED),
+        lambda key: _COMPILED + key,
+    ]
     for rename in renames:
         if {rename(k) for k in have} == wanted:
             return [[rename(str(key)), child] for key, child in pairs]
@@ -207,8 +216,10 @@ def check_loadable(target: Mapping[Any, Any], saved: Node, tensors: Mapping[str,
             theirs = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) else "?"
             mine = [len(g["params"]) for g in current.param_groups]
             if theirs != mine:
-                problems.append(f"{key}: the checkpoint's optimizer has parameter groups of {theirs} "
-                                f"parameters, this one {mine}")
+                problems.append(
+                    f"{key}: the checkpoint's optimizer has parameter groups of {theirs} "
+                    f"parameters, this one {mine}"
+                )
     for name, current, node in own_loaders(target, saved):
         if isinstance(current, torch.optim.Optimizer) and not problems:
             problem = _trial(name, current, _loadable(current, node, tensors))
@@ -241,8 +252,10 @@ def _stands_in(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a stand-in of ``optimizer`` shares nothing that loading changes: its state and
     groups are its own attributes (not properties over another's) and it wraps no optimizer."""
     own = vars(optimizer)
-    return "state" in own and "param_groups" in own and not any(
-        isinstance(value, torch.optim.Optimizer) for value in own.values()
+    return (
+        "state" in own
+        and "param_groups" in own
+        and not any(isinstance(value, torch.optim.Optimizer) for value in own.values())
     )
 
 

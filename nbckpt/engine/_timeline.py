@@ -76,12 +76,27 @@ class Timeline:
                 self._listeners.remove(listener)
 
     def record(
-        self, kind: str, start_ns: int, end_ns: int | None = None, *, step: int | None = None,
-        nbytes: int = 0, **detail: Any,
+        self,
+        kind: str,
+        start_ns: int,
+        end_ns: int | None = None,
+        *,
+        step: int | None = None,
+        nbytes: int = 0,
+        **detail: Any,
     ) -> Event:
-        event = Event(kind=kind, start_ns=start_ns, end_ns=now_ns() if end_ns is None else end_ns,
-                      step=step, rank=self.rank, bytes=nbytes, thread=threading.current_thread().name,
-                      pid=os.getpid(), label=self.label, detail=detail)
+        event = Event(
+            kind=kind,
+            start_ns=start_ns,
+            end_ns=now_ns() if end_ns is None else end_ns,
+            step=step,
+            rank=self.rank,
+            bytes=nbytes,
+            thread=threading.current_thread().name,
+            pid=os.getpid(),
+            label=self.label,
+            detail=detail,
+        )
         with self._lock:
             self._events.append(event)
             listeners = list(self._listeners)
@@ -114,8 +129,20 @@ class Timeline:
         return events_to_pandas(self.events, self.origin_ns)
 
 
-_COLUMNS = ["kind", "label", "step", "rank", "start_s", "end_s", "duration_s", "bytes", "thread", "pid",
-            "start_ns", "end_ns"]
+_COLUMNS = [
+    "kind",
+    "label",
+    "step",
+    "rank",
+    "start_s",
+    "end_s",
+    "duration_s",
+    "bytes",
+    "thread",
+    "pid",
+    "start_ns",
+    "end_ns",
+]
 
 
 def events_to_pandas(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:

@@ -30,12 +30,25 @@ __all__ = ["MAX_PICKLE_DEPTH", "MetadataUnpickler", "load_blob", "load_metadata"
 # Everything DCP's .metadata legitimately pickles; any other global is refused.
 _ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING")
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "MetadataIndex",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
-    STORAGE_INFO_GLOBAL, ("torch.distributed.checkpoint.planner", "WriteItemType"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("torch", "strided"),
-    ("torch", "device"), ("collections", "OrderedDict"),
+    STORAGE_INFO_GLOBAL,
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("torch", "strided"),
+    ("torch", "device"),
+    ("collections", "OrderedDict"),
 }
 
 
@@ -55,31 +68,84 @@ class MetadataUnpickler(pickle.Unpickler):
 MAX_PICKLE_DEPTH = 32
 
 #: Opcodes that push one new object holding nothing: a number, a string, None, a global.
-_LEAVES = frozenset({
-    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "STRING", "BINSTRING",
-    "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8", "NONE", "NEWTRUE",
-    "NEWFALSE", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "FLOAT", "BINFLOAT",
-    "GLOBAL", "EXT1", "EXT2", "EXT4", "EMPTY_TUPLE",
-})
+_LEAVES = frozenset(
+    {
+        "INT",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "LONG",
+        "LONG1",
+        "LONG4",
+        "STRING",
+        "BINSTRING",
+        "SHORT_BINSTRING",
+        "BINBYTES",
+        "SHORT_BINBYTES",
+        "BINBYTES8",
+        "BYTEARRAY8",
+        "NONE",
+        "NEWTRUE",
+        "NEWFALSE",
+        "UNICODE",
+        "SHORT_BINUNICODE",
+        "BINUNICODE",
+        "BINUNICODE8",
+        "FLOAT",
+        "BINFLOAT",
+        "GLOBAL",
+        "EXT1",
+        "EXT2",
+        "EXT4",
+        "EMPTY_TUPLE",
+    }
+)
 #: Opcodes that make a new object of the top ``n`` objects (None: those above the last mark), and
 #: whether more may be put in it later (a list or dict being filled, an object awaiting BUILD).
 _MAKERS: dict[str, tuple[int | None, bool]] = {
-    "EMPTY_LIST": (0, True), "EMPTY_DICT": (0, True), "EMPTY_SET": (0, True),
-    "TUPLE": (None, False), "FROZENSET": (None, False), "LIST": (None, True), "DICT": (None, True),
-    "INST": (None, True), "OBJ": (None, True), "TUPLE1": (1, False), "TUPLE2": (2, False),
-    "TUPLE3": (3, False), "REDUCE": (2, True), "NEWOBJ": (2, True), "NEWOBJ_EX": (3, True),
+    "EMPTY_LIST": (0, True),
+    "EMPTY_DICT": (0, True),
+    "EMPTY_SET": (0, True),
+    "TUPLE": (None, False),
+    "FROZENSET": (None, False),
+    "LIST": (None, True),
+    "DICT": (None, True),
+    "INST": (None, True),
+    "OBJ": (None, True),
+    "TUPLE1": (1, False),
+    "TUPLE2": (2, False),
+    "TUPLE3": (3, False),
+    "REDUCE": (2, True),
+    "NEWOBJ": (2, True),
+    "NEWOBJ_EX": (3, True),
     "STACK_GLOBAL": (2, False),
 }
 #: Opcodes that put the top ``n`` objects (None: those above the last mark) into the one below.
 _FILLERS: dict[str, int | None] = {
-    "APPEND": 1, "SETITEM": 2, "BUILD": 1, "APPENDS": None, "SETITEMS": None, "ADDITEMS": None,
+    "APPEND": 1,
+    "SETITEM": 2,
+    "BUILD": 1,
+    "APPENDS": None,
+    "SETITEMS": None,
+    "ADDITEMS": None,
 }
 
 #: The opcodes that move objects between the stack and the memo, and those that change nothing.
 _STACK_OPS = {
-    "MARK": "mark", "POP": "pop", "STOP": "pop", "POP_MARK": "pop_mark", "DUP": "dup", "PUT": "put",
-    "BINPUT": "put", "LONG_BINPUT": "put", "MEMOIZE": "memoize", "GET": "get", "BINGET": "get",
-    "LONG_BINGET": "get", "PROTO": "nothing", "FRAME": "nothing",
+    "MARK": "mark",
+    "POP": "pop",
+    "STOP": "pop",
+    "POP_MARK": "pop_mark",
+    "DUP": "dup",
+    "PUT": "put",
+    "BINPUT": "put",
+    "LONG_BINPUT": "put",
+    "MEMOIZE": "memoize",
+    "GET": "get",
+    "BINGET": "get",
+    "LONG_BINGET": "get",
+    "PROTO": "nothing",
+    "FRAME": "nothing",
 }
 
 
@@ -236,8 +302,14 @@ def load_blob(data: bytes, what: str) -> Any:
 
 
 #: The records of a ``torch.save`` zip that holds no storage.
-_BLOB_RECORDS = {"data.pkl", ".format_version", ".storage_alignment", "byteorder", "version",
-                 ".data/serialization_id"}
+_BLOB_RECORDS = {
+    "data.pkl",
+    ".format_version",
+    ".storage_alignment",
+    "byteorder",
+    "version",
+    ".data/serialization_id",
+}
 
 
 class _PlainUnpickler(pickle.Unpickler):

@@ -26,7 +26,10 @@ __all__ = ["AcceleratorCheckpointer"]
 
 #: Sharded state, or state held elsewhere: accelerator.save_state's own.
 _UNSUPPORTED = (
-    DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA
+    DistributedType.FSDP,
+    DistributedType.DEEPSPEED,
+    DistributedType.MEGATRON_LM,
+    DistributedType.XLA,
 )
 #: Options decided here: every rank's RNG states are saved, every rank saves its part.
 _RESERVED = {"capture_rng", "ranks", "read_only"}

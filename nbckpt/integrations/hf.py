@@ -68,9 +68,10 @@ _RESERVED = {"capture_rng", "ranks", "read_only"}
 #: The file nbckpt writes in each resume folder it makes: only a folder holding it is ever removed.
 RESUME_MARKER = ".nbckpt-resume"
 #: What nbckpt writes in a resume folder's ``checkpoint-N/`` (and write_atomic's temporary files).
-_WRITTEN = "|".join(
-    re.escape(n) for n in (WEIGHTS_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME)
-) + r"|rng_state(?:_[0-9]+)?\.pth"
+_WRITTEN = (
+    "|".join(re.escape(n) for n in (WEIGHTS_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME))
+    + r"|rng_state(?:_[0-9]+)?\.pth"
+)
 _RESUME_FILE = re.compile(rf"(?:{_WRITTEN})|\.(?:{_WRITTEN})\.tmp-.+")
 
 
@@ -137,7 +138,9 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
             else:
                 _log.warning(
                     "nbckpt: NbckptCallback keeps %s; TrainingArguments.save_total_limit=%s is not "
-                    "applied (pass one of the two)", self._config.keep, limit
+                    "applied (pass one of the two)",
+                    self._config.keep,
+                    limit,
                 )
         _ = self.ckpt  # open now: a bad directory fails before training, on every rank
 

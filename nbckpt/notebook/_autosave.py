@@ -101,8 +101,10 @@ class Autosave:
         if isinstance(names, str):
             names = names.split()
         if not isinstance(names, Sequence) or not names or not all(isinstance(name, str) for name in names):
-            raise ConfigError("Autosave wants the names of notebook variables, e.g. "
-                              f"Autosave(['model', 'opt']), not {repr(names)[:80]}")
+            raise ConfigError(
+                "Autosave wants the names of notebook variables, e.g. "
+                f"Autosave(['model', 'opt']), not {repr(names)[:80]}"
+            )
         self.signals = check_signals(signals)  # not when start() installs them
         if directory is not None:
             check_path(directory, "directory")
@@ -234,8 +236,11 @@ class Autosave:
         ckpt.final_save(self._take_final, timeout_s=self.timeout_s, reason="kernel exit")
 
     def _late_signal(self, signum: int, frame: Any) -> None:
-        _log.warning("nbckpt: %s during the final save at exit: it goes on (at most %s)",
-                     signal.Signals(signum).name, format_duration(self.timeout_s))
+        _log.warning(
+            "nbckpt: %s during the final save at exit: it goes on (at most %s)",
+            signal.Signals(signum).name,
+            format_duration(self.timeout_s),
+        )
 
     def _snapshot(self) -> tuple[Mapping[str, Any], int] | None:
         """The final save of a signal (runs in the handler, on the main thread)."""
@@ -269,8 +274,10 @@ class Autosave:
             raise ConfigError(f"the step {source} is {value!r}, not a non-negative integer")
         # ours first: listing the directory is I/O, and a step this session saved needs none
         if not self._ours(step) and step in self.session.opened(self.directory).steps():
-            raise ConfigError(f"step {step} is already in {self.directory} and was not saved in this "
-                              "session: it is not replaced (autosaves go on once the step moves on)")
+            raise ConfigError(
+                f"step {step} is already in {self.directory} and was not saved in this "
+                "session: it is not replaced (autosaves go on once the step moves on)"
+            )
         return state, step
 
     def _unchanged(self, step: int) -> bool:
@@ -291,9 +298,14 @@ class Autosave:
             # show the kernel's): the engine's warnings (a new branch, fewer slots) go to the log.
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                save = self.session.save(state, names=self._saved_names, mode="autosave",
-                                         directory=self.directory, step=step,
-                                         overwrite=step is not None and self._ours(step))
+                save = self.session.save(
+                    state,
+                    names=self._saved_names,
+                    mode="autosave",
+                    directory=self.directory,
+                    step=step,
+                    overwrite=step is not None and self._ours(step),
+                )
         except BaseException:
             self._cells_saved = before
             raise
@@ -304,8 +316,10 @@ class Autosave:
         handle = save.handle
         handle.committed.add_done_callback(lambda done: self._committed(handle, done))
         if interrupted:
-            print(f"nbckpt: autosaving step {handle.step} of the interrupted cell to "
-                  f"{save.directory} (in the background)")
+            print(
+                f"nbckpt: autosaving step {handle.step} of the interrupted cell to "
+                f"{save.directory} (in the background)"
+            )
 
     def _committed(self, handle: SaveHandle, done: Future[SaveRecord]) -> None:
         """On the persist thread: a failed autosave is told now, not ten minutes later."""
@@ -334,13 +348,17 @@ class Autosave:
             phase = "failed" if handle.error is not None else handle.phase
             last = f"step {handle.step} at {_clock(self._last_wall)} ({phase})"
         if self.failures and self._error_wall is not None:
-            last += (f"\n  failed: {self.failures} time(s), the last at {_clock(self._error_wall)}: "
-                     f"{self.last_error}")
+            last += (
+                f"\n  failed: {self.failures} time(s), the last at {_clock(self._error_wall)}: "
+                f"{self.last_error}"
+            )
         wait = self._last_at + self.every_s - time.monotonic()
         due = f"the first cell to end after {_clock(time.time() + wait)}" if wait > 0 else "the next cell"
-        return (f"nbckpt: autosaving {head}\n  last: {last}\n  next: {due}; at once when a cell is "
-                f"interrupted; a final save on kernel shutdown and SIGTERM (within "
-                f"{format_duration(self.timeout_s)})")
+        return (
+            f"nbckpt: autosaving {head}\n  last: {last}\n  next: {due}; at once when a cell is "
+            f"interrupted; a final save on kernel shutdown and SIGTERM (within "
+            f"{format_duration(self.timeout_s)})"
+        )
 
     def __repr__(self) -> str:
         return self.status()
@@ -362,17 +380,28 @@ def command(shell: InteractiveShell, args: argparse.Namespace) -> None:
     if args.off:
         if running is not None:
             running.stop()
-        print(f"nbckpt: stopped autosaving {' '.join(running.names)}" if running else
-              "nbckpt: no autosave to stop")
+        print(
+            f"nbckpt: stopped autosaving {' '.join(running.names)}"
+            if running
+            else "nbckpt: no autosave to stop"
+        )
         return
     if not args.names:
-        print(running.status() if running else
-              "nbckpt: no autosave running; start one with %ckpt_autosave model opt --every 10min")
+        print(
+            running.status()
+            if running
+            else "nbckpt: no autosave running; start one with %ckpt_autosave model opt --every 10min"
+        )
         return
     timing = {"every_s": args.every, "timeout_s": args.timeout}  # their defaults are Autosave's
     try:
-        autosave = Autosave(args.names, shell=shell, directory=args.dir, step=args.step,
-                            **{name: value for name, value in timing.items() if value is not None}).start()
+        autosave = Autosave(
+            args.names,
+            shell=shell,
+            directory=args.dir,
+            step=args.step,
+            **{name: value for name, value in timing.items() if value is not None},
+        ).start()
     except ConfigError as exc:
         reraise(exc)
     if running is not None:

@@ -37,10 +37,29 @@ _log = logging.getLogger("nbckpt")
 _T = TypeVar("_T")
 _live_lock = threading.Lock()
 _live: dict[str, Browser] = {}  # one browser per run: a re-run cell replaces its own
-_STEP_COLUMNS = ["line", "step", "size", "written (UTC)", "stage s", "write s", "verification",
-                 "values", "provenance"]
-_DIFF_COLUMNS = ["tensor", "status", "dtype", "shape", "elements", "changed", "|b - a|",
-                 "max |b - a|", "relative change", "cosine"]
+_STEP_COLUMNS = [
+    "line",
+    "step",
+    "size",
+    "written (UTC)",
+    "stage s",
+    "write s",
+    "verification",
+    "values",
+    "provenance",
+]
+_DIFF_COLUMNS = [
+    "tensor",
+    "status",
+    "dtype",
+    "shape",
+    "elements",
+    "changed",
+    "|b - a|",
+    "max |b - a|",
+    "relative change",
+    "cosine",
+]
 _TONES = {"damaged": "color:#cf222e;", "verified": "color:#1a7f37;", "quiet": "color:#57606a;"}
 
 
@@ -57,17 +76,21 @@ class _Table:
 
     def show(self, rows: list[dict[str, Any]] | None = None) -> None:
         self.rows = self.rows if rows is None else rows
-        self.widget.value = ('<div style="max-height:420px;overflow:auto;font-size:12px">'
-                             + html_table("nbckpt-table", self.columns, map(self._tr, self.rows),
-                                          left=self.left) + "</div>")
+        self.widget.value = (
+            '<div style="max-height:420px;overflow:auto;font-size:12px">'
+            + html_table("nbckpt-table", self.columns, map(self._tr, self.rows), left=self.left)
+            + "</div>"
+        )
 
     def _tr(self, row: dict[str, Any]) -> tuple[str, list[str]]:
         marked = row["id"] in self.marked
         classes = [f"nbckpt-row-{row['tone']}"] if row["tone"] else []
         classes += ["nbckpt-selected"] if marked else []
         style = _TONES.get(row["tone"], "") + ("background:#ddf4ff" if marked else "")
-        return (f' data-id="{html.escape(row["id"])}" class="{" ".join(classes)}" style="{style}"',
-                [html.escape(text) for text in row["cells"]])
+        return (
+            f' data-id="{html.escape(row["id"])}" class="{" ".join(classes)}" style="{style}"',
+            [html.escape(text) for text in row["cells"]],
+        )
 
 
 def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser], _T | None]]:
@@ -115,11 +138,15 @@ class Browser:
     is the whole browser; ``steps`` is its step picker.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *,
-                 storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None
+    ) -> None:
         self.directory = check_path(directory, "directory")
-        self.url = self.directory.rstrip("/") if is_url(self.directory) else os.path.abspath(
-            os.path.expanduser(self.directory))
+        self.url = (
+            self.directory.rstrip("/")
+            if is_url(self.directory)
+            else os.path.abspath(os.path.expanduser(self.directory))
+        )
         self.storage_options = dict(storage_options or {})
         self.rows: list[StepRow] = []  # every step of every line, as the table shows them
         self.lines: dict[str, dict[str, Any]] = {}
@@ -130,27 +157,44 @@ class Browser:
         self._values: dict[str, dict[str, Any]] = {}  # by manifest checksum: read once per save
         self._pending: RowKey | None = None  # the step Delete asked to confirm
         self.title, self.message, self.diff_header = widgets.HTML(), widgets.HTML(), widgets.HTML()
-        self.steps = widgets.SelectMultiple(description="steps", rows=6,
-                                            layout={"width": "auto", "min_width": "320px"})
+        self.steps = widgets.SelectMultiple(
+            description="steps", rows=6, layout={"width": "auto", "min_width": "320px"}
+        )
         self.steps.add_class("nbckpt-pick")
         self.table = _Table("nbckpt-steps", _STEP_COLUMNS, left={0, 3, 6, 7, 8})
         self.diff_table = _Table("nbckpt-diff", _DIFF_COLUMNS, left={0, 1, 2, 3})
-        buttons = [widgets.Button(description=name, icon=icon, tooltip=tip) for name, icon, tip in (
-            ("Refresh", "refresh", "read the run's steps again"),
-            ("Verify", "check", "check every block of the selected steps (every step when none is selected)"),
-            ("Diff", "exchange", "compare the two selected steps tensor by tensor"),
-            ("Delete", "trash", "delete the selected step (asks first)"))]
+        buttons = [
+            widgets.Button(description=name, icon=icon, tooltip=tip)
+            for name, icon, tip in (
+                ("Refresh", "refresh", "read the run's steps again"),
+                (
+                    "Verify",
+                    "check",
+                    "check every block of the selected steps (every step when none is selected)",
+                ),
+                ("Diff", "exchange", "compare the two selected steps tensor by tensor"),
+                ("Delete", "trash", "delete the selected step (asks first)"),
+            )
+        ]
         self.refresh_button, self.verify_button, self.diff_button, self.delete_button = buttons
-        self.confirm_button = widgets.Button(description="Confirm delete", button_style="danger",
-                                             layout={"display": "none"})
+        self.confirm_button = widgets.Button(
+            description="Confirm delete", button_style="danger", layout={"display": "none"}
+        )
         self.cancel_button = widgets.Button(description="Cancel", layout={"display": "none"})
         actions = [self.refresh, self.verify, self.diff, self.delete, self.confirm_delete, self.cancel_delete]
         for button, action in zip([*buttons, self.confirm_button, self.cancel_button], actions, strict=True):
             button.on_click(lambda _, action=action: action())
-        self.widget = widgets.VBox([
-            widgets.HBox([self.title, self.refresh_button]), self.steps, self.table.widget,
-            widgets.HBox([*buttons[1:], self.confirm_button, self.cancel_button]),
-            self.message, self.diff_header, self.diff_table.widget])
+        self.widget = widgets.VBox(
+            [
+                widgets.HBox([self.title, self.refresh_button]),
+                self.steps,
+                self.table.widget,
+                widgets.HBox([*buttons[1:], self.confirm_button, self.cancel_button]),
+                self.message,
+                self.diff_header,
+                self.diff_table.widget,
+            ]
+        )
         self.widget.add_class("nbckpt-browser")
         self.steps.observe(self._on_select, names="value")
         with _live_lock:
@@ -179,10 +223,14 @@ class Browser:
         if len(matches) == 1:
             return matches[0]
         if not matches:
-            raise ConfigError(f"the run has no committed step {step!r}; it has "
-                              f"{', '.join(r.id for r in self.rows) or 'none'}")
-        raise ConfigError(f"step {step} is in {' and '.join(r.line for r in matches)}: name the line, "
-                          f"e.g. select(({matches[-1].line!r}, {step}))")
+            raise ConfigError(
+                f"the run has no committed step {step!r}; it has "
+                f"{', '.join(r.id for r in self.rows) or 'none'}"
+            )
+        raise ConfigError(
+            f"step {step} is in {' and '.join(r.line for r in matches)}: name the line, "
+            f"e.g. select(({matches[-1].line!r}, {step}))"
+        )
 
     # -- actions: each returns what it did, or None with the reason in ``error`` -------------
 
@@ -191,13 +239,21 @@ class Browser:
         before = {row.key: row for row in self.rows}
         self.lines, rows = index.read_run(self.directory, self.storage_options, self._values)
         # a verdict holds while the step is the one verified (not saved again since)
-        self.rows = [dataclasses.replace(row, verdict=old.verdict) if (old := before.get(row.key))
-                     and old.checksum == row.checksum else row for row in rows]
+        self.rows = [
+            dataclasses.replace(row, verdict=old.verdict)
+            if (old := before.get(row.key)) and old.checksum == row.checksum
+            else row
+            for row in rows
+        ]
         self._show_rows()
         if not self.rows:
             missing = not is_url(self.url) and not os.path.isdir(self.url)
-            self._say("info", f"No committed checkpoint in {self.url}"
-                      + (" (the directory does not exist)" if missing else "") + ".")
+            self._say(
+                "info",
+                f"No committed checkpoint in {self.url}"
+                + (" (the directory does not exist)" if missing else "")
+                + ".",
+            )
         return True
 
     refresh = _action("read the run")(_read)
@@ -212,8 +268,11 @@ class Browser:
         damaged = [key for key in keys if found[key] != "verified"]
         self._show_rows()
         if damaged:
-            self._say("error", f"Damaged: {', '.join(self._row_of(k).name for k in damaged)} "
-                               f"(of {len(keys)} verified; see the table)")
+            self._say(
+                "error",
+                f"Damaged: {', '.join(self._row_of(k).name for k in damaged)} "
+                f"(of {len(keys)} verified; see the table)",
+            )
         else:
             self._say("ok", f"Verified {len(keys)} step(s): every block reads back intact.")
         return damaged
@@ -225,8 +284,12 @@ class Browser:
             raise ConfigError(f"select two steps to compare, not {len(picked)}")
         a, b = sorted(map(self._row_of, picked), key=lambda r: (r.unix_time or 0.0, r.step))
         self._say("info", f"Loading {a.name} and {b.name} ...")
-        states = index.per_line(self.directory, self.storage_options, [a.key, b.key],
-                                lambda reader, _, step: reader.load(step, map_location="cpu"))
+        states = index.per_line(
+            self.directory,
+            self.storage_options,
+            [a.key, b.key],
+            lambda reader, _, step: reader.load(step, map_location="cpu"),
+        )
         self.diff_frame = frame = diff_states(states[a.key], states[b.key])  # weights only, on the CPU
         self.diff_header.value = index.diff_summary(a, b, frame)
         self.diff_table.show(index.diff_rows(frame))
@@ -240,9 +303,11 @@ class Browser:
         self._pending = key
         question = f"Delete {self._row_of(key).name}? This cannot be undone."
         if is_url(self.url):
-            question += (" Nothing stops two writers on an object store: opening it for writing "
-                         "discards the remains of a save going on there. Confirm only if no "
-                         "run is saving into it now.")
+            question += (
+                " Nothing stops two writers on an object store: opening it for writing "
+                "discards the remains of a save going on there. Confirm only if no "
+                "run is saving into it now."
+            )
         self.confirm_button.tooltip = question
         self._say("info", question)
         return True
@@ -296,7 +361,8 @@ class Browser:
         self.confirm_button.disabled = self.cancel_button.disabled = busy
         # the confirm and cancel buttons show while a delete waits for its answer
         self.confirm_button.layout.display = self.cancel_button.layout.display = (
-            "none" if self._pending is None else "")
+            "none" if self._pending is None else ""
+        )
 
     def _on_select(self, change: dict[str, Any]) -> None:
         if self._pending is not None and self._pending not in self.selected:
@@ -317,6 +383,8 @@ class Browser:
         self.table.marked = self.steps.value
         self.table.show([index.step_row(row, self.lines.get(row.line, {})) for row in self.rows])
         lines = len([name for name, line in self.lines.items() if line["steps"]])
-        self.title.value = (f'<b>Checkpoints</b> of <code title="{html.escape(self.url)}">'
-                            f"{html.escape(self.directory)}</code>: "
-                            f"{len(self.rows)} step(s) in {lines} line(s)")
+        self.title.value = (
+            f'<b>Checkpoints</b> of <code title="{html.escape(self.url)}">'
+            f"{html.escape(self.directory)}</code>: "
+            f"{len(self.rows)} step(s) in {lines} line(s)"
+        )

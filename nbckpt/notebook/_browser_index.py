@@ -21,8 +21,21 @@ from .._util import format_bytes
 from ..engine import Checkpointer
 from ..engine._internal import writer_of
 
-__all__ = ["DIFF_ROWS", "MAIN", "RowKey", "StepRow", "delete_step", "diff_rows", "diff_summary", "per_line",
-           "read_run", "refusal", "saved_values", "step_row", "verdict"]
+__all__ = [
+    "DIFF_ROWS",
+    "MAIN",
+    "RowKey",
+    "StepRow",
+    "delete_step",
+    "diff_rows",
+    "diff_summary",
+    "per_line",
+    "read_run",
+    "refusal",
+    "saved_values",
+    "step_row",
+    "verdict",
+]
 
 RowKey = tuple[str, int]
 #: Tensors the diff table lists (most changed first); the whole frame is ``browser.diff_frame``.
@@ -93,12 +106,17 @@ def saved_values(state: Mapping[Any, Any], prefix: str = "") -> dict[str, Any]:
 
 def _reader(directory: str, storage_options: dict[str, Any], line: str) -> Checkpointer:
     # ranks="local": a browser in a torchrun'd kernel must never wait for the other ranks
-    return Checkpointer(directory, read_only=True, line=line, ranks="local", writer_threads=1,
-                        storage_options=storage_options)
+    return Checkpointer(
+        directory, read_only=True, line=line, ranks="local", writer_threads=1, storage_options=storage_options
+    )
 
 
-def per_line(directory: str, storage_options: dict[str, Any], keys: Sequence[RowKey],
-             read: Callable[[Checkpointer, str, int], _T]) -> dict[RowKey, _T]:
+def per_line(
+    directory: str,
+    storage_options: dict[str, Any],
+    keys: Sequence[RowKey],
+    read: Callable[[Checkpointer, str, int], _T],
+) -> dict[RowKey, _T]:
     """``read(reader, line, step)`` for each of ``keys``, with one read-only Checkpointer a line."""
     found: dict[RowKey, _T] = {}
     for line in dict.fromkeys(line for line, _ in keys):
@@ -112,8 +130,9 @@ def _gone(reader: Checkpointer, line: str, step: int) -> bool:
     return step not in reader.lines().get(line, {}).get("steps", ())
 
 
-def read_run(directory: str, storage_options: dict[str, Any],
-             values: dict[str, dict[str, Any]]) -> tuple[Lines, list[StepRow]]:
+def read_run(
+    directory: str, storage_options: dict[str, Any], values: dict[str, dict[str, Any]]
+) -> tuple[Lines, list[StepRow]]:
     """The run's lines and a row for each of their committed steps; ``values`` caches the saved
     values by manifest checksum (read once per save)."""
 
@@ -127,10 +146,18 @@ def read_run(directory: str, storage_options: dict[str, Any],
         except CheckpointError as exc:
             return None if _gone(reader, line, step) else StepRow(line, step, problem=str(exc))
         timing = manifest.get("timing") or {}
-        return StepRow(line, step, nbytes=int(manifest["bytes"]), unix_time=float(manifest["unix_time"]),
-                       stage_s=timing.get("stage_s"), write_s=timing.get("write_s"),
-                       tensors=len(manifest["items"]), checksum=checksum, values=values[checksum],
-                       provenance=dict(manifest.get("provenance") or {}))
+        return StepRow(
+            line,
+            step,
+            nbytes=int(manifest["bytes"]),
+            unix_time=float(manifest["unix_time"]),
+            stage_s=timing.get("stage_s"),
+            write_s=timing.get("write_s"),
+            tensors=len(manifest["items"]),
+            checksum=checksum,
+            values=values[checksum],
+            provenance=dict(manifest.get("provenance") or {}),
+        )
 
     with _reader(directory, storage_options, MAIN) as main:  # the lines, and the main line's rows
         lines = main.lines()
@@ -159,8 +186,10 @@ def refusal(directory: str, lines: Lines, key: RowKey) -> str | None:
         if other.get("parent") == line and other.get("from_step") == step:
             return f"{name} goes on from it, and would lose the step it starts from"
     holder = writer_of(directory)
-    if holder is not None and line == holder.line_name and any(
-        handle.step == step and not handle.done() for handle in holder.handles
+    if (
+        holder is not None
+        and line == holder.line_name
+        and any(handle.step == step and not handle.done() for handle in holder.handles)
     ):
         return f"a save of step {step} is in flight in this kernel; delete it once it has committed"
     return None
@@ -173,16 +202,21 @@ def delete_step(directory: str, storage_options: dict[str, Any], key: RowKey) ->
     line, step = key
     if (holder := writer_of(directory)) is not None:
         if holder.world_size > 1:  # its delete is collective: every rank must call it
-            raise ConfigError(f"the run is open for writing on {holder.world_size} ranks of this "
-                              f"job; delete with its Checkpointer on every rank: ckpt.delete({step})")
+            raise ConfigError(
+                f"the run is open for writing on {holder.world_size} ranks of this "
+                f"job; delete with its Checkpointer on every rank: ckpt.delete({step})"
+            )
         holder.delete(step, line=line)
         return
     try:
-        writer = Checkpointer(directory, line=line, ranks="local", writer_threads=1,
-                              storage_options=storage_options)
+        writer = Checkpointer(
+            directory, line=line, ranks="local", writer_threads=1, storage_options=storage_options
+        )
     except CheckpointError as exc:
-        raise CheckpointError(f"cannot open the run for writing: {exc} (the Checkpointer saving "
-                              f"into it can: ckpt.delete({step}))") from exc
+        raise CheckpointError(
+            f"cannot open the run for writing: {exc} (the Checkpointer saving "
+            f"into it can: ckpt.delete({step}))"
+        ) from exc
     with writer:
         writer.delete(step)
 
@@ -195,8 +229,11 @@ def _number(value: Any, digits: int = 3) -> str:
 
 def _provenance(origin: dict[str, Any]) -> str:
     """Versions, git commit, program and host of a step."""
-    parts = [f"{name} {origin[key]}" for name, key in
-             (("nbckpt", "nbckpt"), ("torch", "torch"), ("Python", "python")) if origin.get(key)]
+    parts = [
+        f"{name} {origin[key]}"
+        for name, key in (("nbckpt", "nbckpt"), ("torch", "torch"), ("Python", "python"))
+        if origin.get(key)
+    ]
     git = origin.get("git")
     if isinstance(git, dict) and git.get("commit"):
         parts.append(f"git {str(git['commit'])[:10]}{' (dirty)' if git.get('dirty') else ''}")
@@ -211,22 +248,33 @@ def step_row(row: StepRow, line: dict[str, Any]) -> dict[str, Any]:
     if line.get("parent") is not None:
         label += f" (from {line['parent']} {line.get('from_step')})"
     shown = f"damaged: {row.problem}" if row.problem is not None else row.verdict
-    cells = [label, str(row.step), "—" if row.nbytes is None else format_bytes(row.nbytes),
-             "—" if row.unix_time is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row.unix_time)),
-             *("—" if s is None else f"{s:.3f}" for s in (row.stage_s, row.write_s)), shown,
-             ", ".join(f"{key}={value!r}" for key, value in row.values.items()),
-             _provenance(row.provenance)]
+    cells = [
+        label,
+        str(row.step),
+        "—" if row.nbytes is None else format_bytes(row.nbytes),
+        "—" if row.unix_time is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row.unix_time)),
+        *("—" if s is None else f"{s:.3f}" for s in (row.stage_s, row.write_s)),
+        shown,
+        ", ".join(f"{key}={value!r}" for key, value in row.values.items()),
+        _provenance(row.provenance),
+    ]
     return {"id": row.id, "cells": cells, "tone": "" if shown == "not checked" else shown.split(":")[0]}
 
 
 def diff_rows(frame: pd.DataFrame, limit: int = DIFF_ROWS) -> list[dict[str, Any]]:
     """The first ``limit`` rows of a diff as table rows."""
-    return [{"id": str(record["key"]), "tone": "quiet" if record["status"] == "unchanged" else "",
-             "cells": [str(record[name]) for name in ("key", "status", "dtype", "shape", "numel",
-                                                      "changed_elements")]
-             + [_number(record[name]) for name in ("diff_norm", "max_abs_diff", "rel_change")]
-             + [_number(record["cosine"], 6)]}
-            for record in frame.head(limit).to_dict(orient="records")]
+    return [
+        {
+            "id": str(record["key"]),
+            "tone": "quiet" if record["status"] == "unchanged" else "",
+            "cells": [
+                str(record[name]) for name in ("key", "status", "dtype", "shape", "numel", "changed_elements")
+            ]
+            + [_number(record[name]) for name in ("diff_norm", "max_abs_diff", "rel_change")]
+            + [_number(record["cosine"], 6)],
+        }
+        for record in frame.head(limit).to_dict(orient="records")
+    ]
 
 
 def diff_summary(a: StepRow, b: StepRow, frame: pd.DataFrame, limit: int = DIFF_ROWS) -> str:

@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointFailed", "Interrupted", "OneLineWarnings", "engine_call", "one_line", "reraise"]
 
 # Frames in these are never "the user's code" that a warning should point at.
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__ or "")) + os.sep
-                      for module in (sys.modules[__package__], IPython, contextlib))
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(module.__file__ or "")) + os.sep
+    for module in (sys.modules[__package__], IPython, contextlib)
+)
 
 
 class CheckpointFailed(CheckpointError):
@@ -62,8 +64,15 @@ class OneLineWarnings:
     def __init__(self, previous: Callable[..., None]) -> None:
         self.previous = previous
 
-    def __call__(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                 file: Any = None, line: str | None = None) -> None:
+    def __call__(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
         text = str(message)
         if not text.startswith("nbckpt: "):
             self.previous(message, category, filename, lineno, file, line)

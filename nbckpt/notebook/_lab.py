@@ -78,19 +78,23 @@ def _results_html(comparison: Comparison) -> str:
     rows = [("", [html.escape(str(row[c])) for c in columns]) for row in shown.to_dict("records")]
     notes = [OVERHEAD_DEFINITION, STALL_DEFINITION, comparison.floors.describe(), *comparison.warnings]
     table = html_table("nbckpt-results", columns, rows, left={i for i, c in enumerate(columns) if c in text})
-    return (f'<b>Results</b><div style="overflow-x:auto">{table}</div>'  # wider than the lab: it scrolls
-            + "".join(f'<div style="{_NOTE}">{html.escape(note)}</div>' for note in notes)
-            + f'<details class="nbckpt-method" style="{_NOTE}"><summary>How overhead and its interval'
-            f' are computed</summary><pre style="white-space:pre-wrap">'
-            f"{html.escape(OVERHEAD_METHOD.strip())}</pre></details>")
+    return (
+        f'<b>Results</b><div style="overflow-x:auto">{table}</div>'  # wider than the lab: it scrolls
+        + "".join(f'<div style="{_NOTE}">{html.escape(note)}</div>' for note in notes)
+        + f'<details class="nbckpt-method" style="{_NOTE}"><summary>How overhead and its interval'
+        f' are computed</summary><pre style="white-space:pre-wrap">'
+        f"{html.escape(OVERHEAD_METHOD.strip())}</pre></details>"
+    )
 
 
 def _log_html(lines: Sequence[str]) -> str:
     # column-reverse keeps the box scrolled to its end, the newest line in view; flex:none: a
     # <pre> that may shrink would scroll itself, from its top
-    return ('<div class="nbckpt-log" style="display:flex;flex-direction:column-reverse;'
-            'max-height:160px;overflow:auto;border:1px solid #ddd;padding:2px 6px"><pre style="'
-            f'margin:0;font-size:12px;flex:none">{html.escape("".join(lines))}</pre></div>')
+    return (
+        '<div class="nbckpt-log" style="display:flex;flex-direction:column-reverse;'
+        'max-height:160px;overflow:auto;border:1px solid #ddd;padding:2px 6px"><pre style="'
+        f'margin:0;font-size:12px;flex:none">{html.escape("".join(lines))}</pre></div>'
+    )
 
 
 def _make_live(lab: Lab | None) -> None:
@@ -102,8 +106,11 @@ def _make_live(lab: Lab | None) -> None:
         return
     was_running = previous.running
     previous.close()
-    print("nbckpt: stopped the previous lab's run (its saves in flight committed) and closed it"
-          if was_running else "nbckpt: closed the previous lab")
+    print(
+        "nbckpt: stopped the previous lab's run (its saves in flight committed) and closed it"
+        if was_running
+        else "nbckpt: closed the previous lab"
+    )
 
 
 class Lab:
@@ -114,18 +121,32 @@ class Lab:
     ``interrupted`` and ``log_lines``.
     """
 
-    def __init__(self, directory: str = "data/checkpoints/lab", *, preset: str = "tiny",
-                 strategies: Sequence[str] = ("torch-save", "nbckpt-async"), steps: int = 20,
-                 every: int = 5, device: str = "cpu", size_mb: float = 64.0, repeats: int | None = None,
-                 refresh_s: float = 0.25, compute_ms: float = 5.0, warmup: bool = True,
-                 json_path: str | None = None) -> None:
+    def __init__(
+        self,
+        directory: str = "data/checkpoints/lab",
+        *,
+        preset: str = "tiny",
+        strategies: Sequence[str] = ("torch-save", "nbckpt-async"),
+        steps: int = 20,
+        every: int = 5,
+        device: str = "cpu",
+        size_mb: float = 64.0,
+        repeats: int | None = None,
+        refresh_s: float = 0.25,
+        compute_ms: float = 5.0,
+        warmup: bool = True,
+        json_path: str | None = None,
+    ) -> None:
         """``repeats`` defaults to :data:`nbckpt.bench.DEFAULT_REPEATS`; ``compute_ms``
         (synthetic workload), ``warmup`` and ``json_path`` are ``nbckpt bench``'s options."""
         from ..bench._internal import DEFAULT_REPEATS, PRESETS, STRATEGIES
 
         _make_live(None)  # first: a bad argument below must not leave the old run going unseen
-        choices = {"preset": ([preset], [*PRESETS, SYNTHETIC]), "device": ([device], devices()),
-                   "strategy": (list(strategies), list(STRATEGIES))}
+        choices = {
+            "preset": ([preset], [*PRESETS, SYNTHETIC]),
+            "device": ([device], devices()),
+            "strategy": (list(strategies), list(STRATEGIES)),
+        }
         for what, (given, allowed) in choices.items():
             if unknown := [value for value in given if value not in allowed]:
                 raise ConfigError(f"unknown {what} {unknown[0]!r}; choose from {', '.join(allowed)}")
@@ -147,37 +168,67 @@ class Lab:
 
         named = {"style": {"description_width": "90px"}}
         self.path = widgets.Text(directory, description="target", layout={"width": "420px"}, **named)
-        self.preset = widgets.Dropdown(options=[*PRESETS, SYNTHETIC], value=preset, description="workload",
-                                       **named)
-        self.size_mb = widgets.BoundedFloatText(size_mb, min=0.001, max=1e7, step=16, description="size MiB",
-                                                disabled=preset != SYNTHETIC, **named)
+        self.preset = widgets.Dropdown(
+            options=[*PRESETS, SYNTHETIC], value=preset, description="workload", **named
+        )
+        self.size_mb = widgets.BoundedFloatText(
+            size_mb,
+            min=0.001,
+            max=1e7,
+            step=16,
+            description="size MiB",
+            disabled=preset != SYNTHETIC,
+            **named,
+        )
         self.device = widgets.Dropdown(options=devices(), value=device, description="device", **named)
         self.strategies = widgets.SelectMultiple(
-            options=list(STRATEGIES), value=tuple(strategies), rows=len(STRATEGIES), description="strategies",
-            tooltip="Ctrl- or Shift-click for several; none, the baseline, always runs", **named)
+            options=list(STRATEGIES),
+            value=tuple(strategies),
+            rows=len(STRATEGIES),
+            description="strategies",
+            tooltip="Ctrl- or Shift-click for several; none, the baseline, always runs",
+            **named,
+        )
         self.steps = widgets.IntText(steps, description="steps", **named)
         self.every = widgets.IntText(every, description="every", tooltip="checkpoint every K steps", **named)
-        self.repeats = widgets.IntText(DEFAULT_REPEATS if repeats is None else repeats, description="repeats",
-                                       tooltip="each repeat runs every strategy once, interleaved", **named)
+        self.repeats = widgets.IntText(
+            DEFAULT_REPEATS if repeats is None else repeats,
+            description="repeats",
+            tooltip="each repeat runs every strategy once, interleaved",
+            **named,
+        )
         self.run_button = widgets.Button(description="Run", button_style="success", icon="play")
-        self.stop_button = widgets.Button(description="Stop", button_style="danger", icon="stop",
-                                          disabled=True)
+        self.stop_button = widgets.Button(
+            description="Stop", button_style="danger", icon="stop", disabled=True
+        )
         self.progress = widgets.IntProgress(0, min=0, max=1, description="progress", **named)
         self.message, self.results, self.log = widgets.HTML(), widgets.HTML(), widgets.HTML(_log_html(()))
         self.figure = live_figure(timeline_figure(pd.DataFrame(columns=["kind", "start_s", "end_s"])))
         self.figure._config = {**self.figure._config, "responsive": True}
         self._empty_height = self.figure.layout.height
         self._redraw(None, _LIVE_TITLE)
-        self.widget = widgets.VBox([
-            self.path,
-            widgets.HBox([widgets.VBox([self.preset, self.size_mb, self.device, self.steps,
-                                        self.every, self.repeats]), self.strategies]),
-            widgets.HBox([self.run_button, self.stop_button, self.progress]),
-            self.message, self.figure, self.results, self.log,
-        ])
+        self.widget = widgets.VBox(
+            [
+                self.path,
+                widgets.HBox(
+                    [
+                        widgets.VBox(
+                            [self.preset, self.size_mb, self.device, self.steps, self.every, self.repeats]
+                        ),
+                        self.strategies,
+                    ]
+                ),
+                widgets.HBox([self.run_button, self.stop_button, self.progress]),
+                self.message,
+                self.figure,
+                self.results,
+                self.log,
+            ]
+        )
         self.widget.add_class("nbckpt-lab")
-        self.preset.observe(lambda change: setattr(self.size_mb, "disabled", change["new"] != SYNTHETIC),
-                            names="value")
+        self.preset.observe(
+            lambda change: setattr(self.size_mb, "disabled", change["new"] != SYNTHETIC), names="value"
+        )
         self.run_button.on_click(lambda _: self.run())
         self.stop_button.on_click(lambda _: self.stop())
         _make_live(self)  # closes one that another thread created meanwhile
@@ -189,10 +240,19 @@ class Lab:
         synthetic = args.size_mb is not None
         if synthetic and args.preset is not None:
             raise ConfigError("give --preset or --size-mb, not both")
-        return cls(directory=args.dir, preset=SYNTHETIC if synthetic else args.preset or "tiny",
-                   strategies=names, steps=args.steps, every=args.every, device=args.device,
-                   repeats=args.repeats, compute_ms=args.compute_ms, warmup=not args.no_warmup,
-                   json_path=args.json, **({"size_mb": args.size_mb} if synthetic else {}))
+        return cls(
+            directory=args.dir,
+            preset=SYNTHETIC if synthetic else args.preset or "tiny",
+            strategies=names,
+            steps=args.steps,
+            every=args.every,
+            device=args.device,
+            repeats=args.repeats,
+            compute_ms=args.compute_ms,
+            warmup=not args.no_warmup,
+            json_path=args.json,
+            **({"size_mb": args.size_mb} if synthetic else {}),
+        )
 
     @property
     def running(self) -> bool:
@@ -249,15 +309,19 @@ class Lab:
         runs = (len(names) + ("none" not in names)) * settings["repeats"]
         self.progress.value, self.progress.bar_style, self.progress.max = 0, "", settings["steps"] * runs
         baseline = "" if "none" in names else " and none (the baseline)"
-        self.message.value = notice("info", f"Running {', '.join(names)}{baseline}: "
-                                            f"{settings['repeats']} repeat(s) ...")
+        self.message.value = notice(
+            "info", f"Running {', '.join(names)}{baseline}: {settings['repeats']} repeat(s) ..."
+        )
         route_interrupts(self._note_interrupt)  # Kernel > Interrupt stops it, as Stop does
         self._stop.clear()
         self._queue = queue.Queue()
         self._set_busy(True)
-        self._threads = [threading.Thread(target=self._work, args=(settings,), name=_WORKER, daemon=True),
-                         threading.Thread(target=self._update_loop, args=(self._queue,),
-                                          name="nbckpt-lab-updater", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._work, args=(settings,), name=_WORKER, daemon=True),
+            threading.Thread(
+                target=self._update_loop, args=(self._queue,), name="nbckpt-lab-updater", daemon=True
+            ),
+        ]
         for thread in self._threads:
             thread.start()
         return True
@@ -315,12 +379,26 @@ class Lab:
             raise ConfigError("select at least one strategy")
         synthetic = self.preset.value == SYNTHETIC
         preset, size_mb = (None, self.size_mb.value) if synthetic else (self.preset.value, None)
-        return {"strategies": list(self.strategies.value), "directory": self.path.value, "steps": steps,
-                "every": every, "repeats": repeats, "workload": (preset, size_mb, self.device.value)}
+        return {
+            "strategies": list(self.strategies.value),
+            "directory": self.path.value,
+            "steps": steps,
+            "every": every,
+            "repeats": repeats,
+            "workload": (preset, size_mb, self.device.value),
+        }
 
     def _set_busy(self, busy: bool) -> None:
-        for control in (self.run_button, self.path, self.preset, self.device, self.strategies,
-                        self.steps, self.every, self.repeats):
+        for control in (
+            self.run_button,
+            self.path,
+            self.preset,
+            self.device,
+            self.strategies,
+            self.steps,
+            self.every,
+            self.repeats,
+        ):
             control.disabled = busy
         self.size_mb.disabled = busy or self.preset.value != SYNTHETIC
         self.stop_button.disabled = not busy
@@ -349,9 +427,14 @@ class Lab:
 
         try:
             workload = make_workload(*settings.pop("workload"), compute_ms=self.compute_ms)
-            comparison = compare(workload, **settings, warmup=self.warmup, stop=self._stop,
-                                 progress=lambda line: self._post("log", line),
-                                 on_event=lambda event: self._post("event", event))
+            comparison = compare(
+                workload,
+                **settings,
+                warmup=self.warmup,
+                stop=self._stop,
+                progress=lambda line: self._post("log", line),
+                on_event=lambda event: self._post("event", event),
+            )
             if self.json_path is not None:
                 comparison.to_json(self.json_path)
                 self._post("log", f"results written to {self.json_path}")
@@ -432,10 +515,14 @@ class Lab:
         done = int(comparison.timeline["kind"].eq("step").sum()) if len(comparison.timeline) else 0
         if self.stopped:
             how = "Interrupted (Kernel > Interrupt)" if self.interrupted else "Stopped"
-            self.message.value = notice("info", f"{how} after {done} training steps; every "
-                                                "checkpoint written so far is committed.")
+            self.message.value = notice(
+                "info", f"{how} after {done} training steps; every checkpoint written so far is committed."
+            )
             self.progress.bar_style = "warning"
         else:
-            self.message.value = notice("ok", f"Done: {done} training steps, {len(comparison.results)}"
-                                              f" strategies x {comparison.repeats} repeat(s).")
+            self.message.value = notice(
+                "ok",
+                f"Done: {done} training steps, {len(comparison.results)}"
+                f" strategies x {comparison.repeats} repeat(s).",
+            )
             self.progress.value, self.progress.bar_style = self.progress.max, "success"

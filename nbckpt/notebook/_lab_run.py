@@ -65,8 +65,9 @@ def route_interrupts(note: Callable[[], None]) -> None:
     from IPython import get_ipython
 
     kernel: Any = getattr(get_ipython(), "kernel", None)  # type: ignore[no-untyped-call]
-    inside = (signal.getsignal(signal.SIGINT) is signal.default_int_handler
-              and hasattr(kernel, "saved_sigint_handler"))
+    inside = signal.getsignal(signal.SIGINT) is signal.default_int_handler and hasattr(
+        kernel, "saved_sigint_handler"
+    )
     current = kernel.saved_sigint_handler if inside else signal.getsignal(signal.SIGINT)
     if current is _on_sigint or current in (signal.SIG_DFL, None):
         return

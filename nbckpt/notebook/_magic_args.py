@@ -42,15 +42,17 @@ class _Decorator(Protocol):
 def _parser(name: str, doc: str | None) -> MagicArgumentParser:
     """A plain-text argparse parser for ``%name`` (IPython's default formats help as reST)."""
     parser: MagicArgumentParser = MagicArgumentParser(  # type: ignore[no-untyped-call]
-        f"%{name}", description=dedent(doc or "").strip(),
+        f"%{name}",
+        description=dedent(doc or "").strip(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-h", "--help", action="store_true", help="show this help and do nothing")
     return parser
 
 
-def magic(*arguments: Argument,
-          parser: Callable[[str | None], MagicArgumentParser] | None = None) -> _Decorator:
+def magic(
+    *arguments: Argument, parser: Callable[[str | None], MagicArgumentParser] | None = None
+) -> _Decorator:
     """A line magic (registered as IPython's ``@line_magic`` does) taking parsed arguments:
     ``--help`` prints the help; bad input is a UsageError.
 
@@ -103,26 +105,38 @@ def _typed(parse: Callable[[str], T], what: str) -> Callable[[str], T]:
 positive = _typed(lambda text: check_count(int(text), "value"), "a positive integer")
 step_value = _typed(lambda text: check_count(int(text), "value", minimum=0), "a non-negative integer")
 #: ``--keep``: a positive integer, or ``none`` for keeping everything.
-keep_value = _typed(lambda text: None if text.lower() in ("none", "all") else check_count(int(text), "value"),
-                    "a positive integer or 'none'")
+keep_value = _typed(
+    lambda text: None if text.lower() in ("none", "all") else check_count(int(text), "value"),
+    "a positive integer or 'none'",
+)
 #: A duration: ``30s``, ``10min``, ``1h`` or plain seconds.
 duration = _typed(parse_duration, "a duration such as 30s, 10min or 1h")
 
 
-DIR_ARG = arg("-d", "--dir",
-              help="checkpoint directory or s3:// URL (default: the one %%ckpt_config shows)")
+DIR_ARG = arg("-d", "--dir", help="checkpoint directory or s3:// URL (default: the one %%ckpt_config shows)")
 #: The arguments of ``%ckpt_async`` and ``%ckpt_sync``.
 SAVE_ARGS = (
     DIR_ARG,
-    arg("--step", type=step_value,
-        help="step number (default: one past the newest step in the directory)"),
-    arg("--keep", type=keep_value, default=argparse.SUPPRESS, metavar="K",
+    arg("--step", type=step_value, help="step number (default: one past the newest step in the directory)"),
+    arg(
+        "--keep",
+        type=keep_value,
+        default=argparse.SUPPRESS,
+        metavar="K",
         help="keep only the newest K checkpoints of this directory, 'none' keeps all "
-        "(default: %%ckpt_config's keep)"),
-    arg("--overwrite", action="store_true",
-        help="replace the step if it exists, without a warning (re-running a cell's save)"),
-    arg("names", nargs="+", metavar="NAME",
-        help="notebook variables to save: modules, optimizers, tensors, dicts, plain values"),
+        "(default: %%ckpt_config's keep)",
+    ),
+    arg(
+        "--overwrite",
+        action="store_true",
+        help="replace the step if it exists, without a warning (re-running a cell's save)",
+    ),
+    arg(
+        "names",
+        nargs="+",
+        metavar="NAME",
+        help="notebook variables to save: modules, optimizers, tensors, dicts, plain values",
+    ),
 )
 
 
@@ -131,16 +145,31 @@ BENCH_DIR = os.path.join(tempfile.gettempdir(), f"nbckpt-bench-{os.getuid()}")
 
 #: The arguments of ``%ckpt_autosave``.
 AUTOSAVE_ARGS = (
-    arg("names", nargs="*", metavar="NAME",
-        help="notebook variables to autosave (none: show the running autosave)"),
-    arg("--every", type=duration, metavar="DURATION",
-        help="time between autosaves, checked as each cell ends: 30s, 10min, 1h (default: 10min)"),
-    arg("--step", metavar="VAR",
+    arg(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help="notebook variables to autosave (none: show the running autosave)",
+    ),
+    arg(
+        "--every",
+        type=duration,
+        metavar="DURATION",
+        help="time between autosaves, checked as each cell ends: 30s, 10min, 1h (default: 10min)",
+    ),
+    arg(
+        "--step",
+        metavar="VAR",
         help="variable holding the step number, saved with the state "
-        "(default: one past the newest step in the directory)"),
+        "(default: one past the newest step in the directory)",
+    ),
     DIR_ARG,
-    arg("--timeout", type=duration, metavar="DURATION",
-        help="longest final save on kernel shutdown, restart or SIGTERM (default: 20s)"),
+    arg(
+        "--timeout",
+        type=duration,
+        metavar="DURATION",
+        help="longest final save on kernel shutdown, restart or SIGTERM (default: 20s)",
+    ),
     arg("--off", action="store_true", help="stop autosaving"),
 )
 
@@ -155,7 +184,10 @@ def bench_parser(doc: str | None) -> MagicArgumentParser:
     # Not nbckpt bench's relative default: a notebook's kernel runs in the notebook's folder,
     # and a benchmark's checkpoints do not belong beside the notebooks (nor in git status).
     parser.set_defaults(dir=BENCH_DIR)
-    parser.add_argument("--static", action="store_true",
-                        help="run in the foreground and show static figures, as in batch runs "
-                        "(default: live lab in JupyterLab)")
+    parser.add_argument(
+        "--static",
+        action="store_true",
+        help="run in the foreground and show static figures, as in batch runs "
+        "(default: live lab in JupyterLab)",
+    )
     return parser

@@ -104,8 +104,10 @@ class SaveStatus:
             stall += f" (wait for the earlier save {h.wait_s * 1e3:.1f} ms)"
         if h.committed.done():
             record = h.committed.result()
-            return "committed", (f"{head}: committed · {stall} · persist {record.persist_s:.2f} s · "
-                                 f"{record.write_gbs:.2f} GB/s")
+            return "committed", (
+                f"{head}: committed · {stall} · persist {record.persist_s:.2f} s · "
+                f"{record.write_gbs:.2f} GB/s"
+            )
         return h.phase, f"{head}: {h.phase} · {stall} · writing in the background"
 
     def __repr__(self) -> str:
@@ -114,8 +116,10 @@ class SaveStatus:
     def _repr_html_(self) -> str:
         phase, text = self._parts()
         colour = {"committed": "#1a7f37", "failed": "#cf222e"}.get(phase, "#9a6700")
-        return (f'<div class="nbckpt-save nbckpt-{phase}" style="font-family:monospace;'
-                f'color:{colour}">{html.escape(text)}</div>')
+        return (
+            f'<div class="nbckpt-save nbckpt-{phase}" style="font-family:monospace;'
+            f'color:{colour}">{html.escape(text)}</div>'
+        )
 
 
 @magics_class
@@ -143,8 +147,9 @@ class CheckpointMagics(Magics):
         state = self._state(args.names)
         if hasattr(args, "keep"):
             self.session.keep_in(args.dir, args.keep)
-        save = self.session.save(state, names=args.names, mode=mode, directory=args.dir,
-                                 step=args.step, overwrite=args.overwrite)
+        save = self.session.save(
+            state, names=args.names, mode=mode, directory=args.dir, step=args.step, overwrite=args.overwrite
+        )
         self._show(save)
         return save.handle
 
@@ -194,8 +199,7 @@ class CheckpointMagics(Magics):
         error = self.session.wait()
         committed = sum(save.handle.done() and save.handle.error is None for save in saves)
         failed = [save.handle.step for save in saves if save.handle.error is not None]
-        line = (f"nbckpt: {committed} of this session's {len(saves)} save(s) committed "
-                f"({waited} waited for)")
+        line = f"nbckpt: {committed} of this session's {len(saves)} save(s) committed ({waited} waited for)"
         if failed:
             line += f", {len(failed)} failed (step {', '.join(map(str, failed))})"
         print(line + "; nothing in flight")
@@ -214,13 +218,37 @@ class CheckpointMagics(Magics):
         for save in self.session.saves:
             h = save.handle
             record = h.committed.result() if h.done() and h.error is None else None
-            rows.append((save.directory, h.step, save.mode, " ".join(save.names), h.phase,
-                         _rounded(h.bytes / 1e6), _rounded(_stall_s(h) * 1e3), _rounded(h.wait_s * 1e3),
-                         _rounded(record.persist_s) if record else None,
-                         _rounded(record.write_gbs) if record else None,
-                         one_line(h.error) if h.error is not None else ""))
-        return pd.DataFrame(rows, columns=["directory", "step", "mode", "variables", "phase", "MB",
-                                           "stall_ms", "wait_ms", "persist_s", "write_gbs", "error"])
+            rows.append(
+                (
+                    save.directory,
+                    h.step,
+                    save.mode,
+                    " ".join(save.names),
+                    h.phase,
+                    _rounded(h.bytes / 1e6),
+                    _rounded(_stall_s(h) * 1e3),
+                    _rounded(h.wait_s * 1e3),
+                    _rounded(record.persist_s) if record else None,
+                    _rounded(record.write_gbs) if record else None,
+                    one_line(h.error) if h.error is not None else "",
+                )
+            )
+        return pd.DataFrame(
+            rows,
+            columns=[
+                "directory",
+                "step",
+                "mode",
+                "variables",
+                "phase",
+                "MB",
+                "stall_ms",
+                "wait_ms",
+                "persist_s",
+                "write_gbs",
+                "error",
+            ],
+        )
 
     @magic()
     def ckpt_timeline(self, args: argparse.Namespace) -> go.Figure:
@@ -241,8 +269,9 @@ class CheckpointMagics(Magics):
 
     @magic(
         DIR_ARG,
-        arg("--step", type=step_value,
-            help="step to restore (default: the newest one that reads back intact)"),
+        arg(
+            "--step", type=step_value, help="step to restore (default: the newest one that reads back intact)"
+        ),
         arg("names", nargs="+", metavar="NAME", help="notebook variables to load in place"),
     )
     def ckpt_restore(self, args: argparse.Namespace) -> None:
@@ -261,36 +290,66 @@ class CheckpointMagics(Magics):
             if loaded is None:
                 raise Interrupted(f"%ckpt_restore stopped before loading: {listed} unchanged") from None
             self.user_ns.update(state)  # the plain values too: all of the step, as it was loaded
-            raise Interrupted(f"step {loaded} of {ckpt.directory} was loaded into {listed} "
-                              "before the interrupt took effect") from None
+            raise Interrupted(
+                f"step {loaded} of {ckpt.directory} was loaded into {listed} before the interrupt took effect"
+            ) from None
         self.user_ns.update(state)
         print(f"nbckpt: restored step {step} from {ckpt.directory} into {listed}")
 
     @magic(
-        arg("-d", "--dir", help="default checkpoint directory or s3:// URL "
-            f"(default: ${DIR_ENV}, else ./checkpoints)"),
-        arg("--new-run", action="store_true",
+        arg(
+            "-d",
+            "--dir",
+            help=f"default checkpoint directory or s3:// URL (default: ${DIR_ENV}, else ./checkpoints)",
+        ),
+        arg(
+            "--new-run",
+            action="store_true",
             help="save from now on into a new, empty run-* directory inside it (a fresh run "
-            "whose steps cannot collide with earlier ones)"),
-        arg("--keep", type=keep_value, default=argparse.SUPPRESS, metavar="K",
-            help="keep only the newest K checkpoints of every directory, 'none' keeps all "
-            "(default: none)"),
-        arg("--max-inflight", type=positive, metavar="N",
-            help="saves in flight at once, each with a host copy of the state (default: 1)"),
-        arg("--writer-threads", type=positive, metavar="N",
-            help="threads writing one checkpoint's files (default: 2)"),
-        arg("--verify", action=argparse.BooleanOptionalAction, default=None,
-            help="check checksums when restoring (default: on)"),
-        arg("--capture-rng", action=argparse.BooleanOptionalAction, default=None,
-            help="save and restore the RNG states (default: off)"),
+            "whose steps cannot collide with earlier ones)",
+        ),
+        arg(
+            "--keep",
+            type=keep_value,
+            default=argparse.SUPPRESS,
+            metavar="K",
+            help="keep only the newest K checkpoints of every directory, 'none' keeps all (default: none)",
+        ),
+        arg(
+            "--max-inflight",
+            type=positive,
+            metavar="N",
+            help="saves in flight at once, each with a host copy of the state (default: 1)",
+        ),
+        arg(
+            "--writer-threads",
+            type=positive,
+            metavar="N",
+            help="threads writing one checkpoint's files (default: 2)",
+        ),
+        arg(
+            "--verify",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="check checksums when restoring (default: on)",
+        ),
+        arg(
+            "--capture-rng",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="save and restore the RNG states (default: off)",
+        ),
         arg("--reset", action="store_true", help="back to the defaults (and $NBCKPT_DIR)"),
     )
     def ckpt_config(self, args: argparse.Namespace) -> None:
         """Show or set this session's options; a change reopens each directory's Checkpointer
         once its saves in flight have committed."""
         # --keep is absent unless given (its None means "keep all"); the others are None then
-        options = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)
-                   and (name == "keep" or getattr(args, name) is not None)}
+        options = {
+            name: getattr(args, name)
+            for name in OPTIONS
+            if hasattr(args, name) and (name == "keep" or getattr(args, name) is not None)
+        }
         self.session.configure(options, reset=args.reset, directory=args.dir, new_run=args.new_run)
         for name, value in self.session.settings():
             print(f"{name:>15}: {value}")
@@ -389,8 +448,9 @@ def unload(ipython: InteractiveShell) -> None:
     formatters.ipython_display_formatter.type_printers.pop(SaveHandle, None)
     plain = formatters.formatters["text/plain"]
     plain.deferred_printers.pop(_COMPARISON, None)
-    plain.type_printers = {k: v for k, v in plain.type_printers.items()
-                           if (k.__module__, k.__name__) != _COMPARISON}
+    plain.type_printers = {
+        k: v for k, v in plain.type_printers.items() if (k.__module__, k.__name__) != _COMPARISON
+    }
     logging.getLogger("nbckpt").removeHandler(magics.log_handler)
     if isinstance(warnings.showwarning, OneLineWarnings):  # unless another wrapped it since
         warnings.showwarning = warnings.showwarning.previous

@@ -81,8 +81,13 @@ def _shorter(settings: dict[str, Any], slowdown: float, max_minutes: float, busy
 
 
 def plan_report(
-    given: Mapping[str, Any], defaults: Mapping[str, Any], *, load_1m: float, cores: int,
-    max_minutes: float, full: bool,
+    given: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    *,
+    load_1m: float,
+    cores: int,
+    max_minutes: float,
+    full: bool,
 ) -> Plan:
     """The parameters to run (``given`` over the notebook's ``defaults``) and what to say first.
 
@@ -101,8 +106,10 @@ def plan_report(
         f"{settings['steps']} steps); 1-minute load {load_1m:.1f} on {cores} cores"
     ]
     if busy:
-        lines.append("report: other processes keep every core busy: the intervals will be too wide to "
-                     "mean much; run it when the machine is quieter")
+        lines.append(
+            "report: other processes keep every core busy: the intervals will be too wide to "
+            "mean much; run it when the machine is quieter"
+        )
     if full or not (busy or minutes > max_minutes):
         return Plan(dict(given), lines)
     short = _shorter(settings, slowdown, max_minutes, busy)
@@ -114,4 +121,3 @@ def plan_report(
         f"{format_duration(_minutes(short, slowdown) * 60)}; {why}); --full runs as asked, Ctrl-C stops"
     )
     return Plan({**given, "repeats": short["repeats"], "steps": short["steps"]}, lines)
-

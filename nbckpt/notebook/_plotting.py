@@ -17,7 +17,14 @@ __all__ = ["output", "require_columns", "strategy_colour"]
 # dcp-sync, dcp-async, dcp-async-stager, nbckpt-sync, nbckpt-async, nbckpt-async-overlap),
 # so each keeps the colour it has always had in nbckpt's figures.
 _REGISTRY_PALETTE = (
-    "#7f7f7f", "#d62728", "#ff7f0e", "#bcbd22", "#e377c2", "#9467bd", "#2ca02c", "#1f77b4",
+    "#7f7f7f",
+    "#d62728",
+    "#ff7f0e",
+    "#bcbd22",
+    "#e377c2",
+    "#9467bd",
+    "#2ca02c",
+    "#1f77b4",
     "#17becf",
 )
 

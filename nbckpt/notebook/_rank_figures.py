@@ -12,8 +12,13 @@ from plotly.subplots import make_subplots
 from ._plotting import require_columns, strategy_colour
 from ._timeline_figures import TIMELINE_KINDS
 
-__all__ = ["checkpoint_rate_figure", "rank_stall_figure", "rate_over_time_figure",
-           "scaling_figure", "swimlane_figure"]
+__all__ = [
+    "checkpoint_rate_figure",
+    "rank_stall_figure",
+    "rate_over_time_figure",
+    "scaling_figure",
+    "swimlane_figure",
+]
 
 # Within a rank's lane the loop's events (steps, stalls) take the upper half and the work behind
 # it (staging, persist, commit) the lower, so that both show where they overlap in time.
@@ -29,24 +34,44 @@ def swimlane_figure(lanes: pd.DataFrame, strategy: str) -> go.Figure:
     for kind, group in lanes.groupby("kind", sort=False):
         where, colour, _ = TIMELINE_KINDS.get(str(kind), ("background", "#c7c7c7", 0.5))
         durations = (group["end_s"] - group["start_s"]).astype(float)
-        hover = [f"<b>{lane}</b> {kind}" + (f" · step {int(step)}" if pd.notna(step) else "")
-                 + f"<br>start {start:.3f} s · {duration * 1e3:.1f} ms"
-                 for lane, step, start, duration in zip(group["lane"], group["step"], group["start_s"],
-                                                         durations, strict=True)]
-        fig.add_trace(go.Bar(
-            name=str(kind), orientation="h", y=group["lane"].tolist(), x=durations.tolist(),
-            base=group["start_s"].astype(float).tolist(), offset=_HALF[where], width=0.4,
-            marker={"color": colour, "line": {"width": 0}}, hovertext=hover,
-            hovertemplate="%{hovertext}<extra></extra>"))
+        hover = [
+            f"<b>{lane}</b> {kind}"
+            + (f" · step {int(step)}" if pd.notna(step) else "")
+            + f"<br>start {start:.3f} s · {duration * 1e3:.1f} ms"
+            for lane, step, start, duration in zip(
+                group["lane"], group["step"], group["start_s"], durations, strict=True
+            )
+        ]
+        fig.add_trace(
+            go.Bar(
+                name=str(kind),
+                orientation="h",
+                y=group["lane"].tolist(),
+                x=durations.tolist(),
+                base=group["start_s"].astype(float).tolist(),
+                offset=_HALF[where],
+                width=0.4,
+                marker={"color": colour, "line": {"width": 0}},
+                hovertext=hover,
+                hovertemplate="%{hovertext}<extra></extra>",
+            )
+        )
     fig.update_layout(
         title=f"{strategy}: every rank's steps and stalls (upper half) and background writes (lower)",
-        barmode="overlay", height=140 + 36 * max(len(order), 2),
+        barmode="overlay",
+        height=140 + 36 * max(len(order), 2),
         xaxis_title="seconds since the repeat's first event on any rank",
-        yaxis={"type": "category", "categoryorder": "array", "categoryarray": order,
-               "autorange": "reversed"},
-        legend={"title_text": "event", "orientation": "h", "yanchor": "bottom", "y": 1.0,
-                "xanchor": "right", "x": 1.0},
-        margin={"t": 90})
+        yaxis={"type": "category", "categoryorder": "array", "categoryarray": order, "autorange": "reversed"},
+        legend={
+            "title_text": "event",
+            "orientation": "h",
+            "yanchor": "bottom",
+            "y": 1.0,
+            "xanchor": "right",
+            "x": 1.0,
+        },
+        margin={"t": 90},
+    )
     return fig
 
 
@@ -60,38 +85,64 @@ def rank_stall_figure(ranks: pd.DataFrame, stragglers: pd.DataFrame) -> go.Figur
         is_late = [late.get(name) is not None and rank == late.get(name) for rank in group["rank"]]
         colour = strategy_colour(str(name))
         stalls = group["stall_s"].astype(float).tolist()
-        fig.add_trace(go.Box(name=str(name), y=stalls, boxpoints=False, line={"color": colour},
-                             hoverinfo="skip"))
-        fig.add_trace(go.Scatter(
-            name=str(name), x=[str(name)] * len(group), y=stalls, mode="markers",
-            marker={"color": colour, "symbol": ["star" if flag else "circle" for flag in is_late],
-                    "size": [14 if flag else 7 for flag in is_late]},
-            hovertext=[f"rank {rank} on {host}" + (" (straggler)" if flag else "")
-                       for rank, host, flag in zip(group["rank"], group["host"], is_late, strict=True)],
-            hovertemplate="%{hovertext}: %{y:.4f} s<extra>%{fullData.name}</extra>"))
-    fig.update_layout(title="Stall per checkpoint on each rank (a star: the straggler)",
-                      yaxis_title="mean stall per checkpoint (s)", showlegend=False)
+        fig.add_trace(
+            go.Box(name=str(name), y=stalls, boxpoints=False, line={"color": colour}, hoverinfo="skip")
+        )
+        fig.add_trace(
+            go.Scatter(
+                name=str(name),
+                x=[str(name)] * len(group),
+                y=stalls,
+                mode="markers",
+                marker={
+                    "color": colour,
+                    "symbol": ["star" if flag else "circle" for flag in is_late],
+                    "size": [14 if flag else 7 for flag in is_late],
+                },
+                hovertext=[
+                    f"rank {rank} on {host}" + (" (straggler)" if flag else "")
+                    for rank, host, flag in zip(group["rank"], group["host"], is_late, strict=True)
+                ],
+                hovertemplate="%{hovertext}: %{y:.4f} s<extra>%{fullData.name}</extra>",
+            )
+        )
+    fig.update_layout(
+        title="Stall per checkpoint on each rank (a star: the straggler)",
+        yaxis_title="mean stall per checkpoint (s)",
+        showlegend=False,
+    )
     return fig
 
 
 def checkpoint_rate_figure(checkpoints: pd.DataFrame, floor_gbs: float) -> go.Figure:
     """Every checkpoint's aggregate write rate (all ranks' bytes over first start to last commit;
     ``analysis._job_report.checkpoint_rates``) beside the concurrent raw-write floor."""
-    require_columns(checkpoints, {"strategy", "repeat", "step", "aggregate_write_gbs"},
-                    "checkpoint_rate_figure")
+    require_columns(
+        checkpoints, {"strategy", "repeat", "step", "aggregate_write_gbs"}, "checkpoint_rate_figure"
+    )
     fig = go.Figure()
     for name, group in checkpoints.groupby("strategy", sort=False):
-        fig.add_trace(go.Bar(
-            name=str(name), x=[f"repeat {r} · step {s}" for r, s in zip(group["repeat"], group["step"],
-                                                                       strict=True)],
-            y=group["aggregate_write_gbs"].astype(float).tolist(),
-            marker_color=strategy_colour(str(name)),
-            hovertemplate="%{x}: %{y:.3f} GB/s<extra>%{fullData.name}</extra>"))
+        fig.add_trace(
+            go.Bar(
+                name=str(name),
+                x=[f"repeat {r} · step {s}" for r, s in zip(group["repeat"], group["step"], strict=True)],
+                y=group["aggregate_write_gbs"].astype(float).tolist(),
+                marker_color=strategy_colour(str(name)),
+                hovertemplate="%{x}: %{y:.3f} GB/s<extra>%{fullData.name}</extra>",
+            )
+        )
     if floor_gbs == floor_gbs:  # not NaN
-        fig.add_hline(y=floor_gbs, line_dash="dash", line_color="#444",
-                      annotation_text=f"every rank writing raw at once: {floor_gbs:.2f} GB/s")
-    fig.update_layout(title="Aggregate write rate of each checkpoint, all ranks together",
-                      yaxis_title="GB/s (all ranks' bytes / time to durable)", barmode="group")
+        fig.add_hline(
+            y=floor_gbs,
+            line_dash="dash",
+            line_color="#444",
+            annotation_text=f"every rank writing raw at once: {floor_gbs:.2f} GB/s",
+        )
+    fig.update_layout(
+        title="Aggregate write rate of each checkpoint, all ranks together",
+        yaxis_title="GB/s (all ranks' bytes / time to durable)",
+        barmode="group",
+    )
     return fig
 
 
@@ -99,13 +150,21 @@ def rate_over_time_figure(rates: dict[str, pd.DataFrame]) -> go.Figure:
     """All ranks' persist rate over time, per strategy (``analysis._job_report.rate_over_time``)."""
     fig = go.Figure()
     for name, frame in rates.items():
-        fig.add_trace(go.Scatter(
-            name=name, x=frame["start_s"].astype(float).tolist(), y=frame["write_gbs"].astype(float).tolist(),
-            mode="lines", line={"shape": "hv", "color": strategy_colour(name)},
-            hovertemplate="%{x:.3f} s: %{y:.3f} GB/s<extra>%{fullData.name}</extra>"))
-    fig.update_layout(title="Aggregate write rate over time (all ranks' persists, last repeat)",
-                      xaxis_title="seconds since the strategy's repeat started on any rank",
-                      yaxis_title="GB/s")
+        fig.add_trace(
+            go.Scatter(
+                name=name,
+                x=frame["start_s"].astype(float).tolist(),
+                y=frame["write_gbs"].astype(float).tolist(),
+                mode="lines",
+                line={"shape": "hv", "color": strategy_colour(name)},
+                hovertemplate="%{x:.3f} s: %{y:.3f} GB/s<extra>%{fullData.name}</extra>",
+            )
+        )
+    fig.update_layout(
+        title="Aggregate write rate over time (all ranks' persists, last repeat)",
+        xaxis_title="seconds since the strategy's repeat started on any rank",
+        yaxis_title="GB/s",
+    )
     return fig
 
 
@@ -113,30 +172,79 @@ def scaling_figure(table: pd.DataFrame) -> go.Figure:
     """The measured curve (``analysis._job_report.scaling_table``): aggregate write rate beside
     the concurrent raw-write floor, the stall (median, bar to the max) and the overhead at the
     slowest rank, against the number of ranks; points only where a run was measured."""
-    require_columns(table, {"ranks", "strategy", "aggregate_write_gbs", "concurrent_floor_gbs",
-                            "stall_median_s", "stall_max_s", "overhead_pct"}, "scaling_figure")
-    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08, subplot_titles=(
-        "aggregate write GB/s", "stall per checkpoint over ranks (s)", "overhead at the slowest rank (%)"))
+    require_columns(
+        table,
+        {
+            "ranks",
+            "strategy",
+            "aggregate_write_gbs",
+            "concurrent_floor_gbs",
+            "stall_median_s",
+            "stall_max_s",
+            "overhead_pct",
+        },
+        "scaling_figure",
+    )
+    fig = make_subplots(
+        rows=1,
+        cols=3,
+        horizontal_spacing=0.08,
+        subplot_titles=(
+            "aggregate write GB/s",
+            "stall per checkpoint over ranks (s)",
+            "overhead at the slowest rank (%)",
+        ),
+    )
     ranks = sorted(set(int(count) for count in table["ranks"]))
     floors = table.drop_duplicates("ranks").sort_values("ranks")
-    fig.add_trace(go.Scatter(name="concurrent raw-write floor", x=floors["ranks"].tolist(),
-                             y=floors["concurrent_floor_gbs"].astype(float).tolist(),
-                             mode="lines+markers", line={"dash": "dash", "color": "#444"}), row=1, col=1)
+    fig.add_trace(
+        go.Scatter(
+            name="concurrent raw-write floor",
+            x=floors["ranks"].tolist(),
+            y=floors["concurrent_floor_gbs"].astype(float).tolist(),
+            mode="lines+markers",
+            line={"dash": "dash", "color": "#444"},
+        ),
+        row=1,
+        col=1,
+    )
     for name, group in table.groupby("strategy", sort=False):
         group = group.sort_values("ranks")
         style = {"color": strategy_colour(str(name))}
-        common = {"name": str(name), "x": group["ranks"].tolist(), "mode": "lines+markers",
-                  "legendgroup": str(name), "line": style}
-        fig.add_trace(go.Scatter(y=group["aggregate_write_gbs"].astype(float).tolist(), **common),
-                      row=1, col=1)
+        common = {
+            "name": str(name),
+            "x": group["ranks"].tolist(),
+            "mode": "lines+markers",
+            "legendgroup": str(name),
+            "line": style,
+        }
+        fig.add_trace(
+            go.Scatter(y=group["aggregate_write_gbs"].astype(float).tolist(), **common), row=1, col=1
+        )
         median = group["stall_median_s"].astype(float)
         above = (group["stall_max_s"].astype(float) - median).tolist()  # the bar reaches the max
-        fig.add_trace(go.Scatter(y=median.tolist(), showlegend=False, error_y={
-            "type": "data", "symmetric": False, "array": above, "arrayminus": [0.0] * len(group)},
-            **common), row=1, col=2)
-        fig.add_trace(go.Scatter(y=group["overhead_pct"].astype(float).tolist(), showlegend=False,
-                                 **common), row=1, col=3)
+        fig.add_trace(
+            go.Scatter(
+                y=median.tolist(),
+                showlegend=False,
+                error_y={
+                    "type": "data",
+                    "symmetric": False,
+                    "array": above,
+                    "arrayminus": [0.0] * len(group),
+                },
+                **common,
+            ),
+            row=1,
+            col=2,
+        )
+        fig.add_trace(
+            go.Scatter(y=group["overhead_pct"].astype(float).tolist(), showlegend=False, **common),
+            row=1,
+            col=3,
+        )
     fig.update_xaxes(title_text="ranks", tickvals=ranks)
-    fig.update_layout(title=f"Measured on {', '.join(map(str, ranks))} ranks (no projection beyond)",
-                      height=420)
+    fig.update_layout(
+        title=f"Measured on {', '.join(map(str, ranks))} ranks (no projection beyond)", height=420
+    )
     return fig

@@ -58,13 +58,19 @@ NOTEBOOK_ONLY = "notebook-only"
 # use no LaTeX, so the tag is dropped rather than fetched.
 _MATHJAX_TAG = re.compile(r'<script src="https?://[^"]*mathjax[^"]*"></script>', re.IGNORECASE)
 #: Anything the HTML would load from the network (what the offline check looks for).
-EXTERNAL_LOAD = re.compile(r"""<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=["']?(?:https?:)?//""",
-                           re.IGNORECASE)
+EXTERNAL_LOAD = re.compile(
+    r"""<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=["']?(?:https?:)?//""", re.IGNORECASE
+)
 
 
-def run_report(name: str = "report", output_dir: str | os.PathLike[str] = "reports",
-               parameters: Mapping[str, Any] | None = None, *,
-               notebook: str | os.PathLike[str] | None = None, progress: bool = False) -> Path:
+def run_report(
+    name: str = "report",
+    output_dir: str | os.PathLike[str] = "reports",
+    parameters: Mapping[str, Any] | None = None,
+    *,
+    notebook: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+) -> Path:
     """Execute the report notebook and write ``<output_dir>/<name>.html`` (the executed notebook
     beside it as ``<name>.ipynb``, and ``results.json``); return its path. A failing cell raises
     :class:`NbckptError`, and no HTML is written. ``progress`` prints the progress lines on stderr."""
@@ -91,13 +97,18 @@ def run_report(name: str = "report", output_dir: str | os.PathLike[str] = "repor
     if tail:
         lines.write_text("")
         params[PROGRESS_PARAMETER] = str(lines)
-        print(f"report: running {source.name} into {out} (progress as it goes)", file=sys.stderr,
-              flush=True)
+        print(f"report: running {source.name} into {out} (progress as it goes)", file=sys.stderr, flush=True)
     try:
         with _printing(lines) if tail else nullcontext():
-            papermill.execute_notebook(str(source), str(executed), parameters=params, kernel_name="python3",
-                                       cwd=str(source.parent), progress_bar=progress and not tail,
-                                       store_widget_state=False)
+            papermill.execute_notebook(
+                str(source),
+                str(executed),
+                parameters=params,
+                kernel_name="python3",
+                cwd=str(source.parent),
+                progress_bar=progress and not tail,
+                store_widget_state=False,
+            )
     except PapermillExecutionError as exc:
         evalue = (exc.evalue or "").strip().splitlines()
         detail = evalue[0] if evalue else "(no message)"

@@ -52,14 +52,30 @@ th { background: #f3f3f3; }"""
 
 #: Headers of the report's tables (the analysis tables' columns, as a reader names them).
 LABELS = {
-    "strategy": "strategy", "checkpoints": "checkpoints", "time_to_durable_s": "time to durable s",
-    "aggregate_write_gbs": "aggregate write GB/s", "concurrent_floor_gbs": "concurrent raw-write floor GB/s",
-    "vs_floor": "write vs floor", "stall_median_s": "stall median s", "stall_p99_s": "stall p99 s",
-    "stall_max_s": "stall max s", "overhead_pct": "overhead %", "slowest_rank": "slowest rank",
-    "straggler_rank": "straggler rank", "straggler_host": "straggler host",
-    "straggler_over_median_s": "straggler over median s", "rank": "rank", "host": "host",
-    "stall_s": "stall s", "persist_s": "persist s", "bytes": "bytes", "write_gbs": "write GB/s",
-    "mean_step_s": "mean step s", "ranks": "ranks", "hosts": "hosts", "source": "file",
+    "strategy": "strategy",
+    "checkpoints": "checkpoints",
+    "time_to_durable_s": "time to durable s",
+    "aggregate_write_gbs": "aggregate write GB/s",
+    "concurrent_floor_gbs": "concurrent raw-write floor GB/s",
+    "vs_floor": "write vs floor",
+    "stall_median_s": "stall median s",
+    "stall_p99_s": "stall p99 s",
+    "stall_max_s": "stall max s",
+    "overhead_pct": "overhead %",
+    "slowest_rank": "slowest rank",
+    "straggler_rank": "straggler rank",
+    "straggler_host": "straggler host",
+    "straggler_over_median_s": "straggler over median s",
+    "rank": "rank",
+    "host": "host",
+    "stall_s": "stall s",
+    "persist_s": "persist s",
+    "bytes": "bytes",
+    "write_gbs": "write GB/s",
+    "mean_step_s": "mean step s",
+    "ranks": "ranks",
+    "hosts": "hosts",
+    "source": "file",
 }
 
 
@@ -85,20 +101,23 @@ class _Page:
         self.plotly_in = True
 
     def document(self, title: str) -> str:
-        return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}"
-                f"</title><style>{_STYLE}</style></head><body>\n" + "\n".join(self.parts)
-                + "\n</body></html>\n")
+        return (
+            f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}'
+            f"</title><style>{_STYLE}</style></head><body>\n" + "\n".join(self.parts) + "\n</body></html>\n"
+        )
 
 
 def _run_section(page: _Page, comparison: Comparison, source: str) -> None:
     job = comparison.job
     hosts = job.get("hosts", {})
     page.text("h2", f"{job.get('world_size')} ranks on {len(hosts)} host(s): {source}")
-    page.text("p", f"{comparison.workload}; {comparison.steps} steps, a checkpoint every "
-                   f"{comparison.every}, {comparison.repeats} repeat(s); device {comparison.device}; "
-                   f"directory {comparison.directory}; hosts: "
-                   + "; ".join(f"{host} (ranks {', '.join(map(str, ranks))})"
-                               for host, ranks in hosts.items()))
+    page.text(
+        "p",
+        f"{comparison.workload}; {comparison.steps} steps, a checkpoint every "
+        f"{comparison.every}, {comparison.repeats} repeat(s); device {comparison.device}; "
+        f"directory {comparison.directory}; hosts: "
+        + "; ".join(f"{host} (ranks {', '.join(map(str, ranks))})" for host, ranks in hosts.items()),
+    )
     table = job_table(comparison)
     page.text("h3", "The job")
     page.table(table)
@@ -121,12 +140,18 @@ def _run_section(page: _Page, comparison: Comparison, source: str) -> None:
     if rates:
         page.figure(rate_over_time_figure(rates))
     else:
-        page.text("p", "This file carries no per-rank events (rank_timeline): no swimlanes, no rate "
-                       "over time; measure with this version of nbckpt to have them.")
+        page.text(
+            "p",
+            "This file carries no per-rank events (rank_timeline): no swimlanes, no rate "
+            "over time; measure with this version of nbckpt to have them.",
+        )
 
 
-def report_from(sources: Sequence[str | os.PathLike[str]], name: str = "report",
-                output_dir: str | os.PathLike[str] = "reports") -> Path:
+def report_from(
+    sources: Sequence[str | os.PathLike[str]],
+    name: str = "report",
+    output_dir: str | os.PathLike[str] = "reports",
+) -> Path:
     """Write ``<output_dir>/<name>.html`` from the bench results ``sources`` (JSON that ``nbckpt
     bench`` wrote under torchrun) and return its path; a bad source raises :class:`ConfigError`
     naming it, before anything is written."""
@@ -135,7 +160,8 @@ def report_from(sources: Sequence[str | os.PathLike[str]], name: str = "report",
     jobs = read_jobs(sources)
     names = [os.fspath(source) for source in sources]
     title = "nbckpt report: checkpointing on " + ", ".join(
-        f"{job.job.get('world_size')} ranks" for job in jobs)
+        f"{job.job.get('world_size')} ranks" for job in jobs
+    )
     page = _Page(title)
     scaling = scaling_table(jobs, names)
     if scaling["ranks"].nunique() > 1:

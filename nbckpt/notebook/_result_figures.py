@@ -22,8 +22,13 @@ from ._plotting import output, require_columns, strategy_colour
 __all__ = ["interval_figure", "overhead_figure", "probe_figure", "projection_figure", "stall_figure"]
 
 
-def stall_figure(results_df: pd.DataFrame, *, published: Mapping[str, Any] | None = None,
-                 log: bool = False, widget: bool = False) -> go.Figure:
+def stall_figure(
+    results_df: pd.DataFrame,
+    *,
+    published: Mapping[str, Any] | None = None,
+    log: bool = False,
+    widget: bool = False,
+) -> go.Figure:
     """Left: mean stall per checkpoint by strategy, stacked from the save stall and the wait for
     the earlier save where the results have them, the whisker up to the p95. Right: how many
     times shorter each stall is than ``dcp-sync``'s, beside the published figure that compares
@@ -48,46 +53,81 @@ def stall_figure(results_df: pd.DataFrame, *, published: Mapping[str, Any] | Non
         whisker = {"type": "data", "array": error, "arrayminus": [0.0] * len(error)}
     colours = [strategy_colour(name) for name in strategies]
     fig = make_subplots(
-        rows=1, cols=2, horizontal_spacing=0.12,
+        rows=1,
+        cols=2,
+        horizontal_spacing=0.12,
         subplot_titles=("stall per checkpoint (s)", f"stall reduction vs {reference} (x)"),
     )
     parts = {"save_stall_s", "wait_s"} <= set(rows.columns)
     bars = (("save_stall_s", 1.0), ("wait_s", 0.45)) if parts else (("stall_mean_s", 1.0),)
     for column, opacity in bars:
         name = STALL_NAMES[column]
-        fig.add_trace(go.Bar(
-            name=name, x=strategies, y=rows[column].astype(float).tolist(), marker_color=colours,
-            marker_opacity=opacity, legendgroup=name, error_y=None if parts else whisker,
-            hovertemplate=f"%{{x}}: {name} %{{y:.4f}} s per checkpoint<extra></extra>",
-        ), row=1, col=1)
+        fig.add_trace(
+            go.Bar(
+                name=name,
+                x=strategies,
+                y=rows[column].astype(float).tolist(),
+                marker_color=colours,
+                marker_opacity=opacity,
+                legendgroup=name,
+                error_y=None if parts else whisker,
+                hovertemplate=f"%{{x}}: {name} %{{y:.4f}} s per checkpoint<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
     if parts:  # the stall, the two parts together, carries the whisker
-        fig.add_trace(go.Scatter(
-            name="stall (p95)", x=strategies, y=stall.tolist(), mode="markers",
-            marker={"color": "#444444", "size": 4}, error_y=whisker, showlegend=False,
-            hovertemplate="%{x}: stall %{y:.4f} s per checkpoint<extra>(bar to p95)</extra>",
-        ), row=1, col=1)
-    fig.add_trace(go.Bar(
-        name="measured reduction", x=strategies, y=reduction.tolist(), marker_color=colours,
-        text=[f"{value:.1f}x" if pd.notna(value) else "" for value in reduction],
-        textposition="outside", showlegend=False,
-        hovertemplate=f"%{{x}}: %{{y:.1f}}x less stall than {reference}<extra>measured</extra>",
-    ), row=1, col=2)
+        fig.add_trace(
+            go.Scatter(
+                name="stall (p95)",
+                x=strategies,
+                y=stall.tolist(),
+                mode="markers",
+                marker={"color": "#444444", "size": 4},
+                error_y=whisker,
+                showlegend=False,
+                hovertemplate="%{x}: stall %{y:.4f} s per checkpoint<extra>(bar to p95)</extra>",
+            ),
+            row=1,
+            col=1,
+        )
+    fig.add_trace(
+        go.Bar(
+            name="measured reduction",
+            x=strategies,
+            y=reduction.tolist(),
+            marker_color=colours,
+            text=[f"{value:.1f}x" if pd.notna(value) else "" for value in reduction],
+            textposition="outside",
+            showlegend=False,
+            hovertemplate=f"%{{x}}: %{{y:.1f}}x less stall than {reference}<extra>measured</extra>",
+        ),
+        row=1,
+        col=2,
+    )
     if reference == "dcp-sync":
         # Only PyTorch/IBM's 7B figure compares a synchronous DCP save with an asynchronous one:
         # Pure Storage gives no setup and ByteCheckpoint compares against other systems.
         values = (published or load_published())["anchors"]["pytorch_ibm_7b"]["values"]
         factor = values["reduction_factor"]["value"]
         fig.add_hline(
-            y=float(factor), row=1, col=2, line={"dash": "dash", "color": "#444444", "width": 1.5},
-            annotation_text=(f"published: PyTorch/IBM, 7B on GPUs, sync DCP "
-                             f"{values['sync_downtime']['value']} s → async DCP "
-                             f"{values['async_downtime']['value']} s ({factor}x)"),
-            annotation_position="top left", annotation_font_size=11,
+            y=float(factor),
+            row=1,
+            col=2,
+            line={"dash": "dash", "color": "#444444", "width": 1.5},
+            annotation_text=(
+                f"published: PyTorch/IBM, 7B on GPUs, sync DCP "
+                f"{values['sync_downtime']['value']} s → async DCP "
+                f"{values['async_downtime']['value']} s ({factor}x)"
+            ),
+            annotation_position="top left",
+            annotation_font_size=11,
         )
     fig.update_layout(
         title=f"Stall per checkpoint, and reduction against {reference}"
         + (" beside the published figure that compares the same" if reference == "dcp-sync" else ""),
-        showlegend=parts, barmode="stack",
+        showlegend=parts,
+        barmode="stack",
     )
     if log:
         fig.update_yaxes(type="log")
@@ -107,26 +147,39 @@ def overhead_figure(results_df: pd.DataFrame, *, widget: bool = False) -> go.Fig
     points = [float(r["overhead_pct"]) for r in records]
     intervals = [tuple(float(v) for v in r["overhead_ci_pct"]) for r in records]
     texts = [overhead_text(r) for r in records]
-    hover = [f"{name}: {text}, 95 % interval [{lo:+.1f}, {hi:+.1f}] %; per repeat "
-             f"{per_repeat_text(r)}; rests on {r.get('overhead_basis', '-')}"
-             for name, text, (lo, hi), r in zip(names, texts, intervals, records, strict=True)]
-    fig = go.Figure(go.Bar(
-        name="overhead", x=names, y=points, text=texts, textposition="outside", showlegend=False,
-        error_y={"type": "data",
-                 "array": [max(hi - p, 0.0) for p, (_, hi) in zip(points, intervals, strict=True)],
-                 "arrayminus": [max(p - lo, 0.0) for p, (lo, _) in zip(points, intervals, strict=True)]},
-        marker_color=[strategy_colour(name) for name in names],
-        marker_opacity=[0.4 if r.get("partial", False) else 1.0 for r in records],
-        hovertext=hover, hovertemplate="%{hovertext}<extra></extra>",
-    ))
+    hover = [
+        f"{name}: {text}, 95 % interval [{lo:+.1f}, {hi:+.1f}] %; per repeat "
+        f"{per_repeat_text(r)}; rests on {r.get('overhead_basis', '-')}"
+        for name, text, (lo, hi), r in zip(names, texts, intervals, records, strict=True)
+    ]
+    fig = go.Figure(
+        go.Bar(
+            name="overhead",
+            x=names,
+            y=points,
+            text=texts,
+            textposition="outside",
+            showlegend=False,
+            error_y={
+                "type": "data",
+                "array": [max(hi - p, 0.0) for p, (_, hi) in zip(points, intervals, strict=True)],
+                "arrayminus": [max(p - lo, 0.0) for p, (lo, _) in zip(points, intervals, strict=True)],
+            },
+            marker_color=[strategy_colour(name) for name in names],
+            marker_opacity=[0.4 if r.get("partial", False) else 1.0 for r in records],
+            hovertext=hover,
+            hovertemplate="%{hovertext}<extra></extra>",
+        )
+    )
     fig.add_hline(y=0.0, line={"color": "#444444", "width": 1})
     fig.update_layout(
-        title="Overhead against training without checkpoints: ratio to the baseline beside it, "
-        "95 % interval",
+        title="Overhead against training without checkpoints: ratio to the baseline beside it, 95 % interval",
         # Two short lines and room for them: in one line the title was longer than the axis
         # and plotly cut it at both ends.
-        yaxis={"title": {"text": "% longer training loop than<br>the none baseline beside it"},
-               "automargin": True},
+        yaxis={
+            "title": {"text": "% longer training loop than<br>the none baseline beside it"},
+            "automargin": True,
+        },
         margin={"l": 100},
     )
     return output(fig, widget)
@@ -135,33 +188,64 @@ def overhead_figure(results_df: pd.DataFrame, *, widget: bool = False) -> go.Fig
 def interval_figure(advice_df: pd.DataFrame, *, widget: bool = False) -> go.Figure:
     """Expected time lost against checkpoint interval per strategy, the advised interval marked
     (from :func:`nbckpt.analysis.advise`)."""
-    require_columns(advice_df, {"strategy", "interval_s", "waste_pct", "cost_s", "lag_s", "restore_s",
-                                "cluster_mtbf_h", "gpu_hours_lost_per_day"}, "interval_figure")
+    require_columns(
+        advice_df,
+        {
+            "strategy",
+            "interval_s",
+            "waste_pct",
+            "cost_s",
+            "lag_s",
+            "restore_s",
+            "cluster_mtbf_h",
+            "gpu_hours_lost_per_day",
+        },
+        "interval_figure",
+    )
     curve = waste_curve(advice_df)
     fig = go.Figure()
     for row in advice_df.to_dict("records"):
         name = str(row["strategy"])
         points = curve[curve["strategy"] == name]
         colour = strategy_colour(name)
-        fig.add_trace(go.Scatter(
-            name=name, x=points["interval_s"].tolist(), y=points["waste_pct"].tolist(),
-            mode="lines", line={"color": colour}, legendgroup=name,
-            hovertemplate="every %{x:.0f} s: %{y:.2f}% lost<extra>%{fullData.name}</extra>",
-        ))
-        fig.add_trace(go.Scatter(
-            name=f"{name} advised", x=[row["interval_s"]], y=[row["waste_pct"]],
-            mode="markers+text", marker={"color": colour, "size": 11, "symbol": "diamond"},
-            text=[f"{row['interval_s']:.0f} s, {row['waste_pct']:.2f}%"], textposition="top center",
-            legendgroup=name, showlegend=False,
-            hovertemplate=(f"{name}: checkpoint every %{{x:.0f}} s, %{{y:.2f}}% lost, "
-                           f"{row['gpu_hours_lost_per_day']:.1f} GPU-h/day<extra></extra>"),
-        ))
-    title = ("Expected time lost against checkpoint interval (Young/Daly), job MTBF "
-             f"{advice_df['cluster_mtbf_h'].iloc[0]:.1f} h")
+        fig.add_trace(
+            go.Scatter(
+                name=name,
+                x=points["interval_s"].tolist(),
+                y=points["waste_pct"].tolist(),
+                mode="lines",
+                line={"color": colour},
+                legendgroup=name,
+                hovertemplate="every %{x:.0f} s: %{y:.2f}% lost<extra>%{fullData.name}</extra>",
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                name=f"{name} advised",
+                x=[row["interval_s"]],
+                y=[row["waste_pct"]],
+                mode="markers+text",
+                marker={"color": colour, "size": 11, "symbol": "diamond"},
+                text=[f"{row['interval_s']:.0f} s, {row['waste_pct']:.2f}%"],
+                textposition="top center",
+                legendgroup=name,
+                showlegend=False,
+                hovertemplate=(
+                    f"{name}: checkpoint every %{{x:.0f}} s, %{{y:.2f}}% lost, "
+                    f"{row['gpu_hours_lost_per_day']:.1f} GPU-h/day<extra></extra>"
+                ),
+            )
+        )
+    title = (
+        "Expected time lost against checkpoint interval (Young/Daly), job MTBF "
+        f"{advice_df['cluster_mtbf_h'].iloc[0]:.1f} h"
+    )
     attrs = advice_df.attrs
     if {"gpus", "mtbf_hours", "restore_s"} <= set(attrs):
-        title += (f" (assumed: {attrs['gpus']} GPUs, node MTBF {float(attrs['mtbf_hours']):g} h, "
-                  f"restore {float(attrs['restore_s']):g} s)")
+        title += (
+            f" (assumed: {attrs['gpus']} GPUs, node MTBF {float(attrs['mtbf_hours']):g} h, "
+            f"restore {float(attrs['restore_s']):g} s)"
+        )
     fig.update_layout(
         title=title,
         xaxis={"title": "training seconds between checkpoints", "type": "log"},
@@ -173,36 +257,65 @@ def interval_figure(advice_df: pd.DataFrame, *, widget: bool = False) -> go.Figu
 def projection_figure(projection_df: pd.DataFrame, *, widget: bool = False) -> go.Figure:
     """Projected stall per checkpoint and overhead by model size and rank count per strategy
     (from :func:`nbckpt.analysis.project_scale`), titled as a projection."""
-    require_columns(projection_df, {"strategy", "model", "ranks", "feasible", "stall_s", "overhead_pct",
-                                    "persist_s", "limited_by", "drag_s", "storage_duty_pct"},
-                    "projection_figure")
+    require_columns(
+        projection_df,
+        {
+            "strategy",
+            "model",
+            "ranks",
+            "feasible",
+            "stall_s",
+            "overhead_pct",
+            "persist_s",
+            "limited_by",
+            "drag_s",
+            "storage_duty_pct",
+        },
+        "projection_figure",
+    )
     attrs = projection_df.attrs
     feasible = projection_df["feasible"].astype(bool)
     left_out = len(projection_df.loc[~feasible, ["model", "ranks"]].drop_duplicates())
     frame = projection_df[feasible]
     frame = frame.assign(label=frame["model"].astype(str) + " × " + frame["ranks"].astype(str) + " ranks")
     fig = make_subplots(
-        rows=1, cols=2, horizontal_spacing=0.1,
+        rows=1,
+        cols=2,
+        horizontal_spacing=0.1,
         subplot_titles=("projected stall per checkpoint (s)", "projected overhead (% of training time)"),
     )
     for name, group in frame.groupby("strategy", sort=False):
-        hover = [f"{name}, {r.label}<br>stall {r.stall_s:.3g} s, overhead {r.overhead_pct:.3g}%"
-                 f"<br>persist {r.persist_s:.1f} s, limited by {r.limited_by}<br>drag {r.drag_s:.3g} s, "
-                 f"storage busy {r.storage_duty_pct:.0f} % of the time" for r in group.itertuples()]
+        hover = [
+            f"{name}, {r.label}<br>stall {r.stall_s:.3g} s, overhead {r.overhead_pct:.3g}%"
+            f"<br>persist {r.persist_s:.1f} s, limited by {r.limited_by}<br>drag {r.drag_s:.3g} s, "
+            f"storage busy {r.storage_duty_pct:.0f} % of the time"
+            for r in group.itertuples()
+        ]
         for col, column in ((1, "stall_s"), (2, "overhead_pct")):
-            fig.add_trace(go.Bar(
-                name=str(name), x=group["label"].tolist(), y=group[column].astype(float).tolist(),
-                marker_color=strategy_colour(str(name)), legendgroup=str(name), showlegend=col == 1,
-                hovertext=hover, hovertemplate="%{hovertext}<extra>projection</extra>",
-            ), row=1, col=col)
+            fig.add_trace(
+                go.Bar(
+                    name=str(name),
+                    x=group["label"].tolist(),
+                    y=group[column].astype(float).tolist(),
+                    marker_color=strategy_colour(str(name)),
+                    legendgroup=str(name),
+                    showlegend=col == 1,
+                    hovertext=hover,
+                    hovertemplate="%{hovertext}<extra>projection</extra>",
+                ),
+                row=1,
+                col=col,
+            )
     title = "Projection (not measured): checkpoint stall and overhead at scale"
     if attrs.get("storage_gbs"):
         title += f", aggregate storage {attrs['storage_gbs']:g} GB/s"
     if attrs.get("sharding"):
         title += f", state {'sharded evenly' if attrs['sharding'] == 'full' else 'replicated'} over ranks"
     if left_out:
-        title += (f"<br><sup>{left_out} configuration(s) left out: more state per rank than "
-                  f"{attrs.get('gpu_memory_gb', 0):g} GB of GPU memory</sup>")
+        title += (
+            f"<br><sup>{left_out} configuration(s) left out: more state per rank than "
+            f"{attrs.get('gpu_memory_gb', 0):g} GB of GPU memory</sup>"
+        )
     fig.update_layout(title=title, barmode="group")
     fig.update_yaxes(type="log", row=1, col=1)
     return output(fig, widget)
@@ -217,11 +330,16 @@ def probe_figure(probe_df: pd.DataFrame, *, widget: bool = False) -> go.Figure:
     fig = go.Figure()
     for column, label, colour in (("write_gbs", "write", "#2ca02c"), ("read_gbs", "read", "#1f77b4")):
         if column in rows.columns and rows[column].notna().any():
-            fig.add_trace(go.Scatter(
-                name=label, x=streams, y=rows[column].astype(float).tolist(), mode="lines+markers",
-                line={"color": colour},
-                hovertemplate="%{x} streams: %{y:.2f} GB/s<extra>%{fullData.name}</extra>",
-            ))
+            fig.add_trace(
+                go.Scatter(
+                    name=label,
+                    x=streams,
+                    y=rows[column].astype(float).tolist(),
+                    mode="lines+markers",
+                    line={"color": colour},
+                    hovertemplate="%{x} streams: %{y:.2f} GB/s<extra>%{fullData.name}</extra>",
+                )
+            )
     fig.update_layout(
         title="Storage bandwidth against parallel streams",
         xaxis={"title": "parallel streams", "type": "log", "tickvals": streams, "ticktext": streams},

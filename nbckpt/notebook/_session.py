@@ -182,40 +182,54 @@ class Session:
         """``--keep`` of a save: how many checkpoints ``directory`` keeps from now on."""
         self._keep[self.key(directory)] = keep
 
-    def save(self, state: dict[str, Any], *, names: Sequence[str], mode: str,
-             directory: str | None = None, step: int | None = None, overwrite: bool = False) -> Save:
+    def save(
+        self,
+        state: dict[str, Any],
+        *,
+        names: Sequence[str],
+        mode: str,
+        directory: str | None = None,
+        step: int | None = None,
+        overwrite: bool = False,
+    ) -> Save:
         """Save ``state`` (``mode`` ``sync`` blocks until it is durable) and record the save."""
         key = self.key(directory)
         ckpt = self.checkpointer(directory)
         step = self.next_step(directory) if step is None else step
         with self.engine_call():
             if not overwrite and ckpt.has_step(step):  # the magics' way, instead of the engine's
-                warnings.warn(f"nbckpt: step {step} already exists in {ckpt.directory} and is "
-                              "replaced; add --overwrite if that is intended, or run "
-                              "%ckpt_config --new-run to save into a fresh run directory", stacklevel=2)
+                warnings.warn(
+                    f"nbckpt: step {step} already exists in {ckpt.directory} and is "
+                    "replaced; add --overwrite if that is intended, or run "
+                    "%ckpt_config --new-run to save into a fresh run directory",
+                    stacklevel=2,
+                )
                 overwrite = True
             try:  # One Checkpointer per directory serves both modes: a sync save blocks per save.
-                handle = ckpt.save(state, step=step, mode="sync" if mode == "sync" else "async",
-                                   overwrite=overwrite)
+                handle = ckpt.save(
+                    state, step=step, mode="sync" if mode == "sync" else "async", overwrite=overwrite
+                )
             except KeyboardInterrupt:
                 raise Interrupted(self._interrupted(ckpt, key, step, mode, names)) from None
         save = Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names), handle=handle)
         self.saves.append(save)
         return save
 
-    def _interrupted(self, ckpt: Checkpointer, key: str, step: int, mode: str,
-                     names: Sequence[str]) -> str:
+    def _interrupted(self, ckpt: Checkpointer, key: str, step: int, mode: str, names: Sequence[str]) -> str:
         """What a Ctrl-C in a save kept, in one line; a save that reached the background goes on
         there (the engine never cuts a write in two) and joins the session's saves."""
         handle = next((h for h in reversed(ckpt.handles) if h.step == step), None)
         if handle is not None:
-            self.saves.append(Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names),
-                                   handle=handle))
+            self.saves.append(
+                Save(key=key, directory=ckpt.directory, mode=mode, names=tuple(names), handle=handle)
+            )
             if handle.done() and handle.error is None:
                 return f"step {step} committed to {ckpt.directory} before the interrupt took effect"
             if not handle.done():
-                return (f"step {step} is still being written in the background (%ckpt_wait waits "
-                        f"for it, %ckpt_status shows it); {self._newest(ckpt, step)}")
+                return (
+                    f"step {step} is still being written in the background (%ckpt_wait waits "
+                    f"for it, %ckpt_status shows it); {self._newest(ckpt, step)}"
+                )
         return f"step {step} not saved; {self._newest(ckpt, step)}"
 
     @staticmethod
@@ -245,8 +259,14 @@ class Session:
                 self._sweep()
         return error
 
-    def configure(self, options: dict[str, Any], *, reset: bool = False,
-                  directory: str | None = None, new_run: bool = False) -> None:
+    def configure(
+        self,
+        options: dict[str, Any],
+        *,
+        reset: bool = False,
+        directory: str | None = None,
+        new_run: bool = False,
+    ) -> None:
         """Change the defaults (``options``: :data:`OPTIONS` given) and reopen the Checkpointers
         they change (one with saves in flight: at its next save or restore)."""
         if directory is not None:
@@ -277,8 +297,10 @@ class Session:
                     continue
                 pending = len(self.in_flight(key))
                 if pending:  # never block the cell here: the next magic on it reopens it
-                    print(f"nbckpt: {_changes(changes)} for {ckpt.directory} applies once its "
-                          f"{pending} save(s) in flight have committed, from its next save or restore")
+                    print(
+                        f"nbckpt: {_changes(changes)} for {ckpt.directory} applies once its "
+                        f"{pending} save(s) in flight have committed, from its next save or restore"
+                    )
                 else:
                     self._reopen(key, changes)
 
@@ -304,8 +326,9 @@ class Session:
             frame = events_to_pandas(ckpt.timeline.events, self.origin_ns)
             prefix = f"{short[key]}: " if len(keys) > 1 else ""
             # a float step (a column with NaN) finds its int key; None and NaN find none
-            frame["label"] = frame["strategy"] = [prefix + labels[key, step] if (key, step) in labels
-                                                  else short[key] for step in frame["step"]]
+            frame["label"] = frame["strategy"] = [
+                prefix + labels[key, step] if (key, step) in labels else short[key] for step in frame["step"]
+            ]
             frames.append(frame)
         if not frames or all(frame.empty for frame in frames):
             return pd.DataFrame()
@@ -371,8 +394,10 @@ class Session:
         self.checkpointers[key] = new
         if was_closed:  # the magics go on: the session's directory is its own again
             with_changes = f" with {_changes(changes)}" if changes else ""
-            print(f"nbckpt: reopened the Checkpointer for {old.directory}{with_changes} (it was closed, "
-                  "by nbckpt.close_all() or its close())")
+            print(
+                f"nbckpt: reopened the Checkpointer for {old.directory}{with_changes} (it was closed, "
+                "by nbckpt.close_all() or its close())"
+            )
         else:
             after = f" after its {waited} save(s) in flight committed" if waited else ""
             print(f"nbckpt: {_changes(changes)} for {old.directory}: reopened its Checkpointer{after}")
@@ -387,10 +412,15 @@ class Session:
 
     def staging_memory(self) -> str:
         """One line: host memory each directory's Checkpointer holds for staging (pinned or not)."""
-        held = [(self.key(ckpt.directory), ckpt.host_bytes, ckpt.staging_pinned)
-                for ckpt in self.checkpointers.values() if not ckpt.closed]
+        held = [
+            (self.key(ckpt.directory), ckpt.host_bytes, ckpt.staging_pinned)
+            for ckpt in self.checkpointers.values()
+            if not ckpt.closed
+        ]
         short = _short_names([key for key, _, _ in held])
-        parts = [f"{short[key]} {format_bytes(nbytes)}{' pinned' if pinned else ''}"
-                 for key, nbytes, pinned in held]
+        parts = [
+            f"{short[key]} {format_bytes(nbytes)}{' pinned' if pinned else ''}"
+            for key, nbytes, pinned in held
+        ]
         total = format_bytes(sum(nbytes for _, nbytes, _ in held))
         return f"nbckpt: host memory held for staging: {total}" + (f" ({', '.join(parts)})" if parts else "")

@@ -20,8 +20,16 @@ from ..engine import Event
 from ..engine._internal import events_to_pandas
 from ._plotting import output, require_columns, strategy_colour
 
-__all__ = ["TIMELINE_KINDS", "TimelineTraces", "events_frame", "extend_timeline", "select_repeat",
-           "throughput_figure", "timeline_figure", "timeline_traces"]
+__all__ = [
+    "TIMELINE_KINDS",
+    "TimelineTraces",
+    "events_frame",
+    "extend_timeline",
+    "select_repeat",
+    "throughput_figure",
+    "timeline_figure",
+    "timeline_traces",
+]
 
 #: Event kind -> (timeline lane, colour, bar thickness). Blocking kinds go in the "train" lane,
 #: work done behind the training loop in the "background" lane; fsync and delete are thin so the
@@ -92,10 +100,14 @@ def timeline_traces(timeline_df: pd.DataFrame, *, by_rank: bool | None = None) -
     data = TimelineTraces()
     if timeline_df.empty:
         return data
-    events = timeline_df.assign(series=_series_names(timeline_df, by_rank),
-                                step=timeline_df.get("step"), bytes=timeline_df.get("bytes", 0.0))
-    data.lanes = [f"{name} · {lane}" for name in events["series"].unique()
-                  for lane in ("train", "background")]
+    events = timeline_df.assign(
+        series=_series_names(timeline_df, by_rank),
+        step=timeline_df.get("step"),
+        bytes=timeline_df.get("bytes", 0.0),
+    )
+    data.lanes = [
+        f"{name} · {lane}" for name in events["series"].unique() for lane in ("train", "background")
+    ]
     for row in events.to_dict("records"):
         kind = str(row["kind"])
         values = data.kinds.setdefault(kind, {"x": [], "y": [], "base": [], "hovertext": []})
@@ -123,17 +135,31 @@ def _kind_order(kinds: Iterable[str]) -> list[str]:
 
 def _timeline_bar(kind: str, values: Mapping[str, list[Any]]) -> go.Bar:
     _, colour, width = TIMELINE_KINDS.get(kind, _OTHER_KIND)
-    return go.Bar(name=kind, orientation="h", x=values["x"], base=values["base"], y=values["y"],
-                  width=width, marker={"color": colour, "line": {"width": 0}},
-                  hovertext=values["hovertext"], hovertemplate="%{hovertext}<extra></extra>")
+    return go.Bar(
+        name=kind,
+        orientation="h",
+        x=values["x"],
+        base=values["base"],
+        y=values["y"],
+        width=width,
+        marker={"color": colour, "line": {"width": 0}},
+        hovertext=values["hovertext"],
+        hovertemplate="%{hovertext}<extra></extra>",
+    )
 
 
 def _timeline_height(lanes: int) -> int:
     return 140 + 30 * max(lanes, 2)
 
 
-def timeline_figure(timeline_df: pd.DataFrame, *, repeat: int | None = None, by_rank: bool | None = None,
-                    widget: bool = False, origin: str | None = None) -> go.Figure:
+def timeline_figure(
+    timeline_df: pd.DataFrame,
+    *,
+    repeat: int | None = None,
+    by_rank: bool | None = None,
+    widget: bool = False,
+    origin: str | None = None,
+) -> go.Figure:
     """Gantt chart of a run: per strategy (and rank) a "train" lane (steps, stalls, waits) and a
     "background" lane (staging, persistence, fsync, commit). ``repeat`` picks one repeat of a
     ``Comparison.timeline`` (default: each strategy's last); ``origin`` says what time 0 is
@@ -147,10 +173,20 @@ def timeline_figure(timeline_df: pd.DataFrame, *, repeat: int | None = None, by_
         barmode="overlay",
         height=_timeline_height(len(data.lanes)),
         xaxis_title=f"seconds since {origin}",
-        yaxis={"type": "category", "categoryorder": "array", "categoryarray": data.lanes,
-               "autorange": "reversed"},
-        legend={"title_text": "event", "orientation": "h", "yanchor": "bottom", "y": 1.0,
-                "xanchor": "right", "x": 1.0},
+        yaxis={
+            "type": "category",
+            "categoryorder": "array",
+            "categoryarray": data.lanes,
+            "autorange": "reversed",
+        },
+        legend={
+            "title_text": "event",
+            "orientation": "h",
+            "yanchor": "bottom",
+            "y": 1.0,
+            "xanchor": "right",
+            "x": 1.0,
+        },
         margin={"t": 90},
     )
     return output(fig, widget)
@@ -179,8 +215,9 @@ def extend_timeline(fig: go.Figure, timeline_df: pd.DataFrame, *, by_rank: bool 
             fig.layout.height = _timeline_height(len(lanes) + len(added))
 
 
-def throughput_figure(timeline_df: pd.DataFrame, *, repeat: int | None = None,
-                      widget: bool = False) -> go.Figure:
+def throughput_figure(
+    timeline_df: pd.DataFrame, *, repeat: int | None = None, widget: bool = False
+) -> go.Figure:
     """Steps per second over time per strategy: ``1 / (time between consecutive step ends)``,
     so a checkpoint that holds the loop shows as a dip at the step after it."""
     require_columns(timeline_df, _TIMELINE_COLUMNS, "throughput_figure")
@@ -197,26 +234,37 @@ def throughput_figure(timeline_df: pd.DataFrame, *, repeat: int | None = None,
         gaps = [first] + [later - earlier for earlier, later in itertools.pairwise(ends)]
         rates = [1.0 / gap if gap > 0 else None for gap in gaps]
         colour = strategy_colour(str(group["strategy_name"].iloc[0]))
-        fig.add_trace(go.Scatter(
-            name=str(name), x=ends, y=rates, mode="lines+markers", line={"color": colour},
-            legendgroup=str(name),
-            hovertemplate="%{x:.3f} s: %{y:.1f} steps/s<extra>%{fullData.name}</extra>",
-        ))
+        fig.add_trace(
+            go.Scatter(
+                name=str(name),
+                x=ends,
+                y=rates,
+                mode="lines+markers",
+                line={"color": colour},
+                legendgroup=str(name),
+                hovertemplate="%{x:.3f} s: %{y:.1f} steps/s<extra>%{fullData.name}</extra>",
+            )
+        )
         numbers = group["step"].tolist() if "step" in group else []
         after = [i for i in range(1, len(numbers)) if (name, numbers[i - 1]) in saved]
         if after:
-            fig.add_trace(go.Scatter(
-                name=f"{name} after a checkpoint", x=[ends[i] for i in after], y=[rates[i] for i in after],
-                mode="markers", marker={"color": colour, "symbol": "x", "size": 10}, legendgroup=str(name),
-                showlegend=False, hovertemplate="%{x:.3f} s: %{y:.1f} steps/s, the step after a checkpoint"
-                "<extra>%{fullData.name}</extra>",
-            ))
+            fig.add_trace(
+                go.Scatter(
+                    name=f"{name} after a checkpoint",
+                    x=[ends[i] for i in after],
+                    y=[rates[i] for i in after],
+                    mode="markers",
+                    marker={"color": colour, "symbol": "x", "size": 10},
+                    legendgroup=str(name),
+                    showlegend=False,
+                    hovertemplate="%{x:.3f} s: %{y:.1f} steps/s, the step after a checkpoint"
+                    "<extra>%{fullData.name}</extra>",
+                )
+            )
     fig.update_layout(
         title="Training throughput per step (x: the step after a checkpoint); the none baseline "
-              "dips only from this machine's own noise",
+        "dips only from this machine's own noise",
         xaxis_title="seconds since the strategy's run started",
         yaxis_title="steps per second",
     )
     return output(fig, widget)
-
-

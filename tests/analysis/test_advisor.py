@@ -112,8 +112,9 @@ def test_advise_daly_with_restore() -> None:
     assert row["waste_pct"] == pytest.approx(100 * (50 / tau + (tau / 2 + 120) / 36_000))
     assert row["rework_pct"] == pytest.approx(100 * (tau / 2) / 36_000)
     assert row["restore_pct"] == pytest.approx(100 * 120 / 36_000)  # the same for every strategy
-    assert row["checkpoint_pct"] + row["drag_pct"] + row["rework_pct"] + row["restore_pct"] == \
-        pytest.approx(row["waste_pct"])
+    assert row["checkpoint_pct"] + row["drag_pct"] + row["rework_pct"] + row["restore_pct"] == pytest.approx(
+        row["waste_pct"]
+    )
 
 
 def test_advise_counts_the_drag_of_the_background_write_and_the_storage_duty() -> None:
@@ -137,8 +138,9 @@ def test_advise_counts_the_drag_of_the_background_write_and_the_storage_duty() -
 
 def test_compare_modes_says_why_async_loses_when_it_does() -> None:
     # async: 0.1 s stall but 2 s of drag and a 600 s lag; sync: 1 s stall, nothing behind it
-    advice = advise({"slow-sync": (1.0, 1.0), "fast-async": (0.1, 600.0, 2.0)},
-                    mtbf_hours=10.0, gpus=64, restore_s=120.0)
+    advice = advise(
+        {"slow-sync": (1.0, 1.0), "fast-async": (0.1, 600.0, 2.0)}, mtbf_hours=10.0, gpus=64, restore_s=120.0
+    )
     rows = advice.set_index("strategy")
     assert rows.loc["fast-async", "waste_pct"] > rows.loc["slow-sync", "waste_pct"]
     [sentence] = compare_modes(advice)
@@ -221,7 +223,11 @@ def test_project_scale_by_hand() -> None:
     # staging) and persists in 1 s (1 GB/s)
     projection = project_scale(
         {"sync": (2.0, 2.0), "async": (0.1, 1.0)},
-        nbytes=10**9, storage_gbs=50.0, models={"M": 100.0}, ranks=[4, 100], interval_s=600.0,
+        nbytes=10**9,
+        storage_gbs=50.0,
+        models={"M": 100.0},
+        ranks=[4, 100],
+        interval_s=600.0,
     )
     assert list(projection.columns) == PROJECTION_COLUMNS
     assert projection.attrs["projection"] is True
@@ -245,8 +251,13 @@ def test_project_scale_by_hand() -> None:
 
 def test_project_scale_backpressure_when_persist_exceeds_interval() -> None:
     projection = project_scale(
-        {"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=50.0, models={"M": 100.0}, ranks=4,
-        d2h_gbs=50.0, interval_s=10.0,
+        {"async": (0.1, 1.0)},
+        nbytes=10**9,
+        storage_gbs=50.0,
+        models={"M": 100.0},
+        ranks=4,
+        d2h_gbs=50.0,
+        interval_s=10.0,
     )
     row = projection.iloc[0]
     # stall 25 GB / 50 GB/s = 0.5 s; persist 25 s > interval 10 s -> 15 s of waiting per save
@@ -260,7 +271,9 @@ def test_project_scale_backpressure_when_persist_exceeds_interval() -> None:
 def test_project_scale_defaults_to_mlperf_sizes() -> None:
     projection = project_scale({"sync": (1.0, 1.0)}, nbytes=10**9, storage_gbs=100.0, ranks=8)
     assert dict(zip(projection["model"], projection["checkpoint_gb"], strict=True)) == {
-        "8B": 105.0, "70B": 912.0, "405B": 5290.0,
+        "8B": 105.0,
+        "70B": 912.0,
+        "405B": 5290.0,
     }
 
 
@@ -280,8 +293,14 @@ def test_project_scale_rejects_bad_input(kwargs: dict[str, object], match: str) 
 
 def test_project_scale_flags_configurations_that_cannot_exist() -> None:
     # 405B: 5290 GB over 64 ranks is 82.7 GB per rank, more than an 80 GB GPU holds
-    projection = project_scale({"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=100.0,
-                               models={"405B": 5290.0}, ranks=[64, 512], d2h_gbs=50.0)
+    projection = project_scale(
+        {"async": (0.1, 1.0)},
+        nbytes=10**9,
+        storage_gbs=100.0,
+        models={"405B": 5290.0},
+        ranks=[64, 512],
+        d2h_gbs=50.0,
+    )
     rows = projection.set_index("ranks")
     assert not rows.loc[64, "feasible"]
     assert "82.7 GB of checkpointed state per rank exceeds 80 GB" in rows.loc[64, "note"]
@@ -291,8 +310,14 @@ def test_project_scale_flags_configurations_that_cannot_exist() -> None:
     assert rows.loc[512, "stall_s"] == pytest.approx(5290 / 512 / 50)
     assert rows.loc[512, "persist_s"] == pytest.approx(52.9)
     assert projection.attrs["sharding"] == "full" and "split evenly" in projection.attrs["note"]
-    replicated = project_scale({"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=100.0,
-                               models={"8B": 105.0}, ranks=[512], sharding="replicated")
+    replicated = project_scale(
+        {"async": (0.1, 1.0)},
+        nbytes=10**9,
+        storage_gbs=100.0,
+        models={"8B": 105.0},
+        ranks=[512],
+        sharding="replicated",
+    )
     assert not replicated["feasible"].iloc[0]  # DDP: all 105 GB on every GPU
     with pytest.raises(ConfigError, match="sharding must be one of full, replicated"):
         project_scale({"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=1.0, sharding="zero")
@@ -300,8 +325,15 @@ def test_project_scale_flags_configurations_that_cannot_exist() -> None:
 
 def test_project_scale_models_drag_and_storage_duty() -> None:
     # measured: 1 GB, async stall 0.1 s, persist 1 s, drag 0.25 s -> drag fraction 0.25
-    projection = project_scale({"async": (0.1, 1.0, 0.25)}, nbytes=10**9, storage_gbs=100.0,
-                               models={"M": 1000.0}, ranks=[100], d2h_gbs=10.0, interval_s=90.0)
+    projection = project_scale(
+        {"async": (0.1, 1.0, 0.25)},
+        nbytes=10**9,
+        storage_gbs=100.0,
+        models={"M": 1000.0},
+        ranks=[100],
+        d2h_gbs=10.0,
+        interval_s=90.0,
+    )
     row = projection.iloc[0]
     # 10 GB per rank / 10 GB/s = 1 s stall; min(100, 100 * 1 GB/s) = 100 GB/s -> 10 s persist
     assert row["stall_s"] == pytest.approx(1.0) and row["persist_s"] == pytest.approx(10.0)
@@ -316,15 +348,22 @@ def test_a_drag_that_is_noise_counts_as_zero_and_a_measured_one_as_measured() ->
     exactly those (and any drag below 0) as 0."""
     from nbckpt.bench import _internal as bench
 
-    results = pd.DataFrame({
-        "strategy": ["torch-save", "nbckpt-async", "nbckpt-sync"],
-        "stall_mean_s": [0.5, 0.01, 0.4], "persist_s": [0.5, 0.4, 0.4],
-        "drag_s": [-0.18, 0.05, 0.02], "checkpoints": [2, 2, 2],
-        "drag_ci_s": [[-0.4, 0.05], [0.03, 0.07], [-0.01, 0.05]],
-    })
+    results = pd.DataFrame(
+        {
+            "strategy": ["torch-save", "nbckpt-async", "nbckpt-sync"],
+            "stall_mean_s": [0.5, 0.01, 0.4],
+            "persist_s": [0.5, 0.4, 0.4],
+            "drag_s": [-0.18, 0.05, 0.02],
+            "checkpoints": [2, 2, 2],
+            "drag_ci_s": [[-0.4, 0.05], [0.03, 0.07], [-0.01, 0.05]],
+        }
+    )
     costs = measurements(results).set_index("strategy")["drag_s"]
     assert costs.to_dict() == {"torch-save": 0.0, "nbckpt-async": 0.05, "nbckpt-sync": 0.0}
     assert bench.drag_text(results.iloc[0].to_dict()).startswith("noise (-0.1800 s")
     older = results.drop(columns=["drag_ci_s"])  # without intervals: only below 0 is clipped
     assert measurements(older).set_index("strategy")["drag_s"].to_dict() == {
-        "torch-save": 0.0, "nbckpt-async": 0.05, "nbckpt-sync": 0.02}
+        "torch-save": 0.0,
+        "nbckpt-async": 0.05,
+        "nbckpt-sync": 0.02,
+    }

@@ -12,29 +12,70 @@ from nbckpt.analysis import conclusions
 def _results(stall: float = 0.01, torch_stall: float = 0.5) -> pd.DataFrame:
     nan = math.nan
     rows = [
-        {"strategy": "none", "repeats": 3, "partial": False, "checkpoints": 0, "stall_mean_s": 0.0,
-         "stall_p95_s": 0.0, "overhead_pct": 0.0, "overhead_ci_pct": [0.0, 0.0],
-         "overhead_method": "baseline", "drag_s": nan, "cpu_per_checkpoint_s": nan,
-         "persist_s": nan, "write_gbs": nan},
-        {"strategy": "torch-save", "repeats": 3, "partial": False, "checkpoints": 2,
-         "stall_mean_s": torch_stall, "stall_p95_s": torch_stall, "save_stall_s": torch_stall,
-         "wait_s": 0.0, "overhead_pct": 40.0,
-         "overhead_ci_pct": [30.0, 50.0], "overhead_method": "cycles pooled", "drag_s": 0.0,
-         "drag_ci_s": [-0.01, 0.01], "cpu_per_checkpoint_s": 0.3, "persist_s": torch_stall,
-         "write_gbs": 0.2},
-        {"strategy": "nbckpt-async", "repeats": 3, "partial": False, "checkpoints": 2,
-         "stall_mean_s": stall, "stall_p95_s": 2 * stall, "save_stall_s": 0.6 * stall,
-         "wait_s": 0.4 * stall, "overhead_pct": 2.0,
-         "overhead_ci_pct": [-1.0, 5.0], "overhead_method": "cycles pooled", "drag_s": 0.05,
-         "drag_ci_s": [0.03, 0.07], "cpu_per_checkpoint_s": 0.4, "persist_s": 0.4,
-         "write_gbs": 0.25},
+        {
+            "strategy": "none",
+            "repeats": 3,
+            "partial": False,
+            "checkpoints": 0,
+            "stall_mean_s": 0.0,
+            "stall_p95_s": 0.0,
+            "overhead_pct": 0.0,
+            "overhead_ci_pct": [0.0, 0.0],
+            "overhead_method": "baseline",
+            "drag_s": nan,
+            "cpu_per_checkpoint_s": nan,
+            "persist_s": nan,
+            "write_gbs": nan,
+        },
+        {
+            "strategy": "torch-save",
+            "repeats": 3,
+            "partial": False,
+            "checkpoints": 2,
+            "stall_mean_s": torch_stall,
+            "stall_p95_s": torch_stall,
+            "save_stall_s": torch_stall,
+            "wait_s": 0.0,
+            "overhead_pct": 40.0,
+            "overhead_ci_pct": [30.0, 50.0],
+            "overhead_method": "cycles pooled",
+            "drag_s": 0.0,
+            "drag_ci_s": [-0.01, 0.01],
+            "cpu_per_checkpoint_s": 0.3,
+            "persist_s": torch_stall,
+            "write_gbs": 0.2,
+        },
+        {
+            "strategy": "nbckpt-async",
+            "repeats": 3,
+            "partial": False,
+            "checkpoints": 2,
+            "stall_mean_s": stall,
+            "stall_p95_s": 2 * stall,
+            "save_stall_s": 0.6 * stall,
+            "wait_s": 0.4 * stall,
+            "overhead_pct": 2.0,
+            "overhead_ci_pct": [-1.0, 5.0],
+            "overhead_method": "cycles pooled",
+            "drag_s": 0.05,
+            "drag_ci_s": [0.03, 0.07],
+            "cpu_per_checkpoint_s": 0.4,
+            "persist_s": 0.4,
+            "write_gbs": 0.25,
+        },
     ]
     return pd.DataFrame(rows)
 
 
-FLOORS = {"bytes": 100e6, "copy_s": 0.005, "write_gbs": 0.5, "write_streams": 1,
-          "write_gbs_rounds": [0.45, 0.5], "write_gbs_by_streams": {"1": 0.5, "2": 0.4},
-          "sample_bytes": 100e6}
+FLOORS = {
+    "bytes": 100e6,
+    "copy_s": 0.005,
+    "write_gbs": 0.5,
+    "write_streams": 1,
+    "write_gbs_rounds": [0.45, 0.5],
+    "write_gbs_by_streams": {"1": 0.5, "2": 0.4},
+    "sample_bytes": 100e6,
+}
 ENV = {"device": "cpu", "cpus": 2, "torch_threads": 2}
 
 
@@ -49,18 +90,22 @@ def test_conclusions_follow_the_numbers() -> None:
     # the save stall, not the stall with its wait, against the copy floor
     assert lines[1].startswith("Its save stall is 1.2x the copy floor (5.0 ms")
     assert lines[1].endswith("save() takes little more than the copy itself.")
-    assert "50% of the raw fsync'd write floor of the target (0.50 GB/s, 1 stream(s), best of 2 " \
+    assert (
+        "50% of the raw fsync'd write floor of the target (0.50 GB/s, 1 stream(s), best of 2 "
         "rounds)" in lines[2]
+    )
     overhead = next(line for line in lines if line.startswith("Overhead against training without"))
     # the estimate always; the words only beside an interval that contains 0 (as the tables say)
     assert "with nbckpt-async +2.0 % (no measurable difference), 95 % interval [-1.0, +5.0] %" in overhead
     assert "with torch-save +40.0 %, 95 % interval [+30.0, +50.0] %" in overhead
     assert overhead.endswith("; cycles pooled, overhead as defined under the table.")
 
-    timeline = pd.DataFrame([
-        {"strategy": "nbckpt-async", "repeat": 0, "kind": kind, "duration_s": duration}
-        for kind, duration in (("stage", 0.004), ("stage", 0.002), ("wait", 0.003), ("step", 1.0))
-    ])
+    timeline = pd.DataFrame(
+        [
+            {"strategy": "nbckpt-async", "repeat": 0, "kind": kind, "duration_s": duration}
+            for kind, duration in (("stage", 0.004), ("stage", 0.002), ("wait", 0.003), ("step", 1.0))
+        ]
+    )
     one_repeat = _results(stall=0.01).assign(repeats=1)
     split = conclusions(one_repeat, {**FLOORS, "copy_s": 0.001}, timeline=timeline)
     assert split[1].startswith("Its save stall is 6.0x the copy floor")
@@ -84,15 +129,17 @@ def test_a_save_stall_below_the_copy_floor_is_a_measurement_problem_not_praise()
 def test_conclusions_on_cpu_say_when_and_why_async_loses() -> None:
     results = _results()
     results.loc[2, ["overhead_pct", "overhead_ci_pct"]] = pd.Series(
-        {"overhead_pct": 70.0, "overhead_ci_pct": [60.0, 80.0]})
+        {"overhead_pct": 70.0, "overhead_ci_pct": [60.0, 80.0]}
+    )
     lines = conclusions(results, FLOORS, environment=ENV)
     [why] = [line for line in lines if line.startswith("On this CPU run")]
     assert why.startswith("On this CPU run nbckpt-async cost measurably more than torch-save")
     assert "same 2 cores as training (2 torch thread(s) for training)" in why
     assert "0.40 CPU seconds per checkpoint" in why and "50.0 ms per checkpoint beyond its stall" in why
     results["drag_ci_s"] = [[0.0, 0.0], [-0.01, 0.01], [-0.02, 0.12]]  # noise is not quoted as drag
-    [noisy] = [line for line in conclusions(results, FLOORS, environment=ENV)
-               if line.startswith("On this CPU run")]
+    [noisy] = [
+        line for line in conclusions(results, FLOORS, environment=ENV) if line.startswith("On this CPU run")
+    ]
     assert "beyond its stall" not in noisy
     assert "`--threads 1`" in why and "leaves a core free" in why
     on_gpu = conclusions(results, FLOORS, environment={**ENV, "device": "cuda"})
@@ -100,14 +147,40 @@ def test_conclusions_on_cpu_say_when_and_why_async_loses() -> None:
 
 
 def test_conclusions_set_only_like_beside_like() -> None:
-    results = pd.concat([_results(), pd.DataFrame([
-        {"strategy": "dcp-sync", "repeats": 3, "partial": False, "checkpoints": 2, "stall_mean_s": 0.6,
-         "stall_p95_s": 0.6, "overhead_pct": 45.0, "overhead_ci_pct": [35.0, 55.0],
-         "persist_s": 0.6, "write_gbs": 0.2},
-        {"strategy": "dcp-async", "repeats": 3, "partial": False, "checkpoints": 2, "stall_mean_s": 0.2,
-         "stall_p95_s": 0.2, "overhead_pct": 20.0, "overhead_ci_pct": [10.0, 30.0],
-         "persist_s": 0.7, "write_gbs": 0.15},
-    ])], ignore_index=True)
+    results = pd.concat(
+        [
+            _results(),
+            pd.DataFrame(
+                [
+                    {
+                        "strategy": "dcp-sync",
+                        "repeats": 3,
+                        "partial": False,
+                        "checkpoints": 2,
+                        "stall_mean_s": 0.6,
+                        "stall_p95_s": 0.6,
+                        "overhead_pct": 45.0,
+                        "overhead_ci_pct": [35.0, 55.0],
+                        "persist_s": 0.6,
+                        "write_gbs": 0.2,
+                    },
+                    {
+                        "strategy": "dcp-async",
+                        "repeats": 3,
+                        "partial": False,
+                        "checkpoints": 2,
+                        "stall_mean_s": 0.2,
+                        "stall_p95_s": 0.2,
+                        "overhead_pct": 20.0,
+                        "overhead_ci_pct": [10.0, 30.0],
+                        "persist_s": 0.7,
+                        "write_gbs": 0.15,
+                    },
+                ]
+            ),
+        ],
+        ignore_index=True,
+    )
     lines = conclusions(results, FLOORS, environment=ENV)
     [like] = [line for line in lines if line.startswith("Like for like with PyTorch/IBM")]
     assert "148.8 s to 6.3 s, 23.6x, for a 7B model on GPUs" in like
@@ -125,8 +198,9 @@ def test_conclusions_leave_out_partial_rows() -> None:
     results = _results()
     results.loc[1, "partial"] = True  # torch-save was stopped
     lines = conclusions(results, FLOORS)
-    assert lines[0] == ("Left out of these conclusions because their runs were stopped before the "
-                        "end (partial): torch-save.")
+    assert lines[0] == (
+        "Left out of these conclusions because their runs were stopped before the end (partial): torch-save."
+    )
     assert "torch-save (" not in lines[1]  # no comparison with the stopped run
     results.loc[2, "partial"] = True
     assert conclusions(results, FLOORS)[-1].startswith("No asynchronous nbckpt strategy was measured")
@@ -143,8 +217,11 @@ def test_conclusions_explain_writes_above_the_floor() -> None:
     assert "its rounds ranged 0.45-0.50 GB/s" in above
     assert "other processes used 0.90 cores while the floor was measured" in above
     probe = pd.DataFrame({"streams": [1, 2, 4], "bytes": [100e6] * 3, "write_gbs": [0.6, 0.45, 0.3]})
-    [same] = [line for line in conclusions(_results(), FLOORS, probe=probe)
-              if line.startswith("The storage probe and the write floor")]
+    [same] = [
+        line
+        for line in conclusions(_results(), FLOORS, probe=probe)
+        if line.startswith("The storage probe and the write floor")
+    ]
     assert "1 stream(s): probe 0.60, floor 0.50 GB/s; 2 stream(s): probe 0.45, floor 0.40 GB/s" in same
 
 
@@ -153,12 +230,18 @@ def test_conclusions_state_the_advisor_numbers_and_assumptions() -> None:
 
     results = _results()
     advice = advise(results, mtbf_hours=1000.0, gpus=64, restore_s=120.0)
-    lines = conclusions(results, FLOORS, advice=advice, environment=ENV,
-                        assumptions={"gpus": 64, "mtbf_hours": 1000.0, "restore_s": 120.0})
+    lines = conclusions(
+        results,
+        FLOORS,
+        advice=advice,
+        environment=ENV,
+        assumptions={"gpus": 64, "mtbf_hours": 1000.0, "restore_s": 120.0},
+    )
     row = advice.set_index("strategy").loc["nbckpt-async"]
     [text] = [line for line in lines if line.startswith("Assuming a job of")]
-    assert text.startswith("Assuming a job of 64 GPUs (8 per node) with a node MTBF of 1000 h and "
-                           "120 s to restore")
+    assert text.startswith(
+        "Assuming a job of 64 GPUs (8 per node) with a node MTBF of 1000 h and 120 s to restore"
+    )
     assert "report parameters gpus, mtbf_hours, restore_s" in text
     assert "419 interruptions in 54 days on 16,384 GPUs" in text
     assert f"every {row['interval_s']:.0f} s" in text
@@ -177,28 +260,42 @@ def test_conclusions_leave_out_what_was_not_measured() -> None:
     assert none[0].startswith("No asynchronous nbckpt strategy was measured")
 
 
-
-
 def _issue_29_results() -> pd.DataFrame:
     """The figures of issue 29's report: drags whose intervals include 0, overheads that do not
     rank the strategies the way the advisor's stall-plus-drag model does."""
     import numpy as np
 
-    def row(name: str, stall: float, drag: float, drag_ci: object, pct: float,
-            ci: list[float]) -> dict[str, object]:
-        return {"strategy": name, "repeats": 3, "partial": False, "checkpoints": 4,
-                "stall_mean_s": stall, "stall_p95_s": stall, "save_stall_s": stall, "wait_s": 0.0,
-                "overhead_pct": pct, "overhead_ci_pct": ci, "overhead_method": "cycles pooled",
-                "drag_s": drag, "drag_ci_s": drag_ci, "cpu_per_checkpoint_s": 0.3,
-                "persist_s": max(stall, 0.5), "write_gbs": 0.3}
+    def row(
+        name: str, stall: float, drag: float, drag_ci: object, pct: float, ci: list[float]
+    ) -> dict[str, object]:
+        return {
+            "strategy": name,
+            "repeats": 3,
+            "partial": False,
+            "checkpoints": 4,
+            "stall_mean_s": stall,
+            "stall_p95_s": stall,
+            "save_stall_s": stall,
+            "wait_s": 0.0,
+            "overhead_pct": pct,
+            "overhead_ci_pct": ci,
+            "overhead_method": "cycles pooled",
+            "drag_s": drag,
+            "drag_ci_s": drag_ci,
+            "cpu_per_checkpoint_s": 0.3,
+            "persist_s": max(stall, 0.5),
+            "write_gbs": 0.3,
+        }
 
-    return pd.DataFrame([
-        row("torch-save", 0.55, 0.0, [-0.02, 0.02], 16.4, [12.0, 21.0]),
-        row("nbckpt-sync", 0.50, 0.0, [-0.02, 0.02], 6.2, [3.0, 9.4]),
-        # the interval includes 0, as a list from JSON and as the array a DataFrame may hold
-        row("nbckpt-async", 0.143, 0.677, np.array([-0.2, 1.5]), 15.4, [11.0, 20.0]),
-        row("nbckpt-async-overlap", 0.02, 0.5, [-0.3, 1.3], 14.2, [10.0, 18.0]),
-    ])
+    return pd.DataFrame(
+        [
+            row("torch-save", 0.55, 0.0, [-0.02, 0.02], 16.4, [12.0, 21.0]),
+            row("nbckpt-sync", 0.50, 0.0, [-0.02, 0.02], 6.2, [3.0, 9.4]),
+            # the interval includes 0, as a list from JSON and as the array a DataFrame may hold
+            row("nbckpt-async", 0.143, 0.677, np.array([-0.2, 1.5]), 15.4, [11.0, 20.0]),
+            row("nbckpt-async-overlap", 0.02, 0.5, [-0.3, 1.3], 14.2, [10.0, 18.0]),
+        ]
+    )
 
 
 def test_the_advisors_sentences_say_only_what_the_overhead_table_shows() -> None:

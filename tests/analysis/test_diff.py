@@ -24,7 +24,11 @@ def test_a_known_perturbation_gives_known_numbers() -> None:
     rows = by_key(frame)
     w = rows["w"]
     assert (w["status"], w["dtype"], w["shape"], w["numel"], w["changed_elements"]) == (
-        "changed", "float32", "(2,)", 2, 1
+        "changed",
+        "float32",
+        "(2,)",
+        2,
+        1,
     )
     assert w["diff_norm"] == pytest.approx(1.0) and w["max_abs_diff"] == pytest.approx(1.0)
     assert w["rel_change"] == pytest.approx(1.0 / 5.0)
@@ -94,7 +98,15 @@ def test_added_removed_reshaped_and_the_order_most_changed_first() -> None:
     }
     frame = diff_states(a, b)
     assert list(frame["key"]) == [
-        "grows", "cast", "new", "gone", "from_zero", "big", "small", "steps", "same"
+        "grows",
+        "cast",
+        "new",
+        "gone",
+        "from_zero",
+        "big",
+        "small",
+        "steps",
+        "same",
     ]
     assert list(dict.fromkeys(frame["status"])) == list(DIFF_STATUSES)
     rows = by_key(frame)
@@ -112,9 +124,12 @@ def test_an_optimizer_step_changes_weights_and_adam_moments() -> None:
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(4, 8)).sum().backward()
     optim.step()
-    before = {"model": {k: t.clone() for k, t in model.state_dict().items()},
-              "optim": {"state": {i: {k: t.clone() for k, t in s.items()}
-                                  for i, s in optim.state_dict()["state"].items()}}}
+    before = {
+        "model": {k: t.clone() for k, t in model.state_dict().items()},
+        "optim": {
+            "state": {i: {k: t.clone() for k, t in s.items()} for i, s in optim.state_dict()["state"].items()}
+        },
+    }
     model(torch.randn(4, 8)).sum().backward()
     optim.step()
     frame = diff_states(before, {"model": model, "optim": optim})

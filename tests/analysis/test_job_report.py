@@ -73,8 +73,10 @@ def test_swimlanes_give_one_lane_per_rank_grouped_by_host_on_one_clock() -> None
     assert {"step", "stall", "stage", "persist", "commit"} <= set(lanes["kind"])
     assert lanes["start_s"].min() == 0.0 and (lanes["end_s"] >= lanes["start_s"]).all()
     # The slowed rank's stalls are at least its 0.2 s longer than the other's.
-    stall = lanes[lanes["kind"] == "stall"].groupby("rank")["end_s"].sum() - \
-        lanes[lanes["kind"] == "stall"].groupby("rank")["start_s"].sum()
+    stall = (
+        lanes[lanes["kind"] == "stall"].groupby("rank")["end_s"].sum()
+        - lanes[lanes["kind"] == "stall"].groupby("rank")["start_s"].sum()
+    )
     assert stall[SLOW_RANK] > stall[0] + 0.2
     assert swimlanes(_two_hosts(), "no-such-strategy").empty
 
@@ -137,8 +139,10 @@ def test_scaling_conclusions_go_from_the_fewest_ranks_to_the_most() -> None:
     assert len(lines) == table["strategy"].nunique()
     first = table[table["strategy"] == table["strategy"].iloc[0]].sort_values("ranks")
     low, high = first.iloc[0], first.iloc[-1]
-    assert f"measured on 1 to 2 ranks: aggregate write {low['aggregate_write_gbs']:.2f} -> " \
-           f"{high['aggregate_write_gbs']:.2f} GB/s" in lines[0]
+    assert (
+        f"measured on 1 to 2 ranks: aggregate write {low['aggregate_write_gbs']:.2f} -> "
+        f"{high['aggregate_write_gbs']:.2f} GB/s" in lines[0]
+    )
     assert scaling_conclusions(scaling_table(read_jobs([TWO]))) == []  # one size: no curve
 
 

@@ -21,8 +21,9 @@ def one_torch_thread() -> object:
     torch.set_num_threads(threads)
 
 
-def test_beside_a_spinning_core_torch_save_is_measurably_slower(tmp_path: Path,
-                                                                one_torch_thread: object) -> None:
+def test_beside_a_spinning_core_torch_save_is_measurably_slower(
+    tmp_path: Path, one_torch_thread: object
+) -> None:
     """8 MiB saved every 2 steps of about 0.1 ms: torch-save's write (about 30 ms here, far more
     under load) costs tens of times the steps' own time in every cycle. On this machine the
     repeats of such a run disagree by a factor of 2.7 and more (the write's time depends on what
@@ -39,8 +40,15 @@ def test_beside_a_spinning_core_torch_save_is_measurably_slower(tmp_path: Path,
     """
     workload = bench.synthetic(8, compute_ms=0.1)
     with spinning_core() as spinner:
-        comparison = bench.compare(workload, ["torch-save", "nbckpt-async"], str(tmp_path),
-                                   steps=8, every=2, repeats=3, progress=None)
+        comparison = bench.compare(
+            workload,
+            ["torch-save", "nbckpt-async"],
+            str(tmp_path),
+            steps=8,
+            every=2,
+            repeats=3,
+            progress=None,
+        )
         spun = sum(psutil.Process(spinner.pid).cpu_times()[:2])
         spinning = spinner.poll() is None
     rows = comparison.results.set_index("strategy")

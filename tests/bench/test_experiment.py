@@ -31,8 +31,13 @@ def small_workload() -> SyntheticWorkload:
 def test_run_records_every_step_stall_and_engine_phase(tmp_path: Any) -> None:
     seen: list[Event] = []
     result = _runner.run_experiment(
-        small_workload(), "nbckpt-async", str(tmp_path), steps=6, every=3,
-        on_event=seen.append, warmup=True,
+        small_workload(),
+        "nbckpt-async",
+        str(tmp_path),
+        steps=6,
+        every=3,
+        on_event=seen.append,
+        warmup=True,
     )
     events = result.events
     assert [e.step for e in events if e.kind == "step"] == [1, 2, 3, 4, 5, 6]
@@ -63,12 +68,14 @@ def test_run_records_every_step_stall_and_engine_phase(tmp_path: Any) -> None:
 
 
 def test_overlap_counts_the_wait_before_the_next_update_as_stall(tmp_path: Any) -> None:
-    result = _runner.run_experiment(
-        small_workload(), "nbckpt-async-overlap", str(tmp_path), steps=5, every=2
-    )
+    result = _runner.run_experiment(small_workload(), "nbckpt-async-overlap", str(tmp_path), steps=5, every=2)
     stalls = [(e.step, e.detail["part"]) for e in result.events if e.kind == "stall"]
-    assert [s for s in stalls if s[1] != "final"] == [(2, "save"), (2, "before_step"), (4, "save"),
-                                                      (4, "before_step")]
+    assert [s for s in stalls if s[1] != "final"] == [
+        (2, "save"),
+        (2, "before_step"),
+        (4, "save"),
+        (4, "before_step"),
+    ]
     metrics = result.metrics()
     assert metrics["checkpoints"] == 2
     # the wait for its own copy is part of the save stall; the engine's wait for the earlier
@@ -87,8 +94,13 @@ def test_stop_ends_the_run_after_the_step_and_saves_commit(tmp_path: Any) -> Non
             stop.set()
 
     result = _runner.run_experiment(
-        small_workload(), "nbckpt-async", str(tmp_path), steps=50, every=1,
-        on_event=on_event, stop=stop,
+        small_workload(),
+        "nbckpt-async",
+        str(tmp_path),
+        steps=50,
+        every=1,
+        on_event=on_event,
+        stop=stop,
     )
     assert result.stopped
     assert result.metrics()["steps"] == 2
@@ -103,16 +115,29 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
     lines: list[str] = []
     events: list[Event] = []
     comparison = bench.compare(
-        small_workload(), ["none", "torch-save", "nbckpt-async"], str(tmp_path),
-        steps=4, every=2, repeats=2, on_event=events.append,
+        small_workload(),
+        ["none", "torch-save", "nbckpt-async"],
+        str(tmp_path),
+        steps=4,
+        every=2,
+        repeats=2,
+        on_event=events.append,
         on_result=lambda name, metrics: reported.append((name, metrics)),
         progress=lines.append,
     )
     # every repeat runs every strategy; the second starts one place further on
-    assert comparison.order == [["none", "torch-save", "nbckpt-async"],
-                                ["torch-save", "nbckpt-async", "none"]]
-    assert [name for name, _ in reported] == ["none", "torch-save", "nbckpt-async",
-                                              "torch-save", "nbckpt-async", "none"]
+    assert comparison.order == [
+        ["none", "torch-save", "nbckpt-async"],
+        ["torch-save", "nbckpt-async", "none"],
+    ]
+    assert [name for name, _ in reported] == [
+        "none",
+        "torch-save",
+        "nbckpt-async",
+        "torch-save",
+        "nbckpt-async",
+        "none",
+    ]
     assert [m["repeat"] for _, m in reported] == [0, 0, 0, 1, 1, 1]
     assert [m["position"] for _, m in reported] == [0, 1, 2, 0, 1, 2]
     assert list(comparison.runs["strategy"]) == [name for name, _ in reported]
@@ -136,13 +161,15 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
         assert not rows.loc[name, "partial"]
         # the stall and its two parts
         assert rows.loc[name, "stall_mean_s"] == pytest.approx(
-            rows.loc[name, "save_stall_s"] + rows.loc[name, "wait_s"])
+            rows.loc[name, "save_stall_s"] + rows.loc[name, "wait_s"]
+        )
         assert rows.loc[name, "drag_ci_s"][0] <= rows.loc[name, "drag_s"] <= rows.loc[name, "drag_ci_s"][1]
     # torch-save writes before save() returns: it never waits for an earlier save
     assert rows.loc["torch-save", "wait_s"] == 0
     # nbckpt-async's turn ends by waiting for its write: the next save's wait for the earlier save
-    waits = comparison.timeline[(comparison.timeline["kind"] == "stall")
-                                & (comparison.timeline["strategy"] == "nbckpt-async")]
+    waits = comparison.timeline[
+        (comparison.timeline["kind"] == "stall") & (comparison.timeline["strategy"] == "nbckpt-async")
+    ]
     assert set(waits["label"]) == {"nbckpt-async"}
     assert rows.loc["torch-save", "reduction_vs_torch_save"] == pytest.approx(1.0)
     assert math.isnan(rows.loc["torch-save", "reduction_vs_dcp_sync"])  # dcp-sync not run
@@ -164,21 +191,32 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
     assert set(timeline["strategy"]) == {"none", "torch-save", "nbckpt-async"}
     assert len(timeline) == len(events)
     assert (timeline["label"] == timeline["strategy"]).all()
-    stalls = timeline[(timeline["kind"] == "stall") & (timeline["repeat"] == 1)
-                      & (timeline["step"].isin([2, 4]))]
+    stalls = timeline[
+        (timeline["kind"] == "stall") & (timeline["repeat"] == 1) & (timeline["step"].isin([2, 4]))
+    ]
     # two checkpoints each (a stall may have two parts: the save, and a wait for the last write)
     assert stalls.groupby("strategy")["step"].unique().map(sorted).to_dict() == {
-        "nbckpt-async": [2, 4], "torch-save": [2, 4]}
+        "nbckpt-async": [2, 4],
+        "torch-save": [2, 4],
+    }
     # within a repeat the strategies take turns every checkpoint cycle (2 steps), the order
     # rotated by one place per cycle: a burst of other work falls on all of them alike
     steps_seen = [e.label for e in events if e.kind == "step"][:12]
-    assert steps_seen == ["none"] * 2 + ["torch-save"] * 2 + ["nbckpt-async"] * 2 + \
-        ["torch-save"] * 2 + ["nbckpt-async"] * 2 + ["none"] * 2
+    assert (
+        steps_seen
+        == ["none"] * 2
+        + ["torch-save"] * 2
+        + ["nbckpt-async"] * 2
+        + ["torch-save"] * 2
+        + ["nbckpt-async"] * 2
+        + ["none"] * 2
+    )
     assert comparison.interleave == "cycle"
     # each strategy's timeline runs on its own clock: its steps back to back, from 0
     for name in ("none", "torch-save", "nbckpt-async"):
-        own = timeline[(timeline["strategy"] == name) & (timeline["repeat"] == 0)
-                       & (timeline["kind"] == "step")].sort_values("start_s")
+        own = timeline[
+            (timeline["strategy"] == name) & (timeline["repeat"] == 0) & (timeline["kind"] == "step")
+        ].sort_values("start_s")
         gaps = own["start_s"].to_numpy()[1:] - own["end_s"].to_numpy()[:-1]
         assert own["start_s"].min() >= 0 and (gaps < 0.5).all(), name
     assert any("floors for" in line for line in lines)
@@ -195,8 +233,21 @@ def test_compare_interleaves_repeats_and_returns_the_agreed_tables(tmp_path: Any
     comparison.to_json(out)
     document = json.loads(out.read_text())
     assert document["schema"] == _comparison.SCHEMA == "nbckpt.bench/3"
-    assert set(document) >= {"workload", "bytes", "device", "directory", "environment", "order",
-                             "overhead", "load", "warnings", "floors", "results", "runs", "timeline"}
+    assert set(document) >= {
+        "workload",
+        "bytes",
+        "device",
+        "directory",
+        "environment",
+        "order",
+        "overhead",
+        "load",
+        "warnings",
+        "floors",
+        "results",
+        "runs",
+        "timeline",
+    }
     assert document["overhead"]["definition"] == bench.OVERHEAD_DEFINITION
     assert document["overhead"]["method"] == bench.OVERHEAD_METHOD
     assert list(document["results"][0]) == _result.RESULT_COLUMNS
@@ -248,8 +299,17 @@ def test_stopped_runs_make_partial_rows_that_say_what_they_rest_on(
     # end before torch-save was stopped
     memory = SimpleNamespace(available=1, total=1 << 30)
     monkeypatch.setattr(_compare, "psutil", SimpleNamespace(virtual_memory=lambda: memory))
-    comparison = bench.compare(small_workload(), ["torch-save"], str(tmp_path), steps=6, every=2,
-                            repeats=2, on_event=on_event, stop=stop, progress=lines.append)
+    comparison = bench.compare(
+        small_workload(),
+        ["torch-save"],
+        str(tmp_path),
+        steps=6,
+        every=2,
+        repeats=2,
+        on_event=on_event,
+        stop=stop,
+        progress=lines.append,
+    )
     monkeypatch.undo()
     assert any("interleaving whole runs" in line for line in lines)
     assert any("added the 'none' baseline" in line for line in lines)
@@ -268,11 +328,19 @@ def test_stopped_runs_make_partial_rows_that_say_what_they_rest_on(
     assert "1 repeat, 2 cycles (widened), stopped" in comparison.table()
     # taking turns every cycle, a stop leaves every strategy of the repeat partial
     stop.clear()
-    cycled = bench.compare(small_workload(), ["torch-save"], str(tmp_path), steps=6, every=2,
-                        repeats=2, on_event=on_event, stop=stop, progress=None)
+    cycled = bench.compare(
+        small_workload(),
+        ["torch-save"],
+        str(tmp_path),
+        steps=6,
+        every=2,
+        repeats=2,
+        on_event=on_event,
+        stop=stop,
+        progress=None,
+    )
     assert cycled.results["partial"].tolist() == [True, True]
-    assert cycled.results["overhead_basis"].tolist() == ["baseline",
-                                                         "1 repeat, 2 cycles (widened), stopped"]
+    assert cycled.results["overhead_basis"].tolist() == ["baseline", "1 repeat, 2 cycles (widened), stopped"]
 
 
 def test_the_load_record_counts_other_processes_and_steal(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,8 +348,18 @@ def test_the_load_record_counts_other_processes_and_steal(monkeypatch: pytest.Mo
     monitor = _load.LoadMonitor()
     zero = times(*([0.0] * 10))
     # 2 s on 2 cores: 4 busy CPU seconds (guest time is inside user), 0.2 stolen, 1.5 ours
-    end = times(user=3.0, nice=0.0, system=0.5, idle=0.0, iowait=0.0, irq=0.25, softirq=0.25,
-                steal=0.2, guest=0.5, guest_nice=0.0)
+    end = times(
+        user=3.0,
+        nice=0.0,
+        system=0.5,
+        idle=0.0,
+        iowait=0.0,
+        irq=0.25,
+        softirq=0.25,
+        steal=0.2,
+        guest=0.5,
+        guest_nice=0.0,
+    )
     monitor._begin = (10.0, zero, 1.0, 0.5)
     monkeypatch.setattr(monitor, "_snapshot", lambda: (12.0, end, 2.5, 1.5))
     monkeypatch.setattr(_load.psutil, "cpu_count", lambda: 2)
@@ -292,11 +370,25 @@ def test_the_load_record_counts_other_processes_and_steal(monkeypatch: pytest.Mo
     assert (load.loadavg_1m_start, load.loadavg_1m) == (0.5, 1.5)
     warning = load.warning()
     assert warning is not None and "other processes kept 1.2 of 2 cores busy" in warning
-    quiet = bench.Load(cpus=2, wall_s=1.0, own_cpu_s=1.0, other_cpu_cores=0.1, steal_pct=0.0,
-                    loadavg_1m_start=1.0, loadavg_1m=1.2)
+    quiet = bench.Load(
+        cpus=2,
+        wall_s=1.0,
+        own_cpu_s=1.0,
+        other_cpu_cores=0.1,
+        steal_pct=0.0,
+        loadavg_1m_start=1.0,
+        loadavg_1m=1.2,
+    )
     assert quiet.warning() is None and quiet.to_dict()["high"] is False
-    stolen = bench.Load(cpus=2, wall_s=1.0, own_cpu_s=1.0, other_cpu_cores=0.0, steal_pct=12.0,
-                     loadavg_1m_start=0.0, loadavg_1m=0.0)
+    stolen = bench.Load(
+        cpus=2,
+        wall_s=1.0,
+        own_cpu_s=1.0,
+        other_cpu_cores=0.0,
+        steal_pct=12.0,
+        loadavg_1m_start=0.0,
+        loadavg_1m=0.0,
+    )
     assert "stole 12 %" in (stolen.warning() or "")
 
 
@@ -318,8 +410,9 @@ def test_a_user_strategy_instance_can_be_compared(tmp_path: Any) -> None:
             self.steps.append(step)
 
     mine = Recording()
-    comparison = bench.compare(small_workload(), [mine], str(tmp_path), steps=4, every=2,
-                            repeats=2, progress=None)
+    comparison = bench.compare(
+        small_workload(), [mine], str(tmp_path), steps=4, every=2, repeats=2, progress=None
+    )
     assert mine.opened == 2 and mine.steps == [0, 2, 4, 0, 2, 4]  # warm-up save is step 0
     assert comparison.results["checkpoints"].tolist() == [0, 2]
 
@@ -379,13 +472,32 @@ def test_the_peak_host_memory_starts_again_at_each_turn() -> None:
 
 
 def test_keep_leaves_the_last_repeats_checkpoints_and_removes_the_others(tmp_path: Path) -> None:
-    bench.compare(small_workload(), ["torch-save"], str(tmp_path), steps=2, every=1, repeats=2,
-                  warmup=False, progress=None, keep=True)
+    bench.compare(
+        small_workload(),
+        ["torch-save"],
+        str(tmp_path),
+        steps=2,
+        every=1,
+        repeats=2,
+        warmup=False,
+        progress=None,
+        keep=True,
+    )
     # The second repeat saved steps 1 and 2 again into the folder the first repeat's were removed from.
     assert sorted(path.name for path in (tmp_path / "torch-save").iterdir()) == [
-        "step-000001.pt", "step-000002.pt"]
-    bench.compare(small_workload(), ["torch-save"], str(tmp_path / "gone"), steps=2, every=1,
-                  repeats=1, warmup=False, progress=None)
+        "step-000001.pt",
+        "step-000002.pt",
+    ]
+    bench.compare(
+        small_workload(),
+        ["torch-save"],
+        str(tmp_path / "gone"),
+        steps=2,
+        every=1,
+        repeats=1,
+        warmup=False,
+        progress=None,
+    )
     assert not (tmp_path / "gone" / "torch-save").exists()
 
 
@@ -405,12 +517,21 @@ def test_an_interrupted_comparison_leaves_its_directory_empty(tmp_path: Any) -> 
                 os.kill(os.getpid(), signal.SIGINT)
 
     with pytest.raises(KeyboardInterrupt) as stopped:
-        bench.compare(small_workload(), ["torch-save", "nbckpt-async"], str(directory), steps=8,
-                      every=2, repeats=2, on_event=interrupt, progress=None)
+        bench.compare(
+            small_workload(),
+            ["torch-save", "nbckpt-async"],
+            str(directory),
+            steps=8,
+            every=2,
+            repeats=2,
+            on_event=interrupt,
+            progress=None,
+        )
     assert len(commits) >= 3
     # in a notebook, one line (it was a traceback through every frame of the run)
     assert stopped.value._render_traceback_() == [  # type: ignore[attr-defined]
-        "KeyboardInterrupt: the comparison was stopped; the checkpoints its runs wrote were removed"]
+        "KeyboardInterrupt: the comparison was stopped; the checkpoints its runs wrote were removed"
+    ]
     assert sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) == []
 
 
@@ -421,16 +542,20 @@ def test_a_run_in_the_queueing_regime_says_so_in_one_line() -> None:
     import pandas as pd
 
     def results(persist: float) -> pd.DataFrame:
-        return pd.DataFrame([
-            {"strategy": "none", "mean_step_s": 0.005, "persist_s": math.nan, "stall_mean_s": 0.0},
-            {"strategy": "torch-save", "mean_step_s": 0.03, "persist_s": 0.08, "stall_mean_s": 0.08},
-            {"strategy": "nbckpt-async", "mean_step_s": 0.02, "persist_s": persist, "stall_mean_s": 0.06},
-        ])
+        return pd.DataFrame(
+            [
+                {"strategy": "none", "mean_step_s": 0.005, "persist_s": math.nan, "stall_mean_s": 0.0},
+                {"strategy": "torch-save", "mean_step_s": 0.03, "persist_s": 0.08, "stall_mean_s": 0.08},
+                {"strategy": "nbckpt-async", "mean_step_s": 0.02, "persist_s": persist, "stall_mean_s": 0.06},
+            ]
+        )
 
     line = _compare.queueing(results(0.09), every=4)
-    assert line == ("queueing regime: a checkpoint every 4 steps (0.020 s) came before the previous "
-                    "save had persisted (nbckpt-async 0.090 s), so saves waited for each other, which "
-                    "a training job checkpointing every few minutes never sees; every 54 steps or more (or "
-                    "longer steps) shows that regime")
+    assert line == (
+        "queueing regime: a checkpoint every 4 steps (0.020 s) came before the previous "
+        "save had persisted (nbckpt-async 0.090 s), so saves waited for each other, which "
+        "a training job checkpointing every few minutes never sees; every 54 steps or more (or "
+        "longer steps) shows that regime"
+    )
     assert _compare.queueing(results(0.015), every=4) is None  # persisted within the interval
     assert _compare.queueing(results(0.09), every=40) is None

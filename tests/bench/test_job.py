@@ -12,18 +12,50 @@ from nbckpt.bench._job import job_summary, straggler
 S = 1_000_000_000  # ns per second
 
 
-def _rank(rank: int, host: str, stall: float, overhead: float, spans: list[tuple[int, int, int]],
-          floor: tuple[int, int, int]) -> dict[str, Any]:
+def _rank(
+    rank: int,
+    host: str,
+    stall: float,
+    overhead: float,
+    spans: list[tuple[int, int, int]],
+    floor: tuple[int, int, int],
+) -> dict[str, Any]:
     return {
-        "rank": rank, "host": host,
+        "rank": rank,
+        "host": host,
         "strategies": [
-            {"strategy": "none", "stall_s": 0.0, "persist_s": math.nan, "bytes": 0,
-             "write_gbs": math.nan, "mean_step_s": 0.1, "overhead_pct": math.nan, "checkpoints": 0},
-            {"strategy": "nbckpt-async", "stall_s": stall, "persist_s": 0.5, "bytes": 2_000,
-             "write_gbs": 1.0, "mean_step_s": 0.11, "overhead_pct": overhead, "checkpoints": 2},
+            {
+                "strategy": "none",
+                "stall_s": 0.0,
+                "persist_s": math.nan,
+                "bytes": 0,
+                "write_gbs": math.nan,
+                "mean_step_s": 0.1,
+                "overhead_pct": math.nan,
+                "checkpoints": 0,
+            },
+            {
+                "strategy": "nbckpt-async",
+                "stall_s": stall,
+                "persist_s": 0.5,
+                "bytes": 2_000,
+                "write_gbs": 1.0,
+                "mean_step_s": 0.11,
+                "overhead_pct": overhead,
+                "checkpoints": 2,
+            },
         ],
-        "checkpoints": [{"strategy": "nbckpt-async", "repeat": 0, "step": step, "start_ns": start,
-                         "end_ns": end, "bytes": 1_000} for step, start, end in spans],
+        "checkpoints": [
+            {
+                "strategy": "nbckpt-async",
+                "repeat": 0,
+                "step": step,
+                "start_ns": start,
+                "end_ns": end,
+                "bytes": 1_000,
+            }
+            for step, start, end in spans
+        ],
         "floor_writes": [{"repeat": 0, "start_ns": floor[0], "end_ns": floor[1], "bytes": floor[2]}],
     }
 
@@ -37,7 +69,10 @@ def test_the_job_spans_every_rank_and_names_the_straggler_and_its_host() -> None
     ]
     rows, job = job_summary(records)
     assert [(row["rank"], row["host"], row["strategy"]) for row in rows][:3] == [
-        (0, "a", "none"), (0, "a", "nbckpt-async"), (1, "a", "none")]
+        (0, "a", "none"),
+        (0, "a", "nbckpt-async"),
+        (1, "a", "none"),
+    ]
     assert job["world_size"] == 3
     assert job["hosts"] == {"a": [0, 1], "b": [2]}
     # All three wrote 4000 bytes from 0 s to 2 s: 12000 bytes in 2 s.
@@ -63,8 +98,7 @@ def test_the_job_spans_every_rank_and_names_the_straggler_and_its_host() -> None
 
 def test_a_rank_that_writes_nothing_adds_no_span_and_a_tie_names_no_straggler() -> None:
     # torch-save on many ranks: rank 0 alone writes the replicated state.
-    records = [_rank(0, "a", 0.3, 5.0, [(5, 0, 2 * S)], (0, S, 10)),
-               _rank(1, "a", 0.3, 5.0, [], (0, S, 10))]
+    records = [_rank(0, "a", 0.3, 5.0, [(5, 0, 2 * S)], (0, S, 10)), _rank(1, "a", 0.3, 5.0, [], (0, S, 10))]
     _, job = job_summary(records)
     (row,) = job["strategies"][1]["checkpoints"]
     assert row["ranks_writing"] == 1 and row["bytes"] == 1_000
@@ -91,12 +125,21 @@ def test_a_rank_holds_a_gpt_replicated_and_any_other_state_under_keys_of_its_own
 
 
 def test_the_benchs_own_coordination_is_the_rank_that_spent_most_per_step_it_trained() -> None:
-    records = [{**_rank(0, "a", 0.1, 2.0, [], (0, S, 10)), "coordination_s": 0.2, "steps_trained": 40,
-                "gather_s": 0.1},
-               {**_rank(1, "a", 0.1, 2.0, [], (0, S, 10)), "coordination_s": 0.25, "steps_trained": 50}]
+    records = [
+        {
+            **_rank(0, "a", 0.1, 2.0, [], (0, S, 10)),
+            "coordination_s": 0.2,
+            "steps_trained": 40,
+            "gather_s": 0.1,
+        },
+        {**_rank(1, "a", 0.1, 2.0, [], (0, S, 10)), "coordination_s": 0.25, "steps_trained": 50},
+    ]
     _, job = job_summary(records)
     # Rank 0: 0.2 s in barriers and 0.1 s gathering, the most; over the 40 steps it trained.
-    assert job["coordination"] == {"seconds": pytest.approx(0.3), "rank": 0,
-                                   "per_step_s": pytest.approx(0.3 / 40)}
+    assert job["coordination"] == {
+        "seconds": pytest.approx(0.3),
+        "rank": 0,
+        "per_step_s": pytest.approx(0.3 / 40),
+    }
     _, without = job_summary([_rank(0, "a", 0.1, 2.0, [], (0, S, 10))])
     assert without["coordination"]["rank"] is None

@@ -16,9 +16,23 @@ def test_the_kill_benchmark_runs_in_its_short_mode(tmp_path: Path) -> None:
     goodput beside the model's; what it measures here is noise, only that it runs is checked."""
     out = tmp_path / "kill.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--modes", "async", "--factors", "1", "--dir",
-         str(tmp_path / "runs"), "--json", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--quick",
+            "--modes",
+            "async",
+            "--factors",
+            "1",
+            "--dir",
+            str(tmp_path / "runs"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())

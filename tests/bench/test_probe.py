@@ -100,14 +100,18 @@ def test_a_line_that_is_not_mountinfo_is_refused() -> None:
         mount_info("/", mountinfo="/dev/sda1 / ext4 rw,relatime 0 0")
 
 
-MOUNTS = "\n".join([
-    EXT4, NFS3, NFS4,
-    "354 27 0:54 / /mnt/fb-archive rw - nfs fb02:/other rw,vers=3",
-    TMPFS,
-    "355 27 0:55 / /mnt/stacked rw - tmpfs tmpfs rw",
-    "356 355 0:56 / /mnt/stacked rw - nfs fb03:/stacked rw,vers=3,nconnect=4",
-    SSHFS,
-])
+MOUNTS = "\n".join(
+    [
+        EXT4,
+        NFS3,
+        NFS4,
+        "354 27 0:54 / /mnt/fb-archive rw - nfs fb02:/other rw,vers=3",
+        TMPFS,
+        "355 27 0:55 / /mnt/stacked rw - tmpfs tmpfs rw",
+        "356 355 0:56 / /mnt/stacked rw - nfs fb03:/stacked rw,vers=3,nconnect=4",
+        SSHFS,
+    ]
+)
 
 
 @pytest.mark.parametrize(
@@ -139,11 +143,19 @@ def test_mount_info_of_this_machine(tmp_path: Path) -> None:
 def result(mount: str = EXT4, **overrides: Any) -> ProbeResult:
     info = mount_of(mount)
     fields: dict[str, Any] = {
-        "target": info.mount_point, "kind": info.kind, "fstype": info.fstype, "source": info.source,
-        "mount_point": info.mount_point, "options": info.options, "free_bytes": 10**12,
-        "total_bytes": 2 * 10**12, "size_bytes": 64 << 20,
+        "target": info.mount_point,
+        "kind": info.kind,
+        "fstype": info.fstype,
+        "source": info.source,
+        "mount_point": info.mount_point,
+        "options": info.options,
+        "free_bytes": 10**12,
+        "total_bytes": 2 * 10**12,
+        "size_bytes": 64 << 20,
         "runs": [StreamRun(n, 64 << 20, 0.1, 0.05) for n in (1, 2, 4, 8)],
-        "fsync_ms": 0.5, "fsync_p95_ms": 1.0, "cache_dropped": True,
+        "fsync_ms": 0.5,
+        "fsync_p95_ms": 1.0,
+        "cache_dropped": True,
     }
     fields.update(overrides)
     return ProbeResult(**fields)
@@ -256,9 +268,7 @@ def test_probe_unwritable_target_is_a_clear_error() -> None:
         probe("/proc/nbckpt-probe", size_mb=1)
 
 
-def test_cli_probe_prints_summary_and_writes_json(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_probe_prints_summary_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "probe.json"
     target = tmp_path / "target"
     assert cli(["probe", str(target), "--size-mb", "2", "--streams", "1,2", "--json", str(out)]) == 0
@@ -271,7 +281,6 @@ def test_cli_probe_prints_summary_and_writes_json(
 def test_cli_bad_streams_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli(["probe", str(tmp_path), "--streams", "1,x"]) == 2
     assert "--streams" in capsys.readouterr().err
-
 
 
 def test_summary_shows_nfs_options_and_every_advice_item() -> None:
@@ -319,8 +328,15 @@ def test_the_page_cache_check_sees_cached_and_dropped_pages(tmp_path: Path) -> N
 
 
 def test_floors_read_back_from_json_with_nulls_and_lists() -> None:
-    body = {"bytes": 10, "copy_s": None, "copy_gbs": 1.0, "write_gbs": 2.0, "write_gbs_rounds": [1.5, None],
-            "write_gbs_by_streams": {"1": 2.0, "2": None}, "a_later_field": 1}
+    body = {
+        "bytes": 10,
+        "copy_s": None,
+        "copy_gbs": 1.0,
+        "write_gbs": 2.0,
+        "write_gbs_rounds": [1.5, None],
+        "write_gbs_by_streams": {"1": 2.0, "2": None},
+        "a_later_field": 1,
+    }
     floors = Floors.from_dict(body)
     assert floors.bytes == 10 and math.isnan(floors.copy_s) and floors.write_gbs == 2.0
     assert floors.write_gbs_rounds[0] == 1.5 and math.isnan(floors.write_gbs_rounds[1])

@@ -21,8 +21,13 @@ def bucket(s3_server: SeaweedS3) -> str:
 
 
 def test_probe_object_store_measures_and_leaves_nothing(s3_server: SeaweedS3, bucket: str) -> None:
-    found = probe(f"s3://{bucket}/probe", size_mb=12, streams=(1, 2), repeats=1,
-                  storage_options=s3_server.storage_options())
+    found = probe(
+        f"s3://{bucket}/probe",
+        size_mb=12,
+        streams=(1, 2),
+        repeats=1,
+        storage_options=s3_server.storage_options(),
+    )
     frame = found.to_pandas()
     assert found.kind == "object" and found.source == s3_server.endpoint_url
     assert list(frame["streams"]) == [1, 2] and (frame["write_gbs"] > 0).all()
@@ -34,8 +39,18 @@ def test_probe_object_store_measures_and_leaves_nothing(s3_server: SeaweedS3, bu
 def test_cli_probe_s3_with_wrong_secret_is_a_one_line_error(
     s3_server: SeaweedS3, bucket: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["probe", f"s3://{bucket}/p", "--size-mb", "1", "--endpoint-url", s3_server.endpoint_url,
-            "--option", f"key={KEY}", "--option", "secret=wrong"]
+    args = [
+        "probe",
+        f"s3://{bucket}/p",
+        "--size-mb",
+        "1",
+        "--endpoint-url",
+        s3_server.endpoint_url,
+        "--option",
+        f"key={KEY}",
+        "--option",
+        "secret=wrong",
+    ]
     assert cli(args) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1

@@ -22,18 +22,44 @@ SLOW_RANK, SLOW_S = 1, 0.4
 
 def _data_bytes(folder: Path) -> int:
     """The checkpoints' data files under ``folder``: DCP's and nbckpt's shards, torch.save's files."""
-    return sum(path.stat().st_size for path in folder.rglob("*")
-               if path.is_file() and path.suffix in (".distcp", ".pt"))
+    return sum(
+        path.stat().st_size
+        for path in folder.rglob("*")
+        if path.is_file() and path.suffix in (".distcp", ".pt")
+    )
 
 
 def _bench_on_two_ranks(tmp_path: Path, *options: str, slow_s: float = 0.0) -> tuple[str, dict[str, Any]]:
     """``nbckpt bench`` under torchrun on 2 gloo ranks, checkpoints kept; its stdout and JSON."""
     out = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(HELPER), str(SLOW_RANK), str(slow_s),
-               "bench", "--dir", str(tmp_path / "ckpt"), "--strategies", ",".join(WRITERS),
-               "--steps", "4", "--every", "2", "--repeats", "1", "--no-warmup", "--keep", "--quiet",
-               "--json", str(out), *options]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(HELPER),
+        str(SLOW_RANK),
+        str(slow_s),
+        "bench",
+        "--dir",
+        str(tmp_path / "ckpt"),
+        "--strategies",
+        ",".join(WRITERS),
+        "--steps",
+        "4",
+        "--every",
+        "2",
+        "--repeats",
+        "1",
+        "--no-warmup",
+        "--keep",
+        "--quiet",
+        "--json",
+        str(out),
+        *options,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=200, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -49,8 +75,7 @@ def _check_bytes_on_disk(tmp_path: Path, rows: dict[tuple[int, str], dict[str, A
 
 @pytest.mark.timeout(240)
 def test_two_ranks_report_every_rank_the_job_and_the_slowed_rank_as_straggler(tmp_path: Path) -> None:
-    stdout, document = _bench_on_two_ranks(tmp_path, "--size-mb", "1", "--compute-ms", "1",
-                                           slow_s=SLOW_S)
+    stdout, document = _bench_on_two_ranks(tmp_path, "--size-mb", "1", "--compute-ms", "1", slow_s=SLOW_S)
     # Rank 0 alone prints and writes results: one table, one file.
     assert stdout.count("results written to") == 1, stdout
     assert stdout.count("on 2 ranks, 1 host(s)") == 1
@@ -106,7 +131,8 @@ def test_a_gpt_replicated_or_sharded_is_written_once_over_the_ranks(tmp_path: Pa
 
 
 def test_fsdp_outside_torchrun_is_a_one_line_error(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert cli.main(["bench", "--fsdp", "--dir", str(tmp_path)]) == 2
     assert "--fsdp shards the model over the ranks of torchrun" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

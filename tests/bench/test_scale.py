@@ -30,9 +30,24 @@ IN_A_TURN = "[nbckpt-async] repeat 1/1, step 1/"
 
 def _bench(tmp_path: Path) -> list[str]:
     """A small bench: 1 MiB per rank, one strategy, two checkpoints, one repeat."""
-    return ["bench", "--dir", str(tmp_path / "ckpt"), "--size-mb", "1", "--compute-ms", "1",
-            "--strategies", "nbckpt-async", "--steps", "2", "--every", "1", "--repeats", "1",
-            "--no-warmup"]
+    return [
+        "bench",
+        "--dir",
+        str(tmp_path / "ckpt"),
+        "--size-mb",
+        "1",
+        "--compute-ms",
+        "1",
+        "--strategies",
+        "nbckpt-async",
+        "--steps",
+        "2",
+        "--every",
+        "1",
+        "--repeats",
+        "1",
+        "--no-warmup",
+    ]
 
 
 def _options(tmp_path: Path, ranks: str) -> list[str]:
@@ -58,7 +73,8 @@ def _running(processes: list[psutil.Process]) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_a_sweep_over_1_and_2_ranks_writes_one_table_and_one_json_of_both(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert cli.main(_options(tmp_path, "1,2")) == 0
     out = capsys.readouterr().out
     assert out.count("results written to") == 1 and "x floor" in out
@@ -84,7 +100,8 @@ def test_a_sweep_over_1_and_2_ranks_writes_one_table_and_one_json_of_both(
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("end", ["interrupt", "rank-dies"])
 def test_ctrl_c_or_a_dying_rank_ends_every_process_and_a_dead_rank_is_named(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], seam: None, end: str) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], seam: None, end: str
+) -> None:
     noted: list[psutil.Process] = []
 
     def at_a_turn(line: str, torchrun: subprocess.Popen[str]) -> None:
@@ -94,8 +111,11 @@ def test_ctrl_c_or_a_dying_rank_ends_every_process_and_a_dead_rank_is_named(
         noted.append(psutil.Process(torchrun.pid))
         if end == "interrupt":
             raise KeyboardInterrupt  # as Ctrl-C in the sweep's terminal
-        (rank1,) = [worker for worker in psutil.Process(torchrun.pid).children()
-                    if worker.environ().get("RANK") == "1"]
+        (rank1,) = [
+            worker
+            for worker in psutil.Process(torchrun.pid).children()
+            if worker.environ().get("RANK") == "1"
+        ]
         rank1.send_signal(signal.SIGKILL)
 
     arm_sweep_seam(at_a_turn)
@@ -118,8 +138,9 @@ def test_rank_counts_and_the_options_passed_through() -> None:
     for bad in ("", "0,1", "1,1", "two"):
         with pytest.raises(ValueError, match="--ranks wants distinct rank counts"):
             parse_ranks(bad)
-    args = cli.build_parser().parse_args(["bench", "--ranks", "1,2", "--size-mb", "2", "--no-warmup",
-                                          "--json", "x.json", "--fsdp"])
+    args = cli.build_parser().parse_args(
+        ["bench", "--ranks", "1,2", "--size-mb", "2", "--no-warmup", "--json", "x.json", "--fsdp"]
+    )
     argv = passthrough(args)
     assert "--ranks" not in argv and "--json" not in argv
     assert argv[argv.index("--size-mb") + 1] == "2.0" and "--no-warmup" in argv and "--fsdp" in argv
@@ -133,12 +154,35 @@ def test_two_agents_as_two_hosts_name_both_and_group_the_ranks_by_host(tmp_path:
     """Two torchrun agents (--nnodes 2, one rank each) told apart by NBCKPT_BENCH_HOST."""
     out = tmp_path / "job.json"
     endpoint = f"127.0.0.1:{free_port()}"
-    agents = [RankProcess.start(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-hosts",
-         "--nproc-per-node", "1", "-m", "nbckpt", *_bench(tmp_path), "--quiet",
-         "--json", str(out)],
-        {**os.environ, "OMP_NUM_THREADS": "1", HOST_VARIABLE: f"host-{node}"}) for node in (0, 1)]
+    agents = [
+        RankProcess.start(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                "two-hosts",
+                "--nproc-per-node",
+                "1",
+                "-m",
+                "nbckpt",
+                *_bench(tmp_path),
+                "--quiet",
+                "--json",
+                str(out),
+            ],
+            {**os.environ, "OMP_NUM_THREADS": "1", HOST_VARIABLE: f"host-{node}"},
+        )
+        for node in (0, 1)
+    ]
     try:
         for code, _, err in finish_all(agents, timeout=200):
             assert code == 0, err[-3000:]
@@ -161,16 +205,36 @@ def test_two_agents_as_two_hosts_name_both_and_group_the_ranks_by_host(tmp_path:
 @pytest.mark.xdist_group("s3")
 @pytest.mark.timeout(240)
 def test_two_ranks_write_to_s3_and_their_bytes_add_up_to_the_objects(
-        tmp_path: Path, s3_server: SeaweedS3) -> None:
+    tmp_path: Path, s3_server: SeaweedS3
+) -> None:
     bucket = f"nbckpt-{uuid.uuid4().hex[:10]}"
     s3_server.make_bucket(bucket)
     target = f"s3://{bucket}/bench"
     out = tmp_path / "job.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AWS_ENDPOINT_URL": s3_server.endpoint_url,
-           "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "nbckpt", *_bench(tmp_path), "--dir", target,
-               "--strategies", "torch-save,dcp-sync,nbckpt-sync,nbckpt-async", "--json", str(out)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "AWS_ENDPOINT_URL": s3_server.endpoint_url,
+        "AWS_ACCESS_KEY_ID": KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "nbckpt",
+        *_bench(tmp_path),
+        "--dir",
+        target,
+        "--strategies",
+        "torch-save,dcp-sync,nbckpt-sync,nbckpt-async",
+        "--json",
+        str(out),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=200, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     # Skipped with one line each, as in one process: they write local files only.
@@ -182,8 +246,9 @@ def test_two_ranks_write_to_s3_and_their_bytes_add_up_to_the_objects(
     files = s3_server.filesystem()
     for name in ("nbckpt-sync", "nbckpt-async"):
         objects = files.find(f"{bucket}/bench", detail=True)
-        data = sum(info["size"] for path, info in objects.items()
-                   if f"/{name}/" in path and path.endswith(".distcp"))
+        data = sum(
+            info["size"] for path, info in objects.items() if f"/{name}/" in path and path.endswith(".distcp")
+        )
         assert all(rows[rank, name]["bytes"] > 1024 * 1024 for rank in (0, 1))  # 2 x 1 MiB each
         assert rows[0, name]["bytes"] + rows[1, name]["bytes"] == data, name
         (summary,) = [row for row in document["job"]["strategies"] if row["strategy"] == name]
@@ -197,10 +262,14 @@ RESTORER = Path(__file__).parents[1] / "helpers" / "bench_restore_worker.py"
 
 def _torchrun_two(*command: str) -> str:
     """``command`` on 2 local gloo ranks under torchrun; its stdout (a failure shows stderr)."""
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", *command],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=250, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *command],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=250,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
 
@@ -209,17 +278,41 @@ def _torchrun_two(*command: str) -> str:
 @pytest.mark.timeout(600)
 def test_the_sharded_workloads_kept_checkpoints_restore_bit_exactly_on_the_same_ranks(tmp_path: Path) -> None:
     out, folder = tmp_path / "job.json", tmp_path / "ckpt"
-    _torchrun_two("-m", "nbckpt", "bench", "--dir", str(folder), "--preset", "tiny", "--fsdp", "--keep",
-                  "--strategies", "dcp-sync,nbckpt-async", "--steps", "4", "--every", "2",
-                  "--repeats", "1", "--no-warmup", "--quiet", "--json", str(out))
+    _torchrun_two(
+        "-m",
+        "nbckpt",
+        "bench",
+        "--dir",
+        str(folder),
+        "--preset",
+        "tiny",
+        "--fsdp",
+        "--keep",
+        "--strategies",
+        "dcp-sync,nbckpt-async",
+        "--steps",
+        "4",
+        "--every",
+        "2",
+        "--repeats",
+        "1",
+        "--no-warmup",
+        "--quiet",
+        "--json",
+        str(out),
+    )
     kept = json.loads(out.read_text())["job"]["kept"]
     # Each rank's last checkpoint of each strategy, every tensor it holds digested.
     assert sorted((row["rank"], row["strategy"], row["step"]) for row in kept) == [
-        (rank, name, 4) for rank in (0, 1) for name in ("dcp-sync", "nbckpt-async")]
+        (rank, name, 4) for rank in (0, 1) for name in ("dcp-sync", "nbckpt-async")
+    ]
     shards = {row["rank"]: row["digests"] for row in kept if row["strategy"] == "nbckpt-async"}
     assert shards[0].keys() == shards[1].keys() and shards[0] != shards[1]  # each rank its own 1/2
-    lines = [json.loads(line) for line in _torchrun_two(str(RESTORER), str(out), str(folder)).splitlines()
-             if line.startswith("{")]
+    lines = [
+        json.loads(line)
+        for line in _torchrun_two(str(RESTORER), str(out), str(folder)).splitlines()
+        if line.startswith("{")
+    ]
     assert sorted(line["rank"] for line in lines) == [0, 1]
     for line in lines:
         for name in ("dcp-sync", "nbckpt-async"):

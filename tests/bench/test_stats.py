@@ -23,8 +23,9 @@ SEEDS = range(200)
 REPEATS, CYCLES = 3, 4  # the Lab's defaults: 3 repeats of 20 steps, a checkpoint every 5
 
 
-def loop_times(seed: int, effect: float, *, repeats: int = REPEATS, cycles: int = CYCLES,
-               own_noise: float = 0.2) -> list[list[tuple[float, float]]]:
+def loop_times(
+    seed: int, effect: float, *, repeats: int = REPEATS, cycles: int = CYCLES, own_noise: float = 0.2
+) -> list[list[tuple[float, float]]]:
     """(strategy, baseline) loop times per cycle pair, per repeat: the strategy ``effect`` times
     slower, under the noise of the module's docstring."""
     rng = np.random.default_rng(seed)
@@ -39,14 +40,16 @@ def loop_times(seed: int, effect: float, *, repeats: int = REPEATS, cycles: int 
 
 def overhead(pairs: list[list[tuple[float, float]]]) -> tuple[float, float, float]:
     """(overhead, lo, hi) in % by the bench's method."""
-    estimate = _stats.clustered_mean([[math.log(ours / theirs) for ours, theirs in repeat]
-                                     for repeat in pairs], log_ratios=True)
+    estimate = _stats.clustered_mean(
+        [[math.log(ours / theirs) for ours, theirs in repeat] for repeat in pairs], log_ratios=True
+    )
     return tuple(100.0 * math.expm1(v) for v in (estimate.mean, estimate.lo, estimate.hi))  # type: ignore[return-value]
 
 
 def log_width(pairs: list[list[tuple[float, float]]]) -> float:
-    estimate = _stats.clustered_mean([[math.log(a / b) for a, b in repeat] for repeat in pairs],
-                                    log_ratios=True)
+    estimate = _stats.clustered_mean(
+        [[math.log(a / b) for a, b in repeat] for repeat in pairs], log_ratios=True
+    )
     return estimate.hi - estimate.lo
 
 
@@ -75,8 +78,9 @@ def test_no_interval_reaches_below_minus_100_percent() -> None:
         [[0.01, 0.02, 0.01], [0.5, 0.1, 0.9], [50.0, 100.0, 2.0]],
     ]
     for ratios in extremes:
-        estimate = _stats.clustered_mean([[math.log(r) for r in repeat] for repeat in ratios],
-                                        log_ratios=True)
+        estimate = _stats.clustered_mean(
+            [[math.log(r) for r in repeat] for repeat in ratios], log_ratios=True
+        )
         assert 100.0 * math.expm1(estimate.lo) >= -100.0, ratios  # -100 %: rounding of e^-147
     for seed in SEEDS:
         for effect in (0.1, 1.0, 2.0):
@@ -90,31 +94,50 @@ def test_one_repeat_is_never_firmer_than_three(effect: float) -> None:
         pairs = loop_times(seed, effect)
         _, lo3, hi3 = overhead(pairs)
         for repeat in range(REPEATS):
-            alone = pairs[repeat:repeat + 1]
+            alone = pairs[repeat : repeat + 1]
             _, lo1, hi1 = overhead(alone)
             assert log_width(alone) >= log_width(pairs), (seed, repeat)
             if lo1 > 0 or hi1 < 0:  # one repeat may say "measurable" only where three do
                 assert lo3 > 0 or hi3 < 0, (seed, repeat)
 
 
-def fake_run(name: str, repeat: int, cycle_loops: list[float], *, stall_s: float = 0.0,
-             stopped: bool = False, every: int = 5) -> _result.ExperimentResult:
+def fake_run(
+    name: str,
+    repeat: int,
+    cycle_loops: list[float],
+    *,
+    stall_s: float = 0.0,
+    stopped: bool = False,
+    every: int = 5,
+) -> _result.ExperimentResult:
     """A run whose cycles took ``cycle_loops`` (the last one holds the final checkpoint only),
     each checkpoint stalling ``stall_s`` within its cycle."""
     cycles = []
     for index, loop in enumerate(cycle_loops):
         final = index == len(cycle_loops) - 1 and not stopped
         saved = int(index > 0 and name != "none")
-        cycles.append(_result.Cycle(steps=0 if final else every, loop_s=loop,
-                                  stall_s=stall_s * saved, checkpoints=saved))
+        cycles.append(
+            _result.Cycle(
+                steps=0 if final else every, loop_s=loop, stall_s=stall_s * saved, checkpoints=saved
+            )
+        )
     steps = sum(c.steps for c in cycles)
     events = [Event("step", i, i + 1, step=i + 1, label=name) for i in range(steps)]
-    events += [Event("stall", 0, round(stall_s * 1e9), step=every * i, label=name,
-                           detail={"part": "save"}) for i in range(1, len(cycles)) if name != "none"]
+    events += [
+        Event("stall", 0, round(stall_s * 1e9), step=every * i, label=name, detail={"part": "save"})
+        for i in range(1, len(cycles))
+        if name != "none"
+    ]
     return _result.ExperimentResult(
-        strategy=name, bytes=1 << 20,
-        timeline=Timeline(label=name), wall_s=sum(cycle_loops), peak_host_mb=1.0,
-        stopped=stopped, events=events, repeat=repeat, cycles=cycles,
+        strategy=name,
+        bytes=1 << 20,
+        timeline=Timeline(label=name),
+        wall_s=sum(cycle_loops),
+        peak_host_mb=1.0,
+        stopped=stopped,
+        events=events,
+        repeat=repeat,
+        cycles=cycles,
     )
 
 
@@ -200,20 +223,31 @@ def test_clustered_mean_against_hand_computed_cases() -> None:
 
 
 def test_texts_show_the_estimate_always_and_the_words_only_beside_zero() -> None:
-    row: dict[str, Any] = {"strategy": "x", "overhead_pct": 1.5, "overhead_ci_pct": [-2.0, 5.0],
-                           "overhead_by_repeat_pct": [1.0, 2.5, 1.0], "partial": False}
+    row: dict[str, Any] = {
+        "strategy": "x",
+        "overhead_pct": 1.5,
+        "overhead_ci_pct": [-2.0, 5.0],
+        "overhead_by_repeat_pct": [1.0, 2.5, 1.0],
+        "partial": False,
+    }
     assert _stats.overhead_text(row) == "+1.5 % (no measurable difference)"
     assert _stats.overhead_text({**row, "overhead_ci_pct": [0.5, 2.5]}) == "+1.5 %"
     assert _stats.overhead_text({**row, "overhead_pct": -3.0, "overhead_ci_pct": [-4.0, -1.0]}) == "-3.0 %"
     assert _stats.overhead_text({**row, "partial": True}) == "+1.5 % (no measurable difference)"
     assert _stats.overhead_text({**row, "strategy": "none"}) == "baseline"
     # issue 29: under load every repeat +66 % or more, the interval [-20.5, +1127] %
-    busy = {**row, "overhead_pct": 250.0, "overhead_ci_pct": [-20.5, 1127.0],
-            "overhead_by_repeat_pct": [66.0, 410.0, 380.0]}
+    busy = {
+        **row,
+        "overhead_pct": 250.0,
+        "overhead_ci_pct": [-20.5, 1127.0],
+        "overhead_by_repeat_pct": [66.0, 410.0, 380.0],
+    }
     assert _stats.overhead_text(busy) == (
-        "+250.0 % (every repeat above 0; the interval is too wide to say how far)")
+        "+250.0 % (every repeat above 0; the interval is too wide to say how far)"
+    )
     assert _stats.overhead_text({**busy, "overhead_by_repeat_pct": [-5.0, 410.0, 380.0]}).endswith(
-        "(no measurable difference)")
+        "(no measurable difference)"
+    )
     assert _stats.overhead_text({**row, "overhead_pct": math.nan}) == "-"
     assert _stats.per_repeat_text(row) == "+1.0, +2.5, +1.0 %"
     assert _stats.interval_text([-2.0, 5.0]) == "[-2.0, +5.0] %"

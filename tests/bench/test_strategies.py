@@ -22,11 +22,16 @@ from nbckpt.bench._strategy import join
 from nbckpt.bench._workloads import SyntheticWorkload, gpt
 
 BUILT_IN = [
-    "none", "torch-save", "dcp-sync", "dcp-async", "dcp-async-stager", "nbckpt-sync",
-    "nbckpt-async", "nbckpt-async-overlap",
+    "none",
+    "torch-save",
+    "dcp-sync",
+    "dcp-async",
+    "dcp-async-stager",
+    "nbckpt-sync",
+    "nbckpt-async",
+    "nbckpt-async-overlap",
 ]
-THREAD_LOCAL = ["torch-save", "dcp-sync", "dcp-async", "nbckpt-sync", "nbckpt-async",
-                "nbckpt-async-overlap"]
+THREAD_LOCAL = ["torch-save", "dcp-sync", "dcp-async", "nbckpt-sync", "nbckpt-async", "nbckpt-async-overlap"]
 
 
 def load_model(name: str, path: str, step: int, like: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -36,16 +41,16 @@ def load_model(name: str, path: str, step: int, like: Mapping[str, torch.Tensor]
         return dict(saved["model"])
     target = {key: torch.zeros_like(value) for key, value in like.items()}
     if name.startswith("dcp"):
-        dcp_load({"model": target}, checkpoint_id=os.path.join(path, f"step-{step:06d}"),
-                 no_dist=True)
+        dcp_load({"model": target}, checkpoint_id=os.path.join(path, f"step-{step:06d}"), no_dist=True)
     else:
         with Checkpointer(path) as ckpt:
             assert ckpt.restore({"model": target}, step=step) == step
     return target
 
 
-def save_twice(strategy: bench.Strategy, workload: SyntheticWorkload, directory: str,
-               timeline: Timeline) -> dict[str, torch.Tensor]:
+def save_twice(
+    strategy: bench.Strategy, workload: SyntheticWorkload, directory: str, timeline: Timeline
+) -> dict[str, torch.Tensor]:
     """Save steps 1 and 2 (training in between); return the tensors as they were at step 2."""
     strategy.open(directory, timeline)
     try:
@@ -227,13 +232,23 @@ def test_dcp_async_stager_reuses_one_stager_over_several_saves_quietly(tmp_path:
     process of its own (DCP's checkpoint process lives as long as the interpreter)."""
     script = tmp_path / "stager.py"
     script.write_text(STAGER_SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")],
-                          capture_output=True, text=True, timeout=200, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary == {"same_stager": [True] * 4, "equal": True, "stage": [1, 2, 3, 4],
-                       "persist": [1, 2, 3, 4], "group_left": False}
+    assert summary == {
+        "same_stager": [True] * 4,
+        "equal": True,
+        "stage": [1, 2, 3, 4],
+        "persist": [1, 2, 3, 4],
+        "group_left": False,
+    }
     # DCP's checkpoint process logs every request at INFO; nbckpt starts it at WARNING
     assert " - INFO - " not in done.stderr, done.stderr
     assert sorted(os.listdir(tmp_path / "ckpt" / "dcp-async-stager")) == [
@@ -265,5 +280,5 @@ def test_dcp_without_a_process_group_saves_without_torchs_warning_and_only_then(
         during = [str(w.message) for w in caught]
         dcp_save({"x": torch.zeros(2)}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
     assert not [text for text in during if "torch.distributed is disabled" in text], during
-    after = [str(w.message) for w in caught][len(during):]
+    after = [str(w.message) for w in caught][len(during) :]
     assert any(text.startswith("torch.distributed is disabled") for text in after), after

@@ -14,7 +14,12 @@ from nbckpt.bench._strategy import plain_state, tensor_bytes
 
 # Approximate parameter counts the preset names promise.
 EXPECTED_PARAMS = {
-    "tiny": 1e6, "small": 25e6, "base": 125e6, "350m": 350e6, "1b": 1e9, "3b": 3e9,
+    "tiny": 1e6,
+    "small": 25e6,
+    "base": 125e6,
+    "350m": 350e6,
+    "1b": 1e9,
+    "3b": 3e9,
 }
 
 
@@ -66,7 +71,7 @@ def test_training_is_deterministic_and_hook_runs_before_the_update() -> None:
 
         workload.train_step(hook)
         workload.train_step()
-        (had_grad, before), = seen
+        ((had_grad, before),) = seen
         assert had_grad
         assert not torch.equal(before, weight)  # the optimizer step came after the hook
         assert workload.step == 2

@@ -145,8 +145,13 @@ def titan_objects() -> dict[str, object]:
     model = torch.nn.Linear(6, 4)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda n: 0.5**n)
-    return {"model": model, "optimizer": optim, "lr_scheduler": sched, "train_state": TrainState(),
-            "dataloader": Loader()}
+    return {
+        "model": model,
+        "optimizer": optim,
+        "lr_scheduler": sched,
+        "train_state": TrainState(),
+        "dataloader": Loader(),
+    }
 
 
 def test_a_torchtitan_shaped_dcp_step_is_restored_completely(tmp_path: Path) -> None:

@@ -33,8 +33,18 @@ DOC = ROOT / "docs" / "format.md"
 STEP_RE = re.compile(r"step-([0-9]{6,19})")
 BLOCK_SIZE = 16777216
 MANIFEST_LIMIT = 67108864
-ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-            "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 class Damaged(Exception):
@@ -180,7 +190,7 @@ def test_a_reader_written_from_the_page_reads_a_step_and_checks_every_checksum(t
         read_step(steps[2], 2)
 
 
-SHARDED_WORKER = '''
+SHARDED_WORKER = """
 import json, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -196,7 +206,7 @@ with Checkpointer(sys.argv[2]) as ckpt:
     ckpt.wait()
 dist.destroy_process_group()
 print(json.dumps({"saved": True}))
-'''
+"""
 
 
 @pytest.mark.timeout(300)
@@ -211,12 +221,14 @@ def test_the_reader_assembles_dtensor_shards_two_ranks_saved(tmp_path: Path) -> 
     body = read_manifest(steps[5], 5)
     assert {len(body["items"][key]) for key in ("rows", "cols")} == {2}  # one chunk per rank
     assert len(body["items"]["same"]) == 1  # a replicated chunk is written once
-    assert read_step(steps[5], 5) == as_read({
-        "rows": torch.arange(35, dtype=torch.float32).reshape(7, 5),
-        "cols": torch.arange(24, dtype=torch.int64).reshape(4, 6),
-        "same": torch.ones(3, dtype=torch.float16),
-        "step": 5,
-    })
+    assert read_step(steps[5], 5) == as_read(
+        {
+            "rows": torch.arange(35, dtype=torch.float32).reshape(7, 5),
+            "cols": torch.arange(24, dtype=torch.int64).reshape(4, 6),
+            "same": torch.ones(3, dtype=torch.float16),
+            "step": 5,
+        }
+    )
 
 
 # -- Every constant of the format is on the page -------------------------------------------------
@@ -260,9 +272,20 @@ def test_metrics_are_an_optional_object_of_finite_numbers_as_the_page_says(tmp_p
         with pytest.raises(CheckpointError, match="malformed metrics"):
             _manifest.parse(_manifest.sign({**body, "metrics": bad}), 1, "manifest")
 
-    written = json.loads(_manifest.build(
-        step=1, nbytes=0, world_size=1, files={}, items={}, tree={"t": "dict", "items": []}, rank_trees={},
-        rng={}, provenance={}, timing={}, metrics={"loss": 0.5},
-    ))
+    written = json.loads(
+        _manifest.build(
+            step=1,
+            nbytes=0,
+            world_size=1,
+            files={},
+            items={},
+            tree={"t": "dict", "items": []},
+            rank_trees={},
+            rng={},
+            provenance={},
+            timing={},
+            metrics={"loss": 0.5},
+        )
+    )
     assert written["metrics"] == {"loss": 0.5}
     assert set(written) <= set(_format.MANIFEST_KEYS)

@@ -40,8 +40,11 @@ def test_every_commit_reaches_the_mirror_with_its_own_commit(tmp_path: Path) -> 
 def test_uploads_leave_no_file_open(tmp_path: Path) -> None:
     def open_files() -> set[str]:
         fds = Path("/proc/self/fd")
-        return {str(link.readlink()) for link in fds.iterdir() if link.is_symlink() and str(tmp_path) in
-                str(link.readlink())}
+        return {
+            str(link.readlink())
+            for link in fds.iterdir()
+            if link.is_symlink() and str(tmp_path) in str(link.readlink())
+        }
 
     with Checkpointer(tmp_path / "local", mirror=str(tmp_path / "mirror"), keep=1) as ckpt:
         for step in range(1, 4):

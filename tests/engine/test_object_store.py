@@ -88,9 +88,7 @@ def test_credentials_from_aws_environment(
         assert ckpt.steps() == [1]
 
 
-def test_wrong_credentials_name_the_endpoint_and_write_nothing(
-    s3_server: SeaweedS3, bucket: str
-) -> None:
+def test_wrong_credentials_name_the_endpoint_and_write_nothing(s3_server: SeaweedS3, bucket: str) -> None:
     options = s3_server.storage_options(secret="not-the-secret")
     with pytest.raises(CheckpointError) as caught:
         Checkpointer(f"s3://{bucket}/run", storage_options=options)
@@ -156,9 +154,7 @@ def test_retention_deletes_only_after_a_newer_commit(s3_server: SeaweedS3, bucke
         assert commits[delete.step + 2] <= delete.start_ns
 
 
-def test_prefix_without_manifest_never_counts_and_is_cleaned(
-    s3_server: SeaweedS3, bucket: str
-) -> None:
+def test_prefix_without_manifest_never_counts_and_is_cleaned(s3_server: SeaweedS3, bucket: str) -> None:
     url = f"s3://{bucket}/partial"
     model, _ = trained()
     with Checkpointer(url, mode="sync", storage_options=s3_server.storage_options()) as ckpt:
@@ -176,20 +172,26 @@ def test_prefix_without_manifest_never_counts_and_is_cleaned(
 
 @pytest.mark.parametrize(
     ("crash_at", "args", "committed", "left"),
-    [("after_data", ["--steps", "1"], [], "step-000000"),
-     ("during_delete", ["--steps", "2", "--keep", "1"], [1], "step-000000")],
+    [
+        ("after_data", ["--steps", "1"], [], "step-000000"),
+        ("during_delete", ["--steps", "2", "--keep", "1"], [1], "step-000000"),
+    ],
 )
 def test_killed_writer_leaves_nothing_that_counts(
     s3_server: SeaweedS3, bucket: str, crash_at: str, args: list[str], committed: list[int], left: str
 ) -> None:
     url = f"s3://{bucket}/killed"
     env = {
-        **os.environ, "AWS_ACCESS_KEY_ID": KEY,
-        "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_server.endpoint_url,
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_ENDPOINT_URL": s3_server.endpoint_url,
     }
     child = subprocess.run(
         [sys.executable, str(CRASH_CHILD), url, "--crash-at", crash_at, *args],
-        env=env, capture_output=True, timeout=300,
+        env=env,
+        capture_output=True,
+        timeout=300,
     )
     assert child.returncode == -9, child.stderr.decode()[-2000:]
     keys = keys_under(s3_server, f"{bucket}/killed")

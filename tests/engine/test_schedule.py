@@ -46,8 +46,13 @@ def test_a_job_size_names_its_source() -> None:
 
 @pytest.mark.parametrize(
     ("args", "kwargs", "message"),
-    [((), {}, "needs one of mtbf"), (("8h",), {"gpus": 8}, "needs one of mtbf"),
-     (("soon",), {}, "mtbf must be"), ((), {"gpus": 0}, "gpus"), ((-1.0,), {}, "mtbf must be")],
+    [
+        ((), {}, "needs one of mtbf"),
+        (("8h",), {"gpus": 8}, "needs one of mtbf"),
+        (("soon",), {}, "mtbf must be"),
+        ((), {"gpus": 0}, "gpus"),
+        ((-1.0,), {}, "mtbf must be"),
+    ],
 )
 def test_bad_schedules_are_one_line(
     args: tuple[object, ...], kwargs: dict[str, object], message: str
@@ -57,8 +62,17 @@ def test_bad_schedules_are_one_line(
 
 
 def _record(stall: float, persist: float, stage: float = 0.01) -> SaveRecord:
-    return SaveRecord(step=1, path="", bytes=1, stall_s=stall, stage_s=stage, persist_s=persist, wait_s=0.0,
-                      write_gbs=0.0, cpu_s=0.0)
+    return SaveRecord(
+        step=1,
+        path="",
+        bytes=1,
+        stall_s=stall,
+        stage_s=stage,
+        persist_s=persist,
+        wait_s=0.0,
+        write_gbs=0.0,
+        cpu_s=0.0,
+    )
 
 
 def _steps(pacer: Pacer, clock: list[float], step_s: float, count: int, persisting: bool = False) -> None:

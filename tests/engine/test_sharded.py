@@ -132,7 +132,8 @@ def test_plain_dcp_load_reads_every_ranks_own_plain_values(runs: Any) -> None:
     for rank, seen in runs["at 2"].items():
         assert seen["ranked"]["loaded"] == "ok" and seen["ranked"]["same"], (rank, seen["ranked"])
     assert runs["at 2"][0]["ranked"]["kept"] == {
-        "rank0": {"pos": "10", "tag": "b'r0'"}, "rank1": {"pos": "11", "tag": "b'r1'"}
+        "rank0": {"pos": "10", "tag": "b'r0'"},
+        "rank1": {"pos": "11", "tag": "b'r1'"},
     }
 
 

@@ -31,8 +31,10 @@ from nbckpt.engine._internal import step_name
 def _zero(state: dict[str, Any]) -> None:
     """Every tensor of the model and the optimizer to zero: a restore that misses one shows."""
     with torch.no_grad():
-        for value in [*state["model"].state_dict().values(),
-                      *(item for per in state["optim"].state.values() for item in per.values())]:
+        for value in [
+            *state["model"].state_dict().values(),
+            *(item for per in state["optim"].state.values() for item in per.values()),
+        ]:
             if isinstance(value, (torch.Tensor, DTensor)):
                 value.zero_()
 
@@ -63,7 +65,8 @@ def main(bench_json: str, directory: str) -> int:
         expected = {key: digest for key, digest in saved["digests"].items() if key.split(".")[0] in state}
         report["checked"][saved["strategy"]] = len(expected)
         report["differ"][saved["strategy"]] = sorted(
-            key for key in expected.keys() | got.keys() if expected.get(key) != got.get(key))
+            key for key in expected.keys() | got.keys() if expected.get(key) != got.get(key)
+        )
     print(json.dumps(report), flush=True)
     dist.destroy_process_group()
     return 0

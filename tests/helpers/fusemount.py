@@ -62,13 +62,20 @@ class SeaweedMount:
         # host:port.grpcport: the filer's gRPC port is not the default port + 10000 here
         filer = f"127.0.0.1:{ports['filer.port']}.{ports['filer.port.grpc']}"
         command = [
-            str(self.server.weed), "mount", f"-filer={filer}", f"-dir={self.path}",
-            f"-filer.path={self.filer_path}", f"-cacheDir={self.server.directory / 'mount-cache'}",
+            str(self.server.weed),
+            "mount",
+            f"-filer={filer}",
+            f"-dir={self.path}",
+            f"-filer.path={self.filer_path}",
+            f"-cacheDir={self.server.directory / 'mount-cache'}",
             f"-localSocket={self.server.directory / f'mount-{self.path.name}.sock'}",
         ]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=_die_with_parent,  # a crashed test run leaves no mount daemon behind
             )
         deadline = time.monotonic() + timeout

@@ -89,7 +89,11 @@ class Child:
         self.stderr = open(runs / "child-stderr.log", "ab")  # noqa: SIM115  (closed in stop())
         self.process = subprocess.Popen(
             [sys.executable, "-m", "helpers.fuzz", "child", str(runs), str(seed), str(memory_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=env, cwd=runs,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            env=env,
+            cwd=runs,
         )
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.write("\n".join(cases).encode() + b"\n")
@@ -120,8 +124,16 @@ class Child:
         return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
 
 
-def run_cases(runs: Path, seed: int, cases: list[str], *, timeout_s: float = 20.0, memory_mb: int = 2048,
-              batch: int = 400, progress: Callable[[Result], None] | None = None) -> list[Result]:
+def run_cases(
+    runs: Path,
+    seed: int,
+    cases: list[str],
+    *,
+    timeout_s: float = 20.0,
+    memory_mb: int = 2048,
+    batch: int = 400,
+    progress: Callable[[Result], None] | None = None,
+) -> list[Result]:
     """Every case in children of at most ``batch`` cases; a crash or hang ends that case, and a
     new child goes on with the rest."""
     results: list[Result] = []
@@ -189,8 +201,11 @@ def same(a: Any, b: Any) -> bool:
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-            and a.shape == b.shape and a.device == b.device
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.device == b.device
             and torch.equal(bits(a), bits(b))
         )
     if isinstance(a, dict) and isinstance(b, dict):
@@ -276,8 +291,11 @@ class Case:
                 reading = self.dcp_reading(self.blank())
                 self.as_saved = reading is not None and same(reading, value)
             if not self.as_saved:
-                raise Refused("disagree", f"{reader} read step 2 as saved; plain dcp.load does not "
-                                          f"({self.dcp_refusal or 'other values'})")
+                raise Refused(
+                    "disagree",
+                    f"{reader} read step 2 as saved; plain dcp.load does not "
+                    f"({self.dcp_refusal or 'other values'})",
+                )
         elif not same(self.dcp_reading(template_of(value)), value):
             raise Refused("bytes", f"{reader} gave values neither step holds, nor plain dcp.load reads")
 

@@ -44,14 +44,64 @@ FAMILIES = [
 STEP_DIRS = {"native": "step-000002", "dcp": "step-2"}
 
 DTYPES = sorted(name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))
-VALUES: list[Any] = [-1, 0, 1, 3, 63, 64, 65, 4096, 1 << 31, 1 << 62, 10**30, 2.5, "0", "", None, True,
-                     [], {}, [0], "__0_0.distcp", ".metadata", "float32", "../step-000001/__0_0.distcp"]
+VALUES: list[Any] = [
+    -1,
+    0,
+    1,
+    3,
+    63,
+    64,
+    65,
+    4096,
+    1 << 31,
+    1 << 62,
+    10**30,
+    2.5,
+    "0",
+    "",
+    None,
+    True,
+    [],
+    {},
+    [0],
+    "__0_0.distcp",
+    ".metadata",
+    "float32",
+    "../step-000001/__0_0.distcp",
+]
 #: Extreme numbers as JSON text (json.loads takes all; 10**5000 is past Python's 4,300 digits).
-EXTREME_TEXT = ["9223372036854775807", "9223372036854775808", "-9223372036854775809",
-                "18446744073709551616", "1" + "0" * 400, "1" + "0" * 5000, "1e308", "-1e308", "1e400",
-                "Infinity", "-Infinity", "NaN", "-0.0", "5e-324", "4096.0", "-1"]
-EXTREME_OBJECTS: list[Any] = [2**63 - 1, 2**63, -1, -(2**63) - 1, 2**64, 10**400, 2**31, 1e308,
-                              float("inf"), float("nan"), -0.0, 0.5]
+EXTREME_TEXT = [
+    "9223372036854775807",
+    "9223372036854775808",
+    "-9223372036854775809",
+    "18446744073709551616",
+    "1" + "0" * 400,
+    "1" + "0" * 5000,
+    "1e308",
+    "-1e308",
+    "1e400",
+    "Infinity",
+    "-Infinity",
+    "NaN",
+    "-0.0",
+    "5e-324",
+    "4096.0",
+    "-1",
+]
+EXTREME_OBJECTS: list[Any] = [
+    2**63 - 1,
+    2**63,
+    -1,
+    -(2**63) - 1,
+    2**64,
+    10**400,
+    2**31,
+    1e308,
+    float("inf"),
+    float("nan"),
+    -0.0,
+    0.5,
+]
 DEPTHS = [100, 1_000, 100_000, 1_000_000]
 #: Pickled nesting: 400,000 tuples overflow the C stack of CPython's tuple hash (100,000 do not),
 #: at a third of the unpickling time of the issue's 1,000,000.
@@ -153,6 +203,7 @@ def manifest_dupkey(body: dict[str, Any], rng: random.Random) -> tuple[str, str]
     obj = at(body, path)
     key = rng.choice(list(obj))
     fake = obj[rng.choice(list(obj))] if rng.random() < 0.7 else rng.choice(VALUES)
+
     def entry(name: str, value: Any) -> str:
         return f"{json.dumps(name)}:{json.dumps(value, separators=(',', ':'))}"
 
@@ -179,7 +230,10 @@ def manifest_deep(body: dict[str, Any], rng: random.Random) -> tuple[str, str]:
 
 
 MANIFEST_EDITS: dict[str, Callable[[dict[str, Any], random.Random], tuple[str, str]]] = {
-    "field": manifest_field, "extreme": manifest_extreme, "dupkey": manifest_dupkey, "deep": manifest_deep,
+    "field": manifest_field,
+    "extreme": manifest_extreme,
+    "dupkey": manifest_dupkey,
+    "deep": manifest_deep,
 }
 
 
@@ -282,8 +336,17 @@ def metadata_field(meta: Metadata, rng: random.Random) -> str:
         setattr(info, field, new)
         return f"storage {index.fqn}.{field} = {new}"
     if choice == 2:
-        info.relative_path = rng.choice([".metadata", "manifest.json", "missing.distcp", "/etc/passwd",
-                                         "../step-000001/__0_0.distcp", "__0_1.distcp", "__0_0.distcp"])
+        info.relative_path = rng.choice(
+            [
+                ".metadata",
+                "manifest.json",
+                "missing.distcp",
+                "/etc/passwd",
+                "../step-000001/__0_0.distcp",
+                "__0_1.distcp",
+                "__0_0.distcp",
+            ]
+        )
         return f"storage {index.fqn}.relative_path = {info.relative_path!r}"
     if choice == 3:
         how = rng.choice(["none", "twice", "other"])
@@ -358,8 +421,9 @@ def metadata_deep(meta: Metadata, rng: random.Random) -> str:
     sees it)."""
     raw, what = deep_opcodes(rng)
     value, tensor = meta.value, rng.choice(meta.tensors())
-    where = rng.choice(["storage key", "state_dict key", "size", "chunk offsets", "relative_path",
-                        "planner_data"])
+    where = rng.choice(
+        ["storage key", "state_dict key", "size", "chunk offsets", "relative_path", "planner_data"]
+    )
     if where == "storage key":
         index = next(iter(value.storage_data))
         _rename_in(value.storage_data, index, MetadataIndex(meta.placeholder(raw), index.offset), False)
@@ -377,7 +441,10 @@ def metadata_deep(meta: Metadata, rng: random.Random) -> str:
 
 
 METADATA_EDITS: dict[str, Callable[[Metadata, random.Random], str]] = {
-    "field": metadata_field, "extreme": metadata_extreme, "dupkey": metadata_dupkey, "deep": metadata_deep,
+    "field": metadata_field,
+    "extreme": metadata_extreme,
+    "dupkey": metadata_dupkey,
+    "deep": metadata_deep,
 }
 
 

@@ -1,8 +1,8 @@
 """A real JupyterLab server for browser tests, driven through Debian's Chromium with Playwright.
 
-    with jupyter_lab(tmp_path, root) as server:      # root holds the notebooks to open
-        page = open_notebook(browser, server, "06_lab.ipynb")
-        run_all(page)
+with jupyter_lab(tmp_path, root) as server:      # root holds the notebooks to open
+    page = open_notebook(browser, server, "06_lab.ipynb")
+    run_all(page)
 """
 
 from __future__ import annotations
@@ -31,15 +31,22 @@ from helpers import ROOT
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
 ]
 #: The marks of every browser test: one xdist group (one JupyterLab at a time), skipped without Chromium.
 BROWSER_MARKS = [
     pytest.mark.browser,
     pytest.mark.xdist_group("browser"),
-    pytest.mark.skipif(not CHROMIUM.exists(),
-                       reason="needs Debian's Chromium at /usr/bin/chromium (make browser-deps)"),
+    pytest.mark.skipif(
+        not CHROMIUM.exists(), reason="needs Debian's Chromium at /usr/bin/chromium (make browser-deps)"
+    ),
 ]
 
 
@@ -70,39 +77,48 @@ def jupyter_lab(tmp_path: Path, root: Path) -> Iterator[Server]:
     config = tmp_path / "config"
     (config / "labconfig").mkdir(parents=True)
     # the documented way to turn off the "get Jupyter news?" prompt (labextension disable)
-    (config / "labconfig" / "page_config.json").write_text(json.dumps(
-        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True},
-         "exposeAppInBrowser": True}  # window.jupyterapp: to hide the file browser for the picture
-    ))
+    (config / "labconfig" / "page_config.json").write_text(
+        json.dumps(
+            {
+                "disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True},
+                "exposeAppInBrowser": True,
+            }  # window.jupyterapp: to hide the file browser for the picture
+        )
+    )
     tracker = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
     tracker.mkdir(parents=True)
     # start the notebook's kernel without asking; keep every cell in the DOM (no windowing)
-    (tracker / "tracker.jupyterlab-settings").write_text(json.dumps(
-        {"autoStartDefaultKernel": True, "windowingMode": "none"}
-    ))
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces")}
+    (tracker / "tracker.jupyterlab-settings").write_text(
+        json.dumps({"autoStartDefaultKernel": True, "windowingMode": "none"})
+    )
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(config),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+        "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
+    }
     env.pop("NBCKPT_BATCH", None)
     port, token = _free_port(), secrets.token_hex(16)
     command = [
-        str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser",
-        "--ip=127.0.0.1", f"--port={port}", f"--IdentityProvider.token={token}",
+        str(Path(sys.executable).parent / "jupyter"),
+        "lab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        f"--IdentityProvider.token={token}",
         f"--ServerApp.root_dir={root}",
         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
     ]
     if os.getuid() == 0:
         command.append("--allow-root")
     log = (tmp_path / "jupyter.log").open("w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
         assert process.poll() is None, f"jupyter lab exited: {(tmp_path / 'jupyter.log').read_text()}"
-        request = urllib.request.Request(f"{url}/api/status",
-                                         headers={"Authorization": f"token {token}"})
+        request = urllib.request.Request(f"{url}/api/status", headers={"Authorization": f"token {token}"})
         try:
             with urllib.request.urlopen(request, timeout=2) as response:
                 return bool(response.status == 200)

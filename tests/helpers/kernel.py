@@ -17,16 +17,20 @@ class RealKernel:
     def __init__(self, cwd: Path, env: dict[str, str]) -> None:
         from jupyter_client.manager import start_new_kernel
 
-        self.km, self.kc = start_new_kernel(kernel_name="python3", cwd=str(cwd),
-                                            env={**os.environ, **env})
+        self.km, self.kc = start_new_kernel(kernel_name="python3", cwd=str(cwd), env={**os.environ, **env})
 
     def send(self, code: str, *, lab: bool = False) -> str:
         """Start running a cell; its message id. ``lab``: with JupyterLab's request metadata,
         which makes %ckpt_bench show the live lab."""
-        content = {"code": code, "silent": False, "store_history": True,
-                   "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}
-        msg = self.kc.session.msg("execute_request", content,
-                                  metadata={"recordTiming": False} if lab else {})
+        content = {
+            "code": code,
+            "silent": False,
+            "store_history": True,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": True,
+        }
+        msg = self.kc.session.msg("execute_request", content, metadata={"recordTiming": False} if lab else {})
         self.kc.shell_channel.send(msg)
         msg_id: str = msg["header"]["msg_id"]
         return msg_id
@@ -43,8 +47,14 @@ class RealKernel:
                 return
             yield message["msg_type"], body
 
-    def output(self, msg_id: str, *, stream: str = "stdout", timeout: float = 180,
-               until: Callable[[str], bool] | None = None) -> str:
+    def output(
+        self,
+        msg_id: str,
+        *,
+        stream: str = "stdout",
+        timeout: float = 180,
+        until: Callable[[str], bool] | None = None,
+    ) -> str:
         """What the cell ``msg_id`` writes to ``stream``, up to its idle status, or up to the
         moment ``until(output so far)`` holds (the cell goes on running then)."""
         out: list[str] = []

@@ -155,8 +155,10 @@ def save_on_rank0_only(directory: str) -> dict[str, Any]:
     with Checkpointer(directory, timeout_s=120) as ckpt:
         if RANK == 0:
             began = time.monotonic()
-            result = {"outcome": outcome(lambda: ckpt.save({"model": model}, step=1)),
-                      "seconds": time.monotonic() - began}
+            result = {
+                "outcome": outcome(lambda: ckpt.save({"model": model}, step=1)),
+                "seconds": time.monotonic() - began,
+            }
         dist.all_reduce(torch.ones(1))  # the next step's gradients (rank 1 waits here all along)
         result["steps"] = ckpt.steps()
     return result
@@ -268,8 +270,12 @@ def refused_on_one_rank(directory: str) -> dict[str, Any]:
             target["model"].state_dict().values(), state_of(2)["model"].state_dict().values(), strict=True
         )
     )
-    return {"outcome": result, "last_epoch": target["schedule"].last_epoch, "step": target["step"],
-            "untouched": untouched and torch.equal(target[f"rank{RANK}"], state_of(2)[f"rank{RANK}"])}
+    return {
+        "outcome": result,
+        "last_epoch": target["schedule"].last_epoch,
+        "step": target["step"],
+        "untouched": untouched and torch.equal(target[f"rank{RANK}"], state_of(2)[f"rank{RANK}"]),
+    }
 
 
 SCENARIOS = {

@@ -305,8 +305,11 @@ def ranked(directory: str) -> dict[str, Any]:
         dcp_to_torch_save(root / "step-000001", root / "whole.pt")
         whole = torch.load(root / "whole.pt", weights_only=True)
         kept = {key: {k: repr(v) for k, v in value.items()} for key, value in whole["loader"].items()}
-    return {"loaded": loaded, "same": state["loader"] == {f"rank{RANK}": own} and state["step"] == 4,
-            "kept": kept}
+    return {
+        "loaded": loaded,
+        "same": state["loader"] == {f"rank{RANK}": own} and state["step"] == 4,
+        "kept": kept,
+    }
 
 
 def killed(directory: str) -> dict[str, Any]:

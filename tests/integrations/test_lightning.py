@@ -129,9 +129,13 @@ def test_a_version_counted_name_is_never_handed_out_twice(tmp_path: Path) -> Non
     its own epoch, and one saved a moment ago loads at once."""
     model = TinyModel()
     trainer = pl.Trainer(
-        max_epochs=4, accelerator="cpu", plugins=[NbckptCheckpointIO()], logger=False,
+        max_epochs=4,
+        accelerator="cpu",
+        plugins=[NbckptCheckpointIO()],
+        logger=False,
         callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="test", monitor="train_loss", save_top_k=-1)],
-        enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model, data())
     names = _names(tmp_path)
@@ -387,9 +391,13 @@ def test_hydra_hyperparameters_are_saved_and_come_back_as_they_were(tmp_path: Pa
 
     model = HydraModel(config)
     trainer = pl.Trainer(
-        max_epochs=1, accelerator="cpu", plugins=[NbckptCheckpointIO()], logger=False,
+        max_epochs=1,
+        accelerator="cpu",
+        plugins=[NbckptCheckpointIO()],
+        logger=False,
         callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)],
-        enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model, data())
     trainer.strategy.checkpoint_io.teardown()

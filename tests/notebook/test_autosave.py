@@ -62,8 +62,18 @@ def autosave_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("30s", 30), ("10min", 600), ("1h", 3600), ("90", 90), ("0.2s", 0.2), ("1.5 h", 5400),
-     ("500ms", 0.5), ("2m", 120), (45, 45), (0.25, 0.25)],
+    [
+        ("30s", 30),
+        ("10min", 600),
+        ("1h", 3600),
+        ("90", 90),
+        ("0.2s", 0.2),
+        ("1.5 h", 5400),
+        ("500ms", 0.5),
+        ("2m", 120),
+        (45, 45),
+        (0.25, 0.25),
+    ],
 )
 def test_durations(text: str | float, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
@@ -304,8 +314,9 @@ def test_the_browser_deletes_through_the_autosave_and_refuses_the_step_in_flight
     assert throttle.entered.wait(30)
     browser.select(3)
     assert not browser.delete()
-    assert browser.error == ("Cannot delete: a save of step 3 is in flight in this kernel; delete it "
-                             "once it has committed")
+    assert browser.error == (
+        "Cannot delete: a save of step 3 is in flight in this kernel; delete it once it has committed"
+    )
     throttle.release.set()
     autosave.last.handle.wait()  # type: ignore[union-attr]
     # switched off, the session still holds the directory: the Delete still goes through it
@@ -328,8 +339,9 @@ def test_the_exit_hook_saves_only_what_a_cell_changed(
     try:
         shell.run_line_magic("ckpt_autosave", line)
         running(shell)._at_exit()  # as atexit calls it: nothing ran since the autosave started
-        assert caplog.messages[-1] == ("nbckpt: kernel exit: nothing new to save; "
-                                       "the saves in flight committed")
+        assert caplog.messages[-1] == (
+            "nbckpt: kernel exit: nothing new to save; the saves in flight committed"
+        )
         assert Autosave.active(shell) is None and not list(target.glob("step-*"))
         shell.run_line_magic("ckpt_autosave", line)
         assert shell.run_cell("step = 3").success
@@ -342,16 +354,21 @@ def test_the_exit_hook_saves_only_what_a_cell_changed(
 
 def test_the_python_api(shell: InteractiveShell, tmp_path: Path) -> None:
     target = tmp_path / "run"
-    autosave = Autosave(["model", "opt"], every_s=3600, directory=str(target), step=lambda: 11,
-                        shell=shell).start()
+    autosave = Autosave(
+        ["model", "opt"], every_s=3600, directory=str(target), step=lambda: 11, shell=shell
+    ).start()
     assert Autosave.active(shell) is autosave
     assert late_cell(shell)
     assert autosave.last is not None and autosave.last.handle.wait().step == 11
     assert repr(autosave).startswith(f"nbckpt: autosaving model opt to {target} every 1 h\n")
     autosave.stop()
     assert not autosave.running and repr(autosave).startswith("nbckpt: stopped autosaving")
-    for bad in ({"names": []}, {"names": ["model"], "step": 3}, {"names": ["model"], "every_s": "never"},
-                {"names": ["model", "nothere"]}):
+    for bad in (
+        {"names": []},
+        {"names": ["model"], "step": 3},
+        {"names": ["model"], "every_s": "never"},
+        {"names": ["model", "nothere"]},
+    ):
         with pytest.raises(ConfigError):
             Autosave(shell=shell, **bad)  # type: ignore[arg-type]
 
@@ -430,8 +447,11 @@ def test_interrupt_restart_restore_and_go_on_in_a_real_kernel(kernel: RealKernel
     kernel.run(SETUP.format(log=str(log)))
     kernel.run(f"%ckpt_autosave model opt --every 0.2s --step step -d {run}")
     # Short cells: an autosave as the first cell ends 0.2 s after the last one.
-    assert until(lambda: kernel.run("train(1)") == "" and len(list(run.glob("step-*/manifest.json"))) >= 2,
-                 timeout=60, poll_s=0)
+    assert until(
+        lambda: kernel.run("train(1)") == "" and len(list(run.glob("step-*/manifest.json"))) >= 2,
+        timeout=60,
+        poll_s=0,
+    )
 
     # Ctrl-C in a long training cell, once it has printed step 20: the live state is saved at once.
     cell = kernel.send("train(10**9, report=True)")
@@ -481,8 +501,9 @@ def test_interrupt_restart_restore_and_go_on_in_a_real_kernel(kernel: RealKernel
         torch.testing.assert_close(ours.detach().flatten(), torch.tensor(theirs))
     # Its autosaves go to a new line from the restored step: the final step stays where it is.
     branch = run / "branch-1"
-    assert until(lambda: kernel.run("pass") == "" and committed(branch, interrupted + 2),
-                 timeout=60, poll_s=0)
+    assert until(
+        lambda: kernel.run("pass") == "" and committed(branch, interrupted + 2), timeout=60, poll_s=0
+    )
     assert "nbckpt: host memory held for staging: " in kernel.run("%ckpt_status")
     with Checkpointer(run, read_only=True, line="main") as ckpt:
         lines = ckpt.lines()
@@ -508,4 +529,3 @@ def test_sigterm_to_a_training_kernel_commits_a_final_save(kernel: RealKernel, t
     with Checkpointer(run, read_only=True) as ckpt:
         assert ckpt.steps() == [final] and ckpt.load(final)["step"] == final
         ckpt.verify(final)
-

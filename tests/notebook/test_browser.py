@@ -26,8 +26,14 @@ from helpers.jupyterlab import (
 SCREENSHOT = ROOT / "docs" / "lab.png"
 # The first run is long (it is stopped by re-running the lab's cell); the run after that uses
 # SHORT: small enough to end in seconds, long enough for the browser to see the timeline grow.
-PARAMETERS = {"preset": "synthetic", "size_mb": 8.0, "steps": 5000, "every": 500, "repeats": 3,
-              "strategies": ["torch-save", "nbckpt-async"]}
+PARAMETERS = {
+    "preset": "synthetic",
+    "size_mb": 8.0,
+    "steps": 5000,
+    "every": 500,
+    "repeats": 3,
+    "strategies": ["torch-save", "nbckpt-async"],
+}
 SHORT = {"steps": 150, "every": 25}
 
 pytestmark = BROWSER_MARKS
@@ -47,14 +53,16 @@ def _lab_notebook(root: Path, checkpoints: Path) -> None:
     assert not values, f"parameters missing from the notebook: {sorted(values)}"
     cell.source = "\n".join(lines)
     # and a magic whose status line must turn "committed" in the page (a display update)
-    nb.cells.append(nbformat.v4.new_code_cell(
-        f"%load_ext nbckpt\nimport torch\nx = torch.zeros(1 << 24)\n"
-        f"h = %ckpt_async x -d {checkpoints / 'magic'}"
-    ))
+    nb.cells.append(
+        nbformat.v4.new_code_cell(
+            f"%load_ext nbckpt\nimport torch\nx = torch.zeros(1 << 24)\n"
+            f"h = %ckpt_async x -d {checkpoints / 'magic'}"
+        )
+    )
     # what a user changes before running the lab's cell again (Run All runs it last)
-    nb.cells.append(nbformat.v4.new_code_cell(
-        "; ".join(f"{name} = {value!r}" for name, value in SHORT.items())
-    ))
+    nb.cells.append(
+        nbformat.v4.new_code_cell("; ".join(f"{name} = {value!r}" for name, value in SHORT.items()))
+    )
     nbformat.write(nb, root / "06_lab.ipynb")
 
 
@@ -111,8 +119,10 @@ def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
         assert bars.count() > 0
         # the log shows its newest line, not its first
         log = lab.locator(".nbckpt-log")
-        assert log.evaluate("(box) => box.firstElementChild.getBoundingClientRect().bottom"
-                            " <= box.getBoundingClientRect().bottom + 1")
+        assert log.evaluate(
+            "(box) => box.firstElementChild.getBoundingClientRect().bottom"
+            " <= box.getBoundingClientRect().bottom + 1"
+        )
         assert log.evaluate("(box) => box.scrollHeight > box.clientHeight")
         # the figure takes the width of the lab, not plotly's default of 700 px
         assert plot.bounding_box()["width"] > 0.9 * lab.bounding_box()["width"]
@@ -121,7 +131,7 @@ def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
 
 
 RELOAD_CELLS = [
-    'from nbckpt.notebook import Lab\n\n'
+    "from nbckpt.notebook import Lab\n\n"
     'first = Lab(directory="checkpoints/first", preset="synthetic", size_mb=2.0,\n'
     '            strategies=["nbckpt-async"], steps=10, every=5, repeats=1)\n'
     "first.run(); first.wait()\nfirst",
@@ -167,8 +177,11 @@ def test_a_reloaded_page_shows_the_labs_as_they_are(reload_server: Server) -> No
         plot = cells.nth(1).locator(".nbckpt-lab .js-plotly-plot")
         plot.wait_for(timeout=60_000)
         title = plot.locator(".gtitle")
-        until(lambda: "each strategy's last repeat" in title.text_content(), 30,
-              f"the final title after the reload (it reads {title.text_content()!r})")
+        until(
+            lambda: "each strategy's last repeat" in title.text_content(),
+            30,
+            f"the final title after the reload (it reads {title.text_content()!r})",
+        )
         assert plot.locator("g.trace.bars g.point").count() > 0, "the timeline came back empty"
         lanes = plot.locator(".ytick text").all_text_contents()
         assert "nbckpt-async · train" in lanes, lanes
@@ -179,13 +192,15 @@ def test_a_reloaded_page_shows_the_labs_as_they_are(reload_server: Server) -> No
 
 
 REPLACED_LAB_CELL = (
-    'from nbckpt.notebook import Lab\n\n'
+    "from nbckpt.notebook import Lab\n\n"
     'lab = Lab(directory="checkpoints/replaced", preset="synthetic", size_mb=2.0,\n'
     '          strategies=["nbckpt-async"], steps=10, every=5, repeats=1)\n'
     "lab.run(); lab.wait()\nlab"
 )
-REPLACED_BENCH_CELL = ("%load_ext nbckpt\n%ckpt_bench -d checkpoints/bench --size-mb 2"
-                       " --strategies nbckpt-async --steps 10 --every 5 --repeats 1")
+REPLACED_BENCH_CELL = (
+    "%load_ext nbckpt\n%ckpt_bench -d checkpoints/bench --size-mb 2"
+    " --strategies nbckpt-async --steps 10 --every 5 --repeats 1"
+)
 
 
 @pytest.fixture
@@ -218,10 +233,16 @@ def test_a_replaced_lab_draws_its_timeline(replaced_server: Server) -> None:
             # a re-run clears the cell's output before it ends: then its prompt shows its count
             # (the Lab cell ends with its run, lab.wait(); %ckpt_bench's with its lab shown)
             prompt, lab = cell.locator(".jp-InputPrompt"), cell.locator(".nbckpt-lab")
-            until(lambda run=run, prompt=prompt: prompt.inner_text().strip() == f"[{run}]:", 180,
-                  f"run {run} to end")
-            until(lambda lab=lab: lab.locator("table.nbckpt-results").count() == 1, 60,
-                  f"run {run}'s results table")
+            until(
+                lambda run=run, prompt=prompt: prompt.inner_text().strip() == f"[{run}]:",
+                180,
+                f"run {run} to end",
+            )
+            until(
+                lambda lab=lab: lab.locator("table.nbckpt-results").count() == 1,
+                60,
+                f"run {run}'s results table",
+            )
             bars = lab.locator(".js-plotly-plot g.trace.bars g.point")
             until(lambda bars=bars: bars.count() > 0, 30, f"run {run}'s timeline bars")
             cdp.send("Emulation.setCPUThrottlingRate", {"rate": 1})

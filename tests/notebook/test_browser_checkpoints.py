@@ -83,8 +83,11 @@ def test_two_picked_steps_diff_in_jupyterlab(server: Server) -> None:
         assert "not checked" in steps.first.inner_text()
 
         pick(page, "main step 100", "main step 300")
-        until(lambda: widget.locator(".nbckpt-steps tr.nbckpt-selected").count() == 2, 30,
-              "the two picked steps to show selected in the table")
+        until(
+            lambda: widget.locator(".nbckpt-steps tr.nbckpt-selected").count() == 2,
+            30,
+            "the two picked steps to show selected in the table",
+        )
         widget.locator("button", has_text="Diff").click()  # waits for it to be enabled
 
         diff = widget.locator(".nbckpt-diff table")
@@ -98,27 +101,33 @@ def test_two_picked_steps_diff_in_jupyterlab(server: Server) -> None:
         assert "main step 100 → main step 300" in widget.locator(".nbckpt-diff-summary").inner_text()
 
         widget.locator("button", has_text="Verify").click()
-        until(lambda: widget.locator(".nbckpt-steps tr.nbckpt-row-verified").count() == 2, 60,
-              "the two selected steps to show verified")
+        until(
+            lambda: widget.locator(".nbckpt-steps tr.nbckpt-row-verified").count() == 2,
+            60,
+            "the two selected steps to show verified",
+        )
         screenshot_for_docs(widget, "browser-checkpoints.png", SCREENSHOT)
 
         # re-run the Browser's cell, as a user would: one browser again, and it works
         rerun_cell(page, "= Browser(")
-        until(lambda: page.locator(".nbckpt-browser .nbckpt-steps tr.nbckpt-selected").count() == 0
-              and page.locator(".nbckpt-browser .nbckpt-steps tbody tr").count() == 3, 60,
-              "the browser of the re-run cell")
+        until(
+            lambda: (
+                page.locator(".nbckpt-browser .nbckpt-steps tr.nbckpt-selected").count() == 0
+                and page.locator(".nbckpt-browser .nbckpt-steps tbody tr").count() == 3
+            ),
+            60,
+            "the browser of the re-run cell",
+        )
         assert page.locator(".nbckpt-browser").count() == 1
         pick(page, "main step 200")
         page.locator(".nbckpt-browser button", has_text="Verify").click()
-        page.locator(".nbckpt-browser .nbckpt-ok", has_text="Verified 1 step(s)").wait_for(
-            timeout=60_000)
+        page.locator(".nbckpt-browser .nbckpt-ok", has_text="Verified 1 step(s)").wait_for(timeout=60_000)
 
         # Delete while the kernel's Checkpointer holds the run: it deletes through that one
         pick(page, "main step 100")
         page.locator(".nbckpt-browser button[title^='delete the selected step']").click()
         page.locator(".nbckpt-browser button", has_text="Confirm delete").click()
-        page.locator(".nbckpt-browser .nbckpt-ok", has_text="Deleted main step 100.").wait_for(
-            timeout=60_000)
+        page.locator(".nbckpt-browser .nbckpt-ok", has_text="Deleted main step 100.").wait_for(timeout=60_000)
         table = page.locator(".nbckpt-browser .nbckpt-steps table")
         until(lambda: row_ids(table) == ["main:200", "main:300"], 60, "the table without step 100")
         assert not (server.root / "checkpoints" / "run" / "step-000100").exists()

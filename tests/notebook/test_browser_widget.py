@@ -87,9 +87,16 @@ def test_saved_values_leave_modules_and_optimizers_out() -> None:
     model, optim = trained()
     train_step(model, optim)  # an optimizer's state holds tensors once it has stepped
     fresh = torch.optim.SGD(model.parameters(), lr=0.1)  # no tensor in its state, still left out
-    values = saved_values({"model": model.state_dict(), "optim": optim.state_dict(), "epoch": 3,
-                           "sgd": fresh.state_dict(),
-                           "cfg": {"sizes": [1, 2], "inner": {"on": True}}, "w": torch.zeros(2)})
+    values = saved_values(
+        {
+            "model": model.state_dict(),
+            "optim": optim.state_dict(),
+            "epoch": 3,
+            "sgd": fresh.state_dict(),
+            "cfg": {"sizes": [1, 2], "inner": {"on": True}},
+            "w": torch.zeros(2),
+        }
+    )
     assert values == {"epoch": 3, "cfg.sizes": [1, 2], "cfg.inner.on": True}
 
 
@@ -108,8 +115,11 @@ def test_verify_marks_a_damaged_step_as_damaged(tmp_path: Path) -> None:
     browser.select()
     browser.verify_button.click()  # nothing selected: every step
     verdicts = {row["id"]: (row["cells"][6].split(":")[0], row["tone"]) for row in browser.table.rows}
-    assert verdicts == {"main:1": ("verified", "verified"), "main:2": ("damaged", "damaged"),
-                        "main:3": ("verified", "verified")}
+    assert verdicts == {
+        "main:1": ("verified", "verified"),
+        "main:2": ("damaged", "damaged"),
+        "main:3": ("verified", "verified"),
+    }
 
 
 def test_a_step_whose_manifest_is_damaged_shows_why(tmp_path: Path) -> None:

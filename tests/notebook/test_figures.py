@@ -29,20 +29,38 @@ MB = 10**6
 
 
 def event(
-    strategy: str, kind: str, start: float, end: float, step: int | None = None,
-    nbytes: int = 0, rank: int = 0, repeat: int = 0,
+    strategy: str,
+    kind: str,
+    start: float,
+    end: float,
+    step: int | None = None,
+    nbytes: int = 0,
+    rank: int = 0,
+    repeat: int = 0,
 ) -> dict[str, Any]:
     """One row of ``Comparison.timeline``: ``Timeline.to_pandas()`` columns + strategy, repeat."""
     return {
-        "kind": kind, "label": strategy, "step": step, "rank": rank, "start_s": start, "end_s": end,
-        "duration_s": end - start, "bytes": nbytes, "thread": "MainThread", "pid": 1,
-        "start_ns": int(start * 1e9), "end_ns": int(end * 1e9), "strategy": strategy, "repeat": repeat,
+        "kind": kind,
+        "label": strategy,
+        "step": step,
+        "rank": rank,
+        "start_s": start,
+        "end_s": end,
+        "duration_s": end - start,
+        "bytes": nbytes,
+        "thread": "MainThread",
+        "pid": 1,
+        "start_ns": int(start * 1e9),
+        "end_ns": int(end * 1e9),
+        "strategy": strategy,
+        "repeat": repeat,
     }
 
 
 def sync_and_async_timeline(repeat: int = 0) -> pd.DataFrame:
     """Four 0.1 s steps each, a checkpoint after steps 2 and 4: torch-save stalls 0.5 s while it
     writes; nbckpt-async stalls 0.02 s to stage and persists for 0.38 s behind the next steps."""
+
     def run(strategy: str, stall_s: float, background: Any) -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
         clock = 0.0
@@ -92,7 +110,10 @@ def test_timeline_lanes_and_kinds() -> None:
     fig = timeline_figure(sync_and_async_timeline())
     assert isinstance(fig, go.Figure) and not isinstance(fig, go.FigureWidget)
     assert list(fig.layout.yaxis.categoryarray) == [
-        "torch-save · train", "torch-save · background", "nbckpt-async · train", "nbckpt-async · background",
+        "torch-save · train",
+        "torch-save · background",
+        "nbckpt-async · train",
+        "nbckpt-async · background",
     ]
     traces = traces_by_name(fig)
     assert list(traces) == ["step", "stall", "stage", "persist", "commit"]
@@ -123,8 +144,11 @@ def test_timeline_shows_async_training_on_while_persisting() -> None:
     # nbckpt-async's step 3 runs while its first checkpoint persists
     steps = data.kinds["step"]
     persist = data.kinds["persist"]
-    async_steps = [(b, b + x) for b, x, y in zip(steps["base"], steps["x"], steps["y"], strict=True)
-                   if y.startswith("nbckpt-async")]
+    async_steps = [
+        (b, b + x)
+        for b, x, y in zip(steps["base"], steps["x"], steps["y"], strict=True)
+        if y.startswith("nbckpt-async")
+    ]
     first_persist = next(
         b for b, y in zip(persist["base"], persist["y"], strict=True) if y.startswith("nbckpt")
     )
@@ -139,8 +163,10 @@ def test_timeline_picks_last_repeat_and_splits_ranks() -> None:
 
     ranks = pd.DataFrame([event("dcp-async", "step", 0, 0.1, 1, rank=rank) for rank in (0, 1)])
     assert list(timeline_figure(ranks).layout.yaxis.categoryarray) == [
-        "dcp-async r0 · train", "dcp-async r0 · background",
-        "dcp-async r1 · train", "dcp-async r1 · background",
+        "dcp-async r0 · train",
+        "dcp-async r0 · background",
+        "dcp-async r1 · train",
+        "dcp-async r1 · background",
     ]
 
 
@@ -266,15 +292,21 @@ def test_stall_figure_uses_given_published_figures() -> None:
 
 
 def test_overhead_figure_labels_every_bar_as_the_tables_do() -> None:
-    results = pd.DataFrame({
-        "strategy": ["none", "torch-save", "nbckpt-async", "stopped"],
-        "overhead_pct": [0.0, 30.0, 2.0, 5.0],
-        "overhead_ci_pct": [[0.0, 0.0], [20.0, 45.0], [-1.0, 5.0], [1.0, 9.0]],
-        "overhead_by_repeat_pct": [[], [25.0, 30.0, 35.0], [1.0, 2.0, 3.0], [5.0]],
-        "overhead_basis": ["baseline", "3 repeats, 12 cycles", "3 repeats, 12 cycles",
-                           "1 repeat, 2 cycles (widened), stopped"],
-        "partial": [False, False, False, True],
-    })
+    results = pd.DataFrame(
+        {
+            "strategy": ["none", "torch-save", "nbckpt-async", "stopped"],
+            "overhead_pct": [0.0, 30.0, 2.0, 5.0],
+            "overhead_ci_pct": [[0.0, 0.0], [20.0, 45.0], [-1.0, 5.0], [1.0, 9.0]],
+            "overhead_by_repeat_pct": [[], [25.0, 30.0, 35.0], [1.0, 2.0, 3.0], [5.0]],
+            "overhead_basis": [
+                "baseline",
+                "3 repeats, 12 cycles",
+                "3 repeats, 12 cycles",
+                "1 repeat, 2 cycles (widened), stopped",
+            ],
+            "partial": [False, False, False, True],
+        }
+    )
     fig = overhead_figure(results)
     [bars] = fig.data
     assert list(bars.x) == ["torch-save", "nbckpt-async", "stopped"]  # the baseline left out
@@ -342,8 +374,10 @@ BUILDERS: list[tuple[Callable[..., go.Figure], Callable[[], pd.DataFrame]]] = [
     (timeline_figure, sync_and_async_timeline),
     (throughput_figure, sync_and_async_timeline),
     (stall_figure, lambda: RESULTS),
-    (overhead_figure, lambda: pd.DataFrame({"strategy": ["a"], "overhead_pct": [1.0],
-                                            "overhead_ci_pct": [[0.5, 1.5]]})),
+    (
+        overhead_figure,
+        lambda: pd.DataFrame({"strategy": ["a"], "overhead_pct": [1.0], "overhead_ci_pct": [[0.5, 1.5]]}),
+    ),
     (interval_figure, lambda: advise(RESULTS, mtbf_hours=24.0)),
     (projection_figure, lambda: project_scale(RESULTS, nbytes=MB, storage_gbs=10.0)),
     (probe_figure, lambda: pd.DataFrame({"streams": [1, 2], "write_gbs": [1.0, 1.5]})),
@@ -381,9 +415,14 @@ def test_colours_follow_the_strategy_registry(monkeypatch: pytest.MonkeyPatch) -
     from nbckpt.bench._internal import STRATEGIES
 
     builtin = {
-        "none": "#7f7f7f", "torch-save": "#d62728", "dcp-sync": "#ff7f0e", "dcp-async": "#bcbd22",
-        "dcp-async-stager": "#e377c2", "nbckpt-sync": "#9467bd",
-        "nbckpt-async": "#2ca02c", "nbckpt-async-overlap": "#1f77b4",
+        "none": "#7f7f7f",
+        "torch-save": "#d62728",
+        "dcp-sync": "#ff7f0e",
+        "dcp-async": "#bcbd22",
+        "dcp-async-stager": "#e377c2",
+        "nbckpt-sync": "#9467bd",
+        "nbckpt-async": "#2ca02c",
+        "nbckpt-async-overlap": "#1f77b4",
     }
     assert {name: strategy_colour(name) for name in builtin} == builtin
     monkeypatch.setitem(STRATEGIES, "mine", STRATEGIES["nbckpt-async"])

@@ -25,8 +25,13 @@ from nbckpt.notebook._lab import LOG_LINES, SYNTHETIC, Lab, devices, live_lab
 
 def make_lab(path: Path, **options: Any) -> Lab:
     settings: dict[str, Any] = {
-        "directory": str(path), "preset": SYNTHETIC, "size_mb": 2.0,
-        "strategies": ("none", "nbckpt-async"), "steps": 30, "every": 10, "repeats": 1,
+        "directory": str(path),
+        "preset": SYNTHETIC,
+        "size_mb": 2.0,
+        "strategies": ("none", "nbckpt-async"),
+        "steps": 30,
+        "every": 10,
+        "repeats": 1,
         "refresh_s": 0.05,
     }
     return Lab(**{**settings, **options})
@@ -127,9 +132,7 @@ def test_run_from_two_threads_at_once_starts_one_run(tmp_path: Path) -> None:
         ({"path": "{file}/sub"}, "is a file, not a directory"),
     ],
 )
-def test_bad_fields_get_a_one_line_message(
-    tmp_path: Path, change: dict[str, Any], message: str
-) -> None:
+def test_bad_fields_get_a_one_line_message(tmp_path: Path, change: dict[str, Any], message: str) -> None:
     lab = make_lab(tmp_path / "lab")
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
@@ -161,9 +164,19 @@ def test_unwritable_target_is_a_clear_message(tmp_path: Path) -> None:
 
 
 def test_from_args_and_display(tmp_path: Path) -> None:
-    args = argparse.Namespace(dir=str(tmp_path), preset=None, size_mb=8.0,
-                              strategies="torch-save, nbckpt-async", steps=12, every=4,
-                              device="cpu", repeats=2, compute_ms=1.0, no_warmup=True, json=None)
+    args = argparse.Namespace(
+        dir=str(tmp_path),
+        preset=None,
+        size_mb=8.0,
+        strategies="torch-save, nbckpt-async",
+        steps=12,
+        every=4,
+        device="cpu",
+        repeats=2,
+        compute_ms=1.0,
+        no_warmup=True,
+        json=None,
+    )
     lab = Lab.from_args(args)
     assert lab.preset.value == SYNTHETIC and lab.size_mb.value == 8.0
     assert lab.strategies.value == ("torch-save", "nbckpt-async")
@@ -232,8 +245,9 @@ def test_each_run_starts_clean_and_none_is_added(tmp_path: Path) -> None:
     lab.strategies.value = ("torch-save",)
     assert lab.run() and lab.wait(120) and lab.error is None
     lanes = set(lab.figure.layout.yaxis.categoryarray)
-    assert lanes == {f"{name} · {lane}" for name in ("none", "torch-save")
-                     for lane in ("train", "background")}
+    assert lanes == {
+        f"{name} · {lane}" for name in ("none", "torch-save") for lane in ("train", "background")
+    }
     assert {y for trace in lab.figure.data for y in trace.y} <= lanes
     assert not any("[nbckpt-async]" in line for line in lab.log_lines)  # the log was cleared
     assert "nbckpt-async" not in lab.results.value
@@ -254,8 +268,15 @@ def test_results_table_is_aligned_rounded_and_defines_overhead(tmp_path: Path) -
         assert not re.search(r"\d\.\d{5,}", text), f"{text} is not rounded"
     assert "tabular-nums" in table and html.escape(OVERHEAD_DEFINITION) in table
     # the same headers as every nbckpt table, the stall with its two parts, and the method
-    for header in ("overhead", "95 % interval", "per repeat", "rests on", "stall s",
-                   "save stall s", "wait for the earlier save s"):
+    for header in (
+        "overhead",
+        "95 % interval",
+        "per repeat",
+        "rests on",
+        "stall s",
+        "save stall s",
+        "wait for the earlier save s",
+    ):
         assert f">{header}</th>" in table, header
     assert html.escape(STALL_DEFINITION) in table
     assert '<details class="nbckpt-method"' in table and html.escape("Pairs.") in table
@@ -316,20 +337,26 @@ lab = Lab(directory={directory!r}, preset="synthetic", size_mb=2.0, strategies=[
           steps=100_000, every=5, repeats=1, refresh_s=0.05)
 """
 # Runs until the lab has trained `past` steps (beyond its first save), or stops, or 120 s pass.
-_UNTIL_PAST = ("import time\ndeadline = time.monotonic() + 120\n"
-               "while lab.running and lab.progress.value < {past} and time.monotonic() < deadline:\n"
-               "    time.sleep(0.01)\n"
-               "assert lab.running, lab.error")
-_STATE = ("print(lab.running, lab.stopped, lab.interrupted, lab.error)\n"
-          "print(lab.message.value)\n"
-          "print(lab.run_button.disabled, lab.stop_button.disabled)\n"
-          "print(int(lab.comparison.timeline['kind'].eq('step').sum()))")
+_UNTIL_PAST = (
+    "import time\ndeadline = time.monotonic() + 120\n"
+    "while lab.running and lab.progress.value < {past} and time.monotonic() < deadline:\n"
+    "    time.sleep(0.01)\n"
+    "assert lab.running, lab.error"
+)
+_STATE = (
+    "print(lab.running, lab.stopped, lab.interrupted, lab.error)\n"
+    "print(lab.message.value)\n"
+    "print(lab.run_button.disabled, lab.stop_button.disabled)\n"
+    "print(int(lab.comparison.timeline['kind'].eq('step').sum()))"
+)
 
 
 def _stopped_state(kernel: RealKernel) -> list[str]:
     """The lab's state once its run has ended (60 s at most after the interrupt)."""
-    kernel.run("deadline = time.monotonic() + 60\n"
-               "while lab.running and time.monotonic() < deadline:\n    time.sleep(0.01)")
+    kernel.run(
+        "deadline = time.monotonic() + 60\n"
+        "while lab.running and time.monotonic() < deadline:\n    time.sleep(0.01)"
+    )
     return kernel.run(_STATE).splitlines()
 
 
@@ -342,11 +369,14 @@ def test_kernel_interrupt_stops_a_lab_run_as_stop_does_in_a_real_kernel(tmp_path
         kernel.run(INTERRUPTED_LAB.format(directory=str(tmp_path / "lab")))
         # Run clicked in the page: a comm message, as JupyterLab sends it; then the kernel is idle
         button = kernel.evaluate("lab.run_button.model_id").strip("'")
-        click = kernel.kc.session.msg("comm_msg", {"comm_id": button, "data": {
-            "method": "custom", "content": {"event": "click"}}})
+        click = kernel.kc.session.msg(
+            "comm_msg", {"comm_id": button, "data": {"method": "custom", "content": {"event": "click"}}}
+        )
         kernel.kc.shell_channel.send(click)
-        kernel.run("import time\ndeadline = time.monotonic() + 60\n"
-                   "while not lab.running and time.monotonic() < deadline:\n    time.sleep(0.01)")
+        kernel.run(
+            "import time\ndeadline = time.monotonic() + 60\n"
+            "while not lab.running and time.monotonic() < deadline:\n    time.sleep(0.01)"
+        )
         kernel.run(_UNTIL_PAST.format(past=12))
         kernel.km.interrupt_kernel()
         running, message, buttons, steps = _stopped_state(kernel)

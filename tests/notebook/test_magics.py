@@ -100,9 +100,7 @@ def test_magic_in_a_loop_expands_the_step(ip: InteractiveShell, tmp_path: Path) 
     )
     assert result.success
     ip.run_line_magic("ckpt_wait", "")
-    assert sorted(p.name for p in target.glob("step-*")) == [
-        "step-000000", "step-000002", "step-000004"
-    ]
+    assert sorted(p.name for p in target.glob("step-*")) == ["step-000000", "step-000002", "step-000004"]
 
 
 def test_sync_save_has_committed_when_it_returns(ip: InteractiveShell, tmp_path: Path) -> None:
@@ -115,9 +113,7 @@ def test_sync_save_has_committed_when_it_returns(ip: InteractiveShell, tmp_path:
     later.wait()
 
 
-def test_default_directory_step_and_keep_reuse_one_checkpointer(
-    ip: InteractiveShell, tmp_path: Path
-) -> None:
+def test_default_directory_step_and_keep_reuse_one_checkpointer(ip: InteractiveShell, tmp_path: Path) -> None:
     first = ip.run_line_magic("ckpt_async", "model opt")  # NBCKPT_DIR, step 0
     first.wait()
     assert first.step == 0 and (tmp_path / "default" / "step-000000").is_dir()
@@ -132,8 +128,9 @@ def test_default_directory_step_and_keep_reuse_one_checkpointer(
     third.wait()
     assert next(iter(magics.session.checkpointers.values())) is ckpt
     ip.run_line_magic("ckpt_wait", "")
-    assert _eventually(lambda: [p.name for p in (tmp_path / "default").glob("step-*")]
-                       == ["step-000002"])  # retention deletes on a thread of its own
+    assert _eventually(
+        lambda: [p.name for p in (tmp_path / "default").glob("step-*")] == ["step-000002"]
+    )  # retention deletes on a thread of its own
 
 
 def test_status_table_lists_this_sessions_saves(ip: InteractiveShell, tmp_path: Path) -> None:
@@ -157,14 +154,17 @@ def test_timeline_is_a_plotly_figure_of_the_session(ip: InteractiveShell, tmp_pa
     assert isinstance(fig, go.Figure)
     kinds = {trace.name for trace in fig.data}
     assert {"stall", "stage", "persist", "commit"} <= kinds
-    assert list(fig.layout.yaxis.categoryarray) == ["async model opt · train",
-                                                    "async model opt · background"]
+    assert list(fig.layout.yaxis.categoryarray) == ["async model opt · train", "async model opt · background"]
     # a session has no strategy's run: its time 0 is its own start
     assert fig.layout.xaxis.title.text == "seconds since this session started (%load_ext nbckpt)"
     ip.run_line_magic("ckpt_sync", f"model -d {tmp_path / 'tl2'}")
     lanes = list(ip.run_line_magic("ckpt_timeline", "").layout.yaxis.categoryarray)
-    assert lanes == ["tl: async model opt · train", "tl: async model opt · background",
-                     "tl2: sync model · train", "tl2: sync model · background"]
+    assert lanes == [
+        "tl: async model opt · train",
+        "tl: async model opt · background",
+        "tl2: sync model · train",
+        "tl2: sync model · background",
+    ]
 
 
 def test_restore_loads_in_place_and_rebinds_plain_values(
@@ -339,9 +339,7 @@ def test_bad_input_is_a_one_line_usage_error(
     assert not list(tmp_path.glob("**/step-*"))
 
 
-def test_usage_errors_print_no_traceback(
-    ip: InteractiveShell, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_usage_errors_print_no_traceback(ip: InteractiveShell, capsys: pytest.CaptureFixture[str]) -> None:
     result = ip.run_cell("%ckpt_async nothere")
     assert isinstance(result.error_in_exec, UsageError)
     captured = capsys.readouterr()
@@ -362,9 +360,7 @@ def test_usage_errors_print_no_traceback(
         ("ckpt_bench", "--static --strategies nope --steps 2 --every 1"),
     ],
 )
-def test_other_magics_reject_bad_input(
-    ip: InteractiveShell, tmp_path: Path, magic: str, line: str
-) -> None:
+def test_other_magics_reject_bad_input(ip: InteractiveShell, tmp_path: Path, magic: str, line: str) -> None:
     with pytest.raises(UsageError):
         ip.run_line_magic(magic, line.format(missing=tmp_path / "missing"))
 
@@ -405,9 +401,7 @@ def test_handle_displayed_later_shows_a_status(
     assert "nbckpt sync step 0" in capsys.readouterr().out
 
 
-def test_load_twice_is_harmless_and_unload_releases_directories(
-    ip: InteractiveShell, tmp_path: Path
-) -> None:
+def test_load_twice_is_harmless_and_unload_releases_directories(ip: InteractiveShell, tmp_path: Path) -> None:
     first = magics_of(ip)
     ip.run_line_magic("load_ext", "nbckpt")  # already loaded: nothing new
     from nbckpt import load_ipython_extension
@@ -455,9 +449,7 @@ def test_load_ext_shows_the_loggers_warnings_until_unload(
     ip.run_line_magic("load_ext", "nbckpt")  # for the fixture, which unloads it
 
 
-def test_bench_in_batch_runs_and_returns_the_comparison(
-    ip: InteractiveShell, tmp_path: Path
-) -> None:
+def test_bench_in_batch_runs_and_returns_the_comparison(ip: InteractiveShell, tmp_path: Path) -> None:
     comparison = ip.run_line_magic(
         "ckpt_bench",
         f"-d {tmp_path / 'b'} --size-mb 2 --compute-ms 1 --strategies none,nbckpt-async "
@@ -476,8 +468,8 @@ def test_bench_in_jupyterlab_shows_the_live_lab_and_starts_it(
 
     monkeypatch.setattr(_magics, "_batch_run", lambda shell: False)
     result = ip.run_line_magic(
-        "ckpt_bench", f"--dir {tmp_path / 'b'} --size-mb 1 --strategies nbckpt-async "
-                      "--steps 2 --every 1 --repeats 1",
+        "ckpt_bench",
+        f"--dir {tmp_path / 'b'} --size-mb 1 --strategies nbckpt-async --steps 2 --every 1 --repeats 1",
     )
     assert result is None
     lab = magics_of(ip).lab
@@ -514,8 +506,7 @@ def test_batch_detection(monkeypatch: pytest.MonkeyPatch) -> None:
 def _notebook(path: Path, cells: list[str]) -> None:
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, path)
 
 
@@ -524,15 +515,17 @@ def test_papermill_run_shows_static_bench_and_fails_when_a_magic_fails(tmp_path:
     from papermill.exceptions import PapermillExecutionError
 
     source = tmp_path / "bad.ipynb"
-    bench = (f"%ckpt_bench --dir {tmp_path / 'b'} --size-mb 1 --compute-ms 1 "
-             "--strategies none,nbckpt-async --steps 2 --every 1 --no-warmup")
+    bench = (
+        f"%ckpt_bench --dir {tmp_path / 'b'} --size-mb 1 --compute-ms 1 "
+        "--strategies none,nbckpt-async --steps 2 --every 1 --no-warmup"
+    )
     _notebook(source, ["%load_ext nbckpt", bench, f"%ckpt_async nothere -d {tmp_path / 'c'}"])
     output = tmp_path / "out.ipynb"
     with pytest.raises(PapermillExecutionError):
-        papermill.execute_notebook(str(source), str(output), kernel_name="python3",
-                                   progress_bar=False, cwd=str(tmp_path))
-    cells = [cell for cell in nbformat.read(output, as_version=4).cells
-             if cell.cell_type == "code"]
+        papermill.execute_notebook(
+            str(source), str(output), kernel_name="python3", progress_bar=False, cwd=str(tmp_path)
+        )
+    cells = [cell for cell in nbformat.read(output, as_version=4).cells if cell.cell_type == "code"]
     # a batch run gets the comparison in the foreground with static figures, not a live lab
     kinds = {key for out in cells[1].outputs for key in out.get("data", {})}
     assert "application/vnd.plotly.v1+json" in kinds
@@ -546,14 +539,11 @@ def test_status_updates_from_the_background_in_a_real_kernel(tmp_path: Path) -> 
     """The display update sent by the commit callback (on the persist thread) reaches iopub."""
     from jupyter_client.manager import start_new_kernel
 
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path),
-                              env={**os.environ, "NBCKPT_DIR": str(tmp_path / "k")})
+    km, kc = start_new_kernel(
+        kernel_name="python3", cwd=str(tmp_path), env={**os.environ, "NBCKPT_DIR": str(tmp_path / "k")}
+    )
     try:
-        code = (
-            "import torch\n%load_ext nbckpt\n"
-            "x = torch.zeros(1 << 22)\n"
-            "h = %ckpt_async x --step 4\n"
-        )
+        code = "import torch\n%load_ext nbckpt\nx = torch.zeros(1 << 22)\nh = %ckpt_async x --step 4\n"
         reply = kc.execute(code, reply=True, timeout=120)
         assert reply["content"]["status"] == "ok", reply["content"]
         shown: dict[str, str] = {}
@@ -597,12 +587,13 @@ def test_rerunning_the_lab_cell_mid_run_stops_the_old_run_in_a_real_kernel(
     released), and the second lab runs in that directory without a lock error."""
     directory = str(tmp_path / "lab")
     assert kernel.run(LAB_CELL.format(directory=directory, steps=100_000)) == ""
-    kernel.run("import time\nfirst = lab\n"
-               "while first.running and first.progress.value < 12:\n    time.sleep(0.01)\n"
-               "assert first.running, first.error")  # past its first save: the lock is held
+    kernel.run(
+        "import time\nfirst = lab\n"
+        "while first.running and first.progress.value < 12:\n    time.sleep(0.01)\n"
+        "assert first.running, first.error"
+    )  # past its first save: the lock is held
     out = kernel.run(LAB_CELL.format(directory=directory, steps=12))
-    assert out == "nbckpt: stopped the previous lab's run (its saves in flight committed) and " \
-                  "closed it\n"
+    assert out == "nbckpt: stopped the previous lab's run (its saves in flight committed) and closed it\n"
     checks = kernel.run(
         "lab.wait()\n"
         "print(first.closed, first.running, first.stopped, lab is not first)\n"
@@ -615,8 +606,10 @@ def test_rerunning_the_lab_cell_mid_run_stops_the_old_run_in_a_real_kernel(
 def test_rerunning_ckpt_bench_stops_the_previous_run_in_a_real_kernel(
     kernel: RealKernel, tmp_path: Path
 ) -> None:
-    bench = (f"%ckpt_bench --dir {tmp_path / 'b'} --size-mb 2 --strategies nbckpt-async "
-             "--every 5 --repeats 1 --steps {steps}")
+    bench = (
+        f"%ckpt_bench --dir {tmp_path / 'b'} --size-mb 2 --strategies nbckpt-async "
+        "--every 5 --repeats 1 --steps {steps}"
+    )
     kernel.run("%load_ext nbckpt")
     assert kernel.run(bench.format(steps=100_000), lab=True) == ""
     kernel.run(
@@ -635,10 +628,12 @@ def test_rerunning_ckpt_bench_stops_the_previous_run_in_a_real_kernel(
 
 def test_background_warnings_show_in_the_notebook_in_a_real_kernel(kernel: RealKernel) -> None:
     kernel.run("%load_ext nbckpt")
-    cell = ("import logging, threading\n"
-            "worker = threading.Thread(target=logging.getLogger('nbckpt').warning,\n"
-            "                          args=('nbckpt: could not remove an old checkpoint',))\n"
-            "worker.start(); worker.join()")
+    cell = (
+        "import logging, threading\n"
+        "worker = threading.Thread(target=logging.getLogger('nbckpt').warning,\n"
+        "                          args=('nbckpt: could not remove an old checkpoint',))\n"
+        "worker.start(); worker.join()"
+    )
     assert kernel.run(cell, stream="stderr") == "nbckpt: could not remove an old checkpoint\n"
     kernel.run("%unload_ext nbckpt")
     assert kernel.run(cell, stream="stderr") == ""
@@ -649,8 +644,13 @@ def test_extension_import_is_lazy() -> None:
     import subprocess
 
     code = "import sys, nbckpt; print('IPython' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -676,8 +676,11 @@ def test_a_sync_saves_status_shows_all_the_time_the_cell_was_blocked_in_a_real_k
     """Issue 29 defect 6: %ckpt_sync's status line gives the time save() blocked the cell, the
     write it waited for included (it showed only the part before the write: 1.43 s of 5.47 s)."""
     kernel.run("import time, torch\n%load_ext nbckpt\nx = torch.randn(1 << 24)")  # 64 MiB
-    out, shown = _shown(kernel, "start = time.perf_counter()\nh = %ckpt_sync x\n"
-                                "print(time.perf_counter() - start, h.committed.result().stall_s)")
+    out, shown = _shown(
+        kernel,
+        "start = time.perf_counter()\nh = %ckpt_sync x\n"
+        "print(time.perf_counter() - start, h.committed.result().stall_s)",
+    )
     blocked, recorded = map(float, out.split())
     statuses = [text for text in shown if "committed" in text]
     assert statuses, shown
@@ -689,8 +692,10 @@ def test_a_sync_saves_status_shows_all_the_time_the_cell_was_blocked_in_a_real_k
     assert float(table.splitlines()[-1]) == pytest.approx(recorded * 1e3, rel=0.01)
 
 
-HELD = ("import gc\nfrom nbckpt import Checkpointer\n"
-        "print(sum(c.host_bytes for c in gc.get_objects() if isinstance(c, Checkpointer)))")
+HELD = (
+    "import gc\nfrom nbckpt import Checkpointer\n"
+    "print(sum(c.host_bytes for c in gc.get_objects() if isinstance(c, Checkpointer)))"
+)
 
 
 def test_a_replaced_default_directory_gives_its_staging_memory_back_in_a_real_kernel(

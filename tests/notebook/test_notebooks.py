@@ -37,8 +37,12 @@ SMALL = {"steps": 8, "every": 4, "kill_after": 4, "width": 256, "run_now": True,
 #: Notebooks whose every cell runs again, in the same kernel, after Run All.
 RERUNNABLE = ["01_quickstart.ipynb", "08_never_lose_work.ipynb"]
 #: Notebooks that end in a decision computed from their run (issue 29).
-DECIDING = ["01_quickstart.ipynb", "02_sync_vs_async.ipynb", "03_storage_and_flashblade.ipynb",
-            "04_fault_tolerance.ipynb"]
+DECIDING = [
+    "01_quickstart.ipynb",
+    "02_sync_vs_async.ipynb",
+    "03_storage_and_flashblade.ipynb",
+    "04_fault_tolerance.ipynb",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +64,13 @@ def _execute(path: Path, tmp_path: Path, overrides: dict[str, Any]) -> tuple[dic
     params = {key: value for key, value in wanted.items() if key in declared}
     executed = tmp_path / f"executed-{path.name}"
     papermill.execute_notebook(
-        str(path), str(executed), parameters=params, kernel_name="python3",
-        cwd=str(path.parent), progress_bar=False, store_widget_state=False,
+        str(path),
+        str(executed),
+        parameters=params,
+        kernel_name="python3",
+        cwd=str(path.parent),
+        progress_bar=False,
+        store_widget_state=False,
     )
     written = json.loads(results.read_text()) if results.exists() else {}
     return written, executed
@@ -87,11 +96,17 @@ def _check_decision(path: Path, results: dict[str, Any], printed: str) -> None:
     """Issue 29: the notebook's last section is "Your decision", and what it printed holds the code
     to paste that the run computed (the same text the results JSON carries)."""
     cells = nbformat.read(str(path), as_version=4).cells
-    headings = [line for c in cells if c.cell_type == "markdown" for line in c.source.splitlines()
-                if line.startswith("## ")]
+    headings = [
+        line
+        for c in cells
+        if c.cell_type == "markdown"
+        for line in c.source.splitlines()
+        if line.startswith("## ")
+    ]
     assert headings[-1] == "## Your decision", headings[-1]
-    last_heading = max(i for i, c in enumerate(cells)
-                       if c.cell_type == "markdown" and "## Your decision" in c.source)
+    last_heading = max(
+        i for i, c in enumerate(cells) if c.cell_type == "markdown" and "## Your decision" in c.source
+    )
     assert any(c.cell_type == "code" for c in cells[last_heading:]), "the decision computes nothing"
     code = results["decision"]["code"]
     assert "Checkpointer(" in code and code in printed, (code, printed[-3000:])
@@ -174,7 +189,7 @@ def _check_printed_decision(executed: Path) -> None:
     nb = nbformat.read(str(executed), as_version=4)
     headings = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and c.source.startswith("## ")]
     assert headings and nb.cells[headings[-1]].source.startswith("## Your decision"), executed.name
-    printed = "".join(o.get("text", "") for c in nb.cells[headings[-1]:] for o in c.get("outputs", []))
+    printed = "".join(o.get("text", "") for c in nb.cells[headings[-1] :] for o in c.get("outputs", []))
     assert "USE " in printed and "WHEN IT CHANGES" in printed and "from nbckpt import" in printed, printed
 
 
@@ -211,8 +226,9 @@ def test_notebook_runs_with_small_parameters(path: Path, tmp_path: Path) -> None
     nb = nbformat.read(str(executed), as_version=4)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
-    stderr = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", [])
-                     if o.get("name") == "stderr")
+    stderr = "".join(
+        o.get("text", "") for c in nb.cells for o in c.get("outputs", []) if o.get("name") == "stderr"
+    )
     assert "torch.distributed is disabled" not in stderr  # nbckpt's DCP strategies made torch warn
     # figures as plotly JSON ("plotly_mimetype"): a run by hand leaves the notebook as small as this
     html = [str(o.get("data", {}).get("text/html", "")) for c in nb.cells for o in c.get("outputs", [])]
@@ -279,9 +295,14 @@ def test_after_run_all_every_cell_runs_again_in_the_same_kernel(name: str, tmp_p
 @pytest.mark.xdist_group("s3")
 def test_never_lose_work_with_its_mirror_on_s3(tmp_path: Path, s3_server: SeaweedS3) -> None:
     s3_server.make_bucket("notebook-08")
-    results, _ = _execute(NOTEBOOK_DIR / "08_never_lose_work.ipynb", tmp_path, {
-        "mirror": "s3://notebook-08/run", "mirror_options": s3_server.storage_options(),
-    })
+    results, _ = _execute(
+        NOTEBOOK_DIR / "08_never_lose_work.ipynb",
+        tmp_path,
+        {
+            "mirror": "s3://notebook-08/run",
+            "mirror_options": s3_server.storage_options(),
+        },
+    )
     _check_never_lose_work(results)
     assert results["restored_from"] == "s3://notebook-08/run"
     assert s3_server.filesystem().find("notebook-08/run")  # the steps are on the server
@@ -301,8 +322,12 @@ def test_bad_parameter_fails_with_a_readable_error(tmp_path: Path) -> None:
     path = NOTEBOOK_DIR / "04_fault_tolerance.ipynb"
     with pytest.raises(PapermillExecutionError) as caught:
         papermill.execute_notebook(
-            str(path), str(tmp_path / "out.ipynb"), kernel_name="python3", cwd=str(path.parent),
-            parameters={"workdir": str(blocker / "sub")}, progress_bar=False,
+            str(path),
+            str(tmp_path / "out.ipynb"),
+            kernel_name="python3",
+            cwd=str(path.parent),
+            parameters={"workdir": str(blocker / "sub")},
+            progress_bar=False,
         )
     assert caught.value.ename == "ConfigError"
     assert caught.value.evalue.startswith("workdir ") and "is not writable" in caught.value.evalue
@@ -328,9 +353,11 @@ def test_fault_tolerance_labels_each_leftover_as_what_it_is(tmp_path: Path) -> N
     """Issue 29 defect 5: notebook 04 labelled a ``.trash-step-*`` folder whose listing showed its
     manifest.json "IGNORED: no manifest.json"; and its text explains the ``.trash`` folders."""
     describe = _notebook_function(NOTEBOOK_DIR / "04_fault_tolerance.ipynb", "describe")
-    folders = {"step-000005": ["manifest.json", "__0_0.distcp"],
-               ".trash-step-000002-ab12cd34": ["manifest.json", "__0_0.distcp"],
-               ".tmp-step-000006-ef56ab78": ["__0_0.distcp"]}
+    folders = {
+        "step-000005": ["manifest.json", "__0_0.distcp"],
+        ".trash-step-000002-ab12cd34": ["manifest.json", "__0_0.distcp"],
+        ".tmp-step-000006-ef56ab78": ["__0_0.distcp"],
+    }
     for name, files in folders.items():
         (tmp_path / name).mkdir()
         for file in files:
@@ -340,8 +367,11 @@ def test_fault_tolerance_labels_each_leftover_as_what_it_is(tmp_path: Path) -> N
     assert "no manifest.json" not in said[".trash-step-000002-ab12cd34"]
     assert "deleted" in said[".trash-step-000002-ab12cd34"]
     assert said[".tmp-step-000006-ef56ab78"].startswith("IGNORED: no manifest.json")
-    text = "".join(c.source for c in nbformat.read(str(NOTEBOOK_DIR / "04_fault_tolerance.ipynb"),
-                                                   as_version=4).cells if c.cell_type == "markdown")
+    text = "".join(
+        c.source
+        for c in nbformat.read(str(NOTEBOOK_DIR / "04_fault_tolerance.ipynb"), as_version=4).cells
+        if c.cell_type == "markdown"
+    )
     assert "`.trash-step-*`" in text
 
 

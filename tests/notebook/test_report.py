@@ -53,15 +53,15 @@ def small_report(tmp_path_factory: pytest.TempPathFactory) -> SmallReport:
     tmp_path = tmp_path_factory.mktemp("report")
     progress = io.StringIO()
     with contextlib.redirect_stderr(progress):
-        report = run_report("small", tmp_path / "out", {**SMALL, "target": str(tmp_path / "ckpt")},
-                            progress=True)
+        report = run_report(
+            "small", tmp_path / "out", {**SMALL, "target": str(tmp_path / "ckpt")}, progress=True
+        )
     return SmallReport(report, progress.getvalue())
 
 
 @REPORT_GROUP
 def test_report_renders_offline_html_and_results(
-    small_report: SmallReport, capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch, ip: Any
+    small_report: SmallReport, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, ip: Any
 ) -> None:
     """One run of the report (the slow part), checked five ways."""
     report = small_report.html
@@ -86,13 +86,15 @@ def test_report_fits_a_1280_px_page_in_chromium(small_report: SmallReport) -> No
         page_width = page.evaluate("document.documentElement.clientWidth")
         tables = page.evaluate(
             "() => [...document.querySelectorAll('table')].map(t => [t.className, "
-            "Math.ceil(t.getBoundingClientRect().right)])")
+            "Math.ceil(t.getBoundingClientRect().right)])"
+        )
         assert tables and all(right <= page_width for _, right in tables), (page_width, tables)
         stderr = page.locator('[data-mime-type="application/vnd.jupyter.stderr"]')
         assert stderr.count() == 0, stderr.all_inner_texts()
         overhead = page.locator(".js-plotly-plot", has_text="Overhead against training")
-        chart, title = (overhead.locator(selector).first.bounding_box()
-                        for selector in ("svg.main-svg", ".ytitle"))
+        chart, title = (
+            overhead.locator(selector).first.bounding_box() for selector in ("svg.main-svg", ".ytitle")
+        )
         assert chart is not None and title is not None
         assert chart["x"] <= title["x"] and chart["y"] <= title["y"]
         assert title["y"] + title["height"] <= chart["y"] + chart["height"], (title, chart)
@@ -140,8 +142,12 @@ def _check_html_content(report: Path) -> None:
 def _check_no_stderr(executed: Path) -> None:
     """No cell wrote to stderr (torch's warnings, say): the report would show a pink box."""
     nb = nbformat.read(str(executed), as_version=4)
-    written = [output.get("text", "") for cell in nb.cells for output in cell.get("outputs", [])
-               if output.get("name") == "stderr"]
+    written = [
+        output.get("text", "")
+        for cell in nb.cells
+        for output in cell.get("outputs", [])
+        if output.get("name") == "stderr"
+    ]
     assert not written, written
 
 
@@ -150,7 +156,7 @@ def _check_offline(report: Path) -> None:
     assert not EXTERNAL_LOAD.search(html), EXTERNAL_LOAD.search(html)
     assert not re.search(r'src="https?://', html)
     # plotly.js mentions cdn.plot.ly inside its own source (a map-data default), never as a load
-    assert not re.search(r'<script[^>]+cdn\.plot\.ly', html)
+    assert not re.search(r"<script[^>]+cdn\.plot\.ly", html)
     assert "mathjax" not in " ".join(re.findall(r"<script[^>]*>", html)).lower()
 
 
@@ -197,9 +203,11 @@ def test_bad_name_is_refused(tmp_path: Path) -> None:
 def test_export_refuses_html_that_would_load_from_a_cdn(tmp_path: Path) -> None:
     nb = nbformat.v4.new_notebook()
     cell = nbformat.v4.new_code_cell("x")
-    cell.outputs = [nbformat.v4.new_output(
-        "display_data", data={"text/html": '<script src="https://cdn.example.com/x.js"></script>'}
-    )]
+    cell.outputs = [
+        nbformat.v4.new_output(
+            "display_data", data={"text/html": '<script src="https://cdn.example.com/x.js"></script>'}
+        )
+    ]
     nb.cells = [cell]
     path = tmp_path / "nb.ipynb"
     nbformat.write(nb, str(path))
@@ -211,9 +219,25 @@ def test_cli_failing_notebook_gives_one_line_error(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     done = subprocess.run(
-        [sys.executable, "-m", "nbckpt", "report", "--name", "bad", "--output-dir",
-         str(tmp_path / "out"), "-p", "target", str(blocker / "ckpt"), "-p", "steps", "2"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "nbckpt",
+            "report",
+            "--name",
+            "bad",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "-p",
+            "target",
+            str(blocker / "ckpt"),
+            "-p",
+            "steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
@@ -227,13 +251,18 @@ def _figures(row: dict[str, object]) -> list[str]:
     """The figures every face shows for a row, as the one formatter writes them."""
     from nbckpt.bench import _internal as bench
 
-    return [bench.overhead_text(row), bench.interval_text(row["overhead_ci_pct"]),  # type: ignore[arg-type]
-            bench.per_repeat_text(row), str(row["overhead_basis"]),
-            *(f"{float(row[key]):.4f}" for key in ("stall_mean_s", "save_stall_s", "wait_s"))]  # type: ignore[arg-type]
+    return [
+        bench.overhead_text(row),
+        bench.interval_text(row["overhead_ci_pct"]),  # type: ignore[arg-type]
+        bench.per_repeat_text(row),
+        str(row["overhead_basis"]),
+        *(f"{float(row[key]):.4f}" for key in ("stall_mean_s", "save_stall_s", "wait_s")),
+    ]  # type: ignore[arg-type]
 
 
-def _check_same_figures(report: Path, shell: Any, capsys: pytest.CaptureFixture[str],
-                        monkeypatch: pytest.MonkeyPatch) -> None:
+def _check_same_figures(
+    report: Path, shell: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The run the report measured, as each face shows it: the table ``nbckpt bench`` prints,
     the one ``%ckpt_bench`` displays for a Comparison, the Lab's and the report's have the same
     overhead, interval, per-repeat overheads, what it rests on, and the stall with its parts."""
@@ -257,19 +286,27 @@ def _check_same_figures(report: Path, shell: Any, capsys: pytest.CaptureFixture[
         lab_html = lab.results.value
     finally:
         lab.close()
-    faces = {"nbckpt bench": printed, "%ckpt_bench": magic, "Lab": lab_html,
-             "report": report.read_text()}
+    faces = {"nbckpt bench": printed, "%ckpt_bench": magic, "Lab": lab_html, "report": report.read_text()}
     for face, text in faces.items():
         for name, figures in expected.items():
             table_rows = text.split("</tr>") if "<tr" in text else text.splitlines()
-            line = next((row for row in table_rows
-                         if row.strip().startswith(f"{name} ") or f">{name}</td>" in row), "")
+            line = next(
+                (row for row in table_rows if row.strip().startswith(f"{name} ") or f">{name}</td>" in row),
+                "",
+            )
             for figure in figures:
                 assert html.escape(figure) in line or figure in line, (face, name, figure, line[:400])
     # one set of headers: every face names the columns as format_results does
     headers = list(bench.format_results(comparison.results).columns)
-    for header in ("overhead", "95 % interval", "per repeat", "rests on", "stall s",
-                   "save stall s", "wait for the earlier save s"):
+    for header in (
+        "overhead",
+        "95 % interval",
+        "per repeat",
+        "rests on",
+        "stall s",
+        "save stall s",
+        "wait for the earlier save s",
+    ):
         assert header in headers and all(header in text for text in faces.values()), header
 
 
@@ -284,9 +321,15 @@ def test_the_report_notebook_run_with_its_defaults_writes_no_results_json(tmp_pa
     notebooks.mkdir()
     shutil.copy(REPORT_NOTEBOOK, notebooks / "report.ipynb")
     small = {**SMALL, "strategies": "none,nbckpt-async", "probe_streams": "1", "probe_mb": 1}
-    papermill.execute_notebook(str(notebooks / "report.ipynb"), str(tmp_path / "executed.ipynb"),
-                               parameters=small, kernel_name="python3", cwd=str(notebooks),
-                               progress_bar=False, store_widget_state=False)
+    papermill.execute_notebook(
+        str(notebooks / "report.ipynb"),
+        str(tmp_path / "executed.ipynb"),
+        parameters=small,
+        kernel_name="python3",
+        cwd=str(notebooks),
+        progress_bar=False,
+        store_widget_state=False,
+    )
     assert not (tmp_path / "reports").exists()
     assert sorted(p.name for p in notebooks.iterdir()) == ["report.ipynb"]
     shown = (tmp_path / "executed.ipynb").read_text()

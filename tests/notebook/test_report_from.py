@@ -33,18 +33,52 @@ def _report(capsys: pytest.CaptureFixture[str], out: Path, *sources: Path) -> st
 
 @pytest.mark.timeout(240)
 def test_a_torchrun_runs_json_renders_every_rank_and_the_straggler(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     result = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(WORKER), "1", "0.3", "bench", "--dir", str(tmp_path / "ckpt"), "--size-mb", "1",
-               "--compute-ms", "1", "--strategies", "nbckpt-async", "--steps", "4", "--every", "2",
-               "--repeats", "1", "--no-warmup", "--quiet", "--json", str(result)]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=200, check=False)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(WORKER),
+        "1",
+        "0.3",
+        "bench",
+        "--dir",
+        str(tmp_path / "ckpt"),
+        "--size-mb",
+        "1",
+        "--compute-ms",
+        "1",
+        "--strategies",
+        "nbckpt-async",
+        "--steps",
+        "4",
+        "--every",
+        "2",
+        "--repeats",
+        "1",
+        "--no-warmup",
+        "--quiet",
+        "--json",
+        str(result),
+    ]
+    done = subprocess.run(
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     events = json.loads(result.read_text())["rank_timeline"]  # rank 0 gathered every rank's events
     assert {(row["rank"], row["kind"]) for row in events} >= {
-        (rank, kind) for rank in (0, 1) for kind in ("step", "stall", "stage", "persist", "commit")}
+        (rank, kind) for rank in (0, 1) for kind in ("step", "stall", "stage", "persist", "commit")
+    }
     page = _report(capsys, tmp_path / "out", result)
     assert PLOTLY_JS in page and not EXTERNAL_LOAD.search(page)
     host = socket.gethostname()
@@ -55,7 +89,8 @@ def test_a_torchrun_runs_json_renders_every_rank_and_the_straggler(
 
 
 def test_runs_of_one_and_two_ranks_give_the_measured_scaling_curve(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     page = _report(capsys, tmp_path, TWO, ONE)
     assert "Measured scaling" in page and "Measured on 1, 2 ranks (no projection beyond)" in page
     assert "measured on 1 to 2 ranks: aggregate write" in page
@@ -78,14 +113,18 @@ def _one_process(folder: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (lambda folder: folder / "missing.json", "missing.json: no such file"),
-    (_not_a_bench, "not a nbckpt.bench/3 document"),
-    (_one_process, "one_process.json: a one-process bench result"),
-], ids=["missing", "not-a-bench", "one-process"])
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda folder: folder / "missing.json", "missing.json: no such file"),
+        (_not_a_bench, "not a nbckpt.bench/3 document"),
+        (_one_process, "one_process.json: a one-process bench result"),
+    ],
+    ids=["missing", "not-a-bench", "one-process"],
+)
 def test_bad_input_is_one_line_exit_2_and_nothing_written(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], make: Callable[[Path], Path],
-        message: str) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], make: Callable[[Path], Path], message: str
+) -> None:
     bad = make(tmp_path)
     out = tmp_path / "out"
     code = cli.main(["report", "--from", str(TWO), str(bad), "--output-dir", str(out)])

@@ -83,15 +83,19 @@ def test_the_rerun_advice_is_the_magics_own_in_one_line_and_a_bad_directory_is_r
     cell(kernel, SETUP + f"%ckpt_config -d {run}")
     assert cell(kernel, "%ckpt_sync model opt --step 1") == ("", "")
     _, err = cell(kernel, "%ckpt_sync model opt --step 1")  # the cell run again
-    assert err == (f"UserWarning: nbckpt: step 1 already exists in {run} and is replaced; add "
-                   "--overwrite if that is intended, or run %ckpt_config --new-run to save into a "
-                   "fresh run directory\n")
+    assert err == (
+        f"UserWarning: nbckpt: step 1 already exists in {run} and is replaced; add "
+        "--overwrite if that is intended, or run %ckpt_config --new-run to save into a "
+        "fresh run directory\n"
+    )
     assert cell(kernel, "%ckpt_sync model opt --step 1 --overwrite") == ("", "")
     out, _ = cell(kernel, "%ckpt_config")
     shown = dict(line.strip().split(": ", 1) for line in out.splitlines())
     assert shown["directory"] == str(run) and "dir" not in shown and "run" not in shown
-    for bad, why in (("/etc/passwd/x", "/etc/passwd is a file, not a directory"),
-                     ("nosuchproto://bucket/run", "cannot open nosuchproto://bucket/run")):
+    for bad, why in (
+        ("/etc/passwd/x", "/etc/passwd is a file, not a directory"),
+        ("nosuchproto://bucket/run", "cannot open nosuchproto://bucket/run"),
+    ):
         reply, shown = failing(kernel, f"%ckpt_config -d {bad}")
         err = shown["stderr"] + shown["error"]
         assert reply["ename"] == "UsageError"
@@ -101,8 +105,9 @@ def test_the_rerun_advice_is_the_magics_own_in_one_line_and_a_bad_directory_is_r
     assert out.splitlines()[0].split(": ", 1)[1] == str(run)  # unchanged
     out, _ = cell(kernel, "%ckpt_config --new-run")
     directory = out.splitlines()[0].split(": ", 1)[1]
-    assert re.fullmatch(rf"{re.escape(str(run))}/run-\S+ \(a --new-run inside {re.escape(str(run))}\)",
-                        directory), out
+    assert re.fullmatch(
+        rf"{re.escape(str(run))}/run-\S+ \(a --new-run inside {re.escape(str(run))}\)", directory
+    ), out
 
 
 def test_the_browser_deletes_while_the_autosave_holds_the_directory(
@@ -115,8 +120,9 @@ def test_the_browser_deletes_while_the_autosave_holds_the_directory(
         cell(kernel, f"%ckpt_wait\nstep = {value}")
         assert kernel.evaluate("nbckpt.notebook.Autosave.active().last.handle.wait().step") == str(value)
     delete = "browser.select({}); print(browser.delete(), browser.confirm_delete(), browser.error)"
-    out, err = cell(kernel, f"from nbckpt.notebook import Browser\nbrowser = Browser({str(run)!r})\n"
-                            + delete.format(10))
+    out, err = cell(
+        kernel, f"from nbckpt.notebook import Browser\nbrowser = Browser({str(run)!r})\n" + delete.format(10)
+    )
     assert (out, err) == ("True True None\n", "")
     out, _ = cell(kernel, "%ckpt_autosave --off\n" + delete.format(20))
     assert out.splitlines()[-1] == "True True None"
@@ -131,8 +137,10 @@ def test_ctrl_c_in_a_large_sync_save_is_one_line_saying_what_was_kept(
     kernel: RealKernel, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    cell(kernel, SETUP + f"%ckpt_config -d {run}\nbig = torch.ones(1 << 25)  # 128 MiB\n"
-                         "%ckpt_sync big step --step 10")
+    cell(
+        kernel,
+        SETUP + f"%ckpt_config -d {run}\nbig = torch.ones(1 << 25)  # 128 MiB\n%ckpt_sync big step --step 10",
+    )
     msg_id = kernel.send("step = 20\n%ckpt_sync big step --step 20")
     # Mid-write: the step's temporary directory exists, its files are being written.
     assert until(lambda: bool(list(run.glob(".tmp-step-000020-*"))), timeout=120, poll_s=0.001)
@@ -181,6 +189,7 @@ def test_ctrl_c_in_a_restore_says_whether_the_variables_were_loaded(
     cell(kernel, "_restorer.Restorer._read_for = original\n" + INTERRUPT_IN.format(target="_restorer._apply"))
     reply, shown = failing(kernel, "%ckpt_restore w step")
     assert reply["ename"] == "Interrupted" and shown["stderr"] == ""
-    assert shown["error"] == (f"KeyboardInterrupt: step 5 of {run} was loaded into w, step before the "
-                              "interrupt took effect\n")
+    assert shown["error"] == (
+        f"KeyboardInterrupt: step 5 of {run} was loaded into w, step before the interrupt took effect\n"
+    )
     assert kernel.evaluate("(float(w.sum()), step)") == "(8.0, 5)"

@@ -63,10 +63,16 @@ BAD_CALLS: list[tuple[str, Call, str]] = [
     ("handle.wait('5')", _handle_wait("5"), "timeout must be a number of seconds >= 0 or None, not '5'"),
     ("handle.wait(-1)", _handle_wait(-1), "timeout must be a number of seconds >= 0 or None, not -1"),
     ("handle.wait_staged(True)", _handle_wait(True, staged=True), "timeout must be a number of seconds"),
-    ("final_save(reason=3)", lambda ckpt, _: ckpt.final_save(lambda: None, reason=3),  # type: ignore[arg-type]
-     "reason must be text (it is logged), not 3"),
-    ("keep=CustomSteps(5)", lambda _, tmp: Checkpointer(tmp / "other", keep=CustomSteps(5)),  # type: ignore[arg-type]
-     "CustomSteps wants step numbers or a function returning them, not 5"),
+    (
+        "final_save(reason=3)",
+        lambda ckpt, _: ckpt.final_save(lambda: None, reason=3),  # type: ignore[arg-type]
+        "reason must be text (it is logged), not 3",
+    ),
+    (
+        "keep=CustomSteps(5)",
+        lambda _, tmp: Checkpointer(tmp / "other", keep=CustomSteps(5)),  # type: ignore[arg-type]
+        "CustomSteps wants step numbers or a function returning them, not 5",
+    ),
     ("CustomSteps('12')", lambda *_: CustomSteps("12"), "CustomSteps wants step numbers"),
     ("CustomSteps([-1])", lambda *_: CustomSteps([-1]), "CustomSteps' steps must be an integer >= 0, not -1"),
     ("CustomSteps([True])", lambda *_: CustomSteps([True]), "CustomSteps' steps must be an integer >= 0"),
@@ -74,12 +80,21 @@ BAD_CALLS: list[tuple[str, Call, str]] = [
     ("line=''", _open(line=""), "line must be a line's name ('main', 'branch-1', ...), not ''"),
     ("timeout_s=inf", _open(timeout_s=math.inf), "timeout_s must be a positive number of seconds, not inf"),
     ("storage_options={1: 2}", _open(storage_options={1: 2}), "storage_options must have option names"),
-    ("mirror_options without mirror", _open(mirror_options={"anon": True}),
-     "mirror_options are given but no mirror"),
-    ("Autosave(signals=('SIGNOPE',))", lambda *_: Autosave(["model"], signals=("SIGNOPE",)),  # type: ignore[arg-type]
-     "signals: 'SIGNOPE' is not a signal"),
-    ("Autosave(directory=3)", lambda *_: Autosave(["model"], directory=3),  # type: ignore[arg-type]
-     "directory must be a path, not int"),
+    (
+        "mirror_options without mirror",
+        _open(mirror_options={"anon": True}),
+        "mirror_options are given but no mirror",
+    ),
+    (
+        "Autosave(signals=('SIGNOPE',))",
+        lambda *_: Autosave(["model"], signals=("SIGNOPE",)),  # type: ignore[arg-type]
+        "signals: 'SIGNOPE' is not a signal",
+    ),
+    (
+        "Autosave(directory=3)",
+        lambda *_: Autosave(["model"], directory=3),  # type: ignore[arg-type]
+        "directory must be a path, not int",
+    ),
 ]
 
 
@@ -130,7 +145,9 @@ def test_v4_8_a_script_exits_without_a_weakmethod_traceback(tmp_path: Path, mode
     '_alive'`` at the end of every such script."""
     child = subprocess.run(
         [sys.executable, "-c", SIGNAL_HANDLER_LEFT_AT_EXIT, str(tmp_path / "run"), mode],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert child.returncode == 0, child.stderr
     assert "Exception ignored" not in child.stderr and "Traceback" not in child.stderr, child.stderr
@@ -162,20 +179,32 @@ SMALL_REPORT = ["-p", "preset", "small", "-p", "steps", "12", "-p", "every", "4"
 #: A report notebook of one parameters cell and one cell that writes what it was given.
 RECORDING_NOTEBOOK = {
     "cells": [
-        {"cell_type": "code", "metadata": {"tags": ["parameters"]}, "execution_count": None, "outputs": [],
-         "source": 'preset = "small"\nstrategies = "none,nbckpt-async"\nsize_mb = None\nsteps = 12\n'
-                   'every = 4\nrepeats = 3\noutput_dir = "."\nprogress_path = ""\n'},
-        {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
-         "source": 'import json, os\nwith open(os.path.join(output_dir, "given.json"), "w") as f:\n'
-                   '    json.dump({"steps": steps, "repeats": repeats}, f)\n'},
+        {
+            "cell_type": "code",
+            "metadata": {"tags": ["parameters"]},
+            "execution_count": None,
+            "outputs": [],
+            "source": 'preset = "small"\nstrategies = "none,nbckpt-async"\nsize_mb = None\nsteps = 12\n'
+            'every = 4\nrepeats = 3\noutput_dir = "."\nprogress_path = ""\n',
+        },
+        {
+            "cell_type": "code",
+            "metadata": {},
+            "execution_count": None,
+            "outputs": [],
+            "source": 'import json, os\nwith open(os.path.join(output_dir, "given.json"), "w") as f:\n'
+            '    json.dump({"steps": steps, "repeats": repeats}, f)\n',
+        },
     ],
     "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-    "nbformat": 4, "nbformat_minor": 5,
+    "nbformat": 4,
+    "nbformat_minor": 5,
 }
 
 
-def _report(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], load_1m: float,
-            *args: str) -> list[str]:
+def _report(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], load_1m: float, *args: str
+) -> list[str]:
     """``nbckpt report ARGS`` with the machine's load fed in: the lines it said on stderr."""
     from nbckpt import cli
     from nbckpt.bench import _internal as bench
@@ -189,14 +218,25 @@ def _report(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
     ("load_1m", "args", "said"),
     [
         # the issue's machine: load 6-15 on 2 cores; make report's own parameters
-        (9.0, SMALL_REPORT, ["about 25 min (3 repeats of 12 steps); 1-minute load 9.0 on 2 cores",
-                             "intervals will be too wide to mean much",
-                             "shortened to 2 repeats of 8 steps (about 11.1 min; the machine is busy); "
-                             "--full runs as asked, Ctrl-C stops"]),
+        (
+            9.0,
+            SMALL_REPORT,
+            [
+                "about 25 min (3 repeats of 12 steps); 1-minute load 9.0 on 2 cores",
+                "intervals will be too wide to mean much",
+                "shortened to 2 repeats of 8 steps (about 11.1 min; the machine is busy); "
+                "--full runs as asked, Ctrl-C stops",
+            ],
+        ),
         (9.0, [*SMALL_REPORT, "--full"], ["about 25 min", "intervals will be too wide"]),
-        (0.2, [*SMALL_REPORT[:3], "-p", "steps", "40", *SMALL_REPORT[6:]],
-         ["about 16.7 min (3 repeats of 40 steps); 1-minute load 0.2 on 2 cores",
-          "shortened to 2 repeats of 36 steps (about 10 min; over the 10 min budget)"]),
+        (
+            0.2,
+            [*SMALL_REPORT[:3], "-p", "steps", "40", *SMALL_REPORT[6:]],
+            [
+                "about 16.7 min (3 repeats of 40 steps); 1-minute load 0.2 on 2 cores",
+                "shortened to 2 repeats of 36 steps (about 10 min; over the 10 min budget)",
+            ],
+        ),
         # never under two repeats of two checkpoints, even where that is still over the budget
         (0.2, [*SMALL_REPORT, "--max-minutes", "2"], ["about 5 min", "shortened to 2 repeats of 8 steps"]),
         (0.2, SMALL_REPORT, ["about 5 min (3 repeats of 12 steps); 1-minute load 0.2 on 2 cores"]),
@@ -204,8 +244,12 @@ def _report(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
     ids=["busy", "busy-full", "over-budget", "max-minutes", "quiet"],
 )
 def test_v4_9_the_report_says_first_what_it_will_take_and_shortens_what_cannot_mean_much(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, load_1m: float,
-    args: list[str], said: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    load_1m: float,
+    args: list[str],
+    said: list[str],
 ) -> None:
     """Before this it measured for 16.9 minutes and warned at the end (``--dry-run`` stops here)."""
     lines = _report(monkeypatch, capsys, load_1m, "--dry-run", "--output-dir", str(tmp_path / "out"), *args)
@@ -241,7 +285,8 @@ def test_v4_8_a_shape_both_files_lie_about_falls_back(tmp_path: Path, shape: lis
         w.size = torch.Size(shape)
         w.chunks = [ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))]
         metadata.storage_data[MetadataIndex("w", (0,) * len(shape))] = metadata.storage_data.pop(
-            MetadataIndex("w", (0,)))
+            MetadataIndex("w", (0,))
+        )
 
     def manifest_lies(manifest: dict[str, Any]) -> None:
         next(n for k, n in manifest["tree"]["items"] if k == "w")["shape"] = shape
@@ -250,7 +295,9 @@ def test_v4_8_a_shape_both_files_lie_about_falls_back(tmp_path: Path, shape: lis
 
     rewrite_metadata(run / "step-000002", metadata_lies)
     rewrite_manifest(run / "step-000002", manifest_lies)
-    assert_falls_back(run, f"the blob of tensor 'w' holds torch.float32 (4096,), the manifest says "
-                           f"torch.float32 {tuple(shape)}")
+    assert_falls_back(
+        run,
+        f"the blob of tensor 'w' holds torch.float32 (4096,), the manifest says torch.float32 {tuple(shape)}",
+    )
     with Checkpointer(run, read_only=True) as ckpt, pytest.raises(ConfigError, match="the target is"):
         ckpt.restore({**blank(), "w": torch.zeros(4095)}, step=1)  # the caller's own mistake still is one

@@ -159,8 +159,17 @@ def run_kill_trials(
             process = context.Process(
                 target=crash_child.train_logged,
                 # odd lanes: overlap
-                args=(str(directory), SEED, 100_000, keep, str(log), lane % 2 == 1, ring,
-                      None if mirrors[lane] is None else str(mirrors[lane]), rewind),
+                args=(
+                    str(directory),
+                    SEED,
+                    100_000,
+                    keep,
+                    str(log),
+                    lane % 2 == 1,
+                    ring,
+                    None if mirrors[lane] is None else str(mirrors[lane]),
+                    rewind,
+                ),
                 daemon=True,
             )
             process.start()
@@ -228,8 +237,9 @@ def test_random_kills_with(tmp_path: Path, what: str, options: dict[str, bool]) 
     """Kills of a run that uploads every commit to a mirror, and of one that goes back a step
     each time it restarts (so that it saves into a new branch)."""
     # with branches: a commit in the new line before most kills, so that lines pile up
-    stats = run_kill_trials(tmp_path, trials=8, seed=20261201, min_commits=int(options.get("rewind", 0)),
-                            **options)
+    stats = run_kill_trials(
+        tmp_path, trials=8, seed=20261201, min_commits=int(options.get("rewind", 0)), **options
+    )
     print(f"\nrandom SIGKILL trials with {what}: {report(stats)}")
     assert stats["commits reported"] > 0
     assert stats["lost"] == 0, report(stats)
@@ -270,8 +280,18 @@ def test_crash_at_fault_point(
 def crash_at(directory: Path, point: str, extra: list[str], held: dict[int, int], leftover: str) -> None:
     """Kill a run at ``point``; the next open puts back or removes ``leftover``, and ``held`` stays."""
     save_step0(directory)
-    args = [sys.executable, str(CHILD), str(directory), "--seed", str(SEED), "--steps", "3",
-            "--crash-at", point, *extra]
+    args = [
+        sys.executable,
+        str(CHILD),
+        str(directory),
+        "--seed",
+        str(SEED),
+        "--steps",
+        "3",
+        "--crash-at",
+        point,
+        *extra,
+    ]
     child = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert "finished" not in child.stdout

@@ -347,4 +347,3 @@ def test_item18_ls_of_a_parent_directory_names_the_runs_in_it(
     assert "no committed checkpoint" in out and "it holds runs: .nbckpt, run-a, run-b" in out, out
     code, out, err = run_cli(capsys, "verify", str(tmp_path))
     assert code != 0 and "it holds runs: .nbckpt, run-a, run-b" in err, err
-

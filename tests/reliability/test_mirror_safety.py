@@ -26,7 +26,8 @@ from nbckpt.engine import _mirror
 def committed(directory: Path) -> list[int]:
     """The committed steps in one directory of a run (one line)."""
     return sorted(
-        int(name.split("-")[1]) for name in os.listdir(directory)
+        int(name.split("-")[1])
+        for name in os.listdir(directory)
         if name.startswith("step-") and (directory / name / "manifest.json").is_file()
     )
 
@@ -178,7 +179,10 @@ def test_item11_uploads_resume_when_the_run_is_reopened_after_a_kill(tmp_path: P
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
     child = subprocess.Popen(
         [sys.executable, "-c", KILLED_WHILE_UPLOADING, str(run), str(mirror)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     assert child.stdout is not None
     assert child.stdout.readline() == "saved\n", child.communicate(timeout=60)[1]

@@ -91,7 +91,10 @@ def test_item21_the_lock_stops_a_second_writer_on_a_network_mount(on_mount: Path
     run = on_mount / "run"
     child = subprocess.Popen(
         [sys.executable, "-c", HOLDS_THE_DIRECTORY, str(run)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert child.stdout is not None and child.stdout.readline() == "holding\n"

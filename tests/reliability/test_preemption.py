@@ -93,7 +93,8 @@ def test_final_save_says_what_happened(tmp_path: Path, caplog: pytest.LogCapture
     with Checkpointer(tmp_path / "run") as ckpt:
         assert ckpt.final_save(lambda: ({"model": model, "step": 3}, 3)) == "final save of step 3 committed"
         assert ckpt.final_save(lambda: None, reason="kernel exit") == (
-            "nothing new to save; the saves in flight committed")
+            "nothing new to save; the saves in flight committed"
+        )
         assert caplog.messages[-1].startswith("nbckpt: kernel exit: nothing new to save")
         line = ckpt.final_save(lambda: 1 / 0)  # type: ignore[arg-type, return-value]
         assert line == "no final save, the snapshot failed: division by zero"
@@ -176,12 +177,18 @@ def test_sigterm_to_every_rank_commits_one_final_step_of_all_of_them(tmp_path: P
     """SIGTERM to every rank after step 12, as torchrun's agent forwards it: each rank's final
     save waits for the end of its step (their all-reduce keeps them in step), and the ranks
     commit one final step together, which plain ``dcp.load`` reads as nbckpt restores it."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+    }
     command = [sys.executable, preempted_child.__file__, str(tmp_path / "run"), "--timeout", "30"]
     others = [RankProcess.start(command, {**env, "RANK": str(rank)}) for rank in range(1, world_size)]
-    first = subprocess.Popen(command, env={**env, "RANK": "0"}, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        command, env={**env, "RANK": "0"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert first.stdout is not None
         for line in first.stdout:
