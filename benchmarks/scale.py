@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/scale.py --json data/results/scale-cpu.json
     .venv/bin/python benchmarks/scale.py --quick        # small state, 2 repeats: checks the script
+    .venv/bin/python benchmarks/scale.py --hosts 2      # 2x2: two torchrun agents as two hosts
 
 Each repeat launches ``torchrun --nproc-per-node 4 -m nbckpt bench`` once per target, the
 targets interleaved (repeat 1: shm, disk; repeat 2: disk, shm; ...), each run holding the
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +34,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine import interval, machine, ratio_interval, write_json  # the same statistics
+
+#: Names a rank's host in the bench's JSON (docs/storage.md); here it tells local agents apart.
+HOST_VARIABLE = "NBCKPT_BENCH_HOST"
 
 RANKS = 4
 STRATEGIES = ("nbckpt-async", "dcp-async-stager")
@@ -43,17 +48,28 @@ CHECKS = (  # name, what, target, at most (True) or at least
 )
 
 
+def launchers(args: argparse.Namespace, label: str) -> list[tuple[list[str], dict[str, str]]]:
+    """The torchrun command and environment of each agent: one, or ``--hosts`` told apart by
+    ``NBCKPT_BENCH_HOST`` and meeting at one c10d rendezvous, as agents on separate hosts do."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if args.hosts == 1:
+        return [([*run, "--standalone", "--nproc-per-node", str(args.ranks)], env)]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{probe.getsockname()[1]}"
+    rendezvous = ["--nnodes", str(args.hosts), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    per_host = ["--rdzv-id", f"scale-{label}", "--nproc-per-node", str(args.ranks // args.hosts)]
+    return [
+        ([*run, *rendezvous, *per_host], {**env, HOST_VARIABLE: f"host-{node}"}) for node in range(args.hosts)
+    ]
+
+
 def run_once(target: str, args: argparse.Namespace, scratch: str, label: str) -> dict[str, Any]:
-    """One torchrun of the bench on ``target``; its JSON document."""
+    """One torchrun job of the bench on ``target`` (one agent per host); its JSON document."""
     out = os.path.join(scratch, f"run-{label}.json")
     directory = tempfile.mkdtemp(prefix="nbckpt-scale-", dir=target)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(args.ranks),
+    bench = [
         "-m",
         "nbckpt",
         "bench",
@@ -77,15 +93,20 @@ def run_once(target: str, args: argparse.Namespace, scratch: str, label: str) ->
         "--json",
         out,
     ]
+    agents = [
+        subprocess.Popen([*command, *bench], env=env, stdout=subprocess.DEVNULL)
+        for command, env in launchers(args, label)
+    ]
     try:
-        subprocess.run(
-            command,
-            check=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.DEVNULL,
-            timeout=args.timeout,
-        )
+        for agent in agents:
+            code = agent.wait(timeout=args.timeout)
+            if code != 0:
+                raise SystemExit(f"torchrun agent {agents.index(agent)} exited with {code} on {target}")
     finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
         shutil.rmtree(directory, ignore_errors=True)
     document: dict[str, Any] = json.loads(Path(out).read_text())
     return document
@@ -147,7 +168,8 @@ def table(summary: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--ranks", type=int, default=RANKS)
+    parser.add_argument("--ranks", type=int, default=RANKS, help="ranks in all, over every host")
+    parser.add_argument("--hosts", type=int, default=1, help="torchrun agents as hosts (2x2: --hosts 2)")
     parser.add_argument("--size-mb", type=float, default=256.0, help="state per rank, MiB")
     parser.add_argument("--compute-ms", type=float, default=50.0, help="compute per step")
     parser.add_argument("--steps", type=int, default=20)
@@ -160,6 +182,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.size_mb, args.compute_ms, args.steps, args.every = 2, 8.0, 5.0, 6, 3
+    if args.hosts < 1 or args.ranks % args.hosts:
+        parser.error(f"--ranks {args.ranks} does not split evenly over --hosts {args.hosts}")
     targets = [name.strip() for name in args.targets.split(",") if name.strip()]
     os.makedirs(TARGETS["disk"], exist_ok=True)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
@@ -168,7 +192,7 @@ def main() -> int:
             order = targets if repeat % 2 == 0 else targets[::-1]  # interleaved, alternating
             for name in order:
                 print(
-                    f"repeat {repeat + 1}/{args.repeats}: {args.ranks} ranks on {name}",
+                    f"repeat {repeat + 1}/{args.repeats}: {args.ranks} ranks on {args.hosts} host(s), {name}",
                     file=sys.stderr,
                     flush=True,
                 )
