@@ -7,7 +7,9 @@ more than its size: before ``.metadata`` is unpickled, its opcodes are walked on
 nothing) and refused if anything would nest deeper than :data:`MAX_PICKLE_DEPTH` (building a
 dict hashes its keys, and CPython hashes a nested tuple by recursing in C with no guard: a
 tuple a million deep is a SIGSEGV) or change an object already put inside another (so none is
-cyclic, and no class of the allow-list is ever modified).
+cyclic, and no class of the allow-list is ever modified), or if many distinct numbers share one
+hash (a dict of colliding keys costs time quadratic in their count: 20,000 int keys in 460 KB
+took 9.8 s to unpickle; string and bytes hashes are salted per process, numbers' are not).
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ import torch
 from .._errors import CheckpointError, describe_error
 from ._torch_compat import STORAGE_INFO_GLOBAL, pickle_record, torch_archive_records
 
-__all__ = ["MAX_PICKLE_DEPTH", "MetadataUnpickler", "load_blob", "load_metadata", "plain_blob", "scan_pickle"]
+__all__ = [
+    "MAX_PICKLE_DEPTH",
+    "MAX_SHARED_HASH",
+    "MetadataUnpickler",
+    "load_blob",
+    "load_metadata",
+    "plain_blob",
+    "scan_pickle",
+]
 
 
 # Everything DCP's .metadata legitimately pickles; any other global is refused.
@@ -67,16 +77,16 @@ class MetadataUnpickler(pickle.Unpickler):
 #: state, ``storage_data``, a ``MetadataIndex``, its state, a ``torch.Size``, its arguments...).
 MAX_PICKLE_DEPTH = 32
 
-#: Opcodes that push one new object holding nothing: a number, a string, None, a global.
+#: How many distinct numbers may share one hash. Distinct ints collide only past 2**61 - 1 (and
+#: -1 with -2), distinct floats a few dozen times at most (one per 61 binary exponents), so a
+#: legitimate checkpoint never comes near; a crafted dict of colliding keys does at once.
+MAX_SHARED_HASH = 64
+
+#: Opcodes that push a number, whose hash :class:`_Scan` counts.
+_NUMBERS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
+#: Opcodes that push one new object holding nothing: a string, None, a global.
 _LEAVES = frozenset(
     {
-        "INT",
-        "BININT",
-        "BININT1",
-        "BININT2",
-        "LONG",
-        "LONG1",
-        "LONG4",
         "STRING",
         "BINSTRING",
         "SHORT_BINSTRING",
@@ -91,8 +101,6 @@ _LEAVES = frozenset(
         "SHORT_BINUNICODE",
         "BINUNICODE",
         "BINUNICODE8",
-        "FLOAT",
-        "BINFLOAT",
         "GLOBAL",
         "EXT1",
         "EXT2",
@@ -158,10 +166,14 @@ class _Scan:
         self.stack: list[int] = []
         self.marks: list[int] = []
         self.memo: list[int] = []  # indices in order (the next, or one stored before)
+        self.hashes: dict[int, int | float] = {}  # the first number seen with each hash...
+        self.shared: dict[int, set[int | float]] = {}  # ...and, for a hash seen again, them all
         self.table: dict[pickletools.OpcodeInfo, Callable[[Any], None]] = {}
         for op in pickletools.opcodes:
             if op.name in _LEAVES:
                 self.table[op] = self.leaf
+            elif op.name in _NUMBERS:
+                self.table[op] = self.number
             elif op.name in _MAKERS:
                 self.table[op] = partial(self.make, *_MAKERS[op.name])
             elif op.name in _FILLERS:
@@ -174,6 +186,19 @@ class _Scan:
     def leaf(self, _: Any) -> None:
         self.depth.append(-1)
         self.stack.append(len(self.depth) - 1)
+
+    def number(self, value: int | float) -> None:
+        code = hash(value)
+        # Small ints and integral floats hash to themselves and never collide; a NaN's hash is
+        # its object's, a new one each time.
+        if code != value and value == value:
+            first = self.hashes.setdefault(code, value)
+            if first != value:
+                same = self.shared.setdefault(code, {first})
+                same.add(value)
+                if len(same) > MAX_SHARED_HASH:
+                    raise ValueError(f"more than {MAX_SHARED_HASH} of its numbers share one hash")
+        self.leaf(value)
 
     def make(self, count: int | None, fillable: bool, _: Any) -> None:
         depth = self.around(self.take(count))
@@ -255,7 +280,8 @@ class _Scan:
 def scan_pickle(data: bytes, *, persistent: bool = False) -> int:
     """Walk the opcodes of pickle ``data`` once, building nothing; ValueError if unpickling it
     would nest objects deeper than :data:`MAX_PICKLE_DEPTH`, change an object already inside
-    another, store a memo entry past the next, or read past its end. Returns the objects it
+    another, store a memo entry past the next, hold more than :data:`MAX_SHARED_HASH` distinct
+    numbers with one hash, or read past its end. Returns the objects it
     would make (at most one an opcode: unpickling costs time and memory in proportion to the
     file's size). Out-of-band buffers, and persistent ids unless ``persistent`` (a ``torch.save``
     blob's storages, by BINPERSID), are refused."""

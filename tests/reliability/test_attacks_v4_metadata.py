@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import random
 import re
 import zipfile
 from pathlib import Path
@@ -26,9 +27,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
 from nbckpt.cli import main as cli
-from nbckpt.engine import _foreign, _shards
+from nbckpt.engine import _foreign, _shards, _unpickle
 from nbckpt.engine._shards import Region
-from nbckpt.engine._unpickle import MAX_PICKLE_DEPTH, scan_pickle
+from nbckpt.engine._unpickle import MAX_PICKLE_DEPTH, MAX_SHARED_HASH, scan_pickle
 
 
 def dcp_step(run: Path, step: int, state: dict[str, Any]) -> Path:
@@ -124,6 +125,29 @@ def test_item01_the_prescan_bounds_what_a_pickle_builds() -> None:
     with zipfile.ZipFile(buffer) as archive:
         pickled = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
     assert scan_pickle(pickled, persistent=True) > 0
+
+
+def test_item01_numbers_sharing_one_hash_are_refused_before_a_dict_is_built() -> None:
+    """A dict of 20,000 int keys that all hash alike (460 KB) took 9.8 s to unpickle, quadratic
+    in their count; numbers' hashes are not salted. Refused by the scan, building nothing;
+    large numbers that merely repeat, random 64-bit ints, fractions and NaNs still pass."""
+    collide = 2**61 - 1  # ints equal modulo this hash alike
+    crafted = pickle.dumps({1 + k * collide: 0 for k in range(20_000)}, protocol=4)
+    with pytest.raises(CheckpointError, match=f"x/.metadata: .*more than {MAX_SHARED_HASH} of its numbers"):
+        _unpickle.load_metadata(crafted, "x/.metadata")
+    # The scan stops at the first number past the bound (before the fix it built the whole dict).
+    just_over = pickle.dumps([1 + k * collide for k in range(1, MAX_SHARED_HASH + 2)], protocol=4)
+    with pytest.raises(ValueError, match="share one hash"):
+        scan_pickle(just_over)
+    scan_pickle(pickle.dumps([1 + k * collide for k in range(1, MAX_SHARED_HASH + 1)], protocol=4))
+    generator = random.Random(0)
+    legitimate = {
+        "seeds": {generator.getrandbits(64): 2**63 - 5 for _ in range(20_000)},
+        "repeated": [2**63 - 5] * 1000,
+        "fractions": [i / 3 for i in range(10_000)],
+        "nans": [float("nan")] * 100,
+    }
+    assert scan_pickle(pickle.dumps(legitimate, protocol=4)) > 20_000
 
 
 def test_item01_a_plain_value_nested_a_million_deep_is_left_out_without_a_crash(tmp_path: Path) -> None:
