@@ -28,10 +28,11 @@ from ._config import CheckpointConfig
 from ._files import copy_file
 from ._format import BRANCH_FILE, BRANCH_LIMIT, LOCK_FILE, MAIN, step_name
 from ._lines import Line, discover, on, write_record
+from ._open_store import open_store
 from ._ranks import Group
 from ._reader import damage_named, read_manifest
 from ._retention import RetentionPolicy, StepFacts, StepInfo, doomed, expired, top_names
-from ._store import Store, open_store
+from ._store import Store
 from ._timeline import Timeline, now_ns
 from ._workers import Worker
 
