@@ -154,7 +154,8 @@ LADDER = {
         "_staging",
         "_timeline",
         "_schedule",
-        "_agree",
+        "_dcp_values",
+        "_dcp_check",
         "_saver",
         "_reader",
         "_restorer",
@@ -283,6 +284,7 @@ COMPAT = {
     "bench/_dcp_compat.py": "torch's DCP checkpoint process",
     "notebook/_plotly_compat.py": "plotly",
     "integrations/_accelerate_compat.py": "accelerate",
+    "integrations/_hf_compat.py": "transformers (a private method's rule, replicated)",
 }
 
 
