@@ -147,7 +147,16 @@ ENGINE_DIR = PACKAGE / "engine"
 #: a cycle, test below), so each rung can be read knowing only the rungs beneath it. A new
 #: engine module takes its place here.
 LADDER = {
-    "basics": ["_workers", "_torch_compat", "_ranks", "_shards", "_unpickle", "_state", "_template"],
+    "basics": [
+        "_workers",
+        "_faults",
+        "_torch_compat",
+        "_ranks",
+        "_shards",
+        "_unpickle",
+        "_state",
+        "_template",
+    ],
     "format": ["_format", "_files", "_manifest", "_foreign"],  # the bytes of a step and how they move
     "storage": ["_store", "_object_store", "_open_store", "_lines"],
     "save and restore": [

@@ -25,6 +25,7 @@ from typing import Any
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import is_url
 from ._config import CheckpointConfig
+from ._faults import fault_point
 from ._files import copy_file
 from ._format import BRANCH_FILE, BRANCH_LIMIT, LOCK_FILE, MAIN, step_name
 from ._lines import Line, discover, on, write_record
@@ -297,6 +298,7 @@ class Mirror:
             target = store.begin(step, nonce)
             copied = 0
             for name, meta in manifest.files.items():
+                fault_point("mirror.upload", location, name)
                 # closed after the copy: an open descriptor would keep the step's disk space once
                 # a retention pass deletes it
                 with (

@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import check_count
+from ._faults import fault_point
 from ._format import step_name
 from ._reader import read_manifest
 from ._store import Store
@@ -372,6 +373,7 @@ class Retainer:
     ) -> None:
         store = facts.store
         try:
+            fault_point("retention.pass", newest)
             deleting = doomed(self.policy, facts, newest, older)
             busy = self._release(store, deleting) if self._release is not None and deleting else set()
             for step in deleting:

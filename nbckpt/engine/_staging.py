@@ -20,6 +20,7 @@ import torch
 
 from .._errors import CheckpointError, describe_error
 from .._util import format_bytes
+from ._faults import fault_point
 from ._format import FileLayout
 from ._state import TensorSpec
 from ._workers import Worker, balance
@@ -46,6 +47,7 @@ class Slot:
     def fit(self, files: tuple[FileLayout, ...], specs: Sequence[TensorSpec], pin: bool) -> None:
         """Make the images those of ``files`` (a no-op when they already are); ``specs`` gives
         each tensor's dtype and shape."""
+        fault_point("staging.fit")
         if files == self.files:
             return
         self.files, self.images, self.views, self.shards = (), {}, {}, None  # free the old images first
