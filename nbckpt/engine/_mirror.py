@@ -35,7 +35,7 @@ from ._reader import damage_named, read_manifest
 from ._retention import RetentionPolicy, StepFacts, StepInfo, doomed, expired, top_names
 from ._store import Store
 from ._timeline import Timeline, now_ns
-from ._workers import Worker
+from ._workers import Backlog, Worker
 
 __all__ = ["Mirror", "mirror_of", "mirror_target", "open_mirror"]
 
@@ -94,10 +94,9 @@ class Mirror:
         self._nonce, self._writes = nonce, writes
         self._worker = Worker("nbckpt-mirror", nice=nice)
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         self._waiting: deque[_Upload | _Record] = deque()
         self._uploading: _Upload | None = None
-        self._jobs = 0  # submitted to the worker and not yet over
+        self._backlog = Backlog(self._worker)
         self._line = MAIN  # the line new commits belong to (set by follow)
         self._skipped = 0
         self._facts: dict[str, StepFacts] = {}  # per mirror line (its URL), for retention
@@ -227,9 +226,8 @@ class Mirror:
 
     def wait(self) -> list[str]:
         """Block until every queued upload is over; return (and forget) the failures since last."""
-        with self._idle:
-            while self._jobs:
-                self._idle.wait()
+        self._backlog.wait()
+        with self._lock:
             failures, self.failures = self.failures, []
         return failures
 
@@ -242,9 +240,7 @@ class Mirror:
         self._submit()
 
     def _submit(self) -> None:
-        with self._lock:
-            self._jobs += 1
-        self._worker.submit(self._next)
+        self._backlog.submit(self._next)
 
     def _next(self) -> None:
         """The worker's job: the oldest entry waiting, if one is left (skips shorten the queue)."""
@@ -258,10 +254,8 @@ class Mirror:
             elif entry is not None:
                 self._upload(entry)
         finally:
-            with self._idle:
+            with self._lock:
                 self._uploading = None
-                self._jobs -= 1
-                self._idle.notify_all()
 
     def _write_record(self, line: Line) -> None:
         try:

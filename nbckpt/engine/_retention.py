@@ -11,7 +11,6 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -23,7 +22,7 @@ from ._format import step_name
 from ._reader import read_manifest
 from ._store import Store
 from ._timeline import Timeline, now_ns
-from ._workers import Worker
+from ._workers import Backlog, Worker
 
 __all__ = [
     "AnyOf",
@@ -340,7 +339,7 @@ class Retainer:
         """``release``: of the steps about to be deleted, those the mirror's upload still reads."""
         self.policy, self.timeline, self._release = policy, timeline, release
         self._worker = Worker("nbckpt-retention", nice=nice)
-        self._last: Future[None] | None = None
+        self._backlog = Backlog(self._worker)
 
     def after(
         self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None]
@@ -352,13 +351,11 @@ class Retainer:
         of each step deleted."""
         if self.policy is None:
             return lambda: None
-        done: Future[None] = Future()
-        self._last = done
-        return partial(self._worker.submit, partial(self._pass, facts, newest, older, deleted, done))
+        return self._backlog.promise(partial(self._pass, facts, newest, older, deleted))
 
     def wait(self) -> None:
-        if self._last is not None:
-            self._last.result()
+        """Block until every pass asked for (queued or not yet) is over."""
+        self._backlog.wait()
 
     def stop(self, wait: bool) -> None:
         self._worker.stop(wait)
@@ -369,7 +366,6 @@ class Retainer:
         newest: int,
         older: set[int],
         deleted: Callable[[int], None],
-        done: Future[None],
     ) -> None:
         store = facts.store
         try:
@@ -381,8 +377,6 @@ class Retainer:
                     self._delete(store, step, deleted)
         except Exception as exc:
             _log.warning("nbckpt: retention failed: %s", describe_error(exc))
-        finally:
-            done.set_result(None)
 
     def _delete(self, store: Store, step: int, deleted: Callable[[int], None]) -> None:
         began = now_ns()
