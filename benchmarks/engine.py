@@ -500,80 +500,94 @@ def _process_writer(connection: Any, images: list[torch.Tensor], directory: str)
         connection.send(True)
 
 
-def bench_writer_process(directory: Path, nbytes: int, repeats: int) -> Table:
-    """The same images written by 2 threads here or by a writer process (shared memory), while the
-    main thread trains: the training work done during the write counts as much as the write."""
-    from nbckpt import CheckpointConfig
+class _WriterProcess:
+    """A spawned child that writes ``images`` (in shared memory) into ``directory`` each time
+    :meth:`write` asks, as a writer process would; a context manager that ends the child."""
+
+    def __init__(self, images: list[torch.Tensor], directory: Path) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._here, there = context.Pipe()
+        self._child = context.Process(
+            target=_process_writer, args=(there, images, str(directory)), daemon=True
+        )
+
+    def __enter__(self) -> _WriterProcess:
+        self._child.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._here.send(False)
+        self._child.join(30)
+
+    def write(self) -> None:
+        self._here.send(True)
+        self._here.recv()
+
+
+def _write_threads(images: list[torch.Tensor], directory: Path, nice: int = 0) -> None:
+    """``images`` written by one new thread each (at ``nice``, when given), as the saver writes."""
     from nbckpt.engine._files import LocalSink, write_image
     from nbckpt.engine._workers import lower_priority
 
-    table = Table(f"threads or a process writing into {directory}", nbytes)
-    images = [torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8).share_memory_() for _ in range(2)]
-    context = multiprocessing.get_context("spawn")
-    here, there = context.Pipe()
-    child = context.Process(target=_process_writer, args=(there, images, str(directory)), daemon=True)
-    child.start()
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    def one(index: int) -> None:
+        if nice:
+            lower_priority(nice)  # this job's own new thread
+        path = directory / f".thread-{index}.bin"
+        write_image(LocalSink(str(path)), images[index].numpy().data.cast("B"), fsync=True)
+        path.unlink()
 
-    def train_while(done: threading.Event) -> int:
-        steps = 0
+    parallel([partial(one, i) for i in range(len(images))])
+
+
+def _train_during(write: Callable[[], None]) -> tuple[Sample, float]:
+    """Train on this (the main) thread while ``write`` runs in the background, as in a run: the
+    sample of the whole, and the training steps per second done meanwhile."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    done = threading.Event()
+
+    def write_then_stop() -> None:
+        write()
+        done.set()
+
+    writer = threading.Thread(target=write_then_stop)
+    sample: list[Sample] = []
+    steps = 0
+    with measured(sample):
+        writer.start()
         while not done.is_set():
             a.mul_(0.5).add_(b @ b)  # a small torch step (GIL released inside), then Python
             sum(range(2000))
             steps += 1
-        return steps
+        writer.join()
+    return sample[-1], steps / sample[-1].wall_s
 
-    def write_threads(nice: int = 0) -> None:
-        def one(index: int) -> None:
-            if nice:
-                lower_priority(nice)  # this job's own new thread
-            path = directory / f".thread-{index}.bin"
-            write_image(LocalSink(str(path)), images[index].numpy().data.cast("B"), fsync=True)
-            path.unlink()
 
-        parallel([partial(one, i) for i in range(2)])
+def bench_writer_process(directory: Path, nbytes: int, repeats: int) -> Table:
+    """The same images written by 2 threads here or by a writer process (shared memory), while the
+    main thread trains: the training work done during the write counts as much as the write."""
+    from nbckpt import CheckpointConfig
 
-    def write_process() -> None:
-        here.send(True)
-        here.recv()
-
-    def train_during(write: Callable[[], None]) -> tuple[Sample, float]:
-        """Train on this (the main) thread while ``write`` runs in the background, as in a run."""
-        done = threading.Event()
-
-        def write_then_stop() -> None:
-            write()
-            done.set()
-
-        writer = threading.Thread(target=write_then_stop)
-        sample: list[Sample] = []
-        with measured(sample):
-            writer.start()
-            steps = train_while(done)
-            writer.join()
-        return sample[-1], steps / sample[-1].wall_s
+    table = Table(f"threads or a process writing into {directory}", nbytes)
+    images = [torch.randint(0, 255, (nbytes // 2,), dtype=torch.uint8).share_memory_() for _ in range(2)]
 
     def alone() -> None:  # the baseline: training for as long as a threaded write took
         threading.Event().wait(statistics.median(table.rows["2 writer threads"]["wall_s"]))
 
     nice = CheckpointConfig().writer_nice
-    writers: dict[str, Callable[[], None]] = {
-        "2 writer threads": write_threads,
-        f"2 writer threads at nice {nice}": partial(write_threads, nice),
-        "writer process": write_process,
-    }
-    try:
+    with _WriterProcess(images, directory) as process:
+        writers: dict[str, Callable[[], None]] = {
+            "2 writer threads": partial(_write_threads, images, directory),
+            f"2 writer threads at nice {nice}": partial(_write_threads, images, directory, nice),
+            "writer process": process.write,
+        }
         for write in writers.values():
-            train_during(write)  # warm-up: the child has imported torch, pages are touched
+            _train_during(write)  # warm-up: the child has imported torch, pages are touched
         for _ in range(repeats):
             for name, write in writers.items():
-                sample, rate = train_during(write)
+                sample, rate = _train_during(write)
                 table.add(name, sample, train_steps_per_s=rate)
-            sample, rate = train_during(alone)
+            sample, rate = _train_during(alone)
             table.add("training alone (same time)", sample, train_steps_per_s=rate)
-    finally:
-        here.send(False)
-        child.join(30)
     return table
 
 

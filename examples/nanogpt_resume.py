@@ -152,6 +152,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def get_batch(data: torch.Tensor, batch_size: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ix = torch.randint(len(data) - block_size - 1, (batch_size,))
+    x = torch.stack([data[i : i + block_size] for i in ix])
+    y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix])
+    return x, y
+
+
+@torch.no_grad()
+def estimate_loss(model: GPT, data: torch.Tensor, args: argparse.Namespace) -> float:
+    model.eval()  # the module itself: DDP's forward would wait for the other ranks
+    block = model.cfg.block_size
+    losses = [float(model(*get_batch(data, args.batch_size, block))) for _ in range(args.eval_iters)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     ddp = int(os.environ.get("RANK", -1)) != -1  # under torchrun, as nanoGPT tells
@@ -164,12 +180,6 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = Checkpointer(args.out_dir, mode="async", keep=args.keep, capture_rng=True)
     data = corpus(GPTConfig.vocab_size)
     batch_key = f"batch.rank{rank}"  # each rank's own batch: one key per rank
-
-    def get_batch(block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ix = torch.randint(len(data) - block_size - 1, (args.batch_size,))
-        x = torch.stack([data[i : i + block_size] for i in ix])
-        y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix])
-        return x, y
 
     iter_num, resumed_at = 0, None
     if args.init_from == "resume":
@@ -187,17 +197,10 @@ def main(argv: list[str] | None = None) -> None:
         X, Y = state[batch_key]["x"], state[batch_key]["y"]
         log(f"resumed from iter {iter_num} (step {step})")
     else:
-        X, Y = get_batch(cfg.block_size)  # fetch the very first batch
+        X, Y = get_batch(data, args.batch_size, cfg.block_size)  # fetch the very first batch
         ckpt.warmup(_state(raw_model, optimizer, cfg, iter_num, batch_key, X, Y, args))  # buffers now
     model: nn.Module = DDP(raw_model) if ddp else raw_model
     tag = f"rank {rank} " if ddp else ""
-
-    @torch.no_grad()
-    def estimate_loss() -> float:
-        raw_model.eval()  # the module itself: DDP's forward would wait for the other ranks
-        losses = [float(raw_model(*get_batch(cfg.block_size))) for _ in range(args.eval_iters)]
-        raw_model.train()
-        return sum(losses) / len(losses)
 
     pending: list[SaveHandle] = []
     while True:
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         if iter_num % args.eval_interval == 0 and iter_num != resumed_at:
             # The resumed iteration was evaluated and saved before the interruption.
             if rank == 0:  # nanoGPT's master_process; its evaluation draws from rank 0's RNG
-                log(f"step {iter_num}: val loss {estimate_loss():.4f}")
+                log(f"step {iter_num}: val loss {estimate_loss(raw_model, data, args):.4f}")
             if iter_num > 0:  # every rank saves, the master's RNG states after its evaluation
                 # X, Y already hold this iteration's batch: it is saved with everything else.
                 state = _state(raw_model, optimizer, cfg, iter_num, batch_key, X, Y, args)
@@ -214,21 +217,27 @@ def main(argv: list[str] | None = None) -> None:
                 if iter_num == args.kill_at and rank == 0:
                     os.kill(os.getpid(), signal.SIGKILL)
         loss = model(X, Y)
-        X, Y = get_batch(cfg.block_size)  # prefetch the next batch, as nanoGPT does
+        X, Y = get_batch(data, args.batch_size, cfg.block_size)  # prefetch the next batch, as nanoGPT does
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log(f"{tag}iter {iter_num} loss {loss.item()!r}")
-        for handle in [h for h in pending if h.done()]:
-            pending.remove(handle)
-            if handle.error is None:
-                log(f"{tag}committed {handle.step}")
+        pending = _report_commits(pending, tag)
         iter_num += 1
         if iter_num >= args.max_iters:
             break
     ckpt.close()  # waits for the last write; raises if any failed
     if ddp:
         dist.destroy_process_group()
+
+
+def _report_commits(pending: list[SaveHandle], tag: str) -> list[SaveHandle]:
+    """Log the saves that committed since the last iteration; the ones still in flight."""
+    done = [handle for handle in pending if handle.done()]
+    for handle in done:
+        if handle.error is None:
+            log(f"{tag}committed {handle.step}")
+    return [handle for handle in pending if handle not in done]
 
 
 def _state(

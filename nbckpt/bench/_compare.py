@@ -35,6 +35,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 import pandas as pd
@@ -218,171 +219,261 @@ def compare(
     """
     check_run_args(steps, every)
     check_count(repeats, "repeats")
-    device = workload.device
-    if not strategies:
-        raise ConfigError("give at least one strategy to compare")
-    options = {"storage_options": storage_options} if storage_options else {}
-    # Strategies given by name start fresh each run; instances given are reopened.
-    chosen = [(get_strategy(spec, **options), spec) for spec in strategies]
-    names = [instance.name for instance, _ in chosen]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"each strategy may appear once, got {', '.join(names)}")
-    add_baseline = "none" not in names
-    if add_baseline:
-        chosen.insert(0, (get_strategy("none"), "none"))
-        names.insert(0, "none")
-    factories = {instance.name: _factory(spec, options, ranks) for instance, spec in chosen}
     say = progress or (lambda _line: None)
-    warnings: list[str] = []
-    if add_baseline:
-        say("added the 'none' baseline: overhead is measured against it in every repeat")
-    if is_url(directory):
-        for instance, _ in chosen:
-            if instance.local_only:
-                say(f"skipping {instance.name}: it writes local files only, not to {directory}")
-                names.remove(instance.name)
-    else:
-        directory = str(writable_directory(os.path.abspath(directory), "directory"))
-
+    lineup = _Lineup.of(strategies, directory, storage_options, ranks, say)
     overall = LoadMonitor()
     say(f"workload {workload.describe()}")
     workload.build()
     if warmup:
         for _ in range(WARMUP_STEPS):
             workload.train_step()
-
-    order = run_order(names, repeats)
-    run_rows: list[dict[str, Any]] = []
-    by_strategy: dict[str, list[ExperimentResult]] = {name: [] for name in names}
-    frames: list[pd.DataFrame] = []
-    measured_floors: list[Floors] = []
-    floor_loads: list[Load] = []
-    mode = _interleaving(workload, strategies=len(names), say=say)
-    tracker = RunProgress(progress, total_steps=steps * len(names) * repeats, repeats=repeats)
+    plan = _Plan(
+        workload=workload,
+        lineup=lineup,
+        steps=steps,
+        every=every,
+        repeats=repeats,
+        warmup=warmup,
+        stop=stop,
+        on_event=on_event,
+        storage_options=storage_options,
+        keep=keep,
+        ranks=ranks,
+        mode=_interleaving(workload, strategies=len(lineup.names), say=say),
+        tracker=RunProgress(progress, total_steps=steps * len(lineup.names) * repeats, repeats=repeats),
+    )
+    order = run_order(lineup.names, repeats)
+    tally = _Tally({name: [] for name in lineup.names})
     for repeat, names_in_order in enumerate(order):
         if stop is not None and stop.is_set():
             break
-        if ranks is not None:  # every rank starts the repeat together (and after the last's cleanup)
-            ranks.before_repeat(repeat, directory, storage_options)
+        for name, metrics, result in plan.run_repeat(repeat, names_in_order, tally, say):
+            say(_run_summary(name, repeat, repeats, metrics, stopped=result.stopped))
+            if on_result is not None:
+                on_result(name, metrics)
+    return tally.comparison(plan, order, overall.stop(), say)
+
+
+@dataclass
+class _Lineup:
+    """The strategies a comparison runs, by name (with the ``none`` baseline), how each run
+    gets a fresh one, and the directory they write to."""
+
+    names: list[str]
+    factories: dict[str, Callable[[], Strategy]]
+    directory: str
+
+    @classmethod
+    def of(
+        cls,
+        strategies: Sequence[str | Strategy],
+        directory: str,
+        storage_options: dict[str, Any] | None,
+        ranks: Coordination | None,
+        say: Progress,
+    ) -> _Lineup:
+        if not strategies:
+            raise ConfigError("give at least one strategy to compare")
+        options = {"storage_options": storage_options} if storage_options else {}
+        # Strategies given by name start fresh each run; instances given are reopened.
+        chosen = [(get_strategy(spec, **options), spec) for spec in strategies]
+        names = [instance.name for instance, _ in chosen]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"each strategy may appear once, got {', '.join(names)}")
+        if "none" not in names:
+            chosen.insert(0, (get_strategy("none"), "none"))
+            say("added the 'none' baseline: overhead is measured against it in every repeat")
+        if not is_url(directory):
+            directory = str(writable_directory(os.path.abspath(directory), "directory"))
+        kept = []
+        for instance, spec in chosen:
+            if is_url(directory) and instance.local_only:
+                say(f"skipping {instance.name}: it writes local files only, not to {directory}")
+            else:
+                kept.append((instance.name, _factory(spec, options, ranks)))
+        return cls([name for name, _ in kept], dict(kept), directory)
+
+
+@dataclass
+class _Plan:
+    """What every repeat of a comparison runs, and how: :meth:`run_repeat` runs one."""
+
+    workload: Workload
+    lineup: _Lineup
+    steps: int
+    every: int
+    repeats: int
+    warmup: bool
+    stop: threading.Event | None
+    on_event: EventCallback | None
+    storage_options: dict[str, Any] | None
+    keep: bool
+    ranks: Coordination | None
+    mode: str
+    tracker: RunProgress
+
+    def run_repeat(
+        self, repeat: int, names_in_order: list[str], tally: _Tally, say: Progress
+    ) -> list[tuple[str, dict[str, Any], ExperimentResult]]:
+        """Measure the floors beside the repeat, then run its strategies (taking turns every
+        cycle, or one run after the other); each run's (name, metrics, result), tallied."""
+        directory = self.lineup.directory
+        if self.ranks is not None:  # every rank starts the repeat together (and after the last's cleanup)
+            self.ranks.before_repeat(repeat, directory, self.storage_options)
         # The floors beside each repeat: they see the same moments of the machine as its runs.
-        floor_monitor = LoadMonitor()
-        measured_floors.append(
-            measure_floors(
-                workload.nbytes,
-                directory,
-                device=device,
-                storage_options=storage_options,
-                repeats=1 if repeats > 1 else WRITE_ROUNDS,
-            )
-        )
-        floor_loads.append(floor_monitor.stop())
-        floor = measured_floors[-1]
+        floor = tally.add_floors(self.workload, directory, self.storage_options, self.repeats)
         say(
-            f"repeat {repeat + 1}/{repeats}: {', '.join(names_in_order)}; floors beside it: copy "
-            f"{floor.copy_gbs:.1f} GB/s, write {floor.write_gbs:.2f} GB/s; {tracker.timing()}"
+            f"repeat {repeat + 1}/{self.repeats}: {', '.join(names_in_order)}; floors beside it: copy "
+            f"{floor.copy_gbs:.1f} GB/s, write {floor.write_gbs:.2f} GB/s; {self.tracker.timing()}"
         )
         # Local runs' checkpoints are removed after each run; objects stay in the user's bucket,
         # so each repeat gets a prefix of its own instead of saving the same steps again.
         where = f"{directory.rstrip('/')}/repeat-{repeat}" if is_url(directory) else directory
-        groups = [names_in_order] if mode == "cycle" else [[name] for name in names_in_order]
-        done: list[tuple[str, Strategy, ExperimentResult]] = []
+        groups = [names_in_order] if self.mode == "cycle" else [[name] for name in names_in_order]
+        done: list[tuple[str, ExperimentResult]] = []
         for group in groups:
-            if stop is not None and stop.is_set():
+            if self.stop is not None and self.stop.is_set():
                 break
-            make_lane = Lane if ranks is None else ranks.lane
-            lanes = [
-                make_lane(
-                    name,
-                    factories[name](),
-                    workload,
-                    steps=steps,
-                    every=every,
-                    on_event=on_event,
-                    progress=tracker,
-                    repeat=repeat,
-                )
-                for name in group
-            ]
-            kept = keep and repeat == repeats - 1
-            try:
-                results_of_group = run_lanes(lanes, where, steps=steps, every=every, stop=stop, warmup=warmup)
-            finally:  # after each run, and after a Ctrl-C in it: its checkpoints go (unless kept)
-                for lane in [] if kept else lanes:
-                    _remove_checkpoints(lane.strategy, ranks)
-            done.extend(
-                (lane.name, lane.strategy, result)
-                for lane, result in zip(lanes, results_of_group, strict=True)
+            done += self._run_group(group, repeat, where)
+        return [
+            (name, tally.add_run(name, repeat, names_in_order.index(name), result), result)
+            for name, result in done
+        ]
+
+    def _run_group(self, group: list[str], repeat: int, where: str) -> list[tuple[str, ExperimentResult]]:
+        """The strategies of ``group`` taking turns; each run's checkpoints go after it (unless
+        kept: the last repeat's, with ``keep``), after a Ctrl-C in it too."""
+        make_lane = Lane if self.ranks is None else self.ranks.lane
+        lanes = [
+            make_lane(
+                name,
+                self.lineup.factories[name](),
+                self.workload,
+                steps=self.steps,
+                every=self.every,
+                on_event=self.on_event,
+                progress=self.tracker,
+                repeat=repeat,
             )
-        for name, _strategy, result in done:
-            position = names_in_order.index(name)
-            metrics = {**result.metrics(), "repeat": repeat, "position": position}
-            run_rows.append(metrics)
-            by_strategy[name].append(result)
-            frame = result.timeline_frame()
-            frame.insert(0, "repeat", repeat)
-            frame.insert(0, "strategy", name)
-            frames.append(frame)
-            say(_run_summary(name, repeat, repeats, metrics, stopped=result.stopped))
-            if on_result is not None:
-                on_result(name, metrics)
+            for name in group
+        ]
+        kept = self.keep and repeat == self.repeats - 1
+        try:
+            results = run_lanes(
+                lanes, where, steps=self.steps, every=self.every, stop=self.stop, warmup=self.warmup
+            )
+        finally:
+            for lane in [] if kept else lanes:
+                _remove_checkpoints(lane.strategy, self.ranks)
+        return [(lane.name, result) for lane, result in zip(lanes, results, strict=True)]
 
-    load = overall.stop()
-    floors = (
-        combine_floors(measured_floors)
-        if measured_floors
-        else measure_floors(workload.nbytes, directory, device=device, storage_options=storage_options)
-    )
-    floors_load = combine_loads(floor_loads) or load
-    say(floors.describe())
-    for during, text in (("", load.warning()), ("while the floors were measured, ", floors_load.warning())):
-        if text is not None:
-            warnings.append(during + text)
-    if repeats == 1:
-        warnings.append(
-            "a single repeat: its overhead intervals allow for the disagreement "
-            "between repeats that one repeat cannot show, so only a large effect is "
-            "measurable; use 3 or more repeats"
+
+@dataclass
+class _Tally:
+    """What a comparison's repeats measured, gathered as they finish: :meth:`comparison` turns
+    it into the :class:`Comparison` with its warnings."""
+
+    by_strategy: dict[str, list[ExperimentResult]]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    frames: list[pd.DataFrame] = field(default_factory=list)
+    floors: list[Floors] = field(default_factory=list)
+    floor_loads: list[Load] = field(default_factory=list)
+
+    def add_floors(
+        self, workload: Workload, directory: str, storage_options: dict[str, Any] | None, repeats: int
+    ) -> Floors:
+        monitor = LoadMonitor()
+        self.floors.append(
+            measure_floors(
+                workload.nbytes,
+                directory,
+                device=workload.device,
+                storage_options=storage_options,
+                repeats=1 if repeats > 1 else WRITE_ROUNDS,
+            )
         )
-    stopped = sorted({str(row["strategy"]) for row in run_rows if row["stopped"]})
-    if stopped:
-        warnings.append(
-            f"stopped before the end: {', '.join(stopped)}; their rows rest on the "
-            "cycles completed before the stop (see 'rests on')"
+        self.floor_loads.append(monitor.stop())
+        return self.floors[-1]
+
+    def add_run(self, name: str, repeat: int, position: int, result: ExperimentResult) -> dict[str, Any]:
+        metrics = {**result.metrics(), "repeat": repeat, "position": position}
+        self.rows.append(metrics)
+        self.by_strategy[name].append(result)
+        frame = result.timeline_frame()
+        frame.insert(0, "repeat", repeat)
+        frame.insert(0, "strategy", name)
+        self.frames.append(frame)
+        return metrics
+
+    def comparison(self, plan: _Plan, order: list[list[str]], load: Load, say: Progress) -> Comparison:
+        workload, directory = plan.workload, plan.lineup.directory
+        floors = (
+            combine_floors(self.floors)
+            if self.floors
+            else measure_floors(
+                workload.nbytes, directory, device=workload.device, storage_options=plan.storage_options
+            )
+        )
+        floors_load = combine_loads(self.floor_loads) or load
+        say(floors.describe())
+        results = aggregate(self.by_strategy, floors) if self.rows else pd.DataFrame(columns=RESULT_COLUMNS)
+        warnings = self._warnings(load, floors_load, results, plan)
+        for text in warnings:
+            say(f"warning: {text}")
+        timeline = (
+            pd.concat(self.frames, ignore_index=True)[TIMELINE_COLUMNS]
+            if self.frames
+            else pd.DataFrame(columns=TIMELINE_COLUMNS)
+        )
+        return Comparison(
+            results=results,
+            runs=pd.DataFrame(self.rows),
+            timeline=timeline,
+            floors=floors,
+            workload=workload.describe(),
+            device=workload.device,
+            directory=directory,
+            environment=environment(workload.device),
+            steps=plan.steps,
+            every=plan.every,
+            repeats=plan.repeats,
+            bytes=workload.nbytes,
+            order=order,
+            interleave=plan.mode,
+            load={**load.to_dict(), "floors": floors_load.to_dict()},
+            warnings=warnings,
         )
 
-    runs = pd.DataFrame(run_rows)
-    results = aggregate(by_strategy, floors) if run_rows else pd.DataFrame(columns=RESULT_COLUMNS)
-    for row in results.to_dict(orient="records"):
-        if row["floor_check"]:
-            warnings.append(f"{row['strategy']}: {row['floor_check']}")
-    queued = queueing(results, every)
-    if queued is not None:
-        warnings.append(queued)
-    for text in warnings:
-        say(f"warning: {text}")
-    timeline = (
-        pd.concat(frames, ignore_index=True)[TIMELINE_COLUMNS]
-        if frames
-        else pd.DataFrame(columns=TIMELINE_COLUMNS)
-    )
-    return Comparison(
-        results=results,
-        runs=runs,
-        timeline=timeline,
-        floors=floors,
-        workload=workload.describe(),
-        device=device,
-        directory=directory,
-        environment=environment(device),
-        steps=steps,
-        every=every,
-        repeats=repeats,
-        bytes=workload.nbytes,
-        order=order,
-        interleave=mode,
-        load={**load.to_dict(), "floors": floors_load.to_dict()},
-        warnings=warnings,
-    )
+    def _warnings(self, load: Load, floors_load: Load, results: pd.DataFrame, plan: _Plan) -> list[str]:
+        """What makes the numbers less sure: a busy machine, one repeat, stopped runs, a floor
+        a strategy beat, saves queueing behind each other."""
+        warnings = [
+            during + text
+            for during, text in (
+                ("", load.warning()),
+                ("while the floors were measured, ", floors_load.warning()),
+            )
+            if text is not None
+        ]
+        if plan.repeats == 1:
+            warnings.append(
+                "a single repeat: its overhead intervals allow for the disagreement "
+                "between repeats that one repeat cannot show, so only a large effect is "
+                "measurable; use 3 or more repeats"
+            )
+        stopped = sorted({str(row["strategy"]) for row in self.rows if row["stopped"]})
+        if stopped:
+            warnings.append(
+                f"stopped before the end: {', '.join(stopped)}; their rows rest on the "
+                "cycles completed before the stop (see 'rests on')"
+            )
+        warnings += [
+            f"{row['strategy']}: {row['floor_check']}"
+            for row in results.to_dict(orient="records")
+            if row["floor_check"]
+        ]
+        queued = queueing(results, plan.every)
+        return warnings if queued is None else [*warnings, queued]
 
 
 def queueing(results: pd.DataFrame, every: int) -> str | None:
@@ -522,11 +613,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_bench_from_args(
-    args: argparse.Namespace, progress: Progress | None = None, *, ranks: Coordination | None = None
-) -> Comparison:
-    """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too);
-    ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_on_ranks`)."""
+def _checked_bench_args(args: argparse.Namespace) -> list[str]:
+    """The strategies ``--strategies`` names, once every option is known to be usable: a bad one
+    fails here, before a workload is built or a directory made."""
     if args.preset is not None and args.size_mb is not None:
         raise ConfigError("give --preset or --size-mb, not both")
     names = [name.strip() for name in args.strategies.split(",") if name.strip()]
@@ -544,6 +633,15 @@ def run_bench_from_args(
             raise ConfigError(f"--json {args.json} is a directory; give a file name")
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             raise ConfigError(f"--json {args.json}: directory {parent} does not exist or is not writable")
+    return names
+
+
+def run_bench_from_args(
+    args: argparse.Namespace, progress: Progress | None = None, *, ranks: Coordination | None = None
+) -> Comparison:
+    """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too);
+    ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_on_ranks`)."""
+    names = _checked_bench_args(args)
     workload = make_workload(args.preset, args.size_mb, args.device, compute_ms=args.compute_ms)
     if ranks is not None:
         workload = ranks.adopt(workload)

@@ -8,14 +8,12 @@ on loopback. torch spawns its checkpoint process on the first such save, which r
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import signal
 import socket
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -33,6 +31,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from .._errors import ConfigError
 from ..engine import Timeline
 from ..engine._internal import now_ns, step_name
+from ._dcp_compat import quiet_spawn
 from ._strategy import WAIT_NOISE_NS, BlockingSave, Strategy, failing_as, plain_state, tensor_bytes
 
 __all__ = ["DcpAsync", "DcpAsyncStager", "DcpSync"]
@@ -216,60 +215,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-# -- DCP's checkpoint process, started quietly ------------------------------------------------
-# torch's checkpoint process sets its root logger to INFO and logs every request at INFO on
-# stderr (a notebook shows each line). nbckpt starts that process with a target of its own
-# that lowers the level to WARNING inside the child only, then runs torch's loop; the swap of
-# the target lasts from nbckpt's save call until the spawn is over.
-
-_SPAWN_LOCK = threading.Lock()
-
-
-def _warning_logger(rank: int) -> None:
-    """Stands in for DCP's ``_init_logger`` in the checkpoint process: warnings and errors only."""
-    logging.basicConfig(
-        level=logging.WARNING,
-        force=True,
-        format=f"[{rank}] %(asctime)s - %(name)s - %(levelname)s - %(message)s",
-    )
-
-
-def _quiet_checkpoint_process(pg_init_info: Any, parent_conn: Any) -> None:
-    """The spawned checkpoint process's target (importable, so ``spawn`` can pickle it)."""
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
-    executor._init_logger = _warning_logger  # type: ignore[attr-defined]  # this child only
-    # Ctrl-C in a terminal, or a Jupyter kernel's interrupt and shutdown, signal the whole process
-    # group: the writer would die mid-checkpoint with a traceback. Its parent ends it instead.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    executor._AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, parent_conn)
-
-
-def _quiet_spawn() -> Callable[[], None]:
-    """Make the next spawn of DCP's checkpoint process quiet; returns the undo (idempotent).
-
-    A no-op where the process already runs or torch's internals differ from torch 2.13's.
-    """
-    try:
-        from torch.distributed.checkpoint import _async_process_executor as executor
-    except ImportError:
-        return lambda: None
-    holder = getattr(executor, "_AsyncCheckpointProcess", None)
-    original = holder.__dict__.get("_checkpointing_subprocess") if holder is not None else None
-    if getattr(executor, "_CHECKPOINT_PROCESS", True) is not None or not isinstance(original, staticmethod):
-        return lambda: None
-    quiet = staticmethod(_quiet_checkpoint_process)
-    with _SPAWN_LOCK:
-        holder._checkpointing_subprocess = quiet  # type: ignore[union-attr]
-
-    def undo() -> None:
-        with _SPAWN_LOCK:
-            if holder.__dict__.get("_checkpointing_subprocess") is quiet:  # type: ignore[union-attr]
-                holder._checkpointing_subprocess = original  # type: ignore[union-attr]
-
-    return undo
-
-
 class _CachedPlanner(DefaultSavePlanner):
     """DCP's planner with cached save plans, under a cache key of its own: DCP keys its
     class-level plan cache by class name, and a user's own cached planner must not share it."""
@@ -343,7 +288,7 @@ class DcpAsyncStager(DcpAsync):
         loopback = self._own_group and "MASTER_ADDR" not in os.environ
         if loopback:
             os.environ["MASTER_ADDR"] = "127.0.0.1"
-        undo = _quiet_spawn()
+        undo = quiet_spawn()
         try:
             response = async_save(
                 plain,

@@ -24,13 +24,14 @@ from . import _final
 from ._config import CheckpointConfig, Mode, check_line
 from ._final import Snapshot, close_all, register, release, unregister, writing_into
 from ._mirror import mirror_target, open_mirror
+from ._open_store import open_store
 from ._ranks import join
 from ._restorer import device_of
 from ._retention import check_metrics
 from ._run import Run, open_run
 from ._saver import Saver
 from ._schedule import Grace, Interval, Pacer
-from ._store import Store, check_step, open_store
+from ._store import Store, check_step
 from ._timeline import SaveHandle, SaveRecord, Timeline
 from ._workers import Pool
 

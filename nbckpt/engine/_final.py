@@ -22,8 +22,9 @@ from typing import Any, Generic, Protocol, TypeAlias, TypeVar, cast
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url, parse_duration
 from ._config import CheckpointConfig
+from ._open_store import open_store
 from ._ranks import Group
-from ._store import Store, open_store
+from ._store import Store
 
 __all__ = [
     "Deferral",

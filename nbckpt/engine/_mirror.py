@@ -25,15 +25,17 @@ from typing import Any
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import is_url
 from ._config import CheckpointConfig
+from ._faults import fault_point
 from ._files import copy_file
 from ._format import BRANCH_FILE, BRANCH_LIMIT, LOCK_FILE, MAIN, step_name
 from ._lines import Line, discover, on, write_record
+from ._open_store import open_store
 from ._ranks import Group
 from ._reader import damage_named, read_manifest
 from ._retention import RetentionPolicy, StepFacts, StepInfo, doomed, expired, top_names
-from ._store import Store, open_store
+from ._store import Store
 from ._timeline import Timeline, now_ns
-from ._workers import Worker
+from ._workers import Backlog, Worker
 
 __all__ = ["Mirror", "mirror_of", "mirror_target", "open_mirror"]
 
@@ -92,10 +94,9 @@ class Mirror:
         self._nonce, self._writes = nonce, writes
         self._worker = Worker("nbckpt-mirror", nice=nice)
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         self._waiting: deque[_Upload | _Record] = deque()
         self._uploading: _Upload | None = None
-        self._jobs = 0  # submitted to the worker and not yet over
+        self._backlog = Backlog(self._worker)
         self._line = MAIN  # the line new commits belong to (set by follow)
         self._skipped = 0
         self._facts: dict[str, StepFacts] = {}  # per mirror line (its URL), for retention
@@ -225,9 +226,8 @@ class Mirror:
 
     def wait(self) -> list[str]:
         """Block until every queued upload is over; return (and forget) the failures since last."""
-        with self._idle:
-            while self._jobs:
-                self._idle.wait()
+        self._backlog.wait()
+        with self._lock:
             failures, self.failures = self.failures, []
         return failures
 
@@ -240,9 +240,7 @@ class Mirror:
         self._submit()
 
     def _submit(self) -> None:
-        with self._lock:
-            self._jobs += 1
-        self._worker.submit(self._next)
+        self._backlog.submit(self._next)
 
     def _next(self) -> None:
         """The worker's job: the oldest entry waiting, if one is left (skips shorten the queue)."""
@@ -256,10 +254,8 @@ class Mirror:
             elif entry is not None:
                 self._upload(entry)
         finally:
-            with self._idle:
+            with self._lock:
                 self._uploading = None
-                self._jobs -= 1
-                self._idle.notify_all()
 
     def _write_record(self, line: Line) -> None:
         try:
@@ -296,6 +292,7 @@ class Mirror:
             target = store.begin(step, nonce)
             copied = 0
             for name, meta in manifest.files.items():
+                fault_point("mirror.upload", location, name)
                 # closed after the copy: an open descriptor would keep the step's disk space once
                 # a retention pass deletes it
                 with (

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, ConfigError, NbckptError, describe_error
-from ._agree import check_dcp_metadata, check_values
+from ._dcp_check import check_dcp_metadata, check_values
 from ._format import MANIFEST, METADATA_FILE, step_name
 from ._manifest import Manifest
 from ._ranks import Group
@@ -324,7 +324,7 @@ class Restorer:
 
 def check_step_files(store: Readable, io: Pool, location: str, manifest: Manifest, verify: bool) -> None:
     """Beyond the tensors a restore reads: the DCP metadata says what the manifest says, and the
-    plain values' byte items hold the manifest's values (``_agree``)."""
+    plain values' byte items hold the manifest's values (``_dcp_check``)."""
     if manifest.foreign:  # its .metadata is what it was read from; there is nothing to compare
         return
     name = f"{step_name(manifest.step)}/{METADATA_FILE}"

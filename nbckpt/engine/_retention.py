@@ -11,18 +11,18 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import check_count
+from ._faults import fault_point
 from ._format import step_name
 from ._reader import read_manifest
 from ._store import Store
 from ._timeline import Timeline, now_ns
-from ._workers import Worker
+from ._workers import Backlog, Worker
 
 __all__ = [
     "AnyOf",
@@ -339,7 +339,7 @@ class Retainer:
         """``release``: of the steps about to be deleted, those the mirror's upload still reads."""
         self.policy, self.timeline, self._release = policy, timeline, release
         self._worker = Worker("nbckpt-retention", nice=nice)
-        self._last: Future[None] | None = None
+        self._backlog = Backlog(self._worker)
 
     def after(
         self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None]
@@ -351,13 +351,11 @@ class Retainer:
         of each step deleted."""
         if self.policy is None:
             return lambda: None
-        done: Future[None] = Future()
-        self._last = done
-        return partial(self._worker.submit, partial(self._pass, facts, newest, older, deleted, done))
+        return self._backlog.promise(partial(self._pass, facts, newest, older, deleted))
 
     def wait(self) -> None:
-        if self._last is not None:
-            self._last.result()
+        """Block until every pass asked for (queued or not yet) is over."""
+        self._backlog.wait()
 
     def stop(self, wait: bool) -> None:
         self._worker.stop(wait)
@@ -368,10 +366,10 @@ class Retainer:
         newest: int,
         older: set[int],
         deleted: Callable[[int], None],
-        done: Future[None],
     ) -> None:
         store = facts.store
         try:
+            fault_point("retention.pass", newest)
             deleting = doomed(self.policy, facts, newest, older)
             busy = self._release(store, deleting) if self._release is not None and deleting else set()
             for step in deleting:
@@ -379,8 +377,6 @@ class Retainer:
                     self._delete(store, step, deleted)
         except Exception as exc:
             _log.warning("nbckpt: retention failed: %s", describe_error(exc))
-        finally:
-            done.set_result(None)
 
     def _delete(self, store: Store, step: int, deleted: Callable[[int], None]) -> None:
         began = now_ns()

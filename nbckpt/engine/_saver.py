@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
-from ._agree import ValueItem, dcp_metadata, dcp_values, value_items
 from ._config import CheckpointConfig
+from ._dcp_values import ValueItem, dcp_metadata, dcp_values, value_items
 from ._files import FileResult, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._manifest import build, provenance

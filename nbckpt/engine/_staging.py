@@ -10,7 +10,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -20,6 +20,7 @@ import torch
 
 from .._errors import CheckpointError, describe_error
 from .._util import format_bytes
+from ._faults import fault_point
 from ._format import FileLayout
 from ._state import TensorSpec
 from ._workers import Worker, balance
@@ -46,6 +47,7 @@ class Slot:
     def fit(self, files: tuple[FileLayout, ...], specs: Sequence[TensorSpec], pin: bool) -> None:
         """Make the images those of ``files`` (a no-op when they already are); ``specs`` gives
         each tensor's dtype and shape."""
+        fault_point("staging.fit")
         if files == self.files:
             return
         self.files, self.images, self.views, self.shards = (), {}, {}, None  # free the old images first
@@ -174,55 +176,25 @@ class Stager:
         """Copy every tensor this rank writes into ``slot``; ``done`` gets the CPU seconds spent
         and the time (``perf_counter_ns``) the last copy ended. With ``wait``, return after it."""
         keys = [key for key in tensors if key in slot.views]
-        on_cuda = self._stream is not None and any(tensors[k].is_cuda for k in keys)
-        # The caller's stream, read on the caller's thread: the copies must follow its work.
-        producer = torch.cuda.current_stream() if on_cuda else None
-        if on_cuda:
+        if not keys:
+            done.set_result((0.0, time.perf_counter_ns()))
+            return
+        if self._stream is not None and any(tensors[k].is_cuda for k in keys):
+            # The caller's stream, read on the caller's thread: the copies must follow its work.
+            copy: _Copy = partial(_copy_on_stream, self._stream, torch.cuda.current_stream())
             shards = [keys]
         else:
             # CPU copies run on the stage threads, one shard each, even when save() waits for
             # them: on the main thread torch splits every copy across its OpenMP threads, which
             # on a busy 2-core machine made staging 303 MB take 0.4-2.4 s instead of 0.04-0.12 s;
             # two threads with a shard each keep both cores busy without OpenMP barriers.
+            copy = _copy
             if slot.shards is None:  # the keys are those of the slot's images: same until a refit
                 slot.shards = balance(keys, len(self._workers), lambda key: slot.views[key].nbytes)
             shards = slot.shards
-        lock = threading.Lock()
-        pending = [len(shards)]
-        cpu = [0.0]
-        errors: list[BaseException] = []
-
-        def copy(part: list[str]) -> None:
-            began = time.thread_time()
-            try:
-                if on_cuda and self._stream is not None and producer is not None:
-                    self._stream.wait_stream(producer)
-                    with torch.cuda.stream(self._stream):
-                        for key in part:
-                            slot.views[key].copy_(tensors[key], non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(self._stream)
-                    event.synchronize()
-                else:
-                    for key in part:
-                        slot.views[key].copy_(tensors[key])
-            except BaseException as exc:
-                errors.append(exc)
-            with lock:
-                cpu[0] += time.thread_time() - began
-                pending[0] -= 1
-                last = pending[0] == 0
-            if last:
-                if errors:
-                    done.set_exception(CheckpointError(f"staging failed: {describe_error(errors[0])}"))
-                else:
-                    done.set_result((cpu[0], time.perf_counter_ns()))
-
-        if not keys:
-            done.set_result((0.0, time.perf_counter_ns()))
-            return
+        parts = _Parts(len(shards), done)
         for worker, part in zip(self._workers, shards, strict=False):
-            worker.submit(partial(copy, part))
+            worker.submit(partial(parts.run, copy, slot.views, tensors, part))
         if wait:
             try:
                 done.result()
@@ -234,3 +206,66 @@ class Stager:
     def stop(self, wait: bool = True) -> None:
         for worker in self._workers:
             worker.stop(wait)
+
+
+#: A stage thread's copy of ``keys``: from the tensors (second) into their views (first).
+_Copy = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], list[str]], None]
+
+
+def _copy(views: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], keys: list[str]) -> None:
+    for key in keys:
+        views[key].copy_(tensors[key])
+
+
+def _copy_on_stream(
+    stream: torch.cuda.Stream,
+    producer: torch.cuda.Stream,
+    views: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
+    keys: list[str],
+) -> None:
+    """Device-to-host copies on the side stream, after the producer's work; returns once they landed."""
+    stream.wait_stream(producer)
+    with torch.cuda.stream(stream):
+        for key in keys:
+            views[key].copy_(tensors[key], non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(stream)
+    event.synchronize()
+
+
+class _Parts:
+    """The parts of one stage, each copied on a stage thread: the last to finish settles
+    ``done`` with the CPU seconds all of them spent, or the first part's error."""
+
+    def __init__(self, count: int, done: Future[tuple[float, int]]) -> None:
+        self._lock = threading.Lock()
+        self._pending = count
+        self._cpu = 0.0
+        self._error: BaseException | None = None
+        self._done = done
+
+    def run(
+        self,
+        copy: _Copy,
+        views: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor],
+        keys: list[str],
+    ) -> None:
+        began = time.thread_time()
+        error = None
+        try:
+            copy(views, tensors, keys)
+        except BaseException as exc:
+            error = exc
+        with self._lock:
+            self._cpu += time.thread_time() - began
+            self._error = self._error or error
+            self._pending -= 1
+            last = self._pending == 0
+        if not last:
+            return
+        if self._error is not None:
+            self._done.set_exception(CheckpointError(f"staging failed: {describe_error(self._error)}"))
+        else:
+            self._done.set_result((self._cpu, time.perf_counter_ns()))

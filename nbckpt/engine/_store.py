@@ -18,7 +18,6 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError, describe_error
-from .._util import check_path, is_url
 from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths, fsync_dir, write_atomic
 from ._format import (
     LEFTOVER_RE,
@@ -33,7 +32,7 @@ from ._format import (
     step_name,
 )
 
-__all__ = ["LocalStore", "Store", "arm_crash", "check_step", "crash_point", "open_store"]
+__all__ = ["LocalStore", "Store", "arm_crash", "check_step", "crash_point"]
 
 _log = logging.getLogger("nbckpt")
 _armed: str | None = None
@@ -366,17 +365,6 @@ class LocalStore(Store):
         fsync_dir(self.url)
         crash_point("during_delete")
         self._remove(trash)
-
-
-def open_store(url: str, storage_options: dict[str, Any] | None = None, what: str = "directory") -> Store:
-    """The store for a directory (or ``file://`` URL) or an fsspec URL; ConfigError for a path
-    that can name nothing (empty, ``file://`` alone, a NUL)."""
-    url = check_path(url, what)
-    if is_url(url):
-        from ._object_store import FsspecStore
-
-        return FsspecStore(url, storage_options)
-    return LocalStore(url.removeprefix("file://"))
 
 
 def take_lock(path: str, url: str) -> int:

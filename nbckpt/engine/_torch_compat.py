@@ -14,7 +14,14 @@ import torch
 # ``torch.distributed.checkpoint.filesystem._StorageInfo``.
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-__all__ = ["STORAGE_INFO_GLOBAL", "default_store", "dtensor_spec", "pickle_record", "storage_info"]
+__all__ = [
+    "STORAGE_INFO_GLOBAL",
+    "default_store",
+    "dtensor_spec",
+    "pickle_record",
+    "storage_info",
+    "version_counter",
+]
 
 #: The (module, name) under which DCP's metadata pickle refers to :func:`storage_info` records.
 STORAGE_INFO_GLOBAL = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
@@ -40,6 +47,12 @@ def dtensor_spec(tensor: Any) -> Any:
     """A DTensor's ``_spec`` (mesh, placements and shape: hashable, the same object every save;
     stable since 2.4), the key of the cache of each DTensor's chunk."""
     return tensor._spec
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """The count of in-place updates of ``tensor``'s data (``Tensor._version``, autograd's check
+    that a saved tensor was not modified; stable since 0.4): RuntimeError for an inference tensor."""
+    return int(tensor._version)
 
 
 def pickle_record(blob: bytes) -> bytes:

@@ -16,9 +16,10 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, TypeVar
 
-__all__ = ["Pool", "Worker", "balance", "deferred_interrupt", "lower_priority", "run_all"]
+__all__ = ["Backlog", "Pool", "Worker", "balance", "deferred_interrupt", "lower_priority", "run_all"]
 
 T = TypeVar("T")
 
@@ -53,6 +54,42 @@ class Worker:
         # (close() at exit) aborts the process ("terminate called without an active exception").
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
+
+
+class Backlog:
+    """Jobs for one :class:`Worker`, counted from when they are promised (a job may be queued
+    later: retention's pass after a commit is reported) until they are over; :meth:`wait` returns
+    once none is left. The engine's one way to wait for background work (saves in flight are
+    waited for through their handles)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        self._idle = threading.Condition()
+        self._pending = 0
+
+    def promise(self, job: Callable[[], None]) -> Callable[[], None]:
+        """Count ``job`` now; the returned function queues it (call it once)."""
+        with self._idle:
+            self._pending += 1
+
+        def run() -> None:
+            try:
+                job()
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+        return partial(self._worker.submit, run)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.promise(job)()
+
+    def wait(self) -> None:
+        """Block until every job promised so far (and any promised meanwhile) is over."""
+        with self._idle:
+            while self._pending:
+                self._idle.wait()
 
 
 class Pool:

@@ -21,6 +21,7 @@ from accelerate.utils import DistributedType
 
 from .._errors import ConfigError
 from ..engine import Checkpointer, RetentionPolicy, SaveHandle
+from ._accelerate_compat import tracked
 
 __all__ = ["AcceleratorCheckpointer"]
 
@@ -75,17 +76,18 @@ class AcceleratorCheckpointer:
         ``register_for_checkpointing``, the dataloaders that keep a position (one per rank), the
         gradient scaler and ``accelerator.step``."""
         acc = self.accelerator
+        objects = tracked(acc)
         state: dict[str, Any] = {}
         groups = {
-            "model": [acc.unwrap_model(model) for model in acc._models],
-            "optimizer": acc._optimizers,
-            "scheduler": acc._schedulers,
-            "custom": acc._custom_objects,
+            "model": [acc.unwrap_model(model) for model in objects.models],
+            "optimizer": objects.optimizers,
+            "scheduler": objects.schedulers,
+            "custom": objects.custom,
         }
-        for name, objects in groups.items():
-            for i, obj in enumerate(objects):
+        for name, group in groups.items():
+            for i, obj in enumerate(group):
                 state[name if i == 0 else f"{name}_{i}"] = obj
-        for i, loader in enumerate(acc._dataloaders):
+        for i, loader in enumerate(objects.dataloaders):
             if getattr(loader, "use_stateful_dataloader", False):  # its position is this rank's own
                 state[f"dataloader_{i}.rank{acc.process_index}"] = loader
         if acc.scaler is not None:

@@ -59,6 +59,7 @@ from .._errors import ConfigError
 from ..engine import AnyOf, CheckpointConfig, Checkpointer, CustomSteps, RetentionPolicy, SaveHandle
 from ..engine._internal import step_name, write_atomic
 from ._common import atomic_torch_save
+from ._hf_compat import count_evaluation
 
 __all__ = ["NbckptCallback"]
 
@@ -219,7 +220,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         # as rank 0 writes it (the Trainer's file is rank 0's): one value on every rank
         trainer_state.update(is_local_process_zero=True, is_world_process_zero=True)
         if metrics is not None:
-            _count_evaluation(trainer_state, args, metrics)
+            count_evaluation(trainer_state, args, metrics)
         self._saved.add(state.global_step)
         if trainer_state["best_global_step"] in self._saved:
             self.best_step = trainer_state["best_global_step"]  # as the Trainer does: if it was saved
@@ -360,23 +361,6 @@ def _rank_and_world() -> tuple[int, int]:
 def _barrier() -> None:
     if _distributed() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
-
-
-def _count_evaluation(saved: dict[str, Any], args: TrainingArguments, metrics: dict[str, Any]) -> None:
-    """Put into the saved copy of the Trainer's state what the Trainer sets right after this
-    evaluation (``Trainer._determine_best_metric``): the best metric and its step."""
-    name = args.metric_for_best_model
-    if name is None:
-        return
-    value = metrics.get(name if name.startswith("eval_") else f"eval_{name}")
-    if value is None:
-        return  # the Trainer raises a KeyError naming the metric right after
-    greater = bool(args.greater_is_better)
-    if saved["best_metric"] is None:
-        saved["best_metric"] = float("-inf") if greater else float("inf")
-    if (value > saved["best_metric"]) if greater else (value < saved["best_metric"]):
-        saved["best_metric"] = value
-        saved["best_global_step"] = saved["global_step"]
 
 
 def _rng_states(world: int) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url
 from ..engine import CheckpointConfig, Checkpointer, CustomSteps, SaveHandle, SaveRecord
-from ..engine._internal import fsync_dir, step_name
+from ..engine._internal import fsync_dir, step_name, version_counter
 from ._common import STEP_DIR, earlier_pointer, load
 
 try:
@@ -396,7 +396,7 @@ def _fingerprint(value: Any, tensors: list[torch.Tensor], depth: int) -> Any:
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         try:
-            version, data = value._version, value.untyped_storage().data_ptr()
+            version, data = version_counter(value), value.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):  # inference or wrapper tensors
             return object()
         return (data, value.storage_offset(), value.shape, value.stride(), value.dtype, value.device, version)

@@ -4,6 +4,7 @@ line, errors as one line (a UsageError for bad input, :class:`CheckpointFailed` 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import warnings
@@ -86,7 +87,7 @@ class OneLineWarnings:
 def _warn_at_cell(warning: Warning | str, user_globals: dict[str, Any]) -> None:
     """Issue ``warning`` as if the user's cell had (the line a reader can act on): the frame
     that runs in the notebook's namespace, else the first one outside nbckpt and IPython."""
-    frame: FrameType | None = sys._getframe(0)
+    frame: FrameType | None = inspect.currentframe()
     level, fallback = 1, 0
     while frame is not None and frame.f_globals is not user_globals:
         if not fallback and not frame.f_code.co_filename.startswith(_LIBRARY_DIRS):

@@ -28,6 +28,7 @@ from .._errors import ConfigError, NbckptError
 from .._util import check_count
 from ._lab_run import check_target, error_line, route_interrupts
 from ._live_figure import live_figure
+from ._plotly_compat import set_config
 from ._timeline_figures import events_frame, extend_timeline, select_repeat, timeline_figure
 from ._widget_parts import close_widgets, html_table, notice
 
@@ -204,7 +205,7 @@ class Lab:
         self.progress = widgets.IntProgress(0, min=0, max=1, description="progress", **named)
         self.message, self.results, self.log = widgets.HTML(), widgets.HTML(), widgets.HTML(_log_html(()))
         self.figure = live_figure(timeline_figure(pd.DataFrame(columns=["kind", "start_s", "end_s"])))
-        self.figure._config = {**self.figure._config, "responsive": True}
+        set_config(self.figure, responsive=True)
         self._empty_height = self.figure.layout.height
         self._redraw(None, _LIVE_TITLE)
         self.widget = widgets.VBox(

@@ -12,11 +12,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from copy import deepcopy
 from typing import Any
 
 import plotly.graph_objects as go
 import traitlets
+
+from ._plotly_compat import widget_esm, widget_state
 
 __all__ = ["live_figure"]
 
@@ -87,7 +88,7 @@ export default () => {
 @functools.cache
 def _live_figure_class() -> type[go.FigureWidget]:
     # Made on first use: go.FigureWidget itself raises ImportError where anywidget is missing.
-    source = str(go.FigureWidget._esm)
+    source = widget_esm()
     key = hashlib.sha256(source.encode()).hexdigest()[:16]  # another plotly version: its own import
     esm = _SCOPED_ESM.replace("__PLOTLY_KEY__", json.dumps(key))
 
@@ -111,8 +112,7 @@ def _live_figure_class() -> type[go.FigureWidget]:
 
         def _sync_state(self, change: dict[str, Any]) -> None:
             if change["new"] is None:
-                self._widget_layout = deepcopy(self._layout_obj._props)
-                self._widget_data = deepcopy(self._data)
+                self._widget_layout, self._widget_data = widget_state(self)
 
     LiveFigure.__module__ = __name__
     return LiveFigure

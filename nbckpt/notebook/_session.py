@@ -65,6 +65,24 @@ class SessionDefaults:
         return self.run or self.dir
 
 
+def _configured(
+    base: SessionDefaults, options: dict[str, Any], directory: str | None, *, new_run: bool
+) -> SessionDefaults:
+    """``base`` with ``options`` set, saving into ``directory`` (a new one drops the run) and,
+    with ``new_run``, into a fresh run directory inside it (made now)."""
+    defaults = dataclasses.replace(base, **options)
+    if directory is not None:
+        defaults.dir, defaults.run = directory, None
+    if new_run:
+        if is_url(defaults.dir):
+            raise UsageError(f"--new-run needs a local directory, not {defaults.dir}")
+        try:
+            defaults.run = str(run_directory(defaults.dir))
+        except ConfigError as exc:
+            raise UsageError(one_line(exc)) from None
+    return defaults
+
+
 def variables(namespace: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """The notebook variables ``names`` (ConfigError in one line naming the first one missing)."""
     state: dict[str, Any] = {}
@@ -273,36 +291,30 @@ class Session:
             usable_directory(directory)  # before anything changes: a refused one changes nothing
         with self._lock:
             before = self.key(None)
-            if reset:
-                self.defaults = SessionDefaults()
+            # the new defaults in full before any is taken: a refused --new-run changes nothing
+            self.defaults = _configured(
+                SessionDefaults() if reset else self.defaults, options, directory, new_run=new_run
+            )
             if reset or "keep" in options:
                 self._keep.clear()  # a session-wide keep overrides the per-directory ones
-            if directory is not None:
-                self.defaults.dir, self.defaults.run = directory, None
-            for name, value in options.items():
-                setattr(self.defaults, name, value)
-            if new_run:
-                if is_url(self.defaults.dir):
-                    raise UsageError(f"--new-run needs a local directory, not {self.defaults.dir}")
-                try:
-                    self.defaults.run = str(run_directory(self.defaults.dir))
-                except ConfigError as exc:
-                    raise UsageError(one_line(exc)) from None
             if self.key(None) != before:
                 self._retire(before)
             for key in list(self.checkpointers):
-                ckpt = self.checkpointers[key]
-                changes = self._changed(key, ckpt)
-                if not changes:
-                    continue
-                pending = len(self.in_flight(key))
-                if pending:  # never block the cell here: the next magic on it reopens it
-                    print(
-                        f"nbckpt: {_changes(changes)} for {ckpt.directory} applies once its "
-                        f"{pending} save(s) in flight have committed, from its next save or restore"
-                    )
-                else:
-                    self._reopen(key, changes)
+                self._apply_defaults(key)
+
+    def _apply_defaults(self, key: str) -> None:
+        """Reopen the Checkpointer of ``key`` if the defaults changed what it was opened with;
+        one with saves in flight is reopened by the next magic on it, never blocking the cell here."""
+        ckpt = self.checkpointers[key]
+        changes = self._changed(key, ckpt)
+        pending = len(self.in_flight(key))
+        if changes and pending:
+            print(
+                f"nbckpt: {_changes(changes)} for {ckpt.directory} applies once its "
+                f"{pending} save(s) in flight have committed, from its next save or restore"
+            )
+        elif changes:
+            self._reopen(key, changes)
 
     def settings(self) -> Iterator[tuple[str, Any]]:
         """What ``%ckpt_config`` shows: where saves go (and the directory of a ``--new-run``), then

@@ -13,6 +13,7 @@ import random
 import sys
 import threading
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from nbckpt import CheckpointConfig, Checkpointer, CheckpointError, ConfigError
 from nbckpt.engine._checkpointer import writer_of
+from nbckpt.engine._staging import Slot, Stager
 
 
 def trained_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -660,6 +662,24 @@ def test_writer_of_finds_the_open_writer_whose_delete_takes_a_line(tmp_path: Pat
         with pytest.raises(CheckpointError, match="has no line 'nope'"):
             ckpt.delete(1, line="nope")
     assert writer_of(run) is None  # closed
+
+
+def test_staging_copies_every_part_and_a_failed_copy_fails_the_stage_in_one_line() -> None:
+    """The stage threads each copy a part; the last to end settles the stage: the copies in
+    place, or (one copy failing) a CheckpointError naming staging, not a part's raw error."""
+    stager = Stager(threads=2)
+    try:
+        slot = Slot()
+        slot.views = {key: torch.zeros(4) for key in "abcd"}
+        done: Future[tuple[float, int]] = Future()
+        stager.stage({key: torch.full((4,), float(i)) for i, key in enumerate("abcd")}, slot, done, wait=True)
+        assert done.result()[0] >= 0 and [float(slot.views[k][0]) for k in "abcd"] == [0.0, 1.0, 2.0, 3.0]
+        slot.shards, failed = None, Future()
+        stager.stage({"a": torch.ones(4), "b": torch.ones(5)}, slot, failed, wait=False)
+        with pytest.raises(CheckpointError, match=r"^staging failed: .*size"):
+            failed.result(timeout=60)
+    finally:
+        stager.stop()
 
 
 def test_staging_memory_is_reported_and_reused(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ the mirror when the directory has nothing intact (a second directory, and a real
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from helpers.s3server import SeaweedS3
 
 from nbckpt import Checkpointer, CheckpointError
+from nbckpt.engine._faults import armed
 
 
 def state_of(step: int) -> dict[str, Any]:
@@ -80,16 +82,21 @@ def test_restore_falls_back_to_the_mirror(tmp_path: Path) -> None:
         assert restored(ckpt)[0] == 3 and ckpt.restored_from == ckpt.directory
 
 
-def test_a_damaged_local_copy_is_never_uploaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nbckpt.engine import _mirror
+def test_a_damaged_local_copy_is_never_uploaded(tmp_path: Path) -> None:
+    """A local data file damaged after its commit (one byte flipped before the mirror reads it)
+    fails its checksums on the way up: the mirror never holds the step."""
 
-    original = _mirror.copy_file
+    def damaging(location: str, name: str) -> None:
+        if name.endswith(".distcp"):
+            with open(os.path.join(location, name), "r+b") as data:
+                first = data.read(1)
+                data.seek(0)
+                data.write(bytes([first[0] ^ 0xFF]))
 
-    def corrupting(source: Any, sink: Any, blocks: Any, *, fsync: bool) -> int:
-        return original(source, sink, ["0" * 16] * len(blocks), fsync=fsync)  # checksums that never match
-
-    monkeypatch.setattr(_mirror, "copy_file", corrupting)
-    with Checkpointer(tmp_path / "local", mirror=str(tmp_path / "mirror")) as ckpt:
+    with (
+        armed("mirror.upload", damaging),
+        Checkpointer(tmp_path / "local", mirror=str(tmp_path / "mirror")) as ckpt,
+    ):
         ckpt.save(state_of(1), step=1).wait()
         with pytest.warns(
             UserWarning, match=r"step 1 is committed locally but not on the mirror .*checksum mismatch"

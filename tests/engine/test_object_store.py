@@ -16,7 +16,7 @@ from helpers import crash_child
 from helpers.s3server import KEY, SECRET, SeaweedS3
 
 from nbckpt import Checkpointer, CheckpointError
-from nbckpt.engine._store import open_store
+from nbckpt.engine._open_store import open_store
 
 pytestmark = [pytest.mark.s3, pytest.mark.xdist_group("s3")]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from nbckpt import AnyOf, BestN, Checkpointer, ConfigError, CustomSteps, EveryNSteps, LatestN
 from nbckpt.engine._retention import StepInfo, expired, policy_of
+from nbckpt.engine._workers import Backlog, Worker
 
 
 def infos(*steps: int, **metrics: list[float | None]) -> list[StepInfo]:
@@ -151,3 +153,25 @@ def test_the_mirror_applies_the_runs_retention_rule_to_a_stray_save(tmp_path: Pa
         local = ckpt.steps()
     with Checkpointer(tmp_path / "mirror", read_only=True) as mirror:
         assert mirror.steps() == local == [2, 3, 4]
+
+
+def test_the_backlog_waits_for_a_job_promised_before_it_is_queued() -> None:
+    """Retention's pass is promised at the commit and queued once the commit is reported:
+    wait() in between must wait for it (the retainer and the mirror wait through a Backlog)."""
+    worker = Worker("nbckpt-test-backlog")
+    try:
+        backlog = Backlog(worker)
+        ran: list[int] = []
+        queue_it = backlog.promise(lambda: ran.append(1))
+        waited = threading.Event()
+        waiter = threading.Thread(target=lambda: (backlog.wait(), waited.set()))
+        waiter.start()
+        assert not waited.wait(0.2), "wait() returned before the promised job was even queued"
+        queue_it()
+        waiter.join(30)
+        assert waited.is_set() and ran == [1]
+        backlog.submit(lambda: ran.append(2))
+        backlog.wait()
+        assert ran == [1, 2]
+    finally:
+        worker.stop()

@@ -12,7 +12,7 @@ pytest.importorskip("accelerate")
 import torch
 from accelerate import Accelerator
 
-from nbckpt import ConfigError
+from nbckpt import ConfigError, NbckptError
 from nbckpt.integrations.accelerate import AcceleratorCheckpointer
 
 
@@ -67,3 +67,28 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         AcceleratorCheckpointer(object(), tmp_path)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="decides capture_rng"):
         AcceleratorCheckpointer(Accelerator(cpu=True), tmp_path, capture_rng=False)
+
+
+def test_the_private_lists_read_are_those_of_the_installed_accelerate(tmp_path: Path) -> None:
+    """accelerate has no public view of what save_state saves (its pre-hook sees the models only):
+    nbckpt reads five private lists, in _accelerate_compat alone. A release that renames one
+    fails here, naming it, and AcceleratorCheckpointer says the same in one line."""
+    import accelerate
+
+    from nbckpt.integrations._accelerate_compat import missing, tracked
+
+    accelerator = Accelerator(cpu=True)
+    assert not missing(accelerator), (
+        f"accelerate {accelerate.__version__} renamed {missing(accelerator)}: "
+        "update nbckpt/integrations/_accelerate_compat.py"
+    )
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    assert tracked(accelerator).models == [model]
+    del accelerator._optimizers  # as a release that renamed the list would have it
+    with (
+        pytest.raises(
+            NbckptError, match=rf"^accelerate {accelerate.__version__} keeps no Accelerator\._optimizers"
+        ),
+        AcceleratorCheckpointer(accelerator, tmp_path) as ckpt,
+    ):
+        ckpt.state()

@@ -178,3 +178,35 @@ def test_bad_options_are_refused(tmp_path: Path) -> None:
         NbckptCallback(tmp_path / "ckpt", keep="2")
     with pytest.raises(ConfigError, match="decides ranks"):
         NbckptCallback(tmp_path / "ckpt", ranks="local")
+
+
+@pytest.mark.parametrize(("metric", "greater"), [("loss", False), ("eval_accuracy", True)])
+def test_the_best_metric_rule_replicated_is_the_installed_trainers(metric: str, greater: bool) -> None:
+    """The saved Trainer state counts each evaluation as Trainer._determine_best_metric (private)
+    does: the same best metric and step after every evaluation of a run, or this fails naming
+    transformers' version."""
+    from types import SimpleNamespace
+
+    import transformers
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_utils import SaveStrategy
+
+    from nbckpt.integrations._hf_compat import count_evaluation
+
+    rule = getattr(Trainer, "_determine_best_metric", None)
+    assert rule is not None, f"transformers {transformers.__version__} has no Trainer._determine_best_metric"
+    args = TrainingArguments(
+        "unused", metric_for_best_model=metric, greater_is_better=greater, save_strategy=SaveStrategy.STEPS
+    )
+    trainer = SimpleNamespace(args=args, state=SimpleNamespace(best_metric=None, best_global_step=None))
+    saved: dict[str, Any] = {"best_metric": None, "best_global_step": None}
+    key = metric if metric.startswith("eval_") else f"eval_{metric}"
+    for step, value in enumerate([0.5, 0.7, 0.3, 0.3, 0.9, 0.1], start=1):
+        trainer.state.global_step = saved["global_step"] = step
+        rule(trainer, metrics={key: value}, trial=None)
+        count_evaluation(saved, args, {key: value})
+        theirs = (trainer.state.best_metric, trainer.state.best_global_step)
+        assert (saved["best_metric"], saved["best_global_step"]) == theirs, (
+            f"transformers {transformers.__version__} changed Trainer._determine_best_metric at step "
+            f"{step}: update nbckpt/integrations/_hf_compat.py"
+        )

@@ -295,6 +295,18 @@ def test_new_run_saves_into_a_fresh_run_directory(
     assert magics_of(ip).session.defaults.run is None
 
 
+def test_a_refused_new_run_changes_no_option(ip: InteractiveShell, tmp_path: Path) -> None:
+    """%ckpt_config sets the options it is given only once all of them are usable: a --new-run
+    that cannot make its directory leaves --keep (given in the same line) as it was."""
+    blocked = tmp_path / "blocked"
+    ip.run_line_magic("ckpt_config", f"-d {blocked}")
+    blocked.write_text("a file where the runs' directory would be")
+    with pytest.raises(UsageError, match="blocked"):
+        ip.run_line_magic("ckpt_config", "--keep 3 --new-run")
+    defaults = magics_of(ip).session.defaults
+    assert (defaults.keep, defaults.run, defaults.dir) == (None, None, str(blocked))
+
+
 def test_wait_counts_this_sessions_saves(
     ip: InteractiveShell, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

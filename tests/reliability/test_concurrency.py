@@ -18,26 +18,21 @@ from helpers.storage import Throttle
 from helpers.sync import ctrl_c_raises, press_ctrl_c_once_blocked
 
 from nbckpt import Checkpointer, CheckpointError
-from nbckpt.engine import _staging
+from nbckpt.engine._faults import armed
 
 # -- 6: an exception or Ctrl-C while a save takes its staging slot ------------------------------
 
 
 @pytest.mark.parametrize("failure", [RuntimeError("out of memory"), KeyboardInterrupt()])
-def test_6_a_failure_while_taking_a_slot_never_loses_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException
-) -> None:
-    original = _staging.Slot.fit
+def test_6_a_failure_while_taking_a_slot_never_loses_it(tmp_path: Path, failure: BaseException) -> None:
     calls = {"n": 0}
 
-    def fit_failing_once(slot: _staging.Slot, *args: Any, **kwargs: Any) -> None:
+    def failing_once() -> None:
         calls["n"] += 1
         if calls["n"] == 1:
             raise failure
-        original(slot, *args, **kwargs)
 
-    monkeypatch.setattr(_staging.Slot, "fit", fit_failing_once)
-    with Checkpointer(tmp_path, max_inflight=1) as ckpt:
+    with armed("staging.fit", failing_once), Checkpointer(tmp_path, max_inflight=1) as ckpt:
         expected = KeyboardInterrupt if isinstance(failure, KeyboardInterrupt) else CheckpointError
         with pytest.raises(expected):
             ckpt.save(state_of(1), step=1)
@@ -206,22 +201,17 @@ def test_10_the_callers_exception_stays_the_one_raised(tmp_path: Path, throttle:
     assert any("ENOSPC" in note for note in notes), notes
 
 
-def test_a_late_retention_never_deletes_a_newer_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_late_retention_never_deletes_a_newer_step(tmp_path: Path) -> None:
     """Retention runs on its own thread after each commit. When the one after step 1 runs late,
     step 2 has committed meanwhile: it must not count step 2 among the old ones (seen once in
     the suite on a loaded machine: keep=1 left no checkpoint at all)."""
-    from nbckpt.engine._retention import Retainer, StepFacts
-
     step_2_committed = threading.Event()
-    original = Retainer._pass
 
-    def late(self: Retainer, facts: StepFacts, newest: int, *rest: Any) -> None:
+    def late(newest: int) -> None:
         if newest == 1:
             assert step_2_committed.wait(30)
-        original(self, facts, newest, *rest)
 
-    monkeypatch.setattr(Retainer, "_pass", late)
-    with Checkpointer(tmp_path, keep=1) as ckpt:
+    with armed("retention.pass", late), Checkpointer(tmp_path, keep=1) as ckpt:
         ckpt.save({"w": torch.zeros(4)}, step=0).wait()
         ckpt.save({"w": torch.ones(4)}, step=1).wait()
         ckpt.save({"w": torch.full((4,), 2.0)}, step=2).wait()

@@ -14,13 +14,12 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.states import assert_holds, state_of
 
 from nbckpt import Checkpointer, ConfigError
-from nbckpt.engine import _mirror
+from nbckpt.engine._faults import armed
 
 
 def committed(directory: Path) -> list[int]:
@@ -41,18 +40,16 @@ class Gate:
 
 
 @pytest.fixture
-def held_uploads(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+def held_uploads() -> Iterator[Gate]:
     gate = Gate()
-    original = _mirror.copy_file
 
-    def slow(*args: Any, **kwargs: Any) -> int:
+    def slow(location: str, name: str) -> None:
         gate.entered.set()
         assert gate.release.wait(60), "the test never released the uploads"
-        return original(*args, **kwargs)
 
-    monkeypatch.setattr(_mirror, "copy_file", slow)
-    yield gate
-    gate.release.set()  # never leave the mirror's thread stuck
+    with armed("mirror.upload", slow):
+        yield gate
+        gate.release.set()  # never leave the mirror's thread stuck
 
 
 # -- item 9 ---------------------------------------------------------------------------------------
@@ -158,19 +155,19 @@ KILLED_WHILE_UPLOADING = """
 import sys, threading
 from helpers.states import state_of
 from nbckpt import Checkpointer
-from nbckpt.engine import _mirror
+from nbckpt.engine._faults import armed
 entered = threading.Event()
-def stuck(*args, **kwargs):  # a mirror that stopped answering
+def stuck(location, name):  # a mirror that stopped answering
     entered.set()
     threading.Event().wait()
-_mirror.copy_file = stuck
-ckpt = Checkpointer(sys.argv[1], mirror=sys.argv[2], keep=3)
-for step in range(1, 7):
-    ckpt.save(state_of(step), step=step).wait()
-    entered.wait()
-ckpt._saver.wait()
-print("saved", flush=True)
-threading.Event().wait()
+with armed("mirror.upload", stuck):
+    ckpt = Checkpointer(sys.argv[1], mirror=sys.argv[2], keep=3)
+    for step in range(1, 7):
+        ckpt.save(state_of(step), step=step).wait()
+        entered.wait()
+    ckpt._saver.wait()
+    print("saved", flush=True)
+    threading.Event().wait()
 """
 
 

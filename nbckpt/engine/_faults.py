@@ -1,0 +1,41 @@
+"""Named fault seams: the points where a test makes the engine fail, or wait, by name, instead of
+patching a private function that a refactoring renames without the test noticing (the sibling of
+``_store.arm_crash``, which kills the process at its points).
+
+A point is reached with :func:`fault_point`; nothing armed there costs one dict lookup. The
+points, and what their action is called with:
+
+- ``staging.fit`` (): a slot is about to be fitted to a save's files;
+- ``retention.pass`` (newest step): a retention pass begins, on its thread;
+- ``mirror.upload`` (local step location, file name): the mirror is about to copy one file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["POINTS", "armed", "fault_point"]
+
+POINTS = ("staging.fit", "retention.pass", "mirror.upload")
+_actions: dict[str, Callable[..., None]] = {}
+
+
+@contextmanager
+def armed(point: str, action: Callable[..., None]) -> Iterator[None]:
+    """Call ``action`` at ``point`` (on whichever thread reaches it) until the block ends; what it
+    raises is raised there."""
+    if point not in POINTS:
+        raise ValueError(f"no fault point {point!r}; the points are {', '.join(POINTS)}")
+    _actions[point] = action
+    try:
+        yield
+    finally:
+        _actions.pop(point, None)
+
+
+def fault_point(point: str, *args: Any) -> None:
+    action = _actions.get(point)
+    if action is not None:
+        action(*args)
