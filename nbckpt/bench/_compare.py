@@ -44,6 +44,7 @@ import torch
 from .._errors import ConfigError
 from .._util import GB, check_count, format_bytes, is_url, writable_directory
 from .._version import __version__
+from ._auto_interval import CHECKPOINTS_PER_RUN, SAVES_PER_INTERVAL, choose_interval
 from ._comparison import TIMELINE_COLUMNS, Comparison
 from ._load import Load, LoadMonitor, combine_loads
 from ._measure import DEFAULT_REPEATS as WRITE_ROUNDS
@@ -69,6 +70,7 @@ __all__ = [
     "WARMUP_STEPS",
     "Coordination",
     "add_bench_arguments",
+    "check_interval_args",
     "compare",
     "environment",
     "queueing",
@@ -84,6 +86,8 @@ R = TypeVar("R")
 DEFAULT_REPEATS = 3
 #: What ``nbckpt bench`` runs without ``--strategies``: every built-in strategy.
 DEFAULT_STRATEGIES = list(STRATEGIES)
+#: Steps of a run when ``every`` is given and ``steps`` is not.
+DEFAULT_STEPS = 20
 #: Untimed training steps before the first run, so that no run pays for first-touch allocation.
 WARMUP_STEPS = 2
 
@@ -191,8 +195,8 @@ def compare(
     strategies: Sequence[str | Strategy],
     directory: str,
     *,
-    steps: int = 20,
-    every: int = 5,
+    steps: int | None = None,
+    every: int | None = None,
     repeats: int = DEFAULT_REPEATS,
     warmup: bool = True,
     progress: Progress | None = print,
@@ -215,8 +219,14 @@ def compare(
     would not fit in free memory, they run one after the other instead of taking turns.
     ``keep`` keeps the checkpoints of the last repeat (to inspect or restore them). ``ranks``
     makes this one rank of a bench on many (``nbckpt bench`` under torchrun sets it).
+
+    ``every`` None: a short probe after the warm-up times a few steps and a save to
+    ``directory`` and checkpoints every :data:`~._auto_interval.SAVES_PER_INTERVAL` saves' worth
+    of steps, so that no save waits for the one before (:func:`~._auto_interval.choose_interval`);
+    ``steps`` None: :data:`~._auto_interval.CHECKPOINTS_PER_RUN` such intervals (with ``every``
+    given: 20 steps). A given ``every`` whose saves queue is said in one warning (:func:`queueing`).
     """
-    check_run_args(steps, every)
+    check_interval_args(steps, every)
     check_count(repeats, "repeats")
     device = workload.device
     if not strategies:
@@ -250,6 +260,7 @@ def compare(
     if warmup:
         for _ in range(WARMUP_STEPS):
             workload.train_step()
+    steps, every = _run_interval(workload, directory, steps, every, storage_options, ranks, say)
 
     order = run_order(names, repeats)
     run_rows: list[dict[str, Any]] = []
@@ -385,6 +396,48 @@ def compare(
     )
 
 
+def check_interval_args(steps: int | None, every: int | None) -> None:
+    """ConfigError unless ``steps`` and ``every`` make a run that saves (None: to be measured)."""
+    if every is not None:
+        check_run_args(DEFAULT_STEPS if steps is None else steps, every)
+    elif steps is not None:
+        check_count(steps, "steps")
+
+
+def _run_interval(
+    workload: Workload,
+    directory: str,
+    steps: int | None,
+    every: int | None,
+    storage_options: dict[str, Any] | None,
+    ranks: Coordination | None,
+    say: Callable[[str], None],
+) -> tuple[int, int]:
+    """The steps and interval given, or those :func:`choose_interval` measures (said in a line)."""
+    if every is not None:
+        return (DEFAULT_STEPS if steps is None else steps), every
+    interval = choose_interval(
+        workload, directory, steps=steps, storage_options=storage_options, agree=_agree(ranks)
+    )
+    say(interval.describe())
+    return interval.steps, interval.every
+
+
+def _agree(ranks: Coordination | None) -> Callable[[int], int] | None:
+    """On many ranks: the largest of every rank's measured interval, so that all use one."""
+    if ranks is None:
+        return None
+
+    def largest(value: int) -> int:
+        import torch.distributed as dist
+
+        agreed = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ranks.group)
+        return int(agreed.item())
+
+    return largest
+
+
 def queueing(results: pd.DataFrame, every: int) -> str | None:
     """One line when checkpoints came faster than the asynchronous saves persist (the interval,
     ``every`` of the baseline's steps, shorter than a save's persist time): each save then waits
@@ -395,9 +448,12 @@ def queueing(results: pd.DataFrame, every: int) -> str | None:
         return None
     step_s = float(rows["mean_step_s"]["none"])
     interval = every * step_s
+    # A blocking save persists within its own stall; the save's own part of the stall, not the
+    # wait for the save before it (which queueing adds to the stall), tells which one blocks.
+    own = rows["save_stall_s"] if "save_stall_s" in rows.columns else rows["stall_mean_s"]
     slower = [
         (str(name), float(persist))
-        for name, persist, stall in zip(rows.index, rows["persist_s"], rows["stall_mean_s"], strict=True)
+        for name, persist, stall in zip(rows.index, rows["persist_s"], own, strict=True)
         if name != "none" and float(persist) > max(interval, float(stall) * 1.05)
     ]
     if not slower or not interval > 0:
@@ -491,9 +547,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(STRATEGIES)
         + " (default: %(default)s); none is added when missing",
     )
-    parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: %(default)s)")
     parser.add_argument(
-        "--every", type=int, default=5, help="checkpoint every K steps (default: %(default)s)"
+        "--steps",
+        type=int,
+        default=None,
+        help=f"training steps per run (default: {CHECKPOINTS_PER_RUN} checkpoint intervals; "
+        f"{DEFAULT_STEPS} with --every)",
+    )
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=None,
+        help=f"checkpoint every K steps (default: measured first, {SAVES_PER_INTERVAL}x a save to durable "
+        "in steps, so that saves never queue)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     parser.add_argument(
@@ -534,7 +600,7 @@ def run_bench_from_args(
         raise ConfigError("--strategies names no strategy")
     for name in names:
         get_strategy(name)  # unknown: the one-line error that lists them
-    check_run_args(args.steps, args.every)
+    check_interval_args(args.steps, args.every)
     check_count(args.repeats, "--repeats")
     if args.threads is not None:
         check_count(args.threads, "--threads")
