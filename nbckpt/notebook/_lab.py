@@ -325,8 +325,9 @@ class Lab:
             (settings["steps"] or 1) * runs,
         )
         baseline = "" if "none" in names else " and none (the baseline)"
+        first = " (first, a step and a save are timed for the interval)" if settings["every"] is None else ""
         self.message.value = notice(
-            "info", f"Running {', '.join(names)}{baseline}: {settings['repeats']} repeat(s) ..."
+            "info", f"Running {', '.join(names)}{baseline}: {settings['repeats']} repeat(s){first} ..."
         )
         route_interrupts(self._note_interrupt)  # Kernel > Interrupt stops it, as Stop does
         self._stop.clear()

@@ -201,7 +201,8 @@ def test_defaults_measure_the_interval_so_saves_do_not_queue(tmp_path: Path) -> 
     from_magic.close()
     lab = make_lab(tmp_path / "lab", steps=None, every=None, strategies=("nbckpt-async",), compute_ms=1.0)
     assert (lab.steps.value, lab.every.value) == (0, 0)
-    assert lab.run() and lab.wait(120) and lab.error is None and lab.comparison is not None
+    assert lab.run() and "a step and a save are timed for the interval" in lab.message.value
+    assert lab.wait(120) and lab.error is None and lab.comparison is not None
     said = [line for line in lab.log_lines if line.startswith("checkpoint every ")]
     assert len(said) == 1 and said[0].startswith(f"checkpoint every {lab.comparison.every} steps, measured")
     assert lab.comparison.steps == 4 * lab.comparison.every

@@ -367,3 +367,11 @@ def test_the_report_notebook_run_with_its_defaults_writes_no_results_json(tmp_pa
     assert sorted(p.name for p in notebooks.iterdir()) == ["report.ipynb"]
     shown = (tmp_path / "executed.ipynb").read_text()
     assert "no `results.json` written" in shown
+
+
+def test_the_report_ends_in_its_decision() -> None:
+    """Issue 29: the report's last section is "Your decision", and it computes it (a code cell)."""
+    cells = nbformat.read(str(REPORT_NOTEBOOK), as_version=4).cells
+    headings = [i for i, c in enumerate(cells) if c.cell_type == "markdown" and c.source.startswith("## ")]
+    assert cells[headings[-1]].source.startswith("## Your decision")
+    assert any("decide(" in c.source for c in cells[headings[-1] :] if c.cell_type == "code")
