@@ -131,7 +131,11 @@ def stall_figure(
         )
     fig.update_layout(
         title=f"Stall per checkpoint, and reduction against {reference}"
-        + (" beside the published figure that compares the same" if reference == "dcp-sync" else ""),
+        + (
+            "<br><sup>beside the published figure that compares the same</sup>"
+            if reference == "dcp-sync"
+            else ""
+        ),
         showlegend=parts or reference == "dcp-sync",
         barmode="stack",
         uniformtext=_READABLE,
@@ -270,8 +274,8 @@ def interval_figure(advice_df: pd.DataFrame, *, widget: bool = False) -> go.Figu
     attrs = advice_df.attrs
     if {"gpus", "mtbf_hours", "restore_s"} <= set(attrs):
         title += (
-            f" (assumed: {attrs['gpus']} GPUs, node MTBF {float(attrs['mtbf_hours']):g} h, "
-            f"restore {float(attrs['restore_s']):g} s)"
+            f"<br><sup>assumed: {attrs['gpus']} GPUs, node MTBF {float(attrs['mtbf_hours']):g} h, "
+            f"restore {float(attrs['restore_s']):g} s</sup>"
         )
     fig.update_layout(
         title=title,

@@ -265,8 +265,8 @@ def throughput_figure(
                 )
             )
     fig.update_layout(
-        title="Training throughput per step (x: the step after a checkpoint); the none baseline "
-        "dips only from this machine's own noise",
+        title="Training throughput per step (x: the step after a checkpoint)<br><sup>the none baseline "
+        "dips only from this machine's own noise</sup>",
         xaxis_title=f"seconds since {_origin(timeline_df)}",
         yaxis_title="steps per second",
         legend={**_SIDE_LEGEND, "title_text": "strategy"},

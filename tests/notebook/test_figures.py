@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -198,6 +199,17 @@ def test_the_figures_keep_their_labels_apart_and_readable() -> None:
     assert {
         annotation.text for annotation in stall.layout.annotations
     } == titles  # nothing else written on it
+    advice = advise(RESULTS, mtbf_hours=24.0, gpus=512)
+    advice.attrs.update(gpus=512, mtbf_hours=24.0, restore_s=120.0)
+    for fig in (
+        stall,
+        overhead_figure(RESULTS.assign(overhead_ci_pct=[[0.0, 0.0], [80.0, 120.0], [-1.0, 9.0]])),
+        interval_figure(advice),
+        timeline_figure(sync_and_async_timeline()),
+        throughput_figure(sync_and_async_timeline()),
+    ):  # a title line longer than the plot is cut at both ends (plotly never wraps it)
+        lines = [re.sub(r"<[^>]+>", "", line) for line in fig.layout.title.text.split("<br>")]
+        assert max(len(line) for line in lines) <= 100, lines
     timeline = Timeline()
     timeline.record("step", timeline.origin_ns, step=1)
     plain = throughput_figure(timeline.to_pandas())
