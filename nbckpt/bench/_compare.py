@@ -2,7 +2,7 @@
 
     >>> from nbckpt import bench
     >>> cmp = bench.compare(bench.make_workload("tiny"), ["torch-save", "nbckpt-async"],
-    ...                     "data/checkpoints/bench", steps=20, every=5, repeats=3)
+    ...                     "data/checkpoints/bench", repeats=3)  # steps, every: measured first
     >>> print(cmp.table())  # overhead with its 95 % interval, stalls, floors, the machine's load
     >>> cmp.results         # one row per strategy; cmp.runs: one per run; cmp.timeline: events
 
