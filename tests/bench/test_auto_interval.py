@@ -7,6 +7,8 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 from nbckpt import bench
 from nbckpt.bench._auto_interval import CHECKPOINTS_PER_RUN, SAVES_PER_INTERVAL, choose_interval
 from nbckpt.bench._compare import add_bench_arguments
@@ -72,3 +74,34 @@ def test_nbckpt_bench_and_ckpt_bench_measure_by_default() -> None:
     add_bench_arguments(parser)
     args = parser.parse_args([])
     assert (args.steps, args.every) == (None, None)
+
+
+def _agreed(rank: int, store_path: str, out: str) -> None:
+    import json
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from nbckpt.bench import _compare
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        agree = _compare._agree(SimpleNamespace(group=dist.group.WORLD))
+        assert agree is not None
+        Path(out, f"rank{rank}.json").write_text(json.dumps(agree([7, 31][rank])))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_on_many_ranks_every_rank_takes_the_largest_measured_interval(tmp_path: Path) -> None:
+    """Ranks that measured different intervals must still save at the same steps (the saves of a
+    bench on many ranks are collective): each takes the largest."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    assert bench._compare._agree(None) is None  # one process: its own
+    # forked: the ranks need torch imported once, not again in each (a spawn took 20 s here)
+    mp.start_processes(_agreed, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="fork")
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [31, 31]
