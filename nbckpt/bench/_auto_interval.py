@@ -14,13 +14,15 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .._util import is_url
+from .._util import check_count, is_url
 from ._measure import measure_write, scratch
+from ._runner import check_run_args
 from ._strategy import plain_state
 from ._workloads import Workload
 
@@ -42,6 +44,8 @@ CHECKPOINTS_PER_RUN = 4
 #: interval errs long (a burst of other work can only slow a step down, or a save).
 PROBE_STEPS = 3
 PROBE_SAVES = 2
+#: Steps of a run when ``every`` is given and ``steps`` is not.
+DEFAULT_STEPS = 20
 
 
 @dataclass(frozen=True)
@@ -134,3 +138,47 @@ def choose_interval(
         save_s=measured.save_s,
         fits=needed <= run_steps,
     )
+
+
+def check_interval_args(steps: int | None, every: int | None) -> None:
+    """ConfigError unless ``steps`` and ``every`` make a run that saves (None: to be measured)."""
+    if every is not None:
+        check_run_args(DEFAULT_STEPS if steps is None else steps, every)
+    elif steps is not None:
+        check_count(steps, "steps")
+
+
+def resolve_interval(
+    workload: Workload,
+    directory: str,
+    steps: int | None,
+    every: int | None,
+    storage_options: dict[str, Any] | None,
+    group: Any,
+    say: Callable[[str], None],
+) -> tuple[int, int]:
+    """The steps and interval given, or those :func:`choose_interval` measures (said in a line);
+    ``group``: the process group of a bench on many ranks, None on one."""
+    if every is not None:
+        return (DEFAULT_STEPS if steps is None else steps), every
+    interval = choose_interval(
+        workload, directory, steps=steps, storage_options=storage_options, agree=agree_largest(group)
+    )
+    say(interval.describe())
+    return interval.steps, interval.every
+
+
+def agree_largest(group: Any) -> Callable[[int], int] | None:
+    """On many ranks (``group`` not None): the largest of every rank's measured interval, so that
+    all save at the same steps (their saves are collective)."""
+    if group is None:
+        return None
+
+    def largest(value: int) -> int:
+        import torch.distributed as dist
+
+        agreed = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        return int(agreed.item())
+
+    return largest

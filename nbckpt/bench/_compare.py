@@ -44,7 +44,13 @@ import torch
 from .._errors import ConfigError
 from .._util import GB, check_count, format_bytes, is_url, writable_directory
 from .._version import __version__
-from ._auto_interval import CHECKPOINTS_PER_RUN, SAVES_PER_INTERVAL, choose_interval
+from ._auto_interval import (
+    CHECKPOINTS_PER_RUN,
+    DEFAULT_STEPS,
+    SAVES_PER_INTERVAL,
+    check_interval_args,
+    resolve_interval,
+)
 from ._comparison import TIMELINE_COLUMNS, Comparison
 from ._load import Load, LoadMonitor, combine_loads
 from ._measure import DEFAULT_REPEATS as WRITE_ROUNDS
@@ -56,7 +62,6 @@ from ._runner import (
     Lane,
     Progress,
     RunProgress,
-    check_run_args,
     run_lanes,
     stall_text,
 )
@@ -70,7 +75,6 @@ __all__ = [
     "WARMUP_STEPS",
     "Coordination",
     "add_bench_arguments",
-    "check_interval_args",
     "compare",
     "environment",
     "queueing",
@@ -86,8 +90,6 @@ R = TypeVar("R")
 DEFAULT_REPEATS = 3
 #: What ``nbckpt bench`` runs without ``--strategies``: every built-in strategy.
 DEFAULT_STRATEGIES = list(STRATEGIES)
-#: Steps of a run when ``every`` is given and ``steps`` is not.
-DEFAULT_STEPS = 20
 #: Untimed training steps before the first run, so that no run pays for first-touch allocation.
 WARMUP_STEPS = 2
 
@@ -220,11 +222,9 @@ def compare(
     ``keep`` keeps the checkpoints of the last repeat (to inspect or restore them). ``ranks``
     makes this one rank of a bench on many (``nbckpt bench`` under torchrun sets it).
 
-    ``every`` None: a short probe after the warm-up times a few steps and a save to
-    ``directory`` and checkpoints every :data:`~._auto_interval.SAVES_PER_INTERVAL` saves' worth
-    of steps, so that no save waits for the one before (:func:`~._auto_interval.choose_interval`);
-    ``steps`` None: :data:`~._auto_interval.CHECKPOINTS_PER_RUN` such intervals (with ``every``
-    given: 20 steps). A given ``every`` whose saves queue is said in one warning (:func:`queueing`).
+    ``every`` None: measured after the warm-up (:func:`~._auto_interval.choose_interval`), so that
+    no save waits for the one before; ``steps`` None: a few such intervals (20 with ``every``). A
+    given ``every`` whose saves queue says so in a warning (:func:`queueing`).
     """
     check_interval_args(steps, every)
     check_count(repeats, "repeats")
@@ -260,7 +260,8 @@ def compare(
     if warmup:
         for _ in range(WARMUP_STEPS):
             workload.train_step()
-    steps, every = _run_interval(workload, directory, steps, every, storage_options, ranks, say)
+    group = None if ranks is None else ranks.group
+    steps, every = resolve_interval(workload, directory, steps, every, storage_options, group, say)
 
     order = run_order(names, repeats)
     run_rows: list[dict[str, Any]] = []
@@ -394,48 +395,6 @@ def compare(
         load={**load.to_dict(), "floors": floors_load.to_dict()},
         warnings=warnings,
     )
-
-
-def check_interval_args(steps: int | None, every: int | None) -> None:
-    """ConfigError unless ``steps`` and ``every`` make a run that saves (None: to be measured)."""
-    if every is not None:
-        check_run_args(DEFAULT_STEPS if steps is None else steps, every)
-    elif steps is not None:
-        check_count(steps, "steps")
-
-
-def _run_interval(
-    workload: Workload,
-    directory: str,
-    steps: int | None,
-    every: int | None,
-    storage_options: dict[str, Any] | None,
-    ranks: Coordination | None,
-    say: Callable[[str], None],
-) -> tuple[int, int]:
-    """The steps and interval given, or those :func:`choose_interval` measures (said in a line)."""
-    if every is not None:
-        return (DEFAULT_STEPS if steps is None else steps), every
-    interval = choose_interval(
-        workload, directory, steps=steps, storage_options=storage_options, agree=_agree(ranks)
-    )
-    say(interval.describe())
-    return interval.steps, interval.every
-
-
-def _agree(ranks: Coordination | None) -> Callable[[int], int] | None:
-    """On many ranks: the largest of every rank's measured interval, so that all use one."""
-    if ranks is None:
-        return None
-
-    def largest(value: int) -> int:
-        import torch.distributed as dist
-
-        agreed = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=ranks.group)
-        return int(agreed.item())
-
-    return largest
 
 
 def queueing(results: pd.DataFrame, every: int) -> str | None:

@@ -389,7 +389,7 @@ class Lab:
     def _read_settings(self) -> dict[str, Any]:
         """The run's arguments, read from the controls once (the worker never reads a widget)."""
         check_target(self.path.value)
-        from ..bench._compare import DEFAULT_STEPS
+        from ..bench._internal import DEFAULT_STEPS
 
         # 0: measured first (the fields' defaults); anything else must make a run that saves
         steps = None if self.steps.value == 0 else check_count(self.steps.value, "steps")
@@ -448,7 +448,7 @@ class Lab:
 
     def _work(self, settings: dict[str, Any]) -> None:
         from ..bench import compare, make_workload
-        from ..bench._auto_interval import choose_interval
+        from ..bench._internal import choose_interval
 
         try:
             workload = make_workload(*settings.pop("workload"), compute_ms=self.compute_ms)

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from nbckpt import bench
-from nbckpt.bench._auto_interval import CHECKPOINTS_PER_RUN, SAVES_PER_INTERVAL, choose_interval
+from nbckpt.bench._auto_interval import (
+    CHECKPOINTS_PER_RUN,
+    SAVES_PER_INTERVAL,
+    agree_largest,
+    choose_interval,
+)
 from nbckpt.bench._compare import add_bench_arguments
 from nbckpt.bench._workloads import SyntheticWorkload
 
@@ -78,15 +83,14 @@ def test_nbckpt_bench_and_ckpt_bench_measure_by_default() -> None:
 
 def _agreed(rank: int, store_path: str, out: str) -> None:
     import json
-    from types import SimpleNamespace
 
     import torch.distributed as dist
 
-    from nbckpt.bench import _compare
+    from nbckpt.bench import _auto_interval
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     try:
-        agree = _compare._agree(SimpleNamespace(group=dist.group.WORLD))
+        agree = _auto_interval.agree_largest(dist.group.WORLD)
         assert agree is not None
         Path(out, f"rank{rank}.json").write_text(json.dumps(agree([7, 31][rank])))
     finally:
@@ -101,7 +105,7 @@ def test_on_many_ranks_every_rank_takes_the_largest_measured_interval(tmp_path: 
 
     import torch.multiprocessing as mp
 
-    assert bench._compare._agree(None) is None  # one process: its own
+    assert agree_largest(None) is None  # one process: its own
     # forked: the ranks need torch imported once, not again in each (a spawn took 20 s here)
     mp.start_processes(_agreed, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="fork")
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [31, 31]

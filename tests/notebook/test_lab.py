@@ -192,11 +192,11 @@ def test_defaults_measure_the_interval_so_saves_do_not_queue(tmp_path: Path) -> 
     """Issue 29 defect 7: the lab's defaults (and %ckpt_bench's, whose options are nbckpt bench's)
     checkpointed every 5 steps of a few ms, faster than a save persists; now a probe of a step and
     a save picks the interval, the log says it, and the progress bar counts the steps it chose."""
-    parser = argparse.ArgumentParser()
-    from nbckpt.bench._compare import add_bench_arguments
+    from nbckpt import cli
 
-    add_bench_arguments(parser)
-    from_magic = Lab.from_args(parser.parse_args(["-d", str(tmp_path / "magic"), "--size-mb", "2"]))
+    from_magic = Lab.from_args(
+        cli.build_parser().parse_args(["bench", "-d", str(tmp_path / "m"), "--size-mb", "2"])
+    )
     assert (from_magic.steps.value, from_magic.every.value) == (0, 0)  # 0: measured
     from_magic.close()
     lab = make_lab(tmp_path / "lab", steps=None, every=None, strategies=("nbckpt-async",), compute_ms=1.0)
