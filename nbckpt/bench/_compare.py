@@ -2,7 +2,7 @@
 
     >>> from nbckpt import bench
     >>> cmp = bench.compare(bench.make_workload("tiny"), ["torch-save", "nbckpt-async"],
-    ...                     "data/checkpoints/bench", steps=20, every=5, repeats=3)
+    ...                     "data/checkpoints/bench", repeats=3)  # steps, every: measured first
     >>> print(cmp.table())  # overhead with its 95 % interval, stalls, floors, the machine's load
     >>> cmp.results         # one row per strategy; cmp.runs: one per run; cmp.timeline: events
 
@@ -45,6 +45,13 @@ import torch
 from .._errors import ConfigError
 from .._util import GB, check_count, format_bytes, is_url, writable_directory
 from .._version import __version__
+from ._auto_interval import (
+    CHECKPOINTS_PER_RUN,
+    DEFAULT_STEPS,
+    SAVES_PER_INTERVAL,
+    check_interval_args,
+    resolve_interval,
+)
 from ._comparison import TIMELINE_COLUMNS, Comparison
 from ._load import Load, LoadMonitor, combine_loads
 from ._measure import DEFAULT_REPEATS as WRITE_ROUNDS
@@ -56,7 +63,6 @@ from ._runner import (
     Lane,
     Progress,
     RunProgress,
-    check_run_args,
     run_lanes,
     stall_text,
 )
@@ -192,8 +198,8 @@ def compare(
     strategies: Sequence[str | Strategy],
     directory: str,
     *,
-    steps: int = 20,
-    every: int = 5,
+    steps: int | None = None,
+    every: int | None = None,
     repeats: int = DEFAULT_REPEATS,
     warmup: bool = True,
     progress: Progress | None = print,
@@ -216,8 +222,12 @@ def compare(
     would not fit in free memory, they run one after the other instead of taking turns.
     ``keep`` keeps the checkpoints of the last repeat (to inspect or restore them). ``ranks``
     makes this one rank of a bench on many (``nbckpt bench`` under torchrun sets it).
+
+    ``every`` None: measured after the warm-up (:func:`~._auto_interval.choose_interval`), so that
+    no save waits for the one before; ``steps`` None: a few such intervals (20 with ``every``). A
+    given ``every`` whose saves queue says so in a warning (:func:`queueing`).
     """
-    check_run_args(steps, every)
+    check_interval_args(steps, every)
     check_count(repeats, "repeats")
     say = progress or (lambda _line: None)
     lineup = _Lineup.of(strategies, directory, storage_options, ranks, say)
@@ -227,6 +237,8 @@ def compare(
     if warmup:
         for _ in range(WARMUP_STEPS):
             workload.train_step()
+    group = None if ranks is None else ranks.group
+    steps, every = resolve_interval(workload, lineup.directory, steps, every, storage_options, group, say)
     plan = _Plan(
         workload=workload,
         lineup=lineup,
@@ -486,9 +498,12 @@ def queueing(results: pd.DataFrame, every: int) -> str | None:
         return None
     step_s = float(rows["mean_step_s"]["none"])
     interval = every * step_s
+    # A blocking save persists within its own stall; the save's own part of the stall, not the
+    # wait for the save before it (which queueing adds to the stall), tells which one blocks.
+    own = rows["save_stall_s"] if "save_stall_s" in rows.columns else rows["stall_mean_s"]
     slower = [
         (str(name), float(persist))
-        for name, persist, stall in zip(rows.index, rows["persist_s"], rows["stall_mean_s"], strict=True)
+        for name, persist, stall in zip(rows.index, rows["persist_s"], own, strict=True)
         if name != "none" and float(persist) > max(interval, float(stall) * 1.05)
     ]
     if not slower or not interval > 0:
@@ -582,9 +597,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(STRATEGIES)
         + " (default: %(default)s); none is added when missing",
     )
-    parser.add_argument("--steps", type=int, default=20, help="training steps per run (default: %(default)s)")
     parser.add_argument(
-        "--every", type=int, default=5, help="checkpoint every K steps (default: %(default)s)"
+        "--steps",
+        type=int,
+        default=None,
+        help=f"training steps per run (default: {CHECKPOINTS_PER_RUN} checkpoint intervals; "
+        f"{DEFAULT_STEPS} with --every)",
+    )
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=None,
+        help=f"checkpoint every K steps (default: measured first, {SAVES_PER_INTERVAL}x a save to durable "
+        "in steps, so that saves never queue)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     parser.add_argument(
@@ -623,7 +648,7 @@ def _checked_bench_args(args: argparse.Namespace) -> list[str]:
         raise ConfigError("--strategies names no strategy")
     for name in names:
         get_strategy(name)  # unknown: the one-line error that lists them
-    check_run_args(args.steps, args.every)
+    check_interval_args(args.steps, args.every)
     check_count(args.repeats, "--repeats")
     if args.threads is not None:
         check_count(args.threads, "--threads")

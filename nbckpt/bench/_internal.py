@@ -4,6 +4,7 @@ benchmarks and tests: command-line options, result texts, strategy lookup. Not p
 The one private module of the bench another layer may import (``tests/test_layout.py``).
 """
 
+from ._auto_interval import DEFAULT_STEPS, choose_interval
 from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, add_bench_arguments, run_bench_from_args
 from ._comparison import _json_value as json_value
 from ._load import machine_load
@@ -18,6 +19,7 @@ from ._workloads import PRESETS
 
 __all__ = [
     "DEFAULT_REPEATS",
+    "DEFAULT_STEPS",
     "DEFAULT_STRATEGIES",
     "PRESETS",
     "RESULT_COLUMNS",
@@ -26,6 +28,7 @@ __all__ = [
     "RankWorkload",
     "add_bench_arguments",
     "arm_slow",
+    "choose_interval",
     "drag_text",
     "get_strategy",
     "in_torchrun",

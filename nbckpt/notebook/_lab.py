@@ -1,6 +1,6 @@
 """The checkpoint lab: pick a target, a workload and strategies, run them, watch the timeline grow.
 
-    >>> lab = Lab(directory="data/checkpoints/lab", preset="tiny", steps=20, every=5)
+    >>> lab = Lab(directory="data/checkpoints/lab", preset="tiny")  # steps and every: measured
     >>> lab                       # in a notebook: the controls, a live timeline, the results
     >>> lab.run(); lab.wait()     # or click Run; lab.comparison holds the Comparison
 
@@ -128,8 +128,8 @@ class Lab:
         *,
         preset: str = "tiny",
         strategies: Sequence[str] = ("torch-save", "nbckpt-async"),
-        steps: int = 20,
-        every: int = 5,
+        steps: int | None = None,
+        every: int | None = None,
         device: str = "cpu",
         size_mb: float = 64.0,
         repeats: int | None = None,
@@ -139,7 +139,10 @@ class Lab:
         json_path: str | None = None,
     ) -> None:
         """``repeats`` defaults to :data:`nbckpt.bench.DEFAULT_REPEATS`; ``compute_ms``
-        (synthetic workload), ``warmup`` and ``json_path`` are ``nbckpt bench``'s options."""
+        (synthetic workload), ``warmup`` and ``json_path`` are ``nbckpt bench``'s options.
+        ``every`` None (0 in its field): each run first times a few steps and a save to the
+        target and checkpoints often enough, and no more, that a save never waits for the one
+        before, as in a training job; ``steps`` None (0): a few such intervals."""
         from ..bench._internal import DEFAULT_REPEATS, PRESETS, STRATEGIES
 
         _make_live(None)  # first: a bad argument below must not leave the old run going unseen
@@ -164,6 +167,7 @@ class Lab:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._interrupt_noted = False  # set by the SIGINT handler; the updater acts on it
+        self._runs = 1  # runs in the current comparison: the progress bar's steps are these x steps
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._displays: list[Any] = []  # IPython DisplayHandles of the outputs showing it
 
@@ -190,8 +194,15 @@ class Lab:
             tooltip="Ctrl- or Shift-click for several; none, the baseline, always runs",
             **named,
         )
-        self.steps = widgets.IntText(steps, description="steps", **named)
-        self.every = widgets.IntText(every, description="every", tooltip="checkpoint every K steps", **named)
+        self.steps = widgets.IntText(
+            steps or 0, description="steps", tooltip="training steps per run; 0: a few intervals", **named
+        )
+        self.every = widgets.IntText(
+            every or 0,
+            description="every",
+            tooltip="checkpoint every K steps; 0: measured first, so that saves never queue",
+            **named,
+        )
         self.repeats = widgets.IntText(
             DEFAULT_REPEATS if repeats is None else repeats,
             description="repeats",
@@ -308,10 +319,16 @@ class Lab:
         self._redraw(None, _LIVE_TITLE)
         self.results.value = ""
         runs = (len(names) + ("none" not in names)) * settings["repeats"]
-        self.progress.value, self.progress.bar_style, self.progress.max = 0, "", settings["steps"] * runs
+        self._runs = runs
+        self.progress.value, self.progress.bar_style, self.progress.max = (
+            0,
+            "",
+            (settings["steps"] or 1) * runs,
+        )
         baseline = "" if "none" in names else " and none (the baseline)"
+        first = " (first, a step and a save are timed for the interval)" if settings["every"] is None else ""
         self.message.value = notice(
-            "info", f"Running {', '.join(names)}{baseline}: {settings['repeats']} repeat(s) ..."
+            "info", f"Running {', '.join(names)}{baseline}: {settings['repeats']} repeat(s){first} ..."
         )
         route_interrupts(self._note_interrupt)  # Kernel > Interrupt stops it, as Stop does
         self._stop.clear()
@@ -373,8 +390,15 @@ class Lab:
     def _read_settings(self) -> dict[str, Any]:
         """The run's arguments, read from the controls once (the worker never reads a widget)."""
         check_target(self.path.value)
-        steps = check_count(self.steps.value, "steps")
-        every = check_count(self.every.value, "checkpoint interval (every)", maximum=steps)
+        from ..bench._internal import DEFAULT_STEPS
+
+        # 0: measured first (the fields' defaults); anything else must make a run that saves
+        steps = None if self.steps.value == 0 else check_count(self.steps.value, "steps")
+        every = (
+            None
+            if self.every.value == 0
+            else check_count(self.every.value, "checkpoint interval (every)", maximum=steps or DEFAULT_STEPS)
+        )
         repeats = check_count(self.repeats.value, "repeats")
         if not self.strategies.value:
             raise ConfigError("select at least one strategy")
@@ -425,9 +449,16 @@ class Lab:
 
     def _work(self, settings: dict[str, Any]) -> None:
         from ..bench import compare, make_workload
+        from ..bench._internal import choose_interval
 
         try:
             workload = make_workload(*settings.pop("workload"), compute_ms=self.compute_ms)
+            if settings["every"] is None:  # measured here, so that progress knows the steps
+                workload.build()
+                interval = choose_interval(workload, settings["directory"], steps=settings["steps"])
+                settings.update(steps=interval.steps, every=interval.every)
+                self._post("log", interval.describe())
+                self._post("steps", interval.steps)
             comparison = compare(
                 workload,
                 **settings,
@@ -476,6 +507,8 @@ class Lab:
 
     def _apply(self, batch: list[tuple[str, Any]]) -> None:
         """Show a batch of updates (a run's events all come before its end)."""
+        for steps in (item for kind, item in batch if kind == "steps"):  # measured: before its events
+            self.progress.max = steps * self._runs
         if events := [item for kind, item in batch if kind == "event"]:
             self._origin = min(event.start_ns for event in events) if self._origin is None else self._origin
             extend_timeline(self.figure, events_frame(events, self._origin), by_rank=False)
@@ -484,6 +517,7 @@ class Lab:
         for kind, item in batch:
             if kind == "log":
                 self.log_lines.append(item if item.endswith("\n") else item + "\n")
+
             elif kind == "done":
                 self._show_comparison(item)
             elif kind == "error":

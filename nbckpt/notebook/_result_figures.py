@@ -21,6 +21,9 @@ from ._plotting import output, require_columns, strategy_colour
 
 __all__ = ["interval_figure", "overhead_figure", "probe_figure", "projection_figure", "stall_figure"]
 
+#: Bar labels are never shrunk below this (plotly's default shrinks one to fit its bar).
+_READABLE = {"minsize": 10, "mode": "show"}
+
 
 def stall_figure(
     results_df: pd.DataFrame,
@@ -107,27 +110,35 @@ def stall_figure(
     )
     if reference == "dcp-sync":
         # Only PyTorch/IBM's 7B figure compares a synchronous DCP save with an asynchronous one:
-        # Pure Storage gives no setup and ByteCheckpoint compares against other systems.
+        # Pure Storage gives no setup and ByteCheckpoint compares against other systems. Its
+        # words go in the legend: written beside the line they ran over the bars' labels.
         values = (published or load_published())["anchors"]["pytorch_ibm_7b"]["values"]
-        factor = values["reduction_factor"]["value"]
-        fig.add_hline(
-            y=float(factor),
+        factor = float(values["reduction_factor"]["value"])
+        fig.add_trace(
+            go.Scatter(
+                name=(
+                    f"published: PyTorch/IBM, 7B on GPUs, sync DCP {values['sync_downtime']['value']} s"
+                    f"<br>→ async DCP {values['async_downtime']['value']} s ({factor}x)"
+                ),
+                x=strategies,
+                y=[factor] * len(strategies),
+                mode="lines",
+                line={"dash": "dash", "color": "#444444", "width": 1.5},
+                hovertemplate=f"published: {factor}x<extra></extra>",
+            ),
             row=1,
             col=2,
-            line={"dash": "dash", "color": "#444444", "width": 1.5},
-            annotation_text=(
-                f"published: PyTorch/IBM, 7B on GPUs, sync DCP "
-                f"{values['sync_downtime']['value']} s → async DCP "
-                f"{values['async_downtime']['value']} s ({factor}x)"
-            ),
-            annotation_position="top left",
-            annotation_font_size=11,
         )
     fig.update_layout(
         title=f"Stall per checkpoint, and reduction against {reference}"
-        + (" beside the published figure that compares the same" if reference == "dcp-sync" else ""),
-        showlegend=parts,
+        + (
+            "<br><sup>beside the published figure that compares the same</sup>"
+            if reference == "dcp-sync"
+            else ""
+        ),
+        showlegend=parts or reference == "dcp-sync",
         barmode="stack",
+        uniformtext=_READABLE,
     )
     if log:
         fig.update_yaxes(type="log")
@@ -139,7 +150,7 @@ def overhead_figure(results_df: pd.DataFrame, *, widget: bool = False) -> go.Fig
     labelled as every table labels it (:func:`nbckpt.bench.overhead_text`), each repeat's
     overhead and what it rests on in the hover; a partial (stopped) row drawn paler."""
     require_columns(results_df, {"strategy", "overhead_pct", "overhead_ci_pct"}, "overhead_figure")
-    from ..bench._internal import overhead_text, per_repeat_text
+    from ..bench._internal import measurable, overhead_text, per_repeat_text
 
     rows = results_df[(results_df["strategy"] != "none") & results_df["overhead_pct"].notna()]
     records = rows.to_dict(orient="records")
@@ -152,13 +163,12 @@ def overhead_figure(results_df: pd.DataFrame, *, widget: bool = False) -> go.Fig
         f"{per_repeat_text(r)}; rests on {r.get('overhead_basis', '-')}"
         for name, text, (lo, hi), r in zip(names, texts, intervals, records, strict=True)
     ]
+    unmeasured = [not measurable(r.get("overhead_ci_pct")) for r in records]
     fig = go.Figure(
         go.Bar(
             name="overhead",
             x=names,
             y=points,
-            text=texts,
-            textposition="outside",
             showlegend=False,
             error_y={
                 "type": "data",
@@ -167,13 +177,35 @@ def overhead_figure(results_df: pd.DataFrame, *, widget: bool = False) -> go.Fig
             },
             marker_color=[strategy_colour(name) for name in names],
             marker_opacity=[0.4 if r.get("partial", False) else 1.0 for r in records],
+            marker_pattern_shape=["/" if no else "" for no in unmeasured],
             hovertext=hover,
             hovertemplate="%{hovertext}<extra></extra>",
         )
     )
+    # The estimate above each whisker, never on it: as bar text outside, a table's long words
+    # ("no measurable difference") were shrunk to fit the bar and ran into the whisker.
+    fig.add_trace(
+        go.Scatter(
+            name="estimate",
+            x=names,
+            y=[max(hi, p, 0.0) for p, (_, hi) in zip(points, intervals, strict=True)],
+            text=[f"{p:+.1f} %" for p in points],
+            mode="text",
+            textposition="top center",
+            textfont={"size": 12},
+            cliponaxis=False,
+            showlegend=False,
+            hoverinfo="skip",
+        )
+    )
     fig.add_hline(y=0.0, line={"color": "#444444", "width": 1})
     fig.update_layout(
-        title="Overhead against training without checkpoints: ratio to the baseline beside it, 95 % interval",
+        title="Overhead against training without checkpoints: ratio to the baseline beside it, 95 % interval"
+        + (
+            "<br><sup>hatched: the interval contains 0 (what that means: the table)</sup>"
+            if any(unmeasured)
+            else ""
+        ),
         # Two short lines and room for them: in one line the title was longer than the axis
         # and plotly cut it at both ends.
         yaxis={
@@ -210,7 +242,8 @@ def interval_figure(advice_df: pd.DataFrame, *, widget: bool = False) -> go.Figu
         colour = strategy_colour(name)
         fig.add_trace(
             go.Scatter(
-                name=name,
+                # the advised values in the legend: as text by the markers, close ones overlapped
+                name=f"{name}: every {row['interval_s']:.0f} s, {row['waste_pct']:.2f}% lost",
                 x=points["interval_s"].tolist(),
                 y=points["waste_pct"].tolist(),
                 mode="lines",
@@ -224,10 +257,8 @@ def interval_figure(advice_df: pd.DataFrame, *, widget: bool = False) -> go.Figu
                 name=f"{name} advised",
                 x=[row["interval_s"]],
                 y=[row["waste_pct"]],
-                mode="markers+text",
+                mode="markers",
                 marker={"color": colour, "size": 11, "symbol": "diamond"},
-                text=[f"{row['interval_s']:.0f} s, {row['waste_pct']:.2f}%"],
-                textposition="top center",
                 legendgroup=name,
                 showlegend=False,
                 hovertemplate=(
@@ -243,8 +274,8 @@ def interval_figure(advice_df: pd.DataFrame, *, widget: bool = False) -> go.Figu
     attrs = advice_df.attrs
     if {"gpus", "mtbf_hours", "restore_s"} <= set(attrs):
         title += (
-            f" (assumed: {attrs['gpus']} GPUs, node MTBF {float(attrs['mtbf_hours']):g} h, "
-            f"restore {float(attrs['restore_s']):g} s)"
+            f"<br><sup>assumed: {attrs['gpus']} GPUs, node MTBF {float(attrs['mtbf_hours']):g} h, "
+            f"restore {float(attrs['restore_s']):g} s</sup>"
         )
     fig.update_layout(
         title=title,

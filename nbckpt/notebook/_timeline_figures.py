@@ -148,6 +148,15 @@ def _timeline_bar(kind: str, values: Mapping[str, list[Any]]) -> go.Bar:
     )
 
 
+#: The legend of the timeline and throughput figures: right of the plot, outside it.
+_SIDE_LEGEND = {"title_text": "event", "x": 1.02, "xanchor": "left", "y": 1.0, "yanchor": "top"}
+
+
+def _origin(timeline_df: pd.DataFrame) -> str:
+    """What time 0 is: a comparison's timeline has its repeats; a Checkpointer's has no strategies."""
+    return "the strategy's run started" if "repeat" in timeline_df.columns else "the timeline began"
+
+
 def _timeline_height(lanes: int) -> int:
     return 140 + 30 * max(lanes, 2)
 
@@ -164,8 +173,8 @@ def timeline_figure(
     "background" lane (staging, persistence, fsync, commit). ``repeat`` picks one repeat of a
     ``Comparison.timeline`` (default: each strategy's last); ``origin`` says what time 0 is
     (default: the strategy's run for a comparison's timeline, else the timeline's start)."""
-    if origin is None:  # a comparison's timeline has its repeats; a Checkpointer's has no strategies
-        origin = "the strategy's run started" if "repeat" in timeline_df.columns else "the timeline began"
+    if origin is None:
+        origin = _origin(timeline_df)
     data = timeline_traces(select_repeat(timeline_df, repeat), by_rank=by_rank)
     fig = go.Figure([_timeline_bar(kind, data.kinds[kind]) for kind in _kind_order(data.kinds)])
     fig.update_layout(
@@ -179,15 +188,9 @@ def timeline_figure(
             "categoryarray": data.lanes,
             "autorange": "reversed",
         },
-        legend={
-            "title_text": "event",
-            "orientation": "h",
-            "yanchor": "bottom",
-            "y": 1.0,
-            "xanchor": "right",
-            "x": 1.0,
-        },
-        margin={"t": 90},
+        # right of the lanes, one kind a line: a horizontal legend above them wrapped into the
+        # title once a run had more kinds than the width held
+        legend=_SIDE_LEGEND,
     )
     return output(fig, widget)
 
@@ -262,9 +265,10 @@ def throughput_figure(
                 )
             )
     fig.update_layout(
-        title="Training throughput per step (x: the step after a checkpoint); the none baseline "
-        "dips only from this machine's own noise",
-        xaxis_title="seconds since the strategy's run started",
+        title="Training throughput per step (x: the step after a checkpoint)<br><sup>the none baseline "
+        "dips only from this machine's own noise</sup>",
+        xaxis_title=f"seconds since {_origin(timeline_df)}",
         yaxis_title="steps per second",
+        legend={**_SIDE_LEGEND, "title_text": "strategy"},
     )
     return output(fig, widget)

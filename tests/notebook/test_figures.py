@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -185,6 +186,36 @@ def test_a_timeline_without_strategies_does_not_speak_of_the_strategys_run() -> 
     assert compared == "seconds since the strategy's run started"
 
 
+def test_the_figures_keep_their_labels_apart_and_readable() -> None:
+    """Issue 29 (minor): report figures with overlapping labels and unreadable bar labels. The
+    timeline's horizontal legend above the lanes wrapped into the title; the published line's
+    words ran over the reduction bars' labels; plotly shrank bar labels to fit their bars."""
+    for fig in (timeline_figure(sync_and_async_timeline()), throughput_figure(sync_and_async_timeline())):
+        legend = fig.layout.legend
+        assert legend.orientation != "h" and legend.x >= 1 and legend.xanchor == "left", legend
+    stall = stall_figure(DCP_RESULTS)
+    assert (stall.layout.uniformtext.minsize, stall.layout.uniformtext.mode) == (10, "show")
+    titles = {"stall per checkpoint (s)", "stall reduction vs dcp-sync (x)"}
+    assert {
+        annotation.text for annotation in stall.layout.annotations
+    } == titles  # nothing else written on it
+    advice = advise(RESULTS, mtbf_hours=24.0, gpus=512)
+    advice.attrs.update(gpus=512, mtbf_hours=24.0, restore_s=120.0)
+    for fig in (
+        stall,
+        overhead_figure(RESULTS.assign(overhead_ci_pct=[[0.0, 0.0], [80.0, 120.0], [-1.0, 9.0]])),
+        interval_figure(advice),
+        timeline_figure(sync_and_async_timeline()),
+        throughput_figure(sync_and_async_timeline()),
+    ):  # a title line longer than the plot is cut at both ends (plotly never wraps it)
+        lines = [re.sub(r"<[^>]+>", "", line) for line in fig.layout.title.text.split("<br>")]
+        assert max(len(line) for line in lines) <= 100, lines
+    timeline = Timeline()
+    timeline.record("step", timeline.origin_ns, step=1)
+    plain = throughput_figure(timeline.to_pandas())
+    assert plain.layout.xaxis.title.text == "seconds since the timeline began"  # no strategies in it
+
+
 def test_extend_timeline_appends_to_a_live_widget() -> None:
     timeline = sync_and_async_timeline()
     fig = timeline_figure(timeline.iloc[:0], widget=True)
@@ -249,14 +280,15 @@ DCP_RESULTS = pd.DataFrame(
 
 def test_stall_figure_compares_with_dcp_sync_beside_the_like_for_like_figure() -> None:
     fig = stall_figure(DCP_RESULTS)
-    stall, reduction = fig.data
+    stall, reduction, _published = fig.data
     assert list(stall.x) == ["torch-save", "dcp-sync", "dcp-async", "nbckpt-async"]
     assert list(stall.error_y.array) == pytest.approx([0.1, 0.1, 0.1, 0.01])
     assert list(reduction.y) == pytest.approx([1.2, 1.0, 3.0, 30.0])  # dcp-sync's 0.6 s / stall
-    assert [shape.y0 for shape in fig.layout.shapes] == [23.6]  # only PyTorch/IBM's compares this
+    published = fig.data[-1]  # only PyTorch/IBM's compares this; its words in the legend
+    assert set(published.y) == {23.6} and published.xaxis == "x2" and published.showlegend is not False
+    assert "sync DCP 148.8 s<br>→ async DCP 6.3 s (23.6x)" in published.name
     texts = " ".join(annotation.text for annotation in fig.layout.annotations)
-    assert "sync DCP 148.8 s → async DCP 6.3 s (23.6x)" in texts
-    assert "10x" not in texts and "54.2" not in texts
+    assert "10x" not in texts and "54.2" not in texts and "published" not in texts
     assert "vs dcp-sync" in texts
 
 
@@ -286,9 +318,11 @@ def test_stall_figure_uses_given_published_figures() -> None:
     published = load_published()
     published["anchors"]["pytorch_ibm_7b"]["values"]["reduction_factor"]["value"] = 30.0
     fig = stall_figure(DCP_RESULTS, published=published)
-    assert [shape.y0 for shape in fig.layout.shapes] == [30.0]
-    texts = [annotation.text for annotation in fig.layout.annotations]
-    assert "published: PyTorch/IBM, 7B on GPUs, sync DCP 148.8 s → async DCP 6.3 s (30.0x)" in texts
+    assert set(fig.data[-1].y) == {30.0}
+    assert (
+        fig.data[-1].name
+        == "published: PyTorch/IBM, 7B on GPUs, sync DCP 148.8 s<br>→ async DCP 6.3 s (30.0x)"
+    )
 
 
 def test_overhead_figure_labels_every_bar_as_the_tables_do() -> None:
@@ -308,12 +342,19 @@ def test_overhead_figure_labels_every_bar_as_the_tables_do() -> None:
         }
     )
     fig = overhead_figure(results)
-    [bars] = fig.data
+    bars, labels = fig.data
     assert list(bars.x) == ["torch-save", "nbckpt-async", "stopped"]  # the baseline left out
     assert list(bars.error_y.array) == pytest.approx([15.0, 3.0, 4.0])
     assert list(bars.error_y.arrayminus) == pytest.approx([10.0, 3.0, 4.0])
-    # the estimate always; the words only beside an interval that contains 0
-    assert list(bars.text) == ["+30.0 %", "+2.0 % (no measurable difference)", "+5.0 %"]
+    # issue 29: the estimate above each whisker, short (the table's long words, as bar text
+    # outside, were shrunk to fit the bar and ran into the whisker); an interval containing 0
+    # hatched, its words in the hover as the table writes them
+    assert bars.text is None and labels.mode == "text" and labels.textposition == "top center"
+    assert list(labels.text) == ["+30.0 %", "+2.0 %", "+5.0 %"] and list(labels.x) == list(bars.x)
+    assert list(labels.y) == pytest.approx([45.0, 5.0, 9.0])  # the whiskers' tops
+    assert list(bars.marker.pattern.shape) == ["", "/", ""]
+    assert "hatched: the interval contains 0" in fig.layout.title.text
+    assert "+2.0 % (no measurable difference), 95 % interval" in bars.hovertext[1]
     assert "per repeat +25.0, +30.0, +35.0 %" in bars.hovertext[0]
     assert "rests on 1 repeat, 2 cycles (widened), stopped" in bars.hovertext[2]
     assert list(bars.marker.opacity) == [1.0, 1.0, 0.4]  # the stopped row drawn paler
@@ -335,11 +376,17 @@ def test_interval_figure_marks_advised_interval() -> None:
     advice = advise(RESULTS, mtbf_hours=24.0, gpus=512)
     fig = interval_figure(advice)
     traces = traces_by_name(fig)
-    assert list(traces) == ["torch-save", "torch-save advised", "nbckpt-async", "nbckpt-async advised"]
+    first, second = advice.to_dict("records")
+    names = [
+        f"{r['strategy']}: every {r['interval_s']:.0f} s, {r['waste_pct']:.2f}% lost" for r in (first, second)
+    ]
+    assert list(traces) == [names[0], "torch-save advised", names[1], "nbckpt-async advised"]
+    # issue 29: the advised values in the legend, none as text beside markers that may overlap
+    assert not any("text" in (trace.mode or "") for trace in fig.data)
     marker = traces["torch-save advised"]
     assert list(marker.x) == [advice["interval_s"].iloc[0]]
     assert list(marker.y) == [advice["waste_pct"].iloc[0]]
-    curve = traces["torch-save"]
+    curve = traces[names[0]]
     # Daly's interval sits at (not exactly on, it is higher order) the minimum of the curve
     assert len(curve.x) == 120 and min(curve.y) >= 0.99 * marker.y[0]
     assert fig.layout.xaxis.type == "log"

@@ -122,9 +122,8 @@ def test_run_from_two_threads_at_once_starts_one_run(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"steps": 0}, "steps must be a positive integer, not 0"),
         ({"steps": -3}, "steps must be a positive integer, not -3"),
-        ({"every": 0}, "checkpoint interval (every) must be an integer from 1 to 30, not 0"),
+        ({"every": -1}, "checkpoint interval (every) must be an integer from 1 to 30, not -1"),
         ({"every": 31}, "checkpoint interval (every) must be an integer from 1 to 30, not 31"),
         ({"repeats": 0}, "repeats must be a positive integer, not 0"),
         ({"strategies": ()}, "select at least one strategy"),
@@ -189,6 +188,28 @@ def test_from_args_and_display(tmp_path: Path) -> None:
     assert lab.size_mb.disabled
 
 
+def test_defaults_measure_the_interval_so_saves_do_not_queue(tmp_path: Path) -> None:
+    """Issue 29 defect 7: the lab's defaults (and %ckpt_bench's, whose options are nbckpt bench's)
+    checkpointed every 5 steps of a few ms, faster than a save persists; now a probe of a step and
+    a save picks the interval, the log says it, and the progress bar counts the steps it chose."""
+    from nbckpt import cli
+
+    from_magic = Lab.from_args(
+        cli.build_parser().parse_args(["bench", "-d", str(tmp_path / "m"), "--size-mb", "2"])
+    )
+    assert (from_magic.steps.value, from_magic.every.value) == (0, 0)  # 0: measured
+    from_magic.close()
+    lab = make_lab(tmp_path / "lab", steps=None, every=None, strategies=("nbckpt-async",), compute_ms=1.0)
+    assert (lab.steps.value, lab.every.value) == (0, 0)
+    assert lab.run() and "a step and a save are timed for the interval" in lab.message.value
+    assert lab.wait(120) and lab.error is None and lab.comparison is not None
+    said = [line for line in lab.log_lines if line.startswith("checkpoint every ")]
+    assert len(said) == 1 and said[0].startswith(f"checkpoint every {lab.comparison.every} steps, measured")
+    assert lab.comparison.steps == 4 * lab.comparison.every
+    assert lab.progress.max == lab.progress.value == 2 * lab.comparison.steps  # none and nbckpt-async
+    assert (lab.steps.value, lab.every.value) == (0, 0)  # the next run measures again
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [
@@ -234,7 +255,7 @@ def test_a_new_lab_stops_and_closes_the_previous_one(
 
 def test_each_run_starts_clean_and_none_is_added(tmp_path: Path) -> None:
     lab = make_lab(tmp_path / "lab", strategies=("nbckpt-async",), steps=10, every=5)
-    lab.every.value = 0
+    lab.every.value = -1
     assert not lab.run() and "nbckpt-error" in lab.message.value
     lab.every.value = 5
     assert lab.run()

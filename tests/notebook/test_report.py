@@ -178,6 +178,39 @@ def _check_results_json(report: Path) -> None:
     assert any(f"{stall_ms:.1f} ms" in line for line in results["conclusions"])
     assert results["parameters"]["steps"] == 4
     assert not (report.parent / "results.json.partial").exists()
+    _check_decision(results, report.read_text())
+
+
+def _check_decision(results: dict[str, Any], html_text: str) -> None:
+    """Issue 29: the report ends in a decision, and each comparison it states is one the overhead
+    intervals of its own table show (the advisor once said 'loses 45.3 GPU-hours a day more'
+    against overlapping intervals)."""
+    decision = results["decision"]
+    rows = {row["strategy"]: row for row in results["comparison"]["results"]}
+    assert decision["strategy"] in ("nbckpt-sync", "nbckpt-async", "nbckpt-async-overlap")
+    low, high = rows[decision["strategy"]]["overhead_ci_pct"]
+    assert set(decision["versus"]) == set(rows) - {"none", decision["strategy"]}
+    for other, said in decision["versus"].items():
+        other_low, other_high = rows[other]["overhead_ci_pct"]
+        shown = (
+            "measurably less"
+            if high < other_low
+            else "measurably more"
+            if low > other_high
+            else "no measurable difference"
+        )
+        assert said == shown, (other, said, shown)
+    least = min((n for n in rows if n.startswith("nbckpt-")), key=lambda n: float(rows[n]["overhead_pct"]))
+    if decision["strategy"] != least:  # kept only where the table cannot tell it from the least
+        assert not low > rows[least]["overhead_ci_pct"][1]
+    advised = {row["strategy"]: row for row in results["advice"]}[decision["strategy"]]
+    assert decision["interval_s"] == advised["interval_s"]
+    assert decision["every_steps"] >= decision["apart_steps"] >= 1
+    assert decision["host_bytes"] == (results["comparison"]["bytes"] if decision["mode"] == "async" else 0)
+    code = decision["code"]
+    assert f'mode="{decision["mode"]}"' in code and "ckpt.due()" in code and "SaveSchedule(" in code
+    shown = html.unescape(re.sub(r"<[^>]+>", "", html_text))  # the code is highlighted, span by span
+    assert "Your decision" in shown and all(line in shown for line in code.splitlines())
 
 
 def test_parse_value() -> None:
@@ -334,3 +367,11 @@ def test_the_report_notebook_run_with_its_defaults_writes_no_results_json(tmp_pa
     assert sorted(p.name for p in notebooks.iterdir()) == ["report.ipynb"]
     shown = (tmp_path / "executed.ipynb").read_text()
     assert "no `results.json` written" in shown
+
+
+def test_the_report_ends_in_its_decision() -> None:
+    """Issue 29: the report's last section is "Your decision", and it computes it (a code cell)."""
+    cells = nbformat.read(str(REPORT_NOTEBOOK), as_version=4).cells
+    headings = [i for i, c in enumerate(cells) if c.cell_type == "markdown" and c.source.startswith("## ")]
+    assert cells[headings[-1]].source.startswith("## Your decision")
+    assert any("decide(" in c.source for c in cells[headings[-1] :] if c.cell_type == "code")
