@@ -523,10 +523,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench_from_args(
-    args: argparse.Namespace, progress: Progress | None = None, *, ranks: Coordination | None = None
+    args: argparse.Namespace,
+    progress: Progress | None = None,
+    *,
+    ranks: Coordination | None = None,
+    on_event: EventCallback | None = None,
 ) -> Comparison:
     """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too);
-    ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_on_ranks`)."""
+    ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_on_ranks`); ``on_event``
+    gets every event (``nbckpt bench --events``)."""
     if args.preset is not None and args.size_mb is not None:
         raise ConfigError("give --preset or --size-mb, not both")
     names = [name.strip() for name in args.strategies.split(",") if name.strip()]
@@ -565,6 +570,7 @@ def run_bench_from_args(
             # nbckpt bench's own option (the live lab of %ckpt_bench removes them all)
             keep=getattr(args, "keep", False),
             ranks=ranks,
+            on_event=on_event,
         )
     except BaseException:
         if created:
