@@ -45,7 +45,16 @@ from ..engine import Event
 from ._compare import ComparisonInterrupted
 from ._comparison import Comparison
 
-__all__ = ["EVENT_KEY", "TERMINATE_S", "EventWriter", "RankLaunch", "decode", "run_local_ranks"]
+__all__ = [
+    "EVENT_KEY",
+    "TERMINATE_S",
+    "EventWriter",
+    "RankLaunch",
+    "decode",
+    "failure_line",
+    "last_line",
+    "run_local_ranks",
+]
 
 #: How long torchrun has to end its ranks after SIGTERM before every process left is killed.
 TERMINATE_S = 20.0
@@ -136,6 +145,39 @@ def _signal_text(code: int) -> str:
     return ""
 
 
+def last_line(log_dir: str, local_rank: int) -> str:
+    """The last line local rank ``local_rank`` wrote on stderr: torchrun's log of it (``--tee 2
+    --log-dir log_dir``), ``""`` when it wrote none."""
+    pattern = os.path.join(glob.escape(log_dir), "*", "attempt_*", str(local_rank), "stderr.log")
+    logs = glob.glob(pattern)
+    if not logs:
+        return ""
+    with open(max(logs, key=os.path.getmtime), encoding="utf-8", errors="replace") as file:
+        lines = [line.strip() for line in file if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def failure_line(size: int, code: int, tail: str, log_dir: str) -> str:
+    """One line for a torchrun of ``size`` ranks that exited with ``code``: which rank died, how,
+    and its last line on stderr (from torchrun's root cause, ``tail`` its last stderr lines);
+    else torchrun's own last line."""
+    root = tail[tail.rfind("Root Cause") :] if "Root Cause" in tail else ""
+    rank, exit_code = _ROOT_RANK.search(root), _ROOT_EXIT.search(root)
+    if rank is None:
+        last = [line for line in tail.splitlines() if line.strip()]
+        return (
+            f"torchrun with {size} ranks exited with code {code}"
+            f"{_signal_text(code)}: {last[-1].strip() if last else 'no output'}"
+        )
+    how = ""
+    if exit_code is not None:
+        number = int(exit_code.group(1))
+        how = f" (exit code {number}{_signal_text(number)})"
+    said = last_line(log_dir, int(rank.group(2) or rank.group(1)))
+    words = f"its last line on stderr: {said}" if said else "nothing on stderr"
+    return f"rank {rank.group(1)} of {size} died{how}, {words}; torchrun ended the other ranks"
+
+
 class RankLaunch:
     """``nbckpt bench`` on ``size`` local ranks under torchrun, started at once; read it with
     :meth:`stream` (stderr) and, with ``events``, :meth:`read_events` (stdout), end it with
@@ -165,14 +207,18 @@ class RankLaunch:
         ]
         # Without events, rank 0's table: the caller prints its own.
         self._out: IO[str] | None = None if events else tempfile.TemporaryFile("w+")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE if events else self._out,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            env={**os.environ},
-        )
+        try:
+            self.proc = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE if events else self._out,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+                env={**os.environ},
+            )
+        except BaseException:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            raise
         self.seen: dict[int, psutil.Process] = {}
         self.tail: deque[str] = deque(maxlen=200)
         self.stopped = False  # by terminate(): its end is no failure
@@ -239,35 +285,9 @@ class RankLaunch:
         shutil.rmtree(self.log_dir, ignore_errors=True)
         _running.discard(self)
 
-    def last_line(self, local_rank: int) -> str:
-        """The last line local rank ``local_rank`` wrote on stderr (torchrun's log of it)."""
-        pattern = os.path.join(glob.escape(self.log_dir), "*", "attempt_*", str(local_rank), "stderr.log")
-        logs = glob.glob(pattern)
-        if not logs:
-            return ""
-        with open(max(logs, key=os.path.getmtime), encoding="utf-8", errors="replace") as file:
-            lines = [line.strip() for line in file if line.strip()]
-        return lines[-1] if lines else ""
-
     def failure(self, code: int) -> str:
-        """One line: which rank died, how, and its last line on stderr (from torchrun's root
-        cause); else torchrun's own last line."""
-        tail = "".join(self.tail)
-        root = tail[tail.rfind("Root Cause") :] if "Root Cause" in tail else ""
-        rank, exit_code = _ROOT_RANK.search(root), _ROOT_EXIT.search(root)
-        if rank is None:
-            last = [line for line in tail.splitlines() if line.strip()]
-            return (
-                f"torchrun with {self.size} ranks exited with code {code}"
-                f"{_signal_text(code)}: {last[-1].strip() if last else 'no output'}"
-            )
-        how = ""
-        if exit_code is not None:
-            number = int(exit_code.group(1))
-            how = f" (exit code {number}{_signal_text(number)})"
-        said = self.last_line(int(rank.group(2) or rank.group(1)))
-        words = f"its last line on stderr: {said}" if said else "nothing on stderr"
-        return f"rank {rank.group(1)} of {self.size} died{how}, {words}; torchrun ended the other ranks"
+        """One line: which rank died, how, and its last line on stderr."""
+        return failure_line(self.size, code, "".join(self.tail), self.log_dir)
 
 
 @atexit.register

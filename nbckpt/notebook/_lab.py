@@ -197,7 +197,7 @@ class Lab:
         self._redraw(None, _LIVE_TITLE)
         # The stall over ranks, the straggler starred: shown after a run on many ranks.
         self.job_figure = live_figure(go.Figure())
-        self._job_box = widgets.Box([self.job_figure], layout={"display": "none"})
+        self.job_box = widgets.Box([self.job_figure], layout={"display": "none"})
         self.widget = widgets.VBox(
             [
                 self.path,
@@ -221,7 +221,7 @@ class Lab:
                 self.message,
                 self.figure,
                 self.results,
-                self._job_box,
+                self.job_box,
                 self.log,
             ]
         )
@@ -308,7 +308,7 @@ class Lab:
         self._by_rank, self._launch = settings["ranks"] > 1, None
         self._redraw(None, _LIVE_TITLE)
         self.results.value = ""
-        self._job_box.layout.display = "none"
+        self.job_box.layout.display = "none"
         runs = (len(names) + ("none" not in names)) * settings["repeats"]
         self.progress.value, self.progress.bar_style, self.progress.max = 0, "", settings["steps"] * runs
         baseline = "" if "none" in names else " and none (the baseline)"
@@ -549,6 +549,8 @@ class Lab:
         self.results.value = results_html(comparison)
         if on_ranks:
             self._show_job(comparison)
+        else:
+            self.job_box.layout.display = "none"
         done = int(comparison.timeline["kind"].eq("step").sum()) if len(comparison.timeline) else 0
         if self.stopped:
             how = "Interrupted (Kernel > Interrupt)" if self.interrupted else "Stopped"
@@ -575,4 +577,4 @@ class Lab:
         self.job_figure.data = ()
         self.job_figure.add_traces(list(figure.data))
         self.job_figure.layout = figure.layout
-        self._job_box.layout.display = ""
+        self.job_box.layout.display = ""

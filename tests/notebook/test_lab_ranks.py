@@ -18,6 +18,7 @@ import psutil
 import pytest
 from helpers.kernel import RealKernel
 
+from nbckpt import ConfigError
 from nbckpt.notebook._lab import SYNTHETIC, Lab, live_lab
 
 BENCH = (
@@ -169,3 +170,25 @@ def test_a_lab_on_two_ranks_streams_every_rank_and_stop_a_dead_rank_or_a_new_lab
     assert lab.closed and not lab.running and live_lab() is newer
     assert _alive(launched) == []
     newer.close()
+
+
+def test_a_lab_shows_a_run_on_many_ranks_with_a_lane_per_rank_and_the_jobs_figures(tmp_path: Path) -> None:
+    """What a run on ranks ends with, from a torchrun JSON (rank 1 made slow: the straggler)."""
+    from nbckpt.bench import Comparison
+
+    lab = Lab(str(tmp_path / "lab"), ranks=2)
+    assert lab.ranks.value == 2
+    lab.show(Comparison.from_json(Path(__file__).parents[1] / "data" / "bench_job_2ranks.json"))
+    lanes = set(lab.figure.layout.yaxis.categoryarray)
+    assert {"nbckpt-async r0 · train", "nbckpt-async r1 · background", "dcp-sync r1 · train"} <= lanes
+    assert "Job: 2 ranks on 1 host(s)" in lab.results.value and "aggregate write GB/s" in lab.results.value
+    assert "straggler rank 1 on vm" in lab.results.value  # the conclusions under the job's table
+    assert lab.job_box.layout.display == ""
+    symbols = [getattr(trace.marker, "symbol", None) or () for trace in lab.job_figure.data]
+    assert any("star" in symbol for symbol in symbols)  # the straggler
+    assert lab.job_figure.layout.title.text.startswith("Stall per checkpoint on each rank")
+    lab.ranks.value = 0
+    assert not lab.run() and lab.error == "ranks must be a positive integer, not 0"
+    lab.close()
+    with pytest.raises(ConfigError, match="ranks must be a positive integer, not -1"):
+        Lab(str(tmp_path / "lab"), ranks=-1)
