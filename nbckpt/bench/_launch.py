@@ -38,8 +38,9 @@ from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import psutil
+import torch
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, ConfigError
 from .._util import is_url
 from ..engine import Event
 from ._compare import ComparisonInterrupted
@@ -306,17 +307,21 @@ def run_local_ranks(
     on_line: Callable[[str], None],
     on_start: Callable[[RankLaunch], None] | None = None,
     json_path: str | None = None,
+    device: str = "cpu",
 ) -> Comparison:
     """``nbckpt bench`` on ``size`` local ranks (``bench_argv``: its options, ``--dir
     directory`` among them), every rank's events to ``on_event`` and every line on stderr and
     progress line to ``on_line`` as they come; rank 0's comparison, with the job's figures
     (also written to ``json_path`` if given). ``on_start(launch)`` gets the launch to stop it
-    from another thread (:meth:`RankLaunch.terminate`).
+    from another thread (:meth:`RankLaunch.terminate`). With ``device="cuda"`` each rank takes
+    a GPU of its own: more ranks than GPUs is a :class:`ConfigError`, before anything starts.
 
     A rank that dies: :class:`CheckpointError` naming it in one line. Stopped, or Ctrl-C here:
     :class:`~._compare.ComparisonInterrupted`. Either way no process is left and a ``directory``
     the run created is removed, as a one-process run's is.
     """
+    if device == "cuda" and size > (gpus := torch.cuda.device_count()):
+        raise ConfigError(f"{size} ranks on cuda want a GPU each; torch sees {gpus}")
     created = not is_url(directory) and not os.path.exists(directory)
     with tempfile.TemporaryDirectory(prefix="nbckpt-ranks-") as scratch:
         out = json_path if json_path is not None else os.path.join(scratch, "bench.json")

@@ -381,11 +381,6 @@ class Lab:
         every = check_count(self.every.value, "checkpoint interval (every)", maximum=steps)
         repeats = check_count(self.repeats.value, "repeats")
         ranks = check_count(self.ranks.value, "ranks")
-        if ranks > 1 and self.device.value == "cuda":
-            import torch
-
-            if ranks > (gpus := torch.cuda.device_count()):
-                raise ConfigError(f"{ranks} ranks on cuda want a GPU each; torch sees {gpus}")
         if not self.strategies.value:
             raise ConfigError("select at least one strategy")
         synthetic = self.preset.value == SYNTHETIC

@@ -149,4 +149,5 @@ def run_on_ranks(
         on_line=lambda line: post("log", line),
         on_start=on_start,
         json_path=json_path,
+        device=device,
     )

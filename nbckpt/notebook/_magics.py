@@ -407,6 +407,7 @@ def _bench_on_ranks(args: argparse.Namespace) -> Any:
             on_event=lambda event: None,  # the figures come from every rank's events, gathered
             on_line=lambda line: print(line, end="" if line.endswith("\n") else "\n"),
             json_path=args.json,
+            device=args.device,
         )
     except bench.ComparisonInterrupted as exc:
         raise Interrupted(str(exc)) from None

@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers.kernel import RealKernel
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 
 from nbckpt import ConfigError
 from nbckpt.notebook._lab import SYNTHETIC, Lab, live_lab
@@ -192,3 +194,15 @@ def test_a_lab_shows_a_run_on_many_ranks_with_a_lane_per_rank_and_the_jobs_figur
     lab.close()
     with pytest.raises(ConfigError, match="ranks must be a positive integer, not -1"):
         Lab(str(tmp_path / "lab"), ranks=-1)
+
+
+def test_more_ranks_than_gpus_is_one_line_before_anything_starts(
+    ip: InteractiveShell, tmp_path: Path
+) -> None:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    ranks = max(gpus + 1, 2)
+    with pytest.raises(UsageError, match=f"^{ranks} ranks on cuda want a GPU each; torch sees {gpus}$"):
+        ip.run_line_magic("ckpt_bench", f"--ranks {ranks} --device cuda -d {tmp_path / 'b'}")
+    assert _launched(psutil.Process()) == [] and not (tmp_path / "b").exists()
