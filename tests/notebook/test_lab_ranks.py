@@ -177,9 +177,11 @@ def test_a_lab_on_two_ranks_streams_every_rank_and_stop_a_dead_rank_or_a_new_lab
 def test_a_lab_shows_a_run_on_many_ranks_with_a_lane_per_rank_and_the_jobs_figures(tmp_path: Path) -> None:
     """What a run on ranks ends with, from a torchrun JSON (rank 1 made slow: the straggler)."""
     from nbckpt.bench import Comparison
+    from nbckpt.notebook._magic_args import bench_parser
 
-    lab = Lab(str(tmp_path / "lab"), ranks=2)
-    assert lab.ranks.value == 2
+    # What %ckpt_bench --ranks N shows in JupyterLab: a lab with N in its ranks field.
+    lab = Lab.from_args(bench_parser(None).parse_argstring(f"--ranks 2 --size-mb 1 -d {tmp_path / 'lab'}"))
+    assert lab.ranks.value == 2 and lab.preset.value == SYNTHETIC
     lab.show(Comparison.from_json(Path(__file__).parents[1] / "data" / "bench_job_2ranks.json"))
     lanes = set(lab.figure.layout.yaxis.categoryarray)
     assert {"nbckpt-async r0 · train", "nbckpt-async r1 · background", "dcp-sync r1 · train"} <= lanes
