@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 import ipywidgets as widgets
 import pandas as pd
-import plotly.graph_objects as go
 
 from .._errors import ConfigError, NbckptError
 from .._util import check_count
@@ -43,6 +42,8 @@ from ._widget_parts import close_widgets, notice
 
 if TYPE_CHECKING:
     import argparse
+
+    import plotly.graph_objects as go
 
     from ..bench import Comparison
     from ..bench._internal import RankLaunch
@@ -195,9 +196,10 @@ class Lab:
         self.figure._config = {**self.figure._config, "responsive": True}
         self._empty_height = self.figure.layout.height
         self._redraw(None, _LIVE_TITLE)
-        # The stall over ranks, the straggler starred: shown after a run on many ranks.
-        self.job_figure = live_figure(go.Figure())
-        self.job_box = widgets.Box([self.job_figure], layout={"display": "none"})
+        # After a run on many ranks: the stall over ranks, the straggler starred (made then, so
+        # that a lab on one process holds one plotly figure).
+        self.job_figure: go.FigureWidget | None = None
+        self.job_box = widgets.Box()
         self.widget = widgets.VBox(
             [
                 self.path,
@@ -308,7 +310,7 @@ class Lab:
         self._by_rank, self._launch = settings["ranks"] > 1, None
         self._redraw(None, _LIVE_TITLE)
         self.results.value = ""
-        self.job_box.layout.display = "none"
+        self._drop_job_figure()
         runs = (len(names) + ("none" not in names)) * settings["repeats"]
         self.progress.value, self.progress.bar_style, self.progress.max = 0, "", settings["steps"] * runs
         baseline = "" if "none" in names else " and none (the baseline)"
@@ -372,7 +374,7 @@ class Lab:
             for handle in self._displays:  # first: no view of a closed model is ever drawn
                 handle.update(self._closed_bundle(), raw=True)
             self._displays.clear()
-            close_widgets(self.widget, self.figure, self.job_figure)
+            close_widgets(self.widget, self.figure)  # the job's figure is in the widget
 
     def _read_settings(self) -> dict[str, Any]:
         """The run's arguments, read from the controls once (the worker never reads a widget)."""
@@ -542,10 +544,9 @@ class Lab:
             )
         self._redraw(timeline, "Timeline: each strategy's last repeat", by_rank=on_ranks)
         self.results.value = results_html(comparison)
+        self._drop_job_figure()
         if on_ranks:
             self._show_job(comparison)
-        else:
-            self.job_box.layout.display = "none"
         done = int(comparison.timeline["kind"].eq("step").sum()) if len(comparison.timeline) else 0
         if self.stopped:
             how = "Interrupted (Kernel > Interrupt)" if self.interrupted else "Stopped"
@@ -568,8 +569,11 @@ class Lab:
         from ._rank_figures import rank_stall_figure
 
         self.results.value += job_html(comparison)
-        figure = rank_stall_figure(rank_rows(comparison), job_table(comparison))
-        self.job_figure.data = ()
-        self.job_figure.add_traces(list(figure.data))
-        self.job_figure.layout = figure.layout
-        self.job_box.layout.display = ""
+        self.job_figure = live_figure(rank_stall_figure(rank_rows(comparison), job_table(comparison)))
+        self.job_box.children = (self.job_figure,)
+
+    def _drop_job_figure(self) -> None:
+        if self.job_figure is not None:
+            self.job_box.children = ()
+            close_widgets(self.job_figure)
+            self.job_figure = None
