@@ -221,6 +221,7 @@ class RankLaunch:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             raise
         self.seen: dict[int, psutil.Process] = {}
+        self._seen_lock = threading.Lock()  # noted from the readers, Stop's thread and end()
         self.tail: deque[str] = deque(maxlen=200)
         self.stopped = False  # by terminate(): its end is no failure
         self._noted_at = 0.0
@@ -230,8 +231,10 @@ class RankLaunch:
         """Note every process under torchrun now (they are orphaned if torchrun dies first)."""
         self._noted_at = time.monotonic()
         with contextlib.suppress(psutil.NoSuchProcess):
-            for child in psutil.Process(self.proc.pid).children(recursive=True):
-                self.seen.setdefault(child.pid, child)
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+            with self._seen_lock:
+                for child in children:
+                    self.seen.setdefault(child.pid, child)
 
     def stream(self, on_line: Callable[[str], None]) -> int:
         """Every line torchrun and its ranks print on stderr, to ``on_line`` as it comes, until
@@ -275,7 +278,9 @@ class RankLaunch:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        left = [child for child in self.seen.values() if child.is_running()]
+        with self._seen_lock:
+            noted = list(self.seen.values())
+        left = [child for child in noted if child.is_running()]
         for child in left:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()  # psutil checks it is still the same process (no reused pid)
