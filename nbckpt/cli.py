@@ -52,6 +52,13 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
         "OUT holds every size, each size's own beside it as OUT.ranks-N.json "
         "(default: the ranks this process was started with)",
     )
+    parser.add_argument(
+        "--events",
+        action="store_true",
+        help="stream every event and progress line as JSON lines on stdout, everything "
+        "else printed going to stderr (what %%ckpt_bench --ranks N reads from each rank; "
+        "default: no stream)",
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -63,14 +70,19 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_sweep(args, progress)
     if args.fsdp and not bench.in_torchrun():
         raise ConfigError("--fsdp shards the model over the ranks of torchrun; run under torchrun")
+    on_event = None
+    if args.events:  # stdout is the events' from here on; progress goes there too
+        writer = bench.EventWriter.on_stdout()
+        progress, on_event = (None if args.quiet else writer.line), writer.event
     if bench.in_torchrun():  # one rank of many: rank 0 alone prints and writes the results
-        ranked = bench.run_bench_on_ranks(args, progress)
+        ranked = bench.run_bench_on_ranks(args, progress, on_event)
         if ranked is None:
             return 0
         comparison = ranked
     else:
-        comparison = bench.run_bench_from_args(args, progress)
-    print(comparison.table())
+        comparison = bench.run_bench_from_args(args, progress, on_event=on_event)
+    if not args.events:  # with --events, the reader of the stream shows the results
+        print(comparison.table())
     if args.json is not None:
         comparison.to_json(args.json)
         print(f"results written to {args.json}")

@@ -662,10 +662,15 @@ def _checked_bench_args(args: argparse.Namespace) -> list[str]:
 
 
 def run_bench_from_args(
-    args: argparse.Namespace, progress: Progress | None = None, *, ranks: Coordination | None = None
+    args: argparse.Namespace,
+    progress: Progress | None = None,
+    *,
+    ranks: Coordination | None = None,
+    on_event: EventCallback | None = None,
 ) -> Comparison:
     """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too);
-    ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_on_ranks`)."""
+    ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_on_ranks`); ``on_event``
+    gets every event (``nbckpt bench --events``)."""
     names = _checked_bench_args(args)
     workload = make_workload(args.preset, args.size_mb, args.device, compute_ms=args.compute_ms)
     if ranks is not None:
@@ -688,6 +693,7 @@ def run_bench_from_args(
             # nbckpt bench's own option (the live lab of %ckpt_bench removes them all)
             keep=getattr(args, "keep", False),
             ranks=ranks,
+            on_event=on_event,
         )
     except BaseException:
         if created:

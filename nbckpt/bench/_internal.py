@@ -5,8 +5,15 @@ The one private module of the bench another layer may import (``tests/test_layou
 """
 
 from ._auto_interval import DEFAULT_STEPS, choose_interval
-from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, add_bench_arguments, run_bench_from_args
+from ._compare import (
+    DEFAULT_REPEATS,
+    DEFAULT_STRATEGIES,
+    ComparisonInterrupted,
+    add_bench_arguments,
+    run_bench_from_args,
+)
 from ._comparison import _json_value as json_value
+from ._launch import EventWriter, RankLaunch, run_local_ranks
 from ._load import machine_load
 from ._rank_workload import RankWorkload, state_digests
 from ._ranks import arm_slow, in_torchrun, run_bench_on_ranks
@@ -14,7 +21,7 @@ from ._result import RESULT_COLUMNS, STALL_NAMES
 from ._stats import drag_text, interval_text, measurable, overhead_text, per_repeat_text, t_interval
 from ._strategies import STRATEGIES, get_strategy
 from ._strategy import plain_state, tensor_bytes
-from ._sweep import run_sweep, scaling_table
+from ._sweep import passthrough, run_sweep, scaling_table
 from ._workloads import PRESETS
 
 __all__ = [
@@ -25,6 +32,9 @@ __all__ = [
     "RESULT_COLUMNS",
     "STALL_NAMES",
     "STRATEGIES",
+    "ComparisonInterrupted",
+    "EventWriter",
+    "RankLaunch",
     "RankWorkload",
     "add_bench_arguments",
     "arm_slow",
@@ -37,10 +47,12 @@ __all__ = [
     "machine_load",
     "measurable",
     "overhead_text",
+    "passthrough",
     "per_repeat_text",
     "plain_state",
     "run_bench_from_args",
     "run_bench_on_ranks",
+    "run_local_ranks",
     "run_sweep",
     "scaling_table",
     "state_digests",

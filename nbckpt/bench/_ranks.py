@@ -24,10 +24,13 @@ import glob
 import math
 import os
 import shutil
+import signal
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 import pandas as pd
@@ -454,14 +457,25 @@ def _rate(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / GB if seconds > 0 else math.nan
 
 
-def run_bench_on_ranks(args: argparse.Namespace, progress: Progress | None = None) -> Comparison | None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_bench_on_ranks(
+    args: argparse.Namespace, progress: Progress | None = None, on_event: EventCallback | None = None
+) -> Comparison | None:
     """``nbckpt bench`` under torchrun: this rank's part of the bench on many ranks. Returns the
     comparison with the job's figures on rank 0, None on every other rank (rank 0 alone prints
-    and writes results)."""
+    and writes results). ``on_event`` gets every event of this rank.
+
+    torchrun ends its ranks with SIGTERM (a rank that died, the sweep's or the notebook's Stop):
+    each rank takes it as Ctrl-C, so that its run's checkpoints are removed before it exits."""
     job = RankJob.start(args.device, sharded=args.fsdp)
     job.keep, job.repeats = bool(getattr(args, "keep", False)), args.repeats
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
-        comparison = run_one_process(args, progress if job.rank == 0 else None, ranks=job)
+        comparison = run_one_process(args, progress if job.rank == 0 else None, ranks=job, on_event=on_event)
         records = job.gather(job.record(comparison))
         if records is None:
             return None

@@ -8,33 +8,26 @@ stall's median and p99 over ranks and the job's overhead, beside the concurrent 
 measured by the same ranks in the same run (:func:`scaling_rows`; schema in
 :func:`scaling_document`).
 
-No process is left behind: torchrun starts in a session of its own (Ctrl-C reaches the sweep
-alone), the sweep notes every process under it while it runs, and whatever way the sweep ends
-(a finished size, a rank that died, Ctrl-C, an error) it ends torchrun (which ends its ranks)
-and then kills any noted process still running. A rank that dies is named in one line, from
-torchrun's own account of the first failure.
+No process is left behind: each size is a :class:`~._launch.RankLaunch`, ended whatever way
+the sweep ends (a finished size, a rank that died, Ctrl-C, an error). A rank that dies is named
+in one line, from torchrun's own account of the first failure and the rank's last line.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
-
-import psutil
+from typing import Any
 
 from .._errors import CheckpointError, ConfigError
 from ._job import _number
+from ._launch import RankLaunch
 
 __all__ = [
     "SCALING_SCHEMA",
@@ -48,13 +41,8 @@ __all__ = [
 ]
 
 SCALING_SCHEMA = "nbckpt.bench.scaling/1"
-#: How long torchrun has to end its ranks after SIGTERM before every process left is killed.
-TERMINATE_S = 20.0
 # The sweep's own options, and argparse's bookkeeping: not passed to the children.
-_NOT_PASSED = frozenset({"command", "run", "ranks", "json"})
-# torchrun's account of the first failure: "rank : 1 (local_rank: 1)", "exitcode : -9 (pid: 42)".
-_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.MULTILINE)
-_ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
+_NOT_PASSED = frozenset({"command", "run", "ranks", "json", "events"})
 
 #: Called with every line a size's ranks print on stderr and torchrun's process: the test-only
 #: seam that ends the sweep at a defined point (raise KeyboardInterrupt) or a rank.
@@ -80,12 +68,13 @@ def parse_ranks(text: str) -> list[int]:
     return sizes
 
 
-def passthrough(args: argparse.Namespace) -> list[str]:
+def passthrough(args: argparse.Namespace, leave_out: Sequence[str] = ()) -> list[str]:
     """The bench's options as given, for each size's ``nbckpt bench`` (each option's flag is its
-    name: ``size_mb`` -> ``--size-mb``); the sweep's own (``--ranks``, ``--json``) left out."""
+    name: ``size_mb`` -> ``--size-mb``); the sweep's own (``--ranks``, ``--json``) and those in
+    ``leave_out`` (a face's own, as ``%ckpt_bench --static``) left out."""
     argv: list[str] = []
     for name, value in sorted(vars(args).items()):
-        if name in _NOT_PASSED or value is None or value is False:
+        if name in _NOT_PASSED or name in leave_out or value is None or value is False:
             continue
         flag = "--" + name.replace("_", "-")
         argv.extend([flag] if value is True else [flag, str(value)])
@@ -97,90 +86,21 @@ def _size_json(json_path: str, size: int) -> str:
     return f"{stem}.ranks-{size}{ext or '.json'}"
 
 
-def _failure(size: int, code: int, tail: str) -> str:
-    """One line: which rank died and how, from torchrun's root cause (else its last line)."""
-    root = tail[tail.rfind("Root Cause") :] if "Root Cause" in tail else ""
-    rank, exit_code = _ROOT_RANK.search(root), _ROOT_EXIT.search(root)
-    if rank is not None:
-        how = "" if exit_code is None else f" (exit code {exit_code.group(1)}"
-        number = int(exit_code.group(1)) if exit_code is not None else 0
-        if number < 0:
-            how += f": {signal.Signals(-number).name}" if -number in signal.valid_signals() else ""
-        how += ")" if how else ""
-        return f"rank {rank.group(1)} of {size} died{how}; torchrun ended the other ranks"
-    last = [line for line in tail.splitlines() if line.strip()]
-    return f"torchrun with {size} ranks exited with code {code}: {last[-1].strip() if last else 'no output'}"
-
-
-class _Size:
-    """One size's torchrun, its ranks' stderr streamed to ours, every process under it noted."""
-
-    def __init__(self, command: list[str], out: IO[str]) -> None:
-        self.proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ}
-        )
-        self.seen: dict[int, psutil.Process] = {}
-        self.tail: deque[str] = deque(maxlen=200)
-
-    def note(self) -> None:
-        """Note every process under torchrun now (they are orphaned if torchrun dies first)."""
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for child in psutil.Process(self.proc.pid).children(recursive=True):
-                self.seen.setdefault(child.pid, child)
-
-    def stream(self) -> int:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.note()
-            self.tail.append(line)
-            sys.stderr.write(line)
-            if _seam is not None:
-                _seam(line, self.proc)
-        return self.proc.wait()
-
-    def end(self) -> None:
-        """End torchrun (SIGTERM: it ends its ranks), then kill whatever noted is still running."""
-        self.note()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=TERMINATE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        left = [child for child in self.seen.values() if child.is_running()]
-        for child in left:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()  # psutil checks it is still the same process (no reused pid)
-        psutil.wait_procs(left, timeout=TERMINATE_S)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-
-
 def run_size(size: int, bench_argv: Sequence[str], json_path: str) -> dict[str, Any]:
     """``nbckpt bench`` on ``size`` local ranks under torchrun; its JSON document."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(size),
-        "-m",
-        "nbckpt",
-        "bench",
-        *bench_argv,
-        "--json",
-        json_path,
-    ]
-    with tempfile.TemporaryFile("w+") as out:  # rank 0's table: the sweep prints its own
-        child = _Size(command, out)
-        try:
-            code = child.stream()
-        finally:
-            child.end()
+    launch = RankLaunch(size, bench_argv, json_path)
+
+    def show(line: str) -> None:
+        sys.stderr.write(line)
+        if _seam is not None:
+            _seam(line, launch.proc)
+
+    try:
+        code = launch.stream(show)
         if code != 0:
-            raise CheckpointError(_failure(size, code, "".join(child.tail)))
+            raise CheckpointError(launch.failure(code))
+    finally:
+        launch.end()
     with open(json_path, encoding="utf-8") as file:
         document: dict[str, Any] = json.load(file)
     return document

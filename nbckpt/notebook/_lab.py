@@ -3,15 +3,23 @@
     >>> lab = Lab(directory="data/checkpoints/lab", preset="tiny")  # steps and every: measured
     >>> lab                       # in a notebook: the controls, a live timeline, the results
     >>> lab.run(); lab.wait()     # or click Run; lab.comparison holds the Comparison
+    >>> Lab(ranks=4)              # the same on 4 local ranks: torchrun as a child process
 
 One Lab is live per kernel: creating another (re-running the cell, ``%ckpt_bench``) stops and
 closes the previous one, saying so. A run goes on in a worker thread that never touches a
 widget; one updater thread applies what it queues every ``refresh_s`` seconds.
+
+With ``ranks`` above 1 the run is ``nbckpt bench`` on that many local ranks
+(:func:`nbckpt.bench._internal.run_local_ranks`: one rank per GPU with ``device="cuda"``, else
+CPU processes), every rank's events streamed into the live timeline as they happen (a pair of
+lanes per strategy and rank). Stop, Kernel > Interrupt, closing the lab and a newer lab end
+every rank at once (a run on many ranks keeps no partial results); a rank that dies is named in
+one line. After the run the results show the job's figures: the aggregate write rate, the
+stall over ranks and the straggler.
 """
 
 from __future__ import annotations
 
-import html
 import logging
 import queue
 import threading
@@ -26,16 +34,20 @@ import pandas as pd
 
 from .._errors import ConfigError, NbckptError
 from .._util import check_count
-from ._lab_run import check_target, error_line, route_interrupts
+from ._lab_html import job_html, log_html, results_html
+from ._lab_run import check_target, error_line, route_interrupts, run_here, run_on_ranks
 from ._live_figure import live_figure
 from ._plotly_compat import set_config
-from ._timeline_figures import events_frame, extend_timeline, select_repeat, timeline_figure
-from ._widget_parts import close_widgets, html_table, notice
+from ._timeline_figures import events_frame, extend_timeline, rank_events, select_repeat, timeline_figure
+from ._widget_parts import close_widgets, notice
 
 if TYPE_CHECKING:
     import argparse
 
+    import plotly.graph_objects as go
+
     from ..bench import Comparison
+    from ..bench._internal import RankLaunch
 
 __all__ = ["LOG_LINES", "Lab", "live_lab"]
 
@@ -45,12 +57,7 @@ _log = logging.getLogger("nbckpt")
 SYNTHETIC = "synthetic"
 #: Log lines the lab keeps (the oldest are dropped).
 LOG_LINES = 500
-#: Columns of ``format_results`` (keys of ``SHOWN_COLUMNS``) the results table leaves out, and
-#: those of text, aligned left (numbers align right).
-_HIDDEN = ("peak_host_mb", "peak_device_mb", "reduction_vs_dcp_sync", "write_vs_floor_pct")
-_TEXT_COLUMNS = ("strategy", "rests_on", "floor_check")
 _LIVE_TITLE = "Timeline (live): every run so far"
-_NOTE = "font-size:11px;line-height:1.4;margin-top:4px;color:#57606a;max-width:1000px"
 
 _WORKER = "nbckpt-lab-worker"
 _live_lock = threading.Lock()
@@ -67,35 +74,6 @@ def devices() -> list[str]:
     import torch
 
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-
-
-def _results_html(comparison: Comparison) -> str:
-    """The results table, the definitions and notes under it, and the method (folded)."""
-    from ..bench import OVERHEAD_DEFINITION, OVERHEAD_METHOD, SHOWN_COLUMNS, STALL_DEFINITION, format_results
-
-    shown = format_results(comparison.results, comparison.device)
-    columns = [c for c in shown.columns if c not in {SHOWN_COLUMNS[key] for key in _HIDDEN}]
-    text = {SHOWN_COLUMNS[key] for key in _TEXT_COLUMNS}
-    rows = [("", [html.escape(str(row[c])) for c in columns]) for row in shown.to_dict("records")]
-    notes = [OVERHEAD_DEFINITION, STALL_DEFINITION, comparison.floors.describe(), *comparison.warnings]
-    table = html_table("nbckpt-results", columns, rows, left={i for i, c in enumerate(columns) if c in text})
-    return (
-        f'<b>Results</b><div style="overflow-x:auto">{table}</div>'  # wider than the lab: it scrolls
-        + "".join(f'<div style="{_NOTE}">{html.escape(note)}</div>' for note in notes)
-        + f'<details class="nbckpt-method" style="{_NOTE}"><summary>How overhead and its interval'
-        f' are computed</summary><pre style="white-space:pre-wrap">'
-        f"{html.escape(OVERHEAD_METHOD.strip())}</pre></details>"
-    )
-
-
-def _log_html(lines: Sequence[str]) -> str:
-    # column-reverse keeps the box scrolled to its end, the newest line in view; flex:none: a
-    # <pre> that may shrink would scroll itself, from its top
-    return (
-        '<div class="nbckpt-log" style="display:flex;flex-direction:column-reverse;'
-        'max-height:160px;overflow:auto;border:1px solid #ddd;padding:2px 6px"><pre style="'
-        f'margin:0;font-size:12px;flex:none">{html.escape("".join(lines))}</pre></div>'
-    )
 
 
 def _make_live(lab: Lab | None) -> None:
@@ -137,9 +115,11 @@ class Lab:
         compute_ms: float = 5.0,
         warmup: bool = True,
         json_path: str | None = None,
+        ranks: int = 1,
     ) -> None:
         """``repeats`` defaults to :data:`nbckpt.bench.DEFAULT_REPEATS`; ``compute_ms``
-        (synthetic workload), ``warmup`` and ``json_path`` are ``nbckpt bench``'s options.
+        (synthetic workload), ``warmup`` and ``json_path`` are ``nbckpt bench``'s options;
+        ``ranks``: 1 runs in this kernel, more run on that many local ranks under torchrun.
         ``every`` None (0 in its field): each run first times a few steps and a save to the
         target and checkpoints often enough, and no more, that a save never waits for the one
         before, as in a training job; ``steps`` None (0): a few such intervals."""
@@ -154,6 +134,7 @@ class Lab:
         for what, (given, allowed) in choices.items():
             if unknown := [value for value in given if value not in allowed]:
                 raise ConfigError(f"unknown {what} {unknown[0]!r}; choose from {', '.join(allowed)}")
+        check_count(ranks, "ranks")
         self.refresh_s, self.compute_ms, self.warmup = refresh_s, compute_ms, warmup
         self.json_path = json_path
         self.comparison: Comparison | None = None
@@ -170,6 +151,8 @@ class Lab:
         self._runs = 1  # runs in the current comparison: the progress bar's steps are these x steps
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._displays: list[Any] = []  # IPython DisplayHandles of the outputs showing it
+        self._launch: RankLaunch | None = None  # the run's torchrun, on many ranks
+        self._by_rank = False  # the run's events have lanes per rank
 
         named = {"style": {"description_width": "90px"}}
         self.path = widgets.Text(directory, description="target", layout={"width": "420px"}, **named)
@@ -209,23 +192,41 @@ class Lab:
             tooltip="each repeat runs every strategy once, interleaved",
             **named,
         )
+        self.ranks = widgets.IntText(
+            ranks,
+            description="ranks",
+            tooltip="1: in this kernel; more: local ranks under torchrun (one per GPU with cuda)",
+            **named,
+        )
         self.run_button = widgets.Button(description="Run", button_style="success", icon="play")
         self.stop_button = widgets.Button(
             description="Stop", button_style="danger", icon="stop", disabled=True
         )
         self.progress = widgets.IntProgress(0, min=0, max=1, description="progress", **named)
-        self.message, self.results, self.log = widgets.HTML(), widgets.HTML(), widgets.HTML(_log_html(()))
+        self.message, self.results, self.log = widgets.HTML(), widgets.HTML(), widgets.HTML(log_html(()))
         self.figure = live_figure(timeline_figure(pd.DataFrame(columns=["kind", "start_s", "end_s"])))
         set_config(self.figure, responsive=True)
         self._empty_height = self.figure.layout.height
         self._redraw(None, _LIVE_TITLE)
+        # After a run on many ranks: the stall over ranks, the straggler starred (made then, so
+        # that a lab on one process holds one plotly figure).
+        self.job_figure: go.FigureWidget | None = None
+        self.job_box = widgets.Box()
         self.widget = widgets.VBox(
             [
                 self.path,
                 widgets.HBox(
                     [
                         widgets.VBox(
-                            [self.preset, self.size_mb, self.device, self.steps, self.every, self.repeats]
+                            [
+                                self.preset,
+                                self.size_mb,
+                                self.device,
+                                self.steps,
+                                self.every,
+                                self.repeats,
+                                self.ranks,
+                            ]
                         ),
                         self.strategies,
                     ]
@@ -234,6 +235,7 @@ class Lab:
                 self.message,
                 self.figure,
                 self.results,
+                self.job_box,
                 self.log,
             ]
         )
@@ -263,6 +265,7 @@ class Lab:
             compute_ms=args.compute_ms,
             warmup=not args.no_warmup,
             json_path=args.json,
+            ranks=getattr(args, "ranks", 1),
             **({"size_mb": args.size_mb} if synthetic else {}),
         )
 
@@ -316,8 +319,10 @@ class Lab:
         self._origin, self._interrupt_noted = None, False
         self.log_lines.clear()
         self._show_log()
+        self._by_rank, self._launch = settings["ranks"] > 1, None
         self._redraw(None, _LIVE_TITLE)
         self.results.value = ""
+        self._drop_job_figure()
         runs = (len(names) + ("none" not in names)) * settings["repeats"]
         self._runs = runs
         self.progress.value, self.progress.bar_style, self.progress.max = (
@@ -327,8 +332,9 @@ class Lab:
         )
         baseline = "" if "none" in names else " and none (the baseline)"
         first = " (first, a step and a save are timed for the interval)" if settings["every"] is None else ""
+        where = f" on {settings['ranks']} ranks (torchrun)" if self._by_rank else ""
         self.message.value = notice(
-            "info", f"Running {', '.join(names)}{baseline}: {settings['repeats']} repeat(s){first} ..."
+            "info", f"Running {', '.join(names)}{baseline}{where}: {settings['repeats']} repeat(s){first} ..."
         )
         route_interrupts(self._note_interrupt)  # Kernel > Interrupt stops it, as Stop does
         self._stop.clear()
@@ -379,13 +385,14 @@ class Lab:
                 _live = None
         self.closed = True  # from here on the updater leaves the widgets alone
         self._stop.set()
+        self._end_ranks()
         try:
             self.wait()
         finally:
             for handle in self._displays:  # first: no view of a closed model is ever drawn
                 handle.update(self._closed_bundle(), raw=True)
             self._displays.clear()
-            close_widgets(self.widget, self.figure)
+            close_widgets(self.widget, self.figure)  # the job's figure is in the widget
 
     def _read_settings(self) -> dict[str, Any]:
         """The run's arguments, read from the controls once (the worker never reads a widget)."""
@@ -400,6 +407,7 @@ class Lab:
             else check_count(self.every.value, "checkpoint interval (every)", maximum=steps or DEFAULT_STEPS)
         )
         repeats = check_count(self.repeats.value, "repeats")
+        ranks = check_count(self.ranks.value, "ranks")
         if not self.strategies.value:
             raise ConfigError("select at least one strategy")
         synthetic = self.preset.value == SYNTHETIC
@@ -411,6 +419,7 @@ class Lab:
             "every": every,
             "repeats": repeats,
             "workload": (preset, size_mb, self.device.value),
+            "ranks": ranks,
         }
 
     def _set_busy(self, busy: bool) -> None:
@@ -423,6 +432,7 @@ class Lab:
             self.steps,
             self.every,
             self.repeats,
+            self.ranks,
         ):
             control.disabled = busy
         self.size_mb.disabled = busy or self.preset.value != SYNTHETIC
@@ -436,11 +446,24 @@ class Lab:
         if self.running and not self._stop.is_set():
             self.interrupted = interrupted  # before the stop: the run's end reads it
             self._stop.set()
+            self._end_ranks()
             why = "interrupted (Kernel > Interrupt)" if interrupted else "stop requested"
-            self._post("log", f"{why}: finishing the current step and saves in flight")
+            how = "ending every rank" if self._by_rank else "finishing the current step and saves in flight"
+            self._post("log", f"{why}: {how}")
 
     def _note_interrupt(self) -> None:
         self._interrupt_noted = True  # by the SIGINT handler: no lock; the updater stops the run
+
+    def _end_ranks(self) -> None:
+        """Have torchrun end every rank now (the worker waits for them); after the stop is set, so
+        that a launch starting meanwhile sees it (:meth:`_started`)."""
+        if (launch := self._launch) is not None:
+            launch.terminate()
+
+    def _started(self, launch: RankLaunch) -> None:
+        self._launch = launch
+        if self._stop.is_set():  # stopped while torchrun was being started
+            launch.terminate()
 
     # -- the worker (never touches a widget) ----------------------------------------------------
 
@@ -448,30 +471,22 @@ class Lab:
         self._queue.put((kind, item))
 
     def _work(self, settings: dict[str, Any]) -> None:
-        from ..bench import compare, make_workload
-        from ..bench._internal import choose_interval
+        from ..bench._internal import ComparisonInterrupted
 
         try:
-            workload = make_workload(*settings.pop("workload"), compute_ms=self.compute_ms)
-            if settings["every"] is None:  # measured here, so that progress knows the steps
-                workload.build()
-                interval = choose_interval(workload, settings["directory"], steps=settings["steps"])
-                settings.update(steps=interval.steps, every=interval.every)
-                self._post("log", interval.describe())
-                self._post("steps", interval.steps)
-            comparison = compare(
-                workload,
-                **settings,
-                warmup=self.warmup,
-                stop=self._stop,
-                progress=lambda line: self._post("log", line),
-                on_event=lambda event: self._post("event", event),
-            )
-            if self.json_path is not None:
-                comparison.to_json(self.json_path)
-                self._post("log", f"results written to {self.json_path}")
+            if settings["ranks"] > 1:
+                comparison = run_on_ranks(
+                    settings, self.compute_ms, self.warmup, self._post, self.json_path, on_start=self._started
+                )
+            else:
+                comparison = run_here(
+                    settings, self.compute_ms, self.warmup, self._post, self.json_path, stop=self._stop
+                )
             self.stopped, self.comparison = self._stop.is_set(), comparison
             self._post("done", comparison)
+        except ComparisonInterrupted as exc:  # the ranks ended by Stop, Interrupt or close
+            self.stopped = True
+            self._post("stopped", exc)
         except BaseException as exc:
             if not isinstance(exc, NbckptError | OSError):  # expected ones need no traceback
                 self._post("log", traceback.format_exc())
@@ -511,8 +526,8 @@ class Lab:
             self.progress.max = steps * self._runs
         if events := [item for kind, item in batch if kind == "event"]:
             self._origin = min(event.start_ns for event in events) if self._origin is None else self._origin
-            extend_timeline(self.figure, events_frame(events, self._origin), by_rank=False)
-            steps = sum(event.kind == "step" for event in events)
+            extend_timeline(self.figure, events_frame(events, self._origin), by_rank=self._by_rank)
+            steps = sum(event.kind == "step" and event.rank == 0 for event in events)  # rank 0's
             self.progress.value = min(self.progress.max, self.progress.value + steps)
         for kind, item in batch:
             if kind == "log":
@@ -520,6 +535,12 @@ class Lab:
 
             elif kind == "done":
                 self._show_comparison(item)
+            elif kind == "stopped":
+                how = "Interrupted (Kernel > Interrupt)" if self.interrupted else "Stopped"
+                self.message.value = notice(
+                    "info", f"{how}: {item}; a run on many ranks keeps no partial results."
+                )
+                self.progress.bar_style = "warning"
             elif kind == "error":
                 self.error = error_line(item)
                 self.message.value = notice("error", self.error)
@@ -528,25 +549,32 @@ class Lab:
             self._show_log()
 
     def _show_log(self) -> None:
-        self.log.value = _log_html(self.log_lines)
+        self.log.value = log_html(self.log_lines)
 
-    def _redraw(self, timeline: pd.DataFrame | None, title: str) -> None:
+    def _redraw(self, timeline: pd.DataFrame | None, title: str, *, by_rank: bool = False) -> None:
         """Replace the timeline's bars and lanes with ``timeline`` (None: an empty figure)."""
         # Not one batch_update: inside one, reads return the values from before it, and
         # extend_timeline reads the lanes it adds to.
         self.figure.data = ()
         self.figure.update_layout(title=title, yaxis_categoryarray=(), height=self._empty_height)
         if timeline is not None and len(timeline):
-            extend_timeline(self.figure, timeline, by_rank=False)
+            extend_timeline(self.figure, timeline, by_rank=by_rank)
 
     def _show_comparison(self, comparison: Comparison) -> None:
-        # the exact timeline of each strategy's last repeat, lanes in the table's order
+        # the exact timeline of each strategy's last repeat (on every rank), in the table's order
         order = {name: i for i, name in enumerate(comparison.results["strategy"])}
-        timeline = select_repeat(comparison.timeline)
+        on_ranks = bool(comparison.job)
+        timeline = select_repeat(rank_events(comparison.rank_timeline) if on_ranks else comparison.timeline)
         if len(timeline):
-            timeline = timeline.sort_values("strategy", key=lambda s: s.map(order), kind="stable")
-        self._redraw(timeline, "Timeline: each strategy's last repeat")
-        self.results.value = _results_html(comparison)
+            keys = ["strategy", "rank"] if on_ranks else ["strategy"]
+            timeline = timeline.sort_values(
+                keys, key=lambda s: s.map(order) if s.name == "strategy" else s, kind="stable"
+            )
+        self._redraw(timeline, "Timeline: each strategy's last repeat", by_rank=on_ranks)
+        self.results.value = results_html(comparison)
+        self._drop_job_figure()
+        if on_ranks:
+            self._show_job(comparison)
         done = int(comparison.timeline["kind"].eq("step").sum()) if len(comparison.timeline) else 0
         if self.stopped:
             how = "Interrupted (Kernel > Interrupt)" if self.interrupted else "Stopped"
@@ -555,9 +583,25 @@ class Lab:
             )
             self.progress.bar_style = "warning"
         else:
+            ranks = f" on each of {comparison.job['world_size']} ranks" if on_ranks else ""
             self.message.value = notice(
                 "ok",
-                f"Done: {done} training steps, {len(comparison.results)}"
+                f"Done: {done} training steps{ranks}, {len(comparison.results)}"
                 f" strategies x {comparison.repeats} repeat(s).",
             )
             self.progress.value, self.progress.bar_style = self.progress.max, "success"
+
+    def _show_job(self, comparison: Comparison) -> None:
+        """The job's table under the results, and the stall over ranks with its straggler."""
+        from ..analysis._internal import job_table, rank_rows
+        from ._rank_figures import rank_stall_figure
+
+        self.results.value += job_html(comparison)
+        self.job_figure = live_figure(rank_stall_figure(rank_rows(comparison), job_table(comparison)))
+        self.job_box.children = (self.job_figure,)
+
+    def _drop_job_figure(self) -> None:
+        if self.job_figure is not None:
+            self.job_box.children = ()
+            close_widgets(self.job_figure)
+            self.job_figure = None

@@ -1,5 +1,6 @@
-"""What the Lab's runs need besides widgets: the target check, one-line errors, and Kernel >
-Interrupt routed to the lab that runs."""
+"""What the Lab's runs need besides widgets: the run itself (in this kernel, or on local ranks
+under torchrun), the target check, one-line errors, and Kernel > Interrupt routed to the lab
+that runs. The runs never touch a widget: ``post(kind, item)`` queues what the lab shows."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ import threading
 import weakref
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointError, ConfigError
 from .._util import could_create, is_url
 
-__all__ = ["check_target", "error_line", "route_interrupts"]
+if TYPE_CHECKING:
+    from ..bench import Comparison
+    from ..bench._internal import RankLaunch
+
+__all__ = ["check_target", "error_line", "route_interrupts", "run_here", "run_on_ranks"]
+
+Post = Callable[[str, Any], None]
 
 
 def check_target(path: str) -> None:
@@ -76,3 +83,78 @@ def route_interrupts(note: Callable[[], None]) -> None:
         kernel.saved_sigint_handler = _on_sigint
     else:
         signal.signal(signal.SIGINT, _on_sigint)
+
+
+def run_here(
+    settings: dict[str, Any],
+    compute_ms: float,
+    warmup: bool,
+    post: Post,
+    json_path: str | None,
+    *,
+    stop: threading.Event,
+) -> Comparison:
+    """The lab's comparison in this kernel (``settings``: the lab's fields, read once)."""
+    from ..bench import compare, make_workload
+    from ..bench._internal import choose_interval
+
+    settings = {name: value for name, value in settings.items() if name != "ranks"}
+    workload = make_workload(*settings.pop("workload"), compute_ms=compute_ms)
+    if settings["every"] is None:  # measured here, so that progress knows the steps
+        workload.build()
+        interval = choose_interval(workload, settings["directory"], steps=settings["steps"])
+        settings.update(steps=interval.steps, every=interval.every)
+        post("log", interval.describe())
+        post("steps", interval.steps)
+    comparison = compare(
+        workload,
+        **settings,
+        warmup=warmup,
+        stop=stop,
+        progress=lambda line: post("log", line),
+        on_event=lambda event: post("event", event),
+    )
+    if json_path is not None:
+        comparison.to_json(json_path)
+        post("log", f"results written to {json_path}")
+    return comparison
+
+
+def run_on_ranks(
+    settings: dict[str, Any],
+    compute_ms: float,
+    warmup: bool,
+    post: Post,
+    json_path: str | None,
+    *,
+    on_start: Callable[[RankLaunch], None],
+) -> Comparison:
+    """``nbckpt bench`` on ``settings["ranks"]`` local ranks, every rank's events and lines
+    posted as they come; ``on_start`` gets the launch, to end it."""
+    import argparse
+
+    from ..bench._internal import passthrough, run_local_ranks
+
+    preset, size_mb, device = settings["workload"]
+    options = argparse.Namespace(
+        dir=settings["directory"],
+        preset=preset,
+        size_mb=size_mb,
+        device=device,
+        compute_ms=compute_ms,
+        strategies=",".join(settings["strategies"]),
+        steps=settings["steps"],
+        every=settings["every"],
+        repeats=settings["repeats"],
+        no_warmup=not warmup,
+    )
+    return run_local_ranks(
+        settings["ranks"],
+        passthrough(options),
+        settings["directory"],
+        on_event=lambda event: post("event", event),
+        on_line=lambda line: post("log", line),
+        on_start=on_start,
+        json_path=json_path,
+        device=device,
+    )

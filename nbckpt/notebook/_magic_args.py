@@ -176,7 +176,7 @@ AUTOSAVE_ARGS = (
 
 @functools.cache
 def bench_parser(doc: str | None) -> MagicArgumentParser:
-    """``%ckpt_bench``'s parser: ``nbckpt bench``'s options plus ``--static``."""
+    """``%ckpt_bench``'s parser: ``nbckpt bench``'s options plus ``--ranks`` and ``--static``."""
     from ..bench import _internal as bench
 
     parser = _parser("ckpt_bench", doc)
@@ -184,6 +184,16 @@ def bench_parser(doc: str | None) -> MagicArgumentParser:
     # Not nbckpt bench's relative default: a notebook's kernel runs in the notebook's folder,
     # and a benchmark's checkpoints do not belong beside the notebooks (nor in git status).
     parser.set_defaults(dir=BENCH_DIR)
+    parser.add_argument(
+        "--ranks",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="run on N local ranks, torchrun started as a child process (one rank per GPU "
+        "with --device cuda, else CPU processes), every rank's events streamed into the "
+        "timeline as they come; Stop or Kernel > Interrupt ends every rank (default: "
+        "%(default)s, in this kernel)",
+    )
     parser.add_argument(
         "--static",
         action="store_true",

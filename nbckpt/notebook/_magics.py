@@ -20,7 +20,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, magics_class
 from IPython.display import DisplayHandle, display
 
-from .._errors import ConfigError
+from .._errors import ConfigError, NbckptError
 from .._util import format_bytes, is_url
 from ..engine import SaveHandle
 from ._autosave import Autosave
@@ -358,7 +358,8 @@ class CheckpointMagics(Magics):
     def ckpt_bench(self, args: argparse.Namespace) -> Any:
         """Run checkpoint strategies side by side (nbckpt bench's options): the live lab in
         JupyterLab; in batch runs (papermill, terminal IPython, NBCKPT_BATCH=1, --static) in the
-        foreground with static figures, returning the Comparison.
+        foreground with static figures, returning the Comparison. --ranks N runs it on N local
+        ranks (torchrun): a pair of timeline lanes per strategy and rank, and the job's figures.
         """
         from ..bench import _internal as bench
         from ._lab import Lab, live_lab
@@ -368,15 +369,14 @@ class CheckpointMagics(Magics):
             if running is not None and running.running:
                 running.close()  # one run at a time: both would write to the same directories
                 print("nbckpt: stopped the running lab (its saves in flight committed)")
-            with self.session.engine_call():
-                comparison = bench.run_bench_from_args(args, None if args.quiet else print)
-            if args.json is not None:
-                comparison.to_json(args.json)
-            from ._result_figures import stall_figure
-            from ._timeline_figures import timeline_figure
-
-            _display(timeline_figure(comparison.timeline))
-            _display(stall_figure(comparison.results))
+            if args.ranks > 1:
+                comparison = _bench_on_ranks(args)
+            else:
+                with self.session.engine_call():
+                    comparison = bench.run_bench_from_args(args, None if args.quiet else print)
+                if args.json is not None:
+                    comparison.to_json(args.json)
+            _show_bench(comparison)
             return comparison
         try:
             self.lab = Lab.from_args(args)
@@ -392,6 +392,50 @@ class CheckpointMagics(Magics):
             self.lab.close()
         self.lab = None
         self.session.close()
+
+
+def _bench_on_ranks(args: argparse.Namespace) -> Any:
+    """``%ckpt_bench --ranks N`` in the foreground: the ranks' progress printed as it comes;
+    Kernel > Interrupt ends every rank (one line, no traceback), as does a rank that dies."""
+    from ..bench import _internal as bench
+
+    try:
+        return bench.run_local_ranks(
+            args.ranks,
+            bench.passthrough(args, leave_out=("help", "static")),
+            args.dir,
+            on_event=lambda event: None,  # the figures come from every rank's events, gathered
+            on_line=lambda line: print(line, end="" if line.endswith("\n") else "\n"),
+            json_path=args.json,
+            device=args.device,
+        )
+    except bench.ComparisonInterrupted as exc:
+        raise Interrupted(str(exc)) from None
+    except NbckptError as exc:  # a rank that died: CheckpointFailed, its one line
+        reraise(exc)
+        raise
+
+
+def _show_bench(comparison: Any) -> None:
+    """The static figures of a comparison: its timeline and stalls; on many ranks a pair of
+    lanes per strategy and rank, the stall over ranks with the straggler, and the aggregate
+    write rate of each checkpoint beside every rank writing raw at once."""
+    from ._timeline_figures import rank_events, timeline_figure
+
+    if not comparison.job:
+        from ._result_figures import stall_figure
+
+        _display(timeline_figure(comparison.timeline))
+        _display(stall_figure(comparison.results))
+        return
+    from ..analysis._internal import checkpoint_rates, job_table, rank_rows
+    from ._rank_figures import checkpoint_rate_figure, rank_stall_figure
+
+    origin = "the run's first event on any rank"
+    _display(timeline_figure(rank_events(comparison.rank_timeline), by_rank=True, origin=origin))
+    _display(rank_stall_figure(rank_rows(comparison), job_table(comparison)))
+    floor = float(comparison.job.get("floors", {}).get("concurrent_write_gbs") or "nan")
+    _display(checkpoint_rate_figure(checkpoint_rates(comparison), floor))
 
 
 def _batch_run(shell: Any) -> bool:

@@ -8,7 +8,7 @@ Both read event rows (``Timeline.to_pandas()`` columns, and in ``Comparison.time
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ __all__ = [
     "TimelineTraces",
     "events_frame",
     "extend_timeline",
+    "rank_events",
     "select_repeat",
     "throughput_figure",
     "timeline_figure",
@@ -90,6 +91,19 @@ def events_frame(events: Iterable[Event], origin_ns: int) -> pd.DataFrame:
     frame = events_to_pandas(events, origin_ns)
     frame.insert(0, "strategy", frame["label"])
     return frame
+
+
+def rank_events(rank_timeline: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """``Comparison.rank_timeline`` (every rank's events, wall-clock ns) as event rows for
+    :func:`timeline_figure` with ``by_rank=True``: seconds since the run's first event on any rank."""
+    frame = pd.DataFrame(list(rank_timeline))
+    if frame.empty:
+        columns = ["strategy", "repeat", "rank", "kind", "step", "bytes", "start_s", "end_s"]
+        return pd.DataFrame(columns=columns)
+    origin = int(frame["start_ns"].min())
+    return frame.assign(
+        start_s=(frame["start_ns"] - origin) / 1e9, end_s=(frame["end_ns"] - origin) / 1e9
+    ).drop(columns=["start_ns", "end_ns"])
 
 
 def timeline_traces(timeline_df: pd.DataFrame, *, by_rank: bool | None = None) -> TimelineTraces:

@@ -1,0 +1,361 @@
+"""Local ranks as a child process: ``torchrun --standalone --nproc-per-node N -m nbckpt bench``.
+
+The sweep (``nbckpt bench --ranks 1,2,4``) and the notebook faces (``%ckpt_bench --ranks N``,
+``Lab(ranks=N)``) start the bench's ranks through :class:`RankLaunch` and end them the same way,
+whatever ends the run (it finished, a rank died, Stop, Ctrl-C, a closed Lab, the interpreter's
+exit): torchrun starts in a session of its own (a Ctrl-C or Kernel > Interrupt reaches the caller
+alone), every process under it is noted while it runs, and :meth:`RankLaunch.end` sends torchrun
+SIGTERM (it passes it to its ranks, which clean up as after Ctrl-C), waits, and kills whatever
+noted process is left. A rank that dies is named in one line (:meth:`RankLaunch.failure`): which
+rank, its exit code or signal, and its last line on stderr (torchrun tees each rank's stderr
+into a log folder of the launch's own, removed at the end).
+
+With ``events``, every rank streams what it measures as it happens: ``nbckpt bench --events``
+makes each rank write one JSON line per event and per progress line to its stdout
+(:class:`EventWriter`; what else it prints goes to stderr), a pipe the caller reads
+(:meth:`RankLaunch.read_events`). Each line is one ``write`` of at most ``PIPE_BUF`` bytes, so the
+ranks' lines never interleave; the reader blocks on the pipe, it never polls.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+import psutil
+import torch
+
+from .._errors import CheckpointError, ConfigError
+from .._util import is_url
+from ..engine import Event
+from ._compare import ComparisonInterrupted
+from ._comparison import Comparison
+
+__all__ = [
+    "EVENT_KEY",
+    "TERMINATE_S",
+    "EventWriter",
+    "RankLaunch",
+    "decode",
+    "failure_line",
+    "last_line",
+    "run_local_ranks",
+]
+
+#: How long torchrun has to end its ranks after SIGTERM before every process left is killed.
+TERMINATE_S = 20.0
+#: The key that marks a rank's JSON line on the events pipe.
+EVENT_KEY = "nbckpt"
+#: A progress line longer than this is cut (JSON may spell a character in 6 bytes: PIPE_BUF).
+_LINE_CHARS = 500
+# torchrun's account of the first failure: "rank : 1 (local_rank: 1)", "exitcode : -9 (pid: 42)".
+_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)(?:\s*\(local_rank:\s*(\d+)\))?", re.MULTILINE)
+_ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
+# How often at most the events' reader notes the processes under torchrun (a /proc walk).
+_NOTE_EVERY_S = 0.5
+
+# Launches not ended yet: ended at the interpreter's exit (a kernel shut down or restarted).
+_running: weakref.WeakSet[RankLaunch] = weakref.WeakSet()
+
+
+class EventWriter:
+    """One rank's end of the events pipe (``nbckpt bench --events``): its events, their times on
+    the wall clock (which the local ranks share), and its progress lines."""
+
+    def __init__(self, rank: int, fd: int) -> None:
+        self.rank, self.fd = rank, fd
+        self.closed = False  # the reader is gone: the run goes on, its events are dropped
+        self._lock = threading.Lock()  # events come from the loop's and the writers' threads
+        self._offset_ns = time.time_ns() - time.perf_counter_ns()
+
+    @classmethod
+    def on_stdout(cls) -> EventWriter:
+        """Take this process's stdout for the events; what else it prints goes to stderr (a
+        table, a warning: nothing can split a JSON line), and so do its children's."""
+        sys.stdout.flush()
+        fd = os.dup(1)  # not inheritable: the rank's own children never write to the pipe
+        os.dup2(2, 1)
+        return cls(int(os.environ.get("RANK", "0")), fd)
+
+    def event(self, event: Event) -> None:
+        self._write(
+            {
+                "kind": event.kind,
+                "label": event.label,
+                "step": event.step,
+                "start_ns": event.start_ns + self._offset_ns,
+                "end_ns": event.end_ns + self._offset_ns,
+                "bytes": event.bytes,
+            }
+        )
+
+    def line(self, text: str) -> None:
+        self._write({"line": text[:_LINE_CHARS]})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        data = (json.dumps({EVENT_KEY: self.rank, **record}) + "\n").encode()
+        with self._lock:
+            if self.closed:
+                return
+            try:
+                os.write(self.fd, data)  # <= PIPE_BUF: all at once, never between another's bytes
+            except OSError:
+                self.closed = True
+
+
+def decode(line: str) -> Event | str:
+    """A line of the events pipe: a rank's :class:`~nbckpt.Event` (``rank`` set, times on the
+    wall clock), else the text to show (a rank's progress line, or a line not of the bench)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(record, dict) or not isinstance(record.get(EVENT_KEY), int):
+        return line
+    if "line" in record:
+        return str(record["line"])
+    return Event(
+        kind=str(record["kind"]),
+        start_ns=int(record["start_ns"]),
+        end_ns=int(record["end_ns"]),
+        step=None if record.get("step") is None else int(record["step"]),
+        rank=int(record[EVENT_KEY]),
+        bytes=int(record.get("bytes") or 0),
+        label=str(record.get("label", "")),
+    )
+
+
+def _signal_text(code: int) -> str:
+    if code < 0 and -code in signal.valid_signals():
+        return f": {signal.Signals(-code).name}"
+    return ""
+
+
+def last_line(log_dir: str, local_rank: int) -> str:
+    """The last line local rank ``local_rank`` wrote on stderr: torchrun's log of it (``--tee 2
+    --log-dir log_dir``), ``""`` when it wrote none."""
+    pattern = os.path.join(glob.escape(log_dir), "*", "attempt_*", str(local_rank), "stderr.log")
+    logs = glob.glob(pattern)
+    if not logs:
+        return ""
+    with open(max(logs, key=os.path.getmtime), encoding="utf-8", errors="replace") as file:
+        lines = [line.strip() for line in file if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def failure_line(size: int, code: int, tail: str, log_dir: str) -> str:
+    """One line for a torchrun of ``size`` ranks that exited with ``code``: which rank died, how,
+    and its last line on stderr (from torchrun's root cause, ``tail`` its last stderr lines);
+    else torchrun's own last line."""
+    root = tail[tail.rfind("Root Cause") :] if "Root Cause" in tail else ""
+    rank, exit_code = _ROOT_RANK.search(root), _ROOT_EXIT.search(root)
+    if rank is None:
+        last = [line for line in tail.splitlines() if line.strip()]
+        return (
+            f"torchrun with {size} ranks exited with code {code}"
+            f"{_signal_text(code)}: {last[-1].strip() if last else 'no output'}"
+        )
+    how = ""
+    if exit_code is not None:
+        number = int(exit_code.group(1))
+        how = f" (exit code {number}{_signal_text(number)})"
+    said = last_line(log_dir, int(rank.group(2) or rank.group(1)))
+    words = f"its last line on stderr: {said}" if said else "nothing on stderr"
+    return f"rank {rank.group(1)} of {size} died{how}, {words}; torchrun ended the other ranks"
+
+
+class RankLaunch:
+    """``nbckpt bench`` on ``size`` local ranks under torchrun, started at once; read it with
+    :meth:`stream` (stderr) and, with ``events``, :meth:`read_events` (stdout), end it with
+    :meth:`end` (always: it is what leaves no process behind)."""
+
+    def __init__(self, size: int, bench_argv: Sequence[str], json_path: str, *, events: bool = False) -> None:
+        self.size = size
+        self.log_dir = tempfile.mkdtemp(prefix="nbckpt-torchrun-")
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(size),
+            "--tee",
+            "2",  # each rank's stderr to the console (prefixed [defaultN]:) and to log_dir
+            "--log-dir",
+            self.log_dir,
+            "-m",
+            "nbckpt",
+            "bench",
+            *bench_argv,
+            "--json",
+            json_path,
+            *(["--events"] if events else []),
+        ]
+        # Without events, rank 0's table: the caller prints its own.
+        self._out: IO[str] | None = None if events else tempfile.TemporaryFile("w+")  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE if events else self._out,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+                env={**os.environ},
+            )
+        except BaseException:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            raise
+        self.seen: dict[int, psutil.Process] = {}
+        self._seen_lock = threading.Lock()  # noted from the readers, Stop's thread and end()
+        self.tail: deque[str] = deque(maxlen=200)
+        self.stopped = False  # by terminate(): its end is no failure
+        self._noted_at = 0.0
+        _running.add(self)
+
+    def note(self) -> None:
+        """Note every process under torchrun now (they are orphaned if torchrun dies first)."""
+        self._noted_at = time.monotonic()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+            with self._seen_lock:
+                for child in children:
+                    self.seen.setdefault(child.pid, child)
+
+    def stream(self, on_line: Callable[[str], None]) -> int:
+        """Every line torchrun and its ranks print on stderr, to ``on_line`` as it comes, until
+        torchrun ends; its exit code."""
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.note()
+            self.tail.append(line)
+            on_line(line)
+        return self.proc.wait()
+
+    def read_events(self, on_event: Callable[[Event], None], on_line: Callable[[str], None]) -> None:
+        """Every rank's events and progress lines (``events``), as they come, until the ranks and
+        torchrun have closed the pipe."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if time.monotonic() - self._noted_at > _NOTE_EVERY_S:
+                self.note()
+            item = decode(line)
+            if isinstance(item, Event):
+                on_event(item)
+            else:
+                on_line(item)
+
+    def terminate(self) -> None:
+        """Ask torchrun to end its ranks, from any thread, at once; :meth:`end` waits for them."""
+        self.stopped = True
+        self.note()
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+
+    def end(self) -> None:
+        """End torchrun (SIGTERM: it ends its ranks), then kill whatever noted is still running,
+        and wait for all of it; remove the log folder."""
+        self.note()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=TERMINATE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        with self._seen_lock:
+            noted = list(self.seen.values())
+        left = [child for child in noted if child.is_running()]
+        for child in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()  # psutil checks it is still the same process (no reused pid)
+        psutil.wait_procs(left, timeout=TERMINATE_S)
+        for stream in (self.proc.stderr, self.proc.stdout, self._out):
+            if stream is not None:
+                stream.close()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
+        _running.discard(self)
+
+    def failure(self, code: int) -> str:
+        """One line: which rank died, how, and its last line on stderr."""
+        return failure_line(self.size, code, "".join(self.tail), self.log_dir)
+
+
+@atexit.register
+def _end_running() -> None:
+    """At the interpreter's exit (a kernel shut down or restarted): no rank outlives it."""
+    for launch in list(_running):
+        launch.end()
+
+
+def run_local_ranks(
+    size: int,
+    bench_argv: Sequence[str],
+    directory: str,
+    *,
+    on_event: Callable[[Event], None],
+    on_line: Callable[[str], None],
+    on_start: Callable[[RankLaunch], None] | None = None,
+    json_path: str | None = None,
+    device: str = "cpu",
+) -> Comparison:
+    """``nbckpt bench`` on ``size`` local ranks (``bench_argv``: its options, ``--dir
+    directory`` among them), every rank's events to ``on_event`` and every line on stderr and
+    progress line to ``on_line`` as they come; rank 0's comparison, with the job's figures
+    (also written to ``json_path`` if given). ``on_start(launch)`` gets the launch to stop it
+    from another thread (:meth:`RankLaunch.terminate`). With ``device="cuda"`` each rank takes
+    a GPU of its own: more ranks than GPUs is a :class:`ConfigError`, before anything starts.
+
+    A rank that dies: :class:`CheckpointError` naming it in one line. Stopped, or Ctrl-C here:
+    :class:`~._compare.ComparisonInterrupted`. Either way no process is left and a ``directory``
+    the run created is removed, as a one-process run's is.
+    """
+    if device == "cuda" and size > (gpus := torch.cuda.device_count()):
+        raise ConfigError(f"{size} ranks on cuda want a GPU each; torch sees {gpus}")
+    created = not is_url(directory) and not os.path.exists(directory)
+    with tempfile.TemporaryDirectory(prefix="nbckpt-ranks-") as scratch:
+        out = json_path if json_path is not None else os.path.join(scratch, "bench.json")
+        launch = RankLaunch(size, bench_argv, out, events=True)
+        reader = threading.Thread(
+            target=launch.read_events, args=(on_event, on_line), name="nbckpt-rank-events", daemon=True
+        )
+        reader.start()
+        done = False
+        try:
+            if on_start is not None:
+                on_start(launch)
+            code = launch.stream(on_line)
+            reader.join()  # every event is in before the result
+            if code != 0 and launch.stopped:
+                raise ComparisonInterrupted(f"the run on {size} ranks was stopped; every rank has ended")
+            if code != 0:
+                raise CheckpointError(launch.failure(code))
+            comparison = Comparison.from_json(out)
+            done = True
+        except KeyboardInterrupt as exc:
+            if isinstance(exc, ComparisonInterrupted):
+                raise
+            raise ComparisonInterrupted(
+                f"the run on {size} ranks was interrupted; every rank has ended"
+            ) from None
+        finally:
+            launch.end()
+            reader.join()
+            if not done and created:
+                shutil.rmtree(directory, ignore_errors=True)
+    return comparison

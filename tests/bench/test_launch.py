@@ -1,0 +1,83 @@
+"""The pieces of ``nbckpt.bench._launch`` that need no torchrun: the events' line format on a real
+pipe, and the one line that names a dead rank (``tests/notebook/test_lab_ranks.py`` runs them
+under torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from nbckpt.bench._launch import EventWriter, decode, failure_line
+from nbckpt.engine import Event
+
+# torchrun's account of a failure, as it prints it on stderr (torch 2.x).
+ROOT_CAUSE = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-06_07:16:30
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : {code} (pid: 10654)
+  error_file: <N/A>
+======================================================
+"""
+
+
+def test_a_ranks_events_and_lines_cross_a_pipe_as_one_json_line_each() -> None:
+    read_fd, write_fd = os.pipe()
+    writer = EventWriter(rank=3, fd=write_fd)
+    now = time.perf_counter_ns()
+    writer.event(Event("persist", now, now + 2_000_000, step=4, bytes=1 << 20, label="nbckpt-async"))
+    writer.event(Event("step", now, now + 1000, label="none"))
+    writer.line("[nbckpt-async] repeat 1/1, step 2/4 " + "x" * 5000)  # cut to fit one atomic write
+    os.close(write_fd)
+    with os.fdopen(read_fd) as pipe:
+        lines = pipe.readlines()
+    assert len(lines) == 3 and all(len(line.encode()) <= 4096 for line in lines)
+    persist, step, text = (decode(line) for line in lines)
+    assert isinstance(persist, Event) and isinstance(step, Event)
+    assert (persist.kind, persist.rank, persist.step, persist.bytes, persist.label) == (
+        "persist",
+        3,
+        4,
+        1 << 20,
+        "nbckpt-async",
+    )
+    assert persist.end_ns - persist.start_ns == 2_000_000
+    assert abs(persist.start_ns - time.time_ns()) < 60e9  # on the wall clock the ranks share
+    assert step.step is None and step.label == "none"
+    assert isinstance(text, str) and text.startswith("[nbckpt-async] repeat 1/1") and len(text) == 500
+    # What is not a rank's record passes as text: a stray print, another JSON value.
+    assert decode("hello\n") == "hello\n"
+    assert decode(json.dumps({"other": 1})) == json.dumps({"other": 1})
+
+
+def test_a_writer_whose_reader_is_gone_drops_its_events_and_the_run_goes_on() -> None:
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)
+    writer = EventWriter(rank=0, fd=write_fd)
+    writer.line("nobody reads this")  # no BrokenPipeError into the bench
+    assert writer.closed
+    os.close(write_fd)
+
+
+def test_a_dead_rank_is_named_with_its_exit_and_its_last_line_on_stderr(tmp_path: Path) -> None:
+    log = tmp_path / "run_abc" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("[nbckpt-async] repeat 1/1\nRuntimeError: the disk is gone\n\n")
+    assert failure_line(2, 1, ROOT_CAUSE.format(code=1), str(tmp_path)) == (
+        "rank 1 of 2 died (exit code 1), its last line on stderr: RuntimeError: the disk is gone; "
+        "torchrun ended the other ranks"
+    )
+    log.write_text("")
+    assert failure_line(4, 1, ROOT_CAUSE.format(code=-9), str(tmp_path)) == (
+        "rank 1 of 4 died (exit code -9: SIGKILL), nothing on stderr; torchrun ended the other ranks"
+    )
+    # No account of a rank (torchrun itself failed): its own last line.
+    assert failure_line(2, 1, "starting\nValueError: bad rendezvous\n", str(tmp_path)) == (
+        "torchrun with 2 ranks exited with code 1: ValueError: bad rendezvous"
+    )
