@@ -265,7 +265,7 @@ class Lab:
             compute_ms=args.compute_ms,
             warmup=not args.no_warmup,
             json_path=args.json,
-            ranks=getattr(args, "ranks", 1),
+            ranks=_one_rank_count(getattr(args, "ranks", None)),
             **({"size_mb": args.size_mb} if synthetic else {}),
         )
 
@@ -605,3 +605,16 @@ class Lab:
             self.job_box.children = ()
             close_widgets(self.job_figure)
             self.job_figure = None
+
+
+def _one_rank_count(ranks: int | str | None) -> int:
+    """``--ranks`` as a lab takes it: ``%ckpt_bench``'s N, or ``nbckpt bench``'s sweep (a text,
+    "1,2,4") only when it names one size; absent: 1."""
+    if ranks is None:
+        return 1
+    if isinstance(ranks, str):
+        sizes = [size.strip() for size in ranks.split(",") if size.strip()]
+        if len(sizes) != 1 or not sizes[0].isdigit():
+            raise ConfigError(f"a lab runs one rank count at a time, not --ranks {ranks}")
+        return int(sizes[0])
+    return ranks
