@@ -5,7 +5,6 @@ The one private module of the bench another layer may import (``tests/test_layou
 """
 
 from ._compare import DEFAULT_REPEATS, DEFAULT_STRATEGIES, add_bench_arguments, run_bench_from_args
-from ._comparison import _json_value as json_value
 from ._load import machine_load
 from ._rank_workload import RankWorkload, state_digests
 from ._ranks import arm_slow, in_torchrun, run_bench_on_ranks
@@ -13,7 +12,7 @@ from ._result import RESULT_COLUMNS, STALL_NAMES
 from ._stats import drag_text, interval_text, measurable, overhead_text, per_repeat_text, t_interval
 from ._strategies import STRATEGIES, get_strategy
 from ._strategy import plain_state, tensor_bytes
-from ._sweep import run_sweep, scaling_table
+from ._sweep import SCALING_SCHEMA, check_json_path, run_sweep, scaling_table, write_document
 from ._workloads import PRESETS
 
 __all__ = [
@@ -21,16 +20,17 @@ __all__ = [
     "DEFAULT_STRATEGIES",
     "PRESETS",
     "RESULT_COLUMNS",
+    "SCALING_SCHEMA",
     "STALL_NAMES",
     "STRATEGIES",
     "RankWorkload",
     "add_bench_arguments",
     "arm_slow",
+    "check_json_path",
     "drag_text",
     "get_strategy",
     "in_torchrun",
     "interval_text",
-    "json_value",
     "machine_load",
     "measurable",
     "overhead_text",
@@ -43,4 +43,5 @@ __all__ = [
     "state_digests",
     "t_interval",
     "tensor_bytes",
+    "write_document",
 ]
