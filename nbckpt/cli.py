@@ -96,13 +96,11 @@ def _bench_sweep(args: argparse.Namespace, progress: Callable[[str], None] | Non
     if bench.in_torchrun():
         raise ConfigError("--ranks launches torchrun itself; run it outside torchrun")
     if args.json is not None:
-        parent = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(parent) or os.path.isdir(args.json):
-            raise ConfigError(f"--json {args.json}: give a file name in an existing directory")
+        bench.check_json_path(args.json)
     document = bench.run_sweep(args, progress)
     print(bench.scaling_table(document["scaling"]))
     if args.json is not None:
-        write_atomic(args.json, json.dumps(bench.json_value(document), indent=1, allow_nan=False).encode())
+        bench.write_document(document, args.json)
         print(f"results written to {args.json}")
     return 0
 

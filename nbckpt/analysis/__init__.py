@@ -1,5 +1,6 @@
-"""What the measurements mean: the checkpoint-interval advisor, the scale-out projection, the
-published figures with their sources, the report's conclusions, and checkpoint diffs.
+"""What the measurements mean: the checkpoint-interval advisor, the measured scaling of a bench
+on many ranks (the job's figures, the straggler, the curve over rank counts), the published
+figures with their sources, the report's conclusions, and checkpoint diffs.
 
 Reads the bench's results, knows nothing of notebooks; comes with the ``notebook`` extra. Glue
 the layers above share with it is in ``_internal``.
@@ -12,8 +13,18 @@ require_extra("nbckpt.analysis")
 from ._conclusions import conclusions
 from ._defaults import DEFAULTS
 from ._interval import advise, compare_modes, expected_waste, young_daly_interval
-from ._projection import checkpoint_gb, project_scale
+from ._job_report import (
+    job_conclusions,
+    job_table,
+    rank_rows,
+    read_jobs,
+    read_runs,
+    scaling_conclusions,
+    scaling_table,
+    swimlanes,
+)
 from ._reference import cite, published_table
+from ._sizes import checkpoint_gb
 
 __all__ = [
     "DEFAULTS",
@@ -23,7 +34,14 @@ __all__ = [
     "compare_modes",
     "conclusions",
     "expected_waste",
-    "project_scale",
+    "job_conclusions",
+    "job_table",
     "published_table",
+    "rank_rows",
+    "read_jobs",
+    "read_runs",
+    "scaling_conclusions",
+    "scaling_table",
+    "swimlanes",
     "young_daly_interval",
 ]

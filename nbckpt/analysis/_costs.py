@@ -1,7 +1,7 @@
-"""Measured checkpoint costs, one row per strategy: what the interval model and the projection
-start from. The **drag** is loop time lost per checkpoint beyond the stall, while the background
-write competes with training for the host (on a GPU node the PyTorch blog on cached save plans
-reports a background save of about 436 s before its fixes and 67 s after, Llama3-70B, 1856 H200s).
+"""Measured checkpoint costs, one row per strategy: what the interval advisor starts from. The
+**drag** is loop time lost per checkpoint beyond the stall, while the background write competes
+with training for the host (on a GPU node the PyTorch blog on cached save plans reports a
+background save of about 436 s before its fixes and 67 s after, Llama3-70B, 1856 H200s).
 """
 
 from __future__ import annotations

@@ -21,16 +21,6 @@ class AdvisorDefaults:
     gpus_per_node: int = 8
     restore_s: float = 120.0
     """Restart and load time after a failure (an assumption; measure yours)."""
-    storage_gbs: float = 100.0
-    """Aggregate write bandwidth of the storage in the projection, GB/s (an assumption)."""
-    d2h_gbs: float = 52.8
-    """Per-rank staging rate in the projection: nvbandwidth's H100 SM-kernel copy (torch's tensor
-    copies use the copy engines, which it does not measure)."""
-    gpu_memory_gb: float = 80.0
-    """GPU memory per rank (H100 80GB): more state per rank than this cannot exist."""
-    interval_s: float = 1800.0
-    """Checkpoint interval the projected overhead is computed for."""
-    sharding: str = "full"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -21,8 +21,10 @@ import pandas as pd
 
 from .._errors import ConfigError
 from .._util import check_count
+from ..bench import Comparison
 from ..engine._internal import expected_waste, young_daly_interval
 from ._costs import Measured, measurements
+from ._job_costs import costs_for
 from ._reference import _load as published  # read-only here: no copy
 
 __all__ = [
@@ -85,7 +87,7 @@ def cluster_mtbf_s(mtbf_hours: float, gpus: int, gpus_per_node: int = 8) -> floa
 
 
 def advise(
-    results: Measured,
+    results: Measured | Comparison | Sequence[Comparison],
     *,
     mtbf_hours: float,
     gpus: int = 8,
@@ -98,12 +100,28 @@ def advise(
     ``mtbf_hours`` is one node's; ``bound`` says what set the interval (the Young/Daly optimum,
     or the persist time of an async save). The lost time splits into stalls, drag, rework and
     restores; ``storage_duty_pct`` is the share of time the storage writes this job's checkpoints.
+
+    ``results``: a table of one process's costs, or bench runs (:class:`~nbckpt.bench.Comparison`,
+    one or a list, e.g. ``nbckpt bench --ranks`` read by :func:`read_jobs`): then the costs come
+    from the run of ``gpus`` ranks, else the largest given (:mod:`._job_costs`), and the table's
+    ``attrs["costs_from"]`` says which.
     """
     if restore_s < 0:
         raise ConfigError(f"restore_s must be >= 0, got {restore_s}")
     mtbf_s = cluster_mtbf_s(mtbf_hours, gpus, gpus_per_node)
+    if isinstance(results, Comparison) or (isinstance(results, Sequence) and not isinstance(results, str)):
+        costs, source = costs_for(results, gpus)
+    else:
+        costs, source = (
+            measurements(results),
+            {
+                "costs_from": "costs from the results table given: one rank's, as if all ranks paid them",
+                "measured_ranks": 1,
+                "job_size_measured": gpus == 1,
+            },
+        )
     rows: list[dict[Any, Any]] = []
-    for row in measurements(results).to_dict("records"):
+    for row in costs.to_dict("records"):
         stall, lag = float(row["stall_s"]), float(row["lag_s"])
         cost = stall + float(row["drag_s"])
         optimum = young_daly_interval(cost, mtbf_s, method)
@@ -137,6 +155,7 @@ def advise(
         method=method,
         nodes=math.ceil(gpus / gpus_per_node),
         restore_s=restore_s,
+        **source,
     )
     return advice
 

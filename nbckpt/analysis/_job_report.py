@@ -9,6 +9,7 @@ and refuses, in one line, what is not a bench on many ranks. No processes, no cl
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ import pandas as pd
 from .._errors import ConfigError
 from .._util import GB
 from ..bench import Comparison
+from ..bench._internal import SCALING_SCHEMA
 
 __all__ = [
     "JOB_COLUMNS",
@@ -30,6 +32,7 @@ __all__ = [
     "rank_rows",
     "rate_over_time",
     "read_jobs",
+    "read_runs",
     "scaling_conclusions",
     "scaling_table",
     "swimlanes",
@@ -74,25 +77,51 @@ def _number(value: Any) -> float:
         return math.nan
 
 
-def read_jobs(paths: Sequence[str | os.PathLike[str]]) -> list[Comparison]:
-    """The comparisons ``nbckpt bench`` wrote under torchrun, in the order given; the first file
-    that is missing, not a bench result, or a one-process bench raises :class:`ConfigError`
-    naming it (before anything is drawn or written)."""
+def _comparisons(name: str) -> list[tuple[str, Comparison]]:
+    """The comparisons in one file: a bench result, or every size of a ``--ranks`` sweep."""
+    try:
+        with open(name, encoding="utf-8") as stream:
+            document = json.load(stream)
+    except (OSError, ValueError):
+        document = None
+    if not isinstance(document, dict):
+        return [(name, Comparison.from_json(name))]  # what is wrong with it, in its one line
+    if document.get("schema") != SCALING_SCHEMA:
+        return [(name, Comparison.from_dict(document))]
+    return [
+        (f"{name} ({run.get('ranks')} ranks)", Comparison.from_dict(run.get("document") or {}))
+        for run in document.get("runs") or []
+    ]
+
+
+def read_runs(paths: Sequence[str | os.PathLike[str]]) -> list[tuple[str, Comparison]]:
+    """``(source, comparison)`` of every bench on many ranks in the files given, in order: a file
+    ``nbckpt bench`` wrote under torchrun, or a ``nbckpt bench --ranks`` sweep (each of its sizes,
+    the source naming the size). The first file that is missing, not a bench result, or a
+    one-process bench raises :class:`ConfigError` naming it (before anything is drawn or written)."""
     if not paths:
         raise ConfigError("--from names no bench result")
-    jobs = []
+    runs = []
     for path in paths:
         name = os.fspath(path)
         if not os.path.isfile(name):
             raise ConfigError(f"--from {name}: no such file")
-        comparison = Comparison.from_json(name)  # not JSON, or not a bench result: its one line
-        if not comparison.job or not comparison.ranks:
-            raise ConfigError(
-                f"--from {name}: a one-process bench result (no 'job'); measure under "
-                "torchrun (torchrun --nproc-per-node N -m nbckpt bench ... --json OUT)"
-            )
-        jobs.append(comparison)
-    return jobs
+        found = _comparisons(name)
+        if not found:
+            raise ConfigError(f"--from {name}: a sweep with no runs")
+        for source, comparison in found:
+            if not comparison.job or not comparison.ranks:
+                raise ConfigError(
+                    f"--from {source}: a one-process bench result (no 'job'); measure under "
+                    "torchrun (torchrun --nproc-per-node N -m nbckpt bench ... --json OUT)"
+                )
+            runs.append((source, comparison))
+    return runs
+
+
+def read_jobs(paths: Sequence[str | os.PathLike[str]]) -> list[Comparison]:
+    """The comparisons of :func:`read_runs`, without their sources."""
+    return [comparison for _, comparison in read_runs(paths)]
 
 
 def rank_rows(comparison: Comparison) -> pd.DataFrame:
@@ -217,7 +246,8 @@ def rate_over_time(events: pd.DataFrame, bin_s: float | None = None) -> pd.DataF
 def scaling_table(jobs: Sequence[Comparison], sources: Sequence[str] | None = None) -> pd.DataFrame:
     """One row per run and strategy that wrote: the job's rank and host counts, its aggregate
     write rate beside the concurrent raw-write floor measured in the same run, the stall over
-    ranks and the overhead at the slowest rank; sorted by rank count (the measured curve)."""
+    ranks and the overhead at the slowest rank; sorted by rank count (the measured curve).
+    ``attrs``: ``measured_ranks`` and ``label`` (the range measured, to title the curve with)."""
     names = list(sources) if sources is not None else [""] * len(jobs)
     rows = []
     for comparison, source in zip(jobs, names, strict=True):
@@ -243,7 +273,19 @@ def scaling_table(jobs: Sequence[Comparison], sources: Sequence[str] | None = No
                 }
             )
     frame = pd.DataFrame(rows, columns=SCALING_COLUMNS)
-    return frame.sort_values(["strategy", "ranks"], kind="stable").reset_index(drop=True)
+    frame = frame.sort_values(["strategy", "ranks"], kind="stable").reset_index(drop=True)
+    measured = sorted({int(count) for count in frame["ranks"]})
+    # The curve says what it rests on: a fit or a reading beyond these counts is not measured.
+    frame.attrs.update(measured_ranks=measured, label=_measured_range(measured))
+    return frame
+
+
+def _measured_range(ranks: Sequence[int]) -> str:
+    if not ranks:
+        return "nothing measured"
+    if len(ranks) == 1:
+        return f"measured on {ranks[0]} rank{'s' if ranks[0] > 1 else ''}"
+    return f"measured on {ranks[0]} to {ranks[-1]} ranks"
 
 
 def job_conclusions(table: pd.DataFrame) -> list[str]:

@@ -19,6 +19,7 @@ from ._result import STALL_DEFINITION
 from ._stats import OVERHEAD_DEFINITION, OVERHEAD_METHOD
 from ._strategies import register_strategy
 from ._strategy import Strategy
+from ._sweep import sweep
 from ._workloads import GPTConfig, Workload, make_workload, synthetic
 
 __all__ = [
@@ -42,5 +43,6 @@ __all__ = [
     "mount_info",
     "probe",
     "register_strategy",
+    "sweep",
     "synthetic",
 ]

@@ -12,7 +12,6 @@ from ._compare import (
     add_bench_arguments,
     run_bench_from_args,
 )
-from ._comparison import _json_value as json_value
 from ._launch import EventWriter, RankLaunch, run_local_ranks
 from ._load import machine_load
 from ._rank_workload import RankWorkload, state_digests
@@ -21,7 +20,7 @@ from ._result import RESULT_COLUMNS, STALL_NAMES
 from ._stats import drag_text, interval_text, measurable, overhead_text, per_repeat_text, t_interval
 from ._strategies import STRATEGIES, get_strategy
 from ._strategy import plain_state, tensor_bytes
-from ._sweep import passthrough, run_sweep, scaling_table
+from ._sweep import SCALING_SCHEMA, check_json_path, passthrough, run_sweep, scaling_table, write_document
 from ._workloads import PRESETS
 
 __all__ = [
@@ -30,6 +29,7 @@ __all__ = [
     "DEFAULT_STRATEGIES",
     "PRESETS",
     "RESULT_COLUMNS",
+    "SCALING_SCHEMA",
     "STALL_NAMES",
     "STRATEGIES",
     "ComparisonInterrupted",
@@ -38,12 +38,12 @@ __all__ = [
     "RankWorkload",
     "add_bench_arguments",
     "arm_slow",
+    "check_json_path",
     "choose_interval",
     "drag_text",
     "get_strategy",
     "in_torchrun",
     "interval_text",
-    "json_value",
     "machine_load",
     "measurable",
     "overhead_text",
@@ -58,4 +58,5 @@ __all__ = [
     "state_digests",
     "t_interval",
     "tensor_bytes",
+    "write_document",
 ]

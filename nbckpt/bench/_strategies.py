@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -90,7 +90,6 @@ class TorchSave(BlockingSave):
 class NbckptStrategy(Strategy):
     """nbckpt's own :class:`~nbckpt.Checkpointer`; its events are forwarded to the timeline."""
 
-    mode: ClassVar[Literal["sync", "async"]] = "async"
     overlap: ClassVar[bool] = False
     local_only = False
 

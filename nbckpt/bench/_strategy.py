@@ -13,7 +13,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -94,6 +94,8 @@ class Strategy(ABC):
     stall_covers_copy: ClassVar[bool] = True
     """True when the loop stays blocked while every byte is copied (or written) once, so its save
     stall cannot be shorter than the copy floor; False when the copy runs behind the loop."""
+    mode: ClassVar[Literal["sync", "async"]] = "async"
+    """``sync`` when a save returns once it is durable; ``async`` when the write runs behind."""
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
         self.storage_options = dict(storage_options or {})
@@ -154,6 +156,7 @@ class Strategy(ABC):
 class BlockingSave(Strategy):
     """A save that returns once the checkpoint is durable: one ``persist`` event, the whole save."""
 
+    mode = "sync"
     writer: ClassVar[str] = ""
     """What writes (``torch.save``), for error messages."""
     suffix: ClassVar[str] = ""

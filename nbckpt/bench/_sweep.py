@@ -6,7 +6,8 @@ through, each size's JSON kept beside the sweep's), one size after the other, an
 table and one JSON of every size: per strategy and rank count the aggregate write GB/s, the
 stall's median and p99 over ranks and the job's overhead, beside the concurrent raw-write floor
 measured by the same ranks in the same run (:func:`scaling_rows`; schema in
-:func:`scaling_document`).
+:func:`scaling_document`). From Python (a notebook): :func:`sweep`, the same run, returning each
+size's :class:`~._comparison.Comparison`.
 
 No process is left behind: each size is a :class:`~._launch.RankLaunch`, ended whatever way
 the sweep ends (a finished size, a rank that died, Ctrl-C, an error). A rank that dies is named
@@ -26,18 +27,24 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError
+from ..engine._internal import write_atomic
+from ._compare import add_bench_arguments
+from ._comparison import Comparison, _json_value
 from ._job import _number
 from ._launch import RankLaunch
 
 __all__ = [
     "SCALING_SCHEMA",
     "arm_sweep_seam",
+    "check_json_path",
     "parse_ranks",
     "passthrough",
     "run_sweep",
     "scaling_document",
     "scaling_rows",
     "scaling_table",
+    "sweep",
+    "write_document",
 ]
 
 SCALING_SCHEMA = "nbckpt.bench.scaling/1"
@@ -66,6 +73,19 @@ def parse_ranks(text: str) -> list[int]:
             f"--ranks wants distinct rank counts >= 1 separated by commas (1,2,4), not {text!r}"
         )
     return sizes
+
+
+def check_json_path(path: str) -> None:
+    """A one-line ConfigError unless ``path`` names a file in an existing directory (checked
+    before any rank starts, so that a sweep's results never go nowhere)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or os.path.isdir(path):
+        raise ConfigError(f"--json {path}: give a file name in an existing directory")
+
+
+def write_document(document: Mapping[str, Any], path: str) -> None:
+    """The sweep's JSON, written whole or not at all (NaN as null)."""
+    write_atomic(path, json.dumps(_json_value(document), indent=1, allow_nan=False).encode())
 
 
 def passthrough(args: argparse.Namespace, leave_out: Sequence[str] = ()) -> list[str]:
@@ -197,3 +217,37 @@ def run_sweep(args: argparse.Namespace, say: Callable[[str], None] | None = None
             sizes, bench_argv, documents, files if args.json is not None else [""] * len(sizes)
         )
     return document
+
+
+def sweep(
+    ranks: Sequence[int],
+    directory: str,
+    *,
+    json_path: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    **options: Any,
+) -> list[Comparison]:
+    """``nbckpt bench --ranks`` from Python: the bench under torchrun on each of ``ranks`` local
+    ranks in turn, checkpoints in ``directory``, and each size's comparison (with its ``job``:
+    :func:`nbckpt.analysis.scaling_table` draws the curve of them). ``options`` are the bench's
+    own (``size_mb=8``, ``strategies="dcp-sync,nbckpt-async"``, ``steps``, ``every``,
+    ``repeats``, ``threads``, ``no_warmup``...; ``quiet`` by default); ``json_path`` keeps the
+    sweep's JSON there, each size's beside it. Ctrl-C ends every rank it started."""
+    parser = argparse.ArgumentParser(prog="nbckpt bench", add_help=False)
+    add_bench_arguments(parser)
+    args = parser.parse_args([])
+    unknown = sorted(set(options) - set(vars(args)) | set(options) & (_NOT_PASSED | {"dir"}))
+    if unknown:
+        raise ConfigError(
+            f"sweep() takes no option {', '.join(unknown)} (the bench's options: see nbckpt bench -h)"
+        )
+    values = {"quiet": True, **options}
+    if isinstance(values.get("strategies"), (list, tuple)):
+        values["strategies"] = ",".join(values["strategies"])
+    vars(args).update(values, dir=directory, json=json_path, ranks=",".join(str(size) for size in ranks))
+    if json_path is not None:
+        check_json_path(json_path)
+    document = run_sweep(args, progress)
+    if json_path is not None:
+        write_document(document, json_path)
+    return [Comparison.from_dict(run["document"]) for run in document["runs"]]

@@ -10,8 +10,9 @@ require_extra("nbckpt.notebook")
 from ._autosave import Autosave
 from ._browser import Browser
 from ._lab import Lab
+from ._rank_figures import rank_stall_figure, scaling_figure, swimlane_figure
 from ._report import report_progress
-from ._result_figures import interval_figure, overhead_figure, probe_figure, projection_figure, stall_figure
+from ._result_figures import interval_figure, overhead_figure, probe_figure, stall_figure
 from ._timeline_figures import throughput_figure, timeline_figure
 
 __all__ = [
@@ -21,9 +22,11 @@ __all__ = [
     "interval_figure",
     "overhead_figure",
     "probe_figure",
-    "projection_figure",
+    "rank_stall_figure",
     "report_progress",
+    "scaling_figure",
     "stall_figure",
+    "swimlane_figure",
     "throughput_figure",
     "timeline_figure",
 ]

@@ -593,7 +593,7 @@ class Lab:
 
     def _show_job(self, comparison: Comparison) -> None:
         """The job's table under the results, and the stall over ranks with its straggler."""
-        from ..analysis._internal import job_table, rank_rows
+        from ..analysis import job_table, rank_rows
         from ._rank_figures import rank_stall_figure
 
         self.results.value += job_html(comparison)

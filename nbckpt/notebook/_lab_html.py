@@ -46,7 +46,7 @@ def results_html(comparison: Comparison) -> str:
 def job_html(comparison: Comparison) -> str:
     """The job's figures of a run on many ranks: per strategy the aggregate write rate against
     the concurrent raw-write floor, the stall over ranks and the straggler, then in sentences."""
-    from ..analysis._internal import job_conclusions, job_table
+    from ..analysis import job_conclusions, job_table
 
     table = job_table(comparison)
     columns = [

@@ -428,7 +428,8 @@ def _show_bench(comparison: Any) -> None:
         _display(timeline_figure(comparison.timeline))
         _display(stall_figure(comparison.results))
         return
-    from ..analysis._internal import checkpoint_rates, job_table, rank_rows
+    from ..analysis import job_table, rank_rows
+    from ..analysis._internal import checkpoint_rates
     from ._rank_figures import checkpoint_rate_figure, rank_stall_figure
 
     origin = "the run's first event on any rank"

@@ -1,11 +1,12 @@
 """``nbckpt report --from run1.json run2.json ...``: the offline HTML report of benches measured
 elsewhere (a cluster: ``srun torchrun ... -m nbckpt bench --json``), measuring nothing.
 
-Every file is read and checked first (:func:`nbckpt.analysis` ``read_jobs``): a bad one is one
-line and nothing is written. Per run: the job's table and its conclusions, a swimlane per rank
-grouped by host for each strategy that wrote, the stall over ranks with the straggler, the
-aggregate write rate per checkpoint and over time; with runs of several rank counts, the measured
-scaling curve. plotly.js is inlined once, so the page works offline, as ``nbckpt report``'s does.
+Every file is read and checked first (:func:`nbckpt.analysis.read_runs`; a ``--ranks`` sweep
+gives each of its sizes): a bad one is one line and nothing is written. Per run: the job's table
+and its conclusions, a swimlane per rank grouped by host for each strategy that wrote, the stall
+over ranks with the straggler, the aggregate write rate per checkpoint and over time; with runs of
+several rank counts, the measured scaling curve. plotly.js is inlined once, so the page works
+offline, as ``nbckpt report``'s does.
 """
 
 from __future__ import annotations
@@ -20,17 +21,16 @@ import plotly.graph_objects as go
 
 from .._errors import ConfigError, NbckptError
 from .._util import writable_directory
-from ..analysis._internal import (
-    checkpoint_rates,
+from ..analysis import (
     job_conclusions,
     job_table,
     rank_rows,
-    rate_over_time,
-    read_jobs,
+    read_runs,
     scaling_conclusions,
     scaling_table,
     swimlanes,
 )
+from ..analysis._internal import checkpoint_rates, rate_over_time
 from ..bench import Comparison
 from ..engine._internal import write_atomic
 from ._rank_figures import (
@@ -157,8 +157,8 @@ def report_from(
     naming it, before anything is written."""
     if not name or Path(name).name != name or name.startswith("."):
         raise ConfigError(f"report name must be a plain file name, not {name!r}")
-    jobs = read_jobs(sources)
-    names = [os.fspath(source) for source in sources]
+    runs = read_runs(sources)
+    names, jobs = [source for source, _ in runs], [comparison for _, comparison in runs]
     title = "nbckpt report: checkpointing on " + ", ".join(
         f"{job.job.get('world_size')} ranks" for job in jobs
     )

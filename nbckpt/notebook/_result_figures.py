@@ -1,5 +1,5 @@
-"""Figures of results: stalls, overhead, the storage probe, interval advice and the scale-out
-projection.
+"""Figures of results: stalls, overhead, the storage probe and interval advice (the figures of a
+bench on many ranks, the measured scaling curve among them, are in :mod:`._rank_figures`).
 
 Each builder takes a DataFrame (the schemas of ``Comparison.results``, ``ProbeResult.to_pandas()``
 and :mod:`nbckpt.analysis`) and returns a static ``go.Figure``, or a live ``go.FigureWidget``
@@ -19,7 +19,7 @@ from plotly.subplots import make_subplots
 from ..analysis._internal import load_published, waste_curve
 from ._plotting import output, require_columns, strategy_colour
 
-__all__ = ["interval_figure", "overhead_figure", "probe_figure", "projection_figure", "stall_figure"]
+__all__ = ["interval_figure", "overhead_figure", "probe_figure", "stall_figure"]
 
 #: Bar labels are never shrunk below this (plotly's default shrinks one to fit its bar).
 _READABLE = {"minsize": 10, "mode": "show"}
@@ -282,73 +282,6 @@ def interval_figure(advice_df: pd.DataFrame, *, widget: bool = False) -> go.Figu
         xaxis={"title": "training seconds between checkpoints", "type": "log"},
         yaxis={"title": "% of time lost (stalls + rework)", "rangemode": "tozero"},
     )
-    return output(fig, widget)
-
-
-def projection_figure(projection_df: pd.DataFrame, *, widget: bool = False) -> go.Figure:
-    """Projected stall per checkpoint and overhead by model size and rank count per strategy
-    (from :func:`nbckpt.analysis.project_scale`), titled as a projection."""
-    require_columns(
-        projection_df,
-        {
-            "strategy",
-            "model",
-            "ranks",
-            "feasible",
-            "stall_s",
-            "overhead_pct",
-            "persist_s",
-            "limited_by",
-            "drag_s",
-            "storage_duty_pct",
-        },
-        "projection_figure",
-    )
-    attrs = projection_df.attrs
-    feasible = projection_df["feasible"].astype(bool)
-    left_out = len(projection_df.loc[~feasible, ["model", "ranks"]].drop_duplicates())
-    frame = projection_df[feasible]
-    frame = frame.assign(label=frame["model"].astype(str) + " × " + frame["ranks"].astype(str) + " ranks")
-    fig = make_subplots(
-        rows=1,
-        cols=2,
-        horizontal_spacing=0.1,
-        subplot_titles=("projected stall per checkpoint (s)", "projected overhead (% of training time)"),
-    )
-    for name, group in frame.groupby("strategy", sort=False):
-        hover = [
-            f"{name}, {r.label}<br>stall {r.stall_s:.3g} s, overhead {r.overhead_pct:.3g}%"
-            f"<br>persist {r.persist_s:.1f} s, limited by {r.limited_by}<br>drag {r.drag_s:.3g} s, "
-            f"storage busy {r.storage_duty_pct:.0f} % of the time"
-            for r in group.itertuples()
-        ]
-        for col, column in ((1, "stall_s"), (2, "overhead_pct")):
-            fig.add_trace(
-                go.Bar(
-                    name=str(name),
-                    x=group["label"].tolist(),
-                    y=group[column].astype(float).tolist(),
-                    marker_color=strategy_colour(str(name)),
-                    legendgroup=str(name),
-                    showlegend=col == 1,
-                    hovertext=hover,
-                    hovertemplate="%{hovertext}<extra>projection</extra>",
-                ),
-                row=1,
-                col=col,
-            )
-    title = "Projection (not measured): checkpoint stall and overhead at scale"
-    if attrs.get("storage_gbs"):
-        title += f", aggregate storage {attrs['storage_gbs']:g} GB/s"
-    if attrs.get("sharding"):
-        title += f", state {'sharded evenly' if attrs['sharding'] == 'full' else 'replicated'} over ranks"
-    if left_out:
-        title += (
-            f"<br><sup>{left_out} configuration(s) left out: more state per rank than "
-            f"{attrs.get('gpu_memory_gb', 0):g} GB of GPU memory</sup>"
-        )
-    fig.update_layout(title=title, barmode="group")
-    fig.update_yaxes(type="log", row=1, col=1)
     return output(fig, widget)
 
 

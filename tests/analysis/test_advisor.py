@@ -1,4 +1,5 @@
-"""nbckpt.analysis (the advisor): interval formulas and projections against values worked out by hand."""
+"""nbckpt.analysis (the advisor): interval formulas against values worked out by hand, and the costs
+it takes from a bench run on many ranks (the fixtures of tests/data: real torchrun runs)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from nbckpt.analysis import (
     checkpoint_gb,
     compare_modes,
     expected_waste,
-    project_scale,
+    read_jobs,
     young_daly_interval,
 )
 from nbckpt.analysis._costs import measurements
 from nbckpt.analysis._interval import ADVICE_COLUMNS, cluster_mtbf_s, node_mtbf_hours, waste_curve
-from nbckpt.analysis._projection import PROJECTION_COLUMNS, mlperf_checkpoint_sizes
+from nbckpt.bench import Comparison
+
+DATA = ROOT / "tests" / "data"
+ONE, TWO = DATA / "bench_job_1rank.json", DATA / "bench_job_2ranks.json"
 
 
 def test_young_interval_is_sqrt_2cm() -> None:
@@ -197,7 +201,6 @@ def test_waste_curve_matches_expected_waste() -> None:
 def test_checkpoint_size_helpers() -> None:
     # 7e9 parameters * 16 bytes = 112 GB
     assert checkpoint_gb(7e9) == pytest.approx(112.0)
-    assert mlperf_checkpoint_sizes()["70B"] == 912.0
 
 
 def test_node_mtbf_from_llama3_and_the_shared_defaults() -> None:
@@ -215,131 +218,46 @@ def test_report_and_notebook_07_state_the_same_advisor_defaults() -> None:
         for key, value in DEFAULTS.to_dict().items():
             if key in declared:
                 assert str(value) == declared[key]["default"].strip("\"'"), (name, key)
-        assert {"mtbf_hours", "gpus", "restore_s", "storage_gbs"} <= set(declared), name
+        assert {"mtbf_hours", "gpus", "restore_s"} <= set(declared), name
 
 
-def test_project_scale_by_hand() -> None:
-    # measured on one rank with 1 GB: sync stalls 2 s (0.5 GB/s); async stalls 0.1 s (10 GB/s
-    # staging) and persists in 1 s (1 GB/s)
-    projection = project_scale(
-        {"sync": (2.0, 2.0), "async": (0.1, 1.0)},
-        nbytes=10**9,
-        storage_gbs=50.0,
-        models={"M": 100.0},
-        ranks=[4, 100],
-        interval_s=600.0,
-    )
-    assert list(projection.columns) == PROJECTION_COLUMNS
-    assert projection.attrs["projection"] is True
-    assert set(projection["kind"]) == {"projection"}
-    rows = projection.set_index(["strategy", "ranks"])
-    # sync, 4 ranks: min(50, 4 * 0.5) = 2 GB/s -> 100 / 2 = 50 s; 50 / 600 = 8.333 %
-    assert rows.loc[("sync", 4), "stall_s"] == pytest.approx(50.0)
-    assert rows.loc[("sync", 4), "limited_by"] == "ranks"
-    assert rows.loc[("sync", 4), "overhead_pct"] == pytest.approx(8.33333, rel=1e-5)
-    # sync, 100 ranks: min(50, 100 * 0.5) = 50 GB/s -> 2 s
-    assert rows.loc[("sync", 100), "stall_s"] == pytest.approx(2.0)
-    assert rows.loc[("sync", 100), "limited_by"] == "storage"
-    # async, 4 ranks: 25 GB per rank / 10 GB/s = 2.5 s stall; persist 100 / min(50, 4) = 25 s
-    assert rows.loc[("async", 4), "stall_s"] == pytest.approx(2.5)
-    assert rows.loc[("async", 4), "persist_s"] == pytest.approx(25.0)
-    assert rows.loc[("async", 4), "backpressure_s"] == 0.0
-    # async, 100 ranks: 1 GB / 10 GB/s = 0.1 s; persist 100 / 50 = 2 s
-    assert rows.loc[("async", 100), "stall_s"] == pytest.approx(0.1)
-    assert rows.loc[("async", 100), "persist_s"] == pytest.approx(2.0)
+def _job(comparison: Comparison, strategy: str) -> dict[str, object]:
+    return next(row for row in comparison.job["strategies"] if row["strategy"] == strategy)
 
 
-def test_project_scale_backpressure_when_persist_exceeds_interval() -> None:
-    projection = project_scale(
-        {"async": (0.1, 1.0)},
-        nbytes=10**9,
-        storage_gbs=50.0,
-        models={"M": 100.0},
-        ranks=4,
-        d2h_gbs=50.0,
-        interval_s=10.0,
-    )
-    row = projection.iloc[0]
-    # stall 25 GB / 50 GB/s = 0.5 s; persist 25 s > interval 10 s -> 15 s of waiting per save
-    assert row["stage_gbs"] == 50.0
-    assert row["backpressure_s"] == pytest.approx(15.0)
-    assert row["stall_s"] == pytest.approx(15.5)
-    assert row["overhead_pct"] == pytest.approx(155.0)
-    assert row["limited_by"] == "storage"
+def test_advise_takes_its_costs_from_the_run_of_the_jobs_size_and_says_so() -> None:
+    one, two = runs = read_jobs([ONE, TWO])
+    advice = advise(runs, mtbf_hours=1000.0, gpus=2).set_index("strategy")
+    assert advice.attrs["measured_ranks"] == 2 and advice.attrs["job_size_measured"]
+    assert advice.attrs["costs_from"].startswith("costs measured on 2 ranks on 1 host (")
+    assert advice.attrs["costs_from"].endswith("the job's size")
+    for name in ("dcp-sync", "nbckpt-async"):
+        job = _job(two, name)
+        # The job waits for its slowest rank (rank 1's saves were made 0.2 s late): the longest
+        # stall of any rank, not rank 0's; and a save is durable when the last rank's write is.
+        assert advice.loc[name, "stall_s"] == job["stall_s"]["max"] > 0.2  # type: ignore[index]
+        assert advice.loc[name, "stall_s"] > two.results.set_index("strategy").loc[name, "stall_mean_s"]
+        assert advice.loc[name, "persist_s"] == job["time_to_durable_s"]
+    # A built-in strategy's mode is its own, whatever its figures: the async write's lag counts.
+    assert advice.loc["dcp-sync", "mode"] == "sync" and advice.loc["dcp-sync", "lag_s"] == 0.0
+    assert advice.loc["nbckpt-async", "mode"] == "async"
+    assert advice.loc["nbckpt-async", "lag_s"] == _job(two, "nbckpt-async")["time_to_durable_s"]
+    alone = advise(runs, mtbf_hours=1000.0, gpus=1).set_index("strategy")
+    assert alone.attrs["measured_ranks"] == 1
+    assert alone.loc["dcp-sync", "stall_s"] == _job(one, "dcp-sync")["stall_s"]["max"]  # type: ignore[index]
 
 
-def test_project_scale_defaults_to_mlperf_sizes() -> None:
-    projection = project_scale({"sync": (1.0, 1.0)}, nbytes=10**9, storage_gbs=100.0, ranks=8)
-    assert dict(zip(projection["model"], projection["checkpoint_gb"], strict=True)) == {
-        "8B": 105.0,
-        "70B": 912.0,
-        "405B": 5290.0,
-    }
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"nbytes": 0, "storage_gbs": 10.0}, "nbytes"),
-        ({"nbytes": 10**9, "storage_gbs": 0.0}, "storage_gbs"),
-        ({"nbytes": 10**9, "storage_gbs": 10.0, "ranks": []}, "ranks"),
-        ({"nbytes": 10**9, "storage_gbs": 10.0, "models": {"x": -1.0}}, "models"),
-    ],
-)
-def test_project_scale_rejects_bad_input(kwargs: dict[str, object], match: str) -> None:
-    with pytest.raises(ConfigError, match=match):
-        project_scale({"sync": (1.0, 1.0)}, **kwargs)  # type: ignore[arg-type]
-
-
-def test_project_scale_flags_configurations_that_cannot_exist() -> None:
-    # 405B: 5290 GB over 64 ranks is 82.7 GB per rank, more than an 80 GB GPU holds
-    projection = project_scale(
-        {"async": (0.1, 1.0)},
-        nbytes=10**9,
-        storage_gbs=100.0,
-        models={"405B": 5290.0},
-        ranks=[64, 512],
-        d2h_gbs=50.0,
-    )
-    rows = projection.set_index("ranks")
-    assert not rows.loc[64, "feasible"]
-    assert "82.7 GB of checkpointed state per rank exceeds 80 GB" in rows.loc[64, "note"]
-    assert math.isnan(rows.loc[64, "stall_s"]) and math.isnan(rows.loc[64, "overhead_pct"])
-    assert rows.loc[512, "feasible"] and rows.loc[512, "note"] == ""
-    # 512 ranks: 10.33 GB per rank / 50 GB/s = 0.2066 s stall; 5290 / 100 GB/s = 52.9 s persist
-    assert rows.loc[512, "stall_s"] == pytest.approx(5290 / 512 / 50)
-    assert rows.loc[512, "persist_s"] == pytest.approx(52.9)
-    assert projection.attrs["sharding"] == "full" and "split evenly" in projection.attrs["note"]
-    replicated = project_scale(
-        {"async": (0.1, 1.0)},
-        nbytes=10**9,
-        storage_gbs=100.0,
-        models={"8B": 105.0},
-        ranks=[512],
-        sharding="replicated",
-    )
-    assert not replicated["feasible"].iloc[0]  # DDP: all 105 GB on every GPU
-    with pytest.raises(ConfigError, match="sharding must be one of full, replicated"):
-        project_scale({"async": (0.1, 1.0)}, nbytes=10**9, storage_gbs=1.0, sharding="zero")
-
-
-def test_project_scale_models_drag_and_storage_duty() -> None:
-    # measured: 1 GB, async stall 0.1 s, persist 1 s, drag 0.25 s -> drag fraction 0.25
-    projection = project_scale(
-        {"async": (0.1, 1.0, 0.25)},
-        nbytes=10**9,
-        storage_gbs=100.0,
-        models={"M": 1000.0},
-        ranks=[100],
-        d2h_gbs=10.0,
-        interval_s=90.0,
-    )
-    row = projection.iloc[0]
-    # 10 GB per rank / 10 GB/s = 1 s stall; min(100, 100 * 1 GB/s) = 100 GB/s -> 10 s persist
-    assert row["stall_s"] == pytest.approx(1.0) and row["persist_s"] == pytest.approx(10.0)
-    assert row["drag_s"] == pytest.approx(2.5)  # 0.25 of the 10 s write
-    assert row["storage_duty_pct"] == pytest.approx(100 * 10 / (90 + 1))
-    assert row["overhead_pct"] == pytest.approx(100 * (1 + 2.5) / 90)
+def test_advise_for_a_size_not_measured_takes_the_largest_run_and_says_what_is_missing() -> None:
+    advice = advise(read_jobs([TWO, ONE]), mtbf_hours=1000.0, gpus=1024)
+    assert advice.attrs["measured_ranks"] == 2 and not advice.attrs["job_size_measured"]
+    assert "the job's 1,024 GPUs were not measured (runs of 1, 2 ranks given)" in advice.attrs["costs_from"]
+    assert "contention beyond it is not in them" in advice.attrs["costs_from"]
+    (single,) = read_jobs([TWO])
+    assert advise(single, mtbf_hours=1000.0, gpus=2).attrs["measured_ranks"] == 2  # one run, no list
+    table = advise({"sync": (1.0, 1.0)}, mtbf_hours=1000.0)
+    assert table.attrs["costs_from"].startswith("costs from the results table given: one rank's")
+    with pytest.raises(ConfigError, match="give advise"):
+        advise([single, "x"], mtbf_hours=1000.0)  # type: ignore[list-item]
 
 
 def test_a_drag_that_is_noise_counts_as_zero_and_a_measured_one_as_measured() -> None:

@@ -24,6 +24,7 @@ from nbckpt.analysis._job_report import (
     rank_rows,
     rate_over_time,
     read_jobs,
+    read_runs,
     scaling_conclusions,
     scaling_table,
     swimlanes,
@@ -144,6 +145,25 @@ def test_scaling_conclusions_go_from_the_fewest_ranks_to_the_most() -> None:
         f"{high['aggregate_write_gbs']:.2f} GB/s" in lines[0]
     )
     assert scaling_conclusions(scaling_table(read_jobs([TWO]))) == []  # one size: no curve
+
+
+def test_a_sweeps_file_gives_each_of_its_sizes_and_the_curve_says_its_range(tmp_path: Path) -> None:
+    sweep = tmp_path / "scaling.json"
+    runs = [
+        {"ranks": size, "json": "", "document": json.loads(path.read_text())}
+        for size, path in ((1, ONE), (2, TWO))
+    ]
+    sweep.write_text(json.dumps({"schema": "nbckpt.bench.scaling/1", "sizes": [1, 2], "runs": runs}))
+    found = read_runs([sweep])
+    assert [source for source, _ in found] == [f"{sweep} (1 ranks)", f"{sweep} (2 ranks)"]
+    assert [comparison.job["world_size"] for _, comparison in found] == [1, 2]
+    table = scaling_table([comparison for _, comparison in found])
+    assert table.attrs == {"measured_ranks": [1, 2], "label": "measured on 1 to 2 ranks"}
+    assert scaling_table(read_jobs([TWO])).attrs["label"] == "measured on 2 ranks"
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"schema": "nbckpt.bench.scaling/1", "runs": []}))
+    with pytest.raises(ConfigError, match=re.escape("empty.json: a sweep with no runs")):
+        read_runs([empty])
 
 
 def test_read_jobs_refuses_what_is_not_a_bench_on_many_ranks(tmp_path: Path) -> None:

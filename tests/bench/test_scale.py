@@ -19,7 +19,8 @@ import psutil
 import pytest
 from helpers.s3server import KEY, SECRET, SeaweedS3
 
-from nbckpt import cli
+from nbckpt import bench, cli
+from nbckpt._errors import ConfigError
 from nbckpt.bench._ranks import HOST_VARIABLE
 from nbckpt.bench._sweep import arm_sweep_seam, parse_ranks, passthrough
 from tests.helpers.ranks import RankProcess, finish_all, free_port
@@ -147,6 +148,16 @@ def test_rank_counts_and_the_options_passed_through() -> None:
     # What is passed parses back to the same options.
     again = cli.build_parser().parse_args(["bench", *argv])
     assert {**vars(again), "ranks": "1,2", "json": "x.json"} == vars(args)
+
+
+def test_sweep_from_python_refuses_an_option_the_bench_has_not_and_a_json_going_nowhere(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="sweep\\(\\) takes no option dir, json, size_gb"):
+        bench.sweep([1, 2], str(tmp_path), size_gb=1, json="x.json", dir="y")
+    with pytest.raises(ConfigError, match="give a file name in an existing directory"):
+        bench.sweep([1, 2], str(tmp_path), json_path=str(tmp_path / "nowhere" / "x.json"), size_mb=1)
+    assert list(tmp_path.iterdir()) == []  # refused before any rank started
 
 
 @pytest.mark.timeout(240)

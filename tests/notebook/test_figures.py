@@ -10,15 +10,16 @@ from typing import Any
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
+from helpers import ROOT
 
 from nbckpt import ConfigError, Timeline
-from nbckpt.analysis import advise, project_scale
+from nbckpt.analysis import advise, read_jobs, scaling_table
 from nbckpt.analysis._internal import load_published
 from nbckpt.notebook import (
     interval_figure,
     overhead_figure,
     probe_figure,
-    projection_figure,
+    scaling_figure,
     stall_figure,
     throughput_figure,
     timeline_figure,
@@ -392,20 +393,19 @@ def test_interval_figure_marks_advised_interval() -> None:
     assert fig.layout.xaxis.type == "log"
 
 
-def test_projection_figure_is_labelled_a_projection_and_leaves_out_what_cannot_exist() -> None:
-    projection = project_scale(RESULTS, nbytes=100 * MB, storage_gbs=200.0, ranks=[8, 64])
-    fig = projection_figure(projection)
-    title = fig.layout.title.text
-    assert title.startswith("Projection (not measured)")
-    assert "200 GB/s" in title and "sharded evenly" in title
-    # 70B (912 GB) and 405B (5290 GB) on 8 ranks, and 405B on 64, exceed 80 GB per rank
-    assert "3 configuration(s) left out" in title
-    assert [trace.name for trace in fig.data] == ["torch-save", "torch-save", "nbckpt-async", "nbckpt-async"]
-    stall_bars = fig.data[0]
-    assert list(stall_bars.x) == ["8B × 8 ranks", "8B × 64 ranks", "70B × 64 ranks"]
-    feasible = projection[(projection["strategy"] == "torch-save") & projection["feasible"]]
-    assert list(stall_bars.y) == feasible["stall_s"].tolist()
-    assert "projection" in stall_bars.hovertemplate and "storage busy" in stall_bars.hovertext[0]
+def test_scaling_figure_draws_what_was_measured_beside_the_floor_of_each_run() -> None:
+    data = ROOT / "tests" / "data"
+    table = scaling_table(read_jobs([data / "bench_job_2ranks.json", data / "bench_job_1rank.json"]))
+    fig = scaling_figure(table)
+    assert fig.layout.title.text == "Measured on 1, 2 ranks (no projection beyond)"
+    floor = next(trace for trace in fig.data if trace.name == "concurrent raw-write floor")
+    runs = table.drop_duplicates("ranks").sort_values("ranks")
+    assert list(floor.x) == [1, 2] and list(floor.y) == runs["concurrent_floor_gbs"].tolist()
+    for name, rows in table.groupby("strategy"):
+        rate, stall, overhead = [trace for trace in fig.data if trace.name == name]
+        assert list(rate.x) == [1, 2] and list(rate.y) == rows["aggregate_write_gbs"].tolist()
+        assert list(stall.y) == rows["stall_median_s"].tolist()
+        assert list(overhead.y) == rows["overhead_pct"].tolist()
 
 
 def test_probe_figure() -> None:
@@ -426,7 +426,6 @@ BUILDERS: list[tuple[Callable[..., go.Figure], Callable[[], pd.DataFrame]]] = [
         lambda: pd.DataFrame({"strategy": ["a"], "overhead_pct": [1.0], "overhead_ci_pct": [[0.5, 1.5]]}),
     ),
     (interval_figure, lambda: advise(RESULTS, mtbf_hours=24.0)),
-    (projection_figure, lambda: project_scale(RESULTS, nbytes=MB, storage_gbs=10.0)),
     (probe_figure, lambda: pd.DataFrame({"streams": [1, 2], "write_gbs": [1.0, 1.5]})),
 ]
 

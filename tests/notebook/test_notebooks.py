@@ -42,6 +42,7 @@ DECIDING = [
     "02_sync_vs_async.ipynb",
     "03_storage_and_flashblade.ipynb",
     "04_fault_tolerance.ipynb",
+    "09_many_ranks.ipynb",
 ]
 
 
@@ -180,8 +181,25 @@ def _check_interval(results: dict[str, Any]) -> None:
     assert demo["saves_at_s"] and demo["reason"].startswith("save every ")
 
 
+def _check_many_ranks(results: dict[str, Any]) -> None:
+    assert results["sizes"] == [1, 2, 4]  # one torchrun of each, measured now
+    rows = results["scaling"]
+    assert {row["ranks"] for row in rows} == {1, 2, 4}
+    assert all(row["aggregate_write_gbs"] > 0 and row["concurrent_floor_gbs"] > 0 for row in rows), rows
+    # what every rank of the largest run wrote adds up to the job's checkpoints
+    assert results["ranks_bytes"] == results["job_bytes"] and results["job_bytes"]["nbckpt-async"] > 0
+    assert all(late is None or late["rank"] in range(4) for late in results["stragglers"].values())
+    decision = results["decision"]  # from the run of the job's 4 ranks, and it says so
+    assert decision["ranks"] == 4 and "costs measured on 4 ranks on 1 host" in decision["costs_from"]
+    ours = [row for row in decision["advice"] if row["strategy"].startswith("nbckpt")]
+    assert decision["strategy"] == min(ours, key=lambda row: row["waste_pct"])["strategy"]
+    floors = {row["ranks"]: row["concurrent_floor_gbs"] for row in rows}
+    assert decision["floor_gbs"] == pytest.approx(floors[4])  # the table went through JSON at 10 digits
+    assert decision["writers_help"] == (decision["floor_gbs"] > 1.2 * floors[1])
+
+
 #: Notebooks that end in a "Your decision" section whose printed advice comes from the run.
-DECIDED = {"05_distributed.ipynb", "06_lab.ipynb", "07_interval_and_scale.ipynb"}
+DECIDED = {"05_distributed.ipynb", "06_lab.ipynb", "07_interval_and_scale.ipynb", "09_many_ranks.ipynb"}
 
 
 def _check_printed_decision(executed: Path) -> None:
@@ -199,6 +217,7 @@ CHECKS = {
     "05_distributed.ipynb": _check_distributed,
     "07_interval_and_scale.ipynb": _check_interval,
     "08_never_lose_work.ipynb": _check_never_lose_work,
+    "09_many_ranks.ipynb": _check_many_ranks,
 }
 
 

@@ -17,11 +17,17 @@ from typing import Any
 
 import nbformat
 import pytest
+from helpers import ROOT
 from helpers.jupyterlab import ARTIFACTS, CHROMIUM, chromium_page
 
 from nbckpt import ConfigError, NbckptError
 from nbckpt._util import parse_value
 from nbckpt.notebook._report import EXTERNAL_LOAD, REPORT_NOTEBOOK, export_html, run_report
+
+#: Runs measured on 1 and 2 ranks under torchrun (tests/data/README.md): the report's scaling section.
+RUNS = ",".join(
+    str(ROOT / "tests" / "data" / name) for name in ("bench_job_1rank.json", "bench_job_2ranks.json")
+)
 
 # The smallest run that still has every section: a baseline, sync and async strategies (DCP's
 # too: without a process group torch warns on each of their saves, a stderr box in the report).
@@ -35,6 +41,7 @@ SMALL = {
     "title": "test report",
     "torch_threads": 1,
     "repeats": 2,
+    "scaling_from": RUNS,
 }
 
 STRATEGIES = SMALL["strategies"].split(",")
@@ -116,8 +123,10 @@ def _check_progress(err: str) -> None:
 def _check_html_content(report: Path) -> None:
     html = report.read_text()
     assert report.name == "small.html"
-    # probe, overhead, timeline, throughput, stall, interval advice, projection
+    # probe, overhead, timeline, throughput, stall, interval advice, the measured scaling
     assert html.count('class="plotly-graph-div"') >= 7
+    assert "Measured scaling</strong>, measured on 1 to 2 ranks" in html
+    assert "The advice with the costs measured on 2 ranks on 1 host" in html
     assert "window.Plotly = Plotly" in html  # plotly.js itself is inline
     assert re.search(r'<table[^>]*class="[^"]*nbckpt-results', html)
     for strategy in ("torch-save", "nbckpt-async"):
@@ -172,6 +181,7 @@ def _check_results_json(report: Path) -> None:
     assert results["comparison"]["floors"]["copy_s"] > 0
     assert results["storage"]["runs"] and results["advice"]
     assert results["assumptions"]["gpus"] == 1024
+    assert {row["ranks"] for row in results["scaling"]} == {1, 2} and results["scaling_advice"]
     assert any(line.startswith("nbckpt-async's stall (the time") for line in results["conclusions"])
     # the conclusions quote the measured stall
     stall_ms = measured["nbckpt-async"]["stall_mean_s"] * 1e3

@@ -98,6 +98,19 @@ def test_runs_of_one_and_two_ranks_give_the_measured_scaling_curve(
     assert "1 ranks on 1 host(s)" in page and "2 ranks on 1 host(s)" in page
 
 
+def test_a_sweeps_file_renders_as_its_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``nbckpt bench --ranks 1,2`` writes one file of both sizes: it gives the same curve."""
+    runs = [
+        {"ranks": size, "json": "", "document": json.loads(path.read_text())}
+        for size, path in ((1, ONE), (2, TWO))
+    ]
+    sweep = tmp_path / "scaling.json"
+    sweep.write_text(json.dumps({"schema": "nbckpt.bench.scaling/1", "sizes": [1, 2], "runs": runs}))
+    page = _report(capsys, tmp_path / "out", sweep)
+    assert "Measured on 1, 2 ranks (no projection beyond)" in page
+    assert f"{sweep} (1 ranks)" in page and f"{sweep} (2 ranks)" in page  # each size's section names it
+
+
 def _not_a_bench(folder: Path) -> Path:
     path = folder / "other.json"
     path.write_text(json.dumps({"schema": "something/1"}))
