@@ -318,7 +318,7 @@ def _check_same_figures(
     rows = {r["strategy"]: r for r in comparison.results.to_dict(orient="records")}
     expected = {name: _figures(row) for name, row in rows.items() if name != "none"}
     # nbckpt bench prints the table of the comparison it measured: this one
-    monkeypatch.setattr(_internal, "run_bench_from_args", lambda args, progress=None: comparison)
+    monkeypatch.setattr(_internal, "run_bench_from_args", lambda args, progress=None, **_: comparison)
     capsys.readouterr()
     assert cli.main(["bench", "--quiet"]) == 0
     printed = capsys.readouterr().out
