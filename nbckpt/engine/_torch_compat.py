@@ -14,7 +14,14 @@ import torch
 # ``torch.distributed.checkpoint.filesystem._StorageInfo``.
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-__all__ = ["STORAGE_INFO_GLOBAL", "default_store", "dtensor_spec", "pickle_record", "storage_info"]
+__all__ = [
+    "STORAGE_INFO_GLOBAL",
+    "default_store",
+    "dtensor_spec",
+    "pickle_record",
+    "storage_info",
+    "version_of",
+]
 
 #: The (module, name) under which DCP's metadata pickle refers to :func:`storage_info` records.
 STORAGE_INFO_GLOBAL = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
@@ -40,6 +47,17 @@ def dtensor_spec(tensor: Any) -> Any:
     """A DTensor's ``_spec`` (mesh, placements and shape: hashable, the same object every save;
     stable since 2.4), the key of the cache of each DTensor's chunk."""
     return tensor._spec
+
+
+def version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (``_version``: bumped by every in-place op autograd sees,
+    shared by ``detach()`` views; stable since 0.4), or None where it keeps none (an inference
+    tensor). It is a hint that a tensor changed, never proof that it did not: writes through
+    ``.data``, through NumPy, and torch 2.13's fused AdamW on CPU leave it unchanged."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return None
 
 
 def pickle_record(blob: bytes) -> bytes:
