@@ -61,6 +61,7 @@ class _Base:
     """The last committed save: where it is, this rank's files in it, the fingerprints of its bytes."""
 
     location: str
+    step: int
     files: dict[str, tuple[FileLayout, FileResult]]
     prints: Mapping[str, Fingerprint]
 
@@ -81,9 +82,11 @@ class Increments:
         self._cold = frozenset((flat.frozen | (steady - flat.trained)) - self._changing)
         return self._cold
 
-    def decide(self, flat: Flattened, files: tuple[FileLayout, ...]) -> Sharing:
+    def decide(self, flat: Flattened, files: tuple[FileLayout, ...], step: int, *, resave: bool) -> Sharing:
         """Fingerprint what may not have changed and pick the files of ``files`` (this rank's)
-        whose every tensor is as in the last committed save; runs where the state is read."""
+        whose every tensor is as in the last committed save; runs where the state is read.
+        ``resave``: whether a save of the step the last one committed keeps its files until the
+        new one is in place (an object store deletes them first: nothing is shared then)."""
         keys = [item.key for layout in files for item in layout.items]
         cold = self._cold
         prints = fingerprints(
@@ -91,7 +94,7 @@ class Increments:
         )
         self._versions = {key: _seen(flat.tensors[key]) for key in keys}
         base = self._base
-        if base is None:
+        if base is None or (base.step == step and not resave):
             return Sharing(prints=prints)
         changed = {key for key, value in prints.items() if base.prints.get(key, value) != value}
         self._changing |= changed & self._changed_last
@@ -113,15 +116,15 @@ class Increments:
     def committed(
         self,
         location: str,
+        step: int,
         files: tuple[FileLayout, ...],
         results: Mapping[str, FileResult],
         sharing: Sharing,
     ) -> None:
-        """The save ``sharing`` was decided for committed at ``location``: the next one compares
-        with it. ``results``: what this rank's files are (written or shared)."""
-        self._base = _Base(
-            location, {layout.name: (layout, results[layout.name]) for layout in files}, sharing.prints
-        )
+        """The save ``sharing`` was decided for committed ``step`` at ``location``: the next one
+        compares with it. ``results``: what this rank's files are (written or shared)."""
+        layouts = {layout.name: (layout, results[layout.name]) for layout in files}
+        self._base = _Base(location, step, layouts, sharing.prints)
 
     def forget(self) -> None:
         """The next save shares nothing (a save failed, the line changed): it writes every file."""

@@ -243,7 +243,7 @@ class Saver:
         if self._increments is None:
             return NOTHING_SHARED
         began = now_ns()
-        sharing = self._increments.decide(flat, files)
+        sharing = self._increments.decide(flat, files, step, resave=self.store.is_local)
         self.timeline.record(
             "compare",
             began,
@@ -427,7 +427,7 @@ class Saver:
             self.committed.add(step)
             self.facts.saved(step, flat.tree, metrics)
             if self._increments is not None:  # the next save compares with this one
-                self._increments.committed(path, layout.files.get(rank, ()), written[rank][0], sharing)
+                self._increments.committed(path, step, layout.files.get(rank, ()), written[rank][0], sharing)
         handle.phase = "committed"
         retention = self._retainer.after(self.facts, step, older, self._deleted) if rank == 0 else None
         if self._observer is not None:  # first: retention then knows of its upload

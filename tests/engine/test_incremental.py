@@ -263,3 +263,15 @@ def test_a_kill_in_a_save_or_a_delete_leaves_every_step_readable(
         assert steps == ([3, 4] if crash_at == "during_delete" else [2, 3])
         for step in steps:
             check_whole(tmp_path, ckpt, step, expected[step])
+
+
+def test_a_step_saved_again_shares_the_files_it_replaces(tmp_path: Path) -> None:
+    """A re-save of the step saved last links that step's files before the swap removes it."""
+    model, optim, state = setup()
+    with Checkpointer(tmp_path, mode="sync", incremental=True) as ckpt:
+        ckpt.save(state, step=1)
+        tune(model, optim, 2)
+        record = ckpt.save(state, step=1, overwrite=True).wait()
+        assert record.bytes_skipped > sum(p.nbytes for p in model.base.parameters())
+        assert ckpt.steps() == [1]
+        check_whole(tmp_path, ckpt, 1, snapshot(state))

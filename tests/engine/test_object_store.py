@@ -270,6 +270,10 @@ def test_incremental_saves_copy_unchanged_files_on_the_server(s3_server: Seaweed
             expected[step] = snapshot(state)
             assert (record.bytes_skipped > base) == (step > 1)
             assert record.bytes_written < (base if step > 1 else record.bytes_written + 1)
+        tune(model, optim, 4)  # saved again as step 3: S3 deletes the old copy first, nothing is shared
+        record = ckpt.save(state, step=3, overwrite=True).wait()
+        expected[3] = snapshot(state)
+        assert record.bytes_skipped == 0
         ckpt.delete(1)
         ckpt.delete(2)
         ckpt.verify(3)
