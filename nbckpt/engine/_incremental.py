@@ -18,8 +18,9 @@ their own (``RankPlan.cold``), so that one changing tensor does not make a froze
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,11 +30,15 @@ from ._files import FileResult
 from ._format import FileLayout
 from ._state import Flattened
 from ._torch_compat import version_of
+from ._workers import balance
 
 __all__ = ["NOTHING_SHARED", "Increments", "Sharing", "fingerprints"]
 
 #: What a fingerprint is: the function's name, then its values.
 Fingerprint = tuple[Any, ...]
+#: Runs jobs in parallel, returning their results in order (the stage threads: xxhash releases
+#: the GIL, so two threads hash a frozen base in about half the time).
+Parallel = Callable[[Sequence[Callable[[], Any]]], list[Any]]
 #: Elements of a device tensor summed at a time: bounds the fingerprint's temporary memory (32 MiB).
 _CHUNK = 1 << 22
 #: Odd 64-bit multipliers (Fibonacci hashing's, as signed int64): every element gets a different
@@ -69,7 +74,8 @@ class _Base:
 class Increments:
     """What one rank remembers between saves to decide what the next one need not write."""
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: Parallel, threads: int) -> None:
+        self._parallel, self._threads = parallel, threads
         self._base: _Base | None = None
         self._versions: dict[str, tuple[Any, int | None]] = {}
         self._changed_last: set[str] = set()  # found changed at the previous save
@@ -90,7 +96,9 @@ class Increments:
         keys = [item.key for layout in files for item in layout.items]
         cold = self._cold
         prints = fingerprints(
-            {k: flat.tensors[k] for k in keys if k in cold or self._steady(k, flat.tensors[k])}
+            {k: flat.tensors[k] for k in keys if k in cold or self._steady(k, flat.tensors[k])},
+            self._parallel,
+            self._threads,
         )
         self._versions = {key: _seen(flat.tensors[key]) for key in keys}
         base = self._base
@@ -142,19 +150,26 @@ def _seen(tensor: torch.Tensor) -> tuple[Any, int | None]:
     return where, version_of(tensor)
 
 
-def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
-    """A fingerprint of each tensor's bytes, computed where it lives."""
+def fingerprints(
+    tensors: Mapping[str, torch.Tensor], parallel: Parallel | None = None, threads: int = 1
+) -> dict[str, Fingerprint]:
+    """A fingerprint of each tensor's bytes, computed where it lives (CPU tensors in ``threads``
+    shards of about equal bytes, run by ``parallel``)."""
     prints: dict[str, Fingerprint] = {}
-    on_device: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        if tensor.device.type == "cpu":
-            prints[key] = ("xxh3", xxhash.xxh3_64_intdigest(_raw(tensor).numpy().data))
-        else:
-            on_device[key] = tensor
+    on_cpu = [key for key, tensor in tensors.items() if tensor.device.type == "cpu"]
+    on_device = {key: tensor for key, tensor in tensors.items() if tensor.device.type != "cpu"}
+    shards = balance(on_cpu, threads, lambda key: tensors[key].nbytes)
+    jobs = [partial(_hash_all, {key: tensors[key] for key in shard}) for shard in shards]
+    for part in parallel(jobs) if parallel is not None else [job() for job in jobs]:
+        prints.update(part)
     if on_device:
         sums = torch.stack([device_print(tensor) for tensor in on_device.values()]).tolist()
         prints.update({key: ("sum2", *pair) for key, pair in zip(on_device, sums, strict=True)})
     return prints
+
+
+def _hash_all(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
+    return {key: ("xxh3", xxhash.xxh3_64_intdigest(_raw(t).numpy().data)) for key, t in tensors.items()}
 
 
 def _raw(tensor: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ class Saver:
         self.facts = StepFacts(store)  # the names and metrics of the line's steps, for retention
         self.pool = StagingPool(config.max_inflight, pin=torch.cuda.is_available())
         self._stager = Stager()
-        self._increments = Increments() if config.incremental else None
+        self._increments = Increments(self._stager.run, self._stager.threads) if config.incremental else None
         self._persister = Worker("nbckpt-persist", nice=config.writer_nice)
         self._retainer = Retainer(
             config.retention, timeline, config.writer_nice, self._observer.release if self._observer else None

@@ -10,10 +10,10 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import torch
@@ -25,6 +25,8 @@ from ._state import TensorSpec
 from ._workers import Worker, balance
 
 __all__ = ["Slot", "Stager", "StagingPool"]
+
+T = TypeVar("T")
 
 
 class Slot:
@@ -233,6 +235,27 @@ class Stager:
                 # The slot goes back on the way out: the copies must be over first.
                 done.exception()
                 raise
+
+    def run(self, jobs: Sequence[Callable[[], T]]) -> list[T]:
+        """``jobs`` on the stage threads (at the caller's priority), one a thread; their results
+        in order, once every one has ended (the first error raised then)."""
+        futures: list[Future[T]] = [Future() for _ in jobs]
+
+        def one(job: Callable[[], T], future: Future[T]) -> None:
+            try:
+                future.set_result(job())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        for index, (job, future) in enumerate(zip(jobs, futures, strict=True)):
+            self._workers[index % len(self._workers)].submit(partial(one, job, future))
+        for future in futures:
+            future.exception()
+        return [future.result() for future in futures]
+
+    @property
+    def threads(self) -> int:
+        return len(self._workers)
 
     def stop(self, wait: bool = True) -> None:
         for worker in self._workers:
