@@ -182,6 +182,8 @@ def device_print(tensor: torch.Tensor) -> torch.Tensor:
     word times a different odd weight, modulo 2**64: a (2,) int64 tensor on the tensor's device,
     computed there in chunks (no host copy, bounded memory; integer sums are exact in any order)."""
     raw = _raw(tensor)
+    if raw.storage_offset() % 4:  # a view 2 bytes into its storage: copied to be read as words
+        raw = raw.clone()
     words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
     total = torch.zeros(2, dtype=torch.int64, device=raw.device)
     weights = torch.tensor(_WEIGHTS, dtype=torch.int64, device=raw.device)

@@ -220,6 +220,8 @@ def test_the_device_fingerprint_sees_every_element() -> None:
     assert device_print(swapped).tolist() != print_
     odd = torch.arange(7, dtype=torch.uint8)  # not a whole number of 32-bit words
     assert device_print(odd).tolist() != device_print(odd.flip(0)).tolist()
+    shifted = torch.arange(9, dtype=torch.bfloat16)[1:5]  # 2 bytes into its storage
+    assert device_print(shifted).tolist() == device_print(shifted.clone()).tolist()
 
 
 CHILD = """
