@@ -1,6 +1,7 @@
 """Incremental saves (issue 32): an adapter fine-tune of a frozen GPT, bytes written and stall per save.
 
     .venv/bin/python benchmarks/incremental.py --json data/results/incremental-cpu.json
+    .venv/bin/python benchmarks/incremental.py --full --json data/results/incremental-full-cpu.json
     .venv/bin/python benchmarks/incremental.py --quick     # the tiny preset, 2 repeats (checks the script)
 
 Method. The bench's GPT (``--preset``, default ``small``: 6 layers x 512, ~25M parameters) is
@@ -16,12 +17,13 @@ the figures are the steady state. Strategies, interleaved in a new random order 
 - ``nbckpt adapters only``: the adapters and their optimizer state only (what a partial,
   PEFT-style save writes; the reference the issue sets for the stall).
 
-"stall" is the time ``save`` blocks the training loop; "written" the bytes each save puts in new
-files (nbckpt's ``SaveRecord.bytes_written``; for torch and DCP the files' sizes); "restore" the
-time to restore the last step (nbckpt's strategies only; with ``incremental`` most of its bytes
-were written by the first save, into files the later steps share). Intervals are 95 %
-t-intervals over the repeats (each repeat's mean per save). On a shared machine the figures are
-under load: say so.
+With ``--full`` every parameter is trained (no adapters): what ``incremental=True`` costs where
+nothing stays the same. "stall" is the time ``save`` blocks the training loop; "written" the
+bytes each save puts in new files (nbckpt's ``SaveRecord.bytes_written``; for torch and DCP the
+files' sizes); "restore" the time to restore the last step (nbckpt's strategies only; with
+``incremental`` most of its bytes were written by the first save, into files the later steps
+share). Intervals are 95 % t-intervals over the repeats (each repeat's mean per save). On a
+shared machine the figures are under load: say so.
 """
 
 from __future__ import annotations
@@ -64,11 +66,11 @@ class Adapted(nn.Module):
 class FineTune:
     """The bench's GPT, frozen, with adapters on every feed-forward layer, trained with AdamW."""
 
-    def __init__(self, preset: str, rank: int) -> None:
+    def __init__(self, preset: str, rank: int, full: bool = False) -> None:
         torch.manual_seed(0)
         self.config = PRESETS[preset]
-        self.model = GPT(self.config).requires_grad_(False)
-        for layer in self.model.blocks.layers:
+        self.model = GPT(self.config).requires_grad_(full)
+        for layer in self.model.blocks.layers if not full else ():
             layer.linear1 = Adapted(layer.linear1, rank)
             layer.linear2 = Adapted(layer.linear2, rank)
         self.trained = [p for p in self.model.parameters() if p.requires_grad]
@@ -145,11 +147,12 @@ def run_strategy(strategy: str, tune: FineTune, saves: int, directory: Path) -> 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     preset, repeats, saves = ("tiny", 2, 3) if args.quick else (args.preset, args.repeats, args.saves)
-    tune = FineTune(preset, args.rank)
+    tune = FineTune(preset, args.rank, full=args.full)
     trained = sum(p.nbytes for p in tune.trained)
     tune.train_step()  # AdamW's moments exist: every save has its full size
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in STRATEGIES}
-    order = list(STRATEGIES)
+    strategies = STRATEGIES[:-1] if args.full else STRATEGIES  # all of it is trained: no adapters
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
+    order = list(strategies)
     for repeat in range(repeats):
         random.Random(repeat).shuffle(order)
         for strategy in order:
@@ -161,7 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     total = sum(t.nbytes for t in tune.model.state_dict().values())
     sizes = f"model {total / 1e6:.1f} MB, trained {trained / 1e6:.2f} MB"
-    print(f"gpt-{preset} frozen, rank-{args.rank} adapters: {sizes}")
+    what = "fully trained" if args.full else f"frozen, rank-{args.rank} adapters"
+    print(f"gpt-{preset} {what}: {sizes}")
     print(f"{'strategy':24} {'stall ms':>22} {'written MB / save':>24} {'restore ms':>10}")
     for strategy, row in table.items():
         stall, wrote, restore = row["stall_s"], row["written"], row["restore_s"]
@@ -172,6 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "preset": preset,
         "rank": args.rank,
+        "full": args.full,
         "repeats": repeats,
         "saves": saves,
         "model_bytes": total,
@@ -185,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     options = parser(__doc__, repeats=5, directory="data/bench/incremental", quick="tiny preset, 2 repeats")
     options.add_argument("--preset", default="small", choices=sorted(PRESETS))
     options.add_argument("--rank", type=int, default=8, help="the adapters' rank")
+    options.add_argument("--full", action="store_true", help="a full fine-tune: every parameter trained")
     options.add_argument(
         "--saves", type=int, default=6, help="saves per strategy and repeat (the first left out)"
     )
