@@ -161,6 +161,7 @@ LADDER = {
     "storage": ["_store", "_object_store", "_open_store", "_lines"],
     "save and restore": [
         "_staging",
+        "_incremental",
         "_timeline",
         "_schedule",
         "_dcp_values",

@@ -319,15 +319,23 @@ class Checkpointer:
             name = check_line(line) or self.line_name
             self._saver.wait()
             store = self._run.store_of(name)
-            if store.committed_at(check_step(step)) is None:
-                if step in store.foreign():
+            check_step(step)
+
+            def remove() -> None:
+                # Looked at by rank 0 as it deletes: another rank looking first could find the
+                # step already gone (rank 0 runs its part before the others arrive).
+                if store.committed_at(step) is None:
+                    if step in store.foreign():
+                        raise CheckpointError(
+                            f"step {step} in {self.store.url} was written by plain DCP; "
+                            "nbckpt never deletes it"
+                        )
                     raise CheckpointError(
-                        f"step {step} in {self.store.url} was written by plain DCP; nbckpt never deletes it"
+                        f"no committed checkpoint for step {step} in line {name} of {self.store.url}"
                     )
-                raise CheckpointError(
-                    f"no committed checkpoint for step {step} in line {name} of {self.store.url}"
-                )
-            self._run.restorer.group.from_rank0(("delete", step), lambda: store.delete(step))
+                store.delete(step)
+
+            self._run.restorer.group.from_rank0(("delete", step), remove)
             if name == self.line_name:
                 self._saver.committed.discard(step)
 

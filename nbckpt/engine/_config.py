@@ -45,6 +45,13 @@ class CheckpointConfig:
     max_inflight: int = 1
     """Saves that may be staged or persisting at once; the next ``save`` waits (backpressure).
     Host memory for staging is ``max_inflight`` times the state size, allocated once."""
+    incremental: bool = False
+    """Write only what changed: a data file whose tensors all hold the bytes they held at the
+    previous save is neither staged nor written again; the new step gets that step's file under
+    its own name (a hard link; on an object store, a server-side copy), so every step stays a whole
+    checkpoint that deleting any other never breaks. Frozen parameters of modules are grouped
+    apart, so a frozen base is written once per Checkpointer. Each save fingerprints the tensors
+    torch's version counter does not show as changed (docs/format.md). Needs ``max_inflight=1``."""
     verify: bool = True
     """Check the checksum of every block read on restore (and the file sizes)."""
     capture_rng: bool = False
@@ -89,7 +96,7 @@ class CheckpointConfig:
         check_count(self.max_inflight, "max_inflight", maximum=MAX_INFLIGHT)
         check_count(self.writer_threads, "writer_threads", maximum=MAX_WRITER_THREADS)
         check_count(self.writer_nice, "writer_nice", minimum=0, maximum=19)
-        for name in ("verify", "capture_rng", "read_only"):
+        for name in ("incremental", "verify", "capture_rng", "read_only"):
             check_flag(getattr(self, name), name)
         for name in ("storage_options", "mirror_options"):
             check_options(getattr(self, name), name)
@@ -97,6 +104,11 @@ class CheckpointConfig:
             raise ConfigError(f"mirror must be a directory or URL, not {self.mirror!r}")
         if self.mirror_options and self.mirror is None:  # the options of a mirror not set: a slip
             raise ConfigError("mirror_options are given but no mirror (mirror='s3://...')")
+        if self.incremental and self.max_inflight > 1:  # a save shares the committed step before it
+            raise ConfigError(
+                "incremental=True needs max_inflight=1: each save shares bytes with the step "
+                "before it, which must have committed first"
+            )
         check_line(self.line)
         if self.ranks not in ("auto", "all", "local"):
             raise ConfigError(f"ranks must be 'auto', 'all' or 'local', not {self.ranks!r}")

@@ -126,6 +126,8 @@ class FileResult:
     blocks: list[str]
     fsync_ns: tuple[int, int] = (0, 0)
     cpu_s: float = 0.0
+    shared: bool = False
+    """Taken whole from an earlier step (incremental saves), not written by this process."""
 
 
 class LocalSink:

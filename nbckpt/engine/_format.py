@@ -345,6 +345,9 @@ class RankPlan(NamedTuple):
     specs: tuple[TensorSpec, ...]
     aliases: tuple[tuple[str, str], ...]
     """(key, the earlier key naming the same tensor) of every tied tensor."""
+    cold: frozenset[str] = frozenset()
+    """Keys expected not to change between saves (incremental saves): laid out in files of their
+    own, before the others, so that a file of them can be shared whole with the step before."""
 
 
 def _assign(
@@ -431,10 +434,13 @@ def plan(
     aliases = _aliases(ranks, chunks)
     files: dict[int, tuple[FileLayout, ...]] = {}
     for rank, specs in enumerate(writes):
-        files[rank] = tuple(
-            _file_layout(data_file(rank, index), group)
-            for index, group in enumerate(balance(specs, files_per_rank, lambda spec: spec.nbytes))
-        )
+        cold = ranks[rank].cold
+        groups = [
+            group
+            for part in ([s for s in specs if s.key in cold], [s for s in specs if s.key not in cold])
+            for group in balance(part, files_per_rank, lambda spec: spec.nbytes)
+        ]
+        files[rank] = tuple(_file_layout(data_file(rank, index), group) for index, group in enumerate(groups))
     placed: dict[tuple[str, tuple[int, ...]], tuple[str, Item]] = {
         (item.key, item.offsets): (layout.name, item)
         for rank_files in files.values()

@@ -14,7 +14,7 @@ from ._object_store import endpoint, explain_fsspec_error, fsspec_options, open_
 from ._schedule import expected_waste, young_daly_interval
 from ._state import flatten
 from ._timeline import events_to_pandas, now_ns
-from ._torch_compat import version_counter
+from ._torch_compat import version_of
 
 __all__ = [
     "MANIFEST",
@@ -33,7 +33,7 @@ __all__ = [
     "open_fsspec",
     "parse_step",
     "step_name",
-    "version_counter",
+    "version_of",
     "write_all",
     "write_atomic",
     "writer_of",

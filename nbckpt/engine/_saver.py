@@ -10,7 +10,7 @@ import logging
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from functools import partial
 from typing import Any, Protocol
@@ -20,8 +20,9 @@ import torch
 from .._errors import CheckpointError, ConfigError, describe_error
 from ._config import CheckpointConfig
 from ._dcp_values import ValueItem, dcp_metadata, dcp_values, value_items
-from ._files import FileResult, write_image
+from ._files import FileResult, copy_file, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
+from ._incremental import NOTHING_SHARED, Increments, Sharing
 from ._manifest import build, provenance
 from ._ranks import RankInfo
 from ._retention import Retainer, StepFacts
@@ -46,6 +47,14 @@ class CommitObserver(Protocol):
     def committed(self, store: Store, step: int, location: str) -> None: ...
 
     def release(self, store: Store, steps: list[int]) -> set[int]: ...
+
+
+def _sizes(results: Iterable[FileResult]) -> tuple[int, int]:
+    """Bytes of ``results`` written, and shared with the step before."""
+    sizes = {False: 0, True: 0}
+    for result in results:
+        sizes[result.shared] += result.size
+    return sizes[False], sizes[True]
 
 
 class Saver:
@@ -76,6 +85,7 @@ class Saver:
         self.facts = StepFacts(store)  # the names and metrics of the line's steps, for retention
         self.pool = StagingPool(config.max_inflight, pin=torch.cuda.is_available())
         self._stager = Stager()
+        self._increments = Increments(self._stager.run, self._stager.threads) if config.incremental else None
         self._persister = Worker("nbckpt-persist", nice=config.writer_nice)
         self._retainer = Retainer(
             config.retention, timeline, config.writer_nice, self._observer.release if self._observer else None
@@ -132,7 +142,9 @@ class Saver:
                 raise CheckpointError(
                     f"could not allocate {flat.nbytes / 1e9:.2f} GB of staging memory: {describe_error(exc)}"
                 ) from exc
-            self._stager.stage(flat.tensors, slot, stage_done, wait=sync or not overlap)
+            sharing = self._share(flat, files, step)
+            tensors = {k: t for k, t in flat.tensors.items() if k not in sharing.skip}
+            self._stager.stage(tensors, slot, stage_done, wait=sync or not overlap)
         except BaseException:
             if handle.slot is not None:
                 self.pool.release(handle.slot, handle)
@@ -142,7 +154,17 @@ class Saver:
         try:
             self._persister.submit(
                 partial(
-                    self._persist, handle, flat, layout, rng_state, metrics, stage_done, start, sync, owner
+                    self._persist,
+                    handle,
+                    flat,
+                    layout,
+                    sharing,
+                    rng_state,
+                    metrics,
+                    stage_done,
+                    start,
+                    sync,
+                    owner,
                 )
             )
             handle.stall_s = (now_ns() - start) / 1e9
@@ -163,6 +185,8 @@ class Saver:
             self.store = store
             self.committed = set(store.committed())
             self.facts = StepFacts(store)  # step numbers of another line are other steps
+            if self._increments is not None:
+                self._increments.forget()  # saves of another line share nothing with this one's
 
     def warmup(self, state: Mapping[str, Any]) -> None:
         """Plan ``state``'s structure and fit every slot to it (each slot is taken in turn)."""
@@ -185,12 +209,14 @@ class Saver:
         several = self.ranks.world_size > 1
 
         def local() -> tuple[RankPlan, dict[str, str]]:
-            flat = flatten(state)
+            increments = self._increments
+            flat = flatten(state, frozen=increments is not None)
             box.append(flat)
             compared = several and compare_values
             copies = [s.key for s in flat.specs if not s.sharded or s.key in flat.replicas]
             prints = fingerprints({key: flat.tensors[key] for key in copies} if compared else {})
-            return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items()))), prints
+            cold = increments.cold(flat) if increments is not None else frozenset()
+            return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items())), cold), prints
 
         everyone = self.ranks.caller.exchange(("save", step, seq), local)
         flat = box[0]
@@ -210,6 +236,22 @@ class Saver:
             self._layouts[plans] = layout
         check_replicas(layout.shared, layout.replicated, [prints for _, prints in everyone])
         return flat, layout
+
+    def _share(self, flat: Flattened, files: tuple[Any, ...], step: int) -> Sharing:
+        """Incremental saves: which of this rank's files are taken from the step before (their
+        tensors are not staged); decided while the state is what is being saved."""
+        if self._increments is None:
+            return NOTHING_SHARED
+        began = now_ns()
+        sharing = self._increments.decide(flat, files, step, resave=self.store.is_local)
+        self.timeline.record(
+            "compare",
+            began,
+            step=step,
+            nbytes=sum(flat.tensors[key].nbytes for key in sharing.prints),
+            shared=len(sharing.files),
+        )
+        return sharing
 
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
         """Backpressure: wait while ``max_inflight`` saves are in flight (a sync save: for all)."""
@@ -288,6 +330,7 @@ class Saver:
         handle: SaveHandle,
         flat: Flattened,
         layout: Layout,
+        sharing: Sharing,
         rng_state: dict[str, Any] | None,
         metrics: Mapping[str, float],
         stage_done: Future[tuple[float, int]],
@@ -312,7 +355,7 @@ class Saver:
             )
             written = background.exchange(
                 ("write", step, tag),
-                lambda: self._write(handle, location or "", layout, flat.tree, rng_state, shared),
+                lambda: self._write(handle, location or "", layout, flat.tree, rng_state, shared, sharing),
             )
             assert handle.slot is not None
             self.pool.release(handle.slot, handle)  # the images are written: the slot is free
@@ -354,6 +397,7 @@ class Saver:
         if not sync:
             handle.returned.wait()  # stall_s is final once save() has returned
         persist_s = (now_ns() - persist_began) / 1e9
+        wrote, skipped = _sizes(written[rank][0].values())
         record = SaveRecord(
             step=step,
             path=path,
@@ -362,16 +406,28 @@ class Saver:
             stage_s=handle.stage_s,
             persist_s=persist_s,
             wait_s=handle.wait_s,
-            write_gbs=handle.bytes / persist_s / 1e9 if persist_s > 0 else 0.0,
+            write_gbs=wrote / persist_s / 1e9 if persist_s > 0 else 0.0,
             cpu_s=cpu_s,
+            bytes_written=wrote,
+            bytes_skipped=skipped,
         )
-        self.timeline.record("persist", persist_began, persisted, step=step, nbytes=handle.bytes)
+        self.timeline.record(
+            "persist",
+            persist_began,
+            persisted,
+            step=step,
+            nbytes=handle.bytes,
+            written=wrote,
+            skipped=skipped,
+        )
         self.timeline.record("commit", persisted, step=step)
         with self._state:
             self.records.append(record)
             older = set(self.committed)  # what retention may delete: never a step committed later
             self.committed.add(step)
             self.facts.saved(step, flat.tree, metrics)
+            if self._increments is not None:  # the next save compares with this one
+                self._increments.committed(path, step, layout.files.get(rank, ()), written[rank][0], sharing)
         handle.phase = "committed"
         retention = self._retainer.after(self.facts, step, older, self._deleted) if rank == 0 else None
         if self._observer is not None:  # first: retention then knows of its upload
@@ -411,14 +467,18 @@ class Saver:
         tree: Any,
         rng_state: Any,
         shared: frozenset[str],
+        sharing: Sharing,
     ) -> tuple[dict[str, FileResult], Any, Any, list[ValueItem]]:
-        """This rank's files, written in parallel: its tensors' and its plain values' (DCP byte
-        items, where it has any), and where those values are, for rank 0's DCP metadata."""
+        """This rank's files, written (or shared with the step before) in parallel: its tensors'
+        and its plain values' (DCP byte items, where it has any), and where those values are, for
+        rank 0's DCP metadata."""
         slot = handle.slot
         assert slot is not None
         fsync = self.store.is_local
         jobs: list[Callable[[], FileResult]] = [
-            partial(self._write_one, location, name, image.numpy().data, fsync)
+            partial(self._share_one, sharing.base, location, sharing.files[name], fsync)
+            if name in sharing.files and sharing.base is not None
+            else partial(self._write_one, location, name, image.numpy().data, fsync)
             for name, image in slot.images.items()
         ]
         rank = self.ranks.rank
@@ -445,6 +505,24 @@ class Saver:
     def _write_one(self, location: str, name: str, data: memoryview, fsync: bool) -> FileResult:
         return write_image(self.store.sink(location, name), data, fsync=fsync)
 
+    def _share_one(self, base: str, location: str, result: FileResult, fsync: bool) -> FileResult:
+        """File ``result.name`` of the step at ``base`` made this step's too, unread; copied (its
+        blocks checked on the way) where the storage cannot share it (no hard links there)."""
+        try:
+            self.store.share(base, location, result.name)
+        except FileNotFoundError as exc:
+            raise CheckpointError(
+                f"{result.name} of {base}, which this save shares, is gone ({describe_error(exc)})"
+            ) from exc
+        except OSError:  # FAT, some FUSE and SMB mounts, an inode's link limit
+            source = self.store.source(base, result.name, result.size)
+            try:
+                copy_file(source, self.store.sink(location, result.name), result.blocks, fsync=fsync)
+            finally:
+                source.close()
+            return FileResult(result.name, result.size, result.blocks)
+        return FileResult(result.name, result.size, result.blocks, shared=True)
+
     def _fail(self, handle: SaveHandle, exc: BaseException, began: int) -> None:
         error = CheckpointError(
             f"save of step {handle.step} to {self.store.url} failed: "
@@ -452,6 +530,8 @@ class Saver:
         )
         error.__cause__ = exc
         handle.phase = "failed"
+        if self._increments is not None:
+            self._increments.forget()  # what it staged is in no step: the next save writes all
         if not handle.staged.done():
             handle.staged.set_exception(error)
         with self._state:

@@ -106,6 +106,10 @@ class Flattened:
     """Keys whose tensor is one an earlier key names (tied weights): key -> that earlier key."""
     replicas: set[str] = field(default_factory=set)
     """DTensors with a Replicate placement: other ranks hold the same chunk, which must agree."""
+    frozen: set[str] = field(default_factory=set)
+    """Keys of modules' parameters that do not require grad (asked for with ``frozen=True``)."""
+    trained: set[str] = field(default_factory=set)
+    """Keys of modules' parameters that require grad, and of optimizers' tensors (``frozen=True``)."""
     nbytes: int = 0
 
 
@@ -133,18 +137,19 @@ def numpy_has(dtype: torch.dtype) -> bool:
     return True
 
 
-def flatten(state: Mapping[str, Any]) -> Flattened:
-    """Split ``state`` into tensors and a tree; ConfigError names any value it cannot hold."""
+def flatten(state: Mapping[str, Any], *, frozen: bool = False) -> Flattened:
+    """Split ``state`` into tensors and a tree; ConfigError names any value it cannot hold. With
+    ``frozen``, also note which modules' parameters do not require grad."""
     if not isinstance(state, Mapping):
         raise ConfigError(f"state must be a dict, not {type(state).__name__}")
     out = Flattened(tree={})
-    out.tree = _Encoder(out).encode(state, ())
+    out.tree = _Encoder(out, frozen).encode(state, ())
     return out
 
 
 class _Encoder:
-    def __init__(self, out: Flattened) -> None:
-        self.out = out
+    def __init__(self, out: Flattened, frozen: bool = False) -> None:
+        self.out, self.frozen = out, frozen
         self.active: set[int] = set()  # containers on the current path: a cycle is refused
         self.seen: dict[tuple[Any, ...], str] = {}  # each tensor's identity: the first key naming it
 
@@ -178,9 +183,17 @@ class _Encoder:
 
     def container(self, value: Any, path: tuple[str | int, ...], where: str) -> Node:
         if isinstance(value, torch.nn.Module):
+            if self.frozen:  # state_dict() detaches: requires_grad is read from the parameters
+                for name, param in value.named_parameters():
+                    key = ".".join(map(str, (*path, name)))
+                    (self.out.trained if param.requires_grad else self.out.frozen).add(key)
             return {"t": "module", "state": self.encode(value.state_dict(), path)}
         if isinstance(value, torch.optim.Optimizer):
-            return {"t": "optimizer", "state": self.encode(value.state_dict(), path)}
+            before = len(self.out.tensors)
+            node = {"t": "optimizer", "state": self.encode(value.state_dict(), path)}
+            if self.frozen:
+                self.out.trained.update(list(self.out.tensors)[before:])
+            return node
         if isinstance(value, Mapping):
             return {"t": "dict", "items": self.items(value.items(), path, where)}
         if isinstance(value, argparse.Namespace):

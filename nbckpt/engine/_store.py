@@ -135,6 +135,13 @@ class Store(ABC):
         """Write the manifest last and make ``location`` the committed ``step``; return its path."""
 
     @abstractmethod
+    def share(self, source: str, location: str, name: str) -> None:
+        """Make file ``name`` of the committed step at ``source`` file ``name`` of ``location`` too,
+        without its bytes passing through this process (a hard link, a server-side copy): each
+        step names it as its own, so deleting one never takes it from the other. OSError where
+        the storage cannot (the caller copies instead)."""
+
+    @abstractmethod
     def discard(self, location: str) -> None:
         """Remove an uncommitted location (best effort: what stays never counts)."""
 
@@ -352,6 +359,12 @@ class LocalStore(Store):
                 os.rename(old, final)
         except OSError as exc:  # nothing more can be done here; the next open sorts it out
             _log.warning("nbckpt: could not withdraw %s after a failed fsync: %s", final, describe_error(exc))
+
+    def share(self, source: str, location: str, name: str) -> None:
+        # A hard link: one inode, a name in each step; the file system counts the names, so the
+        # bytes stay until the last step holding them is deleted. Its directory entry is made
+        # durable with the new step's (commit fsyncs the directory); its bytes already are.
+        os.link(os.path.join(source, name), os.path.join(location, name), follow_symlinks=False)
 
     def discard(self, location: str) -> None:
         try:

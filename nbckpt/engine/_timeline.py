@@ -175,6 +175,10 @@ class SaveRecord:
     wait_s: float
     write_gbs: float
     cpu_s: float
+    bytes_written: int = 0
+    """Bytes this rank wrote into the step's files (data, values, DCP metadata)."""
+    bytes_skipped: int = 0
+    """Bytes of this rank's files taken whole from the step before instead (``incremental``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The record as plain values (for JSON and DataFrames)."""

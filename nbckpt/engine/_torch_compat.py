@@ -20,7 +20,7 @@ __all__ = [
     "dtensor_spec",
     "pickle_record",
     "storage_info",
-    "version_counter",
+    "version_of",
 ]
 
 #: The (module, name) under which DCP's metadata pickle refers to :func:`storage_info` records.
@@ -49,10 +49,15 @@ def dtensor_spec(tensor: Any) -> Any:
     return tensor._spec
 
 
-def version_counter(tensor: torch.Tensor) -> int:
-    """The count of in-place updates of ``tensor``'s data (``Tensor._version``, autograd's check
-    that a saved tensor was not modified; stable since 0.4): RuntimeError for an inference tensor."""
-    return int(tensor._version)
+def version_of(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (``_version``: bumped by every in-place op autograd sees,
+    shared by ``detach()`` views; stable since 0.4), or None where it keeps none (an inference
+    tensor). It is a hint that a tensor changed, never proof that it did not: writes through
+    ``.data``, through NumPy, and torch 2.13's fused AdamW on CPU leave it unchanged."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return None
 
 
 def pickle_record(blob: bytes) -> bytes:

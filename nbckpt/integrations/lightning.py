@@ -36,7 +36,7 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url
 from ..engine import CheckpointConfig, Checkpointer, CustomSteps, SaveHandle, SaveRecord
-from ..engine._internal import fsync_dir, step_name, version_counter
+from ..engine._internal import fsync_dir, step_name, version_of
 from ._common import STEP_DIR, earlier_pointer, load
 
 try:
@@ -396,8 +396,10 @@ def _fingerprint(value: Any, tensors: list[torch.Tensor], depth: int) -> Any:
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         try:
-            version, data = version_counter(value), value.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # inference or wrapper tensors
+            version, data = version_of(value), value.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # wrapper tensors
+            return object()
+        if version is None:  # an inference tensor keeps no counter
             return object()
         return (data, value.storage_offset(), value.shape, value.stride(), value.dtype, value.device, version)
     if isinstance(value, _PLAIN) or type(value).__module__ == "pathlib":

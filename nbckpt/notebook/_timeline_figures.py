@@ -39,6 +39,7 @@ TIMELINE_KINDS: dict[str, tuple[str, str, float]] = {
     "step": ("train", "#9ecae1", 0.7),
     "stall": ("train", "#d62728", 0.7),
     "wait": ("train", "#ff7f0e", 0.7),
+    "compare": ("train", "#e377c2", 0.3),  # incremental saves: fingerprints, inside the stall
     "restore": ("train", "#bcbd22", 0.7),
     "stage": ("background", "#9467bd", 0.7),
     "persist": ("background", "#2ca02c", 0.7),

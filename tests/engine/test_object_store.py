@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import crash_child
+from helpers.finetune import setup, snapshot, tune
 from helpers.s3server import KEY, SECRET, SeaweedS3
 
 from nbckpt import Checkpointer, CheckpointError
@@ -249,3 +250,34 @@ def test_reading_a_step_is_one_check_that_sees_another_writers_commit(
             assert reader.manifest(2)["step"] == 2
             assert torch.equal(reader.load(2)["w"], state["w"])
             assert len(listings) == listed_for_the_error <= 1
+
+
+def test_incremental_saves_copy_unchanged_files_on_the_server(s3_server: SeaweedS3, bucket: str) -> None:
+    """Issue 32 on a real S3 server: the frozen base's files of each step are server-side copies
+    of the step before's (no bytes through the client), and each step stays whole when the steps
+    before it are deleted."""
+    model, optim, state = setup()
+    base = sum(p.nbytes for p in model.base.parameters())
+    url = f"s3://{bucket}/incremental"
+    expected = {}
+    with Checkpointer(
+        url, mode="sync", incremental=True, storage_options=s3_server.storage_options()
+    ) as ckpt:  # type: ignore[arg-type]
+        for step in (1, 2, 3):
+            tune(model, optim, step)
+            state["step"] = step
+            record = ckpt.save(state, step=step).wait()
+            expected[step] = snapshot(state)
+            assert (record.bytes_skipped > base) == (step > 1)
+            assert record.bytes_written < (base if step > 1 else record.bytes_written + 1)
+        tune(model, optim, 4)  # saved again as step 3: S3 deletes the old copy first, nothing is shared
+        record = ckpt.save(state, step=3, overwrite=True).wait()
+        expected[3] = snapshot(state)
+        assert record.bytes_skipped == 0
+        ckpt.delete(1)
+        ckpt.delete(2)
+        ckpt.verify(3)
+        fresh_model, fresh_optim, fresh = setup(seed=5)
+        tune(fresh_model, fresh_optim, 0)
+        assert ckpt.restore(fresh) == 3
+    assert_equal_state(snapshot(fresh), expected[3])

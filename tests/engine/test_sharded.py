@@ -34,7 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict[s
     directory = tmp_path_factory.mktemp("sharded")
     return {
         "at 4": launch("save,modules,divergent", directory, 4),
-        "at 2": launch("restore,modules,save,replicas,ranked", directory, 2),
+        "at 2": launch("restore,modules,save,replicas,ranked,incremental", directory, 2),
         "at 1": launch("restore", directory, 1),
         "at 4 again": launch("restore", directory, 4),
     }
@@ -145,3 +145,16 @@ def test_a_rank_killed_mid_save_of_sharded_state_leaves_nothing_committed(tmp_pa
     assert code0 == 0, err
     assert seen["killed"]["outcome"].startswith("CheckpointError: save of step 2"), seen
     assert seen["killed"]["steps"] == ["step-000001"], seen
+
+
+def test_2_fsdp2_ranks_with_a_frozen_embedding_each_share_their_own_files(runs: Any) -> None:
+    """Incremental saves (issue 32): each rank decides for its own shards; its file of the frozen
+    embedding's shard is its first step's in every later step, the rest is written; with the
+    steps before deleted, the last restores bit for bit."""
+    for rank, seen in runs["at 2"].items():
+        result = seen["incremental"]
+        assert result["exact"], result
+        records, shared = result["records"], result["shared"]
+        assert records[0][1] == 0 and all(skipped > 0 for _, skipped in records[1:]), records
+        mine = [name for name in result["embedding"] if name.startswith(f"__{rank}_")]
+        assert mine and set(mine) <= set(shared), (mine, shared)

@@ -331,7 +331,60 @@ def killed(directory: str) -> dict[str, Any]:
 #: What each world size saves; (world, layout) pairs a restore at that world can use as they are.
 KINDS = {4: ["fsdp", "hsdp", "fsdp+tp"], 2: ["fsdp", "tp"]}
 LAYOUTS = {(4, "fsdp"), (2, "fsdp"), (2, "tp"), (4, "hsdp"), (4, "fsdp+tp")}
-SCENARIOS = {f.__name__: f for f in (save, restore, modules, divergent, replicas, ranked, killed)}
+
+
+def incremental(directory: str) -> dict[str, Any]:
+    """Issue 32: FSDP2 with a frozen embedding, saved incrementally three times; each rank's files
+    of the third step that are its first step's (same inode), its bytes written and skipped;
+    the steps before deleted, the third restored into a model of other values, bit for bit."""
+    root = Path(directory) / "incremental"
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = model_of(seed, 64)
+        model[0].requires_grad_(False)
+        if WORLD > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (WORLD,))
+            for index in (0, 1, 3):
+                fully_shard(model[index], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    model, optim = build(seed=1)
+    records = []
+    with Checkpointer(root, mode="sync", incremental=True, timeout_s=60) as ckpt:
+        for step in (1, 2, 3):
+            train(model, optim, 1)
+            record = ckpt.save({"model": model, "optim": optim}, step=step).wait()
+            records.append([record.bytes_written, record.bytes_skipped])
+        reference = full_state(model, optim)
+        first, third = root / "step-000001", root / "step-000003"
+        shared = sorted(
+            name
+            for name in os.listdir(third)
+            if name.startswith(f"__{RANK}_")
+            and (first / name).exists()
+            and (first / name).stat().st_ino == (third / name).stat().st_ino
+        )
+        embedding = sorted({chunk[0] for chunk in ckpt.manifest(3)["items"]["model.0.weight"]})
+        if WORLD > 1:
+            dist.barrier()  # every rank has looked at step 1 before rank 0 deletes it
+        ckpt.delete(1)
+        ckpt.delete(2)
+        ckpt.verify(3)
+        fresh, fresh_optim = build(seed=2)
+        train(fresh, fresh_optim, 1)
+        ckpt.restore({"model": fresh, "optim": fresh_optim})
+    now = full_state(fresh, fresh_optim)
+    exact = RANK != 0 or same(now, reference) if WORLD > 1 else same(now, reference)
+    return {"records": records, "shared": shared, "embedding": embedding, "exact": exact}
+
+
+SCENARIOS = {
+    f.__name__: f for f in (save, restore, modules, divergent, replicas, ranked, killed, incremental)
+}
 
 
 def main(scenarios: str, directory: str) -> int:

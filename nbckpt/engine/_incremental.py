@@ -1,0 +1,194 @@
+"""Incremental saves (``incremental=True``): a data file of this rank whose tensors all hold the
+bytes they held at the previous save is neither staged nor written; the new step gets that step's
+file under its own name (:meth:`Store.share`: a hard link, a server-side copy), so every step stays
+a whole checkpoint that outlives the deletion of any other.
+
+Whether a tensor changed: torch's version counter only ever says *changed* (an in-place op autograd
+saw). It never proves *unchanged*: writes through ``.data`` or NumPy, a tensor replaced by another
+at the same address, and torch 2.13's fused AdamW on CPU all leave it as it was. So every tensor it
+does not clear is fingerprinted where it lives (xxh3 of its bytes on the CPU; on a GPU two
+position-weighted sums computed on the device, so an unchanged tensor is never copied to the host)
+and shared only when the fingerprint equals the one taken when the earlier step's bytes were staged.
+
+Which tensors share files: those expected not to change (frozen parameters of modules, and tensors
+whose version counter stood still since the last save, but never a module's trained parameters or
+an optimizer's state, nor a tensor found changed at two saves running) are laid out in files of
+their own (``RankPlan.cold``), so that one changing tensor does not make a frozen base be written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import xxhash
+
+from ._files import FileResult
+from ._format import FileLayout
+from ._state import Flattened
+from ._torch_compat import version_of
+from ._workers import balance
+
+__all__ = ["NOTHING_SHARED", "Increments", "Sharing", "fingerprints"]
+
+#: What a fingerprint is: the function's name, then its values.
+Fingerprint = tuple[Any, ...]
+#: Runs jobs in parallel, returning their results in order (the stage threads: xxhash releases
+#: the GIL, so two threads hash a frozen base in about half the time).
+Parallel = Callable[[Sequence[Callable[[], Any]]], list[Any]]
+#: Elements of a device tensor summed at a time: bounds the fingerprint's temporary memory (32 MiB).
+_CHUNK = 1 << 22
+#: Odd 64-bit multipliers (Fibonacci hashing's, as signed int64): every element gets a different
+#: odd weight, so a change of any one element always changes the sum.
+_WEIGHTS = (0x9E3779B97F4A7C15 - (1 << 64), 0xC2B2AE3D27D4EB4F - (1 << 64))
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """One save's decision on one rank: its files taken whole from the committed step at
+    ``base`` (each with what writing it had given), and the fingerprints of the state it saw."""
+
+    base: str | None = None
+    files: Mapping[str, FileResult] = field(default_factory=dict)
+    prints: Mapping[str, Fingerprint] = field(default_factory=dict)
+    skip: frozenset[str] = frozenset()
+    """Keys whose files are shared: they are not staged."""
+
+
+NOTHING_SHARED = Sharing()
+
+
+@dataclass
+class _Base:
+    """The last committed save: where it is, this rank's files in it, the fingerprints of its bytes."""
+
+    location: str
+    step: int
+    files: dict[str, tuple[FileLayout, FileResult]]
+    prints: Mapping[str, Fingerprint]
+
+
+class Increments:
+    """What one rank remembers between saves to decide what the next one need not write."""
+
+    def __init__(self, parallel: Parallel, threads: int) -> None:
+        self._parallel, self._threads = parallel, threads
+        self._base: _Base | None = None
+        self._versions: dict[str, tuple[Any, int | None]] = {}
+        self._changed_last: set[str] = set()  # found changed at the previous save
+        self._changing: set[str] = set()  # found changed at two saves running: never cold again
+        self._cold: frozenset[str] = frozenset()  # what the last plan laid out apart
+
+    def cold(self, flat: Flattened) -> frozenset[str]:
+        """The keys to lay out apart from the rest (``RankPlan.cold``)."""
+        steady = {key for key, tensor in flat.tensors.items() if self._steady(key, tensor)}
+        self._cold = frozenset((flat.frozen | (steady - flat.trained)) - self._changing)
+        return self._cold
+
+    def decide(self, flat: Flattened, files: tuple[FileLayout, ...], step: int, *, resave: bool) -> Sharing:
+        """Fingerprint what may not have changed and pick the files of ``files`` (this rank's)
+        whose every tensor is as in the last committed save; runs where the state is read.
+        ``resave``: whether a save of the step the last one committed keeps its files until the
+        new one is in place (an object store deletes them first: nothing is shared then)."""
+        keys = [item.key for layout in files for item in layout.items]
+        cold = self._cold
+        prints = fingerprints(
+            {k: flat.tensors[k] for k in keys if k in cold or self._steady(k, flat.tensors[k])},
+            self._parallel,
+            self._threads,
+        )
+        self._versions = {key: _seen(flat.tensors[key]) for key in keys}
+        base = self._base
+        if base is None or (base.step == step and not resave):
+            return Sharing(prints=prints)
+        changed = {key for key, value in prints.items() if base.prints.get(key, value) != value}
+        self._changing |= changed & self._changed_last
+        self._changed_last = changed
+        shared: dict[str, FileResult] = {}
+        skip: set[str] = set()
+        for layout in files:
+            known = base.files.get(layout.name)
+            items = [item.key for item in layout.items]
+            if (
+                known is not None
+                and known[0] == layout
+                and all(key in prints and base.prints.get(key) == prints[key] for key in items)
+            ):
+                shared[layout.name] = known[1]
+                skip.update(items)
+        return Sharing(base.location if shared else None, shared, prints, frozenset(skip))
+
+    def committed(
+        self,
+        location: str,
+        step: int,
+        files: tuple[FileLayout, ...],
+        results: Mapping[str, FileResult],
+        sharing: Sharing,
+    ) -> None:
+        """The save ``sharing`` was decided for committed ``step`` at ``location``: the next one
+        compares with it. ``results``: what this rank's files are (written or shared)."""
+        layouts = {layout.name: (layout, results[layout.name]) for layout in files}
+        self._base = _Base(location, step, layouts, sharing.prints)
+
+    def forget(self) -> None:
+        """The next save shares nothing (a save failed, the line changed): it writes every file."""
+        self._base = None
+
+    def _steady(self, key: str, tensor: torch.Tensor) -> bool:
+        """Whether the version counter says nothing against ``tensor`` being as at the last save."""
+        seen = self._versions.get(key)
+        return seen is not None and seen[1] is not None and seen == _seen(tensor)
+
+
+def _seen(tensor: torch.Tensor) -> tuple[Any, int | None]:
+    """What identifies a tensor's bytes and how often they were written in place."""
+    where = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+    return where, version_of(tensor)
+
+
+def fingerprints(
+    tensors: Mapping[str, torch.Tensor], parallel: Parallel | None = None, threads: int = 1
+) -> dict[str, Fingerprint]:
+    """A fingerprint of each tensor's bytes, computed where it lives (CPU tensors in ``threads``
+    shards of about equal bytes, run by ``parallel``)."""
+    prints: dict[str, Fingerprint] = {}
+    on_cpu = [key for key, tensor in tensors.items() if tensor.device.type == "cpu"]
+    on_device = {key: tensor for key, tensor in tensors.items() if tensor.device.type != "cpu"}
+    shards = balance(on_cpu, threads, lambda key: tensors[key].nbytes)
+    jobs = [partial(_hash_all, {key: tensors[key] for key in shard}) for shard in shards]
+    for part in parallel(jobs) if parallel is not None else [job() for job in jobs]:
+        prints.update(part)
+    if on_device:
+        sums = torch.stack([device_print(tensor) for tensor in on_device.values()]).tolist()
+        prints.update({key: ("sum2", *pair) for key, pair in zip(on_device, sums, strict=True)})
+    return prints
+
+
+def _hash_all(tensors: Mapping[str, torch.Tensor]) -> dict[str, Fingerprint]:
+    return {key: ("xxh3", xxhash.xxh3_64_intdigest(_raw(t).numpy().data)) for key, t in tensors.items()}
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (a copy only where it is not contiguous)."""
+    return tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+
+def device_print(tensor: torch.Tensor) -> torch.Tensor:
+    """Two sums of the tensor's 32-bit words (bytes, where its size is not a multiple of 4), each
+    word times a different odd weight, modulo 2**64: a (2,) int64 tensor on the tensor's device,
+    computed there in chunks (no host copy, bounded memory; integer sums are exact in any order)."""
+    raw = _raw(tensor)
+    if raw.storage_offset() % 4:  # a view 2 bytes into its storage: copied to be read as words
+        raw = raw.clone()
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    total = torch.zeros(2, dtype=torch.int64, device=raw.device)
+    weights = torch.tensor(_WEIGHTS, dtype=torch.int64, device=raw.device)
+    for start in range(0, words.numel(), _CHUNK):
+        part = words[start : start + _CHUNK].to(torch.int64)
+        index = torch.arange(start + 1, start + 1 + part.numel(), dtype=torch.int64, device=raw.device)
+        total += ((index[:, None] * weights) | 1).mul_(part[:, None]).sum(0)
+    return total
