@@ -11,7 +11,7 @@ require_extra("nbckpt.analysis")
 
 from ._conclusions import conclusions
 from ._defaults import DEFAULTS
-from ._interval import advise, compare_modes, expected_waste, young_daly_interval
+from ._interval import advise, compare_modes, expected_waste, job_mtbf_s, young_daly_interval
 from ._projection import checkpoint_gb, project_scale
 from ._reference import cite, published_table
 
@@ -23,6 +23,7 @@ __all__ = [
     "compare_modes",
     "conclusions",
     "expected_waste",
+    "job_mtbf_s",
     "project_scale",
     "published_table",
     "young_daly_interval",

@@ -332,7 +332,7 @@ def test_stall_figure_stacks_the_save_stall_and_the_wait_for_the_earlier_save() 
 
 
 def test_interval_figure_marks_advised_interval() -> None:
-    advice = advise(RESULTS, mtbf_hours=24.0, gpus=512)
+    advice = advise(RESULTS, job_mtbf_hours=24.0 / 64, gpus=512)
     fig = interval_figure(advice)
     traces = traces_by_name(fig)
     assert list(traces) == ["torch-save", "torch-save advised", "nbckpt-async", "nbckpt-async advised"]
@@ -378,7 +378,7 @@ BUILDERS: list[tuple[Callable[..., go.Figure], Callable[[], pd.DataFrame]]] = [
         overhead_figure,
         lambda: pd.DataFrame({"strategy": ["a"], "overhead_pct": [1.0], "overhead_ci_pct": [[0.5, 1.5]]}),
     ),
-    (interval_figure, lambda: advise(RESULTS, mtbf_hours=24.0)),
+    (interval_figure, lambda: advise(RESULTS, job_mtbf_hours=24.0)),
     (projection_figure, lambda: project_scale(RESULTS, nbytes=MB, storage_gbs=10.0)),
     (probe_figure, lambda: pd.DataFrame({"streams": [1, 2], "write_gbs": [1.0, 1.5]})),
 ]
