@@ -12,7 +12,7 @@ require_extra("nbckpt.analysis")
 
 from ._conclusions import conclusions
 from ._defaults import DEFAULTS
-from ._interval import advise, compare_modes, expected_waste, young_daly_interval
+from ._interval import advise, compare_modes, expected_waste, job_mtbf_s, young_daly_interval
 from ._job_report import (
     job_conclusions,
     job_table,
@@ -35,6 +35,7 @@ __all__ = [
     "conclusions",
     "expected_waste",
     "job_conclusions",
+    "job_mtbf_s",
     "job_table",
     "published_table",
     "rank_rows",

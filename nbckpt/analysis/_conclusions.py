@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .._util import format_bytes
 from ..bench._internal import interval_text, measurable, overhead_text
 from ._costs import measured_drag
-from ._interval import Overhead, compare_modes, node_mtbf_hours, table_order
+from ._interval import Overhead, compare_modes, table_order
 from ._reference import _load as published  # read-only here: no copy
 
 if TYPE_CHECKING:
@@ -368,17 +368,14 @@ def _advice_sentences(run: _Run, advice: pd.DataFrame, assumptions: Mapping[str,
     if best is None:
         return []
     given: dict[Any, Any] = {**advice.attrs, **assumptions}
-    llama = run.anchors["llama3_interruptions"]["values"]
+    source = str(given.get("mtbf_source", "given"))
     text = (
-        f"Assuming a job of {int(given.get('gpus', 0)):,} GPUs ({int(given.get('gpus_per_node', 8))} "
-        f"per node) with a node MTBF of {_num(given.get('mtbf_hours')):g} h and "
+        f"Assuming a job of {int(given.get('gpus', 0)):,} GPUs with a job MTBF of "
+        f"{float(best['cluster_mtbf_h']):.1f} h ({source}) and "
         f"{_num(given.get('restore_s', best['restore_s'])):g} s to restore after a failure (report "
-        f"parameters gpus, mtbf_hours, restore_s; Llama 3's report gives "
-        f"{llama['unexpected_interruptions']['value']} interruptions in {llama['days']['value']} days "
-        f"on {llama['gpus']['value']:,} GPUs, about {node_mtbf_hours():,.0f} h per 8-GPU node), and "
+        f"parameters gpus, job_mtbf_hours, restore_s), and "
         f"taking the costs measured here on {run.device} as one rank's, the advisor puts a "
-        f"{run.focus} checkpoint "
-        f"every {float(best['interval_s']):.0f} s (job MTBF {float(best['cluster_mtbf_h']):.1f} h), "
+        f"{run.focus} checkpoint every {float(best['interval_s']):.0f} s, "
         f"losing {float(best['waste_pct']):.3f} % of the time, "
         f"{float(best['gpu_hours_lost_per_day']):.1f} GPU-hours a day: "
         f"{float(best['checkpoint_pct']):.3f} % stalls, {float(best['drag_pct']):.3f} % drag of "

@@ -8,7 +8,8 @@ per-checkpoint cost ``C = stall + drag``, interval ``tau`` and job MTBF ``M``::
 
 Each failure loses half an interval, the restore time ``R`` and, for async saves, the ``lag``
 until the snapshot is durable. With one save in flight the advised interval is never shorter
-than ``lag``. The job MTBF is a node MTBF divided by the nodes.
+than ``lag``. The job MTBF is the engine's one source, :func:`~nbckpt.engine.job_mtbf_s` (Meta's
+fit of job failures against job size, HPCA 2025), unless the caller gives the job's own.
 """
 
 from __future__ import annotations
@@ -22,19 +23,17 @@ import pandas as pd
 from .._errors import ConfigError
 from .._util import check_count
 from ..bench import Comparison
-from ..engine._internal import expected_waste, young_daly_interval
+from ..engine._internal import expected_waste, job_mtbf_s, young_daly_interval
 from ._costs import Measured, measurements
 from ._job_costs import costs_for
-from ._reference import _load as published  # read-only here: no copy
 
 __all__ = [
     "ADVICE_COLUMNS",
     "Overhead",
     "advise",
-    "cluster_mtbf_s",
     "compare_modes",
     "expected_waste",
-    "node_mtbf_hours",
+    "job_mtbf_s",
     "table_order",
     "waste_curve",
     "young_daly_interval",
@@ -42,14 +41,8 @@ __all__ = [
 
 HOUR_S = 3600.0
 DAY_S = 86400.0
-
-
-def node_mtbf_hours() -> float:
-    """Mean hours between failures of one 8-GPU node in Llama 3's pre-training (anchor
-    ``llama3_interruptions``): ``54 days * 24 h * (16384 / 8) nodes / 419 = 6334.6 h``."""
-    values = published()["anchors"]["llama3_interruptions"]["values"]
-    nodes = float(values["gpus"]["value"]) / 8
-    return float(values["days"]["value"]) * 24.0 * nodes / float(values["unexpected_interruptions"]["value"])
+#: Where a job MTBF comes from when none is given: the engine's fit (:func:`job_mtbf_s`).
+MTBF_SOURCE = "Meta's fit for the job's size (Kokolis et al., HPCA 2025)"
 
 
 #: Columns :func:`advise` returns.
@@ -76,29 +69,19 @@ ADVICE_COLUMNS = [
 ]
 
 
-def cluster_mtbf_s(mtbf_hours: float, gpus: int, gpus_per_node: int = 8) -> float:
-    """MTBF of the whole job: one node's MTBF divided by the number of nodes it uses."""
-    if not mtbf_hours > 0:
-        raise ConfigError(f"mtbf_hours must be > 0, got {mtbf_hours}")
-    check_count(gpus, "gpus")
-    check_count(gpus_per_node, "gpus_per_node")
-    nodes = math.ceil(gpus / gpus_per_node)
-    return mtbf_hours * HOUR_S / nodes
-
-
 def advise(
     results: Measured | Comparison | Sequence[Comparison],
     *,
-    mtbf_hours: float,
     gpus: int = 8,
-    gpus_per_node: int = 8,
+    job_mtbf_hours: float | None = None,
     restore_s: float = 0.0,
     method: str = "daly",
 ) -> pd.DataFrame:
     """The best checkpoint interval per strategy and what it costs (columns :data:`ADVICE_COLUMNS`).
 
-    ``mtbf_hours`` is one node's; ``bound`` says what set the interval (the Young/Daly optimum,
-    or the persist time of an async save). The lost time splits into stalls, drag, rework and
+    The job of ``gpus`` GPUs fails every ``job_mtbf_hours`` on average (None: Meta's fit for its
+    size, :func:`job_mtbf_s`); ``bound`` says what set the interval (the Young/Daly optimum, or
+    the persist time of an async save). The lost time splits into stalls, drag, rework and
     restores; ``storage_duty_pct`` is the share of time the storage writes this job's checkpoints.
 
     ``results``: a table of one process's costs, or bench runs (:class:`~nbckpt.bench.Comparison`,
@@ -108,7 +91,10 @@ def advise(
     """
     if restore_s < 0:
         raise ConfigError(f"restore_s must be >= 0, got {restore_s}")
-    mtbf_s = cluster_mtbf_s(mtbf_hours, gpus, gpus_per_node)
+    check_count(gpus, "gpus")
+    if job_mtbf_hours is not None and not 0 < job_mtbf_hours < math.inf:
+        raise ConfigError(f"job_mtbf_hours must be a number of hours > 0, got {job_mtbf_hours}")
+    mtbf_s = job_mtbf_s(gpus) if job_mtbf_hours is None else job_mtbf_hours * HOUR_S
     if isinstance(results, Comparison) or (isinstance(results, Sequence) and not isinstance(results, str)):
         costs, source = costs_for(results, gpus)
     else:
@@ -149,11 +135,10 @@ def advise(
         )
     advice = pd.DataFrame(rows, columns=ADVICE_COLUMNS)
     advice.attrs.update(
-        mtbf_hours=mtbf_hours,
         gpus=gpus,
-        gpus_per_node=gpus_per_node,
+        job_mtbf_hours=mtbf_s / HOUR_S,
+        mtbf_source="given" if job_mtbf_hours is not None else MTBF_SOURCE,
         method=method,
-        nodes=math.ceil(gpus / gpus_per_node),
         restore_s=restore_s,
         **source,
     )

@@ -171,7 +171,11 @@ class Checkpointer:
             raise ConfigError("due() needs a schedule: Checkpointer(..., schedule=SaveSchedule(mtbf='8h'))")
         persisting = any(not handle.done() for handle in self._saver.handles)
         with self._operation():
-            return self._pacer.due(persisting, self.records, self.timeline, self._caller)
+            return self._pacer.due(persisting, self.records, self._last_restore_s, self._caller)
+
+    def _last_restore_s(self) -> float | None:
+        restores = [event.duration_s for event in self.timeline.events if event.kind == "restore"]
+        return restores[-1] if restores else None
 
     @property
     def save_interval(self) -> Interval | None:

@@ -11,7 +11,7 @@ from ._final import check_signals
 from ._foreign import dcp_steps
 from ._format import MANIFEST, POINTER_FORMAT, POINTER_LIMIT, parse_step, step_name
 from ._object_store import endpoint, explain_fsspec_error, fsspec_options, open_fsspec
-from ._schedule import expected_waste, young_daly_interval
+from ._schedule import Costs, Interval, Pacer, expected_waste, job_mtbf_s, young_daly_interval
 from ._state import flatten
 from ._timeline import events_to_pandas, now_ns
 from ._torch_compat import version_of
@@ -20,6 +20,9 @@ __all__ = [
     "MANIFEST",
     "POINTER_FORMAT",
     "POINTER_LIMIT",
+    "Costs",
+    "Interval",
+    "Pacer",
     "check_signals",
     "dcp_steps",
     "endpoint",
@@ -29,6 +32,7 @@ __all__ = [
     "flatten",
     "fsspec_options",
     "fsync_dir",
+    "job_mtbf_s",
     "now_ns",
     "open_fsspec",
     "parse_step",

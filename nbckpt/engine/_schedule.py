@@ -18,14 +18,14 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from .._errors import ConfigError
 from .._util import check_count, format_duration, parse_duration
-from ._timeline import SaveRecord, Timeline
+from ._timeline import SaveRecord
 
 __all__ = [
     "JOB_MTTF_H",
@@ -104,7 +104,8 @@ class Costs:
     drag_s: float
     """Training slowed by the background write, summed over the steps it overlapped."""
     persist_s: float
-    """From the save to durable: the lag, and the shortest interval one save in flight allows."""
+    """From the save's start to durable: the shortest interval one save in flight allows; beyond
+    the stall, the lag (the work done meanwhile is lost if a failure comes before)."""
     restore_s: float
     """Restoring after a failure."""
 
@@ -144,9 +145,8 @@ class SaveSchedule:
         cost = costs.stall_s + costs.drag_s
         optimum = young_daly_interval(cost, self.mtbf_s)
         seconds, bound = (optimum, "daly") if optimum >= costs.persist_s else (costs.persist_s, "persist")
-        waste = expected_waste(
-            max(seconds, 1e-9), cost, self.mtbf_s, lag_s=costs.persist_s, restore_s=costs.restore_s
-        )
+        lag = max(costs.persist_s - costs.stall_s, 0.0)  # a sync save's: none
+        waste = expected_waste(max(seconds, 1e-9), cost, self.mtbf_s, lag_s=lag, restore_s=costs.restore_s)
         why = (
             f"Young/Daly for {format_duration(cost)} a save (stall {format_duration(costs.stall_s)}, "
             f"drag {format_duration(costs.drag_s)}) and {self.source}"
@@ -212,14 +212,21 @@ class Pacer:
         self._busy_since_save = 0
         self._busy_per_save: deque[int] = deque(maxlen=RECENT)
 
-    def due(self, persisting: bool, records: Sequence[SaveRecord], timeline: Timeline, group: Any) -> bool:
-        """A step ended now: whether a save is due, by rank 0's decision (``group``'s)."""
+    def due(
+        self,
+        persisting: bool,
+        records: Sequence[SaveRecord],
+        restore_s: Callable[[], float | None],
+        group: Any,
+    ) -> bool:
+        """A step ended now: whether a save is due, by rank 0's decision (``group.from_rank0``),
+        from the saves ``records`` and the last restore's time (``restore_s()``, asked only when
+        deciding; None: none)."""
         now = time.monotonic()
         self.tick(now, persisting)
         if self.ask_in > 0:
             return False
-        restores = [event.duration_s for event in timeline.events if event.kind == "restore"]
-        decide = partial(self.decide, now, records, restores[-1] if restores else None)
+        decide = partial(self.decide, now, records, restore_s())
         due, self.ask_in = group.from_rank0(("due",), decide)
         return bool(due)
 
@@ -250,12 +257,14 @@ class Pacer:
         return False, max(1, min(math.floor(left / step), 1000))
 
     def costs(self, records: Sequence[SaveRecord], restore_s: float | None) -> Costs:
-        """This run's costs: the recent saves' stall and time to durable, the drag measured as the
+        """This run's costs: the recent saves' stall and time to durable (the wait for the save
+        before, the copy and the write: a sync save's stall holds all three), the drag measured as the
         recent steps beside a write against those without (zero until both were seen), and the
-        last restore's time (else the write's, reading being about as fast as writing)."""
-        recent = records[-RECENT:]
+        last restore's time (else the write's, reading being about as fast as writing). The run's
+        first save is left out once there are others: it also allocated the staging buffers."""
+        recent = (records[1:] or records)[-RECENT:]
         stall = statistics.median(r.stall_s for r in recent)
-        durable = statistics.median(r.stall_s + r.persist_s for r in recent)
+        durable = statistics.median(r.wait_s + r.stage_s + r.persist_s for r in recent)
         drag = 0.0
         if len(self._idle) >= 3 and len(self._busy) >= 3 and self._busy_per_save:
             slower = statistics.median(self._busy) - statistics.median(self._idle)

@@ -5,7 +5,10 @@
 >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[cb])
 >>> trainer.train(resume_from_checkpoint=cb.resume_checkpoint())   # None on a fresh start
 
-The Trainer's own policy decides *when* to save (``save_strategy``, ``save_steps``); at each of
+The Trainer's own policy decides *when* to save (``save_strategy``, ``save_steps``), and so does,
+beside it, a save schedule given to the callback (``NbckptCallback(dir,
+schedule=SaveSchedule(mtbf="8h"))``: the interval this run's measured save costs advise, asked
+after each step; ``save_strategy="no"`` leaves it alone). At each of
 those moments the callback starts an nbckpt save of the model, optimizer, LR scheduler, RNG
 states and ``TrainerState``, returns once it is copied, and tells the Trainer not to write its own
 synchronous ``checkpoint-N/`` folder. ``keep`` plays ``save_total_limit``'s part (without
@@ -81,8 +84,10 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
 
     ``keep`` committed checkpoints stay on disk, or those a retention policy keeps (None keeps
     all), and the Trainer's best step; ``mode="sync"`` makes each save durable before training
-    goes on; ``options`` are other :class:`~nbckpt.CheckpointConfig` fields. Host memory:
-    ``max_inflight`` copies of the state (1 by default).
+    goes on; ``options`` are other :class:`~nbckpt.CheckpointConfig` fields, among them
+    ``schedule`` (a :class:`~nbckpt.SaveSchedule`: a save whenever it says one is due, on every
+    rank alike; ``ckpt.save_interval`` says why). Host memory: ``max_inflight`` copies of the
+    state (1 by default).
     """
 
     def __init__(
@@ -150,6 +155,8 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if self._config.schedule is not None and self.ckpt.due():  # every rank asks: rank 0 decides
+            control.should_save = True
         self._take_over(args, state, control, kwargs)
 
     def on_epoch_end(

@@ -15,6 +15,10 @@ saves (Lightning calls the plug-in there alone); every rank reads without a lock
 
 ``Model.load_from_checkpoint(path)`` reads the file with ``torch.load`` and bypasses plug-ins:
 use :func:`load_from_checkpoint` here, or :func:`nbckpt.integrations.export` for a real file.
+
+To save when a save schedule says (the interval this run's measured save costs advise) instead of
+every N steps: ``ScheduledCheckpoint(SaveSchedule(mtbf="8h"), dirpath=..., save_last=True)`` in
+place of ``ModelCheckpoint``, with this plug-in.
 """
 
 from __future__ import annotations
@@ -27,16 +31,17 @@ import os
 import shutil
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url
-from ..engine import CheckpointConfig, Checkpointer, CustomSteps, SaveHandle, SaveRecord
-from ..engine._internal import fsync_dir, step_name, version_of
+from ..engine import CheckpointConfig, Checkpointer, CustomSteps, SaveHandle, SaveRecord, SaveSchedule
+from ..engine._internal import Interval, Pacer, fsync_dir, step_name, version_of
 from ._common import STEP_DIR, earlier_pointer, load
 
 try:
@@ -48,7 +53,12 @@ except ImportError:
         message = "nbckpt.integrations.lightning needs Lightning: pip install 'nbckpt[lightning]'"
         raise ImportError(message) from exc
 
-__all__ = ["ROOT_NAME", "NbckptCheckpointIO", "load_from_checkpoint"]
+try:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+except ImportError:  # pytorch_lightning alone
+    from pytorch_lightning.callbacks import ModelCheckpoint  # type: ignore[no-redef,assignment]
+
+__all__ = ["ROOT_NAME", "NbckptCheckpointIO", "ScheduledCheckpoint", "load_from_checkpoint"]
 
 ROOT_NAME = ".nbckpt"
 """The nbckpt directory beside a checkpoint directory's pointers."""
@@ -216,6 +226,11 @@ class NbckptCheckpointIO(CheckpointIO):
     def records(self) -> list[SaveRecord]:
         """What each committed save cost (stall, persist time, bytes), in commit order."""
         return [*self._records, *(r for ckpt in self._roots.values() for r in ckpt.records)]
+
+    @property
+    def persisting(self) -> bool:
+        """Whether a save is being written now (its steps are slowed by the write: the drag)."""
+        return any(not written[1].done() for written in list(self._written.values()))
 
     @property
     def host_bytes(self) -> int:
@@ -419,3 +434,50 @@ def _register_with_twin() -> None:
         other = getattr(loaded, "CheckpointIO", None) if loaded is not None else None
         if other is not None and other is not CheckpointIO and not issubclass(NbckptCheckpointIO, other):
             other.register(NbckptCheckpointIO)
+
+
+class ScheduledCheckpoint(ModelCheckpoint):  # type: ignore[misc]
+    """``ModelCheckpoint`` that saves when ``schedule`` says a save is due, asked after every
+    training batch: its first save at once, then every interval Young/Daly advises for the costs
+    the :class:`NbckptCheckpointIO` measured in this run, never faster than its write persists.
+    Rank 0 decides and every rank follows. ``options`` are ModelCheckpoint's (``dirpath``,
+    ``save_last``, ``save_top_k``, ...), less the triggers it replaces; :attr:`save_interval`
+    says why it chose its interval."""
+
+    def __init__(self, schedule: SaveSchedule, **options: Any) -> None:
+        triggers = sorted({"every_n_train_steps", "train_time_interval", "every_n_epochs"} & set(options))
+        if triggers:
+            raise ConfigError(f"ScheduledCheckpoint saves when its schedule says: drop {', '.join(triggers)}")
+        if not isinstance(schedule, SaveSchedule):
+            raise ConfigError(f"schedule must be a SaveSchedule (of an mtbf or gpus), not {schedule!r}")
+        super().__init__(every_n_train_steps=1, **options)  # every batch: the schedule gates it
+        self._pacer = Pacer(schedule)
+
+    @property
+    def save_interval(self) -> Interval | None:
+        """The schedule's last decision: seconds between saves, and one line saying why."""
+        return self._pacer.interval
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, NbckptCheckpointIO):
+            raise ConfigError(
+                "ScheduledCheckpoint measures what saves cost through nbckpt: "
+                "pass plugins=[NbckptCheckpointIO()] to the Trainer"
+            )
+        if self._pacer.due(io.persisting, io.records, lambda: None, _FromRank0(trainer.strategy)):
+            self._pacer.saved(time.monotonic())
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+class _FromRank0:
+    """What the schedule asks of a process group, through a Lightning strategy's broadcast."""
+
+    def __init__(self, strategy: Any) -> None:
+        self._strategy = strategy
+
+    def from_rank0(self, tag: Any, run: Callable[[], _T]) -> _T:
+        result = run() if self._strategy.is_global_zero else None
+        return cast(_T, self._strategy.broadcast(result, src=0))

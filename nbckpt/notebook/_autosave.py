@@ -3,10 +3,13 @@ and a final save when the work is about to be lost.
 
     %ckpt_autosave model opt --every 10min --step step
     Autosave(["model", "opt"], every_s="10min", step="step").start()    # the same, from Python
+    %ckpt_autosave model opt --mtbf 8h    # as often as a SaveSchedule advises (schedule=...)
 
 - **After a cell** (``post_run_cell``), once ``every`` has passed: an async save, so the next cell
   waits only for the host copy. With a save to the directory still in flight it is skipped (the
-  next cell tries again): autosaves never queue up behind a slow disk.
+  next cell tries again): autosaves never queue up behind a slow disk. With a save schedule
+  (``--mtbf``, ``schedule=SaveSchedule(...)``) in place of ``every``: the first cell saves (it
+  measures what a save costs), then the interval Young/Daly advises for the recent saves' costs.
 - **A cell that ended with KeyboardInterrupt**: at once, whatever the budget (an interrupted cell
   is often the step before a restart).
 - **Kernel shutdown or restart**: the process exits normally and runs ``atexit`` on the main
@@ -41,8 +44,8 @@ from IPython.core.error import UsageError
 
 from .._errors import ConfigError
 from .._util import check_path, format_duration, parse_duration
-from ..engine import Checkpointer, SaveHandle, SaveRecord
-from ..engine._internal import check_signals
+from ..engine import Checkpointer, SaveHandle, SaveRecord, SaveSchedule
+from ..engine._internal import Pacer, check_signals
 from ._cell import one_line, reraise
 from ._session import Save, Session, variables
 
@@ -82,16 +85,18 @@ def _shell_or_current(shell: InteractiveShell | None) -> InteractiveShell | None
 
 class Autosave:
     """Autosave of ``names`` (notebook variables) into ``directory`` (default: ``%ckpt_config``'s)
-    every ``every_s`` (seconds or ``"10min"``); ``step``: a variable's name or a function giving
-    the step (None: one past the newest); ``timeout_s`` bounds the final save. One per shell:
-    :meth:`start` replaces the one running.
+    every ``every_s`` (seconds or ``"10min"``; default 10 min), or as often as ``schedule`` (a
+    :class:`~nbckpt.SaveSchedule`) advises for the measured save costs; ``step``: a variable's
+    name or a function giving the step (None: one past the newest); ``timeout_s`` bounds the
+    final save. One per shell: :meth:`start` replaces the one running.
     """
 
     def __init__(
         self,
         names: Sequence[str] | str,
         *,
-        every_s: float | str = 600.0,
+        every_s: float | str | None = None,
+        schedule: SaveSchedule | None = None,
         directory: str | None = None,
         step: StepSource = None,
         shell: InteractiveShell | None = None,
@@ -113,7 +118,12 @@ class Autosave:
             raise ConfigError("Autosave needs an IPython shell: run it in a notebook or IPython")
         self.shell: InteractiveShell = found
         self.names = tuple(names)
-        self.every_s = parse_duration(every_s, "every")
+        if schedule is not None and not isinstance(schedule, SaveSchedule):
+            raise ConfigError(f"schedule must be a SaveSchedule (of an mtbf or gpus), not {schedule!r}")
+        if schedule is not None and every_s is not None:
+            raise ConfigError("Autosave saves every every_s or as its schedule says, not both")
+        self.every_s = parse_duration(600.0 if every_s is None else every_s, "every")
+        self._pacer = Pacer(schedule) if schedule is not None else None
         self.timeout_s = parse_duration(timeout_s, "timeout")
         if step is not None and not isinstance(step, str) and not callable(step):
             raise ConfigError(f"step must be a variable's name or a function, not {step!r}")
@@ -219,7 +229,11 @@ class Autosave:
             self._report(one_line(exc))
 
     def _due(self) -> bool:
-        if time.monotonic() - self._last_at < self.every_s:
+        if self._pacer is not None:  # asked at each cell's end: a cell is no training step to count
+            records = self.session.opened(self.directory).records
+            if not self._pacer.decide(time.monotonic(), records, None)[0]:
+                return False
+        elif time.monotonic() - self._last_at < self.every_s:
             return False
         # A save in flight (an autosave or the user's): skip rather than stall the next cell.
         return not self.session.in_flight(self.key)
@@ -313,6 +327,8 @@ class Autosave:
             for record in caught:
                 _log.warning("%s", record.message)
         self.last, self._last_at, self._last_wall = save, time.monotonic(), time.time()
+        if self._pacer is not None:
+            self._pacer.saved(self._last_at)
         handle = save.handle
         handle.committed.add_done_callback(lambda done: self._committed(handle, done))
         if interrupted:
@@ -339,7 +355,7 @@ class Autosave:
     def status(self) -> str:
         """What is autosaved, where and how often; the last save and when the next one is due."""
         what = " ".join(self.names) + (f" (step from {self.step!r})" if isinstance(self.step, str) else "")
-        head = f"{what} to {self.directory} every {format_duration(self.every_s)}"
+        head = f"{what} to {self.directory} {self._pace()}"
         if not self.running:
             return f"nbckpt: stopped autosaving {head}"
         last = "none yet" if not self.failures else "none saved yet"
@@ -352,13 +368,26 @@ class Autosave:
                 f"\n  failed: {self.failures} time(s), the last at {_clock(self._error_wall)}: "
                 f"{self.last_error}"
             )
-        wait = self._last_at + self.every_s - time.monotonic()
+        wait = self._last_at + self._interval_s() - time.monotonic()
         due = f"the first cell to end after {_clock(time.time() + wait)}" if wait > 0 else "the next cell"
         return (
             f"nbckpt: autosaving {head}\n  last: {last}\n  next: {due}; at once when a cell is "
             f"interrupted; a final save on kernel shutdown and SIGTERM (within "
             f"{format_duration(self.timeout_s)})"
         )
+
+    def _interval_s(self) -> float:
+        """Seconds from one autosave to the next (a schedule's before its first decision: none)."""
+        if self._pacer is None:
+            return self.every_s
+        return self._pacer.interval.seconds if self._pacer.interval is not None else 0.0
+
+    def _pace(self) -> str:
+        if self._pacer is None:
+            return f"every {format_duration(self.every_s)}"
+        if self._pacer.interval is None:
+            return f"by a save schedule for {self._pacer.schedule.source} (the first save measures the costs)"
+        return f"by a save schedule: {self._pacer.interval.reason}"
 
     def __repr__(self) -> str:
         return self.status()
@@ -371,7 +400,13 @@ def _clock(wall: float) -> str:
 def command(shell: InteractiveShell, args: argparse.Namespace) -> None:
     """``%ckpt_autosave``: start (replacing the running one), stop (``--off``) or show it."""
     running = Autosave.active(shell)
-    given = {"--every": args.every, "--step": args.step, "-d": args.dir, "--timeout": args.timeout}
+    given = {
+        "--every": args.every,
+        "--mtbf": args.mtbf,
+        "--step": args.step,
+        "-d": args.dir,
+        "--timeout": args.timeout,
+    }
     options = [flag for flag, value in given.items() if value is not None]
     if args.off and (args.names or options):
         raise UsageError("--off takes no variables or options: %ckpt_autosave --off")
@@ -393,6 +428,9 @@ def command(shell: InteractiveShell, args: argparse.Namespace) -> None:
             else "nbckpt: no autosave running; start one with %ckpt_autosave model opt --every 10min"
         )
         return
+    if args.every is not None and args.mtbf is not None:
+        raise UsageError("save every --every or as the schedule of --mtbf says, not both")
+    schedule = SaveSchedule(args.mtbf) if args.mtbf is not None else None
     timing = {"every_s": args.every, "timeout_s": args.timeout}  # their defaults are Autosave's
     try:
         autosave = Autosave(
@@ -400,6 +438,7 @@ def command(shell: InteractiveShell, args: argparse.Namespace) -> None:
             shell=shell,
             directory=args.dir,
             step=args.step,
+            schedule=schedule,
             **{name: value for name, value in timing.items() if value is not None},
         ).start()
     except ConfigError as exc:

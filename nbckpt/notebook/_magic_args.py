@@ -158,6 +158,13 @@ AUTOSAVE_ARGS = (
         help="time between autosaves, checked as each cell ends: 30s, 10min, 1h (default: 10min)",
     ),
     arg(
+        "--mtbf",
+        type=duration,
+        metavar="DURATION",
+        help="save as often as a save schedule advises for this MTBF (8h) and the measured save "
+        "costs, instead of --every",
+    ),
+    arg(
         "--step",
         metavar="VAR",
         help="variable holding the step number, saved with the state "

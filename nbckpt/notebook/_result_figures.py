@@ -272,9 +272,9 @@ def interval_figure(advice_df: pd.DataFrame, *, widget: bool = False) -> go.Figu
         f"{advice_df['cluster_mtbf_h'].iloc[0]:.1f} h"
     )
     attrs = advice_df.attrs
-    if {"gpus", "mtbf_hours", "restore_s"} <= set(attrs):
+    if {"gpus", "mtbf_source", "restore_s"} <= set(attrs):
         title += (
-            f"<br><sup>assumed: {attrs['gpus']} GPUs, node MTBF {float(attrs['mtbf_hours']):g} h, "
+            f"<br><sup>assumed: {attrs['gpus']} GPUs, MTBF {attrs['mtbf_source']}, "
             f"restore {float(attrs['restore_s']):g} s</sup>"
         )
     fig.update_layout(

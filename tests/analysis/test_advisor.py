@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from helpers import ROOT
 
-from nbckpt import ConfigError
+from nbckpt import ConfigError, SaveSchedule
 from nbckpt.analysis import (
     DEFAULTS,
     advise,
@@ -20,7 +20,7 @@ from nbckpt.analysis import (
     young_daly_interval,
 )
 from nbckpt.analysis._costs import measurements
-from nbckpt.analysis._interval import ADVICE_COLUMNS, cluster_mtbf_s, node_mtbf_hours, waste_curve
+from nbckpt.analysis._interval import ADVICE_COLUMNS, MTBF_SOURCE, job_mtbf_s, waste_curve
 from nbckpt.bench import Comparison
 
 DATA = ROOT / "tests" / "data"
@@ -73,17 +73,23 @@ def test_young_interval_minimises_waste() -> None:
     assert at_best < expected_waste(best * 1.1, 50.0, 10_000.0)
 
 
-def test_cluster_mtbf_divides_by_nodes() -> None:
-    # 33 GPUs on 8-GPU nodes use 5 nodes: 40 h / 5 = 8 h
-    assert cluster_mtbf_s(40.0, gpus=33, gpus_per_node=8) == pytest.approx(8 * 3600.0)
-    with pytest.raises(ConfigError, match="mtbf_hours"):
-        cluster_mtbf_s(0.0, gpus=8)
+def test_advise_takes_the_job_mtbf_from_the_engine_unless_given() -> None:
+    """One failure model: the engine's fit (7.9 h at 1,024 GPUs), the schedule's too."""
+    fitted = advise({"sync": (50.0, 0.0)}, gpus=1024)
+    assert fitted["cluster_mtbf_h"].iloc[0] == pytest.approx(7.9) == job_mtbf_s(1024) / 3600
+    assert fitted.attrs["mtbf_source"] == MTBF_SOURCE and fitted.attrs["job_mtbf_hours"] == pytest.approx(7.9)
+    assert SaveSchedule(gpus=1024).mtbf_s == job_mtbf_s(1024)
+    given = advise({"sync": (50.0, 0.0)}, gpus=1024, job_mtbf_hours=3.0)
+    assert given["cluster_mtbf_h"].iloc[0] == 3.0 and given.attrs["mtbf_source"] == "given"
+    for bad in (0.0, -1.0, math.inf):
+        with pytest.raises(ConfigError, match="job_mtbf_hours"):
+            advise({"sync": (50.0, 0.0)}, job_mtbf_hours=bad)
 
 
 def test_advise_young_by_hand() -> None:
-    # 32 GPUs / 8 per node = 4 nodes; node MTBF 40 h -> job MTBF 10 h = 36000 s
+    # job MTBF 10 h = 36000 s
     advice = advise(
-        {"sync": (50.0, 40.0), "async": (2.0, 600.0)}, mtbf_hours=40.0, gpus=32, method="young"
+        {"sync": (50.0, 40.0), "async": (2.0, 600.0)}, job_mtbf_hours=10.0, gpus=32, method="young"
     ).set_index("strategy")
     assert list(advice.reset_index().columns) == ADVICE_COLUMNS
     sync, asynchronous = advice.loc["sync"], advice.loc["async"]
@@ -104,11 +110,11 @@ def test_advise_young_by_hand() -> None:
     # 2/600 + (300 + 600)/36000 = 0.0033333 + 0.025 = 0.0283333
     assert asynchronous["waste_pct"] == pytest.approx(2.83333, rel=1e-5)
     assert asynchronous["gpu_hours_lost_per_day"] == pytest.approx(0.0283333 * 32 * 24, rel=1e-5)
-    assert advice.attrs["nodes"] == 4
+    assert advice.attrs["gpus"] == 32
 
 
 def test_advise_daly_with_restore() -> None:
-    advice = advise({"sync": (50.0, 0.0)}, mtbf_hours=10.0, gpus=8, restore_s=120.0)
+    advice = advise({"sync": (50.0, 0.0)}, job_mtbf_hours=10.0, gpus=8, restore_s=120.0)
     row = advice.iloc[0]
     young = math.sqrt(2 * 50 * 36_000)
     tau = young * (1 + math.sqrt(50 / 72_000) / 3 + 50 / (18 * 36_000)) - 50
@@ -122,10 +128,10 @@ def test_advise_daly_with_restore() -> None:
 
 
 def test_advise_counts_the_drag_of_the_background_write_and_the_storage_duty() -> None:
-    # 8 GPUs on one node, node MTBF 10 h = 36000 s. The async save stalls 1 s, drags training by
+    # job MTBF 10 h = 36000 s. The async save stalls 1 s, drags training by
     # 3 s per checkpoint and takes 100 s to persist: cost C = 1 + 3 = 4 s;
     # Young: sqrt(2 * 4 * 36000) = 536.66 s (> the 100 s lag, so Young sets it)
-    advice = advise({"async": (1.0, 100.0, 3.0)}, mtbf_hours=10.0, gpus=8, method="young")
+    advice = advise({"async": (1.0, 100.0, 3.0)}, job_mtbf_hours=10.0, gpus=8, method="young")
     row = advice.iloc[0]
     tau = math.sqrt(2 * 4 * 36_000)
     assert row["cost_s"] == 4.0 and row["drag_s"] == 3.0 and row["bound"] == "young"
@@ -136,14 +142,17 @@ def test_advise_counts_the_drag_of_the_background_write_and_the_storage_duty() -
     assert row["rework_pct"] == pytest.approx(100 * (tau / 2 + 100) / 36_000)
     # the storage writes 100 s of every tau + 1 s: 100 / 537.66 = 18.6 %
     assert row["storage_duty_pct"] == pytest.approx(100 * 100 / (tau + 1.0))
-    without_drag = advise({"async": (1.0, 100.0)}, mtbf_hours=10.0, gpus=8, method="young")
+    without_drag = advise({"async": (1.0, 100.0)}, job_mtbf_hours=10.0, gpus=8, method="young")
     assert without_drag["waste_pct"].iloc[0] < row["waste_pct"]  # drag is not free
 
 
 def test_compare_modes_says_why_async_loses_when_it_does() -> None:
     # async: 0.1 s stall but 2 s of drag and a 600 s lag; sync: 1 s stall, nothing behind it
     advice = advise(
-        {"slow-sync": (1.0, 1.0), "fast-async": (0.1, 600.0, 2.0)}, mtbf_hours=10.0, gpus=64, restore_s=120.0
+        {"slow-sync": (1.0, 1.0), "fast-async": (0.1, 600.0, 2.0)},
+        job_mtbf_hours=10.0,
+        gpus=64,
+        restore_s=120.0,
     )
     rows = advice.set_index("strategy")
     assert rows.loc["fast-async", "waste_pct"] > rows.loc["slow-sync", "waste_pct"]
@@ -189,7 +198,7 @@ def test_measurements_reject_bad_results(results: pd.DataFrame, match: str) -> N
 
 
 def test_waste_curve_matches_expected_waste() -> None:
-    advice = advise({"sync": (50.0, 0.0)}, mtbf_hours=10.0, gpus=8)
+    advice = advise({"sync": (50.0, 0.0)}, job_mtbf_hours=10.0, gpus=8)
     curve = waste_curve(advice, intervals=[600.0, 1200.0])
     # 50/600 + 300/36000 = 0.0916667 ; 50/1200 + 600/36000 = 0.0583333
     assert curve["waste_pct"].tolist() == pytest.approx([9.16667, 5.83333], rel=1e-5)
@@ -203,10 +212,8 @@ def test_checkpoint_size_helpers() -> None:
     assert checkpoint_gb(7e9) == pytest.approx(112.0)
 
 
-def test_node_mtbf_from_llama3_and_the_shared_defaults() -> None:
-    # 54 days * 24 h * 16384 / 8 nodes / 419 interruptions = 6334.6 h per node
-    assert node_mtbf_hours() == pytest.approx(54 * 24 * 2048 / 419)
-    assert DEFAULTS.mtbf_hours == round(node_mtbf_hours()) == 6335
+def test_the_shared_defaults_take_the_job_mtbf_from_its_size() -> None:
+    assert DEFAULTS.job_mtbf_hours is None and DEFAULTS.gpus == 1024
 
 
 def test_report_and_notebook_07_state_the_same_advisor_defaults() -> None:
@@ -218,7 +225,7 @@ def test_report_and_notebook_07_state_the_same_advisor_defaults() -> None:
         for key, value in DEFAULTS.to_dict().items():
             if key in declared:
                 assert str(value) == declared[key]["default"].strip("\"'"), (name, key)
-        assert {"mtbf_hours", "gpus", "restore_s"} <= set(declared), name
+        assert {"job_mtbf_hours", "gpus", "restore_s"} <= set(declared), name
 
 
 def _job(comparison: Comparison, strategy: str) -> dict[str, object]:
@@ -227,7 +234,7 @@ def _job(comparison: Comparison, strategy: str) -> dict[str, object]:
 
 def test_advise_takes_its_costs_from_the_run_of_the_jobs_size_and_says_so() -> None:
     one, two = runs = read_jobs([ONE, TWO])
-    advice = advise(runs, mtbf_hours=1000.0, gpus=2).set_index("strategy")
+    advice = advise(runs, job_mtbf_hours=1000.0, gpus=2).set_index("strategy")
     assert advice.attrs["measured_ranks"] == 2 and advice.attrs["job_size_measured"]
     assert advice.attrs["costs_from"].startswith("costs measured on 2 ranks on 1 host (")
     assert advice.attrs["costs_from"].endswith("the job's size")
@@ -242,22 +249,22 @@ def test_advise_takes_its_costs_from_the_run_of_the_jobs_size_and_says_so() -> N
     assert advice.loc["dcp-sync", "mode"] == "sync" and advice.loc["dcp-sync", "lag_s"] == 0.0
     assert advice.loc["nbckpt-async", "mode"] == "async"
     assert advice.loc["nbckpt-async", "lag_s"] == _job(two, "nbckpt-async")["time_to_durable_s"]
-    alone = advise(runs, mtbf_hours=1000.0, gpus=1).set_index("strategy")
+    alone = advise(runs, job_mtbf_hours=1000.0, gpus=1).set_index("strategy")
     assert alone.attrs["measured_ranks"] == 1
     assert alone.loc["dcp-sync", "stall_s"] == _job(one, "dcp-sync")["stall_s"]["max"]  # type: ignore[index]
 
 
 def test_advise_for_a_size_not_measured_takes_the_largest_run_and_says_what_is_missing() -> None:
-    advice = advise(read_jobs([TWO, ONE]), mtbf_hours=1000.0, gpus=1024)
+    advice = advise(read_jobs([TWO, ONE]), job_mtbf_hours=1000.0, gpus=1024)
     assert advice.attrs["measured_ranks"] == 2 and not advice.attrs["job_size_measured"]
     assert "the job's 1,024 GPUs were not measured (runs of 1, 2 ranks given)" in advice.attrs["costs_from"]
     assert "contention beyond it is not in them" in advice.attrs["costs_from"]
     (single,) = read_jobs([TWO])
-    assert advise(single, mtbf_hours=1000.0, gpus=2).attrs["measured_ranks"] == 2  # one run, no list
-    table = advise({"sync": (1.0, 1.0)}, mtbf_hours=1000.0)
+    assert advise(single, job_mtbf_hours=1000.0, gpus=2).attrs["measured_ranks"] == 2  # one run, no list
+    table = advise({"sync": (1.0, 1.0)}, job_mtbf_hours=1000.0)
     assert table.attrs["costs_from"].startswith("costs from the results table given: one rank's")
     with pytest.raises(ConfigError, match="give advise"):
-        advise([single, "x"], mtbf_hours=1000.0)  # type: ignore[list-item]
+        advise([single, "x"], job_mtbf_hours=1000.0)  # type: ignore[list-item]
 
 
 def test_a_drag_that_is_noise_counts_as_zero_and_a_measured_one_as_measured() -> None:

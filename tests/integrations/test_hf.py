@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")
 import torch
 from integrations.hf_app import Tokens, digest, train
 
-from nbckpt import BestN, Checkpointer, ConfigError
+from nbckpt import BestN, Checkpointer, ConfigError, SaveSchedule
 from nbckpt.integrations.hf import NbckptCallback
 
 WORKER = Path(__file__).with_name("hf_app.py")
@@ -171,6 +171,27 @@ def test_the_log_history_of_a_resumed_run_is_the_straight_runs(tmp_path: Path) -
 
     assert [e["step"] for e in steps(straight)] == [2, 4, 6, 8, 10, 12]
     assert steps(resumed) == steps(straight)
+
+
+@pytest.mark.parametrize(("mtbf", "saved"), [("1000h", [1]), (1e-3, "often")])
+def test_a_save_schedule_decides_when_the_callback_saves(tmp_path: Path, mtbf: Any, saved: Any) -> None:
+    """save_strategy="no": the schedule alone saves, its first save at once (step 1); an MTBF of
+    1000 h wants nothing more in 12 steps, one of 1 ms a save as often as the write allows (in
+    sync mode, where each save is durable when it returns)."""
+    schedule = SaveSchedule(mtbf=mtbf)
+    callback = NbckptCallback(tmp_path / "ckpt", schedule=schedule, keep=None, mode="sync")
+    trainer = train(tmp_path / "out", [callback], save_strategy="no")
+    callback.close()
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+        steps = ckpt.steps()
+        # at 1 ms, a save is due once the time since the one before began reaches the recent
+        # saves' median: the next step, or a few later after a save faster than the median
+        assert steps[0] == 1 and (len(steps) >= 3 if saved == "often" else steps == saved), steps
+        assert f'"global_step": {steps[-1]}' in ckpt.load(map_location="meta")["trainer_state"]
+    assert trainer.state.global_step == 12
+    interval = callback.ckpt.save_interval  # decided once a save had committed: at 1 ms, by the write
+    assert saved != "often" or (interval is not None and interval.bound == "persist")
 
 
 def test_bad_options_are_refused(tmp_path: Path) -> None:

@@ -19,9 +19,14 @@ from helpers.ranks import RankProcess, finish_all, free_port
 from integrations.lit_app import TinyModel, data, digest, fit
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from nbckpt import Checkpointer, CheckpointError, ConfigError, CustomSteps
+from nbckpt import Checkpointer, CheckpointError, ConfigError, CustomSteps, SaveSchedule
 from nbckpt.integrations import export, load
-from nbckpt.integrations.lightning import ROOT_NAME, NbckptCheckpointIO, load_from_checkpoint
+from nbckpt.integrations.lightning import (
+    ROOT_NAME,
+    NbckptCheckpointIO,
+    ScheduledCheckpoint,
+    load_from_checkpoint,
+)
 
 WORKER = Path(__file__).with_name("lit_app.py")
 
@@ -405,3 +410,51 @@ def test_hydra_hyperparameters_are_saved_and_come_back_as_they_were(tmp_path: Pa
     assert isinstance(loaded.hparams, omegaconf.DictConfig)
     assert loaded.hparams == config and loaded.hparams.twice == 8
     assert digest(loaded) == digest(model)
+
+
+@pytest.mark.parametrize(("mtbf", "rare"), [("1000h", True), (1e-3, False)])
+def test_a_scheduled_checkpoint_saves_when_its_schedule_says(tmp_path: Path, mtbf: Any, rare: bool) -> None:
+    """ScheduledCheckpoint in place of a step count: its first save at once (step 1); with an
+    MTBF of 1000 h nothing more in 16 steps, with 1 ms (sync saves, durable on return) as often as
+    the write allows (the next save due once the time since this one began reaches the recent
+    saves' median: at most a few steps apart, these steps being shorter than a save). Lightning's
+    names point to the saved steps (its save_last also saves at each epoch's end: left out where
+    only the schedule's saves count)."""
+    callback = ScheduledCheckpoint(SaveSchedule(mtbf=mtbf), dirpath=tmp_path, save_last=not rare)
+    io = NbckptCheckpointIO(mode="sync")
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        plugins=[io],
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyModel(tag=tmp_path), data())
+    names = _names(tmp_path)
+    saved = [record.step for record in io.records]  # nbckpt's steps, one per save
+    assert trainer.global_step == 16 and saved[0] == 1
+    if rare:
+        assert saved == [1] and names == {"epoch=0-step=1.ckpt": 1}, names
+    else:
+        assert len(saved) >= 3 and names["last.ckpt"] == saved[-1], (saved, names)
+        interval = callback.save_interval
+        assert interval is not None and interval.bound == "persist"
+    assert _steps(tmp_path) == sorted(set(names.values()))  # nothing kept that no name points to
+
+
+def test_a_scheduled_checkpoint_needs_the_plugin_and_no_other_trigger(tmp_path: Path) -> None:
+    schedule = SaveSchedule(mtbf="1h")
+    with pytest.raises(ConfigError, match="drop every_n_train_steps"):
+        ScheduledCheckpoint(schedule, dirpath=tmp_path, every_n_train_steps=5)
+    with pytest.raises(ConfigError, match="schedule must be a SaveSchedule"):
+        ScheduledCheckpoint("1h", dirpath=tmp_path)  # type: ignore[arg-type]
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        callbacks=[ScheduledCheckpoint(schedule, dirpath=tmp_path)],
+        logger=False,
+    )
+    with pytest.raises(ConfigError, match=r"plugins=\[NbckptCheckpointIO\(\)\]"):
+        trainer.fit(TinyModel(), data())

@@ -19,7 +19,7 @@ from helpers.sync import until
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from nbckpt import Checkpointer, ConfigError, SaveHandle, SaveRecord
+from nbckpt import Checkpointer, ConfigError, SaveHandle, SaveRecord, SaveSchedule
 from nbckpt._util import format_bytes, parse_duration
 from nbckpt.engine._internal import step_name
 from nbckpt.notebook import Autosave, Browser, _autosave
@@ -350,6 +350,36 @@ def test_the_exit_hook_saves_only_what_a_cell_changed(
         assert committed(target, 3)
     finally:
         signal.signal(signal.SIGTERM, handler)  # the exit hook ignores a late SIGTERM
+
+
+def test_a_save_schedule_sets_the_autosave_interval_from_the_measured_costs(
+    shell: InteractiveShell, tmp_path: Path
+) -> None:
+    """--mtbf in place of --every: the first cell saves (measuring the cost), the next ones wait
+    the interval Young/Daly advises for that cost; a costlier save waits longer."""
+    target = tmp_path / "run"
+    shell.run_line_magic("ckpt_autosave", f"model opt --mtbf 8h -d {target}")
+    autosave = running(shell)
+    assert "by a save schedule for an MTBF of 8 h" in autosave.status()
+    assert shell.run_cell("x = 1").success
+    assert autosave.last is not None and autosave.last.handle.wait().step == 0  # at once
+    assert shell.run_cell("x = 2").success and autosave.last.handle.step == 0  # then not for a while
+    pacer = autosave._pacer
+    assert pacer is not None and pacer.interval is not None
+    cheap = pacer.interval.seconds  # sqrt(2 x a save's stall x 8 h): seconds, not one cell
+    assert cheap > 10 * autosave.session.opened(str(target)).records[0].stall_s
+    assert autosave.status().split("\n")[0].endswith(pacer.interval.reason)
+    pacer._last_save -= cheap  # type: ignore[operator]  # the interval has passed
+    assert shell.run_cell("x = 3").success and autosave.last.handle.wait().step == 1
+    slow = SaveRecord(3, "", 0, 4.0, 0.1, 1.0, 0.0, 0.0, 0.0)  # saves stalling 4 s
+    pacer.decide(0.0, [slow] * 5, None)
+    assert pacer.interval is not None and pacer.interval.seconds > 3 * cheap
+    with pytest.raises(UsageError, match="not both"):
+        shell.run_line_magic("ckpt_autosave", f"model --every 1h --mtbf 8h -d {target}")
+    with pytest.raises(ConfigError, match="not both"):
+        Autosave(["model"], every_s=60, schedule=SaveSchedule("8h"), shell=shell)
+    with pytest.raises(ConfigError, match="schedule must be a SaveSchedule"):
+        Autosave(["model"], schedule="8h", shell=shell)  # type: ignore[arg-type]
 
 
 def test_the_python_api(shell: InteractiveShell, tmp_path: Path) -> None:

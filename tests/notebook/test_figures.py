@@ -200,8 +200,7 @@ def test_the_figures_keep_their_labels_apart_and_readable() -> None:
     assert {
         annotation.text for annotation in stall.layout.annotations
     } == titles  # nothing else written on it
-    advice = advise(RESULTS, mtbf_hours=24.0, gpus=512)
-    advice.attrs.update(gpus=512, mtbf_hours=24.0, restore_s=120.0)
+    advice = advise(RESULTS, job_mtbf_hours=24.0, gpus=512, restore_s=120.0)
     for fig in (
         stall,
         overhead_figure(RESULTS.assign(overhead_ci_pct=[[0.0, 0.0], [80.0, 120.0], [-1.0, 9.0]])),
@@ -374,7 +373,7 @@ def test_stall_figure_stacks_the_save_stall_and_the_wait_for_the_earlier_save() 
 
 
 def test_interval_figure_marks_advised_interval() -> None:
-    advice = advise(RESULTS, mtbf_hours=24.0, gpus=512)
+    advice = advise(RESULTS, job_mtbf_hours=24.0 / 64, gpus=512)
     fig = interval_figure(advice)
     traces = traces_by_name(fig)
     first, second = advice.to_dict("records")
@@ -425,7 +424,7 @@ BUILDERS: list[tuple[Callable[..., go.Figure], Callable[[], pd.DataFrame]]] = [
         overhead_figure,
         lambda: pd.DataFrame({"strategy": ["a"], "overhead_pct": [1.0], "overhead_ci_pct": [[0.5, 1.5]]}),
     ),
-    (interval_figure, lambda: advise(RESULTS, mtbf_hours=24.0)),
+    (interval_figure, lambda: advise(RESULTS, job_mtbf_hours=24.0)),
     (probe_figure, lambda: pd.DataFrame({"streams": [1, 2], "write_gbs": [1.0, 1.5]})),
 ]
 
