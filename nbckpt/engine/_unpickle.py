@@ -293,9 +293,8 @@ def scan_pickle(data: bytes, *, persistent: bool = False) -> int:
 
 
 def _walk(data: bytes, table: list[_Op | None]) -> int:
-    """:func:`scan_pickle`'s loop, the commonest opcodes inline: ``pickletools.genops`` and a
-    call per opcode made this most of a 10,000-tensor restore (850,000 opcodes in its
-    ``.metadata``)."""
+    """:func:`scan_pickle`'s loop, the commonest opcodes and arguments inline (the walk of a
+    10,000-tensor ``.metadata``, 730,000 opcodes, is most of the CPU its restore spends)."""
     scan, at, end = _Scan(), 0, len(data)
     depth, stack, memo = scan.depth, scan.stack, scan.memo
     arg: Any = None
@@ -305,8 +304,11 @@ def _walk(data: bytes, table: list[_Op | None]) -> int:
             raise ValueError(f"it holds opcode {_NAMES.get(data[at], repr(chr(data[at])))}")
         does, count, fillable, size = op[:4]
         at += 1
-        if size:
-            arg, at = (data[at], at + 1) if size == 1 and at < end else _argument(data, at, op)
+        if 0 < size <= end - at:  # a fixed-size argument: a memo index, a number
+            arg = data[at] if size == 1 else int.from_bytes(data[at : at + size], "little")
+            at += size
+        elif size:
+            arg, at = _argument(data, at, op)
         if does == _GET:
             if not 0 <= arg < len(memo):
                 raise ValueError(f"it reads memo entry {arg!r}, never stored")
