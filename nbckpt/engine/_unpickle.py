@@ -18,8 +18,7 @@ import io
 import pickle
 import pickletools
 from collections.abc import Callable
-from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -82,11 +81,17 @@ MAX_PICKLE_DEPTH = 32
 #: legitimate checkpoint never comes near; a crafted dict of colliding keys does at once.
 MAX_SHARED_HASH = 64
 
-#: Opcodes that push a number, whose hash :class:`_Scan` counts.
-_NUMBERS = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
-#: Opcodes that push one new object holding nothing: a string, None, a global.
+#: Opcodes that push a number that may share its hash with another: the ones read whole, their
+#: value decoded, for :meth:`_Scan.number` (BININT, BININT1 and BININT2 fit in 32 bits, and
+#: distinct ints that small hash apart but for -1 and -2: leaves).
+_NUMBERS = frozenset({"INT", "LONG", "LONG1", "LONG4", "FLOAT", "BINFLOAT"})
+#: Opcodes that push one new object holding nothing: a small number, a string, None, a global.
 _LEAVES = frozenset(
     {
+        "INT",
+        "BININT",
+        "BININT1",
+        "BININT2",
         "STRING",
         "BINSTRING",
         "SHORT_BINSTRING",
@@ -138,56 +143,82 @@ _FILLERS: dict[str, int | None] = {
     "ADDITEMS": None,
 }
 
-#: The opcodes that move objects between the stack and the memo, and those that change nothing.
-_STACK_OPS = {
-    "MARK": "mark",
-    "POP": "pop",
-    "STOP": "pop",
-    "POP_MARK": "pop_mark",
-    "DUP": "dup",
-    "PUT": "put",
-    "BINPUT": "put",
-    "LONG_BINPUT": "put",
-    "MEMOIZE": "memoize",
-    "GET": "get",
-    "BINGET": "get",
-    "LONG_BINGET": "get",
-    "PROTO": "nothing",
-    "FRAME": "nothing",
+# What each opcode does to the scan, as a small number (the scan's loop branches on it).
+_LEAF, _MAKE, _FILL, _MARK, _POP, _POP_MARK, _DUP, _PUT, _MEMOIZE, _NOTHING, _GET, _STOP, _NUMBER = range(13)
+_MOVES = {
+    "MARK": _MARK,
+    "POP": _POP,
+    "POP_MARK": _POP_MARK,
+    "DUP": _DUP,
+    "PUT": _PUT,
+    "BINPUT": _PUT,
+    "LONG_BINPUT": _PUT,
+    "MEMOIZE": _MEMOIZE,
+    "GET": _GET,
+    "BINGET": _GET,
+    "LONG_BINGET": _GET,
+    "PROTO": _NOTHING,
+    "FRAME": _NOTHING,
+    "STOP": _STOP,
 }
+
+
+class _Op(NamedTuple):
+    """One opcode as the scan sees it: what it does, with how many objects (None: those above
+    the last mark) and whether what it makes may be filled later, and its argument: ``size``
+    bytes, or (``size`` < 0) read by pickletools' own reader ``read``."""
+
+    does: int
+    takes: int | None
+    fillable: bool
+    size: int
+    name: str
+    read: Callable[[Any], Any] | None
+
+
+def _op_table(persistent: bool) -> list[_Op | None]:
+    """Each opcode byte's :class:`_Op` (None: refused)."""
+    table: list[_Op | None] = [None] * 256
+    for op in pickletools.opcodes:
+        count: int | None = 0
+        fillable = False
+        size = op.arg.n if op.arg is not None else 0
+        if op.name in _LEAVES:
+            does = _LEAF
+        elif op.name in _NUMBERS:
+            does, size = _NUMBER, -1  # its value, read by pickletools' own reader
+        elif op.name in _MAKERS:
+            does, (count, fillable) = _MAKE, _MAKERS[op.name]
+        elif op.name in _FILLERS:
+            does, count = _FILL, _FILLERS[op.name]
+        elif op.name in _MOVES:
+            does = _MOVES[op.name]
+        elif op.name == "BINPERSID" and persistent:  # how a torch.save blob names a storage
+            does, count = _MAKE, 1
+        else:
+            continue
+        table[ord(op.code)] = _Op(does, count, fillable, size, op.name, op.arg.reader if op.arg else None)
+    return table
+
+
+_NAMES = {ord(op.code): op.name for op in pickletools.opcodes}
+_TABLES = {persistent: _op_table(persistent) for persistent in (False, True)}
 
 
 class _Scan:
     """A pickle's stack and memo, holding for each object only how deep it nests, negated once
     it is inside another (or cannot change): what unpickling would build, with nothing built."""
 
-    def __init__(self, persistent: bool) -> None:
+    def __init__(self) -> None:
         self.depth: list[int] = []
         self.stack: list[int] = []
         self.marks: list[int] = []
         self.memo: list[int] = []  # indices in order (the next, or one stored before)
         self.hashes: dict[int, int | float] = {}  # the first number seen with each hash...
         self.shared: dict[int, set[int | float]] = {}  # ...and, for a hash seen again, them all
-        self.table: dict[pickletools.OpcodeInfo, Callable[[Any], None]] = {}
-        for op in pickletools.opcodes:
-            if op.name in _LEAVES:
-                self.table[op] = self.leaf
-            elif op.name in _NUMBERS:
-                self.table[op] = self.number
-            elif op.name in _MAKERS:
-                self.table[op] = partial(self.make, *_MAKERS[op.name])
-            elif op.name in _FILLERS:
-                self.table[op] = partial(self.fill, _FILLERS[op.name])
-            elif op.name in _STACK_OPS:
-                self.table[op] = getattr(self, _STACK_OPS[op.name])
-            elif op.name == "BINPERSID" and persistent:  # how a torch.save blob names a storage
-                self.table[op] = partial(self.make, 1, False)
-
-    def leaf(self, _: Any) -> None:
-        self.depth.append(-1)
-        self.stack.append(len(self.depth) - 1)
 
     def number(self, value: int | float) -> None:
+        """A leaf, its hash counted: ValueError past :data:`MAX_SHARED_HASH` distinct numbers."""
         code = hash(value)
         # Small ints and integral floats hash to themselves and never collide; a NaN's hash is
         # its object's, a new one each time.
@@ -198,38 +229,33 @@ class _Scan:
                 same.add(value)
                 if len(same) > MAX_SHARED_HASH:
                     raise ValueError(f"more than {MAX_SHARED_HASH} of its numbers share one hash")
-        self.leaf(value)
-
-    def make(self, count: int | None, fillable: bool, _: Any) -> None:
-        depth = self.around(self.take(count))
-        self.depth.append(depth if fillable else -depth)
+        self.depth.append(-1)
         self.stack.append(len(self.depth) - 1)
 
-    def fill(self, count: int | None, _: Any) -> None:
-        parts = self.take(count)
-        into = self.top()
-        if self.depth[into] < 0 or into in parts:
-            raise ValueError("it changes an object already inside another (or puts one in itself)")
-        self.depth[into] = max(self.depth[into], self.around(parts))
-
-    def around(self, parts: list[int]) -> int:
-        """How deep an object holding ``parts`` nests; they are inside it from now on."""
-        depth, known = 1, self.depth
+    def build(self, does: int, count: int | None, fillable: bool) -> None:
+        """A maker (a new object of the top ``count`` objects) or a filler (they go into the
+        object below them); either way they are inside another from now on."""
+        known, parts = self.depth, self.take(count)
+        depth = 1
         for part in parts:
             inner = known[part]
             if inner > 0:
                 known[part] = -inner
             else:
                 inner = -inner
-            depth = max(depth, inner + 1)
+            if inner >= depth:
+                depth = inner + 1
         if depth > MAX_PICKLE_DEPTH:
             raise ValueError(f"it nests objects deeper than {MAX_PICKLE_DEPTH}")
-        return depth
-
-    def top(self) -> int:
-        if not self.stack or (self.marks and self.marks[-1] == len(self.stack)):
-            raise ValueError("its stack underflows")
-        return self.stack[-1]
+        if does == _MAKE:
+            known.append(depth if fillable else -depth)
+            self.stack.append(len(known) - 1)
+            return
+        into = self.top()
+        if known[into] < 0 or into in parts:
+            raise ValueError("it changes an object already inside another (or puts one in itself)")
+        if depth > known[into]:
+            known[into] = depth
 
     def take(self, count: int | None) -> list[int]:
         """The top ``count`` objects (None: those above the last mark, and the mark), popped."""
@@ -245,36 +271,43 @@ class _Scan:
         del self.stack[start:]
         return parts
 
-    def mark(self, _: Any) -> None:
-        self.marks.append(len(self.stack))
+    def top(self) -> int:
+        if not self.stack or (self.marks and self.marks[-1] == len(self.stack)):
+            raise ValueError("its stack underflows")
+        return self.stack[-1]
 
-    def pop(self, _: Any) -> None:
-        self.take(1)
-
-    def pop_mark(self, _: Any) -> None:
-        self.take(None)
-
-    def dup(self, _: Any) -> None:
-        self.stack.append(self.top())
-
-    def put(self, index: Any) -> None:
-        if not 0 <= index <= len(self.memo):  # the unpickler's memo grows to the index, zeroed
-            raise ValueError(f"it stores memo entry {index} of {len(self.memo)}")
-        if index == len(self.memo):
+    def move(self, does: int, arg: Any) -> None:
+        """The opcodes that only move objects between the stack, the marks and the memo."""
+        if does == _MEMOIZE:
             self.memo.append(self.top())
-        else:
-            self.memo[index] = self.top()
+        elif does == _MARK:
+            self.marks.append(len(self.stack))
+        elif does in (_POP, _STOP):
+            self.take(1)
+        elif does == _POP_MARK:
+            self.take(None)
+        elif does == _DUP:
+            self.stack.append(self.top())
+        elif does == _PUT:
+            if not 0 <= arg <= len(self.memo):  # the unpickler's memo grows to the index, zeroed
+                raise ValueError(f"it stores memo entry {arg} of {len(self.memo)}")
+            self.memo[arg : arg + 1] = [self.top()]
 
-    def memoize(self, _: Any) -> None:
-        self.memo.append(self.top())
 
-    def nothing(self, _: Any) -> None:
-        pass
-
-    def get(self, index: Any) -> None:
-        if not 0 <= index < len(self.memo):
-            raise ValueError(f"it reads memo entry {index!r}, never stored")
-        self.stack.append(self.memo[index])
+def _argument(data: bytes, at: int, op: _Op) -> tuple[Any, int]:
+    """The argument of ``op`` at byte ``at`` (its value where the scan needs it) and where the
+    next opcode starts; ValueError if it runs past the end."""
+    size = op.size
+    if size == -2:  # one byte of length, then that many bytes (short strings)
+        size = data[at] + 1 if at < len(data) else 1
+    if size >= 0:
+        if at + size > len(data):
+            raise ValueError(f"{op.name} expected {size} bytes of argument, but only {len(data) - at} remain")
+        return int.from_bytes(data[at : at + size], "little"), at + size
+    stream = io.BytesIO(data)  # a length of 4 or 8 bytes, or a line: pickletools' own reader
+    stream.seek(at)
+    assert op.read is not None
+    return op.read(stream), stream.tell()
 
 
 def scan_pickle(data: bytes, *, persistent: bool = False) -> int:
@@ -285,19 +318,50 @@ def scan_pickle(data: bytes, *, persistent: bool = False) -> int:
     would make (at most one an opcode: unpickling costs time and memory in proportion to the
     file's size). Out-of-band buffers, and persistent ids unless ``persistent`` (a ``torch.save``
     blob's storages, by BINPERSID), are refused."""
-    scan = _Scan(persistent)
-    table = scan.table
     try:
-        for opcode, arg, _ in pickletools.genops(data):
-            step = table.get(opcode)
-            if step is None:
-                raise ValueError(f"it holds opcode {opcode.name}")
-            step(arg)
+        return _walk(data, _TABLES[persistent])
     except ValueError:
         raise
-    except Exception as exc:  # genops on a truncated or garbled stream
+    except Exception as exc:  # a garbled argument (a line that is not a number)
         raise ValueError(describe_error(exc)) from None
-    return len(scan.depth)
+
+
+def _walk(data: bytes, table: list[_Op | None]) -> int:
+    """:func:`scan_pickle`'s loop, the commonest opcodes and arguments inline (the walk of a
+    10,000-tensor ``.metadata``, 730,000 opcodes, is most of the CPU its restore spends)."""
+    scan, at, end = _Scan(), 0, len(data)
+    depth, stack, memo = scan.depth, scan.stack, scan.memo
+    arg: Any = None
+    while at < end:
+        op = table[data[at]]
+        if op is None:
+            raise ValueError(f"it holds opcode {_NAMES.get(data[at], repr(chr(data[at])))}")
+        does, count, fillable, size = op[:4]
+        at += 1
+        if 0 < size <= end - at:  # a fixed-size argument: a memo index, a number
+            arg = data[at] if size == 1 else int.from_bytes(data[at : at + size], "little")
+            at += size
+        elif size:
+            arg, at = _argument(data, at, op)
+        if does == _GET:
+            if not 0 <= arg < len(memo):
+                raise ValueError(f"it reads memo entry {arg!r}, never stored")
+            stack.append(memo[arg])
+        elif does == _LEAF:
+            depth.append(-1)
+            stack.append(len(depth) - 1)
+        elif does == _MEMOIZE and stack and not (scan.marks and scan.marks[-1] == len(stack)):
+            memo.append(stack[-1])
+        elif does <= _FILL:
+            scan.build(does, count, fillable)
+        elif does == _NUMBER:
+            scan.number(arg)
+        elif does == _STOP:
+            scan.move(_STOP, None)
+            return len(depth)
+        else:
+            scan.move(does, arg)
+    raise ValueError("it ends before its STOP opcode")
 
 
 def load_metadata(data: bytes, what: str) -> Any:

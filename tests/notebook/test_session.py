@@ -180,13 +180,13 @@ def test_ctrl_c_in_a_restore_says_whether_the_variables_were_loaded(
     run = tmp_path / "run"
     cell(kernel, SETUP + f"%ckpt_config -d {run}\nw = torch.ones(8)\n%ckpt_sync w step --step 5")
     # while the files are read: nothing is loaded
-    cell(kernel, "w.zero_(); step = 0\n" + INTERRUPT_IN.format(target="_restorer.Restorer._read_for"))
+    cell(kernel, "w.zero_(); step = 0\n" + INTERRUPT_IN.format(target="_restorer._Read.read"))
     reply, shown = failing(kernel, "%ckpt_restore w step")
     assert reply["ename"] == "Interrupted" and shown["stderr"] == ""
     assert shown["error"] == "KeyboardInterrupt: %ckpt_restore stopped before loading: w, step unchanged\n"
     assert kernel.evaluate("(float(w.sum()), step)") == "(0.0, 0)"
     # while loading in place: held until the state is whole, then all of it, the plain values too
-    cell(kernel, "_restorer.Restorer._read_for = original\n" + INTERRUPT_IN.format(target="_restorer._apply"))
+    cell(kernel, "_restorer._Read.read = original\n" + INTERRUPT_IN.format(target="_restorer._apply"))
     reply, shown = failing(kernel, "%ckpt_restore w step")
     assert reply["ename"] == "Interrupted" and shown["stderr"] == ""
     assert shown["error"] == (
