@@ -121,6 +121,12 @@ class NbckptCheckpointIO(CheckpointIO):
         if not isinstance(checkpoint, Mapping):
             raise ConfigError(f"checkpoint must be a dict, not {type(checkpoint).__name__}")
         target = _local_path(path)
+        if _called_by_async_io():
+            raise ConfigError(
+                "NbckptCheckpointIO saves asynchronously itself: pass it to the Trainer as it is, not "
+                "wrapped in AsyncCheckpointIO (which copies every checkpoint again, removes top-k names "
+                "before their saves and never tears the plug-in down)"
+            )
         with self._lock:
             if self._errors:
                 raise self._errors.pop(0)
@@ -406,6 +412,25 @@ def _fingerprint(value: Any, tensors: list[torch.Tensor], depth: int) -> Any:
         items = value.items() if isinstance(value, Mapping) else enumerate(value)
         return (type(value), tuple((k, _fingerprint(v, tensors, depth + 1)) for k, v in items))
     return object()
+
+
+def _called_by_async_io() -> bool:
+    """Whether Lightning's ``AsyncCheckpointIO`` (either package name) made this call: its saving
+    thread calls the plug-in from a function that holds the wrapper as ``self``. A wrapper never
+    imported wraps nothing, so nothing is imported here."""
+    wrappers = tuple(
+        cls
+        for module in ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io")
+        if isinstance(cls := getattr(sys.modules.get(module), "AsyncCheckpointIO", None), type)
+    )
+    frame = sys._getframe(2) if wrappers else None  # the caller of save_checkpoint, and its callers
+    for _ in range(3):
+        if frame is None:
+            break
+        if isinstance(frame.f_locals.get("self"), wrappers):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _register_with_twin() -> None:

@@ -405,3 +405,26 @@ def test_hydra_hyperparameters_are_saved_and_come_back_as_they_were(tmp_path: Pa
     assert isinstance(loaded.hparams, omegaconf.DictConfig)
     assert loaded.hparams == config and loaded.hparams.twice == 8
     assert digest(loaded) == digest(model)
+
+
+def test_wrapped_in_async_checkpoint_io_is_refused_in_one_line(tmp_path: Path) -> None:
+    # AsyncCheckpointIO clones each checkpoint, saves it on a thread of its own and removes
+    # top-k names before their queued saves (a third top-k name stayed), and its teardown never
+    # reaches the plug-in (nbckpt's threads and lock outlived the fit): nbckpt is async already.
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    before = set(threading.enumerate())
+    trainer = pl.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        plugins=[AsyncCheckpointIO(NbckptCheckpointIO())],
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", save_top_k=2)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ConfigError, match="saves asynchronously itself") as caught:
+        trainer.fit(TinyModel(), data())
+    assert "\n" not in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing saved, nothing reserved
+    assert set(threading.enumerate()) <= before  # no thread of nbckpt's (or the wrapper's) left
