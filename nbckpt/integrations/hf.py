@@ -58,7 +58,7 @@ from transformers.utils import WEIGHTS_NAME
 from .._errors import ConfigError
 from ..engine import AnyOf, CheckpointConfig, Checkpointer, CustomSteps, RetentionPolicy, SaveHandle
 from ..engine._internal import step_name, write_atomic
-from ._common import atomic_torch_save
+from ._common import atomic_torch_save, said_waited
 
 __all__ = ["NbckptCallback"]
 
@@ -104,6 +104,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         self._ckpt: Checkpointer | None = None
         self._saved: set[int] = set()  # steps on disk at the start and saved since: the same on every rank
         self.handles: list[SaveHandle] = []
+        self._warned_wait = False  # a save waited for the one before it: said as a warning once
         self.best_step: int | None = None
         """The step ``load_best_model_at_end`` loads: the newest saved step that was the best so far."""
         self._due = False  # a save taken over from the Trainer, waiting for this step's evaluation
@@ -235,7 +236,9 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
             saved["lr_scheduler"] = objects["lr_scheduler"]
         self.handles = [h for h in self.handles if not h.done()]
         numbers = {k: v for k, v in (metrics or {}).items() if type(v) in (int, float)}  # for BestN
-        self.handles.append(self.ckpt.save(saved, step=state.global_step, overwrite=True, metrics=numbers))
+        handle = self.ckpt.save(saved, step=state.global_step, overwrite=True, metrics=numbers)
+        self.handles.append(handle)
+        self._warned_wait |= said_waited(handle, self.ckpt.config.max_inflight, self._warned_wait)
         control.should_save = False  # saved here: the Trainer skips its synchronous checkpoint-N/
 
     def _best(self) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ from .._errors import CheckpointError, ConfigError
 from .._util import is_url
 from ..engine import CheckpointConfig, Checkpointer, CustomSteps, SaveHandle, SaveRecord
 from ..engine._internal import fsync_dir, step_name
-from ._common import STEP_DIR, earlier_pointer, load
+from ._common import STEP_DIR, earlier_pointer, load, said_waited
 
 try:
     from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -48,7 +48,7 @@ except ImportError:
         message = "nbckpt.integrations.lightning needs Lightning: pip install 'nbckpt[lightning]'"
         raise ImportError(message) from exc
 
-__all__ = ["ROOT_NAME", "NbckptCheckpointIO", "load_from_checkpoint"]
+__all__ = ["ROOT_NAME", "CheckpointNotFound", "NbckptCheckpointIO", "load_checkpoint", "load_from_checkpoint"]
 
 ROOT_NAME = ".nbckpt"
 """The nbckpt directory beside a checkpoint directory's pointers."""
@@ -69,6 +69,10 @@ _HPARAMS_TYPES = {
 }
 #: The plug-ins of this process, for :func:`load_from_checkpoint` of a name still reserved.
 _LIVE: weakref.WeakSet[NbckptCheckpointIO] = weakref.WeakSet()
+
+
+class CheckpointNotFound(ConfigError, FileNotFoundError):
+    """``fit(ckpt_path=...)`` named no checkpoint (a ``FileNotFoundError``, as Lightning's own IO)."""
 
 
 class NbckptCheckpointIO(CheckpointIO):
@@ -98,6 +102,7 @@ class NbckptCheckpointIO(CheckpointIO):
         self._lock = threading.Lock()  # pointer bookkeeping only; never held across a save
         self._pending: dict[str, SaveHandle] = {}  # pointers not made yet, by path
         self._errors: list[CheckpointError] = []
+        self._warned_wait = False  # a save waited for the one before it: said as a warning once
         _register_with_twin()
         _LIVE.add(self)
 
@@ -140,6 +145,7 @@ class NbckptCheckpointIO(CheckpointIO):
             step = (last[1].step if last is not None else ckpt.latest_step() or 0) + 1
             self._written.pop(root, None)  # drop the old references before copying the new state
             last = self._written[root] = (held, ckpt.save(dict(checkpoint), step), tensors)
+            self._warned_wait |= said_waited(last[1], self._config.max_inflight, self._warned_wait)
         handle = last[1]
         with self._lock:
             self._pending[target] = handle  # supersedes an earlier save to this name
@@ -212,6 +218,8 @@ class NbckptCheckpointIO(CheckpointIO):
         the saves in flight have committed; a file Lightning wrote is read by its ``TorchCheckpointIO``."""
         target = _local_path(path)
         self.wait()
+        if not os.path.lexists(target):  # Lightning's own IO's error, which its callers expect
+            raise CheckpointNotFound(f"Checkpoint file not found: {os.fspath(path)}")
         if os.path.isfile(target) and not earlier_pointer(target):  # a file Lightning wrote
             own = TorchCheckpointIO().load_checkpoint
             return own(target, map_location=map_location, weights_only=weights_only)
@@ -373,11 +381,20 @@ def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: 
     if os.path.isfile(target) and not earlier_pointer(target):
         return loader(target, **kwargs)
     buffer = io.BytesIO()
-    torch.save(_revived(load(target)), buffer)
+    torch.save(load_checkpoint(target), buffer)
     buffer.seek(0)
     # These bytes were pickled a line above from values nbckpt decoded as JSON: nothing foreign
     # is unpickled, and weights_only would refuse saved hyperparameters such as a Namespace.
     return loader(buffer, weights_only=False, **kwargs)
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: Any | None = None) -> dict[str, Any]:
+    """The checkpoint a name the plug-in saved holds, as ``torch.load`` gives a file Lightning
+    wrote (tensors on CPU, or ``map_location``), once its save has committed."""
+    target = _local_path(path)
+    for plugin in list(_LIVE):
+        plugin.settle(target)
+    return _revived(load(target, map_location=map_location))
 
 
 def _local_path(path: Any) -> str:
