@@ -209,3 +209,15 @@ def test_a_peft_model_saves_its_adapter_alone_and_resumes_exactly(tmp_path: Path
     second.close()
     assert resumed.losses == straight.losses[4:]
     assert digest(resumed.model) == digest(straight.model)
+
+
+def test_load_best_model_at_end_sets_the_best_adapter_as_the_trainer_does(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    # a learning rate that overshoots: the best evaluation comes before the last step
+    best = {**BEST, "learning_rate": 0.5}
+    own = train(tmp_path / "own", [], wrap=_lora, **best)  # the Trainer's own adapter checkpoints
+    cb = NbckptCallback(tmp_path / "ckpt")
+    ours = train(tmp_path / "ours", [cb], wrap=_lora, **best)
+    cb.close()
+    assert cb.best_step == ours.state.best_global_step == own.state.best_global_step != 12
+    assert digest(ours.model) == digest(own.model)  # the best adapter, loaded at the end
