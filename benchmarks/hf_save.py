@@ -114,14 +114,16 @@ def train(variant: str, n_embd: int, steps: int, save_steps: int, directory: Pat
     trainer.train()  # the callback waits for its last write at the end (on_train_end)
     wall = time.perf_counter() - began
     saves = callback.saves if callback is not None else trainer.saves
-    size = 0
+    size, waits = 0, []
     if callback is not None:
-        size = callback.ckpt.records[-1].bytes
         callback.close()
+        records = callback.ckpt.records
+        # the part of each save's stall spent waiting for the previous save's write (backpressure)
+        size, waits = records[-1].bytes, [r.wait_s for r in records]
     elif variant == "Trainer":
         size = sum(p.stat().st_size for p in sorted(directory.glob("checkpoint-*"))[-1].iterdir())
     shutil.rmtree(directory, ignore_errors=True)
-    return {"wall_s": wall, "saves_s": saves, "checkpoint_bytes": size}
+    return {"wall_s": wall, "saves_s": saves, "waits_s": waits, "checkpoint_bytes": size}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,8 +136,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result = train(name, n_embd, args.steps, args.save_steps, root / name)
             samples[name].append(result)
             saves = ", ".join(f"{s:.3f}" for s in result["saves_s"])
+            waits = ", ".join(f"{s:.3f}" for s in result["waits_s"])
             print(
                 f"  repeat {repeat + 1}/{repeats} {name}: train {result['wall_s']:.2f} s, saves [{saves}] s"
+                + (f", of which waiting for the previous write [{waits}] s" if waits else "")
             )
     rows = {}
     for name in VARIANTS[1:]:

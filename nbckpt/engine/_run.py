@@ -51,7 +51,24 @@ def open_run(store: Store, read_only: bool) -> tuple[str, set[int]]:
         raise
     if recovered:
         said_cleaned(store.url, recovered, stacklevel=6)
+    said_shared(store)
     return uuid.uuid4().hex[:12], committed
+
+
+def said_shared(store: Store) -> None:
+    """Warn when the directory nbckpt saves into holds step folders plain DCP wrote: torchtitan's
+    CheckpointManager takes any name holding ``step-<digits>`` with a ``.metadata`` for that step
+    and opens ``step-<int>``, so it would pick nbckpt's ``step-000008`` and open ``step-8``, and
+    its ``keep_latest_k`` deletes nbckpt's steps as its own."""
+    folders = [path for path in store.foreign().values() if path.rstrip("/") != store.url.rstrip("/")]
+    if folders:
+        names = ", ".join(path.rstrip("/").rsplit("/", 1)[-1] for path in folders[-3:])
+        warnings.warn(
+            f"nbckpt: {store.url} holds step folders plain DCP wrote ({names}); torchtitan reads "
+            f"nbckpt's step-NNNNNN there as step-N and fails: save nbckpt's steps in a subfolder "
+            "(restore from this one with read_only=True)",
+            stacklevel=6,
+        )
 
 
 class Run:

@@ -256,8 +256,11 @@ class Saver:
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
         """Backpressure: wait while ``max_inflight`` saves are in flight (a sync save: for all)."""
         began = now_ns()
-        self._drain(0 if sync else self.config.max_inflight - 1)
-        handle.wait_s = (now_ns() - began) / 1e9
+        room = 0 if sync else self.config.max_inflight - 1
+        with self._state:
+            full = len(self._inflight) > room  # else nothing to wait for: wait_s is 0, not the check
+        self._drain(room)
+        handle.wait_s = (now_ns() - began) / 1e9 if full else 0.0
         if handle.wait_s > 1e-4:
             self.timeline.record("wait", began, step=handle.step)
         self.raise_pending()

@@ -9,6 +9,7 @@ links to ``.nbckpt/step-000003``), made only once that step has committed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from typing import Any
@@ -16,13 +17,35 @@ from typing import Any
 import torch
 
 from .._errors import ConfigError
-from ..engine import Checkpointer
+from ..engine import Checkpointer, SaveHandle
 from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT, dcp_steps, parse_step, write_atomic
 
-__all__ = ["STEP_DIR", "atomic_torch_save", "earlier_pointer", "export", "load", "resolve"]
+__all__ = ["STEP_DIR", "atomic_torch_save", "earlier_pointer", "export", "load", "resolve", "said_waited"]
+
+_log = logging.getLogger("nbckpt")
 
 #: A step directory: nbckpt's (``step-000120``) or plain DCP's as torchtitan names them (``step-120``).
 STEP_DIR = re.compile(r"step-([0-9]{1,19})", re.ASCII)
+
+
+def said_waited(handle: SaveHandle, max_inflight: int, warned: bool) -> bool:
+    """Log, where the training log shows the stall, that a save waited for an earlier save's write
+    (``max_inflight`` saves in flight: the backpressure ``SaveRecord.wait_s`` counts): a warning
+    the first time (``warned`` False), then at INFO. Whether it said one."""
+    if handle.wait_s == 0.0:  # no save was in flight
+        return False
+    _log.log(
+        logging.INFO if warned else logging.WARNING,
+        "nbckpt: the save of step %d waited %.2f s of its %.2f s stall for the write and fsync of "
+        "the save before it (%d in flight at most, max_inflight): save less often, or "
+        "max_inflight=%d for that many copies in host memory",
+        handle.step,
+        handle.wait_s,
+        handle.stall_s,
+        max_inflight,
+        max_inflight + 1,
+    )
+    return True
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:

@@ -49,6 +49,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from typing import Any, cast
 
 import numpy as np
@@ -57,11 +58,12 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.utils import WEIGHTS_NAME
+from transformers.utils.peft_utils import ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME
 
 from .._errors import ConfigError
 from ..engine import AnyOf, CheckpointConfig, Checkpointer, CustomSteps, RetentionPolicy, SaveHandle
 from ..engine._internal import step_name, write_atomic
-from ._common import atomic_torch_save
+from ._common import atomic_torch_save, said_waited
 from ._hf_compat import count_evaluation
 
 __all__ = ["NbckptCallback"]
@@ -110,6 +112,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         self._ckpt: Checkpointer | None = None
         self._saved: set[int] = set()  # steps on disk at the start and saved since: the same on every rank
         self.handles: list[SaveHandle] = []
+        self._warned_wait = False  # a save waited for the one before it: said as a warning once
         self.best_step: int | None = None
         """The step ``load_best_model_at_end`` loads: the newest saved step that was the best so far."""
         self._due = False  # a save taken over from the Trainer, waiting for this step's evaluation
@@ -192,7 +195,11 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         if args.load_best_model_at_end and self.best_step is not None and model is not None:
             # The Trainer loads its best checkpoint just before this, from a folder it never wrote.
             _log.info("nbckpt: loading the best model, step %s (score %s)", self.best_step, state.best_metric)
-            self.ckpt.restore({"model": model}, step=self.best_step, rng=False)
+            if _peft_adapter(model) is None:
+                self.ckpt.restore({"model": model}, step=self.best_step, rng=False)
+            else:
+                best = self.ckpt.load(self.best_step)["model"]
+                sys.modules["peft"].set_peft_model_state_dict(model, best, adapter_name=model.active_adapter)
             state.best_model_checkpoint = os.path.join(self.directory, step_name(self.best_step))
 
     def _take_over(
@@ -232,8 +239,9 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         if trainer_state["best_global_step"] in self._saved:
             self.best_step = trainer_state["best_global_step"]  # as the Trainer does: if it was saved
         rank, world = _rank_and_world()
+        adapter = _peft_adapter(objects["model"])
         saved: dict[str, Any] = {
-            "model": objects["model"],
+            "model": objects["model"] if adapter is None else adapter[0],
             "optimizer": objects["optimizer"],
             "trainer_state": json.dumps(trainer_state, sort_keys=True),
             "rng": {"world_size": world, f"rank{rank}": _rng_states(world)},  # each rank its own key
@@ -241,9 +249,13 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         }
         if objects.get("lr_scheduler") is not None:
             saved["lr_scheduler"] = objects["lr_scheduler"]
+        if adapter is not None:
+            saved["peft_config"] = adapter[1]
         self.handles = [h for h in self.handles if not h.done()]
         numbers = {k: v for k, v in (metrics or {}).items() if type(v) in (int, float)}  # for BestN
-        self.handles.append(self.ckpt.save(saved, step=state.global_step, overwrite=True, metrics=numbers))
+        handle = self.ckpt.save(saved, step=state.global_step, overwrite=True, metrics=numbers)
+        self.handles.append(handle)
+        self._warned_wait |= said_waited(handle, self.ckpt.config.max_inflight, self._warned_wait)
         control.should_save = False  # saved here: the Trainer skips its synchronous checkpoint-N/
 
     def _best(self) -> tuple[int, ...]:
@@ -285,7 +297,14 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
             # the marker first: a folder cut short after it is still known as ours next time
             write_atomic(os.path.join(base, RESUME_MARKER), b"made by nbckpt's resume_checkpoint\n")
             os.makedirs(out)
-            atomic_torch_save(data["model"], os.path.join(out, WEIGHTS_NAME))
+            if "peft_config" in data:  # what the Trainer's own save writes for a PEFT model
+                from safetensors.torch import save as safetensors_bytes
+
+                adapter = {k: v.contiguous() for k, v in data["model"].items()}
+                write_atomic(os.path.join(out, ADAPTER_SAFE_WEIGHTS_NAME), safetensors_bytes(adapter))
+                write_atomic(os.path.join(out, ADAPTER_CONFIG_NAME), data["peft_config"].encode())
+            else:
+                atomic_torch_save(data["model"], os.path.join(out, WEIGHTS_NAME))
             atomic_torch_save(data["optimizer"], os.path.join(out, OPTIMIZER_NAME))
             if "lr_scheduler" in data:
                 atomic_torch_save(data["lr_scheduler"], os.path.join(out, SCHEDULER_NAME))
@@ -356,6 +375,19 @@ def _not_ours(folder: str, run: str) -> str | None:
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _peft_adapter(model: Any) -> tuple[dict[str, torch.Tensor], str] | None:
+    """For a PEFT model, what the Trainer's own save writes (``save_pretrained`` of the adapter
+    alone): the active adapter's tensors and its config as JSON; None for any other model. A
+    ``PeftModel`` exists only where peft is imported, so nothing is imported here."""
+    peft = sys.modules.get("peft")
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return None
+    name = model.active_adapter
+    config = model.peft_config[name].to_dict()
+    text = json.dumps(config, sort_keys=True, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
+    return peft.get_peft_model_state_dict(model, adapter_name=name), text
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -42,7 +42,7 @@ from .._errors import CheckpointError, ConfigError
 from .._util import is_url
 from ..engine import CheckpointConfig, Checkpointer, CustomSteps, SaveHandle, SaveRecord, SaveSchedule
 from ..engine._internal import Interval, Pacer, fsync_dir, step_name, version_of
-from ._common import STEP_DIR, earlier_pointer, load
+from ._common import STEP_DIR, earlier_pointer, load, said_waited
 
 try:
     from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -58,7 +58,14 @@ try:
 except ImportError:  # pytorch_lightning alone
     from pytorch_lightning.callbacks import ModelCheckpoint  # type: ignore[no-redef,assignment]
 
-__all__ = ["ROOT_NAME", "NbckptCheckpointIO", "ScheduledCheckpoint", "load_from_checkpoint"]
+__all__ = [
+    "ROOT_NAME",
+    "CheckpointNotFound",
+    "NbckptCheckpointIO",
+    "ScheduledCheckpoint",
+    "load_checkpoint",
+    "load_from_checkpoint",
+]
 
 ROOT_NAME = ".nbckpt"
 """The nbckpt directory beside a checkpoint directory's pointers."""
@@ -79,6 +86,10 @@ _HPARAMS_TYPES = {
 }
 #: The plug-ins of this process, for :func:`load_from_checkpoint` of a name still reserved.
 _LIVE: weakref.WeakSet[NbckptCheckpointIO] = weakref.WeakSet()
+
+
+class CheckpointNotFound(ConfigError, FileNotFoundError):
+    """``fit(ckpt_path=...)`` named no checkpoint (a ``FileNotFoundError``, as Lightning's own IO)."""
 
 
 class NbckptCheckpointIO(CheckpointIO):
@@ -108,6 +119,7 @@ class NbckptCheckpointIO(CheckpointIO):
         self._lock = threading.Lock()  # pointer bookkeeping only; never held across a save
         self._pending: dict[str, SaveHandle] = {}  # pointers not made yet, by path
         self._errors: list[CheckpointError] = []
+        self._warned_wait = False  # a save waited for the one before it: said as a warning once
         _register_with_twin()
         _LIVE.add(self)
 
@@ -131,6 +143,12 @@ class NbckptCheckpointIO(CheckpointIO):
         if not isinstance(checkpoint, Mapping):
             raise ConfigError(f"checkpoint must be a dict, not {type(checkpoint).__name__}")
         target = _local_path(path)
+        if _called_by_async_io():
+            raise ConfigError(
+                "NbckptCheckpointIO saves asynchronously itself: pass it to the Trainer as it is, not "
+                "wrapped in AsyncCheckpointIO (which copies every checkpoint again, removes top-k names "
+                "before their saves and never tears the plug-in down)"
+            )
         with self._lock:
             if self._errors:
                 raise self._errors.pop(0)
@@ -144,6 +162,7 @@ class NbckptCheckpointIO(CheckpointIO):
             step = (last[1].step if last is not None else ckpt.latest_step() or 0) + 1
             self._written.pop(root, None)  # drop the old references before copying the new state
             last = self._written[root] = (held, ckpt.save(dict(checkpoint), step), tensors)
+            self._warned_wait |= said_waited(last[1], self._config.max_inflight, self._warned_wait)
         handle = last[1]
         with self._lock:
             self._pending[target] = handle  # supersedes an earlier save to this name
@@ -216,6 +235,8 @@ class NbckptCheckpointIO(CheckpointIO):
         the saves in flight have committed; a file Lightning wrote is read by its ``TorchCheckpointIO``."""
         target = _local_path(path)
         self.wait()
+        if not os.path.lexists(target):  # Lightning's own IO's error, which its callers expect
+            raise CheckpointNotFound(f"Checkpoint file not found: {os.fspath(path)}")
         if os.path.isfile(target) and not earlier_pointer(target):  # a file Lightning wrote
             own = TorchCheckpointIO().load_checkpoint
             return own(target, map_location=map_location, weights_only=weights_only)
@@ -382,11 +403,20 @@ def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: 
     if os.path.isfile(target) and not earlier_pointer(target):
         return loader(target, **kwargs)
     buffer = io.BytesIO()
-    torch.save(_revived(load(target)), buffer)
+    torch.save(load_checkpoint(target), buffer)
     buffer.seek(0)
     # These bytes were pickled a line above from values nbckpt decoded as JSON: nothing foreign
     # is unpickled, and weights_only would refuse saved hyperparameters such as a Namespace.
     return loader(buffer, weights_only=False, **kwargs)
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: Any | None = None) -> dict[str, Any]:
+    """The checkpoint a name the plug-in saved holds, as ``torch.load`` gives a file Lightning
+    wrote (tensors on CPU, or ``map_location``), once its save has committed."""
+    target = _local_path(path)
+    for plugin in list(_LIVE):
+        plugin.settle(target)
+    return _revived(load(target, map_location=map_location))
 
 
 def _local_path(path: Any) -> str:
@@ -423,6 +453,25 @@ def _fingerprint(value: Any, tensors: list[torch.Tensor], depth: int) -> Any:
         items = value.items() if isinstance(value, Mapping) else enumerate(value)
         return (type(value), tuple((k, _fingerprint(v, tensors, depth + 1)) for k, v in items))
     return object()
+
+
+def _called_by_async_io() -> bool:
+    """Whether Lightning's ``AsyncCheckpointIO`` (either package name) made this call: its saving
+    thread calls the plug-in from a function that holds the wrapper as ``self``. A wrapper never
+    imported wraps nothing, so nothing is imported here."""
+    wrappers = tuple(
+        cls
+        for module in ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io")
+        if isinstance(cls := getattr(sys.modules.get(module), "AsyncCheckpointIO", None), type)
+    )
+    frame = sys._getframe(2) if wrappers else None  # the caller of save_checkpoint, and its callers
+    for _ in range(3):
+        if frame is None:
+            break
+        if isinstance(frame.f_locals.get("self"), wrappers):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _register_with_twin() -> None:

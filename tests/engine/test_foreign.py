@@ -4,7 +4,9 @@ by nbckpt, read with weights only, and never changed or deleted, so a run can mo
 
 from __future__ import annotations
 
+import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,9 @@ def test_a_torchtitan_run_is_listed_restored_loaded_verified_and_kept(tmp_path: 
     dcp.save(saved, checkpoint_id=tmp_path / "run" / "step-7", no_dist=True)
     fresh = torch.nn.Linear(6, 4)
     optim = torch.optim.AdamW(fresh.parameters(), lr=1.0)
-    with Checkpointer(tmp_path / "run", mode="sync") as ckpt:
+    with pytest.warns(UserWarning, match="torchtitan reads"):
+        ckpt = Checkpointer(tmp_path / "run", mode="sync")  # saving here is the mid-way move's
+    with ckpt:
         assert ckpt.steps() == [7]
         state = {"model": fresh, "optim": optim, "step": 0}
         assert ckpt.restore(state) == 7
@@ -46,12 +50,17 @@ def test_a_torchtitan_run_is_listed_restored_loaded_verified_and_kept(tmp_path: 
 
 def test_a_branch_restores_a_plain_dcp_step_of_its_parent_line(tmp_path: Path) -> None:
     dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "run" / "step-10"), no_dist=True)
-    with Checkpointer(tmp_path / "run", mode="sync") as ckpt:
+    with pytest.warns(UserWarning, match="torchtitan reads"):
+        ckpt = Checkpointer(tmp_path / "run", mode="sync")
+    with ckpt:
         ckpt.save({"w": torch.full((4,), 2.0)}, step=20)
         ckpt.restore({"w": torch.zeros(4)}, step=10)
         with pytest.warns(UserWarning, match="saves now go to a new line, branch-1"):
             ckpt.save({"w": torch.full((4,), 3.0)}, step=11)  # a branch that sees main's step 10
-    with Checkpointer(tmp_path / "run", mode="sync") as ckpt:  # continues the branch
+    with (
+        pytest.warns(UserWarning, match="torchtitan reads"),
+        Checkpointer(tmp_path / "run", mode="sync") as ckpt,  # continues the branch
+    ):
         state = {"w": torch.zeros(4)}
         assert ckpt.restore(state, step=10) == 10 and torch.equal(state["w"], torch.ones(4))
 
@@ -186,3 +195,48 @@ def test_a_stateful_object_the_step_holds_no_state_for_is_refused_naming_it(tmp_
     ):
         ckpt.restore(state)
     assert isinstance(state["train_state"], TrainState) and torch.equal(state["w"], torch.zeros(2))
+
+
+# torchtitan's step discovery, as CheckpointManager does it in pytorch/torchtitan
+# torchtitan/components/checkpointer/dcp.py (_find_load_step, _create_checkpoint_id and
+# _purge_stale_checkpoints; main at b5bcd76, the same logic as 0.2.2's components/checkpoint.py):
+# any entry whose name contains step-<digits> and holds a .metadata is that step, opened as
+# folder/step-<int>; keep_latest_k deletes every entry matching step-<digits> but the newest k.
+def titan_find_load_step(folder: Path) -> int:
+    steps = []
+    for filename in os.listdir(folder):
+        match = re.search(r"step-(\d+)", filename)
+        if match and os.path.isfile(os.path.join(folder, filename, ".metadata")):
+            steps.append(int(match.group(1)))
+    return max(steps) if steps else -1
+
+
+def titan_checkpoint_id(folder: Path, step: int) -> str:
+    return os.path.join(folder, f"step-{step}")
+
+
+def titan_purged(folder: Path, keep_latest_k: int) -> list[str]:
+    found = [(int(m.group(1)), n) for n in os.listdir(folder) if (m := re.search(r"step-(\d+)", n))]
+    return [name for _, name in sorted(found)[:-keep_latest_k]]
+
+
+def test_torchtitan_and_nbckpt_share_a_checkpoint_folder_through_a_subfolder(tmp_path: Path) -> None:
+    """torchtitan's finder matched nbckpt's step-000008 and opened step-8: nbckpt's steps go to a
+    subfolder torchtitan never lists, and opening its folder itself for saving says so."""
+    titan = tmp_path / "checkpoint"
+    dcp.save(dcp_state(), checkpoint_id=titan / "step-3", no_dist=True)
+    dcp.save(dcp_state(), checkpoint_id=titan / "step-6", no_dist=True)
+    fresh = {"model": torch.nn.Linear(6, 4), "step": 0}
+    with Checkpointer(titan, read_only=True) as old:  # the run moves to nbckpt at torchtitan's step 6
+        assert old.restore(fresh) == 6
+    with Checkpointer(titan / "nbckpt", mode="sync") as ckpt:
+        ckpt.save({**fresh, "step": 8}, step=8)
+        ckpt.save({**fresh, "step": 9}, step=9)
+    assert titan_find_load_step(titan) == 6 and os.path.isdir(titan_checkpoint_id(titan, 6))
+    assert titan_purged(titan, 1) == ["step-3"]  # never nbckpt's folder
+    with pytest.warns(UserWarning, match=r"\(step-3, step-6\); torchtitan reads .* in a subfolder"):
+        shared = Checkpointer(titan, mode="sync")
+    with shared:
+        shared.save({**fresh, "step": 8}, step=8)
+    # what the warning is about: torchtitan now picks nbckpt's step 8 and opens a folder not there
+    assert titan_find_load_step(titan) == 8 and not os.path.isdir(titan_checkpoint_id(titan, 8))

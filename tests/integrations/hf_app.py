@@ -78,6 +78,7 @@ def train(
     stop_at: int | None = None,
     resume: str | None = None,
     eval_dataset: Any = None,
+    wrap: Any = None,
     **overrides: Any,
 ) -> LossTrainer:
     torch.manual_seed(0)
@@ -85,7 +86,7 @@ def train(
     config = GPT2Config(
         n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0
     )
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config) if wrap is None else wrap(GPT2LMHeadModel(config))
     options: dict[str, Any] = {
         "output_dir": str(out),
         "max_steps": 12,

@@ -231,3 +231,46 @@ def test_the_best_metric_rule_replicated_is_the_installed_trainers(metric: str, 
             f"transformers {transformers.__version__} changed Trainer._determine_best_metric at step "
             f"{step}: update nbckpt/integrations/_hf_compat.py"
         )
+
+
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=["c_attn"], lora_dropout=0.1, fan_in_fan_out=True)
+    return peft.get_peft_model(model, config)
+
+
+def test_a_peft_model_saves_its_adapter_alone_and_resumes_exactly(tmp_path: Path) -> None:
+    """With PEFT the Trainer's own save writes the adapter alone (save_pretrained): so does the
+    callback (it wrote the whole base model, 141x the bytes), and a resume loads it back as the
+    Trainer loads its own adapter checkpoints."""
+    pytest.importorskip("peft")
+    straight = train(tmp_path / "straight", [NbckptCallback(tmp_path / "straight-ckpt")], wrap=_lora)
+    first = NbckptCallback(tmp_path / "ckpt")
+    model = train(tmp_path / "out", [first], stop_at=6, wrap=_lora).model
+    first.close()
+    adapter = {k for k, p in model.named_parameters() if p.requires_grad}
+    frozen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad}
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+        saved = ckpt.load(4, map_location="meta")
+        assert len(saved["model"]) == len(adapter) and all("lora_" in k for k in saved["model"])
+        assert ckpt.verify(4)["bytes"] < sum(frozen.values())  # none of the frozen base model
+    second = NbckptCallback(tmp_path / "ckpt")
+    folder = second.resume_checkpoint()
+    assert folder is not None
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(folder))
+    resumed = train(tmp_path / "out", [second], resume=folder, wrap=_lora)
+    second.close()
+    assert resumed.losses == straight.losses[4:]
+    assert digest(resumed.model) == digest(straight.model)
+
+
+def test_load_best_model_at_end_sets_the_best_adapter_as_the_trainer_does(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    # a learning rate that overshoots: the best evaluation comes before the last step
+    best = {**BEST, "learning_rate": 0.5}
+    own = train(tmp_path / "own", [], wrap=_lora, **best)  # the Trainer's own adapter checkpoints
+    cb = NbckptCallback(tmp_path / "ckpt")
+    ours = train(tmp_path / "ours", [cb], wrap=_lora, **best)
+    cb.close()
+    assert cb.best_step == ours.state.best_global_step == own.state.best_global_step != 12
+    assert digest(ours.model) == digest(own.model)  # the best adapter, loaded at the end

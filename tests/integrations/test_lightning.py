@@ -16,7 +16,7 @@ pytest.importorskip("lightning")
 import lightning.pytorch as pl
 import torch
 from helpers.ranks import RankProcess, finish_all, free_port
-from integrations.lit_app import TinyModel, data, digest, fit
+from integrations.lit_app import TinyModel, data, digest, fit, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError, CustomSteps, SaveSchedule
@@ -25,6 +25,7 @@ from nbckpt.integrations.lightning import (
     ROOT_NAME,
     NbckptCheckpointIO,
     ScheduledCheckpoint,
+    load_checkpoint,
     load_from_checkpoint,
 )
 
@@ -458,3 +459,106 @@ def test_a_scheduled_checkpoint_needs_the_plugin_and_no_other_trigger(tmp_path: 
     )
     with pytest.raises(ConfigError, match=r"plugins=\[NbckptCheckpointIO\(\)\]"):
         trainer.fit(TinyModel(), data())
+
+
+def test_wrapped_in_async_checkpoint_io_is_refused_in_one_line(tmp_path: Path) -> None:
+    # AsyncCheckpointIO clones each checkpoint, saves it on a thread of its own and removes
+    # top-k names before their queued saves (a third top-k name stayed), and its teardown never
+    # reaches the plug-in (nbckpt's threads and lock outlived the fit): nbckpt is async already.
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    before = set(threading.enumerate())
+    trainer = pl.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        plugins=[AsyncCheckpointIO(NbckptCheckpointIO())],
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", save_top_k=2)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(ConfigError, match="saves asynchronously itself") as caught:
+        trainer.fit(TinyModel(), data())
+    assert "\n" not in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing saved, nothing reserved
+    assert set(threading.enumerate()) <= before  # no thread of nbckpt's (or the wrapper's) left
+
+
+class _Troubled(TinyModel):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.current_epoch == 1:
+            raise RuntimeError("Trouble!")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_save_on_exception_commits_before_fit_raises(tmp_path: Path) -> None:
+    """Lightning's test_model_checkpoint_on_exception_*: the checkpoint ModelCheckpoint saves
+    when training raises is named, and loads, once fit has raised."""
+    trainer = pl.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        plugins=[NbckptCheckpointIO()],
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="exception", save_on_exception=True)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(RuntimeError, match="Trouble!"):
+        trainer.fit(_Troubled(), data())
+    saved = load_checkpoint(tmp_path / "exception.ckpt")  # no wait: the fit's teardown committed it
+    assert _names(tmp_path)["exception.ckpt"] in _steps(tmp_path)
+    assert saved["state_dict"] and saved["global_step"] == 8  # the first step of epoch 1 raised
+
+
+def test_resuming_into_a_new_folder_leaves_the_old_names(tmp_path: Path) -> None:
+    """Lightning's test_resume_training_preserves_old_ckpt_last: a fit resumed from a name of
+    another folder saves into its own and never removes the old folder's names or steps."""
+    fit(tmp_path / "old", 2)
+    before = _names(tmp_path / "old")
+    torch.manual_seed(0)
+    t = trainer(tmp_path / "new", 4)
+    t.fit(TinyModel(), data(), ckpt_path=tmp_path / "old" / "epoch=0-step=8.ckpt")
+    assert _names(tmp_path / "old") == before and _steps(tmp_path / "old") == sorted(set(before.values()))
+    assert "last.ckpt" in _names(tmp_path / "new")
+
+
+def test_a_missing_ckpt_path_is_lightnings_file_not_found(tmp_path: Path) -> None:
+    """Lightning's test_hpc_restore_attempt: fit(ckpt_path=<nothing there>) is the
+    FileNotFoundError Lightning's own IO raises (and one of nbckpt's ConfigErrors)."""
+    t = trainer(tmp_path, 1)
+    with pytest.raises(FileNotFoundError, match=r"Checkpoint file not found: .*missing\.ckpt") as caught:
+        t.fit(TinyModel(), data(), ckpt_path=tmp_path / "missing.ckpt")
+    assert isinstance(caught.value, ConfigError)
+
+
+def test_a_save_that_waits_for_the_one_before_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One save in flight (max_inflight=1): the next save waits for the previous write and fsync.
+    That wait is part of the stall the training loop sees, so it is said in the log (a warning
+    the first time), with SaveRecord.wait_s."""
+    io = NbckptCheckpointIO()
+    io.save_checkpoint({"x": torch.ones(4)}, tmp_path / "a.ckpt")
+    io.wait()
+    ckpt = io._roots[str(tmp_path / ROOT_NAME)]
+    release, waiting = threading.Event(), threading.Event()
+    commit, wait_for_room = ckpt.store.commit, ckpt._saver._wait_for_room
+
+    def held_commit(*args: Any) -> Any:
+        release.wait()
+        return commit(*args)
+
+    def said_waiting(*args: Any) -> None:
+        waiting.set()
+        wait_for_room(*args)
+
+    ckpt.store.commit = held_commit  # type: ignore[method-assign]
+    io.save_checkpoint({"x": torch.zeros(4)}, tmp_path / "b.ckpt")  # in flight until released
+    ckpt._saver._wait_for_room = said_waiting  # type: ignore[method-assign]
+    threading.Thread(target=lambda: (waiting.wait(), release.set()), daemon=True).start()
+    assert not [r for r in caplog.records if "waited" in r.getMessage()]
+    io.save_checkpoint({"x": torch.full((4,), 2.0)}, tmp_path / "c.ckpt")  # waits for b's commit
+    io.teardown()
+    said = [r for r in caplog.records if "waited" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING" and "max_inflight" in said[0].getMessage()
+    assert [r.wait_s > 0 for r in io.records] == [False, False, True]

@@ -88,14 +88,17 @@ def test_a_rewind_below_a_plain_dcp_step_starts_a_new_line(tmp_path: Path) -> No
     with Checkpointer(run, mode="sync") as ckpt:
         ckpt.save({"w": torch.full((4,), 1.0)}, step=1)
     dcp.save({"w": torch.full((4,), 9.0)}, checkpoint_id=str(run / "step-9"), no_dist=True)
-    with Checkpointer(run, mode="sync") as ckpt:
+    with pytest.warns(UserWarning, match="torchtitan reads"):
+        ckpt = Checkpointer(run, mode="sync")
+    with ckpt:
         state = {"w": torch.zeros(4)}
         assert ckpt.restore(state, step=1) == 1
         with pytest.warns(UserWarning, match="saves now go to a new line, branch-1"):
             ckpt.save({"w": torch.full((4,), 2.0)}, step=2)
         ckpt.save({"w": torch.full((4,), 3.0)}, step=3)
         assert ckpt.restore(state) == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
-    with Checkpointer(run, mode="sync") as ckpt:  # the line saved to last: not main's step 9
+    with pytest.warns(UserWarning, match="torchtitan reads"), Checkpointer(run, mode="sync") as ckpt:
+        # the line saved to last: not main's step 9
         assert ckpt.restore(state) == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
     assert (run / "step-9" / ".metadata").is_file()  # the plain-DCP step stays where it was
 
