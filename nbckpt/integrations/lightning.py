@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import io
 import json
 import os
@@ -464,7 +465,9 @@ def _called_by_async_io() -> bool:
         for module in ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io")
         if isinstance(cls := getattr(sys.modules.get(module), "AsyncCheckpointIO", None), type)
     )
-    frame = sys._getframe(2) if wrappers else None  # the caller of save_checkpoint, and its callers
+    frame = inspect.currentframe() if wrappers else None
+    for _ in range(2):  # to the caller of save_checkpoint, then it and its callers
+        frame = frame.f_back if frame is not None else None
     for _ in range(3):
         if frame is None:
             break
