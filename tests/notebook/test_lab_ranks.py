@@ -142,7 +142,10 @@ def test_a_lab_on_two_ranks_streams_every_rank_and_stop_a_dead_rank_or_a_new_lab
 
     # Stop while every rank writes: their lanes grew live; every rank ends, nothing left on disk.
     assert lab.run(), lab.error
-    poll(lambda: "nbckpt-async r1 · background" in lanes() or not lab.running, timeout=240)
+    # The lanes and the progress bar change in one update of the lab's thread: wait for both.
+    poll(
+        lambda: ("nbckpt-async r1 · background" in lanes() and lab.progress.value > 0) or not lab.running, 240
+    )
     assert "nbckpt-async r0 · train" in lanes() and lab.progress.value > 0, lab.error
     launched = _launched(me)
     assert len(launched) >= 3
