@@ -61,6 +61,7 @@ RESULT_COLUMNS = [
     "drag_ci_s",
     "cpu_per_checkpoint_s",
     "persist_s",
+    "written_mb",
     "write_gbs",
     "peak_host_mb",
     "peak_device_mb",
@@ -203,6 +204,13 @@ def pooled_metrics(results: Sequence[ExperimentResult]) -> dict[str, Any]:
     stalls = [save + wait for save, wait in parts]
     persists = [p for r in results for p in r.durations("persist").values()]
     persist_bytes = sum(e.bytes for r in results for e in r.events if e.kind == "persist")
+    # Bytes put in new files, where the strategy counts them (an incremental save skips some).
+    written = [
+        e.detail["written"]
+        for r in results
+        for e in r.events
+        if e.kind == "persist" and "written" in e.detail
+    ]
     wall_s = sum(r.wall_s for r in results)
     return {
         "steps": round(step_total / runs),
@@ -213,6 +221,7 @@ def pooled_metrics(results: Sequence[ExperimentResult]) -> dict[str, Any]:
         "save_stall_s": float(np.mean([save for save, _ in parts])) if parts else 0.0,
         "wait_s": float(np.mean([wait for _, wait in parts])) if parts else 0.0,
         "persist_s": float(np.mean(persists)) if persists else math.nan,
+        "written_mb": float(np.mean(written)) / 1e6 if written else math.nan,  # decimal, as GB/s
         "write_gbs": persist_bytes / sum(persists) / GB if sum(persists) > 0 else math.nan,
         "peak_host_mb": max(r.peak_host_mb for r in results),
         "peak_device_mb": max(r.peak_device_mb for r in results),
