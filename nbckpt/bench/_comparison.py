@@ -45,7 +45,8 @@ Metrics (``Comparison.results`` columns, :data:`RESULT_COLUMNS`), per run or per
                 "cpu_s": ..., "other_cpu_cores": ..., "steal_pct": ..., "loadavg_1m": ...,
                 "cycle_loop_s": [...],     # each completed cycle's loop time, in order
                 "stopped": false}, ...],   # one per strategy and repeat, in the order run
-      "timeline": [{<TIMELINE_COLUMNS>}, ...]  # every event of every run
+      "timeline": [{<TIMELINE_COLUMNS>}, ...]  # every event of every run ("written": a persist's
+                                               # bytes in new files, null where not counted)
     }
 
 Under ``torchrun`` (``nbckpt bench`` on many ranks, :mod:`nbckpt.bench._ranks`) rank 0 alone
@@ -141,6 +142,7 @@ TIMELINE_COLUMNS = [
     "end_s",
     "duration_s",
     "bytes",
+    "written",
     "thread",
     "pid",
     "start_ns",

@@ -193,7 +193,11 @@ class ExperimentResult:
         }
 
     def timeline_frame(self) -> pd.DataFrame:
-        return self.timeline.to_pandas()
+        """One row per event; ``written``: a ``persist``'s bytes put in new files (NaN where the
+        strategy does not count them, and for the other kinds)."""
+        frame = self.timeline.to_pandas()  # the run is over: its events no longer change
+        frame["written"] = [float(e.detail.get("written", math.nan)) for e in self.timeline.events]
+        return frame
 
 
 def pooled_metrics(results: Sequence[ExperimentResult]) -> dict[str, Any]:

@@ -71,6 +71,11 @@ def test_compare_shows_incremental_writes_only_the_adapters(tmp_path: Path) -> N
     written = comparison.results.set_index("strategy")["written_mb"]
     assert written["nbckpt-incremental"] < 0.25 * written["nbckpt-async"]
     assert written["torch-save"] > 0.9 * workload.nbytes / 1e6  # torch.save writes it all
+    persists = (
+        comparison.timeline[comparison.timeline.kind == "persist"].groupby("strategy")["written"].mean()
+    )
+    assert persists["nbckpt-incremental"] / 1e6 == pytest.approx(written["nbckpt-incremental"])
+    assert persists["torch-save"] / 1e6 == pytest.approx(written["torch-save"])
     shown = bench.format_results(comparison.results)
     assert "written MB" in shown.columns
     for name, files in (("nbckpt-async", False), ("nbckpt-incremental", True)):
