@@ -4,9 +4,10 @@
     .venv/bin/python benchmarks/incremental.py --full --json data/results/incremental-full-cpu.json
     .venv/bin/python benchmarks/incremental.py --quick     # the tiny preset, 2 repeats (checks the script)
 
-Method. The bench's GPT (``--preset``, default ``small``: 6 layers x 512, ~25M parameters) is
-frozen, and each block's two feed-forward layers get rank-``--rank`` adapters (LoRA's ``B @ A``
-added to the frozen layer's output), trained with AdamW. Every strategy runs ``--saves`` saves,
+Method. The bench's fine-tuning workload (``nbckpt bench --finetune``): its GPT (``--preset``,
+default ``small``: 6 layers x 512, ~25M parameters) frozen, and each block's two feed-forward
+layers given rank-``--rank`` adapters (LoRA's ``B @ A`` added to the frozen layer's output),
+trained with AdamW. Every strategy runs ``--saves`` saves,
 one after each training step, and the first is left out (it writes everything for every strategy):
 the figures are the steady state. Strategies, interleaved in a new random order each repeat:
 
@@ -39,64 +40,36 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from _output import finish, parser
-from torch import nn
 
 from nbckpt import Checkpointer
-from nbckpt.bench._internal import PRESETS, t_interval
-from nbckpt.bench._workloads import GPT
+from nbckpt.bench._internal import PRESETS, plain_state, t_interval
+from nbckpt.bench._workloads import gpt
 
 STRATEGIES = ("torch.save", "dcp.save", "nbckpt", "nbckpt incremental", "nbckpt adapters only")
 
 
-class Adapted(nn.Module):
-    """A frozen linear layer plus a trained low-rank update (LoRA: ``x @ A.T @ B.T``)."""
-
-    def __init__(self, frozen: nn.Linear, rank: int) -> None:
-        super().__init__()
-        self.frozen = frozen.requires_grad_(False)
-        self.a = nn.Parameter(torch.randn(rank, frozen.in_features) * 0.01)
-        self.b = nn.Parameter(torch.zeros(frozen.out_features, rank))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.frozen(x) + x @ self.a.T @ self.b.T
-
-
 class FineTune:
-    """The bench's GPT, frozen, with adapters on every feed-forward layer, trained with AdamW."""
+    """The bench's fine-tuning workload (``gpt(preset, finetune=True)``: the GPT frozen, adapters
+    on every feed-forward layer, trained with AdamW), or with ``full`` the GPT fully trained."""
 
     def __init__(self, preset: str, rank: int, full: bool = False) -> None:
-        torch.manual_seed(0)
-        self.config = PRESETS[preset]
-        self.model = GPT(self.config).requires_grad_(full)
-        for layer in self.model.blocks.layers if not full else ():
-            layer.linear1 = Adapted(layer.linear1, rank)
-            layer.linear2 = Adapted(layer.linear2, rank)
-        self.trained = [p for p in self.model.parameters() if p.requires_grad]
-        self.optim = torch.optim.AdamW(self.trained, lr=1e-3)
-        self.step = 0
+        self.workload = gpt(preset, finetune=not full, adapter_rank=rank)
+        self.workload.build()
+        self.trained = self.workload.trained()
 
     def train_step(self) -> None:
-        cfg = self.config
-        tokens = torch.randint(
-            cfg.vocab, (cfg.batch_size, cfg.seq_len + 1), generator=torch.Generator().manual_seed(self.step)
-        )
-        logits = self.model(tokens[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        self.optim.step()
-        self.optim.zero_grad(set_to_none=True)
-        self.step += 1
+        self.workload.train_step()
 
     def state(self) -> dict[str, Any]:
-        return {"model": self.model, "optim": self.optim, "step": self.step}
+        return self.workload.state()
 
     def adapters(self) -> dict[str, Any]:
-        named = {k: v for k, v in self.model.named_parameters() if v.requires_grad}
-        return {"adapters": named, "optim": self.optim, "step": self.step}
+        named = {k: v for k, v in self.state()["model"].named_parameters() if v.requires_grad}
+        return {**self.state(), "model": named}
 
     def plain(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optim.state_dict(), "step": self.step}
+        return plain_state(self.state())
 
 
 def _size(path: Path) -> int:
@@ -149,7 +122,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     preset, repeats, saves = ("tiny", 2, 3) if args.quick else (args.preset, args.repeats, args.saves)
     tune = FineTune(preset, args.rank, full=args.full)
     trained = sum(p.nbytes for p in tune.trained)
-    tune.train_step()  # AdamW's moments exist: every save has its full size
     strategies = STRATEGIES[:-1] if args.full else STRATEGIES  # all of it is trained: no adapters
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
     order = list(strategies)
@@ -162,7 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         strategy: {key: t_interval([r[key] for r in results]) for key in ("stall_s", "written", "restore_s")}
         for strategy, results in runs.items()
     }
-    total = sum(t.nbytes for t in tune.model.state_dict().values())
+    total = sum(t.nbytes for t in tune.state()["model"].state_dict().values())
     sizes = f"model {total / 1e6:.1f} MB, trained {trained / 1e6:.2f} MB"
     what = "fully trained" if args.full else f"frozen, rank-{args.rank} adapters"
     print(f"gpt-{preset} {what}: {sizes}")

@@ -132,9 +132,46 @@ def conclusions(
             f"checkpoint, and an overhead of {_overhead(overlap)}; the copy still runs on "
             f"this machine's cores, so overlap hides the wait, not the work."
         )
+    lines.extend(_incremental_sentence(run))
     if advice is not None and not advice.empty:
         lines.extend(_advice_sentences(run, advice, assumptions or {}))
     return lines
+
+
+# incremental=True pays where it leaves more than this share of the state unwritten.
+_INCREMENTAL_PAYS = 0.5
+
+
+def _incremental_sentence(run: _Run) -> list[str]:
+    """Whether ``incremental=True`` pays on this workload: the bytes nbckpt-incremental did not
+    write, against the focus strategy's, and the stall each cost."""
+    row = run.rows.get("nbckpt-incremental")
+    ours = _num(run.row.get("written_mb"))
+    theirs = _num(row.get("written_mb")) if row is not None else math.nan
+    if row is None or math.isnan(ours) or math.isnan(theirs) or ours <= 0:
+        return []
+    skipped = 1 - theirs / ours
+    measured = (
+        f"nbckpt-incremental wrote {theirs:.2f} MB a checkpoint against {ours:.2f} MB for {run.focus} "
+        f"({100 * skipped:.0f} % not written), with a stall of {_ms(_num(row['stall_mean_s']))} against "
+        f"{_ms(_num(run.row['stall_mean_s']))}"
+    )
+    if skipped > _INCREMENTAL_PAYS:
+        slower = _num(row["stall_mean_s"]) / _num(run.row["stall_mean_s"])
+        cost = (
+            f" Its stall was {_times(slower)} the stall without it (the fingerprints): it pays where "
+            f"writes or storage, not the stall, are the limit."
+            if slower > 1.2
+            else ""
+        )
+        return [
+            f"incremental=True pays here: {measured}; the files it did not write are shared with "
+            f"the step before, and every step still restores whole.{cost}"
+        ]
+    return [
+        f"incremental=True does not pay here: {measured}; most of the state changes between saves, "
+        f"so leave it off (it fingerprints what torch's version counter cannot clear at every save)."
+    ]
 
 
 def _stall_sentence(run: _Run) -> str:

@@ -579,6 +579,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPT workload preset: tiny, small, base, 350m, 1b, 3b (default: tiny unless --size-mb is given)",
     )
     parser.add_argument(
+        "--finetune",
+        action="store_true",
+        help="fine-tune the GPT preset: its base frozen, rank-8 low-rank adapters trained "
+        "(compare nbckpt-incremental with the others on it; default: the whole GPT trained)",
+    )
+    parser.add_argument(
         "--size-mb",
         type=float,
         default=None,
@@ -672,7 +678,13 @@ def run_bench_from_args(
     ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_on_ranks`); ``on_event``
     gets every event (``nbckpt bench --events``)."""
     names = _checked_bench_args(args)
-    workload = make_workload(args.preset, args.size_mb, args.device, compute_ms=args.compute_ms)
+    workload = make_workload(
+        args.preset,
+        args.size_mb,
+        args.device,
+        compute_ms=args.compute_ms,
+        finetune=args.finetune,
+    )
     if ranks is not None:
         workload = ranks.adopt(workload)
     if args.threads is not None:

@@ -14,6 +14,10 @@ Metrics (``Comparison.results`` columns, :data:`RESULT_COLUMNS`), per run or per
 - ``cpu_per_checkpoint_s``: CPU seconds this process (and its children) spent per checkpoint
   beyond the baseline's: on a machine whose cores all train, taken from training.
 - ``persist_s`` / ``write_gbs``: time to write the data durably, and its rate.
+- ``written_mb``: MB (10^6 bytes) each checkpoint put in new files: nbckpt's own count
+  (``SaveRecord.bytes_written``, this rank's; less than the state with ``incremental=True``), the
+  step's files for torch-save and DCP (every rank's under DCP on many ranks); each ``persist``
+  event of the timeline carries its bytes as ``written``.
 - ``peak_host_mb``: RSS before any strategy opened, plus what opening this one and its warm-up
   save left resident, plus the most RSS rose during its turns: its peak as if it ran alone.
   ``peak_device_mb`` (CUDA): the peak during its turns.
@@ -41,7 +45,8 @@ Metrics (``Comparison.results`` columns, :data:`RESULT_COLUMNS`), per run or per
                 "cpu_s": ..., "other_cpu_cores": ..., "steal_pct": ..., "loadavg_1m": ...,
                 "cycle_loop_s": [...],     # each completed cycle's loop time, in order
                 "stopped": false}, ...],   # one per strategy and repeat, in the order run
-      "timeline": [{<TIMELINE_COLUMNS>}, ...]  # every event of every run
+      "timeline": [{<TIMELINE_COLUMNS>}, ...]  # every event of every run ("written": a persist's
+                                               # bytes in new files, null where not counted)
     }
 
 Under ``torchrun`` (``nbckpt bench`` on many ranks, :mod:`nbckpt.bench._ranks`) rank 0 alone
@@ -137,6 +142,7 @@ TIMELINE_COLUMNS = [
     "end_s",
     "duration_s",
     "bytes",
+    "written",
     "thread",
     "pid",
     "start_ns",
@@ -161,6 +167,7 @@ SHOWN_COLUMNS = {
     "stall_p95_s": f"{STALL_NAMES['stall_mean_s']} p95 s",
     "drag": "drag per checkpoint",
     "persist_s": "persist s",
+    "written_mb": "written MB",
     "write_gbs": "write GB/s",
     "peak_host_mb": "peak host MiB",
     "peak_device_mb": "peak device MiB",
@@ -176,6 +183,7 @@ _FORMATS = {
     "wait_s": "{:.4f}",
     "stall_p95_s": "{:.4f}",
     "persist_s": "{:.3f}",
+    "written_mb": "{:.2f}",
     "write_gbs": "{:.2f}",
     "peak_host_mb": "{:.0f}",
     "peak_device_mb": "{:.0f}",

@@ -32,7 +32,15 @@ from .._errors import ConfigError
 from ..engine import Timeline
 from ..engine._internal import now_ns, step_name
 from ._dcp_compat import quiet_spawn
-from ._strategy import WAIT_NOISE_NS, BlockingSave, Strategy, failing_as, plain_state, tensor_bytes
+from ._strategy import (
+    WAIT_NOISE_NS,
+    BlockingSave,
+    Strategy,
+    failing_as,
+    file_bytes,
+    plain_state,
+    tensor_bytes,
+)
 
 __all__ = ["DcpAsync", "DcpAsyncStager", "DcpSync"]
 
@@ -169,8 +177,12 @@ class DcpAsync(_SingleProcess):
 
         def on_done(done: Future[Any]) -> None:
             try:
-                kind = "error" if done.exception() is not None else "persist"
-                self.record(kind, staged_at[0], step=step, nbytes=nbytes)
+                if done.exception() is not None:
+                    self.record("error", staged_at[0], step=step, nbytes=nbytes)
+                else:  # durable now; the files' sizes are counted after, outside the event
+                    end = now_ns()
+                    written = file_bytes(os.path.join(self.path, step_name(step)))
+                    self.record("persist", staged_at[0], end, step=step, nbytes=nbytes, written=written)
             finally:
                 recorded.set()
 

@@ -29,9 +29,7 @@ def _shard(workload: GPTWorkload) -> None:
     for block in model.blocks.layers:
         fully_shard(block)
     fully_shard(model)
-    workload.optim = torch.optim.AdamW(
-        model.parameters(), lr=workload.config.lr, weight_decay=workload.config.weight_decay
-    )
+    workload.make_optimizer()
     workload.train_step()
     workload.step = 0
 

@@ -61,6 +61,7 @@ RESULT_COLUMNS = [
     "drag_ci_s",
     "cpu_per_checkpoint_s",
     "persist_s",
+    "written_mb",
     "write_gbs",
     "peak_host_mb",
     "peak_device_mb",
@@ -192,7 +193,11 @@ class ExperimentResult:
         }
 
     def timeline_frame(self) -> pd.DataFrame:
-        return self.timeline.to_pandas()
+        """One row per event; ``written``: a ``persist``'s bytes put in new files (NaN where the
+        strategy does not count them, and for the other kinds)."""
+        frame = self.timeline.to_pandas()  # the run is over: its events no longer change
+        frame["written"] = [float(e.detail.get("written", math.nan)) for e in self.timeline.events]
+        return frame
 
 
 def pooled_metrics(results: Sequence[ExperimentResult]) -> dict[str, Any]:
@@ -203,6 +208,13 @@ def pooled_metrics(results: Sequence[ExperimentResult]) -> dict[str, Any]:
     stalls = [save + wait for save, wait in parts]
     persists = [p for r in results for p in r.durations("persist").values()]
     persist_bytes = sum(e.bytes for r in results for e in r.events if e.kind == "persist")
+    # Bytes put in new files, where the strategy counts them (an incremental save skips some).
+    written = [
+        e.detail["written"]
+        for r in results
+        for e in r.events
+        if e.kind == "persist" and "written" in e.detail
+    ]
     wall_s = sum(r.wall_s for r in results)
     return {
         "steps": round(step_total / runs),
@@ -213,6 +225,7 @@ def pooled_metrics(results: Sequence[ExperimentResult]) -> dict[str, Any]:
         "save_stall_s": float(np.mean([save for save, _ in parts])) if parts else 0.0,
         "wait_s": float(np.mean([wait for _, wait in parts])) if parts else 0.0,
         "persist_s": float(np.mean(persists)) if persists else math.nan,
+        "written_mb": float(np.mean(written)) / 1e6 if written else math.nan,  # decimal, as GB/s
         "write_gbs": persist_bytes / sum(persists) / GB if sum(persists) > 0 else math.nan,
         "peak_host_mb": max(r.peak_host_mb for r in results),
         "peak_device_mb": max(r.peak_device_mb for r in results),

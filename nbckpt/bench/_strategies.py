@@ -1,4 +1,4 @@
-"""Every checkpoint strategy by name: the eight built in, and yours.
+"""Every checkpoint strategy by name: the nine built in, and yours.
 
 Add your own::
 
@@ -29,6 +29,7 @@ __all__ = [
     "STRATEGIES",
     "NbckptAsync",
     "NbckptAsyncOverlap",
+    "NbckptIncremental",
     "NbckptStrategy",
     "NbckptSync",
     "NoCheckpoint",
@@ -148,6 +149,16 @@ class NbckptAsync(NbckptStrategy):
     description = "nbckpt Checkpointer, mode='async': copy into reused buffers, persist behind"
 
 
+class NbckptIncremental(NbckptStrategy):
+    name = "nbckpt-incremental"
+    description = (
+        "nbckpt async with incremental=True: files whose tensors did not change are shared, not written"
+    )
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None, **options: Any) -> None:
+        super().__init__(storage_options, **{"incremental": True, **options})
+
+
 class NbckptAsyncOverlap(NbckptStrategy):
     name = "nbckpt-async-overlap"
     description = "nbckpt async with overlap=True: the copy runs under the next forward/backward"
@@ -166,5 +177,6 @@ for _built_in in (
     NbckptSync,
     NbckptAsync,
     NbckptAsyncOverlap,
+    NbckptIncremental,
 ):
     register_strategy(_built_in)

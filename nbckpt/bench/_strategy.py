@@ -22,7 +22,16 @@ from .._util import is_url
 from ..engine import Event, Timeline
 from ..engine._internal import now_ns, step_name
 
-__all__ = ["WAIT_NOISE_NS", "BlockingSave", "Strategy", "failing_as", "join", "plain_state", "tensor_bytes"]
+__all__ = [
+    "WAIT_NOISE_NS",
+    "BlockingSave",
+    "Strategy",
+    "failing_as",
+    "file_bytes",
+    "join",
+    "plain_state",
+    "tensor_bytes",
+]
 
 
 # A wait for background work shorter than this is bookkeeping (the work was already done), not
@@ -58,6 +67,16 @@ def tensor_bytes(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return sum(tensor_bytes(item) for item in value)
     return 0
+
+
+def file_bytes(path: str) -> int:
+    """Bytes of the file at ``path``, or of every file under the directory ``path``: what a save
+    that writes everything anew wrote."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(
+        os.path.getsize(os.path.join(root, name)) for root, _dirs, names in os.walk(path) for name in names
+    )
 
 
 @contextmanager
@@ -168,7 +187,8 @@ class BlockingSave(Strategy):
         path = os.path.join(self.path, step_name(step) + self.suffix)
         with failing_as(f"{self.writer} of step {step} to {path}"):
             self.write(plain, path)
-        self.record("persist", begin, step=step, nbytes=tensor_bytes(plain))
+        end = now_ns()  # durable; the file's size is counted after, outside the event
+        self.record("persist", begin, end, step=step, nbytes=tensor_bytes(plain), written=file_bytes(path))
 
     @abstractmethod
     def write(self, plain: dict[str, Any], path: str) -> None:

@@ -30,7 +30,9 @@ from .._errors import ConfigError
 from .._util import MIB, check_count, format_bytes
 
 __all__ = [
+    "DEFAULT_ADAPTER_RANK",
     "PRESETS",
+    "Adapted",
     "GPTConfig",
     "GPTWorkload",
     "SyntheticWorkload",
@@ -73,6 +75,11 @@ class GPTConfig:
     def checkpoint_bytes(self) -> int:
         """Model + AdamW state (two moments and a step counter per tensor), as saved."""
         return self.params() * _CHECKPOINT_BYTES_PER_PARAM + 4 * self.param_tensors()
+
+    def adapter_params(self, rank: int) -> int:
+        """Parameters of rank-``rank`` adapters on every block's two feed-forward layers
+        (``d -> 4d`` and ``4d -> d``: ``rank * 5d`` each)."""
+        return self.n_layer * 2 * rank * 5 * self.d_model
 
     def activation_bytes(self, element_size: int = 4) -> int:
         """A generous estimate of activations kept for backward, plus logits and their gradient."""
@@ -122,6 +129,33 @@ class GPT(nn.Module):
         x = self.blocks(x, mask=mask, is_causal=True)
         logits: torch.Tensor = self.ln_f(x) @ self.tok.weight.T
         return logits
+
+
+#: The adapters' rank of a fine-tuning workload unless told otherwise (a common LoRA rank).
+DEFAULT_ADAPTER_RANK = 8
+
+
+class Adapted(nn.Module):
+    """A frozen linear layer plus a trained low-rank update (LoRA: ``x @ A.T @ B.T``, ``B`` zero
+    at first so the model starts as the frozen one)."""
+
+    def __init__(self, frozen: nn.Linear, rank: int) -> None:
+        super().__init__()
+        self.frozen = frozen.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(rank, frozen.in_features, device=frozen.weight.device) * 0.01)
+        self.b = nn.Parameter(torch.zeros(frozen.out_features, rank, device=frozen.weight.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.frozen(x)
+        return out + x @ self.a.T @ self.b.T
+
+
+def add_adapters(model: GPT, rank: int) -> None:
+    """Freeze ``model`` and give each block's two feed-forward layers rank-``rank`` adapters."""
+    model.requires_grad_(False)
+    for layer in model.blocks.layers:
+        layer.linear1 = Adapted(layer.linear1, rank)
+        layer.linear2 = Adapted(layer.linear2, rank)
 
 
 def _check_device(device: str) -> str:
@@ -185,25 +219,58 @@ class Workload(ABC):
 
 
 class GPTWorkload(Workload):
-    """A GPT decoder trained with AdamW on deterministic synthetic tokens."""
+    """A GPT decoder trained with AdamW on deterministic synthetic tokens; with ``adapter_rank``
+    a fine-tune: the GPT frozen and only low-rank adapters (:class:`Adapted`) trained."""
 
-    def __init__(self, name: str, config: GPTConfig, device: str = "cpu", *, seed: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: GPTConfig,
+        device: str = "cpu",
+        *,
+        seed: int = 0,
+        adapter_rank: int | None = None,
+    ) -> None:
         super().__init__()
-        self.name = name
+        if adapter_rank is not None:
+            check_count(adapter_rank, "adapter_rank")
+        self.name = name if adapter_rank is None else f"{name}-finetune"
         self.config = config
         self.device = _check_device(device)
         self.seed = seed
-        self.params = config.params()
-        self.nbytes = config.checkpoint_bytes()
+        self.adapter_rank = adapter_rank
+        self.trained_params = config.params() if adapter_rank is None else config.adapter_params(adapter_rank)
+        self.params = config.params() + (0 if adapter_rank is None else self.trained_params)
+        # Weights of every parameter; AdamW's two moments and step counter of the trained ones.
+        trained_tensors = config.param_tensors() if adapter_rank is None else 4 * config.n_layer
+        self.nbytes = 4 * self.params + 8 * self.trained_params + 4 * trained_tensors
         self.model: GPT | None = None
         self.optim: torch.optim.AdamW | None = None
 
     def describe(self) -> str:
+        trained = (
+            ""
+            if self.adapter_rank is None
+            else f", frozen with rank-{self.adapter_rank} adapters trained "
+            f"({self.trained_params / 1e6:.2f}M parameters)"
+        )
         return (
-            f"gpt-{self.name}: {self.params / 1e6:.1f}M parameters, checkpoint "
+            f"gpt-{self.name}: {self.params / 1e6:.1f}M parameters{trained}, checkpoint "
             f"{format_bytes(self.nbytes)} (model + AdamW), {self.config.n_layer} layers x "
             f"{self.config.d_model}, batch {self.config.batch_size}x{self.config.seq_len} on "
             f"{self.device}"
+        )
+
+    def trained(self) -> list[nn.Parameter]:
+        """The parameters training updates (the adapters alone in a fine-tune)."""
+        self._require_built()
+        assert self.model is not None
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def make_optimizer(self) -> None:
+        """AdamW over the trained parameters (again after they are replaced, as FSDP2 does)."""
+        self.optim = torch.optim.AdamW(
+            self.trained(), lr=self.config.lr, weight_decay=self.config.weight_decay
         )
 
     def build(self) -> None:
@@ -217,10 +284,10 @@ class GPTWorkload(Workload):
         _require_memory(f"gpt-{self.name}", host, device, device=self.device)
         torch.manual_seed(self.seed)
         self.model = GPT(self.config).to(self.device)
-        self.optim = torch.optim.AdamW(
-            self.model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
-        )
+        if self.adapter_rank is not None:
+            add_adapters(self.model, self.adapter_rank)
         self.built = True
+        self.make_optimizer()
         self.train_step()
         self.step = 0
 
@@ -333,13 +400,22 @@ class SyntheticWorkload(Workload):
         return {"model": dict(self.tensors), "optim": {}, "step": self.step}
 
 
-def gpt(preset: str | GPTConfig = "tiny", device: str = "cpu", seed: int = 0) -> GPTWorkload:
-    """A GPT workload from a preset name (see :data:`PRESETS`) or a :class:`GPTConfig`."""
+def gpt(
+    preset: str | GPTConfig = "tiny",
+    device: str = "cpu",
+    seed: int = 0,
+    *,
+    finetune: bool = False,
+    adapter_rank: int = DEFAULT_ADAPTER_RANK,
+) -> GPTWorkload:
+    """A GPT workload from a preset name (see :data:`PRESETS`) or a :class:`GPTConfig`;
+    ``finetune``: its base frozen, rank-``adapter_rank`` adapters trained."""
+    rank = adapter_rank if finetune else None
     if isinstance(preset, GPTConfig):
-        return GPTWorkload("custom", preset, device, seed=seed)
+        return GPTWorkload("custom", preset, device, seed=seed, adapter_rank=rank)
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    return GPTWorkload(preset, PRESETS[preset], device, seed=seed)
+    return GPTWorkload(preset, PRESETS[preset], device, seed=seed, adapter_rank=rank)
 
 
 def synthetic(size_mb: float, compute_ms: float = 5.0, device: str = "cpu") -> SyntheticWorkload:
@@ -355,10 +431,14 @@ def make_workload(
     device: str = "cpu",
     *,
     compute_ms: float = 5.0,
+    finetune: bool = False,
 ) -> Workload:
-    """A GPT preset or a synthetic state (give one of the two; neither means ``tiny``)."""
+    """A GPT preset or a synthetic state (give one of the two; neither means ``tiny``);
+    ``finetune``: the GPT's base frozen and low-rank adapters trained (:func:`gpt`)."""
     if preset is not None and size_mb is not None:
         raise ConfigError("give a preset or a size in MiB, not both")
     if size_mb is not None:
+        if finetune:
+            raise ConfigError("finetune adapts a GPT preset, not a synthetic state; drop size_mb")
         return synthetic(size_mb, compute_ms, device)
-    return gpt(preset or "tiny", device=device)
+    return gpt(preset or "tiny", device=device, finetune=finetune)

@@ -14,8 +14,8 @@ from ._live_figure import live_figure
 __all__ = ["output", "require_columns", "strategy_colour"]
 
 # plotly's D3 colours in the order the built-in strategies register (none, torch-save,
-# dcp-sync, dcp-async, dcp-async-stager, nbckpt-sync, nbckpt-async, nbckpt-async-overlap),
-# so each keeps the colour it has always had in nbckpt's figures.
+# dcp-sync, dcp-async, dcp-async-stager, nbckpt-sync, nbckpt-async, nbckpt-async-overlap,
+# nbckpt-incremental), so each keeps the colour it has always had in nbckpt's figures.
 _REGISTRY_PALETTE = (
     "#7f7f7f",
     "#d62728",

@@ -317,3 +317,33 @@ def test_the_advisors_sentences_say_only_what_the_overhead_table_shows() -> None
     [modes] = [line for line in lines if "(async)" in line and "(sync)" in line]
     assert "GPU-hours a day less" not in modes and "loses" not in modes.split(":")[0]
     assert "put nbckpt-async-overlap above nbckpt-sync" in modes
+
+
+def test_conclusions_say_when_incremental_pays() -> None:
+    def with_incremental(written_mb: float) -> pd.DataFrame:
+        results = _results(stall=0.01).assign(written_mb=[math.nan, 100.0, 100.0])
+        incremental = {
+            **results.iloc[2].to_dict(),
+            "strategy": "nbckpt-incremental",
+            "written_mb": written_mb,
+        }
+        incremental["stall_mean_s"] = 0.012
+        return pd.concat([results, pd.DataFrame([incremental])], ignore_index=True)
+
+    (frozen,) = [line for line in conclusions(with_incremental(3.0), FLOORS) if "incremental=True" in line]
+    assert frozen.startswith("incremental=True pays here: nbckpt-incremental wrote 3.00 MB a checkpoint")
+    assert (
+        "against 100.00 MB for nbckpt-async (97 % not written), with a stall of 12.0 ms against 10.0 ms"
+        in frozen
+    )
+    assert "Its stall was 1.2x" not in frozen  # 12 ms against 10 ms: within 1.2x, not worth a word
+    slow = with_incremental(3.0)
+    slow.loc[3, "stall_mean_s"] = 0.03
+    (slower,) = [line for line in conclusions(slow, FLOORS) if "incremental=True" in line]
+    assert slower.endswith(
+        "Its stall was 3.0x the stall without it (the fingerprints): it pays where "
+        "writes or storage, not the stall, are the limit."
+    )
+    (full,) = [line for line in conclusions(with_incremental(99.0), FLOORS) if "incremental=True" in line]
+    assert full.startswith("incremental=True does not pay here:") and "(1 % not written)" in full
+    assert not [line for line in conclusions(_results(), FLOORS) if "incremental" in line]  # not measured

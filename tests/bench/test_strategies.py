@@ -30,8 +30,17 @@ BUILT_IN = [
     "nbckpt-sync",
     "nbckpt-async",
     "nbckpt-async-overlap",
+    "nbckpt-incremental",
 ]
-THREAD_LOCAL = ["torch-save", "dcp-sync", "dcp-async", "nbckpt-sync", "nbckpt-async", "nbckpt-async-overlap"]
+THREAD_LOCAL = [
+    "torch-save",
+    "dcp-sync",
+    "dcp-async",
+    "nbckpt-sync",
+    "nbckpt-async",
+    "nbckpt-async-overlap",
+    "nbckpt-incremental",
+]
 
 
 def load_model(name: str, path: str, step: int, like: Mapping[str, torch.Tensor]) -> dict[str, Any]:

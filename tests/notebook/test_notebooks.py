@@ -43,6 +43,7 @@ DECIDING = [
     "03_storage_and_flashblade.ipynb",
     "04_fault_tolerance.ipynb",
     "09_many_ranks.ipynb",
+    "10_fine_tuning.ipynb",
 ]
 
 
@@ -198,8 +199,30 @@ def _check_many_ranks(results: dict[str, Any]) -> None:
     assert decision["writers_help"] == (decision["floor_gbs"] > 1.2 * floors[1])
 
 
+def _check_fine_tuning(results: dict[str, Any]) -> None:
+    first, *later = results["records"]
+    assert later and first["bytes_skipped"] == 0  # the first save writes everything
+    for record in later:  # then only the adapters, their optimizer state and the metadata
+        assert 0 < record["bytes_written"] < 0.25 * first["bytes_written"] < record["bytes_skipped"]
+    assert results["shared_files"] >= 1 and min(results["shared_links"]) >= 2  # one inode, several steps
+    assert results["deleted_step"] == first["step"] and first["step"] not in results["steps_left"]
+    assert results["restored_step"] == later[-1]["step"] and results["restore_identical"] is True
+    written = results["written_mb"]  # the bench's comparison on the same fine-tune
+    assert written["nbckpt-incremental"] < 0.25 * written["nbckpt-async"]
+    assert written["torch-save"] > 0.9 * first["bytes"] / 1e6
+    decision = results["decision"]
+    assert decision["incremental"] == (decision["skipped_share"] > 0.5) and decision["incremental"]
+    assert "incremental=True" in decision["code"]
+
+
 #: Notebooks that end in a "Your decision" section whose printed advice comes from the run.
-DECIDED = {"05_distributed.ipynb", "06_lab.ipynb", "07_interval_and_scale.ipynb", "09_many_ranks.ipynb"}
+DECIDED = {
+    "05_distributed.ipynb",
+    "06_lab.ipynb",
+    "07_interval_and_scale.ipynb",
+    "09_many_ranks.ipynb",
+    "10_fine_tuning.ipynb",
+}
 
 
 def _check_printed_decision(executed: Path) -> None:
@@ -218,6 +241,7 @@ CHECKS = {
     "07_interval_and_scale.ipynb": _check_interval,
     "08_never_lose_work.ipynb": _check_never_lose_work,
     "09_many_ranks.ipynb": _check_many_ranks,
+    "10_fine_tuning.ipynb": _check_fine_tuning,
 }
 
 
