@@ -68,6 +68,9 @@ SCALING_COLUMNS = [
     "time_to_durable_s",
     "source",
 ]
+#: The scaling columns each run's :func:`job_table` gives as they are (the rest: the run's size,
+#: the strategy and where it came from).
+_FROM_JOB_TABLE = [key for key in SCALING_COLUMNS if key not in ("ranks", "hosts", "strategy", "source")]
 
 
 def _number(value: Any) -> float:
@@ -258,17 +261,7 @@ def scaling_table(jobs: Sequence[Comparison], sources: Sequence[str] | None = No
                     "ranks": int(world),
                     "hosts": len(comparison.job.get("hosts", {})),
                     "strategy": row["strategy"],
-                    **{
-                        key: row[key]
-                        for key in (
-                            "aggregate_write_gbs",
-                            "concurrent_floor_gbs",
-                            "stall_median_s",
-                            "stall_max_s",
-                            "overhead_pct",
-                            "time_to_durable_s",
-                        )
-                    },
+                    **{key: row[key] for key in _FROM_JOB_TABLE},
                     "source": source,
                 }
             )

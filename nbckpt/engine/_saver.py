@@ -143,7 +143,13 @@ class Saver:
                     f"could not allocate {flat.nbytes / 1e9:.2f} GB of staging memory: {describe_error(exc)}"
                 ) from exc
             sharing = self._share(flat, files, step)
-            tensors = {k: t for k, t in flat.tensors.items() if k not in sharing.skip}
+            # A save that shares nothing (every save but an incremental one) stages the state as
+            # it is: no copy of a 10,000-key dict on the save path.
+            tensors = (
+                {k: t for k, t in flat.tensors.items() if k not in sharing.skip}
+                if sharing.skip
+                else flat.tensors
+            )
             self._stager.stage(tensors, slot, stage_done, wait=sync or not overlap)
         except BaseException:
             if handle.slot is not None:
