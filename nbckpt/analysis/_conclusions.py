@@ -408,7 +408,7 @@ def _advice_sentences(run: _Run, advice: pd.DataFrame, assumptions: Mapping[str,
     source = str(given.get("mtbf_source", "given"))
     text = (
         f"Assuming a job of {int(given.get('gpus', 0)):,} GPUs with a job MTBF of "
-        f"{float(best['cluster_mtbf_h']):.1f} h ({source}) and "
+        f"{float(best['job_mtbf_h']):.1f} h ({source}) and "
         f"{_num(given.get('restore_s', best['restore_s'])):g} s to restore after a failure (report "
         f"parameters gpus, job_mtbf_hours, restore_s), and "
         f"taking the costs measured here on {run.device} as one rank's, the advisor puts a "

@@ -229,7 +229,7 @@ def interval_figure(advice_df: pd.DataFrame, *, widget: bool = False) -> go.Figu
             "cost_s",
             "lag_s",
             "restore_s",
-            "cluster_mtbf_h",
+            "job_mtbf_h",
             "gpu_hours_lost_per_day",
         },
         "interval_figure",
@@ -269,7 +269,7 @@ def interval_figure(advice_df: pd.DataFrame, *, widget: bool = False) -> go.Figu
         )
     title = (
         "Expected time lost against checkpoint interval (Young/Daly), job MTBF "
-        f"{advice_df['cluster_mtbf_h'].iloc[0]:.1f} h"
+        f"{advice_df['job_mtbf_h'].iloc[0]:.1f} h"
     )
     attrs = advice_df.attrs
     if {"gpus", "mtbf_source", "restore_s"} <= set(attrs):

@@ -76,11 +76,11 @@ def test_young_interval_minimises_waste() -> None:
 def test_advise_takes_the_job_mtbf_from_the_engine_unless_given() -> None:
     """One failure model: the engine's fit (7.9 h at 1,024 GPUs), the schedule's too."""
     fitted = advise({"sync": (50.0, 0.0)}, gpus=1024)
-    assert fitted["cluster_mtbf_h"].iloc[0] == pytest.approx(7.9) == job_mtbf_s(1024) / 3600
+    assert fitted["job_mtbf_h"].iloc[0] == pytest.approx(7.9) == job_mtbf_s(1024) / 3600
     assert fitted.attrs["mtbf_source"] == MTBF_SOURCE and fitted.attrs["job_mtbf_hours"] == pytest.approx(7.9)
     assert SaveSchedule(gpus=1024).mtbf_s == job_mtbf_s(1024)
     given = advise({"sync": (50.0, 0.0)}, gpus=1024, job_mtbf_hours=3.0)
-    assert given["cluster_mtbf_h"].iloc[0] == 3.0 and given.attrs["mtbf_source"] == "given"
+    assert given["job_mtbf_h"].iloc[0] == 3.0 and given.attrs["mtbf_source"] == "given"
     for bad in (0.0, -1.0, math.inf):
         with pytest.raises(ConfigError, match="job_mtbf_hours"):
             advise({"sync": (50.0, 0.0)}, job_mtbf_hours=bad)
