@@ -44,6 +44,9 @@ HOUR_S = 3600.0
 #: How many recent saves (and steps) the measured costs are taken over: the schedule follows
 #: costs that change (a fuller disk, a bigger state) within a few saves.
 RECENT = 5
+#: With several ranks, the most steps between two of rank 0's decisions: each costs a collective,
+#: and a count of steps cannot see the steps slow down (a save is at most this many steps late).
+ASK_AT_MOST = 50
 #: Job mean time to failure against job size (GPUs, hours), as fitted by Meta on its research
 #: clusters: Kokolis et al., "Revisiting Reliability in Large-Scale Machine Learning Research
 #: Clusters", HPCA 2025 (arXiv 2410.21680).
@@ -196,12 +199,15 @@ class Pacer:
     times the steps (those that ran beside a background write apart, which is how the drag is
     measured), takes the costs from the recent saves, and says when the next save is due.
 
-    With several ranks only rank 0's pacer decides, from its own clock and costs, and the others
-    follow its answer; to need no collective at every step, an answer also says how many calls
-    from now the next one is asked for (:attr:`ask_in`)."""
+    In one process the clock decides at every step. With several ranks only rank 0's pacer
+    decides, from its own clock and costs, and the others follow its answer; to need no
+    collective at every step, an answer also says how many calls from now the next one is asked
+    for (:attr:`ask_in`, at most :data:`ASK_AT_MOST`)."""
 
-    def __init__(self, schedule: SaveSchedule) -> None:
+    def __init__(self, schedule: SaveSchedule, clock: Callable[[], float] = time.monotonic) -> None:
         self.schedule = schedule
+        self._clock = clock
+        self._costed: SaveRecord | None = None  # the newest record the interval was computed with
         self.interval: Interval | None = None
         """The last decision: the interval and the line saying why (None before the first save)."""
         self.ask_in = 1
@@ -222,13 +228,28 @@ class Pacer:
         """A step ended now: whether a save is due, by rank 0's decision (``group.from_rank0``),
         from the saves ``records`` and the last restore's time (``restore_s()``, asked only when
         deciding; None: none)."""
-        now = time.monotonic()
+        now = self._clock()
         self.tick(now, persisting)
+        if group.pg is None:
+            return self._due_here(now, records, restore_s)
         if self.ask_in > 0:
             return False
         decide = partial(self.decide, now, records, restore_s())
         due, self.ask_in = group.from_rank0(("due",), decide)
         return bool(due)
+
+    def _due_here(
+        self, now: float, records: Sequence[SaveRecord], restore_s: Callable[[], float | None]
+    ) -> bool:
+        """One process: no collective to spare, so the clock decides at every step (a count of
+        steps would make a save late when the steps slow down), against the interval computed
+        when a save last committed (its costs change only then)."""
+        if self._last_save is None or not records:
+            return self._last_save is None
+        if self.interval is None or self._costed is not records[-1]:
+            self._costed = records[-1]
+            return self.decide(now, records, restore_s())[0]
+        return now - self._last_save >= self.interval.seconds
 
     def tick(self, now: float, persisting: bool) -> None:
         """A step ended at ``now`` (a call of ``due``), a save persisting or not meanwhile."""
@@ -254,7 +275,7 @@ class Pacer:
         if left <= 0:
             return True, 1
         step = statistics.median(self._idle or self._busy or [left])
-        return False, max(1, min(math.floor(left / step), 1000))
+        return False, max(1, min(math.floor(left / step), ASK_AT_MOST))
 
     def costs(self, records: Sequence[SaveRecord], restore_s: float | None) -> Costs:
         """This run's costs: the recent saves' stall and time to durable (the wait for the save
