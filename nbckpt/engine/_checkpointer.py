@@ -391,7 +391,7 @@ class Checkpointer:
         if not isinstance(reason, str):
             raise ConfigError(f"reason must be text (it is logged), not {reason!r}")
         timeout = _final.check_arguments(snapshot, timeout_s)
-        if (late := Grace(timeout).late(self.records)) is not None:
+        if (late := Grace(timeout, given_by="final_save").late(self.records)) is not None:
             _log.warning("%s (%s)", late, reason)
         line, ended = _final.final_save(self._save_now, snapshot, timeout, reason)
         # close() at exit would wait for a save still running (its lock is held): it is left behind.

@@ -176,8 +176,8 @@ class Grace:
     """The time a final save has (``save_on_signal``'s ``timeout_s``; None: none set), and whether
     this run was told that its saves take longer."""
 
-    def __init__(self, seconds: float | None = None) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float | None = None, given_by: str = "save_on_signal") -> None:
+        self.seconds, self.given_by = seconds, given_by
         self._said = False
 
     def late(self, records: Sequence[SaveRecord]) -> str | None:
@@ -188,7 +188,7 @@ class Grace:
         self._said = True
         return (
             f"nbckpt: a final save takes about {final:.3g} s here (the copy and write of the "
-            f"recent saves), more than the {self.seconds:g} s save_on_signal gives it: it would "
+            f"recent saves), more than the {self.seconds:g} s {self.given_by} gives it: it would "
             "not commit in time. Save less in it (the model without the optimizer), write to a "
             "faster target, or save more often so that the checkpoint before it loses less"
         )

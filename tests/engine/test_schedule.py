@@ -202,3 +202,18 @@ def test_the_grace_window_warns_once_when_a_final_save_would_not_fit(tmp_path: P
             assert len(said) == 1
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_final_save_logs_when_its_window_is_too_short_for_this_runs_saves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """final_save(timeout_s) checks its window against the run's measured saves before saving."""
+    state = {"w": torch.ones(1 << 18)}
+    with Checkpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save(state, 1)
+        with caplog.at_level("WARNING", logger="nbckpt"):
+            ckpt.final_save(lambda: (state, 2), timeout_s=60.0)
+            assert not [r for r in caplog.records if "final save takes" in r.getMessage()]
+            ckpt.final_save(lambda: (state, 3), timeout_s=1e-6)
+        warned = [r.getMessage() for r in caplog.records if "final save takes" in r.getMessage()]
+        assert len(warned) == 1 and "the 1e-06 s final_save gives it" in warned[0], warned
