@@ -22,6 +22,7 @@ import torch
 from .._errors import CheckpointError, ConfigError, describe_error
 from ._config import CheckpointConfig
 from ._dcp_values import ValueItem, dcp_metadata, dcp_values, value_items
+from ._faults import fault_point
 from ._files import FileResult, copy_file, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._incremental import NOTHING_SHARED, Increments, Sharing
@@ -299,6 +300,8 @@ class Saver:
         room = 0 if sync else self.config.max_inflight - 1
         with self._state:
             full = len(self._inflight) > room  # else nothing to wait for: wait_s is 0, not the check
+        if full:
+            fault_point("save.wait", handle.step)
         self._drain(room)
         handle.wait_s = (now_ns() - began) / 1e9 if full else 0.0
         if handle.wait_s > 1e-4:
