@@ -167,6 +167,7 @@ LADDER = {
         "_dcp_values",
         "_dcp_check",
         "_saver",
+        "_retainer",
         "_reader",
         "_restorer",
         "_retention",
@@ -520,11 +521,11 @@ def test_internal_modules_gather_glue_others_use(path: Path) -> None:
 
 ENGINE = PACKAGE / "engine"
 #: Where a checkpoint may be deleted, and why there: the one retention policy decides every
-#: delete of old steps (the saver's through its Retainer, the mirror's through ``doomed``: that
+#: delete of old steps (the run's through the Retainer, the mirror's through ``doomed``: that
 #: both tiers keep the same steps is tested by behaviour in engine/test_retention.py);
 #: the others are a user's own delete, and the stores that carry it out.
 DELETERS = {
-    "engine/_retention.py": "the policy's deletes after each commit",
+    "engine/_retainer.py": "the policy's deletes after each commit",
     "engine/_mirror.py": "the mirror applies the same decision (doomed) to its copies",
     "engine/_checkpointer.py": "Checkpointer.delete, the user's",
     "engine/_store.py": "the local store carries a delete out",

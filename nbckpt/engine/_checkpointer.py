@@ -27,6 +27,7 @@ from ._mirror import mirror_target, open_mirror
 from ._open_store import open_store
 from ._ranks import join
 from ._restorer import Options, device_of
+from ._retainer import Retainer
 from ._retention import check_metrics
 from ._run import Run, open_run
 from ._saver import Saver
@@ -81,9 +82,17 @@ class Checkpointer:
             self._mirror = open_mirror(
                 mirror_root, self.config, self.store, ranks.caller, self.timeline, nonce
             )
-            uploads = self._mirror if self._mirror is not None and not self.config.read_only else None
+            policy, writes = self.config.retention, self.rank == 0 and not self.config.read_only
+            self._retainer = (
+                Retainer(policy, self.timeline, self.config.writer_nice)
+                if writes and policy is not None
+                else None
+            )
+            # Rank 0's saver tells them of each commit: the mirror first (its upload is queued
+            # before any pass can ask which steps it still reads), then retention.
+            observers = [o for o in (self._mirror, self._retainer) if o is not None] if writes else []
             self._saver = Saver(
-                self.config, self.store, ranks, self.timeline, self._io, nonce, committed, uploads
+                self.config, self.store, ranks, self.timeline, self._io, nonce, committed, observers
             )
             self._run = Run(
                 self.store,
@@ -97,11 +106,13 @@ class Checkpointer:
             )
         except BaseException:
             # The directory is locked and threads run: a failed construction gives all of it back.
-            release(self.store, True, *[getattr(self, name, None) for name in ("_saver", "_io", "_mirror")])
+            names = ("_saver", "_retainer", "_io", "_mirror")
+            release(self.store, True, *[getattr(self, name, None) for name in names])
             raise
         register(self, self._at_exit)
         # A Checkpointer dropped without close() (a notebook cell run again) frees the directory.
-        weakref.finalize(self, release, self.store, False, self._saver, self._io, self._mirror).atexit = False
+        parts = (self._saver, self._retainer, self._io, self._mirror)
+        weakref.finalize(self, release, self.store, False, *parts).atexit = False
 
     @property
     def line_name(self) -> str:
@@ -348,7 +359,9 @@ class Checkpointer:
         answer changes between commits (:class:`CustomSteps` of a framework's live checkpoints)."""
         with self._operation():
             self._check_open(writing=True)
-            self._saver.retain()
+            # a pass as after the newest commit (rank 0 has the retainer, when there is a policy)
+            if self._retainer is not None and (latest := self._saver.latest()) is not None:
+                self._retainer.committed(latest)
 
     def save_on_signal(
         self,
@@ -458,7 +471,7 @@ class Checkpointer:
             finally:
                 self._closed = True
                 unregister(self)
-                release(self.store, True, self._saver, self._io, self._mirror)
+                release(self.store, True, self._saver, self._retainer, self._io, self._mirror)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -6,6 +6,13 @@ A point is reached with :func:`fault_point`; nothing armed there costs one dict 
 points, and what their action is called with:
 
 - ``staging.fit`` (): a slot is about to be fitted to a save's files;
+- ``save.wait`` (step): a save found ``max_inflight`` saves in flight and waits for room;
+- ``store.sink`` (location, file name): a local store is about to create a step's file (a
+  save's data, an upload's copy; not the manifest, nor the store's own small files);
+- ``store.names`` (the store's URL): a store (local or object) is about to list its root;
+- ``file.write`` (path): bytes are about to be written to a new local file;
+- ``file.open`` (path): a local checkpoint file is about to be opened for reading;
+- ``dir.fsync`` (path): a local directory's entries are about to be made durable;
 - ``retention.pass`` (newest step): a retention pass begins, on its thread;
 - ``mirror.upload`` (local step location, file name): the mirror is about to copy one file.
 """
@@ -18,7 +25,17 @@ from typing import Any
 
 __all__ = ["POINTS", "armed", "fault_point"]
 
-POINTS = ("staging.fit", "retention.pass", "mirror.upload")
+POINTS = (
+    "staging.fit",
+    "save.wait",
+    "store.sink",
+    "store.names",
+    "file.write",
+    "file.open",
+    "dir.fsync",
+    "retention.pass",
+    "mirror.upload",
+)
 _actions: dict[str, Callable[..., None]] = {}
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
 from .._errors import CheckpointError
+from ._faults import fault_point
 from ._format import BLOCK_SIZE, block_hasher, checksum
 
 __all__ = [
@@ -52,6 +53,7 @@ def with_filename(exc: OSError, path: str) -> OSError:
 
 def fsync_dir(path: str) -> None:
     """Make a directory's entries durable (a new file or rename in it survives a power cut)."""
+    fault_point("dir.fsync", path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -145,6 +147,7 @@ class LocalSink:
 
     def write(self, data: memoryview) -> None:
         try:
+            fault_point("file.write", self.path)
             write_all(self._fd, data)
         except OSError as exc:
             raise with_filename(exc, self.path) from None
@@ -184,6 +187,7 @@ class LocalSource:
     def __init__(self, path: str, expected_size: int | None) -> None:
         self.path = path
         self.name = os.path.basename(path)
+        fault_point("file.open", path)
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer that never comes.
             self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -33,6 +33,7 @@ from ._open_store import open_store
 from ._ranks import Group
 from ._reader import damage_named, read_manifest
 from ._retention import RetentionPolicy, StepFacts, StepInfo, doomed, expired, top_names
+from ._saver import Commit
 from ._store import Store
 from ._timeline import Timeline, now_ns
 from ._workers import Backlog, Worker
@@ -152,8 +153,9 @@ class Mirror:
             if entry.name != MAIN and entry.name in mirrored:
                 self._queue(_Record(mirrored[entry.name]))
 
-    def committed(self, store: Store, step: int, location: str) -> None:
-        self.upload(store, step, location)
+    def committed(self, commit: Commit) -> None:
+        """As a commit observer: ``commit`` goes up, after the uploads queued before it."""
+        self.upload(commit.store, commit.step, commit.location)
 
     def release(self, store: Store, steps: list[int]) -> set[int]:
         """Of ``steps`` of ``store`` (retention deletes them), the one being uploaded (it stays for
@@ -172,6 +174,10 @@ class Mirror:
             self._said_skip(entry)
         busy = {uploading.step} if uploading is not None and uploading.source.url == store.url else set()
         return busy & doomed
+
+    def settle(self) -> None:
+        """Returns at once: the mirror changes nothing in the run's directory (a save is over
+        without its upload; :meth:`wait` waits for the uploads)."""
 
     def upload(self, source: Store, step: int, location: str, line: str | None = None) -> None:
         """Queue ``step`` (committed at ``location`` of ``source``, in the current line unless

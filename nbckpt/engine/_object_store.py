@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError, describe_error, require_extra
+from ._faults import fault_point
 from ._files import Sink, Source, StreamSink, StreamSource
 from ._format import MANIFEST, PROBE_PREFIX, parse_step, step_name
 from ._store import Store, crash_point
@@ -57,6 +58,7 @@ class FsspecStore(Store):
             raise CheckpointError(f"{target} is not writable ({reason})") from exc
 
     def names(self) -> list[str]:
+        fault_point("store.names", self.url)
         self.fs.invalidate_cache()
         try:
             entries = self.fs.ls(self._root, detail=False)

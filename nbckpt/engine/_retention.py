@@ -1,28 +1,23 @@
-"""Which committed steps to keep, one rule for the saver, the mirror and the integrations: as
+"""Which committed steps to keep, one rule for the run, the mirror and the integrations: as
 Orbax v1's preservation policies, a policy is told every committed step (with its metrics) and
 answers which to keep; :class:`AnyOf` combines them; ``keep=3`` is :class:`LatestN` ``(3)``.
-Whoever deletes (the saver after each commit, the mirror after each upload) asks :func:`doomed`,
-the one retention decision of a line: the run's directory and its mirror keep the same steps.
+Whoever deletes (the ``Retainer`` after each commit, the mirror after each upload) asks
+:func:`doomed`, the one retention decision of a line: the run's directory and its mirror keep
+the same steps. Decisions only: the thread that applies them is ``_retainer.Retainer``.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from .._errors import CheckpointError, ConfigError, describe_error
+from .._errors import CheckpointError, ConfigError
 from .._util import check_count
-from ._faults import fault_point
-from ._format import step_name
 from ._reader import read_manifest
 from ._store import Store
-from ._timeline import Timeline, now_ns
-from ._workers import Backlog, Worker
 
 __all__ = [
     "AnyOf",
@@ -30,7 +25,6 @@ __all__ = [
     "CustomSteps",
     "EveryNSteps",
     "LatestN",
-    "Retainer",
     "RetentionPolicy",
     "StepFacts",
     "StepInfo",
@@ -41,9 +35,6 @@ __all__ = [
     "policy_of",
     "top_names",
 ]
-
-
-_log = logging.getLogger("nbckpt")
 
 
 @dataclass(frozen=True)
@@ -323,68 +314,3 @@ def check_metrics(metrics: Any) -> dict[str, float]:
         if math.isfinite(value):
             checked[name] = float(value)
     return checked
-
-
-class Retainer:
-    """Deletes what the policy does not keep, one pass after each commit, on a background thread
-    of its own (a slow delete never delays a save); ``wait`` waits for the pass last asked for."""
-
-    def __init__(
-        self,
-        policy: RetentionPolicy | None,
-        timeline: Timeline,
-        nice: int,
-        release: Callable[[Store, list[int]], set[int]] | None,
-    ) -> None:
-        """``release``: of the steps about to be deleted, those the mirror's upload still reads."""
-        self.policy, self.timeline, self._release = policy, timeline, release
-        self._worker = Worker("nbckpt-retention", nice=nice)
-        self._backlog = Backlog(self._worker)
-
-    def after(
-        self, facts: StepFacts, newest: int, older: set[int], deleted: Callable[[int], None]
-    ) -> Callable[[], None]:
-        """A pass over the line ``facts`` knows (waited for by ``wait`` from now on), queued when
-        the returned function is called. Only steps committed before ``newest`` count (a late
-        pass must not take a newer step for an old one), only those of ``newest``'s names (a
-        stray save never rotates out the run's real ones), never ``newest``; ``deleted`` is told
-        of each step deleted."""
-        if self.policy is None:
-            return lambda: None
-        return self._backlog.promise(partial(self._pass, facts, newest, older, deleted))
-
-    def wait(self) -> None:
-        """Block until every pass asked for (queued or not yet) is over."""
-        self._backlog.wait()
-
-    def stop(self, wait: bool) -> None:
-        self._worker.stop(wait)
-
-    def _pass(
-        self,
-        facts: StepFacts,
-        newest: int,
-        older: set[int],
-        deleted: Callable[[int], None],
-    ) -> None:
-        store = facts.store
-        try:
-            fault_point("retention.pass", newest)
-            deleting = doomed(self.policy, facts, newest, older)
-            busy = self._release(store, deleting) if self._release is not None and deleting else set()
-            for step in deleting:
-                if step not in busy:
-                    self._delete(store, step, deleted)
-        except Exception as exc:
-            _log.warning("nbckpt: retention failed: %s", describe_error(exc))
-
-    def _delete(self, store: Store, step: int, deleted: Callable[[int], None]) -> None:
-        began = now_ns()
-        try:
-            store.delete(step)
-        except Exception as exc:
-            reason = describe_error(exc)
-            _log.warning("nbckpt: could not delete old checkpoint %s: %s", step_name(step), reason)
-            return
-        deleted(step)
-        self.timeline.record("delete", began, step=step)

@@ -1,6 +1,7 @@
 """The save pipeline: flatten and agree across ranks, plan the file layout (cached per
 structure), wait for room (backpressure), stage into a slot; then on the persist thread write
-every file, agree, build the manifest and commit; retention runs on its own thread after.
+every file, agree, build the manifest and commit; then it tells its commit observers (wired
+by the run: the mirror, retention), which do their work on threads of their own.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import logging
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
@@ -20,12 +22,13 @@ import torch
 from .._errors import CheckpointError, ConfigError, describe_error
 from ._config import CheckpointConfig
 from ._dcp_values import ValueItem, dcp_metadata, dcp_values, value_items
+from ._faults import fault_point
 from ._files import FileResult, copy_file, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._incremental import NOTHING_SHARED, Increments, Sharing
 from ._manifest import build, provenance
 from ._ranks import RankInfo
-from ._retention import Retainer, StepFacts
+from ._retention import StepFacts
 from ._shards import check_replicas, fingerprints
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten, rng_capture
@@ -33,20 +36,54 @@ from ._store import Store, crash_point
 from ._timeline import SaveHandle, SaveRecord, Timeline, now_ns
 from ._workers import Pool, Worker, run_all
 
-__all__ = ["CommitObserver", "Saver"]
+__all__ = ["Commit", "CommitObserver", "Saver"]
 
 _log = logging.getLogger("nbckpt")
 #: Structures a run alternates between at most (a model, then with its optimizer state, ...).
 _LAYOUTS_KEPT = 4
 
 
+@dataclass(frozen=True)
+class Commit:
+    """What the saver tells its observers on rank 0 once ``step`` has committed, before the
+    save's future is set: a wait for the save waits for what an observer starts now (promised
+    to a ``_workers.Backlog``), and work that must see what the future's callbacks do (a pointer a
+    framework moves to the step, read by a ``CustomSteps`` policy) is hung on ``settled``."""
+
+    store: Store
+    """The line's directory (or object store) the step committed in."""
+    step: int
+    location: str
+    """Where in ``store`` it committed: what an upload reads."""
+    before: frozenset[int]
+    """The line's steps committed before it: a late retention pass never takes a step committed
+    after it for an old one."""
+    facts: StepFacts
+    """The top-level names and metrics of the line's steps."""
+    settled: Future[Any]
+    """The save's future, set once every observer has been told."""
+    gone: Callable[[int], None]
+    """Tells the saver a step of ``store`` was deleted (it no longer counts as committed)."""
+    release: Callable[[list[int]], set[int]]
+    """Of steps of ``store`` about to be deleted, those an observer still reads (they stay)."""
+
+
 class CommitObserver(Protocol):
-    """A tier behind the run's directory (the mirror), told on rank 0 what the saver commits and
-    asked, before retention deletes ``steps``, which it still reads (they stay for now)."""
+    """Told on rank 0 of each commit (:class:`Commit`); asked, before old steps are deleted,
+    which of them it still reads; waited for by :meth:`Saver.wait` as far as it changes the run's
+    directory. The run wires them: the mirror (uploads) and the ``Retainer`` (deletes)."""
 
-    def committed(self, store: Store, step: int, location: str) -> None: ...
+    def committed(self, commit: Commit) -> None:
+        """``commit`` happened (called on the persist thread: queue the work, do not do it)."""
+        ...
 
-    def release(self, store: Store, steps: list[int]) -> set[int]: ...
+    def release(self, store: Store, steps: list[int]) -> set[int]:
+        """``steps`` of ``store`` are about to be deleted: those it still reads (they stay)."""
+        ...
+
+    def settle(self) -> None:
+        """Block until what it does to the run's directory after the commits so far is done."""
+        ...
 
 
 def _sizes(results: Iterable[FileResult]) -> tuple[int, int]:
@@ -69,10 +106,11 @@ class Saver:
         io: Pool,
         nonce: str,
         committed: set[int],
-        observer: CommitObserver | None = None,
+        observers: Sequence[CommitObserver] = (),
     ) -> None:
+        """``observers``: told of each commit in this order (the run gives them to rank 0's)."""
         self.config, self.store, self.ranks, self.timeline, self.io = config, store, ranks, timeline, io
-        self._observer = observer if ranks.rank == 0 else None
+        self._observers = tuple(observers)
         self.records: list[SaveRecord] = []
         self.committed = committed
         self._nonce = nonce
@@ -87,9 +125,6 @@ class Saver:
         self._stager = Stager()
         self._increments = Increments(self._stager.run, self._stager.threads) if config.incremental else None
         self._persister = Worker("nbckpt-persist", nice=config.writer_nice)
-        self._retainer = Retainer(
-            config.retention, timeline, config.writer_nice, self._observer.release if self._observer else None
-        )
 
     # -- the caller's side ----------------------------------------------------------------------
 
@@ -113,7 +148,7 @@ class Saver:
         seq = self._seq
         flat, layout = self._plan(state, step, seq)
         slip = self.facts.slip(
-            step, flat.tree, bool(flat.specs or flat.aliases), self.committed, self._retainer.policy
+            step, flat.tree, bool(flat.specs or flat.aliases), self.committed, self.config.retention
         )
         if slip is not None:  # said before it commits
             warnings.warn(f"nbckpt: {slip}", stacklevel=3)  # the caller of Checkpointer.save
@@ -265,6 +300,8 @@ class Saver:
         room = 0 if sync else self.config.max_inflight - 1
         with self._state:
             full = len(self._inflight) > room  # else nothing to wait for: wait_s is 0, not the check
+        if full:
+            fault_point("save.wait", handle.step)
         self._drain(room)
         handle.wait_s = (now_ns() - began) / 1e9 if full else 0.0
         if handle.wait_s > 1e-4:
@@ -272,7 +309,10 @@ class Saver:
         self.raise_pending()
 
     def _drain(self, room: int) -> list[SaveRecord]:
-        """Wait for the oldest saves until at most ``room`` are in flight; their records."""
+        """Wait for the oldest saves until at most ``room`` are in flight; their records. Through
+        their futures, not a Backlog of the persist jobs: a save waiting for room goes on once the
+        oldest's future is set, before its callbacks run, so that a callback that calls into the
+        Checkpointer (whose lock the waiting save holds) cannot deadlock it."""
         records: list[SaveRecord] = []
         while True:
             with self._state:
@@ -293,10 +333,11 @@ class Saver:
             handle.wait_staged()
 
     def wait(self) -> list[SaveRecord]:
-        """Block until every save in flight has committed and retention is done; raise the first
-        background error."""
+        """Block until every save in flight has committed and what the observers do to the run's
+        directory after it is done (retention's deletes); raise the first background error."""
         records = self._drain(0)
-        self._retainer.wait()
+        for observer in self._observers:
+            observer.settle()
         self.raise_pending()
         return records
 
@@ -318,7 +359,6 @@ class Saver:
         """Stop the threads (``wait`` for them to end; not from a finalizer, which may run on one)."""
         self._stager.stop(wait)
         self._persister.stop(wait)
-        self._retainer.stop(wait)
         if wait:  # no thread reads the images any more: give the staging memory back
             self.pool.free()
 
@@ -438,24 +478,52 @@ class Saver:
             if self._increments is not None:  # the next save compares with this one
                 self._increments.committed(path, step, layout.files.get(rank, ()), written[rank][0], sharing)
         handle.phase = "committed"
-        retention = self._retainer.after(self.facts, step, older, self._deleted) if rank == 0 else None
-        if self._observer is not None:  # first: retention then knows of its upload
-            self._observer.committed(self.store, step, path)
-        handle.committed.set_result(record)  # before retention: it sees what callbacks did (a pointer)
-        if retention is not None:
-            retention()
+        if self._observers:
+            told = self._commit(self.store, step, path, frozenset(older), self.facts, handle.committed)
+            for observer in self._observers:  # in order: the mirror queues its upload first
+                observer.committed(told)
+        handle.committed.set_result(record)  # what an observer hung on it runs after its callbacks
 
-    def retain(self) -> None:
-        """Apply retention now (a policy's answer may have changed since the last commit)."""
+    def latest(self) -> Commit | None:
+        """The newest committed step of the line, as a commit already settled: told to retention
+        again, a pass as after it (a policy's answer may have changed since)."""
         with self._state:
-            newest = max(self.committed, default=None)
-            older = set(self.committed)
-        if newest is not None and self.ranks.rank == 0:
-            self._retainer.after(self.facts, newest, older, self._deleted)()
+            store, facts, before = self.store, self.facts, frozenset(self.committed)
+        newest = max(before, default=None)
+        location = store.committed_at(newest) if newest is not None else None
+        if newest is None or location is None:
+            return None
+        settled: Future[Any] = Future()
+        settled.set_result(None)
+        return self._commit(store, newest, location, before, facts, settled)
 
-    def _deleted(self, step: int) -> None:
+    def _commit(
+        self,
+        store: Store,
+        step: int,
+        location: str,
+        before: frozenset[int],
+        facts: StepFacts,
+        settled: Future[Any],
+    ) -> Commit:
+        return Commit(
+            store,
+            step,
+            location,
+            before,
+            facts,
+            settled,
+            partial(self._gone, store),
+            partial(self._release, store),
+        )
+
+    def _gone(self, store: Store, step: int) -> None:
         with self._state:
-            self.committed.discard(step)
+            if store.url == self.store.url:  # a late pass of a line left since: not this line's steps
+                self.committed.discard(step)
+
+    def _release(self, store: Store, steps: list[int]) -> set[int]:
+        return set().union(*(observer.release(store, steps) for observer in self._observers))
 
     def _provenance(self) -> dict[str, Any]:
         if self._origin is None:  # once per Checkpointer: it runs git

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError, describe_error
+from ._faults import fault_point
 from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths, fsync_dir, write_atomic
 from ._format import (
     LEFTOVER_RE,
@@ -195,6 +196,7 @@ class LocalStore(Store):
             os.close(fd)  # closing releases the flock
 
     def names(self) -> list[str]:
+        fault_point("store.names", self.url)
         try:
             return os.listdir(self.url)
         except FileNotFoundError:
@@ -285,6 +287,7 @@ class LocalStore(Store):
         return location
 
     def sink(self, location: str, name: str) -> Sink:
+        fault_point("store.sink", location, name)
         return LocalSink(os.path.join(location, name))
 
     def source(self, location: str, name: str, size: int | None) -> Source:

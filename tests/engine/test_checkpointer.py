@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from nbckpt import CheckpointConfig, Checkpointer, CheckpointError, ConfigError
 from nbckpt.engine._checkpointer import writer_of
+from nbckpt.engine._faults import armed
 from nbckpt.engine._staging import Slot, Stager
 
 
@@ -401,25 +402,24 @@ def test_closed_and_dropped_checkpointers_leave_no_exit_handlers(
     assert registered == []
 
 
-def test_reading_one_step_never_lists_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reading_one_step_never_lists_the_run(tmp_path: Path) -> None:
     """The browser and ``nbckpt ls`` read every step of a run: each read is one check, not a
     listing of the run (N steps would cost N² stat calls, and on S3 N² requests)."""
-    from nbckpt.engine._store import LocalStore
-
+    listings: list[str] = []
     with Checkpointer(tmp_path) as ckpt:
         for step in range(1, 6):
             ckpt.save({"w": torch.full((100,), float(step)), "step": step}, step=step)
         ckpt.wait()
-        listings: list[str] = []
-        names = LocalStore.names
-        monkeypatch.setattr(LocalStore, "names", lambda self: listings.append(self.url) or names(self))
-        for step in range(1, 6):
-            assert ckpt.manifest(step)["step"] == step
-            assert ckpt.load(step, map_location="meta")["step"] == step
-            assert ckpt.verify(step)["step"] == step
-            assert ckpt.load(step)["w"][0] == step
-        ckpt.delete(1)
-        assert listings == []
+        with armed("store.names", listings.append):
+            for step in range(1, 6):
+                assert ckpt.manifest(step)["step"] == step
+                assert ckpt.load(step, map_location="meta")["step"] == step
+                assert ckpt.verify(step)["step"] == step
+                assert ckpt.load(step)["w"][0] == step
+            ckpt.delete(1)
+            assert listings == []
+            ckpt.steps()  # a listing, seen: the seam is where the run is listed
+        assert str(tmp_path) in listings
 
 
 def test_leftovers_are_cleaned_up_with_a_warning(tmp_path: Path) -> None:

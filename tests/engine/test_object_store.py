@@ -17,6 +17,7 @@ from helpers.finetune import setup, snapshot, tune
 from helpers.s3server import KEY, SECRET, SeaweedS3
 
 from nbckpt import Checkpointer, CheckpointError
+from nbckpt.engine._faults import armed
 from nbckpt.engine._open_store import open_store
 
 pytestmark = [pytest.mark.s3, pytest.mark.xdist_group("s3")]
@@ -228,28 +229,27 @@ def test_corrupt_object_falls_back_to_the_older_checkpoint(s3_server: SeaweedS3,
 
 
 def test_reading_a_step_is_one_check_that_sees_another_writers_commit(
-    s3_server: SeaweedS3, bucket: str, monkeypatch: pytest.MonkeyPatch
+    s3_server: SeaweedS3, bucket: str
 ) -> None:
     """The browser reads a run step by step: no listing per step (N steps would cost N² requests),
     and a step another process committed since is seen, not hidden by fsspec's listing cache."""
-    from nbckpt.engine._object_store import FsspecStore
-
     url, options = f"s3://{bucket}/reader", s3_server.storage_options()
     state = {"w": torch.arange(1000.0), "step": 1}
     with Checkpointer(url, storage_options=options) as writer:
         writer.save(state, step=1).wait()
         with Checkpointer(url, storage_options=options, read_only=True) as reader:
             listings: list[str] = []
-            names = FsspecStore.names
-            monkeypatch.setattr(FsspecStore, "names", lambda self: listings.append(self.url) or names(self))
-            assert reader.manifest(1)["step"] == 1
-            with pytest.raises(CheckpointError, match="no committed checkpoint for step 2"):
-                reader.manifest(2)
-            listed_for_the_error = len(listings)  # naming the steps there are lists, once
-            writer.save({**state, "step": 2}, step=2).wait()
-            assert reader.manifest(2)["step"] == 2
-            assert torch.equal(reader.load(2)["w"], state["w"])
-            assert len(listings) == listed_for_the_error <= 1
+            with armed("store.names", listings.append):
+                assert reader.manifest(1)["step"] == 1
+                with pytest.raises(CheckpointError, match="no committed checkpoint for step 2"):
+                    reader.manifest(2)
+                listed_for_the_error = len(listings)  # naming the steps there are lists, once
+                writer.save({**state, "step": 2}, step=2).wait()
+                assert reader.manifest(2)["step"] == 2
+                assert torch.equal(reader.load(2)["w"], state["w"])
+                assert len(listings) == listed_for_the_error <= 1
+                reader.steps()  # a listing, seen: the seam is where the run is listed
+            assert len(listings) > listed_for_the_error
 
 
 def test_incremental_saves_copy_unchanged_files_on_the_server(s3_server: SeaweedS3, bucket: str) -> None:

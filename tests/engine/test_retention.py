@@ -95,6 +95,27 @@ def test_retain_applies_a_policy_whose_answer_changed(tmp_path: Path) -> None:
         assert ckpt.steps() == [1, 2]
 
 
+def test_retention_runs_a_thread_only_where_it_deletes(tmp_path: Path) -> None:
+    """Retention is a commit observer the run wires on rank 0 of a writing run with a ``keep=``
+    policy; without a policy, or read-only, no thread waits for commits it is never told of."""
+    before = set(threading.enumerate())
+
+    def retention_threads() -> int:
+        return sum(t.name == "nbckpt-retention" for t in set(threading.enumerate()) - before)
+
+    with Checkpointer(tmp_path) as ckpt:  # keep=None keeps every step
+        ckpt.save({"w": torch.zeros(2)}, 1).wait()
+        assert retention_threads() == 0
+    with Checkpointer(tmp_path, keep=1, read_only=True):
+        assert retention_threads() == 0
+    with Checkpointer(tmp_path, keep=1) as ckpt:
+        assert retention_threads() == 1
+        ckpt.save({"w": torch.zeros(2)}, 2).wait()
+        ckpt.wait()
+        assert ckpt.steps() == [2]
+    assert retention_threads() == 0  # stopped with its Checkpointer
+
+
 def test_the_mirror_keeps_what_the_directory_keeps(tmp_path: Path) -> None:
     policy = BestN("loss", 2)
     with Checkpointer(tmp_path / "run", keep=policy, mirror=str(tmp_path / "mirror")) as ckpt:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from nbckpt.engine._store import LocalStore
+from nbckpt.engine._faults import armed
 
 
 class Throttle:
@@ -39,30 +39,25 @@ class Throttle:
         finally:
             self.release.set()
 
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        original = LocalStore.sink
-        throttle = self
-
-        def sink(store: LocalStore, location: str, name: str) -> Any:
-            if not os.fspath(location).startswith(throttle.root):
-                return original(store, location, name)
-            throttle.entered.set()
-            # Held until the test (or, at the latest, this fixture's teardown) releases it: never
-            # by a clock, which a loaded machine outruns (the held save failed before the test
-            # looked at it, and the test read a failed save as a finished one).
-            throttle.release.wait()
-            time.sleep(throttle.delay_s)  # the slow target itself, not synchronisation
-            error = throttle.fail(name)
-            if error is not None:
-                raise error
-            return original(store, location, name)
-
-        monkeypatch.setattr(LocalStore, "sink", sink)
+    def reached(self, location: str, name: str) -> None:
+        """The engine is about to create file ``name`` of a step at ``location`` (the fault seam
+        ``store.sink``): hold it, slow it or fail it as the test said."""
+        if not os.fspath(location).startswith(self.root):
+            return
+        self.entered.set()
+        # Held until the test (or, at the latest, this fixture's teardown) releases it: never
+        # by a clock, which a loaded machine outruns (the held save failed before the test
+        # looked at it, and the test read a failed save as a finished one).
+        self.release.wait()
+        time.sleep(self.delay_s)  # the slow target itself, not synchronisation
+        error = self.fail(name)
+        if error is not None:
+            raise error
 
 
 @pytest.fixture
-def throttle(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+def throttle(tmp_path: Any) -> Any:
     gate = Throttle(os.fspath(tmp_path))
-    gate.install(monkeypatch)
-    yield gate
-    gate.release.set()  # never leave a writer thread stuck
+    with armed("store.sink", gate.reached):
+        yield gate
+        gate.release.set()  # never leave a writer thread stuck

@@ -15,6 +15,7 @@ pytest.importorskip("lightning")
 
 import lightning.pytorch as pl
 import torch
+from helpers.faults import armed
 from helpers.ranks import RankProcess, finish_all, free_port
 from integrations.lit_app import TinyModel, data, digest, fit, trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -542,23 +543,21 @@ def test_a_save_that_waits_for_the_one_before_says_so(
     io.wait()
     ckpt = io._roots[str(tmp_path / ROOT_NAME)]
     release, waiting = threading.Event(), threading.Event()
-    commit, wait_for_room = ckpt.store.commit, ckpt._saver._wait_for_room
+    commit = ckpt.store.commit
 
     def held_commit(*args: Any) -> Any:
         release.wait()
         return commit(*args)
 
-    def said_waiting(*args: Any) -> None:
-        waiting.set()
-        wait_for_room(*args)
-
     ckpt.store.commit = held_commit  # type: ignore[method-assign]
     io.save_checkpoint({"x": torch.zeros(4)}, tmp_path / "b.ckpt")  # in flight until released
-    ckpt._saver._wait_for_room = said_waiting  # type: ignore[method-assign]
-    threading.Thread(target=lambda: (waiting.wait(), release.set()), daemon=True).start()
+    reached: list[bool] = []  # whether c's save reached the wait (a bound, not a clock: it is prompt)
+    threading.Thread(target=lambda: (reached.append(waiting.wait(60)), release.set()), daemon=True).start()
     assert not [r for r in caplog.records if "waited" in r.getMessage()]
-    io.save_checkpoint({"x": torch.full((4,), 2.0)}, tmp_path / "c.ckpt")  # waits for b's commit
+    with armed("save.wait", lambda step: waiting.set()):  # c's save waits for room: b goes on
+        io.save_checkpoint({"x": torch.full((4,), 2.0)}, tmp_path / "c.ckpt")  # waits for b's commit
     io.teardown()
+    assert reached == [True], "the third save never waited for room"
     said = [r for r in caplog.records if "waited" in r.getMessage()]
     assert len(said) == 1 and said[0].levelname == "WARNING" and "max_inflight" in said[0].getMessage()
     assert [r.wait_s > 0 for r in io.records] == [False, False, True]

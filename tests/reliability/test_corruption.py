@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer, CheckpointError
+from nbckpt.engine._faults import armed
 from nbckpt.engine._format import framing
-from nbckpt.engine._store import LocalStore
 
 
 @pytest.fixture
@@ -279,18 +279,16 @@ def test_a_huge_world_size_costs_no_memory(run: Path) -> None:
         assert_is_step(state, 2)
 
 
-def test_unreadable_file_is_skipped_not_a_crash(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unreadable_file_is_skipped_not_a_crash(run: Path) -> None:
     """An I/O error reading a checkpoint (a bad sector, a lost NFS server) is a bad checkpoint."""
-    original = LocalStore.source
-    broken = str(run / "step-000002")
+    broken = str(run / "step-000002" / "__0_0.distcp")
 
-    def open_failing(store: LocalStore, location: str, name: str, size: int) -> Any:
-        if location == broken and name == "__0_0.distcp":
-            raise OSError(errno.EIO, os.strerror(errno.EIO), os.path.join(location, name))
-        return original(store, location, name, size)
+    def open_failing(path: str) -> None:
+        if path == broken:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
 
-    monkeypatch.setattr(LocalStore, "source", open_failing)
-    assert_falls_back(run, "step-000002/__0_0.distcp is unreadable (Input/output error [EIO]")
+    with armed("file.open", open_failing):
+        assert_falls_back(run, "step-000002/__0_0.distcp is unreadable (Input/output error [EIO]")
 
 
 # -- the issue's numbered cases: hostile directories ----------------------------------------------

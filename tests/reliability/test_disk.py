@@ -19,7 +19,7 @@ import torch
 
 from nbckpt import Checkpointer, CheckpointError
 from nbckpt.engine import _store
-from nbckpt.engine._files import LocalSink
+from nbckpt.engine._faults import armed
 
 MB = 1 << 20
 
@@ -280,24 +280,22 @@ def test_11_exchange_errors_are_not_taken_for_unsupported(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("resave", [False, True])
-def test_12_a_save_reported_failed_is_not_committed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resave: bool
-) -> None:
+def test_12_a_save_reported_failed_is_not_committed(tmp_path: Path, resave: bool) -> None:
     directory = tmp_path / "run"
+    failures = []
+
+    def fsync_dir(path: str) -> None:
+        if path == str(directory) and not failures:  # the parent, right after the rename
+            failures.append(path)
+            raise eio(path)
+
     with Checkpointer(directory, mode="sync") as ckpt:
         ckpt.save(floats(0.1, 1), step=1)
-        real = _store.fsync_dir
-        failures = []
-
-        def fsync_dir(path: str) -> None:
-            if path == str(directory) and not failures:  # the parent, right after the rename
-                failures.append(path)
-                raise eio(path)
-            real(path)
-
-        monkeypatch.setattr(_store, "fsync_dir", fsync_dir)
         step = 1 if resave else 2
-        with pytest.raises(CheckpointError, match=rf"Input/output error \[EIO\] \({directory}\)"):
+        with (
+            armed("dir.fsync", fsync_dir),
+            pytest.raises(CheckpointError, match=rf"Input/output error \[EIO\] \({directory}\)"),
+        ):
             ckpt.save(floats(0.1, 9), step=step, overwrite=True)
         assert failures == [str(directory)]
         assert ckpt.steps() == [1]  # what the caller was told is what is on disk
@@ -305,26 +303,19 @@ def test_12_a_save_reported_failed_is_not_committed(
         assert got == 1 and torch.equal(w, floats(0.1, 1)["w"])
 
 
-def test_13_new_directories_are_fsynced_into_their_parents(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_13_new_directories_are_fsynced_into_their_parents(tmp_path: Path) -> None:
     synced: list[str] = []
-    real = _store.fsync_dir
-    monkeypatch.setattr(_store, "fsync_dir", lambda path: (synced.append(path), real(path)))
-    Checkpointer(tmp_path / "a" / "b" / "run").close()
+    with armed("dir.fsync", synced.append):
+        Checkpointer(tmp_path / "a" / "b" / "run").close()
     assert synced[:3] == [str(tmp_path), str(tmp_path / "a"), str(tmp_path / "a" / "b")]
 
 
-def test_16_a_failing_manifest_write_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = LocalSink.write
+def test_16_a_failing_manifest_write_names_the_file(tmp_path: Path) -> None:
+    def write(path: str) -> None:
+        if os.path.basename(path) == "manifest.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-    def write(sink: LocalSink, data: memoryview) -> None:
-        if sink.name == "manifest.json":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), sink.path)
-        real(sink, data)
-
-    with Checkpointer(tmp_path / "run", mode="sync") as ckpt:
-        monkeypatch.setattr(LocalSink, "write", write)
+    with Checkpointer(tmp_path / "run", mode="sync") as ckpt, armed("file.write", write):
         with pytest.raises(CheckpointError, match=r"No space left on device \[ENOSPC\] \(.*manifest\.json\)"):
             ckpt.save(floats(0.1, 1), step=1)
         assert ckpt.steps() == []
