@@ -34,7 +34,7 @@ from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten, rng_capture
 from ._store import Store, crash_point
 from ._timeline import SaveHandle, SaveRecord, Timeline, now_ns
-from ._workers import Pool, Worker, run_all
+from ._workers import Pool, Worker, run_all, settle
 
 __all__ = ["Commit", "CommitObserver", "Saver"]
 
@@ -214,6 +214,7 @@ class Saver:
             handle.returned.set()  # stall_s is final: the record may be built
         if sync:
             try:
+                settle(handle.committed)
                 handle.committed.result()
             except KeyboardInterrupt:
                 handle.reported = False  # it goes on in the background: report its outcome later
@@ -320,6 +321,7 @@ class Saver:
                     return records
                 oldest = self._inflight[0]
             with contextlib.suppress(CheckpointError):  # raised by raise_pending, once
+                settle(oldest.committed)
                 records.append(oldest.committed.result())
             with self._state:  # forgotten only once done: Ctrl-C while waiting keeps it tracked
                 if self._inflight and self._inflight[0] is oldest:

@@ -122,6 +122,9 @@ class Interval:
     """``"daly"``: the optimum of the model; ``"persist"``: the background write's pace."""
     reason: str
     """One line saying how it was chosen."""
+    daly_s: float
+    """The Young/Daly optimum alone (``seconds`` where ``bound`` is ``"daly"``): a schedule saves
+    once this long has passed and the save before is durable."""
 
 
 class SaveSchedule:
@@ -159,7 +162,7 @@ class SaveSchedule:
             f"{format_duration(optimum)}: faster than one save in flight can persist)"
         )
         reason = f"save every {format_duration(seconds)}: {why}; expected loss {100 * waste:.2g} % of time"
-        return Interval(seconds, bound, reason)
+        return Interval(seconds, bound, reason, optimum)
 
     def __repr__(self) -> str:
         return f"SaveSchedule(mtbf_s={self.mtbf_s:.6g})"
@@ -231,15 +234,19 @@ class Pacer:
         now = self._clock()
         self.tick(now, persisting)
         if group.pg is None:
-            return self._due_here(now, records, restore_s)
+            return self._due_here(now, records, restore_s, persisting)
         if self.ask_in > 0:
             return False
-        decide = partial(self.decide, now, records, restore_s())
+        decide = partial(self.decide, now, records, restore_s(), persisting)
         due, self.ask_in = group.from_rank0(("due",), decide)
         return bool(due)
 
     def _due_here(
-        self, now: float, records: Sequence[SaveRecord], restore_s: Callable[[], float | None]
+        self,
+        now: float,
+        records: Sequence[SaveRecord],
+        restore_s: Callable[[], float | None],
+        persisting: bool,
     ) -> bool:
         """One process: no collective to spare, so the clock decides at every step (a count of
         steps would make a save late when the steps slow down), against the interval computed
@@ -248,8 +255,8 @@ class Pacer:
             return self._last_save is None
         if self.interval is None or self._costed is not records[-1]:
             self._costed = records[-1]
-            return self.decide(now, records, restore_s())[0]
-        return now - self._last_save >= self.interval.seconds
+            return self.decide(now, records, restore_s(), persisting)[0]
+        return not persisting and now - self._last_save >= self.interval.daly_s
 
     def tick(self, now: float, persisting: bool) -> None:
         """A step ended at ``now`` (a call of ``due``), a save persisting or not meanwhile."""
@@ -265,17 +272,24 @@ class Pacer:
             self._busy_per_save.append(self._busy_since_save)
         self._last_save, self._busy_since_save = now, 0
 
-    def decide(self, now: float, records: Sequence[SaveRecord], restore_s: float | None) -> tuple[bool, int]:
-        """Whether a save is due at ``now``, and in how many calls to ask again. The first save is
-        due at once: it measures what saving costs (checkpoint once early, as on a new cluster)."""
+    def decide(
+        self, now: float, records: Sequence[SaveRecord], restore_s: float | None, persisting: bool = False
+    ) -> tuple[bool, int]:
+        """Whether a save is due at ``now`` (``persisting``: the save before is still being
+        written), and in how many calls to ask again. The first save is due at once: it measures
+        what saving costs (checkpoint once early, as on a new cluster). Then a save is due once the
+        Young/Daly optimum has passed and the save before is durable: never two in flight, and
+        that judged by the save itself, not by its recent saves' median (a sync save, durable
+        when it returns, would otherwise be due or not by the noise of its own time)."""
         if self._last_save is None or not records:
             return self._last_save is None, 1
         self.interval = self.schedule.interval(self.costs(records, restore_s))
-        left = self.interval.seconds - (now - self._last_save)
-        if left <= 0:
+        elapsed = now - self._last_save
+        if not persisting and elapsed >= self.interval.daly_s:
             return True, 1
+        left = max(self.interval.seconds - elapsed, 0.0)
         step = statistics.median(self._idle or self._busy or [left])
-        return False, max(1, min(math.floor(left / step), ASK_AT_MOST))
+        return False, max(1, min(math.floor(left / max(step, 1e-9)), ASK_AT_MOST))
 
     def costs(self, records: Sequence[SaveRecord], restore_s: float | None) -> Costs:
         """This run's costs: the recent saves' stall and time to durable (the wait for the save

@@ -23,7 +23,7 @@ from .._util import format_bytes
 from ._faults import fault_point
 from ._format import FileLayout
 from ._state import TensorSpec
-from ._workers import Worker, balance
+from ._workers import SIGNAL_CHECK_S, Worker, balance, settle
 
 __all__ = ["Slot", "Stager", "StagingPool"]
 
@@ -129,7 +129,7 @@ class StagingPool:
                 slot = next((s for s in self._slots if s.owner is None), None)
                 if slot is not None:
                     break
-                self._free.wait()
+                self._free.wait(SIGNAL_CHECK_S)  # timed: a Ctrl-C gets through
             owner.slot = slot
             slot.owner = owner
         return slot
@@ -202,6 +202,7 @@ class Stager:
             worker.submit(partial(parts.run, copy, slot.views, tensors, part))
         if wait:
             try:
+                settle(done)
                 done.result()
             except KeyboardInterrupt:
                 # The slot goes back on the way out: the copies must be over first.
@@ -222,7 +223,7 @@ class Stager:
         for index, (job, future) in enumerate(zip(jobs, futures, strict=True)):
             self._workers[index % len(self._workers)].submit(partial(one, job, future))
         for future in futures:
-            future.exception()
+            settle(future)
         return [future.result() for future in futures]
 
     @property

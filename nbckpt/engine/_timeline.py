@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointError, ConfigError, require_extra
+from ._workers import settle
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -222,7 +223,8 @@ class SaveHandle:
         ):
             raise ConfigError(f"timeout must be a number of seconds >= 0 or None, not {timeout!r}")
         try:
-            return future.result(timeout)
+            settle(future, timeout)
+            return future.result(0)  # TimeoutError if it is not done yet
         except CheckpointError:
             self.reported = True
             raise

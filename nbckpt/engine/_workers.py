@@ -8,20 +8,53 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
-__all__ = ["Backlog", "Pool", "Worker", "balance", "deferred_interrupt", "lower_priority", "run_all"]
+__all__ = [
+    "SIGNAL_CHECK_S",
+    "Backlog",
+    "Pool",
+    "Worker",
+    "balance",
+    "deferred_interrupt",
+    "lower_priority",
+    "run_all",
+    "settle",
+]
 
 T = TypeVar("T")
+
+#: The longest the main thread blocks in one lock wait for background work. CPython runs a
+#: signal's handler between bytecodes: a Ctrl-C that lands after the last check and before the
+#: lock wait starts does not interrupt it, and an untimed wait never returns to notice it (the test
+#: that presses Ctrl-C once the main thread waits hung so, 1 run in 15 under load).
+SIGNAL_CHECK_S = 0.2
+
+
+def settle(future: Future[Any], timeout: float | None = None) -> bool:
+    """Wait until ``future`` is done, at most ``timeout`` seconds (None: no limit); whether it is.
+    On the main thread the wait returns every :data:`SIGNAL_CHECK_S` to let a Ctrl-C through."""
+    if threading.current_thread() is not threading.main_thread():
+        return bool(futures_wait([future], timeout).done)
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    while not future.done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        futures_wait([future], min(left, SIGNAL_CHECK_S))
+    return True
 
 
 class Worker:
@@ -89,7 +122,7 @@ class Backlog:
         """Block until every job promised so far (and any promised meanwhile) is over."""
         with self._idle:
             while self._pending:
-                self._idle.wait()
+                self._idle.wait(SIGNAL_CHECK_S)  # timed: a Ctrl-C gets through (SIGNAL_CHECK_S)
 
 
 class Pool:
@@ -136,7 +169,7 @@ def run_all(pool: Pool, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
     caller is about to drop), then raise the first error or return the results in order."""
     futures = [pool.submit(job) for job in jobs]
     for future in futures:
-        future.exception()
+        settle(future)
     for future in futures:
         error = future.exception()
         if error is not None:

@@ -154,11 +154,15 @@ def test_the_pacer_never_saves_faster_than_the_write_persists() -> None:
     pacer, clock = Pacer(SaveSchedule(60.0)), [0.0]
     pacer.saved(clock[0])
     slow_write = [_record(stall=0.01, persist=20.0)]  # Young/Daly alone: every 1.1 s
-    _steps(pacer, clock, 0.5, 10)
-    assert pacer.decide(clock[0], slow_write, None)[0] is False
+    _steps(pacer, clock, 0.5, 10, persisting=True)
+    due, ask_in = pacer.decide(clock[0], slow_write, None, persisting=True)
+    assert not due and ask_in == 30  # the write's 20 s, 15 s of it left: 30 steps of 0.5 s
     assert pacer.interval is not None and pacer.interval.bound == "persist"
-    _steps(pacer, clock, 0.5, 31)
-    assert pacer.decide(clock[0], slow_write, None)[0] is True
+    assert pacer.interval.seconds == pytest.approx(20.01) and pacer.interval.daly_s < 1.2
+    _steps(pacer, clock, 0.5, 31, persisting=True)  # a write slower than its records said
+    assert pacer.decide(clock[0], slow_write, None, persisting=True)[0] is False
+    _steps(pacer, clock, 0.5, 1)  # ... durable now: the save is due at once
+    assert pacer.decide(clock[0], slow_write, None, persisting=False)[0] is True
 
 
 def test_due_in_a_training_loop_saves_first_and_says_why(tmp_path: Path) -> None:
