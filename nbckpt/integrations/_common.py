@@ -1,9 +1,11 @@
 """What every integration shares: naming a checkpoint, reading one back or exporting it as one
 file, writing a file whole.
 
-A checkpoint is named by its step directory (``run1/step-000120``), or by a symlink to one: the
-*pointer* a framework finds at the path it asked to save to (Lightning's ``epoch=3-step=40.ckpt``
-links to ``.nbckpt/step-000003``), made only once that step has committed.
+A checkpoint is named by its step directory (``run1/step-000120``), or by a *pointer*: the small
+file a framework finds at the path it asked to save to (Lightning's ``epoch=3-step=40.ckpt``
+names ``.nbckpt/step-000003`` beside it), written only once that step has committed. A pointer
+is a regular file, as a framework's own checkpoint is, that ``torch.load`` refuses with a
+message naming what reads it (see :func:`pointer_bytes`; the layout is in docs/format.md).
 """
 
 from __future__ import annotations
@@ -12,20 +14,45 @@ import json
 import logging
 import os
 import re
+import stat
 from typing import Any
 
 import torch
 
 from .._errors import ConfigError
 from ..engine import Checkpointer, SaveHandle
-from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT, dcp_steps, parse_step, write_atomic
+from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT, dcp_steps, parse_step, step_name, write_atomic
 
-__all__ = ["STEP_DIR", "atomic_torch_save", "earlier_pointer", "export", "load", "resolve", "said_waited"]
+__all__ = [
+    "POINTER_ROOT",
+    "STEP_DIR",
+    "atomic_torch_save",
+    "earlier_pointer",
+    "export",
+    "load",
+    "pointer_bytes",
+    "read_pointer",
+    "resolve",
+    "said_waited",
+]
 
 _log = logging.getLogger("nbckpt")
 
 #: A step directory: nbckpt's (``step-000120``) or plain DCP's as torchtitan names them (``step-120``).
 STEP_DIR = re.compile(r"step-([0-9]{1,19})", re.ASCII)
+
+#: The nbckpt directory beside a framework's pointers, which holds the steps they name.
+POINTER_ROOT = ".nbckpt"
+#: A pointer file's own format (its JSON line), and the most bytes one is read up to.
+POINTER_FILE_FORMAT = "nbckpt-pointer/2"
+_POINTER_FILE_LIMIT = 4096
+#: The previous release's reservation of a name (a JSON file), settled like this one's.
+_RESERVED_FORMAT = "nbckpt-reserved/1"
+#: How a pointer file begins: torch's legacy-format magic number pickled (protocol 2, LONG1),
+#: then the opening of a pickled str (BINUNICODE, a 4-byte length). ``torch.load`` of the file
+#: (weights-only or not) reads the two and raises ``RuntimeError("Invalid protocol version:
+#: <that str>")``: the str says what reads a pointer, and nothing else is ever unpickled.
+_POINTER_HEAD = b"\x80\x02\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little") + b".\x80\x02X"
 
 
 def said_waited(handle: SaveHandle, max_inflight: int, warned: bool) -> bool:
@@ -54,37 +81,101 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
+def pointer_bytes(step: int, committed: bool = True) -> bytes:
+    """A pointer file naming ``step`` of :data:`POINTER_ROOT` beside it (``committed`` False: a
+    *reservation*, the name taken by a save that has not committed yet): two pickles ``torch.load``
+    reads and refuses with the second's message, then one line of JSON, what nbckpt reads."""
+    where = f"{POINTER_ROOT}/{step_name(step)}"
+    if committed:
+        said = f"this file is not a torch checkpoint but an nbckpt pointer to {where} beside it"
+    else:
+        said = f"this name is reserved for the nbckpt checkpoint {where} beside it, not committed yet"
+    said += (
+        ": read it with nbckpt.integrations.lightning.load_checkpoint(path) or "
+        "load_from_checkpoint(Model, path), or write a torch file of it with "
+        "nbckpt.integrations.export(path, 'model.ckpt')"
+    )
+    text = said.encode()
+    body = json.dumps({"format": POINTER_FILE_FORMAT, "step": step, "committed": committed})
+    return _POINTER_HEAD + len(text).to_bytes(4, "little") + text + b".\n" + body.encode() + b"\n"
+
+
+def read_pointer(path: str | os.PathLike[str]) -> tuple[int, bool] | None:
+    """(step, committed) of the pointer file at ``path`` (or the one a symlink there leads to), or
+    of a reservation the previous release wrote; None for anything else: no such name, a
+    directory, a file someone else wrote (a framework's own checkpoint), a torn or foreign one.
+    Reads at most 4 KiB and never unpickles. Any other OSError is raised: a name that cannot be
+    read is no proof that it names no step (retention must not act on it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never blocks
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, _POINTER_FILE_LIMIT + 1)  # a regular file: all of it up to that
+    finally:
+        os.close(fd)
+    return _parsed_pointer(data) if len(data) <= _POINTER_FILE_LIMIT else None
+
+
+def _parsed_pointer(data: bytes) -> tuple[int, bool] | None:
+    """What :func:`read_pointer` gives for a file's whole ``data``."""
+    if not data.startswith(_POINTER_HEAD):  # the previous release's reservation, or no pointer
+        body = _json_object(data)
+        step, committed = (
+            (body.get("step"), False) if body and body.get("format") == _RESERVED_FORMAT else (None, None)
+        )
+    else:  # skip the message (its length, the text, the pickle's STOP) to the JSON line
+        start = len(_POINTER_HEAD) + 4
+        end = start + int.from_bytes(data[len(_POINTER_HEAD) : start], "little")
+        body = _json_object(data[end + 2 :]) if data[end : end + 2] == b".\n" else None
+        ours = body is not None and body.get("format") == POINTER_FILE_FORMAT
+        step, committed = (body.get("step"), body.get("committed")) if body and ours else (None, None)
+    if type(step) is not int or step < 0 or type(committed) is not bool:
+        return None
+    return step, committed
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    try:
+        body = json.loads(data)
+    except ValueError:  # not JSON (UnicodeDecodeError is one)
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def earlier_pointer(path: str) -> tuple[str, int] | None:
     """The (nbckpt directory, step) that ``path`` names if it is a JSON pointer file of an earlier
-    nbckpt (pointers are symlinks now), else None."""
+    nbckpt (``nbckpt-pointer/1``: it named any directory, and could carry values the step lacks),
+    else None."""
     if not os.path.isfile(path) or os.path.islink(path):
         return None
     with open(path, "rb") as f:
-        head = f.read(POINTER_LIMIT + 1)
-    try:
-        body = json.loads(head)
-        root, step = body["root"], body["step"]
-    except (ValueError, TypeError, KeyError):  # not JSON (a torch file), or not a pointer
-        return None
-    if body.get("format") != POINTER_FORMAT or not isinstance(root, str) or type(step) is not int:
+        body = _json_object(f.read(POINTER_LIMIT + 1))
+    root, step = (body.get("root"), body.get("step")) if body is not None else (None, None)
+    if (
+        body is None
+        or body.get("format") != POINTER_FORMAT
+        or not isinstance(root, str)
+        or type(step) is not int
+    ):
         return None
     return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(path)), root)), step
 
 
 def resolve(source: str | os.PathLike[str]) -> tuple[str, int]:
     """The nbckpt directory and step that ``source`` names: a step directory (``run1/step-000120``),
-    one plain DCP wrote (that folder itself, whatever steps sit beside it), or a symlink to one
-    (a Lightning ``.ckpt`` nbckpt saved)."""
+    one plain DCP wrote (that folder itself, whatever steps sit beside it), a pointer file (a
+    Lightning ``.ckpt`` nbckpt saved), or a symlink to either (Lightning's ``save_last="link"``;
+    the previous release's pointers were symlinks to their steps)."""
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(f"source must be a path, not {type(source).__name__}")
     path = os.path.realpath(source)
     if not os.path.exists(path):
         raise ConfigError(f"{source} does not exist")
-    if earlier_pointer(path):  # its step stays readable as a step directory
-        old = f"a pointer file of an earlier nbckpt ({POINTER_FORMAT})"
-        raise ConfigError(f"{source} is {old}: read it with that version, or pass its step directory")
     if not os.path.isdir(path):
-        raise ConfigError(f"{source} is neither an nbckpt step directory nor a pointer to one")
+        return _pointed(source, path)
     # A folder plain dcp.save wrote is read as a run of one step, itself: read from its run, a
     # step-2 would be found as step 2, which is the run's own step-000002 where there is one.
     plain = dcp_steps(path, [])
@@ -97,6 +188,29 @@ def resolve(source: str | os.PathLike[str]) -> tuple[str, int]:
         f"{source} is a directory but not a checkpoint step (step-NNNNNN, or one plain DCP wrote); "
         "pass one of its steps"
     )
+
+
+def _pointed(source: str | os.PathLike[str], path: str) -> tuple[str, int]:
+    """The nbckpt directory and step the pointer file ``path`` (``source`` as the caller named it) names."""
+    pointer = read_pointer(path)
+    if pointer is None and earlier_pointer(path):  # its step stays readable as a step directory
+        old = f"a pointer file of an earlier nbckpt ({POINTER_FORMAT})"
+        raise ConfigError(f"{source} is {old}: read it with that version, or pass its step directory")
+    if pointer is None:
+        raise ConfigError(f"{source} is neither an nbckpt step directory nor a pointer to one")
+    root, (step, committed) = os.path.join(os.path.dirname(path), POINTER_ROOT), pointer
+    where = os.path.join(POINTER_ROOT, step_name(step))
+    if not committed:
+        raise ConfigError(
+            f"{source} is reserved for {where}, whose save has not committed (in flight in another "
+            "process, or cut short by a kill)"
+        )
+    if not os.path.isdir(os.path.join(root, step_name(step))):
+        raise ConfigError(
+            f"{source} is an nbckpt pointer to {where} beside it, which is not there (a copied pointer "
+            "needs its .nbckpt folder: nbckpt.integrations.export writes a file that travels alone)"
+        )
+    return root, step
 
 
 def load(source: str | os.PathLike[str], *, map_location: str | torch.device | None = None) -> dict[str, Any]:

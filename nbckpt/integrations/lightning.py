@@ -4,17 +4,21 @@
 >>> trainer.fit(model, ckpt_path="last")
 
 Each path Lightning saves to (``epoch=3-step=40.ckpt``, ``last.ckpt``) becomes a *pointer*: a
-symlink to a step of one nbckpt directory, ``.nbckpt/`` beside it, made once that step has
-committed, so ``fit(ckpt_path="last")`` never finds a checkpoint that is not durable. A new name
-exists from the moment ``save_checkpoint`` accepts the save (a small *reservation* file the
-pointer replaces), because ``ModelCheckpoint`` picks its ``-vN`` names by what exists: a name
-still missing while its save was in flight was handed out again, and the save it named lost. A save equal
-to the step written last (``save_last`` saves the top-k state again) writes nothing and points to
-that step. The engine's retention keeps the steps the pointers name. Under DDP only global rank 0
-saves (Lightning calls the plug-in there alone); every rank reads without a lock.
+small regular file naming a step of one nbckpt directory, ``.nbckpt/`` beside it, written once
+that step has committed, so ``fit(ckpt_path="last")`` never finds a checkpoint that is not
+durable. A new name exists from the moment ``save_checkpoint`` accepts the save (a
+*reservation*: the same small file marked not committed, which the pointer replaces), because
+``ModelCheckpoint`` picks its ``-vN`` names by what exists: a name still missing while its save
+was in flight was handed out again, and the save it named lost. A save equal to the step written
+last (``save_last`` saves the top-k state again) writes nothing and points to that step. The
+engine's retention keeps the steps the pointers name. Under DDP only global rank 0 saves
+(Lightning calls the plug-in there alone); every rank reads without a lock. A
+``trainer.save_checkpoint`` outside a run (after ``fit``: no teardown follows it) is durable when
+it returns and leaves no thread behind.
 
-``Model.load_from_checkpoint(path)`` reads the file with ``torch.load`` and bypasses plug-ins:
-use :func:`load_from_checkpoint` here, or :func:`nbckpt.integrations.export` for a real file.
+``Model.load_from_checkpoint(path)`` reads the file with ``torch.load`` and bypasses plug-ins (on
+a pointer, torch raises a message naming these): use :func:`load_from_checkpoint` here, or
+:func:`nbckpt.integrations.export` for a real file.
 
 To save when a save schedule says (the interval this run's measured save costs advise) instead of
 every N steps: ``ScheduledCheckpoint(SaveSchedule(mtbf="8h"), dirpath=..., save_last=True)`` in
@@ -27,7 +31,6 @@ import contextlib
 import importlib
 import inspect
 import io
-import json
 import os
 import shutil
 import sys
@@ -42,8 +45,8 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url
 from ..engine import CheckpointConfig, Checkpointer, CustomSteps, SaveHandle, SaveRecord, SaveSchedule
-from ..engine._internal import Interval, Pacer, fsync_dir, step_name, version_of
-from ._common import STEP_DIR, earlier_pointer, load, said_waited
+from ..engine._internal import Interval, Pacer, version_of, write_atomic
+from ._common import POINTER_ROOT, STEP_DIR, earlier_pointer, load, pointer_bytes, read_pointer, said_waited
 
 try:
     from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -56,8 +59,10 @@ except ImportError:
 
 try:
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.states import TrainerStatus
 except ImportError:  # pytorch_lightning alone
     from pytorch_lightning.callbacks import ModelCheckpoint  # type: ignore[no-redef,assignment]
+    from pytorch_lightning.trainer.states import TrainerStatus  # type: ignore[no-redef,assignment]
 
 __all__ = [
     "ROOT_NAME",
@@ -68,7 +73,7 @@ __all__ = [
     "load_from_checkpoint",
 ]
 
-ROOT_NAME = ".nbckpt"
+ROOT_NAME = POINTER_ROOT
 """The nbckpt directory beside a checkpoint directory's pointers."""
 _T = TypeVar("_T")
 #: Options a Lightning run decides itself: which rank saves, what to keep, read or write.
@@ -77,8 +82,8 @@ _RESERVED = {"ranks", "keep", "read_only"}
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 #: The ending of a pointer being made (a name Lightning never looks for).
 _TEMPORARY = ".nbckpt-tmp"
-#: What a reservation file holds: a name taken by a save that has not committed yet.
-_RESERVED_FORMAT = "nbckpt-reserved/1"
+#: Lightning's two package names (see _register_with_twin).
+_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 #: Hyperparameter classes Lightning records by class (``hparams_type`` beside Hydra/OmegaConf
 #: hyperparameters): a checkpoint names them by qualified name, and only these are imported back.
 _HPARAMS_TYPES = {
@@ -168,11 +173,13 @@ class NbckptCheckpointIO(CheckpointIO):
         with self._lock:
             self._pending[target] = handle  # supersedes an earlier save to this name
             if not os.path.lexists(target):  # a name in use keeps its old pointer until the commit
-                _reserve(target, handle.step)
+                _point(target, handle.step, committed=False)
         # On nbckpt's committing thread before its retention pass, or here and now when committed.
         handle.committed.add_done_callback(lambda _: self._link(target, handle))
         if handle.done():
             ckpt.retain()  # the step this name pointed to before may be free now
+        if _outside_a_run():
+            self.teardown()  # no fit's teardown follows to finish it (and end nbckpt's threads)
 
     def _link(self, target: str, handle: SaveHandle) -> None:
         """Make the pointer ``target`` of a finished save, if that is still its save."""
@@ -181,7 +188,7 @@ class NbckptCheckpointIO(CheckpointIO):
                 return  # made already, saved again or removed meanwhile
             del self._pending[target]
             if handle.error is not None:  # a save's own error reaches the caller from nbckpt
-                if _reserved_step(target) == handle.step:
+                if read_pointer(target) == (handle.step, False):
                     os.unlink(target)  # the name it reserved was never a checkpoint
                 return
             try:
@@ -204,16 +211,16 @@ class NbckptCheckpointIO(CheckpointIO):
 
     def _named(self, root: str) -> set[int]:
         """The steps of ``root`` a pointer names (the retention policy's answer), pending pointers
-        first: one made meanwhile is then seen on disk. Lightning's own ``last`` link names a name."""
+        first: one made meanwhile is then seen on disk. Lightning's own ``last`` link names a
+        name (seen itself); a file that is no pointer names nothing. A name that cannot be read
+        raises, and the retention pass deletes nothing."""
         directory = os.path.dirname(root)
         with self._lock:
             named = {h.step for target, h in self._pending.items() if os.path.dirname(target) == directory}
         for entry in os.scandir(directory):
-            with contextlib.suppress(OSError):  # removed meanwhile: never a reason to delete
-                head, name = os.path.split(os.readlink(entry.path) if entry.is_symlink() else "")
-                match = STEP_DIR.fullmatch(name)
-                if head == ROOT_NAME and match is not None and not entry.name.endswith(_TEMPORARY):
-                    named.add(int(match.group(1)))
+            if not entry.name.endswith(_TEMPORARY) and not entry.is_symlink():
+                pointer = read_pointer(entry.path)  # None once removed meanwhile
+                named.update(pointer[:1] if pointer is not None else ())
         return named
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -238,7 +245,7 @@ class NbckptCheckpointIO(CheckpointIO):
         self.wait()
         if not os.path.lexists(target):  # Lightning's own IO's error, which its callers expect
             raise CheckpointNotFound(f"Checkpoint file not found: {os.fspath(path)}")
-        if os.path.isfile(target) and not earlier_pointer(target):  # a file Lightning wrote
+        if _lightnings_file(target):
             own = TorchCheckpointIO().load_checkpoint
             return own(target, map_location=map_location, weights_only=weights_only)
         location = None if callable(map_location) else map_location  # Lightning's default: on CPU
@@ -301,32 +308,29 @@ class NbckptCheckpointIO(CheckpointIO):
     def _open(self, root: str) -> Checkpointer:
         if root not in self._roots:
             os.makedirs(os.path.dirname(root), exist_ok=True)
-            real_root = os.path.realpath(root)
-            for entry in os.scandir(os.path.dirname(root)):
-                old = earlier_pointer(entry.path)
-                if old is not None and os.path.realpath(old[0]) == real_root:
-                    _point(entry.path, old[1])  # an earlier nbckpt's JSON pointer: retention sees links
             keep = CustomSteps(lambda: self._named(root))
             ckpt = self._roots[root] = Checkpointer(root, config=self._config, ranks="local", keep=keep)
-            _settle_reservations(os.path.dirname(root), set(ckpt.steps()))
+            # Under the directory's lock (taken by the open): no other plug-in names steps here.
+            _settle_names(os.path.dirname(root), set(ckpt.steps()))
             ckpt.retain()  # steps of a killed run that no pointer ever named
         return self._roots[root]
 
 
-def _point(target: str, step: int) -> None:
-    """Make the name ``target`` a symlink to ``step`` of the nbckpt directory beside it: a new link
-    renamed over the old name, so that the name is the old pointer or the new, never none."""
+def _point(target: str, step: int, *, committed: bool = True) -> None:
+    """Make the name ``target`` a pointer file naming ``step`` of the nbckpt directory beside it
+    (``committed`` False: a reservation of the name for it): a new file renamed over the old
+    name, so that the name is the old pointer or the new, never none or half of one. A pointer is
+    durable when this returns; a reservation is not fsynced (on the caller's thread it would add
+    to the stall, and a reopened plug-in settles every one a crash left: :func:`_settle_names`)."""
     temporary = target + _TEMPORARY
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temporary)  # left by a killed run
-    os.symlink(os.path.join(ROOT_NAME, step_name(step)), temporary)
-    try:
-        os.replace(temporary, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-    fsync_dir(os.path.dirname(target))
+    if committed:
+        write_atomic(target, pointer_bytes(step), temporary=temporary)
+        return
+    with open(temporary, "wb") as f:
+        f.write(pointer_bytes(step, committed=False))
+    os.replace(temporary, target)
 
 
 def _portable(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
@@ -355,37 +359,41 @@ def _revived(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return checkpoint
 
 
-def _reserve(target: str, step: int) -> None:
-    """Take the name ``target`` for ``step`` before it commits (see the module's docstring).
-    Not fsynced: on the caller's thread it would add to the stall, and a reopened plug-in
-    settles every reservation a crash left (:func:`_settle_reservations`)."""
-    temporary = target + _TEMPORARY
-    with open(temporary, "wb") as f:
-        f.write(json.dumps({"format": _RESERVED_FORMAT, "step": step}).encode())
-    os.replace(temporary, target)
-
-
-def _reserved_step(path: str) -> int | None:
-    """The step a reservation file at ``path`` holds the name for, else None."""
-    if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > 256:
-        return None
-    with open(path, "rb") as f:
-        try:
-            body = json.loads(f.read())
-        except ValueError:
-            return None
-    step = body.get("step") if isinstance(body, dict) and body.get("format") == _RESERVED_FORMAT else None
-    return step if type(step) is int else None
-
-
-def _settle_reservations(directory: str, committed: set[int]) -> None:
-    """Reservations a killed run left: its pointer if the step committed, else no name."""
+def _settle_names(directory: str, committed: set[int]) -> None:
+    """Names an earlier run left in ``directory``, made what this one writes: a reservation a kill
+    cut short becomes its pointer if the step committed, else goes; a pointer of an earlier
+    release (a symlink into ``.nbckpt``, a JSON file) becomes a pointer file naming the same step,
+    which retention then keeps; a pointer being made when a kill came goes."""
+    real_root = os.path.realpath(os.path.join(directory, ROOT_NAME))
     for entry in os.scandir(directory):
-        step = _reserved_step(entry.path)
-        if step is not None and step in committed:
+        if entry.name.endswith(_TEMPORARY):
+            os.unlink(entry.path)
+            continue
+        step, named = _earlier_name(entry.path, real_root)
+        if step is not None and (named or step in committed):
             _point(entry.path, step)
         elif step is not None:
             os.unlink(entry.path)
+
+
+def _earlier_name(path: str, real_root: str) -> tuple[int | None, bool]:
+    """The step that the name ``path`` in ``real_root``'s directory holds for an earlier run, and
+    whether it names it (an earlier release's pointer) or only reserves it; (None, False) for a
+    pointer file of this release, Lightning's own files and links, or anything else."""
+    if os.path.islink(path):  # the previous release's pointers: symlinks to their steps
+        head, name = os.path.split(os.readlink(path))
+        match = STEP_DIR.fullmatch(name)
+        return (int(match.group(1)), True) if head == ROOT_NAME and match is not None else (None, False)
+    old = earlier_pointer(path)  # the one before: JSON naming a directory and a step
+    if old is not None:
+        return (old[1], True) if os.path.realpath(old[0]) == real_root else (None, False)
+    pointer = read_pointer(path)
+    return (pointer[0], False) if pointer is not None and not pointer[1] else (None, False)
+
+
+def _lightnings_file(path: str) -> bool:
+    """Whether the name ``path`` is a file Lightning's own IO wrote: a file nbckpt did not."""
+    return os.path.isfile(path) and read_pointer(path) is None and earlier_pointer(path) is None
 
 
 def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: Any) -> _T:
@@ -401,7 +409,7 @@ def load_from_checkpoint(cls: type[_T], path: str | os.PathLike[str], **kwargs: 
     target = _local_path(path)
     for plugin in list(_LIVE):  # a name saved a moment ago: its step first commits
         plugin.settle(target)
-    if os.path.isfile(target) and not earlier_pointer(target):
+    if _lightnings_file(target):
         return loader(target, **kwargs)
     buffer = io.BytesIO()
     torch.save(load_checkpoint(target), buffer)
@@ -458,23 +466,40 @@ def _fingerprint(value: Any, tensors: list[torch.Tensor], depth: int) -> Any:
 
 def _called_by_async_io() -> bool:
     """Whether Lightning's ``AsyncCheckpointIO`` (either package name) made this call: its saving
-    thread calls the plug-in from a function that holds the wrapper as ``self``. A wrapper never
-    imported wraps nothing, so nothing is imported here."""
-    wrappers = tuple(
-        cls
-        for module in ("lightning.pytorch.plugins.io", "pytorch_lightning.plugins.io")
-        if isinstance(cls := getattr(sys.modules.get(module), "AsyncCheckpointIO", None), type)
-    )
-    frame = inspect.currentframe() if wrappers else None
-    for _ in range(2):  # to the caller of save_checkpoint, then it and its callers
+    thread calls the plug-in from a function that holds the wrapper as ``self``."""
+    return _caller_self(_loaded("AsyncCheckpointIO", "plugins.io")) is not None
+
+
+def _outside_a_run() -> bool:
+    """Whether a Trainer made this call (``trainer.save_checkpoint``) while none of its runs
+    (fit, validate, test, predict) is going on, so that no teardown will finish the save:
+    after ``fit``, or from ``on_exception`` (the teardown that follows it finds nothing left)."""
+    trainer = _caller_self(_loaded("Trainer", "trainer.trainer"))
+    return trainer is not None and trainer.state.status != TrainerStatus.RUNNING
+
+
+def _loaded(name: str, module: str) -> tuple[type, ...]:
+    """The classes ``name`` of ``lightning.pytorch.<module>`` and ``pytorch_lightning.<module>``
+    that are imported: a class never imported made no call, so nothing is imported here."""
+    found = (getattr(sys.modules.get(f"{package}.{module}"), name, None) for package in _PACKAGES)
+    return tuple(cls for cls in found if isinstance(cls, type))
+
+
+def _caller_self(kinds: tuple[type, ...]) -> Any:
+    """The first ``self`` of one of ``kinds`` among the caller of the plug-in's method that asks
+    (through one helper) and its next two callers (Lightning: the strategy, then the Trainer or
+    the wrapper), else None."""
+    frame = inspect.currentframe() if kinds else None
+    for _ in range(3):  # past this function, the helper and the plug-in's method
         frame = frame.f_back if frame is not None else None
     for _ in range(3):
         if frame is None:
             break
-        if isinstance(frame.f_locals.get("self"), wrappers):
-            return True
+        found = frame.f_locals.get("self")
+        if isinstance(found, kinds):
+            return found
         frame = frame.f_back
-    return False
+    return None
 
 
 def _register_with_twin() -> None:

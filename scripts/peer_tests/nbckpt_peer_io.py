@@ -5,9 +5,9 @@ Besides the IO, it bridges the two differences of layout docs/integrations.md do
 a test that looks at the files reads what the plug-in saved: ``torch.load`` and Lightning's
 ``pl_load`` (``Model.load_from_checkpoint``) of a pointer read it with
 :func:`nbckpt.integrations.lightning.load_checkpoint` (users: that, ``load_from_checkpoint`` or
-``nbckpt.integrations.export``), and listings of a checkpoint directory (``os.listdir``,
-``glob``, ``Path.iterdir``, ``Path.glob``) leave out nbckpt's hidden ``.nbckpt`` folder. Nothing
-else: ``os.path.isfile`` of a pointer stays False. Set NBCKPT_PEER_SHIMS=0 to run without them.
+``nbckpt.integrations.export``; plain ``torch.load`` raises a message naming them), and listings
+of a checkpoint directory (``os.listdir``, ``glob``, ``Path.iterdir``, ``Path.glob``) leave out
+nbckpt's hidden ``.nbckpt`` folder. Nothing else. Set NBCKPT_PEER_SHIMS=0 to run without them.
 """
 
 from __future__ import annotations
@@ -24,18 +24,14 @@ import lightning.pytorch.core.saving as saving
 import lightning.pytorch.strategies.strategy as strategy_module
 import torch
 
+from nbckpt.integrations._common import read_pointer
 from nbckpt.integrations.lightning import ROOT_NAME, NbckptCheckpointIO, load_checkpoint
 
 
 def _is_name(path: Any) -> bool:
     """Whether ``path`` is a name the plug-in saved: a pointer, or a reservation of one."""
-    if not isinstance(path, (str, os.PathLike)):
-        return False
-    if os.path.islink(path):
-        return os.readlink(path).startswith(ROOT_NAME + os.sep)
     try:
-        with open(path, "rb") as f:
-            return f.read(32).startswith(b'{"format": "nbckpt-reserved/')
+        return isinstance(path, (str, os.PathLike)) and read_pointer(path) is not None
     except OSError:
         return False
 

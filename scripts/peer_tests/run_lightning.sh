@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Lightning's own checkpointing tests, with its default checkpoint IO and with nbckpt's plug-in as
-# every strategy's IO (issue 31). Not part of `make test`: about 15 minutes on 2 loaded cores.
+# every strategy's IO (issue 31). Not part of `make test`: about 11 minutes on 2 loaded cores.
 #
 #   scripts/peer_tests/run_lightning.sh [default|nbckpt|both] [OUT]
 #

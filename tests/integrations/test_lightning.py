@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError, CustomSteps, SaveSchedule
 from nbckpt.integrations import export, load
+from nbckpt.integrations._common import pointer_bytes, read_pointer
 from nbckpt.integrations.lightning import (
     ROOT_NAME,
     NbckptCheckpointIO,
@@ -34,12 +35,13 @@ WORKER = Path(__file__).with_name("lit_app.py")
 
 
 def _names(directory: Path) -> dict[str, int]:
-    """Each pointer in ``directory`` (a symlink to a step of its nbckpt directory) and that step."""
+    """Each pointer in ``directory`` (a file naming a step of its nbckpt directory) and that step;
+    neither reservations nor Lightning's own links."""
     out = {}
     for path in directory.iterdir():
-        target = os.readlink(path) if path.is_symlink() else ""
-        if target.startswith(ROOT_NAME + os.sep):
-            out[path.name] = int(target.rsplit("-", 1)[1])
+        pointer = None if path.is_symlink() else read_pointer(path)
+        if pointer is not None and pointer[1]:
+            out[path.name] = pointer[0]
     return out
 
 
@@ -63,6 +65,7 @@ def test_topk_and_last_resume_bit_identical(tmp_path: Path, save_last: bool | Li
         assert set(names) == kept
         link = tmp_path / "straight" / "last.ckpt"
         assert link.is_symlink() and os.readlink(link) == "epoch=3-step=32.ckpt"
+        assert load_checkpoint(link)["global_step"] == 32  # Lightning's link to a pointer reads through
     # top-k removals and moved names left no step behind, and every name has its step
     assert _steps(tmp_path / "straight") == sorted(set(names.values()))
 
@@ -96,6 +99,109 @@ def test_load_from_checkpoint_and_export(tmp_path: Path) -> None:
         io.load_checkpoint(out, weights_only=False)["global_step"]
         == torch.load(out, weights_only=False)["global_step"]
     )
+
+
+def test_a_pointer_is_a_small_file_that_torch_load_refuses_naming_what_reads_it(tmp_path: Path) -> None:
+    """Issue 31, item 5: every ``.ckpt`` was a symlink to a step directory (``os.path.isfile``
+    False, ``torch.load`` raised IsADirectoryError; 48 of Lightning's own tests failed on it). A
+    pointer is a regular file of a few hundred bytes, and ``torch.load`` of it (weights-only too,
+    so it holds no global) and Lightning's own ``load_from_checkpoint`` raise a message that
+    names what reads it."""
+    model, t = fit(tmp_path, 2)
+    best = Path(t.checkpoint_callback.best_model_path)  # type: ignore[union-attr]
+    for path in (best, tmp_path / "last.ckpt"):
+        assert path.is_file() and not path.is_symlink() and path.stat().st_size < 1024
+        assert os.path.isfile(os.path.realpath(path))
+    said = r"nbckpt pointer to \.nbckpt/step-0*\d+ beside it: read it with nbckpt\.integrations\.lightning\."
+    for weights_only in (True, False):
+        with pytest.raises(RuntimeError, match=said):
+            torch.load(best, weights_only=weights_only)
+    with pytest.raises(RuntimeError, match=r"load_from_checkpoint\(Model, path\)"):
+        TinyModel.load_from_checkpoint(best)
+    # torch's legacy magic number, pickled, opens every pointer (as docs/format.md spells it)
+    assert best.read_bytes()[:15].hex(" ") == "80 02 8a 0a 6c fc 9c 46 f9 20 6a a8 50 19 2e"
+    assert digest(load_from_checkpoint(TinyModel, tmp_path / "last.ckpt")) == digest(model)
+    # a pointer copied away from its .nbckpt folder says what travels alone
+    (tmp_path / "away").mkdir()
+    (tmp_path / "away" / "copy.ckpt").write_bytes(best.read_bytes())
+    with pytest.raises(ConfigError, match=r"which is not there .*nbckpt\.integrations\.export"):
+        load(tmp_path / "away" / "copy.ckpt")
+
+
+def test_a_file_that_is_not_a_pointer_is_never_taken_for_one(tmp_path: Path) -> None:
+    """A pointer is a regular file, as Lightning's own checkpoint is: a name holding a file nbckpt
+    did not write (Lightning's torch.save, a pointer torn short or grown long, a FIFO) names no
+    step, is left where it is by the plug-in, and loads with Lightning's own IO where it is one."""
+    torch.save({"epoch": 7, "w": torch.ones(2)}, tmp_path / "lightning.ckpt")
+    whole = pointer_bytes(1)
+    (tmp_path / "torn.ckpt").write_bytes(whole[:-9])
+    (tmp_path / "long.ckpt").write_bytes(whole + b" " * 4096)
+    os.mkfifo(tmp_path / "fifo.ckpt")
+    for name in ("lightning.ckpt", "torn.ckpt", "long.ckpt", "fifo.ckpt", "missing.ckpt", ""):
+        assert read_pointer(tmp_path / name) is None, name  # "": the directory itself
+    io = NbckptCheckpointIO(mode="sync")
+    io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "a.ckpt")
+    io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "b.ckpt")
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    assert io.load_checkpoint(tmp_path / "lightning.ckpt", weights_only=True)["epoch"] == 7
+    io.teardown()
+    assert _steps(tmp_path) == [2] and _names(tmp_path) == {"b.ckpt": 2}
+    left = ["b.ckpt", "fifo.ckpt", "lightning.ckpt", "long.ckpt", "torn.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ROOT_NAME, *left]
+    with pytest.raises(ConfigError, match=r"torn\.ckpt is neither an nbckpt step directory nor a pointer"):
+        load(tmp_path / "torn.ckpt")
+
+
+class _SavesWhileACommitIsHeld(pl.Callback):
+    """After epoch 1's first step, holds the commit of the saves that follow and saves through the
+    Trainer: what the name holds when ``trainer.save_checkpoint`` returns (a save that finished
+    before returning would have waited for the held commit, up to 60 s, and then failed)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.returned: tuple[int, bool] | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.current_epoch != 1 or self.returned is not None:
+            return
+        ckpt = trainer.strategy.checkpoint_io._roots[str(self.root / ROOT_NAME)]  # type: ignore[attr-defined]
+        ckpt.wait()  # the epoch's own save committed: the next one may start at once
+        gate, commit = threading.Event(), ckpt.store.commit
+
+        def held_commit(*args: Any) -> Any:
+            assert gate.wait(60)
+            return commit(*args)
+
+        ckpt.store.commit = held_commit
+        trainer.save_checkpoint(self.root / "inside.ckpt")
+        self.returned = read_pointer(self.root / "inside.ckpt")
+        gate.set()
+
+
+def test_a_save_outside_a_run_is_durable_and_leaves_no_thread(tmp_path: Path) -> None:
+    """Lightning's conftest fails a test that leaves a thread (10 of its tests): a
+    ``trainer.save_checkpoint`` after ``fit`` opened the directory again, and its threads stayed
+    until the next fit's end or the exit. No teardown follows such a save, so it finishes before
+    returning; one inside ``fit`` returns before its commit, as every save of a run does."""
+    model = TinyModel()
+    held = _SavesWhileACommitIsHeld(tmp_path)
+    t = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        plugins=[NbckptCheckpointIO()],
+        callbacks=[ModelCheckpoint(dirpath=tmp_path), held],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    t.fit(model, data())
+    assert held.returned is not None and held.returned[1] is False  # reserved, not committed yet
+    before = set(threading.enumerate())
+    t.save_checkpoint(tmp_path / "after.ckpt")
+    assert set(threading.enumerate()) <= before  # nbckpt's threads ended with the save
+    assert read_pointer(tmp_path / "after.ckpt") == (max(_steps(tmp_path)), True)
+    assert digest(load_from_checkpoint(TinyModel, tmp_path / "after.ckpt")) == digest(model)
+    assert _names(tmp_path)["inside.ckpt"] == held.returned[0]
 
 
 def test_pointer_written_only_after_commit(tmp_path: Path) -> None:
@@ -235,15 +341,26 @@ def test_orphan_steps_of_a_killed_run_are_collected(tmp_path: Path) -> None:
     assert _names(tmp_path) == {"new.ckpt": 8}
 
 
-def test_an_earlier_nbckpts_json_pointers_become_links_and_keep_their_steps(tmp_path: Path) -> None:
+def test_earlier_releases_pointers_keep_loading_and_become_pointer_files(tmp_path: Path) -> None:
+    """The previous release's pointers are symlinks to their steps, the one before's JSON files:
+    a symlink loads as it is (every reader), and the next plug-in on the directory rewrites both
+    as this release's pointer files naming the same steps, which retention keeps."""
     with Checkpointer(tmp_path / ROOT_NAME, mode="sync") as ckpt:
+        ckpt.save({"x": torch.full((3,), 4.0)}, step=4)
         ckpt.save({"x": torch.full((3,), 5.0)}, step=5)
     old = {"format": "nbckpt-pointer/1", "root": ROOT_NAME, "step": 5}
-    (tmp_path / "last.ckpt").write_text(json.dumps(old))  # as the previous release wrote them
+    (tmp_path / "last.ckpt").write_text(json.dumps(old))
+    os.symlink(os.path.join(ROOT_NAME, "step-000004"), tmp_path / "epoch=3.ckpt")
+    assert torch.equal(load(tmp_path / "epoch=3.ckpt")["x"], torch.full((3,), 4.0))
+    assert torch.equal(load_checkpoint(tmp_path / "epoch=3.ckpt")["x"], torch.full((3,), 4.0))
+    assert NbckptCheckpointIO().load_checkpoint(tmp_path / "epoch=3.ckpt")["x"][0] == 4.0
+    with pytest.raises(ConfigError, match="a pointer file of an earlier nbckpt"):
+        load(tmp_path / "last.ckpt")
     io = NbckptCheckpointIO()
     io.save_checkpoint({"x": torch.zeros(3)}, tmp_path / "new.ckpt")  # opens the directory
     io.teardown()
-    assert _names(tmp_path) == {"last.ckpt": 5, "new.ckpt": 6} and _steps(tmp_path) == [5, 6]
+    assert _names(tmp_path) == {"epoch=3.ckpt": 4, "last.ckpt": 5, "new.ckpt": 6}
+    assert _steps(tmp_path) == [4, 5, 6] and not (tmp_path / "epoch=3.ckpt").is_symlink()
     assert torch.equal(io.load_checkpoint(tmp_path / "last.ckpt")["x"], torch.full((3,), 5.0))
 
 
@@ -358,13 +475,20 @@ def test_reservations_a_killed_run_left_are_settled(tmp_path: Path) -> None:
     io = NbckptCheckpointIO(mode="sync")
     io.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "a.ckpt")
     io.teardown()
-    for name, step in (("b.ckpt", 1), ("c.ckpt", 7)):
+    (tmp_path / "b.ckpt").write_bytes(pointer_bytes(1, committed=False))
+    (tmp_path / "c.ckpt").write_bytes(pointer_bytes(7, committed=False))
+    with pytest.raises(
+        ConfigError, match=r"c\.ckpt is reserved for \.nbckpt/step-000007, whose save has not"
+    ):
+        load(tmp_path / "c.ckpt")
+    for name, step in (("e.ckpt", 1), ("f.ckpt", 8)):  # as the previous release reserved names
         (tmp_path / name).write_text(json.dumps({"format": "nbckpt-reserved/1", "step": step}))
+    (tmp_path / "g.ckpt.nbckpt-tmp").write_bytes(pointer_bytes(1))  # a pointer a kill cut short
     io = NbckptCheckpointIO(mode="sync")
     io.save_checkpoint({"w": torch.ones(2)}, tmp_path / "d.ckpt")
     io.teardown()
-    assert _names(tmp_path) == {"a.ckpt": 1, "b.ckpt": 1, "d.ckpt": 2}
-    assert not (tmp_path / "c.ckpt").exists()
+    assert _names(tmp_path) == {"a.ckpt": 1, "b.ckpt": 1, "d.ckpt": 2, "e.ckpt": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ROOT_NAME, "a.ckpt", "b.ckpt", "d.ckpt", "e.ckpt"]
 
 
 def test_the_plugin_can_be_copied_and_pickled(tmp_path: Path) -> None:
