@@ -18,7 +18,7 @@ import torch
 
 from .._errors import ConfigError
 from ..engine import Checkpointer, SaveHandle
-from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT, dcp_steps, parse_step, write_atomic
+from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT, parse_step, plain_dcp_steps, write_atomic
 
 __all__ = ["STEP_DIR", "atomic_torch_save", "earlier_pointer", "export", "load", "resolve", "said_waited"]
 
@@ -87,7 +87,7 @@ def resolve(source: str | os.PathLike[str]) -> tuple[str, int]:
         raise ConfigError(f"{source} is neither an nbckpt step directory nor a pointer to one")
     # A folder plain dcp.save wrote is read as a run of one step, itself: read from its run, a
     # step-2 would be found as step 2, which is the run's own step-000002 where there is one.
-    plain = dcp_steps(path, [])
+    plain = plain_dcp_steps(path, [])
     if plain:
         return path, next(iter(plain))
     step = parse_step(os.path.basename(path))

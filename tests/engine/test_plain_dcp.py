@@ -65,6 +65,31 @@ def test_a_branch_restores_a_plain_dcp_step_of_its_parent_line(tmp_path: Path) -
         assert ckpt.restore(state, step=10) == 10 and torch.equal(state["w"], torch.ones(4))
 
 
+def test_a_plain_dcp_step_never_stands_in_for_nbckpts_damaged_step_of_its_number(tmp_path: Path) -> None:
+    """Plain DCP's step-2 beside nbckpt's step-000002 is not a copy of it: when nbckpt's is damaged
+    the restore falls back to an older step, as it would without the plain one; nbckpt's is the
+    step 2 listed, loaded and verified."""
+    run = tmp_path / "run"
+    with Checkpointer(run, mode="sync") as ckpt:
+        ckpt.save({"w": torch.full((4,), 1.0)}, step=1)
+        ckpt.save({"w": torch.full((4,), 2.0)}, step=2)
+    dcp.save({"w": torch.full((4,), 7.0)}, checkpoint_id=str(run / "step-2"), no_dist=True)
+    with Checkpointer(run, read_only=True) as ckpt:
+        assert ckpt.steps() == [1, 2] and ckpt.verify(2)["format"] != "dcp"
+        assert torch.equal(ckpt.load(2)["w"], torch.full((4,), 2.0))
+    data = next((run / "step-000002").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    state = {"w": torch.zeros(4)}
+    with (
+        Checkpointer(run, read_only=True) as ckpt,
+        pytest.warns(UserWarning, match="skipping step-000002: .*trying an older checkpoint"),
+    ):
+        assert ckpt.restore(state) == 1
+    assert torch.equal(state["w"], torch.ones(4))
+
+
 def test_a_directory_dcp_save_wrote_is_a_run_of_one_step_for_the_cli(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
