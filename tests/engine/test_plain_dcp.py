@@ -4,10 +4,13 @@ by nbckpt, read with weights only, and never changed or deleted, so a run can mo
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
 from nbckpt.cli import main as cli
+from nbckpt.engine._manifest import sign
 
 
 def dcp_state() -> dict[str, object]:
@@ -88,6 +92,38 @@ def test_a_plain_dcp_step_never_stands_in_for_nbckpts_damaged_step_of_its_number
     ):
         assert ckpt.restore(state) == 1
     assert torch.equal(state["w"], torch.ones(4))
+
+
+def _no_checksums(body: dict[str, Any]) -> None:
+    for meta in body["files"].values():
+        meta["blocks"] = None
+
+
+def _no_metadata(body: dict[str, Any]) -> None:
+    del body["files"][".metadata"]
+
+
+def _not_located(body: dict[str, Any]) -> None:
+    for chunks in body["items"].values():
+        for chunk in chunks:
+            chunk[3] = -1
+
+
+@pytest.mark.parametrize("edit", [_no_checksums, _no_metadata, _not_located], ids=lambda f: f.__name__)
+def test_a_resigned_manifest_cannot_take_the_paths_only_a_plain_dcp_step_takes(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], None]
+) -> None:
+    """The reader skips block checks for files without checksums, the .metadata compare for a
+    manifest listing none, and reads a chunk it does not locate by loading its blob: only the
+    manifest _plain_dcp makes may say so. One anyone re-signed is refused before a byte is read."""
+    with Checkpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save({"w": torch.ones(4)}, step=1)
+    path = tmp_path / "step-000001" / "manifest.json"
+    body = json.loads(path.read_text())
+    edit(body)
+    path.write_bytes(sign(body))
+    with Checkpointer(tmp_path, read_only=True) as ckpt, pytest.raises(CheckpointError, match="manifest"):
+        ckpt.verify(1)
 
 
 def test_a_directory_dcp_save_wrote_is_a_run_of_one_step_for_the_cli(
