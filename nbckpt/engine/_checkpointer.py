@@ -340,13 +340,9 @@ class Checkpointer:
                 # Looked at by rank 0 as it deletes: another rank looking first could find the
                 # step already gone (rank 0 runs its part before the others arrive).
                 if store.committed_at(step) is None:
-                    if step in store.foreign():
-                        raise CheckpointError(
-                            f"step {step} in {self.store.url} was written by plain DCP; "
-                            "nbckpt never deletes it"
-                        )
                     raise CheckpointError(
-                        f"no committed checkpoint for step {step} in line {name} of {self.store.url}"
+                        self._run.undeletable(store, step)
+                        or f"no committed checkpoint for step {step} in line {name} of {self.store.url}"
                     )
                 store.delete(step)
 

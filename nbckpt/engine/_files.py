@@ -11,10 +11,11 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, describe_error
 from ._faults import fault_point
 from ._format import BLOCK_SIZE, block_hasher, checksum
 
@@ -27,6 +28,7 @@ __all__ = [
     "StreamSink",
     "StreamSource",
     "copy_file",
+    "damage_named",
     "exchange_paths",
     "fsync_dir",
     "hash_blocks",
@@ -97,6 +99,22 @@ PIECE_SIZE = 1 << 20
 #: Buffers one ``preadv`` takes at most (Linux's IOV_MAX): a column block of a tensor read into
 #: a row-major one is one buffer per row.
 IOV_MAX = 1024
+
+
+@contextmanager
+def damage_named(label: str) -> Iterator[None]:
+    """Reading ``label`` (``step-NNNNNN/file``) failing is a damaged checkpoint, named in one line:
+    a bad sector or a lost server is a CheckpointError (restore falls back), not a crash."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CheckpointError(f"{label} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"{label} is unreadable ({describe_error(exc)})") from exc
+    except CheckpointError as exc:
+        if str(exc).startswith(label):
+            raise
+        raise CheckpointError(f"{label.rsplit('/', 1)[0]}/{exc}") from None
 
 
 class Sink(Protocol):

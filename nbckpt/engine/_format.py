@@ -49,6 +49,7 @@ __all__ = [
     "MANIFEST",
     "MANIFEST_KEYS",
     "MAX_MANIFEST_BYTES",
+    "MAX_METADATA_BYTES",
     "MAX_STEP",
     "METADATA_FILE",
     "METRICS",
@@ -147,6 +148,8 @@ FORMAT = "nbckpt/3"
 READS = (FORMAT, "nbckpt/2")
 #: A manifest holds about 100 bytes per tensor: 64 MiB is room for half a million of them.
 MAX_MANIFEST_BYTES = 64 << 20
+#: DCP's ``.metadata`` grows with tensors times ranks: far more room than a manifest gets.
+MAX_METADATA_BYTES = 1 << 30
 #: The values a save was given to rank its step by (keep-best retention): ``{name: float}``.
 METRICS = "metrics"
 #: Every key a manifest may hold (``rank_trees``, ``rng`` and ``metrics`` only when there are some).
@@ -228,6 +231,13 @@ class Chunk(NamedTuple):
     @property
     def region(self) -> Region:
         return Region(self.offsets, self.sizes)
+
+    @property
+    def located(self) -> bool:
+        """Whether the manifest says where the data lies inside its blob (every chunk of an
+        nbckpt manifest: parse refuses one that does not); else ``data_offset`` is -1 and only
+        loading the whole blob (``torch.load``, weights only) finds it: a blob another writer framed."""
+        return self.data_offset >= 0
 
 
 @dataclass(frozen=True)

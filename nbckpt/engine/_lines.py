@@ -18,12 +18,14 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._errors import CheckpointError, ConfigError
 from ._files import Source
 from ._format import BRANCH_FILE, BRANCH_LIMIT, MAIN, MANIFEST, branch_name, is_branch
-from ._store import Store
+from ._manifest import Manifest
+from ._store import Readable, Store
 
 __all__ = ["Line", "ancestry", "discover", "last_committed", "lineage", "on", "start_branch", "write_record"]
 
@@ -41,7 +43,7 @@ class Line:
 class StepLimited:
     """A parent line as its branch sees it: only the steps up to where the branch started."""
 
-    def __init__(self, store: Store, last_step: int) -> None:
+    def __init__(self, store: Readable, last_step: int) -> None:
         self._store, self._last = store, last_step
         self.url = store.url
         self.is_local = store.is_local
@@ -52,8 +54,8 @@ class StepLimited:
     def committed_at(self, step: int) -> str | None:
         return self._store.committed_at(step) if step <= self._last else None
 
-    def foreign(self) -> dict[int, str]:
-        return {s: path for s, path in self._store.foreign().items() if s <= self._last}
+    def read_manifest(self, step: int, location: str) -> tuple[Manifest, bytes]:
+        return self._store.read_manifest(step, location)
 
     def modified(self, location: str, name: str) -> float:
         return self._store.modified(location, name)
@@ -113,17 +115,21 @@ def lineage(lines: dict[str, Line], name: str) -> list[str]:
     return names
 
 
-def ancestry(lines: dict[str, Line], name: str) -> list[Store | StepLimited]:
+def ancestry(
+    lines: dict[str, Line], name: str, view: Callable[[Store], Readable] | None = None
+) -> list[Readable]:
     """Where line ``name`` reads its steps (:func:`lineage`'s order): itself, then each ancestor
-    up to the earliest fork point on the way there."""
+    up to the earliest fork point on the way there; each line's store seen through ``view``
+    (the store itself by default)."""
+    see: Callable[[Store], Readable] = view or (lambda store: store)
     names = lineage(lines, name)
-    chain: list[Store | StepLimited] = [lines[name].store]
+    chain: list[Readable] = [see(lines[name].store)]
     last: int | None = None
     for child, parent in itertools.pairwise(names):
         from_step = lines[child].from_step
         assert from_step is not None  # lineage follows only lines that name their fork point
         last = from_step if last is None else min(last, from_step)
-        chain.append(StepLimited(lines[parent].store, last))
+        chain.append(StepLimited(see(lines[parent].store), last))
     return chain
 
 

@@ -63,14 +63,17 @@ class Manifest:
     """Every tensor any rank's tree references: key to the dtype and shape of the whole tensor."""
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
     """Each tensor's path of keys in rank 0's tree (DCP's planner data says the same)."""
-    foreign: bool = False
-    """Made from the ``.metadata`` of a checkpoint plain DCP wrote: no checksums, blobs read
-    with ``torch.load(weights_only=True)``."""
 
     @property
     def files(self) -> dict[str, dict[str, Any]]:
         files: dict[str, dict[str, Any]] = self.body["files"]
         return files
+
+    @property
+    def checksummed(self) -> list[str]:
+        """The files whose blocks carry checksums: every file of an nbckpt step (parse refuses
+        one without); none of a step made from another writer's ``.metadata``."""
+        return [name for name, meta in self.files.items() if meta["blocks"] is not None]
 
     def tree(self, rank: int) -> dict[str, Any]:
         """The state tree rank ``rank`` saved."""

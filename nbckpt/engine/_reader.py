@@ -1,25 +1,27 @@
 """Reading a checkpoint back: each byte read once and checked in the same pass; the caller's
 tensors are written only once every byte a rank needs is checked (a failed restore changes none).
+What is read is what the manifest says, whoever made it: a chunk whose data's place in its blob
+it does not give is read by loading its blob (weights only), files without block checksums have
+none to check.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
-from .._errors import CheckpointError, describe_error
-from ._files import Source, read_into
-from ._foreign import MAX_METADATA_BYTES, read_dcp_manifest
-from ._format import MANIFEST, MAX_MANIFEST_BYTES, METADATA_FILE, Chunk, framing, step_name
-from ._manifest import Manifest, parse
+from .._errors import CheckpointError
+from ._files import damage_named, read_into
+from ._format import MAX_METADATA_BYTES, METADATA_FILE, Chunk, framing
+from ._manifest import Manifest
 from ._shards import Region, overlap, runs
+from ._store import Readable
 from ._unpickle import load_blob
 from ._workers import Pool, run_all
 
@@ -40,21 +42,6 @@ __all__ = [
     "verify_files",
     "verify_framing",
 ]
-
-
-class Readable(Protocol):
-    """What a restore needs of a place checkpoints are in (a store, or a parent line's view)."""
-
-    url: str
-    is_local: bool
-    """A local or NFS directory: reading a file twice fetches it once (the page cache has it)."""
-
-    def committed(self) -> dict[int, str]: ...
-    def committed_at(self, step: int) -> str | None: ...
-    def foreign(self) -> dict[int, str]: ...
-    def modified(self, location: str, name: str) -> float: ...
-    def read_small(self, location: str, name: str, limit: int) -> bytes: ...
-    def source(self, location: str, name: str, size: int | None) -> Source: ...
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -92,34 +79,21 @@ def read_file(
         source.close()
 
 
-@contextmanager
-def damage_named(label: str) -> Iterator[None]:
-    """Reading ``label`` (``step-NNNNNN/file``) failing is a damaged checkpoint, named in one line:
-    a bad sector or a lost server is a CheckpointError (restore falls back), not a crash."""
-    try:
-        yield
-    except FileNotFoundError:
-        raise CheckpointError(f"{label} is missing") from None
-    except OSError as exc:
-        raise CheckpointError(f"{label} is unreadable ({describe_error(exc)})") from exc
-    except CheckpointError as exc:
-        if str(exc).startswith(label):
-            raise
-        raise CheckpointError(f"{label.rsplit('/', 1)[0]}/{exc}") from None
-
-
 def read_manifest(store: Readable, step: int, location: str) -> tuple[Manifest, bytes]:
-    """The checked manifest of ``step`` at ``location``, and its bytes as read."""
-    where = f"{step_name(step)}/{MANIFEST}"
-    try:
-        with damage_named(where):
-            data = store.read_small(location, MANIFEST, MAX_MANIFEST_BYTES)
-    except CheckpointError:
-        if location not in store.foreign().values():
-            raise
-        with damage_named(step_file_label(location, METADATA_FILE)):
-            return read_dcp_manifest(store, step, location), b""
-    return parse(data, step, where), data
+    """The checked manifest of ``step`` at ``location``, and its bytes as read: what the place
+    says the step holds (a store parses its manifest file)."""
+    return store.read_manifest(step, location)
+
+
+class _Load(NamedTuple):
+    """A chunk the manifest does not locate in its blob: the blob is loaded (weights only) and
+    the part of it inside ``region`` copied into ``tensor`` (which holds ``region``)."""
+
+    key: str
+    chunk: Chunk
+    box: Region
+    region: Region
+    tensor: torch.Tensor
 
 
 class _Blob(NamedTuple):
@@ -149,6 +123,8 @@ class ReadPlan:
     """Some tensors are the caller's own memory: every byte is checked before any is written there."""
     later: dict[str, Region | None] = field(default_factory=dict)
     """Tied tensors wanted in another region than their first key: read on their own, fresh."""
+    loads: list[_Load] = field(default_factory=list)
+    """Chunks read by loading their blobs, into fresh tensors (never the caller's own)."""
 
 
 def plan_read(
@@ -172,25 +148,39 @@ def plan_read(
             plan.later[key] = asked
             continue
         target = (into or {}).get(key)
+        if target is not None and not all(chunk.located for chunk in chunks):
+            target = None  # a blob loaded is checked only as it loads: never into the caller's memory
         plan.direct |= target is not None
         tensor = made[same] = plan.tensors[key] = (
             target if target is not None else _fresh(region.sizes, spec.dtype)
         )
         view = byte_view(tensor)
         for chunk in chunks:
-            runs_here = plan.data.setdefault(chunk.file, [])
-            if chunk.sizes == region.sizes and chunk.offsets == region.offsets:  # the common case: all of it
-                runs_here.append((chunk.data_offset, view))
-            else:
-                box = overlap(chunk.region, region)
-                if box is None:
-                    continue
-                src, dst, length = runs(box, chunk.region, region, spec.dtype.itemsize)
-                for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-                    runs_here.append((chunk.data_offset + s, view[d : d + length]))
+            whole = chunk.sizes == region.sizes and chunk.offsets == region.offsets  # the common case
+            box = region if whole else overlap(chunk.region, region)
+            if box is None:
+                continue
             claimed.add((chunk.file, chunk.blob_offset))
-            plan.blobs.append(_framing_views(key, chunk, spec.dtype, plan.framing.setdefault(chunk.file, [])))
+            if chunk.located:
+                _plan_runs(plan, key, chunk, spec.dtype, region, box, view)
+            else:
+                plan.loads.append(_Load(key, chunk, box, region, tensor))
     return plan
+
+
+def _plan_runs(
+    plan: ReadPlan, key: str, chunk: Chunk, dtype: torch.dtype, region: Region, box: Region, view: memoryview
+) -> None:
+    """The byte runs of ``chunk``'s part ``box`` of ``region`` into ``view`` (the bytes of the
+    tensor holding ``region``), and the framing bytes around the chunk's data."""
+    runs_here = plan.data.setdefault(chunk.file, [])
+    if box is region:  # all of it, in one run
+        runs_here.append((chunk.data_offset, view))
+    else:
+        src, dst, length = runs(box, chunk.region, region, dtype.itemsize)
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+            runs_here.append((chunk.data_offset + s, view[d : d + length]))
+    plan.blobs.append(_framing_views(key, chunk, dtype, plan.framing.setdefault(chunk.file, [])))
 
 
 def check_read(
@@ -198,11 +188,16 @@ def check_read(
 ) -> float:
     """What must hold before a direct plan writes a byte into the caller's memory: every block
     its bytes lie in read (into scratch) and checked, every chunk's framing checked, the tied
-    tensors read apart. A plan into fresh tensors only reads its tied ones here."""
+    tensors read apart. A plan into fresh tensors only reads its tied ones here, and the chunks
+    it loads from their blobs."""
     cpu = 0.0
     if plan.direct:
         cpu += _read_files(store, io, location, manifest, plan.framing, verify, cover=plan.data)
         _check_blobs(store, location, manifest, plan.blobs, verify)
+    for load in plan.loads:
+        blob = _Blob(load.key, load.chunk, bytearray(), bytearray())
+        loaded, _ = _load_chunk(store, location, manifest, blob, verify)
+        load.tensor[_slices(load.box, load.region)] = loaded[_slices(load.box, load.chunk.region)]
     if plan.later:
         more, more_cpu = read_tensors(store, io, location, manifest, plan.later, verify=verify)
         plan.tensors.update(more)
@@ -264,33 +259,11 @@ def read_tensors(
 ) -> tuple[dict[str, torch.Tensor], float]:
     """Region ``wanted[key]`` (None: all of it) of each tensor, read into fresh CPU tensors and
     checked in the same pass; returns them and the CPU seconds spent."""
-    if manifest.foreign:
-        return _read_foreign(store, location, manifest, wanted), 0.0
     stat_files(store, location, manifest, tensor_files(manifest, wanted))
     plan = plan_read(manifest, wanted)
     cpu = fill(store, io, location, manifest, plan, verify=verify)
     cpu += check_read(store, io, location, manifest, plan, verify=verify)
     return plan.tensors, cpu
-
-
-def _read_foreign(
-    store: Readable, location: str, manifest: Manifest, wanted: Mapping[str, Region | None]
-) -> dict[str, torch.Tensor]:
-    """A plain DCP checkpoint's tensors: each chunk's blob loaded with weights only, the part of
-    it the region needs copied out (no checksums exist to verify)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for key, asked in wanted.items():
-        spec = manifest.specs[key]
-        region = asked or Region.whole(spec.shape)
-        tensor = tensors[key] = _fresh(region.sizes, spec.dtype)
-        for chunk in manifest.items[key]:
-            box = overlap(chunk.region, region)
-            if box is not None:
-                loaded, _ = _load_chunk(
-                    store, location, manifest, _Blob(key, chunk, bytearray(), bytearray()), False
-                )
-                tensor[_slices(box, region)] = loaded[_slices(box, chunk.region)]
-    return tensors
 
 
 def _fresh(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -355,17 +328,14 @@ def _load_chunk(
 
 def verify_framing(store: Readable, io: Pool, location: str, manifest: Manifest) -> None:
     """Check the framing of every chunk of the step (a plain ``torch.load`` of each blob gives
-    exactly the chunk's bytes)."""
-    if manifest.foreign:  # no framing of nbckpt's: every blob must load as its chunk
-        for key, chunks in manifest.items.items():
-            for chunk in chunks:
-                _load_chunk(store, location, manifest, _Blob(key, chunk, bytearray(), bytearray()), False)
-        return
+    exactly the chunk's bytes; a chunk not located in its blob: the blob loads as that chunk)."""
     framing_views: dict[str, list[tuple[int, memoryview]]] = {}
     blobs: dict[tuple[str, int], _Blob] = {}
     for key, chunks in manifest.items.items():
         for chunk in chunks:
-            if (chunk.file, chunk.blob_offset) not in blobs:
+            if not chunk.located:
+                _load_chunk(store, location, manifest, _Blob(key, chunk, bytearray(), bytearray()), True)
+            elif (chunk.file, chunk.blob_offset) not in blobs:
                 views, dtype = framing_views.setdefault(chunk.file, []), manifest.specs[key].dtype
                 blobs[(chunk.file, chunk.blob_offset)] = _framing_views(key, chunk, dtype, views)
     _read_files(store, io, location, manifest, framing_views, True)
@@ -386,10 +356,11 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 def verify_files(
     store: Readable, io: Pool, location: str, manifest: Manifest, names: Iterable[str] | None = None
 ) -> float:
-    """Check the size and every block of each file (all of them by default)."""
+    """Check the size and every block of each file (by default every one with block checksums:
+    all of an nbckpt step's)."""
     jobs = [
         (lambda name=name: read_file(store, location, name, manifest, [], True, whole=True))
-        for name in (manifest.files if names is None else names)
+        for name in (manifest.checksummed if names is None else names)
     ]
     return float(sum(run_all(io, jobs)))
 

@@ -55,7 +55,8 @@ __all__ = ["Candidate", "Options", "Restorer", "device_of"]
 
 class Restorer:
     """Reads the checkpoints of a run for one rank (``group`` agrees every step with the others)
-    from ``stores``, in the order they are preferred (the line, its ancestors, the mirror's)."""
+    from ``stores``, in the order they are preferred (the line, its ancestors, the mirror's; each
+    place followed by the steps another writer left in it, read-only)."""
 
     def __init__(self, stores: Sequence[Readable], io: Pool, group: Group, timeline: Timeline) -> None:
         self.stores, self.io, self.group, self.timeline = stores, io, group, timeline
@@ -69,7 +70,7 @@ class Restorer:
     def find(self, step: int) -> tuple[Readable, str]:
         """The store and location of committed ``step`` (the first store that has it)."""
         for store in self.stores:
-            location = store.committed_at(step) or store.foreign().get(step)
+            location = store.committed_at(step)
             if location is not None:
                 return store, location
         have = ", ".join(map(str, self.store.committed())) or "none"
@@ -87,7 +88,7 @@ class Restorer:
             manifest = read_manifest(store, step, location)[0]
             for record in manifest.body.get("rng", {}).values():
                 rng_parse(record)  # what restore refuses, verify refuses (its streams are set nowhere)
-            verify_files(store, self.io, location, manifest, [] if manifest.foreign else None)
+            verify_files(store, self.io, location, manifest)
             check_step_files(store, self.io, location, manifest, True)
             verify_framing(store, self.io, location, manifest)
         except NbckptError:
@@ -108,9 +109,9 @@ class Restorer:
         found: list[Candidate] = []
         for index, store in enumerate(self.stores):
             if step is None:
-                listed = list({**store.foreign(), **store.committed()}.items())
+                listed = list(store.committed().items())
             else:  # one check per store, not a listing
-                location = store.committed_at(step) or store.foreign().get(step)
+                location = store.committed_at(step)
                 listed = [] if location is None else [(step, location)]
             found.extend(Candidate(s, index, where) for s, where in listed if (s, index) not in tried)
         return sorted(found, key=lambda c: (-c.step, c.source))
@@ -331,8 +332,6 @@ class _Read:
         take the bytes (no fresh memory to fault in: half of a restore's time), filled only
         once every rank checked every byte (:meth:`load`); fresh tensors read already."""
         store, location, manifest, verify = self.store, self.location, self.manifest, self.options.verify
-        if manifest.foreign:
-            return ReadPlan(read_tensors(store, self.io, location, manifest, wanted, verify=verify)[0])
         into = destinations(self.state, self.saved, self.targets, manifest.specs) if store.is_local else None
         stat_files(store, location, manifest, tensor_files(manifest, wanted))  # before allocating
         plan = plan_read(manifest, wanted, into)
@@ -373,7 +372,9 @@ class _Read:
 def check_step_files(store: Readable, io: Pool, location: str, manifest: Manifest, verify: bool) -> None:
     """Beyond the tensors a restore reads: the DCP metadata says what the manifest says, and the
     plain values' byte items hold the manifest's values (``_dcp_check``)."""
-    if manifest.foreign:  # its .metadata is what it was read from; there is nothing to compare
+    if METADATA_FILE not in manifest.files:
+        # A manifest made from the step's .metadata itself (parse refuses an nbckpt manifest
+        # that lists none): one description of the step, nothing to compare it with.
         return
     name = f"{step_name(manifest.step)}/{METADATA_FILE}"
     spans = check_dcp_metadata(read_metadata(store, location, manifest), manifest, name)

@@ -11,6 +11,7 @@ from .._errors import CheckpointError, ConfigError
 from ._format import MAIN
 from ._lines import Line, ancestry, discover, last_committed, lineage, on, start_branch, write_record
 from ._mirror import Mirror, mirror_of
+from ._plain_dcp import PlainDcpSteps, said_shared
 from ._ranks import Group
 from ._reader import Readable
 from ._restorer import Options, Restorer
@@ -55,20 +56,12 @@ def open_run(store: Store, read_only: bool) -> tuple[str, set[int]]:
     return uuid.uuid4().hex[:12], committed
 
 
-def said_shared(store: Store) -> None:
-    """Warn when the directory nbckpt saves into holds step folders plain DCP wrote: torchtitan's
-    CheckpointManager takes any name holding ``step-<digits>`` with a ``.metadata`` for that step
-    and opens ``step-<int>``, so it would pick nbckpt's ``step-000008`` and open ``step-8``, and
-    its ``keep_latest_k`` deletes nbckpt's steps as its own."""
-    folders = [path for path in store.foreign().values() if path.rstrip("/") != store.url.rstrip("/")]
-    if folders:
-        names = ", ".join(path.rstrip("/").rsplit("/", 1)[-1] for path in folders[-3:])
-        warnings.warn(
-            f"nbckpt: {store.url} holds step folders plain DCP wrote ({names}); torchtitan reads "
-            f"nbckpt's step-NNNNNN there as step-N and fails: save nbckpt's steps in a subfolder "
-            "(restore from this one with read_only=True)",
-            stacklevel=6,
-        )
+def readables(lines: dict[str, Line], name: str) -> tuple[list[Readable], list[str]]:
+    """Where line ``name`` reads its steps (:func:`ancestry`), each place followed by the steps
+    plain DCP wrote in its folder (torchtitan's, read-only); and the line each belongs to."""
+    own, plain = ancestry(lines, name), ancestry(lines, name, PlainDcpSteps)
+    places = [place for pair in zip(own, plain, strict=True) for place in pair]
+    return places, [line for line in lineage(lines, name) for _ in range(2)]
 
 
 class Run:
@@ -126,7 +119,6 @@ class Run:
 
     def _switch(self, name: str, stacklevel: int = 5) -> Restorer:
         """Make line ``name`` the one saves go to and restores read from (its ancestors too)."""
-        chain = ancestry(self.lines, name)
         names = lineage(self.lines, name)
         line = self.lines[name]
         if name != self.current:
@@ -139,14 +131,14 @@ class Run:
                     said_cleaned(line.store.url, recovered, stacklevel)
             self.saver.follow(line.store)
         self.current = name
-        stores: list[Readable] = list(chain)
+        stores, chain_names = readables(self.lines, name)
         if self.mirror is not None:
             self.mirror.follow(name, [self.lines[n] for n in names])
             mirrored = on(self.lines, self.mirror.root)
             if name in mirrored:
-                stores.extend(ancestry(mirrored, name))
-                names = names + lineage(mirrored, name)
-        self._chain = names
+                more, more_names = readables(mirrored, name)
+                stores, chain_names = stores + more, chain_names + more_names
+        self._chain = chain_names
         return Restorer(stores, self._io, self.group, self.timeline)
 
     def branch_if_rewound(self) -> None:
@@ -172,9 +164,7 @@ class Run:
         """The restorer loaded ``step``: a save after it branches off if newer steps exist
         anywhere the line reads from (the mirror too: after a lost disk it may hold the only
         copies), plain-DCP steps included: a restore without a step picks the newest of either kind."""
-        newer = [
-            s for store in self.restorer.stores for s in (*store.committed(), *store.foreign()) if s > step
-        ]
+        newer = [s for store in self.restorer.stores for s in store.committed() if s > step]
         source = self.restorer.last_source
         self.restored_from = self.restorer.stores[source].url
         line = self._chain[source] if source < len(self._chain) else self.current
@@ -196,10 +186,15 @@ class Run:
         """Committed steps of the current line and of its ancestors up to where it went on from
         them, plain DCP checkpoints (torchtitan's) included, oldest first."""
         found: set[int] = set()
-        for readable in ancestry(self.lines, self.current):
+        for readable in readables(self.lines, self.current)[0]:
             found.update(readable.committed())
-            found.update(readable.foreign())
         return sorted(found)
+
+    def undeletable(self, store: Store, step: int) -> str | None:
+        """Why ``step`` of ``store`` is not nbckpt's to delete (None: nothing here says so)."""
+        if PlainDcpSteps(store).committed_at(step) is None:
+            return None
+        return f"step {step} in {self.root.url} was written by plain DCP; nbckpt never deletes it"
 
     def store_of(self, name: str) -> Store:
         """The store of line ``name`` (one started by another run since this one opened, too)."""

@@ -15,15 +15,25 @@ import signal
 import stat
 import uuid
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from ._faults import fault_point
-from ._files import LocalSink, LocalSource, Sink, Source, exchange_paths, fsync_dir, write_atomic
+from ._files import (
+    LocalSink,
+    LocalSource,
+    Sink,
+    Source,
+    damage_named,
+    exchange_paths,
+    fsync_dir,
+    write_atomic,
+)
 from ._format import (
     LEFTOVER_RE,
     LOCK_FILE,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     MAX_STEP,
     OLD_PREFIX,
     PROBE_PREFIX,
@@ -32,8 +42,9 @@ from ._format import (
     parse_step,
     step_name,
 )
+from ._manifest import Manifest, parse
 
-__all__ = ["LocalStore", "Store", "arm_crash", "check_step", "crash_point"]
+__all__ = ["LocalStore", "Readable", "Store", "arm_crash", "check_step", "crash_point"]
 
 _log = logging.getLogger("nbckpt")
 _armed: str | None = None
@@ -62,6 +73,23 @@ def check_step(step: Any) -> int:
     shown = f"an integer of {step.bit_length()} bits" if big else repr(step)[:100]
     bound = " up to 2**63 - 1" if isinstance(step, int) and not isinstance(step, bool) and step > 0 else ""
     raise ConfigError(f"step must be a non-negative integer{bound}, not {shown}")
+
+
+class Readable(Protocol):
+    """What a restore needs of a place it reads committed steps from: a store, a parent line's
+    view of one, or the steps another writer left in one (each says what a step holds: its
+    manifest; reading its files is the same for all)."""
+
+    url: str
+    is_local: bool
+    """A local or NFS directory: reading a file twice fetches it once (the page cache has it)."""
+
+    def committed(self) -> dict[int, str]: ...
+    def committed_at(self, step: int) -> str | None: ...
+    def read_manifest(self, step: int, location: str) -> tuple[Manifest, bytes]: ...
+    def modified(self, location: str, name: str) -> float: ...
+    def read_small(self, location: str, name: str, limit: int) -> bytes: ...
+    def source(self, location: str, name: str, size: int | None) -> Source: ...
 
 
 class Store(ABC):
@@ -94,9 +122,12 @@ class Store(ABC):
         run's steps one by one must not list it once per step (on S3, a listing of N steps
         costs N requests)."""
 
-    def foreign(self) -> dict[int, str]:
-        """Steps plain DCP wrote here, which nbckpt reads and never changes (none by default)."""
-        return {}
+    def read_manifest(self, step: int, location: str) -> tuple[Manifest, bytes]:
+        """The checked manifest of committed ``step`` at ``location``, and its bytes as read."""
+        where = f"{step_name(step)}/{MANIFEST}"
+        with damage_named(where):
+            data = self.read_small(location, MANIFEST, MAX_MANIFEST_BYTES)
+        return parse(data, step, where), data
 
     @abstractmethod
     def names(self) -> list[str]:
@@ -262,11 +293,6 @@ class LocalStore(Store):
     def committed_at(self, step: int) -> str | None:
         path = self._path(step_name(step))
         return path if self._has_manifest(path) else None
-
-    def foreign(self) -> dict[int, str]:
-        from ._foreign import dcp_steps
-
-        return dcp_steps(self.url, self.names())
 
     def modified(self, location: str, name: str) -> float:
         return os.lstat(os.path.join(location, name)).st_mtime

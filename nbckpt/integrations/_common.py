@@ -21,7 +21,14 @@ import torch
 
 from .._errors import ConfigError
 from ..engine import Checkpointer, SaveHandle
-from ..engine._internal import POINTER_FORMAT, POINTER_LIMIT, dcp_steps, parse_step, step_name, write_atomic
+from ..engine._internal import (
+    POINTER_FORMAT,
+    POINTER_LIMIT,
+    parse_step,
+    plain_dcp_steps,
+    step_name,
+    write_atomic,
+)
 
 __all__ = [
     "POINTER_ROOT",
@@ -178,7 +185,7 @@ def resolve(source: str | os.PathLike[str]) -> tuple[str, int]:
         return _pointed(source, path)
     # A folder plain dcp.save wrote is read as a run of one step, itself: read from its run, a
     # step-2 would be found as step 2, which is the run's own step-000002 where there is one.
-    plain = dcp_steps(path, [])
+    plain = plain_dcp_steps(path, [])
     if plain:
         return path, next(iter(plain))
     step = parse_step(os.path.basename(path))

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
 from nbckpt.cli import main as cli
-from nbckpt.engine import _foreign, _shards, _unpickle
+from nbckpt.engine import _plain_dcp, _shards, _unpickle
 from nbckpt.engine._shards import Region
 from nbckpt.engine._unpickle import MAX_PICKLE_DEPTH, MAX_SHARED_HASH, scan_pickle
 
@@ -193,8 +193,8 @@ def test_item02_list_positions_far_past_the_keys_are_refused_at_once(
         folder, lambda m: m.planner_data.update({f"k{i}.0": (f"k{i}", 2**20 - 1) for i in range(4)})
     )
     nodes: list[int] = []
-    real_node = _foreign._node
-    monkeypatch.setattr(_foreign, "_node", lambda value: nodes.append(1) or real_node(value))
+    real_node = _plain_dcp._node
+    monkeypatch.setattr(_plain_dcp, "_node", lambda value: nodes.append(1) or real_node(value))
     assert_skips_newest(
         run, 9, "step-9/.metadata: the planner data leaves more empty list positions than 1024"
     )

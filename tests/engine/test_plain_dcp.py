@@ -4,10 +4,13 @@ by nbckpt, read with weights only, and never changed or deleted, so a run can mo
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError
 from nbckpt.cli import main as cli
+from nbckpt.engine._manifest import sign
 
 
 def dcp_state() -> dict[str, object]:
@@ -63,6 +67,63 @@ def test_a_branch_restores_a_plain_dcp_step_of_its_parent_line(tmp_path: Path) -
     ):
         state = {"w": torch.zeros(4)}
         assert ckpt.restore(state, step=10) == 10 and torch.equal(state["w"], torch.ones(4))
+
+
+def test_a_plain_dcp_step_never_stands_in_for_nbckpts_damaged_step_of_its_number(tmp_path: Path) -> None:
+    """Plain DCP's step-2 beside nbckpt's step-000002 is not a copy of it: when nbckpt's is damaged
+    the restore falls back to an older step, as it would without the plain one; nbckpt's is the
+    step 2 listed, loaded and verified."""
+    run = tmp_path / "run"
+    with Checkpointer(run, mode="sync") as ckpt:
+        ckpt.save({"w": torch.full((4,), 1.0)}, step=1)
+        ckpt.save({"w": torch.full((4,), 2.0)}, step=2)
+    dcp.save({"w": torch.full((4,), 7.0)}, checkpoint_id=str(run / "step-2"), no_dist=True)
+    with Checkpointer(run, read_only=True) as ckpt:
+        assert ckpt.steps() == [1, 2] and ckpt.verify(2)["format"] != "dcp"
+        assert torch.equal(ckpt.load(2)["w"], torch.full((4,), 2.0))
+    data = next((run / "step-000002").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    state = {"w": torch.zeros(4)}
+    with (
+        Checkpointer(run, read_only=True) as ckpt,
+        pytest.warns(UserWarning, match="skipping step-000002: .*trying an older checkpoint"),
+    ):
+        assert ckpt.restore(state) == 1
+    assert torch.equal(state["w"], torch.ones(4))
+
+
+def _no_checksums(body: dict[str, Any]) -> None:
+    for meta in body["files"].values():
+        meta["blocks"] = None
+
+
+def _no_metadata(body: dict[str, Any]) -> None:
+    del body["files"][".metadata"]
+
+
+def _not_located(body: dict[str, Any]) -> None:
+    for chunks in body["items"].values():
+        for chunk in chunks:
+            chunk[3] = -1
+
+
+@pytest.mark.parametrize("edit", [_no_checksums, _no_metadata, _not_located], ids=lambda f: f.__name__)
+def test_a_resigned_manifest_cannot_take_the_paths_only_a_plain_dcp_step_takes(
+    tmp_path: Path, edit: Callable[[dict[str, Any]], None]
+) -> None:
+    """The reader skips block checks for files without checksums, the .metadata compare for a
+    manifest listing none, and reads a chunk it does not locate by loading its blob: only the
+    manifest _plain_dcp makes may say so. One anyone re-signed is refused before a byte is read."""
+    with Checkpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save({"w": torch.ones(4)}, step=1)
+    path = tmp_path / "step-000001" / "manifest.json"
+    body = json.loads(path.read_text())
+    edit(body)
+    path.write_bytes(sign(body))
+    with Checkpointer(tmp_path, read_only=True) as ckpt, pytest.raises(CheckpointError, match="manifest"):
+        ckpt.verify(1)
 
 
 def test_a_directory_dcp_save_wrote_is_a_run_of_one_step_for_the_cli(

@@ -1,10 +1,15 @@
 """Checkpoints ``torch.distributed.checkpoint.save`` wrote (torchtitan's ``step-N`` folders), read
-so that a run can move to nbckpt mid-way. Such a step has no manifest and no checksums: its
-``.metadata`` (read with the restricted unpickler) becomes a manifest of nbckpt's shape, and every
-blob is read with ``torch.load(weights_only=True)``; a value that does not load so, or that
-nbckpt's tree cannot hold (a set, a complex, a BytesIO) is left out, with one warning naming its
-key (a restore that asks for it is told it is not there); bytes (torchtitan's pickled dataloader
-state) are kept as opaque bytes, never unpickled.
+so that a run can move to nbckpt mid-way: :class:`PlainDcpSteps` presents those in a store's
+folder as committed steps of a read-only kind, each one a manifest (made here) plus the reads
+any manifest's chunks say. The rest of the engine knows nothing of them but what that manifest
+says: no block checksums (its files list none), no separate ``.metadata`` to compare with (its
+files list none), and chunks whose data only loading the blob finds (``Chunk.located`` false).
+
+Such a step's ``.metadata`` (read with the restricted unpickler) becomes a manifest of nbckpt's
+shape, and every blob is read with ``torch.load(weights_only=True)``; a value that does not load
+so, or that nbckpt's tree cannot hold (a set, a complex, a BytesIO) is left out, with one warning
+naming its key (a restore that asks for it is told it is not there); bytes (torchtitan's pickled
+dataloader state) are kept as opaque bytes, never unpickled.
 
 Every field of ``.metadata`` is checked for its type and range before it is used, and no file
 costs more than its size: each tensor's chunks lie inside their byte ranges, no two ranges
@@ -36,18 +41,18 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._errors import CheckpointError, NbckptError, describe_error
-from ._format import MANIFEST, METADATA_FILE, Chunk, is_data_file
+from ._files import Source, damage_named
+from ._format import MANIFEST, MAX_METADATA_BYTES, METADATA_FILE, Chunk, is_data_file
 from ._manifest import Manifest
 from ._shards import tiles
 from ._state import MAX_DEPTH, TensorSpec, dtype_from_name, dtype_name, flatten
+from ._store import LocalStore, Store
 from ._unpickle import load_blob, load_metadata
 
-__all__ = ["dcp_steps", "read_dcp_manifest"]
+__all__ = ["PlainDcpSteps", "plain_dcp_steps", "read_dcp_manifest", "said_shared"]
 
 #: The format a manifest made from a plain DCP checkpoint says it is in.
-FOREIGN = "dcp"
-#: DCP's ``.metadata`` grows with tensors times ranks: far more room than a manifest gets.
-MAX_METADATA_BYTES = 1 << 30
+DCP_FORMAT = "dcp"
 #: Empty list positions the planner data may leave beyond one per key (a list holding an empty
 #: dict has one): a 2 KB file placing a value at position 2**20 - 1 would make a million nodes.
 SPARE_HOLES = 1024
@@ -57,7 +62,59 @@ SPARE_HOLES = 1024
 _DCP_STEP_RE = re.compile(r"step-([0-9]{1,18})", re.ASCII)
 
 
-def dcp_steps(root: str, names: list[str]) -> dict[int, str]:
+class PlainDcpSteps:
+    """The steps plain DCP wrote in the folder of ``store`` (a local one: nothing elsewhere), as a
+    place the restorer reads committed steps from. Read-only: nbckpt never changes or deletes
+    them. Where nbckpt committed a step of the same number there, that one alone counts."""
+
+    def __init__(self, store: Store) -> None:
+        self.store, self.url, self.is_local = store, store.url, store.is_local
+
+    def written(self) -> dict[int, str]:
+        """Every step folder plain DCP wrote there (beside an nbckpt step of its number too);
+        none in an object store, which is never listed for them."""
+        return plain_dcp_steps(self.url, self.store.names()) if isinstance(self.store, LocalStore) else {}
+
+    def committed(self) -> dict[int, str]:
+        return {s: path for s, path in self.written().items() if self.store.committed_at(s) is None}
+
+    def committed_at(self, step: int) -> str | None:
+        location = self.written().get(step)
+        return location if location is not None and self.store.committed_at(step) is None else None
+
+    def read_manifest(self, step: int, location: str) -> tuple[Manifest, bytes]:
+        """The manifest made from the step's ``.metadata`` (no bytes of a manifest file)."""
+        with damage_named(f"{location.rstrip('/').rsplit('/', 1)[-1]}/{METADATA_FILE}"):
+            return read_dcp_manifest(self.store, step, location), b""
+
+    def modified(self, location: str, name: str) -> float:
+        return self.store.modified(location, name)
+
+    def read_small(self, location: str, name: str, limit: int) -> bytes:
+        return self.store.read_small(location, name, limit)
+
+    def source(self, location: str, name: str, size: int | None) -> Source:
+        return self.store.source(location, name, size)
+
+
+def said_shared(store: Store) -> None:
+    """Warn when the directory nbckpt saves into holds step folders plain DCP wrote: torchtitan's
+    CheckpointManager takes any name holding ``step-<digits>`` with a ``.metadata`` for that step
+    and opens ``step-<int>``, so it would pick nbckpt's ``step-000008`` and open ``step-8``, and
+    its ``keep_latest_k`` deletes nbckpt's steps as its own."""
+    written = PlainDcpSteps(store).written().values()
+    folders = [path for path in written if path.rstrip("/") != store.url.rstrip("/")]
+    if folders:
+        names = ", ".join(path.rstrip("/").rsplit("/", 1)[-1] for path in folders[-3:])
+        warnings.warn(
+            f"nbckpt: {store.url} holds step folders plain DCP wrote ({names}); torchtitan reads "
+            f"nbckpt's step-NNNNNN there as step-N and fails: save nbckpt's steps in a subfolder "
+            "(restore from this one with read_only=True)",
+            stacklevel=6,
+        )
+
+
+def plain_dcp_steps(root: str, names: list[str]) -> dict[int, str]:
     """DCP checkpoints in ``root`` (whose entries are ``names``): ``step-N`` folders with a
     ``.metadata`` and no manifest, or ``root`` itself (its step: the N of its name, else 0)."""
     steps = {}
@@ -95,12 +152,12 @@ def read_dcp_manifest(store: Any, step: int, location: str) -> Manifest:
         raise CheckpointError(f"{label}: malformed DCP metadata ({describe_error(exc)})") from None
     if found.skipped:
         left = ", ".join(f"{key} ({why})" for key, why in found.skipped.items())
-        warnings.warn(f"nbckpt: {label} holds value(s) nbckpt does not read, left out: {left}", stacklevel=4)
+        warnings.warn(f"nbckpt: {label} holds value(s) nbckpt does not read, left out: {left}", stacklevel=5)
     written = store.modified(location, METADATA_FILE)
     items = found.items
     body = {
         "checksum": xxhash.xxh3_64_hexdigest(data),  # what the ranks compare: all read one .metadata
-        "format": FOREIGN,
+        "format": DCP_FORMAT,
         "step": step,
         "unix_time": written,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(written)),
@@ -114,7 +171,7 @@ def read_dcp_manifest(store: Any, step: int, location: str) -> Manifest:
         "provenance": {"program": "torch.distributed.checkpoint.save"},
         **({"left_out": dict(found.skipped)} if found.skipped else {}),
     }
-    return Manifest(step, body, items, found.specs, foreign=True)
+    return Manifest(step, body, items, found.specs)
 
 
 class _Entries:
@@ -189,7 +246,7 @@ class _Entries:
             raise CheckpointError(
                 f"{self.label}: {what} at {list(offsets)} is {nbytes} bytes, its storage entry {length}"
             )
-        return Chunk(name, offset, length, -1, offsets, extent)
+        return Chunk(name, offset, length, -1, offsets, extent)  # not located: its blob is loaded
 
     def value(self, key: str) -> None:
         name, offset, length = self.where(MetadataIndex(key), key)
