@@ -46,6 +46,7 @@ from ._comparison import Comparison
 from ._dcp import DcpAsync, DcpSync
 from ._job import RankRecord, job_summary
 from ._measure import measure_write
+from ._rank_timeline import gather_rank_timeline
 from ._rank_workload import RankWorkload, state_digests
 from ._runner import EventCallback, Lane, Progress, RunProgress
 from ._strategies import TorchSave
@@ -275,13 +276,18 @@ class RankLane(Lane):
                 continue  # nothing written here (torch-save of a replicated state off rank 0)
             on_disk = self.written.get(step)
             persists = [event for event in events if event.kind == "persist"]
+            offset = self.job.wall_offset_ns
             spans.append(
                 {
                     "strategy": self.name,
                     "repeat": self.repeat,
                     "step": step,
-                    "start_ns": min(event.start_ns for event in events) + self.job.wall_offset_ns,
-                    "end_ns": max(ends) + self.job.wall_offset_ns,
+                    "start_ns": min(event.start_ns for event in events) + offset,
+                    # the write's start, after the copy (None: a strategy that records no persist)
+                    "persist_start_ns": min(event.start_ns for event in persists) + offset
+                    if persists
+                    else None,
+                    "end_ns": max(ends) + offset,
                     "bytes": sum(event.bytes for event in persists) if on_disk is None else on_disk,
                     "persist_s": sum(event.duration_s for event in persists),
                 }
@@ -307,8 +313,10 @@ class RankJob:
         self.floor_writes: list[dict[str, Any]] = []
         self.keep, self.repeats = False, 1  # --keep: the kept checkpoints' digests are recorded
         self.kept: list[dict[str, Any]] = []
-        # Time in the bench's own barriers and gathers, outside every lane's clock.
-        self.coordination_ns = 0
+        # How long this rank spent in each of the bench's own collectives (its barriers and the
+        # events' gather, outside every lane's clock), in order: every rank passes the same ones,
+        # so rank 0 can tell a collective's own cost from the wait for the slowest rank (._job).
+        self.collectives_ns: list[int] = []
         # The event clock (perf_counter) on the wall clock, which the ranks (and hosts) share.
         self.wall_offset_ns = time.time_ns() - time.perf_counter_ns()
 
@@ -340,7 +348,14 @@ class RankJob:
     def barrier(self) -> None:
         begin = time.perf_counter_ns()
         dist.barrier(group=self.group)
-        self.coordination_ns += time.perf_counter_ns() - begin
+        self.collectives_ns.append(time.perf_counter_ns() - begin)
+
+    def gather_timeline(self, timeline: pd.DataFrame) -> list[dict[str, Any]]:
+        """Every rank's events on the wall clock, on rank 0 (``[]`` elsewhere), after the comparison."""
+        begin = time.perf_counter_ns()
+        rows = gather_rank_timeline(self.group, timeline)
+        self.collectives_ns.append(time.perf_counter_ns() - begin)
+        return rows
 
     # -- the Coordination compare() takes --------------------------------------------------
 
@@ -427,7 +442,7 @@ class RankJob:
             "checkpoints": spans,
             "floor_writes": list(self.floor_writes),
             "kept": list(self.kept),
-            "coordination_s": self.coordination_ns / 1e9,
+            "collectives_s": [spent / 1e9 for spent in self.collectives_ns],
             "steps_trained": sum(lane.steps for lane in self.lanes),
         }
 
