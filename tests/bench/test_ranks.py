@@ -116,7 +116,10 @@ def test_two_ranks_report_every_rank_the_job_and_the_slowed_rank_as_straggler(tm
     # waited for it at the turns' ends, a slowed save's worth and more, which is no cost of the
     # bench's: it is its turn wait.
     coordination, waits = job["coordination"], {row["rank"]: row for row in job["turn_wait"]}
-    assert coordination["collectives"] > 0 and coordination["per_step_s"] > 0
+    # Two around the floor write, one before the first turn, one closing each of the 4 lanes'
+    # 3 turns (steps 1-2, 3-4, the final checkpoint: a turn starts from the last one's barrier),
+    # and the events' gather.
+    assert coordination["collectives"] == 2 + 1 + 4 * 3 + 1 and coordination["per_step_s"] > 0
     barriers_s = coordination["seconds"] - coordination["gather_s"]
     assert all(barriers_s <= row["collectives_s"] for row in waits.values()), job
     peer = 1 - SLOW_RANK
