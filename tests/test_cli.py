@@ -161,6 +161,11 @@ def test_the_bench_runs_the_strategies_the_docs_call_default() -> None:
         (["--device", "tpu"], "device must be 'cpu' or 'cuda'"),
         (["--repeats", "0"], "--repeats must be a positive integer"),
         (["--threads", "0"], "--threads must be a positive integer"),
+        (["--idle-compute"], "--idle-compute stands in for the synthetic state's compute"),
+        (
+            ["--idle-compute", "--size-mb", "2", "--compute-ms", "0"],
+            "give --size-mb and --compute-ms above 0",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_leaves_nothing(
@@ -274,3 +279,13 @@ def test_diff_lists_what_an_optimizer_step_changed(
     assert cli.main(["diff", run, "1", "7"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("nbckpt diff: error: no committed checkpoint for step 7") and err.count("\n") == 1
+
+
+def test_idle_compute_reaches_the_benchs_workload(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    run = ["--size-mb", "1", "--compute-ms", "2", "--steps", "2", "--every", "1", "--repeats", "1"]
+    options = ["--idle-compute", "--strategies", "none", "--quiet", "--json", str(out)]
+    code = cli.main(["bench", "--dir", str(tmp_path / "ckpt"), *run, *options])
+    assert code == 0, capsys.readouterr().err
+    workload = json.loads(out.read_text())["workload"]
+    assert "2 ms per step of device compute, the host idle through it" in workload

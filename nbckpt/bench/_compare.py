@@ -56,7 +56,6 @@ from ._comparison import TIMELINE_COLUMNS, Comparison
 from ._load import Load, LoadMonitor, combine_loads
 from ._measure import DEFAULT_REPEATS as WRITE_ROUNDS
 from ._measure import Floors, combine_floors, measure_floors
-from ._rank_timeline import gather_rank_timeline
 from ._result import RESULT_COLUMNS, ExperimentResult, aggregate
 from ._runner import (
     EventCallback,
@@ -119,11 +118,15 @@ class Coordination(Protocol):
 
     def remove(self, path: str) -> None: ...
 
-    #: The bench's own gloo group, for gathering what rank 0 writes (``_rank_timeline``).
+    #: The bench's own gloo group (the ranks agree on a measured interval over it).
     group: Any
 
     def adopt(self, workload: Workload) -> Workload:
         """The workload as this rank holds it (replicated, sharded, or a state of its own)."""
+
+    def gather_timeline(self, timeline: pd.DataFrame) -> list[dict[str, Any]]:
+        """Every rank's events on the wall clock, on rank 0 (``[]`` elsewhere): a collective,
+        after the comparison (``nbckpt.bench._rank_timeline``)."""
 
 
 def run_order(names: Sequence[str], repeats: int) -> list[list[str]]:
@@ -597,6 +600,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="synthetic workload: compute per step in ms (default: %(default)s)",
     )
     parser.add_argument(
+        "--idle-compute",
+        action="store_true",
+        help="synthetic workload: each step's compute stands for device compute, the host idle "
+        "through it (the step waits --compute-ms, as a GPU node's CPU while its kernels run); "
+        "default: matrix multiplies on the host's cores, as training on CPU",
+    )
+    parser.add_argument(
         "--strategies",
         default=",".join(DEFAULT_STRATEGIES),
         help="comma-separated strategies, from: "
@@ -649,6 +659,11 @@ def _checked_bench_args(args: argparse.Namespace) -> list[str]:
     fails here, before a workload is built or a directory made."""
     if args.preset is not None and args.size_mb is not None:
         raise ConfigError("give --preset or --size-mb, not both")
+    if args.idle_compute and (args.size_mb is None or not args.compute_ms > 0):
+        raise ConfigError(
+            "--idle-compute stands in for the synthetic state's compute: "
+            "give --size-mb and --compute-ms above 0"
+        )
     names = [name.strip() for name in args.strategies.split(",") if name.strip()]
     if not names:
         raise ConfigError("--strategies names no strategy")
@@ -684,6 +699,7 @@ def run_bench_from_args(
         args.device,
         compute_ms=args.compute_ms,
         finetune=args.finetune,
+        idle_compute=args.idle_compute,
     )
     if ranks is not None:
         workload = ranks.adopt(workload)
@@ -712,5 +728,5 @@ def run_bench_from_args(
             shutil.rmtree(args.dir, ignore_errors=True)
         raise
     if ranks is not None:  # every rank's events to rank 0, for the report's swimlanes
-        comparison.rank_timeline = gather_rank_timeline(ranks.group, comparison.timeline)
+        comparison.rank_timeline = ranks.gather_timeline(comparison.timeline)
     return comparison

@@ -71,15 +71,23 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
           "straggler": {"rank": 1, "host": "node-a", "stall_s": ..., "median_s": ...,
                         "over_median_s": ..., "over_median_ratio": ...} or null,
           "time_to_durable_s": ..., "aggregate_write_gbs": ...,  # medians over checkpoints
+          "aggregate_persist_gbs": ...,
           "bytes_per_checkpoint": ...,
           "checkpoints": [{"repeat": 0, "step": 5, "ranks_writing": 2, "bytes": ...,
                            "time_to_durable_s": ...,   # first save's start to last commit, any rank
                            "aggregate_write_gbs": ...,  # all ranks' bytes over that time
+                           "aggregate_persist_gbs": ...,  # over the first write's start to the
+                                                          # last commit (the copies left out)
                            "first_rank": 0, "last_rank": 1,
                            "start_spread_s": ...}, ...]}, ...],  # last rank's save start - first's
-        "coordination": {"seconds": ..., "rank": 1,  # the bench's own barriers and gather,
-                         "per_step_s": ...},          # outside the lanes' clocks, on the rank
-                                                      # that spent most; per step trained there
+        "coordination": {"seconds": ..., "per_step_s": ...,  # the bench's own cost: over its
+                         "collectives": 40,             # collectives (barriers, the events'
+                         "gather_s": ...},              # gather; outside the lanes' clocks)
+                         # the least time any rank spent in each (the last to arrive's), plus
+                         # rank 0's gather of the records; per step trained
+        "turn_wait": [{"rank": 0, "collectives_s": ...,  # this rank's time in those collectives
+                       "seconds": ..., "per_step_s": ...}, ...],  # of which waiting there for
+                       # the slowest rank (the job going at its slowest rank, not the bench)
         "kept": [{"rank": 0, "strategy": "nbckpt-async", "repeat": 2, "step": 20,  # --keep only:
                   "digests": {"model.lm_head.weight": "<sha256>", ...}}, ...]},  # the last repeat's
                   # last checkpoint, each tensor this rank holds (its local shard under FSDP2)

@@ -25,10 +25,13 @@ __all__ = ["RankRecord", "job_summary", "job_text", "straggler"]
 #:     {"rank": 1, "host": "node-a",
 #:      "strategies": [{"strategy", "stall_s", "persist_s", "bytes", "write_gbs", "mean_step_s",
 #:                      "overhead_pct", "checkpoints"}, ...],
-#:      "checkpoints": [{"strategy", "repeat", "step", "start_ns", "end_ns", "bytes"}, ...],
+#:      "checkpoints": [{"strategy", "repeat", "step", "start_ns", "persist_start_ns", "end_ns",
+#:                       "bytes", "persist_s"}, ...],
 #:      "floor_writes": [{"repeat", "start_ns", "end_ns", "bytes"}, ...],
 #:      "kept": [{"strategy", "repeat", "step", "digests": {key: sha256}}, ...],  # with --keep
-#:      "coordination_s": 0.12, "steps_trained": 60}  # the bench's barriers and gathers
+#:      "collectives_s": [0.001, 0.12, ...],  # each of the bench's barriers and gathers, in order
+#:      "gather_s": 0.01,  # rank 0 only: its gather of the records, added after it
+#:      "steps_trained": 60}
 RankRecord = Mapping[str, Any]
 
 
@@ -94,6 +97,8 @@ def _checkpoints(records: Sequence[RankRecord], strategy: str) -> list[dict[str,
     for (repeat, step), group in sorted(spans.items()):
         seconds, rate, total, first, last = _aggregate(group)
         starts = [int(span["start_ns"]) for span in group]
+        writes = [int(span["persist_start_ns"]) for span in group if span.get("persist_start_ns") is not None]
+        writing_s = (max(int(span["end_ns"]) for span in group) - min(writes)) / 1e9 if writes else math.nan
         rows.append(
             {
                 "repeat": repeat,
@@ -102,6 +107,8 @@ def _checkpoints(records: Sequence[RankRecord], strategy: str) -> list[dict[str,
                 "bytes": total,
                 "time_to_durable_s": seconds,
                 "aggregate_write_gbs": rate,
+                # the same bytes over the writes alone: the first rank's write start to the last commit
+                "aggregate_persist_gbs": total / writing_s / GB if writing_s > 0 else math.nan,
                 "first_rank": first,
                 "last_rank": last,
                 # how far apart the ranks began this save: small when they run in lockstep
@@ -129,6 +136,9 @@ def _strategy_summary(
     checkpoints = _checkpoints(records, strategy)
     durable = [row["time_to_durable_s"] for row in checkpoints]
     rates = [row["aggregate_write_gbs"] for row in checkpoints if not math.isnan(row["aggregate_write_gbs"])]
+    writes = [
+        row["aggregate_persist_gbs"] for row in checkpoints if not math.isnan(row["aggregate_persist_gbs"])
+    ]
     return {
         "strategy": strategy,
         "overhead_pct": overheads[slowest] if slowest is not None else math.nan,
@@ -137,6 +147,7 @@ def _strategy_summary(
         "straggler": straggler(stalls, hosts),
         "time_to_durable_s": float(np.median(durable)) if durable else math.nan,
         "aggregate_write_gbs": float(np.median(rates)) if rates else math.nan,
+        "aggregate_persist_gbs": float(np.median(writes)) if writes else math.nan,
         "bytes_per_checkpoint": int(np.median([row["bytes"] for row in checkpoints])) if checkpoints else 0,
         "checkpoints": checkpoints,
     }
@@ -158,23 +169,43 @@ def _floor(records: Sequence[RankRecord]) -> dict[str, Any]:
     }
 
 
-def _coordination(records: Sequence[RankRecord]) -> dict[str, Any]:
-    """The bench's own cost: time in its barriers (and rank 0's gather) on the rank that spent
-    the most, and that per step trained there (to set beside the step time)."""
-    spent = {
-        int(record["rank"]): _number(record.get("coordination_s")) + _number(record.get("gather_s", 0.0))
-        for record in records
+def _coordination(records: Sequence[RankRecord]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The bench's own cost, and each rank's wait for the slowest rank at the turns' boundaries.
+
+    Every rank passes the same collectives in the same order. A rank that arrives early at one
+    waits there for the last to arrive: that is the job going at its slowest rank (the
+    straggler's figures), not a cost of the bench's. The collective's own cost is what the last
+    rank spent in it, the least time of any rank's. So the bench's coordination is the sum over
+    collectives of that least time, plus rank 0's gather of the records, per step trained (the
+    fewest steps of any rank); the rest of each rank's time in them is its turn wait.
+    """
+    spent = [[float(seconds) for seconds in record.get("collectives_s", [])] for record in records]
+    # Only the collectives every rank recorded (all of them, unless a record was cut short).
+    least = [min(each) for each in zip(*spent, strict=False)] if spent else []
+    gather = sum(_number(record.get("gather_s", 0.0)) for record in records)  # rank 0's alone
+    steps = min((int(record.get("steps_trained", 0)) for record in records), default=0)
+
+    def per_step(seconds: float) -> float:
+        return seconds / steps if steps > 0 else math.nan
+
+    coordination = {
+        "seconds": sum(least) + gather,
+        "per_step_s": per_step(sum(least) + gather),
+        "collectives": len(least),
+        "gather_s": gather,
     }
-    spent = {rank: value for rank, value in spent.items() if not math.isnan(value)}
-    if not spent:
-        return {"seconds": math.nan, "per_step_s": math.nan, "rank": None}
-    rank = max(spent, key=lambda r: (spent[r], -r))
-    steps = {int(record["rank"]): int(record.get("steps_trained", 0)) for record in records}
-    return {
-        "seconds": spent[rank],
-        "rank": rank,
-        "per_step_s": spent[rank] / steps[rank] if steps.get(rank) else math.nan,
-    }
+    waits = []
+    for record, own in zip(records, spent, strict=True):
+        waited = sum(own[: len(least)]) - sum(least)
+        waits.append(
+            {
+                "rank": int(record["rank"]),
+                "collectives_s": sum(own),
+                "seconds": waited,
+                "per_step_s": per_step(waited),
+            }
+        )
+    return coordination, waits
 
 
 def job_summary(records: Sequence[RankRecord]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -183,7 +214,8 @@ def job_summary(records: Sequence[RankRecord]) -> tuple[list[dict[str, Any]], di
     ``ranks``: one row per rank and strategy. ``job``: the world size, the ranks on each host,
     the concurrent write floor, and per strategy its overhead at the slowest rank, the stall's
     distribution over ranks, the straggler and every checkpoint's time to durable (first start
-    to last commit on any rank) and aggregate write rate (all ranks' bytes over that time).
+    to last commit on any rank) and aggregate write rate (all ranks' bytes over that time);
+    the bench's own coordination and each rank's turn wait (:func:`_coordination`).
     """
     ordered = sorted(records, key=lambda record: int(record["rank"]))
     hosts = {int(record["rank"]): str(record.get("host", "")) for record in ordered}
@@ -202,7 +234,7 @@ def job_summary(records: Sequence[RankRecord]) -> tuple[list[dict[str, Any]], di
         "floors": _floor(ordered),
         "strategies": [_strategy_summary(ordered, name, hosts) for name in strategies],
     }
-    job["coordination"] = _coordination(ordered)
+    job["coordination"], job["turn_wait"] = _coordination(ordered)
     kept = [{"rank": int(record["rank"]), **saved} for record in ordered for saved in record.get("kept", [])]
     if kept:  # --keep: what each rank's kept checkpoints hold, to check a restore against
         job["kept"] = kept

@@ -1,16 +1,17 @@
 """The bench on many ranks: ``nbckpt bench`` under ``torchrun`` (one node or many).
 
 Every rank runs the same comparison (:func:`~._compare.compare`) on its own workload, and the
-strategies take their turns in lockstep: a barrier on a gloo group of the bench's own at the
-start and the end of every strategy's turn (outside the lane's clock), and at the start of every
-repeat, so all ranks hit the storage together as a real job does. Each rank saves as its users
-would on many ranks: nbckpt's and DCP's strategies with the group (one checkpoint folder, each
-rank writing its part); ``torch-save`` of a replicated (DDP-like) state on rank 0 alone, of a
-state per rank into a file per rank. Before every repeat all ranks write their share of a
-checkpoint at once, raw (the concurrent write floor). At the end each rank's record (its
-per-strategy figures and the wall-clock span of each checkpoint it wrote) is gathered to rank 0,
-outside every timed region, and :func:`~._job.job_summary` makes the job's figures of them; rank
-0 alone prints and writes results.
+strategies take their turns in lockstep: a barrier on a gloo group of the bench's own at the end
+of every strategy's turn (outside the lane's clock; the next turn starts from it, a run's first
+after a barrier of its own), and at the start of every repeat, so all ranks hit the storage
+together as a real job does. Each rank saves as its users would on many ranks: nbckpt's and
+DCP's strategies with the group (one checkpoint folder, each rank writing its part);
+``torch-save`` of a replicated (DDP-like) state on rank 0 alone, of a state per rank into a file
+per rank. Before every repeat all ranks write their share of a checkpoint at once, raw (the
+concurrent write floor). At the end each rank's record (its per-strategy figures and the
+wall-clock span of each checkpoint it wrote) is gathered to rank 0, outside every timed region,
+and :func:`~._job.job_summary` makes the job's figures of them; rank 0 alone prints and writes
+results.
 
 Launch (``srun torchrun ...`` on SLURM, one agent per node)::
 
@@ -46,6 +47,7 @@ from ._comparison import Comparison
 from ._dcp import DcpAsync, DcpSync
 from ._job import RankRecord, job_summary
 from ._measure import measure_write
+from ._rank_timeline import gather_rank_timeline
 from ._rank_workload import RankWorkload, state_digests
 from ._runner import EventCallback, Lane, Progress, RunProgress
 from ._strategies import TorchSave
@@ -216,9 +218,14 @@ class RankLane(Lane):
         if self.active:
             self.raw.append(event)
 
+    def open(self, directory: str, warmup: bool) -> None:
+        self.job.turn_ended = False  # opening (a warm-up save) takes each rank its own time
+        super().open(directory, warmup)
+
     def resume(self) -> None:
-        if not self.active:
+        if not self.active and not self.job.turn_ended:
             self.job.barrier()
+        self.job.turn_ended = False
         super().resume()
 
     def pause(self) -> None:
@@ -228,6 +235,9 @@ class RankLane(Lane):
             self._measure_written()
             self._digest_kept()
             self.job.barrier()
+            # Every rank left that barrier together: a turn that starts next starts together
+            # without one of its own (the runner does nothing between one turn and the next).
+            self.job.turn_ended = True
 
     def _digest_kept(self) -> None:
         """With ``--keep``, the digests of the state the last repeat's last checkpoint saved:
@@ -275,13 +285,18 @@ class RankLane(Lane):
                 continue  # nothing written here (torch-save of a replicated state off rank 0)
             on_disk = self.written.get(step)
             persists = [event for event in events if event.kind == "persist"]
+            offset = self.job.wall_offset_ns
             spans.append(
                 {
                     "strategy": self.name,
                     "repeat": self.repeat,
                     "step": step,
-                    "start_ns": min(event.start_ns for event in events) + self.job.wall_offset_ns,
-                    "end_ns": max(ends) + self.job.wall_offset_ns,
+                    "start_ns": min(event.start_ns for event in events) + offset,
+                    # the write's start, after the copy (None: a strategy that records no persist)
+                    "persist_start_ns": min(event.start_ns for event in persists) + offset
+                    if persists
+                    else None,
+                    "end_ns": max(ends) + offset,
                     "bytes": sum(event.bytes for event in persists) if on_disk is None else on_disk,
                     "persist_s": sum(event.duration_s for event in persists),
                 }
@@ -307,8 +322,12 @@ class RankJob:
         self.floor_writes: list[dict[str, Any]] = []
         self.keep, self.repeats = False, 1  # --keep: the kept checkpoints' digests are recorded
         self.kept: list[dict[str, Any]] = []
-        # Time in the bench's own barriers and gathers, outside every lane's clock.
-        self.coordination_ns = 0
+        # How long this rank spent in each of the bench's own collectives (its barriers and the
+        # events' gather, outside every lane's clock), in order: every rank passes the same ones,
+        # so rank 0 can tell a collective's own cost from the wait for the slowest rank (._job).
+        self.collectives_ns: list[int] = []
+        # From a turn's closing barrier until anything but the next turn runs (RankLane).
+        self.turn_ended = False
         # The event clock (perf_counter) on the wall clock, which the ranks (and hosts) share.
         self.wall_offset_ns = time.time_ns() - time.perf_counter_ns()
 
@@ -338,9 +357,17 @@ class RankJob:
         return self.workload
 
     def barrier(self) -> None:
+        self.turn_ended = False
         begin = time.perf_counter_ns()
         dist.barrier(group=self.group)
-        self.coordination_ns += time.perf_counter_ns() - begin
+        self.collectives_ns.append(time.perf_counter_ns() - begin)
+
+    def gather_timeline(self, timeline: pd.DataFrame) -> list[dict[str, Any]]:
+        """Every rank's events on the wall clock, on rank 0 (``[]`` elsewhere), after the comparison."""
+        begin = time.perf_counter_ns()
+        rows = gather_rank_timeline(self.group, timeline)
+        self.collectives_ns.append(time.perf_counter_ns() - begin)
+        return rows
 
     # -- the Coordination compare() takes --------------------------------------------------
 
@@ -394,6 +421,7 @@ class RankJob:
     def remove(self, path: str) -> None:
         """Rank 0 removes the shared folder (every rank is done with it: the turns ended together);
         the next repeat starts with a barrier, after it."""
+        self.turn_ended = False
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -427,7 +455,7 @@ class RankJob:
             "checkpoints": spans,
             "floor_writes": list(self.floor_writes),
             "kept": list(self.kept),
-            "coordination_s": self.coordination_ns / 1e9,
+            "collectives_s": [spent / 1e9 for spent in self.collectives_ns],
             "steps_trained": sum(lane.steps for lane in self.lanes),
         }
 

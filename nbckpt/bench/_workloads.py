@@ -325,20 +325,33 @@ class SyntheticWorkload(Workload):
     The compute step is a loop of matrix multiplies (real torch work that releases and
     takes the GIL like a training step does), calibrated once in :meth:`build`; each step
     then bumps one element per tensor so that consecutive checkpoints differ.
+
+    ``idle_compute``: a stand-in for compute on an accelerator. The step's thread sleeps
+    ``compute_ms`` instead of multiplying matrices, so the host's cores are free through the
+    step's compute, as a GPU node's CPU is while its kernels run, and the checkpoint's
+    background copy and writes may use them. Without it the compute takes the host's cores, as
+    training on CPU does.
     """
 
     _CHUNK = 64 * MIB
     _MATMUL = 256
 
-    def __init__(self, nbytes: int, compute_ms: float = 5.0, device: str = "cpu") -> None:
+    def __init__(
+        self, nbytes: int, compute_ms: float = 5.0, device: str = "cpu", *, idle_compute: bool = False
+    ) -> None:
         super().__init__()
         check_count(nbytes, "synthetic state size in bytes")
         if not math.isfinite(compute_ms) or compute_ms < 0:
             raise ConfigError(f"compute_ms must be a non-negative number, not {compute_ms!r}")
+        if idle_compute and compute_ms == 0:
+            raise ConfigError(
+                "idle_compute leaves the host idle for compute_ms per step; give compute_ms > 0"
+            )
         self.device = _check_device(device)
         self.nbytes = nbytes
         self.params = nbytes // 4
         self.compute_ms = compute_ms
+        self.idle_compute = idle_compute
         self.name = f"synthetic-{nbytes / MIB:g}MiB"
         self.tensors: dict[str, torch.Tensor] = {}
         self._matmuls = 0
@@ -346,10 +359,12 @@ class SyntheticWorkload(Workload):
         self._rhs: torch.Tensor | None = None
 
     def describe(self) -> str:
-        return (
-            f"{self.name}: {format_bytes(self.nbytes)} of tensors, about {self.compute_ms:g} ms "
-            f"of compute per step on {self.device}"
+        compute = (
+            f"{self.compute_ms:g} ms per step of device compute, the host idle through it"
+            if self.idle_compute
+            else f"about {self.compute_ms:g} ms of compute per step on {self.device}"
         )
+        return f"{self.name}: {format_bytes(self.nbytes)} of tensors, {compute}"
 
     def build(self) -> None:
         if self.built:
@@ -369,7 +384,7 @@ class SyntheticWorkload(Workload):
 
     def _calibrate(self) -> int:
         """How many matmuls take about ``compute_ms`` here (fixed from then on)."""
-        if self.compute_ms == 0:
+        if self.compute_ms == 0 or self.idle_compute:
             return 0
         trial = 20
         self._matmul_loop(trial)  # warm-up
@@ -388,7 +403,10 @@ class SyntheticWorkload(Workload):
 
     def train_step(self, before_update: Callable[[], None] | None = None) -> None:
         self._require_built()
-        self._matmul_loop(self._matmuls)
+        if self.idle_compute:
+            time.sleep(self.compute_ms / 1e3)  # the device's kernels: nothing runs on the host
+        else:
+            self._matmul_loop(self._matmuls)
         if before_update is not None:
             before_update()
         self.step += 1
@@ -418,11 +436,14 @@ def gpt(
     return GPTWorkload(preset, PRESETS[preset], device, seed=seed, adapter_rank=rank)
 
 
-def synthetic(size_mb: float, compute_ms: float = 5.0, device: str = "cpu") -> SyntheticWorkload:
-    """A state of exactly ``size_mb`` MiB (rounded down to whole bytes) of tensors."""
+def synthetic(
+    size_mb: float, compute_ms: float = 5.0, device: str = "cpu", *, idle_compute: bool = False
+) -> SyntheticWorkload:
+    """A state of exactly ``size_mb`` MiB (rounded down to whole bytes) of tensors;
+    ``idle_compute``: the host idle through each step's compute (:class:`SyntheticWorkload`)."""
     if not isinstance(size_mb, (int, float)) or not math.isfinite(size_mb) or size_mb <= 0:
         raise ConfigError(f"size_mb must be a positive number, not {size_mb!r}")
-    return SyntheticWorkload(int(size_mb * MIB), compute_ms, device)
+    return SyntheticWorkload(int(size_mb * MIB), compute_ms, device, idle_compute=idle_compute)
 
 
 def make_workload(
@@ -432,13 +453,20 @@ def make_workload(
     *,
     compute_ms: float = 5.0,
     finetune: bool = False,
+    idle_compute: bool = False,
 ) -> Workload:
     """A GPT preset or a synthetic state (give one of the two; neither means ``tiny``);
-    ``finetune``: the GPT's base frozen and low-rank adapters trained (:func:`gpt`)."""
+    ``finetune``: the GPT's base frozen and low-rank adapters trained (:func:`gpt`);
+    ``idle_compute``: the synthetic state's compute stands for device compute, the host idle
+    through it (:class:`SyntheticWorkload`)."""
     if preset is not None and size_mb is not None:
         raise ConfigError("give a preset or a size in MiB, not both")
     if size_mb is not None:
         if finetune:
             raise ConfigError("finetune adapts a GPT preset, not a synthetic state; drop size_mb")
-        return synthetic(size_mb, compute_ms, device)
+        return synthetic(size_mb, compute_ms, device, idle_compute=idle_compute)
+    if idle_compute:
+        raise ConfigError(
+            "idle_compute stands in for the synthetic state's compute; give size_mb, not a preset"
+        )
     return gpt(preset or "tiny", device=device, finetune=finetune)

@@ -254,6 +254,10 @@ class Lab:
         synthetic = args.size_mb is not None
         if synthetic and args.preset is not None:
             raise ConfigError("give --preset or --size-mb, not both")
+        if getattr(args, "idle_compute", False):
+            raise ConfigError(
+                "the live lab does not take --idle-compute; run it with --static or nbckpt bench"
+            )
         return cls(
             directory=args.dir,
             preset=SYNTHETIC if synthetic else args.preset or "tiny",

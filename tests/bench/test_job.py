@@ -107,6 +107,21 @@ def test_a_rank_that_writes_nothing_adds_no_span_and_a_tie_names_no_straggler() 
     assert straggler({0: 0.2, 1: 0.2, 2: 0.5, 3: 0.5}, {})["rank"] == 2  # a tie: the lowest rank
 
 
+def test_the_aggregate_persist_rate_counts_from_the_first_write_not_the_first_copy() -> None:
+    records = [_rank(rank, "a", 0.1, 2.0, [(5, 0, 3 * S)], (0, S, 10)) for rank in (0, 1)]
+    # Rank 0 copied from 0 s and began writing at 1 s; rank 1 began writing at 2 s; both done by 3 s.
+    for record, write_start in zip(records, (1 * S, 2 * S), strict=True):
+        record["checkpoints"][0]["persist_start_ns"] = write_start
+    _, job = job_summary(records)
+    ours = job["strategies"][1]
+    (row,) = ours["checkpoints"]
+    assert row["aggregate_write_gbs"] == pytest.approx(2_000 / 3 / 1e9)  # copies included
+    assert row["aggregate_persist_gbs"] == pytest.approx(2_000 / 2 / 1e9) == ours["aggregate_persist_gbs"]
+    # A strategy that records no write of its own: no persist rate, the rest as before.
+    _, without = job_summary([_rank(0, "a", 0.1, 2.0, [(5, 0, 3 * S)], (0, S, 10))])
+    assert math.isnan(without["strategies"][1]["aggregate_persist_gbs"])
+
+
 def test_a_rank_holds_a_gpt_replicated_and_any_other_state_under_keys_of_its_own() -> None:
     from nbckpt.bench._rank_workload import RankWorkload
     from nbckpt.bench._workloads import gpt, synthetic
@@ -124,22 +139,41 @@ def test_a_rank_holds_a_gpt_replicated_and_any_other_state_under_keys_of_its_own
     assert "replicated (DDP-like) on 2 ranks" in replicated.describe()
 
 
-def test_the_benchs_own_coordination_is_the_rank_that_spent_most_per_step_it_trained() -> None:
+def test_coordination_is_what_the_last_rank_spent_and_the_rest_is_each_ranks_turn_wait() -> None:
+    # Three collectives on each rank, in order; at each a different rank arrived last (the least
+    # time in it), the others waited for it. Rank 0 also gathered the records (0.01 s).
+    spent = {0: [0.010, 0.300, 0.002], 1: [0.001, 0.002, 0.500], 2: [0.004, 0.200, 0.003]}
     records = [
         {
-            **_rank(0, "a", 0.1, 2.0, [], (0, S, 10)),
-            "coordination_s": 0.2,
-            "steps_trained": 40,
-            "gather_s": 0.1,
-        },
-        {**_rank(1, "a", 0.1, 2.0, [], (0, S, 10)), "coordination_s": 0.25, "steps_trained": 50},
+            **_rank(rank, "a", 0.1, 2.0, [], (0, S, 10)),
+            "collectives_s": own,
+            "steps_trained": 40 if rank != 1 else 50,
+            **({"gather_s": 0.01} if rank == 0 else {}),
+        }
+        for rank, own in spent.items()
     ]
-    _, job = job_summary(records)
-    # Rank 0: 0.2 s in barriers and 0.1 s gathering, the most; over the 40 steps it trained.
+    _, job = job_summary(records[::-1])  # any order
+    least = 0.001 + 0.002 + 0.002
+    # The bench's own: each collective's least time, plus the gather; per step of the fewest trained.
     assert job["coordination"] == {
-        "seconds": pytest.approx(0.3),
-        "rank": 0,
-        "per_step_s": pytest.approx(0.3 / 40),
+        "seconds": pytest.approx(least + 0.01),
+        "per_step_s": pytest.approx((least + 0.01) / 40),
+        "collectives": 3,
+        "gather_s": pytest.approx(0.01),
     }
+    # The rest of each rank's time in them is waiting for the slowest rank at the turns.
+    assert job["turn_wait"] == [
+        {
+            "rank": rank,
+            "collectives_s": pytest.approx(sum(own)),
+            "seconds": pytest.approx(sum(own) - least),
+            "per_step_s": pytest.approx((sum(own) - least) / 40),
+        }
+        for rank, own in spent.items()
+    ]
+    # No collectives recorded (a record of one process): nothing counted, nothing per step.
     _, without = job_summary([_rank(0, "a", 0.1, 2.0, [], (0, S, 10))])
-    assert without["coordination"]["rank"] is None
+    assert without["coordination"]["seconds"] == 0 and without["coordination"]["collectives"] == 0
+    assert math.isnan(without["coordination"]["per_step_s"])
+    (wait,) = without["turn_wait"]
+    assert (wait["rank"], wait["seconds"], wait["collectives_s"]) == (0, 0, 0)

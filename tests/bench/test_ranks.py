@@ -107,8 +107,23 @@ def test_two_ranks_report_every_rank_the_job_and_the_slowed_rank_as_straggler(tm
         assert steps == [(2, 2), (4, 2)]
         for row in summary["checkpoints"]:
             assert row["time_to_durable_s"] > 0 and row["aggregate_write_gbs"] > 0
+            # The writes alone, the copies left out: the same bytes over no longer a time.
+            assert row["aggregate_persist_gbs"] >= row["aggregate_write_gbs"], row
             # In lockstep the slowed rank starts each save with the other, not a turn behind.
             assert row["start_spread_s"] < SLOW_S / 2, summary
+    # The bench's own coordination counts each collective's cost once (what the last rank to
+    # arrive spent in it): no more than any rank's own time in them. The slowed rank's peer
+    # waited for it at the turns' ends, a slowed save's worth and more, which is no cost of the
+    # bench's: it is its turn wait.
+    coordination, waits = job["coordination"], {row["rank"]: row for row in job["turn_wait"]}
+    # Two around the floor write, one before the first turn, one closing each of the 4 lanes'
+    # 3 turns (steps 1-2, 3-4, the final checkpoint: a turn starts from the last one's barrier),
+    # and the events' gather.
+    assert coordination["collectives"] == 2 + 1 + 4 * 3 + 1 and coordination["per_step_s"] > 0
+    barriers_s = coordination["seconds"] - coordination["gather_s"]
+    assert all(barriers_s <= row["collectives_s"] for row in waits.values()), job
+    peer = 1 - SLOW_RANK
+    assert waits[peer]["seconds"] >= SLOW_S and waits[peer]["seconds"] > waits[SLOW_RANK]["seconds"], job
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import namedtuple
 
 import pytest
@@ -133,3 +134,33 @@ def test_make_workload_defaults_to_tiny_and_takes_sizes() -> None:
     assert isinstance(synthetic, wl.SyntheticWorkload)
     assert synthetic.nbytes == 3 * MIB
     assert synthetic.compute_ms == 0
+
+
+def test_idle_compute_leaves_the_host_idle_through_the_steps_compute() -> None:
+    """The stand-in for device compute takes no CPU of the step's thread; the matmuls do."""
+    idle, busy = wl.synthetic(1, compute_ms=20, idle_compute=True), wl.synthetic(1, compute_ms=20)
+    cpu_s = {}
+    for name, workload in (("idle", idle), ("busy", busy)):
+        workload.build()
+        begin = time.thread_time()
+        for _ in range(3):
+            workload.train_step()
+        cpu_s[name] = time.thread_time() - begin
+    assert cpu_s["idle"] * 5 < cpu_s["busy"], cpu_s
+    assert idle.step == busy.step == 3
+    assert "20 ms per step of device compute, the host idle through it" in idle.describe()
+    assert "the host idle" not in busy.describe()
+    made = wl.make_workload(size_mb=1, compute_ms=20, idle_compute=True)
+    assert isinstance(made, wl.SyntheticWorkload) and made.idle_compute
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: wl.make_workload("tiny", idle_compute=True), "give size_mb, not a preset"),
+        (lambda: wl.synthetic(1, compute_ms=0, idle_compute=True), "give compute_ms > 0"),
+    ],
+)
+def test_idle_compute_without_a_synthetic_states_compute_is_refused(call: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        call()  # type: ignore[operator]

@@ -186,6 +186,9 @@ def test_from_args_and_display(tmp_path: Path) -> None:
     assert "cpu" in devices() and lab.device.options == tuple(devices())
     lab.preset.value = "tiny"
     assert lab.size_mb.disabled
+    # An option of nbckpt bench the live lab has no field for is refused, not dropped.
+    with pytest.raises(ConfigError, match="the live lab does not take --idle-compute"):
+        Lab.from_args(argparse.Namespace(**vars(args), idle_compute=True))
 
 
 def test_defaults_measure_the_interval_so_saves_do_not_queue(tmp_path: Path) -> None:
