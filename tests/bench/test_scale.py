@@ -210,6 +210,9 @@ def test_two_agents_as_two_hosts_name_both_and_group_the_ranks_by_host(tmp_path:
     (summary,) = [row for row in job["strategies"] if row["strategy"] == "nbckpt-async"]
     assert [row["ranks_writing"] for row in summary["checkpoints"]] == [2, 2]
     assert summary["straggler"]["host"] == hosts[summary["straggler"]["rank"]]
+    # Each host's load, from its own rank; each rank's floors, under its host.
+    assert {host: load["ranks"] for host, load in job["load_by_host"].items()} == job["hosts"]
+    assert {(row["rank"], row["host"]) for row in job["floors"]["by_rank"]} == set(hosts.items())
 
 
 @pytest.mark.s3
