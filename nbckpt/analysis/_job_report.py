@@ -27,8 +27,10 @@ __all__ = [
     "JOB_COLUMNS",
     "SCALING_COLUMNS",
     "checkpoint_rates",
+    "host_loads",
     "job_conclusions",
     "job_table",
+    "rank_floors",
     "rank_rows",
     "rate_over_time",
     "read_jobs",
@@ -139,6 +141,28 @@ def rank_rows(comparison: Comparison) -> pd.DataFrame:
 
 def _floor(comparison: Comparison) -> float:
     return _number(comparison.job.get("floors", {}).get("concurrent_write_gbs"))
+
+
+def rank_floors(comparison: Comparison) -> pd.DataFrame:
+    """Every rank's floors, all ranks measuring at once in the same run (``job.floors.by_rank``):
+    its raw write of its share while every rank wrote, and its copy floor; in host then rank
+    order, empty for a file that has none."""
+    columns = ["rank", "host", "concurrent_write_gbs", "copy_gbs"]
+    frame = pd.DataFrame(comparison.job.get("floors", {}).get("by_rank", []), columns=columns)
+    for column in ("concurrent_write_gbs", "copy_gbs"):
+        frame[column] = pd.to_numeric(frame[column], errors="coerce")
+    return frame.sort_values(["host", "rank"], kind="stable").reset_index(drop=True)
+
+
+def host_loads(comparison: Comparison) -> pd.DataFrame:
+    """Every host's load over the run, from its ranks' (``job.load_by_host``): its cores, the
+    1-minute load average, the cores other processes than the job's ranks kept busy, and
+    whether that was enough to widen the intervals; empty for a file that has none."""
+    rows = [
+        {**load, "host": host, "ranks": ", ".join(map(str, load.get("ranks", [])))}
+        for host, load in comparison.job.get("load_by_host", {}).items()
+    ]
+    return pd.DataFrame(rows, columns=["host", "ranks", "cpus", "loadavg_1m", "other_cpu_cores", "high"])
 
 
 def job_table(comparison: Comparison) -> pd.DataFrame:

@@ -63,7 +63,15 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
       "job": {
         "world_size": 2, "hosts": {"node-a": [0, 1]},
         "floors": {"concurrent_write_gbs": ...,  # every rank writing its share at once, raw
-                   "concurrent_write_gbs_by_repeat": [...], "bytes": ..., "ranks": 2},
+                   "concurrent_write_gbs_by_repeat": [...], "bytes": ..., "ranks": 2,
+                   "by_rank": [{"rank": 0, "host": "node-a",  # each rank's, measured at once:
+                                "concurrent_write_gbs": ...,  # its share raw, the fastest repeat
+                                "bytes": ...,  # its state, as the one-process "floors"
+                                "copy_s": ..., "copy_gbs": ..., "copy_gbs_by_repeat": [...]},
+                               ...]},
+        "load_by_host": {"node-a": {"ranks": [0, 1], <Load's fields>, "high": false}},  # per
+                  # host from its ranks' loads: the busiest load average, the ranks' CPU as
+                  # own_cpu_s, other_cpu_cores only what was busy beyond them (_job.host_load)
         "strategies": [{
           "strategy": "nbckpt-async",
           "overhead_pct": ..., "slowest_rank": 1,   # the job goes at its slowest rank

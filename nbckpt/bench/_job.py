@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from .._util import GB
+from ._load import Load
 
-__all__ = ["RankRecord", "job_summary", "job_text", "straggler"]
+__all__ = ["RankRecord", "host_load", "job_summary", "job_text", "straggler"]
 
 #: One rank's record, as it is gathered to rank 0::
 #:
@@ -28,6 +29,8 @@ __all__ = ["RankRecord", "job_summary", "job_text", "straggler"]
 #:      "checkpoints": [{"strategy", "repeat", "step", "start_ns", "persist_start_ns", "end_ns",
 #:                       "bytes", "persist_s"}, ...],
 #:      "floor_writes": [{"repeat", "start_ns", "end_ns", "bytes"}, ...],
+#:      "copy_floor": {"bytes", "copy_s", "copy_gbs", "copy_gbs_by_repeat"},  # as in one process
+#:      "load": {<Load's fields>, "high"},  # this rank's comparison, as in one process
 #:      "kept": [{"strategy", "repeat", "step", "digests": {key: sha256}}, ...],  # with --keep
 #:      "collectives_s": [0.001, 0.12, ...],  # each of the bench's barriers and gathers, in order
 #:      "gather_s": 0.01,  # rank 0 only: its gather of the records, added after it
@@ -169,6 +172,62 @@ def _floor(records: Sequence[RankRecord]) -> dict[str, Any]:
     }
 
 
+def _floors_by_rank(records: Sequence[RankRecord]) -> list[dict[str, Any]]:
+    """Each rank's floors, measured while every rank measured its own: its fastest raw write of
+    its share while all ranks wrote at once, and its copy floor (as one process measures it)."""
+    rows = []
+    for record in records:
+        rates = [
+            int(span["bytes"]) / ((int(span["end_ns"]) - int(span["start_ns"])) / 1e9) / GB
+            for span in record.get("floor_writes", [])
+            if int(span["end_ns"]) > int(span["start_ns"])
+        ]
+        copy = record.get("copy_floor") or {}
+        rows.append(
+            {
+                "rank": int(record["rank"]),
+                "host": str(record.get("host", "")),
+                "concurrent_write_gbs": max(rates) if rates else math.nan,
+                "bytes": int(copy.get("bytes", 0)),
+                "copy_s": _number(copy.get("copy_s")),
+                "copy_gbs": _number(copy.get("copy_gbs")),
+                "copy_gbs_by_repeat": [_number(rate) for rate in copy.get("copy_gbs_by_repeat", [])],
+            }
+        )
+    return rows
+
+
+def host_load(loads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One host's load from its ranks' (each a :class:`~._load.Load` as a dict, over the same
+    comparison): the busiest load-average reading, the ranks' CPU together as the job's own, and
+    as other processes' only what was busy beyond all of the host's ranks (each rank counts the
+    others among "other processes")."""
+    ranks = [Load(**{name: load[name] for name in Load.__dataclass_fields__}) for load in loads]
+    busy = statistics.median(load.other_cpu_cores + load.own_cores for load in ranks)
+    own_cores = sum(load.own_cores for load in ranks)
+    return Load(
+        cpus=max(load.cpus for load in ranks),
+        wall_s=max(load.wall_s for load in ranks),
+        own_cpu_s=sum(load.own_cpu_s for load in ranks),
+        other_cpu_cores=max(busy - own_cores, 0.0),
+        steal_pct=max(load.steal_pct for load in ranks),
+        loadavg_1m_start=max(load.loadavg_1m_start for load in ranks),
+        loadavg_1m=max(load.loadavg_1m for load in ranks),
+    ).to_dict()
+
+
+def _load_by_host(records: Sequence[RankRecord], on_host: Mapping[str, list[int]]) -> dict[str, Any]:
+    """Every host's load (:func:`host_load`) and its ranks; a host none of whose ranks recorded
+    a load is left out."""
+    loads = {int(record["rank"]): record["load"] for record in records if record.get("load")}
+    by_host = {}
+    for host, ranks in on_host.items():
+        measured = [loads[rank] for rank in ranks if rank in loads]
+        if measured:
+            by_host[host] = {"ranks": list(ranks), **host_load(measured)}
+    return by_host
+
+
 def _coordination(records: Sequence[RankRecord]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The bench's own cost, and each rank's wait for the slowest rank at the turns' boundaries.
 
@@ -212,10 +271,11 @@ def job_summary(records: Sequence[RankRecord]) -> tuple[list[dict[str, Any]], di
     """``(ranks, job)`` of the JSON document from every rank's record (any order).
 
     ``ranks``: one row per rank and strategy. ``job``: the world size, the ranks on each host,
-    the concurrent write floor, and per strategy its overhead at the slowest rank, the stall's
-    distribution over ranks, the straggler and every checkpoint's time to durable (first start
-    to last commit on any rank) and aggregate write rate (all ranks' bytes over that time);
-    the bench's own coordination and each rank's turn wait (:func:`_coordination`).
+    the concurrent write floor with every rank's floors, every host's load, and per strategy its
+    overhead at the slowest rank, the stall's distribution over ranks, the straggler and every
+    checkpoint's time to durable (first start to last commit on any rank) and aggregate write
+    rate (all ranks' bytes over that time); the bench's own coordination and each rank's turn
+    wait (:func:`_coordination`).
     """
     ordered = sorted(records, key=lambda record: int(record["rank"]))
     hosts = {int(record["rank"]): str(record.get("host", "")) for record in ordered}
@@ -231,7 +291,8 @@ def job_summary(records: Sequence[RankRecord]) -> tuple[list[dict[str, Any]], di
     job = {
         "world_size": len(ordered),
         "hosts": on_host,
-        "floors": _floor(ordered),
+        "floors": {**_floor(ordered), "by_rank": _floors_by_rank(ordered)},
+        "load_by_host": _load_by_host(ordered, on_host),
         "strategies": [_strategy_summary(ordered, name, hosts) for name in strategies],
     }
     job["coordination"], job["turn_wait"] = _coordination(ordered)
@@ -241,6 +302,12 @@ def job_summary(records: Sequence[RankRecord]) -> tuple[list[dict[str, Any]], di
     return rows, job
 
 
+def _copy_text(floors: Mapping[str, Any]) -> str:
+    copies = [_number(row.get("copy_gbs")) for row in floors.get("by_rank", [])]
+    copies = [rate for rate in copies if math.isfinite(rate)]
+    return f"; copy floor per rank {min(copies):.1f}-{max(copies):.1f} GB/s" if copies else ""
+
+
 def job_text(job: Mapping[str, Any]) -> list[str]:
     """The job's figures as lines under the results table: the concurrent floor, then per
     strategy that writes its time to durable, aggregate rate, overhead and straggler."""
@@ -248,7 +315,14 @@ def job_text(job: Mapping[str, Any]) -> list[str]:
     floors = job.get("floors", {})
     lines = [
         f"on {job.get('world_size', 0)} ranks, {len(hosts)} host(s); all ranks writing at once "
-        f"raw: {_number(floors.get('concurrent_write_gbs')):.2f} GB/s aggregate"
+        f"raw: {_number(floors.get('concurrent_write_gbs')):.2f} GB/s aggregate{_copy_text(floors)}"
+    ]
+    lines += [
+        f"host {host} (ranks {', '.join(map(str, load['ranks']))}): 1-minute load average "
+        f"{_number(load['loadavg_1m']):.1f} on {load['cpus']} cores, other processes "
+        f"{_number(load['other_cpu_cores']):.1f} cores"
+        + ("; busy: expect wide intervals" if load["high"] else "")
+        for host, load in job.get("load_by_host", {}).items()
     ]
     for row in job.get("strategies", []):
         if not row.get("checkpoints"):

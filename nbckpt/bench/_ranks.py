@@ -8,9 +8,10 @@ together as a real job does. Each rank saves as its users would on many ranks: n
 DCP's strategies with the group (one checkpoint folder, each rank writing its part);
 ``torch-save`` of a replicated (DDP-like) state on rank 0 alone, of a state per rank into a file
 per rank. Before every repeat all ranks write their share of a checkpoint at once, raw (the
-concurrent write floor). At the end each rank's record (its per-strategy figures and the
-wall-clock span of each checkpoint it wrote) is gathered to rank 0, outside every timed region,
-and :func:`~._job.job_summary` makes the job's figures of them; rank 0 alone prints and writes
+concurrent write floor), then measure their copy floors, every rank at once. At the end each
+rank's record (its per-strategy figures, the wall-clock span of each checkpoint it wrote, its
+floors and its host's load) is gathered to rank 0, outside every timed region, and
+:func:`~._job.job_summary` makes the job's figures of them; rank 0 alone prints and writes
 results.
 
 Launch (``srun torchrun ...`` on SLURM, one agent per node)::
@@ -452,6 +453,8 @@ class RankJob:
                 }
                 for row in rows
             ],
+            "copy_floor": _copy_floor(comparison),
+            "load": {key: value for key, value in comparison.load.items() if key != "floors"},
             "checkpoints": spans,
             "floor_writes": list(self.floor_writes),
             "kept": list(self.kept),
@@ -475,6 +478,19 @@ class RankJob:
             dist.destroy_process_group(self.dcp_group)
             if self.own_default:
                 dist.destroy_process_group()
+
+
+def _copy_floor(comparison: Comparison) -> dict[str, Any]:
+    """The copy floor this rank measured beside each repeat, as one process measures it
+    (:func:`~._measure.measure_floors`): every rank at once, right after the repeat's concurrent
+    raw write, so that the ranks of a host share its memory bandwidth as their saves do."""
+    floors = comparison.floors
+    return {
+        "bytes": floors.bytes,
+        "copy_s": floors.copy_s,
+        "copy_gbs": floors.copy_gbs,
+        "copy_gbs_by_repeat": list(floors.copy_gbs_by_repeat),
+    }
 
 
 def _float(value: Any) -> float:

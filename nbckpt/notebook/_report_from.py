@@ -30,7 +30,7 @@ from ..analysis import (
     scaling_table,
     swimlanes,
 )
-from ..analysis._internal import checkpoint_rates, rate_over_time
+from ..analysis._internal import checkpoint_rates, host_loads, rank_floors, rate_over_time
 from ..bench import Comparison
 from ..engine._internal import write_atomic
 from ._rank_figures import (
@@ -76,6 +76,12 @@ LABELS = {
     "ranks": "ranks",
     "hosts": "hosts",
     "source": "file",
+    "concurrent_write_gbs": "raw write, every rank at once GB/s",
+    "copy_gbs": "copy floor GB/s",
+    "cpus": "cores",
+    "loadavg_1m": "1-minute load average",
+    "other_cpu_cores": "cores other processes kept busy",
+    "high": "busy enough to widen intervals",
 }
 
 
@@ -128,6 +134,11 @@ def _run_section(page: _Page, comparison: Comparison, source: str) -> None:
     page.text("h3", "Every rank")
     page.table(ranks)
     page.figure(rank_stall_figure(ranks, table))
+    floors, loads = rank_floors(comparison), host_loads(comparison)
+    if not (floors.empty and loads.empty):  # files from before nbckpt recorded them have neither
+        page.text("h3", "Floors every rank measured at once, and the load of every host")
+        page.table(floors)
+        page.table(loads)
     floor = float(comparison.job.get("floors", {}).get("concurrent_write_gbs") or "nan")
     page.figure(checkpoint_rate_figure(checkpoint_rates(comparison), floor))
     rates = {}

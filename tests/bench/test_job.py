@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from nbckpt.bench._job import job_summary, straggler
+from nbckpt.bench._job import job_summary, job_text, straggler
 
 S = 1_000_000_000  # ns per second
 
@@ -120,6 +120,62 @@ def test_the_aggregate_persist_rate_counts_from_the_first_write_not_the_first_co
     # A strategy that records no write of its own: no persist rate, the rest as before.
     _, without = job_summary([_rank(0, "a", 0.1, 2.0, [(5, 0, 3 * S)], (0, S, 10))])
     assert math.isnan(without["strategies"][1]["aggregate_persist_gbs"])
+
+
+def _load(cpus: int, own_cpu_s: float, other: float, loadavg: float) -> dict[str, Any]:
+    """One rank's load over a 10 s comparison, as ``Load.to_dict`` records it."""
+    return {
+        "cpus": cpus,
+        "wall_s": 10.0,
+        "own_cpu_s": own_cpu_s,
+        "other_cpu_cores": other,
+        "steal_pct": 0.0,
+        "loadavg_1m_start": loadavg - 1,
+        "loadavg_1m": loadavg,
+        "high": False,
+    }
+
+
+def _measured(rank: int, host: str, copy_gbs: float, load: dict[str, Any]) -> dict[str, Any]:
+    """A record with the copy floor and the load this rank measured (its raw write: 4000 bytes
+    in 1 s, then in 2 s)."""
+    record = _rank(rank, host, 0.1, 1.0, [], (0, S, 4_000))
+    record["floor_writes"].append({"repeat": 1, "start_ns": 5 * S, "end_ns": 7 * S, "bytes": 4_000})
+    copy = {"bytes": 8_000, "copy_s": 8_000 / copy_gbs / 1e9, "copy_gbs": copy_gbs}
+    return {**record, "copy_floor": {**copy, "copy_gbs_by_repeat": [copy_gbs / 2, copy_gbs]}, "load": load}
+
+
+def test_every_ranks_floors_and_every_hosts_load_measured_in_the_same_run() -> None:
+    # Host a: ranks 0 and 1 on 8 cores, each using 1 core of its own; each sees the other's
+    # core among "other processes'", beside 0.5 core of work that is not the job's.
+    records = [
+        _measured(1, "a", 2.0, _load(8, own_cpu_s=10.0, other=1.5, loadavg=3.0)),
+        _measured(0, "a", 4.0, _load(8, own_cpu_s=10.0, other=1.5, loadavg=2.5)),
+        _measured(2, "b", 3.0, _load(4, own_cpu_s=20.0, other=0.0, loadavg=9.0)),
+    ]
+    _, job = job_summary(records)
+    by_rank = job["floors"]["by_rank"]
+    assert [(row["rank"], row["host"]) for row in by_rank] == [(0, "a"), (1, "a"), (2, "b")]
+    for row, copy in zip(by_rank, (4.0, 2.0, 3.0), strict=True):
+        # Each rank's fastest copy and its fastest raw write while every rank wrote at once.
+        assert row["copy_gbs"] == copy and row["copy_gbs_by_repeat"] == [copy / 2, copy]
+        assert row["copy_s"] == pytest.approx(8_000 / copy / 1e9) and row["bytes"] == 8_000
+        assert row["concurrent_write_gbs"] == pytest.approx(4_000 / 1e9)
+    loads = job["load_by_host"]
+    assert set(loads) == {"a", "b"} and loads["a"]["ranks"] == [0, 1] and loads["b"]["ranks"] == [2]
+    a, b = loads["a"], loads["b"]
+    assert (a["cpus"], a["loadavg_1m_start"], a["loadavg_1m"]) == (8, 2.0, 3.0)  # the busiest reading
+    assert a["own_cpu_s"] == 20.0  # the host's ranks together
+    # The machine was busy 2.5 cores (each rank: 1 own + 1.5 other); 2 of them the job's ranks.
+    assert a["other_cpu_cores"] == pytest.approx(0.5) and a["high"] is False
+    # 9 queued on 4 cores, 2 of them the rank's own: the load was high.
+    assert (b["cpus"], b["loadavg_1m"], b["high"]) == (4, 9.0, True)
+    text = "\n".join(job_text(job))
+    assert "copy floor per rank 2.0-4.0 GB/s" in text
+    assert "host a (ranks 0, 1): 1-minute load average 3.0 on 8 cores" in text
+    # A record without them (an older rank, a run stopped before its floors): no row, no host.
+    _, bare = job_summary([_rank(0, "a", 0.1, 2.0, [], (0, S, 10))])
+    assert math.isnan(bare["floors"]["by_rank"][0]["copy_gbs"]) and bare["load_by_host"] == {}
 
 
 def test_a_rank_holds_a_gpt_replicated_and_any_other_state_under_keys_of_its_own() -> None:

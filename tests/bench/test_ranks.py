@@ -29,8 +29,9 @@ def _data_bytes(folder: Path) -> int:
     )
 
 
-def _bench_on_two_ranks(tmp_path: Path, *options: str, slow_s: float = 0.0) -> tuple[str, dict[str, Any]]:
-    """``nbckpt bench`` under torchrun on 2 gloo ranks, checkpoints kept; its stdout and JSON."""
+def _run_bench(tmp_path: Path, ranks: int, slow_s: float, *bench: str) -> tuple[str, dict[str, Any]]:
+    """``nbckpt bench`` with the options ``bench`` under torchrun on ``ranks`` gloo ranks, rank
+    ``SLOW_RANK``'s saves ``slow_s`` late, checkpoints kept; its stdout and JSON."""
     out = tmp_path / "bench.json"
     command = [
         sys.executable,
@@ -38,32 +39,31 @@ def _bench_on_two_ranks(tmp_path: Path, *options: str, slow_s: float = 0.0) -> t
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(ranks),
         str(HELPER),
         str(SLOW_RANK),
         str(slow_s),
         "bench",
         "--dir",
         str(tmp_path / "ckpt"),
-        "--strategies",
-        ",".join(WRITERS),
-        "--steps",
-        "4",
-        "--every",
-        "2",
         "--repeats",
         "1",
-        "--no-warmup",
         "--keep",
         "--quiet",
         "--json",
         str(out),
-        *options,
+        *bench,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=200, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout, json.loads(out.read_text())
+
+
+def _bench_on_two_ranks(tmp_path: Path, *options: str, slow_s: float = 0.0) -> tuple[str, dict[str, Any]]:
+    """``nbckpt bench`` under torchrun on 2 gloo ranks, checkpoints kept; its stdout and JSON."""
+    schedule = ["--steps", "4", "--every", "2", "--no-warmup"]
+    return _run_bench(tmp_path, 2, slow_s, "--strategies", ",".join(WRITERS), *schedule, *options)
 
 
 def _check_bytes_on_disk(tmp_path: Path, rows: dict[tuple[int, str], dict[str, Any]]) -> None:
@@ -124,6 +124,43 @@ def test_two_ranks_report_every_rank_the_job_and_the_slowed_rank_as_straggler(tm
     assert all(barriers_s <= row["collectives_s"] for row in waits.values()), job
     peer = 1 - SLOW_RANK
     assert waits[peer]["seconds"] >= SLOW_S and waits[peer]["seconds"] > waits[SLOW_RANK]["seconds"], job
+
+
+@pytest.mark.timeout(240)
+def test_four_ranks_at_their_best_bytes_on_disk_the_straggler_every_ranks_floors_and_hosts_load(
+    tmp_path: Path,
+) -> None:
+    """4 ranks, DCP at its best (process executor) and nbckpt's overlap: never run under torchrun
+    elsewhere in the suite. One checkpoint each, after a warm-up save (DCP spawns its checkpoint
+    process there, seconds that differ between ranks more than the slowed rank's delay)."""
+    best = ["dcp-async-stager", "nbckpt-async-overlap"]
+    options = ["--size-mb", "2", "--compute-ms", "1", "--strategies", ",".join(best), "--steps", "2"]
+    _, document = _run_bench(tmp_path, 4, SLOW_S, *options, "--every", "2")
+    host, job = socket.gethostname(), document["job"]
+    rows = {(row["rank"], row["strategy"]): row for row in document["ranks"]}
+    for summary in job["strategies"]:
+        if summary["strategy"] not in best:
+            continue
+        name = summary["strategy"]
+        (checkpoint,) = summary["checkpoints"]  # the warm-up save is not recorded
+        assert checkpoint["step"] == 2 and checkpoint["ranks_writing"] == 4
+        on_disk = sum(
+            path.stat().st_size for path in (tmp_path / "ckpt" / name / "step-000002").glob("*.distcp")
+        )
+        assert sum(rows[rank, name]["bytes"] for rank in range(4)) == checkpoint["bytes"] == on_disk, name
+        assert all(rows[rank, name]["bytes"] > 2 * 1024 * 1024 for rank in range(4))  # its own 2 MiB
+        late = summary["straggler"]
+        assert (late["rank"], late["host"]) == (SLOW_RANK, host), summary
+        assert late["over_median_s"] > SLOW_S / 2, summary
+    assert {summary["strategy"] for summary in job["strategies"]} >= set(best)
+    # Every rank's floors measured in the same run, and its host's load.
+    floors = job["floors"]["by_rank"]
+    assert [row["rank"] for row in floors] == [0, 1, 2, 3] and all(row["host"] == host for row in floors)
+    assert all(row["copy_gbs"] > 0 and row["concurrent_write_gbs"] > 0 for row in floors)
+    assert all(row["bytes"] == document["bytes"] for row in floors)
+    (load,) = job["load_by_host"].values()
+    assert load["ranks"] == [0, 1, 2, 3] and load["cpus"] >= 1 and load["loadavg_1m"] >= 0
+    assert load["own_cpu_s"] > 0 and load["other_cpu_cores"] >= 0
 
 
 @pytest.mark.slow

@@ -210,6 +210,9 @@ def test_two_agents_as_two_hosts_name_both_and_group_the_ranks_by_host(tmp_path:
     (summary,) = [row for row in job["strategies"] if row["strategy"] == "nbckpt-async"]
     assert [row["ranks_writing"] for row in summary["checkpoints"]] == [2, 2]
     assert summary["straggler"]["host"] == hosts[summary["straggler"]["rank"]]
+    # Each host's load, from its own rank; each rank's floors, under its host.
+    assert {host: load["ranks"] for host, load in job["load_by_host"].items()} == job["hosts"]
+    assert {(row["rank"], row["host"]) for row in job["floors"]["by_rank"]} == set(hosts.items())
 
 
 @pytest.mark.s3
@@ -285,33 +288,13 @@ def _torchrun_two(*command: str) -> str:
     return done.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 def test_the_sharded_workloads_kept_checkpoints_restore_bit_exactly_on_the_same_ranks(tmp_path: Path) -> None:
     out, folder = tmp_path / "job.json", tmp_path / "ckpt"
-    _torchrun_two(
-        "-m",
-        "nbckpt",
-        "bench",
-        "--dir",
-        str(folder),
-        "--preset",
-        "tiny",
-        "--fsdp",
-        "--keep",
-        "--strategies",
-        "dcp-sync,nbckpt-async",
-        "--steps",
-        "4",
-        "--every",
-        "2",
-        "--repeats",
-        "1",
-        "--no-warmup",
-        "--quiet",
-        "--json",
-        str(out),
-    )
+    bench_then_restore = [str(RESTORER), str(out), str(folder), "bench", "--dir", str(folder)]
+    bench_then_restore += ["--preset", "tiny", "--fsdp", "--keep", "--strategies", "dcp-sync,nbckpt-async"]
+    bench_then_restore += ["--steps", "4", "--every", "2", "--repeats", "1", "--no-warmup", "--quiet"]
+    printed = _torchrun_two(*bench_then_restore, "--json", str(out))
     kept = json.loads(out.read_text())["job"]["kept"]
     # Each rank's last checkpoint of each strategy, every tensor it holds digested.
     assert sorted((row["rank"], row["strategy"], row["step"]) for row in kept) == [
@@ -319,11 +302,7 @@ def test_the_sharded_workloads_kept_checkpoints_restore_bit_exactly_on_the_same_
     ]
     shards = {row["rank"]: row["digests"] for row in kept if row["strategy"] == "nbckpt-async"}
     assert shards[0].keys() == shards[1].keys() and shards[0] != shards[1]  # each rank its own 1/2
-    lines = [
-        json.loads(line)
-        for line in _torchrun_two(str(RESTORER), str(out), str(folder)).splitlines()
-        if line.startswith("{")
-    ]
+    lines = [json.loads(line) for line in printed.splitlines() if line.startswith('{"rank"')]
     assert sorted(line["rank"] for line in lines) == [0, 1]
     for line in lines:
         for name in ("dcp-sync", "nbckpt-async"):

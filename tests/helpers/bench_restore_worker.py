@@ -1,7 +1,11 @@
 """One rank restoring the checkpoints ``nbckpt bench --fsdp --keep`` kept, under torchrun.
 
 python -m torch.distributed.run --standalone --nproc-per-node 2 tests/helpers/bench_restore_worker.py \
-    BENCH_JSON CHECKPOINT_DIR
+    BENCH_JSON CHECKPOINT_DIR [bench --fsdp --keep --json BENCH_JSON ...]
+
+With a command line after the two paths, the same ranks first run it (``nbckpt``'s own, as a
+training script that calls the bench would: the group is the script's), which saves a torchrun's
+start (about 20 s of the test on a loaded 2-core machine); the restore reads only the files.
 
 A fresh FSDP2-sharded GPT (the bench's preset, on the same ranks) is zeroed, then each kept
 checkpoint is restored into it, nbckpt's with ``Checkpointer.restore`` and DCP's with
@@ -22,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from nbckpt import Checkpointer
+from nbckpt import Checkpointer, cli
 from nbckpt.bench import make_workload
 from nbckpt.bench._internal import RankWorkload, state_digests
 from nbckpt.engine._internal import step_name
@@ -50,9 +54,13 @@ def _restore(strategy: str, folder: str, step: int, state: dict[str, Any]) -> No
     state["optim"].load_state_dict(plain["optim"])
 
 
-def main(bench_json: str, directory: str) -> int:
+def main(bench_json: str, directory: str, *bench: str) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if bench:
+        if cli.main(list(bench)) != 0:
+            return 1
+        dist.barrier()  # rank 0 has written the JSON
     workload = RankWorkload(make_workload("tiny", None, "cpu"), rank, dist.get_world_size(), sharded=True)
     workload.build()
     kept = json.loads(Path(bench_json).read_text(encoding="utf-8"))["job"]["kept"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -9,7 +10,9 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from helpers import ROOT
 
@@ -86,6 +89,40 @@ def test_a_torchrun_runs_json_renders_every_rank_and_the_straggler(
         assert json.dumps(f"{host} · rank {rank}") in page  # its swimlane (in the figure's JSON)
     assert f"straggler rank 1 on {host}" in page
     assert "Measured scaling" not in page  # one rank count: no curve
+    # The aggregate write rate over time, drawn from every rank's persists: there, with data.
+    (rates,) = [
+        data for data, layout in _figures(page) if _title(layout).startswith("Aggregate write rate over")
+    ]
+    (trace,) = [trace for trace in rates if trace["name"] == "nbckpt-async"]
+    assert len(_values(trace["x"])) > 1 and max(_values(trace["y"])) > 0
+    # Every rank's floors and its host's load, measured in the same run.
+    assert "Floors every rank measured at once, and the load of every host" in page
+    assert page.count("copy floor GB/s") == 1 and "1-minute load average" in page
+
+
+def _figures(page: str) -> list[tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """Every plotly figure of the page: its traces and its layout (the JSON of each newPlot)."""
+    decoder, figures, call = json.JSONDecoder(), [], "Plotly.newPlot("
+    at = page.find(call)
+    while at >= 0:
+        start = page.index("[", at)
+        data, end = decoder.raw_decode(page, start)
+        layout, _ = decoder.raw_decode(page, page.index("{", end))
+        figures.append((data, layout))
+        at = page.find(call, end)
+    return figures
+
+
+def _title(layout: dict[str, Any]) -> str:
+    title = layout.get("title") or {}
+    return str(title.get("text", "") if isinstance(title, dict) else title)
+
+
+def _values(array: Any) -> list[float]:
+    """A trace's numbers: a list, or plotly's typed array (``{"dtype", "bdata"}``, base64)."""
+    if isinstance(array, dict):
+        return np.frombuffer(base64.b64decode(array["bdata"]), dtype=array["dtype"]).tolist()
+    return [float(value) for value in array]
 
 
 def test_runs_of_one_and_two_ranks_give_the_measured_scaling_curve(
