@@ -26,12 +26,11 @@ from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import is_url
 from ._config import CheckpointConfig
 from ._faults import fault_point
-from ._files import copy_file
+from ._files import copy_file, damage_named
 from ._format import BRANCH_FILE, BRANCH_LIMIT, LOCK_FILE, MAIN, step_name
 from ._lines import Line, discover, on, write_record
 from ._open_store import open_store
 from ._ranks import Group
-from ._reader import damage_named, read_manifest
 from ._retention import RetentionPolicy, StepFacts, StepInfo, doomed, expired, top_names
 from ._saver import Commit
 from ._store import Store
@@ -288,7 +287,7 @@ class Mirror:
         committed = False
         try:
             store = self._target(entry.line)
-            manifest, data = read_manifest(source, step, location)
+            manifest, data = source.read_manifest(step, location)
             facts = self._facts_of(store)
             if self._would_delete(facts, step, manifest.tree(0), manifest.metrics):
                 return  # retention on the mirror would delete it again at once

@@ -29,11 +29,9 @@ __all__ = [
     "ReadPlan",
     "Readable",
     "check_read",
-    "damage_named",
     "fill",
     "plan_read",
     "read_file",
-    "read_manifest",
     "read_metadata",
     "read_tensors",
     "stat_files",
@@ -77,12 +75,6 @@ def read_file(
             return read_into(source, wanted, meta["blocks"] if verify else None, whole=whole, cover=cover)
     finally:
         source.close()
-
-
-def read_manifest(store: Readable, step: int, location: str) -> tuple[Manifest, bytes]:
-    """The checked manifest of ``step`` at ``location``, and its bytes as read: what the place
-    says the step holds (a store parses its manifest file)."""
-    return store.read_manifest(step, location)
 
 
 class _Load(NamedTuple):

@@ -26,7 +26,6 @@ from ._reader import (
     check_read,
     fill,
     plan_read,
-    read_manifest,
     read_metadata,
     read_tensors,
     stat_files,
@@ -79,13 +78,13 @@ class Restorer:
     def manifest(self, step: int) -> Manifest:
         """The checked manifest of committed ``step``, from the first store that has it."""
         store, location = self.find(step)
-        return read_manifest(store, step, location)[0]
+        return store.read_manifest(step, location)[0]
 
     def verify(self, step: int) -> dict[str, Any]:
         """Every check of ``step``; whatever is wrong with it is a CheckpointError naming it."""
         store, location = self.find(step)
         try:
-            manifest = read_manifest(store, step, location)[0]
+            manifest = store.read_manifest(step, location)[0]
             for record in manifest.body.get("rng", {}).values():
                 rng_parse(record)  # what restore refuses, verify refuses (its streams are set nowhere)
             verify_files(store, self.io, location, manifest)
@@ -127,7 +126,7 @@ class Restorer:
 
     def load(self, step: int, *, verify: bool, map_location: str | torch.device | None) -> dict[str, Any]:
         store, location = self.find(step)
-        manifest = read_manifest(store, step, location)[0]
+        manifest = store.read_manifest(step, location)[0]
         saved = manifest.tree(self.rank)
         if map_location is not None and torch.device(map_location).type == "meta":
             # Shapes and dtypes without a byte read: the cheap look at what a checkpoint holds.
@@ -279,7 +278,7 @@ class _Read:
     def _check(self) -> tuple[str, list[str], list[str]]:
         """This rank's check: the manifest's checksum, the state's keys it lacks, what it holds."""
         store, location, state = self.store, self.location, self.state
-        manifest = self.manifest = read_manifest(store, self.step, location)[0]
+        manifest = self.manifest = store.read_manifest(self.step, location)[0]
         saved_keys = [key for key, _ in manifest.tree(self.rank)["items"]]
         present, holds = set(saved_keys), [str(key) for key in saved_keys]
         missing = [str(key) for key in state if key not in present]

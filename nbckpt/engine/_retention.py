@@ -16,7 +16,6 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from .._errors import CheckpointError, ConfigError
 from .._util import check_count
-from ._reader import read_manifest
 from ._store import Store
 
 __all__ = [
@@ -272,7 +271,7 @@ class StepFacts:
                 return self._known[step]
         location = self.store.committed_at(step)
         try:
-            manifest = read_manifest(self.store, step, location)[0] if location else None
+            manifest = self.store.read_manifest(step, location)[0] if location else None
         except CheckpointError:
             manifest = None
         facts = (top_names(manifest.tree(0)), manifest.metrics) if manifest else None

@@ -228,9 +228,9 @@ class Pacer:
         restore_s: Callable[[], float | None],
         group: Any,
     ) -> bool:
-        """A step ended now: whether a save is due, by rank 0's decision (``group.from_rank0``),
-        from the saves ``records`` and the last restore's time (``restore_s()``, asked only when
-        deciding; None: none)."""
+        """A step ended now: whether a save is due, by rank 0's decision (``group.from_rank0``;
+        ``group.pg`` None: one process, decided here), from the saves ``records`` and the last
+        restore's time (``restore_s()``, asked only when deciding; None: none)."""
         now = self._clock()
         self.tick(now, persisting)
         if group.pg is None:

@@ -554,6 +554,7 @@ class _FromRank0:
 
     def __init__(self, strategy: Any) -> None:
         self._strategy = strategy
+        self.pg = strategy if strategy.world_size > 1 else None  # None: one process, no collective
 
     def from_rank0(self, tag: Any, run: Callable[[], _T]) -> _T:
         result = run() if self._strategy.is_global_zero else None

@@ -231,7 +231,8 @@ class Autosave:
     def _due(self) -> bool:
         if self._pacer is not None:  # asked at each cell's end: a cell is no training step to count
             records = self.session.opened(self.directory).records
-            if not self._pacer.decide(time.monotonic(), records, None)[0]:
+            persisting = bool(self.session.in_flight(self.key))
+            if not self._pacer.decide(time.monotonic(), records, None, persisting)[0]:
                 return False
         elif time.monotonic() - self._last_at < self.every_s:
             return False
