@@ -277,3 +277,20 @@ def test_a_step_saved_again_shares_the_files_it_replaces(tmp_path: Path) -> None
         assert record.bytes_skipped > sum(p.nbytes for p in model.base.parameters())
         assert ckpt.steps() == [1]
         check_whole(tmp_path, ckpt, 1, snapshot(state))
+
+
+def test_a_file_holding_a_changed_tensor_is_not_fingerprinted(tmp_path: Path) -> None:
+    """A trained tensor that stood still (no gradient reached it) shares its file with ones that
+    changed: the file is written anyway, so none of its tensors is read for a fingerprint; the
+    frozen base alone is, save after save."""
+    model, optim, state = setup()
+    model.idle = nn.Parameter(torch.ones(8))  # trained, but unused: its version never moves
+    base = sum(p.nbytes for p in model.base.parameters())
+    with Checkpointer(tmp_path, mode="sync", incremental=True) as ckpt:
+        for step in range(1, 4):
+            tune(model, optim, step)
+            ckpt.save(state, step=step)
+        compared = [e for e in ckpt.timeline.events if e.kind == "compare"]
+        assert [e.bytes for e in compared[-2:]] == [base, base]
+        items = ckpt.manifest(3)["items"]
+        assert items["model.idle"][0][0] == items["model.down"][0][0]  # one file with the adapters
