@@ -23,7 +23,7 @@ from nbckpt import bench, cli
 from nbckpt._errors import ConfigError
 from nbckpt.bench._ranks import HOST_VARIABLE
 from nbckpt.bench._sweep import arm_sweep_seam, parse_ranks, passthrough
-from tests.helpers.ranks import RankProcess, finish_all, free_port
+from tests.helpers.ranks import RankProcess, finish_all, free_port, torchrun_two
 
 # A checkpoint of the first run that saves: every rank is inside the bench's turns.
 IN_A_TURN = "[nbckpt-async] repeat 1/1, step 1/"
@@ -271,25 +271,11 @@ def test_two_ranks_write_to_s3_and_their_bytes_add_up_to_the_objects(
 RESTORER = Path(__file__).parents[1] / "helpers" / "bench_restore_worker.py"
 
 
-def _torchrun_two(*command: str) -> str:
-    """``command`` on 2 local gloo ranks under torchrun; its stdout (a failure shows stderr)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *command],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=250,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_sharded_workloads_kept_checkpoints_restore_bit_exactly_on_the_same_ranks(tmp_path: Path) -> None:
     out, folder = tmp_path / "job.json", tmp_path / "ckpt"
-    _torchrun_two(
+    torchrun_two(
         "-m",
         "nbckpt",
         "bench",
@@ -321,7 +307,7 @@ def test_the_sharded_workloads_kept_checkpoints_restore_bit_exactly_on_the_same_
     assert shards[0].keys() == shards[1].keys() and shards[0] != shards[1]  # each rank its own 1/2
     lines = [
         json.loads(line)
-        for line in _torchrun_two(str(RESTORER), str(out), str(folder)).splitlines()
+        for line in torchrun_two(str(RESTORER), str(out), str(folder)).splitlines()
         if line.startswith("{")
     ]
     assert sorted(line["rank"] for line in lines) == [0, 1]

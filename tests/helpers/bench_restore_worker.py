@@ -1,9 +1,10 @@
 """One rank restoring the checkpoints ``nbckpt bench --fsdp --keep`` kept, under torchrun.
 
 python -m torch.distributed.run --standalone --nproc-per-node 2 tests/helpers/bench_restore_worker.py \
-    BENCH_JSON CHECKPOINT_DIR
+    BENCH_JSON CHECKPOINT_DIR [finetune]
 
-A fresh FSDP2-sharded GPT (the bench's preset, on the same ranks) is zeroed, then each kept
+A fresh FSDP2-sharded GPT (the bench's preset, on the same ranks; with ``finetune`` the bench's
+``--finetune`` workload: frozen, with adapters) is zeroed, then each kept
 checkpoint is restored into it, nbckpt's with ``Checkpointer.restore`` and DCP's with
 ``torch.distributed.checkpoint.load``, and every tensor this rank holds is hashed as the bench hashed
 it when it saved. Prints one JSON line: per strategy the keys compared and those that differ.
@@ -50,10 +51,11 @@ def _restore(strategy: str, folder: str, step: int, state: dict[str, Any]) -> No
     state["optim"].load_state_dict(plain["optim"])
 
 
-def main(bench_json: str, directory: str) -> int:
+def main(bench_json: str, directory: str, *how: str) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    workload = RankWorkload(make_workload("tiny", None, "cpu"), rank, dist.get_world_size(), sharded=True)
+    inner = make_workload("tiny", None, "cpu", finetune="finetune" in how)
+    workload = RankWorkload(inner, rank, dist.get_world_size(), sharded=True)
     workload.build()
     kept = json.loads(Path(bench_json).read_text(encoding="utf-8"))["job"]["kept"]
     report: dict[str, Any] = {"rank": rank, "checked": {}, "differ": {}}
