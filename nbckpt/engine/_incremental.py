@@ -5,10 +5,12 @@ a whole checkpoint that outlives the deletion of any other.
 
 Whether a tensor changed: torch's version counter only ever says *changed* (an in-place op autograd
 saw). It never proves *unchanged*: writes through ``.data`` or NumPy, a tensor replaced by another
-at the same address, and torch 2.13's fused AdamW on CPU all leave it as it was. So every tensor it
-does not clear is fingerprinted where it lives (xxh3 of its bytes on the CPU; on a GPU two
-position-weighted sums computed on the device, so an unchanged tensor is never copied to the host)
-and shared only when the fingerprint equals the one taken when the earlier step's bytes were staged.
+at the same address, and torch 2.13's fused AdamW on CPU all leave it as it was. So every tensor of
+a file in which it shows no tensor as changed is fingerprinted where it lives (xxh3 of its bytes on
+the CPU; on a GPU two position-weighted sums computed on the device, so an unchanged tensor is never
+copied to the host), and the file is shared only when each fingerprint equals the one taken when
+the earlier step's bytes were staged. The fingerprint reads every byte, inside the save's stall: it
+is bound by the memory's read bandwidth (docs/benchmarks.md has the figures).
 
 Which tensors share files: those expected not to change (frozen parameters of modules, and tensors
 whose version counter stood still since the last save, but never a module's trained parameters or
