@@ -5,10 +5,12 @@ a whole checkpoint that outlives the deletion of any other.
 
 Whether a tensor changed: torch's version counter only ever says *changed* (an in-place op autograd
 saw). It never proves *unchanged*: writes through ``.data`` or NumPy, a tensor replaced by another
-at the same address, and torch 2.13's fused AdamW on CPU all leave it as it was. So every tensor it
-does not clear is fingerprinted where it lives (xxh3 of its bytes on the CPU; on a GPU two
-position-weighted sums computed on the device, so an unchanged tensor is never copied to the host)
-and shared only when the fingerprint equals the one taken when the earlier step's bytes were staged.
+at the same address, and torch 2.13's fused AdamW on CPU all leave it as it was. So every tensor of
+a file in which it shows no tensor as changed is fingerprinted where it lives (xxh3 of its bytes on
+the CPU; on a GPU two position-weighted sums computed on the device, so an unchanged tensor is never
+copied to the host), and the file is shared only when each fingerprint equals the one taken when
+the earlier step's bytes were staged. The fingerprint reads every byte, inside the save's stall: it
+is bound by the memory's read bandwidth (docs/benchmarks.md has the figures).
 
 Which tensors share files: those expected not to change (frozen parameters of modules, and tensors
 whose version counter stood still since the last save, but never a module's trained parameters or
@@ -81,26 +83,44 @@ class Increments:
         self._changed_last: set[str] = set()  # found changed at the previous save
         self._changing: set[str] = set()  # found changed at two saves running: never cold again
         self._cold: frozenset[str] = frozenset()  # what the last plan laid out apart
+        # What :meth:`cold` saw of the state being saved, for :meth:`decide`: the flattened state
+        # and each tensor's identity and version.
+        self._taken: tuple[Flattened | None, dict[str, Any]] = (None, {})
 
     def cold(self, flat: Flattened) -> frozenset[str]:
         """The keys to lay out apart from the rest (``RankPlan.cold``)."""
-        steady = {key for key, tensor in flat.tensors.items() if self._steady(key, tensor)}
+        now = {key: _seen(tensor) for key, tensor in flat.tensors.items()}
+        self._taken = (flat, now)
+        steady = {key for key, seen in now.items() if self._steady(key, seen)}
         self._cold = frozenset((flat.frozen | (steady - flat.trained)) - self._changing)
         return self._cold
 
     def decide(self, flat: Flattened, files: tuple[FileLayout, ...], step: int, *, resave: bool) -> Sharing:
         """Fingerprint what may not have changed and pick the files of ``files`` (this rank's)
-        whose every tensor is as in the last committed save; runs where the state is read.
-        ``resave``: whether a save of the step the last one committed keeps its files until the
-        new one is in place (an object store deletes them first: nothing is shared then)."""
+        whose every tensor is as in the last committed save; runs where the state is read, after
+        :meth:`cold` saw the same ``flat``. ``resave``: whether a save of the step the last one
+        committed keeps its files until the new one is in place (an object store deletes them
+        first: nothing is shared then)."""
+        if self._taken[0] is not flat:  # planned elsewhere (not in a save): see it now
+            self.cold(flat)
+        now = self._taken[1]
         keys = [item.key for layout in files for item in layout.items]
         cold = self._cold
+        # Only files whose every tensor may be unchanged are read: one tensor known to have
+        # changed (its version counter moved) makes its file be written, whatever the others hold.
+        maybe = [[item.key for item in layout.items] for layout in files]
         prints = fingerprints(
-            {k: flat.tensors[k] for k in keys if k in cold or self._steady(k, flat.tensors[k])},
+            {
+                k: flat.tensors[k]
+                for items in maybe
+                if all(k in cold or self._steady(k, now[k]) for k in items)
+                for k in items
+            },
             self._parallel,
             self._threads,
         )
-        self._versions = {key: _seen(flat.tensors[key]) for key in keys}
+        self._versions = {key: now[key] for key in keys}
+        self._taken = (None, {})  # holds no tensor of the caller's past the save
         base = self._base
         if base is None or (base.step == step and not resave):
             return Sharing(prints=prints)
@@ -138,10 +158,11 @@ class Increments:
         """The next save shares nothing (a save failed, the line changed): it writes every file."""
         self._base = None
 
-    def _steady(self, key: str, tensor: torch.Tensor) -> bool:
-        """Whether the version counter says nothing against ``tensor`` being as at the last save."""
+    def _steady(self, key: str, now: tuple[Any, int | None]) -> bool:
+        """Whether the version counter says nothing against ``key``'s tensor (``now``: what
+        :func:`_seen` says of it) being as at the last save."""
         seen = self._versions.get(key)
-        return seen is not None and seen[1] is not None and seen == _seen(tensor)
+        return seen is not None and seen[1] is not None and seen == now
 
 
 def _seen(tensor: torch.Tensor) -> tuple[Any, int | None]:

@@ -102,6 +102,9 @@ class Mirror:
         self._facts: dict[str, StepFacts] = {}  # per mirror line (its URL), for retention
         self.failures: list[str] = []
         self._count = 0
+        # Per mirror line (its URL): where the last upload committed and its files, whose
+        # unchanged ones the next upload shares there instead of sending (incremental saves).
+        self._last: dict[str, tuple[str, dict[str, Any]]] = {}
 
     def claim(self, run: str) -> None:
         """Make the mirror this run's; ConfigError when it belongs to another run or is a run."""
@@ -298,6 +301,8 @@ class Mirror:
             copied = 0
             for name, meta in manifest.files.items():
                 fault_point("mirror.upload", location, name)
+                if self._shared(store, target, name, meta):
+                    continue
                 # closed after the copy: an open descriptor would keep the step's disk space once
                 # a retention pass deletes it
                 with (
@@ -305,7 +310,7 @@ class Mirror:
                     closing(source.source(location, name, meta["size"])) as read,
                 ):
                     copied += copy_file(read, store.sink(target, name), meta["blocks"], fsync=store.is_local)
-            store.commit(target, step, data)
+            self._last[store.url] = (store.commit(target, step, data), manifest.files)
             committed = True
             facts.saved(step, manifest.tree(0), manifest.metrics)
             self.timeline.record("upload", began, step=step, nbytes=copied, mirror=store.url)
@@ -317,6 +322,19 @@ class Mirror:
             message = f"step {step} is committed locally but not on the mirror {url}: {describe_error(exc)}"
             self.timeline.record("error", began, step=step, message=message)
             self._failed(message)
+
+    def _shared(self, store: Store, target: str, name: str, meta: Mapping[str, Any]) -> bool:
+        """Whether file ``name`` (``meta``: its size and block checksums) was made the mirror's
+        file of the last step uploaded to ``store`` too, unsent (a hard link, a server-side copy):
+        only where that step's file of that name has the same size and checksums, every block."""
+        last = self._last.get(store.url)
+        if last is None or last[1].get(name) != meta:
+            return False
+        try:
+            store.share(last[0], target, name)
+        except OSError:  # gone (the mirror's retention), or the storage cannot share: sent
+            return False
+        return True
 
     def _failed(self, message: str) -> None:
         with self._lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from nbckpt import Checkpointer, ConfigError, bench
 from nbckpt.bench._internal import add_bench_arguments, get_strategy, run_bench_from_args
 from nbckpt.bench._workloads import GPTWorkload
 from nbckpt.engine import Timeline
+from tests.helpers.ranks import torchrun_two
 
 
 def tiny_finetune() -> GPTWorkload:
@@ -112,3 +114,49 @@ def test_incremental_strategy_restores_its_last_step_bit_exactly(tmp_path: Path)
     for key, moments in theirs_optim["state"].items():
         for name, value in moments.items():
             assert torch.equal(value, ours_optim["state"][key][name]), (key, name)
+
+
+RESTORER = Path(__file__).parents[1] / "helpers" / "bench_restore_worker.py"
+
+
+@pytest.mark.slow  # two torchrun launches: about a minute on 2 loaded cores
+@pytest.mark.timeout(600)
+def test_fsdp2_finetune_on_two_ranks_each_rank_shares_its_frozen_shard_and_restores(tmp_path: Path) -> None:
+    """``nbckpt bench --finetune --fsdp`` under torchrun: FSDP2 over 2 gloo ranks, the base
+    frozen; nbckpt-incremental writes each rank's frozen shard once, and its last step (its bytes
+    spread over the first step's files) restores bit for bit on the same ranks."""
+    out, folder = tmp_path / "job.json", tmp_path / "ckpt"
+    names = ("nbckpt-async", "nbckpt-incremental")
+    options = ["--preset", "tiny", "--finetune", "--fsdp", "--keep", "--strategies", ",".join(names)]
+    options += ["--steps", "4", "--every", "2", "--repeats", "1", "--no-warmup", "--quiet"]
+    torchrun_two("-m", "nbckpt", "bench", "--dir", str(folder), *options, "--json", str(out))
+    for name, incremental in zip(names, (False, True), strict=True):
+        for rank in (0, 1):
+            steps = sorted(p for p in (folder / name).iterdir() if p.name.startswith("step-"))
+            first, *later = [_new_rank_bytes(steps[: i + 1], rank) for i in range(len(steps))]
+            assert later and first > 0.4 * _workload_bytes() / 2, (name, rank)
+            if incremental:  # after the first save, each rank's adapters, moments and metadata
+                assert max(later) < 0.25 * first, (name, rank, first, later)
+            else:
+                assert min(later) > 0.9 * first, (name, rank, first, later)
+    lines = [
+        json.loads(line)
+        for line in torchrun_two(str(RESTORER), str(out), str(folder), "finetune").splitlines()
+        if line.startswith("{")
+    ]
+    assert sorted(line["rank"] for line in lines) == [0, 1]
+    for line in lines:
+        for name in names:
+            assert line["checked"][name] > 10 and line["differ"][name] == [], line
+
+
+def _new_rank_bytes(steps: list[Path], rank: int) -> int:
+    """Bytes of rank ``rank``'s data files in the last of ``steps`` that no earlier step holds
+    (a hard link is one inode)."""
+    *before, last = steps
+    seen = {path.stat().st_ino for step in before for path in step.glob(f"__{rank}_*.distcp")}
+    return sum(p.stat().st_size for p in last.glob(f"__{rank}_*.distcp") if p.stat().st_ino not in seen)
+
+
+def _workload_bytes() -> int:
+    return bench.make_workload("tiny", finetune=True).nbytes

@@ -23,7 +23,7 @@ from nbckpt import bench, cli
 from nbckpt._errors import ConfigError
 from nbckpt.bench._ranks import HOST_VARIABLE
 from nbckpt.bench._sweep import arm_sweep_seam, parse_ranks, passthrough
-from tests.helpers.ranks import RankProcess, finish_all, free_port
+from tests.helpers.ranks import RankProcess, finish_all, free_port, torchrun_two
 
 # A checkpoint of the first run that saves: every rank is inside the bench's turns.
 IN_A_TURN = "[nbckpt-async] repeat 1/1, step 1/"
@@ -274,27 +274,13 @@ def test_two_ranks_write_to_s3_and_their_bytes_add_up_to_the_objects(
 RESTORER = Path(__file__).parents[1] / "helpers" / "bench_restore_worker.py"
 
 
-def _torchrun_two(*command: str) -> str:
-    """``command`` on 2 local gloo ranks under torchrun; its stdout (a failure shows stderr)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *command],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=250,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
-
-
 @pytest.mark.timeout(300)
 def test_the_sharded_workloads_kept_checkpoints_restore_bit_exactly_on_the_same_ranks(tmp_path: Path) -> None:
     out, folder = tmp_path / "job.json", tmp_path / "ckpt"
     bench_then_restore = [str(RESTORER), str(out), str(folder), "bench", "--dir", str(folder)]
     bench_then_restore += ["--preset", "tiny", "--fsdp", "--keep", "--strategies", "dcp-sync,nbckpt-async"]
     bench_then_restore += ["--steps", "4", "--every", "2", "--repeats", "1", "--no-warmup", "--quiet"]
-    printed = _torchrun_two(*bench_then_restore, "--json", str(out))
+    printed = torchrun_two(*bench_then_restore, "--json", str(out))
     kept = json.loads(out.read_text())["job"]["kept"]
     # Each rank's last checkpoint of each strategy, every tensor it holds digested.
     assert sorted((row["rank"], row["strategy"], row["step"]) for row in kept) == [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -277,3 +278,64 @@ def test_a_step_saved_again_shares_the_files_it_replaces(tmp_path: Path) -> None
         assert record.bytes_skipped > sum(p.nbytes for p in model.base.parameters())
         assert ckpt.steps() == [1]
         check_whole(tmp_path, ckpt, 1, snapshot(state))
+
+
+def test_a_file_holding_a_changed_tensor_is_not_fingerprinted(tmp_path: Path) -> None:
+    """A trained tensor that stood still (no gradient reached it) shares its file with ones that
+    changed: the file is written anyway, so none of its tensors is read for a fingerprint; the
+    frozen base alone is, save after save."""
+    model, optim, state = setup()
+    model.idle = nn.Parameter(torch.ones(8))  # trained, but unused: its version never moves
+    base = sum(p.nbytes for p in model.base.parameters())
+    with Checkpointer(tmp_path, mode="sync", incremental=True) as ckpt:
+        for step in range(1, 4):
+            tune(model, optim, step)
+            ckpt.save(state, step=step)
+        compared = [e for e in ckpt.timeline.events if e.kind == "compare"]
+        assert [e.bytes for e in compared[-2:]] == [base, base]
+        items = ckpt.manifest(3)["items"]
+        assert items["model.idle"][0][0] == items["model.down"][0][0]  # one file with the adapters
+
+
+def test_a_mirror_uploads_only_the_files_a_step_did_not_share(tmp_path: Path) -> None:
+    """A mirror's copy of an incremental step shares there the files the step shares here (a
+    hard link to the mirror's previous step's file): after the first upload only the adapters'
+    files, the values and the metadata travel; each mirrored step stays whole when the steps
+    before it are deleted."""
+    model, optim, state = setup()
+    base = sum(p.nbytes for p in model.base.parameters())
+    expected = {}
+    local, mirror = tmp_path / "local", tmp_path / "mirror"
+    with Checkpointer(local, mirror=str(mirror), mode="sync", incremental=True) as ckpt:
+        for step in range(1, 5):
+            tune(model, optim, step)
+            state["step"] = step
+            ckpt.save(state, step=step)
+            expected[step] = snapshot(state)
+        ckpt.wait()  # includes the uploads
+        uploaded = [
+            e.bytes for e in sorted(ckpt.timeline.events, key=lambda e: e.step or 0) if e.kind == "upload"
+        ]
+    assert len(uploaded) == 4 and uploaded[0] > base
+    assert all(sent < base / 10 for sent in uploaded[1:]), uploaded  # counted as sent, not shared
+    first, last = files_of(mirror / "step-000001"), files_of(mirror / "step-000004")
+    shared = [name for name, info in last.items() if name in first and first[name].st_ino == info.st_ino]
+    assert sum(last[name].st_size for name in shared) > base
+    shutil.rmtree(local)
+    for gone in (1, 3, 2):
+        shutil.rmtree(mirror / f"step-{gone:06d}")  # what a delete does to a step's names
+    with Checkpointer(mirror, read_only=True) as copy:
+        assert copy.steps() == [4]
+        copy.verify(4)
+    target = {
+        "model": {
+            k.removeprefix("model."): torch.zeros_like(v)
+            for k, v in expected[4].items()
+            if k.startswith("model.")
+        }
+    }
+    dcp.load(target, checkpoint_id=str(mirror / "step-000004"))
+    assert_same(
+        {f"model.{k}": v for k, v in target["model"].items()},
+        {k: v for k, v in expected[4].items() if k.startswith("model.")},
+    )

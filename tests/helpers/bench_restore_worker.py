@@ -1,13 +1,15 @@
 """One rank restoring the checkpoints ``nbckpt bench --fsdp --keep`` kept, under torchrun.
 
 python -m torch.distributed.run --standalone --nproc-per-node 2 tests/helpers/bench_restore_worker.py \
-    BENCH_JSON CHECKPOINT_DIR [bench --fsdp --keep --json BENCH_JSON ...]
+    BENCH_JSON CHECKPOINT_DIR [finetune] [bench --fsdp --keep --json BENCH_JSON ...]
 
-With a command line after the two paths, the same ranks first run it (``nbckpt``'s own, as a
-training script that calls the bench would: the group is the script's), which saves a torchrun's
-start (about 20 s of the test on a loaded 2-core machine); the restore reads only the files.
+With a command line after the two paths (and ``finetune``), the same ranks first run it
+(``nbckpt``'s own, as a training script that calls the bench would: the group is the script's),
+which saves a torchrun's start (about 20 s of the test on a loaded 2-core machine); the restore
+reads only the files.
 
-A fresh FSDP2-sharded GPT (the bench's preset, on the same ranks) is zeroed, then each kept
+A fresh FSDP2-sharded GPT (the bench's preset, on the same ranks; with ``finetune`` the bench's
+``--finetune`` workload: frozen, with adapters) is zeroed, then each kept
 checkpoint is restored into it, nbckpt's with ``Checkpointer.restore`` and DCP's with
 ``torch.distributed.checkpoint.load``, and every tensor this rank holds is hashed as the bench hashed
 it when it saved. Prints one JSON line: per strategy the keys compared and those that differ.
@@ -54,14 +56,17 @@ def _restore(strategy: str, folder: str, step: int, state: dict[str, Any]) -> No
     state["optim"].load_state_dict(plain["optim"])
 
 
-def main(bench_json: str, directory: str, *bench: str) -> int:
+def main(bench_json: str, directory: str, *rest: str) -> int:
+    finetune = rest[:1] == ("finetune",)
+    bench = rest[1:] if finetune else rest
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if bench:
         if cli.main(list(bench)) != 0:
             return 1
         dist.barrier()  # rank 0 has written the JSON
-    workload = RankWorkload(make_workload("tiny", None, "cpu"), rank, dist.get_world_size(), sharded=True)
+    inner = make_workload("tiny", None, "cpu", finetune=finetune)
+    workload = RankWorkload(inner, rank, dist.get_world_size(), sharded=True)
     workload.build()
     kept = json.loads(Path(bench_json).read_text(encoding="utf-8"))["job"]["kept"]
     report: dict[str, Any] = {"rank": rank, "checked": {}, "differ": {}}

@@ -109,3 +109,17 @@ def run_ranks(
         for proc in procs.values():
             proc.kill()
     return results
+
+
+def torchrun_two(*command: str, timeout: float = 250) -> str:
+    """``command`` on 2 local gloo ranks under torchrun; its stdout (a failure shows stderr)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *command],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
