@@ -7,7 +7,9 @@ points, and what their action is called with:
 
 - ``staging.fit`` (): a slot is about to be fitted to a save's files;
 - ``retention.pass`` (newest step): a retention pass begins, on its thread;
-- ``mirror.upload`` (local step location, file name): the mirror is about to copy one file.
+- ``mirror.upload`` (local step location, file name): the mirror is about to copy one file;
+- ``store.share`` (committed step's location, new location, file name): a directory is about to
+  hard-link one file into a new step (an OSError raised there is a file system refusing links).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 __all__ = ["POINTS", "armed", "fault_point"]
 
-POINTS = ("staging.fit", "retention.pass", "mirror.upload")
+POINTS = ("staging.fit", "retention.pass", "mirror.upload", "store.share")
 _actions: dict[str, Callable[..., None]] = {}
 
 

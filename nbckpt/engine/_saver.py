@@ -21,7 +21,7 @@ from .._errors import CheckpointError, ConfigError, describe_error
 from ._config import CheckpointConfig
 from ._dcp_values import ValueItem, dcp_metadata, dcp_values, value_items
 from ._files import FileResult, copy_file, write_image
-from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
+from ._format import METADATA_FILE, Layout, RankPlan, data_file, parse_step, plan
 from ._incremental import NOTHING_SHARED, Increments, Sharing
 from ._manifest import build, provenance
 from ._ranks import RankInfo
@@ -250,6 +250,10 @@ class Saver:
             return NOTHING_SHARED
         began = now_ns()
         sharing = self._increments.decide(flat, files, step, resave=self.store.is_local)
+        if sharing.base is not None and not self._still_committed(sharing.base):
+            # The step it would share with was deleted since (ckpt.delete, the Browser, another
+            # process): its files are gone, so this save writes every file.
+            sharing = Sharing(prints=sharing.prints)
         self.timeline.record(
             "compare",
             began,
@@ -258,6 +262,10 @@ class Saver:
             shared=len(sharing.files),
         )
         return sharing
+
+    def _still_committed(self, location: str) -> bool:
+        step = parse_step(location.rstrip("/").rsplit("/", 1)[-1])
+        return step is not None and self.store.committed_at(step) == location
 
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
         """Backpressure: wait while ``max_inflight`` saves are in flight (a sync save: for all)."""
