@@ -264,8 +264,12 @@ class Saver:
         return sharing
 
     def _still_committed(self, location: str) -> bool:
+        """Whether the step at ``location`` was not deleted since it committed: deletes through
+        this Checkpointer (``delete``, the Browser's through it, retention) tell the saver, so no
+        I/O on the stall's path. (Another process deleting it fails this save; the next writes all.)"""
         step = parse_step(location.rstrip("/").rsplit("/", 1)[-1])
-        return step is not None and self.store.committed_at(step) == location
+        with self._state:
+            return step in self.committed
 
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
         """Backpressure: wait while ``max_inflight`` saves are in flight (a sync save: for all)."""
