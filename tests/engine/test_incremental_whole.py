@@ -133,7 +133,7 @@ def test_the_browsers_delete_never_breaks_a_retained_step(tmp_path: Path) -> Non
 
 def test_a_mirrors_retention_never_breaks_a_retained_step(tmp_path: Path) -> None:
     """keep=2 deletes old steps in the run's directory and on the mirror (each step's files there
-    its own copies): both keep whole steps, and the mirror restores a run whose directory is lost."""
+    its own copies): both keep whole steps, the mirror read as a run of its own."""
     run, mirror = tmp_path / "run", tmp_path / "mirror"
     with Checkpointer(run, mode="sync", incremental=True, keep=2, mirror=str(mirror)) as ckpt:
         expected = run_steps(ckpt, range(1, 7), changed_at=4)
