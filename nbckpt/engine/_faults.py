@@ -14,7 +14,9 @@ points, and what their action is called with:
 - ``file.open`` (path): a local checkpoint file is about to be opened for reading;
 - ``dir.fsync`` (path): a local directory's entries are about to be made durable;
 - ``retention.pass`` (newest step): a retention pass begins, on its thread;
-- ``mirror.upload`` (local step location, file name): the mirror is about to copy one file.
+- ``mirror.upload`` (local step location, file name): the mirror is about to copy one file;
+- ``store.share`` (committed step's location, new location, file name): a directory is about to
+  hard-link one file into a new step (an OSError raised there is a file system refusing links).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ POINTS = (
     "dir.fsync",
     "retention.pass",
     "mirror.upload",
+    "store.share",
 )
 _actions: dict[str, Callable[..., None]] = {}
 

@@ -24,7 +24,7 @@ from ._config import CheckpointConfig
 from ._dcp_values import ValueItem, dcp_metadata, dcp_values, value_items
 from ._faults import fault_point
 from ._files import FileResult, copy_file, write_image
-from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
+from ._format import METADATA_FILE, Layout, RankPlan, data_file, parse_step, plan
 from ._incremental import NOTHING_SHARED, Increments, Sharing
 from ._manifest import build, provenance
 from ._ranks import RankInfo
@@ -286,6 +286,10 @@ class Saver:
             return NOTHING_SHARED
         began = now_ns()
         sharing = self._increments.decide(flat, files, step, resave=self.store.is_local)
+        if sharing.base is not None and not self._still_committed(sharing.base):
+            # The step it would share with was deleted since (ckpt.delete, the Browser, another
+            # process): its files are gone, so this save writes every file.
+            sharing = Sharing(prints=sharing.prints)
         self.timeline.record(
             "compare",
             began,
@@ -294,6 +298,14 @@ class Saver:
             shared=len(sharing.files),
         )
         return sharing
+
+    def _still_committed(self, location: str) -> bool:
+        """Whether the step at ``location`` was not deleted since it committed: deletes through
+        this Checkpointer (``delete``, the Browser's through it, retention) tell the saver, so no
+        I/O on the stall's path. (Another process deleting it fails this save; the next writes all.)"""
+        step = parse_step(location.rstrip("/").rsplit("/", 1)[-1])
+        with self._state:
+            return step in self.committed
 
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
         """Backpressure: wait while ``max_inflight`` saves are in flight (a sync save: for all)."""

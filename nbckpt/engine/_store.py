@@ -393,6 +393,7 @@ class LocalStore(Store):
         # A hard link: one inode, a name in each step; the file system counts the names, so the
         # bytes stay until the last step holding them is deleted. Its directory entry is made
         # durable with the new step's (commit fsyncs the directory); its bytes already are.
+        fault_point("store.share", source, location, name)
         os.link(os.path.join(source, name), os.path.join(location, name), follow_symlinks=False)
 
     def discard(self, location: str) -> None:

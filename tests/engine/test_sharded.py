@@ -34,9 +34,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict[s
     directory = tmp_path_factory.mktemp("sharded")
     return {
         "at 4": launch("save,modules,divergent", directory, 4),
-        "at 2": launch("restore,modules,save,replicas,ranked,incremental", directory, 2),
-        "at 1": launch("restore", directory, 1),
-        "at 4 again": launch("restore", directory, 4),
+        "at 2": launch("restore,modules,save,replicas,ranked,incremental,incremental_reshard", directory, 2),
+        "at 1": launch("restore,incremental_reshard", directory, 1),
+        "at 4 again": launch("restore,incremental_reshard", directory, 4),
     }
 
 
@@ -158,3 +158,14 @@ def test_2_fsdp2_ranks_with_a_frozen_embedding_each_share_their_own_files(runs: 
         assert records[0][1] == 0 and all(skipped > 0 for _, skipped in records[1:]), records
         mine = [name for name in result["embedding"] if name.startswith(f"__{rank}_")]
         assert mine and set(mine) <= set(shared), (mine, shared)
+
+
+@pytest.mark.parametrize("run", ["at 1", "at 4 again"])
+def test_an_incremental_step_sharing_files_reshards_as_plain_dcp_load_reads_it(runs: Any, run: str) -> None:
+    """Issue 32: a step whose files are the step before's (an FSDP2 save on 2 ranks with a frozen
+    embedding, the first step deleted) restores on 1 rank and on 4 bit for bit, by nbckpt and by
+    a plain ``dcp.load`` of the same step, and the two agree."""
+    for rank, seen in runs["at 2"].items():
+        assert seen["incremental_reshard"]["shared"], (rank, seen["incremental_reshard"])
+    for rank, seen in runs[run].items():
+        assert seen["incremental_reshard"] == {"nbckpt": True, "dcp.load": True, "same": True}, rank

@@ -333,26 +333,27 @@ KINDS = {4: ["fsdp", "hsdp", "fsdp+tp"], 2: ["fsdp", "tp"]}
 LAYOUTS = {(4, "fsdp"), (2, "fsdp"), (2, "tp"), (4, "hsdp"), (4, "fsdp+tp")}
 
 
+def frozen_embedding(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """FSDP2 over this world's ranks (1: a plain model) with its embedding frozen, AdamW on the rest."""
+    model = model_of(seed, 64)
+    model[0].requires_grad_(False)
+    if WORLD > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for index in (0, 1, 3):
+            fully_shard(model[index], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
 def incremental(directory: str) -> dict[str, Any]:
     """Issue 32: FSDP2 with a frozen embedding, saved incrementally three times; each rank's files
     of the third step that are its first step's (same inode), its bytes written and skipped;
     the steps before deleted, the third restored into a model of other values, bit for bit."""
     root = Path(directory) / "incremental"
-
-    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = model_of(seed, 64)
-        model[0].requires_grad_(False)
-        if WORLD > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = init_device_mesh("cpu", (WORLD,))
-            for index in (0, 1, 3):
-                fully_shard(model[index], mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-
-    model, optim = build(seed=1)
+    model, optim = frozen_embedding(seed=1)
     records = []
     with Checkpointer(root, mode="sync", incremental=True, timeout_s=60) as ckpt:
         for step in (1, 2, 3):
@@ -374,7 +375,7 @@ def incremental(directory: str) -> dict[str, Any]:
         ckpt.delete(1)
         ckpt.delete(2)
         ckpt.verify(3)
-        fresh, fresh_optim = build(seed=2)
+        fresh, fresh_optim = frozen_embedding(seed=2)
         train(fresh, fresh_optim, 1)
         ckpt.restore({"model": fresh, "optim": fresh_optim})
     now = full_state(fresh, fresh_optim)
@@ -382,8 +383,57 @@ def incremental(directory: str) -> dict[str, Any]:
     return {"records": records, "shared": shared, "embedding": embedding, "exact": exact}
 
 
+def incremental_reshard(directory: str) -> dict[str, Any]:
+    """Issue 32: 2 ranks save the frozen-embedding model incrementally at steps 1 to 3 and delete
+    step 1; step 3's files are step 2's (its embedding shards written at step 1), its full state
+    beside. Any other world size restores step 3 two ways, nbckpt and plain ``dcp.load``: each
+    bit for bit as saved, and the same as the other."""
+    root = Path(directory) / "incremental-reshard"
+    if WORLD == 2:
+        model, optim = frozen_embedding(seed=1)
+        with Checkpointer(root, mode="sync", incremental=True, timeout_s=60) as ckpt:
+            for step in (1, 2, 3):
+                train(model, optim, 1)
+                ckpt.save({"model": model, "optim": optim}, step=step).wait()
+            second, third = root / "step-000002", root / "step-000003"
+            shared = sorted(
+                name
+                for name in os.listdir(third)
+                if name.startswith(f"__{RANK}_")
+                and (third / name).stat().st_ino == (second / name).stat().st_ino
+            )
+            ckpt.delete(1)
+        reference = full_state(model, optim)
+        if RANK == 0:
+            torch.save(reference, root / "full.pt")
+        return {"shared": shared}
+    loaded = {}
+    for way in ("nbckpt", "dcp.load"):
+        model, optim = frozen_embedding(seed=2)
+        train(model, optim, 1)  # other values, and optimizer state to load into
+        if way == "dcp.load":  # what nbckpt saved of a module and an optimizer passed directly
+            target = {"model": model.state_dict(), "optim": optim.state_dict()}
+            dcp.load(target, checkpoint_id=str(root / "step-000003"))
+            model.load_state_dict(target["model"])
+            optim.load_state_dict(target["optim"])
+        else:
+            ranks = "all" if WORLD > 1 else "local"
+            with Checkpointer(root, ranks=ranks, read_only=True, timeout_s=60) as ckpt:
+                ckpt.restore({"model": model, "optim": optim}, step=3)
+        loaded[way] = full_state(model, optim)
+    if WORLD > 1 and RANK != 0:  # cpu_offload gives the full state to rank 0 only
+        return {"nbckpt": True, "dcp.load": True, "same": True}
+    reference = torch.load(root / "full.pt", weights_only=True)
+    return {
+        "nbckpt": same(loaded["nbckpt"], reference),
+        "dcp.load": same(loaded["dcp.load"], reference),
+        "same": same(loaded["nbckpt"], loaded["dcp.load"]),
+    }
+
+
 SCENARIOS = {
-    f.__name__: f for f in (save, restore, modules, divergent, replicas, ranked, killed, incremental)
+    f.__name__: f
+    for f in (save, restore, modules, divergent, replicas, ranked, killed, incremental, incremental_reshard)
 }
 
 
