@@ -104,7 +104,8 @@ def run_once(target: str, compute: str, args: argparse.Namespace, scratch: str, 
     bench = [
         *("-m", "nbckpt", "bench", "--dir", directory, "--size-mb", str(args.size_mb)),
         *("--compute-ms", str(args.compute_ms), *COMPUTE[compute]),
-        *("--strategies", ",".join(STRATEGIES), "--steps", str(args.steps), "--every", str(args.every)),
+        *("--strategies", ",".join(STRATEGIES)),
+        *(() if args.every == 0 else ("--steps", str(args.steps), "--every", str(args.every))),
         *("--repeats", "1", "--threads", "1", "--quiet", "--json", out),
     ]
     agents = [
@@ -206,8 +207,14 @@ def main() -> int:
     parser.add_argument("--size-mb", type=float, default=256.0, help="state per rank, MiB")
     parser.add_argument("--compute-ms", type=float, default=50.0, help="compute per step")
     parser.add_argument("--compute", default=",".join(COMPUTE), help="modes, from: " + ", ".join(COMPUTE))
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="with --every N")
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=0,
+        help="steps between saves; 0: the bench's own choice (4x a save's time apart, the largest "
+        "any rank measured), so that no save queues behind the write before it",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="per torchrun, seconds")
     parser.add_argument("--targets", default=",".join(TARGETS), help="from: " + ", ".join(TARGETS))
     parser.add_argument("--quick", action="store_true", help="8 MiB per rank, 2 repeats: checks the script")
