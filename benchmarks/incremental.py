@@ -43,7 +43,6 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -57,6 +56,7 @@ from _output import finish, parser
 
 from nbckpt import Checkpointer
 from nbckpt.bench._internal import PRESETS, plain_state, t_interval
+from nbckpt.bench._launch import torchrun_local
 from nbckpt.bench._workloads import gpt
 
 STRATEGIES = ("torch.save", "dcp.save", "nbckpt", "nbckpt incremental", "nbckpt adapters only")
@@ -247,15 +247,7 @@ def report(label: str, runs: dict[str, list[dict[str, float]]], full: bool) -> d
 def on_ranks(world: int, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     """This script's ``--worker`` on ``world`` ranks under torchrun; their figures merged."""
     with tempfile.TemporaryDirectory(prefix="nbckpt-incr-") as out:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(world),
-        ]
-        command += [__file__, "--worker", out, *_passed(args)]
+        command = [*torchrun_local(world), __file__, "--worker", out, *_passed(args)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
         if done.returncode != 0:

@@ -55,7 +55,15 @@ __all__ = [
     "failure_line",
     "last_line",
     "run_local_ranks",
+    "torchrun_local",
 ]
+
+
+def torchrun_local(size: int) -> list[str]:
+    """The command that starts ``size`` ranks on this host under torchrun (what follows it: the
+    script or ``-m module`` and their arguments)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(size)]
+
 
 #: How long torchrun has to end its ranks after SIGTERM before every process left is killed.
 TERMINATE_S = 20.0
@@ -188,12 +196,7 @@ class RankLaunch:
         self.size = size
         self.log_dir = tempfile.mkdtemp(prefix="nbckpt-torchrun-")
         command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(size),
+            *torchrun_local(size),
             "--tee",
             "2",  # each rank's stderr to the console (prefixed [defaultN]:) and to log_dir
             "--log-dir",

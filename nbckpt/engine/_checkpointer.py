@@ -348,7 +348,7 @@ class Checkpointer:
 
             self._run.restorer.group.from_rank0(("delete", step), remove)
             if name == self.line_name:
-                self._saver.committed.discard(step)
+                self._saver.deleted(store, step)
 
     def retain(self) -> None:
         """Apply the ``keep`` policy now, in the background, as after a commit: for a policy whose

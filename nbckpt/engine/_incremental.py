@@ -158,6 +158,12 @@ class Increments:
         """The next save shares nothing (a save failed, the line changed): it writes every file."""
         self._base = None
 
+    def deleted(self, step: int) -> None:
+        """Committed ``step`` was deleted: if the next save would share its files, it writes every
+        file instead (they are gone)."""
+        if self._base is not None and self._base.step == step:
+            self._base = None
+
     def _steady(self, key: str, now: tuple[Any, int | None]) -> bool:
         """Whether the version counter says nothing against ``key``'s tensor (``now``: what
         :func:`_seen` says of it) being as at the last save."""

@@ -24,7 +24,7 @@ from ._config import CheckpointConfig
 from ._dcp_values import ValueItem, dcp_metadata, dcp_values, value_items
 from ._faults import fault_point
 from ._files import FileResult, copy_file, write_image
-from ._format import METADATA_FILE, Layout, RankPlan, data_file, parse_step, plan
+from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._incremental import NOTHING_SHARED, Increments, Sharing
 from ._manifest import build, provenance
 from ._ranks import RankInfo
@@ -286,10 +286,6 @@ class Saver:
             return NOTHING_SHARED
         began = now_ns()
         sharing = self._increments.decide(flat, files, step, resave=self.store.is_local)
-        if sharing.base is not None and not self._still_committed(sharing.base):
-            # The step it would share with was deleted since (ckpt.delete, the Browser, another
-            # process): its files are gone, so this save writes every file.
-            sharing = Sharing(prints=sharing.prints)
         self.timeline.record(
             "compare",
             began,
@@ -298,14 +294,6 @@ class Saver:
             shared=len(sharing.files),
         )
         return sharing
-
-    def _still_committed(self, location: str) -> bool:
-        """Whether the step at ``location`` was not deleted since it committed: deletes through
-        this Checkpointer (``delete``, the Browser's through it, retention) tell the saver, so no
-        I/O on the stall's path. (Another process deleting it fails this save; the next writes all.)"""
-        step = parse_step(location.rstrip("/").rsplit("/", 1)[-1])
-        with self._state:
-            return step in self.committed
 
     def _wait_for_room(self, handle: SaveHandle, sync: bool) -> None:
         """Backpressure: wait while ``max_inflight`` saves are in flight (a sync save: for all)."""
@@ -527,14 +515,19 @@ class Saver:
             before,
             facts,
             settled,
-            partial(self._gone, store),
+            partial(self.deleted, store),
             partial(self._release, store),
         )
 
-    def _gone(self, store: Store, step: int) -> None:
+    def deleted(self, store: Store, step: int) -> None:
+        """Committed ``step`` of ``store`` was deleted (retention, ``delete``, the Browser's through
+        this Checkpointer): it no longer counts as committed, and an incremental save does not
+        share its files. (Another process deleting it fails the next save; the one after writes all.)"""
         with self._state:
             if store.url == self.store.url:  # a late pass of a line left since: not this line's steps
                 self.committed.discard(step)
+                if self._increments is not None:
+                    self._increments.deleted(step)
 
     def _release(self, store: Store, steps: list[int]) -> set[int]:
         return set().union(*(observer.release(store, steps) for observer in self._observers))

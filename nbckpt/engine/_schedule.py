@@ -256,7 +256,7 @@ class Pacer:
         if self.interval is None or self._costed is not records[-1]:
             self._costed = records[-1]
             return self.decide(now, records, restore_s(), persisting)[0]
-        return not persisting and now - self._last_save >= self.interval.daly_s
+        return self._ripe(now, persisting)
 
     def tick(self, now: float, persisting: bool) -> None:
         """A step ended at ``now`` (a call of ``due``), a save persisting or not meanwhile."""
@@ -284,12 +284,17 @@ class Pacer:
         if self._last_save is None or not records:
             return self._last_save is None, 1
         self.interval = self.schedule.interval(self.costs(records, restore_s))
-        elapsed = now - self._last_save
-        if not persisting and elapsed >= self.interval.daly_s:
+        if self._ripe(now, persisting):
             return True, 1
-        left = max(self.interval.seconds - elapsed, 0.0)
+        left = max(self.interval.seconds - (now - self._last_save), 0.0)
         step = statistics.median(self._idle or self._busy or [left])
         return False, max(1, min(math.floor(left / max(step, 1e-9)), ASK_AT_MOST))
+
+    def _ripe(self, now: float, persisting: bool) -> bool:
+        """The rule, once an interval is known: the Young/Daly optimum has passed since the last
+        save began, and that save is durable."""
+        assert self.interval is not None and self._last_save is not None
+        return not persisting and now - self._last_save >= self.interval.daly_s
 
     def costs(self, records: Sequence[SaveRecord], restore_s: float | None) -> Costs:
         """This run's costs: the recent saves' stall and time to durable (the wait for the save
