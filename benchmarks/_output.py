@@ -25,7 +25,7 @@ def parser(doc: str, *, repeats: int, directory: str, quick: str) -> argparse.Ar
 
 def finish(run: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace) -> None:
     """Run the benchmark, add the machine it ran on, and write the result to ``args.json`` if given."""
-    result = {**run(args), "environment": environment("cpu")}
+    result = {**run(args), "environment": environment(getattr(args, "device", "cpu"))}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/incremental.py --full --json data/results/incremental-full-cpu.json
     .venv/bin/python benchmarks/incremental.py --quick     # the tiny preset, 2 repeats (checks the script)
     .venv/bin/python benchmarks/incremental.py --ranks 2   # 2 ranks only (default: one process, then 2)
+    .venv/bin/python benchmarks/incremental.py --device cuda --ranks 1   # on a GPU (device_check.sh)
 
 Method. The bench's fine-tuning workload (``nbckpt bench --finetune``): its GPT (``--preset``,
 default ``small``: 6 layers x 512, ~25M parameters) frozen, and each block's two feed-forward
@@ -51,8 +52,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from _output import finish, parser
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from nbckpt import Checkpointer
 from nbckpt.bench._internal import PRESETS, plain_state, t_interval
@@ -80,8 +81,10 @@ class FineTune:
     on every feed-forward layer, trained with AdamW), or with ``full`` the GPT fully trained; on
     several ranks each rank's under a key of its own (``rank<r>``)."""
 
-    def __init__(self, preset: str, rank: int, full: bool = False, owner: int | None = None) -> None:
-        self.workload = gpt(preset, finetune=not full, adapter_rank=rank, seed=owner or 0)
+    def __init__(
+        self, preset: str, rank: int, full: bool = False, owner: int | None = None, device: str = "cpu"
+    ) -> None:
+        self.workload = gpt(preset, device, finetune=not full, adapter_rank=rank, seed=owner or 0)
         self.workload.build()
         self.trained = self.workload.trained()
         self.owner = owner
@@ -132,7 +135,7 @@ def _save(strategy: str, tune: FineTune, target: Path, ckpt: Checkpointer | None
             os.fsync(stream.fileno())
         return None
     if strategy == "dcp.save":
-        dcp.save(tune.plain(), checkpoint_id=str(target))
+        dcp_save(tune.plain(), checkpoint_id=str(target))
         return None
     assert ckpt is not None
     state = tune.adapters() if strategy == "nbckpt adapters only" else tune.state()
@@ -174,7 +177,8 @@ def run_strategy(strategy: str, tune: FineTune, saves: int, directory: Path, gro
 
 def measure(args: argparse.Namespace, group: Group) -> dict[str, list[dict[str, Any]]]:
     """This rank's figures: each strategy's, every repeat, the strategies interleaved."""
-    tune = FineTune(args.preset, args.rank, full=args.full, owner=group.rank if group.several else None)
+    owner = group.rank if group.several else None
+    tune = FineTune(args.preset, args.rank, full=args.full, owner=owner, device=args.device)
     strategies = STRATEGIES[:-1] if args.full else STRATEGIES  # all of it is trained: no adapters
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in strategies}
     order = list(strategies)
@@ -259,7 +263,7 @@ def on_ranks(world: int, args: argparse.Namespace) -> dict[str, list[dict[str, f
 def _passed(args: argparse.Namespace) -> list[str]:
     """The options a worker needs, as given (``--quick`` already applied)."""
     passed = ["--preset", args.preset, "--rank", str(args.rank), "--repeats", str(args.repeats)]
-    passed += ["--saves", str(args.saves), "--dir", args.dir]
+    passed += ["--saves", str(args.saves), "--dir", args.dir, "--device", args.device]
     return passed + (["--full"] if args.full else [])
 
 
@@ -268,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.preset, args.repeats, args.saves = "tiny", 2, 3
     began = time.perf_counter()
     worlds = [int(w) for w in args.ranks.split(",")]
-    tune = FineTune(args.preset, args.rank, full=args.full)
+    tune = FineTune(args.preset, args.rank, full=args.full, device=args.device)
     trained = sum(p.nbytes for p in tune.trained)
     total = sum(t.nbytes for t in tune.state()["model"].state_dict().values())
     del tune
@@ -283,6 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{elapsed:.0f} s in all")
     return {
         "preset": args.preset,
+        "device": args.device,
         "rank": args.rank,
         "full": args.full,
         "repeats": args.repeats,
@@ -305,7 +310,8 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> None:
+def options() -> argparse.ArgumentParser:
+    """The benchmark's options (scripts/device_check.py parses them too)."""
     options = parser(__doc__, repeats=4, directory="data/bench/incremental", quick="tiny preset, 2 repeats")
     options.add_argument("--preset", default="small", choices=sorted(PRESETS))
     options.add_argument("--rank", type=int, default=8, help="the adapters' rank")
@@ -315,8 +321,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     options.add_argument("--ranks", default="1,2", help="world sizes, in order (default: %(default)s)")
     options.add_argument("--timeout", type=float, default=900.0, help="per torchrun, seconds")
+    options.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"), help="where the model and its state live"
+    )
     options.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = options.parse_args(argv)
+    return options
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = options().parse_args(argv)
     if args.worker is not None:
         worker(args)
         return

@@ -10,7 +10,9 @@ fresh process state, ``load(map_location="cuda")``, a failed restore leaving GPU
 unchanged, and the CUDA RNG state; FSDP2 on a mesh of one GPU (DTensor shards staged into
 pinned memory, restored into a sharded model and into a plain one). Then the benchmark's GPU
 sections: the copy floor into pinned memory, the stall against DCP's async save with and
-without its pinned stager, persist into /dev/shm and restore from it. Every part records its
+without its pinned stager, persist into /dev/shm and restore from it. Then incremental saves:
+an in-place ``.data`` write on the device caught by the on-device fingerprint, and
+benchmarks/incremental.py's stall of a frozen GPT's save against its adapters' alone. Every part records its
 own error instead of stopping the run: one try on the device machine must bring back as much
 as it can.
 """
@@ -35,6 +37,7 @@ from nbckpt import Checkpointer, CheckpointError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import engine as engine_bench
+import incremental as incremental_bench
 
 
 def model_and_optimizer(device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -185,6 +188,59 @@ def fsdp_check(device: str, directory: str, repeats: int = 3) -> dict[str, Any]:
     return checks
 
 
+def incremental_check(device: str, directory: str) -> dict[str, Any]:
+    """``incremental=True`` on ``device``: the frozen base is written by the first save only, an
+    in-place change through ``.data`` (which torch's version counter does not see) is caught by the
+    fingerprint, computed where the tensor lives, and every step restores bit for bit."""
+    torch.manual_seed(0)
+
+    def fine_tune() -> dict[str, Any]:
+        base = torch.nn.Linear(1024, 1024).to(device).requires_grad_(False)
+        head = torch.nn.Linear(1024, 16).to(device)
+        return {"base": base, "head": head, "optim": torch.optim.AdamW(head.parameters())}
+
+    state = fine_tune()
+    base, head, optim = state["base"], state["head"], state["optim"]
+    written: dict[int, int] = {}
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(directory, incremental=True) as ckpt:
+        for step in range(1, 4):
+            if step == 3:
+                base.weight.data[0, 0] += 1.0  # .data: a write the version counter never sees
+            head(base(torch.randn(8, 1024, device=device))).square().mean().backward()
+            optim.step()
+            optim.zero_grad()
+            written[step] = ckpt.save(state, step=step).wait().bytes_written
+            expected[step] = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    weight = base.weight.nbytes
+    checks: dict[str, Any] = {
+        "written": written,
+        "first_writes_base": written[1] >= weight,
+        "unchanged_base_not_written": written[2] < weight / 4,
+        "data_write_caught": written[3] >= weight,
+    }
+    with Checkpointer(directory) as ckpt:
+        for step in range(1, 4):
+            fresh = fine_tune()
+            ckpt.restore(fresh, step=step)
+            restored = fresh["base"].state_dict()
+            checks[f"step{step}_bit_exact"] = all(
+                torch.equal(restored[k], v) for k, v in expected[step].items()
+            )
+    checks["ok"] = all(v is not False for v in checks.values())
+    return checks
+
+
+def incremental_benchmark(device: str, directory: str) -> dict[str, Any]:
+    """benchmarks/incremental.py in one process on ``device``: the stall of an incremental save of
+    a frozen GPT against saving its adapters alone (on a GPU the fingerprint runs on the device)."""
+    preset = "base" if device == "cuda" else "tiny"
+    args = incremental_bench.options().parse_args(
+        ["--device", device, "--ranks", "1", "--preset", preset, "--repeats", "3", "--dir", directory]
+    )
+    return incremental_bench.run(args)
+
+
 def guarded(name: str, run: Callable[[], Any], errors: dict[str, str]) -> Any:
     try:
         return run()
@@ -217,6 +273,12 @@ def main() -> int:
             "correctness", lambda: correctness(device, os.path.join(tmp, "c")), errors
         )
         result["fsdp"] = guarded("fsdp", lambda: fsdp_check(device, os.path.join(tmp, "f")), errors)
+        result["incremental"] = guarded(
+            "incremental", lambda: incremental_check(device, os.path.join(tmp, "i")), errors
+        )
+        result["incremental_benchmark"] = guarded(
+            "incremental_benchmark", lambda: incremental_benchmark(device, os.path.join(tmp, "ib")), errors
+        )
         bench = engine_bench.parse(
             [
                 "--device",
@@ -236,7 +298,10 @@ def main() -> int:
     print(json.dumps(result["correctness"], indent=1))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    ok = all(bool(result[part] and result[part]["ok"]) for part in ("correctness", "fsdp")) and not errors
+    ok = (
+        all(bool(result[part] and result[part]["ok"]) for part in ("correctness", "fsdp", "incremental"))
+        and not errors
+    )
     return 0 if ok else 1
 
 
