@@ -224,7 +224,8 @@ class NbckptCheckpointIO(CheckpointIO):
         return named
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the name ``path``; its step goes once no name is left on it (in the background)."""
+        """Remove the name ``path``; its step goes once no name is left on it (in the background;
+        at once in a folder this plug-in has not opened)."""
         target = _local_path(path)
         with self._lock:
             self._pending.pop(target, None)
@@ -232,9 +233,12 @@ class NbckptCheckpointIO(CheckpointIO):
             shutil.rmtree(target)  # left at this name by an older run: removed whole, as Lightning does
         elif os.path.lexists(target):
             os.unlink(target)  # a pointer, Lightning's "last" link, or a file of an older run
-        ckpt = self._roots.get(os.path.join(os.path.dirname(target), ROOT_NAME))
+        root = os.path.join(os.path.dirname(target), ROOT_NAME)
+        ckpt = self._roots.get(root)
         if ckpt is not None:
             ckpt.retain()
+        elif os.path.isdir(root):
+            self._collect(root)
 
     def load_checkpoint(
         self, path: str | os.PathLike[str], map_location: Any | None = None, weights_only: bool | None = None
@@ -304,6 +308,23 @@ class NbckptCheckpointIO(CheckpointIO):
             errors.extend(self._errors)
             self._errors.clear()
         return errors
+
+    def _collect(self, root: str) -> None:
+        """Delete now the steps of ``root`` that no name is left on, in a directory this plug-in
+        has not opened: one another process wrote, as rank 0's forked worker does under
+        ``ddp_fork`` (the final weights in a temporary ``.temp.ckpt``, which the main process loads
+        and removes). Left there, each fit in a notebook kept a copy of the weights."""
+        try:
+            # keep unset: no retention pass of its own runs beside the deletes below
+            ckpt = Checkpointer(root, ranks="local")
+        except CheckpointError:  # another plug-in holds it: it collects them after its next commit
+            return
+        with ckpt:
+            _settle_names(os.path.dirname(root), set(ckpt.steps()))  # what a killed run left
+            named = self._named(root)  # the policy's answer, applied now: no commit comes here
+            for step in ckpt.steps():
+                if step not in named:
+                    ckpt.delete(step)
 
     def _open(self, root: str) -> Checkpointer:
         if root not in self._roots:

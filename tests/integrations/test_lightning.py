@@ -331,6 +331,29 @@ def test_a_removed_name_frees_its_step_at_the_next_commit_without_waiting(tmp_pa
     io.teardown()
 
 
+def test_a_name_removed_by_a_plugin_that_never_opened_its_folder_takes_its_step(tmp_path: Path) -> None:
+    """``ddp_fork`` (issue 31, item 1): rank 0's forked worker saves the final weights to a
+    temporary ``.temp.ckpt``; the main process, whose plug-in never opened that folder, loads and
+    removes it. No commit follows there, so the step stayed: a copy of the weights per fit. A
+    folder another plug-in holds is left to that plug-in's next commit."""
+    writer = NbckptCheckpointIO()  # the forked worker's plug-in
+    writer.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a" / ".temp.ckpt")
+    writer.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a" / "kept.ckpt")
+    writer.teardown()
+    main = NbckptCheckpointIO()
+    main.remove_checkpoint(tmp_path / "a" / ".temp.ckpt")
+    assert _steps(tmp_path / "a") == [2] and _names(tmp_path / "a") == {"kept.ckpt": 2}
+    assert main._roots == {}  # released at once: no thread, no lock left in the main process
+    holder = NbckptCheckpointIO()
+    holder.save_checkpoint({"w": torch.ones(4)}, tmp_path / "b" / "x.ckpt")
+    holder.wait()
+    main.remove_checkpoint(tmp_path / "b" / "x.ckpt")  # no error: the holder deletes its step
+    assert _names(tmp_path / "b") == {} and main._roots == {}
+    holder.save_checkpoint({"w": torch.zeros(4)}, tmp_path / "b" / "y.ckpt")
+    holder.teardown()
+    assert _steps(tmp_path / "b") == [2]
+
+
 def test_orphan_steps_of_a_killed_run_are_collected(tmp_path: Path) -> None:
     with Checkpointer(tmp_path / ROOT_NAME, mode="sync") as ckpt:
         ckpt.save({"x": torch.ones(3)}, step=7)  # committed, but its pointer was never written
@@ -434,6 +457,51 @@ def test_ddp_two_processes_rank0_saves_alone(tmp_path: Path) -> None:
     names = _names(tmp_path / "resumed")
     assert set(names) == {"epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt", "last.ckpt"}
     assert _steps(tmp_path / "resumed") == sorted(set(names.values()))
+
+
+IN_A_NOTEBOOK = """
+import json, torch, lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from integrations.lit_app import TinyModel, data, digest
+from nbckpt.integrations.lightning import NbckptCheckpointIO
+torch.manual_seed(0)
+model = TinyModel()
+t = pl.Trainer(max_epochs=2, accelerator="cpu", devices=2, plugins=[NbckptCheckpointIO()],
+               callbacks=[ModelCheckpoint(dirpath="ckpt", save_last=True)], logger=False,
+               enable_progress_bar=False, enable_model_summary=False)
+t.fit(model, data())
+print(json.dumps({"start_method": t.strategy.launcher._start_method, "digest": digest(model)}))
+"""
+
+
+@pytest.mark.slow  # about 25 s; the default suite proves a fork child's save commits (test_misuse)
+@pytest.mark.timeout(300)
+def test_devices_2_in_a_real_kernel_forks_and_every_save_commits(tmp_path: Path) -> None:
+    """Issue 31, item 1: in a notebook Lightning runs ``devices=2`` as ``ddp_fork``; rank 0's
+    forked worker saves the final weights through the plug-in and leaves by ``os._exit``. The
+    save in flight never committed ("ConfigError: .../.temp.ckpt does not exist" in the kernel,
+    a ``.tmp-step-*`` left behind). Now fit ends in the kernel with the trained weights, every
+    name is a committed step and nothing else is left, the temporary weights' step included."""
+    from helpers.kernel import RealKernel
+
+    tests = str(Path(__file__).parents[1])
+    path = os.pathsep.join([tests, str(Path(tests).parent), os.environ.get("PYTHONPATH", "")])
+    temporary = tmp_path / "tmp"  # where Lightning's mkdtemp puts the worker's .temp.ckpt
+    temporary.mkdir()
+    kernel = RealKernel(tmp_path, {"OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TMPDIR": str(temporary)})
+    try:
+        seen = json.loads(kernel.run(IN_A_NOTEBOOK, timeout=240).strip().splitlines()[-1])
+    finally:
+        kernel.close()
+    assert seen["start_method"] == "fork"  # Lightning's own choice in a kernel: the case at issue
+    names = _names(tmp_path / "ckpt")
+    assert {"epoch=1-step=8.ckpt", "last.ckpt"} <= set(names) and _steps(tmp_path / "ckpt") == sorted(
+        set(names.values())
+    )
+    assert digest(load_from_checkpoint(TinyModel, tmp_path / "ckpt" / "last.ckpt")) == seen["digest"]
+    assert not [name for name in os.listdir(tmp_path / "ckpt" / ROOT_NAME) if name.startswith(".tmp")]
+    assert list(temporary.rglob(ROOT_NAME))  # the worker saved its final weights there: the check bites
+    assert [path.name for path in temporary.rglob("*") if "step-" in path.name] == []  # no copy left
 
 
 def test_pytorch_lightning_trainer_accepts_the_plugin(tmp_path: Path) -> None:
