@@ -213,6 +213,13 @@ def test_two_agents_as_two_hosts_name_both_and_group_the_ranks_by_host(tmp_path:
     # Each host's load, from its own rank; each rank's floors, under its host.
     assert {host: load["ranks"] for host, load in job["load_by_host"].items()} == job["hosts"]
     assert {(row["rank"], row["host"]) for row in job["floors"]["by_rank"]} == set(hosts.items())
+    # The same file renders offline: a swimlane per rank named by its host, hosts in order.
+    assert cli.main(["report", "--from", str(out), "--output-dir", str(tmp_path / "html")]) == 0
+    page = (tmp_path / "html" / "report.html").read_text()
+    lanes = [
+        json.dumps(f"{host} · rank {rank}") for rank, host in sorted(hosts.items(), key=lambda item: item[1])
+    ]
+    assert "2 ranks on 2 host(s)" in page and 0 < page.index(lanes[0]) < page.index(lanes[1]), lanes
 
 
 @pytest.mark.s3

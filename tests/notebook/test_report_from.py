@@ -88,6 +88,11 @@ def test_a_torchrun_runs_json_renders_every_rank_and_the_straggler(
     for rank in (0, 1):
         assert json.dumps(f"{host} · rank {rank}") in page  # its swimlane (in the figure's JSON)
     assert f"straggler rank 1 on {host}" in page
+    # The stall distribution over ranks: a point per rank, the slowed rank 1 starred.
+    (stalls,) = [data for data, layout in _figures(page) if _title(layout).startswith("Stall per checkpoint")]
+    (points,) = [trace for trace in stalls if trace["type"] == "scatter" and trace["name"] == "nbckpt-async"]
+    assert points["hovertext"] == [f"rank 0 on {host}", f"rank 1 on {host} (straggler)"]
+    assert points["marker"]["symbol"] == ["circle", "star"]
     assert "Measured scaling" not in page  # one rank count: no curve
     # The aggregate write rate over time, drawn from every rank's persists: there, with data.
     (rates,) = [
