@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import torch
+from helpers.faults import armed
 from integrations.hf_app import Tokens, digest, train
 
 from nbckpt import BestN, Checkpointer, ConfigError, SaveSchedule
@@ -274,3 +276,33 @@ def test_load_best_model_at_end_sets_the_best_adapter_as_the_trainer_does(tmp_pa
     cb.close()
     assert cb.best_step == ours.state.best_global_step == own.state.best_global_step != 12
     assert digest(ours.model) == digest(own.model)  # the best adapter, loaded at the end
+
+
+def test_a_save_that_waits_for_the_one_before_says_so_in_the_training_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 31, item 13: with one save in flight (max_inflight=1) the next save waits for the
+    previous write and fsync, and that wait becomes most of the stall the Trainer's loop sees.
+    The callback says so in the training log (a warning the first time) and
+    ``SaveRecord.wait_s`` holds it, as the Lightning plug-in does."""
+    cb = NbckptCallback(tmp_path / "ckpt")
+    release, waiting = threading.Event(), threading.Event()
+    commit = cb.ckpt.store.commit
+
+    def held_commit(*args: Any) -> Any:
+        release.wait()
+        return commit(*args)
+
+    cb.ckpt.store.commit = held_commit  # type: ignore[method-assign]
+    reached: list[bool] = []  # whether step 8's save reached the wait (step 4's commit held till then)
+    threading.Thread(target=lambda: (reached.append(waiting.wait(60)), release.set()), daemon=True).start()
+    with caplog.at_level("INFO", logger="nbckpt"), armed("save.wait", lambda step: waiting.set()):
+        train(tmp_path / "out", [cb])
+    cb.ckpt.wait()
+    records = {record.step: record.wait_s for record in cb.ckpt.records}
+    cb.close()
+    assert reached == [True], "the save of step 8 never waited for room"
+    assert set(records) == {4, 8, 12} and records[4] == 0 < records[8]
+    said = [r for r in caplog.records if "waited" in r.getMessage()]
+    assert said and said[0].levelname == "WARNING" and "the save of step 8 waited" in said[0].getMessage()
+    assert "max_inflight" in said[0].getMessage() and [r.levelname for r in said[1:]] in ([], ["INFO"])
