@@ -15,8 +15,9 @@ synchronous ``checkpoint-N/`` folder. ``keep`` plays ``save_total_limit``'s part
 ``keep``, ``save_total_limit`` itself applies; with both, ``keep`` does, with a warning; a number, or a
 retention policy such as ``BestN("eval_loss", 2)``: each save carries the step's evaluation
 metrics); as with ``save_total_limit``, the Trainer's best step is kept too. When the step
-is also evaluated, the save waits for the evaluation, as the Trainer's own does, so the saved
-state knows the step's metrics and the best one so far.
+also logs or is evaluated, the save waits for its log line and evaluation, as the Trainer's own
+does: the saved state is the one the Trainer's own checkpoint holds (its log lines, metrics, best
+metric and ``total_flos``).
 
 Under ``torchrun`` every rank saves its part (the model and optimizer once, spread over the
 ranks; each rank's RNG states under its own key). The Checkpointer opens at first use, once the
