@@ -207,8 +207,9 @@ def _without_per_run(state: dict[str, Any]) -> dict[str, Any]:
         {"logging_steps": 2},  # the save step (4) logs
         {"logging_steps": 3},  # it neither logs nor evaluates (lines at 3, 6, 9, 12)
         {"eval_dataset": Tokens(seed=1, rows=16), "eval_strategy": "steps", "eval_steps": 4},  # it evaluates
+        {"logging_steps": 2, "gradient_accumulation_steps": 2},  # two batches a step, mid-epoch
     ],
-    ids=["logs", "neither", "evaluates"],
+    ids=["logs", "neither", "evaluates", "accumulating"],
 )
 def test_the_saved_trainer_state_is_the_trainers_own_and_so_is_the_resumed_run(
     tmp_path: Path, options: dict[str, Any]
@@ -235,7 +236,7 @@ def test_the_saved_trainer_state_is_the_trainers_own_and_so_is_the_resumed_run(
     second = NbckptCallback(tmp_path / "ckpt")
     resumed = train(tmp_path / "out", [second], resume=second.resume_checkpoint(step=4), **options)
     second.close()
-    assert resumed.losses == own.losses[4:]
+    assert resumed.losses == own.losses[4 * options.get("gradient_accumulation_steps", 1) :]
     after = _without_per_run(dataclasses.asdict(resumed.state))
     assert after == _without_per_run(dataclasses.asdict(own_resumed.state))
     assert (after == _without_per_run(dataclasses.asdict(own.state))) == (options.get("logging_steps") != 3)
