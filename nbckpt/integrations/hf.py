@@ -15,8 +15,9 @@ synchronous ``checkpoint-N/`` folder. ``keep`` plays ``save_total_limit``'s part
 ``keep``, ``save_total_limit`` itself applies; with both, ``keep`` does, with a warning; a number, or a
 retention policy such as ``BestN("eval_loss", 2)``: each save carries the step's evaluation
 metrics); as with ``save_total_limit``, the Trainer's best step is kept too. When the step
-is also evaluated, the save waits for the evaluation, as the Trainer's own does, so the saved
-state knows the step's metrics and the best one so far.
+also logs or is evaluated, the save waits for its log line and evaluation, as the Trainer's own
+does: the saved state is the one the Trainer's own checkpoint holds (its log lines, metrics, best
+metric and ``total_flos``).
 
 Under ``torchrun`` every rank saves its part (the model and optimizer once, spread over the
 ranks; each rank's RNG states under its own key). The Checkpointer opens at first use, once the
@@ -57,6 +58,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import SaveStrategy
 from transformers.utils import WEIGHTS_NAME
 from transformers.utils.peft_utils import ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME
 
@@ -64,7 +66,7 @@ from .._errors import ConfigError
 from ..engine import AnyOf, CheckpointConfig, Checkpointer, CustomSteps, RetentionPolicy, SaveHandle
 from ..engine._internal import step_name, write_atomic
 from ._common import atomic_torch_save, said_waited
-from ._hf_compat import count_evaluation
+from ._hf_compat import FlosCounter, count_evaluation
 
 __all__ = ["NbckptCallback"]
 
@@ -78,6 +80,8 @@ _WRITTEN = (
     "|".join(re.escape(n) for n in (WEIGHTS_NAME, OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME))
     + r"|rng_state(?:_[0-9]+)?\.pth"
 )
+#: The save strategies at which the Trainer records its best checkpoint as it saves.
+_BEST_RECORDED = (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST)
 _RESUME_FILE = re.compile(rf"(?:{_WRITTEN})|\.(?:{_WRITTEN})\.tmp-.+")
 
 
@@ -117,6 +121,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         """The step ``load_best_model_at_end`` loads: the newest saved step that was the best so far."""
         self._due = False  # a save taken over from the Trainer, waiting for this step's evaluation
         self._resume_folder: str | None = None  # written by resume_checkpoint, removed once read
+        self._flos = FlosCounter()  # what the Trainer's own save would add to total_flos
 
     @property
     def ckpt(self) -> Checkpointer:
@@ -158,6 +163,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._flos.counting = False  # the step's batches are counted; evaluations are not
         if self._config.schedule is not None and self.ckpt.due():  # every rank asks: rank 0 decides
             control.should_save = True
         self._take_over(args, state, control, kwargs)
@@ -176,12 +182,32 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if "loss" in (
+            kwargs.get("logs") or {}
+        ):  # a training log line: total_flos was just brought up to date
+            self._flos.stored()
         if self._due and control.should_save and not control.should_evaluate:  # else on_evaluate saves
             self._save(args, state, control, kwargs, None)
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if args.load_best_model_at_end and _names_a_step_of(state.best_model_checkpoint, self.directory):
+            # A resumed state names nbckpt's best step: the Trainer would look for its own weight
+            # files there at the end (a warning that it found none); on_train_end loads it instead.
+            state.best_model_checkpoint = None
+        if kwargs.get("model") is not None:
+            self._flos.attach(kwargs["model"])
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._flos.stored()  # a save the Trainer made itself (save_strategy="best") stored them
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._flos.counting = True
         self._due = False  # a save left to the Trainer (an evaluation another callback called off)
         # The Trainer has read the resume folder by now (the RNG file last, before this step).
         self._remove_resume_folder()
@@ -189,6 +215,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._flos.detach()
         self.ckpt.wait()  # the run's checkpoints are durable when train() returns; raises a failure
         self._remove_resume_folder()
         model = kwargs.get("model")
@@ -233,11 +260,18 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         trainer_state = dataclasses.asdict(state)  # what TrainerState.save_to_json writes
         # as rank 0 writes it (the Trainer's file is rank 0's): one value on every rank
         trainer_state.update(is_local_process_zero=True, is_world_process_zero=True)
+        trainer_state["total_flos"] = self._flos.total(args, state)  # as the Trainer's save stores them
         if metrics is not None:
             count_evaluation(trainer_state, args, metrics)
         self._saved.add(state.global_step)
         if trainer_state["best_global_step"] in self._saved:
             self.best_step = trainer_state["best_global_step"]  # as the Trainer does: if it was saved
+        if self.best_step is not None and args.save_strategy in _BEST_RECORDED:
+            # what the Trainer records at each of its saves: its best saved checkpoint
+            best = os.path.join(self.directory, step_name(self.best_step))
+            trainer_state["best_model_checkpoint"] = best
+            if not args.load_best_model_at_end:  # else on_train_end names it, once it is loaded
+                state.best_model_checkpoint = best
         rank, world = _rank_and_world()
         adapter = _peft_adapter(objects["model"])
         saved: dict[str, Any] = {
@@ -371,6 +405,10 @@ def _not_ours(folder: str, run: str) -> str | None:
         if strange:
             return f"it holds {name}/{strange[0]}, which nbckpt did not write"
     return None
+
+
+def _names_a_step_of(path: str | None, run: str) -> bool:
+    return path is not None and os.path.dirname(os.path.abspath(path)) == run
 
 
 def _distributed() -> bool:

@@ -1,5 +1,6 @@
-"""Counts of run_lightning.sh's JUnit files, and the tests that pass with Lightning's default IO
-but not with nbckpt's: ``python summarize.py OUT``."""
+"""Counts of run_lightning.sh's or run_transformers.sh's JUnit files, and the tests that pass as
+they are (``default``: Lightning's default IO, the Trainer's own checkpoints) but not with nbckpt:
+``python summarize.py OUT``."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def main(out: Path) -> None:
     passing = {name for name, kind in runs["default"].items() if kind == "passed"}
     if runs["nbckpt"]:
         kept = sum(runs["nbckpt"].get(name) == "passed" for name in passing)
-        print(f"{kept} of the {len(passing)} passing with the default IO pass with nbckpt's; the others:")
+        print(f"{kept} of the {len(passing)} passing as they are (default) pass with nbckpt; the others:")
         for name in sorted(passing):
             if runs["nbckpt"].get(name) != "passed":
                 print(f"  {runs['nbckpt'].get(name, 'not run')}: {name}")

@@ -3,8 +3,11 @@ process and under torchrun, load_best_model_at_end."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -115,6 +118,40 @@ def test_load_best_model_at_end_as_the_trainer_does_it(tmp_path: Path) -> None:
     assert digest(resumed.model) == digest(own.model)
 
 
+def test_each_save_names_the_best_step_as_the_trainers_own_saves_do(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Trainer's own saves set ``state.best_model_checkpoint`` to the best checkpoint saved so
+    far, with or without load_best_model_at_end (transformers' test_early_stopping_callback checks
+    it): so do the callback's, naming nbckpt's step directory, in the live state and the saved one.
+    With load_best_model_at_end a resumed run does not hand that directory to the Trainer's own
+    loader at the end (it found no weight files there: "Could not locate the best model")."""
+    options = {**BEST, "load_best_model_at_end": False, "metric_for_best_model": "loss"}
+    own = train(tmp_path / "own", [], **options)
+    assert own.state.best_model_checkpoint == str(tmp_path / "own" / "checkpoint-4")
+    cb = NbckptCallback(tmp_path / "ckpt")
+    ours = train(tmp_path / "ours", [cb], **options)
+    cb.close()
+    best = str(tmp_path / "ckpt" / "step-000004")
+    assert ours.state.best_model_checkpoint == best
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+        assert json.loads(ckpt.load(8)["trainer_state"])["best_model_checkpoint"] == best
+
+    first = NbckptCallback(tmp_path / "resumed-ckpt")
+    train(tmp_path / "resumed", [first], stop_at=6, **BEST)
+    first.close()
+    second = NbckptCallback(tmp_path / "resumed-ckpt")
+    transformers_log = logging.getLogger("transformers")
+    transformers_log.addHandler(caplog.handler)
+    try:
+        resumed = train(tmp_path / "resumed", [second], resume=second.resume_checkpoint(), **BEST)
+    finally:
+        transformers_log.removeHandler(caplog.handler)
+        second.close()
+    assert "Could not locate the best model" not in caplog.text
+    assert resumed.state.best_model_checkpoint == str(tmp_path / "resumed-ckpt" / "step-000004")
+
+
 def test_keep_keeps_the_best_step_for_load_best_model_at_end(tmp_path: Path) -> None:
     # keep=2 alone would have deleted step 4 by step 8: the best step stays beside the newest two
     cb = NbckptCallback(tmp_path / "ckpt", keep=2)
@@ -154,25 +191,57 @@ def test_save_total_limit_applies_to_the_callbacks_steps(
         assert ckpt.steps() == [4, 8, 12]
 
 
-def test_the_log_history_of_a_resumed_run_is_the_straight_runs(tmp_path: Path) -> None:
-    """Issue 31, item 8: the saved TrainerState lacked the save step's log line (the callback
-    saved before the Trainer logged), so a resumed run's log_history missed it (transformers'
-    test_can_resume_training fails on exactly that). The save now follows the step's log."""
-    straight_cb = NbckptCallback(tmp_path / "straight-ckpt")
-    straight = train(tmp_path / "straight", [straight_cb], logging_steps=2)
-    straight_cb.close()
+#: Log values that differ between a run and its resume as they do with the Trainer's own
+#: checkpoints: times (eval_runtime, train_samples_per_second) and train_loss (this session's mean).
+_PER_RUN = re.compile(r"train_loss|.*_(runtime|per_second)")
+
+
+def _without_per_run(state: dict[str, Any]) -> dict[str, Any]:
+    """``TrainerState`` as a dict, its log lines without what differs per run (as transformers' own
+    ``check_trainer_state_are_the_same`` leaves it out)."""
+    lines = [{k: v for k, v in line.items() if not _PER_RUN.fullmatch(k)} for line in state["log_history"]]
+    return {**state, "log_history": lines}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"logging_steps": 2},  # the save step (4) logs
+        {"logging_steps": 3},  # it neither logs nor evaluates (lines at 3, 6, 9, 12)
+        {"eval_dataset": Tokens(seed=1, rows=16), "eval_strategy": "steps", "eval_steps": 4},  # it evaluates
+        {"logging_steps": 2, "gradient_accumulation_steps": 2},  # two batches a step, mid-epoch
+    ],
+    ids=["logs", "neither", "evaluates", "accumulating"],
+)
+def test_the_saved_trainer_state_is_the_trainers_own_and_so_is_the_resumed_run(
+    tmp_path: Path, options: dict[str, Any]
+) -> None:
+    """Issue 31, item 8: the state nbckpt saves at step 4 is what the Trainer's own checkpoint-4
+    holds, log_history and total_flos included (the callback saved before the Trainer logged: the
+    saved log_history lacked the save step's line), and a run resumed from it ends with the state
+    of a run resumed from the Trainer's own checkpoint-4, field by field, as transformers'
+    test_can_resume_training compares them. Where the save step logs or evaluates, that is the
+    straight run's state; where it does neither, the Trainer's own resume logs step 6's mean loss
+    over steps 5-6 (the steps since it resumed), and so does this one."""
+    own = train(tmp_path / "own", [], **options)  # the Trainer's own checkpoints
+    theirs = json.loads((tmp_path / "own" / "checkpoint-4" / "trainer_state.json").read_text())
+    own_resumed = train(
+        tmp_path / "own-resumed", [], resume=str(tmp_path / "own" / "checkpoint-4"), **options
+    )
+
     first = NbckptCallback(tmp_path / "ckpt")
-    train(tmp_path / "out", [first], stop_at=6, logging_steps=2)
+    train(tmp_path / "out", [first], stop_at=6, **options)
     first.close()
+    with Checkpointer(tmp_path / "ckpt", read_only=True) as ckpt:
+        ours = json.loads(ckpt.load(4)["trainer_state"])
+    assert _without_per_run(ours) == _without_per_run(theirs)
     second = NbckptCallback(tmp_path / "ckpt")
-    resumed = train(tmp_path / "out", [second], resume=second.resume_checkpoint(), logging_steps=2)
+    resumed = train(tmp_path / "out", [second], resume=second.resume_checkpoint(step=4), **options)
     second.close()
-
-    def steps(trainer: Any) -> list[dict[str, Any]]:
-        return [entry for entry in trainer.state.log_history if "loss" in entry]
-
-    assert [e["step"] for e in steps(straight)] == [2, 4, 6, 8, 10, 12]
-    assert steps(resumed) == steps(straight)
+    assert resumed.losses == own.losses[4 * options.get("gradient_accumulation_steps", 1) :]
+    after = _without_per_run(dataclasses.asdict(resumed.state))
+    assert after == _without_per_run(dataclasses.asdict(own_resumed.state))
+    assert (after == _without_per_run(dataclasses.asdict(own.state))) == (options.get("logging_steps") != 3)
 
 
 @pytest.mark.parametrize(("mtbf", "saved"), [("1000h", [1]), (1e-3, "often")])
