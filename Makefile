@@ -51,7 +51,7 @@ lint: $(STAMP)
 # nbval runs with --dist loadfile: the cells of one notebook must share one kernel (one worker).
 test: export OMP_NUM_THREADS = 1
 test: $(STAMP) browser-deps lint
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=25 tests
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q --nbval-lax --nbval-current-env notebooks
 	# nbval runs them with their defaults: 01 and 08 keep their run for re-running cells by hand
 	rm -rf data/checkpoints/01_quickstart data/checkpoints/08_never_lose_work
