@@ -70,10 +70,21 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_sweep(args, progress)
     if args.fsdp and not bench.in_torchrun():
         raise ConfigError("--fsdp shards the model over the ranks of torchrun; run under torchrun")
-    on_event = None
-    if args.events:  # stdout is the events' from here on; progress goes there too
-        writer = bench.EventWriter.on_stdout()
-        progress, on_event = (None if args.quiet else writer.line), writer.event
+    if not args.events:
+        return _bench_run(args, progress, None)
+    writer = bench.EventWriter.on_stdout()  # stdout is the events' from here on; progress goes there too
+    try:
+        return _bench_run(args, None if args.quiet else writer.line, writer.event)
+    finally:
+        writer.close()  # what the reader has not taken yet, it is given a while to
+
+
+def _bench_run(
+    args: argparse.Namespace, progress: Callable[[str], None] | None, on_event: Callable[[Any], None] | None
+) -> int:
+    """``nbckpt bench`` in this process: as one rank of torchrun's, or alone."""
+    from .bench import _internal as bench
+
     if bench.in_torchrun():  # one rank of many: rank 0 alone prints and writes the results
         ranked = bench.run_bench_on_ranks(args, progress, on_event)
         if ranked is None:

@@ -14,7 +14,8 @@ With ``events``, every rank streams what it measures as it happens: ``nbckpt ben
 makes each rank write one JSON line per event and per progress line to its stdout
 (:class:`EventWriter`; what else it prints goes to stderr), a pipe the caller reads
 (:meth:`RankLaunch.read_events`). Each line is one ``write`` of at most ``PIPE_BUF`` bytes, so the
-ranks' lines never interleave; the reader blocks on the pipe, it never polls.
+ranks' lines never interleave; the reader blocks on the pipe, it never polls. A rank never waits
+for the reader: its lines go through a bounded queue to a writer thread of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import contextlib
 import glob
 import json
 import os
+import queue
 import re
 import shutil
 import signal
@@ -48,6 +50,8 @@ from ._comparison import Comparison
 
 __all__ = [
     "EVENT_KEY",
+    "FLUSH_S",
+    "QUEUED_LINES",
     "TERMINATE_S",
     "EventWriter",
     "RankLaunch",
@@ -71,6 +75,11 @@ TERMINATE_S = 20.0
 EVENT_KEY = "nbckpt"
 #: A progress line longer than this is cut (JSON may spell a character in 6 bytes: PIPE_BUF).
 _LINE_CHARS = 500
+#: The lines a rank holds for a reader that fell behind (an event's is about 200 bytes, none
+#: over PIPE_BUF: about 1 MiB, 16 MiB at most); more are counted and dropped (:class:`EventWriter`).
+QUEUED_LINES = 4096
+#: How long a rank's end waits for the reader to take the lines still queued.
+FLUSH_S = 10.0
 # torchrun's account of the first failure: "rank : 1 (local_rank: 1)", "exitcode : -9 (pid: 42)".
 _ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)(?:\s*\(local_rank:\s*(\d+)\))?", re.MULTILINE)
 _ROOT_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
@@ -83,13 +92,25 @@ _running: weakref.WeakSet[RankLaunch] = weakref.WeakSet()
 
 class EventWriter:
     """One rank's end of the events pipe (``nbckpt bench --events``): its events, their times on
-    the wall clock (which the local ranks share), and its progress lines."""
+    the wall clock (which the local ranks share), and its progress lines.
 
-    def __init__(self, rank: int, fd: int) -> None:
+    The rank's threads (training, nbckpt's writers) only queue a line: a thread of the writer's
+    own writes it, so a reader that falls a pipe's buffer (64 KiB) behind never blocks training.
+    While the reader lives no line is lost unless it falls ``queued`` lines behind (memory stays
+    bounded): the lines beyond are dropped, and their number is written on the stream as a progress
+    line. A reader gone (the pipe closed) drops every line from then on and the run goes on.
+    :meth:`close` gives the reader ``FLUSH_S`` to take what is queued, and says on stderr what it
+    did not take."""
+
+    def __init__(self, rank: int, fd: int, *, queued: int = QUEUED_LINES) -> None:
         self.rank, self.fd = rank, fd
         self.closed = False  # the reader is gone: the run goes on, its events are dropped
-        self._lock = threading.Lock()  # events come from the loop's and the writers' threads
+        self.dropped = 0  # lines dropped, the reader being ``queued`` lines behind, not yet said
+        self._lock = threading.Lock()  # ``dropped``: counted on the rank's threads, said on the writer's
+        self._lines: queue.Queue[bytes | None] = queue.Queue(queued)
         self._offset_ns = time.time_ns() - time.perf_counter_ns()
+        self._writer = threading.Thread(target=self._write_all, name="nbckpt-events-writer", daemon=True)
+        self._writer.start()
 
     @classmethod
     def on_stdout(cls) -> EventWriter:
@@ -115,15 +136,56 @@ class EventWriter:
     def line(self, text: str) -> None:
         self._write({"line": text[:_LINE_CHARS]})
 
+    def close(self, timeout_s: float = FLUSH_S) -> None:
+        """Write what is queued, the reader given ``timeout_s`` to take it, and close the pipe;
+        what it did not take is said on stderr (the run has ended: nothing waits any longer)."""
+        if not self._writer.is_alive():
+            return
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(queue.Full):
+            self._lines.put(None, timeout=timeout_s)
+        self._writer.join(max(0.0, deadline - time.monotonic()))
+        if self._writer.is_alive():  # stuck in a write the reader does not take: left behind
+            left = self._lines.qsize() + self.dropped
+            print(
+                f"nbckpt: rank {self.rank}: {left} events not delivered, the reader took none "
+                f"for {timeout_s:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        os.close(self.fd)
+
     def _write(self, record: dict[str, Any]) -> None:
-        data = (json.dumps({EVENT_KEY: self.rank, **record}) + "\n").encode()
-        with self._lock:
-            if self.closed:
-                return
-            try:
-                os.write(self.fd, data)  # <= PIPE_BUF: all at once, never between another's bytes
-            except OSError:
-                self.closed = True
+        if self.closed:
+            return
+        try:
+            self._lines.put_nowait(self._encoded(record))
+        except queue.Full:
+            with self._lock:
+                self.dropped += 1
+
+    def _encoded(self, record: dict[str, Any]) -> bytes:
+        return (json.dumps({EVENT_KEY: self.rank, **record}) + "\n").encode()
+
+    def _write_all(self) -> None:
+        """The writer thread: each queued line in turn, then the number dropped meanwhile."""
+        while (data := self._lines.get()) is not None:
+            self._send(data)
+            with self._lock:
+                dropped, self.dropped = self.dropped, 0
+            if dropped:
+                behind = self._lines.maxsize
+                said = f"rank {self.rank}: {dropped} events dropped: the reader fell {behind} lines behind"
+                self._send(self._encoded({"line": said}))
+
+    def _send(self, data: bytes) -> None:
+        if self.closed:
+            return
+        try:
+            os.write(self.fd, data)  # <= PIPE_BUF: all at once, never between another's bytes
+        except OSError:  # the reader is gone
+            self.closed = True
 
 
 def decode(line: str) -> Event | str:

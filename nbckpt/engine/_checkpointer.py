@@ -34,7 +34,7 @@ from ._saver import Saver
 from ._schedule import Grace, Interval, Pacer
 from ._store import Store, check_step
 from ._timeline import SaveHandle, SaveRecord, Timeline
-from ._workers import Pool
+from ._workers import Pool, refuse_waits, worker_thread
 
 __all__ = ["Checkpointer", "close_all", "writer_of"]
 
@@ -52,6 +52,12 @@ class Checkpointer:
     rank creates the Checkpointer and calls ``save`` and ``restore`` together, each with its
     own tensors (a key on several ranks is taken as replicated and written once); when one
     rank checkpoints alone, pass ``ranks="local"``.
+
+    A save's callbacks (``handle.committed.add_done_callback``) and timeline listeners run on
+    nbckpt's own threads: there the reading calls work (``steps``, ``latest_step``, ``has_step``,
+    ``lines``, ``manifest``, ``verify``, ``load``, ``records``, ``handles``), while any thread may
+    be in ``wait()``; the calls that wait for nbckpt's threads (``save``, ``wait``, ``restore``,
+    ``delete``, ``close``, ...) raise a ConfigError there instead of waiting for ever.
     """
 
     def __init__(
@@ -154,7 +160,7 @@ class Checkpointer:
         check_flag(overwrite, "overwrite")
         given = {"mode": mode, "capture_rng": capture_rng}
         config = CheckpointConfig.build(self.config, **{k: v for k, v in given.items() if v is not None})
-        with self._operation():
+        with self._operation("save"):
             self._check_open(writing=True)
             check_step(step)
             self._run.branch_if_rewound()
@@ -181,7 +187,7 @@ class Checkpointer:
         if self._pacer is None:
             raise ConfigError("due() needs a schedule: Checkpointer(..., schedule=SaveSchedule(mtbf='8h'))")
         persisting = any(not handle.done() for handle in self._saver.handles)
-        with self._operation():
+        with self._operation("due"):
             return self._pacer.due(persisting, self.records, self._last_restore_s, self._caller)
 
     def _last_restore_s(self) -> float | None:
@@ -196,19 +202,20 @@ class Checkpointer:
     def warmup(self, state: Mapping[str, Any]) -> int:
         """Plan the files and allocate every staging slot for ``state``'s structure now, so the
         first save during training costs what the others do; return the host bytes held."""
-        with self._operation():
+        with self._operation("warmup"):
             self._check_open(writing=True)
             self._saver.warmup(state)
             return self.host_bytes
 
     def wait_staged(self) -> None:
         """Block until every save has finished copying the state (see ``save(overlap=True)``)."""
+        refuse_waits("ckpt.wait_staged()")
         self._saver.wait_staged()
 
     def wait(self) -> list[SaveRecord]:
         """Block until every save in flight has committed (and reached the mirror); raise the
         first background error."""
-        with self._operation():
+        with self._operation("wait"):
             records = self._saver.wait()
             self._wait_mirror()
             return records
@@ -287,7 +294,7 @@ class Checkpointer:
         warning). Saves in flight are waited for first; if the restore fails, ``state`` is
         unchanged.
         """
-        with self._operation():
+        with self._operation("restore"):
             self._check_open()
             if not isinstance(state, dict):
                 raise ConfigError(f"state must be a dict, not {type(state).__name__}")
@@ -315,21 +322,29 @@ class Checkpointer:
         (or ``map_location``), modules and optimizers as their state dicts. Newest step by default.
 
         ``map_location="meta"`` reads no tensor data at all: shapes, dtypes and every saved
-        value (hyperparameters, step counters) from the manifest alone."""
+        value (hyperparameters, step counters) from the manifest alone. From a save's callback
+        it reads the steps committed so far (the saves in flight are not waited for)."""
         device = device_of(map_location)
-        with self._operation():
-            self._check_open()
+        if worker_thread() is not None:
+            # nbckpt's own thread (a save's callback): the saves in flight may need this thread to
+            # finish, and a thread in wait() holds the lock until they do; a read needs neither.
+            return self._load(step, device)
+        with self._operation("load"):
             self._saver.wait()
+            return self._load(step, device)
+
+    def _load(self, step: int | None, device: torch.device | None) -> dict[str, Any]:
+        self._check_open()
+        if step is None:
+            step = self.latest_step()
             if step is None:
-                step = self.latest_step()
-                if step is None:
-                    raise CheckpointError(f"no checkpoint in {self.store.url}")
-            return self._run.restorer.load(check_step(step), verify=self.config.verify, map_location=device)
+                raise CheckpointError(f"no checkpoint in {self.store.url}")
+        return self._run.restorer.load(check_step(step), verify=self.config.verify, map_location=device)
 
     def delete(self, step: int, *, line: str | None = None) -> None:
         """Delete a committed checkpoint (it stops counting before its files go), of the line saves
         go to or of the run's line ``line``."""
-        with self._operation():
+        with self._operation("delete"):
             self._check_open(writing=True)
             name = check_line(line) or self.line_name
             self._saver.wait()
@@ -353,7 +368,7 @@ class Checkpointer:
     def retain(self) -> None:
         """Apply the ``keep`` policy now, in the background, as after a commit: for a policy whose
         answer changes between commits (:class:`CustomSteps` of a framework's live checkpoints)."""
-        with self._operation():
+        with self._operation("retain"):
             self._check_open(writing=True)
             # a pass as after the newest commit (rank 0 has the retainer, when there is a policy)
             if self._retainer is not None and (latest := self._saver.latest()) is not None:
@@ -399,6 +414,7 @@ class Checkpointer:
         (the previous checkpoint stays). Logs and returns one line saying what happened."""
         if not isinstance(reason, str):
             raise ConfigError(f"reason must be text (it is logged), not {reason!r}")
+        refuse_waits("ckpt.final_save()")
         timeout = _final.check_arguments(snapshot, timeout_s)
         if (late := Grace(timeout, given_by="final_save").late(self.records)) is not None:
             _log.warning("%s (%s)", late, reason)
@@ -439,9 +455,12 @@ class Checkpointer:
     # -- lifetime -----------------------------------------------------------------------------
 
     @contextmanager
-    def _operation(self) -> Iterator[None]:
+    def _operation(self, call: str) -> Iterator[None]:
         """One public operation at a time; a final save asked for by a signal that arrived
-        inside one runs as soon as it ends (re-entering it from the handler could corrupt it)."""
+        inside one runs as soon as it ends (re-entering it from the handler could corrupt it).
+        Refused on nbckpt's own threads (a save's callback): each one waits for them, or for the
+        lock, which a thread in ``wait()`` holds until they are done."""
+        refuse_waits(f"ckpt.{call}()")
         with self._signals.block(self._is_closed, self._lock):
             yield
 
@@ -458,7 +477,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for saves in flight, release the directory lock; raise any background error."""
-        with self._operation():
+        with self._operation("close"):
             if self._closed:
                 return
             try:

@@ -16,11 +16,18 @@ Which tensors share files: those expected not to change (frozen parameters of mo
 whose version counter stood still since the last save, but never a module's trained parameters or
 an optimizer's state, nor a tensor found changed at two saves running) are laid out in files of
 their own (``RankPlan.cold``), so that one changing tensor does not make a frozen base be written.
+
+Which step they are shared from: the last one this rank committed, unless it is gone. Deletes are
+told to one rank only (retention runs on rank 0) or to none (another process), so in each save's
+exchange every rank says which steps it knows are gone (:meth:`Increments.gone`: told deleted, or
+the step it would share from no longer committed), and no rank shares from any of them
+(:meth:`Increments.agree`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -86,6 +93,9 @@ class Increments:
         # What :meth:`cold` saw of the state being saved, for :meth:`decide`: the flattened state
         # and each tensor's identity and version.
         self._taken: tuple[Flattened | None, dict[str, Any]] = (None, {})
+        self._told = threading.Lock()  # ``_gone``: added to by retention's thread
+        self._gone: set[int] = set()  # told deleted here, not yet told to the other ranks
+        self._refused: frozenset[int] = frozenset()  # a rank said gone: the next save shares none
 
     def cold(self, flat: Flattened) -> frozenset[str]:
         """The keys to lay out apart from the rest (``RankPlan.cold``)."""
@@ -121,7 +131,9 @@ class Increments:
         )
         self._versions = {key: now[key] for key in keys}
         self._taken = (None, {})  # holds no tensor of the caller's past the save
-        base = self._base
+        base, refused, self._refused = self._base, self._refused, frozenset()
+        if base is not None and base.step in refused:  # gone, for some rank: it writes every file
+            base = self._base = None
         if base is None or (base.step == step and not resave):
             return Sharing(prints=prints)
         changed = {key for key, value in prints.items() if base.prints.get(key, value) != value}
@@ -160,9 +172,30 @@ class Increments:
 
     def deleted(self, step: int) -> None:
         """Committed ``step`` was deleted: if the next save would share its files, it writes every
-        file instead (they are gone)."""
+        file instead (they are gone); the other ranks are told at that save (:meth:`gone`)."""
+        with self._told:
+            self._gone.add(step)
         if self._base is not None and self._base.step == step:
             self._base = None
+
+    def gone(self, committed_at: Callable[[int], str | None]) -> frozenset[int]:
+        """What this rank says in a save's exchange (``Saver._plan``): the steps it was told were
+        deleted since it last said, and the one it would share from if no longer committed
+        (``committed_at``: the store's look-up; deleted by another process, or on one rank)."""
+        with self._told:
+            gone = set(self._gone)
+        base = self._base
+        if base is not None and committed_at(base.step) is None:
+            gone.add(base.step)
+        return frozenset(gone)
+
+    def agree(self, said: Iterable[frozenset[int]]) -> None:
+        """Every rank's :meth:`gone` at this save: the next decision shares from none of those
+        steps, on every rank alike; what this rank said is told."""
+        gone = frozenset[int]().union(*said)
+        with self._told:
+            self._gone -= gone
+        self._refused |= gone
 
     def _steady(self, key: str, now: tuple[Any, int | None]) -> bool:
         """Whether the version counter says nothing against ``key``'s tensor (``now``: what

@@ -250,7 +250,7 @@ class Saver:
         box: list[Flattened] = []
         several = self.ranks.world_size > 1
 
-        def local() -> tuple[RankPlan, dict[str, str]]:
+        def local() -> tuple[RankPlan, dict[str, str], frozenset[int]]:
             increments = self._increments
             flat = flatten(state, frozen=increments is not None)
             box.append(flat)
@@ -258,11 +258,14 @@ class Saver:
             copies = [s.key for s in flat.specs if not s.sharded or s.key in flat.replicas]
             prints = fingerprints({key: flat.tensors[key] for key in copies} if compared else {})
             cold = increments.cold(flat) if increments is not None else frozenset()
-            return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items())), cold), prints
+            gone = increments.gone(self.store.committed_at) if increments is not None else frozenset()
+            return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items())), cold), prints, gone
 
         everyone = self.ranks.caller.exchange(("save", step, seq), local)
         flat = box[0]
-        plans = tuple(plan_ for plan_, _ in everyone)
+        plans = tuple(plan_ for plan_, _, _ in everyone)
+        if self._increments is not None:  # a step gone for one rank is shared from by none
+            self._increments.agree(gone for _, _, gone in everyone)
         layout = self._layouts.get(plans)
         if layout is None:
             paths = flat.paths
@@ -276,7 +279,7 @@ class Saver:
             if len(self._layouts) >= _LAYOUTS_KEPT:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[plans] = layout
-        check_replicas(layout.shared, layout.replicated, [prints for _, prints in everyone])
+        check_replicas(layout.shared, layout.replicated, [prints for _, prints, _ in everyone])
         return flat, layout
 
     def _share(self, flat: Flattened, files: tuple[Any, ...], step: int) -> Sharing:
@@ -521,8 +524,8 @@ class Saver:
 
     def deleted(self, store: Store, step: int) -> None:
         """Committed ``step`` of ``store`` was deleted (retention, ``delete``, the Browser's through
-        this Checkpointer): it no longer counts as committed, and an incremental save does not
-        share its files. (Another process deleting it fails the next save; the one after writes all.)"""
+        this Checkpointer): it no longer counts as committed, and no rank's incremental save shares
+        its files (told to the others at the next save's exchange)."""
         with self._state:
             if store.url == self.store.url:  # a late pass of a line left since: not this line's steps
                 self.committed.discard(step)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointError, ConfigError, require_extra
-from ._workers import settle
+from ._workers import refuse_waits, settle
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -210,18 +210,21 @@ class SaveHandle:
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Block until the state has been copied; required before mutating it with ``overlap=True``."""
-        self._result(self.staged, timeout)
+        self._result(self.staged, timeout, "wait_staged")
 
     def wait(self, timeout: float | None = None) -> SaveRecord:
-        """Block until committed; raises :class:`CheckpointError` if the save failed."""
-        record: SaveRecord = self._result(self.committed, timeout)
+        """Block until committed; raises :class:`CheckpointError` if the save failed. From a save's
+        callback (nbckpt's thread), only a save already over: a later one would wait for ever."""
+        record: SaveRecord = self._result(self.committed, timeout, "wait")
         return record
 
-    def _result(self, future: Future[Any], timeout: float | None) -> Any:
+    def _result(self, future: Future[Any], timeout: float | None, call: str) -> Any:
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
         ):
             raise ConfigError(f"timeout must be a number of seconds >= 0 or None, not {timeout!r}")
+        if not future.done():
+            refuse_waits(f"handle.{call}() of step {self.step}, not yet done,")
         try:
             settle(future, timeout)
             return future.result(0)  # TimeoutError if it is not done yet

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
+from .._errors import ConfigError
+
 __all__ = [
     "SIGNAL_CHECK_S",
     "Backlog",
@@ -30,8 +32,10 @@ __all__ = [
     "balance",
     "deferred_interrupt",
     "lower_priority",
+    "refuse_waits",
     "run_all",
     "settle",
+    "worker_thread",
 ]
 
 T = TypeVar("T")
@@ -41,6 +45,9 @@ T = TypeVar("T")
 #: lock wait starts does not interrupt it, and an untimed wait never returns to notice it (the test
 #: that presses Ctrl-C once the main thread waits hung so, 1 run in 15 under load).
 SIGNAL_CHECK_S = 0.2
+# Which engine worker runs on this thread (a save's callbacks and the timeline's listeners run on
+# them): the Checkpointer's calls that wait for background work refuse to run there.
+_here = threading.local()
 
 
 def settle(future: Future[Any], timeout: float | None = None) -> bool:
@@ -55,6 +62,25 @@ def settle(future: Future[Any], timeout: float | None = None) -> bool:
             return False
         futures_wait([future], min(left, SIGNAL_CHECK_S))
     return True
+
+
+def worker_thread() -> str | None:
+    """The name of the engine's worker thread this runs on (a save's callbacks, a timeline
+    listener, a retention policy run there); None on any other thread (the caller's own)."""
+    name: str | None = getattr(_here, "name", None)
+    return name
+
+
+def refuse_waits(call: str) -> None:
+    """ConfigError if this is an engine worker's thread: ``call`` would wait there for work that
+    thread (or one waiting for it) does, and never return."""
+    thread = worker_thread()
+    if thread is not None:
+        raise ConfigError(
+            f"{call} cannot be called on nbckpt's thread {thread}, where a save's callbacks and "
+            "timeline listeners run: it waits for work that thread does; call it from a thread of "
+            "your own (steps, latest_step, has_step, manifest, verify, load and records work there)"
+        )
 
 
 class Worker:
@@ -72,6 +98,7 @@ class Worker:
         self._jobs.put(job)
 
     def _run(self, nice: int, ready: threading.Event) -> None:
+        _here.name = self.name
         if nice:
             lower_priority(nice)
         ready.set()

@@ -1,13 +1,19 @@
 """The pieces of ``nbckpt.bench._launch`` that need no torchrun: the events' line format on a real
-pipe, and the one line that names a dead rank (``tests/notebook/test_lab_ranks.py`` runs them
-under torchrun)."""
+pipe, a rank whose reader falls behind or goes, and the one line that names a dead rank
+(``tests/notebook/test_lab_ranks.py`` runs them under torchrun)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
+from helpers.sync import until
 
 from nbckpt.bench._launch import EventWriter, decode, failure_line
 from nbckpt.engine import Event
@@ -34,7 +40,7 @@ def test_a_ranks_events_and_lines_cross_a_pipe_as_one_json_line_each() -> None:
     writer.event(Event("persist", now, now + 2_000_000, step=4, bytes=1 << 20, label="nbckpt-async"))
     writer.event(Event("step", now, now + 1000, label="none"))
     writer.line("[nbckpt-async] repeat 1/1, step 2/4 " + "x" * 5000)  # cut to fit one atomic write
-    os.close(write_fd)
+    writer.close()  # written, and the pipe closed
     with os.fdopen(read_fd) as pipe:
         lines = pipe.readlines()
     assert len(lines) == 3 and all(len(line.encode()) <= 4096 for line in lines)
@@ -61,8 +67,67 @@ def test_a_writer_whose_reader_is_gone_drops_its_events_and_the_run_goes_on() ->
     os.close(read_fd)
     writer = EventWriter(rank=0, fd=write_fd)
     writer.line("nobody reads this")  # no BrokenPipeError into the bench
+    writer.close()
     assert writer.closed
-    os.close(write_fd)
+
+
+def test_a_reader_that_falls_behind_never_blocks_the_rank_and_is_told_what_it_missed() -> None:
+    """Lines past the pipe's buffer and the writer's queue are dropped on the rank's thread at once
+    (it blocked in ``os.write`` once 64 KiB were unread); the reader, once it reads, gets every
+    other line in order and one line saying how many were dropped: the two add up."""
+    read_fd, write_fd = os.pipe()
+    writer = EventWriter(rank=1, fd=write_fd, queued=100)
+    total = 2000  # about 200 KB of events: three times a pipe's buffer, and the queue's 100 more
+    for step in range(total):  # the reader reads nothing meanwhile
+        writer.event(Event("step", step, step + 1, step=step, label="none"))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(os.fdopen(read_fd).readlines()))
+    reader.start()
+    writer.close()
+    reader.join()
+    decoded = [decode(line) for line in lines]
+    steps = [item.step for item in decoded if isinstance(item, Event)]
+    said = [item for item in decoded if isinstance(item, str)]
+    assert steps == sorted(steps) and len(steps) < total, len(steps)
+    assert len(said) >= 1 and all("events dropped: the reader fell 100 lines behind" in s for s in said), said
+    assert len(steps) + sum(int(s.split()[2]) for s in said) == total, said
+
+
+RANK_WITH_A_STALLED_READER = """
+import sys, time
+from nbckpt.bench._launch import EventWriter
+from nbckpt.engine import Event
+writer = EventWriter.on_stdout()  # as `nbckpt bench --events` does in each rank
+for step in range(int(sys.argv[1])):  # a training loop: an event a step, 200 bytes each
+    now = time.perf_counter_ns()
+    writer.event(Event("step", now, now + 1000, step=step, label="none"))
+open(sys.argv[2], "w").close()  # every step done, before the reader has read a line
+writer.close()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_whose_reader_does_not_read_still_finishes_its_steps(tmp_path: Path) -> None:
+    """A real process writing its events to a pipe nobody reads yet (the notebook busy): it finishes
+    its 2,000 steps (it blocked at the pipe's 64 KiB, after about 300), then, once the reader
+    reads, every event arrives (none is lost while the reader lives), in order."""
+    done = tmp_path / "done"
+    with (tmp_path / "stderr").open("w") as errors:
+        rank = subprocess.Popen(
+            [sys.executable, "-c", RANK_WITH_A_STALLED_READER, "2000", str(done)],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
+        try:
+            finished = until(done.exists, timeout=120)
+            out, _ = rank.communicate(timeout=120)
+        finally:
+            rank.kill()
+    assert finished, (tmp_path / "stderr").read_text()[-2000:]
+    assert rank.returncode == 0, (tmp_path / "stderr").read_text()[-2000:]
+    steps = [item.step for item in map(decode, out.splitlines()) if isinstance(item, Event)]
+    assert steps == list(range(2000))
 
 
 def test_a_dead_rank_is_named_with_its_exit_and_its_last_line_on_stderr(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import shutil
 import socket
 import threading
 import uuid
@@ -128,6 +129,28 @@ def test_the_browsers_delete_never_breaks_a_retained_step(tmp_path: Path) -> Non
     browser.refresh()
     assert [row.step for row in browser.rows] == [2, 3, 5, 7, 8]
     for step in (2, 3, 5, 7, 8):
+        assert_whole(run, step, expected[step])
+
+
+def test_a_step_deleted_behind_the_checkpointers_back_is_shared_from_by_no_save(tmp_path: Path) -> None:
+    """The newest step removed by another process (a user's ``rm -r``; a rank that alone deleted
+    it): the next save, which would have shared its base's files, writes every file and commits
+    (it failed on the files gone), and the one after shares again."""
+    run = tmp_path / "run"
+    with Checkpointer(run, mode="sync", incremental=True) as ckpt:
+        expected = run_steps(ckpt, range(1, 3))
+        shutil.rmtree(run / "step-000002")
+        model, optim, state = setup()
+        for step in (1, 2, 3, 4):
+            tune(model, optim, step)
+        records = []
+        for step in (3, 4):
+            state["step"] = step
+            records.append(ckpt.save(state, step=step).wait())
+            expected[step] = snapshot(state)
+        assert records[0].bytes_skipped == 0 and records[1].bytes_skipped > 0, records
+        assert ckpt.steps() == [1, 3, 4]
+    for step in (1, 3, 4):
         assert_whole(run, step, expected[step])
 
 

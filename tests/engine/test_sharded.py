@@ -160,6 +160,19 @@ def test_2_fsdp2_ranks_with_a_frozen_embedding_each_share_their_own_files(runs: 
         assert mine and set(mine) <= set(shared), (mine, shared)
 
 
+def test_a_step_rank_0s_retention_deleted_is_shared_from_by_no_rank(runs: Any) -> None:
+    """Retention deletes on rank 0 alone (BestN, ``retain()`` after steps saved out of order, so
+    the step every rank would share from goes): the next save shares on no rank and commits (rank 1
+    shared the deleted step's files, and the save failed), the one after shares again."""
+    for rank, seen in runs["at 2"].items():
+        result = seen["incremental"]["after_retention"]
+        skipped = result["skipped"]
+        assert all(isinstance(count, int) for count in skipped), (rank, skipped)
+        assert skipped[0] == 0 and skipped[1] > 0 and skipped[2] == 0 and skipped[3] > 0, (rank, skipped)
+        assert result["steps"][-1] == 7, (rank, result)  # verified: whole
+    assert runs["at 2"][0]["incremental"]["after_retention"]["steps"] == [7]  # BestN kept 7 alone
+
+
 @pytest.mark.parametrize("run", ["at 1", "at 4 again"])
 def test_an_incremental_step_sharing_files_reshards_as_plain_dcp_load_reads_it(runs: Any, run: str) -> None:
     """Issue 32: a step whose files are the step before's (an FSDP2 save on 2 ranks with a frozen

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from nbckpt import Checkpointer, NbckptError
+from nbckpt import BestN, Checkpointer, NbckptError
 from nbckpt.engine import _store
 
 RANK = int(os.environ["RANK"])
@@ -380,7 +380,39 @@ def incremental(directory: str) -> dict[str, Any]:
         ckpt.restore({"model": fresh, "optim": fresh_optim})
     now = full_state(fresh, fresh_optim)
     exact = RANK != 0 or same(now, reference) if WORLD > 1 else same(now, reference)
-    return {"records": records, "shared": shared, "embedding": embedding, "exact": exact}
+    return {
+        "records": records,
+        "shared": shared,
+        "embedding": embedding,
+        "exact": exact,
+        "after_retention": after_retention(root.with_name("incremental-best"), fresh, fresh_optim),
+    }
+
+
+def after_retention(root: Path, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """Rank 0's retention (BestN, steps saved out of order, then ``retain()``) deletes step 4, the
+    step every rank's next save would share its embedding's files with; rank 0 alone is told.
+    Step 6 then shares from it on no rank (rank 1 did: the save failed on the files gone), and
+    step 7 shares from step 6 again: each rank's bytes skipped, or the error."""
+    skipped: list[Any] = []
+    with Checkpointer(root, mode="sync", incremental=True, keep=BestN("loss", 1), timeout_s=60) as ckpt:
+        for step, loss in ((5, 1.0), (4, 2.0), (6, 0.5), (7, 0.4)):
+            if step == 6:
+                ckpt.retain()  # a pass as after the newest step, 5: 4 is not among the best
+                ckpt.wait()  # rank 0's deletes are done before any rank's next save (it gathers)
+            train(model, optim, 1)
+            try:
+                skipped.append(
+                    ckpt.save({"model": model, "optim": optim}, step, metrics={"loss": loss})
+                    .wait()
+                    .bytes_skipped
+                )
+            except NbckptError as exc:
+                skipped.append(f"{type(exc).__name__}: {exc}")
+        ckpt.wait()
+        steps = ckpt.steps()
+        ckpt.verify(steps[-1])
+    return {"skipped": skipped, "steps": steps}
 
 
 def incremental_reshard(directory: str) -> dict[str, Any]:

@@ -1,13 +1,17 @@
 """Threads and interrupts: Ctrl-C at any moment, close() racing save(), several threads on one
-Checkpointer, and the caller's own exception inside ``with``. Numbers are the issue's items.
+Checkpointer, a save's callback calling it while another thread waits in it, and the caller's own
+exception inside ``with``. Numbers are the issue's items.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +19,9 @@ import pytest
 import torch
 from helpers.states import assert_holds, state_of
 from helpers.storage import Throttle
-from helpers.sync import ctrl_c_raises, press_ctrl_c_once_blocked
+from helpers.sync import ctrl_c_raises, main_thread_blocked, press_ctrl_c_once_blocked, until
 
-from nbckpt import Checkpointer, CheckpointError
+from nbckpt import Checkpointer, CheckpointError, ConfigError, SaveHandle
 from nbckpt.engine._faults import armed
 
 # -- 6: an exception or Ctrl-C while a save takes its staging slot ------------------------------
@@ -170,6 +174,74 @@ def test_8_threads_sharing_a_checkpointer(tmp_path: Path) -> None:
         assert ckpt.steps() == list(range(60))
         for step in (1, 30, 59):
             assert_holds(ckpt, step)
+
+
+# -- a save's callback calling into the Checkpointer while another thread waits in it -----------
+
+Call = Callable[[Checkpointer, SaveHandle], Any]
+#: What a callback on step 1's commit reads, and what it must get (step 2 is not committed yet).
+READS: dict[str, tuple[Call, Any]] = {
+    "steps": (lambda ckpt, later: ckpt.steps(), [1]),
+    "latest_step": (lambda ckpt, later: ckpt.latest_step(), 1),
+    "has_step": (lambda ckpt, later: ckpt.has_step(1), True),
+    "manifest": (lambda ckpt, later: ckpt.manifest(1)["step"], 1),
+    "verify": (lambda ckpt, later: ckpt.verify(1)["step"], 1),
+    "load": (lambda ckpt, later: ckpt.load()["step"], 1),
+    "records": (lambda ckpt, later: [record.step for record in ckpt.records], [1]),
+}
+#: The calls that wait for nbckpt's threads (or for the lock the waiting thread holds), and the
+#: name their refusal must give.
+WAITS: dict[str, tuple[Call, str]] = {
+    "save": (lambda ckpt, later: ckpt.save(state_of(3), step=3), "ckpt.save()"),
+    "wait": (lambda ckpt, later: ckpt.wait(), "ckpt.wait()"),
+    "restore": (lambda ckpt, later: ckpt.restore({"w": torch.zeros(1000)}), "ckpt.restore()"),
+    "delete": (lambda ckpt, later: ckpt.delete(1), "ckpt.delete()"),
+    "retain": (lambda ckpt, later: ckpt.retain(), "ckpt.retain()"),
+    "close": (lambda ckpt, later: ckpt.close(), "ckpt.close()"),
+    "wait_staged": (lambda ckpt, later: ckpt.wait_staged(), "ckpt.wait_staged()"),
+    "a later save's handle.wait": (lambda ckpt, later: later.wait(), "handle.wait() of step 2"),
+}
+
+
+# A deadlock (each of these, before) ends the test process after dumping every thread's stack:
+# the alarm of pytest-timeout's default method cannot free a thread stuck on a lock, and the
+# Checkpointer's close would then wait for that lock for ever.
+@pytest.mark.timeout(60, method="thread")
+@pytest.mark.parametrize("call", [*READS, *WAITS])
+def test_a_saves_callback_calling_the_checkpointer_while_another_thread_waits_never_hangs(
+    tmp_path: Path, throttle: Throttle, call: str
+) -> None:
+    """A callback on a save's future runs on nbckpt's persist thread. Step 1's calls into the
+    Checkpointer once the main thread waits in ``ckpt.wait()`` (holding its lock, waiting for step
+    2, whose persist is queued behind the callback, and for retention's pass): a reading call
+    answers (``load`` waited for the lock: a deadlock), a call that would wait raises one line
+    naming it (each waited for ever); the saves then commit."""
+    outcome: Future[Any] = Future()
+
+    def callback(_: Any) -> None:
+        until(main_thread_blocked, timeout=math.inf)  # the main thread is in ckpt.wait()
+        try:
+            outcome.set_result((READS.get(call) or WAITS[call])[0](ckpt, later))
+        except BaseException as exc:
+            outcome.set_exception(exc)
+
+    with Checkpointer(tmp_path / "run", mode="async", max_inflight=2, keep=3) as ckpt:
+        with throttle.released_after():
+            throttle.hold()  # step 1's writes wait until the callback is in place
+            first = ckpt.save(state_of(1), step=1)
+            later = ckpt.save(state_of(2), step=2)
+            first.committed.add_done_callback(callback)
+        assert [record.step for record in ckpt.wait()] == [1, 2]
+        if call in READS:
+            assert outcome.result() == READS[call][1]
+        else:
+            with pytest.raises(ConfigError) as raised:
+                outcome.result()
+            message = str(raised.value)
+            assert message.startswith(WAITS[call][1]) and "nbckpt-persist" in message, message
+            assert "\n" not in message
+        assert ckpt.steps() == [1, 2]
+        assert_holds(ckpt, 2)
 
 
 # -- 9 and 10: Ctrl-C stays Ctrl-C, the caller's exception stays the caller's -------------------
