@@ -76,10 +76,15 @@ class Group:
         self.world_size = world_size
         self._arrivals = arrivals
 
-    def exchange(self, tag: Tag, run: Callable[[], T]) -> list[T]:
+    def exchange(self, tag: Tag, run: Callable[[], T], *, arrive_first: bool = False) -> list[T]:
         """Run ``run`` here, give every rank every rank's result; an error anywhere is raised on
         all: the exception itself where it happened, a CheckpointError (ConfigError for a user
-        mistake) naming the rank elsewhere."""
+        mistake) naming the rank elsewhere. With ``arrive_first`` every rank must have come to
+        ``tag`` before ``run`` starts (for a ``run`` that changes something); otherwise ``run``
+        goes first, overlapping the wait for the last rank to arrive."""
+        arrivals = self._arrivals if self.pg is not None else None
+        if arrivals is not None and arrive_first:
+            arrivals.wait(tag)
         value: Any = None
         error: BaseException | None = None
         try:
@@ -90,8 +95,8 @@ class Group:
             error = exc
         if self.pg is None:
             return [value]
-        if self._arrivals is not None:
-            self._arrivals.wait(tag)
+        if arrivals is not None and not arrive_first:
+            arrivals.wait(tag)
         sent = (tag, None if error is not None else value, _summary(error))
         gathered: list[Any] = [None] * self.world_size
         try:
@@ -111,8 +116,10 @@ class Group:
         return [value for _, value, _ in gathered]
 
     def from_rank0(self, tag: Tag, run: Callable[[], T]) -> T:
-        """``run`` on rank 0 only; every rank gets its result (or its error)."""
-        results: list[Any] = self.exchange(tag, run if self.rank == 0 else lambda: None)
+        """``run`` on rank 0 only, once every rank has come to it (it deletes, moves or creates:
+        called on rank 0 alone, it is refused before it changes anything); every rank gets its
+        result (or its error)."""
+        results: list[Any] = self.exchange(tag, run if self.rank == 0 else lambda: None, arrive_first=True)
         return cast(T, results[0])
 
 

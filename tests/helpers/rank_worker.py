@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -148,17 +149,20 @@ def rank0_only_auto(directory: str) -> dict[str, Any]:
 
 def save_on_rank0_only(directory: str) -> dict[str, Any]:
     """nanoGPT's natural adoption: every rank has a Checkpointer, only rank 0 calls ``save``
-    (inside ``if master_process:``) while the others go on to the next step's all-reduce."""
+    (inside ``if master_process:``) while the others go on to the next step's all-reduce. Before
+    it, step 1 saved by both ranks, and rank 0 alone calls ``delete(1)``."""
     _ranks.ARRIVAL_TIMEOUT_S = 3.0
+    torch.manual_seed(0)  # the same weights on both ranks, as DDP makes them
     model = torch.nn.Linear(4, 4)
     result: dict[str, Any] = {}
     with Checkpointer(directory, timeout_s=120) as ckpt:
+        ckpt.save({"model": model}, step=1).wait()
         if RANK == 0:
+            result["delete"] = outcome(lambda: ckpt.delete(1))
+            result["after_delete"] = sorted(p.name for p in Path(directory).glob("step-*"))
             began = time.monotonic()
-            result = {
-                "outcome": outcome(lambda: ckpt.save({"model": model}, step=1)),
-                "seconds": time.monotonic() - began,
-            }
+            result["outcome"] = outcome(lambda: ckpt.save({"model": model}, step=2))
+            result["seconds"] = time.monotonic() - began
         dist.all_reduce(torch.ones(1))  # the next step's gradients (rank 1 waits here all along)
         result["steps"] = ckpt.steps()
     return result
