@@ -290,7 +290,7 @@ def test_each_optional_feature_is_known_to_at_most_two_engine_modules(feature: s
 
 #: The compat modules: the only places nbckpt reads another library's private names, one
 #: library each, each with a test that fails naming the library's version when a release
-#: changes one (the module's ``missing()``, or torch's own tests of it).
+#: changes one (the module's ``missing()``; transformers': its rule run beside the Trainer's).
 COMPAT = {
     "engine/_torch_compat.py": "torch",
     "bench/_dcp_compat.py": "torch's DCP checkpoint process",
@@ -298,6 +298,19 @@ COMPAT = {
     "integrations/_accelerate_compat.py": "accelerate",
     "integrations/_hf_compat.py": "transformers (a private method's rule, replicated)",
 }
+
+
+@pytest.mark.parametrize("compat", COMPAT, ids=str)
+def test_each_compat_module_is_watched_by_a_test(compat: str) -> None:
+    """A compat module is only as good as the test that fails when its library changes: some
+    test imports it (and calls its ``missing()`` where it has one)."""
+    module = module_name(PACKAGE / compat)
+    watchers = [p for p in TESTS if any(t == module for _, t in imports(p))]
+    assert watchers, f"no test imports {module}: add one that fails when {COMPAT[compat]} changes"
+    if "def missing(" in (PACKAGE / compat).read_text():
+        assert any(re.search(r"\bmissing\(", p.read_text()) for p in watchers), (
+            f"no test of {module} calls its missing()"
+        )
 
 
 def _is_private(name: str) -> bool:
