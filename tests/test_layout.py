@@ -163,6 +163,7 @@ LADDER = {
         "_staging",
         "_incremental",
         "_timeline",
+        "_context",
         "_schedule",
         "_dcp_values",
         "_dcp_check",

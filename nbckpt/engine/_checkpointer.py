@@ -22,6 +22,7 @@ from .._errors import CheckpointError, ConfigError
 from .._util import check_flag
 from . import _final
 from ._config import CheckpointConfig, Mode, check_line
+from ._context import Context
 from ._final import Snapshot, close_all, register, release, unregister, writing_into
 from ._mirror import mirror_target, open_mirror
 from ._open_store import open_store
@@ -79,28 +80,19 @@ class Checkpointer:
         nonce, committed = ranks.caller.from_rank0(("open",), opening)
         try:
             self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)
-            self._mirror = open_mirror(
-                mirror_root, self.config, self.store, ranks.caller, self.timeline, nonce
-            )
+            context = Context(self.timeline, self._io, ranks, self.config.writer_nice)
+            self._mirror = open_mirror(mirror_root, self.config, self.store, context, nonce)
             policy, writes = self.config.retention, self.rank == 0 and not self.config.read_only
-            self._retainer = (
-                Retainer(policy, self.timeline, self.config.writer_nice)
-                if writes and policy is not None
-                else None
-            )
+            self._retainer = Retainer(policy, context) if writes and policy is not None else None
             # Rank 0's saver tells them of each commit: the mirror first (its upload is queued
             # before any pass can ask which steps it still reads), then retention.
             observers = [o for o in (self._mirror, self._retainer) if o is not None] if writes else []
-            self._saver = Saver(
-                self.config, self.store, ranks, self.timeline, self._io, nonce, committed, observers
-            )
+            self._saver = Saver(self.config, self.store, context, nonce, committed, observers)
             self._run = Run(
                 self.store,
                 self._mirror,
                 self._saver,
-                self._io,
-                ranks.caller,
-                self.timeline,
+                context,
                 line=self.config.line,
                 read_only=self.config.read_only,
             )
