@@ -178,7 +178,7 @@ LADDER = {
         "_retention",
         "_config",
     ],
-    "run": ["_mirror", "_final", "_run"],
+    "run": ["_mirror", "_shutdown", "_run"],
     "Checkpointer": ["_checkpointer", "__init__", "_internal"],
 }
 
@@ -252,7 +252,7 @@ FEATURES = {
 #: listing to the integrations).
 KNOWN_BEYOND = {
     "mirror": {"_config"},
-    "branches": {"_config", "_final", "_format", "_mirror"},
+    "branches": {"_config", "_shutdown", "_format", "_mirror"},
 }
 
 
