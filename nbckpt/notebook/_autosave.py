@@ -114,6 +114,8 @@ class Autosave:
                 f"Autosave(['model', 'opt']), not {repr(names)[:80]}"
             )
         self.signals = check_signals(signals)  # not when start() installs them
+        if not callable(clock):
+            raise ConfigError(f"clock must be a function giving seconds, not {clock!r}")
         if directory is not None:
             check_path(directory, "directory")
         found = _shell_or_current(shell)

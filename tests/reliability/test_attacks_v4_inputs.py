@@ -95,6 +95,11 @@ BAD_CALLS: list[tuple[str, Call, str]] = [
         lambda *_: Autosave(["model"], directory=3),  # type: ignore[arg-type]
         "directory must be a path, not int",
     ),
+    (
+        "Autosave(clock=5)",
+        lambda *_: Autosave(["model"], clock=5),  # type: ignore[arg-type]
+        "clock must be a function giving seconds, not 5",
+    ),
 ]
 
 
