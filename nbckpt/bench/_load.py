@@ -11,11 +11,11 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 
-__all__ = ["Load", "LoadMonitor", "combine_loads", "machine_load"]
+__all__ = ["Load", "LoadMonitor", "Snapshot", "combine_loads", "machine_load"]
 
 # "High" load: other processes kept a quarter of the cores busy, or the hypervisor took 5 %.
 _HIGH_OTHER_SHARE = 0.25
@@ -78,6 +78,40 @@ class Load:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "high": self.warning() is not None}
 
+    @classmethod
+    def between(cls, begin: Snapshot, end: Snapshot, *, cpus: int) -> Load:
+        """The load from ``begin`` to ``end`` on a machine of ``cpus`` cores."""
+
+        def delta(name: str) -> float:
+            return float(getattr(end.cpu_times, name, 0.0)) - float(getattr(begin.cpu_times, name, 0.0))
+
+        # guest time is already inside user time in /proc/stat; iowait counts as idle.
+        busy = sum(delta(name) for name in ("user", "nice", "system", "irq", "softirq"))
+        total = busy + sum(delta(name) for name in ("idle", "iowait", "steal"))
+        wall = end.at_s - begin.at_s
+        own = end.own_cpu_s - begin.own_cpu_s
+        return cls(
+            cpus=cpus,
+            wall_s=wall,
+            own_cpu_s=own,
+            other_cpu_cores=max(busy - own, 0.0) / wall if wall > 0 else math.nan,
+            steal_pct=100.0 * delta("steal") / total if total > 0 else 0.0,
+            loadavg_1m_start=begin.loadavg_1m,
+            loadavg_1m=end.loadavg_1m,
+        )
+
+
+class Snapshot(NamedTuple):
+    """The machine's counters at one moment."""
+
+    at_s: float
+    """``time.perf_counter()``."""
+    cpu_times: Any
+    """Machine-wide CPU times by kind (``psutil.cpu_times()``: user, system, idle, steal, ...)."""
+    own_cpu_s: float
+    """CPU seconds of this process and its children so far."""
+    loadavg_1m: float
+
 
 class LoadMonitor:
     """Counts machine-wide and own CPU time between its creation and :meth:`stop`."""
@@ -97,32 +131,12 @@ class LoadMonitor:
             total += child_times.user + child_times.system
         return float(total)
 
-    def _snapshot(self) -> tuple[float, Any, float, float]:
-        return time.perf_counter(), psutil.cpu_times(), self._own_cpu_s(), _loadavg()
+    def _snapshot(self) -> Snapshot:
+        return Snapshot(time.perf_counter(), psutil.cpu_times(), self._own_cpu_s(), _loadavg())
 
     def stop(self) -> Load:
         """The load since this monitor was created."""
-        begin_t, begin_cpu, begin_own, begin_load = self._begin
-        end_t, end_cpu, end_own, end_load = self._snapshot()
-        cpus = psutil.cpu_count() or 1
-
-        def delta(name: str) -> float:
-            return float(getattr(end_cpu, name, 0.0)) - float(getattr(begin_cpu, name, 0.0))
-
-        # guest time is already inside user time in /proc/stat; iowait counts as idle.
-        busy = sum(delta(name) for name in ("user", "nice", "system", "irq", "softirq"))
-        total = busy + sum(delta(name) for name in ("idle", "iowait", "steal"))
-        wall = end_t - begin_t
-        own = end_own - begin_own
-        return Load(
-            cpus=cpus,
-            wall_s=wall,
-            own_cpu_s=own,
-            other_cpu_cores=max(busy - own, 0.0) / wall if wall > 0 else math.nan,
-            steal_pct=100.0 * delta("steal") / total if total > 0 else 0.0,
-            loadavg_1m_start=begin_load,
-            loadavg_1m=end_load,
-        )
+        return Load.between(self._begin, self._snapshot(), cpus=psutil.cpu_count() or 1)
 
 
 def combine_loads(loads: Sequence[Load]) -> Load | None:

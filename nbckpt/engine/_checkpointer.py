@@ -20,9 +20,9 @@ import torch
 
 from .._errors import CheckpointError, ConfigError
 from .._util import check_flag
-from . import _final
+from . import _shutdown
 from ._config import CheckpointConfig, Mode, check_line
-from ._final import Snapshot, close_all, register, release, unregister, writing_into
+from ._context import Context
 from ._mirror import mirror_target, open_mirror
 from ._open_store import open_store
 from ._ranks import join
@@ -32,6 +32,7 @@ from ._retention import check_metrics
 from ._run import Run, open_run
 from ._saver import Saver
 from ._schedule import Grace, Interval, Pacer
+from ._shutdown import Snapshot, close_all, register, release, unregister, writing_into
 from ._store import Store, check_step
 from ._timeline import SaveHandle, SaveRecord, Timeline
 from ._workers import Pool, refuse_waits, worker_thread
@@ -75,7 +76,7 @@ class Checkpointer:
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.timeline = Timeline(rank=self.rank, label=f"nbckpt-{self.config.mode}")
         self._lock = threading.RLock()  # one operation at a time, whichever thread calls
-        self._signals = _final.Deferral(ranks.caller)  # when a signal's final save runs
+        self._signals = _shutdown.Deferral(ranks.caller)  # when a signal's final save runs
         self._abandoned = False  # a final save did not end in time: the exit must not wait for it
         self._closed = False
         self._caller = ranks.caller
@@ -85,28 +86,19 @@ class Checkpointer:
         nonce, committed = ranks.caller.from_rank0(("open",), opening)
         try:
             self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)
-            self._mirror = open_mirror(
-                mirror_root, self.config, self.store, ranks.caller, self.timeline, nonce
-            )
+            context = Context(self.timeline, self._io, ranks, self.config.writer_nice)
+            self._mirror = open_mirror(mirror_root, self.config, self.store, context, nonce)
             policy, writes = self.config.retention, self.rank == 0 and not self.config.read_only
-            self._retainer = (
-                Retainer(policy, self.timeline, self.config.writer_nice)
-                if writes and policy is not None
-                else None
-            )
+            self._retainer = Retainer(policy, context) if writes and policy is not None else None
             # Rank 0's saver tells them of each commit: the mirror first (its upload is queued
             # before any pass can ask which steps it still reads), then retention.
             observers = [o for o in (self._mirror, self._retainer) if o is not None] if writes else []
-            self._saver = Saver(
-                self.config, self.store, ranks, self.timeline, self._io, nonce, committed, observers
-            )
+            self._saver = Saver(self.config, self.store, context, nonce, committed, observers)
             self._run = Run(
                 self.store,
                 self._mirror,
                 self._saver,
-                self._io,
-                ranks.caller,
-                self.timeline,
+                context,
                 line=self.config.line,
                 read_only=self.config.read_only,
             )
@@ -394,8 +386,8 @@ class Checkpointer:
         """
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("save_on_signal must be called from the main thread (signals reach only it)")
-        timeout = _final.check_arguments(snapshot, timeout_s)
-        installed = _final.install(self._on_signal, snapshot, _final.check_signals(signals), timeout)
+        timeout = _shutdown.check_arguments(snapshot, timeout_s)
+        installed = _shutdown.install(self._on_signal, snapshot, _shutdown.check_signals(signals), timeout)
         self._grace = Grace(timeout)
         # the final save of a rank that another rank's signal makes save too
         self._signals.save_here = partial(
@@ -403,7 +395,7 @@ class Checkpointer:
         )
 
         def uninstall() -> None:
-            _final.uninstall(installed)
+            _shutdown.uninstall(installed)
             self._signals.save_here = None
 
         return uninstall
@@ -415,10 +407,10 @@ class Checkpointer:
         if not isinstance(reason, str):
             raise ConfigError(f"reason must be text (it is logged), not {reason!r}")
         refuse_waits("ckpt.final_save()")
-        timeout = _final.check_arguments(snapshot, timeout_s)
+        timeout = _shutdown.check_arguments(snapshot, timeout_s)
         if (late := Grace(timeout, given_by="final_save").late(self.records)) is not None:
             _log.warning("%s (%s)", late, reason)
-        line, ended = _final.final_save(self._save_now, snapshot, timeout, reason)
+        line, ended = _shutdown.final_save(self._save_now, snapshot, timeout, reason)
         # close() at exit would wait for a save still running (its lock is held): it is left behind.
         self._abandoned = self._abandoned or not ended
         return line
@@ -441,7 +433,7 @@ class Checkpointer:
     def _on_signal(
         self, snapshot: Snapshot, timeout_s: float, signum: int, again: Callable[[], None]
     ) -> bool:
-        """The final save a signal asks for; False when it must wait (:class:`_final.Deferral`):
+        """The final save a signal asks for; False when it must wait (:class:`_shutdown.Deferral`):
         ``again`` then runs when it can."""
         if self._signals.defers(again):
             return False

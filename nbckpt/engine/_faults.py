@@ -13,6 +13,9 @@ points, and what their action is called with:
 - ``file.write`` (path): bytes are about to be written to a new local file;
 - ``file.open`` (path): a local checkpoint file is about to be opened for reading;
 - ``dir.fsync`` (path): a local directory's entries are about to be made durable;
+- ``file.exchange`` (path, path): two local paths are about to be swapped atomically (a step
+  saved again over itself); an OSError raised there is a file system without the exchange
+  (NFS: no ``renameat2``), and the store renames in two steps instead;
 - ``retention.pass`` (newest step): a retention pass begins, on its thread;
 - ``mirror.upload`` (local step location, file name): the mirror is about to copy one file;
 - ``store.share`` (committed step's location, new location, file name): a directory is about to
@@ -35,6 +38,7 @@ POINTS = (
     "file.write",
     "file.open",
     "dir.fsync",
+    "file.exchange",
     "retention.pass",
     "mirror.upload",
     "store.share",

@@ -420,6 +420,7 @@ def exchange_paths(a: str, b: str) -> bool:
     import ctypes.util
 
     try:
+        fault_point("file.exchange", a, b)
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         renameat2 = libc.renameat2
     except (OSError, AttributeError):

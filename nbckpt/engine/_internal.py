@@ -7,11 +7,11 @@ private module of the engine another layer may import (``tests/test_layout.py`` 
 
 from ._checkpointer import writer_of
 from ._files import fsync_dir, write_all, write_atomic
-from ._final import check_signals
 from ._format import MANIFEST, POINTER_FORMAT, POINTER_LIMIT, parse_step, step_name
 from ._object_store import endpoint, explain_fsspec_error, fsspec_options, open_fsspec
 from ._plain_dcp import plain_dcp_steps
 from ._schedule import Costs, Interval, Pacer, expected_waste, job_mtbf_s, young_daly_interval
+from ._shutdown import check_signals
 from ._state import flatten
 from ._timeline import events_to_pandas, now_ns
 from ._torch_compat import version_of

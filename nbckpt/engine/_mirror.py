@@ -25,16 +25,16 @@ from typing import Any
 from .._errors import CheckpointError, ConfigError, describe_error
 from .._util import is_url
 from ._config import CheckpointConfig
+from ._context import Context
 from ._faults import fault_point
 from ._files import copy_file, damage_named
 from ._format import BRANCH_FILE, BRANCH_LIMIT, LOCK_FILE, MAIN, step_name
 from ._lines import Line, discover, on, write_record
 from ._open_store import open_store
-from ._ranks import Group
 from ._retention import RetentionPolicy, StepFacts, StepInfo, doomed, expired, top_names
 from ._saver import Commit
 from ._store import Store
-from ._timeline import Timeline, now_ns
+from ._timeline import now_ns
 from ._workers import Backlog, Worker
 
 __all__ = ["Mirror", "mirror_of", "mirror_target", "open_mirror"]
@@ -84,15 +84,14 @@ class Mirror:
         root: Store,
         *,
         policy: RetentionPolicy | None,
-        timeline: Timeline,
+        context: Context,
         nonce: str,
         writes: bool,
-        nice: int = 0,
     ) -> None:
         """``writes``: this process uploads (rank 0 of a run not opened read-only)."""
-        self.root, self.policy, self.timeline = root, policy, timeline
+        self.root, self.policy, self.timeline = root, policy, context.timeline
         self._nonce, self._writes = nonce, writes
-        self._worker = Worker("nbckpt-mirror", nice=nice)
+        self._worker = Worker("nbckpt-mirror", nice=context.nice)
         self._lock = threading.Lock()
         self._waiting: deque[_Upload | _Record] = deque()
         self._uploading: _Upload | None = None
@@ -393,15 +392,14 @@ def mirror_target(config: CheckpointConfig, run: Store) -> Store | None:
 
 
 def open_mirror(
-    store: Store | None, config: CheckpointConfig, run: Store, group: Group, timeline: Timeline, nonce: str
+    store: Store | None, config: CheckpointConfig, run: Store, context: Context, nonce: str
 ) -> Mirror | None:
     """The mirror of ``run`` at ``store``, claimed for it (checked only, when read-only)."""
     if store is None:
         return None
+    group = context.caller
     writes = group.rank == 0 and not config.read_only
-    mirror = Mirror(
-        store, policy=config.retention, timeline=timeline, nonce=nonce, writes=writes, nice=config.writer_nice
-    )
+    mirror = Mirror(store, policy=config.retention, context=context, nonce=nonce, writes=writes)
     # The run a mirror belongs to: its directory as the file system knows it (a symlink or a
     # relative path to the same run is the same run), or its URL.
     owner = os.path.realpath(run.url) if run.is_local else run.url

@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 import torch
 
 from .._errors import CheckpointError, ConfigError, NbckptError, describe_error
+from ._context import Context
 from ._dcp_check import check_dcp_metadata, check_values
 from ._format import MANIFEST, METADATA_FILE, step_name
 from ._manifest import Manifest
-from ._ranks import Group
 from ._reader import (
     Readable,
     ReadPlan,
@@ -46,7 +46,7 @@ from ._template import (
     destinations,
     sharded_targets,
 )
-from ._timeline import Timeline, now_ns
+from ._timeline import now_ns
 from ._workers import Pool, deferred_interrupt
 
 __all__ = ["Candidate", "Options", "Restorer", "device_of"]
@@ -57,10 +57,10 @@ class Restorer:
     from ``stores``, in the order they are preferred (the line, its ancestors, the mirror's; each
     place followed by the steps another writer left in it, read-only)."""
 
-    def __init__(self, stores: Sequence[Readable], io: Pool, group: Group, timeline: Timeline) -> None:
-        self.stores, self.io, self.group, self.timeline = stores, io, group, timeline
+    def __init__(self, stores: Sequence[Readable], context: Context) -> None:
+        self.stores, self.io, self.group, self.timeline = stores, context.io, context.caller, context.timeline
         self.store = stores[0]
-        self.rank = group.rank
+        self.rank = self.group.rank
         self.last_source = 0  # which of ``stores`` the last restore read from
         # The step the last restore loaded into the state: set inside the section a Ctrl-C
         # cannot cut, so an interrupt delivered as it ends still knows the state was loaded.

@@ -8,12 +8,13 @@ import logging
 from functools import partial
 
 from .._errors import describe_error
+from ._context import Context
 from ._faults import fault_point
 from ._format import step_name
 from ._retention import RetentionPolicy, doomed
 from ._saver import Commit
 from ._store import Store
-from ._timeline import Timeline, now_ns
+from ._timeline import now_ns
 from ._workers import Backlog, Worker
 
 __all__ = ["Retainer"]
@@ -25,9 +26,9 @@ class Retainer:
     """Deletes what ``policy`` does not keep, one pass after each commit, on a background thread
     of its own (a slow delete never delays a save)."""
 
-    def __init__(self, policy: RetentionPolicy, timeline: Timeline, nice: int) -> None:
-        self.policy, self.timeline = policy, timeline
-        self._worker = Worker("nbckpt-retention", nice=nice)
+    def __init__(self, policy: RetentionPolicy, context: Context) -> None:
+        self.policy, self.timeline = policy, context.timeline
+        self._worker = Worker("nbckpt-retention", nice=context.nice)
         self._backlog = Backlog(self._worker)
 
     def committed(self, commit: Commit) -> None:

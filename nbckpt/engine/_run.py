@@ -8,17 +8,15 @@ import warnings
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError
+from ._context import Context
 from ._format import MAIN
 from ._lines import Line, ancestry, discover, last_committed, lineage, on, start_branch, write_record
 from ._mirror import Mirror, mirror_of
 from ._plain_dcp import PlainDcpSteps, said_shared
-from ._ranks import Group
 from ._reader import Readable
 from ._restorer import Options, Restorer
 from ._saver import Saver
 from ._store import Store
-from ._timeline import Timeline
-from ._workers import Pool
 
 __all__ = ["Run", "open_run"]
 
@@ -72,21 +70,13 @@ class Run:
         root: Store,
         mirror: Mirror | None,
         saver: Saver,
-        io: Pool,
-        group: Group,
-        timeline: Timeline,
+        context: Context,
         *,
         line: str | None,
         read_only: bool,
     ) -> None:
-        self.root, self.mirror, self.saver, self._io, self.group, self.timeline = (
-            root,
-            mirror,
-            saver,
-            io,
-            group,
-            timeline,
-        )
+        self.root, self.mirror, self.saver, self.context = root, mirror, saver, context
+        group = self.group = context.caller
         self.read_only, self._writes = read_only, group.rank == 0 and not read_only
         self.current = MAIN
         self.restored_from: str | None = None
@@ -139,7 +129,7 @@ class Run:
                 more, more_names = readables(mirrored, name)
                 stores, chain_names = stores + more, chain_names + more_names
         self._chain = chain_names
-        return Restorer(stores, self._io, self.group, self.timeline)
+        return Restorer(stores, self.context)
 
     def branch_if_rewound(self) -> None:
         """Before the first save after restoring an older step: go on in a new line."""

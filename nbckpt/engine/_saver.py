@@ -21,20 +21,20 @@ import torch
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from ._config import CheckpointConfig
+from ._context import Context
 from ._dcp_values import ValueItem, dcp_metadata, dcp_values, value_items
 from ._faults import fault_point
 from ._files import FileResult, copy_file, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._incremental import NOTHING_SHARED, Increments, Sharing
 from ._manifest import build, provenance
-from ._ranks import RankInfo
 from ._retention import StepFacts
 from ._shards import check_replicas, fingerprints
 from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten, rng_capture
 from ._store import Store, crash_point
-from ._timeline import SaveHandle, SaveRecord, Timeline, now_ns
-from ._workers import Pool, Worker, run_all, settle
+from ._timeline import SaveHandle, SaveRecord, now_ns
+from ._workers import Worker, run_all, settle
 
 __all__ = ["Commit", "CommitObserver", "Saver"]
 
@@ -101,15 +101,14 @@ class Saver:
         self,
         config: CheckpointConfig,
         store: Store,
-        ranks: RankInfo,
-        timeline: Timeline,
-        io: Pool,
+        context: Context,
         nonce: str,
         committed: set[int],
         observers: Sequence[CommitObserver] = (),
     ) -> None:
         """``observers``: told of each commit in this order (the run gives them to rank 0's)."""
-        self.config, self.store, self.ranks, self.timeline, self.io = config, store, ranks, timeline, io
+        self.config, self.store = config, store
+        self.ranks, self.timeline, self.io = context.ranks, context.timeline, context.io
         self._observers = tuple(observers)
         self.records: list[SaveRecord] = []
         self.committed = committed
@@ -124,7 +123,7 @@ class Saver:
         self.pool = StagingPool(config.max_inflight, pin=torch.cuda.is_available())
         self._stager = Stager()
         self._increments = Increments(self._stager.run, self._stager.threads) if config.incremental else None
-        self._persister = Worker("nbckpt-persist", nice=config.writer_nice)
+        self._persister = Worker("nbckpt-persist", nice=context.nice)
 
     # -- the caller's side ----------------------------------------------------------------------
 

@@ -139,11 +139,11 @@ def overlap(a: Region, b: Region) -> Region | None:
 SWEEP_BUDGET = 1 << 18
 
 
-def tiles(chunks: Sequence[Region], shape: Shape) -> bool:
+def tiles(chunks: Sequence[Region], shape: Shape, *, budget: int = SWEEP_BUDGET) -> bool:
     """Whether ``chunks`` cover the whole tensor of ``shape`` exactly once: inside it, volumes
     adding up, no two overlapping (a sweep along the first dimension: n log n for n chunks in
-    rows; past :data:`SWEEP_BUDGET` comparisons, a tiling by straight cuts, as every DTensor
-    placement makes, is still recognised, in n log n a level)."""
+    rows; past ``budget`` comparisons, a tiling by straight cuts, as every DTensor placement
+    makes, is still recognised, in n log n a level)."""
     full = Region.whole(shape)
     if len(chunks) == 1 and chunks[0] == full:  # a plain tensor: one chunk, all of it
         return True
@@ -153,7 +153,6 @@ def tiles(chunks: Sequence[Region], shape: Shape) -> bool:
     if not shape:
         return len(solid) == 1
     active: list[Region] = []
-    budget = SWEEP_BUDGET
     for chunk in sorted(solid, key=lambda c: c.offsets):
         start = chunk.offsets[0]
         active = [c for c in active if c.offsets[0] + c.sizes[0] > start]

@@ -18,8 +18,10 @@ __all__ = [
     "STORAGE_INFO_GLOBAL",
     "default_store",
     "dtensor_spec",
+    "missing",
     "pickle_record",
     "storage_info",
+    "torch_archive_records",
     "version_of",
 ]
 
@@ -78,3 +80,40 @@ def torch_archive_records(data: bytes) -> dict[str, bytes]:
 
     reader = torch._C.PyTorchFileReader(io.BytesIO(data))
     return {name: reader.get_record(name) for name in reader.get_all_records()}
+
+
+def _reads_archives() -> bool:
+    blob = io.BytesIO()
+    torch.save({"x": 1}, blob)
+    try:
+        return torch_archive_records(blob.getvalue()).get("data.pkl") == pickle_record(blob.getvalue())
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+def missing() -> list[str]:
+    """The private torch names above that this torch lacks or changed (none: all is well); a
+    change in any of them would otherwise show as a refused step or a missed fault, far away."""
+    import dataclasses
+
+    from torch.distributed import distributed_c10d
+    from torch.distributed.tensor import DTensor
+
+    fields = (
+        [field.name for field in dataclasses.fields(_StorageInfo)]
+        if dataclasses.is_dataclass(_StorageInfo)
+        else []
+    )
+    found = {
+        # pickled by this name into every .metadata nbckpt writes; its first three fields positional
+        "distributed.checkpoint.filesystem._StorageInfo": (_StorageInfo.__module__, _StorageInfo.__qualname__)
+        == STORAGE_INFO_GLOBAL
+        and fields[:3] == ["relative_path", "offset", "length"],
+        "distributed.distributed_c10d._get_default_store": callable(
+            getattr(distributed_c10d, "_get_default_store", None)
+        ),
+        "distributed.tensor.DTensor._spec": "_spec" in getattr(DTensor, "__slots__", ()),
+        "Tensor._version": isinstance(getattr(torch.zeros(1), "_version", None), int),
+        "_C.PyTorchFileReader": _reads_archives(),
+    }
+    return [f"torch {torch.__version__}: torch.{name}" for name, ok in found.items() if not ok]

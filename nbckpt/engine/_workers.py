@@ -119,26 +119,27 @@ class Worker:
 class Backlog:
     """Jobs for one :class:`Worker`, counted from when they are promised (a job may be queued
     later: retention's pass after a commit is reported) until they are over; :meth:`wait` returns
-    once none is left. The engine's one way to wait for background work (saves in flight are
-    waited for through their handles)."""
+    once none is left. Each job is a future, waited for by :func:`settle` as everything the
+    engine waits for in the background is (saves in flight: through their handles)."""
 
     def __init__(self, worker: Worker) -> None:
         self._worker = worker
-        self._idle = threading.Condition()
-        self._pending = 0
+        self._lock = threading.Lock()
+        self._pending: set[Future[None]] = set()
 
     def promise(self, job: Callable[[], None]) -> Callable[[], None]:
         """Count ``job`` now; the returned function queues it (call it once)."""
-        with self._idle:
-            self._pending += 1
+        over: Future[None] = Future()
+        with self._lock:
+            self._pending.add(over)
 
         def run() -> None:
             try:
                 job()
             finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+                with self._lock:
+                    self._pending.discard(over)
+                over.set_result(None)
 
         return partial(self._worker.submit, run)
 
@@ -147,9 +148,12 @@ class Backlog:
 
     def wait(self) -> None:
         """Block until every job promised so far (and any promised meanwhile) is over."""
-        with self._idle:
-            while self._pending:
-                self._idle.wait(SIGNAL_CHECK_S)  # timed: a Ctrl-C gets through (SIGNAL_CHECK_S)
+        while True:
+            with self._lock:
+                pending = next(iter(self._pending), None)
+            if pending is None:
+                return
+            settle(pending)
 
 
 class Pool:

@@ -88,7 +88,9 @@ class Autosave:
     every ``every_s`` (seconds or ``"10min"``; default 10 min), or as often as ``schedule`` (a
     :class:`~nbckpt.SaveSchedule`) advises for the measured save costs; ``step``: a variable's
     name or a function giving the step (None: one past the newest); ``timeout_s`` bounds the
-    final save. One per shell: :meth:`start` replaces the one running.
+    final save; ``clock``: the seconds the interval is measured on (``time.monotonic``; a test
+    gives a clock it moves on, and may set :attr:`clock` later). One per shell: :meth:`start`
+    replaces the one running.
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class Autosave:
         shell: InteractiveShell | None = None,
         timeout_s: float | str = 20.0,
         signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(names, str):
             names = names.split()
@@ -111,6 +114,8 @@ class Autosave:
                 f"Autosave(['model', 'opt']), not {repr(names)[:80]}"
             )
         self.signals = check_signals(signals)  # not when start() installs them
+        if not callable(clock):
+            raise ConfigError(f"clock must be a function giving seconds, not {clock!r}")
         if directory is not None:
             check_path(directory, "directory")
         found = _shell_or_current(shell)
@@ -134,7 +139,8 @@ class Autosave:
         self.key = self.session.key(self.directory)
         self.running = False
         self.last: Save | None = None  # the newest autosave (None before the first)
-        self._last_at = time.monotonic()  # when it started: the budget runs from here
+        self.clock = clock
+        self._last_at = clock()  # when it started: the budget runs from here
         self._last_wall: float | None = None
         self._cells = 0  # cells run since start(); see _pre_run_cell
         self._cells_saved = 0  # ... when the newest autosave took the state
@@ -177,7 +183,7 @@ class Autosave:
         for event in _HOOKS:
             self.shell.events.register(event, getattr(self, f"_{event}"))
         self.running = True
-        self._last_at = time.monotonic()
+        self._last_at = self.clock()
         self._arm()
         return self
 
@@ -232,9 +238,9 @@ class Autosave:
         if self._pacer is not None:  # asked at each cell's end: a cell is no training step to count
             records = self.session.opened(self.directory).records
             persisting = bool(self.session.in_flight(self.key))
-            if not self._pacer.decide(time.monotonic(), records, None, persisting)[0]:
+            if not self._pacer.decide(self.clock(), records, None, persisting)[0]:
                 return False
-        elif time.monotonic() - self._last_at < self.every_s:
+        elif self.clock() - self._last_at < self.every_s:
             return False
         # A save in flight (an autosave or the user's): skip rather than stall the next cell.
         return not self.session.in_flight(self.key)
@@ -327,7 +333,7 @@ class Autosave:
         finally:
             for record in caught:
                 _log.warning("%s", record.message)
-        self.last, self._last_at, self._last_wall = save, time.monotonic(), time.time()
+        self.last, self._last_at, self._last_wall = save, self.clock(), time.time()
         if self._pacer is not None:
             self._pacer.saved(self._last_at)
         handle = save.handle
@@ -369,7 +375,7 @@ class Autosave:
                 f"\n  failed: {self.failures} time(s), the last at {_clock(self._error_wall)}: "
                 f"{self.last_error}"
             )
-        wait = self._last_at + self._interval_s() - time.monotonic()
+        wait = self._last_at + self._interval_s() - self.clock()
         due = f"the first cell to end after {_clock(time.time() + wait)}" if wait > 0 else "the next cell"
         return (
             f"nbckpt: autosaving {head}\n  last: {last}\n  next: {due}; at once when a cell is "

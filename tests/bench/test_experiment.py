@@ -298,6 +298,7 @@ def test_stopped_runs_make_partial_rows_that_say_what_they_rest_on(
     # run by run (the strategies' buffers would not fit side by side): the baseline ran to the
     # end before torch-save was stopped
     memory = SimpleNamespace(available=1, total=1 << 30)
+    # the one patch of a private name here (tests/test_layout.py's PATCHED says why)
     monkeypatch.setattr(_compare, "psutil", SimpleNamespace(virtual_memory=lambda: memory))
     comparison = bench.compare(
         small_workload(),
@@ -343,9 +344,8 @@ def test_stopped_runs_make_partial_rows_that_say_what_they_rest_on(
     assert cycled.results["overhead_basis"].tolist() == ["baseline", "1 repeat, 2 cycles (widened), stopped"]
 
 
-def test_the_load_record_counts_other_processes_and_steal(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_load_record_counts_other_processes_and_steal() -> None:
     times = namedtuple("times", "user nice system idle iowait irq softirq steal guest guest_nice")
-    monitor = _load.LoadMonitor()
     zero = times(*([0.0] * 10))
     # 2 s on 2 cores: 4 busy CPU seconds (guest time is inside user), 0.2 stolen, 1.5 ours
     end = times(
@@ -360,10 +360,11 @@ def test_the_load_record_counts_other_processes_and_steal(monkeypatch: pytest.Mo
         guest=0.5,
         guest_nice=0.0,
     )
-    monitor._begin = (10.0, zero, 1.0, 0.5)
-    monkeypatch.setattr(monitor, "_snapshot", lambda: (12.0, end, 2.5, 1.5))
-    monkeypatch.setattr(_load.psutil, "cpu_count", lambda: 2)
-    load = monitor.stop()
+    load = bench.Load.between(
+        _load.Snapshot(10.0, zero, 1.0, 0.5), _load.Snapshot(12.0, end, 2.5, 1.5), cpus=2
+    )
+    measured = _load.LoadMonitor().stop()  # the same arithmetic over this machine's counters
+    assert measured.cpus >= 1 and measured.wall_s >= 0 and measured.own_cpu_s >= 0
     assert load.wall_s == 2.0 and load.own_cpu_s == 1.5 and load.own_cores == 0.75
     assert load.other_cpu_cores == pytest.approx((4.0 - 1.5) / 2.0)  # 1.25 cores
     assert load.steal_pct == pytest.approx(100 * 0.2 / 4.2)

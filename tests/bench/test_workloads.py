@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import namedtuple
 
+import psutil
 import pytest
 import torch
 
@@ -99,7 +100,7 @@ def test_absurd_sizes_are_refused_before_allocating() -> None:
 
 def test_presets_refuse_when_free_memory_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
     Memory = namedtuple("Memory", "available total")
-    monkeypatch.setattr(wl.psutil, "virtual_memory", lambda: Memory(100 * MIB, 100 * MIB))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory(100 * MIB, 100 * MIB))
     workload = wl.gpt("tiny")
     with pytest.raises(ConfigError, match=r"gpt-tiny needs about .* only 104\.9 MB is free"):
         workload.build()

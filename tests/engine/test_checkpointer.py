@@ -703,17 +703,18 @@ def test_warmup_allocates_before_the_first_save(tmp_path: Path) -> None:
         assert ckpt.steps() == [1]
 
 
-def test_load_on_meta_reads_values_and_shapes_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nbckpt.engine._store import LocalStore
-
+def test_load_on_meta_reads_values_and_shapes_only(tmp_path: Path) -> None:
     model, _ = trained_model()
+    opened: list[str] = []
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(
             {"model": model, "args": {"n_layer": 2, "path": pathlib.Path("x")}, "a": np.ones(3)}, step=1
         ).wait()
-        with monkeypatch.context() as patch:
-            patch.setattr(LocalStore, "source", lambda *a: pytest.fail("a data file was read"))
+        with armed("file.open", opened.append):
             peek = ckpt.load(map_location="meta")
+            assert opened == []  # no data file was opened
+            ckpt.load()
+            assert opened  # the seam sees a load that reads the files
     assert peek["args"] == {"n_layer": 2, "path": pathlib.Path("x")}
     assert peek["model"]["0.weight"].device.type == "meta" and peek["model"]["0.weight"].shape == (64, 32)
 

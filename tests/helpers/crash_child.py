@@ -11,9 +11,11 @@ call :func:`train` in a forked process for the random-kill trials.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from torch import nn
 
 from nbckpt import Checkpointer
 from nbckpt.engine import _store
+from nbckpt.engine._faults import armed
 
 WIDTH = 768  # two Linear layers: about 4.7 MB of float32, so a save takes a while
 
@@ -138,12 +141,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--crash-at", default=None, help="a crash point (_store.arm_crash): die there")
     args = parser.parse_args(argv)
     _store.arm_crash(args.crash_at)
-    if args.no_exchange:
-        _store.exchange_paths = lambda a, b: False  # type: ignore[assignment]
-    train(
-        args.directory, args.seed, args.steps, args.keep, lambda line: print(line, flush=True), ring=args.ring
-    )
+    with armed("file.exchange", _no_exchange) if args.no_exchange else nullcontext():
+        train(
+            args.directory,
+            args.seed,
+            args.steps,
+            args.keep,
+            lambda line: print(line, flush=True),
+            ring=args.ring,
+        )
     return 0
+
+
+def _no_exchange(a: str, b: str) -> None:
+    """NFS: the file system offers no renameat2(RENAME_EXCHANGE)."""
+    raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import threading
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nbckpt import Checkpointer
-from nbckpt.engine._store import LocalStore
+from nbckpt.engine._faults import armed
 
 
 def main(argv: list[str]) -> int:
@@ -41,15 +41,14 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(0)  # the same bias on every rank: a replicated model
     model = torch.nn.Linear(64, 64)
     final = threading.Event()
+
+    def hanging(location: str, name: str) -> None:
+        if final.is_set():
+            threading.Event().wait(600)  # storage that stopped answering
+
+    never_disarmed = ExitStack()  # for the rest of the process, its exit too
     if args.slow_final:
-        original = LocalStore.sink
-
-        def hanging_sink(store: LocalStore, location: str, name: str) -> Any:
-            if final.is_set():
-                threading.Event().wait(600)  # storage that stopped answering
-            return original(store, location, name)
-
-        LocalStore.sink = hanging_sink  # type: ignore[method-assign]
+        never_disarmed.enter_context(armed("store.sink", hanging))
     step = 0
 
     def snapshot() -> tuple[dict[str, Any], int]:

@@ -4,8 +4,10 @@ real kernels that are interrupted, restarted and sent SIGTERM."""
 from __future__ import annotations
 
 import ast
+import atexit
 import re
 import signal
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +24,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from nbckpt import Checkpointer, ConfigError, SaveHandle, SaveRecord, SaveSchedule
 from nbckpt._util import format_bytes, parse_duration
 from nbckpt.engine._internal import step_name
-from nbckpt.notebook import Autosave, Browser, _autosave
+from nbckpt.notebook import Autosave, Browser
 from nbckpt.notebook._session import Save
 
 
@@ -43,9 +45,25 @@ def hooks(shell: InteractiveShell) -> tuple[int, int]:
     return len(shell.events.callbacks["pre_run_cell"]), len(shell.events.callbacks["post_run_cell"])
 
 
+class Clock:
+    """``time.monotonic``, moved on by the test (an autosave's ``clock``)."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.ahead
+
+
+def clock_of(autosave: Autosave) -> Clock:
+    if not isinstance(autosave.clock, Clock):
+        autosave.clock = Clock()
+    return autosave.clock
+
+
 def late_cell(shell: InteractiveShell, code: str = "pass") -> bool:
-    """Run a cell that ends once the autosave's budget has passed (its clock set back by it)."""
-    running(shell)._last_at -= running(shell).every_s
+    """Run a cell that ends once the autosave's budget has passed (its clock moved on by it)."""
+    clock_of(running(shell)).ahead += running(shell).every_s
     return bool(shell.run_cell(code).success)
 
 
@@ -138,32 +156,37 @@ def test_rerunning_the_cell_replaces_the_autosave_without_adding_hooks(
 
 
 class ExitHooks:
-    """Stands in for the ``atexit`` module (whose registrations a test process cannot list)."""
+    """Stands in for ``atexit.register`` and ``unregister`` (a test process cannot list what
+    atexit holds, and must not run the hooks of a test's objects when it exits)."""
 
-    def __init__(self) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.hooks: list[Callable[[], None]] = []
-
-    def register(self, hook: Callable[[], None]) -> None:
-        self.hooks.append(hook)
+        monkeypatch.setattr(atexit, "register", self.hooks.append)
+        monkeypatch.setattr(atexit, "unregister", self.unregister)
 
     def unregister(self, hook: Callable[[], None]) -> None:
-        self.hooks = [h for h in self.hooks if h != hook]
+        self.hooks[:] = [h for h in self.hooks if h != hook]
+
+    def of(self, owner: object) -> list[Callable[[], None]]:
+        """The hooks that are methods of ``owner``."""
+        return [h for h in self.hooks if getattr(h, "__self__", None) is owner]
 
 
 def test_unload_removes_the_hooks_the_signal_handler_and_the_exit_hook(
     shell: InteractiveShell, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    exits = ExitHooks()
-    monkeypatch.setattr(_autosave, "atexit", exits)
+    exits = ExitHooks(monkeypatch)
     before, handler = hooks(shell), signal.getsignal(signal.SIGTERM)
     shell.run_line_magic("ckpt_autosave", f"model --every 1h -d {tmp_path / 'run'}")
+    autosave = running(shell)
     assert signal.getsignal(signal.SIGTERM) is not handler
-    assert exits.hooks == [running(shell)._at_exit]
+    # one exit hook, registered after its Checkpointer's, so that it runs first
+    assert len(exits.of(autosave)) == 1 and exits.hooks[-1] in exits.of(autosave)
     assert shell.run_cell("pass").success  # each cell puts it last again: still one
-    assert exits.hooks == [running(shell)._at_exit]
+    assert len(exits.of(autosave)) == 1 and exits.hooks[-1] in exits.of(autosave)
     shell.run_line_magic("unload_ext", "nbckpt")
     assert hooks(shell) == before and Autosave.active(shell) is None
-    assert signal.getsignal(signal.SIGTERM) is handler and exits.hooks == []
+    assert signal.getsignal(signal.SIGTERM) is handler and exits.of(autosave) == []
     shell.run_line_magic("load_ext", "nbckpt")  # for the fixture, which unloads it
 
 
@@ -369,7 +392,7 @@ def test_a_save_schedule_sets_the_autosave_interval_from_the_measured_costs(
     cheap = pacer.interval.seconds  # sqrt(2 x a save's stall x 8 h): seconds, not one cell
     assert cheap > 10 * autosave.session.opened(str(target)).records[0].stall_s
     assert autosave.status().split("\n")[0].endswith(pacer.interval.reason)
-    pacer._last_save -= cheap  # type: ignore[operator]  # the interval has passed
+    clock_of(autosave).ahead += cheap  # the interval has passed
     assert shell.run_cell("x = 3").success and autosave.last.handle.wait().step == 1
     slow = SaveRecord(3, "", 0, 4.0, 0.1, 1.0, 0.0, 0.0, 0.0)  # saves stalling 4 s
     pacer.decide(0.0, [slow] * 5, None)

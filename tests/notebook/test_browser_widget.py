@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.faults import armed
 from helpers.s3server import SeaweedS3
 
 from nbckpt import Checkpointer
-from nbckpt.notebook import Browser, _browser_index
+from nbckpt.notebook import Browser
 from nbckpt.notebook._browser_index import saved_values
 
 
@@ -222,7 +223,7 @@ def test_a_branch_keeps_the_step_it_went_on_from(tmp_path: Path) -> None:
     assert [row.key for row in browser.rows] == [("main", 1), ("main", 2)]
 
 
-def test_errors_inside_an_action_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_errors_inside_an_action_are_one_line(tmp_path: Path) -> None:
     missing = Browser(tmp_path / "nowhere")
     assert missing.rows == [] and missing.error is None
     assert "does not exist" in missing.message.value
@@ -232,12 +233,12 @@ def test_errors_inside_an_action_are_one_line(tmp_path: Path, monkeypatch: pytes
     assert browser.diff() is None
     assert one_line_error(browser) == "Cannot diff: select two steps to compare, not 1"
 
-    def broken(*args: Any) -> Any:
+    def broken(url: str) -> None:  # the diff's reader lists the run
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(_browser_index, "per_line", broken)
     browser.select(1, 2)
-    assert browser.diff() is None
+    with armed("store.names", broken):
+        assert browser.diff() is None
     assert one_line_error(browser) == "Cannot diff: unexpected RuntimeError: boom; second line"
     assert not browser.diff_button.disabled  # not left busy
 
@@ -287,28 +288,26 @@ def test_browsing_a_run_on_s3(s3_server: SeaweedS3, bucket: str) -> None:
     assert one_line_error(wrong).startswith("Cannot read the run: ")
 
 
-def test_actions_from_two_threads_run_one_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_actions_from_two_threads_run_one_at_a_time(tmp_path: Path) -> None:
     saved_run(tmp_path / "run", steps=(1, 2))
     browser = Browser(tmp_path / "run")
     browser.select(1, 2)
     inside, release = threading.Event(), threading.Event()
-    reading = _browser_index.per_line
 
-    def held(*args: Any) -> Any:
+    def held(url: str) -> None:  # the verify's reader lists the run: held there
         inside.set()
         assert release.wait(60)
-        return reading(*args)
 
-    monkeypatch.setattr(_browser_index, "per_line", held)
     verified: list[Any] = []
     worker = threading.Thread(target=lambda: verified.append(browser.verify()))
-    worker.start()
-    assert inside.wait(60)
-    try:
-        assert browser.diff() is None  # refused while the verify holds the browser
-        assert one_line_error(browser) == "Cannot diff: another action is still running"
-    finally:
-        release.set()
-        worker.join()
+    with armed("store.names", held):
+        worker.start()
+        assert inside.wait(60)
+        try:
+            assert browser.diff() is None  # refused while the verify holds the browser
+            assert one_line_error(browser) == "Cannot diff: another action is still running"
+        finally:
+            release.set()
+            worker.join()
     assert verified == [[]]  # the verify went on: no step damaged
     assert browser.diff() is not None  # the browser is free again

@@ -333,7 +333,7 @@ def test_the_live_figure_drops_the_listeners_of_removed_views(tmp_path: Path) ->
 
 
 def test_failures_the_lab_cannot_show_go_to_the_nbckpt_logger(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     def posted(*items: tuple[str, Any]) -> queue.Queue[tuple[str, Any]]:
         source: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -341,17 +341,13 @@ def test_failures_the_lab_cannot_show_go_to_the_nbckpt_logger(
             source.put(item)
         return source
 
-    def broken(batch: list[tuple[str, Any]]) -> None:
-        raise RuntimeError("the widget is gone")
-
     lab = make_lab(tmp_path / "lab")
-    monkeypatch.setattr(lab, "_apply", broken)
     with caplog.at_level(logging.WARNING, logger="nbckpt"):
-        lab._update_loop(posted(("log", "a line")))
+        # a widget that refuses the update: the progress bar takes no text for its length
+        lab._update_loop(posted(("steps", "many"), ("log", "a line")))
         lab.close()  # a closed lab shows nothing: its run's failure is logged
-        lab._job = "run"
         lab._update_loop(posted(("error", OSError(28, "No space left on device"))))
-    assert "the lab could not show an update: RuntimeError: the widget is gone" in caplog.text
+    assert "the lab could not show an update: TraitError: " in caplog.text
     assert "the closed lab's run failed: Storage error: No space left on device" in caplog.text
 
 

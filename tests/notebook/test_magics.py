@@ -68,23 +68,20 @@ def test_a_save_that_commits_while_its_status_is_shown_still_turns_committed(
 ) -> None:
     """Under load the save can commit between rendering the status and watching for the commit;
     the line must not stay "writing in the background" (a display update nobody sends)."""
-    from IPython.display import DisplayHandle
-
-    from nbckpt.notebook import _magics
+    from IPython.core.displaypub import DisplayPublisher
 
     shown: list[str] = []
 
-    class Shown(DisplayHandle):
-        def update(self, obj: Any, **kwargs: Any) -> None:
-            shown.append(repr(obj))
+    class CommitWhileShowing(DisplayPublisher):
+        """The shell's publisher of what is displayed (the first showing, then its updates)."""
 
-    def display_then_commit(obj: Any, **options: Any) -> Any:
-        shown.append(repr(obj))
-        throttle.release.set()  # the save commits before display() returns
-        obj.handle.wait()
-        return Shown()
+        def publish(self, data: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+            shown.append(data["text/plain"])
+            if len(shown) == 1:  # the save commits before display() returns
+                throttle.release.set()
+                magics_of(ip).session.saves[-1].handle.wait()
 
-    monkeypatch.setattr(_magics, "_display", display_then_commit)
+    monkeypatch.setattr(ip, "display_pub", CommitWhileShowing(shell=ip))
     throttle.hold()
     ip.run_line_magic("ckpt_async", f"model -d {tmp_path / 'run'} --step 3")
     assert "writing in the background" in shown[0] and "committed" not in shown[0]
@@ -476,9 +473,9 @@ def test_bench_in_batch_runs_and_returns_the_comparison(ip: InteractiveShell, tm
 def test_bench_in_jupyterlab_shows_the_live_lab_and_starts_it(
     ip: InteractiveShell, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from nbckpt.notebook import _magics
-
-    monkeypatch.setattr(_magics, "_batch_run", lambda shell: False)
+    monkeypatch.delenv("NBCKPT_BATCH", raising=False)
+    # JupyterLab marks its execute requests with recordTiming; the test shell has no kernel
+    monkeypatch.setattr(ip, "kernel", _Kernel({"recordTiming": False}), raising=False)
     result = ip.run_line_magic(
         "ckpt_bench",
         f"--dir {tmp_path / 'b'} --size-mb 1 --strategies nbckpt-async --steps 2 --every 1 --repeats 1",

@@ -95,6 +95,11 @@ BAD_CALLS: list[tuple[str, Call, str]] = [
         lambda *_: Autosave(["model"], directory=3),  # type: ignore[arg-type]
         "directory must be a path, not int",
     ),
+    (
+        "Autosave(clock=5)",
+        lambda *_: Autosave(["model"], clock=5),  # type: ignore[arg-type]
+        "clock must be a function giving seconds, not 5",
+    ),
 ]
 
 
@@ -207,9 +212,10 @@ def _report(
 ) -> list[str]:
     """``nbckpt report ARGS`` with the machine's load fed in: the lines it said on stderr."""
     from nbckpt import cli
-    from nbckpt.bench import _internal as bench
 
-    monkeypatch.setattr(bench, "machine_load", lambda: (load_1m, 2))  # the seam: no real load needed
+    # the machine itself is the seam: its load average and the cores this process may use
+    monkeypatch.setattr(os, "getloadavg", lambda: (load_1m, load_1m, load_1m))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert cli.main(["report", *args]) == 0
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("report: ")]
 

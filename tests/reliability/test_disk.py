@@ -255,7 +255,12 @@ def test_11_a_failed_resave_without_exchange_keeps_the_old_checkpoint(
     directory = tmp_path / "run"
     with Checkpointer(directory, mode="sync") as ckpt:
         ckpt.save(floats(0.1, 1), step=1)
-    monkeypatch.setattr(_store, "exchange_paths", lambda a, b: False)  # NFS: no renameat2
+    exchanges: list[tuple[str, str]] = []
+
+    def no_exchange(a: str, b: str) -> None:  # NFS: no renameat2
+        exchanges.append((a, b))
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
     real_rename = os.rename
 
     def rename(src: str, dst: str) -> None:
@@ -264,11 +269,12 @@ def test_11_a_failed_resave_without_exchange_keeps_the_old_checkpoint(
         real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", rename)
-    with Checkpointer(directory, mode="sync") as ckpt:
+    with armed("file.exchange", no_exchange), Checkpointer(directory, mode="sync") as ckpt:
         with pytest.raises(CheckpointError, match=r"EIO"):
             ckpt.save(floats(0.1, 2), step=1, overwrite=True)
         assert ckpt.steps() == [1]
     monkeypatch.undo()
+    assert len(exchanges) == 1  # the re-save tried the exchange first, then renamed
     with Checkpointer(directory) as ckpt:  # the next open must not take the old copy for a leftover
         step, w = restore_w(ckpt, 0.1)
         assert step == 1 and torch.equal(w, floats(0.1, 1)["w"])
