@@ -315,16 +315,12 @@ class NbckptCheckpointIO(CheckpointIO):
         ``ddp_fork`` (the final weights in a temporary ``.temp.ckpt``, which the main process loads
         and removes). Left there, each fit in a notebook kept a copy of the weights."""
         try:
-            # keep unset: no retention pass of its own runs beside the deletes below
-            ckpt = Checkpointer(root, ranks="local")
+            ckpt = Checkpointer(root, ranks="local", keep=CustomSteps(lambda: self._named(root)))
         except CheckpointError:  # another plug-in holds it: it collects them after its next commit
             return
         with ckpt:
             _settle_names(os.path.dirname(root), set(ckpt.steps()))  # what a killed run left
-            named = self._named(root)  # the policy's answer, applied now: no commit comes here
-            for step in ckpt.steps():
-                if step not in named:
-                    ckpt.delete(step)
+            ckpt.retain()  # the policy's answer, applied now: no commit comes here
 
     def _open(self, root: str) -> Checkpointer:
         if root not in self._roots:
