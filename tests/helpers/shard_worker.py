@@ -381,18 +381,27 @@ def incremental(directory: str) -> dict[str, Any]:
         ckpt.restore({"model": fresh, "optim": fresh_optim})
         now = full_state(fresh, fresh_optim)
         # A rewind on every rank: step 4 (sharing files with 3), then back to 3 and a save of 5:
-        # rank 0 sets step 4 aside while the others wait, and it restores whole from there.
-        train(model, optim, 1)
-        ckpt.save({"model": model, "optim": optim}, step=4).wait()
-        fourth = full_state(model, optim)
-        ckpt.restore({"model": model, "optim": optim}, step=3)
-        ckpt.save({"model": model, "optim": optim}, step=5).wait()
+        # rank 0 sets step 4 aside while the others wait, and it restores whole from there. Each
+        # state is a model of its own, left alone once compared (a full state dict shares the
+        # optimizer's step tensor with it).
+        fourth_model, fourth_optim = frozen_embedding(seed=3)
+        train(fourth_model, fourth_optim, 1)  # optimizer state to load into
+        ckpt.restore({"model": fourth_model, "optim": fourth_optim})
+        train(fourth_model, fourth_optim, 1)
+        ckpt.save({"model": fourth_model, "optim": fourth_optim}, step=4).wait()
+        fourth = full_state(fourth_model, fourth_optim)
+        back, back_optim = frozen_embedding(seed=4)
+        train(back, back_optim, 1)
+        ckpt.restore({"model": back, "optim": back_optim}, step=3)
+        ckpt.save({"model": back, "optim": back_optim}, step=5).wait()
         steps, [aside] = ckpt.steps(), ckpt.set_aside_runs()
+    other, other_optim = frozen_embedding(seed=5)
+    train(other, other_optim, 1)
     with Checkpointer(
         aside["path"], ranks="all" if WORLD > 1 else "local", read_only=True, timeout_s=60
     ) as old:
-        old.restore({"model": fresh, "optim": fresh_optim})
-    then = full_state(fresh, fresh_optim)
+        old.restore({"model": other, "optim": other_optim})
+    then = full_state(other, other_optim)
     exact = RANK != 0 or same(now, reference) if WORLD > 1 else same(now, reference)
     set_aside = RANK != 0 or same(then, fourth) if WORLD > 1 else same(then, fourth)
     return {
