@@ -344,7 +344,6 @@ def _reader(args: argparse.Namespace) -> Any:
         args.directory,
         read_only=True,
         storage_options=_storage_options(args),
-        line=getattr(args, "line", None),
     )
 
 
@@ -360,13 +359,14 @@ def _nothing_in(url: str) -> str:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    """``nbckpt ls``: every committed step, when it was written, its size and where it came from."""
+    """``nbckpt ls``: every committed step, when it was written, its size and where it came from;
+    then the runs set aside inside it after a rewind, each with its path (``nbckpt ls PATH``)."""
     with _reader(args) as ckpt:
         steps = ckpt.steps()
         if not steps:
             print(_nothing_in(ckpt.store.url))
-            return 0
-        print(f"{'step':>10}  {'written (UTC)':19}  {'size':>9}  {'tensors':>7}  program")
+        else:
+            print(f"{'step':>10}  {'written (UTC)':19}  {'size':>9}  {'tensors':>7}  program")
         for step in steps:
             manifest = ckpt.manifest(step)
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(manifest["unix_time"]))
@@ -374,6 +374,11 @@ def _ls(args: argparse.Namespace) -> int:
                 f"{step:>10}  {when}  {format_bytes(manifest['bytes']):>9}  "
                 f"{len(manifest['items']):>7}  {manifest.get('provenance', {}).get('program', '')}"
             )
+        for entry in ckpt.set_aside_runs():
+            kind = "a branch an earlier nbckpt started" if entry["earlier_release"] else "set aside"
+            after = "" if entry["after"] is None else f" after step {entry['after']}"
+            held = ", ".join(map(str, entry["steps"])) or "none"
+            print(f"{kind}{after}: steps {held} in {entry['path']}")
     return 0
 
 
@@ -410,12 +415,6 @@ def _diff_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=20,
         help="tensors to list, most changed first (default %(default)s; 0 lists all)",
-    )
-    parser.add_argument(
-        "--line",
-        default=None,
-        help="the line of the run the steps are in, e.g. branch-1 (default: the line "
-        "committed to last, with the steps of the lines it went on from)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print JSON instead of a table (default: a table)"

@@ -207,6 +207,28 @@ def test_json_into_a_missing_directory_is_refused(tmp_path: Any, capsys: pytest.
     assert list(tmp_path.iterdir()) == []
 
 
+def test_ls_lists_the_runs_set_aside_inside_a_run_and_reads_them_by_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from nbckpt import Checkpointer
+
+    run = tmp_path / "run"
+    with Checkpointer(run, mode="sync") as ckpt:
+        for step in (10, 20, 30):
+            ckpt.save({"w": torch.full((2,), float(step))}, step=step)
+        ckpt.restore({"w": torch.zeros(2)}, step=10)
+        with pytest.warns(UserWarning, match="set-aside-1"):
+            ckpt.save({"w": torch.ones(2)}, step=11)
+    assert cli.main(["ls", str(run)]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listing[1:3]] == ["10", "11"]
+    assert listing[3:] == [f"set aside after step 10: steps 20, 30 in {run / 'set-aside-1'}"]
+    assert cli.main(["ls", str(run / "set-aside-1")]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == ["20", "30"]
+
+
 def test_ls_show_verify_and_export_read_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

@@ -162,7 +162,7 @@ LADDER = {
         "_template",
     ],
     "format": ["_format", "_files", "_manifest"],  # the bytes of a step and how they move
-    "storage": ["_store", "_object_store", "_open_store", "_lines", "_plain_dcp"],
+    "storage": ["_store", "_object_store", "_open_store", "_set_aside", "_plain_dcp"],
     "save and restore": [
         "_staging",
         "_incremental",
@@ -243,16 +243,15 @@ def test_the_engine_imports_form_a_ladder_without_a_cycle() -> None:
 FEATURES = {
     "mirror": ("_mirror", r"mirror"),
     "plain-DCP steps": ("_plain_dcp", r"plain_?dcp|foreign"),
-    "branches": ("_lines", r"(?:^|_)lines?(?:$|_)|branch"),
+    "set-aside runs": ("_set_aside", r"set_?aside|branch"),
 }
-#: Engine modules that know a feature beyond the two it may have, today: what issue 30's
-#: redesign removes (branches redesigned so a step number is the only identifier). Remove a
-#: module here when it stops knowing the feature, and the feature once none is left: plain-DCP
-#: steps went (one adapter, ``_plain_dcp``, wired in by ``_run``; ``_internal`` hands its
-#: listing to the integrations).
+#: Engine modules that know a feature beyond the two it may have, today. Remove a module here
+#: when it stops knowing the feature, and the feature once none is left: plain-DCP steps went
+#: (one adapter, ``_plain_dcp``, wired in by ``_run``; ``_internal`` hands its listing to the
+#: integrations), and so did branches (set-aside runs: ``_set_aside``, wired in by ``_run``,
+#: listed by ``_checkpointer``; the stores' ``move`` knows only folders).
 KNOWN_BEYOND = {
     "mirror": {"_config"},
-    "branches": {"_config", "_shutdown", "_format", "_mirror"},
 }
 
 

@@ -21,7 +21,7 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from .._util import check_flag
 from . import _shutdown
-from ._config import CheckpointConfig, Mode, check_line
+from ._config import CheckpointConfig, Mode
 from ._context import Context
 from ._mirror import mirror_target, open_mirror
 from ._open_store import open_store
@@ -99,7 +99,6 @@ class Checkpointer:
                 self._mirror,
                 self._saver,
                 context,
-                line=self.config.line,
                 read_only=self.config.read_only,
             )
         except BaseException:
@@ -113,19 +112,19 @@ class Checkpointer:
         weakref.finalize(self, release, self.store, False, *parts).atexit = False
 
     @property
-    def line_name(self) -> str:
-        """The line of the run saves go to (see :meth:`lines`)."""
-        return self._run.current
-
-    @property
     def restored_from(self) -> str | None:
-        """Where the last restore read its checkpoint: the run's directory, a parent line's, or
-        the mirror's URL when the local copy was gone or damaged (None before a restore)."""
+        """Where the last restore read its checkpoint: the run's directory, or the mirror's URL
+        when the local copy was gone or damaged (None before a restore)."""
         return self._run.restored_from
 
-    def lines(self) -> dict[str, dict[str, Any]]:
-        """The run's lines: each one's parent, the step it went on from, and its own steps."""
-        return self._run.describe()
+    def set_aside_runs(self) -> list[dict[str, Any]]:
+        """The runs set aside inside this one, oldest first: the steps that were newer than a
+        step restored when the next save came (``after``), each restorable by opening its
+        ``path`` (``Checkpointer(path)``); also ``name``, ``steps`` and ``earlier_release`` (a
+        ``branch-N`` an earlier nbckpt started, listed the same way)."""
+        with self._operation("set_aside_runs"):
+            self._check_open()
+            return self._run.set_aside_runs()
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -155,7 +154,7 @@ class Checkpointer:
         with self._operation("save"):
             self._check_open(writing=True)
             check_step(step)
-            self._run.branch_if_rewound()
+            self._run.set_aside_if_rewound()
             if (late := self._grace.late(self.records)) is not None:
                 warnings.warn(late, stacklevel=3)  # the caller of save, once
             if self._pacer is not None:
@@ -240,12 +239,12 @@ class Checkpointer:
     # -- reading ------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps of the current line, its ancestors' up to where it went on from them
-        included, oldest first (a step counts once its manifest exists)."""
+        """Committed steps of the run, oldest first (a step counts once its manifest exists; steps
+        set aside after a rewind are their own run's, :meth:`set_aside_runs`)."""
         return self._run.steps()
 
     def has_step(self, step: int) -> bool:
-        """Whether ``step`` is committed in the line saves go to: a save of it replaces it."""
+        """Whether ``step`` is committed in the run: a save of it replaces it."""
         return check_step(step) in self._saver.committed
 
     def latest_step(self) -> int | None:
@@ -333,14 +332,13 @@ class Checkpointer:
                 raise CheckpointError(f"no checkpoint in {self.store.url}")
         return self._run.restorer.load(check_step(step), verify=self.config.verify, map_location=device)
 
-    def delete(self, step: int, *, line: str | None = None) -> None:
-        """Delete a committed checkpoint (it stops counting before its files go), of the line saves
-        go to or of the run's line ``line``."""
+    def delete(self, step: int) -> None:
+        """Delete a committed checkpoint of the run (it stops counting before its files go); one
+        of a set-aside run is deleted by opening that run."""
         with self._operation("delete"):
             self._check_open(writing=True)
-            name = check_line(line) or self.line_name
             self._saver.wait()
-            store = self._run.store_of(name)
+            store = self.store
             check_step(step)
 
             def remove() -> None:
@@ -348,14 +346,13 @@ class Checkpointer:
                 # step already gone (rank 0 runs its part before the others arrive).
                 if store.committed_at(step) is None:
                     raise CheckpointError(
-                        self._run.undeletable(store, step)
-                        or f"no committed checkpoint for step {step} in line {name} of {self.store.url}"
+                        self._run.undeletable(step)
+                        or f"no committed checkpoint for step {step} in {store.url}"
                     )
                 store.delete(step)
 
             self._run.restorer.group.from_rank0(("delete", step), remove)
-            if name == self.line_name:
-                self._saver.deleted(store, step)
+            self._saver.deleted(store, step)
 
     def retain(self) -> None:
         """Apply the ``keep`` policy now, in the background, as after a commit: for a policy whose

@@ -12,7 +12,7 @@ from .._util import check_count, check_flag, check_options
 from ._retention import RetentionPolicy, policy_of
 from ._schedule import SaveSchedule
 
-__all__ = ["CheckpointConfig", "Mode", "check_line"]
+__all__ = ["CheckpointConfig", "Mode"]
 
 Mode = Literal["sync", "async"]
 Ranks = Literal["auto", "all", "local"]
@@ -20,13 +20,6 @@ Ranks = Literal["auto", "all", "local"]
 # beyond these a typo (10**9) would allocate until the OOM killer ends the kernel.
 MAX_INFLIGHT = 8
 MAX_WRITER_THREADS = 64
-
-
-def check_line(line: Any) -> str | None:
-    """``line`` if it can name a line of a run (None: the default), else ConfigError."""
-    if line is not None and (not isinstance(line, str) or not line.strip()):
-        raise ConfigError(f"line must be a line's name ('main', 'branch-1', ...), not {line!r}")
-    return line
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,9 +70,6 @@ class CheckpointConfig:
     checkpoint. Uploads never delay a save; ``wait`` and ``close`` wait for them."""
     mirror_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for the mirror (``endpoint_url``, ``key``, ``secret``, ...)."""
-    line: str | None = None
-    """The line of the run to continue (``"main"`` or ``"branch-N"``; see :meth:`Checkpointer.lines`);
-    default: the line committed to last. Saving after restoring an older step starts a new one."""
     read_only: bool = False
     """Open only to read (restore, load, verify, list): no lock, no clean-up, nothing written,
     so another process may be saving into the directory meanwhile."""
@@ -109,7 +99,6 @@ class CheckpointConfig:
                 "incremental=True needs max_inflight=1: each save shares bytes with the step "
                 "before it, which must have committed first"
             )
-        check_line(self.line)
         if self.ranks not in ("auto", "all", "local"):
             raise ConfigError(f"ranks must be 'auto', 'all' or 'local', not {self.ranks!r}")
         timeout = self.timeout_s
@@ -130,6 +119,11 @@ class CheckpointConfig:
         elif not isinstance(config, cls):
             raise ConfigError(f"config must be a CheckpointConfig, not {type(config).__name__}")
         unknown = sorted(set(options) - {f.name for f in dataclasses.fields(cls)})
+        if "line" in unknown:  # an earlier release's option
+            raise ConfigError(
+                "line= is gone: a run has one sequence of steps, and the steps newer than one "
+                "restored are set aside as a run of their own (open its path; ckpt.set_aside_runs())"
+            )
         if unknown:
             raise ConfigError(f"unknown Checkpointer option(s): {', '.join(unknown)}")
         built: CheckpointConfig = dataclasses.replace(config, **options) if options else config

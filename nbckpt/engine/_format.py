@@ -39,13 +39,10 @@ from ._workers import balance, deferred_interrupt
 
 __all__ = [
     "BLOCK_SIZE",
-    "BRANCH_FILE",
-    "BRANCH_LIMIT",
     "DCP_VERSION",
     "FORMAT",
     "LEFTOVER_RE",
     "LOCK_FILE",
-    "MAIN",
     "MANIFEST",
     "MANIFEST_KEYS",
     "MAX_MANIFEST_BYTES",
@@ -67,11 +64,9 @@ __all__ = [
     "Layout",
     "RankPlan",
     "block_hasher",
-    "branch_name",
     "checksum",
     "data_file",
     "framing",
-    "is_branch",
     "is_data_file",
     "pad",
     "parse_step",
@@ -121,23 +116,7 @@ def is_data_file(name: str) -> bool:
     return _DATA_FILE_RE.fullmatch(name) is not None
 
 
-# -- Lines and pointers ----------------------------------------------------------------------
-#: The first line of a run: the run directory itself.
-MAIN = "main"
-#: A branch's record, in ``branch-N/``, and the most bytes one is read up to.
-BRANCH_FILE = "branch.json"
-BRANCH_LIMIT = 1 << 16
-_BRANCH_RE = re.compile(r"branch-[1-9][0-9]*", re.ASCII)
-
-
-def branch_name(number: int) -> str:
-    return f"branch-{number}"
-
-
-def is_branch(name: str) -> bool:
-    return _BRANCH_RE.fullmatch(name) is not None
-
-
+# -- Pointers --------------------------------------------------------------------------------
 #: The format of an integration's pointer file (a Lightning ``.ckpt``), and its size limit.
 POINTER_FORMAT = "nbckpt-pointer/1"
 POINTER_LIMIT = 64 << 10

@@ -167,7 +167,7 @@ class Increments:
         self._base = _Base(location, step, layouts, sharing.prints)
 
     def forget(self) -> None:
-        """The next save shares nothing (a save failed, the line changed): it writes every file."""
+        """The next save shares nothing (a save failed, steps were set aside): it writes every file."""
         self._base = None
 
     def deleted(self, step: int) -> None:

@@ -4,9 +4,11 @@ background, to a mirror (an object store, or another directory) with its own com
 Saves never wait for it; a restore reads it only when the local copy is gone or damaged. An
 upload checks every block against the manifest (a damaged copy is never passed on) and writes
 the manifest last. A mirror holds one run (``.nbckpt-mirror.json`` names it; two runs would
-delete each other's steps), in the run's layout with its lines, and keeps what the run's
-retention keeps. The backlog is bounded: a step retention gives up while its upload waits is
-not uploaded (said in the log); a run reopened after a crash uploads what its mirror lacks.
+delete each other's steps), in the run's layout, and keeps what the run's retention keeps (of
+the run's own steps: the run sets steps aside on the mirror as in its directory, and retention
+never looks into a set-aside run). The backlog is bounded: a step retention gives up while its
+upload waits is not uploaded (said in the log); a run reopened after a crash uploads what its
+mirror lacks.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +30,7 @@ from ._config import CheckpointConfig
 from ._context import Context
 from ._faults import fault_point
 from ._files import copy_file, damage_named
-from ._format import BRANCH_FILE, BRANCH_LIMIT, LOCK_FILE, MAIN, step_name
-from ._lines import Line, discover, on, write_record
+from ._format import LOCK_FILE, step_name
 from ._open_store import open_store
 from ._retention import RetentionPolicy, StepFacts, StepInfo, doomed, expired, top_names
 from ._saver import Commit
@@ -63,17 +64,17 @@ def mirror_of(store: Store) -> str | None:
 class _Upload:
     """A committed step waiting for (or in) its upload."""
 
-    line: str
     step: int
     source: Store
     location: str
 
 
 @dataclass
-class _Record:
-    """A branch record the mirror must hold before any step of that branch."""
+class _Job:
+    """Work on the mirror's own steps that must come after the uploads queued before it."""
 
-    line: Line
+    action: Callable[[Store], None]
+    what: str
 
 
 class Mirror:
@@ -93,15 +94,14 @@ class Mirror:
         self._nonce, self._writes = nonce, writes
         self._worker = Worker("nbckpt-mirror", nice=context.nice)
         self._lock = threading.Lock()
-        self._waiting: deque[_Upload | _Record] = deque()
+        self._waiting: deque[_Upload | _Job] = deque()
         self._uploading: _Upload | None = None
         self._backlog = Backlog(self._worker)
-        self._line = MAIN  # the line new commits belong to (set by follow)
         self._skipped = 0
-        self._facts: dict[str, StepFacts] = {}  # per mirror line (its URL), for retention
+        self._facts: dict[str, StepFacts] = {}  # per store (its URL), for retention
         self.failures: list[str] = []
         self._count = 0
-        # Per mirror line (its URL): where the last upload committed and its files, whose
+        # Per store (its URL): where the last upload committed and its files, whose
         # unchanged ones the next upload shares there instead of sending (incremental saves).
         self._last: dict[str, tuple[str, dict[str, Any]]] = {}
 
@@ -133,27 +133,6 @@ class Mirror:
         if owner is not None and owner != run:
             raise ConfigError(f"the mirror {self.root.url} belongs to the run {owner}, not to {run}")
 
-    def lines(self) -> dict[str, Line]:
-        """The lines the mirror holds (perhaps some the run's directory lost); main if unreachable."""
-        try:
-            return discover(self.root)
-        except (OSError, CheckpointError) as exc:
-            reason = describe_error(exc)
-            _log.warning("nbckpt: cannot list the lines of the mirror %s: %s", self.root.url, reason)
-            return {MAIN: Line(MAIN, self.root)}
-
-    def follow(self, line: str, lineage: list[Line]) -> None:
-        """From now on commits belong to ``line``; ``lineage`` (it and its ancestors) gets its
-        branch records on the mirror first, in order with the uploads already queued."""
-        mirrored = on({entry.name: entry for entry in lineage}, self.root)
-        with self._lock:
-            self._line = line
-        if not self._writes:
-            return
-        for entry in reversed(lineage):
-            if entry.name != MAIN and entry.name in mirrored:
-                self._queue(_Record(mirrored[entry.name]))
-
     def committed(self, commit: Commit) -> None:
         """As a commit observer: ``commit`` goes up, after the uploads queued before it."""
         self.upload(commit.store, commit.step, commit.location)
@@ -180,13 +159,11 @@ class Mirror:
         """Returns at once: the mirror changes nothing in the run's directory (a save is over
         without its upload; :meth:`wait` waits for the uploads)."""
 
-    def upload(self, source: Store, step: int, location: str, line: str | None = None) -> None:
-        """Queue ``step`` (committed at ``location`` of ``source``, in the current line unless
-        ``line`` is named) for upload."""
+    def upload(self, source: Store, step: int, location: str) -> None:
+        """Queue ``step`` (committed at ``location`` of ``source``) for upload."""
         with self._lock:
-            entry = _Upload(line or self._line, step, source, location)
-            key = (entry.line, step)
-            same = [e for e in self._waiting if isinstance(e, _Upload) and (e.line, e.step) == key]
+            entry = _Upload(step, source, location)
+            same = [e for e in self._waiting if isinstance(e, _Upload) and e.step == step]
             if same:  # saved again before its upload began: the one upload takes the newest copy
                 same[0].source, same[0].location = source, location
                 return
@@ -195,41 +172,54 @@ class Mirror:
 
     def _said_skip(self, entry: _Upload) -> None:
         self._skipped += 1
-        where = "" if entry.line == MAIN else f" of {entry.line}"
         level = logging.WARNING if self._skipped == 1 else logging.INFO
         _log.log(
             level,
-            "nbckpt: the mirror %s is slower than the saves: step %d%s is not uploaded (skipped %d so far); "
-            "it gets what retention (%s) keeps of each line",
+            "nbckpt: the mirror %s is slower than the saves: step %d is not uploaded (skipped %d so far); "
+            "it gets what retention (%s) keeps",
             self.root.url,
             entry.step,
-            where,
             self._skipped,
             self.policy,
         )
 
-    def resume(self, lines: dict[str, Line]) -> None:
-        """Queue what the mirror lacks of each line's committed steps (those retention keeps), as
+    def resume(self, run: Store) -> None:
+        """Queue what the mirror lacks of the run's committed steps (those retention keeps), as
         after a crash that cut uploads short."""
-        queued = 0
-        mirrored = on(lines, self.root)
-        for name, line in lines.items():
-            local = line.store.committed()
-            if name not in mirrored or not local:
-                continue
-            there = set(mirrored[name].store.committed())
-            wanted = sorted(local)
-            if self.policy is not None:
-                kept = self.policy.keep(StepFacts(line.store).infos(self.policy, wanted))
-                wanted = [step for step in wanted if step in kept]
-            missing = [step for step in wanted if step not in there]
-            if missing and name != MAIN:
-                self._queue(_Record(mirrored[name]))
-            for step in missing:
-                self.upload(line.store, step, local[step], name)
-            queued += len(missing)
-        if queued:
-            _log.info("nbckpt: uploading %d committed step(s) the mirror %s lacks", queued, self.root.url)
+        local = run.committed()
+        there = set(self.root.committed()) if local else set()
+        wanted = sorted(local)
+        if self.policy is not None and wanted:
+            kept = self.policy.keep(StepFacts(run).infos(self.policy, wanted))
+            wanted = [step for step in wanted if step in kept]
+        missing = [step for step in wanted if step not in there]
+        for step in missing:
+            self.upload(run, step, local[step])
+        if missing:
+            _log.info(
+                "nbckpt: uploading %d committed step(s) the mirror %s lacks", len(missing), self.root.url
+            )
+
+    def moved(self, source: Store, locations: Mapping[int, str]) -> None:
+        """Committed steps of ``source`` moved to ``locations`` (step: where it is now): the
+        uploads waiting for them read them there."""
+        with self._lock:
+            for entry in self._waiting:
+                if isinstance(entry, _Upload) and entry.source.url == source.url and entry.step in locations:
+                    entry.location = locations[entry.step]
+
+    def after_uploads(self, action: Callable[[Store], None], what: str) -> None:
+        """Run ``action`` on the mirror's root, on its thread, once the uploads queued before
+        are over; what it raises is a failure :meth:`wait` returns (``what`` names it)."""
+        with self._lock:
+            self._waiting.append(_Job(action, what))
+        self._submit()
+
+    def _do(self, job: _Job) -> None:
+        try:
+            job.action(self.root)
+        except Exception as exc:
+            self._failed(f"the mirror {self.root.url} could not {job.what}: {describe_error(exc)}")
 
     def wait(self) -> list[str]:
         """Block until every queued upload is over; return (and forget) the failures since last."""
@@ -241,11 +231,6 @@ class Mirror:
     def stop(self, wait: bool) -> None:
         self._worker.stop(wait)
 
-    def _queue(self, entry: _Upload | _Record) -> None:
-        with self._lock:
-            self._waiting.append(entry)
-        self._submit()
-
     def _submit(self) -> None:
         self._backlog.submit(self._next)
 
@@ -254,32 +239,14 @@ class Mirror:
         try:
             with self._lock:
                 entry = self._waiting.popleft() if self._waiting else None
-                if isinstance(entry, _Upload):
-                    self._uploading = entry
-            if isinstance(entry, _Record):
-                self._write_record(entry.line)
+                self._uploading = entry if isinstance(entry, _Upload) else None
+            if isinstance(entry, _Job):
+                self._do(entry)
             elif entry is not None:
                 self._upload(entry)
         finally:
             with self._lock:
                 self._uploading = None
-
-    def _write_record(self, line: Line) -> None:
-        try:
-            try:
-                line.store.read_small(line.store.url, BRANCH_FILE, BRANCH_LIMIT)
-                return  # there already
-            except (OSError, CheckpointError):
-                pass
-            write_record(line)
-        except Exception as exc:
-            self._failed(f"the mirror {self.root.url} has no record of {line.name}: {describe_error(exc)}")
-
-    def _target(self, line: str) -> Store:
-        store = self.root if line == MAIN else self.root.child(line)
-        if store is None:
-            raise CheckpointError(f"{self.root.url}/{line} is not a directory the mirror may write into")
-        return store
 
     def _upload(self, entry: _Upload) -> None:
         began = now_ns()
@@ -288,7 +255,7 @@ class Mirror:
         target: str | None = None
         committed = False
         try:
-            store = self._target(entry.line)
+            store = self.root
             manifest, data = source.read_manifest(step, location)
             facts = self._facts_of(store)
             if self._would_delete(facts, step, manifest.tree(0), manifest.metrics):
@@ -341,7 +308,7 @@ class Mirror:
         _log.warning("nbckpt: %s", message)
 
     def _facts_of(self, store: Store) -> StepFacts:
-        """What retention knows of a mirror line's steps, kept across uploads (each adds its own)."""
+        """What retention knows of the mirror's steps, kept across uploads (each adds its own)."""
         return self._facts.setdefault(store.url, StepFacts(store))
 
     def _would_delete(
@@ -411,8 +378,7 @@ def open_mirror(
             def prepare() -> None:
                 store.prepare()
                 mirror.claim(owner)
-                for line in mirror.lines().values():
-                    line.store.recover()  # uploads cut short never count; their remains go
+                store.recover()  # uploads cut short never count; their remains go
 
             group.from_rank0(("open mirror",), prepare)
     except BaseException:

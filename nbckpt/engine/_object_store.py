@@ -3,6 +3,7 @@ written last, is the commit; and the errors an object store gives, explained in 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
@@ -11,7 +12,7 @@ from typing import Any
 from .._errors import CheckpointError, ConfigError, describe_error, require_extra
 from ._faults import fault_point
 from ._files import Sink, Source, StreamSink, StreamSource
-from ._format import MANIFEST, PROBE_PREFIX, parse_step, step_name
+from ._format import MANIFEST, METADATA_FILE, PROBE_PREFIX, parse_step, step_name
 from ._store import Store, crash_point
 
 __all__ = ["FsspecStore", "endpoint", "explain_fsspec_error", "fsspec_options", "open_fsspec", "where"]
@@ -131,6 +132,33 @@ class FsspecStore(Store):
         # CopyObject (s3fs copies objects over 5 GB in parts, still server-side): no bytes pass
         # through this process, and the new step's object is its own.
         self.fs.copy(f"{self._path(source)}/{name}", f"{self._path(location)}/{name}")
+
+    def remove_small(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{self._root}/{name}")
+
+    def move(self, name: str, into: Store) -> None:
+        # No rename: every object is copied server-side, the commit marker last, so the copy
+        # counts only once whole; then the source's marker goes first, so it stops counting
+        # before its files go. A crash in between leaves two whole copies: the next open's
+        # finish copies again (the same bytes) and deletes the source.
+        assert isinstance(into, FsspecStore)
+        source = f"{self._root}/{name}"
+        self.fs.invalidate_cache(source)
+        try:
+            found = [str(path)[len(source) + 1 :] for path in self.fs.find(source)]
+        except FileNotFoundError:
+            found = []
+        if not found:
+            return
+        markers = [n for n in (MANIFEST, METADATA_FILE) if n in found]
+        for relative in [n for n in found if n not in markers] + markers:
+            self.fs.copy(f"{source}/{relative}", f"{into._root}/{name}/{relative}")
+        crash_point("set_aside_copied")
+        for marker in markers:
+            self.fs.rm_file(f"{source}/{marker}")
+        self.fs.rm(source, recursive=True)
+        self.fs.invalidate_cache(source)
 
     def discard(self, location: str) -> None:
         # Best effort: it runs after a failed save, when the endpoint may be down; what it

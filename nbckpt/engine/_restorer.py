@@ -54,7 +54,7 @@ __all__ = ["Candidate", "Options", "Restorer", "device_of"]
 
 class Restorer:
     """Reads the checkpoints of a run for one rank (``group`` agrees every step with the others)
-    from ``stores``, in the order they are preferred (the line, its ancestors, the mirror's; each
+    from ``stores``, in the order they are preferred (the run's directory, the mirror; each
     place followed by the steps another writer left in it, read-only)."""
 
     def __init__(self, stores: Sequence[Readable], context: Context) -> None:

@@ -2,7 +2,7 @@
 Orbax v1's preservation policies, a policy is told every committed step (with its metrics) and
 answers which to keep; :class:`AnyOf` combines them; ``keep=3`` is :class:`LatestN` ``(3)``.
 Whoever deletes (the ``Retainer`` after each commit, the mirror after each upload) asks
-:func:`doomed`, the one retention decision of a line: the run's directory and its mirror keep
+:func:`doomed`, the one retention decision of a store: the run's directory and its mirror keep
 the same steps. Decisions only: the thread that applies them is ``_retainer.Retainer``.
 """
 
@@ -283,8 +283,8 @@ class StepFacts:
 def doomed(
     policy: RetentionPolicy | None, facts: StepFacts, newest: int, older: Iterable[int] | None = None
 ) -> list[int]:
-    """The steps of ``facts``' line to delete once ``newest`` has committed, oldest first: of the
-    steps committed before it (``older``; all the line's steps if None), those holding
+    """The steps of ``facts``' store to delete once ``newest`` has committed, oldest first: of the
+    steps committed before it (``older``; all its steps if None), those holding
     ``newest``'s top-level names (a stray save never rotates out the run's real ones, nor they
     it) that ``policy`` does not keep; never ``newest``. The run and its mirror both ask this."""
     if policy is None:

@@ -1,24 +1,27 @@
 """The run a Checkpointer opens: its directory prepared, locked and cleaned (:func:`open_run`),
-and the line it follows (:class:`Run`; the lines themselves are in :mod:`._lines`)."""
+and the places its restores read (:class:`Run`), where it sets newer steps aside after a rewind
+(the set-aside runs themselves are in :mod:`._set_aside`)."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 import warnings
+from functools import partial
 from typing import Any
 
-from .._errors import CheckpointError, ConfigError
+from .._errors import CheckpointError, ConfigError, describe_error
 from ._context import Context
-from ._format import MAIN
-from ._lines import Line, ancestry, discover, last_committed, lineage, on, start_branch, write_record
 from ._mirror import Mirror, mirror_of
 from ._plain_dcp import PlainDcpSteps, said_shared
-from ._reader import Readable
 from ._restorer import Options, Restorer
 from ._saver import Saver
-from ._store import Store
+from ._set_aside import earlier_branch_note, finish, listing, set_aside, visible
+from ._store import Readable, Store
 
 __all__ = ["Run", "open_run"]
+
+_log = logging.getLogger("nbckpt")
 
 
 def said_cleaned(url: str, recovered: list[str], stacklevel: int) -> None:
@@ -44,26 +47,34 @@ def open_run(store: Store, read_only: bool) -> tuple[str, set[int]]:
     store.lock()
     try:
         recovered = store.recover()
+        finished = finish(store)  # before anything reads it: "newest" never picks a step set aside
         committed = set(store.committed())
+        note = earlier_branch_note(store)
     except BaseException:
         store.unlock()  # a failed open must not hold the directory for the process's life
         raise
     if recovered:
         said_cleaned(store.url, recovered, stacklevel=6)
+    if finished is not None:
+        warnings.warn(f"nbckpt: finished setting steps aside into {store.url}/{finished}", stacklevel=6)
+    if note is not None:
+        warnings.warn(note, stacklevel=6)
     said_shared(store)
     return uuid.uuid4().hex[:12], committed
 
 
-def readables(lines: dict[str, Line], name: str) -> tuple[list[Readable], list[str]]:
-    """Where line ``name`` reads its steps (:func:`ancestry`), each place followed by the steps
-    plain DCP wrote in its folder (torchtitan's, read-only); and the line each belongs to."""
-    own, plain = ancestry(lines, name), ancestry(lines, name, PlainDcpSteps)
-    places = [place for pair in zip(own, plain, strict=True) for place in pair]
-    return places, [line for line in lineage(lines, name) for _ in range(2)]
+def newer_folders(store: Store, step: int) -> list[str]:
+    """The step folders of ``store`` newer than ``step``: nbckpt's and plain DCP's (torchtitan's;
+    moved, never deleted), oldest first."""
+    steps = {**PlainDcpSteps(store).committed(), **store.committed()}
+    root = store.url.rstrip("/")
+    locations = [steps[s].rstrip("/") for s in sorted(steps) if s > step]
+    return [path.rsplit("/", 1)[-1] for path in locations if path != root]
 
 
 class Run:
-    """The lines of the run in ``root`` and the one this Checkpointer is on."""
+    """The places the run's restores read (its directory, then the mirror; each followed by the
+    steps plain DCP wrote there), and the set-aside of newer steps after a rewind."""
 
     def __init__(
         self,
@@ -72,97 +83,96 @@ class Run:
         saver: Saver,
         context: Context,
         *,
-        line: str | None,
         read_only: bool,
     ) -> None:
         self.root, self.mirror, self.saver, self.context = root, mirror, saver, context
         group = self.group = context.caller
         self.read_only, self._writes = read_only, group.rank == 0 and not read_only
-        self.current = MAIN
         self.restored_from: str | None = None
-        self._from_mirror: set[str] = set()  # lines only the mirror still holds (a lost disk)
-        self._fork: tuple[str, int] | None = None  # (line, step) restored while newer steps exist
-        self._chain: list[str] = []  # the line each of the restorer's stores belongs to
-        self.lines = self._discover()
-        self.restorer = self._switch(line or group.from_rank0(("line",), self._default_line), stacklevel=5)
+        self._rewound: int | None = None  # the step restored while newer steps exist
         if mirror is not None and self._writes:
-            mirror.resume(self.lines)  # what a crash kept from the mirror goes up now
+            self._finish_on_mirror(mirror)
+        places: list[Store] = [root] + ([mirror.root] if mirror is not None else [])
+        # what a set-aside cut short (or the mirror's, not yet done) moves is hidden from restores
+        self._views = [visible(place) for place in places]
+        stores: list[Readable] = []
+        for view, place in zip(self._views, places, strict=True):
+            stores += [view, PlainDcpSteps(place)]
+        self.restorer = Restorer(stores, context)
+        if mirror is not None and self._writes:
+            mirror.resume(root)  # what a crash kept from the mirror goes up now
 
-    def _discover(self) -> dict[str, Line]:
-        """The run's lines; with a mirror, also those only the mirror still holds (after the
-        local disk was lost), so that a restore from the mirror goes on in the right line."""
-        lines = discover(self.root)
-        if self.mirror is not None:
-            for name, line in self.mirror.lines().items():
-                store = None if name in lines else self.root.child(name)
-                if store is not None:
-                    lines[name] = Line(name, store, line.parent, line.from_step)
-                    self._from_mirror.add(name)
-        return lines
+    @staticmethod
+    def _finish_on_mirror(mirror: Mirror) -> None:
+        try:
+            finish(mirror.root)
+        except (OSError, CheckpointError) as exc:
+            warnings.warn(f"nbckpt: cannot finish setting steps aside on the mirror: {exc}", stacklevel=5)
 
-    def _default_line(self) -> str:
-        """The line committed to last: in the run's directory, else (a lost disk) on the mirror."""
-        found = last_committed(self.lines)
-        if found is None and self.mirror is not None:
-            found = last_committed(on(self.lines, self.mirror.root))
-        return found or MAIN
-
-    def _switch(self, name: str, stacklevel: int = 5) -> Restorer:
-        """Make line ``name`` the one saves go to and restores read from (its ancestors too)."""
-        names = lineage(self.lines, name)
-        line = self.lines[name]
-        if name != self.current:
-            if self._writes:
-                for missing in [n for n in names if n in self._from_mirror]:
-                    write_record(self.lines[missing])  # the mirror's record, back in the run
-                    self._from_mirror.discard(missing)
-                recovered = line.store.recover()  # a branch's leftovers, as the main line's at open
-                if recovered:
-                    said_cleaned(line.store.url, recovered, stacklevel)
-            self.saver.follow(line.store)
-        self.current = name
-        stores, chain_names = readables(self.lines, name)
-        if self.mirror is not None:
-            self.mirror.follow(name, [self.lines[n] for n in names])
-            mirrored = on(self.lines, self.mirror.root)
-            if name in mirrored:
-                more, more_names = readables(mirrored, name)
-                stores, chain_names = stores + more, chain_names + more_names
-        self._chain = chain_names
-        return Restorer(stores, self.context)
-
-    def branch_if_rewound(self) -> None:
-        """Before the first save after restoring an older step: go on in a new line."""
-        if self._fork is None:
+    def set_aside_if_rewound(self) -> None:
+        """Before the first save after restoring an older step: the newer steps move into a
+        set-aside run of their own in the run's directory (rank 0 moves, the other ranks wait for
+        it), and on the mirror once the uploads queued before are over (hidden from restores
+        until then), so that the new save's steps never meet them."""
+        if self._rewound is None:
             return
-        parent, step = self._fork
-        self._fork = None
+        after = self._rewound
+        self.saver.wait()  # no commit nor retention pass may touch the steps while they move
+        made = self.group.from_rank0(("set aside", after), partial(self._set_aside, after))
+        self._rewound = None
+        self.saver.recount()  # every rank: the moved steps are no longer the run's
+        if made is not None:
+            warnings.warn(
+                f"nbckpt: step {after} was restored while newer steps exist; those are set aside, "
+                f"still restorable, in {made}",
+                stacklevel=4,  # the caller of Checkpointer.save
+            )
 
-        def start() -> str:
-            return start_branch(self.root, self.lines, parent, step).name
+    def _set_aside(self, after: int) -> str | None:
+        """Rank 0's part: move the run's steps newer than ``after`` (a set-aside a crash cut short
+        is finished first) and queue the mirror's; where the run's went (None: there were none)."""
+        try:
+            finish(self.root)
+            folders = newer_folders(self.root, after)
+            name = set_aside(self.root, after, folders) if folders else None
+        except OSError as exc:  # what moved stays moved: the next save (or open) finishes the rest
+            raise CheckpointError(
+                f"cannot set the steps newer than {after} aside in {self.root.url}: {describe_error(exc)}"
+            ) from exc
+        moved = self.root.child(name) if name is not None else None
+        if self.mirror is not None:
+            if moved is not None:
+                self.mirror.moved(self.root, moved.committed())  # waiting uploads read them there
+            view = self._views[1]
+            try:
+                there = newer_folders(self.mirror.root, after)
+            except (OSError, CheckpointError):  # unreachable now: its thread sets them aside later
+                there = []
+            hide = {*folders, *there} - view.hidden
+            view.hidden |= hide
 
-        name = self.group.from_rank0(("branch", step), start)
-        self.lines = self._discover()
-        self.restorer = self._switch(name)
-        warnings.warn(
-            f"nbckpt: step {step} was restored while newer steps exist; saves now go to a new line, "
-            f"{name} ({self.root.url}/{name}), and the newer steps stay where they are",
-            stacklevel=4,  # the caller of Checkpointer.save
-        )
+            def on_mirror(root: Store) -> None:
+                finish(root)
+                if there := newer_folders(root, after):
+                    _log.info(
+                        "nbckpt: set aside on the mirror in %s/%s", root.url, set_aside(root, after, there)
+                    )
+                view.hidden -= hide  # set aside there now (on a failure they stay hidden)
+
+            self.mirror.after_uploads(on_mirror, f"set aside its steps newer than {after}")
+        return None if moved is None else moved.url
 
     def restored(self, step: int) -> None:
-        """The restorer loaded ``step``: a save after it branches off if newer steps exist
-        anywhere the line reads from (the mirror too: after a lost disk it may hold the only
-        copies), plain-DCP steps included: a restore without a step picks the newest of either kind."""
+        """The restorer loaded ``step``: a save after it sets newer steps aside if there are any
+        anywhere the run reads (the mirror too: after a lost disk it may hold the only copies),
+        plain-DCP steps included: a restore without a step picks the newest of either kind."""
         newer = [s for store in self.restorer.stores for s in store.committed() if s > step]
-        source = self.restorer.last_source
-        self.restored_from = self.restorer.stores[source].url
-        line = self._chain[source] if source < len(self._chain) else self.current
-        self._fork = (line, step) if newer and not self.read_only else None
+        self.restored_from = self.restorer.stores[self.restorer.last_source].url
+        self._rewound = step if newer and not self.read_only else None
 
     def restore(self, state: dict[str, Any], step: int | None, options: Options) -> int:
         """The restorer's restore of ``state``; a Ctrl-C held back until the state was loaded in
-        full counts as a restore too (a save after it must still branch off)."""
+        full counts as a restore too (a save after it must still set newer steps aside)."""
         try:
             restored = self.restorer.restore(state, step, options)
         except KeyboardInterrupt:
@@ -173,35 +183,19 @@ class Run:
         return restored
 
     def steps(self) -> list[int]:
-        """Committed steps of the current line and of its ancestors up to where it went on from
-        them, plain DCP checkpoints (torchtitan's) included, oldest first."""
+        """Committed steps of the run's directory, plain DCP checkpoints (torchtitan's) included,
+        oldest first."""
         found: set[int] = set()
-        for readable in readables(self.lines, self.current)[0]:
+        for readable in self.restorer.stores[:2]:
             found.update(readable.committed())
         return sorted(found)
 
-    def undeletable(self, store: Store, step: int) -> str | None:
-        """Why ``step`` of ``store`` is not nbckpt's to delete (None: nothing here says so)."""
-        if PlainDcpSteps(store).committed_at(step) is None:
+    def undeletable(self, step: int) -> str | None:
+        """Why ``step`` of the run is not nbckpt's to delete (None: nothing here says so)."""
+        if PlainDcpSteps(self.root).committed_at(step) is None:
             return None
         return f"step {step} in {self.root.url} was written by plain DCP; nbckpt never deletes it"
 
-    def store_of(self, name: str) -> Store:
-        """The store of line ``name`` (one started by another run since this one opened, too)."""
-        if name not in self.lines:
-            self.lines = self._discover()
-        if name not in self.lines:
-            raise CheckpointError(f"{self.root.url} has no line {name!r}")
-        return self.saver.store if name == self.current else self.lines[name].store
-
-    def describe(self) -> dict[str, dict[str, Any]]:
-        """Each line's parent, the step it went on from, its own steps, and which is current."""
-        return {
-            name: {
-                "parent": line.parent,
-                "from_step": line.from_step,
-                "steps": list(line.store.committed()),
-                "current": name == self.current,
-            }
-            for name, line in discover(self.root).items()
-        }
+    def set_aside_runs(self) -> list[dict[str, Any]]:
+        """The runs set aside in the run's directory (:func:`._set_aside.listing`)."""
+        return listing(self.root)

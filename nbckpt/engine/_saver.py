@@ -51,15 +51,15 @@ class Commit:
     framework moves to the step, read by a ``CustomSteps`` policy) is hung on ``settled``."""
 
     store: Store
-    """The line's directory (or object store) the step committed in."""
+    """The run's directory (or object store) the step committed in."""
     step: int
     location: str
     """Where in ``store`` it committed: what an upload reads."""
     before: frozenset[int]
-    """The line's steps committed before it: a late retention pass never takes a step committed
+    """The run's steps committed before it: a late retention pass never takes a step committed
     after it for an old one."""
     facts: StepFacts
-    """The top-level names and metrics of the line's steps."""
+    """The top-level names and metrics of the run's steps."""
     settled: Future[Any]
     """The save's future, set once every observer has been told."""
     gone: Callable[[int], None]
@@ -119,7 +119,7 @@ class Saver:
         self._layouts: dict[Any, Layout] = {}
         self._seq = 0
         self._origin: dict[str, Any] | None = None
-        self.facts = StepFacts(store)  # the names and metrics of the line's steps, for retention
+        self.facts = StepFacts(store)  # the names and metrics of the run's steps, for retention
         self.pool = StagingPool(config.max_inflight, pin=torch.cuda.is_available())
         self._stager = Stager()
         self._increments = Increments(self._stager.run, self._stager.threads) if config.incremental else None
@@ -220,14 +220,14 @@ class Saver:
                 raise
         return handle
 
-    def follow(self, store: Store) -> None:
-        """Save into ``store`` from now on (another line of the run)."""
+    def recount(self) -> None:
+        """Steps were moved out of the store (set aside after a rewind): what the saver knew of
+        its steps is read again, and the next save shares nothing with an earlier one."""
         with self._state:
-            self.store = store
-            self.committed = set(store.committed())
-            self.facts = StepFacts(store)  # step numbers of another line are other steps
+            self.committed = set(self.store.committed())
+            self.facts = StepFacts(self.store)  # a step number set aside may be saved again
             if self._increments is not None:
-                self._increments.forget()  # saves of another line share nothing with this one's
+                self._increments.forget()
 
     def warmup(self, state: Mapping[str, Any]) -> None:
         """Plan ``state``'s structure and fit every slot to it (each slot is taken in turn)."""
@@ -489,7 +489,7 @@ class Saver:
         handle.committed.set_result(record)  # what an observer hung on it runs after its callbacks
 
     def latest(self) -> Commit | None:
-        """The newest committed step of the line, as a commit already settled: told to retention
+        """The newest committed step of the run, as a commit already settled: told to retention
         again, a pass as after it (a policy's answer may have changed since)."""
         with self._state:
             store, facts, before = self.store, self.facts, frozenset(self.committed)
@@ -526,7 +526,7 @@ class Saver:
         this Checkpointer): it no longer counts as committed, and no rank's incremental save shares
         its files (told to the others at the next save's exchange)."""
         with self._state:
-            if store.url == self.store.url:  # a late pass of a line left since: not this line's steps
+            if store.url == self.store.url:  # a mirror's step is not the run's
                 self.committed.discard(step)
                 if self._increments is not None:
                     self._increments.deleted(step)

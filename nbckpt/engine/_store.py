@@ -76,8 +76,8 @@ def check_step(step: Any) -> int:
 
 
 class Readable(Protocol):
-    """What a restore needs of a place it reads committed steps from: a store, a parent line's
-    view of one, or the steps another writer left in one (each says what a step holds: its
+    """What a restore needs of a place it reads committed steps from: a store, a reader's view
+    of one, or the steps another writer left in one (each says what a step holds: its
     manifest; reading its files is the same for all)."""
 
     url: str
@@ -131,11 +131,11 @@ class Store(ABC):
 
     @abstractmethod
     def names(self) -> list[str]:
-        """Every entry directly under the root (steps, leftovers, branches)."""
+        """Every entry directly under the root (steps, leftovers, set-aside runs)."""
 
     @abstractmethod
     def child(self, name: str) -> Store | None:
-        """The store of folder ``name`` under the root (a branch line's), whether it exists yet
+        """The store of folder ``name`` under the root (a set-aside run's), whether it exists yet
         or not; None where that entry can never be part of the run (a symlink, a file)."""
 
     @abstractmethod
@@ -172,6 +172,16 @@ class Store(ABC):
         without its bytes passing through this process (a hard link, a server-side copy): each
         step names it as its own, so deleting one never takes it from the other. OSError where
         the storage cannot (the caller copies instead)."""
+
+    @abstractmethod
+    def remove_small(self, name: str) -> None:
+        """Remove small file ``name`` under the root, durably (nothing there: nothing to do)."""
+
+    @abstractmethod
+    def move(self, name: str, into: Store) -> None:
+        """Move folder ``name`` (a committed step) into ``into``, a folder under the root, whole:
+        at every moment it is committed in one place at least, and once this returns in ``into``
+        only. Nothing left at ``name`` (moved before a crash): nothing to do."""
 
     @abstractmethod
     def discard(self, location: str) -> None:
@@ -395,6 +405,23 @@ class LocalStore(Store):
         # durable with the new step's (commit fsyncs the directory); its bytes already are.
         fault_point("store.share", source, location, name)
         os.link(os.path.join(source, name), os.path.join(location, name), follow_symlinks=False)
+
+    def remove_small(self, name: str) -> None:
+        try:
+            os.unlink(self._path(name))
+        except FileNotFoundError:
+            return
+        fsync_dir(self.url)
+
+    def move(self, name: str, into: Store) -> None:
+        # One rename: the step is here or there, never both nor neither; the hard links an
+        # incremental step shares with others move with their names, so every step stays whole.
+        assert isinstance(into, LocalStore)  # a local run's folders are local
+        if not os.path.lexists(self._path(name)):
+            return
+        os.rename(self._path(name), into._path(name))
+        fsync_dir(into.url)
+        fsync_dir(self.url)
 
     def discard(self, location: str) -> None:
         try:

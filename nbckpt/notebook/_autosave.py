@@ -316,7 +316,7 @@ class Autosave:
         before, self._cells_saved = self._cells_saved, self._cells
         try:  # marked as taken first: a signal's final save during this one has nothing new
             # After a cell there is no line of the user's for a warning to point at (it would
-            # show the kernel's): the engine's warnings (a new branch, fewer slots) go to the log.
+            # show the kernel's): the engine's warnings (steps set aside, fewer slots) go to the log.
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 save = self.session.save(

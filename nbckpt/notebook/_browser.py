@@ -18,7 +18,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Collection
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ipywidgets as widgets
 import pandas as pd
@@ -35,10 +35,11 @@ __all__ = ["Browser", "StepRow"]
 
 _log = logging.getLogger("nbckpt")
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
 _live_lock = threading.Lock()
 _live: dict[str, Browser] = {}  # one browser per run: a re-run cell replaces its own
 _STEP_COLUMNS = [
-    "line",
+    "run",
     "step",
     "size",
     "written (UTC)",
@@ -93,13 +94,17 @@ class _Table:
         )
 
 
-def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser], _T | None]]:
+def _action(
+    what: str,
+) -> Callable[[Callable[Concatenate[Browser, _P], _T]], Callable[Concatenate[Browser, _P], _T | None]]:
     """A Browser action: one at a time, whichever thread asks; its errors and warnings are lines
     in the widget (its errors in ``error`` too), never tracebacks; it returns None when it failed."""
 
-    def decorate(work: Callable[[Browser], _T]) -> Callable[[Browser], _T | None]:
+    def decorate(
+        work: Callable[Concatenate[Browser, _P], _T],
+    ) -> Callable[Concatenate[Browser, _P], _T | None]:
         @functools.wraps(work)
-        def act(self: Browser) -> _T | None:
+        def act(self: Browser, /, *args: _P.args, **kwargs: _P.kwargs) -> _T | None:
             if self.closed:
                 self.error = "this browser is closed (a newer one of the same run replaced it)"
                 return None
@@ -113,7 +118,7 @@ def _action(what: str) -> Callable[[Callable[[Browser], _T]], Callable[[Browser]
                 # catch_warnings is process-wide: one action at a time, and they run on the kernel's thread
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    result = work(self)
+                    result = work(self, *args, **kwargs)
                 self.message.value += "".join(notice("info", one_line(Warning(w.message))) for w in caught)
                 return result
             except Exception as exc:  # an NbckptError says why; any other is a bug (details logged)
@@ -148,8 +153,8 @@ class Browser:
             else os.path.abspath(os.path.expanduser(self.directory))
         )
         self.storage_options = dict(storage_options or {})
-        self.rows: list[StepRow] = []  # every step of every line, as the table shows them
-        self.lines: dict[str, dict[str, Any]] = {}
+        self.rows: list[StepRow] = []  # every step of the run and of those set aside in it
+        self.runs: dict[str, dict[str, Any]] = {}  # by name ("": the run itself): path, steps, after
         self.error: str | None = None
         self.diff_frame: pd.DataFrame | None = None
         self.closed = False
@@ -210,26 +215,21 @@ class Browser:
 
     @property
     def selected(self) -> list[RowKey]:
-        """The selected steps as (line, step)."""
+        """The selected steps as (run, step): ``("", 20)``, or ``("set-aside-1", 30)`` for a
+        step set aside after a rewind."""
         return [row.key for row in self.rows if row.id in self.steps.value]
 
     def select(self, *steps: int | str | tuple[str, int]) -> None:
-        """Select steps as the picker does: ``select(100, 200)`` or ``select(("branch-1", 60))``
-        (a bare step number must name one step of one line)."""
+        """Select steps as the picker does: ``select(100, 200)`` (the run's steps) or
+        ``select(("set-aside-1", 300))`` (a step set aside after a rewind)."""
         self.steps.value = tuple(self._row_of(step).id for step in steps)
 
     def _row_of(self, step: int | str | tuple[str, int]) -> StepRow:
-        matches = [r for r in self.rows if step in (r.key, r.id, r.step)]
-        if len(matches) == 1:
-            return matches[0]
-        if not matches:
-            raise ConfigError(
-                f"the run has no committed step {step!r}; it has "
-                f"{', '.join(r.id for r in self.rows) or 'none'}"
-            )
+        for row in self.rows:  # a bare number is a step of the run itself
+            if step in (row.key, row.id) or (row.run == index.HERE and step == row.step):
+                return row
         raise ConfigError(
-            f"step {step} is in {' and '.join(r.line for r in matches)}: name the line, "
-            f"e.g. select(({matches[-1].line!r}, {step}))"
+            f"the run has no committed step {step!r}; it has {', '.join(r.id for r in self.rows) or 'none'}"
         )
 
     # -- actions: each returns what it did, or None with the reason in ``error`` -------------
@@ -237,7 +237,7 @@ class Browser:
     def _read(self) -> bool:
         """Read the run's steps again (new ones appear, deleted ones go; the selection stays)."""
         before = {row.key: row for row in self.rows}
-        self.lines, rows = index.read_run(self.directory, self.storage_options, self._values)
+        self.runs, rows = index.read_run(self.directory, self.storage_options, self._values)
         # a verdict holds while the step is the one verified (not saved again since)
         self.rows = [
             dataclasses.replace(row, verdict=old.verdict)
@@ -263,7 +263,7 @@ class Browser:
         """Verify the selected steps (every step when none is selected); return the damaged ones.
         Damage is a result, not an error."""
         keys = self.selected or [row.key for row in self.rows if row.problem is None]
-        found = index.per_line(self.directory, self.storage_options, keys, index.verdict)
+        found = index.per_run(self.directory, self.storage_options, keys, index.verdict)
         self.rows = [dataclasses.replace(row, verdict=found.get(row.key, row.verdict)) for row in self.rows]
         damaged = [key for key in keys if found[key] != "verified"]
         self._show_rows()
@@ -284,7 +284,7 @@ class Browser:
             raise ConfigError(f"select two steps to compare, not {len(picked)}")
         a, b = sorted(map(self._row_of, picked), key=lambda r: (r.unix_time or 0.0, r.step))
         self._say("info", f"Loading {a.name} and {b.name} ...")
-        states = index.per_line(
+        states = index.per_run(
             self.directory,
             self.storage_options,
             [a.key, b.key],
@@ -295,6 +295,16 @@ class Browser:
         self.diff_table.show(index.diff_rows(frame))
         self._say("ok", f"Compared {a.name} with {b.name}.")
         return frame
+
+    @_action("restore")
+    def restore(self, state: dict[str, Any], step: int | str | tuple[str, int] | None = None) -> int:
+        """Restore the selected step (or ``step``, named as :meth:`select` names it) into ``state``
+        from the run it is in, a run set aside after a rewind too (read-only); return its step.
+        Saving it with the run's Checkpointer goes on from it."""
+        row = self._row_of(step if step is not None else self._one_selected("restore"))
+        restored = index.restore_step(self.directory, self.storage_options, row.key, state)
+        self._say("ok", f"Restored {row.name} into the state.")
+        return restored
 
     @_action("delete")
     def delete(self) -> bool:
@@ -346,7 +356,7 @@ class Browser:
         return picked[0]
 
     def _deletable(self, key: RowKey) -> RowKey:
-        if (reason := index.refusal(self.directory, self.lines, key)) is not None:
+        if (reason := index.refusal(self.directory, key)) is not None:
             raise ConfigError(reason)
         return key
 
@@ -381,10 +391,10 @@ class Browser:
             self.steps.options, self.steps.value = options, kept
             self.steps.observe(self._on_select, names="value")
         self.table.marked = self.steps.value
-        self.table.show([index.step_row(row, self.lines.get(row.line, {})) for row in self.rows])
-        lines = len([name for name, line in self.lines.items() if line["steps"]])
+        self.table.show([index.step_row(row, self.runs.get(row.run, {})) for row in self.rows])
+        aside = len([name for name, run in self.runs.items() if name and run["steps"]])
         self.title.value = (
             f'<b>Checkpoints</b> of <code title="{html.escape(self.url)}">'
             f"{html.escape(self.directory)}</code>: "
-            f"{len(self.rows)} step(s) in {lines} line(s)"
+            f"{len(self.rows)} step(s)" + (f", {aside} run(s) set aside in it" if aside else "")
         )

@@ -23,15 +23,16 @@ from ..engine._internal import writer_of
 
 __all__ = [
     "DIFF_ROWS",
-    "MAIN",
+    "HERE",
     "RowKey",
     "StepRow",
     "delete_step",
     "diff_rows",
     "diff_summary",
-    "per_line",
+    "per_run",
     "read_run",
     "refusal",
+    "restore_step",
     "saved_values",
     "step_row",
     "verdict",
@@ -40,18 +41,20 @@ __all__ = [
 RowKey = tuple[str, int]
 #: Tensors the diff table lists (most changed first); the whole frame is ``browser.diff_frame``.
 DIFF_ROWS = 50
-#: The line every run has; branches start from one of its steps.
-MAIN = "main"
-Lines = dict[str, dict[str, Any]]
+#: The browsed run's own steps (a key's other runs: those set aside in it after a rewind, by name).
+HERE = ""
+#: Each run the browser lists: its ``path``, ``steps`` and the step it was set ``after`` aside.
+Runs = dict[str, dict[str, Any]]
 _T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
 class StepRow:
-    """One committed step of one line, as its manifest describes it; ``problem`` says why the
-    manifest could not be read (the other facts are then None), ``verdict`` what Verify found."""
+    """One committed step of the run (``run`` is :data:`HERE`) or of a run set aside in it (its
+    name), as its manifest describes it; ``problem`` says why the manifest could not be read (the
+    other facts are then None), ``verdict`` what Verify found."""
 
-    line: str
+    run: str
     step: int
     nbytes: int | None = None
     unix_time: float | None = None
@@ -66,16 +69,16 @@ class StepRow:
 
     @property
     def key(self) -> RowKey:
-        return (self.line, self.step)
+        return (self.run, self.step)
 
     @property
     def id(self) -> str:
-        """The row's id in the table (a line's name never holds a colon)."""
-        return f"{self.line}:{self.step}"
+        """The row's id in the table: the step, or ``set-aside-1:30`` (a run's name holds no colon)."""
+        return str(self.step) if self.run == HERE else f"{self.run}:{self.step}"
 
     @property
     def name(self) -> str:
-        return f"{self.line} step {self.step}"
+        return f"step {self.step}" if self.run == HERE else f"{self.run} step {self.step}"
 
 
 def _tensors_in(value: Any) -> bool:
@@ -104,39 +107,48 @@ def saved_values(state: Mapping[Any, Any], prefix: str = "") -> dict[str, Any]:
     return found
 
 
-def _reader(directory: str, storage_options: dict[str, Any], line: str) -> Checkpointer:
+def path_of(directory: str, run: str) -> str:
+    """Where ``run`` (:data:`HERE`, or a set-aside run's name) of the run at ``directory`` is."""
+    return directory if run == HERE else f"{directory.rstrip('/')}/{run}"
+
+
+def _reader(directory: str, storage_options: dict[str, Any], run: str) -> Checkpointer:
     # ranks="local": a browser in a torchrun'd kernel must never wait for the other ranks
     return Checkpointer(
-        directory, read_only=True, line=line, ranks="local", writer_threads=1, storage_options=storage_options
+        path_of(directory, run),
+        read_only=True,
+        ranks="local",
+        writer_threads=1,
+        storage_options=storage_options,
     )
 
 
-def per_line(
+def per_run(
     directory: str,
     storage_options: dict[str, Any],
     keys: Sequence[RowKey],
     read: Callable[[Checkpointer, str, int], _T],
 ) -> dict[RowKey, _T]:
-    """``read(reader, line, step)`` for each of ``keys``, with one read-only Checkpointer a line."""
+    """``read(reader, run, step)`` for each of ``keys``, with one read-only Checkpointer a run."""
     found: dict[RowKey, _T] = {}
-    for line in dict.fromkeys(line for line, _ in keys):
-        with _reader(directory, storage_options, line) as reader:
-            found.update({key: read(reader, *key) for key in keys if key[0] == line})
+    for run in dict.fromkeys(run for run, _ in keys):
+        with _reader(directory, storage_options, run) as reader:
+            found.update({key: read(reader, *key) for key in keys if key[0] == run})
     return found
 
 
-def _gone(reader: Checkpointer, line: str, step: int) -> bool:
+def _gone(reader: Checkpointer, step: int) -> bool:
     """The step was deleted since the listing (a run's retention)."""
-    return step not in reader.lines().get(line, {}).get("steps", ())
+    return step not in reader.steps()
 
 
 def read_run(
     directory: str, storage_options: dict[str, Any], values: dict[str, dict[str, Any]]
-) -> tuple[Lines, list[StepRow]]:
-    """The run's lines and a row for each of their committed steps; ``values`` caches the saved
-    values by manifest checksum (read once per save)."""
+) -> tuple[Runs, list[StepRow]]:
+    """The run and the runs set aside in it, and a row for each of their committed steps;
+    ``values`` caches the saved values by manifest checksum (read once per save)."""
 
-    def row(reader: Checkpointer, line: str, step: int) -> StepRow | None:
+    def row(reader: Checkpointer, run: str, step: int) -> StepRow | None:
         try:
             manifest = reader.manifest(step)
             checksum = str(manifest.get("checksum"))
@@ -144,10 +156,10 @@ def read_run(
                 # map_location="meta": the values come from the manifest; no tensor byte is read
                 values[checksum] = saved_values(reader.load(step, map_location="meta"))
         except CheckpointError as exc:
-            return None if _gone(reader, line, step) else StepRow(line, step, problem=str(exc))
+            return None if _gone(reader, step) else StepRow(run, step, problem=str(exc))
         timing = manifest.get("timing") or {}
         return StepRow(
-            line,
+            run,
             step,
             nbytes=int(manifest["bytes"]),
             unix_time=float(manifest["unix_time"]),
@@ -159,38 +171,38 @@ def read_run(
             provenance=dict(manifest.get("provenance") or {}),
         )
 
-    with _reader(directory, storage_options, MAIN) as main:  # the lines, and the main line's rows
-        lines = main.lines()
-        rows = [row(main, MAIN, step) for step in lines.get(MAIN, {}).get("steps", ())]
-    others = [(name, step) for name, line in lines.items() if name != MAIN for step in line["steps"]]
-    rows += per_line(directory, storage_options, others, row).values()
-    return lines, [found for found in rows if found is not None]
+    with _reader(directory, storage_options, HERE) as here:  # the runs, and the run's own rows
+        steps = here.steps()
+        runs: Runs = {HERE: {"path": here.store.url, "steps": steps, "after": None}}
+        runs.update({entry["name"]: entry for entry in here.set_aside_runs()})
+        rows = [row(here, HERE, step) for step in steps]
+    others = [(name, step) for name, run in runs.items() if name != HERE for step in run["steps"]]
+    rows += per_run(directory, storage_options, others, row).values()
+    return runs, [found for found in rows if found is not None]
 
 
-def verdict(reader: Checkpointer, line: str, step: int) -> str:
+def verdict(reader: Checkpointer, run: str, step: int) -> str:
     """``verified``, or ``damaged: <why>`` (damage is a result, not an error)."""
     try:
         reader.verify(step)
     except CheckpointError as exc:
-        if _gone(reader, line, step):
-            raise CheckpointError(f"{line} step {step} is gone; refresh the browser") from exc
+        if _gone(reader, step):
+            raise CheckpointError(f"{StepRow(run, step).name} is gone; refresh the browser") from exc
         return f"damaged: {exc}"
     return "verified"
 
 
-def refusal(directory: str, lines: Lines, key: RowKey) -> str | None:
-    """Why a step will not be deleted, or None: a branch of ``lines`` starts from it, or a save
-    of it is in flight in this kernel."""
-    line, step = key
-    for name, other in lines.items():
-        if other.get("parent") == line and other.get("from_step") == step:
-            return f"{name} goes on from it, and would lose the step it starts from"
-    holder = writer_of(directory)
-    if (
-        holder is not None
-        and line == holder.line_name
-        and any(handle.step == step and not handle.done() for handle in holder.handles)
-    ):
+def restore_step(directory: str, storage_options: dict[str, Any], key: RowKey, state: dict[str, Any]) -> int:
+    """Restore step ``key`` into ``state`` from the run it is in (read-only)."""
+    with _reader(directory, storage_options, key[0]) as reader:
+        return reader.restore(state, step=key[1])
+
+
+def refusal(directory: str, key: RowKey) -> str | None:
+    """Why a step will not be deleted, or None: a save of it is in flight in this kernel."""
+    run, step = key
+    holder = writer_of(path_of(directory, run))
+    if holder is not None and any(handle.step == step and not handle.done() for handle in holder.handles):
         return f"a save of step {step} is in flight in this kernel; delete it once it has committed"
     return None
 
@@ -199,19 +211,18 @@ def delete_step(directory: str, storage_options: dict[str, Any], key: RowKey) ->
     """Delete through the Checkpointer of this kernel that writes into the run (the magics',
     an autosave's), with its lock and rules; else through one opened for the delete (a
     directory's lock refuses it while another process saves there; an object store has none)."""
-    line, step = key
-    if (holder := writer_of(directory)) is not None:
+    run, step = key
+    path = path_of(directory, run)
+    if (holder := writer_of(path)) is not None:
         if holder.world_size > 1:  # its delete is collective: every rank must call it
             raise ConfigError(
                 f"the run is open for writing on {holder.world_size} ranks of this "
                 f"job; delete with its Checkpointer on every rank: ckpt.delete({step})"
             )
-        holder.delete(step, line=line)
+        holder.delete(step)
         return
     try:
-        writer = Checkpointer(
-            directory, line=line, ranks="local", writer_threads=1, storage_options=storage_options
-        )
+        writer = Checkpointer(path, ranks="local", writer_threads=1, storage_options=storage_options)
     except CheckpointError as exc:
         raise CheckpointError(
             f"cannot open the run for writing: {exc} (the Checkpointer saving "
@@ -242,11 +253,11 @@ def _provenance(origin: dict[str, Any]) -> str:
     return " · ".join([*parts, *([str(origin["host"])] if origin.get("host") else [])])
 
 
-def step_row(row: StepRow, line: dict[str, Any]) -> dict[str, Any]:
+def step_row(row: StepRow, run: dict[str, Any]) -> dict[str, Any]:
     """A step as a row of the steps table."""
-    label = row.line
-    if line.get("parent") is not None:
-        label += f" (from {line['parent']} {line.get('from_step')})"
+    label = "this run" if row.run == HERE else row.run
+    if run.get("after") is not None:
+        label += f" (set aside after step {run['after']})"
     shown = f"damaged: {row.problem}" if row.problem is not None else row.verdict
     cells = [
         label,

@@ -646,7 +646,7 @@ def test_delete_removes_a_step(tmp_path: Path) -> None:
             ckpt.delete(2)
 
 
-def test_writer_of_finds_the_open_writer_whose_delete_takes_a_line(tmp_path: Path) -> None:
+def test_writer_of_finds_the_open_writer(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert writer_of(run) is None
     with Checkpointer(run, mode="sync") as ckpt:
@@ -654,13 +654,8 @@ def test_writer_of_finds_the_open_writer_whose_delete_takes_a_line(tmp_path: Pat
             ckpt.save({"w": torch.full((2,), float(step))}, step=step)
         with Checkpointer(run, read_only=True):  # a reader is not a writer
             assert writer_of(run) is ckpt and writer_of(f"{tmp_path}/./run/") is ckpt
-        ckpt.restore({"w": torch.zeros(2)}, step=1)
-        with pytest.warns(UserWarning, match="branch-1"):
-            ckpt.save({"w": torch.ones(2)}, step=3)
-        ckpt.delete(2, line="main")  # a step of another line than the one saves go to
-        assert ckpt.lines()["main"]["steps"] == [1] and ckpt.steps() == [1, 3]
-        with pytest.raises(CheckpointError, match="has no line 'nope'"):
-            ckpt.delete(1, line="nope")
+        ckpt.delete(2)
+        assert ckpt.steps() == [1]
     assert writer_of(run) is None  # closed
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -281,3 +282,54 @@ def test_incremental_saves_copy_unchanged_files_on_the_server(s3_server: Seaweed
         tune(fresh_model, fresh_optim, 0)
         assert ckpt.restore(fresh) == 3
     assert_equal_state(snapshot(fresh), expected[3])
+
+
+REWIND_CHILD = """
+import json, sys, torch
+from nbckpt import Checkpointer
+from nbckpt.engine._store import arm_crash
+url, options, point = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+ckpt = Checkpointer(url, mode="sync", storage_options=options)
+for step in (10, 20, 30, 40):
+    ckpt.save({"w": torch.full((8,), float(step))}, step=step)
+ckpt.restore({"w": torch.zeros(8)}, step=20)
+arm_crash(point)
+ckpt.save({"w": torch.full((8,), 25.0)}, step=25)
+"""
+
+
+def holds(ckpt: Checkpointer, step: int) -> bool:
+    state = {"w": torch.zeros(8)}
+    return ckpt.restore(state, step=step) == step and torch.equal(state["w"], torch.full((8,), float(step)))
+
+
+@pytest.mark.parametrize("point", [None, "set_aside_copied"])
+def test_a_rewind_sets_steps_aside_on_s3_by_server_side_copies_even_across_a_kill(
+    s3_server: SeaweedS3, bucket: str, point: str | None
+) -> None:
+    """On S3 a step is set aside by copying its objects (the manifest last) and then deleting
+    them (the manifest first). Killed between the two, the step is whole in both places: the next
+    open finishes the move, and every step restores from exactly one place, bit for bit."""
+    url, options = f"s3://{bucket}/run", s3_server.storage_options()
+    child = subprocess.run(
+        [sys.executable, "-c", REWIND_CHILD, url, json.dumps(options), point or "none"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert child.returncode == (-9 if point else 0), child.stderr
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = Checkpointer(url, storage_options=options)
+    finished = [w for w in caught if "finished setting steps aside" in str(w.message)]
+    assert len(finished) == (1 if point else 0)
+    with ckpt:
+        assert ckpt.steps() == ([10, 20] if point else [10, 20, 25]) and holds(ckpt, 20)
+        [entry] = ckpt.set_aside_runs()
+    assert (entry["path"], entry["after"], entry["steps"]) == (f"{url}/set-aside-1", 20, [30, 40])
+    with Checkpointer(entry["path"], read_only=True, storage_options=options) as aside:
+        assert holds(aside, 30) and holds(aside, 40)
+        aside.verify(30)
+    keys = keys_under(s3_server, f"{bucket}/run")
+    assert not [k for k in keys if k.startswith(("step-000030", "step-000040", ".set-aside"))], keys

@@ -52,19 +52,20 @@ def test_a_torchtitan_run_is_listed_restored_loaded_verified_and_kept(tmp_path: 
     assert (tmp_path / "run" / "step-7" / ".metadata").exists()
 
 
-def test_a_branch_restores_a_plain_dcp_step_of_its_parent_line(tmp_path: Path) -> None:
+def test_a_rewind_to_a_plain_dcp_step_sets_the_newer_steps_aside_and_keeps_it(tmp_path: Path) -> None:
     dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "run" / "step-10"), no_dist=True)
     with pytest.warns(UserWarning, match="torchtitan reads"):
         ckpt = Checkpointer(tmp_path / "run", mode="sync")
     with ckpt:
         ckpt.save({"w": torch.full((4,), 2.0)}, step=20)
         ckpt.restore({"w": torch.zeros(4)}, step=10)
-        with pytest.warns(UserWarning, match="saves now go to a new line, branch-1"):
-            ckpt.save({"w": torch.full((4,), 3.0)}, step=11)  # a branch that sees main's step 10
+        with pytest.warns(UserWarning, match="set aside, still restorable, in .*set-aside-1"):
+            ckpt.save({"w": torch.full((4,), 3.0)}, step=11)
     with (
         pytest.warns(UserWarning, match="torchtitan reads"),
-        Checkpointer(tmp_path / "run", mode="sync") as ckpt,  # continues the branch
+        Checkpointer(tmp_path / "run", mode="sync") as ckpt,
     ):
+        assert ckpt.steps() == [10, 11]
         state = {"w": torch.zeros(4)}
         assert ckpt.restore(state, step=10) == 10 and torch.equal(state["w"], torch.ones(4))
 

@@ -150,10 +150,12 @@ def test_a_rank_killed_mid_save_of_sharded_state_leaves_nothing_committed(tmp_pa
 def test_2_fsdp2_ranks_with_a_frozen_embedding_each_share_their_own_files(runs: Any) -> None:
     """Incremental saves (issue 32): each rank decides for its own shards; its file of the frozen
     embedding's shard is its first step's in every later step, the rest is written; with the
-    steps before deleted, the last restores bit for bit."""
+    steps before deleted, the last restores bit for bit. A rewind on both ranks sets the newer
+    step aside (rank 0 moves it, rank 1 waits) and it restores from there bit for bit."""
     for rank, seen in runs["at 2"].items():
         result = seen["incremental"]
         assert result["exact"], result
+        assert result["rewound"] == {"steps": [3, 5], "after": 3, "aside": [4], "exact": True}, rank
         records, shared = result["records"], result["shared"]
         assert records[0][1] == 0 and all(skipped > 0 for _, skipped in records[1:]), records
         mine = [name for name in result["embedding"] if name.startswith(f"__{rank}_")]

@@ -77,7 +77,7 @@ def train(
     committed. With ``overlap`` the copy runs behind the caller, who waits for it before the
     next step; with ``ring`` generations go to steps ``0..ring-1`` over and over; with
     ``mirror`` every commit is uploaded there too; with ``rewind`` the run goes back one step
-    first (restores the one before the newest), so its saves go on in a new line, a branch.
+    first (restores the one before the newest), so its first save sets the newest step aside.
     """
     ckpt = Checkpointer(directory, mode="async", keep=keep, mirror=mirror)
     model = build_model()

@@ -351,7 +351,8 @@ def frozen_embedding(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 def incremental(directory: str) -> dict[str, Any]:
     """Issue 32: FSDP2 with a frozen embedding, saved incrementally three times; each rank's files
     of the third step that are its first step's (same inode), its bytes written and skipped;
-    the steps before deleted, the third restored into a model of other values, bit for bit."""
+    the steps before deleted, the third restored into a model of other values, bit for bit. Then
+    a rewind: step 4, step 3 restored, step 5 saved: step 4 set aside, restored from there."""
     root = Path(directory) / "incremental"
     model, optim = frozen_embedding(seed=1)
     records = []
@@ -378,14 +379,38 @@ def incremental(directory: str) -> dict[str, Any]:
         fresh, fresh_optim = frozen_embedding(seed=2)
         train(fresh, fresh_optim, 1)
         ckpt.restore({"model": fresh, "optim": fresh_optim})
-    now = full_state(fresh, fresh_optim)
+        now = full_state(fresh, fresh_optim)
+        # A rewind on every rank: step 4 (sharing files with 3), then back to 3 and a save of 5:
+        # rank 0 sets step 4 aside while the others wait, and it restores whole from there. Each
+        # state is a model of its own, left alone once compared (a full state dict shares the
+        # optimizer's step tensor with it).
+        fourth_model, fourth_optim = frozen_embedding(seed=3)
+        train(fourth_model, fourth_optim, 1)  # optimizer state to load into
+        ckpt.restore({"model": fourth_model, "optim": fourth_optim})
+        train(fourth_model, fourth_optim, 1)
+        ckpt.save({"model": fourth_model, "optim": fourth_optim}, step=4).wait()
+        fourth = full_state(fourth_model, fourth_optim)
+        back, back_optim = frozen_embedding(seed=4)
+        train(back, back_optim, 1)
+        ckpt.restore({"model": back, "optim": back_optim}, step=3)
+        ckpt.save({"model": back, "optim": back_optim}, step=5).wait()
+        steps, [aside] = ckpt.steps(), ckpt.set_aside_runs()
+    other, other_optim = frozen_embedding(seed=5)
+    train(other, other_optim, 1)
+    with Checkpointer(
+        aside["path"], ranks="all" if WORLD > 1 else "local", read_only=True, timeout_s=60
+    ) as old:
+        old.restore({"model": other, "optim": other_optim})
+    then = full_state(other, other_optim)
     exact = RANK != 0 or same(now, reference) if WORLD > 1 else same(now, reference)
+    set_aside = RANK != 0 or same(then, fourth) if WORLD > 1 else same(then, fourth)
     return {
         "records": records,
         "shared": shared,
         "embedding": embedding,
         "exact": exact,
         "after_retention": after_retention(root.with_name("incremental-best"), fresh, fresh_optim),
+        "rewound": {"steps": steps, "after": aside["after"], "aside": aside["steps"], "exact": set_aside},
     }
 
 

@@ -290,9 +290,9 @@ def test_training_on_from_an_older_step_says_so_in_one_log_line(
         warnings.simplefilter("error")  # after a cell, a warning would point at the kernel's code
         assert late_cell(shell)
     running(shell).last.handle.wait()  # type: ignore[union-attr]
-    branched = [r.getMessage() for r in caplog.records if "saves now go to a new line" in r.getMessage()]
-    assert len(branched) == 1 and "branch-1" in branched[0] and "\n" not in branched[0]
-    assert committed(target / "branch-1", 3)
+    aside = [r.getMessage() for r in caplog.records if "those are set aside" in r.getMessage()]
+    assert len(aside) == 1 and "set-aside-1" in aside[0] and "\n" not in aside[0]
+    assert committed(target, 3) and committed(target / "set-aside-1", 2)
 
 
 def test_problems_are_one_line_and_never_fail_the_cell(
@@ -552,17 +552,15 @@ def test_interrupt_restart_restore_and_go_on_in_a_real_kernel(kernel: RealKernel
         opt.step()
     for ours, theirs in zip(model.parameters(), went_on, strict=True):
         torch.testing.assert_close(ours.detach().flatten(), torch.tensor(theirs))
-    # Its autosaves go to a new line from the restored step: the final step stays where it is.
-    branch = run / "branch-1"
-    assert until(
-        lambda: kernel.run("pass") == "" and committed(branch, interrupted + 2), timeout=60, poll_s=0
-    )
+    # Its autosaves go on from the restored step: the final step is set aside, still restorable.
+    aside = run / "set-aside-1"
+    assert until(lambda: kernel.run("pass") == "" and committed(run, interrupted + 2), timeout=60, poll_s=0)
     assert "nbckpt: host memory held for staging: " in kernel.run("%ckpt_status")
-    with Checkpointer(run, read_only=True, line="main") as ckpt:
-        lines = ckpt.lines()
+    with Checkpointer(aside, read_only=True) as ckpt:
         assert saved_parameters(ckpt.load(final)) == final_live
-    assert lines["branch-1"]["parent"] == "main" and lines["branch-1"]["from_step"] == interrupted
-    assert final in lines["main"]["steps"]
+    with Checkpointer(run, read_only=True) as ckpt:
+        [entry] = ckpt.set_aside_runs()
+    assert entry["after"] == interrupted and final in entry["steps"]
 
 
 def test_sigterm_to_a_training_kernel_commits_a_final_save(kernel: RealKernel, tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ def test_two_picked_steps_diff_in_jupyterlab(server: Server) -> None:
         until(lambda: steps.count() == 3, 60, "the three steps in the table")
         assert "not checked" in steps.first.inner_text()
 
-        pick(page, "main step 100", "main step 300")
+        pick(page, "step 100", "step 300")
         until(
             lambda: widget.locator(".nbckpt-steps tr.nbckpt-selected").count() == 2,
             30,
@@ -98,7 +98,7 @@ def test_two_picked_steps_diff_in_jupyterlab(server: Server) -> None:
         for name, status in (("head.weight", "changed"), ("encoder.bias", "unchanged")):
             cells = diff.locator(f'tr[data-id="{name}"] td').all_inner_texts()
             assert cells[:2] == [name, status], cells
-        assert "main step 100 → main step 300" in widget.locator(".nbckpt-diff-summary").inner_text()
+        assert "step 100 → step 300" in widget.locator(".nbckpt-diff-summary").inner_text()
 
         widget.locator("button", has_text="Verify").click()
         until(
@@ -119,15 +119,15 @@ def test_two_picked_steps_diff_in_jupyterlab(server: Server) -> None:
             "the browser of the re-run cell",
         )
         assert page.locator(".nbckpt-browser").count() == 1
-        pick(page, "main step 200")
+        pick(page, "step 200")
         page.locator(".nbckpt-browser button", has_text="Verify").click()
         page.locator(".nbckpt-browser .nbckpt-ok", has_text="Verified 1 step(s)").wait_for(timeout=60_000)
 
         # Delete while the kernel's Checkpointer holds the run: it deletes through that one
-        pick(page, "main step 100")
+        pick(page, "step 100")
         page.locator(".nbckpt-browser button[title^='delete the selected step']").click()
         page.locator(".nbckpt-browser button", has_text="Confirm delete").click()
-        page.locator(".nbckpt-browser .nbckpt-ok", has_text="Deleted main step 100.").wait_for(timeout=60_000)
+        page.locator(".nbckpt-browser .nbckpt-ok", has_text="Deleted step 100.").wait_for(timeout=60_000)
         table = page.locator(".nbckpt-browser .nbckpt-steps table")
-        until(lambda: row_ids(table) == ["main:200", "main:300"], 60, "the table without step 100")
+        until(lambda: row_ids(table) == ["200", "300"], 60, "the table without step 100")
         assert not (server.root / "checkpoints" / "run" / "step-000100").exists()

@@ -56,32 +56,42 @@ def cells(browser: Browser) -> dict[str, list[str]]:
     return {row["id"]: row["cells"] for row in browser.table.rows}
 
 
-def test_the_table_shows_every_line_with_values_and_provenance(tmp_path: Path) -> None:
+def test_the_table_shows_the_run_and_its_set_aside_steps_with_values_and_provenance(tmp_path: Path) -> None:
     model, optim = trained()
     with Checkpointer(tmp_path / "run", mode="sync") as ckpt:
         for step in (10, 20, 30):
             train_step(model, optim)
             ckpt.save(state(model, optim, step), step=step)
         ckpt.restore({"model": model, "optim": optim}, step=20)
-        with pytest.warns(UserWarning, match="branch-1"):
+        with pytest.warns(UserWarning, match="set-aside-1"):
             ckpt.save(state(model, optim, 25), step=25)
     browser = Browser(tmp_path / "run")
-    assert [row.key for row in browser.rows] == [("main", 10), ("main", 20), ("main", 30), ("branch-1", 25)]
+    assert [row.key for row in browser.rows] == [("", 10), ("", 20), ("", 25), ("set-aside-1", 30)]
     row = browser.rows[1]
     assert row.values == {"step": 20, "args.lr": 0.05, "args.name": "tiny"}
     assert row.provenance["torch"] == torch.__version__ and row.provenance["host"]
     assert row.nbytes and row.nbytes > 0 and row.tensors == 4 + 4 * 2 + 4  # weights, Adam's moments
     assert row.stage_s is not None and row.write_s is not None and row.write_s >= 0
     shown = cells(browser)
-    assert shown["branch-1:25"][:2] == ["branch-1 (from main 20)", "25"]
-    assert shown["main:20"][6] == "not checked"
-    assert shown["main:20"][7] == "step=20, args.lr=0.05, args.name='tiny'"
-    assert f"torch {torch.__version__}" in shown["main:20"][8]
-    assert "4 step(s) in 2 line(s)" in browser.title.value
-    with pytest.raises(ValueError, match=r"step 25 is in branch-1|no committed step 99"):
+    assert shown["set-aside-1:30"][:2] == ["set-aside-1 (set aside after step 20)", "30"]
+    assert shown["20"][:2] == ["this run", "20"]
+    assert shown["20"][6] == "not checked"
+    assert shown["20"][7] == "step=20, args.lr=0.05, args.name='tiny'"
+    assert f"torch {torch.__version__}" in shown["20"][8]
+    assert "4 step(s), 1 run(s) set aside in it" in browser.title.value
+    with pytest.raises(ValueError, match=r"no committed step 99"):
         browser.select(99)
-    browser.select(25)  # the only step 25: no line needed
-    assert browser.selected == [("branch-1", 25)]
+    with pytest.raises(ValueError, match=r"no committed step 30; it has 10, 20, 25, set-aside-1:30"):
+        browser.select(30)  # a bare number is a step of the run itself, never one set aside
+    browser.select(("set-aside-1", 30))
+    assert browser.selected == [("set-aside-1", 30)]
+    # the Browser restores a step set aside, bit for bit, from where it is now
+    fresh_model, fresh_optim = trained()
+    assert browser.restore({"model": fresh_model, "optim": fresh_optim}) == 30
+    assert "Restored set-aside-1 step 30" in browser.message.value
+    with Checkpointer(tmp_path / "run" / "set-aside-1", read_only=True) as reader:
+        saved = reader.load(30)["model"]
+    assert all(torch.equal(saved[k], v) for k, v in fresh_model.state_dict().items())
 
 
 def test_saved_values_leave_modules_and_optimizers_out() -> None:
@@ -109,17 +119,17 @@ def test_verify_marks_a_damaged_step_as_damaged(tmp_path: Path) -> None:
     data.write_bytes(bytes(raw))
     browser = Browser(tmp_path / "run")
     browser.select(2)
-    assert browser.verify() == [("main", 2)]
-    state_cell = cells(browser)["main:2"][6]
+    assert browser.verify() == [("", 2)]
+    state_cell = cells(browser)["2"][6]
     assert state_cell.startswith("damaged: step-000002/__0_0.distcp is corrupt")
-    assert "Damaged: main step 2" in html.unescape(browser.message.value)
+    assert "Damaged: step 2" in html.unescape(browser.message.value)
     browser.select()
     browser.verify_button.click()  # nothing selected: every step
     verdicts = {row["id"]: (row["cells"][6].split(":")[0], row["tone"]) for row in browser.table.rows}
     assert verdicts == {
-        "main:1": ("verified", "verified"),
-        "main:2": ("damaged", "damaged"),
-        "main:3": ("verified", "verified"),
+        "1": ("verified", "verified"),
+        "2": ("damaged", "damaged"),
+        "3": ("verified", "verified"),
     }
 
 
@@ -133,7 +143,7 @@ def test_a_step_whose_manifest_is_damaged_shows_why(tmp_path: Path) -> None:
         "step-000001/manifest.json was modified after it was written (checksum mismatch)"
     )
     assert intact.problem is None and intact.values["step"] == 2
-    row = next(r for r in browser.table.rows if r["id"] == "main:1")
+    row = next(r for r in browser.table.rows if r["id"] == "1")
     assert row["tone"] == "damaged" and row["cells"][6] == f"damaged: {damaged.problem}"
 
 
@@ -164,7 +174,7 @@ def test_diff_of_two_steps_after_a_real_optimizer_step(tmp_path: Path) -> None:
     shown = [row["id"] for row in browser.diff_table.rows]
     assert shown == list(frame["key"])  # most changed first, as the frame
     summary = html.unescape(browser.diff_header.value)
-    assert "main step 1 → main step 2: 16 tensors (16 changed)" in summary  # the earlier one is a
+    assert "step 1 → step 2: 16 tensors (16 changed)" in summary  # the earlier one is a
 
 
 def test_delete_asks_first_then_deletes_and_refresh_shows_it_gone(tmp_path: Path) -> None:
@@ -175,7 +185,7 @@ def test_delete_asks_first_then_deletes_and_refresh_shows_it_gone(tmp_path: Path
     assert browser.confirm_button.layout.display == ""
     assert (tmp_path / "run" / "step-000001").exists()  # nothing yet
     browser.confirm_button.click()
-    assert browser.error is None and "Deleted main step 1." in browser.message.value
+    assert browser.error is None and "Deleted step 1." in browser.message.value
     assert [row.step for row in browser.rows] == [2, 3] and browser.selected == []
     assert not (tmp_path / "run" / "step-000001").exists()
     assert browser.confirm_button.layout.display == "none"
@@ -205,22 +215,17 @@ def test_refusals_are_one_line_and_delete_nothing(tmp_path: Path) -> None:
     assert one_line_error(browser) == "Cannot delete: select the one step to delete, not 2"
 
 
-def test_a_branch_keeps_the_step_it_went_on_from(tmp_path: Path) -> None:
+def test_a_step_set_aside_can_be_deleted_from_its_run(tmp_path: Path) -> None:
     with Checkpointer(tmp_path / "run") as ckpt:
         for step in (1, 2):
             ckpt.save({"w": torch.full((3,), float(step))}, step=step)
         ckpt.restore({"w": torch.zeros(3)}, step=1)
-        with pytest.warns(UserWarning, match="branch-1"):
+        with pytest.warns(UserWarning, match="set-aside-1"):
             ckpt.save({"w": torch.full((3,), 5.0)}, step=5).wait()
     browser = Browser(tmp_path / "run")
-    browser.select(("main", 1))
-    assert not browser.delete()
-    assert one_line_error(browser) == (
-        "Cannot delete: branch-1 goes on from it, and would lose the step it starts from"
-    )
-    browser.select(("branch-1", 5))
+    browser.select(("set-aside-1", 2))
     assert browser.delete() and browser.confirm_delete()
-    assert [row.key for row in browser.rows] == [("main", 1), ("main", 2)]
+    assert [row.key for row in browser.rows] == [("", 1), ("", 5)]
 
 
 def test_errors_inside_an_action_are_one_line(tmp_path: Path) -> None:

@@ -156,9 +156,11 @@ def _check_never_lose_work(results: dict[str, Any]) -> None:
     assert interrupted >= 30 and results["second_kernel_steps"] == [interrupted, interrupted + 5]
     assert results["resumed_step"] == interrupted + 5
     assert 0 < results["diff_changed"] <= results["diff_tensors"]
-    assert results["branch_parent"]["branch-1"] == ["main", autosaved[0]]
-    assert results["lines"]["main"] == autosaved  # the old line stays as it was
-    assert results["browser_lines"] == ["branch-1", "main"]
+    # going back to the first autosave: the later ones are set aside, still there, and the run
+    # goes on from the first with the new cell's save
+    assert results["set_aside"] == [{"after": autosaved[0], "steps": autosaved[1:]}]
+    assert results["run_steps"][0] == autosaved[0] and len(results["run_steps"]) >= 2
+    assert results["browser_runs"] == ["set-aside-1", "this run"]
     assert results["mirror_restored_step"] == results["mirrored_step"]
     assert results["restored_from_mirror"] is True and results["mirror_identical"] is True
     decision = results["decision"]  # computed from the autosaves and the mirror's uploads measured

@@ -59,7 +59,6 @@ BAD_CALLS: list[tuple[str, Call, str]] = [
     ("restore(key_map=3)", _restore(key_map=3), "key_map must be a function of a key, or None, not 3"),
     ("save(overlap='no')", _save(overlap="no"), "overlap must be True or False, not 'no'"),
     ("save(overwrite='yes')", _save(overwrite="yes"), "overwrite must be True or False, not 'yes'"),
-    ("delete(line=3)", lambda ckpt, _: ckpt.delete(1, line=3), "line must be a line's name"),
     ("handle.wait('5')", _handle_wait("5"), "timeout must be a number of seconds >= 0 or None, not '5'"),
     ("handle.wait(-1)", _handle_wait(-1), "timeout must be a number of seconds >= 0 or None, not -1"),
     ("handle.wait_staged(True)", _handle_wait(True, staged=True), "timeout must be a number of seconds"),
@@ -77,7 +76,6 @@ BAD_CALLS: list[tuple[str, Call, str]] = [
     ("CustomSteps([-1])", lambda *_: CustomSteps([-1]), "CustomSteps' steps must be an integer >= 0, not -1"),
     ("CustomSteps([True])", lambda *_: CustomSteps([True]), "CustomSteps' steps must be an integer >= 0"),
     ("AnyOf()", lambda *_: AnyOf(), "AnyOf needs at least one policy"),
-    ("line=''", _open(line=""), "line must be a line's name ('main', 'branch-1', ...), not ''"),
     ("timeout_s=inf", _open(timeout_s=math.inf), "timeout_s must be a positive number of seconds, not inf"),
     ("storage_options={1: 2}", _open(storage_options={1: 2}), "storage_options must have option names"),
     (

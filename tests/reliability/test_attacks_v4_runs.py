@@ -83,7 +83,7 @@ def test_resume_checkpoint_never_removes_a_folder_nbckpt_did_not_make(tmp_path: 
 # -- 8d: plain-DCP steps in a run ------------------------------------------------------------
 
 
-def test_a_rewind_below_a_plain_dcp_step_starts_a_new_line(tmp_path: Path) -> None:
+def test_a_rewind_below_a_plain_dcp_step_sets_it_aside_too(tmp_path: Path) -> None:
     run = tmp_path / "run"
     with Checkpointer(run, mode="sync") as ckpt:
         ckpt.save({"w": torch.full((4,), 1.0)}, step=1)
@@ -93,14 +93,16 @@ def test_a_rewind_below_a_plain_dcp_step_starts_a_new_line(tmp_path: Path) -> No
     with ckpt:
         state = {"w": torch.zeros(4)}
         assert ckpt.restore(state, step=1) == 1
-        with pytest.warns(UserWarning, match="saves now go to a new line, branch-1"):
+        with pytest.warns(UserWarning, match="set aside, still restorable, in .*set-aside-1"):
             ckpt.save({"w": torch.full((4,), 2.0)}, step=2)
         ckpt.save({"w": torch.full((4,), 3.0)}, step=3)
         assert ckpt.restore(state) == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
-    with pytest.warns(UserWarning, match="torchtitan reads"), Checkpointer(run, mode="sync") as ckpt:
-        # the line saved to last: not main's step 9
+    with Checkpointer(run, mode="sync") as ckpt:  # no plain-DCP folder left beside nbckpt's steps
         assert ckpt.restore(state) == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
-    assert (run / "step-9" / ".metadata").is_file()  # the plain-DCP step stays where it was
+    # the plain-DCP step moved whole (never deleted): it loads from the set-aside run
+    assert (run / "set-aside-1" / "step-9" / ".metadata").is_file()
+    with Checkpointer(run / "set-aside-1", read_only=True) as reader:
+        assert reader.restore(state) == 9 and torch.equal(state["w"], torch.full((4,), 9.0))
 
 
 def test_a_path_naming_a_plain_dcp_folder_reads_that_folder(tmp_path: Path) -> None:

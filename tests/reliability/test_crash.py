@@ -38,14 +38,13 @@ def leftovers(directory: Path) -> list[str]:
 
 
 def reopen(directory: Path, mirror: Path | None = None) -> Checkpointer:
-    """A new Checkpointer on a crashed run: it must remove the leftovers and warn, naming them
-    (those of the main directory, and of the branch it goes on in)."""
-    before = {path: leftovers(path) for path in [directory, *directory.glob("branch-*")]}
+    """A new Checkpointer on a crashed run: it must remove the leftovers and warn, naming them."""
+    before = {directory: leftovers(directory)}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ckpt = Checkpointer(directory, mode="sync", mirror=None if mirror is None else str(mirror))
     messages = [str(w.message) for w in caught if "leftover(s) of interrupted saves" in str(w.message)]
-    cleaned = {directory, directory / ckpt.line_name if ckpt.line_name != "main" else directory}
+    cleaned = {directory}
     for path in cleaned:
         said = [m for m in messages if f" in {path}: " in m]
         assert len(said) == bool(before.get(path)), (path, before, messages)
@@ -71,7 +70,8 @@ def assert_state_is(state: dict[str, Any], seed: int, step: int, ring: int | Non
 def check_directory(
     directory: Path, seed: int, ring: int | None = None, mirror: Path | None = None
 ) -> dict[int, int]:
-    """Every committed checkpoint verifies and holds exactly one generation: step -> generation.
+    """Every committed checkpoint verifies and holds exactly one generation: step -> generation
+    (a step set aside after a rewind as ``-step - 1``: it is there, but not the run's).
     With a mirror: once the reopened run has uploaded what the kill cut short, the mirror holds
     the newest step too, and every step on it verifies and holds exactly one generation."""
     ckpt = reopen(directory, mirror)
@@ -94,9 +94,18 @@ def check_directory(
         assert skipped == [], skipped
     finally:
         ckpt.close()
+    with Checkpointer(directory, read_only=True) as reader:
+        runs = reader.set_aside_runs()
+    for entry in runs:  # after a rewind
+        with Checkpointer(entry["path"], read_only=True) as aside:
+            for step in aside.steps():
+                aside.verify(step)
+                other = crash_child.make_state(crash_child.build_model(), seed, 0)
+                assert aside.restore(other, step=step) == step
+                held[-step - 1] = assert_state_is(other, seed, step, ring)  # never the run's
     if mirror is not None:
         with Checkpointer(mirror, read_only=True) as copy:
-            assert max(copy.steps(), default=-1) == max(held, default=-1)
+            assert max(copy.steps(), default=-1) == max((s for s in held if s >= 0), default=-1)
             for step in copy.steps():
                 copy.verify(step)
                 other = crash_child.make_state(crash_child.build_model(), seed, 0)
@@ -199,11 +208,11 @@ def run_kill_trials(
             stats["trials"] += 1
             stats["commits reported"] += len(reported)
             stats["kills with leftovers"] += bool(leftovers(lanes[lane]))
-            stats["branches"] = sum(len(list(lane.glob("branch-*"))) for lane in lanes)
+            stats["set aside"] = sum(len(list(lane.glob("set-aside-*"))) for lane in lanes)
             held[lane] = check_directory(lanes[lane], SEED, ring, mirrors[lane])
             newest_before = max(before.values(), default=-1)
-            newest[lane] = max(held[lane].values(), default=-1)
-            stats["lost"] += newest[lane] < newest_before
+            newest[lane] = max((g for s, g in held[lane].items() if s >= 0), default=-1)
+            stats["lost"] += max(held[lane].values(), default=-1) < newest_before  # set aside: kept
             if ring:  # no retention: every step seen must be there, never older than seen
                 stats["lost"] += sum(held[lane].get(s, -1) < g for s, g in before.items())
     return stats
@@ -230,13 +239,11 @@ def test_random_kills_during(tmp_path: Path, what: str, keep: int | None, ring: 
     assert stats["lost"] == 0, report(stats)
 
 
-@pytest.mark.parametrize(
-    ("what", "options"), [("a mirror", {"mirror": True}), ("branches", {"rewind": True})]
-)
+@pytest.mark.parametrize(("what", "options"), [("a mirror", {"mirror": True}), ("rewinds", {"rewind": True})])
 def test_random_kills_with(tmp_path: Path, what: str, options: dict[str, bool]) -> None:
     """Kills of a run that uploads every commit to a mirror, and of one that goes back a step
-    each time it restarts (so that it saves into a new branch)."""
-    # with branches: a commit in the new line before most kills, so that lines pile up
+    each time it restarts (so that its first save sets the newest step aside)."""
+    # with rewinds: a commit after the set-aside before most kills, so that set-aside runs pile up
     stats = run_kill_trials(
         tmp_path, trials=8, seed=20261201, min_commits=int(options.get("rewind", 0)), **options
     )
@@ -244,7 +251,7 @@ def test_random_kills_with(tmp_path: Path, what: str, options: dict[str, bool]) 
     assert stats["commits reported"] > 0
     assert stats["lost"] == 0, report(stats)
     if options.get("rewind"):
-        assert stats["branches"] >= 2, report(stats)
+        assert stats["set aside"] >= 2, report(stats)
 
 
 @pytest.mark.slow

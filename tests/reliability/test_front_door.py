@@ -94,16 +94,20 @@ def test_item14_a_failed_constructor_releases_the_directory_and_its_threads(tmp_
     with Checkpointer(tmp_path / "other", mirror=str(tmp_path / "mirror")):
         pass  # the mirror is this other run's from now on
     threads, fds = nbckpt_threads(), open_fds()
-    failing: list[tuple[dict[str, Any], str]] = [
-        ({"line": "missing"}, "the run has no line 'missing'"),
-        ({"mirror": str(tmp_path / "mirror")}, "belongs to the run"),  # refused after the lock
+    intent = directory / ".set-aside-intent.json"
+    failing: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({"mirror": str(tmp_path / "mirror")}, ConfigError, "belongs to the run"),  # refused after the lock
+        ({}, CheckpointError, "set-aside-intent.json is not JSON nbckpt wrote"),  # a damaged intent
     ]
-    for options, message in failing:
-        with pytest.raises(ConfigError, match=message):
+    for options, error, message in failing:
+        if error is CheckpointError:
+            intent.write_text("{")
+        with pytest.raises(error, match=message):
             Checkpointer(directory, **options)
         assert nbckpt_threads() == threads  # the I/O, persist, retention, staging, mirror threads ended
         assert open_fds() == fds  # the lock's descriptor is closed
         assert nbckpt.close_all() == []  # nothing half-made is left registered
+    intent.unlink()
     with Checkpointer(directory) as again:  # the directory is free: no "in use"
         assert_holds(again, 1)
 

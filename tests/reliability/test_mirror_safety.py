@@ -93,35 +93,34 @@ def test_item09_two_runs_never_share_a_mirror(tmp_path: Path) -> None:
 # -- item 10 --------------------------------------------------------------------------------------
 
 
-def test_item10_the_mirror_keeps_the_lines_so_a_restore_from_it_resumes_the_right_one(
+def test_item10_the_mirror_sets_steps_aside_as_the_run_does_so_a_restore_from_it_resumes_right(
     tmp_path: Path, held_uploads: Gate
 ) -> None:
     run, mirror = tmp_path / "run", tmp_path / "mirror"
     with Checkpointer(run, mirror=str(mirror)) as ckpt:
         for step in (10, 20, 30):
             ckpt.save(state_of(step), step=step).wait()
-        assert_holds(ckpt, 20)  # while the uploads of main's steps are still queued
-        with pytest.warns(UserWarning, match="saves now go to a new line, branch-1"):
-            ckpt.save(state_of(25), step=25).wait()
+        assert_holds(ckpt, 20)  # while the uploads of steps 10-30 are still queued
+        with pytest.warns(UserWarning, match="set aside, still restorable, in .*set-aside-1"):
+            ckpt.save(state_of(25), step=25).wait()  # never waits for the held uploads
+        assert ckpt.restore(state_of(0)) == 25
         held_uploads.release.set()
         ckpt.wait()  # every upload went where it belongs: no failure is warned of
-    assert committed(mirror) == [10, 20, 30]
-    assert committed(mirror / "branch-1") == [25]
-    record = json.loads((mirror / "branch-1" / "branch.json").read_text())
-    assert (record["parent"], record["from_step"]) == ("main", 20)
+    assert committed(mirror) == [10, 20, 25]
+    assert committed(mirror / "set-aside-1") == [30]  # uploaded from where the run set it aside
+    record = json.loads((mirror / "set-aside-1" / "set-aside.json").read_text())
+    assert record["after_step"] == 20
 
     shutil.rmtree(run)  # the machine's disk is gone: only the mirror is left
     with Checkpointer(run, mirror=str(mirror)) as ckpt:
-        assert ckpt.line_name == "branch-1"  # the line committed to last, not the abandoned one
-        assert ckpt.restore(state_of(0)) == 25
-        assert_holds(ckpt, 20)  # the parent's steps up to the fork, from the mirror
+        assert ckpt.restore(state_of(0)) == 25  # never the step set aside
+        assert_holds(ckpt, 20)
         ckpt.restore(state_of(0))
         ckpt.save(state_of(26), step=26).wait()
         ckpt.wait()
-    assert (run / "branch-1" / "branch.json").is_file() and committed(run / "branch-1") == [26]
-    assert committed(mirror / "branch-1") == [25, 26] and committed(mirror) == [10, 20, 30]
+    assert committed(run) == [26] and committed(mirror) == [10, 20, 25, 26]
     with Checkpointer(run, mirror=str(mirror), read_only=True) as reader:
-        assert reader.line_name == "branch-1" and reader.restore(state_of(0)) == 26
+        assert reader.restore(state_of(0)) == 26
 
 
 # -- item 11 --------------------------------------------------------------------------------------

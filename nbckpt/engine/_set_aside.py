@@ -1,0 +1,232 @@
+"""Steps set aside after a rewind: a run has one sequence of steps, and the first save after
+restoring an older step moves the steps newer than it into a run of their own, inside the run's
+directory, where they stay restorable (``Checkpointer(run/set-aside-1)``) but "newest" never
+picks them again. A step number is then the only identifier a user needs.
+
+    run1/
+      step-000010/ step-000020/ step-000025/   the run's steps (25 saved after restoring 20)
+      set-aside-1/                             a run of its own: what was newer than 20 then
+        set-aside.json                         {"run": ..., "after_step": 20, "steps": [...], ...}
+        step-000030/
+      .set-aside-intent.json                   only while a set-aside is under way
+
+Crash safety: the intent (which folders go where) is written atomically first, then each folder
+is moved (a rename; an object store copies server-side, then deletes, the commit marker last in
+and first out), then the intent goes. Opening a run for writing finishes a leftover intent
+before anything else (:func:`finish`); a read-only open hides the steps it names
+(:func:`visible`). So a step is restorable in exactly one place whatever the crash point.
+
+An earlier release went on in ``branch-N/`` folders (``branch.json``: parent line, fork step)
+instead: such a folder is listed here as a set-aside run too, and opened by its path like one
+(its own steps; its parent's up to the fork are the run's). It is never converted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import CheckpointError
+from ._files import Source
+from ._format import MANIFEST, step_name
+from ._manifest import Manifest
+from ._store import Store, crash_point
+
+__all__ = ["INTENT", "RECORD", "Hiding", "earlier_branch_note", "finish", "listing", "set_aside", "visible"]
+
+#: In a set-aside run: where it came from. In the run, while a set-aside is under way: its plan.
+RECORD, INTENT = "set-aside.json", ".set-aside-intent.json"
+#: An earlier release's branch folder and its record.
+_EARLIER_RECORD = "branch.json"
+_FOLDER_RE = re.compile(r"(set-aside|branch)-([1-9][0-9]{0,8})", re.ASCII)
+_INTO_RE = re.compile(r"set-aside-[1-9][0-9]{0,8}", re.ASCII)
+_MOVABLE_RE = re.compile(r"step-[0-9]{1,19}", re.ASCII)  # nbckpt's step-NNNNNN, plain DCP's step-N
+_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Intent:
+    into: str
+    after_step: int
+    folders: list[str]
+    created: float
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "into": self.into,
+                "after_step": self.after_step,
+                "folders": self.folders,
+                "created": self.created,
+            }
+        ).encode()
+
+
+def _read_json(store: Store, name: str) -> dict[str, Any] | None:
+    """The JSON object in file ``name`` of ``store``'s root; None when there is none."""
+    try:
+        data = store.read_small(store.url, name, _LIMIT)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        record = json.loads(data)
+    except ValueError as exc:
+        raise CheckpointError(f"{store.url}/{name} is not JSON nbckpt wrote") from exc
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{store.url}/{name} is not JSON nbckpt wrote")
+    return record
+
+
+def _intent(root: Store) -> _Intent | None:
+    """The set-aside under way in ``root`` (checked: names only folders of ``root``), or None."""
+    record = _read_json(root, INTENT)
+    if record is None:
+        return None
+    try:
+        intent = _Intent(
+            str(record["into"]),
+            int(record["after_step"]),
+            [str(f) for f in record["folders"]],
+            float(record["created"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{root.url}/{INTENT} is not a set-aside record nbckpt wrote") from exc
+    bad = [f for f in intent.folders if not _MOVABLE_RE.fullmatch(f)]
+    if bad or not _INTO_RE.fullmatch(intent.into):
+        raise CheckpointError(f"{root.url}/{INTENT} names folders nbckpt never moves: {bad or [intent.into]}")
+    return intent
+
+
+def _carry_out(root: Store, intent: _Intent) -> None:
+    """Move the intent's folders into its set-aside run (those already there stay), then drop it.
+    Each step of it moves whole: a rename, or every object copied before the source goes."""
+    into = root.child(intent.into)
+    if into is None:
+        raise CheckpointError(f"cannot set steps aside into {root.url}/{intent.into}: it is not a folder")
+    into.prepare()
+    record = {
+        "run": root.url,
+        "after_step": intent.after_step,
+        "steps": intent.folders,
+        "created": intent.created,
+    }
+    into.write_small(RECORD, json.dumps(record).encode())
+    for folder in intent.folders:
+        root.move(folder, into)
+        crash_point("set_aside_moving")
+    crash_point("set_aside_moved")
+    root.remove_small(INTENT)
+
+
+def set_aside(root: Store, after_step: int, folders: list[str]) -> str:
+    """Move step ``folders`` of ``root`` (those newer than ``after_step``) into a new set-aside
+    run in it; return its folder's name. The intent is durable before anything moves."""
+    taken = [int(m.group(2)) for name in root.names() if (m := _FOLDER_RE.fullmatch(name))]
+    intent = _Intent(f"set-aside-{max(taken, default=0) + 1}", after_step, folders, time.time())
+    root.write_small(INTENT, intent.encode())
+    crash_point("set_aside_intent")
+    _carry_out(root, intent)
+    return intent.into
+
+
+def finish(root: Store) -> str | None:
+    """Finish a set-aside a crash cut short in ``root`` (before anything else reads or writes
+    it); the set-aside run's name, or None when none was under way."""
+    intent = _intent(root)
+    if intent is None:
+        return None
+    _carry_out(root, intent)
+    return intent.into
+
+
+class Hiding:
+    """A store as a restore sees it while a set-aside is unfinished (a crash cut it short, or the
+    mirror's thread has not done it yet): without the step folders in ``hidden``."""
+
+    def __init__(self, store: Store, hidden: set[str]) -> None:
+        self._store, self.hidden = store, hidden
+        self.url, self.is_local = store.url, store.is_local
+
+    def committed(self) -> dict[int, str]:
+        return {s: path for s, path in self._store.committed().items() if step_name(s) not in self.hidden}
+
+    def committed_at(self, step: int) -> str | None:
+        return None if step_name(step) in self.hidden else self._store.committed_at(step)
+
+    def read_manifest(self, step: int, location: str) -> tuple[Manifest, bytes]:
+        return self._store.read_manifest(step, location)
+
+    def modified(self, location: str, name: str) -> float:
+        return self._store.modified(location, name)
+
+    def read_small(self, location: str, name: str, limit: int) -> bytes:
+        return self._store.read_small(location, name, limit)
+
+    def source(self, location: str, name: str, size: int | None) -> Source:
+        return self._store.source(location, name, size)
+
+
+def visible(root: Store) -> Hiding:
+    """``root`` as a restore sees it: the steps a set-aside a crash cut short moves are hidden
+    (they are the set-aside run's; the next writable open moves them)."""
+    try:
+        intent = _intent(root)
+    except (OSError, CheckpointError):
+        intent = None
+    return Hiding(root, set(intent.folders) if intent is not None else set())
+
+
+def listing(root: Store) -> list[dict[str, Any]]:
+    """Every set-aside run in ``root``, oldest first: its ``path``, ``name``, the step it was set
+    aside ``after`` (None where an earlier release's branch record says none), its committed
+    ``steps``, and ``earlier_release`` (a ``branch-N`` an earlier nbckpt wrote)."""
+    found = []
+    for name in sorted(root.names(), key=lambda n: (len(n), n)):
+        match = _FOLDER_RE.fullmatch(name)
+        store = root.child(name) if match else None
+        if match is None or store is None:  # a symlink is never part of the run
+            continue
+        earlier = match.group(1) == "branch"
+        try:
+            record = _read_json(store, _EARLIER_RECORD if earlier else RECORD)
+        except (OSError, CheckpointError):
+            record = None
+        if record is None:
+            continue  # a folder whose record never got written holds nothing that counts
+        after = record.get("from_step" if earlier else "after_step")
+        found.append(
+            {
+                "name": name,
+                "path": store.url,
+                "after": after if isinstance(after, int) else None,
+                "steps": list(store.committed()),
+                "earlier_release": earlier,
+            }
+        )
+    return found
+
+
+def earlier_branch_note(root: Store) -> str | None:
+    """A warning when an earlier release went on in a ``branch-N`` of ``root`` after the run's
+    own newest step: this release continues from the run's steps, not from that branch."""
+    if not any(name.startswith("branch-") for name in root.names()):
+        return None  # the common case costs one listing
+    own = root.committed()
+    newest_own = root.modified(own[max(own)], MANIFEST) if own else -1.0
+    later = []
+    for entry in listing(root):
+        store = root.child(entry["name"])
+        if not (entry["earlier_release"] and entry["steps"] and store is not None):
+            continue
+        if store.modified(store.committed()[max(entry["steps"])], MANIFEST) > newest_own:
+            later.append(entry["path"])
+    if not later:
+        return None
+    return (
+        f"nbckpt: {root.url} went on in {', '.join(later)} (a branch an earlier nbckpt started); "
+        f"this run continues from its own steps: to go on from the branch, restore from "
+        f"Checkpointer({later[-1]!r}) and save here"
+    )

@@ -1,0 +1,230 @@
+"""Steps set aside after a rewind: the first save after restoring an older step moves the newer
+steps into a run of their own inside the run's directory, restorable from there bit for bit; the
+step number is the only identifier a user needs, and "newest" never picks a step set aside, also
+after a crash at any point of the move. Runs an earlier release left with ``branch-N`` folders
+stay restorable."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.finetune import setup, snapshot, tune
+
+from nbckpt import Checkpointer, ConfigError
+
+
+def state_of(step: int) -> dict[str, Any]:
+    return {"w": torch.full((8,), float(step)), "step": step}
+
+
+def restored(ckpt: Checkpointer, step: int | None = None) -> int:
+    state: dict[str, Any] = {"w": torch.zeros(8), "step": -1}
+    got = ckpt.restore(state, step=step)
+    assert state["step"] == got and torch.equal(state["w"], state_of(got)["w"])
+    return got
+
+
+def saved(directory: Path, steps: tuple[int, ...], **options: Any) -> Checkpointer:
+    ckpt = Checkpointer(directory, mode="sync", **options)
+    for step in steps:
+        ckpt.save(state_of(step), step=step)
+    return ckpt
+
+
+def test_saving_after_a_rewind_sets_the_newer_steps_aside_where_they_restore(tmp_path: Path) -> None:
+    with saved(tmp_path, (10, 20, 30, 100)) as ckpt:
+        assert restored(ckpt, step=20) == 20
+        with pytest.warns(UserWarning, match=r"newer steps exist; those are set aside, .*set-aside-1"):
+            ckpt.save(state_of(25), step=25).wait()
+        ckpt.save(state_of(30), step=30).wait()  # a step number set aside is free again
+        assert ckpt.steps() == [10, 20, 25, 30] and ckpt.latest_step() == 30
+        assert restored(ckpt) == 30 and ckpt.load()["w"][0] == 30.0
+        aside = ckpt.set_aside_runs()
+    assert aside == [
+        {
+            "name": "set-aside-1",
+            "path": str(tmp_path / "set-aside-1"),
+            "after": 20,
+            "steps": [30, 100],
+            "earlier_release": False,
+        }
+    ]
+    names = sorted(os.listdir(tmp_path / "set-aside-1"))
+    assert names == ["set-aside.json", "step-000030", "step-000100"]
+    with Checkpointer(tmp_path / "set-aside-1", read_only=True) as reader:  # a run like any other
+        assert reader.steps() == [30, 100] and restored(reader) == 100 and restored(reader, 30) == 30
+        reader.verify(30)
+    with Checkpointer(tmp_path) as ckpt:  # reopened: the run's newest, never one set aside
+        assert restored(ckpt) == 30 and ckpt.steps() == [10, 20, 25, 30]
+
+
+def test_a_second_rewind_sets_aside_again_and_restoring_the_newest_never_does(tmp_path: Path) -> None:
+    with saved(tmp_path, (1, 2, 3)) as ckpt:
+        restored(ckpt)  # the newest: nothing to set aside
+        ckpt.save(state_of(4), step=4)
+        restored(ckpt, step=2)
+        with pytest.warns(UserWarning, match="set-aside-1"):
+            ckpt.save(state_of(5), step=5)
+        restored(ckpt, step=1)
+        with pytest.warns(UserWarning, match="set-aside-2"):
+            ckpt.save(state_of(6), step=6)
+        assert ckpt.steps() == [1, 6]
+        assert [(e["name"], e["after"], e["steps"]) for e in ckpt.set_aside_runs()] == [
+            ("set-aside-1", 2, [3, 4]),
+            ("set-aside-2", 1, [2, 5]),
+        ]
+    with Checkpointer(tmp_path, read_only=True) as reader:  # reading never moves anything
+        restored(reader, step=1)
+    assert sorted(os.listdir(tmp_path)) == [
+        ".nbckpt.lock",
+        "set-aside-1",
+        "set-aside-2",
+        "step-000001",
+        "step-000006",
+    ]
+
+
+def test_retention_keeps_to_the_runs_own_steps_and_never_deletes_a_step_set_aside(tmp_path: Path) -> None:
+    with saved(tmp_path, (1, 2, 3), keep=2) as ckpt:
+        restored(ckpt, step=2)
+        with pytest.warns(UserWarning, match="set-aside-1"):
+            ckpt.save(state_of(10), step=10)
+        for step in (11, 12):
+            ckpt.save(state_of(step), step=step)
+        ckpt.wait()
+        assert ckpt.steps() == [11, 12] and ckpt.set_aside_runs()[0]["steps"] == [3]
+
+
+def test_incremental_steps_set_aside_stay_whole(tmp_path: Path) -> None:
+    """An incremental step shares files with the step before (hard links): set aside, each step
+    still verifies every block and restores bit for bit, in the set-aside run and in the run."""
+    model, optim, state = setup()
+    expected = {}
+    with Checkpointer(tmp_path, mode="sync", incremental=True) as ckpt:
+        for step in range(1, 5):
+            tune(model, optim, step)
+            state["step"] = step
+            ckpt.save(state, step=step)
+            expected[step] = snapshot(state)
+        shared = [p for p in (tmp_path / "step-000004").iterdir() if p.stat().st_nlink > 1]
+        assert shared  # the test means something: step 4 shares files with step 3
+        ckpt.restore(state, step=2)
+        with pytest.warns(UserWarning, match="set-aside-1"):
+            ckpt.save(state, step=5)
+        expected[5] = snapshot(state)
+    for directory, steps in ((tmp_path, [1, 2, 5]), (tmp_path / "set-aside-1", [3, 4])):
+        with Checkpointer(directory, read_only=True) as reader:
+            assert reader.steps() == steps
+            for step in steps:
+                reader.verify(step)
+                fresh_model, fresh_optim, fresh = setup(seed=9)
+                tune(fresh_model, fresh_optim, 0)
+                reader.restore(fresh, step=step)
+                got = snapshot(fresh)
+                assert got.keys() == expected[step].keys()
+                assert all(torch.equal(got[k], expected[step][k]) for k in got), step
+
+
+def test_the_line_option_is_gone_with_a_pointer_to_the_new_way(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"line= is gone: .*set aside as a run of their own"):
+        Checkpointer(tmp_path, line="branch-1")
+
+
+def test_a_run_an_earlier_release_branched_stays_restorable_step_by_step(tmp_path: Path) -> None:
+    """The layout an earlier nbckpt wrote: steps 10, 20, 30 in the run, then (after restoring 20)
+    ``branch-1/`` with ``branch.json`` and its steps 25, 26. Every step restores from where it is;
+    the run warns that it went on in the branch, which is listed like a set-aside run."""
+    saved(tmp_path, (10, 20, 30)).close()
+    saved(tmp_path / "branch-1", (25, 26)).close()
+    os.remove(tmp_path / "branch-1" / ".nbckpt.lock")
+    record = {"parent": "main", "from_step": 20, "created": 0.0}
+    (tmp_path / "branch-1" / "branch.json").write_text(json.dumps(record))
+    with pytest.warns(UserWarning, match=r"went on in .*branch-1 \(a branch an earlier nbckpt started\)"):
+        ckpt = Checkpointer(tmp_path)
+    with ckpt:
+        assert ckpt.steps() == [10, 20, 30] and restored(ckpt, step=20) == 20
+        [entry] = ckpt.set_aside_runs()
+        assert entry == {
+            "name": "branch-1",
+            "path": str(tmp_path / "branch-1"),
+            "after": 20,
+            "steps": [25, 26],
+            "earlier_release": True,
+        }
+    with Checkpointer(entry["path"], read_only=True) as reader:
+        assert [restored(reader, step) for step in (25, 26)] == [25, 26] and restored(reader) == 26
+
+
+CHILD = """
+import sys, torch
+from nbckpt import Checkpointer
+from nbckpt.engine._store import arm_crash
+directory, point = sys.argv[1], sys.argv[2]
+ckpt = Checkpointer(directory, mode="sync")
+for step in (10, 20, 30, 40):
+    ckpt.save({"w": torch.full((8,), float(step)), "step": step}, step=step)
+ckpt.restore({"w": torch.zeros(8), "step": 0}, step=20)
+arm_crash(point)
+ckpt.save({"w": torch.full((8,), 25.0), "step": 25}, step=25)
+print("not killed")
+"""
+
+
+@pytest.mark.parametrize("point", ["set_aside_intent", "set_aside_moving", "set_aside_moved"])
+def test_a_kill_at_any_point_of_a_set_aside_leaves_every_step_restorable_exactly_once(
+    tmp_path: Path, point: str
+) -> None:
+    """Killed with its intent written, after the first step moved, and with every step moved but
+    the intent still there: a reader sees none of the steps being moved as the run's, the next
+    writable open finishes the move, and each of 10, 20, 30, 40 restores from one place only."""
+    run = tmp_path / "run"
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHILD), str(run), point],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert child.returncode == -9, child.stderr
+    assert (run / ".set-aside-intent.json").is_file()
+    with Checkpointer(run, read_only=True) as reader:  # nothing finished it: its steps are hidden
+        assert reader.steps() == [10, 20] and restored(reader) == 20
+    with pytest.warns(UserWarning, match="finished setting steps aside into .*set-aside-1"):
+        ckpt = Checkpointer(run)
+    with ckpt:
+        assert ckpt.steps() == [10, 20] and restored(ckpt) == 20
+        assert [(e["name"], e["after"], e["steps"]) for e in ckpt.set_aside_runs()] == [
+            ("set-aside-1", 20, [30, 40])
+        ]
+    assert not (run / ".set-aside-intent.json").exists()
+    with Checkpointer(run / "set-aside-1", read_only=True) as reader:
+        assert [restored(reader, step) for step in (30, 40)] == [30, 40]
+
+
+def test_with_a_mirror_the_steps_are_set_aside_there_too_and_a_lost_disk_resumes_right(
+    tmp_path: Path,
+) -> None:
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    with saved(run, (10, 20, 30), mirror=str(mirror)) as ckpt:
+        ckpt.wait()
+        restored(ckpt, step=20)
+        with pytest.warns(UserWarning, match="set-aside-1"):
+            ckpt.save(state_of(25), step=25)
+        assert restored(ckpt) == 25  # the mirror's step 30 is not the newest, moved yet or not
+        ckpt.wait()
+    assert sorted(p.name for p in mirror.glob("step-*")) == ["step-000010", "step-000020", "step-000025"]
+    assert json.loads((mirror / "set-aside-1" / "set-aside.json").read_text())["after_step"] == 20
+    shutil.rmtree(run)  # the local disk is lost
+    with Checkpointer(run, mirror=str(mirror)) as ckpt:
+        assert restored(ckpt) == 25  # never the step set aside
+    with Checkpointer(mirror / "set-aside-1", read_only=True) as reader:
+        assert restored(reader) == 30
