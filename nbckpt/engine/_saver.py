@@ -427,22 +427,24 @@ class Saver:
             )
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from None
-        if len(self._layouts) >= _LAYOUTS_KEPT:
-            self._layouts.pop(next(iter(self._layouts)))
-        self._layouts[plans] = layout
+        with self._state:  # warmup plans on the caller's thread while saves agree on the persist's
+            if len(self._layouts) >= _LAYOUTS_KEPT:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[plans] = layout
         return layout
 
     def _adopt(self, plans: tuple[RankPlan, ...], layout: Layout) -> None:
         """The layout every rank has agreed on: the next save whose plan is this rank's part of
         ``plans`` stages with it at once. A new one is numbered (the same on every rank: the
         ranks agree in the same order), so that a save staged with an older one is recognised."""
-        agreed = self._agreed
-        if agreed is not None and agreed.plans == plans:
-            return
-        generation = 0 if agreed is None else agreed.generation + 1
-        self._generations[generation] = layout
-        self._generations.pop(generation - _LAYOUTS_KEPT, None)
-        self._agreed = _Agreed(plans, layout, generation)
+        with self._state:
+            agreed = self._agreed
+            if agreed is not None and agreed.plans == plans:
+                return
+            generation = 0 if agreed is None else agreed.generation + 1
+            self._generations[generation] = layout
+            self._generations.pop(generation - _LAYOUTS_KEPT, None)
+            self._agreed = _Agreed(plans, layout, generation)
 
     # -- the agreement of a save staged at once (several ranks; on the persist thread) ----------
 
