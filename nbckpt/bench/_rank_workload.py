@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -17,6 +18,11 @@ from ._strategy import plain_state
 from ._workloads import GPTWorkload, Workload
 
 __all__ = ["RankWorkload", "state_digests"]
+
+#: Elements of the all-reduce that stands for a data-parallel job's gradient sync where the
+#: bench's state has no gradients of its own (a synthetic state per rank): small, so that it
+#: costs the collective's latency, which keeps the ranks in step as the real one does.
+SYNC_ELEMENTS = 1024
 
 
 def _shard(workload: GPTWorkload) -> None:
@@ -32,6 +38,20 @@ def _shard(workload: GPTWorkload) -> None:
     workload.make_optimizer()
     workload.train_step()
     workload.step = 0
+
+
+def _average_gradients(workload: RankWorkload) -> None:
+    """DDP's gradient all-reduce (one bucket): every rank's gradients, averaged."""
+    inner = workload.inner
+    assert isinstance(inner, GPTWorkload)
+    grads = [p.grad for p in inner.trained() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= workload.world_size
+    for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(part.view_as(grad))
 
 
 def state_digests(state: Mapping[str, Any]) -> dict[str, str]:
@@ -98,7 +118,21 @@ class RankWorkload(Workload):
         self.built = True
 
     def train_step(self, before_update: Any = None) -> None:
-        self.inner.train_step(before_update)
+        self.inner.train_step(lambda: self._synchronise(before_update))
+
+    def _synchronise(self, before_update: Any) -> None:
+        """Data parallelism's gradient sync after backward, as the job has one, then
+        ``before_update``: DDP all-reduces (averages) the replicated GPT's gradients; each rank's
+        own state stands for a data-parallel job's with an all-reduce of :data:`SYNC_ELEMENTS`.
+        On the training's group, for every strategy alike (the ``none`` baseline too); like the
+        real one it keeps the ranks in step. FSDP2 reduce-scatters in backward already."""
+        if not self.sharded and self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            if self.replicated:
+                _average_gradients(self)
+            else:
+                dist.all_reduce(torch.ones(SYNC_ELEMENTS, device=self.device))
+        if before_update is not None:
+            before_update()
 
     def state(self) -> dict[str, Any]:
         state = self.inner.state()

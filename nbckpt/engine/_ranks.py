@@ -3,10 +3,11 @@ error)``, the tag naming the operation and step. An exception on any rank is an 
 (a ConfigError stays one), tags that differ are "ranks are out of step" on all, and a rank that
 died fails the others within ``timeout_s``. Each thread that talks to other ranks (the caller's,
 the background writer's) has its own process group, so their collectives never interleave.
-Before each of the caller's collectives the ranks check in through the default group's store,
-so that a save called on some ranks only (nanoGPT's ``if master_process:`` around it, while the
-others wait in DDP's all-reduce) is a ConfigError within :data:`ARRIVAL_TIMEOUT_S`, not a hang
-until the process group's timeout.
+Before each of the caller's collectives, and before the background's agreement on each save
+(``RankInfo.agreement``: the background's group, checking in), the ranks check in through the
+default group's store, so that a save called on some ranks only (nanoGPT's ``if master_process:``
+around it, while the others wait in DDP's all-reduce) is a ConfigError within
+:data:`ARRIVAL_TIMEOUT_S`, not a hang until the process group's timeout.
 """
 
 from __future__ import annotations
@@ -154,11 +155,14 @@ def _check_tags(tag: Tag, gathered: list[Any]) -> None:
 
 
 class RankInfo:
-    """Where this process stands: its rank, the world size, and a group per talking thread."""
+    """Where this process stands: its rank, the world size, and a group per talking thread;
+    ``agreement`` is the background's group with a check-in before each collective, for the
+    first collective of each save (the others follow a save every rank has entered)."""
 
-    def __init__(self, caller: Group, background: Group) -> None:
+    def __init__(self, caller: Group, background: Group, agreement: Group | None = None) -> None:
         self.caller = caller
         self.background = background
+        self.agreement = agreement or background
         self.rank = caller.rank
         self.world_size = caller.world_size
 
@@ -184,10 +188,19 @@ def join(mode: str, timeout_s: float) -> RankInfo:
             f"could not set up the ranks' checkpoint groups: {describe_error(exc)}"
         ) from exc
     store = default_store()
-    # only the caller's calls can be made on some ranks only; the background thread's
-    # collectives follow a save every rank has entered
-    arrivals = None if store is None else Arrivals(store, f"nbckpt/in/{opened}", rank, world_size, timeout_s)
-    return RankInfo(Group(groups[0], rank, world_size, arrivals), Group(groups[1], rank, world_size))
+    arrivals, agreed = (
+        (None, None)
+        if store is None
+        else tuple(
+            Arrivals(store, f"nbckpt/{where}/{opened}", rank, world_size, timeout_s)
+            for where in ("in", "agree")
+        )
+    )
+    return RankInfo(
+        Group(groups[0], rank, world_size, arrivals),
+        Group(groups[1], rank, world_size),
+        Group(groups[1], rank, world_size, agreed),
+    )
 
 
 def _meet(rank: int, world_size: int) -> int:

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .._errors import CheckpointError, ConfigError, describe_error
+from .._errors import CheckpointError, ConfigError, NbckptError, describe_error
 from ._config import CheckpointConfig
 from ._context import Context
 from ._dcp_values import ValueItem, dcp_metadata, dcp_values, value_items
@@ -86,6 +86,48 @@ class CommitObserver(Protocol):
         ...
 
 
+class _Agreed(NamedTuple):
+    """The plans every rank last agreed on, the layout made from them, and its number."""
+
+    plans: tuple[RankPlan, ...]
+    layout: Layout
+    generation: int
+
+
+class _Offer(NamedTuple):
+    """What a rank brings to the agreement of a save staged at once."""
+
+    plan: RankPlan
+    prints: dict[str, str]
+    """Fingerprints of its tensors other ranks may hold too (filled as it stages)."""
+    staged: int | None
+    """The agreed layout it staged with (its number); None: it stages once this one is agreed."""
+
+
+class _Pending(NamedTuple):
+    """A save staged at once, whose agreement its persist job makes first."""
+
+    offer: _Offer
+    layout: Layout
+    late: bool
+    """The rank waited for the agreement before staging (its structure changed)."""
+
+
+def _fingerprint(
+    prints: dict[str, str],
+    keys: list[str],
+    tensors: Mapping[str, torch.Tensor],
+    staged: Mapping[str, torch.Tensor],
+) -> None:
+    """Fingerprints of ``keys`` as saved: from the staged copy where this rank writes the
+    tensor, else from the state (on a stage thread, before the state may change)."""
+    prints.update(fingerprints({key: staged.get(key, tensors[key]) for key in keys}))
+
+
+def _done(future: Future[Any]) -> None:
+    future.result()
+
+
 def _sizes(results: Iterable[FileResult]) -> tuple[int, int]:
     """Bytes of ``results`` written, and shared with the step before."""
     sizes = {False: 0, True: 0}
@@ -117,6 +159,8 @@ class Saver:
         self._inflight: deque[SaveHandle] = deque()
         self._unreported: list[SaveHandle] = []
         self._layouts: dict[Any, Layout] = {}
+        self._agreed: _Agreed | None = None  # written on either thread, read whole (one reference)
+        self._generations: dict[int, Layout] = {}
         self._seq = 0
         self._origin: dict[str, Any] | None = None
         self.facts = StepFacts(store)  # the names and metrics of the run's steps, for retention
@@ -140,75 +184,50 @@ class Saver:
         owner: object,
     ) -> SaveHandle:
         """Stage ``state`` and queue its persist; with ``sync``, wait for the commit too. The
-        persist job holds ``owner`` (the Checkpointer): it lives until the save is over."""
+        persist job holds ``owner`` (the Checkpointer): it lives until the save is over.
+
+        With several ranks, once they have agreed on a layout (the first save, or ``warmup``,
+        plans on the caller's group), a save whose structure is the agreed one stages at once
+        with it: no collective on the caller's thread. The ranks agree on that save (its step,
+        their plans, the replicas' fingerprints taken as it staged) on the persist thread, before
+        anything is written; a disagreement fails the save on every rank (:meth:`_offer`)."""
         start = now_ns()
         self.raise_pending()
         self._seq += 1
         seq = self._seq
-        flat, layout = self._plan(state, step, seq)
-        slip = self.facts.slip(
-            step, flat.tree, bool(flat.specs or flat.aliases), self.committed, self.config.retention
-        )
-        if slip is not None:  # said before it commits
-            warnings.warn(f"nbckpt: {slip}", stacklevel=3)  # the caller of Checkpointer.save
-        if step in self.committed and not overwrite:
-            warnings.warn(
-                f"nbckpt: step {step} already exists in {self.store.url} and is replaced; "
-                "pass overwrite=True if that is intended, or save to a new directory",
-                stacklevel=3,  # the caller of Checkpointer.save
+        agreed = self._agreed
+        if agreed is not None and self.ranks.world_size > 1 and self._increments is None:
+            handle = SaveHandle(step, 0, seq, reported=sync)
+            self._wait_for_room(handle, sync)
+            job = self._offer(
+                handle, state, agreed, start, sync, overlap, capture_rng, metrics, overwrite, owner
             )
-        handle = SaveHandle(step, flat.nbytes, seq, reported=sync)
-        self._wait_for_room(handle, sync)
-        rng_state = rng_capture() if capture_rng else None
-        stage_done: Future[tuple[float, int]] = Future()
-        stage_began = now_ns()
-        stage_done.add_done_callback(partial(self._staged, handle, stage_began))
-        files = layout.files.get(self.ranks.rank, ())
-        note = self.pool.preflight(sum(f.size for f in files))
-        if note is not None:
-            warnings.warn(f"nbckpt: {note}", stacklevel=3)  # the caller of Checkpointer.save
-            _log.warning("nbckpt: %s", note)
-        try:
-            slot = self.pool.acquire(handle)
-            try:
-                slot.fit(files, flat.specs, pin=self.pool.pin)
-            except Exception as exc:
-                raise CheckpointError(
-                    f"could not allocate {flat.nbytes / 1e9:.2f} GB of staging memory: {describe_error(exc)}"
-                ) from exc
-            sharing = self._share(flat, files, step)
-            # A save that shares nothing (every save but an incremental one) stages the state as
-            # it is: no copy of a 10,000-key dict on the save path.
-            tensors = (
-                {k: t for k, t in flat.tensors.items() if k not in sharing.skip}
-                if sharing.skip
-                else flat.tensors
+        else:
+            flat, layout = self._plan(state, step, seq)
+            self._warn(flat, step, overwrite)
+            handle = SaveHandle(step, flat.nbytes, seq, reported=sync)
+            self._wait_for_room(handle, sync)
+            rng_state = rng_capture() if capture_rng else None
+            stage_done, sharing = self._stage(handle, flat, layout, wait=sync or not overlap)
+            job = partial(
+                self._persist,
+                handle,
+                flat,
+                layout,
+                sharing,
+                rng_state,
+                metrics,
+                stage_done,
+                start,
+                sync,
+                owner,
             )
-            self._stager.stage(tensors, slot, stage_done, wait=sync or not overlap)
-        except BaseException:
-            if handle.slot is not None:
-                self.pool.release(handle.slot, handle)
-            raise
         with self._state:
             self._inflight.append(handle)
         try:
-            self._persister.submit(
-                partial(
-                    self._persist,
-                    handle,
-                    flat,
-                    layout,
-                    sharing,
-                    rng_state,
-                    metrics,
-                    stage_done,
-                    start,
-                    sync,
-                    owner,
-                )
-            )
+            self._persister.submit(job)
             handle.stall_s = (now_ns() - start) / 1e9
-            self.timeline.record("stall", start, step=step, nbytes=flat.nbytes)
+            self.timeline.record("stall", start, step=step, nbytes=handle.bytes)
         finally:
             handle.returned.set()  # stall_s is final: the record may be built
         if sync:
@@ -219,6 +238,131 @@ class Saver:
                 handle.reported = False  # it goes on in the background: report its outcome later
                 raise
         return handle
+
+    def _warn(self, flat: Flattened, step: int, overwrite: bool) -> None:
+        """The warnings a save gives its caller before it commits."""
+        slip = self.facts.slip(
+            step, flat.tree, bool(flat.specs or flat.aliases), self.committed, self.config.retention
+        )
+        if slip is not None:  # said before it commits
+            warnings.warn(f"nbckpt: {slip}", stacklevel=4)  # the caller of Checkpointer.save
+        if step in self.committed and not overwrite:
+            warnings.warn(
+                f"nbckpt: step {step} already exists in {self.store.url} and is replaced; "
+                "pass overwrite=True if that is intended, or save to a new directory",
+                stacklevel=4,  # the caller of Checkpointer.save
+            )
+
+    def _stage(
+        self,
+        handle: SaveHandle,
+        flat: Flattened,
+        layout: Layout,
+        *,
+        wait: bool,
+        then: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+    ) -> tuple[Future[tuple[float, int]], Sharing]:
+        """Take a slot fitted to this rank's files of ``layout`` and start copying ``flat`` into
+        it (``wait``: until done); ``then`` is given the slot's views once the copies landed."""
+        stage_done: Future[tuple[float, int]] = Future()
+        stage_began = now_ns()
+        stage_done.add_done_callback(partial(self._staged, handle, stage_began))
+        files = layout.files.get(self.ranks.rank, ())
+        note = self.pool.preflight(sum(f.size for f in files))
+        if note is not None:
+            warnings.warn(f"nbckpt: {note}", stacklevel=4)  # the caller of Checkpointer.save
+            _log.warning("nbckpt: %s", note)
+        try:
+            slot = self.pool.acquire(handle)
+            try:
+                slot.fit(files, flat.specs, pin=self.pool.pin)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"could not allocate {flat.nbytes / 1e9:.2f} GB of staging memory: {describe_error(exc)}"
+                ) from exc
+            sharing = self._share(flat, files, handle.step)
+            # A save that shares nothing (every save but an incremental one) stages the state as
+            # it is: no copy of a 10,000-key dict on the save path.
+            tensors = (
+                {k: t for k, t in flat.tensors.items() if k not in sharing.skip}
+                if sharing.skip
+                else flat.tensors
+            )
+            after = None if then is None else partial(then, slot.views)
+            self._stager.stage(tensors, slot, stage_done, wait=wait, then=after)
+        except BaseException:
+            if handle.slot is not None:
+                self.pool.release(handle.slot, handle)
+            raise
+        return stage_done, sharing
+
+    def _offer(
+        self,
+        handle: SaveHandle,
+        state: Mapping[str, Any],
+        agreed: _Agreed,
+        start: int,
+        sync: bool,
+        overlap: bool,
+        capture_rng: bool,
+        metrics: Mapping[str, float],
+        overwrite: bool,
+        owner: object,
+    ) -> Callable[[], None]:
+        """The persist job of a save once the ranks have agreed on a layout. A rank whose plan
+        is the agreed one stages with it at once and offers its part of the agreement (its
+        plan, and the fingerprints of its replicated tensors, taken on a stage thread from the
+        staged copy, or from the state before it may change where another rank writes the
+        tensor) on the persist thread. A rank whose plan changed offers it there first and
+        waits for the layout. A rank that fails here still takes part, with its error, so that
+        the save fails on every rank; the failure is the save's (raised by ``wait`` or the next
+        save, on every rank alike)."""
+        decided: Future[Layout] | None = None
+        try:
+            flat = flatten(state)
+            handle.bytes = flat.nbytes
+            mine = RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items())))
+            copies = [s.key for s in flat.specs if not s.sharded or s.key in flat.replicas]
+            prints: dict[str, str] = {}
+            if mine == agreed.plans[self.ranks.rank]:
+                layout = agreed.layout
+                offer = _Offer(mine, prints, agreed.generation)
+                then = partial(_fingerprint, prints, copies, flat.tensors)
+            else:  # this rank's structure changed: its files wait for every rank's plan
+                prints.update(fingerprints({key: flat.tensors[key] for key in copies}))
+                offer, then = _Offer(mine, prints, None), None
+                decided = Future()
+                self._persister.submit(partial(self._decide, decided, handle, offer, flat.paths))
+                settle(decided)
+                layout = decided.result()
+            self._warn(flat, handle.step, overwrite)
+            rng_state = rng_capture() if capture_rng else None
+            late = decided is not None  # its staging is waited for by the others: stage now
+            stage_done, sharing = self._stage(
+                handle, flat, layout, wait=sync or not overlap or late, then=then
+            )
+        except BaseException as exc:
+            withdraw = partial(self._withdraw, handle, exc, decided)
+            if isinstance(exc, Exception):
+                return withdraw
+            handle.reported = True  # raised here (Ctrl-C): the others still hear of it
+            self._persister.submit(withdraw)
+            raise
+        pending = _Pending(offer, layout, late)
+        return partial(
+            self._persist,
+            handle,
+            flat,
+            layout,
+            sharing,
+            rng_state,
+            metrics,
+            stage_done,
+            start,
+            sync,
+            owner,
+            pending,
+        )
 
     def recount(self) -> None:
         """Steps were moved out of the store (set aside after a rewind): what the saver knew of
@@ -267,19 +411,127 @@ class Saver:
             self._increments.agree(gone for _, _, gone in everyone)
         layout = self._layouts.get(plans)
         if layout is None:
-            paths = flat.paths
+            gathered = [flat.paths]
             if several:
                 gathered = self.ranks.caller.exchange(("plan", step, seq), lambda: flat.paths)
-                paths = {k: v for rank_paths in gathered for k, v in rank_paths.items()}
-            try:
-                layout = plan(plans, paths, self.config.writer_threads)
-            except CheckpointError as exc:
-                raise ConfigError(str(exc)) from None
+            layout = self._layout(plans, gathered)
+        check_replicas(layout.shared, layout.replicated, [prints for _, prints, _ in everyone])
+        self._adopt(plans, layout)
+        return flat, layout
+
+    def _layout(self, plans: tuple[RankPlan, ...], paths: list[dict[str, Any]]) -> Layout:
+        """The file layout of ``plans`` (every rank's), kept for the next save of that structure."""
+        try:
+            layout = plan(
+                plans,
+                {k: v for rank_paths in paths for k, v in rank_paths.items()},
+                self.config.writer_threads,
+            )
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
+        with self._state:  # warmup plans on the caller's thread while saves agree on the persist's
             if len(self._layouts) >= _LAYOUTS_KEPT:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[plans] = layout
-        check_replicas(layout.shared, layout.replicated, [prints for _, prints, _ in everyone])
-        return flat, layout
+        return layout
+
+    def _adopt(self, plans: tuple[RankPlan, ...], layout: Layout) -> None:
+        """The layout every rank has agreed on: the next save whose plan is this rank's part of
+        ``plans`` stages with it at once. A new one is numbered (the same on every rank: the
+        ranks agree in the same order), so that a save staged with an older one is recognised."""
+        with self._state:
+            agreed = self._agreed
+            if agreed is not None and agreed.plans == plans:
+                return
+            generation = 0 if agreed is None else agreed.generation + 1
+            self._generations[generation] = layout
+            self._generations.pop(generation - _LAYOUTS_KEPT, None)
+            self._agreed = _Agreed(plans, layout, generation)
+
+    # -- the agreement of a save staged at once (several ranks; on the persist thread) ----------
+
+    def _agree(
+        self, handle: SaveHandle, offer: Callable[[], _Offer], paths: dict[str, Any]
+    ) -> tuple[Layout, bool]:
+        """Every rank's offer for this save (the ranks check in first: one that never comes fails
+        it within the arrival deadline); the layout of their plans, and whether a rank waits for
+        it before staging. Refused on every rank alike: another step, a rank that staged with a
+        layout whose files for it changed (the state's structure changed on some ranks only),
+        replicated tensors whose copies differ."""
+        step, seq = handle.step, handle.seq
+        everyone = self.ranks.agreement.exchange(("save", step, seq), offer)
+        plans = tuple(o.plan for o in everyone)
+        layout = self._layouts.get(plans)
+        if layout is None:
+            layout = self._layout(plans, self.ranks.background.exchange(("plan", step, seq), lambda: paths))
+        stale = [
+            str(rank)
+            for rank, o in enumerate(everyone)
+            if o.staged is not None and self._files(o.staged, rank) != layout.files.get(rank, ())
+        ]
+        self._adopt(plans, layout)  # the next save stages with it, whatever becomes of this one
+        if stale:
+            raise CheckpointError(
+                f"the state's structure changed on some ranks only and rank(s) {', '.join(stale)} "
+                "staged it for the structure before; this save is not committed, the next one "
+                "uses the new structure"
+            )
+        check_replicas(layout.shared, layout.replicated, [o.prints for o in everyone])
+        return layout, any(o.staged is None for o in everyone)
+
+    def _files(self, generation: int, rank: int) -> tuple[Any, ...] | None:
+        layout = self._generations.get(generation)
+        return None if layout is None else tuple(layout.files.get(rank, ()))
+
+    def _decide(
+        self, decided: Future[Layout], handle: SaveHandle, offer: _Offer, paths: dict[str, Any]
+    ) -> None:
+        """For a rank whose structure changed: the agreement, before it stages."""
+        try:
+            decided.set_result(self._agree(handle, lambda: offer, paths)[0])
+        except BaseException as exc:
+            decided.set_exception(exc)
+
+    def _settle_agreement(
+        self,
+        handle: SaveHandle,
+        pending: _Pending | None,
+        layout: Layout,
+        flat: Flattened,
+        stage_done: Future[tuple[float, int]],
+    ) -> Layout:
+        """The agreement of a save staged at once, once this rank's copy is done; then, where a
+        rank waited for it to stage, its staging's outcome: the layout agreed on (``layout``
+        for a save planned on the caller's thread, ``pending`` None)."""
+        if pending is None:
+            return layout
+        if pending.late:  # agreed before it staged: the others wait to hear it did
+            self.ranks.background.exchange(("staged", handle.step, handle.seq), lambda: _done(stage_done))
+            return pending.layout
+
+        def offer() -> _Offer:
+            stage_done.result()  # a failed copy is this rank's error in the agreement
+            return pending.offer
+
+        layout, late = self._agree(handle, offer, flat.paths)
+        if late:
+            self.ranks.background.exchange(("staged", handle.step, handle.seq), lambda: None)
+        return layout
+
+    def _withdraw(self, handle: SaveHandle, exc: BaseException, decided: Future[Layout] | None) -> None:
+        """A save that failed on this rank before its persist job: the others hear of it where
+        they wait for this rank (the agreement, or its staging), and the save fails on all."""
+        began = now_ns()
+
+        def fail() -> Any:
+            raise exc
+
+        with contextlib.suppress(BaseException):  # this rank's own error, raised back: told below
+            if decided is None:
+                self._agree(handle, fail, {})
+            elif decided.exception() is None:
+                self.ranks.background.exchange(("staged", handle.step, handle.seq), fail)
+        self._fail(handle, exc, began)
 
     def _share(self, flat: Flattened, files: tuple[Any, ...], step: int) -> Sharing:
         """Incremental saves: which of this rank's files are taken from the step before (their
@@ -390,14 +642,17 @@ class Saver:
         start: int,
         sync: bool,
         owner: object,
+        pending: _Pending | None = None,
     ) -> None:
-        """Write, agree, commit; every outcome sets ``handle.committed`` exactly once."""
+        """(Agree, for a save staged at once,) write, agree, commit; every outcome sets
+        ``handle.committed`` exactly once."""
         step, tag = handle.step, handle.seq
         background, rank = self.ranks.background, self.ranks.rank
         began = persist_began = now_ns()
         location: str | None = None
         path: str | None = None
         try:
+            layout = self._settle_agreement(handle, pending, layout, flat, stage_done)
             cpu_s = stage_done.result()[0]
             handle.staged.result()  # set by the stage thread's callback before this returns
             handle.phase = "persisting"
@@ -612,7 +867,7 @@ class Saver:
     def _fail(self, handle: SaveHandle, exc: BaseException, began: int) -> None:
         error = CheckpointError(
             f"save of step {handle.step} to {self.store.url} failed: "
-            f"{exc if isinstance(exc, CheckpointError) else describe_error(exc)}"
+            f"{exc if isinstance(exc, NbckptError) else describe_error(exc)}"
         )
         error.__cause__ = exc
         handle.phase = "failed"

@@ -175,12 +175,20 @@ class Stager:
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
     def stage(
-        self, tensors: Mapping[str, torch.Tensor], slot: Slot, done: Future[tuple[float, int]], *, wait: bool
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        slot: Slot,
+        done: Future[tuple[float, int]],
+        *,
+        wait: bool,
+        then: Callable[[], None] | None = None,
     ) -> None:
         """Copy every tensor this rank writes into ``slot``; ``done`` gets the CPU seconds spent
-        and the time (``perf_counter_ns``) the last copy ended. With ``wait``, return after it."""
+        and the time (``perf_counter_ns``) the last copy ended. ``then`` runs once every copy
+        has landed, before ``done`` is set (on a stage thread: while the state is still the
+        saved one). With ``wait``, return after it."""
         keys = [key for key in tensors if key in slot.views]
-        if not keys:
+        if not keys and then is None:
             done.set_result((0.0, time.perf_counter_ns()))
             return
         if self._stream is not None and any(tensors[k].is_cuda for k in keys):
@@ -196,8 +204,8 @@ class Stager:
             if slot.shards is None or slot.shard_keys != keys:  # same until a refit or another skip
                 slot.shards = balance(keys, len(self._workers), lambda key: slot.views[key].nbytes)
                 slot.shard_keys = keys
-            shards = slot.shards
-        parts = _Parts(len(shards), done)
+            shards = slot.shards or [[]]  # nothing to copy: one empty part runs ``then``
+        parts = _Parts(len(shards), done, then)
         for worker, part in zip(self._workers, shards, strict=False):
             worker.submit(partial(parts.run, copy, slot.views, tensors, part))
         if wait:
@@ -265,7 +273,10 @@ class _Parts:
     """The parts of one stage, each copied on a stage thread: the last to finish settles
     ``done`` with the CPU seconds all of them spent, or the first part's error."""
 
-    def __init__(self, count: int, done: Future[tuple[float, int]]) -> None:
+    def __init__(
+        self, count: int, done: Future[tuple[float, int]], then: Callable[[], None] | None = None
+    ) -> None:
+        self._then = then
         self._lock = threading.Lock()
         self._pending = count
         self._cpu = 0.0
@@ -292,6 +303,11 @@ class _Parts:
             last = self._pending == 0
         if not last:
             return
+        if self._error is None and self._then is not None:
+            try:
+                self._then()
+            except BaseException as exc:
+                self._error = exc
         if self._error is not None:
             self._done.set_exception(CheckpointError(f"staging failed: {describe_error(self._error)}"))
         else:

@@ -195,6 +195,44 @@ def test_a_rank_holds_a_gpt_replicated_and_any_other_state_under_keys_of_its_own
     assert "replicated (DDP-like) on 2 ranks" in replicated.describe()
 
 
+def test_every_ranks_step_syncs_its_gradients_before_the_update_as_data_parallelism_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DDP all-reduces the replicated GPT's gradients (averaged) after backward; each rank's own
+    state stands for a data-parallel job's with a small all-reduce: both before the update (where
+    an overlapped save's copy is waited for), for every strategy alike. FSDP2 syncs in backward."""
+    from nbckpt.bench import _rank_workload
+    from nbckpt.bench._rank_workload import SYNC_ELEMENTS, RankWorkload
+    from nbckpt.bench._workloads import GPTWorkload, gpt, synthetic
+
+    seen: list[Any] = []
+
+    def all_reduce(tensor: Any) -> None:
+        seen.append(tensor.numel())
+        tensor.mul_(2)  # as if the other rank held the same: the average is the rank's own
+
+    monkeypatch.setattr(_rank_workload.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(_rank_workload.dist, "all_reduce", all_reduce)
+    own = RankWorkload(synthetic(0.25, compute_ms=0), rank=1, world_size=2)
+    own.build()
+    own.train_step(lambda: seen.append("update"))
+    assert seen == [SYNC_ELEMENTS, "update"]
+    seen.clear()
+    replicated = RankWorkload(gpt("tiny"), rank=1, world_size=2)
+    replicated.build()
+    inner = replicated.inner
+    assert isinstance(inner, GPTWorkload)
+    grads: list[Any] = []
+
+    def update() -> None:
+        seen.append("update")
+        grads.extend(p.grad.clone() for p in inner.trained() if p.grad is not None)
+
+    replicated.train_step(update)
+    assert seen == [inner.params, "update"], seen  # every gradient, one bucket
+    assert all(g.abs().sum() > 0 for g in grads[:2])  # averaged back into place, not zeroed
+
+
 def test_coordination_is_what_the_last_rank_spent_and_the_rest_is_each_ranks_turn_wait() -> None:
     # Three collectives on each rank, in order; at each a different rank arrived last (the least
     # time in it), the others waited for it. Rank 0 also gathered the records (0.01 s).
