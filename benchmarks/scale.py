@@ -28,7 +28,12 @@ Per run, ratios against the issue's targets:
   commit), so the figure is all ranks' bytes over the first rank's write start to the last
   commit (median over its checkpoints), like against like with the floor, a raw write with no
   copy before it. Beside it, with no target, the same bytes over the time to durable (first
-  start, the copy included, to last commit: the job's aggregate write rate of its reports);
+  start, the copy included, to last commit: the job's aggregate write rate of its reports).
+  Unlike in two ways, said here so that the figure is read for what it is: the floor is written
+  between turns, with no rank training, so in ``host`` mode it has the cores that training takes
+  from nbckpt's writers during the persist; and the floor drops its pages from the page cache
+  after each write, so its next write reuses them, while the saves write into fresh pages, which
+  in a VM whose host takes free guest memory back cost a host fault each (docs/benchmarks.md);
 - the stall (median over ranks) of nbckpt at its best over DCP at its best's: <= 0.7. Declared
   here, before any run: like against like, both copying behind the loop, so nbckpt's side is
   ``nbckpt-async-overlap`` against ``dcp-async-stager`` (whose stall is its wait for the copy

@@ -10,9 +10,7 @@ measured before each repeat of a comparison so that they meet the same moments o
 
 from __future__ import annotations
 
-import ctypes
 import math
-import mmap
 import os
 import shutil
 import threading
@@ -29,7 +27,7 @@ import torch
 
 from .._errors import ConfigError
 from .._util import GB, GIB, MIB, check_count, format_bytes, is_url
-from ..engine._internal import fsspec_options, open_fsspec
+from ..engine._internal import cached_fraction, fsspec_options, open_fsspec
 
 __all__ = [
     "DEFAULT_REPEATS",
@@ -126,26 +124,6 @@ def _read(fs: Any, names: list[str], index: int) -> None:
             pass
 
 
-def _cached_fraction(path: str) -> float | None:
-    """Share of ``path``'s pages in the page cache (mincore), or None where it cannot be told.
-
-    posix_fadvise(DONTNEED) is only advice (tmpfs pages are the data, NFS and FUSE may keep
-    theirs): a read from memory is no read from storage, so the drop is checked, not assumed.
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) as view:
-            anchor = ctypes.c_char.from_buffer(view)  # a private mapping reports the file's pages
-            address = ctypes.addressof(anchor)
-            del anchor  # the mapping cannot close while a ctypes view of it exists
-            pages = (len(view) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-            vector = (ctypes.c_ubyte * pages)()
-            status = libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(view)), vector)
-    except (OSError, ValueError, AttributeError):
-        return None
-    return None if status != 0 else sum(v & 1 for v in vector) / pages
-
-
 def stream_runs(
     fs: Any, work: str, size: int, *, streams: Sequence[int], repeats: int, read_back: bool
 ) -> tuple[list[StreamRun], list[float]]:
@@ -161,7 +139,7 @@ def stream_runs(
         for _ in range(repeats):
             writes.append(in_threads(count, partial(_write, fs, names, share, pattern)))
             if read_back:
-                fraction = None if fs is not None else _cached_fraction(names[0])
+                fraction = None if fs is not None else cached_fraction(names[0])
                 if fraction is not None:
                     cached.append(fraction)
                 reads.append(in_threads(count, partial(_read, fs, names)))

@@ -5,7 +5,9 @@ bytes are in cache; the durable small-file write every layer uses.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 import stat
 import tempfile
@@ -27,8 +29,10 @@ __all__ = [
     "Source",
     "StreamSink",
     "StreamSource",
+    "cached_fraction",
     "copy_file",
     "damage_named",
+    "drop_cached",
     "exchange_paths",
     "fsync_dir",
     "hash_blocks",
@@ -51,6 +55,47 @@ def with_filename(exc: OSError, path: str) -> OSError:
     if exc.filename is None:
         exc.filename = path
     return exc
+
+
+def drop_cached(path: str) -> None:
+    """Ask the kernel to drop the durable file ``path`` from the page cache; a file that is gone,
+    or a file system that keeps its pages (tmpfs, where they are the data), is left as it is.
+
+    A checkpoint's writes need free pages: where written files stay cached, every save takes
+    pages the kernel has not used for a while, and in a VM whose host reclaims free guest memory
+    (free page reporting, balloons) each such page first costs a fault on the host. Measured in
+    this project's VM: 64 MiB written at 4 ranks cost 150-190 ms of CPU per file once earlier
+    checkpoints filled the cache, 20 ms while their pages were dropped."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError):  # not offered here (macOS has no posix_fadvise)
+        pass
+    finally:
+        os.close(fd)
+
+
+def cached_fraction(path: str) -> float | None:
+    """Share of ``path``'s pages in the page cache (mincore), or None where it cannot be told.
+
+    posix_fadvise(DONTNEED) is only advice (tmpfs pages are the data, NFS and FUSE may keep
+    theirs): a read from memory is no read from storage, so the drop is checked, not assumed.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) as view:
+            anchor = ctypes.c_char.from_buffer(view)  # a private mapping reports the file's pages
+            address = ctypes.addressof(anchor)
+            del anchor  # the mapping cannot close while a ctypes view of it exists
+            pages = (len(view) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vector = (ctypes.c_ubyte * pages)()
+            status = libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(view)), vector)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if status != 0 else sum(v & 1 for v in vector) / pages
 
 
 def fsync_dir(path: str) -> None:
@@ -416,7 +461,6 @@ def exchange_paths(a: str, b: str) -> bool:
     """Swap two paths atomically with Linux renameat2(RENAME_EXCHANGE); False only where it is not
     offered (any other failure is raised). A file system that ignores the flag renames instead,
     which fails onto a step; the caller checks that ``a`` still exists after a success."""
-    import ctypes
     import ctypes.util
 
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import warnings
 from collections import deque
@@ -24,7 +25,7 @@ from ._config import CheckpointConfig
 from ._context import Context
 from ._dcp_values import ValueItem, dcp_metadata, dcp_values, value_items
 from ._faults import fault_point
-from ._files import FileResult, copy_file, write_image
+from ._files import FileResult, copy_file, drop_cached, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._incremental import NOTHING_SHARED, Increments, Sharing
 from ._manifest import build, provenance
@@ -168,6 +169,8 @@ class Saver:
         self._stager = Stager()
         self._increments = Increments(self._stager.run, self._stager.threads) if config.incremental else None
         self._persister = Worker("nbckpt-persist", nice=context.nice)
+        # This rank's files of the newest commit, still in the page cache (see _uncache).
+        self._cached: list[str] = []
 
     # -- the caller's side ----------------------------------------------------------------------
 
@@ -736,12 +739,28 @@ class Saver:
             self.facts.saved(step, flat.tree, metrics)
             if self._increments is not None:  # the next save compares with this one
                 self._increments.committed(path, step, layout.files.get(rank, ()), written[rank][0], sharing)
+        self._uncache(path, written[rank][0].values())
         handle.phase = "committed"
         if self._observers:
             told = self._commit(self.store, step, path, frozenset(older), self.facts, handle.committed)
             for observer in self._observers:  # in order: the mirror queues its upload first
                 observer.committed(told)
         handle.committed.set_result(record)  # what an observer hung on it runs after its callbacks
+
+    def _uncache(self, path: str, results: Iterable[FileResult]) -> None:
+        """Keep only the newest commit's files in the page cache: the step before's go (its
+        pages are clean, durable), so the next save writes into the pages they free instead of
+        taking pages the kernel has not used for a while (``_files.drop_cached`` says why that
+        costs). The newest stays cached for a rewind to it; a file this step shares with the
+        one before (a hard link: the same pages) stays too. Runs on the persist thread."""
+        if not self.store.is_local:
+            return
+        kept = {os.path.join(path, result.name) for result in results}
+        shared = {result.name for result in results if result.shared}
+        for old in self._cached:
+            if os.path.basename(old) not in shared:
+                drop_cached(old)
+        self._cached = sorted(kept)
 
     def latest(self) -> Commit | None:
         """The newest committed step of the run, as a commit already settled: told to retention

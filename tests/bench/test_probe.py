@@ -13,9 +13,10 @@ import pytest
 
 from nbckpt import ConfigError
 from nbckpt.bench import Floors, ProbeResult, measure_write, mount_info, probe
-from nbckpt.bench._measure import StreamRun, _cached_fraction
+from nbckpt.bench._measure import StreamRun
 from nbckpt.bench._probe import MountInfo, _advice
 from nbckpt.cli import main as cli
+from nbckpt.engine._internal import cached_fraction
 
 # /proc/self/mountinfo lines: id parent dev root mount-point options [optional] - type source super-options
 NFS3 = (
@@ -321,10 +322,10 @@ def test_the_page_cache_check_sees_cached_and_dropped_pages(tmp_path: Path) -> N
         stream.write(os.urandom(4 << 20))
         stream.flush()
         os.fsync(stream.fileno())
-        assert _cached_fraction(str(path)) == 1.0  # just written: every page is in memory
+        assert cached_fraction(str(path)) == 1.0  # just written: every page is in memory
         os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    assert (_cached_fraction(str(path)) or 0.0) < 0.1
-    assert _cached_fraction(str(tmp_path / "missing")) is None
+    assert (cached_fraction(str(path)) or 0.0) < 0.1
+    assert cached_fraction(str(tmp_path / "missing")) is None
 
 
 def test_floors_read_back_from_json_with_nulls_and_lists() -> None:
