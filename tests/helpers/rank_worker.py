@@ -66,7 +66,7 @@ def refusal(directory: str) -> dict[str, Any]:
     with Checkpointer(directory, mode="async", timeout_s=60) as ckpt:
         caller = ckpt._saver.ranks.caller
         exchange, calls = caller.exchange, []
-        caller.exchange = lambda tag, run: (calls.append(tag[0]), exchange(tag, run))[1]  # type: ignore[method-assign]
+        caller.exchange = lambda tag, run, **how: (calls.append(tag[0]), exchange(tag, run, **how))[1]  # type: ignore[method-assign]
         for step in (1, 2, 3, 4, 6, 7):
             state = state_of(step)
             if RANK == 1 and step == 2:
@@ -160,22 +160,33 @@ def rank0_only_auto(directory: str) -> dict[str, Any]:
 
 def save_on_rank0_only(directory: str) -> dict[str, Any]:
     """nanoGPT's natural adoption: every rank has a Checkpointer, only rank 0 calls ``save``
-    (inside ``if master_process:``) while the others go on to the next step's all-reduce. Before
-    it, step 1 saved by both ranks, and rank 0 alone calls ``delete(1)``."""
+    (inside ``if master_process:``) while the others go on to the next step's all-reduce. The
+    first save (no layout agreed yet) is refused on the caller's thread. In a second run, after
+    a save by both ranks: ``delete(1)`` on rank 0 alone is refused before it deletes anything, and
+    a save on rank 0 alone (staged at once with the agreed layout, the ranks' agreement on the
+    persist thread) fails in its ``wait``; nothing is committed."""
     _ranks.ARRIVAL_TIMEOUT_S = 3.0
     torch.manual_seed(0)  # the same weights on both ranks, as DDP makes them
     model = torch.nn.Linear(4, 4)
     result: dict[str, Any] = {}
-    with Checkpointer(directory, timeout_s=120) as ckpt:
-        ckpt.save({"model": model}, step=1).wait()
+    with Checkpointer(Path(directory, "first"), timeout_s=120) as ckpt:
         if RANK == 0:
-            result["delete"] = outcome(lambda: ckpt.delete(1))
-            result["after_delete"] = sorted(p.name for p in Path(directory).glob("step-*"))
             began = time.monotonic()
-            result["outcome"] = outcome(lambda: ckpt.save({"model": model}, step=2))
+            result["outcome"] = outcome(lambda: ckpt.save({"model": model}, step=1))
             result["seconds"] = time.monotonic() - began
         dist.all_reduce(torch.ones(1))  # the next step's gradients (rank 1 waits here all along)
         result["steps"] = ckpt.steps()
+    agreed = Path(directory, "agreed")
+    with Checkpointer(agreed, timeout_s=120) as ckpt:
+        ckpt.save({"model": model}, step=1).wait()
+        if RANK == 0:
+            result["delete"] = outcome(lambda: ckpt.delete(1))
+            result["after_delete"] = sorted(p.name for p in agreed.glob("step-*"))
+            began = time.monotonic()
+            result["agreed_outcome"] = outcome(lambda: ckpt.save({"model": model}, step=2).wait())
+            result["agreed_seconds"] = time.monotonic() - began
+        dist.all_reduce(torch.ones(1))
+        result["agreed_steps"] = ckpt.steps()
     return result
 
 

@@ -123,7 +123,8 @@ def another_thread_inside(block: Callable[[], AbstractContextManager[Any]]) -> I
 
 def test_a_final_save_that_cannot_start_in_time_is_left_behind_at_exit(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path / "run")
-    with another_thread_inside(ckpt._operation):  # inside a Checkpointer call, longer than the bound
+    # another thread inside a Checkpointer call, for longer than the bound
+    with another_thread_inside(lambda: ckpt._operation("save")):
         line = ckpt.final_save(lambda: ({"step": 1}, 1), timeout_s=0.2)
         assert line == "final save of step 1 did not commit within 0.2 s; the previous checkpoint stays"
         ckpt._at_exit()  # does not wait for the save left behind

@@ -120,18 +120,23 @@ def test_a_save_called_on_one_rank_of_a_group_is_an_error_in_seconds_not_a_hang(
     """Issue 31, item 6: nanoGPT's natural adoption (every rank a Checkpointer, ``save`` inside
     ``if master_process:``) waited in the plan's collective until the group's 30-minute timeout,
     the other rank in DDP's all-reduce. Now the saving rank is told what to do within the
-    arrival deadline (3 s here), and nothing is committed. A ``delete`` called on rank 0 alone is
-    refused the same way before it deletes anything (it used to delete, then fail)."""
+    arrival deadline (3 s here), and nothing is committed. After a save by both ranks (a layout
+    agreed: a save stages at once and the ranks agree on the persist thread), a save on rank 0
+    alone fails in its ``wait`` the same way, and a ``delete`` on rank 0 alone is refused before it
+    deletes anything (it used to delete, then fail)."""
     results = run_ranks("save_on_rank0_only", tmp_path / "run")
     assert all(code == 0 for code, _, _ in results.values()), results
     seen = results[0][1]
-    assert seen["delete"].startswith("ConfigError: rank 0 is in delete"), seen
-    assert seen["after_delete"] == ["step-000001"], seen
     assert seen["outcome"].startswith(
-        "ConfigError: rank 0 is in save of step 2, rank(s) 1 did not come to it within 3 s"
+        "ConfigError: rank 0 is in save of step 1, rank(s) 1 did not come to it within 3 s"
     ), seen
     assert "ranks='local'" in seen["outcome"] and seen["seconds"] < 60, seen
-    assert seen["steps"] == [1] and results[1][1]["steps"] == [1]
+    assert seen["steps"] == [] and results[1][1]["steps"] == []
+    assert seen["delete"].startswith("ConfigError: rank 0 is in delete"), seen
+    assert seen["after_delete"] == ["step-000001"], seen
+    assert "rank(s) 1 did not come to it within 3 s" in seen["agreed_outcome"], seen
+    assert "ranks='local'" in seen["agreed_outcome"] and seen["agreed_seconds"] < 60, seen
+    assert seen["agreed_steps"] == [1] and results[1][1]["agreed_steps"] == [1]
 
 
 def test_every_rank_saves_when_rank0s_schedule_says_so(tmp_path: Path) -> None:
