@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from helpers.sync import ctrl_c_raises
 
 from nbckpt import Checkpointer, ConfigError, Event, bench
 from nbckpt.bench import _compare, _comparison, _load, _measure, _result, _runner, _stats
@@ -517,7 +518,9 @@ def test_an_interrupted_comparison_leaves_its_directory_empty(tmp_path: Any) -> 
             if len(commits) == 3:
                 os.kill(os.getpid(), signal.SIGINT)
 
-    with pytest.raises(KeyboardInterrupt) as stopped:
+    # SIGINT as a terminal or a notebook has it, whatever handler an earlier test in this worker
+    # left (twice in a whole suite the signal ended nothing there: the cause is not yet found)
+    with ctrl_c_raises(), pytest.raises(KeyboardInterrupt) as stopped:
         bench.compare(
             small_workload(),
             ["torch-save", "nbckpt-async"],
