@@ -16,7 +16,7 @@ from ._mirror import Mirror, mirror_of
 from ._plain_dcp import PlainDcpSteps, said_shared
 from ._restorer import Options, Restorer
 from ._saver import Saver
-from ._set_aside import earlier_branch_note, finish, listing, set_aside, visible
+from ._set_aside import announce, earlier_branch_note, finish, listing, set_aside, visible
 from ._store import Readable, Store
 
 __all__ = ["Run", "open_run"]
@@ -150,6 +150,7 @@ class Run:
                 there = []
             hide = {*folders, *there} - view.hidden
             view.hidden |= hide
+            self._announce_on_mirror(after, sorted({*folders, *there}))
 
             def on_mirror(root: Store) -> None:
                 finish(root)
@@ -161,6 +162,16 @@ class Run:
 
             self.mirror.after_uploads(on_mirror, f"set aside its steps newer than {after}")
         return None if moved is None else moved.url
+
+    def _announce_on_mirror(self, after: int, folders: list[str]) -> None:
+        """Durable before the save goes on: the mirror's own intent to set ``folders`` aside (its
+        thread carries it out after the uploads queued before). Killed before that, the next
+        writable open carries it out and a reader hides them, so none is the newest step there."""
+        assert self.mirror is not None
+        try:
+            announce(self.mirror.root, after, folders)
+        except (OSError, CheckpointError) as exc:  # unreachable now: its thread sets them aside later
+            _log.warning("nbckpt: cannot note on the mirror that steps go aside: %s", describe_error(exc))
 
     def restored(self, step: int) -> None:
         """The restorer loaded ``step``: a save after it sets newer steps aside if there are any

@@ -35,7 +35,17 @@ from ._format import MANIFEST, step_name
 from ._manifest import Manifest
 from ._store import Store, crash_point
 
-__all__ = ["INTENT", "RECORD", "Hiding", "earlier_branch_note", "finish", "listing", "set_aside", "visible"]
+__all__ = [
+    "INTENT",
+    "RECORD",
+    "Hiding",
+    "announce",
+    "earlier_branch_note",
+    "finish",
+    "listing",
+    "set_aside",
+    "visible",
+]
 
 #: In a set-aside run: where it came from. In the run, while a set-aside is under way: its plan.
 RECORD, INTENT = "set-aside.json", ".set-aside-intent.json"
@@ -121,15 +131,28 @@ def _carry_out(root: Store, intent: _Intent) -> None:
     root.remove_small(INTENT)
 
 
-def set_aside(root: Store, after_step: int, folders: list[str]) -> str:
-    """Move step ``folders`` of ``root`` (those newer than ``after_step``) into a new set-aside
-    run in it; return its folder's name. The intent is durable before anything moves."""
+def announce(root: Store, after_step: int, folders: list[str]) -> str | None:
+    """Make durable the intent to move step ``folders`` of ``root`` (those newer than
+    ``after_step``; any not there yet are moved once they are) into a new set-aside run in it,
+    carried out by :func:`finish`, now or at the next writable open; until then a reader hides
+    them. Its folder's name, or None where a set-aside is under way already (finish it first)."""
+    if _intent(root) is not None:
+        return None
     taken = [int(m.group(2)) for name in root.names() if (m := _FOLDER_RE.fullmatch(name))]
     intent = _Intent(f"set-aside-{max(taken, default=0) + 1}", after_step, folders, time.time())
     root.write_small(INTENT, intent.encode())
-    crash_point("set_aside_intent")
-    _carry_out(root, intent)
     return intent.into
+
+
+def set_aside(root: Store, after_step: int, folders: list[str]) -> str:
+    """Move step ``folders`` of ``root`` (those newer than ``after_step``) into a new set-aside
+    run in it; return its folder's name. The intent is durable before anything moves."""
+    finish(root)
+    name = announce(root, after_step, folders)
+    assert name is not None  # finished just above
+    crash_point("set_aside_intent")
+    finish(root)
+    return name
 
 
 def finish(root: Store) -> str | None:

@@ -12,6 +12,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 from helpers.finetune import setup, snapshot, tune
 
 from nbckpt import Checkpointer, ConfigError
+from nbckpt.engine._faults import armed
 
 
 def state_of(step: int) -> dict[str, Any]:
@@ -228,3 +231,37 @@ def test_with_a_mirror_the_steps_are_set_aside_there_too_and_a_lost_disk_resumes
         assert restored(ckpt) == 25  # never the step set aside
     with Checkpointer(mirror / "set-aside-1", read_only=True) as reader:
         assert restored(reader) == 30
+
+
+def test_killed_before_the_mirror_sets_steps_aside_none_of_them_is_the_newest_there(tmp_path: Path) -> None:
+    """The mirror sets steps aside on its thread, after the uploads queued before; a process
+    killed before that left the mirror's copy of a set-aside step, and the next open restored it
+    as the newest (found by review). Now the mirror's intent is durable before the save goes on:
+    the next writable open carries it out there."""
+    run, mirror, killed = tmp_path / "run", tmp_path / "mirror", tmp_path / "killed"
+    with saved(run, (10, 20, 30), mirror=str(mirror)) as ckpt:
+        ckpt.wait()
+    entered, release = threading.Event(), threading.Event()
+
+    def held(location: str, name: str) -> None:
+        entered.set()
+        assert release.wait(60), "the test never released the uploads"
+
+    with armed("mirror.upload", held), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the set-aside is said in a warning
+        ckpt = Checkpointer(run, mode="sync", mirror=str(mirror))
+        try:
+            ckpt.save(state_of(31), step=31)  # its upload held: the mirror's queue is not empty
+            assert entered.wait(60)
+            restored(ckpt, 20)
+            ckpt.save(state_of(25), step=25)  # 30 and 31 set aside here; the mirror's job queued
+            shutil.copytree(mirror, killed)  # the mirror as a kill now would leave it
+        finally:
+            release.set()
+            ckpt.close()
+    assert (killed / "step-000030").is_dir()  # the mirror's job had not run
+    shutil.rmtree(mirror)
+    shutil.copytree(killed, mirror)
+    with Checkpointer(run, mode="sync", mirror=str(mirror)) as again:
+        assert restored(again) == 25 and again.steps() == [10, 20, 25]
+    assert not (mirror / "step-000030").exists()
