@@ -146,10 +146,10 @@ def announce(root: Store, after_step: int, folders: list[str]) -> str | None:
 
 def set_aside(root: Store, after_step: int, folders: list[str]) -> str:
     """Move step ``folders`` of ``root`` (those newer than ``after_step``) into a new set-aside
-    run in it; return its folder's name. The intent is durable before anything moves."""
-    finish(root)
+    run in it; return its folder's name. The intent is durable before anything moves. The caller
+    has finished any set-aside under way (:func:`finish`: it also lists the folders after it)."""
     name = announce(root, after_step, folders)
-    assert name is not None  # finished just above
+    assert name is not None  # finished by the caller
     crash_point("set_aside_intent")
     finish(root)
     return name
