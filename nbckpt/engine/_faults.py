@@ -19,7 +19,10 @@ points, and what their action is called with:
 - ``retention.pass`` (newest step): a retention pass begins, on its thread;
 - ``mirror.upload`` (local step location, file name): the mirror is about to copy one file;
 - ``store.share`` (committed step's location, new location, file name): a directory is about to
-  hard-link one file into a new step (an OSError raised there is a file system refusing links).
+  hard-link one file into a new step (an OSError raised there is a file system refusing links);
+- ``ranks.arrive`` (tag): a thread has checked in before a collective of several ranks (the
+  caller's, or the background's agreement on a save staged at once) and is about to wait for the
+  other ranks' check-ins.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ POINTS = (
     "retention.pass",
     "mirror.upload",
     "store.share",
+    "ranks.arrive",
 )
 _actions: dict[str, Callable[..., None]] = {}
 

@@ -7,7 +7,10 @@ Before each of the caller's collectives, and before the background's agreement o
 (``RankInfo.agreement``: the background's group, checking in), the ranks check in through the
 default group's store, so that a save called on some ranks only (nanoGPT's ``if master_process:``
 around it, while the others wait in DDP's all-reduce) is a ConfigError within
-:data:`ARRIVAL_TIMEOUT_S`, not a hang until the process group's timeout.
+:data:`ARRIVAL_TIMEOUT_S`, not a hang until the process group's timeout. Each of the two check-ins
+has a connection to the store of its own: a store client serves one request at a time, so a
+thread waiting for the other ranks on a shared one kept the other thread from checking in, and
+two ranks whose threads waited in opposite order held each other up until the deadline.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Any, TypeVar, cast
 import torch.distributed as dist
 
 from .._errors import CheckpointError, ConfigError, NbckptError, describe_error
-from ._torch_compat import default_store
+from ._faults import fault_point
+from ._torch_compat import default_store, own_connection
 
 __all__ = ["Group", "RankInfo", "join"]
 
@@ -56,6 +60,7 @@ class Arrivals:
             with suppress(Exception):  # a store that cannot delete only keeps a few bytes more
                 self._store.delete_key(f"{self._prefix}/{self._count - 2}/{self._rank}")
         keys = [f"{here}/{r}" for r in range(self._world)]
+        fault_point("ranks.arrive", tag)
         try:
             self._store.wait(keys, timedelta(seconds=min(ARRIVAL_TIMEOUT_S, self._timeout)))
         except Exception as exc:
@@ -179,7 +184,13 @@ def join(mode: str, timeout_s: float) -> RankInfo:
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("ranks='all' needs torch.distributed initialized (torchrun); use ranks='local'")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    opened = _meet(rank, world_size)
+    store = default_store()
+    # Each thread checks in on a connection of its own (the module's docstring says why). Where
+    # the store cannot make one, the caller's thread uses the default one (no other nbckpt thread
+    # waits there) and the background's agreement checks in nowhere (the group's timeout applies).
+    caller, background = (None if store is None else own_connection(store) for _ in range(2))
+    caller = store if caller is None else caller
+    opened = _meet(caller, rank, world_size)
     timeout = timedelta(seconds=timeout_s)
     try:
         groups = [dist.new_group(backend="gloo", timeout=timeout) for _ in range(2)]
@@ -187,14 +198,11 @@ def join(mode: str, timeout_s: float) -> RankInfo:
         raise CheckpointError(
             f"could not set up the ranks' checkpoint groups: {describe_error(exc)}"
         ) from exc
-    store = default_store()
     arrivals, agreed = (
-        (None, None)
-        if store is None
-        else tuple(
-            Arrivals(store, f"nbckpt/{where}/{opened}", rank, world_size, timeout_s)
-            for where in ("in", "agree")
-        )
+        None
+        if connection is None
+        else Arrivals(connection, f"nbckpt/{where}/{opened}", rank, world_size, timeout_s)
+        for connection, where in ((caller, "in"), (background, "agree"))
     )
     return RankInfo(
         Group(groups[0], rank, world_size, arrivals),
@@ -203,10 +211,9 @@ def join(mode: str, timeout_s: float) -> RankInfo:
     )
 
 
-def _meet(rank: int, world_size: int) -> int:
+def _meet(store: Any, rank: int, world_size: int) -> int:
     """The number of this Checkpointer among those the ranks opened (the same on every rank)."""
     opened = next(_opened)
-    store = default_store()
     if store is None:
         return opened
     prefix = f"nbckpt/open/{opened}"

@@ -42,10 +42,6 @@ __all__ = ["Commit", "CommitObserver", "Saver"]
 _log = logging.getLogger("nbckpt")
 #: Structures a run alternates between at most (a model, then with its optimizer state, ...).
 _LAYOUTS_KEPT = 4
-#: Async saves of an agreed structure stage at once, the ranks agreeing on the persist thread. Off:
-#: under load a SIGTERM final save on 2 and 4 ranks left the ranks' check-ins on the caller's group
-#: out of step (tests/reliability/test_preemption.py, 2 of 3 whole-suite runs); on again once found.
-FAST_PATH = False
 
 
 @dataclass(frozen=True)
@@ -205,18 +201,10 @@ class Saver:
         agreed = self._agreed
         # A sync save (a final save on a signal among them) waits for its commit anyway: it plans
         # with the ranks on the caller's thread, which also brings them to it together.
-        if (
-            FAST_PATH
-            and agreed is not None
-            and self.ranks.world_size > 1
-            and self._increments is None
-            and not sync
-        ):
-            handle = SaveHandle(step, 0, seq, reported=sync)
-            self._wait_for_room(handle, sync)
-            job = self._offer(
-                handle, state, agreed, start, sync, overlap, capture_rng, metrics, overwrite, owner
-            )
+        if agreed is not None and self.ranks.world_size > 1 and self._increments is None and not sync:
+            handle = SaveHandle(step, 0, seq, reported=False)
+            self._wait_for_room(handle, sync=False)
+            job = self._offer(handle, state, agreed, start, overlap, capture_rng, metrics, overwrite, owner)
         else:
             flat, layout = self._plan(state, step, seq)
             self._warn(flat, step, overwrite)
@@ -317,14 +305,13 @@ class Saver:
         state: Mapping[str, Any],
         agreed: _Agreed,
         start: int,
-        sync: bool,
         overlap: bool,
         capture_rng: bool,
         metrics: Mapping[str, float],
         overwrite: bool,
         owner: object,
     ) -> Callable[[], None]:
-        """The persist job of a save once the ranks have agreed on a layout. A rank whose plan
+        """The persist job of an async save once the ranks have agreed on a layout. A rank whose plan
         is the agreed one stages with it at once and offers its part of the agreement (its
         plan, and the fingerprints of its replicated tensors, taken on a stage thread from the
         staged copy, or from the state before it may change where another rank writes the
@@ -353,9 +340,7 @@ class Saver:
             self._warn(flat, handle.step, overwrite)
             rng_state = rng_capture() if capture_rng else None
             late = decided is not None  # its staging is waited for by the others: stage now
-            stage_done, sharing = self._stage(
-                handle, flat, layout, wait=sync or not overlap or late, then=then
-            )
+            stage_done, sharing = self._stage(handle, flat, layout, wait=not overlap or late, then=then)
         except BaseException as exc:
             withdraw = partial(self._withdraw, handle, exc, decided)
             if isinstance(exc, Exception):
@@ -374,7 +359,7 @@ class Saver:
             metrics,
             stage_done,
             start,
-            sync,
+            False,  # not sync
             owner,
             pending,
         )

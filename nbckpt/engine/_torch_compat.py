@@ -19,6 +19,7 @@ __all__ = [
     "default_store",
     "dtensor_spec",
     "missing",
+    "own_connection",
     "pickle_record",
     "storage_info",
     "torch_archive_records",
@@ -42,6 +43,16 @@ def default_store() -> Any:
 
         return _get_default_store()
     except Exception:  # another backend or a future torch: the group setup's own timeout applies
+        return None
+
+
+def own_connection(store: Any) -> Any | None:
+    """A client of ``store`` with a connection of its own (``Store.clone``, public since torch
+    2.6), or None where the store cannot make one. A TCPStore client runs one request at a time:
+    a thread blocked in its ``wait`` holds up every other thread's ``set`` on the same client."""
+    try:
+        return store.clone()
+    except Exception:  # a store without clone (a custom one): the caller decides what to do
         return None
 
 

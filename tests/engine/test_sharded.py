@@ -93,14 +93,12 @@ def test_a_sharded_module_and_optimizer_passed_directly_reshard(runs: Any) -> No
 def test_a_plain_tensor_with_other_values_on_other_ranks_is_refused_on_every_rank(runs: Any) -> None:
     for rank, seen in runs["at 4"].items():
         found = seen["divergent"]
-        assert found["outcome"].startswith("ConfigError: 'batch' is a plain tensor with different values"), (
-            found
-        )
+        # warmed up, the saves are agreed on the persist thread: refused there, on every rank
+        for key, name in (("outcome", "batch"), ("unsigned", "seed")):
+            assert found[key].startswith("CheckpointError: save of step 1 to "), found
+            assert f"/divergent failed: '{name}' is a plain tensor with different values" in found[key], found
         assert "rank 0 vs rank 1 vs rank 2 vs rank 3" in found["outcome"], found
         assert found["warmed"] == "ok", found
-        assert found["unsigned"].startswith("ConfigError: 'seed' is a plain tensor with different values"), (
-            found
-        )
         assert found["then"] == "ok" and found["steps"] == [2], (rank, found)
 
 

@@ -13,7 +13,9 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from nbckpt import Checkpointer, NbckptError, SaveSchedule
 from nbckpt.engine import _ranks, _store
+from nbckpt.engine._faults import armed
 
 RANK = int(os.environ["RANK"])
 
@@ -59,20 +62,57 @@ def restored_step(ckpt: Checkpointer) -> dict[str, Any]:
 
 
 def refusal(directory: str) -> dict[str, Any]:
-    """Rank 1 holds a value nbckpt refuses at step 2 only (a rank-dependent bug looks the same)."""
+    """Rank 1 holds a value nbckpt refuses at step 2 only (a rank-dependent bug looks the same);
+    then, every save staged at once with the agreed layout (no collective on the caller's
+    thread), rank 1 saves step 5 where rank 0 saves 4, and at 6 its replicated model differs;
+    then the two threads of each rank check in at once (:func:`_crossing`)."""
     results = {}
     with Checkpointer(directory, mode="async", timeout_s=60) as ckpt:
-        for step in (1, 2, 3):
-            state = state_of(step)
-            if RANK == 1 and step == 2:
-                state["hook"] = print
-            results[step] = outcome(lambda s=state, n=step: ckpt.save(s, step=n).wait())
+        calls: list[str] = []
+
+        def arrive(tag: tuple[Any, ...]) -> None:
+            if threading.current_thread() is threading.main_thread():  # the caller's check-ins
+                calls.append(tag[0])
+
+        with armed("ranks.arrive", arrive):
+            for step in (1, 2, 3, 4, 6, 7):
+                state = state_of(step)
+                if RANK == 1 and step == 2:
+                    state["hook"] = print
+                if RANK == 1 and step == 6:
+                    with torch.no_grad():
+                        state["model"].bias[-1] += 1  # one element of the last sample differs
+                saved = 5 if RANK == 1 and step == 4 else step
+                results[step] = outcome(lambda s=state, n=saved: ckpt.save(s, step=n, overlap=True).wait())
+        results[8], results[9] = _crossing(ckpt)
         return {
             "outcomes": results,
+            "caller_collectives": calls,
             "steps": ckpt.steps(),
             **restored_step(ckpt),
-            "manifest_steps": {r: t for r, t in _tree_steps(ckpt, 3).items()},
+            "manifest_steps": {r: t for r, t in _tree_steps(ckpt, 9).items()},
         }
+
+
+def _crossing(ckpt: Checkpointer) -> tuple[str, str]:
+    """An async save of step 8 (agreed on the persist thread), then a sync save of step 9 (it
+    checks in on the caller's thread), as a final save on SIGTERM follows an async one. Rank 1's
+    persist thread checks in for step 8 only once its caller's thread has checked in for step 9;
+    rank 0's caller's thread comes to step 9 only once step 8 committed: each rank's two threads
+    check in at once, in opposite orders on the two ranks. The outcomes of both saves."""
+    checked_in = threading.Event()
+
+    def arrive(tag: tuple[Any, ...]) -> None:
+        if tag[:2] == ("save", 9):
+            checked_in.set()
+        elif tag[:2] == ("save", 8):  # the persist thread's agreement
+            checked_in.wait(120)
+
+    with armed("ranks.arrive", arrive) if RANK == 1 else nullcontext():
+        handle = ckpt.save(state_of(8), step=8)
+        first = outcome(handle.wait) if RANK == 0 else "not waited for"
+        final = outcome(lambda: ckpt.save(state_of(9), step=9, mode="sync"))
+    return (first if RANK == 0 else outcome(handle.wait)), final
 
 
 def _tree_steps(ckpt: Checkpointer, step: int) -> dict[str, Any]:

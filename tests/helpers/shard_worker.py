@@ -230,11 +230,16 @@ def divergent(directory: str) -> dict[str, Any]:
     with Checkpointer(Path(directory) / "divergent", mode="async", timeout_s=60) as ckpt:
         own = {"model": msd, "batch": torch.full((8,), float(RANK))}
         warmed = outcome(lambda: ckpt.warmup(own))  # before DDP would broadcast: values may differ
-        result = outcome(lambda: ckpt.save(own, step=1))
-        # unsigned and float8 dtypes have no torch.take kernel: their bits are compared
+        # warmed up, the save stages at once and the ranks agree on the persist thread: the
+        # refusal is the save's failure, on every rank (raised by wait)
+        result = outcome(lambda: ckpt.save(own, step=1).wait())
+        # unsigned and float8 dtypes have no torch.take kernel: their bits are compared (a new
+        # structure: every rank waits for the agreement before staging)
         seeds = {str(dtype): torch.arange(8).to(dtype) for dtype in BIT_DTYPES}
         unsigned = outcome(
-            lambda: ckpt.save({"model": msd, "seed": torch.full((4,), RANK, dtype=torch.uint32)}, step=1)
+            lambda: ckpt.save(
+                {"model": msd, "seed": torch.full((4,), RANK, dtype=torch.uint32)}, step=1
+            ).wait()
         )
         agreed = outcome(
             lambda: ckpt.save({"model": msd, "batch": torch.ones(8), "seeds": seeds}, step=2).wait()

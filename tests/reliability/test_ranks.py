@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import dist_worker
@@ -48,16 +49,52 @@ def test_torchrun_two_ranks_async_save_and_restore(tmp_path: Path) -> None:
     assert names == [".nbckpt.lock", "step-000002", "step-000003"]
 
 
-def test_17_a_refusal_on_one_rank_fails_that_save_on_every_rank(tmp_path: Path) -> None:
-    results = run_ranks("refusal", tmp_path / "run")
+@pytest.fixture(scope="module")
+def refusal(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, tuple[int, Any, str]]]:
+    """The refusal scenario, run once for the tests that read it (one launch of two ranks)."""
+    directory = tmp_path_factory.mktemp("refusal") / "run"
+    return directory, run_ranks("refusal", directory)
+
+
+def test_17_a_refusal_on_one_rank_fails_that_save_on_every_rank(
+    refusal: tuple[Path, dict[int, tuple[int, Any, str]]],
+) -> None:
+    directory, results = refusal
+    failed = f"CheckpointError: save of step {{}} to {directory} failed: "
     for rank, (code, seen, err) in results.items():
         assert code == 0, err
-        assert seen["outcomes"]["1"] == "ok" and seen["outcomes"]["3"] == "ok", seen
-        # rank 1 raises its own error; the others say which rank it came from
-        prefix = "ConfigError: rank 1: " if rank == 0 else "ConfigError: "
-        assert seen["outcomes"]["2"].startswith(f"{prefix}hook holds a builtin_function"), seen
-        assert seen["steps"] == [1, 3] and seen["restored"] == 3 and seen["exact"], seen
-        assert seen["manifest_steps"] == {"0": 3, "1": 3}  # no rank's step-3 tree is another step's
+        outcomes = seen["outcomes"]
+        assert outcomes["1"] == outcomes["3"] == outcomes["7"] == "ok", seen
+        # The first save plans on the caller's thread; the others have the agreed structure and
+        # stage at once, the ranks agreeing on the persist thread: a refusal there fails the
+        # save on every rank alike (raised by wait). Rank 1 gives its own error, the others say
+        # which rank it came from.
+        assert seen["caller_collectives"] == ["save", "plan"], seen
+        prefix = failed.format(2) + ("rank 1: " if rank == 0 else "")
+        assert outcomes["2"].startswith(f"{prefix}hook holds a builtin_function"), seen
+        assert outcomes["4"].startswith(failed.format(5 if rank else 4) + "ranks are out of step"), seen
+        assert outcomes["6"] == failed.format(6) + (
+            "'model.bias' is a plain tensor with different values on different ranks (rank 0 vs "
+            "rank 1); a plain tensor under one key is replicated and written once. Give each "
+            "rank's its own key (e.g. f'model.bias.rank{rank}'), or make it a DTensor"
+        ), seen
+        assert seen["steps"] == [1, 3, 7, 8, 9] and seen["restored"] == 9 and seen["exact"], seen
+        assert seen["manifest_steps"] == {"0": 9, "1": 9}  # no rank's step-9 tree is another step's
+
+
+def test_17_a_ranks_caller_and_persist_threads_checking_in_at_once_never_hold_each_other_up(
+    refusal: tuple[Path, dict[int, tuple[int, Any, str]]],
+) -> None:
+    """An async save agreed on the persist thread, then a sync save (SIGTERM's final one) that
+    checks in on the caller's thread, each rank's two threads checking in at once in opposite
+    orders: both commit on every rank. When the two check-ins shared the rank's one connection to
+    the store, a thread waiting there for the other ranks kept the other thread from checking in:
+    the sync save failed after the 30 s deadline ('did not come to it') and the ranks fell out
+    of step (the SIGTERM test's failure under load with the fast path on)."""
+    for code, seen, err in refusal[1].values():
+        assert code == 0, err
+        assert seen["outcomes"]["8"] == seen["outcomes"]["9"] == "ok", seen
+        assert seen["steps"][-2:] == [8, 9], seen
 
 
 def test_17_a_rank_that_misses_a_save_never_mixes_steps_and_never_hangs(tmp_path: Path) -> None:
