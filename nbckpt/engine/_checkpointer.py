@@ -304,7 +304,8 @@ class Checkpointer:
     def loaded_step(self) -> int | None:
         """The step the last :meth:`restore` loaded into its state, also when a Ctrl-C ended it
         once the state was loaded (None: that restore loaded nothing, or none ran)."""
-        return self._run.restorer.applied
+        applied = self._run.restorer.applied
+        return None if applied is None else applied.step
 
     def load(
         self, step: int | None = None, *, map_location: str | torch.device | None = None

@@ -61,10 +61,10 @@ class Restorer:
         self.stores, self.io, self.group, self.timeline = stores, context.io, context.caller, context.timeline
         self.store = stores[0]
         self.rank = self.group.rank
-        self.last_source = 0  # which of ``stores`` the last restore read from
-        # The step the last restore loaded into the state: set inside the section a Ctrl-C
-        # cannot cut, so an interrupt delivered as it ends still knows the state was loaded.
-        self.applied: int | None = None
+        # What the last restore loaded into the state (rank 0's pick: its step, where from,
+        # whether a newer step exists): set inside the section a Ctrl-C cannot cut, so an
+        # interrupt delivered as it ends still knows the state was loaded.
+        self.applied: Candidate | None = None
 
     def find(self, step: int) -> tuple[Readable, str]:
         """The store and location of committed ``step`` (the first store that has it)."""
@@ -116,13 +116,16 @@ class Restorer:
         return sorted(found, key=lambda c: (-c.step, c.source))
 
     def pick(self, step: int | None, tried: Collection[tuple[int, int]]) -> Candidate:
-        """Rank 0's choice of checkpoint, which every rank then uses (one listing, one answer)."""
+        """Rank 0's choice of checkpoint, which every rank then uses (one listing, one answer),
+        saying whether a newer step is committed anywhere: only rank 0's view of a store hides
+        the steps a set-aside still moves there, so no other rank may answer that for itself."""
         left = self.candidates(step, tried)
         if not left:
             if step is not None:
                 self.find(step)  # names the steps there are
             raise CheckpointError(f"no valid checkpoint in {self.store.url}")
-        return left[0]
+        newer = any(s > left[0].step for store in self.stores for s in store.committed())
+        return left[0]._replace(newer=newer)
 
     def load(self, step: int, *, verify: bool, map_location: str | torch.device | None) -> dict[str, Any]:
         store, location = self.find(step)
@@ -151,11 +154,13 @@ class Options(NamedTuple):
 
 
 class Candidate(NamedTuple):
-    """A step a restore may load: which step, from which of the restorer's stores, and where."""
+    """A step a restore may load: which step, from which of the restorer's stores, and where;
+    for rank 0's pick, whether a newer step is committed in any of them (damaged ones too)."""
 
     step: int
     source: int
     location: str
+    newer: bool = False
 
 
 class _Restore:
@@ -208,7 +213,7 @@ class _Restore:
             if failure is None:
                 if read.streams is not None:
                     read.streams()
-                self.restorer.applied, self.restorer.last_source = read.step, read.candidate.source
+                self.restorer.applied = read.candidate
         return failure
 
     def skip(self, step: int, failure: CheckpointError) -> None:

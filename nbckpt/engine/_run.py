@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from .._errors import CheckpointError, describe_error
 from ._context import Context
 from ._plain_dcp import PlainDcpSteps, said_shared
-from ._restorer import Options, Restorer
+from ._restorer import Candidate, Options, Restorer
 from ._saver import Saver
 from ._set_aside import announce, earlier_branch_note, finish, listing, set_aside, visible
 from ._store import Readable, Store
@@ -189,13 +189,13 @@ class Run:
 
         tier.after_uploads(on_tier, f"set aside its steps newer than {after}")
 
-    def restored(self, step: int) -> None:
-        """The restorer loaded ``step``: a save after it sets newer steps aside if there are any
-        anywhere the run reads (the second tier too: after a lost disk it may hold the only copies),
-        plain-DCP steps included: a restore without a step picks the newest of either kind."""
-        newer = [s for store in self.restorer.stores for s in store.committed() if s > step]
-        self.restored_from = self.restorer.stores[self.restorer.last_source].url
-        self._rewound = step if newer and not self.read_only else None
+    def restored(self, loaded: Candidate) -> None:
+        """The restorer loaded ``loaded``: a save after it sets newer steps aside if rank 0's pick
+        saw any anywhere the run reads (the second tier too: after a lost disk it may hold the
+        only copies), plain-DCP steps included: a restore without a step picks the newest of
+        either kind. One answer on every rank: each rank's own listing could differ."""
+        self.restored_from = self.restorer.stores[loaded.source].url
+        self._rewound = loaded.step if loaded.newer and not self.read_only else None
 
     def restore(self, state: dict[str, Any], step: int | None, options: Options) -> int:
         """The restorer's restore of ``state``; a Ctrl-C held back until the state was loaded in
@@ -206,7 +206,8 @@ class Run:
             if self.restorer.applied is not None:
                 self.restored(self.restorer.applied)
             raise
-        self.restored(restored)
+        assert self.restorer.applied is not None  # a restore that returns has loaded a step
+        self.restored(self.restorer.applied)
         return restored
 
     def steps(self) -> list[int]:
