@@ -124,8 +124,9 @@ class Restorer:
             if step is not None:
                 self.find(step)  # names the steps there are
             raise CheckpointError(f"no valid checkpoint in {self.store.url}")
-        newer = any(s > left[0].step for store in self.stores for s in store.committed())
-        return left[0]._replace(newer=newer)
+        best = left[0]
+        newer = any(s > best.step for store in self.stores for s in store.committed())
+        return Candidate(best.step, best.source, best.location, newer)
 
     def load(self, step: int, *, verify: bool, map_location: str | torch.device | None) -> dict[str, Any]:
         store, location = self.find(step)
@@ -183,7 +184,7 @@ class _Restore:
             if failure is None:
                 return self.done(read, began)
             self.tried.append((candidate.step, candidate.source))
-            if not isinstance(failure, _Lacks):
+            if not isinstance(failure, _Lacks) and not self.gone(candidate, attempt):
                 self.skip(candidate.step, failure)
         raise AssertionError("unreachable")  # itertools.count never ends
 
@@ -215,6 +216,19 @@ class _Restore:
                     read.streams()
                 self.restorer.applied = read.candidate
         return failure
+
+    def gone(self, candidate: Candidate, attempt: int) -> bool:
+        """Whether ``candidate`` failed because it is no longer committed where it was picked (a
+        writer set it aside or deleted it since): no damage then, and the next pick is from what
+        is there now. Rank 0's answer, every rank's."""
+
+        def check() -> bool:
+            try:
+                return self.restorer.stores[candidate.source].committed_at(candidate.step) is None
+            except (OSError, CheckpointError):  # unreachable: nothing says it went
+                return False
+
+        return bool(self.restorer.group.from_rank0(("gone", candidate.step, attempt), check))
 
     def skip(self, step: int, failure: CheckpointError) -> None:
         """Go on past damaged ``step``, with a warning, while another copy or step is left."""

@@ -17,7 +17,7 @@ from ._context import Context
 from ._plain_dcp import PlainDcpSteps, said_shared
 from ._restorer import Candidate, Options, Restorer
 from ._saver import Saver
-from ._set_aside import announce, earlier_branch_note, finish, listing, set_aside, visible
+from ._set_aside import announce, earlier_branch_note, finish, listing, set_aside, set_aside_into, visible
 from ._store import Readable, Store
 
 __all__ = ["Run", "Tier", "open_run"]
@@ -206,9 +206,29 @@ class Run:
             if self.restorer.applied is not None:
                 self.restored(self.restorer.applied)
             raise
+        except CheckpointError as exc:
+            where = self._set_aside_into(step)
+            if where is None:
+                raise
+            raise CheckpointError(
+                f"step {step} was set aside into {where} (a rewind before a save moved it there): "
+                f"restore it from Checkpointer({where!r})"
+            ) from exc
         assert self.restorer.applied is not None  # a restore that returns has loaded a step
         self.restored(self.restorer.applied)
         return restored
+
+    def _set_aside_into(self, step: int | None) -> str | None:
+        """Where ``step``, which a restore asked for and found in no place the run reads, was set
+        aside (a writer may have moved it while this restore ran); None: elsewhere, or there."""
+        if step is None:
+            return None
+        try:
+            if any(store.committed_at(step) is not None for store in self.restorer.stores):
+                return None
+            return set_aside_into(self.root, step)
+        except (OSError, CheckpointError):  # unreadable now: the restore's own error says enough
+            return None
 
     def steps(self) -> list[int]:
         """Committed steps of the run's directory, plain DCP checkpoints (torchtitan's) included,

@@ -44,6 +44,7 @@ __all__ = [
     "finish",
     "listing",
     "set_aside",
+    "set_aside_into",
     "visible",
 ]
 
@@ -230,6 +231,20 @@ def listing(root: Store) -> list[dict[str, Any]]:
             }
         )
     return found
+
+
+def set_aside_into(root: Store, step: int) -> str | None:
+    """Where ``step``, no longer one of ``root``'s, went: the set-aside run a set-aside under way
+    moves it into, else the newest one holding it (None: it was never set aside)."""
+    folders = {step_name(step), f"step-{step}"}  # nbckpt's and plain DCP's
+    try:
+        intent = _intent(root)
+    except (OSError, CheckpointError):
+        intent = None
+    if intent is not None and folders & set(intent.folders):
+        return f"{root.url.rstrip('/')}/{intent.into}"
+    holding = [entry["path"] for entry in listing(root) if step in entry["steps"]]
+    return holding[-1] if holding else None
 
 
 def earlier_branch_note(root: Store) -> str | None:
