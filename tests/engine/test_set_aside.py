@@ -315,3 +315,16 @@ def test_a_step_a_writer_sets_aside_as_a_reader_reads_it_is_not_taken_for_damage
                 restored(reader, step)
     assert moved and (run / "set-aside-1" / "step-000030").is_dir()
     assert not [str(w.message) for w in said if "nbckpt" in str(w.message)]
+
+
+def test_a_reader_opened_before_a_writer_sets_steps_aside_never_picks_one_of_them(tmp_path: Path) -> None:
+    """A reader open before a writer began to set 30 and 40 aside (killed with 30 moved, 40 not
+    yet): the reader's next look sees the writer's intent, so neither is among its steps and
+    restore() reads 20 (before: its view was taken as it opened, and it restored 40)."""
+    run = tmp_path / "run"
+    saved(run, (10, 20, 30, 40)).close()
+    with Checkpointer(run, read_only=True) as reader:
+        assert reader.steps() == [10, 20, 30, 40]
+        killed_child(REWINDER, str(run))
+        assert (run / ".set-aside-intent.json").is_file() and (run / "step-000040").is_dir()
+        assert reader.steps() == [10, 20] and restored(reader) == 20
