@@ -245,14 +245,6 @@ FEATURES = {
     "plain-DCP steps": ("_plain_dcp", r"plain_?dcp|foreign"),
     "set-aside runs": ("_set_aside", r"set_?aside|branch"),
 }
-#: Engine modules that know a feature beyond the two it may have, today. Remove a module here
-#: when it stops knowing the feature, and the feature once none is left: plain-DCP steps went
-#: (one adapter, ``_plain_dcp``, wired in by ``_run``; ``_internal`` hands its listing to the
-#: integrations), and so did branches (set-aside runs: ``_set_aside``, wired in by ``_run``,
-#: listed by ``_checkpointer``; the stores' ``move`` knows only folders).
-KNOWN_BEYOND = {
-    "mirror": {"_config"},
-}
 
 
 def knowers(feature: str) -> set[str]:
@@ -283,13 +275,9 @@ def knowers(feature: str) -> set[str]:
 @pytest.mark.parametrize("feature", FEATURES)
 def test_each_optional_feature_is_known_to_at_most_two_engine_modules(feature: str) -> None:
     known = knowers(feature)
-    beyond = KNOWN_BEYOND.get(feature, set())
-    assert len(known - beyond) <= 2, (
-        f"the {feature} feature is known to {sorted(known - beyond)} (and, until issue 30's redesign "
-        f"removes them, {sorted(beyond)}): at most two engine modules may know it"
+    assert len(known) <= 2, (
+        f"the {feature} feature is known to {sorted(known)}: at most two engine modules may"
     )
-    stale = sorted(beyond - known)
-    assert not stale, f"{stale} no longer know the {feature} feature: remove them from KNOWN_BEYOND"
 
 
 #: The compat modules: the only places nbckpt reads another library's private names, one

@@ -23,7 +23,7 @@ from .._util import check_flag
 from . import _shutdown
 from ._config import CheckpointConfig, Mode
 from ._context import Context
-from ._mirror import mirror_target, open_mirror
+from ._mirror import mirror_target, open_mirror, refuse_a_mirror
 from ._open_store import open_store
 from ._ranks import join
 from ._restorer import Options, device_of
@@ -82,7 +82,7 @@ class Checkpointer:
         self._caller = ranks.caller
         self._pacer = Pacer(self.config.schedule) if self.config.schedule is not None else None
         self._grace = Grace()  # the time save_on_signal's final save has
-        opening = partial(open_run, self.store, self.config.read_only)
+        opening = partial(open_run, self.store, self.config.read_only, refuse_a_mirror)
         nonce, committed = ranks.caller.from_rank0(("open",), opening)
         try:
             self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)
@@ -304,7 +304,8 @@ class Checkpointer:
     def loaded_step(self) -> int | None:
         """The step the last :meth:`restore` loaded into its state, also when a Ctrl-C ended it
         once the state was loaded (None: that restore loaded nothing, or none ran)."""
-        return self._run.restorer.applied
+        applied = self._run.restorer.applied
+        return None if applied is None else applied.step
 
     def load(
         self, step: int | None = None, *, map_location: str | torch.device | None = None

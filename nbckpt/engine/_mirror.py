@@ -38,7 +38,7 @@ from ._store import Store
 from ._timeline import now_ns
 from ._workers import Backlog, Worker
 
-__all__ = ["Mirror", "mirror_of", "mirror_target", "open_mirror"]
+__all__ = ["Mirror", "mirror_of", "mirror_target", "open_mirror", "refuse_a_mirror"]
 
 _log = logging.getLogger("nbckpt")
 #: At the mirror's root: the run the mirror belongs to.
@@ -58,6 +58,16 @@ def mirror_of(store: Store) -> str | None:
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{store.url}/{MARKER} is not a mirror marker nbckpt wrote") from exc
     return str(run)
+
+
+def refuse_a_mirror(store: Store) -> None:
+    """ConfigError when ``store``, about to be opened as a run to write into, is a run's mirror."""
+    owner = mirror_of(store)
+    if owner is not None:
+        raise ConfigError(
+            f"{store.url} is the mirror of the run {owner}; open it with read_only=True to "
+            "read it, or name it as mirror= of that run"
+        )
 
 
 @dataclass

@@ -61,10 +61,10 @@ class Restorer:
         self.stores, self.io, self.group, self.timeline = stores, context.io, context.caller, context.timeline
         self.store = stores[0]
         self.rank = self.group.rank
-        self.last_source = 0  # which of ``stores`` the last restore read from
-        # The step the last restore loaded into the state: set inside the section a Ctrl-C
-        # cannot cut, so an interrupt delivered as it ends still knows the state was loaded.
-        self.applied: int | None = None
+        # What the last restore loaded into the state (rank 0's pick: its step, where from,
+        # whether a newer step exists): set inside the section a Ctrl-C cannot cut, so an
+        # interrupt delivered as it ends still knows the state was loaded.
+        self.applied: Candidate | None = None
 
     def find(self, step: int) -> tuple[Readable, str]:
         """The store and location of committed ``step`` (the first store that has it)."""
@@ -116,13 +116,17 @@ class Restorer:
         return sorted(found, key=lambda c: (-c.step, c.source))
 
     def pick(self, step: int | None, tried: Collection[tuple[int, int]]) -> Candidate:
-        """Rank 0's choice of checkpoint, which every rank then uses (one listing, one answer)."""
+        """Rank 0's choice of checkpoint, which every rank then uses (one listing, one answer),
+        saying whether a newer step is committed anywhere: only rank 0's view of a store hides
+        the steps a set-aside still moves there, so no other rank may answer that for itself."""
         left = self.candidates(step, tried)
         if not left:
             if step is not None:
                 self.find(step)  # names the steps there are
             raise CheckpointError(f"no valid checkpoint in {self.store.url}")
-        return left[0]
+        best = left[0]
+        newer = any(s > best.step for store in self.stores for s in store.committed())
+        return Candidate(best.step, best.source, best.location, newer)
 
     def load(self, step: int, *, verify: bool, map_location: str | torch.device | None) -> dict[str, Any]:
         store, location = self.find(step)
@@ -151,11 +155,13 @@ class Options(NamedTuple):
 
 
 class Candidate(NamedTuple):
-    """A step a restore may load: which step, from which of the restorer's stores, and where."""
+    """A step a restore may load: which step, from which of the restorer's stores, and where;
+    for rank 0's pick, whether a newer step is committed in any of them (damaged ones too)."""
 
     step: int
     source: int
     location: str
+    newer: bool = False
 
 
 class _Restore:
@@ -178,7 +184,7 @@ class _Restore:
             if failure is None:
                 return self.done(read, began)
             self.tried.append((candidate.step, candidate.source))
-            if not isinstance(failure, _Lacks):
+            if not isinstance(failure, _Lacks) and not self.gone(candidate, attempt):
                 self.skip(candidate.step, failure)
         raise AssertionError("unreachable")  # itertools.count never ends
 
@@ -208,8 +214,21 @@ class _Restore:
             if failure is None:
                 if read.streams is not None:
                     read.streams()
-                self.restorer.applied, self.restorer.last_source = read.step, read.candidate.source
+                self.restorer.applied = read.candidate
         return failure
+
+    def gone(self, candidate: Candidate, attempt: int) -> bool:
+        """Whether ``candidate`` failed because it is no longer committed where it was picked (a
+        writer set it aside or deleted it since): no damage then, and the next pick is from what
+        is there now. Rank 0's answer, every rank's."""
+
+        def check() -> bool:
+            try:
+                return self.restorer.stores[candidate.source].committed_at(candidate.step) is None
+            except (OSError, CheckpointError):  # unreachable: nothing says it went
+                return False
+
+        return bool(self.restorer.group.from_rank0(("gone", candidate.step, attempt), check))
 
     def skip(self, step: int, failure: CheckpointError) -> None:
         """Go on past damaged ``step``, with a warning, while another copy or step is left."""

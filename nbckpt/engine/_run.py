@@ -1,25 +1,26 @@
 """The run a Checkpointer opens: its directory prepared, locked and cleaned (:func:`open_run`),
 and the places its restores read (:class:`Run`), where it sets newer steps aside after a rewind
-(the set-aside runs themselves are in :mod:`._set_aside`)."""
+(the set-aside runs themselves are in :mod:`._set_aside`). A second tier (the mirror, which the
+Checkpointer wires) is known here only by what :class:`Tier` says of it."""
 
 from __future__ import annotations
 
 import logging
 import uuid
 import warnings
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
-from .._errors import CheckpointError, ConfigError, describe_error
+from .._errors import CheckpointError, describe_error
 from ._context import Context
-from ._mirror import Mirror, mirror_of
 from ._plain_dcp import PlainDcpSteps, said_shared
-from ._restorer import Options, Restorer
+from ._restorer import Candidate, Options, Restorer
 from ._saver import Saver
-from ._set_aside import announce, earlier_branch_note, finish, listing, set_aside, visible
+from ._set_aside import announce, earlier_branch_note, finish, listing, set_aside, set_aside_into, visible
 from ._store import Readable, Store
 
-__all__ = ["Run", "open_run"]
+__all__ = ["Run", "Tier", "open_run"]
 
 _log = logging.getLogger("nbckpt")
 
@@ -32,18 +33,14 @@ def said_cleaned(url: str, recovered: list[str], stacklevel: int) -> None:
     )
 
 
-def open_run(store: Store, read_only: bool) -> tuple[str, set[int]]:
+def open_run(store: Store, read_only: bool, refuse: Callable[[Store], None]) -> tuple[str, set[int]]:
     """Open the run's directory on rank 0: prepared, locked and cleaned of what interrupted saves
-    left (none of it when ``read_only``); this opening's nonce and the committed steps."""
+    left (none of it when ``read_only``); this opening's nonce and the committed steps.
+    ``refuse`` raises where the directory is no run's to write (a second tier's: its marker)."""
     if read_only:
         return "", set(store.committed())
     store.prepare()
-    owner = mirror_of(store)  # after prepare: it says best why a target is unusable
-    if owner is not None:
-        raise ConfigError(
-            f"{store.url} is the mirror of the run {owner}; open it with read_only=True to "
-            "read it, or name it as mirror= of that run"
-        )
+    refuse(store)  # after prepare: it says best why a target is unusable
     store.lock()
     try:
         recovered = store.recover()
@@ -72,47 +69,66 @@ def newer_folders(store: Store, step: int) -> list[str]:
     return [path.rsplit("/", 1)[-1] for path in locations if path != root]
 
 
+class Tier(Protocol):
+    """A second place that holds the run's steps, written on a thread of its own after each
+    commit (the mirror, which the Checkpointer wires): restores read it after the run's directory,
+    and the steps the run sets aside go aside there too, once the writes queued before are over."""
+
+    root: Store
+
+    def resume(self, run: Store) -> None:
+        """Queue what the tier lacks of ``run``'s committed steps (a crash cut its writes short)."""
+
+    def moved(self, source: Store, locations: Mapping[int, str]) -> None:
+        """Committed steps of ``source`` moved to ``locations``: writes waiting for them read there."""
+
+    def after_uploads(self, action: Callable[[Store], None], what: str) -> None:
+        """Run ``action`` on :attr:`root`, on the tier's thread, after the writes queued before."""
+
+
 class Run:
-    """The places the run's restores read (its directory, then the mirror; each followed by the
-    steps plain DCP wrote there), and the set-aside of newer steps after a rewind."""
+    """The places the run's restores read (its directory, then its second tier; each followed by
+    the steps plain DCP wrote there), and the set-aside of newer steps after a rewind."""
 
     def __init__(
         self,
         root: Store,
-        mirror: Mirror | None,
+        tier: Tier | None,
         saver: Saver,
         context: Context,
         *,
         read_only: bool,
     ) -> None:
-        self.root, self.mirror, self.saver, self.context = root, mirror, saver, context
+        self.root, self.tier, self.saver, self.context = root, tier, saver, context
         group = self.group = context.caller
         self.read_only, self._writes = read_only, group.rank == 0 and not read_only
         self.restored_from: str | None = None
         self._rewound: int | None = None  # the step restored while newer steps exist
-        if mirror is not None and self._writes:
-            self._finish_on_mirror(mirror)
-        places: list[Store] = [root] + ([mirror.root] if mirror is not None else [])
-        # what a set-aside cut short (or the mirror's, not yet done) moves is hidden from restores
+        if tier is not None and self._writes:
+            self._finish_on_tier(tier)
+        places: list[Store] = [root] + ([tier.root] if tier is not None else [])
+        # what a set-aside cut short (or the tier's, not yet done) moves is hidden from restores
         self._views = [visible(place) for place in places]
         stores: list[Readable] = []
         for view, place in zip(self._views, places, strict=True):
             stores += [view, PlainDcpSteps(place)]
         self.restorer = Restorer(stores, context)
-        if mirror is not None and self._writes:
-            mirror.resume(root)  # what a crash kept from the mirror goes up now
+        if tier is not None and self._writes:
+            tier.resume(root)  # what a crash kept from the tier goes up now
 
     @staticmethod
-    def _finish_on_mirror(mirror: Mirror) -> None:
+    def _finish_on_tier(tier: Tier) -> None:
         try:
-            finish(mirror.root)
+            finish(tier.root)
         except (OSError, CheckpointError) as exc:
-            warnings.warn(f"nbckpt: cannot finish setting steps aside on the mirror: {exc}", stacklevel=5)
+            warnings.warn(
+                f"nbckpt: cannot finish setting steps aside in {tier.root.url}: {exc}", stacklevel=5
+            )
 
     def set_aside_if_rewound(self) -> None:
         """Before the first save after restoring an older step: the newer steps move into a
         set-aside run of their own in the run's directory (rank 0 moves, the other ranks wait for
-        it), and on the mirror once the uploads queued before are over (hidden from restores
+        it), and on the second tier once the writes queued before are over (hidden from restores
         until then), so that the new save's steps never meet them."""
         if self._rewound is None:
             return
@@ -130,7 +146,7 @@ class Run:
 
     def _set_aside(self, after: int) -> str | None:
         """Rank 0's part: move the run's steps newer than ``after`` (a set-aside a crash cut short
-        is finished first) and queue the mirror's; where the run's went (None: there were none)."""
+        is finished first) and queue the tier's; where the run's went (None: there were none)."""
         try:
             finish(self.root)
             folders = newer_folders(self.root, after)
@@ -140,46 +156,46 @@ class Run:
                 f"cannot set the steps newer than {after} aside in {self.root.url}: {describe_error(exc)}"
             ) from exc
         moved = self.root.child(name) if name is not None else None
-        if self.mirror is not None:
+        if self.tier is not None:
             if moved is not None:
-                self.mirror.moved(self.root, moved.committed())  # waiting uploads read them there
-            view = self._views[1]
-            try:
-                there = newer_folders(self.mirror.root, after)
-            except (OSError, CheckpointError):  # unreachable now: its thread sets them aside later
-                there = []
-            hide = {*folders, *there} - view.hidden
-            view.hidden |= hide
-            self._announce_on_mirror(after, sorted({*folders, *there}))
-
-            def on_mirror(root: Store) -> None:
-                finish(root)
-                if there := newer_folders(root, after):
-                    _log.info(
-                        "nbckpt: set aside on the mirror in %s/%s", root.url, set_aside(root, after, there)
-                    )
-                view.hidden -= hide  # set aside there now (on a failure they stay hidden)
-
-            self.mirror.after_uploads(on_mirror, f"set aside its steps newer than {after}")
+                self.tier.moved(self.root, moved.committed())  # waiting writes read them there
+            self._set_aside_on_tier(self.tier, after, folders)
         return None if moved is None else moved.url
 
-    def _announce_on_mirror(self, after: int, folders: list[str]) -> None:
-        """Durable before the save goes on: the mirror's own intent to set ``folders`` aside (its
-        thread carries it out after the uploads queued before). Killed before that, the next
-        writable open carries it out and a reader hides them, so none is the newest step there."""
-        assert self.mirror is not None
+    def _set_aside_on_tier(self, tier: Tier, after: int, folders: list[str]) -> None:
+        """The tier's steps newer than ``after`` (``folders`` from the run, those it has of its
+        own) hidden from restores now, their intent durable before the save goes on, and moved
+        on its thread after the writes queued before. Killed before that, the next writable open
+        carries the intent out and a reader hides them, so none is the newest step there."""
+        view = self._views[1]
         try:
-            announce(self.mirror.root, after, folders)
+            there = newer_folders(tier.root, after)
+        except (OSError, CheckpointError):  # unreachable now: its thread sets them aside later
+            there = []
+        hide = {*folders, *there} - view.hidden
+        view.hidden |= hide
+        try:
+            announce(tier.root, after, sorted({*folders, *there}))
         except (OSError, CheckpointError) as exc:  # unreachable now: its thread sets them aside later
-            _log.warning("nbckpt: cannot note on the mirror that steps go aside: %s", describe_error(exc))
+            _log.warning(
+                "nbckpt: cannot note in %s that steps go aside: %s", tier.root.url, describe_error(exc)
+            )
 
-    def restored(self, step: int) -> None:
-        """The restorer loaded ``step``: a save after it sets newer steps aside if there are any
-        anywhere the run reads (the mirror too: after a lost disk it may hold the only copies),
-        plain-DCP steps included: a restore without a step picks the newest of either kind."""
-        newer = [s for store in self.restorer.stores for s in store.committed() if s > step]
-        self.restored_from = self.restorer.stores[self.restorer.last_source].url
-        self._rewound = step if newer and not self.read_only else None
+        def on_tier(root: Store) -> None:
+            finish(root)
+            if there := newer_folders(root, after):
+                _log.info("nbckpt: set aside in %s/%s", root.url, set_aside(root, after, there))
+            view.hidden -= hide  # set aside there now (on a failure they stay hidden)
+
+        tier.after_uploads(on_tier, f"set aside its steps newer than {after}")
+
+    def restored(self, loaded: Candidate) -> None:
+        """The restorer loaded ``loaded``: a save after it sets newer steps aside if rank 0's pick
+        saw any anywhere the run reads (the second tier too: after a lost disk it may hold the
+        only copies), plain-DCP steps included: a restore without a step picks the newest of
+        either kind. One answer on every rank: each rank's own listing could differ."""
+        self.restored_from = self.restorer.stores[loaded.source].url
+        self._rewound = loaded.step if loaded.newer and not self.read_only else None
 
     def restore(self, state: dict[str, Any], step: int | None, options: Options) -> int:
         """The restorer's restore of ``state``; a Ctrl-C held back until the state was loaded in
@@ -190,8 +206,29 @@ class Run:
             if self.restorer.applied is not None:
                 self.restored(self.restorer.applied)
             raise
-        self.restored(restored)
+        except CheckpointError as exc:
+            where = self._set_aside_into(step)
+            if where is None:
+                raise
+            raise CheckpointError(
+                f"step {step} was set aside into {where} (a rewind before a save moved it there): "
+                f"restore it from Checkpointer({where!r})"
+            ) from exc
+        assert self.restorer.applied is not None  # a restore that returns has loaded a step
+        self.restored(self.restorer.applied)
         return restored
+
+    def _set_aside_into(self, step: int | None) -> str | None:
+        """Where ``step``, which a restore asked for and found in no place the run reads, was set
+        aside (a writer may have moved it while this restore ran); None: elsewhere, or there."""
+        if step is None:
+            return None
+        try:
+            if any(store.committed_at(step) is not None for store in self.restorer.stores):
+                return None
+            return set_aside_into(self.root, step)
+        except (OSError, CheckpointError):  # unreadable now: the restore's own error says enough
+            return None
 
     def steps(self) -> list[int]:
         """Committed steps of the run's directory, plain DCP checkpoints (torchtitan's) included,

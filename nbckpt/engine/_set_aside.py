@@ -13,7 +13,7 @@ picks them again. A step number is then the only identifier a user needs.
 Crash safety: the intent (which folders go where) is written atomically first, then each folder
 is moved (a rename; an object store copies server-side, then deletes, the commit marker last in
 and first out), then the intent goes. Opening a run for writing finishes a leftover intent
-before anything else (:func:`finish`); a read-only open hides the steps it names
+before anything else (:func:`finish`); a reader hides the steps it names, at each look
 (:func:`visible`). So a step is restorable in exactly one place whatever the crash point.
 
 An earlier release went on in ``branch-N/`` folders (``branch.json``: parent line, fork step)
@@ -44,6 +44,7 @@ __all__ = [
     "finish",
     "listing",
     "set_aside",
+    "set_aside_into",
     "visible",
 ]
 
@@ -166,18 +167,27 @@ def finish(root: Store) -> str | None:
 
 
 class Hiding:
-    """A store as a restore sees it while a set-aside is unfinished (a crash cut it short, or the
-    mirror's thread has not done it yet): without the step folders in ``hidden``."""
+    """A store as a restore sees it: without the step folders a set-aside under way moves (its
+    intent read again at each look: a writer may begin one while this process reads the run)
+    nor those in ``hidden`` (a second tier's, which its thread has not set aside yet)."""
 
     def __init__(self, store: Store, hidden: set[str]) -> None:
         self._store, self.hidden = store, hidden
         self.url, self.is_local = store.url, store.is_local
 
+    def _hidden(self) -> set[str]:
+        try:
+            intent = _intent(self._store)
+        except (OSError, CheckpointError):  # unreadable: nothing can be said to be moving
+            intent = None
+        return self.hidden | set(intent.folders) if intent is not None else self.hidden
+
     def committed(self) -> dict[int, str]:
-        return {s: path for s, path in self._store.committed().items() if step_name(s) not in self.hidden}
+        hidden = self._hidden()  # before the listing: a step it names has not come back since
+        return {s: path for s, path in self._store.committed().items() if step_name(s) not in hidden}
 
     def committed_at(self, step: int) -> str | None:
-        return None if step_name(step) in self.hidden else self._store.committed_at(step)
+        return None if step_name(step) in self._hidden() else self._store.committed_at(step)
 
     def read_manifest(self, step: int, location: str) -> tuple[Manifest, bytes]:
         return self._store.read_manifest(step, location)
@@ -193,13 +203,10 @@ class Hiding:
 
 
 def visible(root: Store) -> Hiding:
-    """``root`` as a restore sees it: the steps a set-aside a crash cut short moves are hidden
-    (they are the set-aside run's; the next writable open moves them)."""
-    try:
-        intent = _intent(root)
-    except (OSError, CheckpointError):
-        intent = None
-    return Hiding(root, set(intent.folders) if intent is not None else set())
+    """``root`` as a restore sees it: the steps a set-aside under way (or one a crash cut short)
+    moves are hidden (they are the set-aside run's; the writer, or the next writable open, moves
+    them)."""
+    return Hiding(root, set())
 
 
 def listing(root: Store) -> list[dict[str, Any]]:
@@ -230,6 +237,20 @@ def listing(root: Store) -> list[dict[str, Any]]:
             }
         )
     return found
+
+
+def set_aside_into(root: Store, step: int) -> str | None:
+    """Where ``step``, no longer one of ``root``'s, went: the set-aside run a set-aside under way
+    moves it into, else the newest one holding it (None: it was never set aside)."""
+    folders = {step_name(step), f"step-{step}"}  # nbckpt's and plain DCP's
+    try:
+        intent = _intent(root)
+    except (OSError, CheckpointError):
+        intent = None
+    if intent is not None and folders & set(intent.folders):
+        return f"{root.url.rstrip('/')}/{intent.into}"
+    holding = [entry["path"] for entry in listing(root) if step in entry["steps"]]
+    return holding[-1] if holding else None
 
 
 def earlier_branch_note(root: Store) -> str | None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from helpers.finetune import setup, snapshot, tune
 
-from nbckpt import Checkpointer, ConfigError
+from nbckpt import Checkpointer, CheckpointError, ConfigError
 from nbckpt.engine._faults import armed
 
 
@@ -182,6 +182,18 @@ print("not killed")
 """
 
 
+def killed_child(script: str, *args: str) -> None:
+    """Run ``script`` in a process of its own, which a crash point armed there kills."""
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert child.returncode == -9, child.stderr
+
+
 @pytest.mark.parametrize("point", ["set_aside_intent", "set_aside_moving", "set_aside_moved"])
 def test_a_kill_at_any_point_of_a_set_aside_leaves_every_step_restorable_exactly_once(
     tmp_path: Path, point: str
@@ -190,14 +202,7 @@ def test_a_kill_at_any_point_of_a_set_aside_leaves_every_step_restorable_exactly
     the intent still there: a reader sees none of the steps being moved as the run's, the next
     writable open finishes the move, and each of 10, 20, 30, 40 restores from one place only."""
     run = tmp_path / "run"
-    child = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHILD), str(run), point],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert child.returncode == -9, child.stderr
+    killed_child(CHILD, str(run), point)
     assert (run / ".set-aside-intent.json").is_file()
     with Checkpointer(run, read_only=True) as reader:  # nothing finished it: its steps are hidden
         assert reader.steps() == [10, 20] and restored(reader) == 20
@@ -265,3 +270,61 @@ def test_killed_before_the_mirror_sets_steps_aside_none_of_them_is_the_newest_th
     with Checkpointer(run, mode="sync", mirror=str(mirror)) as again:
         assert restored(again) == 25 and again.steps() == [10, 20, 25]
     assert not (mirror / "step-000030").exists()
+
+
+REWINDER = """
+import sys, torch
+from nbckpt import Checkpointer
+from nbckpt.engine._store import arm_crash
+ckpt = Checkpointer(sys.argv[1], mode="sync")
+ckpt.restore({"w": torch.zeros(8), "step": 0}, step=20)
+arm_crash("set_aside_moving")
+ckpt.save({"w": torch.full((8,), 25.0), "step": 25}, step=25)
+"""
+
+
+@pytest.mark.parametrize("step", [30, None])
+def test_a_step_a_writer_sets_aside_as_a_reader_reads_it_is_not_taken_for_damage(
+    tmp_path: Path, step: int | None
+) -> None:
+    """A reader's restore picked step 30 and, as it opened its files, a writer (another process,
+    killed after the move) set 30 aside into set-aside-1. Asked for, the error says where it went;
+    not asked for, the reader picks again from what is there, 20, with no word of damage (before:
+    "step-000030/... is missing", and a fallback as if 30 were damaged; found by review)."""
+    run = tmp_path / "run"
+    saved(run, (10, 20, 30)).close()
+    moved: list[str] = []
+    once = threading.Lock()
+
+    def a_writer_moves_it(path: str) -> None:
+        with once:
+            if "step-000030" in path and not moved:
+                moved.append(path)
+                killed_child(REWINDER, str(run))
+
+    with (
+        Checkpointer(run, read_only=True) as reader,
+        armed("file.open", a_writer_moves_it),
+        warnings.catch_warnings(record=True) as said,
+    ):
+        warnings.simplefilter("always")
+        if step is None:
+            assert restored(reader) == 20
+        else:
+            with pytest.raises(CheckpointError, match=r"step 30 was set aside .*set-aside-1"):
+                restored(reader, step)
+    assert moved and (run / "set-aside-1" / "step-000030").is_dir()
+    assert not [str(w.message) for w in said if "nbckpt" in str(w.message)]
+
+
+def test_a_reader_opened_before_a_writer_sets_steps_aside_never_picks_one_of_them(tmp_path: Path) -> None:
+    """A reader open before a writer began to set 30 and 40 aside (killed with 30 moved, 40 not
+    yet): the reader's next look sees the writer's intent, so neither is among its steps and
+    restore() reads 20 (before: its view was taken as it opened, and it restored 40)."""
+    run = tmp_path / "run"
+    saved(run, (10, 20, 30, 40)).close()
+    with Checkpointer(run, read_only=True) as reader:
+        assert reader.steps() == [10, 20, 30, 40]
+        killed_child(REWINDER, str(run))
+        assert (run / ".set-aside-intent.json").is_file() and (run / "step-000040").is_dir()
+        assert reader.steps() == [10, 20] and restored(reader) == 20

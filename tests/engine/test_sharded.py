@@ -154,6 +154,8 @@ def test_2_fsdp2_ranks_with_a_frozen_embedding_each_share_their_own_files(runs: 
         result = seen["incremental"]
         assert result["exact"], result
         assert result["rewound"] == {"steps": [3, 5], "after": 3, "aside": [4], "exact": True}, rank
+        mirrored = {"restored": 6, "exact": True, "steps": [3, 5, 6, 7], "aside": [[4], [8, 9]]}
+        assert result["mirrored"] == mirrored, rank
         records, shared = result["records"], result["shared"]
         assert records[0][1] == 0 and all(skipped > 0 for _, skipped in records[1:]), records
         mine = [name for name in result["embedding"] if name.startswith(f"__{rank}_")]

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from nbckpt import BestN, Checkpointer, NbckptError
 from nbckpt.engine import _store
+from nbckpt.engine._faults import armed
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -357,11 +359,13 @@ def incremental(directory: str) -> dict[str, Any]:
     """Issue 32: FSDP2 with a frozen embedding, saved incrementally three times; each rank's files
     of the third step that are its first step's (same inode), its bytes written and skipped;
     the steps before deleted, the third restored into a model of other values, bit for bit. Then
-    a rewind: step 4, step 3 restored, step 5 saved: step 4 set aside, restored from there."""
+    a rewind: step 4, step 3 restored, step 5 saved: step 4 set aside, restored from there; and
+    one more with the mirror's set-aside waiting (:func:`rewound_with_a_mirror`)."""
     root = Path(directory) / "incremental"
     model, optim = frozen_embedding(seed=1)
     records = []
-    with Checkpointer(root, mode="sync", incremental=True, timeout_s=60) as ckpt:
+    mirror = str(root.with_name("incremental-mirror"))
+    with Checkpointer(root, mode="sync", incremental=True, mirror=mirror, timeout_s=60) as ckpt:
         for step in (1, 2, 3):
             train(model, optim, 1)
             record = ckpt.save({"model": model, "optim": optim}, step=step).wait()
@@ -400,6 +404,7 @@ def incremental(directory: str) -> dict[str, Any]:
         ckpt.restore({"model": back, "optim": back_optim}, step=3)
         ckpt.save({"model": back, "optim": back_optim}, step=5).wait()
         steps, [aside] = ckpt.steps(), ckpt.set_aside_runs()
+        mirrored = rewound_with_a_mirror(ckpt, back, back_optim)
     other, other_optim = frozen_embedding(seed=5)
     train(other, other_optim, 1)
     with Checkpointer(
@@ -416,7 +421,47 @@ def incremental(directory: str) -> dict[str, Any]:
         "exact": exact,
         "after_retention": after_retention(root.with_name("incremental-best"), fresh, fresh_optim),
         "rewound": {"steps": steps, "after": aside["after"], "aside": aside["steps"], "exact": set_aside},
+        "mirrored": mirrored,
     }
+
+
+def rewound_with_a_mirror(
+    ckpt: Checkpointer, model: nn.Module, optim: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Steps 8 (uploaded) and 9 (its upload held on rank 0's mirror thread), step 5 restored,
+    step 6 saved: 8 and 9 set aside, the mirror's set-aside queued behind 9's upload, so only rank
+    0's view of the mirror hides its step 8 meanwhile. restore() then picks 6, and whether a newer
+    step exists must be one answer on every rank: step 7 saves on both (rank 1 alone set aside and
+    waited for rank 0, which was in its save). What restore() loaded, bit for bit, and the steps."""
+    ckpt.wait()
+    train(model, optim, 1)
+    ckpt.save({"model": model, "optim": optim}, step=8).wait()
+    ckpt.wait()  # step 8 is on the mirror
+    release = threading.Event()
+
+    def held(location: str, name: str) -> None:
+        release.wait(120)
+
+    with armed("mirror.upload", held):
+        try:
+            train(model, optim, 1)
+            ckpt.save({"model": model, "optim": optim}, step=9).wait()  # rank 0's upload waits
+            ckpt.restore({"model": model, "optim": optim}, step=5)
+            train(model, optim, 1)
+            ckpt.save({"model": model, "optim": optim}, step=6).wait()
+            sixth = full_state(model, optim)
+            other, other_optim = frozen_embedding(seed=6)
+            train(other, other_optim, 1)
+            restored = ckpt.restore({"model": other, "optim": other_optim})
+            now = full_state(other, other_optim)  # every rank: it gathers
+            exact = RANK != 0 or same(now, sixth)
+            train(other, other_optim, 1)
+            ckpt.save({"model": other, "optim": other_optim}, step=7).wait()
+        finally:
+            release.set()
+    ckpt.wait()
+    aside = [entry["steps"] for entry in ckpt.set_aside_runs()]
+    return {"restored": restored, "exact": exact, "steps": ckpt.steps(), "aside": aside}
 
 
 def after_retention(root: Path, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
