@@ -134,23 +134,20 @@ class Run:
         try:
             finish(self.root)
             folders = newer_folders(self.root, after)
+        except OSError as exc:
+            raise self._not_set_aside(after, exc) from exc
+        # The mirror's intent goes first: killed while the run's steps move (or just after), the
+        # mirror's copies of them would otherwise be the newest steps the next open restores.
+        hidden = self._announce_on_mirror(after, folders) if self.mirror is not None else set()
+        try:
             name = set_aside(self.root, after, folders) if folders else None
         except OSError as exc:  # what moved stays moved: the next save (or open) finishes the rest
-            raise CheckpointError(
-                f"cannot set the steps newer than {after} aside in {self.root.url}: {describe_error(exc)}"
-            ) from exc
+            raise self._not_set_aside(after, exc) from exc
         moved = self.root.child(name) if name is not None else None
         if self.mirror is not None:
             if moved is not None:
                 self.mirror.moved(self.root, moved.committed())  # waiting uploads read them there
             view = self._views[1]
-            try:
-                there = newer_folders(self.mirror.root, after)
-            except (OSError, CheckpointError):  # unreachable now: its thread sets them aside later
-                there = []
-            hide = {*folders, *there} - view.hidden
-            view.hidden |= hide
-            self._announce_on_mirror(after, sorted({*folders, *there}))
 
             def on_mirror(root: Store) -> None:
                 finish(root)
@@ -158,20 +155,35 @@ class Run:
                     _log.info(
                         "nbckpt: set aside on the mirror in %s/%s", root.url, set_aside(root, after, there)
                     )
-                view.hidden -= hide  # set aside there now (on a failure they stay hidden)
+                view.hidden -= hidden  # set aside there now (on a failure they stay hidden)
 
             self.mirror.after_uploads(on_mirror, f"set aside its steps newer than {after}")
         return None if moved is None else moved.url
 
-    def _announce_on_mirror(self, after: int, folders: list[str]) -> None:
-        """Durable before the save goes on: the mirror's own intent to set ``folders`` aside (its
-        thread carries it out after the uploads queued before). Killed before that, the next
-        writable open carries it out and a reader hides them, so none is the newest step there."""
+    def _not_set_aside(self, after: int, exc: OSError) -> CheckpointError:
+        return CheckpointError(
+            f"cannot set the steps newer than {after} aside in {self.root.url}: {describe_error(exc)}"
+        )
+
+    def _announce_on_mirror(self, after: int, folders: list[str]) -> set[str]:
+        """Durable before the run's steps move: the mirror's own intent to set aside its steps
+        newer than ``after`` (``folders``, the run's, and those only there; its thread carries it
+        out after the uploads queued before). Killed before that, the next writable open carries
+        it out and a reader hides them, so none is the newest step there. Hidden from this
+        run's restores until then: what this hides (the mirror's thread shows it again)."""
         assert self.mirror is not None
+        view = self._views[1]
         try:
-            announce(self.mirror.root, after, folders)
+            there = newer_folders(self.mirror.root, after)
+        except (OSError, CheckpointError):  # unreachable now: its thread sets them aside later
+            there = []
+        hide = {*folders, *there} - view.hidden
+        view.hidden |= hide
+        try:
+            announce(self.mirror.root, after, sorted({*folders, *there}))
         except (OSError, CheckpointError) as exc:  # unreachable now: its thread sets them aside later
             _log.warning("nbckpt: cannot note on the mirror that steps go aside: %s", describe_error(exc))
+        return hide
 
     def restored(self, step: int) -> None:
         """The restorer loaded ``step``: a save after it sets newer steps aside if there are any

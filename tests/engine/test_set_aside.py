@@ -171,15 +171,28 @@ CHILD = """
 import sys, torch
 from nbckpt import Checkpointer
 from nbckpt.engine._store import arm_crash
-directory, point = sys.argv[1], sys.argv[2]
-ckpt = Checkpointer(directory, mode="sync")
+point, directory, mirror = sys.argv[1], sys.argv[2], (sys.argv[3:] or [None])[0]
+ckpt = Checkpointer(directory, mode="sync", mirror=mirror)
 for step in (10, 20, 30, 40):
     ckpt.save({"w": torch.full((8,), float(step)), "step": step}, step=step)
+ckpt.wait()  # every step is on the mirror too
 ckpt.restore({"w": torch.zeros(8), "step": 0}, step=20)
 arm_crash(point)
 ckpt.save({"w": torch.full((8,), 25.0), "step": 25}, step=25)
 print("not killed")
 """
+
+
+def killed_at(point: str, *directories: Path) -> None:
+    """CHILD run in a process of its own on ``directories`` (the run, the mirror), killed at ``point``."""
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHILD), point, *map(str, directories)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert child.returncode == -9, child.stderr
 
 
 @pytest.mark.parametrize("point", ["set_aside_intent", "set_aside_moving", "set_aside_moved"])
@@ -190,14 +203,7 @@ def test_a_kill_at_any_point_of_a_set_aside_leaves_every_step_restorable_exactly
     the intent still there: a reader sees none of the steps being moved as the run's, the next
     writable open finishes the move, and each of 10, 20, 30, 40 restores from one place only."""
     run = tmp_path / "run"
-    child = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHILD), str(run), point],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert child.returncode == -9, child.stderr
+    killed_at(point, run)
     assert (run / ".set-aside-intent.json").is_file()
     with Checkpointer(run, read_only=True) as reader:  # nothing finished it: its steps are hidden
         assert reader.steps() == [10, 20] and restored(reader) == 20
@@ -211,6 +217,24 @@ def test_a_kill_at_any_point_of_a_set_aside_leaves_every_step_restorable_exactly
     assert not (run / ".set-aside-intent.json").exists()
     with Checkpointer(run / "set-aside-1", read_only=True) as reader:
         assert [restored(reader, step) for step in (30, 40)] == [30, 40]
+
+
+def test_killed_while_the_run_sets_steps_aside_none_of_them_is_the_newest_on_the_mirror(
+    tmp_path: Path,
+) -> None:
+    """Killed while the run's own steps move, its mirror holding copies of them: the mirror's
+    intent was written only after the run's steps had moved, so the next open (and a reader)
+    restored the mirror's copy of the set-aside step 40 as the newest instead of 20."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    killed_at("set_aside_moving", run, mirror)
+    with Checkpointer(run, read_only=True, mirror=str(mirror)) as reader:
+        assert restored(reader) == 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the finished set-aside is said in a warning
+        ckpt = Checkpointer(run, mirror=str(mirror))
+    with ckpt:
+        assert restored(ckpt) == 20 and ckpt.steps() == [10, 20]
+    assert sorted(p.name for p in mirror.glob("step-*")) == ["step-000010", "step-000020"]
 
 
 def test_with_a_mirror_the_steps_are_set_aside_there_too_and_a_lost_disk_resumes_right(
