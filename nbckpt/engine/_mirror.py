@@ -163,9 +163,18 @@ class Mirror:
         """Queue ``step`` (committed at ``location`` of ``source``) for upload."""
         with self._lock:
             entry = _Upload(step, source, location)
-            same = [e for e in self._waiting if isinstance(e, _Upload) and e.step == step]
-            if same:  # saved again before its upload began: the one upload takes the newest copy
-                same[0].source, same[0].location = source, location
+            same = None
+            for waiting in reversed(self._waiting):
+                if isinstance(waiting, _Job):
+                    # A job (a set-aside) lies between: the step waiting is one it moves on the
+                    # mirror, saved again since. Taking its place, the new copy went up first
+                    # and was moved aside there as the old one.
+                    break
+                if waiting.step == step:
+                    same = waiting
+                    break
+            if same is not None:  # saved again before its upload began: the one upload takes the newest copy
+                same.source, same.location = source, location
                 return
             self._waiting.append(entry)
         self._submit()

@@ -237,6 +237,41 @@ def test_killed_while_the_run_sets_steps_aside_none_of_them_is_the_newest_on_the
     assert sorted(p.name for p in mirror.glob("step-*")) == ["step-000010", "step-000020"]
 
 
+def test_a_step_set_aside_and_saved_again_while_its_upload_waits_is_the_mirrors_newest(
+    tmp_path: Path,
+) -> None:
+    """Step 30's upload still waits when 20 is restored and 30 saved again: the new 30 took the
+    waiting upload's place in the mirror's queue, before the mirror's set-aside, which then moved
+    it aside there as the old 30 (the mirror's root lost the run's newest step)."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    with saved(run, (10, 20), mirror=str(mirror)) as ckpt:
+        ckpt.wait()
+    entered, release = threading.Event(), threading.Event()
+
+    def held(location: str, name: str) -> None:
+        entered.set()
+        assert release.wait(60), "the test never released the uploads"
+
+    again = {"w": torch.full((8,), 300.0), "step": 30}
+    with armed("mirror.upload", held), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the set-aside is said in a warning
+        ckpt = Checkpointer(run, mode="sync", mirror=str(mirror))
+        try:
+            ckpt.save(state_of(21), step=21)  # its upload held: 30's waits behind it
+            assert entered.wait(60)
+            ckpt.save(state_of(30), step=30)
+            restored(ckpt, 20)
+            ckpt.save(again, step=30)  # 21 and the first 30 set aside; the new 30 goes up
+        finally:
+            release.set()
+        ckpt.close()
+    with Checkpointer(mirror, read_only=True) as reader:
+        state: dict[str, Any] = {"w": torch.zeros(8), "step": -1}
+        assert reader.restore(state) == 30 and torch.equal(state["w"], again["w"])
+    with Checkpointer(mirror / "set-aside-1", read_only=True) as reader:
+        assert restored(reader, 30) == 30  # the first 30 (21, moved while it went up, is not there)
+
+
 def test_with_a_mirror_the_steps_are_set_aside_there_too_and_a_lost_disk_resumes_right(
     tmp_path: Path,
 ) -> None:
