@@ -213,7 +213,7 @@ class Mirror:
         """Committed steps of ``source`` moved to ``locations`` (step: where it is now): the
         uploads waiting for them read them there."""
         with self._lock:
-            for entry in self._waiting:
+            for entry in [*self._waiting, self._uploading]:  # the one going up: tried again there
                 if isinstance(entry, _Upload) and entry.source.url == source.url and entry.step in locations:
                     entry.location = locations[entry.step]
 
@@ -293,6 +293,11 @@ class Mirror:
         except Exception as exc:
             if store is not None and target is not None and not committed:
                 store.discard(target)
+            with self._lock:
+                moved = entry.location != location
+            if moved and not committed:  # set aside as it went up (its files gone): from there
+                self._upload(entry)
+                return
             url = store.url if store is not None else self.root.url
             message = f"step {step} is committed locally but not on the mirror {url}: {describe_error(exc)}"
             self.timeline.record("error", began, step=step, message=message)
