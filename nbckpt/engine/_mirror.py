@@ -104,6 +104,9 @@ class Mirror:
         # Per store (its URL): where the last upload committed and its files, whose
         # unchanged ones the next upload shares there instead of sending (incremental saves).
         self._last: dict[str, tuple[str, dict[str, Any]]] = {}
+        # Jobs that failed (a set-aside the mirror refused for a while): each is tried again
+        # before every later upload until it is done, on the mirror's thread.
+        self._owed: list[_Job] = []
 
     def claim(self, run: str) -> None:
         """Make the mirror this run's; ConfigError when it belongs to another run or is a run."""
@@ -219,16 +222,31 @@ class Mirror:
 
     def after_uploads(self, action: Callable[[Store], None], what: str) -> None:
         """Run ``action`` on the mirror's root, on its thread, once the uploads queued before
-        are over; what it raises is a failure :meth:`wait` returns (``what`` names it)."""
+        are over; what it raises is a failure :meth:`wait` returns (``what`` names it), and it
+        is tried again before each later upload until it is done."""
         with self._lock:
             self._waiting.append(_Job(action, what))
         self._submit()
 
-    def _do(self, job: _Job) -> None:
+    def _do(self, job: _Job, again: bool = False) -> bool:
+        """Run ``job``; whether it is done (a failure is said once, and owed from then on)."""
         try:
             job.action(self.root)
         except Exception as exc:
-            self._failed(f"the mirror {self.root.url} could not {job.what}: {describe_error(exc)}")
+            if not again:
+                self._owed.append(job)
+                self._failed(
+                    f"the mirror {self.root.url} could not {job.what} (tried again before each later "
+                    f"upload): {describe_error(exc)}"
+                )
+            return False
+        return True
+
+    def _settle_owed(self) -> None:
+        """Before an upload: the jobs owed, tried again. A set-aside left undone let a step saved
+        again since (its number reused after the rewind) go up under a name the mirror's intent
+        still lists, and the next open moved the run's newest step aside there as an old one."""
+        self._owed = [job for job in self._owed if not self._do(job, again=True)]
 
     def wait(self) -> list[str]:
         """Block until every queued upload is over; return (and forget) the failures since last."""
@@ -252,6 +270,7 @@ class Mirror:
             if isinstance(entry, _Job):
                 self._do(entry)
             elif entry is not None:
+                self._settle_owed()
                 self._upload(entry)
         finally:
             with self._lock:

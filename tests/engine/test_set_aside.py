@@ -273,6 +273,37 @@ def test_a_step_set_aside_and_saved_again_while_its_upload_waits_is_the_mirrors_
         assert reader.steps() == [21, 30] and restored(reader, 30) == 30  # the first 30
 
 
+def test_a_set_aside_the_mirror_refused_once_is_done_before_the_next_upload(tmp_path: Path) -> None:
+    """The mirror's set-aside failed once (an I/O error): the step saved again after the rewind
+    went up under the name the mirror's intent still listed, so a reader hid it, and with the
+    local disk lost the next open moved it aside there and restored 20, not the new 30."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    with saved(run, (10, 20, 30), mirror=str(mirror)) as ckpt:
+        ckpt.wait()
+    refused: list[str] = []
+
+    def once(path: str) -> None:
+        if Path(path) == mirror / "set-aside-1" and not refused:
+            refused.append(path)
+            raise OSError(5, "Input/output error", path)
+
+    again = {"w": torch.full((8,), 300.0), "step": 30}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the set-aside is said in a warning
+        with Checkpointer(run, mode="sync", mirror=str(mirror)) as ckpt, armed("dir.fsync", once):
+            restored(ckpt, 20)
+            ckpt.save(again, step=30)
+        assert refused
+        with Checkpointer(mirror, read_only=True) as reader:
+            assert reader.steps() == [10, 20, 30]
+        shutil.rmtree(run)  # the local disk is lost
+        with Checkpointer(run, mirror=str(mirror)) as ckpt:
+            state: dict[str, Any] = {"w": torch.zeros(8), "step": -1}
+            assert ckpt.restore(state) == 30 and torch.equal(state["w"], again["w"])
+    with Checkpointer(mirror / "set-aside-1", read_only=True) as reader:
+        assert restored(reader) == 30  # the first 30
+
+
 def test_with_a_mirror_the_steps_are_set_aside_there_too_and_a_lost_disk_resumes_right(
     tmp_path: Path,
 ) -> None:
