@@ -242,11 +242,19 @@ class Mirror:
             return False
         return True
 
-    def _settle_owed(self) -> None:
-        """Before an upload: the jobs owed, tried again. A set-aside left undone let a step saved
-        again since (its number reused after the rewind) go up under a name the mirror's intent
-        still lists, and the next open moved the run's newest step aside there as an old one."""
+    def _settle_owed(self, entry: _Upload) -> bool:
+        """Before ``entry``'s upload: the jobs owed, tried again; whether it may go up (none is
+        left). A set-aside left undone let a step saved again since (its number reused after the
+        rewind) go up under a name the mirror's intent still lists, and the next open (or the
+        job done later) moved the run's newest step aside there as an old one. Not uploaded, it
+        goes up when the run is opened again (:meth:`resume`), as after a crash."""
         self._owed = [job for job in self._owed if not self._do(job, again=True)]
+        if self._owed:
+            self._failed(
+                f"step {entry.step} is committed locally but not on the mirror {self.root.url}: it "
+                f"waits until the mirror can {self._owed[0].what}"
+            )
+        return not self._owed
 
     def wait(self) -> list[str]:
         """Block until every queued upload is over; return (and forget) the failures since last."""
@@ -269,8 +277,7 @@ class Mirror:
                 self._uploading = entry if isinstance(entry, _Upload) else None
             if isinstance(entry, _Job):
                 self._do(entry)
-            elif entry is not None:
-                self._settle_owed()
+            elif entry is not None and self._settle_owed(entry):
                 self._upload(entry)
         finally:
             with self._lock:

@@ -273,27 +273,33 @@ def test_a_step_set_aside_and_saved_again_while_its_upload_waits_is_the_mirrors_
         assert reader.steps() == [21, 30] and restored(reader, 30) == 30  # the first 30
 
 
-def test_a_set_aside_the_mirror_refused_once_is_done_before_the_next_upload(tmp_path: Path) -> None:
+@pytest.mark.parametrize("refusals", [1, 2])
+def test_a_set_aside_the_mirror_refused_is_done_before_the_next_upload(tmp_path: Path, refusals: int) -> None:
     """The mirror's set-aside failed once (an I/O error): the step saved again after the rewind
     went up under the name the mirror's intent still listed, so a reader hid it, and with the
-    local disk lost the next open moved it aside there and restored 20, not the new 30."""
+    local disk lost the next open moved it aside there and restored 20, not the new 30. Refused
+    again when tried before that upload, the upload waits for the run's next open."""
     run, mirror = tmp_path / "run", tmp_path / "mirror"
     with saved(run, (10, 20, 30), mirror=str(mirror)) as ckpt:
         ckpt.wait()
     refused: list[str] = []
 
-    def once(path: str) -> None:
-        if Path(path) == mirror / "set-aside-1" and not refused:
+    def refuse(path: str) -> None:
+        if Path(path) == mirror / "set-aside-1" and len(refused) < refusals:
             refused.append(path)
             raise OSError(5, "Input/output error", path)
 
     again = {"w": torch.full((8,), 300.0), "step": 30}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the set-aside is said in a warning
-        with Checkpointer(run, mode="sync", mirror=str(mirror)) as ckpt, armed("dir.fsync", once):
+        warnings.simplefilter("ignore")  # the set-aside and the mirror's failures are said in warnings
+        with Checkpointer(run, mode="sync", mirror=str(mirror)) as ckpt, armed("dir.fsync", refuse):
             restored(ckpt, 20)
             ckpt.save(again, step=30)
-        assert refused
+            ckpt.wait()  # the mirror's thread too
+        assert len(refused) == refusals
+        with Checkpointer(mirror, read_only=True) as reader:
+            assert reader.steps() == [10, 20, 30][: 4 - refusals]  # the new 30, or none yet
+        Checkpointer(run, mirror=str(mirror)).close()  # a reopened run uploads what the mirror lacks
         with Checkpointer(mirror, read_only=True) as reader:
             assert reader.steps() == [10, 20, 30]
         shutil.rmtree(run)  # the local disk is lost
