@@ -114,6 +114,9 @@ class Mirror:
         # Per store (its URL): where the last upload committed and its files, whose
         # unchanged ones the next upload shares there instead of sending (incremental saves).
         self._last: dict[str, tuple[str, dict[str, Any]]] = {}
+        # Jobs that failed (a set-aside the mirror refused for a while): each is tried again
+        # before every later upload until it is done, on the mirror's thread.
+        self._owed: list[_Job] = []
 
     def claim(self, run: str) -> None:
         """Make the mirror this run's; ConfigError when it belongs to another run or is a run."""
@@ -173,9 +176,18 @@ class Mirror:
         """Queue ``step`` (committed at ``location`` of ``source``) for upload."""
         with self._lock:
             entry = _Upload(step, source, location)
-            same = [e for e in self._waiting if isinstance(e, _Upload) and e.step == step]
-            if same:  # saved again before its upload began: the one upload takes the newest copy
-                same[0].source, same[0].location = source, location
+            same = None
+            for waiting in reversed(self._waiting):
+                if isinstance(waiting, _Job):
+                    # A job (a set-aside) lies between: the step waiting is one it moves on the
+                    # mirror, saved again since. Taking its place, the new copy went up first
+                    # and was moved aside there as the old one.
+                    break
+                if waiting.step == step:
+                    same = waiting
+                    break
+            if same is not None:  # saved again before its upload began: the one upload takes the newest copy
+                same.source, same.location = source, location
                 return
             self._waiting.append(entry)
         self._submit()
@@ -214,22 +226,45 @@ class Mirror:
         """Committed steps of ``source`` moved to ``locations`` (step: where it is now): the
         uploads waiting for them read them there."""
         with self._lock:
-            for entry in self._waiting:
+            for entry in [*self._waiting, self._uploading]:  # the one going up: tried again there
                 if isinstance(entry, _Upload) and entry.source.url == source.url and entry.step in locations:
                     entry.location = locations[entry.step]
 
     def after_uploads(self, action: Callable[[Store], None], what: str) -> None:
         """Run ``action`` on the mirror's root, on its thread, once the uploads queued before
-        are over; what it raises is a failure :meth:`wait` returns (``what`` names it)."""
+        are over; what it raises is a failure :meth:`wait` returns (``what`` names it), and it
+        is tried again before each later upload until it is done."""
         with self._lock:
             self._waiting.append(_Job(action, what))
         self._submit()
 
-    def _do(self, job: _Job) -> None:
+    def _do(self, job: _Job, again: bool = False) -> bool:
+        """Run ``job``; whether it is done (a failure is said once, and owed from then on)."""
         try:
             job.action(self.root)
         except Exception as exc:
-            self._failed(f"the mirror {self.root.url} could not {job.what}: {describe_error(exc)}")
+            if not again:
+                self._owed.append(job)
+                self._failed(
+                    f"the mirror {self.root.url} could not {job.what} (tried again before each later "
+                    f"upload): {describe_error(exc)}"
+                )
+            return False
+        return True
+
+    def _settle_owed(self, entry: _Upload) -> bool:
+        """Before ``entry``'s upload: the jobs owed, tried again; whether it may go up (none is
+        left). A set-aside left undone let a step saved again since (its number reused after the
+        rewind) go up under a name the mirror's intent still lists, and the next open (or the
+        job done later) moved the run's newest step aside there as an old one. Not uploaded, it
+        goes up when the run is opened again (:meth:`resume`), as after a crash."""
+        self._owed = [job for job in self._owed if not self._do(job, again=True)]
+        if self._owed:
+            self._failed(
+                f"step {entry.step} is committed locally but not on the mirror {self.root.url}: it "
+                f"waits until the mirror can {self._owed[0].what}"
+            )
+        return not self._owed
 
     def wait(self) -> list[str]:
         """Block until every queued upload is over; return (and forget) the failures since last."""
@@ -252,7 +287,7 @@ class Mirror:
                 self._uploading = entry if isinstance(entry, _Upload) else None
             if isinstance(entry, _Job):
                 self._do(entry)
-            elif entry is not None:
+            elif entry is not None and self._settle_owed(entry):
                 self._upload(entry)
         finally:
             with self._lock:
@@ -294,6 +329,11 @@ class Mirror:
         except Exception as exc:
             if store is not None and target is not None and not committed:
                 store.discard(target)
+            with self._lock:
+                moved = entry.location != location
+            if moved and not committed:  # set aside as it went up (its files gone): from there
+                self._upload(entry)
+                return
             url = store.url if store is not None else self.root.url
             message = f"step {step} is committed locally but not on the mirror {url}: {describe_error(exc)}"
             self.timeline.record("error", began, step=step, message=message)

@@ -48,23 +48,32 @@ class Arrivals:
     def __init__(self, store: Any, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
         self._store, self._prefix, self._rank, self._world = store, prefix, rank, world_size
         self._timeout = timeout_s
-        self._count = 0
+        self.count = 0
 
     def wait(self, tag: Tag) -> None:
         """Return once every rank has reached this collective; ConfigError naming the ranks
         missing after the deadline."""
-        self._count += 1
-        here = f"{self._prefix}/{self._count}"
+        self.count += 1
+        here = f"{self._prefix}/{self.count}"
         self._store.set(f"{here}/{self._rank}", "")
-        if self._count > 2:  # every rank has passed the collective after that one: never read again
+        if self.count > 2:  # every rank has passed the collective after that one: never read again
             with suppress(Exception):  # a store that cannot delete only keeps a few bytes more
-                self._store.delete_key(f"{self._prefix}/{self._count - 2}/{self._rank}")
+                self._store.delete_key(f"{self._prefix}/{self.count - 2}/{self._rank}")
         keys = [f"{here}/{r}" for r in range(self._world)]
         fault_point("ranks.arrive", tag)
         try:
             self._store.wait(keys, timedelta(seconds=min(ARRIVAL_TIMEOUT_S, self._timeout)))
         except Exception as exc:
             missing = [str(r) for r, key in enumerate(keys) if not self._store.check([key])]
+            if not missing:
+                return  # the last came as the deadline passed
+            # Withdrawn, and not counted: the ranks that never came check in at this count for
+            # their next collective, and this rank's next one meets them there. Counted, every
+            # later collective found the others a check-in behind: refused, or one of them went
+            # on alone into its all-gather (a refused rank-0-only delete broke the next saves).
+            with suppress(Exception):
+                self._store.delete_key(f"{here}/{self._rank}")
+            self.count -= 1
             raise ConfigError(
                 f"rank {self._rank} is in {_what(tag)}, rank(s) {', '.join(missing)} did not come to it "
                 f"within {min(ARRIVAL_TIMEOUT_S, self._timeout):.0f} s: every rank must make the same "
@@ -81,6 +90,12 @@ class Group:
         self.rank = rank
         self.world_size = world_size
         self._arrivals = arrivals
+
+    @property
+    def check_ins(self) -> int:
+        """The collectives every rank came to so far (0 without a check-in): one refused because
+        a rank did not come counts on no rank, and its caller undoes what it counted for it."""
+        return self._arrivals.count if self._arrivals is not None else 0
 
     def exchange(self, tag: Tag, run: Callable[[], T], *, arrive_first: bool = False) -> list[T]:
         """Run ``run`` here, give every rank every rank's result; an error anywhere is raised on

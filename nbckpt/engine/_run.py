@@ -150,23 +150,33 @@ class Run:
         try:
             finish(self.root)
             folders = newer_folders(self.root, after)
+        except OSError as exc:
+            raise self._not_set_aside(after, exc) from exc
+        # The tier's intent goes first: killed while the run's steps move (or just after), the
+        # tier's copies of them would otherwise be the newest steps the next open restores.
+        on_tier = self._announce_on_tier(self.tier, after, folders) if self.tier is not None else None
+        try:
             name = set_aside(self.root, after, folders) if folders else None
         except OSError as exc:  # what moved stays moved: the next save (or open) finishes the rest
-            raise CheckpointError(
-                f"cannot set the steps newer than {after} aside in {self.root.url}: {describe_error(exc)}"
-            ) from exc
+            raise self._not_set_aside(after, exc) from exc
         moved = self.root.child(name) if name is not None else None
-        if self.tier is not None:
+        if self.tier is not None and on_tier is not None:
             if moved is not None:
                 self.tier.moved(self.root, moved.committed())  # waiting writes read them there
-            self._set_aside_on_tier(self.tier, after, folders)
+            self.tier.after_uploads(on_tier, f"set aside its steps newer than {after}")
         return None if moved is None else moved.url
 
-    def _set_aside_on_tier(self, tier: Tier, after: int, folders: list[str]) -> None:
-        """The tier's steps newer than ``after`` (``folders`` from the run, those it has of its
-        own) hidden from restores now, their intent durable before the save goes on, and moved
-        on its thread after the writes queued before. Killed before that, the next writable open
-        carries the intent out and a reader hides them, so none is the newest step there."""
+    def _not_set_aside(self, after: int, exc: OSError) -> CheckpointError:
+        return CheckpointError(
+            f"cannot set the steps newer than {after} aside in {self.root.url}: {describe_error(exc)}"
+        )
+
+    def _announce_on_tier(self, tier: Tier, after: int, folders: list[str]) -> Callable[[Store], None]:
+        """Durable before the run's steps move: the tier's own intent to set aside its steps newer
+        than ``after`` (``folders``, the run's, and those only there), hidden from this run's
+        restores now. Killed before its thread carries it out (after the writes queued before),
+        the next writable open does, and a reader hides them, so none is the newest step there.
+        Returns what its thread runs."""
         view = self._views[1]
         try:
             there = newer_folders(tier.root, after)
@@ -187,7 +197,7 @@ class Run:
                 _log.info("nbckpt: set aside in %s/%s", root.url, set_aside(root, after, there))
             view.hidden -= hide  # set aside there now (on a failure they stay hidden)
 
-        tier.after_uploads(on_tier, f"set aside its steps newer than {after}")
+        return on_tier
 
     def restored(self, loaded: Candidate) -> None:
         """The restorer loaded ``loaded``: a save after it sets newer steps aside if rank 0's pick

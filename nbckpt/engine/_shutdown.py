@@ -301,6 +301,16 @@ class Deferral:
             if self._depth == 0:
                 self._run(step and ended, closed())
 
+    def _save_with_the_others(self, save: Callable[[], object]) -> None:
+        """The final save another rank's signal asks of this one. A signal of this rank's own
+        waits for it to end (as inside a call): handled at once, it ended the process in the
+        middle of the save, and the other ranks' final save with it never committed."""
+        self._depth += 1
+        try:
+            save()
+        finally:
+            self._depth -= 1
+
     def _run(self, step: bool, closed: bool) -> None:
         """``step``: a step ended (not by an exception: the other ranks are not here then)."""
         deferred = self._deferred
@@ -310,8 +320,12 @@ class Deferral:
                 return
             if deferred is None and self.save_here is not None:
                 self.done = True  # every rank saves now, and once
-                self.save_here()  # not signalled (yet) here: save with the others, go on
-                return
+                self._save_with_the_others(self.save_here)
+                # A signal of this rank's own that came in the exchange or the save waited for
+                # it: it ends the process now, not after one more step the others never join.
+                deferred = self._deferred
+                if deferred is None:
+                    return  # not signalled here: go on
         if deferred is not None:
             self._deferred, self._now = None, True
             try:

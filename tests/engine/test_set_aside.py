@@ -171,10 +171,11 @@ CHILD = """
 import sys, torch
 from nbckpt import Checkpointer
 from nbckpt.engine._store import arm_crash
-directory, point = sys.argv[1], sys.argv[2]
-ckpt = Checkpointer(directory, mode="sync")
+point, directory, mirror = sys.argv[1], sys.argv[2], (sys.argv[3:] or [None])[0]
+ckpt = Checkpointer(directory, mode="sync", mirror=mirror)
 for step in (10, 20, 30, 40):
     ckpt.save({"w": torch.full((8,), float(step)), "step": step}, step=step)
+ckpt.wait()  # every step is on the mirror too
 ckpt.restore({"w": torch.zeros(8), "step": 0}, step=20)
 arm_crash(point)
 ckpt.save({"w": torch.full((8,), 25.0), "step": 25}, step=25)
@@ -194,6 +195,11 @@ def killed_child(script: str, *args: str) -> None:
     assert child.returncode == -9, child.stderr
 
 
+def killed_at(point: str, *directories: Path) -> None:
+    """CHILD run on ``directories`` (the run, the mirror), killed at ``point``."""
+    killed_child(CHILD, point, *map(str, directories))
+
+
 @pytest.mark.parametrize("point", ["set_aside_intent", "set_aside_moving", "set_aside_moved"])
 def test_a_kill_at_any_point_of_a_set_aside_leaves_every_step_restorable_exactly_once(
     tmp_path: Path, point: str
@@ -202,7 +208,7 @@ def test_a_kill_at_any_point_of_a_set_aside_leaves_every_step_restorable_exactly
     the intent still there: a reader sees none of the steps being moved as the run's, the next
     writable open finishes the move, and each of 10, 20, 30, 40 restores from one place only."""
     run = tmp_path / "run"
-    killed_child(CHILD, str(run), point)
+    killed_at(point, run)
     assert (run / ".set-aside-intent.json").is_file()
     with Checkpointer(run, read_only=True) as reader:  # nothing finished it: its steps are hidden
         assert reader.steps() == [10, 20] and restored(reader) == 20
@@ -216,6 +222,97 @@ def test_a_kill_at_any_point_of_a_set_aside_leaves_every_step_restorable_exactly
     assert not (run / ".set-aside-intent.json").exists()
     with Checkpointer(run / "set-aside-1", read_only=True) as reader:
         assert [restored(reader, step) for step in (30, 40)] == [30, 40]
+
+
+def test_killed_while_the_run_sets_steps_aside_none_of_them_is_the_newest_on_the_mirror(
+    tmp_path: Path,
+) -> None:
+    """Killed while the run's own steps move, its mirror holding copies of them: the mirror's
+    intent was written only after the run's steps had moved, so the next open (and a reader)
+    restored the mirror's copy of the set-aside step 40 as the newest instead of 20."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    killed_at("set_aside_moving", run, mirror)
+    with Checkpointer(run, read_only=True, mirror=str(mirror)) as reader:
+        assert restored(reader) == 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the finished set-aside is said in a warning
+        ckpt = Checkpointer(run, mirror=str(mirror))
+    with ckpt:
+        assert restored(ckpt) == 20 and ckpt.steps() == [10, 20]
+    assert sorted(p.name for p in mirror.glob("step-*")) == ["step-000010", "step-000020"]
+
+
+def test_a_step_set_aside_and_saved_again_while_its_upload_waits_is_the_mirrors_newest(
+    tmp_path: Path,
+) -> None:
+    """Step 30's upload still waits when 20 is restored and 30 saved again: the new 30 took the
+    waiting upload's place in the mirror's queue, before the mirror's set-aside, which then moved
+    it aside there as the old 30 (the mirror's root lost the run's newest step). Step 21, set
+    aside as it went up, failed its upload and was missing from the mirror's set-aside run."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    with saved(run, (10, 20), mirror=str(mirror)) as ckpt:
+        ckpt.wait()
+    entered, release = threading.Event(), threading.Event()
+
+    def held(location: str, name: str) -> None:
+        entered.set()
+        assert release.wait(60), "the test never released the uploads"
+
+    again = {"w": torch.full((8,), 300.0), "step": 30}
+    with armed("mirror.upload", held), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the set-aside is said in a warning
+        ckpt = Checkpointer(run, mode="sync", mirror=str(mirror))
+        try:
+            ckpt.save(state_of(21), step=21)  # its upload held: 30's waits behind it
+            assert entered.wait(60)
+            ckpt.save(state_of(30), step=30)
+            restored(ckpt, 20)
+            ckpt.save(again, step=30)  # 21 and the first 30 set aside; the new 30 goes up
+        finally:
+            release.set()
+        ckpt.close()
+    with Checkpointer(mirror, read_only=True) as reader:
+        state: dict[str, Any] = {"w": torch.zeros(8), "step": -1}
+        assert reader.restore(state) == 30 and torch.equal(state["w"], again["w"])
+    with Checkpointer(mirror / "set-aside-1", read_only=True) as reader:
+        assert reader.steps() == [21, 30] and restored(reader, 30) == 30  # the first 30
+
+
+@pytest.mark.parametrize("refusals", [1, 2])
+def test_a_set_aside_the_mirror_refused_is_done_before_the_next_upload(tmp_path: Path, refusals: int) -> None:
+    """The mirror's set-aside failed once (an I/O error): the step saved again after the rewind
+    went up under the name the mirror's intent still listed, so a reader hid it, and with the
+    local disk lost the next open moved it aside there and restored 20, not the new 30. Refused
+    again when tried before that upload, the upload waits for the run's next open."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    with saved(run, (10, 20, 30), mirror=str(mirror)) as ckpt:
+        ckpt.wait()
+    refused: list[str] = []
+
+    def refuse(path: str) -> None:
+        if Path(path) == mirror / "set-aside-1" and len(refused) < refusals:
+            refused.append(path)
+            raise OSError(5, "Input/output error", path)
+
+    again = {"w": torch.full((8,), 300.0), "step": 30}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the set-aside and the mirror's failures are said in warnings
+        with Checkpointer(run, mode="sync", mirror=str(mirror)) as ckpt, armed("dir.fsync", refuse):
+            restored(ckpt, 20)
+            ckpt.save(again, step=30)
+            ckpt.wait()  # the mirror's thread too
+        assert len(refused) == refusals
+        with Checkpointer(mirror, read_only=True) as reader:
+            assert reader.steps() == [10, 20, 30][: 4 - refusals]  # the new 30, or none yet
+        Checkpointer(run, mirror=str(mirror)).close()  # a reopened run uploads what the mirror lacks
+        with Checkpointer(mirror, read_only=True) as reader:
+            assert reader.steps() == [10, 20, 30]
+        shutil.rmtree(run)  # the local disk is lost
+        with Checkpointer(run, mirror=str(mirror)) as ckpt:
+            state: dict[str, Any] = {"w": torch.zeros(8), "step": -1}
+            assert ckpt.restore(state) == 30 and torch.equal(state["w"], again["w"])
+    with Checkpointer(mirror / "set-aside-1", read_only=True) as reader:
+        assert restored(reader) == 30  # the first 30
 
 
 def test_with_a_mirror_the_steps_are_set_aside_there_too_and_a_lost_disk_resumes_right(

@@ -193,7 +193,7 @@ def save_on_rank0_only(directory: str) -> dict[str, Any]:
     first save (no layout agreed yet) is refused on the caller's thread. In a second run, after
     a save by both ranks: ``delete(1)`` on rank 0 alone is refused before it deletes anything, and
     a save on rank 0 alone (staged at once with the agreed layout, the ranks' agreement on the
-    persist thread) fails in its ``wait``; nothing is committed."""
+    persist thread) fails in its ``wait``; nothing is committed. Then a save by both commits."""
     _ranks.ARRIVAL_TIMEOUT_S = 3.0
     torch.manual_seed(0)  # the same weights on both ranks, as DDP makes them
     model = torch.nn.Linear(4, 4)
@@ -216,6 +216,9 @@ def save_on_rank0_only(directory: str) -> dict[str, Any]:
             result["agreed_seconds"] = time.monotonic() - began
         dist.all_reduce(torch.ones(1))
         result["agreed_steps"] = ckpt.steps()
+        # the Checkpointer outlives what rank 0 was refused: the next save of both ranks commits
+        result["together"] = outcome(lambda: ckpt.save({"model": model}, step=3).wait())
+        result["together_steps"] = ckpt.steps()
     return result
 
 

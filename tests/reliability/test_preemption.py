@@ -177,7 +177,10 @@ def test_whole_step_defers_the_final_save_past_a_failing_step_and_past_saves_ins
 def test_sigterm_to_every_rank_commits_one_final_step_of_all_of_them(tmp_path: Path, world_size: int) -> None:
     """SIGTERM to every rank after step 12, as torchrun's agent forwards it: each rank's final
     save waits for the end of its step (their all-reduce keeps them in step), and the ranks
-    commit one final step together, which plain ``dcp.load`` reads as nbckpt restores it."""
+    commit one final step together, which plain ``dcp.load`` reads as nbckpt restores it. With 2
+    ranks the signals come apart, in a fixed order: rank 0's in the middle of step 12, rank 1's
+    while it makes the final save rank 0's asks of it (found by review: that signal ended rank 1
+    in the middle of its save, and the final step never committed)."""
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -186,14 +189,22 @@ def test_sigterm_to_every_rank_commits_one_final_step_of_all_of_them(tmp_path: P
         "OMP_NUM_THREADS": "1",
     }
     command = [sys.executable, preempted_child.__file__, str(tmp_path / "run"), "--timeout", "30"]
-    others = [RankProcess.start(command, {**env, "RANK": str(rank)}) for rank in range(1, world_size)]
+    apart = world_size == 2
+    others = [
+        RankProcess.start(command + ["--signal-in-final"] * apart, {**env, "RANK": str(rank)})
+        for rank in range(1, world_size)
+    ]
     first = subprocess.Popen(
-        command, env={**env, "RANK": "0"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command + ["--signal-at", "12"] * apart,
+        env={**env, "RANK": "0"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert first.stdout is not None
         for line in first.stdout:
-            if int(line.split()[1]) == 12:
+            if int(line.split()[1]) == 12 and not apart:
                 for proc in [first, *(other.proc for other in others)]:
                     proc.send_signal(signal.SIGTERM)
                 break

@@ -148,7 +148,7 @@ def test_a_save_called_on_one_rank_of_a_group_is_an_error_in_seconds_not_a_hang(
     arrival deadline (3 s here), and nothing is committed. After a save by both ranks (a layout
     agreed: a save stages at once and the ranks agree on the persist thread), a save on rank 0
     alone fails in its ``wait`` the same way, and a ``delete`` on rank 0 alone is refused before it
-    deletes anything (it used to delete, then fail)."""
+    deletes anything (it used to delete, then fail). Then a save by both ranks commits."""
     results = run_ranks("save_on_rank0_only", tmp_path / "run")
     assert all(code == 0 for code, _, _ in results.values()), results
     seen = results[0][1]
@@ -162,6 +162,10 @@ def test_a_save_called_on_one_rank_of_a_group_is_an_error_in_seconds_not_a_hang(
     assert "rank(s) 1 did not come to it within 3 s" in seen["agreed_outcome"], seen
     assert "ranks='local'" in seen["agreed_outcome"] and seen["agreed_seconds"] < 60, seen
     assert seen["agreed_steps"] == [1] and results[1][1]["agreed_steps"] == [1]
+    # Both ranks' next save commits: the refused calls left the ranks' check-ins in step (each
+    # refusal counted one check-in on rank 0 alone, and every later call failed or hung).
+    assert [results[r][1]["together"] for r in (0, 1)] == ["ok", "ok"], results
+    assert seen["together_steps"] == [1, 3] == results[1][1]["together_steps"]
 
 
 def test_every_rank_saves_when_rank0s_schedule_says_so(tmp_path: Path) -> None:
