@@ -171,8 +171,8 @@ class Hiding:
     intent read again at each look: a writer may begin one while this process reads the run)
     nor those in ``hidden`` (a second tier's, which its thread has not set aside yet)."""
 
-    def __init__(self, store: Store, hidden: set[str]) -> None:
-        self._store, self.hidden = store, hidden
+    def __init__(self, store: Store) -> None:
+        self._store, self.hidden = store, set[str]()
         self.url, self.is_local = store.url, store.is_local
 
     def _hidden(self) -> set[str]:
@@ -206,7 +206,7 @@ def visible(root: Store) -> Hiding:
     """``root`` as a restore sees it: the steps a set-aside under way (or one a crash cut short)
     moves are hidden (they are the set-aside run's; the writer, or the next writable open, moves
     them)."""
-    return Hiding(root, set())
+    return Hiding(root)
 
 
 def listing(root: Store) -> list[dict[str, Any]]:
