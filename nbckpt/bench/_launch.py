@@ -37,8 +37,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from types import FrameType
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import psutil
@@ -47,6 +46,7 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url
 from ..engine import Event
+from ..engine._internal import deferred_interrupt
 from ._compare import ComparisonInterrupted
 from ._comparison import Comparison
 
@@ -60,7 +60,6 @@ __all__ = [
     "arm_launch_seam",
     "decode",
     "failure_line",
-    "interrupts_held",
     "last_line",
     "run_local_ranks",
     "torchrun_local",
@@ -106,26 +105,6 @@ def arm_launch_seam(seam: Callable[[str, RankLaunch], None] | None) -> None:
 def _reached(point: str, launch: RankLaunch) -> None:
     if _seam is not None:
         _seam(point, launch)
-
-
-@contextlib.contextmanager
-def interrupts_held() -> Iterator[None]:
-    """A Ctrl-C (SIGINT) that comes inside the block is handled at its end, as it would have been.
-    Between torchrun's start and the moment the caller holds its launch, a KeyboardInterrupt would
-    leave torchrun (a session of its own) running with nothing to end it. Only the main thread
-    hears SIGINT: elsewhere, or with a handler not set from Python, nothing changes."""
-    current = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or current is None:
-        yield
-        return
-    came: list[FrameType | None] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: came.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, current)
-        if came and callable(current):
-            current(signal.SIGINT, came[0])
 
 
 class EventWriter:
@@ -466,7 +445,7 @@ def run_local_ranks(
         launch: RankLaunch | None = None
         done = cut = False
         try:
-            with interrupts_held():  # raised once ``launch`` is set, and so ended below
+            with deferred_interrupt():  # a Ctrl-C raised once ``launch`` is set, and so ended below
                 launch = RankLaunch(size, bench_argv, out, events=True)
             comparison = _follow(launch, out, on_event, on_line, on_start)
             done = True

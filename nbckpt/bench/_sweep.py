@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError
-from ..engine._internal import write_atomic
+from ..engine._internal import deferred_interrupt, write_atomic
 from ._compare import add_bench_arguments
 from ._comparison import Comparison, _json_value
 from ._job import _number
-from ._launch import RankLaunch, interrupts_held
+from ._launch import RankLaunch
 
 __all__ = [
     "SCALING_SCHEMA",
@@ -116,7 +116,7 @@ def run_size(size: int, bench_argv: Sequence[str], json_path: str) -> dict[str, 
             _seam(line, launch.proc)
 
     try:
-        with interrupts_held():  # raised once ``launch`` is set, and so ended below
+        with deferred_interrupt():  # a Ctrl-C raised once ``launch`` is set, and so ended below
             launch = RankLaunch(size, bench_argv, json_path)
         code = launch.stream(show)
         if code != 0:
