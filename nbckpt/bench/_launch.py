@@ -6,9 +6,10 @@ whatever ends the run (it finished, a rank died, Stop, Ctrl-C, a closed Lab, the
 exit): torchrun starts in a session of its own (a Ctrl-C or Kernel > Interrupt reaches the caller
 alone), every process under it is noted while it runs, and :meth:`RankLaunch.end` sends torchrun
 SIGTERM (it passes it to its ranks, which clean up as after Ctrl-C), waits, and kills whatever
-noted process is left. A rank that dies is named in one line (:meth:`RankLaunch.failure`): which
-rank, its exit code or signal, and its last line on stderr (torchrun tees each rank's stderr
-into a log folder of the launch's own, removed at the end).
+noted process is left; a Ctrl-C pressed again meanwhile kills what is left at once, and one while
+torchrun starts is held until the launch can be ended. A rank that dies is named in one line
+(:meth:`RankLaunch.failure`): which rank, its exit code or signal, and its last line on stderr
+(torchrun tees each rank's stderr into a log folder of the launch's own, removed at the end).
 
 With ``events``, every rank streams what it measures as it happens: ``nbckpt bench --events``
 makes each rank write one JSON line per event and per progress line to its stdout
@@ -45,6 +46,7 @@ import torch
 from .._errors import CheckpointError, ConfigError
 from .._util import is_url
 from ..engine import Event
+from ..engine._internal import deferred_interrupt
 from ._compare import ComparisonInterrupted
 from ._comparison import Comparison
 
@@ -55,6 +57,7 @@ __all__ = [
     "TERMINATE_S",
     "EventWriter",
     "RankLaunch",
+    "arm_launch_seam",
     "decode",
     "failure_line",
     "last_line",
@@ -88,6 +91,20 @@ _NOTE_EVERY_S = 0.5
 
 # Launches not ended yet: ended at the interpreter's exit (a kernel shut down or restarted).
 _running: weakref.WeakSet[RankLaunch] = weakref.WeakSet()
+#: The test-only seam: ``seam(point, launch)`` at "started" (torchrun has just started, on the
+#: caller's thread) and "ending" (torchrun has just been sent SIGTERM by :meth:`RankLaunch.end`).
+_seam: Callable[[str, RankLaunch], None] | None = None
+
+
+def arm_launch_seam(seam: Callable[[str, RankLaunch], None] | None) -> None:
+    """Arm (None: disarm) the test-only seam, to press Ctrl-C at a defined point of a launch."""
+    global _seam
+    _seam = seam
+
+
+def _reached(point: str, launch: RankLaunch) -> None:
+    if _seam is not None:
+        _seam(point, launch)
 
 
 class EventWriter:
@@ -290,7 +307,9 @@ class RankLaunch:
         self.tail: deque[str] = deque(maxlen=200)
         self.stopped = False  # by terminate(): its end is no failure
         self._noted_at = 0.0
+        self._reader: threading.Thread | None = None  # read_in_background's
         _running.add(self)
+        _reached("started", self)
 
     def note(self) -> None:
         """Note every process under torchrun now (they are orphaned if torchrun dies first)."""
@@ -324,6 +343,18 @@ class RankLaunch:
             else:
                 on_line(item)
 
+    def read_in_background(self, on_event: Callable[[Event], None], on_line: Callable[[str], None]) -> None:
+        """:meth:`read_events` on a thread of its own; :meth:`end` waits for it."""
+        self._reader = threading.Thread(
+            target=self.read_events, args=(on_event, on_line), name="nbckpt-rank-events", daemon=True
+        )
+        self._reader.start()
+
+    def wait_for_events(self) -> None:
+        """Until every event is read (torchrun has ended: the ranks have closed the pipe)."""
+        if self._reader is not None:
+            self._reader.join()
+
     def terminate(self) -> None:
         """Ask torchrun to end its ranks, from any thread, at once; :meth:`end` waits for them."""
         self.stopped = True
@@ -332,17 +363,30 @@ class RankLaunch:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
 
-    def end(self) -> None:
+    def end(self) -> bool:
         """End torchrun (SIGTERM: it ends its ranks), then kill whatever noted is still running,
-        and wait for all of it; remove the log folder."""
-        self.note()
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        wait for all of it and for the events' reader; remove the log folder. A Ctrl-C meanwhile
+        (Kernel > Interrupt pressed again while the ranks clean up) kills what is left at once:
+        True then, for the caller to raise once nothing is left (raised here, it would leave the
+        ranks running)."""
+        cut = False
+        while True:
             try:
+                self._end(kill=cut)
+                return cut
+            except KeyboardInterrupt:
+                cut = True
+
+    def _end(self, *, kill: bool) -> None:
+        self.note()
+        if self.proc.poll() is None and not kill:
+            self.proc.terminate()
+            _reached("ending", self)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=TERMINATE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
         with self._seen_lock:
             noted = list(self.seen.values())
         left = [child for child in noted if child.is_running()]
@@ -350,6 +394,8 @@ class RankLaunch:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()  # psutil checks it is still the same process (no reused pid)
         psutil.wait_procs(left, timeout=TERMINATE_S)
+        if self._reader is not None:  # every writer of the pipe is gone: it reads to the end
+            self._reader.join(TERMINATE_S)
         for stream in (self.proc.stderr, self.proc.stdout, self._out):
             if stream is not None:
                 stream.close()
@@ -393,34 +439,44 @@ def run_local_ranks(
     if device == "cuda" and size > (gpus := torch.cuda.device_count()):
         raise ConfigError(f"{size} ranks on cuda want a GPU each; torch sees {gpus}")
     created = not is_url(directory) and not os.path.exists(directory)
+    interrupted = f"the run on {size} ranks was interrupted; every rank has ended"
     with tempfile.TemporaryDirectory(prefix="nbckpt-ranks-") as scratch:
         out = json_path if json_path is not None else os.path.join(scratch, "bench.json")
-        launch = RankLaunch(size, bench_argv, out, events=True)
-        reader = threading.Thread(
-            target=launch.read_events, args=(on_event, on_line), name="nbckpt-rank-events", daemon=True
-        )
-        reader.start()
-        done = False
+        launch: RankLaunch | None = None
+        done = cut = False
         try:
-            if on_start is not None:
-                on_start(launch)
-            code = launch.stream(on_line)
-            reader.join()  # every event is in before the result
-            if code != 0 and launch.stopped:
-                raise ComparisonInterrupted(f"the run on {size} ranks was stopped; every rank has ended")
-            if code != 0:
-                raise CheckpointError(launch.failure(code))
-            comparison = Comparison.from_json(out)
+            with deferred_interrupt():  # a Ctrl-C raised once ``launch`` is set, and so ended below
+                launch = RankLaunch(size, bench_argv, out, events=True)
+            comparison = _follow(launch, out, on_event, on_line, on_start)
             done = True
         except KeyboardInterrupt as exc:
             if isinstance(exc, ComparisonInterrupted):
                 raise
-            raise ComparisonInterrupted(
-                f"the run on {size} ranks was interrupted; every rank has ended"
-            ) from None
+            raise ComparisonInterrupted(interrupted) from None
         finally:
-            launch.end()
-            reader.join()
+            cut = launch is not None and launch.end()
             if not done and created:
                 shutil.rmtree(directory, ignore_errors=True)
+        if cut:  # Ctrl-C as the finished run's ranks ended
+            raise ComparisonInterrupted(interrupted)
     return comparison
+
+
+def _follow(
+    launch: RankLaunch,
+    json_path: str,
+    on_event: Callable[[Event], None],
+    on_line: Callable[[str], None],
+    on_start: Callable[[RankLaunch], None] | None,
+) -> Comparison:
+    """The launch's lines and events until torchrun ends; rank 0's comparison."""
+    launch.read_in_background(on_event, on_line)
+    if on_start is not None:
+        on_start(launch)
+    code = launch.stream(on_line)
+    launch.wait_for_events()  # every event is in before the result
+    if code != 0 and launch.stopped:
+        raise ComparisonInterrupted(f"the run on {launch.size} ranks was stopped; every rank has ended")
+    if code != 0:
+        raise CheckpointError(launch.failure(code))
+    return Comparison.from_json(json_path)

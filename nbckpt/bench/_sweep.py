@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError
-from ..engine._internal import write_atomic
+from ..engine._internal import deferred_interrupt, write_atomic
 from ._compare import add_bench_arguments
 from ._comparison import Comparison, _json_value
 from ._job import _number
@@ -108,19 +108,22 @@ def _size_json(json_path: str, size: int) -> str:
 
 def run_size(size: int, bench_argv: Sequence[str], json_path: str) -> dict[str, Any]:
     """``nbckpt bench`` on ``size`` local ranks under torchrun; its JSON document."""
-    launch = RankLaunch(size, bench_argv, json_path)
+    launch: RankLaunch | None = None
 
     def show(line: str) -> None:
         sys.stderr.write(line)
-        if _seam is not None:
+        if _seam is not None and launch is not None:
             _seam(line, launch.proc)
 
     try:
+        with deferred_interrupt():  # a Ctrl-C raised once ``launch`` is set, and so ended below
+            launch = RankLaunch(size, bench_argv, json_path)
         code = launch.stream(show)
         if code != 0:
             raise CheckpointError(launch.failure(code))
     finally:
-        launch.end()
+        if launch is not None and launch.end():  # Ctrl-C again as the ranks ended: none is left
+            raise KeyboardInterrupt
     with open(json_path, encoding="utf-8") as file:
         document: dict[str, Any] = json.load(file)
     return document

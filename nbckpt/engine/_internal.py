@@ -15,6 +15,7 @@ from ._shutdown import check_signals
 from ._state import flatten
 from ._timeline import events_to_pandas, now_ns
 from ._torch_compat import version_of
+from ._workers import deferred_interrupt
 
 __all__ = [
     "MANIFEST",
@@ -25,6 +26,7 @@ __all__ = [
     "Pacer",
     "cached_fraction",
     "check_signals",
+    "deferred_interrupt",
     "endpoint",
     "events_to_pandas",
     "expected_waste",

@@ -226,8 +226,9 @@ def balance(items: Sequence[T], count: int, size: Callable[[T], int]) -> list[li
 def deferred_interrupt() -> Iterator[None]:
     """Hold a Ctrl-C (SIGINT) that arrives inside the block until it is over, then deliver it as
     the handler in place would have: for loading a restored state into the caller's objects (half
-    loaded is worse than not at all) and torch.save's framing (its zip writer, cut mid-record,
-    raises an unrelated error). Only the main thread receives signals; elsewhere the block runs."""
+    loaded is worse than not at all), torch.save's framing (its zip writer, cut mid-record,
+    raises an unrelated error) and the bench's start of torchrun (cut before its launch is held,
+    torchrun runs on unseen). Only the main thread receives signals; elsewhere the block runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

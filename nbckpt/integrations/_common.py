@@ -15,11 +15,14 @@ import logging
 import os
 import re
 import stat
-from typing import Any
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
-from .._errors import ConfigError
+from .._errors import CheckpointError, ConfigError
 from ..engine import Checkpointer, SaveHandle
 from ..engine._internal import (
     POINTER_FORMAT,
@@ -33,10 +36,13 @@ from ..engine._internal import (
 __all__ = [
     "POINTER_ROOT",
     "STEP_DIR",
+    "Holder",
     "atomic_torch_save",
     "earlier_pointer",
     "export",
+    "let_go",
     "load",
+    "open_taking_over",
     "pointer_bytes",
     "read_pointer",
     "resolve",
@@ -44,6 +50,57 @@ __all__ = [
 ]
 
 _log = logging.getLogger("nbckpt")
+
+
+class Holder(Protocol):
+    """An integration's object that holds a Checkpointer across a notebook's cells."""
+
+    def _busy_thread(self) -> threading.Thread | None:
+        """The thread training with it now, if not this one (None: it may be closed)."""
+
+    def _let_go(self) -> None:
+        """Close its Checkpointer (saves in flight commit); it opens again if used again."""
+
+
+# By directory: the integration object of this process holding it (see open_taking_over).
+_holders: dict[str, weakref.ref[Holder]] = {}
+_holders_lock = threading.Lock()
+
+
+def open_taking_over(owner: Holder, directory: str, open_: Callable[[], Checkpointer]) -> Checkpointer:
+    """``open_()`` (a Checkpointer on ``directory``) for ``owner``. A cell run again makes a new
+    callback while the old one, still bound, holds the directory: an earlier holder in this process
+    is closed first (its saves in flight commit), unless it is training on another thread, which
+    is a ConfigError naming it."""
+    with _holders_lock:
+        ref = _holders.get(directory)
+        earlier = ref() if ref is not None else None
+        if earlier is not None and earlier is not owner:
+            kind = type(earlier).__name__
+            thread = earlier._busy_thread()
+            if thread is not None:
+                raise ConfigError(
+                    f"{directory} is in use by an earlier {kind} of this process, training on thread "
+                    f"{thread.name!r}: let that training end (or stop it) first; one not training is "
+                    "closed for the newer one"
+                )
+            try:
+                earlier._let_go()
+            except CheckpointError as exc:  # its own run's failure: that run is over
+                _log.warning("nbckpt: the earlier %s on %s had failed: %s", kind, directory, exc)
+            _log.info("nbckpt: closed the earlier %s on %s (its saves committed)", kind, directory)
+        ckpt = open_()
+        _holders[directory] = weakref.ref(owner)
+    return ckpt
+
+
+def let_go(owner: Holder, directory: str) -> None:
+    """``owner`` no longer holds ``directory`` (it closed)."""
+    with _holders_lock:
+        ref = _holders.get(directory)
+        if ref is not None and ref() in (owner, None):
+            del _holders[directory]
+
 
 #: A step directory: nbckpt's (``step-000120``) or plain DCP's as torchtitan names them (``step-120``).
 STEP_DIR = re.compile(r"step-([0-9]{1,19})", re.ASCII)

@@ -9,11 +9,18 @@ The state is what accelerate itself tracks (:meth:`AcceleratorCheckpointer.state
 rank's RNG states. Under ``accelerate launch`` or ``torchrun`` every rank calls ``save`` and
 ``restore``. FSDP, DeepSpeed, Megatron-LM and XLA are refused: their state is sharded or lives
 elsewhere (use ``accelerator.save_state``).
+
+A notebook cell run again (after a Ctrl-C stopped its loop before ``ckpt.close()``) makes a new
+one on the same directory while the old one is still bound: the new one closes the old one's
+Checkpointer (its saves in flight commit) and takes the directory over, unless the old one is in
+use on another thread that still runs (then a ConfigError names it). The old one opens it again if
+used.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from accelerate import Accelerator
@@ -22,6 +29,7 @@ from accelerate.utils import DistributedType
 from .._errors import ConfigError
 from ..engine import Checkpointer, RetentionPolicy, SaveHandle
 from ._accelerate_compat import tracked
+from ._common import let_go, open_taking_over
 
 __all__ = ["AcceleratorCheckpointer"]
 
@@ -67,7 +75,34 @@ class AcceleratorCheckpointer:
         if reserved:
             raise ConfigError(f"AcceleratorCheckpointer decides {', '.join(reserved)} itself; drop it")
         self.accelerator = accelerator
-        self.ckpt = Checkpointer(directory, mode=mode, keep=keep, capture_rng=True, **options)  # type: ignore[arg-type]
+        self.directory = os.path.abspath(os.fspath(directory))
+        self._options: dict[str, Any] = {"mode": mode, "keep": keep, "capture_rng": True, **options}
+        self._ckpt: Checkpointer | None = None
+        self._thread: threading.Thread | None = None  # the one that saved or restored last
+        _ = self.ckpt  # open now: a bad directory fails here
+
+    @property
+    def ckpt(self) -> Checkpointer:
+        """The Checkpointer (opened again if a newer one on the directory took it over)."""
+        if self._ckpt is None:
+            self._ckpt = open_taking_over(
+                self, self.directory, lambda: Checkpointer(self.directory, **self._options)
+            )
+        return self._ckpt
+
+    def _busy_thread(self) -> threading.Thread | None:
+        """The thread that saved or restored last, if another one and still running (a loop on a
+        thread of its own); a loop in a cell is over when another cell runs."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread() or not thread.is_alive():
+            return None
+        return thread
+
+    def _let_go(self) -> None:
+        """Taken over by a newer one on the directory: close the Checkpointer."""
+        ckpt, self._ckpt = self._ckpt, None
+        if ckpt is not None:
+            ckpt.close()
 
     def state(self) -> dict[str, Any]:
         """What ``accelerator.save_state`` saves, as a Checkpointer state (objects by reference,
@@ -97,11 +132,13 @@ class AcceleratorCheckpointer:
 
     def save(self, step: int, **kwargs: Any) -> SaveHandle:
         """Start a checkpoint of :meth:`state` as ``step`` (``kwargs``: :meth:`Checkpointer.save`'s)."""
+        self._thread = threading.current_thread()
         return self.ckpt.save(self.state(), step, **kwargs)
 
     def restore(self, step: int | None = None) -> int:
         """Load the newest (or ``step``'s) checkpoint into every object in place and set every
         rank's RNG states back; return its step, or 0 when there is no checkpoint yet."""
+        self._thread = threading.current_thread()
         if step is None and self.ckpt.latest_step() is None:
             return 0
         state = self.state()
@@ -115,7 +152,9 @@ class AcceleratorCheckpointer:
 
     def close(self) -> None:
         """Wait for the saves in flight and release the directory."""
-        self.ckpt.close()
+        if self._ckpt is not None:
+            self._ckpt.close()
+            let_go(self, self.directory)
 
     def __enter__(self) -> AcceleratorCheckpointer:
         return self

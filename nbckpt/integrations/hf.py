@@ -21,7 +21,10 @@ metric and ``total_flos``).
 
 Under ``torchrun`` every rank saves its part (the model and optimizer once, spread over the
 ranks; each rank's RNG states under its own key). The Checkpointer opens at first use, once the
-``TrainingArguments`` have joined the process group.
+``TrainingArguments`` have joined the process group. A notebook cell run again makes a new
+callback on the same directory while the old one is still bound: the new one closes the old one's
+Checkpointer (its saves in flight commit) and takes the directory over, unless the old one is
+training on another thread (then a ConfigError names it). The old one opens it again if used.
 
 Resuming uses the Trainer's own resume path, which reads a ``checkpoint-N/`` folder:
 :meth:`NbckptCallback.resume_checkpoint` writes one from the newest nbckpt step (weights,
@@ -51,6 +54,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 from typing import Any, cast
 
 import numpy as np
@@ -65,7 +69,7 @@ from transformers.utils.peft_utils import ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIG
 from .._errors import ConfigError
 from ..engine import AnyOf, CheckpointConfig, Checkpointer, CustomSteps, RetentionPolicy, SaveHandle
 from ..engine._internal import step_name, write_atomic
-from ._common import atomic_torch_save, said_waited
+from ._common import atomic_torch_save, let_go, open_taking_over, said_waited
 from ._hf_compat import FlosCounter, count_evaluation
 
 __all__ = ["NbckptCallback"]
@@ -122,6 +126,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         self._due = False  # a save taken over from the Trainer, waiting for this step's evaluation
         self._resume_folder: str | None = None  # written by resume_checkpoint, removed once read
         self._flos = FlosCounter()  # what the Trainer's own save would add to total_flos
+        self._training: threading.Thread | None = None  # from on_train_begin to on_train_end
 
     @property
     def ckpt(self) -> Checkpointer:
@@ -132,9 +137,25 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
                     "NbckptCallback under torchrun opens its directory once the process group "
                     "exists: create the TrainingArguments (they join it) before using the callback"
                 )
-            self._ckpt = Checkpointer(self.directory, config=self._config)
+            self._ckpt = open_taking_over(
+                self, self.directory, lambda: Checkpointer(self.directory, config=self._config)
+            )
             self._saved = set(self._ckpt.steps())
         return self._ckpt
+
+    def _busy_thread(self) -> threading.Thread | None:
+        """The thread training with this callback now, if another one: a training interrupted
+        on this thread (a cell's Ctrl-C: no on_train_end) is over."""
+        thread = self._training
+        if thread is None or thread is threading.current_thread() or not thread.is_alive():
+            return None
+        return thread
+
+    def _let_go(self) -> None:
+        """Taken over by a newer callback on the directory: close the Checkpointer."""
+        ckpt, self._ckpt = self._ckpt, None
+        if ckpt is not None:
+            ckpt.close()
 
     def _with_best(self, config: CheckpointConfig) -> CheckpointConfig:
         """As ``save_total_limit`` does, a retention that never deletes the Trainer's best step."""
@@ -192,6 +213,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._training = threading.current_thread()
         if args.load_best_model_at_end and _names_a_step_of(state.best_model_checkpoint, self.directory):
             # A resumed state names nbckpt's best step: the Trainer would look for its own weight
             # files there at the end (a warning that it found none); on_train_end loads it instead.
@@ -216,6 +238,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._flos.detach()
+        self._training = None
         self.ckpt.wait()  # the run's checkpoints are durable when train() returns; raises a failure
         self._remove_resume_folder()
         model = kwargs.get("model")
@@ -379,6 +402,7 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
         """Wait for the saves in flight and release the directory."""
         if self._ckpt is not None:
             self._ckpt.close()
+            let_go(self, self.directory)
 
 
 def _not_ours(folder: str, run: str) -> str | None:

@@ -18,9 +18,12 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers.s3server import KEY, SECRET, SeaweedS3
+from helpers.sync import ctrl_c_raises
 
 from nbckpt import bench, cli
 from nbckpt._errors import ConfigError
+from nbckpt.bench._internal import ComparisonInterrupted
+from nbckpt.bench._launch import RankLaunch, arm_launch_seam, run_local_ranks
 from nbckpt.bench._ranks import HOST_VARIABLE
 from nbckpt.bench._sweep import arm_sweep_seam, parse_ranks, passthrough
 from tests.helpers.ranks import RankProcess, finish_all, free_port, torchrun_two
@@ -59,6 +62,7 @@ def _options(tmp_path: Path, ranks: str) -> list[str]:
 def seam() -> Iterator[None]:
     yield
     arm_sweep_seam(None)
+    arm_launch_seam(None)
 
 
 def _running(processes: list[psutil.Process]) -> list[str]:
@@ -119,7 +123,12 @@ def test_ctrl_c_or_a_dying_rank_ends_every_process_and_a_dead_rank_is_named(
         ]
         rank1.send_signal(signal.SIGKILL)
 
+    def pressed_again(point: str, launch: RankLaunch) -> None:
+        if point == "ending":  # Ctrl-C again while torchrun ends its ranks: it kills them at once
+            raise KeyboardInterrupt
+
     arm_sweep_seam(at_a_turn)
+    arm_launch_seam(pressed_again)
     code = cli.main(_options(tmp_path, "2"))
     err = capsys.readouterr().err
     assert len(noted) >= 3, err[-2000:]  # torchrun and its 2 ranks at least
@@ -132,6 +141,24 @@ def test_ctrl_c_or_a_dying_rank_ends_every_process_and_a_dead_rank_is_named(
         line = err.rstrip().splitlines()[-1]
         assert line.startswith("nbckpt bench: error: rank 1 of 2 died (exit code -9: SIGKILL)"), err[-3000:]
     assert not (tmp_path / "scaling.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_as_torchrun_starts_ends_it_before_any_rank_runs(tmp_path: Path, seam: None) -> None:
+    """A Ctrl-C between torchrun's start and the moment its launch is held (%ckpt_bench --ranks 2
+    at once interrupted) is raised once the launch can be ended: torchrun ends, nothing is left."""
+    started: list[psutil.Process] = []
+
+    def press(point: str, launch: RankLaunch) -> None:
+        if point == "started":
+            started.append(psutil.Process(launch.proc.pid))
+            signal.raise_signal(signal.SIGINT)  # a real SIGINT, handled where Python chooses
+
+    arm_launch_seam(press)
+    with ctrl_c_raises(), pytest.raises(ComparisonInterrupted) as raised:
+        run_local_ranks(2, _bench(tmp_path)[1:], str(tmp_path / "ckpt"), on_event=print, on_line=print)
+    assert str(raised.value) == "the run on 2 ranks was interrupted; every rank has ended"
+    assert len(started) == 1 and _running(started) == [] and not (tmp_path / "ckpt").exists()
 
 
 def test_rank_counts_and_the_options_passed_through() -> None:

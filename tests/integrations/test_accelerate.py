@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +93,37 @@ def test_the_private_lists_read_are_those_of_the_installed_accelerate(tmp_path: 
         AcceleratorCheckpointer(accelerator, tmp_path) as ckpt,
     ):
         ckpt.state()
+
+
+def test_a_cell_run_again_takes_the_directory_over_unless_a_loop_runs_on_another_thread(
+    tmp_path: Path,
+) -> None:
+    """Issue 31: a cell that makes an AcceleratorCheckpointer and trains, stopped by Ctrl-C before
+    ``ckpt.close()`` and run again, made a second one on the directory while the first (still
+    bound) held it: refused. The new one takes over (the first's saves committed); a loop still
+    running on a thread of its own refuses it, by name."""
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.nn.Linear(4, 1))
+    first = AcceleratorCheckpointer(accelerator, tmp_path)
+    first.save(1)  # in flight: the cell's loop stopped here
+    second = AcceleratorCheckpointer(accelerator, tmp_path)  # the cell again, `first` still bound
+    assert second.restore() == 1 and first._ckpt is None
+
+    saved, release = threading.Event(), threading.Event()
+
+    def loop() -> None:
+        second.save(2)
+        saved.set()
+        release.wait(120)
+
+    running = threading.Thread(target=loop, name="loop")
+    running.start()
+    assert saved.wait(120)
+    refused = "earlier AcceleratorCheckpointer of this process, training on thread 'loop'"
+    with pytest.raises(ConfigError, match=refused):
+        AcceleratorCheckpointer(accelerator, tmp_path)
+    release.set()
+    running.join()
+    with AcceleratorCheckpointer(accelerator, tmp_path) as third:
+        assert third.ckpt.steps() == [1, 2]
+    first.close()  # taken over: nothing left to close

@@ -22,6 +22,7 @@ pytest.importorskip("accelerate")
 import torch
 from helpers.faults import armed
 from integrations.hf_app import Tokens, digest, train
+from transformers import TrainerCallback
 
 from nbckpt import BestN, Checkpointer, ConfigError, SaveSchedule
 from nbckpt.integrations.hf import NbckptCallback
@@ -375,3 +376,58 @@ def test_a_save_that_waits_for_the_one_before_says_so_in_the_training_log(
     said = [r for r in caplog.records if "waited" in r.getMessage()]
     assert said and said[0].levelname == "WARNING" and "the save of step 8 waited" in said[0].getMessage()
     assert "max_inflight" in said[0].getMessage() and [r.levelname for r in said[1:]] in ([], ["INFO"])
+
+
+class _HoldAt(TrainerCallback):  # type: ignore[misc]
+    """At the end of step ``step``: says so, then waits until released (the run goes on)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.reached, self.release = step, threading.Event(), threading.Event()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            self.reached.set()
+            assert self.release.wait(120)
+
+
+class _CtrlCAt(TrainerCallback):  # type: ignore[misc]
+    """Ctrl-C in the cell at the end of step ``step``: no on_train_end follows."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_a_cell_run_again_makes_a_new_callback_that_takes_the_directory_over(tmp_path: Path) -> None:
+    """Issue 31: a notebook cell that makes a NbckptCallback and trains, run again, made a second
+    one on the directory while the first (still bound) held it: refused ("in use by another
+    Checkpointer in this process"). Now the new one takes over from an earlier one that is not
+    training (its saves committed), also after a Ctrl-C ended that training; only one training on
+    another thread refuses it, by name."""
+    directory = tmp_path / "ckpt"
+    first, hold = NbckptCallback(directory), _HoldAt(2)
+    run = threading.Thread(target=train, args=(tmp_path / "out", [first, hold]), name="trainer")
+    run.start()
+    assert hold.reached.wait(120)
+    with pytest.raises(
+        ConfigError, match="earlier NbckptCallback of this process, training on thread 'trainer'"
+    ):
+        NbckptCallback(directory).resume_checkpoint()
+    hold.release.set()
+    run.join()
+
+    second = NbckptCallback(directory)  # the cell again, `first` still bound and open
+    folder = second.resume_checkpoint()
+    assert folder is not None and folder.endswith("checkpoint-12") and first._ckpt is None
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C while it trains on: step 16 saved, no train end
+        train(tmp_path / "out", [second, _CtrlCAt(17)], resume=folder, max_steps=24)
+
+    third = NbckptCallback(directory)  # the cell again after the Ctrl-C
+    assert third.ckpt.steps() == [4, 8, 12, 16] and second._ckpt is None
+    assert first.ckpt.steps() == [4, 8, 12, 16] and third._ckpt is None  # the first one, used again
+    first.close()
+    with Checkpointer(directory, read_only=True) as ckpt:  # nothing holds it any longer
+        assert ckpt.latest_step() == 16

@@ -753,3 +753,34 @@ def test_a_save_that_waits_for_the_one_before_says_so(
     said = [r for r in caplog.records if "waited" in r.getMessage()]
     assert len(said) == 1 and said[0].levelname == "WARNING" and "max_inflight" in said[0].getMessage()
     assert [r.wait_s > 0 for r in io.records] == [False, False, True]
+
+
+class _FailAt(pl.Callback):
+    """An error at the end of epoch ``epoch`` (a bug in the cell's training code)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            raise RuntimeError("the cell's bug")
+
+
+def test_a_cell_run_again_after_a_failed_fit_resumes_with_a_new_plug_in(tmp_path: Path) -> None:
+    """Issue 31: the plug-in holds its directories from a fit's first save to its teardown, which
+    Lightning runs after a fit that failed too: a cell run again, its new Trainer and plug-in on the
+    same dirpath (the old ones still bound), resumes from its last.ckpt."""
+    _, done = fit(tmp_path, 1)
+    torch.manual_seed(0)
+    failed = trainer(tmp_path, 4)
+    failed.callbacks.append(_FailAt(2))
+    with pytest.raises(RuntimeError, match="the cell's bug"):
+        failed.fit(TinyModel(tag=tmp_path), data(), ckpt_path="last")
+    assert done.strategy.checkpoint_io._roots == failed.strategy.checkpoint_io._roots == {}
+    _, again = fit(tmp_path, 4, resume=True)  # the cell again
+    assert again.current_epoch == 4 and again.global_step == 32
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [
+        "epoch=2-step=24.ckpt",
+        "epoch=3-step=32.ckpt",
+        "last.ckpt",
+    ]

@@ -76,14 +76,60 @@ def _rank(parent: psutil.Process, rank: int) -> psutil.Process | None:
     return None
 
 
-@pytest.mark.timeout(300)
+# In JupyterLab's kernel: the live lab of the last %ckpt_bench, run until every rank writes.
+_LAB = "from nbckpt.notebook._lab import live_lab\nlab = live_lab()"
+_UNTIL_EVERY_RANK_WRITES = (
+    "import time\ndeadline = time.monotonic() + 120\n"
+    "lanes = lambda: list(lab.figure.layout.yaxis.categoryarray or ())\n"
+    "while lab.running and not ('nbckpt-async r1 · background' in lanes() and lab.progress.value > 0):\n"
+    "    assert time.monotonic() < deadline, 'the ranks wrote nothing in 120 s'\n"
+    "    time.sleep(0.01)\n"
+    "assert lab.running, lab.error"
+)
+_LAB_ENDED = (
+    "deadline = time.monotonic() + 120\n"
+    "while lab.running and time.monotonic() < deadline:\n    time.sleep(0.01)\n"
+    "print(lab.running, lab.stopped, lab.interrupted, lab.error)\nprint(lab.message.value)"
+)
+INTERRUPTED = "the run on 2 ranks was interrupted; every rank has ended"
+# Kernel > Interrupt pressed again while the ranks end (torchrun has just been sent SIGTERM).
+PRESS_AGAIN = (
+    "import signal\nfrom nbckpt.bench._launch import arm_launch_seam\n"
+    "arm_launch_seam(lambda point, launch: point == 'ending' and signal.raise_signal(signal.SIGINT))"
+)
+
+
+def _interrupt(kernel: RealKernel, pid: int) -> list[psutil.Process]:
+    """Kernel > Interrupt to the kernel (process ``pid``); what ran under its torchrun then."""
+    launched = _launched(psutil.Process(pid))
+    assert len(launched) >= 3  # torchrun and its 2 ranks at least
+    kernel.km.interrupt_kernel()
+    return launched
+
+
+@pytest.mark.timeout(400)
 def test_ckpt_bench_on_two_ranks_shows_a_lane_per_rank_and_the_job_and_an_interrupt_ends_every_rank(
     tmp_path: Path,
 ) -> None:
+    """Kernel > Interrupt in %ckpt_bench --ranks 2 (the cell waits; pressed twice) and in its live
+    lab (the kernel idle, the run in the lab's threads): every rank and torchrun end, by pid,
+    nothing is left on disk, and the kernel goes on: a next cell, a whole run to the end."""
     kernel = RealKernel(tmp_path, {"OMP_NUM_THREADS": "1"})
     try:
         kernel.run("%load_ext nbckpt")
-        # To the end, in the foreground (no JupyterLab: static figures from every rank's events).
+        pid = int(kernel.evaluate("__import__('os').getpid()"))
+        # In the foreground, while the ranks write, and again while they end (an impatient user):
+        # one line, no process or file left, and the kernel runs the next cell.
+        kernel.run(PRESS_AGAIN)
+        msg_id = kernel.send(BENCH.format(dir=tmp_path / "i", every=5, steps=100_000))
+        kernel.output(msg_id, until=lambda out: IN_A_TURN in out, timeout=240)
+        launched = _interrupt(kernel, pid)
+        assert kernel.outputs(msg_id, timeout=120)["error"] == f"KeyboardInterrupt: {INTERRUPTED}\n"
+        assert kernel.reply(msg_id)["status"] == "error"
+        assert _alive(launched) == [] and _files(tmp_path / "i") == []
+        assert kernel.run("arm_launch_seam(None)\nprint(6 * 7)") == "42\n"
+
+        # The next run goes to the end (no JupyterLab: static figures from every rank's events).
         msg_id = kernel.send("c = " + BENCH.format(dir=tmp_path / "b", every=2, steps=4))
         figures = {}
         for kind, body in kernel._messages(msg_id, timeout=240):
@@ -103,17 +149,15 @@ def test_ckpt_bench_on_two_ranks_shows_a_lane_per_rank_and_the_job_and_an_interr
         assert row["aggregate_write_gbs"] > 0 and row["stall_s"]["max"] >= row["stall_s"]["median"] > 0
         assert "on 2 ranks, 1 host(s)" in kernel.run("print(c.table())")
 
-        # Kernel > Interrupt while the ranks write: every rank ends, one line, nothing left on disk.
-        kernel_process = psutil.Process(int(kernel.evaluate("__import__('os').getpid()")))
-        msg_id = kernel.send(BENCH.format(dir=tmp_path / "i", every=5, steps=100_000))
-        kernel.output(msg_id, until=lambda out: IN_A_TURN in out, timeout=240)
-        launched = _launched(kernel_process)
-        assert len(launched) >= 3  # torchrun and its 2 ranks at least
-        kernel.km.interrupt_kernel()
-        error = kernel.outputs(msg_id, timeout=120)["error"]
-        assert error == "KeyboardInterrupt: the run on 2 ranks was interrupted; every rank has ended\n"
-        assert _alive(launched) == []
-        assert _files(tmp_path / "i") == []  # the ranks removed their checkpoints, as one process does
+        # The live lab in JupyterLab, the kernel idle: its run on ranks ends as Stop's does.
+        kernel.run(BENCH.format(dir=tmp_path / "lab", every=5, steps=100_000), lab=True)
+        kernel.run(_LAB + "\n" + _UNTIL_EVERY_RANK_WRITES)  # returns at its idle status
+        launched = _interrupt(kernel, pid)
+        state, message = kernel.run(_LAB_ENDED).splitlines()
+        assert state == "False True True None", message  # stopped, interrupted, no error
+        assert "Interrupted (Kernel &gt; Interrupt): the run on 2 ranks was stopped" in message
+        assert _alive(launched) == [] and _files(tmp_path / "lab") == []
+        assert kernel.run("lab.close()\nprint(6 * 7)") == "42\n"
     finally:
         kernel.close()
 
