@@ -1,15 +1,19 @@
-"""The rows an exchange between ranks sends in its one all-gather (``_ranks.pack_row``): what
-fits arrives whole, and a payload larger than the row is told to every rank by its length, so
-that all of them send again at the same larger size (the collective itself is exercised by every
-multi-rank test)."""
+"""What a save's persist sends between ranks: the rows an exchange sends in its one all-gather
+(``_ranks.pack_row``): what fits arrives whole, and a payload larger than the row is told to
+every rank by its length, so that all of them send again at the same larger size; and the
+location a rank starts writing in before it has heard rank 0's (``Store.opened``). The
+collectives themselves are exercised by every multi-rank test."""
 
 from __future__ import annotations
 
+import os
 import pickle
+from pathlib import Path
 
 import pytest
 
 from nbckpt.engine._ranks import SLOT_BYTES, pack_row, unpack_rows
+from nbckpt.engine._store import LocalStore
 
 
 def _rows(*payloads: bytes, slot: int = SLOT_BYTES) -> list[bytes]:
@@ -32,3 +36,17 @@ def test_a_payload_larger_than_its_row_is_told_by_its_length_on_every_rank() -> 
     again = _rows(b"small", large, pickle.dumps(sent), slot=8 + len(larger))
     payloads, needed = unpack_rows(again)
     assert needed == 0 and payloads[:2] == [b"small", large] and pickle.loads(payloads[2]) == sent
+
+
+def test_a_rank_writes_before_hearing_rank_0_only_in_the_directory_rank_0_began(tmp_path: Path) -> None:
+    store, elsewhere = LocalStore(str(tmp_path / "run")), LocalStore(str(tmp_path / "other"))
+    store.prepare()
+    elsewhere.prepare()
+    assert store.opened(7, "ab1") is None  # not begun: the rank waits to hear where
+    location = store.begin(7, "ab1")
+    assert store.opened(7, "ab1") == location and os.path.isdir(location)
+    # a rank whose run directory is not the one rank 0 began in sees nothing, and waits
+    assert elsewhere.opened(7, "ab1") is None and store.opened(7, "ab2") is None
+    os.rmdir(location)
+    os.symlink(tmp_path, location)  # only begin's own directory counts
+    assert store.opened(7, "ab1") is None
