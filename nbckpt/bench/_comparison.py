@@ -62,7 +62,9 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
                  "mean_step_s": ..., "overhead_pct": ..., "checkpoints": 2}, ...],  # rank x strategy
       "job": {
         "world_size": 2, "hosts": {"node-a": [0, 1]},
-        "floors": {"concurrent_write_gbs": ...,  # every rank writing its share at once, raw
+        "floors": {"concurrent_write_gbs": ...,  # every rank writing its share at once, raw: all
+                   # the bytes over the first rank's first byte to the last one's fsync's end
+                   # (each prepared first, then released by a barrier); the fastest repeat
                    "concurrent_write_gbs_by_repeat": [...], "bytes": ..., "ranks": 2,
                    "by_rank": [{"rank": 0, "host": "node-a",  # each rank's, measured at once:
                                 "concurrent_write_gbs": ...,  # its share raw, the fastest repeat

@@ -28,7 +28,8 @@ __all__ = ["RankRecord", "host_load", "job_summary", "job_text", "straggler"]
 #:                      "overhead_pct", "checkpoints"}, ...],
 #:      "checkpoints": [{"strategy", "repeat", "step", "start_ns", "persist_start_ns", "end_ns",
 #:                       "bytes", "persist_s"}, ...],
-#:      "floor_writes": [{"repeat", "start_ns", "end_ns", "bytes"}, ...],
+#:      "floor_writes": [{"repeat", "start_ns", "end_ns", "bytes"}, ...],  # its write's first byte
+#:                                                                   # to its fsync's end
 #:      "copy_floor": {"bytes", "copy_s", "copy_gbs", "copy_gbs_by_repeat"},  # as in one process
 #:      "load": {<Load's fields>, "high"},  # this rank's comparison, as in one process
 #:      "kept": [{"strategy", "repeat", "step", "digests": {key: sha256}}, ...],  # with --keep

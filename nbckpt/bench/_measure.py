@@ -35,6 +35,7 @@ __all__ = [
     "Floors",
     "StreamRun",
     "combine_floors",
+    "concurrent_write",
     "fsync_latencies",
     "measure_floors",
     "measure_write",
@@ -102,7 +103,11 @@ def _pieces(pattern: memoryview, nbytes: int, size: int, salt: int) -> Iterator[
         done, index = done + length, index + 1
 
 
-def _write(fs: Any, names: list[str], nbytes: int, pattern: memoryview, index: int) -> None:
+def _write(
+    fs: Any, names: list[str], nbytes: int, pattern: memoryview, index: int, *, drop: bool = True
+) -> None:
+    """File ``names[index]`` written durably; with ``drop``, then dropped from the page cache (so
+    that the read back comes from storage)."""
     local = fs is None  # s3fs sends a multipart part each time block_size bytes are buffered
     with open(names[index], "wb") if local else fs.open(names[index], "wb", block_size=_PART) as stream:
         for piece in _pieces(pattern, nbytes, _CHUNK if local else _PART, index):
@@ -110,8 +115,9 @@ def _write(fs: Any, names: list[str], nbytes: int, pattern: memoryview, index: i
         if local:
             stream.flush()
             os.fsync(stream.fileno())
-            with suppress(OSError, AttributeError):  # so that the read back comes from storage
-                os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            if drop:
+                with suppress(OSError, AttributeError):
+                    os.posix_fadvise(stream.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _read(fs: Any, names: list[str], index: int) -> None:
@@ -208,6 +214,29 @@ def measure_write(
     check_count(repeats, "repeats")
     with scratch(os.fspath(target), storage_options) as (fs, work):
         return stream_runs(fs, work, nbytes, streams=counts, repeats=repeats, read_back=False)[0]
+
+
+def concurrent_write(
+    target: str | os.PathLike[str],
+    nbytes: int,
+    *,
+    start: Callable[[], None],
+    storage_options: dict[str, Any] | None = None,
+) -> tuple[int, int]:
+    """One durable raw write of ``nbytes`` into a file of ``target``, as :func:`measure_write`
+    writes, for every rank to make at once: its directory and bytes are made first, then
+    ``start()`` (a barrier of every rank) releases it. The wall-clock nanoseconds (``time.time_ns``,
+    which the ranks of a host share) of its first byte and of its fsync's end: the write itself,
+    as a save's write span is timed, not the preparation before it, nor the drop from the page
+    cache and the removal after it (a save drops the step before once it has committed)."""
+    check_count(nbytes, "nbytes of the concurrent write")
+    with scratch(os.fspath(target), storage_options) as (fs, work):
+        pattern = memoryview(os.urandom(min(_CHUNK if fs is None else _PART, nbytes) + 64 * 1024))
+        names = [f"{work}/stream-1-0"]
+        start()
+        begin = time.time_ns()
+        _write(fs, names, nbytes, pattern, 0, drop=False)
+        return begin, time.time_ns()
 
 
 # Floors are measured on at most this many bytes and scaled: rates are flat well below it.

@@ -47,7 +47,7 @@ from ._compare import run_bench_from_args as run_one_process
 from ._comparison import Comparison
 from ._dcp import DcpAsync, DcpSync
 from ._job import RankRecord, job_summary
-from ._measure import measure_write
+from ._measure import concurrent_write
 from ._rank_timeline import gather_rank_timeline
 from ._rank_workload import RankWorkload, state_digests
 from ._runner import EventCallback, Lane, Progress, RunProgress
@@ -403,20 +403,12 @@ class RankJob:
 
     def before_repeat(self, repeat: int, directory: str, storage_options: dict[str, Any] | None) -> None:
         """Start the repeat together, every rank first writing its share of a checkpoint at
-        once, raw and durably: the write floor of the storage as this job sees it."""
+        once, raw and durably: the write floor of the storage as this job sees it. Each rank
+        prepares its write, then the barrier releases every rank's at once; its span is its
+        write's first byte to its fsync's end, as a save's is its write's start to its commit."""
         share = self.workload.share_bytes if self.workload is not None else 1
-        self.barrier()
-        begin = time.time_ns()
-        (run,) = measure_write(directory, share, streams=(1,), repeats=1, storage_options=storage_options)
-        # The span starts as the directory for it is made (a metadata operation) and lasts the write.
-        self.floor_writes.append(
-            {
-                "repeat": repeat,
-                "start_ns": begin,
-                "end_ns": begin + round(run.write_s * 1e9),
-                "bytes": run.bytes,
-            }
-        )
+        begin, end = concurrent_write(directory, share, start=self.barrier, storage_options=storage_options)
+        self.floor_writes.append({"repeat": repeat, "start_ns": begin, "end_ns": end, "bytes": share})
         self.barrier()
 
     def remove(self, path: str) -> None:

@@ -1,5 +1,6 @@
-"""Agreement across ranks: every collective is an ``all_gather_object`` of ``(tag, value,
-error)``, the tag naming the operation and step. An exception on any rank is an error on all
+"""Agreement across ranks: every collective is an all-gather of ``(tag, value, error)``, the tag
+naming the operation and step, pickled into one fixed-size row per rank (a second all-gather only
+when a rank's does not fit). An exception on any rank is an error on all
 (a ConfigError stays one), tags that differ are "ranks are out of step" on all, and a rank that
 died fails the others within ``timeout_s``. Each thread that talks to other ranks (the caller's,
 the background writer's) has its own process group, so their collectives never interleave.
@@ -17,18 +18,21 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
+import pickle
+import struct
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
+import torch
 import torch.distributed as dist
 
 from .._errors import CheckpointError, ConfigError, NbckptError, describe_error
 from ._faults import fault_point
 from ._torch_compat import default_store, own_connection
 
-__all__ = ["Group", "RankInfo", "join"]
+__all__ = ["Group", "RankInfo", "join", "pack_row", "unpack_rows"]
 
 T = TypeVar("T")
 Tag = tuple[Any, ...]
@@ -39,6 +43,15 @@ JOIN_TIMEOUT_S = 60.0
 #: job come to a save from the same step (their gradients' all-reduce keeps them together), so a
 #: rank still missing after this long is in something else.
 ARRIVAL_TIMEOUT_S = 30.0
+#: Bytes of each rank's row in an exchange's all-gather to begin with: a save's exchanges carry a
+#: few KiB (its files' checksums, the plain values' tree, RNG states). ``all_gather_object`` sends
+#: the sizes first and then the pickles, two collectives each a round trip through every rank
+#: (11.8 ms against 5.1 ms for one all-gather of 4 KiB, 4 gloo ranks on 2 loaded cores); a save
+#: makes three of them as it persists, between the copy and the commit.
+SLOT_BYTES = 16 * 1024
+#: The largest a row grows to after a larger exchange (beyond it, the larger ones take two).
+SLOT_MAX_BYTES = 1 << 20
+_LENGTH = struct.Struct("<q")  # a row starts with its pickle's length; -length: it did not fit
 
 
 class Arrivals:
@@ -90,6 +103,7 @@ class Group:
         self.rank = rank
         self.world_size = world_size
         self._arrivals = arrivals
+        self._slot = SLOT_BYTES  # the same on every rank: each sees every rank's sizes
 
     @property
     def check_ins(self) -> int:
@@ -119,9 +133,8 @@ class Group:
         if arrivals is not None and not arrive_first:
             arrivals.wait(tag)
         sent = (tag, None if error is not None else value, _summary(error))
-        gathered: list[Any] = [None] * self.world_size
         try:
-            dist.all_gather_object(gathered, sent, group=self.pg)
+            gathered = self._gather(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
         except Exception as exc:
             raise CheckpointError(
                 f"lost contact with the other ranks during {_what(tag)}: {describe_error(exc)}"
@@ -136,12 +149,54 @@ class Group:
                 raise cls(f"rank {rank}: {message}")
         return [value for _, value, _ in gathered]
 
+    def _gather(self, payload: bytes) -> list[Any]:
+        """Every rank's ``payload``, unpickled (the ranks of this job pickled them, as
+        ``all_gather_object`` unpickles them): one all-gather of a row each where every one fits,
+        else a second at the largest size, which the rows of the next exchanges then take."""
+        rows, needed = self._all_gather(payload, self._slot)
+        if needed:
+            slot = _LENGTH.size + needed
+            rows, _ = self._all_gather(payload, slot)
+            self._slot = max(self._slot, min(SLOT_MAX_BYTES, 1 << (slot - 1).bit_length()))
+        return [pickle.loads(row) for row in rows]  # written by this job's ranks
+
+    def _all_gather(self, payload: bytes, slot: int) -> tuple[list[bytes], int]:
+        """Every rank's row of ``slot`` bytes; their payloads, or the largest that did not fit."""
+        mine = pack_row(payload, slot)
+        rows = [torch.empty(slot, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine, group=self.pg)
+        return unpack_rows(row.numpy().tobytes() for row in rows)
+
     def from_rank0(self, tag: Tag, run: Callable[[], T]) -> T:
         """``run`` on rank 0 only, once every rank has come to it (it deletes, moves or creates:
         called on rank 0 alone, it is refused before it changes anything); every rank gets its
         result (or its error)."""
         results: list[Any] = self.exchange(tag, run if self.rank == 0 else lambda: None, arrive_first=True)
         return cast(T, results[0])
+
+
+def pack_row(payload: bytes, slot: int) -> torch.Tensor:
+    """A row of ``slot`` bytes: ``payload``'s length and ``payload``, or minus its length alone
+    where it does not fit."""
+    row = bytearray(slot)
+    fits = _LENGTH.size + len(payload) <= slot
+    _LENGTH.pack_into(row, 0, len(payload) if fits else -len(payload))
+    if fits:
+        row[_LENGTH.size : _LENGTH.size + len(payload)] = payload
+    return torch.frombuffer(row, dtype=torch.uint8)
+
+
+def unpack_rows(rows: Iterable[bytes]) -> tuple[list[bytes], int]:
+    """The payloads of ``rows`` (:func:`pack_row`'s) and 0, or ``[]`` and the largest length of
+    those that did not fit."""
+    payloads, needed = [], 0
+    for row in rows:
+        (length,) = _LENGTH.unpack_from(row)
+        if length < 0:
+            needed = max(needed, -length)
+        else:
+            payloads.append(row[_LENGTH.size : _LENGTH.size + length])
+    return ([], needed) if needed else (payloads, 0)
 
 
 def _summary(error: BaseException | None) -> tuple[str, str] | None:

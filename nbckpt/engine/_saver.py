@@ -125,6 +125,13 @@ def _fingerprint(
     prints.update(fingerprints({key: staged.get(key, tensors[key]) for key in keys}))
 
 
+def _join(started: Iterable[Future[Any]]) -> None:
+    """Wait for files already being written to end, whatever became of the save: nothing may
+    still read its slot once it is released, nor write into its location once it is removed."""
+    for future in started:
+        settle(future)
+
+
 def _done(future: Future[Any]) -> None:
     future.result()
 
@@ -665,13 +672,13 @@ class Saver:
             handle.staged.result()  # set by the stage thread's callback before this returns
             handle.phase = "persisting"
             persist_began = now_ns()
-            nonce = f"{self._nonce}{tag:x}"
-            location, shared = background.from_rank0(
-                ("begin", step, tag), lambda: self._begin(step, nonce, flat.tree)
-            )
+            started: list[Future[FileResult]] = []
+            location, shared = self._open(handle, f"{self._nonce}{tag:x}", flat.tree, sharing, started)
             written = background.exchange(
                 ("write", step, tag),
-                lambda: self._write(handle, location or "", layout, flat.tree, rng_state, shared, sharing),
+                lambda: self._write(
+                    handle, location or "", layout, flat.tree, rng_state, shared, sharing, started
+                ),
             )
             assert handle.slot is not None
             self.pool.release(handle.slot, handle)  # the images are written: the slot is free
@@ -818,11 +825,54 @@ class Saver:
             self._origin = provenance()
         return self._origin
 
-    def _begin(self, step: int, nonce: str, tree: dict[str, Any]) -> tuple[str, frozenset[str]]:
-        """Rank 0 opens the step's location; with it go the keys of rank 0's plain values, which
-        the other ranks then leave to rank 0 (a value every rank holds is written once)."""
-        keys = frozenset(key for key, _, _ in dcp_values(tree)) if self.ranks.world_size > 1 else frozenset()
-        return self.store.begin(step, nonce), keys
+    def _open(
+        self,
+        handle: SaveHandle,
+        nonce: str,
+        tree: dict[str, Any],
+        sharing: Sharing,
+        started: list[Future[FileResult]],
+    ) -> tuple[str, frozenset[str]]:
+        """Rank 0 opens the step's location; every rank hears it, with the keys of rank 0's plain
+        values, which the others then leave to rank 0 (a value every rank holds is written once).
+        A rank starts writing its data files as soon as it can tell the location (``started``:
+        their futures), so that the round trip to hear rank 0, and the wait there for the last
+        rank to finish its copy, run beside its writes: rank 0 once it has opened it, another
+        where it can see it already (a local directory rank 0 has made). The others' plain
+        values wait for rank 0's keys."""
+        step = handle.step
+
+        def begin() -> tuple[str, frozenset[str]]:
+            location = self.store.begin(step, nonce)
+            started.extend(self._start(handle, location, sharing))
+            several = self.ranks.world_size > 1
+            return location, frozenset(key for key, _, _ in dcp_values(tree)) if several else frozenset()
+
+        seen = self.store.opened(step, nonce) if self.ranks.rank != 0 else None
+        if seen is not None:
+            started.extend(self._start(handle, seen, sharing))
+        try:
+            location, shared = self.ranks.background.from_rank0(("begin", step, handle.seq), begin)
+        except BaseException:
+            _join(started)
+            raise
+        if seen not in (None, location):  # the same name on every rank: never, unless a bug
+            raise CheckpointError(f"rank {self.ranks.rank} began writing in {seen}, rank 0 in {location}")
+        return location, shared
+
+    def _start(self, handle: SaveHandle, location: str, sharing: Sharing) -> list[Future[FileResult]]:
+        """This rank's data files, written (or shared with the step before) in parallel from now on."""
+        slot = handle.slot
+        assert slot is not None
+        fsync = self.store.is_local
+        return [
+            self.io.submit(
+                partial(self._share_one, sharing.base, location, sharing.files[name], fsync)
+                if name in sharing.files and sharing.base is not None
+                else partial(self._write_one, location, name, image.numpy().data, fsync)
+            )
+            for name, image in slot.images.items()
+        ]
 
     def _write(
         self,
@@ -833,30 +883,30 @@ class Saver:
         rng_state: Any,
         shared: frozenset[str],
         sharing: Sharing,
+        started: list[Future[FileResult]],
     ) -> tuple[dict[str, FileResult], Any, Any, list[ValueItem]]:
         """This rank's files, written (or shared with the step before) in parallel: its tensors'
-        and its plain values' (DCP byte items, where it has any), and where those values are, for
-        rank 0's DCP metadata."""
-        slot = handle.slot
-        assert slot is not None
+        (``started`` already, or started now) and its plain values' (DCP byte items, where it has
+        any), and where those values are, for rank 0's DCP metadata."""
         fsync = self.store.is_local
-        jobs: list[Callable[[], FileResult]] = [
-            partial(self._share_one, sharing.base, location, sharing.files[name], fsync)
-            if name in sharing.files and sharing.base is not None
-            else partial(self._write_one, location, name, image.numpy().data, fsync)
-            for name, image in slot.images.items()
-        ]
+        if not started:
+            started.extend(self._start(handle, location, sharing))
+        jobs: list[Callable[[], FileResult]] = []
         rank = self.ranks.rank
-        # This rank's plain values go to one more file of its own, as DCP byte items.
-        name = data_file(rank, len(layout.files.get(rank, ())))
-        values, items = value_items(layout, tree, name, frozenset() if rank == 0 else shared)
-        if values:
-            jobs.append(partial(self._write_one, location, items[0].file, memoryview(values), fsync))
-        if self.ranks.world_size == 1:  # no other rank to hear from: the metadata beside the data
-            metadata = memoryview(dcp_metadata(layout, [items]))
-            jobs.append(partial(self._write_one, location, METADATA_FILE, metadata, fsync))
+        try:
+            # This rank's plain values go to one more file of its own, as DCP byte items.
+            name = data_file(rank, len(layout.files.get(rank, ())))
+            values, items = value_items(layout, tree, name, frozenset() if rank == 0 else shared)
+            if values:
+                jobs.append(partial(self._write_one, location, items[0].file, memoryview(values), fsync))
+            if self.ranks.world_size == 1:  # no other rank to hear from: the metadata beside the data
+                metadata = memoryview(dcp_metadata(layout, [items]))
+                jobs.append(partial(self._write_one, location, METADATA_FILE, metadata, fsync))
+        except BaseException:
+            _join(started)
+            raise
         # All of them finish, even after a failure: nothing may write into a removed location.
-        results = {result.name: result for result in run_all(self.io, jobs)}
+        results = {result.name: result for result in run_all(self.io, jobs, started)}
         crash_point("after_data")
         return results, tree, rng_state, items
 

@@ -150,6 +150,12 @@ class Store(ABC):
     def begin(self, step: int, nonce: str) -> str:
         """A new, empty location the files of ``step`` are written to."""
 
+    def opened(self, step: int, nonce: str) -> str | None:
+        """The location ``begin(step, nonce)`` made, where another process can already see it
+        without being told (a directory every rank names alike); None where it cannot tell (an
+        object store, or not made yet): it waits to hear the location from the process that began."""
+        return None
+
     @abstractmethod
     def sink(self, location: str, name: str) -> Sink:
         """A new file ``name`` in ``location``."""
@@ -311,8 +317,17 @@ class LocalStore(Store):
         temporary = self._path(f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")  # recover() removes it
         write_atomic(self._path(name), data, temporary=temporary)
 
+    def _location(self, step: int, nonce: str) -> str:
+        return self._path(f"{TMP_PREFIX}{step_name(step)}-{nonce}")
+
+    def opened(self, step: int, nonce: str) -> str | None:
+        # Only begin makes it: once it is a directory here, it is the one begin made (a rank whose
+        # run directory is not the one rank 0 sees finds nothing, and its files fail as before).
+        location = self._location(step, nonce)
+        return location if os.path.isdir(location) and not os.path.islink(location) else None
+
     def begin(self, step: int, nonce: str) -> str:
-        location = self._path(f"{TMP_PREFIX}{step_name(step)}-{nonce}")
+        location = self._location(step, nonce)
         try:
             os.mkdir(location)
         except (FileNotFoundError, NotADirectoryError):

@@ -195,10 +195,11 @@ def lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
-def run_all(pool: Pool, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
-    """Run ``jobs`` in parallel; wait for every one (none keeps going on memory or files the
-    caller is about to drop), then raise the first error or return the results in order."""
-    futures = [pool.submit(job) for job in jobs]
+def run_all(pool: Pool, jobs: Sequence[Callable[[], Any]], started: Sequence[Future[Any]] = ()) -> list[Any]:
+    """Run ``jobs`` in parallel beside those ``started`` before; wait for every one (none keeps
+    going on memory or files the caller is about to drop), then raise the first error or return
+    the results in order, the started ones' first."""
+    futures = [*started, *(pool.submit(job) for job in jobs)]
     for future in futures:
         settle(future)
     for future in futures:

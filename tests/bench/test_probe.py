@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from nbckpt import ConfigError
 from nbckpt.bench import Floors, ProbeResult, measure_write, mount_info, probe
-from nbckpt.bench._measure import StreamRun
+from nbckpt.bench._measure import StreamRun, concurrent_write
 from nbckpt.bench._probe import MountInfo, _advice
 from nbckpt.cli import main as cli
 from nbckpt.engine._internal import cached_fraction
@@ -343,3 +344,19 @@ def test_floors_read_back_from_json_with_nulls_and_lists() -> None:
     assert floors.write_gbs_rounds[0] == 1.5 and math.isnan(floors.write_gbs_rounds[1])
     assert isinstance(floors.write_gbs_rounds, tuple) and math.isnan(floors.write_gbs_by_streams["2"])
     assert "floors for 10 B" in floors.describe()
+
+
+def test_the_concurrent_write_times_its_write_from_its_release_not_its_preparation(tmp_path: Path) -> None:
+    """The bench's concurrent floor (every rank at once): the directory is made before the
+    ranks are released, and the span it reports starts after the release, with nothing left."""
+    seen: dict[str, Any] = {}
+
+    def start() -> None:  # what the barrier of every rank does: release the write
+        (work,) = tmp_path.iterdir()
+        seen["files"] = sorted(os.listdir(work))
+        seen["released_ns"] = time.time_ns()
+
+    begin, end = concurrent_write(tmp_path, 3 * 2**20 + 5, start=start)
+    assert seen["files"] == []  # prepared, nothing written before the release
+    assert seen["released_ns"] <= begin < end
+    assert list(tmp_path.iterdir()) == []

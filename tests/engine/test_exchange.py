@@ -1,0 +1,52 @@
+"""What a save's persist sends between ranks: the rows an exchange sends in its one all-gather
+(``_ranks.pack_row``): what fits arrives whole, and a payload larger than the row is told to
+every rank by its length, so that all of them send again at the same larger size; and the
+location a rank starts writing in before it has heard rank 0's (``Store.opened``). The
+collectives themselves are exercised by every multi-rank test."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+from nbckpt.engine._ranks import SLOT_BYTES, pack_row, unpack_rows
+from nbckpt.engine._store import LocalStore
+
+
+def _rows(*payloads: bytes, slot: int = SLOT_BYTES) -> list[bytes]:
+    return [pack_row(payload, slot).numpy().tobytes() for payload in payloads]
+
+
+@pytest.mark.parametrize("size", [0, 1, SLOT_BYTES - 8])
+def test_a_payload_that_fits_its_row_arrives_exactly(size: int) -> None:
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    rows = _rows(payload, b"x")
+    assert all(len(row) == SLOT_BYTES for row in rows)
+    assert unpack_rows(rows) == ([payload, b"x"], 0)
+
+
+def test_a_payload_larger_than_its_row_is_told_by_its_length_on_every_rank() -> None:
+    large, larger = bytes(SLOT_BYTES - 7), bytes(3 * SLOT_BYTES)
+    assert unpack_rows(_rows(b"small", large, larger)) == ([], len(larger))
+    # sent again at the largest size, every rank's arrives
+    sent = (("write", 3, 1), {"blocks": ["0" * 16] * 1000}, None)
+    again = _rows(b"small", large, pickle.dumps(sent), slot=8 + len(larger))
+    payloads, needed = unpack_rows(again)
+    assert needed == 0 and payloads[:2] == [b"small", large] and pickle.loads(payloads[2]) == sent
+
+
+def test_a_rank_writes_before_hearing_rank_0_only_in_the_directory_rank_0_began(tmp_path: Path) -> None:
+    store, elsewhere = LocalStore(str(tmp_path / "run")), LocalStore(str(tmp_path / "other"))
+    store.prepare()
+    elsewhere.prepare()
+    assert store.opened(7, "ab1") is None  # not begun: the rank waits to hear where
+    location = store.begin(7, "ab1")
+    assert store.opened(7, "ab1") == location and os.path.isdir(location)
+    # a rank whose run directory is not the one rank 0 began in sees nothing, and waits
+    assert elsewhere.opened(7, "ab1") is None and store.opened(7, "ab2") is None
+    os.rmdir(location)
+    os.symlink(tmp_path, location)  # only begin's own directory counts
+    assert store.opened(7, "ab1") is None
