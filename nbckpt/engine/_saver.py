@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -29,6 +29,7 @@ from ._files import FileResult, copy_file, drop_cached, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._incremental import NOTHING_SHARED, Increments, Sharing
 from ._manifest import build, provenance
+from ._ranks import Group
 from ._retention import StepFacts
 from ._shards import check_replicas, fingerprints
 from ._staging import Stager, StagingPool
@@ -40,6 +41,7 @@ from ._workers import Worker, run_all, settle
 __all__ = ["Commit", "CommitObserver", "Saver"]
 
 _log = logging.getLogger("nbckpt")
+_T = TypeVar("_T")
 #: Structures a run alternates between at most (a model, then with its optimizer state, ...).
 _LAYOUTS_KEPT = 4
 
@@ -411,15 +413,7 @@ class Saver:
             gone = increments.gone(self.store.committed_at) if increments is not None else frozenset()
             return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items())), cold), prints, gone
 
-        check_ins = self.ranks.caller.check_ins
-        try:
-            everyone = self.ranks.caller.exchange(("save", step, seq), local)
-        except ConfigError:
-            if self.ranks.caller.check_ins == check_ins:
-                # A rank never came: not counted, as its check-in is not, so that the ranks' next
-                # save has the same number on every rank (else they are "out of step").
-                self._seq = seq - 1
-            raise
+        everyone = self._exchange_counted(self.ranks.caller, ("save", step, seq), local)
         flat = box[0]
         plans = tuple(plan_ for plan_, _, _ in everyone)
         if self._increments is not None:  # a step gone for one rank is shared from by none
@@ -433,6 +427,21 @@ class Saver:
         check_replicas(layout.shared, layout.replicated, [prints for _, prints, _ in everyone])
         self._adopt(plans, layout)
         return flat, layout
+
+    def _exchange_counted(self, group: Group, tag: tuple[str, int, int], run: Callable[[], _T]) -> list[_T]:
+        """A save's first exchange. A save some rank never came to (refused at the check-in, which
+        counts on no rank) does not count its number either, so that the ranks' next save has the
+        same number on every rank (else they are "out of step"); a save started since on this
+        rank (the fast path's agreement fails on the persist thread) keeps its number."""
+        check_ins = group.check_ins
+        try:
+            return group.exchange(tag, run)
+        except ConfigError:
+            if group.check_ins == check_ins:
+                with self._state:
+                    if self._seq == tag[2]:
+                        self._seq -= 1
+            raise
 
     def _layout(self, plans: tuple[RankPlan, ...], paths: list[dict[str, Any]]) -> Layout:
         """The file layout of ``plans`` (every rank's), kept for the next save of that structure."""
@@ -474,7 +483,7 @@ class Saver:
         layout whose files for it changed (the state's structure changed on some ranks only),
         replicated tensors whose copies differ."""
         step, seq = handle.step, handle.seq
-        everyone = self.ranks.agreement.exchange(("save", step, seq), offer)
+        everyone = self._exchange_counted(self.ranks.agreement, ("save", step, seq), offer)
         plans = tuple(o.plan for o in everyone)
         layout = self._layouts.get(plans)
         if layout is None:
