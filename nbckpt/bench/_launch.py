@@ -273,6 +273,8 @@ class RankLaunch:
         ]
         # Without events, rank 0's table: the caller prints its own.
         self._out: IO[str] | None = None if events else tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self._events = events
+        self._started = time.time()  # a process of the launch's group is no older
         try:
             self.proc = subprocess.Popen(
                 command,
@@ -289,6 +291,7 @@ class RankLaunch:
         self._seen_lock = threading.Lock()  # noted from the readers, Stop's thread and end()
         self.tail: deque[str] = deque(maxlen=200)
         self.stopped = False  # by terminate(): its end is no failure
+        self.orphans: list[str] = []  # the processes end() found left after torchrun, killed
         self._noted_at = 0.0
         _running.add(self)
 
@@ -315,14 +318,17 @@ class RankLaunch:
         """Every rank's events and progress lines (``events``), as they come, until the ranks and
         torchrun have closed the pipe."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if time.monotonic() - self._noted_at > _NOTE_EVERY_S:
-                self.note()
-            item = decode(line)
-            if isinstance(item, Event):
-                on_event(item)
-            else:
-                on_line(item)
+        # The reader closes the pipe, not end(): a close waits for the read under way, which a
+        # process outside the launch still holding the pipe would make endless.
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                if time.monotonic() - self._noted_at > _NOTE_EVERY_S:
+                    self.note()
+                item = decode(line)
+                if isinstance(item, Event):
+                    on_event(item)
+                else:
+                    on_line(item)
 
     def terminate(self) -> None:
         """Ask torchrun to end its ranks, from any thread, at once; :meth:`end` waits for them."""
@@ -346,15 +352,33 @@ class RankLaunch:
         with self._seen_lock:
             noted = list(self.seen.values())
         left = [child for child in noted if child.is_running()]
+        left += self._unnoted(left)
         for child in left:
             with contextlib.suppress(psutil.NoSuchProcess):
+                self.orphans.append(f"pid {child.pid} ({' '.join(child.cmdline())[:120]})")
                 child.kill()  # psutil checks it is still the same process (no reused pid)
         psutil.wait_procs(left, timeout=TERMINATE_S)
-        for stream in (self.proc.stderr, self.proc.stdout, self._out):
+        for stream in (self.proc.stderr, None if self._events else self.proc.stdout, self._out):
             if stream is not None:
                 stream.close()
         shutil.rmtree(self.log_dir, ignore_errors=True)
         _running.discard(self)
+
+    def _unnoted(self, noted: list[psutil.Process]) -> list[psutil.Process]:
+        """The processes of the launch's group (torchrun's session: every rank and what it
+        started, unless it left the group) still running and not among ``noted``: a rank's child
+        started after the last note, orphaned when the rank ended. Left running, one holding the
+        events pipe kept the reader, and the launch, waiting for ever."""
+        pids = {child.pid for child in noted}
+        found = []
+        for proc in psutil.process_iter(["create_time"]):
+            try:
+                ours = proc.pid not in pids and os.getpgid(proc.pid) == self.proc.pid
+            except ProcessLookupError:
+                continue
+            if ours and proc.info["create_time"] >= self._started - 1:  # not a reused group id's
+                found.append(proc)
+        return found
 
     def failure(self, code: int) -> str:
         """One line: which rank died, how, and its last line on stderr."""
@@ -404,8 +428,10 @@ def run_local_ranks(
         try:
             if on_start is not None:
                 on_start(launch)
-            code = launch.stream(on_line)
-            reader.join()  # every event is in before the result
+            try:
+                code = launch.stream(on_line)
+            finally:
+                _end(launch, reader, on_line)
             if code != 0 and launch.stopped:
                 raise ComparisonInterrupted(f"the run on {size} ranks was stopped; every rank has ended")
             if code != 0:
@@ -419,8 +445,22 @@ def run_local_ranks(
                 f"the run on {size} ranks was interrupted; every rank has ended"
             ) from None
         finally:
-            launch.end()
-            reader.join()
+            _end(launch, reader, on_line)  # a second time does nothing
             if not done and created:
                 shutil.rmtree(directory, ignore_errors=True)
     return comparison
+
+
+def _end(launch: RankLaunch, reader: threading.Thread, on_line: Callable[[str], None]) -> None:
+    """End the launch (every process of it, a rank's orphans too), then wait for its events'
+    reader: every event is in before the result. The reader is waited for ``FLUSH_S`` at most: a
+    process that left the launch's group can still hold the pipe, and its events are left."""
+    said = len(launch.orphans)
+    launch.end()
+    for orphan in launch.orphans[said:]:
+        on_line(f"nbckpt: killed {orphan}, a rank's process still running after torchrun ended")
+    reader.join(FLUSH_S)
+    if reader.is_alive():
+        on_line(
+            f"nbckpt: the ranks' events pipe is still open after {FLUSH_S:g} s; its events are left unread"
+        )
