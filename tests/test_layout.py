@@ -438,6 +438,12 @@ PATCHED = {
         "counts the calls of a pure function in the sweep's inner loop; a seam there would cost "
         "every restore of a sharded tensor a call per pair of chunks it compares"
     ),
+    "bench/test_launch.py: _launch.torchrun_local": (
+        "torchrun's stand-in, a script whose child holds the events pipe after it exits: a real "
+        "torchrun costs seconds of start, and its ranks' children cannot be started after the "
+        "launch's last look at its processes on cue; an option naming the launcher would be "
+        "public API only tests need"
+    ),
     "bench/test_experiment.py: _compare.psutil": (
         "the free memory that makes strategies take turns run by run: faked for the whole process, "
         "the workload itself would refuse to build (it asks the same), and an option forcing the "

@@ -290,6 +290,8 @@ class RankLaunch:
         ]
         # Without events, rank 0's table: the caller prints its own.
         self._out: IO[str] | None = None if events else tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self._events = events
+        self._started = time.time()  # a process of the launch's group is no older
         try:
             self.proc = subprocess.Popen(
                 command,
@@ -306,6 +308,7 @@ class RankLaunch:
         self._seen_lock = threading.Lock()  # noted from the readers, Stop's thread and end()
         self.tail: deque[str] = deque(maxlen=200)
         self.stopped = False  # by terminate(): its end is no failure
+        self.orphans: list[str] = []  # the processes end() found left after torchrun, killed
         self._noted_at = 0.0
         self._reader: threading.Thread | None = None  # read_in_background's
         _running.add(self)
@@ -334,14 +337,17 @@ class RankLaunch:
         """Every rank's events and progress lines (``events``), as they come, until the ranks and
         torchrun have closed the pipe."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if time.monotonic() - self._noted_at > _NOTE_EVERY_S:
-                self.note()
-            item = decode(line)
-            if isinstance(item, Event):
-                on_event(item)
-            else:
-                on_line(item)
+        # The reader closes the pipe, not end(): a close waits for the read under way, which a
+        # process outside the launch still holding the pipe would make endless.
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                if time.monotonic() - self._noted_at > _NOTE_EVERY_S:
+                    self.note()
+                item = decode(line)
+                if isinstance(item, Event):
+                    on_event(item)
+                else:
+                    on_line(item)
 
     def read_in_background(self, on_event: Callable[[Event], None], on_line: Callable[[str], None]) -> None:
         """:meth:`read_events` on a thread of its own; :meth:`end` waits for it."""
@@ -350,10 +356,10 @@ class RankLaunch:
         )
         self._reader.start()
 
-    def wait_for_events(self) -> None:
-        """Until every event is read (torchrun has ended: the ranks have closed the pipe)."""
-        if self._reader is not None:
-            self._reader.join()
+    def reading(self) -> bool:
+        """Whether the events' reader still reads (after :meth:`end`: a process that left the
+        launch's group holds the pipe)."""
+        return self._reader is not None and self._reader.is_alive()
 
     def terminate(self) -> None:
         """Ask torchrun to end its ranks, from any thread, at once; :meth:`end` waits for them."""
@@ -390,17 +396,37 @@ class RankLaunch:
         with self._seen_lock:
             noted = list(self.seen.values())
         left = [child for child in noted if child.is_running()]
+        left += self._unnoted(left)
         for child in left:
             with contextlib.suppress(psutil.NoSuchProcess):
+                self.orphans.append(f"pid {child.pid} ({' '.join(child.cmdline())[:120]})")
                 child.kill()  # psutil checks it is still the same process (no reused pid)
         psutil.wait_procs(left, timeout=TERMINATE_S)
         if self._reader is not None:  # every writer of the pipe is gone: it reads to the end
-            self._reader.join(TERMINATE_S)
-        for stream in (self.proc.stderr, self.proc.stdout, self._out):
+            self._reader.join(FLUSH_S)  # at most: a process that left the launch's group may hold it
+        # A reader closes the events pipe itself (see read_events): closed here, the close would
+        # wait for its read, endless while a process outside the launch still holds the pipe.
+        for stream in (self.proc.stderr, None if self._reader else self.proc.stdout, self._out):
             if stream is not None:
                 stream.close()
         shutil.rmtree(self.log_dir, ignore_errors=True)
         _running.discard(self)
+
+    def _unnoted(self, noted: list[psutil.Process]) -> list[psutil.Process]:
+        """The processes of the launch's group (torchrun's session: every rank and what it
+        started, unless it left the group) still running and not among ``noted``: a rank's child
+        started after the last note, orphaned when the rank ended. Left running, one holding the
+        events pipe kept the reader, and the launch, waiting for ever."""
+        pids = {child.pid for child in noted}
+        found = []
+        for proc in psutil.process_iter(["create_time"]):
+            try:
+                ours = proc.pid not in pids and os.getpgid(proc.pid) == self.proc.pid
+            except ProcessLookupError:
+                continue
+            if ours and proc.info["create_time"] >= self._started - 1:  # not a reused group id's
+                found.append(proc)
+        return found
 
     def failure(self, code: int) -> str:
         """One line: which rank died, how, and its last line on stderr."""
@@ -454,7 +480,7 @@ def run_local_ranks(
                 raise
             raise ComparisonInterrupted(interrupted) from None
         finally:
-            cut = launch is not None and launch.end()
+            cut = launch is not None and _end(launch, on_line)
             if not done and created:
                 shutil.rmtree(directory, ignore_errors=True)
         if cut:  # Ctrl-C as the finished run's ranks ended
@@ -469,14 +495,27 @@ def _follow(
     on_line: Callable[[str], None],
     on_start: Callable[[RankLaunch], None] | None,
 ) -> Comparison:
-    """The launch's lines and events until torchrun ends; rank 0's comparison."""
+    """The launch's lines and events until torchrun ends; rank 0's comparison (its caller's
+    :func:`_end` waits for the last events before it returns it)."""
     launch.read_in_background(on_event, on_line)
     if on_start is not None:
         on_start(launch)
     code = launch.stream(on_line)
-    launch.wait_for_events()  # every event is in before the result
     if code != 0 and launch.stopped:
         raise ComparisonInterrupted(f"the run on {launch.size} ranks was stopped; every rank has ended")
     if code != 0:
         raise CheckpointError(launch.failure(code))
     return Comparison.from_json(json_path)
+
+
+def _end(launch: RankLaunch, on_line: Callable[[str], None]) -> bool:
+    """End the launch (every process of it, a rank's orphans too) and wait for its events' reader,
+    ``FLUSH_S`` at most: every event is in before the result. Says what it killed that torchrun
+    left, and a pipe still held open (its events are left). True: a Ctrl-C cut the end short."""
+    said = len(launch.orphans)
+    cut = launch.end()
+    for orphan in launch.orphans[said:]:
+        on_line(f"nbckpt: killed {orphan}, a rank's process still running after torchrun ended")
+    if launch.reading():
+        on_line(f"nbckpt: the ranks' events pipe is still open after {FLUSH_S:g} s; its last events are lost")
+    return cut

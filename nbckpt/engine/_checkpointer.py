@@ -408,7 +408,8 @@ class Checkpointer:
         timeout = _shutdown.check_arguments(snapshot, timeout_s)
         if (late := Grace(timeout, given_by="final_save").late(self.records)) is not None:
             _log.warning("%s (%s)", late, reason)
-        line, ended = _shutdown.final_save(self._save_now, snapshot, timeout, reason)
+        with self._signals.final():
+            line, ended = _shutdown.final_save(self._save_now, snapshot, timeout, reason)
         # close() at exit would wait for a save still running (its lock is held): it is left behind.
         self._abandoned = self._abandoned or not ended
         return line
@@ -435,7 +436,7 @@ class Checkpointer:
         ``again`` then runs when it can."""
         if self._signals.defers(again):
             return False
-        if not self._closed and not self._signals.done:
+        if not self._closed and self._signals.saves:
             self.final_save(snapshot, timeout_s=timeout_s, reason=signal.Signals(signum).name)
         return True
 

@@ -22,7 +22,9 @@ points, and what their action is called with:
   hard-link one file into a new step (an OSError raised there is a file system refusing links);
 - ``ranks.arrive`` (tag): a thread has checked in before a collective of several ranks (the
   caller's, or the background's agreement on a save staged at once) and is about to wait for the
-  other ranks' check-ins.
+  other ranks' check-ins;
+- ``set_aside.moved`` (the run's URL, folder): a set-aside has just moved one step folder into
+  its set-aside run (beside crash point ``set_aside_moving``: a Ctrl-C there, not a kill).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ POINTS = (
     "mirror.upload",
     "store.share",
     "ranks.arrive",
+    "set_aside.moved",
 )
 _actions: dict[str, Callable[..., None]] = {}
 

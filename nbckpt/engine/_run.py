@@ -148,7 +148,12 @@ class Run:
         """Rank 0's part: move the run's steps newer than ``after`` (a set-aside a crash cut short
         is finished first) and queue the tier's; where the run's went (None: there were none)."""
         try:
-            finish(self.root)
+            # Cut short here (Ctrl-C while they moved, the save raising KeyboardInterrupt), this
+            # set-aside is tried again at the next save, which finds its steps moved by this
+            # finish: what it moved is told and said as the set-aside's own (before, the retry
+            # found nothing left to move, warned nothing and never told the tier, whose uploads
+            # waiting for those steps then failed).
+            finished = finish(self.root)
             folders = newer_folders(self.root, after)
         except OSError as exc:
             raise self._not_set_aside(after, exc) from exc
@@ -159,12 +164,12 @@ class Run:
             name = set_aside(self.root, after, folders) if folders else None
         except OSError as exc:  # what moved stays moved: the next save (or open) finishes the rest
             raise self._not_set_aside(after, exc) from exc
-        moved = self.root.child(name) if name is not None else None
+        moved = [store for n in (finished, name) if n is not None and (store := self.root.child(n))]
         if self.tier is not None and on_tier is not None:
-            if moved is not None:
-                self.tier.moved(self.root, moved.committed())  # waiting writes read them there
+            for store in moved:
+                self.tier.moved(self.root, store.committed())  # waiting writes read them there
             self.tier.after_uploads(on_tier, f"set aside its steps newer than {after}")
-        return None if moved is None else moved.url
+        return " and ".join(store.url for store in moved) or None
 
     def _not_set_aside(self, after: int, exc: OSError) -> CheckpointError:
         return CheckpointError(

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import CheckpointError
+from ._faults import fault_point
 from ._files import Source
 from ._format import MANIFEST, step_name
 from ._manifest import Manifest
@@ -127,6 +128,7 @@ def _carry_out(root: Store, intent: _Intent) -> None:
     into.write_small(RECORD, json.dumps(record).encode())
     for folder in intent.folders:
         root.move(folder, into)
+        fault_point("set_aside.moved", root.url, folder)
         crash_point("set_aside_moving")
     crash_point("set_aside_moved")
     root.remove_small(INTENT)

@@ -261,12 +261,45 @@ class Deferral:
         self._now = False  # the agreed moment: the handler saves
         self.save_here: Callable[[], object] | None = None  # a rank's final save, signalled or not
         self.done = False  # an agreed final save ran: a later signal saves nothing more
+        self._saving = False  # a final save runs on this process
+        self._held: list[Callable[[], None]] = []  # signals that came during it, waiting
+        self._after = False  # the held signals go on: saving nothing
+
+    @property
+    def saves(self) -> bool:
+        """Whether a signal handled now makes a final save."""
+        return not (self.done or self._after)
+
+    @contextmanager
+    def final(self) -> Iterator[None]:
+        """A final save (a signal's, another rank's, a kernel's exit). A signal that comes during
+        it is held, and goes on once it ends, saving nothing: handled at once (the main thread
+        waits for the save on another thread, between bytecodes), it began a second final save
+        nested in the first, which waited for its lock, then saved the step again; with several
+        ranks it waited alone for the others until the arrival deadline."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach only the main thread
+            return
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving, held, self._held = False, self._held, []
+            self._after = True
+            try:
+                for again in held:
+                    again()  # the signal's usual way out (by default: the process ends)
+            finally:
+                self._after = False
 
     def _agreeing(self) -> bool:
         return self._group.pg is not None and self._stepping and self.save_here is not None and not self.done
 
     def defers(self, again: Callable[[], None]) -> bool:
         """In the handler: True when the final save waits (``again`` runs it later)."""
+        if self._saving:
+            self._held.append(again)
+            return True
         if self._now or not (self._depth or self._agreeing()):
             return False
         self._deferred = again

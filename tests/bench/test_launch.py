@@ -4,6 +4,7 @@ pipe, a rank whose reader falls behind or goes, and the one line that names a de
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -12,9 +13,12 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers.sync import until
 
+from nbckpt import CheckpointError
+from nbckpt.bench import _launch
 from nbckpt.bench._launch import EventWriter, decode, failure_line
 from nbckpt.engine import Event
 
@@ -146,3 +150,62 @@ def test_a_dead_rank_is_named_with_its_exit_and_its_last_line_on_stderr(tmp_path
     assert failure_line(2, 1, "starting\nValueError: bad rendezvous\n", str(tmp_path)) == (
         "torchrun with 2 ranks exited with code 1: ValueError: bad rendezvous"
     )
+
+
+# torchrun's stand-in: a rank whose child (``sleep`` in a process of its own, its stderr elsewhere)
+# holds the events pipe, its stdout, after the rank and torchrun have ended (started after the
+# rank's last line: the launch may not have noted it); the child's pid goes to the file argv[1] names.
+TORCHRUN_WITH_A_RANKS_CHILD = """
+import subprocess, sys
+print("rank 0 failed", file=sys.stderr, flush=True)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stderr=subprocess.DEVNULL)
+with open(sys.argv[1], "w") as file:
+    file.write(str(child.pid))
+sys.exit(3)
+"""
+
+
+def test_a_ranks_child_holding_the_events_pipe_is_killed_and_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launch ends its ranks and its events' reader whatever a rank's children do: a child
+    left holding the pipe is killed (it is in the launch's process group) and named. Before, the
+    reader waited for the pipe's end, and run_local_ranks with it, for ever (found by review)."""
+    pid_file = tmp_path / "child.pid"
+    monkeypatch.setattr(
+        _launch,
+        "torchrun_local",
+        lambda size: [sys.executable, "-c", TORCHRUN_WITH_A_RANKS_CHILD, str(pid_file)],
+    )
+    lines: list[str] = []
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _launch.run_local_ranks(
+                1, [], str(tmp_path / "run"), on_event=lambda event: None, on_line=lines.append
+            )
+        except BaseException as exc:
+            raised.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(60)
+    pid = int(pid_file.read_text())
+    try:
+        assert not runner.is_alive(), "run_local_ranks still waits for the events pipe"
+        assert until(lambda: not running(pid))  # killed (its new parent reaps it)
+        assert len(raised) == 1 and isinstance(raised[0], CheckpointError), raised
+        assert "exited with code 3: rank 0 failed" in str(raised[0])
+        assert any(f"killed pid {pid} " in line for line in lines), lines
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if running(pid):
+                psutil.Process(pid).kill()
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

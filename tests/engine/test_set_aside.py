@@ -425,3 +425,49 @@ def test_a_reader_opened_before_a_writer_sets_steps_aside_never_picks_one_of_the
         killed_child(REWINDER, str(run))
         assert (run / ".set-aside-intent.json").is_file() and (run / "step-000040").is_dir()
         assert reader.steps() == [10, 20] and restored(reader) == 20
+
+
+def test_a_set_aside_cut_short_by_ctrl_c_is_finished_said_and_told_to_the_mirror_at_the_next_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ctrl-C while the run's steps move (30 moved, 40 not yet), their uploads held: the next
+    save finishes the move, warns once where the steps went, and tells the mirror, whose waiting
+    uploads read them there. Before, the retry found nothing left to move: no warning, the mirror
+    never told, and the uploads of 30 and 40 failed ('committed locally but not on the mirror')."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    with saved(run, (10, 20), mirror=str(mirror)) as ckpt:
+        ckpt.wait()
+    entered, release = threading.Event(), threading.Event()
+
+    def held(location: str, name: str) -> None:
+        entered.set()
+        assert release.wait(60), "the test never released the uploads"
+
+    def ctrl_c(url: str, folder: str) -> None:
+        if folder == "step-000030":
+            raise KeyboardInterrupt
+
+    with armed("mirror.upload", held), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ckpt = Checkpointer(run, mode="sync", mirror=str(mirror))
+        try:
+            ckpt.save(state_of(30), step=30)  # its upload held: 40's waits behind it
+            assert entered.wait(60)
+            ckpt.save(state_of(40), step=40)
+            restored(ckpt, 20)
+            with armed("set_aside.moved", ctrl_c), pytest.raises(KeyboardInterrupt):
+                ckpt.save(state_of(25), step=25)
+            assert (run / "set-aside-1" / "step-000030").is_dir() and (run / "step-000040").is_dir()
+            ckpt.save(state_of(25), step=25)
+        finally:
+            release.set()
+        ckpt.close()
+    lines = [str(w.message) for w in said if "set aside" in str(w.message)]
+    assert len(lines) == 1 and lines[0].endswith(f"in {run / 'set-aside-1'}"), lines
+    assert not [r.getMessage() for r in caplog.records if "mirror" in r.getMessage()]
+    with Checkpointer(run, read_only=True) as reader:
+        assert reader.steps() == [10, 20, 25]
+    with Checkpointer(mirror, read_only=True) as reader:
+        assert reader.steps() == [10, 20, 25]
+    with Checkpointer(mirror / "set-aside-1", read_only=True) as reader:
+        assert [restored(reader, step) for step in (30, 40)] == [30, 40]

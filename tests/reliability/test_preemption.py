@@ -20,6 +20,7 @@ from helpers import preempted_child
 from helpers.ranks import RankProcess, free_port
 
 from nbckpt import Checkpointer
+from nbckpt.engine._faults import armed
 
 
 def run_until_preempted(directory: Path, *extra: str) -> tuple[int, int, str]:
@@ -230,3 +231,35 @@ def test_sigterm_to_every_rank_commits_one_final_step_of_all_of_them(tmp_path: P
     plain = {"model.weight": torch.zeros(64, 64)}
     dcp.load(plain, checkpoint_id=str(tmp_path / "run" / f"step-{final:06d}"))
     assert torch.equal(plain["model.weight"], torch.full((64, 64), float(final)))
+
+
+def test_a_second_signal_during_the_final_save_is_held_and_saves_nothing_more(tmp_path: Path) -> None:
+    """A signal that comes while the final save runs (a second SIGTERM, the scheduler's Ctrl-C)
+    goes on once that save ends, saving nothing: handled at once, it began a second final save
+    nested in the first, which waited for the first's lock and then saved the step again (found
+    by review)."""
+    seen: list[int] = []
+    taken: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    main = threading.main_thread().ident or 0
+
+    def snapshot() -> tuple[dict[str, Any], int]:
+        taken.append(1)
+        return {"w": torch.ones(4)}, 7
+
+    def again() -> None:  # on the final save's thread, once: to the main thread, waiting for it
+        if not signalled:
+            signalled.append(True)
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    signalled: list[bool] = []
+    try:
+        with Checkpointer(tmp_path / "run") as ckpt, armed("staging.fit", again):
+            ckpt.save_on_signal(snapshot, signals=(signal.SIGUSR1,))
+            signal.raise_signal(signal.SIGUSR1)
+            assert signalled and len(taken) == 1  # one final save
+            assert seen == [signal.SIGUSR1] * 2  # both signals went on to the handler before
+            assert ckpt.steps() == [7] and ckpt.records[-1].step == 7
+            assert sum(record.step == 7 for record in ckpt.records) == 1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
