@@ -606,10 +606,18 @@ class Saver:
         return records
 
     def raise_pending(self) -> None:
-        """Raise the first background failure nobody has been told of (once)."""
+        """Raise the first background failure nobody has been told of (once), of a save a call
+        has waited for (``wait``, or a save waiting for room: with ``max_inflight=1``, the next)."""
+        # Each save call advances each rank's check-ins (and save numbers) the same way, so a call
+        # raises the same failure at the same point on every rank. A failed save fails on every
+        # rank, but each rank records it when its own persist thread gets there: raised as soon as
+        # recorded, the next save raised before checking in on a rank that had recorded it and
+        # went on to check in on one that had not (a 30 s arrival deadline, then every later save
+        # "out of step"). A save waited for has been recorded on every rank.
         with self._state:
-            failed = [h for h in self._unreported if not h.reported]
-            self._unreported.clear()
+            inflight = {id(h) for h in self._inflight}
+            failed = [h for h in self._unreported if not h.reported and id(h) not in inflight]
+            self._unreported = [h for h in self._unreported if id(h) in inflight]
         if failed:
             failed[0].reported = True
             raise failed[0].committed.exception()  # type: ignore[misc]
