@@ -29,6 +29,7 @@ from ._files import FileResult, copy_file, drop_cached, write_image
 from ._format import METADATA_FILE, Layout, RankPlan, data_file, plan
 from ._incremental import NOTHING_SHARED, Increments, Sharing
 from ._manifest import build, provenance
+from ._ranks import Group
 from ._retention import StepFacts
 from ._shards import check_replicas, fingerprints
 from ._staging import Stager, StagingPool
@@ -196,16 +197,18 @@ class Saver:
         anything is written; a disagreement fails the save on every rank (:meth:`_offer`)."""
         start = now_ns()
         self.raise_pending()
-        self._seq += 1
-        seq = self._seq
         agreed = self._agreed
         # A sync save (a final save on a signal among them) waits for its commit anyway: it plans
         # with the ranks on the caller's thread, which also brings them to it together.
         if agreed is not None and self.ranks.world_size > 1 and self._increments is None and not sync:
-            handle = SaveHandle(step, 0, seq, reported=False)
+            handle = SaveHandle(step, 0, 0, reported=False)
             self._wait_for_room(handle, sync=False)
+            # Numbered once the save before is settled (max_inflight=1): one refused because a
+            # rank never came has given its number back by then (_uncount).
+            handle.seq = self._count()
             job = self._offer(handle, state, agreed, start, overlap, capture_rng, metrics, overwrite, owner)
         else:
+            seq = self._count()
             flat, layout = self._plan(state, step, seq)
             self._warn(flat, step, overwrite)
             handle = SaveHandle(step, flat.nbytes, seq, reported=sync)
@@ -375,9 +378,8 @@ class Saver:
 
     def warmup(self, state: Mapping[str, Any]) -> None:
         """Plan ``state``'s structure and fit every slot to it (each slot is taken in turn)."""
-        self._seq += 1
         # values need not agree yet: a model is often warmed up before DDP broadcasts rank 0's
-        flat, layout = self._plan(state, -1, self._seq, compare_values=False)
+        flat, layout = self._plan(state, -1, self._count(), compare_values=False)
         files = layout.files.get(self.ranks.rank, ())
         note = self.pool.preflight(sum(f.size for f in files))
         if note is not None:
@@ -408,10 +410,7 @@ class Saver:
         try:
             everyone = self.ranks.caller.exchange(("save", step, seq), local)
         except ConfigError:
-            if self.ranks.caller.check_ins == check_ins:
-                # A rank never came: not counted, as its check-in is not, so that the ranks' next
-                # save has the same number on every rank (else they are "out of step").
-                self._seq = seq - 1
+            self._uncount(seq, self.ranks.caller, check_ins)
             raise
         flat = box[0]
         plans = tuple(plan_ for plan_, _, _ in everyone)
@@ -426,6 +425,20 @@ class Saver:
         check_replicas(layout.shared, layout.replicated, [prints for _, prints, _ in everyone])
         self._adopt(plans, layout)
         return flat, layout
+
+    def _count(self) -> int:
+        """The next save's number (in its tags: the same save has the same on every rank)."""
+        with self._state:  # the persist thread gives a refused save's number back (_uncount)
+            self._seq += 1
+            return self._seq
+
+    def _uncount(self, seq: int, group: Group, check_ins: int) -> None:
+        """Save ``seq``'s check-in on ``group`` was refused because a rank never came: not
+        counted, as its check-in is not, so that the ranks' next save has the same number on
+        every rank (else they are "out of step"); unless a later save has taken a number since."""
+        with self._state:
+            if group.check_ins == check_ins and self._seq == seq:
+                self._seq = seq - 1
 
     def _layout(self, plans: tuple[RankPlan, ...], paths: list[dict[str, Any]]) -> Layout:
         """The file layout of ``plans`` (every rank's), kept for the next save of that structure."""
@@ -467,7 +480,12 @@ class Saver:
         layout whose files for it changed (the state's structure changed on some ranks only),
         replicated tensors whose copies differ."""
         step, seq = handle.step, handle.seq
-        everyone = self.ranks.agreement.exchange(("save", step, seq), offer)
+        check_ins = self.ranks.agreement.check_ins
+        try:
+            everyone = self.ranks.agreement.exchange(("save", step, seq), offer)
+        except ConfigError:
+            self._uncount(seq, self.ranks.agreement, check_ins)
+            raise
         plans = tuple(o.plan for o in everyone)
         layout = self._layouts.get(plans)
         if layout is None:
