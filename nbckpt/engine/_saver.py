@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -41,7 +41,6 @@ from ._workers import Worker, run_all, settle
 __all__ = ["Commit", "CommitObserver", "Saver"]
 
 _log = logging.getLogger("nbckpt")
-_T = TypeVar("_T")
 #: Structures a run alternates between at most (a model, then with its optimizer state, ...).
 _LAYOUTS_KEPT = 4
 
@@ -205,16 +204,18 @@ class Saver:
         anything is written; a disagreement fails the save on every rank (:meth:`_offer`)."""
         start = now_ns()
         self.raise_pending()
-        self._seq += 1
-        seq = self._seq
         agreed = self._agreed
         # A sync save (a final save on a signal among them) waits for its commit anyway: it plans
         # with the ranks on the caller's thread, which also brings them to it together.
         if agreed is not None and self.ranks.world_size > 1 and self._increments is None and not sync:
-            handle = SaveHandle(step, 0, seq, reported=False)
+            handle = SaveHandle(step, 0, 0, reported=False)
             self._wait_for_room(handle, sync=False)
+            # Numbered once the save before is settled (max_inflight=1): one refused because a
+            # rank never came has given its number back by then (_uncount).
+            handle.seq = self._count()
             job = self._offer(handle, state, agreed, start, overlap, capture_rng, metrics, overwrite, owner)
         else:
+            seq = self._count()
             flat, layout = self._plan(state, step, seq)
             self._warn(flat, step, overwrite)
             handle = SaveHandle(step, flat.nbytes, seq, reported=sync)
@@ -384,9 +385,8 @@ class Saver:
 
     def warmup(self, state: Mapping[str, Any]) -> None:
         """Plan ``state``'s structure and fit every slot to it (each slot is taken in turn)."""
-        self._seq += 1
         # values need not agree yet: a model is often warmed up before DDP broadcasts rank 0's
-        flat, layout = self._plan(state, -1, self._seq, compare_values=False)
+        flat, layout = self._plan(state, -1, self._count(), compare_values=False)
         files = layout.files.get(self.ranks.rank, ())
         note = self.pool.preflight(sum(f.size for f in files))
         if note is not None:
@@ -413,7 +413,12 @@ class Saver:
             gone = increments.gone(self.store.committed_at) if increments is not None else frozenset()
             return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items())), cold), prints, gone
 
-        everyone = self._exchange_counted(self.ranks.caller, ("save", step, seq), local)
+        check_ins = self.ranks.caller.check_ins
+        try:
+            everyone = self.ranks.caller.exchange(("save", step, seq), local)
+        except ConfigError:
+            self._uncount(seq, self.ranks.caller, check_ins)
+            raise
         flat = box[0]
         plans = tuple(plan_ for plan_, _, _ in everyone)
         if self._increments is not None:  # a step gone for one rank is shared from by none
@@ -428,20 +433,19 @@ class Saver:
         self._adopt(plans, layout)
         return flat, layout
 
-    def _exchange_counted(self, group: Group, tag: tuple[str, int, int], run: Callable[[], _T]) -> list[_T]:
-        """A save's first exchange. A save some rank never came to (refused at the check-in, which
-        counts on no rank) does not count its number either, so that the ranks' next save has the
-        same number on every rank (else they are "out of step"); a save started since on this
-        rank (the fast path's agreement fails on the persist thread) keeps its number."""
-        check_ins = group.check_ins
-        try:
-            return group.exchange(tag, run)
-        except ConfigError:
-            if group.check_ins == check_ins:
-                with self._state:
-                    if self._seq == tag[2]:
-                        self._seq -= 1
-            raise
+    def _count(self) -> int:
+        """The next save's number (in its tags: the same save has the same on every rank)."""
+        with self._state:  # the persist thread gives a refused save's number back (_uncount)
+            self._seq += 1
+            return self._seq
+
+    def _uncount(self, seq: int, group: Group, check_ins: int) -> None:
+        """Save ``seq``'s check-in on ``group`` was refused because a rank never came: not
+        counted, as its check-in is not, so that the ranks' next save has the same number on
+        every rank (else they are "out of step"); unless a later save has taken a number since."""
+        with self._state:
+            if group.check_ins == check_ins and self._seq == seq:
+                self._seq = seq - 1
 
     def _layout(self, plans: tuple[RankPlan, ...], paths: list[dict[str, Any]]) -> Layout:
         """The file layout of ``plans`` (every rank's), kept for the next save of that structure."""
@@ -483,7 +487,12 @@ class Saver:
         layout whose files for it changed (the state's structure changed on some ranks only),
         replicated tensors whose copies differ."""
         step, seq = handle.step, handle.seq
-        everyone = self._exchange_counted(self.ranks.agreement, ("save", step, seq), offer)
+        check_ins = self.ranks.agreement.check_ins
+        try:
+            everyone = self.ranks.agreement.exchange(("save", step, seq), offer)
+        except ConfigError:
+            self._uncount(seq, self.ranks.agreement, check_ins)
+            raise
         plans = tuple(o.plan for o in everyone)
         layout = self._layouts.get(plans)
         if layout is None:
@@ -622,10 +631,18 @@ class Saver:
         return records
 
     def raise_pending(self) -> None:
-        """Raise the first background failure nobody has been told of (once)."""
+        """Raise the first background failure nobody has been told of (once), of a save a call
+        has waited for (``wait``, or a save waiting for room: with ``max_inflight=1``, the next)."""
+        # Each save call advances each rank's check-ins (and save numbers) the same way, so a call
+        # raises the same failure at the same point on every rank. A failed save fails on every
+        # rank, but each rank records it when its own persist thread gets there: raised as soon as
+        # recorded, the next save raised before checking in on a rank that had recorded it and
+        # went on to check in on one that had not (a 30 s arrival deadline, then every later save
+        # "out of step"). A save waited for has been recorded on every rank.
         with self._state:
-            failed = [h for h in self._unreported if not h.reported]
-            self._unreported.clear()
+            inflight = {id(h) for h in self._inflight}
+            failed = [h for h in self._unreported if not h.reported and id(h) not in inflight]
+            self._unreported = [h for h in self._unreported if id(h) in inflight]
         if failed:
             failed[0].reported = True
             raise failed[0].committed.exception()  # type: ignore[misc]

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent import futures
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -85,12 +86,13 @@ def refusal(directory: str) -> dict[str, Any]:
                 saved = 5 if RANK == 1 and step == 4 else step
                 results[step] = outcome(lambda s=state, n=saved: ckpt.save(s, step=n, overlap=True).wait())
         results[8], results[9] = _crossing(ckpt)
+        results[11], results[12] = _failed_write(ckpt)
         return {
             "outcomes": results,
             "caller_collectives": calls,
             "steps": ckpt.steps(),
             **restored_step(ckpt),
-            "manifest_steps": {r: t for r, t in _tree_steps(ckpt, 9).items()},
+            "manifest_steps": _tree_steps(ckpt, max(ckpt.steps())),
         }
 
 
@@ -113,6 +115,25 @@ def _crossing(ckpt: Checkpointer) -> tuple[str, str]:
         first = outcome(handle.wait) if RANK == 0 else "not waited for"
         final = outcome(lambda: ckpt.save(state_of(9), step=9, mode="sync"))
     return (first if RANK == 0 else outcome(handle.wait)), final
+
+
+def _failed_write(ckpt: Checkpointer) -> tuple[str, str]:
+    """An async save of step 10 whose writes fail on every rank, recorded on rank 0 before its
+    next save (11) starts, on rank 1 only once its save of 11 has begun (its persist thread's
+    writes are held until then); then a save of 12. The outcomes of 11 and 12."""
+    began = threading.Event()
+
+    def write(path: str) -> None:
+        if RANK == 1:
+            began.wait(120)
+        raise OSError(28, "No space left on device", path)
+
+    with armed("file.write", write), armed("save.wait", lambda step: began.set()):
+        handle = ckpt.save(state_of(10), step=10)
+        if RANK == 0:
+            futures.wait([handle.committed], timeout=120)  # recorded here, not raised
+        eleventh = outcome(lambda: ckpt.save(state_of(11), step=11))
+    return eleventh, outcome(lambda: ckpt.save(state_of(12), step=12).wait())
 
 
 def _tree_steps(ckpt: Checkpointer, step: int) -> dict[str, Any]:
