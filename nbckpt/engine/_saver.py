@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -41,6 +41,7 @@ from ._workers import Worker, run_all, settle
 __all__ = ["Commit", "CommitObserver", "Saver"]
 
 _log = logging.getLogger("nbckpt")
+_T = TypeVar("_T")
 #: Structures a run alternates between at most (a model, then with its optimizer state, ...).
 _LAYOUTS_KEPT = 4
 
@@ -413,12 +414,7 @@ class Saver:
             gone = increments.gone(self.store.committed_at) if increments is not None else frozenset()
             return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items())), cold), prints, gone
 
-        check_ins = self.ranks.caller.check_ins
-        try:
-            everyone = self.ranks.caller.exchange(("save", step, seq), local)
-        except ConfigError:
-            self._uncount(seq, self.ranks.caller, check_ins)
-            raise
+        everyone = self._first_exchange(self.ranks.caller, ("save", step, seq), local)
         flat = box[0]
         plans = tuple(plan_ for plan_, _, _ in everyone)
         if self._increments is not None:  # a step gone for one rank is shared from by none
@@ -438,6 +434,16 @@ class Saver:
         with self._state:  # the persist thread gives a refused save's number back (_uncount)
             self._seq += 1
             return self._seq
+
+    def _first_exchange(self, group: Group, tag: tuple[str, int, int], run: Callable[[], _T]) -> list[_T]:
+        """A save's first exchange on ``group``: refused because a rank never came, the save
+        gives its number back (:meth:`_uncount`)."""
+        check_ins = group.check_ins
+        try:
+            return group.exchange(tag, run)
+        except ConfigError:
+            self._uncount(tag[2], group, check_ins)
+            raise
 
     def _uncount(self, seq: int, group: Group, check_ins: int) -> None:
         """Save ``seq``'s check-in on ``group`` was refused because a rank never came: not
@@ -487,12 +493,7 @@ class Saver:
         layout whose files for it changed (the state's structure changed on some ranks only),
         replicated tensors whose copies differ."""
         step, seq = handle.step, handle.seq
-        check_ins = self.ranks.agreement.check_ins
-        try:
-            everyone = self.ranks.agreement.exchange(("save", step, seq), offer)
-        except ConfigError:
-            self._uncount(seq, self.ranks.agreement, check_ins)
-            raise
+        everyone = self._first_exchange(self.ranks.agreement, ("save", step, seq), offer)
         plans = tuple(o.plan for o in everyone)
         layout = self._layouts.get(plans)
         if layout is None:

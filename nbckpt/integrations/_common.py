@@ -38,6 +38,7 @@ __all__ = [
     "STEP_DIR",
     "Holder",
     "atomic_torch_save",
+    "close_held",
     "earlier_pointer",
     "export",
     "let_go",
@@ -46,6 +47,7 @@ __all__ = [
     "pointer_bytes",
     "read_pointer",
     "resolve",
+    "running_elsewhere",
     "said_waited",
 ]
 
@@ -92,6 +94,20 @@ def open_taking_over(owner: Holder, directory: str, open_: Callable[[], Checkpoi
         ckpt = open_()
         _holders[directory] = weakref.ref(owner)
     return ckpt
+
+
+def running_elsewhere(thread: threading.Thread | None) -> threading.Thread | None:
+    """``thread`` if it is not this one and still runs (a loop on a thread of its own); a loop
+    in a cell, or one a Ctrl-C ended on this thread, is over when another cell runs."""
+    if thread is None or thread is threading.current_thread() or not thread.is_alive():
+        return None
+    return thread
+
+
+def close_held(ckpt: Checkpointer | None) -> None:
+    """Close a holder's Checkpointer, if open (its saves in flight commit)."""
+    if ckpt is not None:
+        ckpt.close()
 
 
 def let_go(owner: Holder, directory: str) -> None:

@@ -29,7 +29,7 @@ from accelerate.utils import DistributedType
 from .._errors import ConfigError
 from ..engine import Checkpointer, RetentionPolicy, SaveHandle
 from ._accelerate_compat import tracked
-from ._common import let_go, open_taking_over
+from ._common import close_held, let_go, open_taking_over, running_elsewhere
 
 __all__ = ["AcceleratorCheckpointer"]
 
@@ -91,18 +91,13 @@ class AcceleratorCheckpointer:
         return self._ckpt
 
     def _busy_thread(self) -> threading.Thread | None:
-        """The thread that saved or restored last, if another one and still running (a loop on a
-        thread of its own); a loop in a cell is over when another cell runs."""
-        thread = self._thread
-        if thread is None or thread is threading.current_thread() or not thread.is_alive():
-            return None
-        return thread
+        """The thread that saved or restored last, if another one and still running."""
+        return running_elsewhere(self._thread)
 
     def _let_go(self) -> None:
         """Taken over by a newer one on the directory: close the Checkpointer."""
         ckpt, self._ckpt = self._ckpt, None
-        if ckpt is not None:
-            ckpt.close()
+        close_held(ckpt)
 
     def state(self) -> dict[str, Any]:
         """What ``accelerator.save_state`` saves, as a Checkpointer state (objects by reference,

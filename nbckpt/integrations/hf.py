@@ -69,7 +69,7 @@ from transformers.utils.peft_utils import ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIG
 from .._errors import ConfigError
 from ..engine import AnyOf, CheckpointConfig, Checkpointer, CustomSteps, RetentionPolicy, SaveHandle
 from ..engine._internal import step_name, write_atomic
-from ._common import atomic_torch_save, let_go, open_taking_over, said_waited
+from ._common import atomic_torch_save, close_held, let_go, open_taking_over, running_elsewhere, said_waited
 from ._hf_compat import FlosCounter, count_evaluation
 
 __all__ = ["NbckptCallback"]
@@ -146,16 +146,12 @@ class NbckptCallback(TrainerCallback):  # type: ignore[misc]
     def _busy_thread(self) -> threading.Thread | None:
         """The thread training with this callback now, if another one: a training interrupted
         on this thread (a cell's Ctrl-C: no on_train_end) is over."""
-        thread = self._training
-        if thread is None or thread is threading.current_thread() or not thread.is_alive():
-            return None
-        return thread
+        return running_elsewhere(self._training)
 
     def _let_go(self) -> None:
         """Taken over by a newer callback on the directory: close the Checkpointer."""
         ckpt, self._ckpt = self._ckpt, None
-        if ckpt is not None:
-            ckpt.close()
+        close_held(ckpt)
 
     def _with_best(self, config: CheckpointConfig) -> CheckpointConfig:
         """As ``save_total_limit`` does, a retention that never deletes the Trainer's best step."""

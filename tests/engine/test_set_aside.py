@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,18 @@ def killed_at(point: str, *directories: Path) -> None:
     killed_child(CHILD, point, *map(str, directories))
 
 
+def upload_holder() -> tuple[threading.Event, threading.Event, Callable[[str, str], None]]:
+    """A ``mirror.upload`` seam action holding each upload until ``release`` is set; ``entered``
+    is set once one is held."""
+    entered, release = threading.Event(), threading.Event()
+
+    def held(location: str, name: str) -> None:
+        entered.set()
+        assert release.wait(60), "the test never released the uploads"
+
+    return entered, release, held
+
+
 @pytest.mark.parametrize("point", ["set_aside_intent", "set_aside_moving", "set_aside_moved"])
 def test_a_kill_at_any_point_of_a_set_aside_leaves_every_step_restorable_exactly_once(
     tmp_path: Path, point: str
@@ -252,11 +265,7 @@ def test_a_step_set_aside_and_saved_again_while_its_upload_waits_is_the_mirrors_
     run, mirror = tmp_path / "run", tmp_path / "mirror"
     with saved(run, (10, 20), mirror=str(mirror)) as ckpt:
         ckpt.wait()
-    entered, release = threading.Event(), threading.Event()
-
-    def held(location: str, name: str) -> None:
-        entered.set()
-        assert release.wait(60), "the test never released the uploads"
+    entered, release, held = upload_holder()
 
     again = {"w": torch.full((8,), 300.0), "step": 30}
     with armed("mirror.upload", held), warnings.catch_warnings():
@@ -343,11 +352,7 @@ def test_killed_before_the_mirror_sets_steps_aside_none_of_them_is_the_newest_th
     run, mirror, killed = tmp_path / "run", tmp_path / "mirror", tmp_path / "killed"
     with saved(run, (10, 20, 30), mirror=str(mirror)) as ckpt:
         ckpt.wait()
-    entered, release = threading.Event(), threading.Event()
-
-    def held(location: str, name: str) -> None:
-        entered.set()
-        assert release.wait(60), "the test never released the uploads"
+    entered, release, held = upload_holder()
 
     with armed("mirror.upload", held), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the set-aside is said in a warning
@@ -437,11 +442,7 @@ def test_a_set_aside_cut_short_by_ctrl_c_is_finished_said_and_told_to_the_mirror
     run, mirror = tmp_path / "run", tmp_path / "mirror"
     with saved(run, (10, 20), mirror=str(mirror)) as ckpt:
         ckpt.wait()
-    entered, release = threading.Event(), threading.Event()
-
-    def held(location: str, name: str) -> None:
-        entered.set()
-        assert release.wait(60), "the test never released the uploads"
+    entered, release, held = upload_holder()
 
     def ctrl_c(url: str, folder: str) -> None:
         if folder == "step-000030":
