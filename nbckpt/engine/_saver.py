@@ -36,7 +36,7 @@ from ._staging import Stager, StagingPool
 from ._state import Flattened, flatten, rng_capture
 from ._store import Store, crash_point
 from ._timeline import SaveHandle, SaveRecord, now_ns
-from ._workers import Worker, run_all, settle
+from ._workers import Worker, run_all, settle, settle_all
 
 __all__ = ["Commit", "CommitObserver", "Saver"]
 
@@ -125,13 +125,6 @@ def _fingerprint(
     """Fingerprints of ``keys`` as saved: from the staged copy where this rank writes the
     tensor, else from the state (on a stage thread, before the state may change)."""
     prints.update(fingerprints({key: staged.get(key, tensors[key]) for key in keys}))
-
-
-def _join(started: Iterable[Future[Any]]) -> None:
-    """Wait for files already being written to end, whatever became of the save: nothing may
-    still read its slot once it is released, nor write into its location once it is removed."""
-    for future in started:
-        settle(future)
 
 
 def _done(future: Future[Any]) -> None:
@@ -881,7 +874,7 @@ class Saver:
         try:
             location, shared = self.ranks.background.from_rank0(("begin", step, handle.seq), begin)
         except BaseException:
-            _join(started)
+            settle_all(started)  # nothing may still read its slot, nor write into a removed location
             raise
         if seen not in (None, location):  # the same name on every rank: never, unless a bug
             raise CheckpointError(f"rank {self.ranks.rank} began writing in {seen}, rank 0 in {location}")
@@ -930,7 +923,7 @@ class Saver:
                 metadata = memoryview(dcp_metadata(layout, [items]))
                 jobs.append(partial(self._write_one, location, METADATA_FILE, metadata, fsync))
         except BaseException:
-            _join(started)
+            settle_all(started)  # nothing may still read its slot, nor write into a removed location
             raise
         # All of them finish, even after a failure: nothing may write into a removed location.
         results = {result.name: result for result in run_all(self.io, jobs, started)}

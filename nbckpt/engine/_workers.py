@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
@@ -35,6 +35,7 @@ __all__ = [
     "refuse_waits",
     "run_all",
     "settle",
+    "settle_all",
     "worker_thread",
 ]
 
@@ -195,13 +196,18 @@ def lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
+def settle_all(futures: Iterable[Future[Any]]) -> None:
+    """Wait for every one of ``futures`` to end, whatever becomes of the others."""
+    for future in futures:
+        settle(future)
+
+
 def run_all(pool: Pool, jobs: Sequence[Callable[[], Any]], started: Sequence[Future[Any]] = ()) -> list[Any]:
     """Run ``jobs`` in parallel beside those ``started`` before; wait for every one (none keeps
     going on memory or files the caller is about to drop), then raise the first error or return
     the results in order, the started ones' first."""
     futures = [*started, *(pool.submit(job) for job in jobs)]
-    for future in futures:
-        settle(future)
+    settle_all(futures)
     for future in futures:
         error = future.exception()
         if error is not None:

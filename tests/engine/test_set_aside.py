@@ -213,6 +213,14 @@ def upload_holder() -> tuple[threading.Event, threading.Event, Callable[[str, st
     return entered, release, held
 
 
+def rewind_behind_a_held_upload(ckpt: Checkpointer, entered: threading.Event, held: int, then: int) -> None:
+    """Save ``held`` (its upload held), then ``then`` (its upload waits behind it), and restore 20."""
+    ckpt.save(state_of(held), step=held)
+    assert entered.wait(60)
+    ckpt.save(state_of(then), step=then)
+    restored(ckpt, 20)
+
+
 @pytest.mark.parametrize("point", ["set_aside_intent", "set_aside_moving", "set_aside_moved"])
 def test_a_kill_at_any_point_of_a_set_aside_leaves_every_step_restorable_exactly_once(
     tmp_path: Path, point: str
@@ -272,10 +280,7 @@ def test_a_step_set_aside_and_saved_again_while_its_upload_waits_is_the_mirrors_
         warnings.simplefilter("ignore")  # the set-aside is said in a warning
         ckpt = Checkpointer(run, mode="sync", mirror=str(mirror))
         try:
-            ckpt.save(state_of(21), step=21)  # its upload held: 30's waits behind it
-            assert entered.wait(60)
-            ckpt.save(state_of(30), step=30)
-            restored(ckpt, 20)
+            rewind_behind_a_held_upload(ckpt, entered, 21, 30)
             ckpt.save(again, step=30)  # 21 and the first 30 set aside; the new 30 goes up
         finally:
             release.set()
@@ -452,10 +457,7 @@ def test_a_set_aside_cut_short_by_ctrl_c_is_finished_said_and_told_to_the_mirror
         warnings.simplefilter("always")
         ckpt = Checkpointer(run, mode="sync", mirror=str(mirror))
         try:
-            ckpt.save(state_of(30), step=30)  # its upload held: 40's waits behind it
-            assert entered.wait(60)
-            ckpt.save(state_of(40), step=40)
-            restored(ckpt, 20)
+            rewind_behind_a_held_upload(ckpt, entered, 30, 40)
             with armed("set_aside.moved", ctrl_c), pytest.raises(KeyboardInterrupt):
                 ckpt.save(state_of(25), step=25)
             assert (run / "set-aside-1" / "step-000030").is_dir() and (run / "step-000040").is_dir()
