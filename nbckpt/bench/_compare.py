@@ -223,8 +223,14 @@ def compare(
     fsspec's), where each repeat writes under ``<directory>/repeat-<r>/`` and strategies that
     write local files only are skipped. When the staging buffers of all strategies at once
     would not fit in free memory, they run one after the other instead of taking turns.
-    ``keep`` keeps the checkpoints of the last repeat (to inspect or restore them). ``ranks``
-    makes this one rank of a bench on many (``nbckpt bench`` under torchrun sets it).
+    ``keep`` keeps the checkpoints of the last repeat (to inspect or restore them).
+
+    Under ``torchrun`` every rank calls it and runs as one rank of a bench on many, as ``nbckpt
+    bench`` there: the strategies in their many-rank form, taking their turns in lockstep; a GPT
+    replicated as under DDP, any other state each rank's own. Rank 0's comparison carries every
+    rank's figures and the job's (``ranks``, ``job``, ``rank_timeline``); every other rank's is
+    its own, and prints no progress. ``ranks`` (``nbckpt bench`` under torchrun gives it) is the
+    coordination with the other ranks, the workload already adopted.
 
     ``every`` None: measured after the warm-up (:func:`~._auto_interval.choose_interval`), so that
     no save waits for the one before; ``steps`` None: a few such intervals (20 with ``every``). A
@@ -232,6 +238,31 @@ def compare(
     """
     check_interval_args(steps, every)
     check_count(repeats, "repeats")
+    if ranks is None:
+        from ._ranks import in_torchrun, on_ranks  # built on this module: imported when called
+
+        if in_torchrun():
+            return on_ranks(
+                workload.device,
+                lambda job: compare(
+                    job.adopt(workload),
+                    strategies,
+                    directory,
+                    steps=steps,
+                    every=every,
+                    repeats=repeats,
+                    warmup=warmup,
+                    progress=progress if job.rank == 0 else None,
+                    stop=stop,
+                    on_event=on_event,
+                    on_result=on_result,
+                    storage_options=storage_options,
+                    keep=keep,
+                    ranks=job,
+                ),
+                keep=keep,
+                repeats=repeats,
+            )
     say = progress or (lambda _line: None)
     lineup = _Lineup.of(strategies, directory, storage_options, ranks, say)
     overall = LoadMonitor()
@@ -266,7 +297,10 @@ def compare(
             say(_run_summary(name, repeat, repeats, metrics, stopped=result.stopped))
             if on_result is not None:
                 on_result(name, metrics)
-    return tally.comparison(plan, order, overall.stop(), say)
+    comparison = tally.comparison(plan, order, overall.stop(), say)
+    if ranks is not None:  # every rank's events to rank 0, for the report's swimlanes
+        comparison.rank_timeline = ranks.gather_timeline(comparison.timeline)
+    return comparison
 
 
 @dataclass
@@ -727,6 +761,4 @@ def run_bench_from_args(
         if created:
             shutil.rmtree(args.dir, ignore_errors=True)
         raise
-    if ranks is not None:  # every rank's events to rank 0, for the report's swimlanes
-        comparison.rank_timeline = ranks.gather_timeline(comparison.timeline)
     return comparison

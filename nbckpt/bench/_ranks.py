@@ -30,7 +30,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from types import FrameType
 from typing import Any
@@ -62,6 +62,7 @@ __all__ = [
     "RankStrategy",
     "arm_slow",
     "in_torchrun",
+    "on_ranks",
     "run_bench_on_ranks",
 ]
 
@@ -497,6 +498,29 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def on_ranks(
+    device: str,
+    run: Callable[[RankJob], Comparison],
+    *,
+    sharded: bool = False,
+    keep: bool = False,
+    repeats: int = 1,
+) -> Comparison:
+    """``run(job)`` as this rank's part of a bench on many ranks (the comparison, run with
+    ``ranks=job``), then every rank's record gathered to rank 0: there the comparison carries the
+    job's figures (``ranks``, ``job``), elsewhere this rank's own alone."""
+    job = RankJob.start(device, sharded=sharded)
+    job.keep, job.repeats = keep, repeats
+    try:
+        comparison = run(job)
+        records = job.gather(job.record(comparison))
+        if records is not None:
+            comparison.ranks, comparison.job = job_summary(records)
+        return comparison
+    finally:
+        job.close()
+
+
 def run_bench_on_ranks(
     args: argparse.Namespace, progress: Progress | None = None, on_event: EventCallback | None = None
 ) -> Comparison | None:
@@ -506,16 +530,13 @@ def run_bench_on_ranks(
 
     torchrun ends its ranks with SIGTERM (a rank that died, the sweep's or the notebook's Stop):
     each rank takes it as Ctrl-C, so that its run's checkpoints are removed before it exits."""
-    job = RankJob.start(args.device, sharded=args.fsdp)
-    job.keep, job.repeats = bool(getattr(args, "keep", False)), args.repeats
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        comparison = run_one_process(args, progress if job.rank == 0 else None, ranks=job, on_event=on_event)
-        records = job.gather(job.record(comparison))
-        if records is None:
-            return None
-        comparison.ranks, comparison.job = job_summary(records)
-        return comparison
-    finally:
-        job.close()
+    comparison = on_ranks(
+        args.device,
+        lambda job: run_one_process(args, progress if job.rank == 0 else None, ranks=job, on_event=on_event),
+        sharded=args.fsdp,
+        keep=bool(getattr(args, "keep", False)),
+        repeats=args.repeats,
+    )
+    return comparison if comparison.job else None

@@ -35,40 +35,14 @@ def _report(capsys: pytest.CaptureFixture[str], out: Path, *sources: Path) -> st
 
 
 @pytest.mark.timeout(240)
-def test_a_torchrun_runs_json_renders_every_rank_and_the_straggler(
+def test_compare_under_torchrun_runs_in_lockstep_and_its_json_renders_every_rank_and_the_straggler(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """``nbckpt.bench.compare()`` called on every rank of a torchrun (a user's script), rank 1's
+    saves made 0.3 s late: the bench on many ranks, as ``nbckpt bench`` there."""
     result = tmp_path / "bench.json"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(WORKER),
-        "1",
-        "0.3",
-        "bench",
-        "--dir",
-        str(tmp_path / "ckpt"),
-        "--size-mb",
-        "1",
-        "--compute-ms",
-        "1",
-        "--strategies",
-        "nbckpt-async",
-        "--steps",
-        "4",
-        "--every",
-        "2",
-        "--repeats",
-        "1",
-        "--no-warmup",
-        "--quiet",
-        "--json",
-        str(result),
-    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += [str(WORKER), "1", "0.3", "compare", str(tmp_path / "ckpt"), str(result)]
     done = subprocess.run(
         command,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -78,6 +52,15 @@ def test_a_torchrun_runs_json_renders_every_rank_and_the_straggler(
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+    # Rank 0's comparison carries every rank's figures and the job's; rank 1's is its own.
+    lines = sorted(
+        (json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"rank"')), key=str
+    )
+    assert lines == [{"rank": 0, "job": True, "ranks": 4}, {"rank": 1, "job": False, "ranks": 0}], done.stdout
+    (summary,) = [
+        row for row in json.loads(result.read_text())["job"]["strategies"] if row["strategy"] != "none"
+    ]
+    assert [row["ranks_writing"] for row in summary["checkpoints"]] == [2, 2]  # every rank wrote each
     events = json.loads(result.read_text())["rank_timeline"]  # rank 0 gathered every rank's events
     assert {(row["rank"], row["kind"]) for row in events} >= {
         (rank, kind) for rank in (0, 1) for kind in ("step", "stall", "stage", "persist", "commit")
