@@ -306,24 +306,26 @@ def test_two_ranks_write_to_s3_and_their_bytes_add_up_to_the_objects(
 
 
 RESTORER = Path(__file__).parents[1] / "helpers" / "bench_restore_worker.py"
+#: Each rank's shard in the form its users save it: torch.save a file per rank, DCP's and nbckpt's.
+SHARDED_SAVES = ("torch-save", "dcp-sync", "nbckpt-async")
 
 
 @pytest.mark.timeout(300)
 def test_the_sharded_workloads_kept_checkpoints_restore_bit_exactly_on_the_same_ranks(tmp_path: Path) -> None:
     out, folder = tmp_path / "job.json", tmp_path / "ckpt"
     bench_then_restore = [str(RESTORER), str(out), str(folder), "bench", "--dir", str(folder)]
-    bench_then_restore += ["--preset", "tiny", "--fsdp", "--keep", "--strategies", "dcp-sync,nbckpt-async"]
+    bench_then_restore += ["--preset", "tiny", "--fsdp", "--keep", "--strategies", ",".join(SHARDED_SAVES)]
     bench_then_restore += ["--steps", "4", "--every", "2", "--repeats", "1", "--no-warmup", "--quiet"]
     printed = torchrun_two(*bench_then_restore, "--json", str(out))
     kept = json.loads(out.read_text())["job"]["kept"]
     # Each rank's last checkpoint of each strategy, every tensor it holds digested.
     assert sorted((row["rank"], row["strategy"], row["step"]) for row in kept) == [
-        (rank, name, 4) for rank in (0, 1) for name in ("dcp-sync", "nbckpt-async")
+        (rank, name, 4) for rank in (0, 1) for name in sorted(SHARDED_SAVES)
     ]
     shards = {row["rank"]: row["digests"] for row in kept if row["strategy"] == "nbckpt-async"}
     assert shards[0].keys() == shards[1].keys() and shards[0] != shards[1]  # each rank its own 1/2
     lines = [json.loads(line) for line in printed.splitlines() if line.startswith('{"rank"')]
     assert sorted(line["rank"] for line in lines) == [0, 1]
     for line in lines:
-        for name in ("dcp-sync", "nbckpt-async"):
+        for name in SHARDED_SAVES:
             assert line["checked"][name] > 10 and line["differ"][name] == [], line

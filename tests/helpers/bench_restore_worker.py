@@ -9,10 +9,11 @@ which saves a torchrun's start (about 20 s of the test on a loaded 2-core machin
 reads only the files.
 
 A fresh FSDP2-sharded GPT (the bench's preset, on the same ranks; with ``finetune`` the bench's
-``--finetune`` workload: frozen, with adapters) is zeroed, then each kept
-checkpoint is restored into it, nbckpt's with ``Checkpointer.restore`` and DCP's with
-``torch.distributed.checkpoint.load``, and every tensor this rank holds is hashed as the bench hashed
-it when it saved. Prints one JSON line: per strategy the keys compared and those that differ.
+``--finetune`` workload: frozen, with adapters) is zeroed, then each kept checkpoint is
+restored into it, nbckpt's with ``Checkpointer.restore``, DCP's with
+``torch.distributed.checkpoint.load``, torch.save's file of this rank with ``torch.load``, and
+every tensor this rank holds is hashed as the bench hashed it when it saved. Prints one JSON
+line: per strategy the keys compared and those that differ.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def _zero(state: dict[str, Any]) -> None:
 
 
 def _restore(strategy: str, folder: str, step: int, state: dict[str, Any]) -> None:
+    if strategy == "torch-save":  # under FSDP each rank torch.saved its shard into its own folder
+        path = os.path.join(folder, f"rank-{dist.get_rank()}", step_name(step) + ".pt")
+        saved = torch.load(path, weights_only=False)  # the bench of this test wrote it (DTensors)
+        state["model"].load_state_dict(saved["model"])
+        state["optim"].load_state_dict(saved["optim"])
+        return
     if strategy.startswith("nbckpt"):
         with Checkpointer(folder) as checkpointer:
             checkpointer.restore(state, step=step)
