@@ -198,7 +198,9 @@ def _check_many_ranks(results: dict[str, Any]) -> None:
     assert decision["strategy"] == min(ours, key=lambda row: row["waste_pct"])["strategy"]
     floors = {row["ranks"]: row["concurrent_floor_gbs"] for row in rows}
     assert decision["floor_gbs"] == pytest.approx(floors[4])  # the table went through JSON at 10 digits
-    assert decision["writers_help"] == (decision["floor_gbs"] > 1.2 * floors[1])
+    # whether more writers still added bandwidth: the last step, from 2 ranks to the job's 4
+    assert decision["fewer_ranks"] == 2 and decision["fewer_floor_gbs"] == pytest.approx(floors[2])
+    assert decision["writers_help"] == (decision["floor_gbs"] > 1.2 * floors[2])
 
 
 def _check_fine_tuning(results: dict[str, Any]) -> None:
