@@ -18,6 +18,7 @@ import numpy as np
 
 from .._util import GB
 from ._load import Load
+from ._stats import t_interval
 
 __all__ = ["RankRecord", "host_load", "job_summary", "job_text", "straggler"]
 
@@ -122,6 +123,17 @@ def _checkpoints(records: Sequence[RankRecord], strategy: str) -> list[dict[str,
     return rows
 
 
+def _over_repeats(checkpoints: Sequence[Mapping[str, Any]], key: str) -> list[float]:
+    """The 95 % interval of ``key`` over repeats, as the one-process figures have theirs: a
+    t-interval of each repeat's median over its checkpoints (NaN with fewer than 2 repeats)."""
+    by_repeat: dict[int, list[float]] = {}
+    for row in checkpoints:
+        if not math.isnan(row[key]):
+            by_repeat.setdefault(int(row["repeat"]), []).append(row[key])
+    _, lo, hi = t_interval([float(np.median(values)) for values in by_repeat.values()])
+    return [lo, hi]
+
+
 def _strategy_summary(
     records: Sequence[RankRecord], strategy: str, hosts: Mapping[int, str]
 ) -> dict[str, Any]:
@@ -152,6 +164,8 @@ def _strategy_summary(
         "time_to_durable_s": float(np.median(durable)) if durable else math.nan,
         "aggregate_write_gbs": float(np.median(rates)) if rates else math.nan,
         "aggregate_persist_gbs": float(np.median(writes)) if writes else math.nan,
+        "time_to_durable_ci_s": _over_repeats(checkpoints, "time_to_durable_s"),
+        "aggregate_write_ci_gbs": _over_repeats(checkpoints, "aggregate_write_gbs"),
         "bytes_per_checkpoint": int(np.median([row["bytes"] for row in checkpoints])) if checkpoints else 0,
         "checkpoints": checkpoints,
     }
@@ -309,6 +323,14 @@ def _copy_text(floors: Mapping[str, Any]) -> str:
     return f"; copy floor per rank {min(copies):.1f}-{max(copies):.1f} GB/s" if copies else ""
 
 
+def _repeats_text(interval: Sequence[Any] | None, unit: str, digits: int) -> str:
+    """`` [lo, hi] unit over repeats``, or nothing where there is no interval (one repeat)."""
+    lo, hi = (_number(value) for value in (interval or (math.nan, math.nan)))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return ""
+    return f" [{lo:.{digits}f}, {hi:.{digits}f}] {unit} over repeats"
+
+
 def job_text(job: Mapping[str, Any]) -> list[str]:
     """The job's figures as lines under the results table: the concurrent floor, then per
     strategy that writes its time to durable, aggregate rate, overhead and straggler."""
@@ -330,8 +352,10 @@ def job_text(job: Mapping[str, Any]) -> list[str]:
             continue
         stall = row["stall_s"]
         text = (
-            f"[{row['strategy']}] time to durable {_number(row['time_to_durable_s']):.3f} s, "
-            f"aggregate write {_number(row['aggregate_write_gbs']):.2f} GB/s; stall over ranks "
+            f"[{row['strategy']}] time to durable {_number(row['time_to_durable_s']):.3f} s"
+            f"{_repeats_text(row.get('time_to_durable_ci_s'), 's', 3)}, aggregate write "
+            f"{_number(row['aggregate_write_gbs']):.2f} GB/s"
+            f"{_repeats_text(row.get('aggregate_write_ci_gbs'), 'GB/s', 2)}; stall over ranks "
             f"median {_number(stall['median']):.4f} s, p99 {_number(stall['p99']):.4f} s, max "
             f"{_number(stall['max']):.4f} s; overhead at the slowest rank "
             f"{_number(row['overhead_pct']):.1f} %"

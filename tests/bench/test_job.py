@@ -123,6 +123,32 @@ def test_the_aggregate_persist_rate_counts_from_the_first_write_not_the_first_co
     assert math.isnan(without["strategies"][1]["aggregate_persist_gbs"])
 
 
+def test_the_jobs_time_to_durable_and_aggregate_rate_have_their_interval_over_repeats() -> None:
+    # Two ranks, three repeats of two checkpoints: each repeat's checkpoints take 2, 4 and 3 s to
+    # durable (1000 bytes from each rank), both checkpoints of a repeat alike.
+    records = [_rank(rank, "a", 0.1, 2.0, [], (0, S, 10)) for rank in (0, 1)]
+    for record in records:
+        record["checkpoints"] = [
+            {"strategy": "nbckpt-async", "repeat": repeat, "step": step, "bytes": 1_000}
+            | {"start_ns": 100 * S * repeat, "end_ns": 100 * S * repeat + seconds * S}
+            for repeat, seconds in enumerate((2, 4, 3))
+            for step in (5, 10)
+        ]
+    _, job = job_summary(records)
+    ours = job["strategies"][1]
+    lo, hi = ours["time_to_durable_ci_s"]
+    half = 4.303 * 1.0 / math.sqrt(3)  # t(0.975, 2 df) x the repeats' sample deviation (1 s) / sqrt(3)
+    assert (lo, hi) == pytest.approx((3 - half, 3 + half), abs=1e-3)
+    rates = [2_000 / seconds / 1e9 for seconds in (2, 4, 3)]
+    rate_lo, rate_hi = ours["aggregate_write_ci_gbs"]
+    assert rate_lo < min(rates) and max(rates) < rate_hi
+    assert f"time to durable 3.000 s [{lo:.3f}, {hi:.3f}] s over repeats" in "\n".join(job_text(job))
+    # One repeat: no interval, and the line says none.
+    _, once = job_summary([_rank(0, "a", 0.1, 2.0, [(5, 0, 3 * S)], (0, S, 10))])
+    assert all(math.isnan(value) for value in once["strategies"][1]["aggregate_write_ci_gbs"])
+    assert "over repeats" not in "\n".join(job_text(once))
+
+
 def _load(cpus: int, own_cpu_s: float, other: float, loadavg: float) -> dict[str, Any]:
     """One rank's load over a 10 s comparison, as ``Load.to_dict`` records it."""
     return {
