@@ -83,7 +83,7 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
           "time_to_durable_s": ..., "aggregate_write_gbs": ...,  # medians over checkpoints
           "aggregate_persist_gbs": ...,
           "time_to_durable_ci_s": [lo, hi], "aggregate_write_ci_gbs": [lo, hi],  # 95 % over
-                  # repeats: a t-interval of each repeat's median (null with one repeat)
+                  # repeats: a t-interval of the log of each repeat's median (null with one)
           "bytes_per_checkpoint": ...,
           "checkpoints": [{"repeat": 0, "step": 5, "ranks_writing": 2, "bytes": ...,
                            "time_to_durable_s": ...,   # first save's start to last commit, any rank

@@ -125,13 +125,14 @@ def _checkpoints(records: Sequence[RankRecord], strategy: str) -> list[dict[str,
 
 def _over_repeats(checkpoints: Sequence[Mapping[str, Any]], key: str) -> list[float]:
     """The 95 % interval of ``key`` over repeats, as the one-process figures have theirs: a
-    t-interval of each repeat's median over its checkpoints (NaN with fewer than 2 repeats)."""
+    t-interval of the log of each repeat's median over its checkpoints, in log space as times
+    and rates are positive and spread by ratios (NaN with fewer than 2 repeats)."""
     by_repeat: dict[int, list[float]] = {}
     for row in checkpoints:
-        if not math.isnan(row[key]):
+        if row[key] > 0:  # NaN too is left out
             by_repeat.setdefault(int(row["repeat"]), []).append(row[key])
-    _, lo, hi = t_interval([float(np.median(values)) for values in by_repeat.values()])
-    return [lo, hi]
+    _, lo, hi = t_interval([math.log(float(np.median(values))) for values in by_repeat.values()])
+    return [math.exp(lo), math.exp(hi)]
 
 
 def _strategy_summary(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import pytest
@@ -136,12 +137,15 @@ def test_the_jobs_time_to_durable_and_aggregate_rate_have_their_interval_over_re
         ]
     _, job = job_summary(records)
     ours = job["strategies"][1]
+    # In log space (times and rates are positive): t(0.975, 2 df) x the logs' deviation / sqrt(3).
+    logs = [math.log(seconds) for seconds in (2, 4, 3)]
+    centre, half = sum(logs) / 3, 4.303 * statistics.stdev(logs) / math.sqrt(3)
     lo, hi = ours["time_to_durable_ci_s"]
-    half = 4.303 * 1.0 / math.sqrt(3)  # t(0.975, 2 df) x the repeats' sample deviation (1 s) / sqrt(3)
-    assert (lo, hi) == pytest.approx((3 - half, 3 + half), abs=1e-3)
-    rates = [2_000 / seconds / 1e9 for seconds in (2, 4, 3)]
+    assert (lo, hi) == pytest.approx((math.exp(centre - half), math.exp(centre + half)), rel=1e-3)
+    # The rate is the same bytes over those times: its interval is the times' upside down.
     rate_lo, rate_hi = ours["aggregate_write_ci_gbs"]
-    assert rate_lo < min(rates) and max(rates) < rate_hi
+    assert (rate_lo, rate_hi) == pytest.approx((2_000 / hi / 1e9, 2_000 / lo / 1e9), rel=1e-9)
+    assert 0 < lo < 2 and hi > 4  # wide with three repeats, never below zero
     assert f"time to durable 3.000 s [{lo:.3f}, {hi:.3f}] s over repeats" in "\n".join(job_text(job))
     # One repeat: no interval, and the line says none.
     _, once = job_summary([_rank(0, "a", 0.1, 2.0, [(5, 0, 3 * S)], (0, S, 10))])
