@@ -215,7 +215,8 @@ def save_on_rank0_only(directory: str) -> dict[str, Any]:
     first save (no layout agreed yet) is refused on the caller's thread. In a second run, after
     a save by both ranks: ``delete(1)`` on rank 0 alone is refused before it deletes anything, and
     a save on rank 0 alone (staged at once with the agreed layout, the ranks' agreement on the
-    persist thread) fails in its ``wait``; nothing is committed. Then a save by both commits."""
+    persist thread) fails in its ``wait``; nothing is committed. Then a save by both commits.
+    Last, the same with ``max_inflight=2`` (:func:`_numbered_before_refusal`)."""
     _ranks.ARRIVAL_TIMEOUT_S = 3.0
     torch.manual_seed(0)  # the same weights on both ranks, as DDP makes them
     model = torch.nn.Linear(4, 4)

@@ -163,7 +163,9 @@ def test_a_save_called_on_one_rank_of_a_group_is_an_error_in_seconds_not_a_hang(
     arrival deadline (3 s here), and nothing is committed. After a save by both ranks (a layout
     agreed: a save stages at once and the ranks agree on the persist thread), a save on rank 0
     alone fails in its ``wait`` the same way, and a ``delete`` on rank 0 alone is refused before it
-    deletes anything (it used to delete, then fail). Then a save by both ranks commits."""
+    deletes anything (it used to delete, then fail). Then a save by both ranks commits. With
+    ``max_inflight=2``, rank 0's lone save is refused after its next save was numbered: that
+    save and the next, made by both ranks, commit on both."""
     results = run_ranks("save_on_rank0_only", tmp_path / "run")
     assert all(code == 0 for code, _, _ in results.values()), results
     seen = results[0][1]
