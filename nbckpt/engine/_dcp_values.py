@@ -13,10 +13,9 @@ import itertools
 import pickle
 from typing import Any, NamedTuple
 
-import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-from ._format import DCP_VERSION, Layout, pad
+from ._format import DCP_VERSION, Layout, pad, torch_save
 from ._state import decode, node_tensors
 from ._torch_compat import storage_info
 
@@ -107,7 +106,7 @@ def value_items(
             continue
         image.write(bytes(pad(image.tell())))
         start = image.tell()
-        torch.save(value, image, pickle_protocol=VALUE_PROTOCOL)
+        torch_save(value, image, pickle_protocol=VALUE_PROTOCOL)
         items.append(ValueItem(key, path, name, start, image.tell() - start))
     return image.getvalue(), items
 

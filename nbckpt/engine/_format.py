@@ -72,6 +72,7 @@ __all__ = [
     "parse_step",
     "plan",
     "step_name",
+    "torch_save",
 ]
 
 # -- A run directory -------------------------------------------------------------------------
@@ -252,12 +253,21 @@ class Layout:
         return pickle.dumps(self.dcp, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+#: torch's own ``save`` as it was when nbckpt was imported: every blob nbckpt makes (a tensor's
+#: framing, a plain value) comes from it, so a test that patches ``torch.save`` later (Lightning's
+#: own tests run under ``mock.patch("torch.save")``) neither breaks a save nor sees nbckpt's calls.
+#: Taken from ``torch.serialization``, which such a patch leaves alone. Not a framing nbckpt builds
+#: itself: that would have to follow torch's zip layout (records, alignment, ids) release by
+#: release, and the plain values need torch's pickling anyway.
+torch_save = torch.serialization.save
+
+
 @functools.lru_cache(maxsize=4096)
 def framing(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, bytes]:
     """The bytes ``torch.save`` writes before and after a tensor's data (same for every value)."""
     recorder = _Recorder()
     with deferred_interrupt(), skip_data():
-        torch.save(torch.empty(shape, dtype=dtype), cast(IO[bytes], recorder))
+        torch_save(torch.empty(shape, dtype=dtype), cast(IO[bytes], recorder))
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     if recorder.holes == [] and nbytes == 0:
         return bytes(recorder.data), b""

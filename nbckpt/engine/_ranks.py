@@ -105,12 +105,6 @@ class Group:
         self._arrivals = arrivals
         self._slot = SLOT_BYTES  # the same on every rank: each sees every rank's sizes
 
-    @property
-    def check_ins(self) -> int:
-        """The collectives every rank came to so far (0 without a check-in): one refused because
-        a rank did not come counts on no rank, and its caller undoes what it counted for it."""
-        return self._arrivals.count if self._arrivals is not None else 0
-
     def exchange(self, tag: Tag, run: Callable[[], T], *, arrive_first: bool = False) -> list[T]:
         """Run ``run`` here, give every rank every rank's result; an error anywhere is raised on
         all: the exception itself where it happened, a CheckpointError (ConfigError for a user

@@ -7,6 +7,7 @@ by the run: the mirror, retention), which do their work on threads of their own.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -164,7 +165,7 @@ class Saver:
         self._layouts: dict[Any, Layout] = {}
         self._agreed: _Agreed | None = None  # written on either thread, read whole (one reference)
         self._generations: dict[int, Layout] = {}
-        self._seq = 0
+        self._seq = itertools.count(1)  # each save's proposed number (see _first_exchange)
         self._origin: dict[str, Any] | None = None
         self.facts = StepFacts(store)  # the names and metrics of the run's steps, for retention
         self.pool = StagingPool(config.max_inflight, pin=torch.cuda.is_available())
@@ -202,15 +203,11 @@ class Saver:
         # A sync save (a final save on a signal among them) waits for its commit anyway: it plans
         # with the ranks on the caller's thread, which also brings them to it together.
         if agreed is not None and self.ranks.world_size > 1 and self._increments is None and not sync:
-            handle = SaveHandle(step, 0, 0, reported=False)
+            handle = SaveHandle(step, 0, next(self._seq), reported=False)  # rank 0's once agreed
             self._wait_for_room(handle, sync=False)
-            # Numbered once the save before is settled (max_inflight=1): one refused because a
-            # rank never came has given its number back by then (_uncount).
-            handle.seq = self._count()
             job = self._offer(handle, state, agreed, start, overlap, capture_rng, metrics, overwrite, owner)
         else:
-            seq = self._count()
-            flat, layout = self._plan(state, step, seq)
+            flat, layout, seq = self._plan(state, step, next(self._seq))
             self._warn(flat, step, overwrite)
             handle = SaveHandle(step, flat.nbytes, seq, reported=sync)
             self._wait_for_room(handle, sync)
@@ -380,7 +377,7 @@ class Saver:
     def warmup(self, state: Mapping[str, Any]) -> None:
         """Plan ``state``'s structure and fit every slot to it (each slot is taken in turn)."""
         # values need not agree yet: a model is often warmed up before DDP broadcasts rank 0's
-        flat, layout = self._plan(state, -1, self._count(), compare_values=False)
+        flat, layout, _ = self._plan(state, -1, next(self._seq), compare_values=False)
         files = layout.files.get(self.ranks.rank, ())
         note = self.pool.preflight(sum(f.size for f in files))
         if note is not None:
@@ -389,8 +386,9 @@ class Saver:
 
     def _plan(
         self, state: Mapping[str, Any], step: int, seq: int, compare_values: bool = True
-    ) -> tuple[Flattened, Layout]:
-        """Flatten and agree across ranks, then the file layout (cached per structure); with
+    ) -> tuple[Flattened, Layout, int]:
+        """Flatten and agree across ranks, then the file layout (cached per structure), and the
+        save's number (``seq``, proposed by this rank; see :meth:`_first_exchange`); with
         ``compare_values``, a plain tensor (or a DTensor's replicated chunk) of different values
         on two ranks is refused."""
         box: list[Flattened] = []
@@ -407,7 +405,7 @@ class Saver:
             gone = increments.gone(self.store.committed_at) if increments is not None else frozenset()
             return RankPlan(tuple(flat.specs), tuple(sorted(flat.aliases.items())), cold), prints, gone
 
-        everyone = self._first_exchange(self.ranks.caller, ("save", step, seq), local)
+        seq, everyone = self._first_exchange(self.ranks.caller, step, seq, local)
         flat = box[0]
         plans = tuple(plan_ for plan_, _, _ in everyone)
         if self._increments is not None:  # a step gone for one rank is shared from by none
@@ -420,31 +418,23 @@ class Saver:
             layout = self._layout(plans, gathered)
         check_replicas(layout.shared, layout.replicated, [prints for _, prints, _ in everyone])
         self._adopt(plans, layout)
-        return flat, layout
+        return flat, layout, seq
 
-    def _count(self) -> int:
-        """The next save's number (in its tags: the same save has the same on every rank)."""
-        with self._state:  # the persist thread gives a refused save's number back (_uncount)
-            self._seq += 1
-            return self._seq
-
-    def _first_exchange(self, group: Group, tag: tuple[str, int, int], run: Callable[[], _T]) -> list[_T]:
-        """A save's first exchange on ``group``: refused because a rank never came, the save
-        gives its number back (:meth:`_uncount`)."""
-        check_ins = group.check_ins
-        try:
-            return group.exchange(tag, run)
-        except ConfigError:
-            self._uncount(tag[2], group, check_ins)
-            raise
-
-    def _uncount(self, seq: int, group: Group, check_ins: int) -> None:
-        """Save ``seq``'s check-in on ``group`` was refused because a rank never came: not
-        counted, as its check-in is not, so that the ranks' next save has the same number on
-        every rank (else they are "out of step"); unless a later save has taken a number since."""
-        with self._state:
-            if group.check_ins == check_ins and self._seq == seq:
-                self._seq = seq - 1
+    @staticmethod
+    def _first_exchange(group: Group, step: int, seq: int, run: Callable[[], _T]) -> tuple[int, list[_T]]:
+        """A save's first exchange on ``group``: its number on every rank (rank 0's), and every
+        rank's ``run``. The number names the save in its later exchanges' tags and its
+        temporary location, so it must be the same on every rank."""
+        # Each rank numbers a save when it is called, but a save that a rank never came to is
+        # refused only at the arrival deadline (30 s), on the persist thread for an async save:
+        # by then, with max_inflight > 1 (or a sync save planned on the caller's thread meanwhile),
+        # later saves are numbered, and no rank can give the refused one's number back alone
+        # (they were then "out of step" for good). So a rank's number is only a proposal, and
+        # every rank takes rank 0's: unique, since rank 0 numbers its saves in the order it makes
+        # them. Not refused instead: the later saves are ones every rank made alike, and whether
+        # they were numbered before the refusal is a matter of timing.
+        everyone = group.exchange(("save", step), lambda: (seq, run()))
+        return everyone[0][0], [value for _, value in everyone]
 
     def _layout(self, plans: tuple[RankPlan, ...], paths: list[dict[str, Any]]) -> Layout:
         """The file layout of ``plans`` (every rank's), kept for the next save of that structure."""
@@ -485,8 +475,9 @@ class Saver:
         it before staging. Refused on every rank alike: another step, a rank that staged with a
         layout whose files for it changed (the state's structure changed on some ranks only),
         replicated tensors whose copies differ."""
-        step, seq = handle.step, handle.seq
-        everyone = self._first_exchange(self.ranks.agreement, ("save", step, seq), offer)
+        step = handle.step
+        seq, everyone = self._first_exchange(self.ranks.agreement, step, handle.seq, offer)
+        handle.seq = seq  # rank 0's: the later exchanges' tags are the same on every rank
         plans = tuple(o.plan for o in everyone)
         layout = self._layouts.get(plans)
         if layout is None:
@@ -681,13 +672,14 @@ class Saver:
     ) -> None:
         """(Agree, for a save staged at once,) write, agree, commit; every outcome sets
         ``handle.committed`` exactly once."""
-        step, tag = handle.step, handle.seq
+        step = handle.step
         background, rank = self.ranks.background, self.ranks.rank
         began = persist_began = now_ns()
         location: str | None = None
         path: str | None = None
         try:
             layout = self._settle_agreement(handle, pending, layout, flat, stage_done)
+            tag = handle.seq  # agreed by now (rank 0's number)
             cpu_s = stage_done.result()[0]
             handle.staged.result()  # set by the stage thread's callback before this returns
             handle.phase = "persisting"

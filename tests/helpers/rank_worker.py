@@ -27,6 +27,7 @@ import torch.distributed as dist
 from nbckpt import Checkpointer, NbckptError, SaveSchedule
 from nbckpt.engine import _ranks, _store
 from nbckpt.engine._faults import armed
+from nbckpt.engine._torch_compat import default_store
 
 RANK = int(os.environ["RANK"])
 
@@ -214,7 +215,8 @@ def save_on_rank0_only(directory: str) -> dict[str, Any]:
     first save (no layout agreed yet) is refused on the caller's thread. In a second run, after
     a save by both ranks: ``delete(1)`` on rank 0 alone is refused before it deletes anything, and
     a save on rank 0 alone (staged at once with the agreed layout, the ranks' agreement on the
-    persist thread) fails in its ``wait``; nothing is committed. Then a save by both commits."""
+    persist thread) fails in its ``wait``; nothing is committed. Then a save by both commits.
+    Last, the same with ``max_inflight=2`` (:func:`_numbered_before_refusal`)."""
     _ranks.ARRIVAL_TIMEOUT_S = 3.0
     torch.manual_seed(0)  # the same weights on both ranks, as DDP makes them
     model = torch.nn.Linear(4, 4)
@@ -240,6 +242,37 @@ def save_on_rank0_only(directory: str) -> dict[str, Any]:
         # the Checkpointer outlives what rank 0 was refused: the next save of both ranks commits
         result["together"] = outcome(lambda: ckpt.save({"model": model}, step=3).wait())
         result["together_steps"] = ckpt.steps()
+    result.update(_numbered_before_refusal(Path(directory, "inflight"), model))
+    return result
+
+
+def _numbered_before_refusal(directory: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """With ``max_inflight=2``, rank 0 saves step 2 alone and at once step 3, numbered before the
+    agreement of 2 is refused (no rank came); rank 1 saves 3 only once 2 was refused (else its
+    check-in would meet 2's). Rank 0's persist thread waits, checked in for 3, until rank 1 has
+    checked in too (the arrival deadline is 3 s). Then both save 4."""
+    store = default_store()
+    result: dict[str, Any] = {}
+
+    def arrive(tag: tuple[Any, ...]) -> None:
+        if tag[:2] == ("save", 3):
+            if RANK == 1:
+                store.set("test/inflight/3", "")
+            else:
+                store.wait(["test/inflight/3"], timedelta(seconds=120))
+
+    with Checkpointer(directory, max_inflight=2, timeout_s=120) as ckpt, armed("ranks.arrive", arrive):
+        ckpt.save({"model": model}, step=1).wait()
+        if RANK == 0:
+            alone = ckpt.save({"model": model}, step=2)
+            third = ckpt.save({"model": model}, step=3)
+            result["alone"] = outcome(alone.wait)  # raised (told) here, not by the next save
+        dist.all_reduce(torch.ones(1))
+        if RANK == 1:
+            third = ckpt.save({"model": model}, step=3)
+        result["third"] = outcome(third.wait)
+        result["fourth"] = outcome(lambda: ckpt.save({"model": model}, step=4).wait())
+        result["inflight_steps"] = ckpt.steps()
     return result
 
 

@@ -163,7 +163,9 @@ def test_a_save_called_on_one_rank_of_a_group_is_an_error_in_seconds_not_a_hang(
     arrival deadline (3 s here), and nothing is committed. After a save by both ranks (a layout
     agreed: a save stages at once and the ranks agree on the persist thread), a save on rank 0
     alone fails in its ``wait`` the same way, and a ``delete`` on rank 0 alone is refused before it
-    deletes anything (it used to delete, then fail). Then a save by both ranks commits."""
+    deletes anything (it used to delete, then fail). Then a save by both ranks commits. With
+    ``max_inflight=2``, rank 0's lone save is refused after its next save was numbered: that
+    save and the next, made by both ranks, commit on both."""
     results = run_ranks("save_on_rank0_only", tmp_path / "run")
     assert all(code == 0 for code, _, _ in results.values()), results
     seen = results[0][1]
@@ -181,6 +183,13 @@ def test_a_save_called_on_one_rank_of_a_group_is_an_error_in_seconds_not_a_hang(
     # refusal counted one check-in on rank 0 alone, and every later call failed or hung).
     assert [results[r][1]["together"] for r in (0, 1)] == ["ok", "ok"], results
     assert seen["together_steps"] == [1, 3] == results[1][1]["together_steps"]
+    # With max_inflight=2, rank 0's lone save of step 2 is refused after its save of step 3 was
+    # numbered: every rank still gives step 3 (and 4) the same number, and both commit (before:
+    # rank 0 a save number ahead, step 3 and every later save "out of step").
+    assert "rank(s) 1 did not come to it within 3 s" in seen["alone"], seen
+    for rank in (0, 1):
+        assert results[rank][1]["third"] == results[rank][1]["fourth"] == "ok", results
+        assert results[rank][1]["inflight_steps"] == [1, 3, 4], results
 
 
 def test_every_rank_saves_when_rank0s_schedule_says_so(tmp_path: Path) -> None:
