@@ -20,7 +20,7 @@ from ._saver import Saver
 from ._set_aside import announce, earlier_branch_note, finish, listing, set_aside, set_aside_into, visible
 from ._store import Readable, Store
 
-__all__ = ["Run", "Tier", "open_run"]
+__all__ = ["Run", "Tier", "claim_run", "open_run"]
 
 _log = logging.getLogger("nbckpt")
 
@@ -33,15 +33,20 @@ def said_cleaned(url: str, recovered: list[str], stacklevel: int) -> None:
     )
 
 
-def open_run(store: Store, read_only: bool, refuse: Callable[[Store], None]) -> tuple[str, set[int]]:
-    """Open the run's directory on rank 0: prepared, locked and cleaned of what interrupted saves
-    left (none of it when ``read_only``); this opening's nonce and the committed steps.
-    ``refuse`` raises where the directory is no run's to write (a second tier's: its marker)."""
-    if read_only:
-        return "", set(store.committed())
+def claim_run(store: Store, refuse: Callable[[Store], None]) -> None:
+    """Rank 0's claim of the run's directory to write it, before :func:`open_run`: prepared and
+    locked. ``refuse`` raises where the directory is no run's to write (a second tier's: its
+    marker)."""
     store.prepare()
     refuse(store)  # after prepare: it says best why a target is unusable
     store.lock()
+
+
+def open_run(store: Store, read_only: bool) -> tuple[str, set[int]]:
+    """Open the run's directory on rank 0, once claimed (:func:`claim_run`): cleaned of what
+    interrupted saves left (not when ``read_only``); this opening's nonce and the committed steps."""
+    if read_only:
+        return "", set(store.committed())
     try:
         recovered = store.recover()
         finished = finish(store)  # before anything reads it: "newest" never picks a step set aside
