@@ -87,9 +87,9 @@ class Checkpointer:
         if self.config.read_only:  # nothing claimed nor written: reading, a rank says what it lacks
             nonce, committed = ranks.caller.from_rank0(("open",), opening)
         else:  # every rank must see the directory rank 0 claims (_shared says how it is told)
-            claim, store = partial(claim_run, self.store, refuse_a_mirror), self.store
+            claim, undo = partial(claim_run, self.store, refuse_a_mirror), self.store.unlock
             nonce, committed = open_on_rank0(
-                ranks.caller, ("open",), store, claim, opening, undo=store.unlock, what="run directory"
+                ranks.caller, ("open",), self.store, claim, opening, undo=undo, what="run directory"
             )
         try:
             self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from .._errors import ConfigError
 from ._format import RANKS_PROBE
@@ -60,7 +60,7 @@ def open_on_rank0(
         if group.rank == 0:
             undo()
         raise ConfigError(_refusal(what, url, blind))
-    return result  # type: ignore[no-any-return]
+    return cast(T, result)
 
 
 def _both(claim: Callable[[], None], rest: Callable[[], T]) -> T:
