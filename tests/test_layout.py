@@ -162,7 +162,7 @@ LADDER = {
         "_template",
     ],
     "format": ["_format", "_files", "_manifest"],  # the bytes of a step and how they move
-    "storage": ["_store", "_object_store", "_open_store", "_set_aside", "_plain_dcp"],
+    "storage": ["_store", "_object_store", "_open_store", "_shared", "_set_aside", "_plain_dcp"],
     "save and restore": [
         "_staging",
         "_incremental",

@@ -29,9 +29,10 @@ from ._ranks import join
 from ._restorer import Options, device_of
 from ._retainer import Retainer
 from ._retention import check_metrics
-from ._run import Run, open_run
+from ._run import Run, claim_run, open_run
 from ._saver import Saver
 from ._schedule import Grace, Interval, Pacer
+from ._shared import open_on_rank0
 from ._shutdown import Snapshot, close_all, register, release, unregister, writing_into
 from ._store import Store, check_step
 from ._timeline import SaveHandle, SaveRecord, Timeline
@@ -82,8 +83,14 @@ class Checkpointer:
         self._caller = ranks.caller
         self._pacer = Pacer(self.config.schedule) if self.config.schedule is not None else None
         self._grace = Grace()  # the time save_on_signal's final save has
-        opening = partial(open_run, self.store, self.config.read_only, refuse_a_mirror)
-        nonce, committed = ranks.caller.from_rank0(("open",), opening)
+        opening = partial(open_run, self.store, self.config.read_only)
+        if self.config.read_only:  # nothing claimed nor written: reading, a rank says what it lacks
+            nonce, committed = ranks.caller.from_rank0(("open",), opening)
+        else:  # every rank must see the directory rank 0 claims (_shared says how it is told)
+            claim, undo = partial(claim_run, self.store, refuse_a_mirror), self.store.unlock
+            nonce, committed = open_on_rank0(
+                ranks.caller, ("open",), self.store, claim, opening, undo=undo, what="run directory"
+            )
         try:
             self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)
             context = Context(self.timeline, self._io, ranks, self.config.writer_nice)

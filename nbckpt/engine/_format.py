@@ -54,6 +54,7 @@ __all__ = [
     "POINTER_FORMAT",
     "POINTER_LIMIT",
     "PROBE_PREFIX",
+    "RANKS_PROBE",
     "READS",
     "TMP_PREFIX",
     "TRASH_PREFIX",
@@ -85,6 +86,8 @@ LOCK_FILE = ".nbckpt.lock"
 #: Prefixes of what never counts: a save being written, a step being deleted, the previous copy
 #: of a step being saved again, the probe that proves a root writable.
 TMP_PREFIX, TRASH_PREFIX, OLD_PREFIX, PROBE_PREFIX = ".tmp-", ".trash-", ".old-", ".nbckpt-probe-"
+#: Written by rank 0 as several ranks open a root, read back by the others: they share it.
+RANKS_PROBE = ".nbckpt-ranks"
 #: The highest step: an int64, as a step counter is in torch and in most JSON readers. Its name
 #: (19 digits) fits any file system; 10**300 would not (ENAMETOOLONG).
 MAX_STEP = 2**63 - 1

@@ -34,6 +34,7 @@ from ._format import LOCK_FILE, step_name
 from ._open_store import open_store
 from ._retention import RetentionPolicy, StepFacts, StepInfo, doomed, expired, top_names
 from ._saver import Commit
+from ._shared import open_on_rank0
 from ._store import Store
 from ._timeline import now_ns
 from ._workers import Backlog, Worker
@@ -426,12 +427,17 @@ def open_mirror(
         else:
 
             def prepare() -> None:
-                store.prepare()
                 mirror.claim(owner)
                 store.recover()  # uploads cut short never count; their remains go
 
-            group.from_rank0(("open mirror",), prepare)
+            open_on_rank0(
+                group, ("open mirror",), store, store.prepare, prepare, undo=_nothing, what="mirror"
+            )
     except BaseException:
         mirror.stop(True)
         raise
     return mirror
+
+
+def _nothing() -> None:
+    """A mirror's claim holds nothing to give back (no lock): its marker names the right run."""

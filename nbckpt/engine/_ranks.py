@@ -205,16 +205,29 @@ def _summary(error: BaseException | None) -> tuple[str, str] | None:
     return "checkpoint", describe_error(error)
 
 
-def _what(tag: Tag) -> str:
+#: The operations of a save, whose tags are (operation, step, the Checkpointer's save number);
+#: a restore's are (operation, step, attempt).
+_SAVE_PARTS = frozenset({"save", "plan", "staged", "begin", "write", "commit"})
+
+
+def _what(tag: Tag, numbered: bool = False) -> str:
+    """What ``tag`` is doing, for a message; ``numbered``: with its save number (or attempt)."""
     operation, *rest = tag
-    return f"{operation} of step {rest[0]}" if rest and isinstance(rest[0], int) else str(operation)
+    if not (rest and isinstance(rest[0], int)):
+        return str(operation)
+    if numbered and len(rest) > 1:
+        number = "save number" if operation in _SAVE_PARTS else "attempt"
+        return f"{operation} of step {rest[0]} ({number} {rest[1]})"
+    return f"{operation} of step {rest[0]}"
 
 
 def _check_tags(tag: Tag, gathered: list[Any]) -> None:
     tags = [entry[0] if isinstance(entry, tuple) and len(entry) == 3 else None for entry in gathered]
     if any(t != tag for t in tags):
+        # Steps alike, numbers not (a rank made a save the others did not): the numbers tell them apart.
+        alike = len({_what(t) for t in tags if isinstance(t, tuple)}) == 1
         where = ", ".join(
-            f"rank {rank} is in {_what(t) if isinstance(t, tuple) else 'something else'}"
+            f"rank {rank} is in {_what(t, alike) if isinstance(t, tuple) else 'something else'}"
             for rank, t in enumerate(tags)
         )
         raise CheckpointError(

@@ -17,10 +17,19 @@ from ._context import Context
 from ._plain_dcp import PlainDcpSteps, said_shared
 from ._restorer import Candidate, Options, Restorer
 from ._saver import Saver
-from ._set_aside import announce, earlier_branch_note, finish, listing, set_aside, set_aside_into, visible
+from ._set_aside import (
+    TierNote,
+    announce,
+    earlier_branch_note,
+    finish,
+    listing,
+    set_aside,
+    set_aside_into,
+    visible,
+)
 from ._store import Readable, Store
 
-__all__ = ["Run", "Tier", "open_run"]
+__all__ = ["Run", "Tier", "claim_run", "open_run"]
 
 _log = logging.getLogger("nbckpt")
 
@@ -33,15 +42,20 @@ def said_cleaned(url: str, recovered: list[str], stacklevel: int) -> None:
     )
 
 
-def open_run(store: Store, read_only: bool, refuse: Callable[[Store], None]) -> tuple[str, set[int]]:
-    """Open the run's directory on rank 0: prepared, locked and cleaned of what interrupted saves
-    left (none of it when ``read_only``); this opening's nonce and the committed steps.
-    ``refuse`` raises where the directory is no run's to write (a second tier's: its marker)."""
-    if read_only:
-        return "", set(store.committed())
+def claim_run(store: Store, refuse: Callable[[Store], None]) -> None:
+    """Rank 0's claim of the run's directory to write it, before :func:`open_run`: prepared and
+    locked. ``refuse`` raises where the directory is no run's to write (a second tier's: its
+    marker)."""
     store.prepare()
     refuse(store)  # after prepare: it says best why a target is unusable
     store.lock()
+
+
+def open_run(store: Store, read_only: bool) -> tuple[str, set[int]]:
+    """Open the run's directory on rank 0, once claimed (:func:`claim_run`): cleaned of what
+    interrupted saves left (not when ``read_only``); this opening's nonce and the committed steps."""
+    if read_only:
+        return "", set(store.committed())
     try:
         recovered = store.recover()
         finished = finish(store)  # before anything reads it: "newest" never picks a step set aside
@@ -104,22 +118,23 @@ class Run:
         self.read_only, self._writes = read_only, group.rank == 0 and not read_only
         self.restored_from: str | None = None
         self._rewound: int | None = None  # the step restored while newer steps exist
+        self._note = TierNote(root)  # the tier's folders hidden until its thread sets them aside
         if tier is not None and self._writes:
             self._finish_on_tier(tier)
         places: list[Store] = [root] + ([tier.root] if tier is not None else [])
         # what a set-aside cut short (or the tier's, not yet done) moves is hidden from restores
-        self._views = [visible(place) for place in places]
+        views = [visible(root)] + ([visible(tier.root, self._note)] if tier is not None else [])
         stores: list[Readable] = []
-        for view, place in zip(self._views, places, strict=True):
+        for view, place in zip(views, places, strict=True):
             stores += [view, PlainDcpSteps(place)]
         self.restorer = Restorer(stores, context)
         if tier is not None and self._writes:
             tier.resume(root)  # what a crash kept from the tier goes up now
 
-    @staticmethod
-    def _finish_on_tier(tier: Tier) -> None:
+    def _finish_on_tier(self, tier: Tier) -> None:
         try:
             finish(tier.root)
+            self._note.carry_out(tier.root)
         except (OSError, CheckpointError) as exc:
             warnings.warn(
                 f"nbckpt: cannot finish setting steps aside in {tier.root.url}: {exc}", stacklevel=5
@@ -177,20 +192,22 @@ class Run:
         )
 
     def _announce_on_tier(self, tier: Tier, after: int, folders: list[str]) -> Callable[[Store], None]:
-        """Durable before the run's steps move: the tier's own intent to set aside its steps newer
-        than ``after`` (``folders``, the run's, and those only there), hidden from this run's
-        restores now. Killed before its thread carries it out (after the writes queued before),
-        the next writable open does, and a reader hides them, so none is the newest step there.
-        Returns what its thread runs."""
-        view = self._views[1]
+        """Durable before the run's steps move: the run's note that the tier's steps newer than
+        ``after`` (``folders``, the run's, and those only there) are hidden from every rank's
+        restores (:class:`TierNote`), and the tier's own intent to set them aside. Killed before
+        its thread carries it out (after the writes queued before), the next writable open does,
+        and a reader hides them, so none is the newest step there. Returns what its thread runs."""
         try:
             there = newer_folders(tier.root, after)
         except (OSError, CheckpointError):  # unreachable now: its thread sets them aside later
             there = []
-        hide = {*folders, *there} - view.hidden
-        view.hidden |= hide
+        hidden = sorted({*folders, *there})
         try:
-            announce(tier.root, after, sorted({*folders, *there}))
+            key = self._note.add(after, hidden)
+        except OSError as exc:  # nothing has moved: the next save tries again
+            raise self._not_set_aside(after, exc) from exc
+        try:
+            announce(tier.root, after, hidden)
         except (OSError, CheckpointError) as exc:  # unreachable now: its thread sets them aside later
             _log.warning(
                 "nbckpt: cannot note in %s that steps go aside: %s", tier.root.url, describe_error(exc)
@@ -200,7 +217,7 @@ class Run:
             finish(root)
             if there := newer_folders(root, after):
                 _log.info("nbckpt: set aside in %s/%s", root.url, set_aside(root, after, there))
-            view.hidden -= hide  # set aside there now (on a failure they stay hidden)
+            self._note.drop(key)  # set aside there now (on a failure they stay hidden)
 
         return on_tier
 

@@ -9,12 +9,19 @@ picks them again. A step number is then the only identifier a user needs.
         set-aside.json                         {"run": ..., "after_step": 20, "steps": [...], ...}
         step-000030/
       .set-aside-intent.json                   only while a set-aside is under way
+      .set-aside-tier.json                     only while the second tier's set-aside waits
 
 Crash safety: the intent (which folders go where) is written atomically first, then each folder
 is moved (a rename; an object store copies server-side, then deletes, the commit marker last in
 and first out), then the intent goes. Opening a run for writing finishes a leftover intent
 before anything else (:func:`finish`); a reader hides the steps it names, at each look
 (:func:`visible`). So a step is restorable in exactly one place whatever the crash point.
+
+A second tier (the mirror) sets its copies aside on its own thread, after the uploads queued
+before: until then the run's directory notes which of its folders are hidden (:class:`TierNote`,
+written before the run's steps move), so every rank's view of the tier, and any other reader's,
+hides the same folders whether or not the tier could be told itself, and the next writable open
+sets aside what a crash left noted.
 
 An earlier release went on in ``branch-N/`` folders (``branch.json``: parent line, fork step)
 instead: such a folder is listed here as a set-aside run too, and opened by its path like one
@@ -25,7 +32,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +48,9 @@ from ._store import Store, crash_point
 __all__ = [
     "INTENT",
     "RECORD",
+    "TIER_NOTE",
     "Hiding",
+    "TierNote",
     "announce",
     "earlier_branch_note",
     "finish",
@@ -51,6 +62,8 @@ __all__ = [
 
 #: In a set-aside run: where it came from. In the run, while a set-aside is under way: its plan.
 RECORD, INTENT = "set-aside.json", ".set-aside-intent.json"
+#: In the run, while its second tier's set-asides wait: the tier's folders hidden meanwhile.
+TIER_NOTE = ".set-aside-tier.json"
 #: An earlier release's branch folder and its record.
 _EARLIER_RECORD = "branch.json"
 _FOLDER_RE = re.compile(r"(set-aside|branch)-([1-9][0-9]{0,8})", re.ASCII)
@@ -168,13 +181,70 @@ def finish(root: Store) -> str | None:
     return intent.into
 
 
+class TierNote:
+    """The run's durable note of the second tier's step folders hidden until the tier's thread
+    has set them aside (one entry per set-aside, added before the run's steps move, dropped once
+    the tier's are moved). Rank 0 writes it; every rank's view of the tier reads it at each look,
+    so no rank reads a copy rank 0 hides, whether or not the tier itself could be told."""
+
+    def __init__(self, run: Store) -> None:
+        self._run, self._lock = run, threading.Lock()  # the caller's thread adds, the tier's drops
+
+    def entries(self) -> dict[str, tuple[int, list[str]]]:
+        """Each waiting set-aside's key, step it followed, and folders of the tier it hides."""
+        record = _read_json(self._run, TIER_NOTE)
+        if record is None:
+            return {}
+        try:
+            entries = {
+                str(key): (int(entry["after_step"]), [str(f) for f in entry["folders"]])
+                for key, entry in record["hiding"].items()
+            }
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{self._run.url}/{TIER_NOTE} is not a record nbckpt wrote") from exc
+        if any(not _MOVABLE_RE.fullmatch(f) for _, folders in entries.values() for f in folders):
+            raise CheckpointError(f"{self._run.url}/{TIER_NOTE} names folders nbckpt never moves")
+        return entries
+
+    def hidden(self) -> set[str]:
+        return {folder for _, folders in self.entries().values() for folder in folders}
+
+    def add(self, after_step: int, folders: list[str]) -> str:
+        """Note ``folders`` hidden, durably, until :meth:`drop` of the key returned."""
+        key = uuid.uuid4().hex[:12]
+        with self._lock:
+            self._write({**self.entries(), key: (after_step, folders)})
+        return key
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._write({k: entry for k, entry in self.entries().items() if k != key})
+
+    def _write(self, entries: dict[str, tuple[int, list[str]]]) -> None:
+        if not entries:
+            self._run.remove_small(TIER_NOTE)
+            return
+        hiding = {key: {"after_step": after, "folders": folders} for key, (after, folders) in entries.items()}
+        self._run.write_small(TIER_NOTE, json.dumps({"hiding": hiding}).encode())
+
+    def carry_out(self, tier: Store) -> None:
+        """Set aside in ``tier`` what a crash left noted (those of its folders still there), then
+        drop each entry: at a writable open, before anything reads the tier."""
+        for key, (after, folders) in self.entries().items():
+            there = set(tier.names())
+            if present := [f for f in folders if f in there]:
+                set_aside(tier, after, present)
+            self.drop(key)
+
+
 class Hiding:
     """A store as a restore sees it: without the step folders a set-aside under way moves (its
     intent read again at each look: a writer may begin one while this process reads the run)
-    nor those in ``hidden`` (a second tier's, which its thread has not set aside yet)."""
+    nor, for a second tier, those the run's :class:`TierNote` hides (its thread has not set them
+    aside yet)."""
 
-    def __init__(self, store: Store) -> None:
-        self._store, self.hidden = store, set[str]()
+    def __init__(self, store: Store, note: TierNote | None = None) -> None:
+        self._store, self._note = store, note
         self.url, self.is_local = store.url, store.is_local
 
     def _hidden(self) -> set[str]:
@@ -182,7 +252,11 @@ class Hiding:
             intent = _intent(self._store)
         except (OSError, CheckpointError):  # unreadable: nothing can be said to be moving
             intent = None
-        return self.hidden | set(intent.folders) if intent is not None else self.hidden
+        try:
+            noted = self._note.hidden() if self._note is not None else set()
+        except (OSError, CheckpointError):  # unreadable, as above
+            noted = set()
+        return noted | set(intent.folders) if intent is not None else noted
 
     def committed(self) -> dict[int, str]:
         hidden = self._hidden()  # before the listing: a step it names has not come back since
@@ -204,11 +278,11 @@ class Hiding:
         return self._store.source(location, name, size)
 
 
-def visible(root: Store) -> Hiding:
+def visible(root: Store, note: TierNote | None = None) -> Hiding:
     """``root`` as a restore sees it: the steps a set-aside under way (or one a crash cut short)
     moves are hidden (they are the set-aside run's; the writer, or the next writable open, moves
-    them)."""
-    return Hiding(root)
+    them), and for a second tier those ``note`` (the run's) hides."""
+    return Hiding(root, note)
 
 
 def listing(root: Store) -> list[dict[str, Any]]:

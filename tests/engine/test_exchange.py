@@ -1,8 +1,8 @@
 """What a save's persist sends between ranks: the rows an exchange sends in its one all-gather
 (``_ranks.pack_row``): what fits arrives whole, and a payload larger than the row is told to
-every rank by its length, so that all of them send again at the same larger size; and the
-location a rank starts writing in before it has heard rank 0's (``Store.opened``). The
-collectives themselves are exercised by every multi-rank test."""
+every rank by its length, so that all of them send again at the same larger size; the
+location a rank starts writing in before it has heard rank 0's (``Store.opened``); and what the
+"out of step" refusal says. The collectives themselves are exercised by every multi-rank test."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from nbckpt.engine._ranks import SLOT_BYTES, pack_row, unpack_rows
+from nbckpt import CheckpointError
+from nbckpt.engine._ranks import SLOT_BYTES, _check_tags, pack_row, unpack_rows
 from nbckpt.engine._store import LocalStore
 
 
@@ -50,3 +51,24 @@ def test_a_rank_writes_before_hearing_rank_0_only_in_the_directory_rank_0_began(
     os.rmdir(location)
     os.symlink(tmp_path, location)  # only begin's own directory counts
     assert store.opened(7, "ab1") is None
+
+
+def test_out_of_step_names_the_save_numbers_where_the_steps_agree() -> None:
+    """Two ranks in a save of step 12, one of them a save further on (it made a save the other
+    did not): the steps alone read "save of step 12, save of step 12"; the numbers tell them
+    apart. Where the steps differ, they are enough."""
+    numbered = [(("save", 12, 5), None, None), (("save", 12, 4), None, None)]
+    with pytest.raises(CheckpointError) as refused:
+        _check_tags(("save", 12, 5), numbered)
+    assert str(refused.value).startswith(
+        "ranks are out of step (rank 0 is in save of step 12 (save number 5), "
+        "rank 1 is in save of step 12 (save number 4)); "
+    )
+    attempts = [(("check", 3, 1), None, None), (("check", 3, 2), None, None)]
+    with pytest.raises(CheckpointError, match=r"rank 1 is in check of step 3 \(attempt 2\)\)"):
+        _check_tags(("check", 3, 1), attempts)
+    steps = [(("save", 4, 4), None, None), (("save", 5, 4), None, None)]
+    with pytest.raises(
+        CheckpointError, match=r"\(rank 0 is in save of step 4, rank 1 is in save of step 5\)"
+    ):
+        _check_tags(("save", 4, 4), steps)

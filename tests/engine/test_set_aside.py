@@ -379,6 +379,51 @@ def test_killed_before_the_mirror_sets_steps_aside_none_of_them_is_the_newest_th
     assert not (mirror / "step-000030").exists()
 
 
+def test_a_mirror_unreachable_as_steps_go_aside_still_hides_them_from_every_reader(tmp_path: Path) -> None:
+    """The mirror could not be told that steps go aside (its listing failed as the save set them
+    aside), and its thread had not set them aside yet: only the writer's memory hid the mirror's
+    copy of step 30, so another rank (a reader here) restored it as the newest, and after a kill
+    so did the next open. Now the run's directory notes what the mirror hides before anything
+    moves: every reader hides it, and the next writable open sets it aside there."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    with saved(run, (10, 20, 30), mirror=str(mirror)) as ckpt:
+        ckpt.wait()
+    entered, release, held = upload_holder()
+
+    def unreachable(url: str) -> None:
+        if url == str(mirror):
+            raise OSError(113, "No route to host", url)
+
+    with armed("mirror.upload", held), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the set-aside and the mirror's failure are said in warnings
+        ckpt = Checkpointer(run, mode="sync", mirror=str(mirror))
+        try:
+            ckpt.save(state_of(31), step=31)  # its upload held: the mirror's queue is not empty
+            assert entered.wait(60)
+            restored(ckpt, 20)
+            with armed("store.names", unreachable):
+                ckpt.save(state_of(25), step=25)  # 30 and 31 set aside here; the mirror not told
+            assert not (mirror / ".set-aside-intent.json").exists()
+            with Checkpointer(run, read_only=True, mirror=str(mirror)) as reader:
+                assert restored(reader) == 25
+                with pytest.raises(CheckpointError, match="no committed checkpoint for step 30"):
+                    reader.load(30)
+            for place in (run, mirror):  # each as a kill now would leave it
+                shutil.copytree(place, tmp_path / f"killed-{place.name}")
+        finally:
+            release.set()
+            ckpt.close()
+    for place in (run, mirror):
+        shutil.rmtree(place)
+        shutil.copytree(tmp_path / f"killed-{place.name}", place)
+    assert (mirror / "step-000030").is_dir()  # the mirror's job had not run
+    with Checkpointer(run, mode="sync", mirror=str(mirror)) as again:
+        assert restored(again) == 25 and again.steps() == [10, 20, 25]
+    assert not (mirror / "step-000030").exists() and not (run / ".set-aside-tier.json").exists()
+    with Checkpointer(mirror / "set-aside-1", read_only=True) as reader:
+        assert restored(reader) == 30
+
+
 REWINDER = """
 import sys, torch
 from nbckpt import Checkpointer

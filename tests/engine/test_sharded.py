@@ -155,7 +155,11 @@ def test_2_fsdp2_ranks_with_a_frozen_embedding_each_share_their_own_files(runs: 
         assert result["exact"], result
         assert result["rewound"] == {"steps": [3, 5], "after": 3, "aside": [4], "exact": True}, rank
         mirrored = {"restored": 6, "exact": True, "steps": [3, 5, 6, 7], "aside": [[4], [8, 9]]}
-        assert result["mirrored"] == mirrored, rank
+        assert {k: v for k, v in result["mirrored"].items() if k != "set_aside"} == mirrored, rank
+        # step 8, set aside while the mirror could not be told: no rank reads the mirror's copy
+        assert result["mirrored"]["set_aside"].startswith(
+            "CheckpointError: no committed checkpoint for step 8 in "
+        ), (rank, result["mirrored"])
         records, shared = result["records"], result["shared"]
         assert records[0][1] == 0 and all(skipped > 0 for _, skipped in records[1:]), records
         mine = [name for name in result["embedding"] if name.startswith(f"__{rank}_")]

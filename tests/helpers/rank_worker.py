@@ -69,6 +69,7 @@ def refusal(directory: str) -> dict[str, Any]:
     thread), rank 1 saves step 5 where rank 0 saves 4, and at 6 its replicated model differs;
     then the two threads of each rank check in at once (:func:`_crossing`)."""
     results = {}
+    unshared = _unshared(directory)
     with Checkpointer(directory, mode="async", timeout_s=60) as ckpt:
         calls: list[str] = []
 
@@ -89,12 +90,33 @@ def refusal(directory: str) -> dict[str, Any]:
         results[8], results[9] = _crossing(ckpt)
         results[11], results[12] = _failed_write(ckpt)
         return {
+            "unshared": unshared,
             "outcomes": results,
             "caller_collectives": calls,
             "steps": ckpt.steps(),
             **restored_step(ckpt),
             "manifest_steps": _tree_steps(ckpt, max(ckpt.steps())),
         }
+
+
+def _unshared(directory: str) -> dict[str, Any]:
+    """A run directory rank 1 names elsewhere (as each host's own disk would be), then a shared
+    one with a mirror rank 1 names elsewhere: what each open said, the caller's check-ins of the
+    first (the open's own exchange only), and what each rank's directories hold afterwards."""
+    run = f"{directory}-unshared"
+    mine = run if RANK == 0 else f"{run}-rank{RANK}"
+    calls: list[str] = []
+    with armed("ranks.arrive", lambda tag: calls.append(tag[0])):
+        opened = outcome(lambda: Checkpointer(mine, mode="sync", timeout_s=60).close())
+    # the same run on both ranks: it opens only if rank 0's refused open gave its lock back
+    mirror = f"{run}-mirror" if RANK == 0 else f"{run}-mirror-rank{RANK}"
+    mirrored = outcome(lambda: Checkpointer(run, mirror=mirror, mode="sync", timeout_s=60).close())
+    return {
+        "run": opened,
+        "mirror": mirrored,
+        "check_ins": calls,
+        "left": {path: sorted(os.listdir(path)) for path in (mine, mirror) if os.path.isdir(path)},
+    }
 
 
 def _crossing(ckpt: Checkpointer) -> tuple[str, str]:

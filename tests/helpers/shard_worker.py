@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -429,10 +430,13 @@ def rewound_with_a_mirror(
     ckpt: Checkpointer, model: nn.Module, optim: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """Steps 8 (uploaded) and 9 (its upload held on rank 0's mirror thread), step 5 restored,
-    step 6 saved: 8 and 9 set aside, the mirror's set-aside queued behind 9's upload, so only rank
-    0's view of the mirror hides its step 8 meanwhile. restore() then picks 6, and whether a newer
-    step exists must be one answer on every rank: step 7 saves on both (rank 1 alone set aside and
-    waited for rank 0, which was in its save). What restore() loaded, bit for bit, and the steps."""
+    step 6 saved: 8 and 9 set aside, the mirror's set-aside queued behind 9's upload, and the
+    mirror unreachable for rank 0 as it notes there that they go aside (its listing fails), so
+    nothing in the mirror hides its step 8 meanwhile. Every rank must still answer alike: what
+    ``manifest(8)`` says on each rank (before, rank 1 read the mirror's copy of the step set
+    aside: rank 0 alone hid it, in its memory); restore() picks 6, and whether a newer step exists
+    is one answer on every rank: step 7 saves on both (rank 1 alone set aside and waited for
+    rank 0, which was in its save). What restore() loaded, bit for bit, and the steps."""
     ckpt.wait()
     train(model, optim, 1)
     ckpt.save({"model": model, "optim": optim}, step=8).wait()
@@ -442,13 +446,21 @@ def rewound_with_a_mirror(
     def held(location: str, name: str) -> None:
         release.wait(120)
 
+    mirror = os.path.abspath(str(ckpt.config.mirror))
+
+    def unreachable(url: str) -> None:
+        if url == mirror and threading.current_thread() is threading.main_thread():
+            raise OSError(113, "No route to host", url)
+
     with armed("mirror.upload", held):
         try:
             train(model, optim, 1)
             ckpt.save({"model": model, "optim": optim}, step=9).wait()  # rank 0's upload waits
             ckpt.restore({"model": model, "optim": optim}, step=5)
             train(model, optim, 1)
-            ckpt.save({"model": model, "optim": optim}, step=6).wait()
+            with armed("store.names", unreachable) if RANK == 0 else nullcontext():
+                ckpt.save({"model": model, "optim": optim}, step=6).wait()
+            set_aside = outcome(lambda: ckpt.manifest(8))
             sixth = full_state(model, optim)
             other, other_optim = frozen_embedding(seed=6)
             train(other, other_optim, 1)
@@ -461,7 +473,13 @@ def rewound_with_a_mirror(
             release.set()
     ckpt.wait()
     aside = [entry["steps"] for entry in ckpt.set_aside_runs()]
-    return {"restored": restored, "exact": exact, "steps": ckpt.steps(), "aside": aside}
+    return {
+        "restored": restored,
+        "exact": exact,
+        "steps": ckpt.steps(),
+        "aside": aside,
+        "set_aside": set_aside,
+    }
 
 
 def after_retention(root: Path, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:

@@ -82,6 +82,40 @@ def test_17_a_refusal_on_one_rank_fails_that_save_on_every_rank(
         assert seen["manifest_steps"] == {"0": 12, "1": 12}  # no rank's step-12 tree is another step's
 
 
+def test_ranks_that_do_not_share_the_run_directory_or_its_mirror_are_refused_at_open(
+    refusal: tuple[Path, dict[int, tuple[int, Any, str]]],
+) -> None:
+    """Rank 1 names another run directory (each host's own /tmp looks the same): before, the
+    Checkpointer opened on both ranks and the first save failed with "file not found". Now both
+    ranks refuse at open in one line naming rank 1 and the paths, within the open's one exchange
+    (no check-in more), and rank 0 keeps nothing: its lock is given back (the next open of that
+    directory succeeds in the same process), no probe is left, rank 1's directory never made.
+    A mirror rank 1 names elsewhere is refused the same way, in the mirror's open exchange."""
+    directory, results = refusal
+    run = f"{directory}-unshared"
+    advice = (
+        ": every rank must open the same one, on storage they all share (a network file system "
+        "or an object store, not each host's own disk)"
+    )
+    for rank, (code, seen, err) in results.items():
+        assert code == 0, err
+        unshared = seen["unshared"]
+        assert unshared["run"] == (
+            f"ConfigError: rank(s) 1 do not see the run directory rank 0 opened, {run} "
+            f"(rank 1 opened {run}-rank1){advice}"
+        ), unshared
+        assert unshared["mirror"] == (
+            f"ConfigError: rank(s) 1 do not see the mirror rank 0 opened, {run}-mirror "
+            f"(rank 1 opened {run}-mirror-rank1){advice}"
+        ), unshared
+        assert unshared["check_ins"] == ["open"], unshared
+        if rank == 0:
+            assert unshared["left"][run] == [".nbckpt.lock"], unshared
+            assert ".nbckpt-ranks" not in unshared["left"][f"{run}-mirror"], unshared
+        else:
+            assert unshared["left"] == {}, unshared
+
+
 def test_17_a_ranks_caller_and_persist_threads_checking_in_at_once_never_hold_each_other_up(
     refusal: tuple[Path, dict[int, tuple[int, Any, str]]],
 ) -> None:
