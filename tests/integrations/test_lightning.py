@@ -544,6 +544,47 @@ def test_an_event_whose_two_saves_are_equal_is_one_write(tmp_path: Path) -> None
     first.teardown()
 
 
+class _Validated(TinyModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+
+@pytest.mark.parametrize("top_k", [False, True])
+def test_a_save_at_every_validation_as_lightnings_own_checkpoint_frequency_tests(
+    tmp_path: Path, top_k: bool
+) -> None:
+    """What Lightning's test_default_checkpoint_freq and test_top_k check beyond their count of
+    ``torch.save`` calls (which nbckpt does not make per checkpoint): validation four times an
+    epoch (``val_check_interval=0.25``) is four events, each saved through the plug-in; the
+    default callback keeps the newest name, top-k (every event a new best, as the loss of
+    Lightning's test) the best two and ``last``, each name on its step."""
+    options: dict[str, Any] = {"monitor": "step", "mode": "max", "save_top_k": 2, "save_last": True}
+    callback = ModelCheckpoint(dirpath=tmp_path, **(options if top_k else {}))
+    t = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        plugins=[NbckptCheckpointIO()],
+        callbacks=[callback],
+        val_check_interval=0.25,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    t.fit(_Validated(), data(), data())
+    io = t.strategy.checkpoint_io
+    assert isinstance(io, NbckptCheckpointIO)
+    # one write per event; with last, the first event's two saves differ (last_model_path)
+    assert [r.step for r in io.records] == ([1, 2, 3, 4, 5] if top_k else [1, 2, 3, 4])
+    names = _names(tmp_path)
+    if top_k:
+        assert set(names) == {"epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"}, names
+        assert names["last.ckpt"] == names["epoch=0-step=8.ckpt"] == 5
+    else:
+        assert names == {"epoch=0-step=8.ckpt": 4}, names
+    assert _steps(tmp_path) == sorted(set(names.values()))
+
+
 def test_reservations_a_killed_run_left_are_settled(tmp_path: Path) -> None:
     """A name reserved by a save that a kill cut short: its pointer if the step committed, no
     name if it never did (the next plug-in on the directory settles them)."""
