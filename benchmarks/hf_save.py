@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "directory": str(root.resolve()),
         "transformers": version("transformers"),
         "rows": rows,
+        "none_runs": samples["none"],  # the floor's wall times, which overhead_s subtracts
     }
 
 

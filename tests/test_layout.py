@@ -702,6 +702,8 @@ DELETERS = {
     "engine/_retainer.py": "the policy's deletes after each commit",
     "engine/_mirror.py": "the mirror applies the same decision (doomed) to its copies",
     "engine/_checkpointer.py": "Checkpointer.delete, the user's",
+    "integrations/lightning.py": "Lightning's remove_checkpoint of a newest step's last name in a "
+    "folder no run holds (ddp_fork's temporary weights), which retention never deletes",
     "engine/_store.py": "the local store carries a delete out",
     "engine/_object_store.py": "the object store carries a delete out",
     "notebook/_browser_index.py": "the Browser's Delete button, the user's, through the holder",

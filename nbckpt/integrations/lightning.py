@@ -31,6 +31,7 @@ import contextlib
 import importlib
 import inspect
 import io
+import itertools
 import os
 import shutil
 import sys
@@ -321,6 +322,11 @@ class NbckptCheckpointIO(CheckpointIO):
         with ckpt:
             _settle_names(os.path.dirname(root), set(ckpt.steps()))  # what a killed run left
             ckpt.retain()  # the policy's answer, applied now: no commit comes here
+            newest = ckpt.latest_step()
+            if newest is not None and newest not in self._named(root):
+                # Retention never deletes a run's newest step, and ddp_fork's temporary folder
+                # holds that one: no run writes here, so removing its last name deletes it.
+                ckpt.delete(newest)
 
     def _open(self, root: str) -> Checkpointer:
         if root not in self._roots:
@@ -483,8 +489,9 @@ def _fingerprint(value: Any, tensors: list[torch.Tensor], depth: int) -> Any:
 
 def _called_by_async_io() -> bool:
     """Whether Lightning's ``AsyncCheckpointIO`` (either package name) made this call: its saving
-    thread calls the plug-in from a function that holds the wrapper as ``self``."""
-    return _caller_self(_loaded("AsyncCheckpointIO", "plugins.io")) is not None
+    thread calls the plug-in from a function that holds the wrapper as ``self``, at any depth, as
+    anything between them (a ``Mock(wraps=...)``, a user's logging wrapper) hides it otherwise."""
+    return _caller_self(_loaded("AsyncCheckpointIO", "plugins.io"), callers=None) is not None
 
 
 def _outside_a_run() -> bool:
@@ -502,14 +509,14 @@ def _loaded(name: str, module: str) -> tuple[type, ...]:
     return tuple(cls for cls in found if isinstance(cls, type))
 
 
-def _caller_self(kinds: tuple[type, ...]) -> Any:
+def _caller_self(kinds: tuple[type, ...], callers: int | None = 3) -> Any:
     """The first ``self`` of one of ``kinds`` among the caller of the plug-in's method that asks
-    (through one helper) and its next two callers (Lightning: the strategy, then the Trainer or
-    the wrapper), else None."""
+    (through one helper) and its next ``callers - 1`` callers (Lightning: the strategy, then the
+    Trainer or the wrapper), or all of them (``None``), else None."""
     frame = inspect.currentframe() if kinds else None
     for _ in range(3):  # past this function, the helper and the plug-in's method
         frame = frame.f_back if frame is not None else None
-    for _ in range(3):
+    for _ in itertools.repeat(None) if callers is None else range(callers):
         if frame is None:
             break
         found = frame.f_locals.get("self")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -336,7 +338,12 @@ def test_a_name_removed_by_a_plugin_that_never_opened_its_folder_takes_its_step(
     temporary ``.temp.ckpt``; the main process, whose plug-in never opened that folder, loads and
     removes it. No commit follows there, so the step stayed: a copy of the weights per fit. A
     folder another plug-in holds is left to that plug-in's next commit."""
-    writer = NbckptCheckpointIO()  # the forked worker's plug-in
+    writer = NbckptCheckpointIO()  # the forked worker's plug-in: its folder holds that one step
+    writer.save_checkpoint({"w": torch.ones(4)}, tmp_path / "alone" / ".temp.ckpt")
+    writer.teardown()
+    NbckptCheckpointIO().remove_checkpoint(tmp_path / "alone" / ".temp.ckpt")
+    assert _steps(tmp_path / "alone") == []  # the newest step too (retention never deletes it)
+    writer = NbckptCheckpointIO()
     writer.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a" / ".temp.ckpt")
     writer.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a" / "kept.ckpt")
     writer.teardown()
@@ -537,6 +544,47 @@ def test_an_event_whose_two_saves_are_equal_is_one_write(tmp_path: Path) -> None
     first.teardown()
 
 
+class _Validated(TinyModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+
+@pytest.mark.parametrize("top_k", [False, True])
+def test_a_save_at_every_validation_as_lightnings_own_checkpoint_frequency_tests(
+    tmp_path: Path, top_k: bool
+) -> None:
+    """What Lightning's test_default_checkpoint_freq and test_top_k check beyond their count of
+    ``torch.save`` calls (which nbckpt does not make per checkpoint): validation four times an
+    epoch (``val_check_interval=0.25``) is four events, each saved through the plug-in; the
+    default callback keeps the newest name, top-k (every event a new best, as the loss of
+    Lightning's test) the best two and ``last``, each name on its step."""
+    options: dict[str, Any] = {"monitor": "step", "mode": "max", "save_top_k": 2, "save_last": True}
+    callback = ModelCheckpoint(dirpath=tmp_path, **(options if top_k else {}))
+    t = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        plugins=[NbckptCheckpointIO()],
+        callbacks=[callback],
+        val_check_interval=0.25,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    t.fit(_Validated(), data(), data())
+    io = t.strategy.checkpoint_io
+    assert isinstance(io, NbckptCheckpointIO)
+    # one write per event; with last, the first event's two saves differ (last_model_path)
+    assert [r.step for r in io.records] == ([1, 2, 3, 4, 5] if top_k else [1, 2, 3, 4])
+    names = _names(tmp_path)
+    if top_k:
+        assert set(names) == {"epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"}, names
+        assert names["last.ckpt"] == names["epoch=0-step=8.ckpt"] == 5
+    else:
+        assert names == {"epoch=0-step=8.ckpt": 4}, names
+    assert _steps(tmp_path) == sorted(set(names.values()))
+
+
 def test_reservations_a_killed_run_left_are_settled(tmp_path: Path) -> None:
     """A name reserved by a save that a kill cut short: its pointer if the step committed, no
     name if it never did (the next plug-in on the directory settles them)."""
@@ -675,6 +723,116 @@ def test_wrapped_in_async_checkpoint_io_is_refused_in_one_line(tmp_path: Path) -
     assert "\n" not in str(caught.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing saved, nothing reserved
     assert set(threading.enumerate()) <= before  # no thread of nbckpt's (or the wrapper's) left
+
+
+def test_a_wrapper_between_async_checkpoint_io_and_the_plugin_hides_nothing(tmp_path: Path) -> None:
+    """Lightning's own test_async_checkpoint_plugin wraps the plug-in's ``save_checkpoint`` in a
+    ``Mock(wraps=...)``: three frames of mock between the wrapper's thread and the plug-in hid the
+    wrapper, the save went through and nbckpt's threads outlived the fit (the wrapper's teardown
+    never reaches the plug-in). A caller in between hides nothing now."""
+    from unittest import mock
+
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    io = NbckptCheckpointIO()
+    io.save_checkpoint = mock.Mock(wraps=io.save_checkpoint)  # type: ignore[method-assign]
+    wrapper = AsyncCheckpointIO(io)
+    try:
+        with pytest.raises(ConfigError, match="saves asynchronously itself"):
+            try:  # the wrapper raises its thread's error at the next save or at its teardown
+                wrapper.save_checkpoint({"w": torch.ones(2)}, tmp_path / "a.ckpt")
+            finally:
+                wrapper.teardown()
+    finally:
+        io.teardown()
+    assert io.save_checkpoint.call_count == 1  # the wrapper's thread did call it
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing saved, nothing reserved
+
+
+class _Interrupted(TinyModel):
+    """Ctrl-C (a KeyboardInterrupt) in the training loop, or in ``setup`` with ``early=True``."""
+
+    def __init__(self, early: bool = False) -> None:
+        super().__init__()
+        self.early = early
+
+    def setup(self, stage: str) -> None:
+        if self.early:
+            raise KeyboardInterrupt
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.current_epoch == 1 and batch_idx == 2:
+            raise KeyboardInterrupt
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_ctrl_c_in_fit_commits_what_was_saved_and_says_when_lightning_leaves_it_ignored(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C in ``fit``: Lightning (trainer/call.py) sets SIGINT to SIG_IGN for its shutdown and
+    raises SystemExit(1). In the training loop, its teardown puts back the handler the run found
+    (its signal connector); the plug-in's teardown, in that shutdown, commits the saves it
+    accepted and leaves no thread. In ``setup`` (before the run records the handlers) SIGINT
+    stays ignored, and the line docs/integrations.md gives makes Ctrl-C raise again."""
+    before = set(threading.enumerate())
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):
+            trainer(tmp_path, 3).fit(_Interrupted(), data())
+        assert signal.getsignal(signal.SIGINT) is previous
+        with pytest.raises(SystemExit):
+            trainer(tmp_path / "early", 3).fit(_Interrupted(early=True), data())
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # the installed Lightning's doing
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the docs' workaround
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    names = _names(tmp_path)
+    assert set(names) == {"epoch=0-step=8.ckpt", "last.ckpt"}, names
+    assert _steps(tmp_path) == sorted(set(names.values()))
+    assert set(threading.enumerate()) <= before
+
+
+INTERRUPTED_IN_A_NOTEBOOK = """
+import time
+from integrations.lit_app import TinyModel, data, trainer
+class Slow(TinyModel):
+    def setup(self, stage):
+        print("in setup", flush=True)
+        time.sleep(120)
+try:
+    trainer("ckpt", 3).fit(Slow(), data())
+finally:
+    print("then", repr(__import__("signal").getsignal(2)), flush=True)  # in this cell: ignored
+"""
+
+
+@pytest.mark.slow  # about 20 s: a kernel and Lightning's import in it
+@pytest.mark.timeout(300)
+def test_kernel_interrupt_works_in_the_next_cell_after_lightning_left_ctrl_c_ignored(tmp_path: Path) -> None:
+    """What docs/integrations.md says of Kernel > Interrupt after Lightning left SIGINT ignored (a
+    Ctrl-C in ``setup``, before the run records the handlers it puts back): ipykernel sets
+    Python's handler around each cell, so the next cell is interrupted as any other."""
+    from helpers.kernel import RealKernel
+
+    tests = str(Path(__file__).parents[1])
+    path = os.pathsep.join([tests, str(Path(tests).parent), os.environ.get("PYTHONPATH", "")])
+    kernel = RealKernel(tmp_path, {"OMP_NUM_THREADS": "1", "PYTHONPATH": path})
+    try:
+        cell = kernel.send(INTERRUPTED_IN_A_NOTEBOOK)
+        kernel.output(cell, until=lambda out: "in setup" in out)
+        kernel.km.interrupt_kernel()
+        assert kernel.reply(cell)["ename"] == "SystemExit"  # Lightning's sys.exit(1)
+        assert "then <Handlers.SIG_IGN: 1>" in kernel.output(cell)  # the check below bites
+        cell = kernel.send("import time; print('asleep', flush=True); time.sleep(120)")
+        kernel.output(cell, until=lambda out: "asleep" in out)
+        began = time.monotonic()
+        kernel.km.interrupt_kernel()
+        assert kernel.reply(cell)["ename"] == "KeyboardInterrupt"
+        assert time.monotonic() - began < 60  # not the sleep's 120 s
+    finally:
+        kernel.close()
 
 
 class _Troubled(TinyModel):
