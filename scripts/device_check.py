@@ -319,6 +319,8 @@ def scale_check(device: str, directory: str) -> dict[str, Any]:
             "world_size": found.job["world_size"],
             "persist_gbs": {row["strategy"]: row["aggregate_persist_gbs"] for row in writers},
             "stall_s": {row["strategy"]: row["stall_s"]["median"] for row in writers},
+            # host compute on the CPU only: the raw write beside training (job.floors.beside_training)
+            "floor_beside_gbs": (found.job["floors"].get("beside_training") or {}).get("write_gbs"),
             "every_rank_wrote": bool(writers)
             and all(cp["ranks_writing"] == ranks for row in writers for cp in row["checkpoints"])
             and all(row["checkpoints"] for row in writers),
