@@ -204,6 +204,8 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
     for mode, by_target in summary.items():
         for target, found in by_target.items():
             for name, what, limit, at_most in CHECKS:
+                if name == "persist_vs_idle_floor" and FLOOR_OF[mode] == "idle floor":
+                    continue  # the check above is against it already
                 row = found["checks"][name]
                 bound = "" if limit is None else f"{'<=' if at_most else '>='} {limit:g}"
                 span = f"[{row['lo']:.3f}, {row['hi']:.3f}]"
