@@ -12,9 +12,12 @@ pinned memory, restored into a sharded model and into a plain one). Then the ben
 sections: the copy floor into pinned memory, the stall against DCP's async save with and
 without its pinned stager, persist into /dev/shm and restore from it. Then incremental saves:
 an in-place ``.data`` write on the device caught by the on-device fingerprint, and
-benchmarks/incremental.py's stall of a frozen GPT's save against its adapters' alone. Every part records its
-own error instead of stopping the run: one try on the device machine must bring back as much
-as it can.
+benchmarks/incremental.py's stall of a frozen GPT's save against its adapters' alone. Then the
+bench on many ranks (issue 28, :func:`scale_check`) under torchrun, short (8 MiB a rank, one
+repeat) and bounded (``SCALE_TIMEOUT_S``, 240 s a launch): on CUDA the training group is NCCL and
+the bench's and nbckpt's coordination gloo, as benchmarks/scale.py runs them. Every part records
+its own error instead of stopping the run: one try on the device machine must bring back as much
+as it can; a part that could not run on the device is an error, never a silent skip.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -34,6 +38,8 @@ from typing import Any
 import torch
 
 from nbckpt import Checkpointer, CheckpointError
+from nbckpt.bench import Comparison
+from nbckpt.bench._internal import ComparisonInterrupted, RankLaunch, run_local_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import engine as engine_bench
@@ -241,6 +247,91 @@ def incremental_benchmark(device: str, directory: str) -> dict[str, Any]:
     return incremental_bench.run(args)
 
 
+#: Each launch of the scale check ends after this many seconds (its ranks with it): an error.
+SCALE_TIMEOUT_S = float(os.environ.get("SCALE_TIMEOUT_S", "240"))
+
+
+def scale_ranks(device: str) -> int:
+    """Ranks for the scale check: 2 on the CPU; on CUDA one per GPU, at most 2. NCCL refuses two
+    ranks on one device ("Duplicate GPU detected"), and the bench gives each rank a GPU of its own,
+    so one GPU runs one rank (its training group still NCCL, the FSDP2 launch's collectives on it)."""
+    return 2 if device == "cpu" else min(torch.cuda.device_count(), 2)
+
+
+def bench_on_ranks(device: str, ranks: int, directory: str, options: list[str]) -> Comparison:
+    """``nbckpt bench`` under torchrun on ``ranks`` local ranks of ``device``, ended (every rank
+    with it) after :data:`SCALE_TIMEOUT_S` with an error saying so."""
+    expired = threading.Event()
+    timers: list[threading.Timer] = []
+
+    def bound(launch: RankLaunch) -> None:
+        def end() -> None:
+            expired.set()
+            launch.terminate()
+
+        timers.append(threading.Timer(SCALE_TIMEOUT_S, end))
+        timers[0].start()
+
+    argv = ["--dir", directory, "--device", device, "--repeats", "1", "--no-warmup", "--quiet", *options]
+    try:
+        return run_local_ranks(
+            ranks,
+            argv,
+            directory,
+            on_event=lambda _event: None,
+            on_line=lambda line: print(f"  [{ranks} rank(s)] {line}", file=sys.stderr, flush=True),
+            on_start=bound,
+            device=device,
+        )
+    except ComparisonInterrupted as exc:
+        if not expired.is_set():
+            raise  # Ctrl-C here
+        raise RuntimeError(f"the bench on {ranks} {device} rank(s) ran past {SCALE_TIMEOUT_S:.0f} s") from exc
+    finally:
+        for timer in timers:
+            timer.cancel()
+
+
+def scale_check(device: str, directory: str) -> dict[str, Any]:
+    """The bench on many ranks on ``device`` (issue 28), short: a synthetic 8 MiB a rank with
+    nbckpt async, its overlap and DCP at its best, as benchmarks/scale.py runs them; then the GPT
+    sharded with FSDP2 (its all-gathers and reduce-scatters on the training group: NCCL on CUDA,
+    even with one rank). Each rank's checkpoints must be in the job's figures."""
+    ranks = scale_ranks(device)
+    if ranks < 1:
+        raise RuntimeError(f"no GPU for the scale check on {device}")
+    schedule = ["--steps", "6", "--every", "3"]
+    launches = {
+        "synthetic": [
+            *("--size-mb", "8", "--compute-ms", "5", *schedule),
+            *("--strategies", "nbckpt-async,nbckpt-async-overlap,dcp-async-stager"),
+        ],
+        "fsdp": ["--preset", "tiny", "--fsdp", *schedule, "--strategies", "nbckpt-async"],
+    }
+    checks: dict[str, Any] = {"ranks": ranks, "training_group": "nccl" if device == "cuda" else "gloo"}
+    for name, options in launches.items():
+        begin = time.perf_counter()
+        found = bench_on_ranks(device, ranks, os.path.join(directory, name), options)
+        writers = [row for row in found.job["strategies"] if row["strategy"] != "none"]
+        checks[name] = {
+            "seconds": time.perf_counter() - begin,
+            "device": found.device,
+            "world_size": found.job["world_size"],
+            "persist_gbs": {row["strategy"]: row["aggregate_persist_gbs"] for row in writers},
+            "stall_s": {row["strategy"]: row["stall_s"]["median"] for row in writers},
+            # host compute on the CPU only: the raw write beside training (job.floors.beside_training)
+            "floor_beside_gbs": (found.job["floors"].get("beside_training") or {}).get("write_gbs"),
+            "every_rank_wrote": bool(writers)
+            and all(cp["ranks_writing"] == ranks for row in writers for cp in row["checkpoints"])
+            and all(row["checkpoints"] for row in writers),
+        }
+        checks[f"{name}_ok"] = (
+            found.device == device and found.job["world_size"] == ranks and checks[name]["every_rank_wrote"]
+        )
+    checks["ok"] = checks["synthetic_ok"] and checks["fsdp_ok"]
+    return checks
+
+
 def guarded(name: str, run: Callable[[], Any], errors: dict[str, str]) -> Any:
     try:
         return run()
@@ -279,6 +370,7 @@ def main() -> int:
         result["incremental_benchmark"] = guarded(
             "incremental_benchmark", lambda: incremental_benchmark(device, os.path.join(tmp, "ib")), errors
         )
+        result["scale"] = guarded("scale", lambda: scale_check(device, os.path.join(tmp, "s")), errors)
         bench = engine_bench.parse(
             [
                 "--device",
@@ -299,7 +391,10 @@ def main() -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     ok = (
-        all(bool(result[part] and result[part]["ok"]) for part in ("correctness", "fsdp", "incremental"))
+        all(
+            bool(result[part] and result[part]["ok"])
+            for part in ("correctness", "fsdp", "incremental", "scale")
+        )
         and not errors
     )
     return 0 if ok else 1

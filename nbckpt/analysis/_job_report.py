@@ -48,6 +48,8 @@ JOB_COLUMNS = [
     "aggregate_write_gbs",
     "concurrent_floor_gbs",
     "vs_floor",
+    "floor_beside_training_gbs",
+    "vs_floor_beside_training",
     "stall_median_s",
     "stall_p99_s",
     "stall_max_s",
@@ -143,6 +145,11 @@ def _floor(comparison: Comparison) -> float:
     return _number(comparison.job.get("floors", {}).get("concurrent_write_gbs"))
 
 
+def _floor_beside(comparison: Comparison) -> float:
+    """The raw write beside training (host compute only; NaN where it was not measured)."""
+    return _number((comparison.job.get("floors", {}).get("beside_training") or {}).get("write_gbs"))
+
+
 def rank_floors(comparison: Comparison) -> pd.DataFrame:
     """Every rank's floors, all ranks measuring at once in the same run (``job.floors.by_rank``):
     its raw write of its share while every rank wrote, and its copy floor; in host then rank
@@ -167,9 +174,11 @@ def host_loads(comparison: Comparison) -> pd.DataFrame:
 
 def job_table(comparison: Comparison) -> pd.DataFrame:
     """The job's figures per strategy that wrote checkpoints: median time to durable and
-    aggregate write rate over checkpoints, that rate over the concurrent raw-write floor of the
-    same run, the stall over ranks, the overhead at the slowest rank and the straggler."""
-    floor = _floor(comparison)
+    aggregate write rate over checkpoints, that rate over each concurrent raw-write floor of the
+    same run (``vs_floor``: between turns, no rank training; ``vs_floor_beside_training``: written
+    by nbckpt's writer threads while every rank trained, host compute only, else NaN), the stall
+    over ranks, the overhead at the slowest rank and the straggler."""
+    floor, beside = _floor(comparison), _floor_beside(comparison)
     rows = []
     for row in comparison.job.get("strategies", []):
         if not row.get("checkpoints"):
@@ -184,6 +193,8 @@ def job_table(comparison: Comparison) -> pd.DataFrame:
                 "aggregate_write_gbs": rate,
                 "concurrent_floor_gbs": floor,
                 "vs_floor": rate / floor if floor > 0 else math.nan,
+                "floor_beside_training_gbs": beside,
+                "vs_floor_beside_training": rate / beside if beside > 0 else math.nan,
                 "stall_median_s": _number(stall.get("median")),
                 "stall_p99_s": _number(stall.get("p99")),
                 "stall_max_s": _number(stall.get("max")),
@@ -316,7 +327,12 @@ def job_conclusions(table: pd.DataFrame) -> list[str]:
         if math.isfinite(row["vs_floor"]):
             text += (
                 f", {row['vs_floor']:.2f}x the {row['concurrent_floor_gbs']:.2f} GB/s every rank "
-                "wrote raw at once in the same run"
+                "wrote raw at once in the same run between turns (no rank training)"
+            )
+        if math.isfinite(row["vs_floor_beside_training"]):
+            text += (
+                f", {row['vs_floor_beside_training']:.2f}x the {row['floor_beside_training_gbs']:.2f} "
+                "GB/s they wrote raw beside training"
             )
         text += f"; stall over ranks median {row['stall_median_s']:.4f} s, max {row['stall_max_s']:.4f} s"
         if math.isfinite(row["overhead_pct"]):  # the job goes at its slowest rank's pace

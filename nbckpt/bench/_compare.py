@@ -116,6 +116,10 @@ class Coordination(Protocol):
 
     def before_repeat(self, repeat: int, directory: str, storage_options: dict[str, Any] | None) -> None: ...
 
+    def beside(self, repeat: int, directory: str, *, steps: int, every: int) -> list[Lane]:
+        """Lanes that are no strategy's, taking turns with the repeat's strategies (their
+        results stay out of the comparison's): a floor measured while the ranks train."""
+
     def remove(self, path: str) -> None: ...
 
     #: The bench's own gloo group (the ranks agree on a measured interval over it).
@@ -262,6 +266,7 @@ def compare(
                 ),
                 keep=keep,
                 repeats=repeats,
+                write_beside=workload.device == "cpu" and not getattr(workload, "idle_compute", False),
             )
     say = progress or (lambda _line: None)
     lineup = _Lineup.of(strategies, directory, storage_options, ranks, say)
@@ -380,18 +385,28 @@ class _Plan:
         where = f"{directory.rstrip('/')}/repeat-{repeat}" if is_url(directory) else directory
         groups = [names_in_order] if self.mode == "cycle" else [[name] for name in names_in_order]
         done: list[tuple[str, ExperimentResult]] = []
-        for group in groups:
+        for index, group in enumerate(groups):
             if self.stop is not None and self.stop.is_set():
                 break
-            done += self._run_group(group, repeat, where)
+            # The coordination's own lanes take their turns in the first group (all of them in
+            # cycle mode), so that they meet the same moments of the machine as the strategies.
+            beside = (
+                self.ranks.beside(repeat, where, steps=self.steps, every=self.every)
+                if (self.ranks is not None and index == 0)
+                else []
+            )
+            done += self._run_group(group, repeat, where, beside)
         return [
             (name, tally.add_run(name, repeat, names_in_order.index(name), result), result)
             for name, result in done
         ]
 
-    def _run_group(self, group: list[str], repeat: int, where: str) -> list[tuple[str, ExperimentResult]]:
-        """The strategies of ``group`` taking turns; each run's checkpoints go after it (unless
-        kept: the last repeat's, with ``keep``), after a Ctrl-C in it too."""
+    def _run_group(
+        self, group: list[str], repeat: int, where: str, beside: list[Lane]
+    ) -> list[tuple[str, ExperimentResult]]:
+        """The strategies of ``group`` taking turns, with the lanes ``beside`` them (no
+        strategy's: their results are not returned); each run's checkpoints go after it (unless
+        kept: the last repeat's, with ``keep``; ``beside``'s always), after a Ctrl-C in it too."""
         make_lane = Lane if self.ranks is None else self.ranks.lane
         lanes = [
             make_lane(
@@ -409,12 +424,17 @@ class _Plan:
         kept = self.keep and repeat == self.repeats - 1
         try:
             results = run_lanes(
-                lanes, where, steps=self.steps, every=self.every, stop=self.stop, warmup=self.warmup
+                [*lanes, *beside],
+                where,
+                steps=self.steps,
+                every=self.every,
+                stop=self.stop,
+                warmup=self.warmup,
             )
         finally:
-            for lane in [] if kept else lanes:
+            for lane in [*([] if kept else lanes), *beside]:
                 _remove_checkpoints(lane.strategy, self.ranks)
-        return [(lane.name, result) for lane, result in zip(lanes, results, strict=True)]
+        return [(lane.name, result) for lane, result in zip(lanes, results[: len(lanes)], strict=True)]
 
 
 @dataclass

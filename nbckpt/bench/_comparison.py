@@ -64,8 +64,24 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
         "world_size": 2, "hosts": {"node-a": [0, 1]},
         "floors": {"concurrent_write_gbs": ...,  # every rank writing its share at once, raw: all
                    # the bytes over the first rank's first byte to the last one's fsync's end
-                   # (each prepared first, then released by a barrier); the fastest repeat
-                   "concurrent_write_gbs_by_repeat": [...], "bytes": ..., "ranks": 2,
+                   # (each prepared first, then released by a barrier), between the strategies'
+                   # turns with no rank training (the idle floor); the fastest repeat
+                   "concurrent_write_gbs_by_repeat": [...],
+                   "concurrent_write_gbs_interval": [mean, lo, hi],  # over repeats (95 %; null
+                                                                     # below 2 repeats)
+                   "bytes": ..., "ranks": 2,
+                   "beside_training": {  # host compute on the CPU only (not --idle-compute):
+                       # every rank's share written raw (no copy, no checksum) by as many threads
+                       # as nbckpt's writers at their nice, in a lane taking its turns with the
+                       # strategies', while every rank trained (._measure.RawWriteBeside)
+                       "write_gbs": ...,  # median over its checkpoints, each as a strategy's
+                                          # aggregate_persist_gbs (first write start to last fsync)
+                       "write_gbs_interval": [mean, lo, hi],  # over its checkpoints (95 %)
+                       "writer_threads": 2, "writer_nice": 10,
+                       "checkpoints": [{"repeat": 0, "step": 5, "ranks_writing": 2, "bytes": ...,
+                                        "aggregate_persist_gbs": ..., "start_spread_s": ...,
+                                        "steps_beside": 3}, ...]},  # the fewest training steps
+                                        # any rank ran while it wrote (0: the final checkpoint)
                    "by_rank": [{"rank": 0, "host": "node-a",  # each rank's, measured at once:
                                 "concurrent_write_gbs": ...,  # its share raw, the fastest repeat
                                 "bytes": ...,  # its state, as the one-process "floors"
@@ -91,7 +107,8 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
                            "aggregate_persist_gbs": ...,  # over the first write's start to the
                                                           # last commit (the copies left out)
                            "first_rank": 0, "last_rank": 1,
-                           "start_spread_s": ...}, ...]}, ...],  # last rank's save start - first's
+                           "start_spread_s": ...,  # last rank's save start - first's
+                           "steps_beside": ...}, ...]}, ...],  # as the floor beside training's
         "coordination": {"seconds": ..., "per_step_s": ...,  # the bench's own cost: over its
                          "collectives": 40,             # collectives (barriers, the events'
                          "gather_s": ...},              # gather; outside the lanes' clocks)

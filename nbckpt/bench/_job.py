@@ -28,9 +28,13 @@ __all__ = ["RankRecord", "host_load", "job_summary", "job_text", "straggler"]
 #:      "strategies": [{"strategy", "stall_s", "persist_s", "bytes", "write_gbs", "mean_step_s",
 #:                      "overhead_pct", "checkpoints"}, ...],
 #:      "checkpoints": [{"strategy", "repeat", "step", "start_ns", "persist_start_ns", "end_ns",
-#:                       "bytes", "persist_s"}, ...],
+#:                       "bytes", "persist_s", "steps_beside"}, ...],  # steps_beside: its training
+#:                                            # steps that overlapped the write (persist_start_ns on)
 #:      "floor_writes": [{"repeat", "start_ns", "end_ns", "bytes"}, ...],  # its write's first byte
 #:                                                                   # to its fsync's end
+#:      "floor_beside_writes": [<as "checkpoints">, ...],  # the raw write beside training (host
+#:                                                        # compute only; ._measure.RawWriteBeside)
+#:      "floor_beside": {"writer_threads": 2, "writer_nice": 10},  # its writers, as nbckpt's
 #:      "copy_floor": {"bytes", "copy_s", "copy_gbs", "copy_gbs_by_repeat"},  # as in one process
 #:      "load": {<Load's fields>, "high"},  # this rank's comparison, as in one process
 #:      "kept": [{"strategy", "repeat", "step", "digests": {key: sha256}}, ...],  # with --keep
@@ -38,6 +42,15 @@ __all__ = ["RankRecord", "host_load", "job_summary", "job_text", "straggler"]
 #:      "gather_s": 0.01,  # rank 0 only: its gather of the records, added after it
 #:      "steps_trained": 60}
 RankRecord = Mapping[str, Any]
+_BESIDE_KEYS = (
+    "repeat",
+    "step",
+    "ranks_writing",
+    "bytes",
+    "aggregate_persist_gbs",
+    "start_spread_s",
+    "steps_beside",
+)
 
 
 def _number(value: Any) -> float:
@@ -91,11 +104,14 @@ def _distribution(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def _checkpoints(records: Sequence[RankRecord], strategy: str) -> list[dict[str, Any]]:
+def _checkpoints(
+    records: Sequence[RankRecord], strategy: str | None, field: str = "checkpoints"
+) -> list[dict[str, Any]]:
+    """Each checkpoint of ``strategy`` (None: of every span) over the ranks' spans under ``field``."""
     spans: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for record in records:
-        for span in record.get("checkpoints", []):
-            if span["strategy"] == strategy:
+        for span in record.get(field, []):
+            if strategy is None or span["strategy"] == strategy:
                 key = (int(span["repeat"]), int(span["step"]))
                 spans.setdefault(key, []).append({**span, "rank": record["rank"]})
     rows = []
@@ -118,6 +134,8 @@ def _checkpoints(records: Sequence[RankRecord], strategy: str) -> list[dict[str,
                 "last_rank": last,
                 # how far apart the ranks began this save: small when they run in lockstep
                 "start_spread_s": (max(starts) - min(starts)) / 1e9,
+                # the fewest training steps any rank ran while it wrote this checkpoint
+                "steps_beside": min(int(span.get("steps_beside", 0)) for span in group),
             }
         )
     return rows
@@ -180,11 +198,37 @@ def _floor(records: Sequence[RankRecord]) -> dict[str, Any]:
             by_repeat.setdefault(int(span["repeat"]), []).append({**span, "rank": record["rank"]})
     rounds = [_aggregate(group) for _, group in sorted(by_repeat.items())]
     rates = [rate for _, rate, _, _, _ in rounds if not math.isnan(rate)]
-    return {
+    floors = {
         "concurrent_write_gbs": max(rates) if rates else math.nan,  # the fastest, as the one-rank floor
         "concurrent_write_gbs_by_repeat": [rate for _, rate, _, _, _ in rounds],
+        "concurrent_write_gbs_interval": list(t_interval(rates)),
         "bytes": rounds[0][2] if rounds else 0,
         "ranks": len(records),
+    }
+    beside = _floor_beside(records)
+    return floors if beside is None else {**floors, "beside_training": beside}
+
+
+def _floor_beside(records: Sequence[RankRecord]) -> dict[str, Any] | None:
+    """The raw write of every rank's share beside training (``._measure.RawWriteBeside``), as a
+    strategy's persist is measured: per checkpoint, all ranks' bytes over the first rank's write
+    start to the last fsync's end; None where it was not measured (idle compute, CUDA)."""
+    checkpoints = [
+        {key: row[key] for key in _BESIDE_KEYS}
+        for row in _checkpoints(records, None, field="floor_beside_writes")
+    ]
+    if not checkpoints:
+        return None
+    rates = [
+        row["aggregate_persist_gbs"] for row in checkpoints if math.isfinite(row["aggregate_persist_gbs"])
+    ]
+    writers = records[0].get("floor_beside", {})
+    return {
+        "write_gbs": float(np.median(rates)) if rates else math.nan,  # the median, as a strategy's
+        "write_gbs_interval": list(t_interval(rates)),  # (mean, lo, hi) over checkpoints
+        "writer_threads": writers.get("writer_threads"),
+        "writer_nice": writers.get("writer_nice"),
+        "checkpoints": checkpoints,
     }
 
 
@@ -332,6 +376,16 @@ def _repeats_text(interval: Sequence[Any] | None, unit: str, digits: int) -> str
     return f" [{lo:.{digits}f}, {hi:.{digits}f}] {unit} over repeats"
 
 
+def _beside_text(floors: Mapping[str, Any]) -> str:
+    beside = floors.get("beside_training")
+    if not beside:
+        return ""
+    return (
+        f", {_number(beside['write_gbs']):.2f} GB/s beside training (nbckpt's "
+        f"{beside['writer_threads']} writer threads at nice {beside['writer_nice']})"
+    )
+
+
 def job_text(job: Mapping[str, Any]) -> list[str]:
     """The job's figures as lines under the results table: the concurrent floor, then per
     strategy that writes its time to durable, aggregate rate, overhead and straggler."""
@@ -339,7 +393,8 @@ def job_text(job: Mapping[str, Any]) -> list[str]:
     floors = job.get("floors", {})
     lines = [
         f"on {job.get('world_size', 0)} ranks, {len(hosts)} host(s); all ranks writing at once "
-        f"raw: {_number(floors.get('concurrent_write_gbs')):.2f} GB/s aggregate{_copy_text(floors)}"
+        f"raw: {_number(floors.get('concurrent_write_gbs')):.2f} GB/s aggregate between turns (no "
+        f"rank training){_beside_text(floors)}{_copy_text(floors)}"
     ]
     lines += [
         f"host {host} (ranks {', '.join(map(str, load['ranks']))}): 1-minute load average "

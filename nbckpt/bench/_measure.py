@@ -16,8 +16,8 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -27,12 +27,15 @@ import torch
 
 from .._errors import ConfigError
 from .._util import GB, GIB, MIB, check_count, format_bytes, is_url
-from ..engine._internal import cached_fraction, fsspec_options, open_fsspec
+from ..engine import CheckpointConfig, Timeline
+from ..engine._internal import Pool, cached_fraction, fsspec_options, now_ns, open_fsspec, step_name
+from ._strategy import Strategy, failing_as
 
 __all__ = [
     "DEFAULT_REPEATS",
     "FLOOR_SAMPLE_BYTES",
     "Floors",
+    "RawWriteBeside",
     "StreamRun",
     "combine_floors",
     "concurrent_write",
@@ -237,6 +240,63 @@ def concurrent_write(
         begin = time.time_ns()
         _write(fs, names, nbytes, pattern, 0, drop=False)
         return begin, time.time_ns()
+
+
+class RawWriteBeside(Strategy):
+    """The write floor beside training: at each save, ``nbytes`` of random bytes written raw (no
+    copy, no checksum, no manifest) into files of their own, one per writer thread, each ending
+    with its fsync, while the loop trains on; the threads are as many, and as far below the
+    caller's priority, as nbckpt's writers (:class:`~nbckpt.CheckpointConfig`'s
+    ``writer_threads`` and ``writer_nice``). So where the host's cores train (CPU training), the
+    raw write meets the competition nbckpt's persist meets: the floor as such a job sees it.
+    Each thread's write is one ``persist`` event; a step's files stay, as a save's do, until the
+    lane's folder is removed."""
+
+    name = "raw-write-beside-training"
+    description = "the raw write of each rank's share by nbckpt's writer threads, beside training"
+    stall_covers_copy = False
+
+    def __init__(self, nbytes: int, *, config: CheckpointConfig | None = None) -> None:
+        super().__init__()
+        config = config or CheckpointConfig()
+        self.nbytes = check_count(nbytes, "nbytes of the write beside training")
+        self.threads, self.nice = config.writer_threads, config.writer_nice
+        self._pattern = memoryview(os.urandom(min(_CHUNK, self.nbytes) + 64 * 1024))
+        self._pool: Pool | None = None
+        self._writes: list[Future[None]] = []
+
+    def open(self, directory: str, timeline: Timeline) -> None:
+        super().open(directory, timeline)
+        self._pool = Pool(self.threads, "nbckpt-floor", nice=self.nice)
+
+    def save(self, state: Mapping[str, Any], step: int) -> None:
+        if self._pool is None:
+            raise ConfigError(f"strategy {self.name} is not open; call open() first")
+        self.finish()  # one write at a time, as nbckpt's max_inflight=1
+        names = [os.path.join(self.path, f"{step_name(step)}-{index}") for index in range(self.threads)]
+        share, rest = divmod(self.nbytes, self.threads)
+        self._writes = [
+            self._pool.submit(partial(self._write_one, names, index, share + (index < rest), step))
+            for index in range(self.threads)
+        ]
+
+    def _write_one(self, names: list[str], index: int, nbytes: int, step: int) -> None:
+        begin = now_ns()
+        with failing_as(f"the raw write of step {step} to {names[index]}"):
+            _write(None, names, nbytes, self._pattern, index, drop=False)
+        self.record("persist", begin, now_ns(), step=step, nbytes=nbytes)
+
+    def finish(self) -> None:
+        writes, self._writes = self._writes, []
+        for write in writes:
+            write.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            with suppress(Exception):  # a failed write was raised by finish() already
+                self.finish()
+            self._pool.stop()
+            self._pool = None
 
 
 # Floors are measured on at most this many bytes and scaled: rates are flat well below it.

@@ -41,13 +41,13 @@ import torch.distributed as dist
 
 from .._errors import ConfigError
 from .._util import GB, is_url
-from ..engine import Event, Timeline
+from ..engine import CheckpointConfig, Event, Timeline
 from ..engine._internal import fsspec_options, open_fsspec, step_name
 from ._compare import run_bench_from_args as run_one_process
 from ._comparison import Comparison
 from ._dcp import DcpAsync, DcpSync
 from ._job import RankRecord, job_summary
-from ._measure import concurrent_write
+from ._measure import RawWriteBeside, concurrent_write
 from ._rank_timeline import gather_rank_timeline
 from ._rank_workload import RankWorkload, state_digests
 from ._runner import EventCallback, Lane, Progress, RunProgress
@@ -200,6 +200,7 @@ class RankLane(Lane):
         on_event: EventCallback | None,
         progress: RunProgress | None,
         repeat: int,
+        floor: bool = False,
     ) -> None:
         super().__init__(
             name,
@@ -212,6 +213,7 @@ class RankLane(Lane):
             repeat=repeat,
         )
         self.job = job
+        self.floor = floor  # a floor's lane (RankJob.beside), no strategy's
         self.raw: list[Event] = []
         self.written: dict[int, int | None] = {}  # bytes on disk of each checkpoint, by step
         self.timeline.add_listener(self._keep)
@@ -247,6 +249,7 @@ class RankLane(Lane):
         last = self.last_saved
         if (
             not self.job.keep
+            or self.floor
             or self.repeat != self.job.repeats - 1
             or last is None
             or self.workload.step != last
@@ -287,6 +290,8 @@ class RankLane(Lane):
                 continue  # nothing written here (torch-save of a replicated state off rank 0)
             on_disk = self.written.get(step)
             persists = [event for event in events if event.kind == "persist"]
+            # the write's start, after the copy (None: a strategy that records no persist)
+            write_ns = min(event.start_ns for event in persists) if persists else None
             offset = self.job.wall_offset_ns
             spans.append(
                 {
@@ -294,16 +299,25 @@ class RankLane(Lane):
                     "repeat": self.repeat,
                     "step": step,
                     "start_ns": min(event.start_ns for event in events) + offset,
-                    # the write's start, after the copy (None: a strategy that records no persist)
-                    "persist_start_ns": min(event.start_ns for event in persists) + offset
-                    if persists
-                    else None,
+                    "persist_start_ns": None if write_ns is None else write_ns + offset,
                     "end_ns": max(ends) + offset,
                     "bytes": sum(event.bytes for event in persists) if on_disk is None else on_disk,
                     "persist_s": sum(event.duration_s for event in persists),
+                    # this rank's training steps that ran while it wrote (or saved, with no write)
+                    "steps_beside": self._steps_beside(
+                        min(event.start_ns for event in events) if write_ns is None else write_ns, max(ends)
+                    ),
                 }
             )
         return spans
+
+    def _steps_beside(self, begin_ns: int, end_ns: int) -> int:
+        """How many of this lane's training steps overlapped ``begin_ns..end_ns`` (event clock)."""
+        return sum(
+            1
+            for event in self.raw
+            if event.kind == "step" and event.start_ns < end_ns and event.end_ns > begin_ns
+        )
 
 
 class RankJob:
@@ -322,6 +336,11 @@ class RankJob:
         self.workload: RankWorkload | None = None
         self.lanes: list[RankLane] = []
         self.floor_writes: list[dict[str, Any]] = []
+        # The raw write beside training (beside()): measured where the host's cores train (set
+        # by run_bench_on_ranks: on CPU without --idle-compute), its lanes apart from the strategies'.
+        self.write_beside = False
+        self.beside_lanes: list[RankLane] = []
+        self.beside_config = CheckpointConfig()  # nbckpt's writers as the bench's strategies open them
         self.keep, self.repeats = False, 1  # --keep: the kept checkpoints' digests are recorded
         self.kept: list[dict[str, Any]] = []
         # How long this rank spent in each of the bench's own collectives (its barriers and the
@@ -412,6 +431,28 @@ class RankJob:
         self.floor_writes.append({"repeat": repeat, "start_ns": begin, "end_ns": end, "bytes": share})
         self.barrier()
 
+    def beside(self, repeat: int, directory: str, *, steps: int, every: int) -> list[Lane]:
+        """The raw write of this rank's share beside training (:class:`~._measure.RawWriteBeside`),
+        a lane taking its turns with the strategies', where ``write_beside`` and the directory
+        is local; none elsewhere."""
+        if not self.write_beside or self.workload is None or is_url(directory):
+            return []
+        floor = RawWriteBeside(self.workload.share_bytes, config=self.beside_config)
+        lane = RankLane(
+            self,
+            floor.name,
+            floor,
+            self.workload,
+            steps=steps,
+            every=every,
+            on_event=None,
+            progress=None,
+            repeat=repeat,
+            floor=True,
+        )
+        self.beside_lanes.append(lane)
+        return [lane]
+
     def remove(self, path: str) -> None:
         """Rank 0 removes the shared folder (every rank is done with it: the turns ended together);
         the next repeat starts with a barrier, after it."""
@@ -450,9 +491,14 @@ class RankJob:
             "load": {key: value for key, value in comparison.load.items() if key != "floors"},
             "checkpoints": spans,
             "floor_writes": list(self.floor_writes),
+            "floor_beside_writes": [span for lane in self.beside_lanes for span in lane.spans()],
+            "floor_beside": {
+                "writer_threads": self.beside_config.writer_threads,
+                "writer_nice": self.beside_config.writer_nice,
+            },
             "kept": list(self.kept),
             "collectives_s": [spent / 1e9 for spent in self.collectives_ns],
-            "steps_trained": sum(lane.steps for lane in self.lanes),
+            "steps_trained": sum(lane.steps for lane in [*self.lanes, *self.beside_lanes]),
         }
 
     def gather(self, record: RankRecord) -> list[RankRecord] | None:
@@ -505,12 +551,13 @@ def on_ranks(
     sharded: bool = False,
     keep: bool = False,
     repeats: int = 1,
+    write_beside: bool = False,
 ) -> Comparison:
     """``run(job)`` as this rank's part of a bench on many ranks (the comparison, run with
     ``ranks=job``), then every rank's record gathered to rank 0: there the comparison carries the
     job's figures (``ranks``, ``job``), elsewhere this rank's own alone."""
     job = RankJob.start(device, sharded=sharded)
-    job.keep, job.repeats = keep, repeats
+    job.keep, job.repeats, job.write_beside = keep, repeats, write_beside
     try:
         comparison = run(job)
         records = job.gather(job.record(comparison))
@@ -538,5 +585,7 @@ def run_bench_on_ranks(
         sharded=args.fsdp,
         keep=bool(getattr(args, "keep", False)),
         repeats=args.repeats,
+        # Where the host's cores train, its writes compete with training: the floor beside it too.
+        write_beside=args.device == "cpu" and not args.idle_compute,
     )
     return comparison if comparison.job else None

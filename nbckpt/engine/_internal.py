@@ -15,7 +15,7 @@ from ._shutdown import check_signals
 from ._state import flatten
 from ._timeline import events_to_pandas, now_ns
 from ._torch_compat import version_of
-from ._workers import deferred_interrupt
+from ._workers import Pool, deferred_interrupt
 
 __all__ = [
     "MANIFEST",
@@ -24,6 +24,7 @@ __all__ = [
     "Costs",
     "Interval",
     "Pacer",
+    "Pool",
     "cached_fraction",
     "check_signals",
     "deferred_interrupt",

@@ -102,6 +102,17 @@ def test_two_ranks_report_every_rank_the_job_and_the_slowed_rank_as_straggler(tm
     job = document["job"]
     assert job["world_size"] == 2 and job["hosts"] == {host: [0, 1]}
     assert job["floors"]["concurrent_write_gbs"] > 0 and job["floors"]["bytes"] == 2 * 1024 * 1024
+    # Host compute: the floor beside training too, a lane taking its turns with the strategies'
+    # (none of theirs: no row, nothing kept): every rank's 1 MiB by nbckpt's writer threads at
+    # their nice, while that rank trained (the write beside training's steps 3-4 overlap it).
+    beside = job["floors"]["beside_training"]
+    assert (beside["writer_threads"], beside["writer_nice"]) == (2, 10) and beside["write_gbs"] > 0
+    assert [(row["step"], row["ranks_writing"], row["bytes"]) for row in beside["checkpoints"]] == [
+        (2, 2, 2 * 1024 * 1024),
+        (4, 2, 2 * 1024 * 1024),
+    ]
+    assert beside["checkpoints"][0]["steps_beside"] >= 1, beside
+    assert not (tmp_path / "ckpt" / "raw-write-beside-training").exists()
     for summary in job["strategies"]:
         if summary["strategy"] == "none":
             assert summary["straggler"] is None and summary["checkpoints"] == []
@@ -124,10 +135,10 @@ def test_two_ranks_report_every_rank_the_job_and_the_slowed_rank_as_straggler(tm
     # bench's: it is its turn wait.
     coordination, waits = job["coordination"], {row["rank"]: row for row in job["turn_wait"]}
     # Two around the floor write, one before the first turn, one closing each of the lanes' (the
-    # baseline's and every strategy's) 3 turns (steps 1-2, 3-4, the final checkpoint: a turn
-    # starts from the last one's barrier), and the events' gather.
+    # baseline's, every strategy's and the floor beside training's) 3 turns (steps 1-2, 3-4, the
+    # final checkpoint: a turn starts from the last one's barrier), and the events' gather.
     assert (
-        coordination["collectives"] == 2 + 1 + (1 + len(EVERY_FORM)) * 3 + 1
+        coordination["collectives"] == 2 + 1 + (1 + len(EVERY_FORM) + 1) * 3 + 1
         and coordination["per_step_s"] > 0
     )
     barriers_s = coordination["seconds"] - coordination["gather_s"]
