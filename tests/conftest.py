@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["helpers.storage"]
+pytest_plugins = ["helpers.storage", "helpers.xdist_groups"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
