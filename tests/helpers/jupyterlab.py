@@ -147,8 +147,11 @@ def console_errors(page: Any) -> list[str]:
 
 
 def open_notebook(page: Any, server: Server, notebook: str) -> None:
-    """Open ``notebook`` with the file browser folded away and wait for its kernel."""
-    page.goto(f"{server.url}/lab/tree/{notebook}?token={server.token}")
+    """Open ``notebook`` with the file browser folded away and wait for its kernel. It opens in a
+    workspace of its own: on a server another test used, the default one would bring that test's
+    notebook back beside it."""
+    workspace = Path(notebook).stem
+    page.goto(f"{server.url}/lab/workspaces/{workspace}/tree/{notebook}?token={server.token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-Notebook", timeout=60_000)
     # the file browser away: figures take the width they find when they render
     page.evaluate("window.jupyterapp.commands.execute('application:toggle-left-area')")
@@ -183,20 +186,35 @@ def screenshot_for_docs(element: Any, name: str, docs_copy: Path) -> None:
 
 
 @contextmanager
-def chromium_page(failed_shot: str, *, height: int, width: int = 1400) -> Iterator[Any]:
-    """A Chromium page (1400 px wide by default). A failure in the block leaves a full-page screenshot at
-    ``ARTIFACTS/failed_shot``; errors the console logged fail the test when the block ends."""
+def chromium() -> Iterator[Any]:
+    """Debian's Chromium under Playwright: one browser for several pages (each its own context)."""
     sync_api = pytest.importorskip("playwright.sync_api")
-    ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": width, "height": height})
-        errors = console_errors(page)
         try:
-            yield page
-        except BaseException:
-            page.screenshot(path=str(ARTIFACTS / failed_shot), full_page=True)
-            raise
+            yield browser
         finally:
             browser.close()
+
+
+@contextmanager
+def chromium_page(failed_shot: str, *, height: int, width: int = 1400, browser: Any = None) -> Iterator[Any]:
+    """A Chromium page (1400 px wide by default), in a fresh context of ``browser`` (or of a browser
+    of its own). A failure in the block leaves a full-page screenshot at ``ARTIFACTS/failed_shot``;
+    errors the console logged fail the test when the block ends."""
+    if browser is None:
+        with chromium() as own, chromium_page(failed_shot, height=height, width=width, browser=own) as page:
+            yield page
+        return
+    ARTIFACTS.mkdir(exist_ok=True)
+    context = browser.new_context(viewport={"width": width, "height": height})
+    page = context.new_page()
+    errors = console_errors(page)
+    try:
+        yield page
+    except BaseException:
+        page.screenshot(path=str(ARTIFACTS / failed_shot), full_page=True)
+        raise
+    finally:
+        context.close()
     assert not errors, "the browser console logged errors:\n" + "\n".join(errors)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -13,6 +14,7 @@ from helpers.jupyterlab import (
     ARTIFACTS,
     BROWSER_MARKS,
     Server,
+    chromium,
     chromium_page,
     jupyter_lab,
     open_and_run_all,
@@ -66,21 +68,12 @@ def _lab_notebook(root: Path, checkpoints: Path) -> None:
     nbformat.write(nb, root / "06_lab.ipynb")
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    root = tmp_path / "root"
-    root.mkdir()
-    _lab_notebook(root, tmp_path / "checkpoints")
-    with jupyter_lab(tmp_path, root) as running:
-        yield running
-
-
-def test_lab_notebook_runs_live_in_jupyterlab(server: Server) -> None:
+def test_lab_notebook_runs_live_in_jupyterlab(server: Server, browser: Any) -> None:
     """Run All, then Run in the lab: widgets and plot render, the timeline grows while the run
     goes on; re-running the lab's cell mid-run stops the old run and the new lab runs to its
     results table; a %ckpt_async status line turns "committed"; the console stays clean."""
-    with chromium_page("browser-lab-failed.png", height=1600) as page:
-        open_and_run_all(page, server, "06_lab.ipynb")
+    with chromium_page("browser-lab-failed.png", height=1600, browser=browser) as page:
+        open_and_run_all(page, server, "lab/06_lab.ipynb")
 
         page.locator(".nbckpt-save.nbckpt-committed").wait_for(timeout=120_000)
         lab = page.locator(".nbckpt-lab")
@@ -142,19 +135,7 @@ RELOAD_CELLS = [
 ]
 
 
-@pytest.fixture
-def reload_server(tmp_path: Path) -> Iterator[Server]:
-    root = tmp_path / "root"
-    root.mkdir()
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(source) for source in RELOAD_CELLS]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, root / "reload.ipynb")
-    with jupyter_lab(tmp_path, root) as running:
-        yield running
-
-
-def test_a_reloaded_page_shows_the_labs_as_they_are(reload_server: Server) -> None:
+def test_a_reloaded_page_shows_the_labs_as_they_are(server: Server, browser: Any) -> None:
     """Run two labs (the second closes the first), save, reload the page: the live lab's timeline
     is drawn with the run's bars and final title (not an empty axis under the first title), and
     the closed lab's output is a static note with its results, not "model not found".
@@ -162,8 +143,8 @@ def test_a_reloaded_page_shows_the_labs_as_they_are(reload_server: Server) -> No
     The cells run one after the other as a user runs them, each once the one before has drawn
     its lab: a widget output replaced while its child views are still being created makes
     ipywidgets log "Could not add child view to box" (the page ends up right all the same)."""
-    with chromium_page("browser-reload-failed.png", height=1600) as page:
-        open_notebook(page, reload_server, "reload.ipynb")
+    with chromium_page("browser-reload-failed.png", height=1600, browser=browser) as page:
+        open_notebook(page, server, "reload/reload.ipynb")
         cells = page.locator(".jp-Notebook .jp-CodeCell")
         rerun_cell(page, "first = Lab(")
         cells.nth(0).locator(".nbckpt-lab .js-plotly-plot g.trace.bars").first.wait_for(timeout=180_000)
@@ -203,27 +184,15 @@ REPLACED_BENCH_CELL = (
 )
 
 
-@pytest.fixture
-def replaced_server(tmp_path: Path) -> Iterator[Server]:
-    root = tmp_path / "root"
-    root.mkdir()
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(REPLACED_LAB_CELL), nbformat.v4.new_code_cell(REPLACED_BENCH_CELL)]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, root / "replaced.ipynb")
-    with jupyter_lab(tmp_path, root) as running:
-        yield running
-
-
-def test_a_replaced_lab_draws_its_timeline(replaced_server: Server) -> None:
+def test_a_replaced_lab_draws_its_timeline(server: Server, browser: Any) -> None:
     """Issue 29 defect 1: a Lab's timeline stayed plotly's empty placeholder, on re-runs (and on
     a busy page's first run): anywidget applies no update to a model whose module took over 2 s
     to load ("[anywidget] Failed to initialize model."), and each figure's module imported
     plotly's 4.6 MB. The Lab cell run twice (the first time on a page slowed down 8 times),
     then %ckpt_bench twice: each new lab, once its run has ended, draws its timeline's bars,
     and the console logs no error (chromium_page)."""
-    with chromium_page("browser-replaced-lab-failed.png", height=1200) as page:
-        open_notebook(page, replaced_server, "replaced.ipynb")
+    with chromium_page("browser-replaced-lab-failed.png", height=1200, browser=browser) as page:
+        open_notebook(page, server, "replaced/replaced.ipynb")
         # the first run on a page 8 times slower: plotly's module then takes anywidget's 2 s on
         # any machine; the page's later figures import nothing
         cdp = page.context.new_cdp_session(page)
@@ -247,3 +216,33 @@ def test_a_replaced_lab_draws_its_timeline(replaced_server: Server) -> None:
             until(lambda bars=bars: bars.count() > 0, 30, f"run {run}'s timeline bars")
             cdp.send("Emulation.setCPUThrottlingRate", {"rate": 1})
         page.screenshot(path=str(ARTIFACTS / "browser-replaced-lab.png"), full_page=True)
+
+
+def _notebook(path: Path, cells: list[str]) -> None:
+    path.parent.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One JupyterLab for the module's tests (each starts in seconds, minutes on a loaded CI):
+    each test's notebook is in a folder of its own (its kernel's working directory, where its
+    labs write) and opens in a workspace of its own (open_notebook)."""
+    tmp_path = tmp_path_factory.mktemp("lab")
+    root = tmp_path / "root"
+    (root / "lab").mkdir(parents=True)
+    _lab_notebook(root / "lab", tmp_path / "checkpoints")
+    _notebook(root / "reload" / "reload.ipynb", RELOAD_CELLS)
+    _notebook(root / "replaced" / "replaced.ipynb", [REPLACED_LAB_CELL, REPLACED_BENCH_CELL])
+    with jupyter_lab(tmp_path, root) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One Chromium for the module's tests; each test's page is in a fresh context."""
+    with chromium() as running:
+        yield running
