@@ -73,7 +73,7 @@ class Checkpointer:
         self.directory = os.fspath(directory)
         self.store: Store = open_store(self.directory, self.config.storage_options)
         mirror_root = mirror_target(self.config, self.store)  # refused before anything is created
-        ranks = join(self.config.ranks, self.config.timeout_s)
+        ranks = self._ranks = join(self.config.ranks, self.config.timeout_s)
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.timeline = Timeline(rank=self.rank, label=f"nbckpt-{self.config.mode}")
         self._lock = threading.RLock()  # one operation at a time, whichever thread calls
@@ -83,15 +83,15 @@ class Checkpointer:
         self._caller = ranks.caller
         self._pacer = Pacer(self.config.schedule) if self.config.schedule is not None else None
         self._grace = Grace()  # the time save_on_signal's final save has
-        opening = partial(open_run, self.store, self.config.read_only)
-        if self.config.read_only:  # nothing claimed nor written: reading, a rank says what it lacks
-            nonce, committed = ranks.caller.from_rank0(("open",), opening)
-        else:  # every rank must see the directory rank 0 claims (_shared says how it is told)
-            claim, undo = partial(claim_run, self.store, refuse_a_mirror), self.store.unlock
-            nonce, committed = open_on_rank0(
-                ranks.caller, ("open",), self.store, claim, opening, undo=undo, what="run directory"
-            )
         try:
+            opening = partial(open_run, self.store, self.config.read_only)
+            if self.config.read_only:  # nothing claimed nor written: reading, a rank says what it lacks
+                nonce, committed = ranks.caller.from_rank0(("open",), opening)
+            else:  # every rank must see the directory rank 0 claims (_shared says how it is told)
+                claim, undo = partial(claim_run, self.store, refuse_a_mirror), self.store.unlock
+                nonce, committed = open_on_rank0(
+                    ranks.caller, ("open",), self.store, claim, opening, undo=undo, what="run directory"
+                )
             self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)
             context = Context(self.timeline, self._io, ranks, self.config.writer_nice)
             self._mirror = open_mirror(mirror_root, self.config, self.store, context, nonce)
@@ -109,13 +109,14 @@ class Checkpointer:
                 read_only=self.config.read_only,
             )
         except BaseException:
-            # The directory is locked and threads run: a failed construction gives all of it back.
-            names = ("_saver", "_retainer", "_io", "_mirror")
+            # The ranks' groups are made, the directory locked, threads run: a failed
+            # construction gives all of it back (the groups once the threads are stopped).
+            names = ("_saver", "_retainer", "_io", "_mirror", "_ranks")
             release(self.store, True, *[getattr(self, name, None) for name in names])
             raise
         register(self, self._at_exit)
         # A Checkpointer dropped without close() (a notebook cell run again) frees the directory.
-        parts = (self._saver, self._retainer, self._io, self._mirror)
+        parts = (self._saver, self._retainer, self._io, self._mirror, self._ranks)
         weakref.finalize(self, release, self.store, False, *parts).atexit = False
 
     @property
@@ -484,7 +485,7 @@ class Checkpointer:
             finally:
                 self._closed = True
                 unregister(self)
-                release(self.store, True, self._saver, self._retainer, self._io, self._mirror)
+                release(self.store, True, self._saver, self._retainer, self._io, self._mirror, self._ranks)
 
     def __enter__(self) -> Checkpointer:
         return self

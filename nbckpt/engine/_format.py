@@ -56,6 +56,7 @@ __all__ = [
     "PROBE_PREFIX",
     "RANKS_PROBE",
     "READS",
+    "SMALL_LEFTOVER_RE",
     "TMP_PREFIX",
     "TRASH_PREFIX",
     "TREE_KINDS",
@@ -94,6 +95,9 @@ MAX_STEP = 2**63 - 1
 _STEP_RE = re.compile(r"step-([0-9]{6,19})", re.ASCII)
 #: ``.tmp-step-000140-ab12`` and its kin: leftovers an open cleans up (or puts back, ``.old-``).
 LEFTOVER_RE = re.compile(r"\.(tmp|trash|old)-(step-[0-9]{6,19})-[0-9a-f]+", re.ASCII)
+#: ``.tmp-.set-aside-intent.json-1a2b3c4d``: a small file being replaced (the file a local
+#: ``write_small`` renames over it), left by a crash: an open removes it too.
+SMALL_LEFTOVER_RE = re.compile(r"\.tmp-(?!step-)[^/]+-[0-9a-f]{8}", re.ASCII)
 _DATA_FILE_RE = re.compile(r"__[0-9]{1,6}_[0-9]{1,6}\.distcp", re.ASCII)
 
 

@@ -12,6 +12,8 @@ around it, while the others wait in DDP's all-reduce) is a ConfigError within
 has a connection to the store of its own: a store client serves one request at a time, so a
 thread waiting for the other ranks on a shared one kept the other thread from checking in, and
 two ranks whose threads waited in opposite order held each other up until the deadline.
+Closing gives the groups back (:meth:`RankInfo.stop`): torch keeps every group it made, and its
+connections to every other rank, until the default group is destroyed.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class Arrivals:
         self._timeout = timeout_s
         self.count = 0
 
+    def release(self) -> None:
+        """Let go of the store connection, though a traceback may keep this object alive."""
+        self._store = None
+
     def wait(self, tag: Tag) -> None:
         """Return once every rank has reached this collective; ConfigError naming the ranks
         missing after the deadline."""
@@ -104,6 +110,15 @@ class Group:
         self.world_size = world_size
         self._arrivals = arrivals
         self._slot = SLOT_BYTES  # the same on every rank: each sees every rank's sizes
+        self._released = False
+
+    def release(self) -> None:
+        """Let go of the process group and the store connection: their sockets close once no
+        collective holds them. Every later exchange is refused (``pg`` None would be one process)."""
+        if self._arrivals is not None:
+            self._arrivals.release()
+        if self.pg is not None:
+            self.pg, self._arrivals, self._released = None, None, True
 
     def exchange(self, tag: Tag, run: Callable[[], T], *, arrive_first: bool = False) -> list[T]:
         """Run ``run`` here, give every rank every rank's result; an error anywhere is raised on
@@ -111,6 +126,8 @@ class Group:
         mistake) naming the rank elsewhere. With ``arrive_first`` every rank must have come to
         ``tag`` before ``run`` starts (for a ``run`` that changes something); otherwise ``run``
         goes first, overlapping the wait for the last rank to arrive."""
+        if self._released:
+            raise CheckpointError(f"rank {self.rank}: {_what(tag)} after the Checkpointer was closed")
         arrivals = self._arrivals if self.pg is not None else None
         if arrivals is not None and arrive_first:
             arrivals.wait(tag)
@@ -248,6 +265,19 @@ class RankInfo:
         self.rank = caller.rank
         self.world_size = caller.world_size
 
+    def stop(self, wait: bool) -> None:
+        """Give back the groups :func:`join` made, once this Checkpointer's threads are done with
+        them (closed, dropped, or a failed open); ``wait`` is :func:`._shutdown.release`'s. Each
+        rank on its own: for a subgroup ``destroy_process_group`` drops torch's entry, no
+        collective, so a rank that closes first never waits for the others; gloo's connections
+        close when the last reference goes, and another rank's next collective on them fails."""
+        groups = (self.caller, self.background, self.agreement)
+        made = {id(group.pg): group.pg for group in groups if group.pg is not None}
+        for group in groups:
+            group.release()
+        for pg in made.values():
+            _destroy(pg)
+
 
 def join(mode: str, timeout_s: float) -> RankInfo:
     """The ranks a Checkpointer works with: all ranks of the default group, or this one alone.
@@ -269,9 +299,12 @@ def join(mode: str, timeout_s: float) -> RankInfo:
     caller = store if caller is None else caller
     opened = _meet(caller, rank, world_size)
     timeout = timedelta(seconds=timeout_s)
+    groups: list[Any] = []
     try:
-        groups = [dist.new_group(backend="gloo", timeout=timeout) for _ in range(2)]
+        groups.extend(dist.new_group(backend="gloo", timeout=timeout) for _ in range(2))
     except Exception as exc:
+        for made in groups:  # the first, where the second failed
+            _destroy(made)
         raise CheckpointError(
             f"could not set up the ranks' checkpoint groups: {describe_error(exc)}"
         ) from exc
@@ -286,6 +319,14 @@ def join(mode: str, timeout_s: float) -> RankInfo:
         Group(groups[1], rank, world_size),
         Group(groups[1], rank, world_size, agreed),
     )
+
+
+def _destroy(pg: Any) -> None:
+    """Drop torch's entry for a group :func:`join` made (this rank only)."""
+    # Gone already where the default group was destroyed first (the end of a script, then the
+    # close at exit): torch shut every group down then.
+    with suppress(Exception):
+        dist.destroy_process_group(pg)
 
 
 def _meet(store: Any, rank: int, world_size: int) -> int:

@@ -15,7 +15,7 @@ import signal
 import stat
 import uuid
 from abc import ABC, abstractmethod
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from .._errors import CheckpointError, ConfigError, describe_error
 from ._faults import fault_point
@@ -37,6 +37,7 @@ from ._format import (
     MAX_STEP,
     OLD_PREFIX,
     PROBE_PREFIX,
+    SMALL_LEFTOVER_RE,
     TMP_PREFIX,
     TRASH_PREFIX,
     parse_step,
@@ -54,7 +55,8 @@ def arm_crash(point: str | None) -> None:
     """Kill this process with SIGKILL when it reaches crash point ``point`` (None: never), for the
     reliability tests (nothing is read from the environment). Points: ``after_data`` (files
     written, no manifest), ``before_rename`` (manifest written, not renamed), ``after_swap`` and
-    ``between_renames`` (a re-save's two ways of putting the new copy in place), ``during_delete``."""
+    ``between_renames`` (a re-save's two ways of putting the new copy in place), ``during_delete``,
+    ``small_write`` (a small file's replacement written, not renamed over it)."""
     global _armed
     _armed = point
 
@@ -269,6 +271,9 @@ class LocalStore(Store):
         for name in sorted(names):
             match = LEFTOVER_RE.fullmatch(name)
             if match is None:
+                if self._small_leftover(name):  # a crash as a small file was replaced
+                    os.unlink(self._path(name))
+                    done.append(name)
                 continue
             kind, step = match.groups()
             if kind == "old" and step not in names and self._has_manifest(self._path(name)):
@@ -281,6 +286,16 @@ class LocalStore(Store):
                 self._remove(self._path(name))
                 done.append(name)
         return done
+
+    def _small_leftover(self, name: str) -> bool:
+        """Whether ``name`` is what :meth:`write_small` renames into place (a file, never a link
+        nor a directory nbckpt did not make): once the lock is held, no writer is still on it."""
+        try:
+            return SMALL_LEFTOVER_RE.fullmatch(name) is not None and stat.S_ISREG(
+                os.lstat(self._path(name)).st_mode
+            )
+        except OSError:
+            return False
 
     @staticmethod
     def _has_manifest(path: str) -> bool:
@@ -315,7 +330,12 @@ class LocalStore(Store):
 
     def write_small(self, name: str, data: bytes) -> None:
         temporary = self._path(f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")  # recover() removes it
-        write_atomic(self._path(name), data, temporary=temporary)
+
+        def fill(stream: IO[bytes]) -> None:
+            stream.write(data)
+            crash_point("small_write")
+
+        write_atomic(self._path(name), fill, temporary=temporary)
 
     def _location(self, step: int, nonce: str) -> str:
         return self._path(f"{TMP_PREFIX}{step_name(step)}-{nonce}")

@@ -245,6 +245,32 @@ def test_a_kill_at_any_point_of_a_set_aside_leaves_every_step_restorable_exactly
         assert [restored(reader, step) for step in (30, 40)] == [30, 40]
 
 
+def test_a_kill_as_a_small_file_is_replaced_leaves_nothing_once_the_run_is_opened_to_write(
+    tmp_path: Path,
+) -> None:
+    """Killed as it wrote the set-aside intent (the file made, not yet renamed over its name):
+    the next writable open removes what it left, saying so, as it does a save's (before: only
+    ``.tmp-step-`` names went, and ``.tmp-.set-aside-intent.json-<hex>`` stayed for ever). A reader
+    leaves it, and so does a second writer the lock refuses (it could be the writer's own, under
+    way); the set-aside never began, so every step is where it was."""
+    run = tmp_path / "run"
+    killed_at("small_write", run)
+    left = [name for name in os.listdir(run) if name.startswith(".tmp-")]
+    assert len(left) == 1 and left[0].startswith(".tmp-.set-aside-intent.json-"), left
+    with Checkpointer(run, read_only=True) as reader:
+        assert reader.steps() == [10, 20, 30, 40]
+    assert (run / left[0]).is_file()
+    with pytest.warns(UserWarning, match=f"cleaned up 1 leftover.*: {left[0]}$"):
+        ckpt = Checkpointer(run)
+    with ckpt:
+        assert ckpt.steps() == [10, 20, 30, 40] and restored(ckpt) == 40
+        (run / left[0]).write_bytes(b"{")  # as this writer's own would be, half written
+        with pytest.raises(CheckpointError, match="in use by another Checkpointer"):
+            Checkpointer(run)
+        assert (run / left[0]).is_file()
+    assert sorted(os.listdir(run)) == [".nbckpt.lock", left[0], *(f"step-0000{s}" for s in (10, 20, 30, 40))]
+
+
 def test_killed_while_the_run_sets_steps_aside_none_of_them_is_the_newest_on_the_mirror(
     tmp_path: Path,
 ) -> None:

@@ -9,14 +9,16 @@ take the others down with it, as torchrun's agent would).
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from concurrent import futures
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -67,9 +69,12 @@ def refusal(directory: str) -> dict[str, Any]:
     """Rank 1 holds a value nbckpt refuses at step 2 only (a rank-dependent bug looks the same);
     then, every save staged at once with the agreed layout (no collective on the caller's
     thread), rank 1 saves step 5 where rank 0 saves 4, and at 6 its replicated model differs;
-    then the two threads of each rank check in at once (:func:`_crossing`)."""
+    then the two threads of each rank check in at once (:func:`_crossing`); then it is opened
+    again (:func:`_reopened`)."""
     results = {}
+    sockets = [_sockets()]
     unshared = _unshared(directory)
+    sockets.append(_sockets())
     with Checkpointer(directory, mode="async", timeout_s=60) as ckpt:
         calls: list[str] = []
 
@@ -89,7 +94,7 @@ def refusal(directory: str) -> dict[str, Any]:
                 results[step] = outcome(lambda s=state, n=saved: ckpt.save(s, step=n, overlap=True).wait())
         results[8], results[9] = _crossing(ckpt)
         results[11], results[12] = _failed_write(ckpt)
-        return {
+        seen = {
             "unshared": unshared,
             "outcomes": results,
             "caller_collectives": calls,
@@ -97,6 +102,47 @@ def refusal(directory: str) -> dict[str, Any]:
             **restored_step(ckpt),
             "manifest_steps": _tree_steps(ckpt, max(ckpt.steps())),
         }
+    return {**seen, "reopened": _reopened(directory, sockets)}
+
+
+def _sockets() -> int:
+    """This process's TCP sockets, less the store server's (rank 0's: it closes the other ranks'
+    connections in its own time). Each one asked for its port (``/proc/net/tcp`` can skip a row
+    when another socket opens or closes as it is read)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with suppress(FileNotFoundError):  # the listing's own descriptor, closed by now
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                # a copy of the descriptor: closing it leaves the rank's own open
+                with socket.socket(fileno=os.dup(int(fd))) as sock:
+                    tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+                    count += tcp and sock.getsockname()[1] != int(os.environ["MASTER_PORT"])
+    return count
+
+
+def _reopened(directory: str, sockets: list[int]) -> dict[str, Any]:
+    """The run opened three times more, as a notebook cell run again does, each a save; rank 1
+    closes each (drops the last) only once rank 0 has: a close waits for no other rank. The
+    sockets after each, after ``sockets`` (before any Checkpointer, after the refused opens, after
+    the first closed)."""
+    store, outcomes = default_store(), []
+    sockets.append(_sockets())
+    for step in (13, 14, 15):
+        again = Checkpointer(directory, mode="sync", timeout_s=60)
+        outcomes.append(outcome(lambda a=again, s=step: a.save(state_of(s), step=s)))
+        steps = again.steps()
+        if RANK == 1:
+            store.wait([f"reopened/{step}"])
+        if step < 15:
+            again.close()
+        else:  # the last dropped unclosed, as a cell run again drops the one it made before
+            del again
+            gc.collect()
+        sockets.append(_sockets())
+        if RANK == 0:
+            store.set(f"reopened/{step}", "")
+    dist.barrier()  # rank 0 ends (its store and groups with it) once rank 1 has counted
+    return {"outcomes": outcomes, "steps": steps, "sockets": sockets}
 
 
 def _unshared(directory: str) -> dict[str, Any]:
