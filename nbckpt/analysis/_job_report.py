@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,7 +45,11 @@ JOB_COLUMNS = [
     "strategy",
     "checkpoints",
     "time_to_durable_s",
+    "time_to_durable_lo_s",
+    "time_to_durable_hi_s",
     "aggregate_write_gbs",
+    "aggregate_write_lo_gbs",
+    "aggregate_write_hi_gbs",
     "concurrent_floor_gbs",
     "vs_floor",
     "floor_beside_training_gbs",
@@ -66,6 +70,7 @@ SCALING_COLUMNS = [
     "strategy",
     "aggregate_write_gbs",
     "concurrent_floor_gbs",
+    "floor_beside_training_gbs",
     "stall_median_s",
     "stall_max_s",
     "overhead_pct",
@@ -172,9 +177,19 @@ def host_loads(comparison: Comparison) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["host", "ranks", "cpus", "loadavg_1m", "other_cpu_cores", "high"])
 
 
+def _interval(value: Any) -> tuple[float, float]:
+    """``(lo, hi)`` of a ``[lo, hi]`` in the JSON; NaNs where there is none (one repeat, or a
+    file from before nbckpt recorded it)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return math.nan, math.nan
+    lo, hi = _number(value[0]), _number(value[1])
+    return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else (math.nan, math.nan)
+
+
 def job_table(comparison: Comparison) -> pd.DataFrame:
     """The job's figures per strategy that wrote checkpoints: median time to durable and
-    aggregate write rate over checkpoints, that rate over each concurrent raw-write floor of the
+    aggregate write rate over checkpoints with their 95 % intervals over repeats (``_lo``/``_hi``,
+    NaN with one repeat), that rate over each concurrent raw-write floor of the
     same run (``vs_floor``: between turns, no rank training; ``vs_floor_beside_training``: written
     by nbckpt's writer threads while every rank trained, host compute only, else NaN), the stall
     over ranks, the overhead at the slowest rank and the straggler."""
@@ -185,12 +200,18 @@ def job_table(comparison: Comparison) -> pd.DataFrame:
             continue
         stall, late = row.get("stall_s") or {}, row.get("straggler") or {}
         rate = _number(row.get("aggregate_write_gbs"))
+        durable_lo, durable_hi = _interval(row.get("time_to_durable_ci_s"))
+        rate_lo, rate_hi = _interval(row.get("aggregate_write_ci_gbs"))
         rows.append(
             {
                 "strategy": row["strategy"],
                 "checkpoints": len(row["checkpoints"]),
                 "time_to_durable_s": _number(row.get("time_to_durable_s")),
+                "time_to_durable_lo_s": durable_lo,
+                "time_to_durable_hi_s": durable_hi,
                 "aggregate_write_gbs": rate,
+                "aggregate_write_lo_gbs": rate_lo,
+                "aggregate_write_hi_gbs": rate_hi,
                 "concurrent_floor_gbs": floor,
                 "vs_floor": rate / floor if floor > 0 else math.nan,
                 "floor_beside_training_gbs": beside,
@@ -206,6 +227,26 @@ def job_table(comparison: Comparison) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows, columns=JOB_COLUMNS)
+
+
+#: The medians :func:`job_table` gives a 95 % interval over repeats, with their digits shown.
+_WITH_INTERVAL = {"time_to_durable": ("s", 3), "aggregate_write": ("gbs", 2)}
+
+
+def job_table_shown(table: pd.DataFrame) -> pd.DataFrame:
+    """:func:`job_table` to show: each median with an interval over repeats as text beside it
+    (``0.012 [0.010, 0.015]``; the median alone with one repeat), the ``_lo``/``_hi`` columns
+    folded in."""
+    shown = table.copy()
+    for name, (unit, digits) in _WITH_INTERVAL.items():
+        median, lo, hi = (shown[f"{name}{part}_{unit}"] for part in ("", "_lo", "_hi"))
+        shown[f"{name}_{unit}"] = [
+            f"{m:.{digits}f}"
+            + (f" [{a:.{digits}f}, {b:.{digits}f}]" if math.isfinite(a) and math.isfinite(b) else "")
+            for m, a, b in zip(median.astype(float), lo.astype(float), hi.astype(float), strict=True)
+        ]
+        shown = shown.drop(columns=[f"{name}_lo_{unit}", f"{name}_hi_{unit}"])
+    return shown
 
 
 def checkpoint_rates(comparison: Comparison) -> pd.DataFrame:
@@ -316,13 +357,27 @@ def _measured_range(ranks: Sequence[int]) -> str:
     return f"measured on {ranks[0]} to {ranks[-1]} ranks"
 
 
+def _over_repeats(row: Mapping[Any, Any], name: str, unit: str, digits: int) -> str:
+    """``95 % over repeats lo-hi unit`` from a :func:`job_table` row, or nothing with one repeat."""
+    suffix = "_s" if unit == "s" else "_gbs"
+    lo, hi = _number(row.get(f"{name}_lo{suffix}")), _number(row.get(f"{name}_hi{suffix}"))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return ""
+    return f"95 % over repeats {lo:.{digits}f}-{hi:.{digits}f} {unit}"
+
+
 def job_conclusions(table: pd.DataFrame) -> list[str]:
     """What :func:`job_table`'s rows show, one sentence per finding."""
     lines = []
     for row in table.to_dict(orient="records"):
+        durable, rate = (
+            _over_repeats(row, "time_to_durable", "s", 3),
+            _over_repeats(row, "aggregate_write", "GB/s", 2),
+        )
         text = (
             f"{row['strategy']}: all ranks' checkpoint durable in {row['time_to_durable_s']:.3f} s "
-            f"(median), {row['aggregate_write_gbs']:.2f} GB/s aggregate"
+            f"(median{f'; {durable}' if durable else ''}), {row['aggregate_write_gbs']:.2f} GB/s "
+            f"aggregate{f' ({rate})' if rate else ''}"
         )
         if math.isfinite(row["vs_floor"]):
             text += (

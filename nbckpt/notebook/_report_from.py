@@ -30,7 +30,7 @@ from ..analysis import (
     scaling_table,
     swimlanes,
 )
-from ..analysis._internal import checkpoint_rates, host_loads, rank_floors, rate_over_time
+from ..analysis._internal import checkpoint_rates, host_loads, job_table_shown, rank_floors, rate_over_time
 from ..bench import Comparison
 from ..engine._internal import write_atomic
 from ._rank_figures import (
@@ -54,8 +54,8 @@ th { background: #f3f3f3; }"""
 LABELS = {
     "strategy": "strategy",
     "checkpoints": "checkpoints",
-    "time_to_durable_s": "time to durable s",
-    "aggregate_write_gbs": "aggregate write GB/s",
+    "time_to_durable_s": "time to durable s [95 % over repeats]",
+    "aggregate_write_gbs": "aggregate write GB/s [95 % over repeats]",
     "concurrent_floor_gbs": "raw-write floor between turns GB/s",
     "vs_floor": "write vs floor between turns",
     "floor_beside_training_gbs": "raw-write floor beside training GB/s",
@@ -128,7 +128,7 @@ def _run_section(page: _Page, comparison: Comparison, source: str) -> None:
     )
     table = job_table(comparison)
     page.text("h3", "The job")
-    page.table(table)
+    page.table(job_table_shown(table))
     page.items(job_conclusions(table))
     for warning in comparison.warnings:
         page.text("p", f"warning: {warning}")

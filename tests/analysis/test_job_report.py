@@ -21,6 +21,7 @@ from nbckpt.analysis._job_report import (
     checkpoint_rates,
     job_conclusions,
     job_table,
+    job_table_shown,
     rank_rows,
     rate_over_time,
     read_jobs,
@@ -60,6 +61,50 @@ def test_job_table_carries_the_json_figures_and_the_floor_ratio() -> None:
         assert row["stall_max_s"] == summary["stall_s"]["max"]
         assert row["straggler_rank"] == SLOW_RANK
         assert row["checkpoints"] == len(summary["checkpoints"])
+
+
+def with_intervals(path: Path = TWO) -> Comparison:
+    """``path``'s run as if measured over repeats: each strategy's intervals over them, as
+    ``nbckpt bench`` writes them with 2 or more (the fixtures have one repeat: null)."""
+    document = json.loads(path.read_text())
+    for summary in document["job"]["strategies"]:
+        if summary["checkpoints"]:
+            durable, rate = summary["time_to_durable_s"], summary["aggregate_write_gbs"]
+            summary["time_to_durable_ci_s"] = [0.5 * durable, 2.0 * durable]
+            summary["aggregate_write_ci_gbs"] = [0.75 * rate, 1.25 * rate]
+    return Comparison.from_dict(document)
+
+
+def test_the_job_table_shows_the_intervals_over_repeats_where_there_are_some() -> None:
+    comparison = with_intervals()
+    table = job_table(comparison).set_index("strategy")
+    shown = job_table_shown(table.reset_index()).set_index("strategy")
+    lines = dict(zip(table.index, job_conclusions(table.reset_index()), strict=False))
+    for summary in comparison.job["strategies"]:
+        if not summary["checkpoints"]:
+            continue
+        row, name = table.loc[summary["strategy"]], summary["strategy"]
+        assert [row["time_to_durable_lo_s"], row["time_to_durable_hi_s"]] == summary["time_to_durable_ci_s"]
+        assert [row["aggregate_write_lo_gbs"], row["aggregate_write_hi_gbs"]] == summary[
+            "aggregate_write_ci_gbs"
+        ]
+        lo, hi = summary["time_to_durable_ci_s"]
+        assert shown.loc[name, "time_to_durable_s"] == f"{row['time_to_durable_s']:.3f} [{lo:.3f}, {hi:.3f}]"
+        lo, hi = summary["aggregate_write_ci_gbs"]
+        assert (
+            shown.loc[name, "aggregate_write_gbs"] == f"{row['aggregate_write_gbs']:.2f} [{lo:.2f}, {hi:.2f}]"
+        )
+        assert f"(95 % over repeats {lo:.2f}-{hi:.2f} GB/s)" in lines[name]
+        lo, hi = summary["time_to_durable_ci_s"]
+        assert f"(median; 95 % over repeats {lo:.3f}-{hi:.3f} s)" in lines[name]
+    assert not {"time_to_durable_lo_s", "aggregate_write_hi_gbs"} & set(shown.columns)
+    # One repeat (the fixture as measured): no interval, the median alone, and no sentence of one.
+    (single,) = read_jobs([TWO])
+    table = job_table(single)
+    assert table[["time_to_durable_lo_s", "aggregate_write_hi_gbs"]].isna().all().all()
+    shown = job_table_shown(table)
+    assert not shown["time_to_durable_s"].str.contains("[", regex=False).any()
+    assert not any("over repeats" in line for line in job_conclusions(table))
 
 
 def test_rank_rows_group_ranks_by_host_and_leave_out_the_baseline() -> None:

@@ -123,6 +123,24 @@ def test_runs_of_one_and_two_ranks_give_the_measured_scaling_curve(
     assert "1 ranks on 1 host(s)" in page and "2 ranks on 1 host(s)" in page
 
 
+def test_the_jobs_table_shows_its_intervals_over_repeats(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run of several repeats carries a 95 % interval of its time to durable and aggregate
+    rate: the report's job table and its sentences show them; one repeat's show the median alone."""
+    document = json.loads(TWO.read_text())
+    (summary, *_) = [row for row in document["job"]["strategies"] if row["checkpoints"]]
+    summary["time_to_durable_ci_s"], summary["aggregate_write_ci_gbs"] = [0.0123, 0.0456], [0.111, 0.999]
+    repeated = tmp_path / "repeated.json"
+    repeated.write_text(json.dumps(document))
+    page = _report(capsys, tmp_path / "out", repeated)
+    assert "time to durable s [95 % over repeats]" in page
+    assert f"{summary['time_to_durable_s']:.3f} [0.012, 0.046]" in page
+    assert f"{summary['aggregate_write_gbs']:.2f} [0.11, 1.00]" in page
+    assert "95 % over repeats 0.11-1.00 GB/s" in page
+    assert "over repeats 0." not in _report(capsys, tmp_path / "one", TWO)
+
+
 def test_a_sweeps_file_renders_as_its_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``nbckpt bench --ranks 1,2`` writes one file of both sizes: it gives the same curve."""
     runs = [
