@@ -324,7 +324,8 @@ def rate_over_time(events: pd.DataFrame, bin_s: float | None = None) -> pd.DataF
 
 def scaling_table(jobs: Sequence[Comparison], sources: Sequence[str] | None = None) -> pd.DataFrame:
     """One row per run and strategy that wrote: the job's rank and host counts, its aggregate
-    write rate beside the concurrent raw-write floor measured in the same run, the stall over
+    write rate beside the concurrent raw-write floors measured in the same run (with the ranks
+    idle; beside training where the ranks trained on the host, else NaN), the stall over
     ranks and the overhead at the slowest rank; sorted by rank count (the measured curve).
     ``attrs``: ``measured_ranks`` and ``label`` (the range measured, to title the curve with)."""
     names = list(sources) if sources is not None else [""] * len(jobs)
@@ -419,11 +420,18 @@ def scaling_conclusions(table: pd.DataFrame) -> list[str]:
         if rows["ranks"].nunique() < 2:
             continue
         low, high = rows.iloc[0], rows.iloc[-1]
+        beside = (_number(low["floor_beside_training_gbs"]), _number(high["floor_beside_training_gbs"]))
         lines.append(
             f"{strategy}, measured on {int(low['ranks'])} to {int(high['ranks'])} ranks: aggregate "
             f"write {low['aggregate_write_gbs']:.2f} -> {high['aggregate_write_gbs']:.2f} GB/s "
             f"(concurrent raw-write floor {low['concurrent_floor_gbs']:.2f} -> "
-            f"{high['concurrent_floor_gbs']:.2f} GB/s); median stall {low['stall_median_s']:.4f} -> "
+            f"{high['concurrent_floor_gbs']:.2f} GB/s with the ranks idle"
+            + (
+                f", {beside[0]:.2f} -> {beside[1]:.2f} GB/s beside training"
+                if all(math.isfinite(value) for value in beside)
+                else ""
+            )
+            + f"); median stall {low['stall_median_s']:.4f} -> "
             f"{high['stall_median_s']:.4f} s; overhead at the slowest rank {low['overhead_pct']:+.1f} "
             f"-> {high['overhead_pct']:+.1f} %."
         )

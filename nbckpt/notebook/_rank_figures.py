@@ -168,10 +168,20 @@ def rate_over_time_figure(rates: dict[str, pd.DataFrame]) -> go.Figure:
     return fig
 
 
+#: The concurrent raw-write floors the curve draws: the idle one (what the storage gives this
+#: many writers, no rank training) and, where the ranks trained on the host, the one beside
+#: training (what it gives them while the host's cores also train).
+_FLOORS = (
+    ("concurrent_floor_gbs", "concurrent raw-write floor", "dash"),
+    ("floor_beside_training_gbs", "concurrent raw-write floor beside training", "dot"),
+)
+
+
 def scaling_figure(table: pd.DataFrame) -> go.Figure:
     """The measured curve (``analysis._job_report.scaling_table``): aggregate write rate beside
-    the concurrent raw-write floor, the stall (median, bar to the max) and the overhead at the
-    slowest rank, against the number of ranks; points only where a run was measured."""
+    the concurrent raw-write floors (idle, and beside training where measured), the stall
+    (median, bar to the max) and the overhead at the slowest rank, against the number of ranks;
+    points only where a run was measured."""
     require_columns(
         table,
         {
@@ -197,17 +207,21 @@ def scaling_figure(table: pd.DataFrame) -> go.Figure:
     )
     ranks = sorted(set(int(count) for count in table["ranks"]))
     floors = table.drop_duplicates("ranks").sort_values("ranks")
-    fig.add_trace(
-        go.Scatter(
-            name="concurrent raw-write floor",
-            x=floors["ranks"].tolist(),
-            y=floors["concurrent_floor_gbs"].astype(float).tolist(),
-            mode="lines+markers",
-            line={"dash": "dash", "color": "#444"},
-        ),
-        row=1,
-        col=1,
-    )
+    for column, label, dash in _FLOORS:
+        values = floors[column].astype(float) if column in floors else pd.Series(dtype=float)
+        if not values.notna().any():  # the floor beside training: host compute only
+            continue
+        fig.add_trace(
+            go.Scatter(
+                name=label,
+                x=floors["ranks"].tolist(),
+                y=values.tolist(),  # NaN (a gap) at a size that did not measure it
+                mode="lines+markers",
+                line={"dash": dash, "color": "#444"},
+            ),
+            row=1,
+            col=1,
+        )
     for name, group in table.groupby("strategy", sort=False):
         group = group.sort_values("ranks")
         style = {"color": strategy_colour(str(name))}

@@ -158,6 +158,29 @@ def test_scaling_table_is_one_point_per_run_and_strategy_sorted_by_ranks() -> No
     assert floors == {job.job["world_size"]: job.job["floors"]["concurrent_write_gbs"] for job in jobs}
 
 
+def beside_training(path: Path, write_gbs: float) -> Comparison:
+    """``path``'s run as if its ranks trained on the host: the floor beside training measured
+    too, at ``write_gbs`` (the fixtures predate it)."""
+    document = json.loads(path.read_text())
+    document["job"]["floors"]["beside_training"] = {"write_gbs": write_gbs, "checkpoints": []}
+    return Comparison.from_dict(document)
+
+
+def test_scaling_carries_the_floor_beside_training_where_the_runs_measured_it() -> None:
+    table = scaling_table([beside_training(ONE, 0.25), beside_training(TWO, 0.5)])
+    floors = table.drop_duplicates("ranks").set_index("ranks")
+    assert floors["floor_beside_training_gbs"].to_dict() == {1: 0.25, 2: 0.5}
+    line = scaling_conclusions(table)[0]
+    idle = floors["concurrent_floor_gbs"]
+    assert (
+        f"{idle[1]:.2f} -> {idle[2]:.2f} GB/s with the ranks idle, 0.25 -> 0.50 GB/s beside training" in line
+    )
+    # Not measured (idle compute, CUDA, files from before it): NaN, and no word of it.
+    table = scaling_table(read_jobs([ONE, TWO]))
+    assert table["floor_beside_training_gbs"].isna().all()
+    assert "beside training" not in " ".join(scaling_conclusions(table))
+
+
 def test_conclusions_say_what_their_table_shows() -> None:
     table = job_table(read_jobs([TWO])[0])
     lines = job_conclusions(table)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from helpers import ROOT
 from nbckpt import ConfigError, Timeline
 from nbckpt.analysis import advise, read_jobs, scaling_table
 from nbckpt.analysis._internal import load_published
+from nbckpt.bench import Comparison
 from nbckpt.notebook import (
     interval_figure,
     overhead_figure,
@@ -405,6 +407,24 @@ def test_scaling_figure_draws_what_was_measured_beside_the_floor_of_each_run() -
         assert list(rate.x) == [1, 2] and list(rate.y) == rows["aggregate_write_gbs"].tolist()
         assert list(stall.y) == rows["stall_median_s"].tolist()
         assert list(overhead.y) == rows["overhead_pct"].tolist()
+
+
+def test_scaling_figure_draws_the_floor_beside_training_where_it_was_measured() -> None:
+    data = ROOT / "tests" / "data"
+    runs = []
+    for path, gbs in ((data / "bench_job_1rank.json", 0.25), (data / "bench_job_2ranks.json", 0.5)):
+        document = json.loads(path.read_text())
+        document["job"]["floors"]["beside_training"] = {"write_gbs": gbs, "checkpoints": []}
+        runs.append(Comparison.from_dict(document))
+    fig = scaling_figure(scaling_table(runs))
+    names = [trace.name for trace in fig.data]
+    beside = fig.data[names.index("concurrent raw-write floor beside training")]
+    assert list(beside.x) == [1, 2] and list(beside.y) == [0.25, 0.5] and beside.line.dash == "dot"
+    assert fig.data[names.index("concurrent raw-write floor")].line.dash == "dash"  # beside the idle one
+    unmeasured = scaling_figure(
+        scaling_table(read_jobs([data / "bench_job_1rank.json", data / "bench_job_2ranks.json"]))
+    )
+    assert "concurrent raw-write floor beside training" not in [trace.name for trace in unmeasured.data]
 
 
 def test_probe_figure() -> None:

@@ -201,6 +201,11 @@ def _check_many_ranks(results: dict[str, Any]) -> None:
     # whether more writers still added bandwidth: the last step, from 2 ranks to the job's 4
     assert decision["fewer_ranks"] == 2 and decision["fewer_floor_gbs"] == pytest.approx(floors[2])
     assert decision["writers_help"] == (decision["floor_gbs"] > 1.2 * floors[2])
+    # CPU ranks train on the host: every size measured the floor beside training too, drawn and
+    # said beside the idle one
+    beside = {row["ranks"]: row["floor_beside_training_gbs"] for row in rows}
+    assert all(value is not None and value > 0 for value in beside.values()), beside
+    assert decision["floor_beside_training_gbs"] == pytest.approx(beside[4])
 
 
 def _check_fine_tuning(results: dict[str, Any]) -> None:
