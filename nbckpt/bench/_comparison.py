@@ -57,7 +57,11 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
                  "stall_s": ...,          # mean stall per checkpoint on this rank
                  "persist_s": ...,        # mean persist per checkpoint on this rank
                  "bytes": ...,            # this rank's checkpoint files on disk or objects (every checkpoint
-                                          # and repeat): a replicated state is written once in all
+                                          # and repeat): a replicated state is written once in all;
+                                          # new bytes only: a file an incremental save shares by
+                                          # hard link with an earlier step counts there (each inode
+                                          # once; on an object store a shared object is a server-
+                                          # side copy, counted at each step)
                  "write_gbs": ...,        # those bytes over this rank's persist time
                  "mean_step_s": ..., "overhead_pct": ..., "checkpoints": 2}, ...],  # rank x strategy
       "job": {

@@ -128,9 +128,11 @@ class RankStrategy(Strategy):
         if isinstance(inner, (DcpSync, DcpAsync)):
             inner.process_group = job.dcp_group
         self.saves = not (self.torch_save and job.replicated and job.rank != 0)
+        self._counted: set[tuple[int, int, int]] = set()  # files counted already, by inode
 
     def open(self, directory: str, timeline: Timeline) -> None:
         self._timeline = timeline
+        self._counted = set()  # a fresh folder: nothing in it was counted
         self.inner.open(directory, timeline)
         self.path = self.inner.path  # what the comparison removes: every rank's files
         if self.torch_save and not self.job.replicated:
@@ -144,9 +146,11 @@ class RankStrategy(Strategy):
             time.sleep(_slow[1])  # the test-only fault: this rank's save returns late
 
     def written(self, step: int) -> int | None:
-        """Bytes of this rank's files of checkpoint ``step`` on disk (DCP's and nbckpt's
-        ``__<rank>_<n>.distcp``, torch.save's file), or objects in an object store; None where
-        that cannot be told (a checkpoint already removed by retention)."""
+        """Bytes this rank wrote of checkpoint ``step``: its files of that step on disk (DCP's
+        and nbckpt's ``__<rank>_<n>.distcp``, torch.save's file) that no earlier checkpoint of
+        this strategy had, or its objects in an object store; None where that cannot be told (a
+        checkpoint already removed by retention). An incremental save's file shared by hard link
+        with an earlier step is that step's inode: counted there, once, not again here."""
         if not self.writes_checkpoints:
             return None
         if is_url(self.path):
@@ -158,8 +162,14 @@ class RankStrategy(Strategy):
         else:
             pattern = os.path.join(glob.escape(self.path), step_name(step), f"__{self.job.rank}_*.distcp")
             files = glob.glob(pattern)
-        sizes = [os.path.getsize(name) for name in files if os.path.isfile(name)]
-        return sum(sizes) if sizes else None
+        found = [os.stat(name) for name in files if os.path.isfile(name)]
+        if not found:
+            return None
+        # The modification time too: an inode number freed by a deleted step may come back.
+        keys = [(info.st_dev, info.st_ino, info.st_mtime_ns) for info in found]
+        new = sum(info.st_size for info, key in zip(found, keys, strict=True) if key not in self._counted)
+        self._counted.update(keys)
+        return new
 
     def _written_objects(self, step: int) -> int | None:
         """Bytes of this rank's ``__<rank>_<n>.distcp`` objects of checkpoint ``step`` (only

@@ -5,30 +5,38 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from nbckpt import cli
 from nbckpt.bench import Comparison
+from nbckpt.bench._ranks import RankStrategy
+from nbckpt.bench._strategies import NbckptIncremental
 
 HELPER = Path(__file__).parents[1] / "helpers" / "bench_rank_worker.py"
 WRITERS = ["torch-save", "dcp-sync", "nbckpt-async"]
 #: Every strategy in its many-rank form but DCP's and nbckpt's best (the 4-rank test runs those).
-EVERY_FORM = [*WRITERS, "dcp-async", "nbckpt-sync"]
+#: The synthetic state changes every tensor between saves: the incremental one shares nothing in
+#: these launches (a shared file's count: the test of one below).
+EVERY_FORM = [*WRITERS, "dcp-async", "nbckpt-sync", "nbckpt-incremental"]
 SLOW_RANK, SLOW_S = 1, 0.4
 
 
 def _data_bytes(folder: Path) -> int:
-    """The checkpoints' data files under ``folder``: DCP's and nbckpt's shards, torch.save's files."""
-    return sum(
-        path.stat().st_size
-        for path in folder.rglob("*")
-        if path.is_file() and path.suffix in (".distcp", ".pt")
-    )
+    """The checkpoints' data files under ``folder``: DCP's and nbckpt's shards, torch.save's
+    files; each inode once (an incremental save's file shared by hard link with an earlier step)."""
+    inodes = {
+        (info.st_dev, info.st_ino): info.st_size
+        for info in (path.stat() for path in folder.rglob("*") if path.suffix in (".distcp", ".pt"))
+        if stat.S_ISREG(info.st_mode)
+    }
+    return sum(inodes.values())
 
 
 def _run_bench(tmp_path: Path, ranks: int, slow_s: float, *bench: str) -> tuple[str, dict[str, Any]]:
@@ -201,6 +209,26 @@ def test_a_gpt_replicated_or_sharded_is_written_once_over_the_ranks(tmp_path: Pa
         assert all(0 < rows[rank, name]["bytes"] < 2 * state for rank in (0, 1))
         (summary,) = [row for row in document["job"]["strategies"] if row["strategy"] == name]
         assert all(state <= row["bytes"] < 1.05 * state for row in summary["checkpoints"])
+
+
+def test_a_file_shared_by_hard_link_counts_once_at_the_step_that_wrote_it(tmp_path: Path) -> None:
+    """What a rank "wrote" of an incremental save: its new files only. The 2-rank launch's
+    synthetic state changes every tensor at every step (nothing shared there), so the files of
+    a rank's two steps are made here as the engine shares them: one file hard-linked."""
+    job = SimpleNamespace(rank=1, replicated=True, dcp_group=None)
+    strategy = RankStrategy(NbckptIncremental(), job)  # type: ignore[arg-type]
+    strategy.path = str(tmp_path)
+    for step in ("step-000002", "step-000004"):
+        (tmp_path / step).mkdir()
+    (tmp_path / "step-000002" / "__1_0.distcp").write_bytes(b"f" * 1000)  # frozen: shared later
+    (tmp_path / "step-000002" / "__1_1.distcp").write_bytes(b"t" * 10)
+    (tmp_path / "step-000002" / "__0_0.distcp").write_bytes(b"o" * 7)  # another rank's
+    os.link(tmp_path / "step-000002" / "__1_0.distcp", tmp_path / "step-000004" / "__1_0.distcp")
+    (tmp_path / "step-000004" / "__1_1.distcp").write_bytes(b"T" * 10)
+    assert [strategy.written(2), strategy.written(4)] == [1010, 10]
+    assert strategy.written(2) == 0  # measured once: counted already
+    assert _data_bytes(tmp_path) == 1010 + 10 + 7  # what is on disk, each inode once
+    assert strategy.written(6) is None  # no such checkpoint
 
 
 def test_fsdp_outside_torchrun_is_a_one_line_error(
