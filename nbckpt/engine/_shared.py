@@ -22,6 +22,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
+from functools import partial
 from typing import Any, TypeVar, cast
 
 from .._errors import ConfigError
@@ -49,7 +50,8 @@ def open_on_rank0(
     wrote in ``store`` in between, or every rank raises a ConfigError naming the ranks that do
     not see ``what`` (rank 0 calls ``undo`` first: what ``claim`` holds, it gives back)."""
     if group.world_size == 1:
-        return group.from_rank0(tag, lambda: _both(claim, rest))
+        # as many frames above ``rest`` as on rank 0 of several (its warnings point at the caller)
+        return group.from_rank0(tag, partial(_both, claim, rest))
     if group.rank == 0:
         gathered = _rank0(group, tag, store, claim, rest, undo)
     else:
