@@ -256,10 +256,11 @@ class RawWriteBeside(Strategy):
     description = "the raw write of each rank's share by nbckpt's writer threads, beside training"
     stall_covers_copy = False
 
-    def __init__(self, nbytes: int, *, config: CheckpointConfig | None = None) -> None:
+    def __init__(self, nbytes: int, *, config: CheckpointConfig | None = None, rank: int = 0) -> None:
         super().__init__()
         config = config or CheckpointConfig()
         self.nbytes = check_count(nbytes, "nbytes of the write beside training")
+        self.rank = rank  # in its files' names: every rank writes into the job's one folder
         self.threads, self.nice = config.writer_threads, config.writer_nice
         self._pattern = memoryview(os.urandom(min(_CHUNK, self.nbytes) + 64 * 1024))
         self._pool: Pool | None = None
@@ -273,7 +274,8 @@ class RawWriteBeside(Strategy):
         if self._pool is None:
             raise ConfigError(f"strategy {self.name} is not open; call open() first")
         self.finish()  # one write at a time, as nbckpt's max_inflight=1
-        names = [os.path.join(self.path, f"{step_name(step)}-{index}") for index in range(self.threads)]
+        stem = os.path.join(self.path, f"{step_name(step)}-rank{self.rank}")
+        names = [f"{stem}-{index}" for index in range(self.threads)]
         share, rest = divmod(self.nbytes, self.threads)
         self._writes = [
             self._pool.submit(partial(self._write_one, names, index, share + (index < rest), step))

@@ -447,7 +447,7 @@ class RankJob:
         is local; none elsewhere."""
         if not self.write_beside or self.workload is None or is_url(directory):
             return []
-        floor = RawWriteBeside(self.workload.share_bytes, config=self.beside_config)
+        floor = RawWriteBeside(self.workload.share_bytes, config=self.beside_config, rank=self.rank)
         lane = RankLane(
             self,
             floor.name,

@@ -84,14 +84,19 @@ class Checkpointer:
         self._pacer = Pacer(self.config.schedule) if self.config.schedule is not None else None
         self._grace = Grace()  # the time save_on_signal's final save has
         try:
+            # Every rank must see the directory rank 0 claims (_shared says how it is told); read
+            # only on rank 0, nothing is claimed nor written there, and each rank says what it lacks.
             opening = partial(open_run, self.store, self.config.read_only)
-            if self.config.read_only:  # nothing claimed nor written: reading, a rank says what it lacks
-                nonce, committed = ranks.caller.from_rank0(("open",), opening)
-            else:  # every rank must see the directory rank 0 claims (_shared says how it is told)
-                claim, undo = partial(claim_run, self.store, refuse_a_mirror), self.store.unlock
-                nonce, committed = open_on_rank0(
-                    ranks.caller, ("open",), self.store, claim, opening, undo=undo, what="run directory"
-                )
+            claim = None if self.config.read_only else partial(claim_run, self.store, refuse_a_mirror)
+            nonce, committed = open_on_rank0(
+                ranks.caller,
+                ("open",),
+                self.store,
+                claim,
+                opening,
+                undo=self.store.unlock,
+                what="run directory",
+            )
             self._io = Pool(self.config.writer_threads, "nbckpt-io", nice=self.config.writer_nice)
             context = Context(self.timeline, self._io, ranks, self.config.writer_nice)
             self._mirror = open_mirror(mirror_root, self.config, self.store, context, nonce)

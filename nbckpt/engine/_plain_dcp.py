@@ -97,7 +97,7 @@ class PlainDcpSteps:
         return self.store.source(location, name, size)
 
 
-def said_shared(store: Store) -> None:
+def said_shared(store: Store, stacklevel: int) -> None:
     """Warn when the directory nbckpt saves into holds step folders plain DCP wrote: torchtitan's
     CheckpointManager takes any name holding ``step-<digits>`` with a ``.metadata`` for that step
     and opens ``step-<int>``, so it would pick nbckpt's ``step-000008`` and open ``step-8``, and
@@ -110,7 +110,7 @@ def said_shared(store: Store) -> None:
             f"nbckpt: {store.url} holds step folders plain DCP wrote ({names}); torchtitan reads "
             f"nbckpt's step-NNNNNN there as step-N and fails: save nbckpt's steps in a subfolder "
             "(restore from this one with read_only=True)",
-            stacklevel=6,
+            stacklevel=stacklevel,
         )
 
 

@@ -42,6 +42,12 @@ def said_cleaned(url: str, recovered: list[str], stacklevel: int) -> None:
     )
 
 
+#: ``open_run``'s warnings point at the line that made the Checkpointer, this many frames up:
+#: open_run, the _shared function that calls it, Group.exchange, from_rank0 (or _shared's
+#: _rank0), open_on_rank0, Checkpointer.__init__, that line.
+_AT_CALLER = 7
+
+
 def claim_run(store: Store, refuse: Callable[[Store], None]) -> None:
     """Rank 0's claim of the run's directory to write it, before :func:`open_run`: prepared and
     locked. ``refuse`` raises where the directory is no run's to write (a second tier's: its
@@ -65,12 +71,14 @@ def open_run(store: Store, read_only: bool) -> tuple[str, set[int]]:
         store.unlock()  # a failed open must not hold the directory for the process's life
         raise
     if recovered:
-        said_cleaned(store.url, recovered, stacklevel=6)
+        said_cleaned(store.url, recovered, stacklevel=_AT_CALLER + 1)
     if finished is not None:
-        warnings.warn(f"nbckpt: finished setting steps aside into {store.url}/{finished}", stacklevel=6)
+        warnings.warn(
+            f"nbckpt: finished setting steps aside into {store.url}/{finished}", stacklevel=_AT_CALLER
+        )
     if note is not None:
-        warnings.warn(note, stacklevel=6)
-    said_shared(store)
+        warnings.warn(note, stacklevel=_AT_CALLER)
+    said_shared(store, stacklevel=_AT_CALLER + 1)
     return uuid.uuid4().hex[:12], committed
 
 

@@ -217,8 +217,19 @@ class TierNote:
         return key
 
     def drop(self, key: str) -> None:
+        """The tier's folders newer than ``key``'s step are set aside: its entry goes, and so do
+        those noted before it for the same step or a newer one (a set-aside that failed in the run
+        after noting, tried again since: never queued, its entry stayed and hid the steps saved
+        again under those names once they went up to the tier)."""
         with self._lock:
-            self._write({k: entry for k, entry in self.entries().items() if k != key})
+            entries = self.entries()
+            if key not in entries:
+                return
+            after, order = entries[key][0], list(entries)
+            earlier = set(order[: order.index(key)])
+            self._write(
+                {k: e for k, e in entries.items() if k != key and not (k in earlier and e[0] >= after)}
+            )
 
     def _write(self, entries: dict[str, tuple[int, list[str]]]) -> None:
         if not entries:

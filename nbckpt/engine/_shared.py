@@ -22,6 +22,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
+from functools import partial
 from typing import Any, TypeVar, cast
 
 from .._errors import ConfigError
@@ -38,7 +39,7 @@ def open_on_rank0(
     group: Group,
     tag: Tag,
     store: Store,
-    claim: Callable[[], None],
+    claim: Callable[[], None] | None,
     rest: Callable[[], T],
     *,
     undo: Callable[[], None],
@@ -47,15 +48,19 @@ def open_on_rank0(
     """``claim`` then ``rest`` on rank 0 (``group.from_rank0``'s exchange ``tag``: every rank
     gets ``rest``'s result or error); with several ranks, every rank must see the probe rank 0
     wrote in ``store`` in between, or every rank raises a ConfigError naming the ranks that do
-    not see ``what`` (rank 0 calls ``undo`` first: what ``claim`` holds, it gives back)."""
+    not see ``what`` (rank 0 calls ``undo`` first: what ``claim`` holds, it gives back).
+    ``claim`` None on rank 0 (it reads only): nothing claimed, no probe, nothing checked. The
+    other ranks' ``claim`` is not used: whether they are checked is rank 0's to say (rank 0 may
+    write and the others only read)."""
     if group.world_size == 1:
-        return group.from_rank0(tag, lambda: _both(claim, rest))
+        # as many frames above ``rest`` as on rank 0 of several (its warnings point at the caller)
+        return group.from_rank0(tag, partial(_both, claim, rest))
     if group.rank == 0:
         gathered = _rank0(group, tag, store, claim, rest, undo)
     else:
         gathered = group.exchange(tag, lambda: _read_back(store), arrive_first=True)
     url, nonce, result = gathered[0]
-    blind = {rank: seen[0] for rank, seen in enumerate(gathered) if rank and seen[1] != nonce}
+    blind = {rank: seen[0] for rank, seen in enumerate(gathered) if rank and nonce and seen[1] != nonce}
     if blind:
         if group.rank == 0:
             undo()
@@ -63,8 +68,9 @@ def open_on_rank0(
     return cast(T, result)
 
 
-def _both(claim: Callable[[], None], rest: Callable[[], T]) -> T:
-    claim()
+def _both(claim: Callable[[], None] | None, rest: Callable[[], T]) -> T:
+    if claim is not None:
+        claim()
     return rest()
 
 
@@ -72,12 +78,15 @@ def _rank0(
     group: Group,
     tag: Tag,
     store: Store,
-    claim: Callable[[], None],
+    claim: Callable[[], None] | None,
     rest: Callable[[], T],
     undo: Callable[[], None],
 ) -> list[Any]:
     """Rank 0's side: claim and probe before checking in, ``rest`` after; the probe goes once
-    the exchange is over, whatever its outcome (the other ranks read it before it ended)."""
+    the exchange is over, whatever its outcome (the other ranks read it before it ended).
+    Without ``claim`` (a reader), ``rest`` alone and no probe: its nonce None."""
+    if claim is None:
+        return group.exchange(tag, lambda: (store.url, None, rest()), arrive_first=True)
     nonce = uuid.uuid4().hex
     failure: BaseException | None = None
     try:

@@ -300,3 +300,25 @@ def test_dcp_checkpoint_process_internals_quieted_are_those_of_the_installed_tor
     from nbckpt.bench._dcp_compat import missing
 
     assert not missing(), f"{missing()}: update nbckpt/bench/_dcp_compat.py"
+
+
+def test_the_raw_write_beside_training_writes_each_ranks_share_to_files_of_its_own(tmp_path: Any) -> None:
+    """Every rank's RawWriteBeside writes into the job's one folder: named by step and thread
+    alone, two ranks wrote the same files, so a job of 2 ranks counted 2 shares written while the
+    disk took one (the same pages, written over)."""
+    from nbckpt.bench._measure import RawWriteBeside
+
+    share = 256 * 1024
+    ranks = [RawWriteBeside(share, rank=rank) for rank in range(2)]
+    for rank, strategy in enumerate(ranks):
+        strategy.open(str(tmp_path), Timeline(rank=rank))
+    try:
+        for strategy in ranks:
+            strategy.save({}, 10)
+        for strategy in ranks:
+            strategy.finish()
+    finally:
+        for strategy in ranks:
+            strategy.close()
+    folder = tmp_path / ranks[0].name
+    assert sum(path.stat().st_size for path in folder.iterdir()) == 2 * share

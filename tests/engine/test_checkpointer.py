@@ -811,3 +811,19 @@ def test_restore_leaves_the_cycle_collector_as_it_found_it(tmp_path: Path) -> No
             assert not gc.isenabled()  # a caller that turned it off keeps it off
         finally:
             gc.enable()
+
+
+def test_the_opens_warnings_point_at_the_callers_line(tmp_path: Path) -> None:
+    """What an open says (leftovers cleaned, plain DCP's step folders beside nbckpt's) points at
+    the line that made the Checkpointer, as before the open's check that every rank shares the
+    directory added its frames (it pointed into nbckpt/engine/_ranks.py)."""
+    with Checkpointer(tmp_path, mode="sync") as ckpt:
+        ckpt.save({"w": torch.zeros(2)}, step=1)
+    (tmp_path / ".tmp-step-000002-abc").mkdir()  # a save interrupted
+    (tmp_path / "step-5").mkdir()
+    (tmp_path / "step-5" / ".metadata").write_bytes(b"")  # a step plain DCP wrote
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Checkpointer(tmp_path).close()
+    said = {str(w.message).split(" ")[1]: w.filename for w in caught}
+    assert said == {"cleaned": __file__, str(tmp_path): __file__}, [str(w.message) for w in caught]

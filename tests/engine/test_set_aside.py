@@ -450,6 +450,40 @@ def test_a_mirror_unreachable_as_steps_go_aside_still_hides_them_from_every_read
         assert restored(reader) == 30
 
 
+def test_a_set_aside_tried_again_leaves_no_note_hiding_the_mirrors_newest(tmp_path: Path) -> None:
+    """The run's set-aside failed half-way (a move's I/O error) after the run's note hid the
+    mirror's copies; the next save finished it and the mirror's thread set its copies aside, but
+    the first attempt's note stayed: the step saved again after the rewind went up to the mirror
+    under a name it hid, so with the local copy lost a reader restored 25, not the new 30 (and
+    the next writable open would have moved the mirror's new 30 aside)."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    with saved(run, (10, 20, 30), mirror=str(mirror)) as ckpt:
+        ckpt.wait()
+    failed: list[str] = []
+
+    def fail_once(url: str, folder: str) -> None:
+        if url == str(run) and not failed:
+            failed.append(folder)
+            raise OSError(5, "Input/output error", folder)
+
+    again = {"w": torch.full((8,), 300.0), "step": 30}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the set-aside is said in a warning
+        with Checkpointer(run, mode="sync", mirror=str(mirror)) as ckpt:
+            restored(ckpt, 20)
+            with armed("set_aside.moved", fail_once), pytest.raises(CheckpointError, match="aside"):
+                ckpt.save(state_of(25), step=25)
+            ckpt.save(state_of(25), step=25)  # the set-aside finished, then this save
+            ckpt.save(again, step=30)
+            ckpt.wait()  # the mirror's thread too
+    assert failed
+    shutil.rmtree(run / "step-000030")  # the local copy is lost
+    with Checkpointer(run, read_only=True, mirror=str(mirror)) as reader:
+        state: dict[str, Any] = {"w": torch.zeros(8), "step": -1}
+        assert reader.restore(state) == 30 and torch.equal(state["w"], again["w"])
+    assert not (run / ".set-aside-tier.json").exists()
+
+
 REWINDER = """
 import sys, torch
 from nbckpt import Checkpointer

@@ -157,9 +157,15 @@ def _unshared(directory: str) -> dict[str, Any]:
     # the same run on both ranks: it opens only if rank 0's refused open gave its lock back
     mirror = f"{run}-mirror" if RANK == 0 else f"{run}-mirror-rank{RANK}"
     mirrored = outcome(lambda: Checkpointer(run, mirror=mirror, mode="sync", timeout_s=60).close())
+    try:  # rank 0 writes, the others only read it (read_only on those ranks alone)
+        Checkpointer(run, read_only=RANK != 0, mode="sync", timeout_s=60).close()
+        readers = "ok"
+    except Exception as exc:  # before: a TypeError on rank 0, a ValueError on rank 1
+        readers = f"{type(exc).__name__}: {exc}"
     return {
         "run": opened,
         "mirror": mirrored,
+        "readers": readers,
         "check_ins": calls,
         "left": {path: sorted(os.listdir(path)) for path in (mine, mirror) if os.path.isdir(path)},
     }

@@ -133,6 +133,17 @@ def test_a_closed_checkpointer_gives_its_ranks_connections_back(
         assert reopened["sockets"] == [reopened["sockets"][0]] * 6, reopened
 
 
+def test_rank_0_writing_and_the_other_ranks_reading_the_run_open_on_every_rank(
+    refusal: tuple[Path, dict[int, tuple[int, Any, str]]],
+) -> None:
+    """``read_only`` on the ranks but rank 0 (rank 0 writes, the others restore): the open's
+    check that every rank sees rank 0's directory took each rank's own read_only for rank 0's,
+    so rank 0 failed with a TypeError and rank 1 with a ValueError; now both open."""
+    for code, seen, err in refusal[1].values():
+        assert code == 0, err
+        assert seen["unshared"]["readers"] == "ok", seen["unshared"]
+
+
 def test_17_a_ranks_caller_and_persist_threads_checking_in_at_once_never_hold_each_other_up(
     refusal: tuple[Path, dict[int, tuple[int, Any, str]]],
 ) -> None:
