@@ -54,15 +54,16 @@ def test_a_rank_writes_before_hearing_rank_0_only_in_the_directory_rank_0_began(
 
 
 def test_out_of_step_names_the_save_numbers_where_the_steps_agree() -> None:
-    """Two ranks in a save of step 12, one of them a save further on (it made a save the other
-    did not): the steps alone read "save of step 12, save of step 12"; the numbers tell them
-    apart. Where the steps differ, they are enough."""
-    numbered = [(("save", 12, 5), None, None), (("save", 12, 4), None, None)]
+    """Two ranks writing step 12, in saves of different numbers (a save's exchanges after its
+    first are tagged with the number every rank took from rank 0): the steps alone read "write
+    of step 12, write of step 12"; the numbers tell them apart. Where the steps differ, they are
+    enough."""
+    numbered = [(("write", 12, 5), None, None), (("write", 12, 4), None, None)]
     with pytest.raises(CheckpointError) as refused:
-        _check_tags(("save", 12, 5), numbered)
+        _check_tags(("write", 12, 5), numbered)
     assert str(refused.value).startswith(
-        "ranks are out of step (rank 0 is in save of step 12 (save number 5), "
-        "rank 1 is in save of step 12 (save number 4)); "
+        "ranks are out of step (rank 0 is in write of step 12 (save number 5), "
+        "rank 1 is in write of step 12 (save number 4)); "
     )
     attempts = [(("check", 3, 1), None, None), (("check", 3, 2), None, None)]
     with pytest.raises(CheckpointError, match=r"rank 1 is in check of step 3 \(attempt 2\)\)"):
