@@ -83,7 +83,10 @@ class Checkpointer:
         self._caller = ranks.caller
         self._pacer = Pacer(self.config.schedule) if self.config.schedule is not None else None
         self._grace = Grace()  # the time save_on_signal's final save has
+        _shutdown.start_releaser()
         try:
+            if not self.config.read_only:
+                _shutdown.wait_released(self.store)
             opening = partial(open_run, self.store, self.config.read_only)
             if self.config.read_only:  # nothing claimed nor written: reading, a rank says what it lacks
                 nonce, committed = ranks.caller.from_rank0(("open",), opening)
@@ -115,9 +118,10 @@ class Checkpointer:
             release(self.store, True, *[getattr(self, name, None) for name in names])
             raise
         register(self, self._at_exit)
-        # A Checkpointer dropped without close() (a notebook cell run again) frees the directory.
+        # A Checkpointer dropped without close() (a notebook cell run again) frees the directory
+        # once its threads are done (a save in flight holds it alive until then).
         parts = (self._saver, self._retainer, self._io, self._mirror, self._ranks)
-        weakref.finalize(self, release, self.store, False, *parts).atexit = False
+        weakref.finalize(self, _shutdown.release_later, self.store, *parts).atexit = False
 
     @property
     def restored_from(self) -> str | None:

@@ -10,10 +10,12 @@ import atexit
 import logging
 import multiprocessing.util
 import os
+import queue
 import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from types import MethodType
@@ -25,6 +27,7 @@ from ._config import CheckpointConfig
 from ._open_store import open_store
 from ._ranks import Group
 from ._store import Store
+from ._workers import settle
 
 __all__ = [
     "Deferral",
@@ -36,8 +39,11 @@ __all__ = [
     "install",
     "register",
     "release",
+    "release_later",
+    "start_releaser",
     "uninstall",
     "unregister",
+    "wait_released",
     "writing_into",
 ]
 
@@ -61,11 +67,85 @@ class _Stoppable(Protocol):
 
 def release(store: Store, wait: bool, *parts: _Stoppable | None) -> None:
     """Stop the threads of ``parts`` and free the directory; ``wait`` for the threads to end (not
-    from a finalizer, which may run on one of them). Parts may be missing (a failed construction)."""
+    from a finalizer, which may run on one of them: :func:`release_later`). Parts may be missing
+    (a failed construction)."""
     for part in parts:
         if part is not None:
             part.stop(wait)
     store.unlock()
+
+
+#: The releases of dropped Checkpointers still under way (:func:`release_later`), by directory.
+_RELEASING: dict[str, Future[None]] = {}
+# A forked child has none of the threads those wait for (nor their Checkpointers' work to do).
+os.register_at_fork(after_in_child=_RELEASING.clear)
+_Release: TypeAlias = "tuple[Store, tuple[_Stoppable | None, ...], Future[None]]"
+#: Where dropped Checkpointers' releases are handed: to one thread, started with the first
+#: Checkpointer (a finalizer must not start one: it can run inside ``Thread.start`` itself).
+_RELEASES: queue.SimpleQueue[_Release] = queue.SimpleQueue()
+_releaser: threading.Thread | None = None
+_STARTING = threading.Lock()
+
+
+def _key(store: Store) -> str:
+    return os.path.realpath(store.url) if store.is_local else store.url
+
+
+def release_later(store: Store, *parts: _Stoppable | None) -> None:
+    """A dropped Checkpointer's release (its finalizer, on any thread, one of its own among them):
+    its threads finish what they were given (an upload to the mirror, a retention pass) before the
+    directory is freed, on a thread of their own. Freed at once, the next writer's clean-up removed
+    the files an upload was still writing, and the two acted on the run at once."""
+    over: Future[None] = Future()
+    _RELEASING[_key(store)] = over
+    _RELEASES.put((store, parts, over))  # SimpleQueue.put is safe in a finalizer (reentrant)
+
+
+def _release(store: Store, parts: tuple[_Stoppable | None, ...], over: Future[None]) -> None:
+    try:
+        release(store, True, *parts)
+    finally:
+        if _RELEASING.get(_key(store)) is over:
+            del _RELEASING[_key(store)]
+        over.set_result(None)
+
+
+def _hand_over(item: _Release) -> None:
+    """Start ``item``'s release on a thread of its own: an upload hung on one mirror holds back
+    no other directory's."""
+    run = partial(_release, *item)
+    try:
+        threading.Thread(target=run, name="nbckpt-release", daemon=True).start()
+    except RuntimeError:  # no thread can start now (the interpreter is ending): here, then
+        run()
+
+
+def _releasing() -> None:
+    while True:
+        _hand_over(_RELEASES.get())  # an idle releaser holds no Checkpointer's parts
+
+
+def start_releaser() -> None:
+    """Start the thread dropped Checkpointers' releases go to, if not yet (at each open)."""
+    global _releaser
+    with _STARTING:
+        if _releaser is None or not _releaser.is_alive():
+            _releaser = threading.Thread(target=_releasing, name="nbckpt-releaser", daemon=True)
+            _releaser.start()
+
+
+def wait_released(store: Store) -> None:
+    """Before a writer opens ``store``: the release of a Checkpointer of this process dropped
+    unclosed on it is waited for (its threads finishing their work), so that the run is handed
+    over, not taken from under them."""
+    over = _RELEASING.get(_key(store))
+    if over is not None and not over.done():
+        _log.warning(
+            "nbckpt: waiting for a Checkpointer of this process that was dropped unclosed on %s "
+            "to finish its work (its saves' uploads, its retention)",
+            store.url,
+        )
+        settle(over)
 
 
 _OPEN: weakref.WeakSet[_Open] = weakref.WeakSet()
