@@ -189,8 +189,9 @@ class Checkpointer:
         answer, from its clock and costs, with no collective at most steps."""
         if self._pacer is None:
             raise ConfigError("due() needs a schedule: Checkpointer(..., schedule=SaveSchedule(mtbf='8h'))")
-        persisting = any(not handle.done() for handle in self._saver.handles)
         with self._operation("due"):
+            self._check_open()  # closed, its ranks are gone: it would answer for this rank alone
+            persisting = any(not handle.done() for handle in self._saver.handles)
             return self._pacer.due(persisting, self.records, self._last_restore_s, self._caller)
 
     def _last_restore_s(self) -> float | None:
