@@ -83,7 +83,6 @@ class Checkpointer:
         self._caller = ranks.caller
         self._pacer = Pacer(self.config.schedule) if self.config.schedule is not None else None
         self._grace = Grace()  # the time save_on_signal's final save has
-        _shutdown.start_releaser()
         try:
             if not self.config.read_only:
                 _shutdown.wait_released(self.store)
@@ -121,7 +120,9 @@ class Checkpointer:
         # A Checkpointer dropped without close() (a notebook cell run again) frees the directory
         # once its threads are done (a save in flight holds it alive until then).
         parts = (self._saver, self._retainer, self._io, self._mirror, self._ranks)
-        weakref.finalize(self, _shutdown.release_later, self.store, *parts).atexit = False
+        carry = self._saver.after_its_work
+        self._dropped = weakref.finalize(self, _shutdown.release_later, self.store, carry, *parts)
+        self._dropped.atexit = False
 
     @property
     def restored_from(self) -> str | None:
@@ -490,6 +491,7 @@ class Checkpointer:
             finally:
                 self._closed = True
                 unregister(self)
+                self._dropped.detach()  # released here: its persist thread takes no more work
                 release(self.store, True, self._saver, self._retainer, self._io, self._mirror, self._ranks)
 
     def __enter__(self) -> Checkpointer:

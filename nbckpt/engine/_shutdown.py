@@ -10,7 +10,6 @@ import atexit
 import logging
 import multiprocessing.util
 import os
-import queue
 import signal
 import threading
 import weakref
@@ -40,7 +39,6 @@ __all__ = [
     "register",
     "release",
     "release_later",
-    "start_releaser",
     "uninstall",
     "unregister",
     "wait_released",
@@ -79,26 +77,24 @@ def release(store: Store, wait: bool, *parts: _Stoppable | None) -> None:
 _RELEASING: dict[str, Future[None]] = {}
 # A forked child has none of the threads those wait for (nor their Checkpointers' work to do).
 os.register_at_fork(after_in_child=_RELEASING.clear)
-_Release: TypeAlias = "tuple[Store, tuple[_Stoppable | None, ...], Future[None]]"
-#: Where dropped Checkpointers' releases are handed: to one thread, started with the first
-#: Checkpointer (a finalizer must not start one: it can run inside ``Thread.start`` itself).
-_RELEASES: queue.SimpleQueue[_Release] = queue.SimpleQueue()
-_releaser: threading.Thread | None = None
-_STARTING = threading.Lock()
 
 
 def _key(store: Store) -> str:
     return os.path.realpath(store.url) if store.is_local else store.url
 
 
-def release_later(store: Store, *parts: _Stoppable | None) -> None:
+def release_later(
+    store: Store, carry: Callable[[Callable[[], None]], None], *parts: _Stoppable | None
+) -> None:
     """A dropped Checkpointer's release (its finalizer, on any thread, one of its own among them):
-    its threads finish what they were given (an upload to the mirror, a retention pass) before the
-    directory is freed, on a thread of their own. Freed at once, the next writer's clean-up removed
-    the files an upload was still writing, and the two acted on the run at once."""
+    handed to ``carry`` (the persist thread's queue: a finalizer can neither wait nor start a
+    thread, which may deadlock inside ``Thread.start``), which stops the other threads once they
+    finished what they were given (an upload to the mirror, a retention pass), then frees the
+    directory. Freed at once, the next writer's clean-up removed the files an upload was still
+    writing, and the two acted on the run at once."""
     over: Future[None] = Future()
     _RELEASING[_key(store)] = over
-    _RELEASES.put((store, parts, over))  # SimpleQueue.put is safe in a finalizer (reentrant)
+    carry(partial(_release, store, parts, over))  # a SimpleQueue's put: safe in a finalizer
 
 
 def _release(store: Store, parts: tuple[_Stoppable | None, ...], over: Future[None]) -> None:
@@ -108,30 +104,6 @@ def _release(store: Store, parts: tuple[_Stoppable | None, ...], over: Future[No
         if _RELEASING.get(_key(store)) is over:
             del _RELEASING[_key(store)]
         over.set_result(None)
-
-
-def _hand_over(item: _Release) -> None:
-    """Start ``item``'s release on a thread of its own: an upload hung on one mirror holds back
-    no other directory's."""
-    run = partial(_release, *item)
-    try:
-        threading.Thread(target=run, name="nbckpt-release", daemon=True).start()
-    except RuntimeError:  # no thread can start now (the interpreter is ending): here, then
-        run()
-
-
-def _releasing() -> None:
-    while True:
-        _hand_over(_RELEASES.get())  # an idle releaser holds no Checkpointer's parts
-
-
-def start_releaser() -> None:
-    """Start the thread dropped Checkpointers' releases go to, if not yet (at each open)."""
-    global _releaser
-    with _STARTING:
-        if _releaser is None or not _releaser.is_alive():
-            _releaser = threading.Thread(target=_releasing, name="nbckpt-releaser", daemon=True)
-            _releaser.start()
 
 
 def wait_released(store: Store) -> None:
