@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import pytest
+
+from nbckpt.bench._compare import add_bench_arguments
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "device_check.py"  # tests/ is one level down
 
@@ -34,3 +40,21 @@ def test_device_check_incremental_on_cpu(tmp_path: Path) -> None:
     checks = _script().incremental_check("cpu", str(tmp_path / "incremental"))
     assert checks["ok"] and checks["data_write_caught"] and checks["unchanged_base_not_written"]
     assert all(checks[f"step{step}_bit_exact"] for step in (1, 2, 3))
+
+
+def test_the_scale_check_warms_each_strategy_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its launches are measured past each strategy's first save: unwarmed, dcp-async-stager's
+    second save waited for the first's upload spawning DCP's checkpoint process, and the check
+    reported a median stall of 3-5.8 s on 2 ranks for saves of milliseconds."""
+    script, launched = _script(), []
+
+    def launch(ranks: int, argv: list[str], *args: Any, **kwargs: Any) -> Any:
+        launched.append(argv)
+        raise RuntimeError("launched")
+
+    monkeypatch.setattr(script, "run_local_ranks", launch)
+    with pytest.raises(RuntimeError, match="launched"):
+        script.scale_check("cpu", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    assert launched and not parser.parse_args(launched[0]).no_warmup

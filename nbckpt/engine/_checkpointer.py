@@ -84,6 +84,8 @@ class Checkpointer:
         self._pacer = Pacer(self.config.schedule) if self.config.schedule is not None else None
         self._grace = Grace()  # the time save_on_signal's final save has
         try:
+            if not self.config.read_only:
+                _shutdown.wait_released(self.store)
             # Every rank must see the directory rank 0 claims (_shared says how it is told); read
             # only on rank 0, nothing is claimed nor written there, and each rank says what it lacks.
             opening = partial(open_run, self.store, self.config.read_only)
@@ -120,9 +122,12 @@ class Checkpointer:
             release(self.store, True, *[getattr(self, name, None) for name in names])
             raise
         register(self, self._at_exit)
-        # A Checkpointer dropped without close() (a notebook cell run again) frees the directory.
+        # A Checkpointer dropped without close() (a notebook cell run again) frees the directory
+        # once its threads are done (a save in flight holds it alive until then).
         parts = (self._saver, self._retainer, self._io, self._mirror, self._ranks)
-        weakref.finalize(self, release, self.store, False, *parts).atexit = False
+        carry = self._saver.after_its_work
+        self._dropped = weakref.finalize(self, _shutdown.release_later, self.store, carry, *parts)
+        self._dropped.atexit = False
 
     @property
     def restored_from(self) -> str | None:
@@ -190,8 +195,9 @@ class Checkpointer:
         answer, from its clock and costs, with no collective at most steps."""
         if self._pacer is None:
             raise ConfigError("due() needs a schedule: Checkpointer(..., schedule=SaveSchedule(mtbf='8h'))")
-        persisting = any(not handle.done() for handle in self._saver.handles)
         with self._operation("due"):
+            self._check_open()  # closed, its ranks are gone: it would answer for this rank alone
+            persisting = any(not handle.done() for handle in self._saver.handles)
             return self._pacer.due(persisting, self.records, self._last_restore_s, self._caller)
 
     def _last_restore_s(self) -> float | None:
@@ -490,6 +496,7 @@ class Checkpointer:
             finally:
                 self._closed = True
                 unregister(self)
+                self._dropped.detach()  # released here: its persist thread takes no more work
                 release(self.store, True, self._saver, self._retainer, self._io, self._mirror, self._ranks)
 
     def __enter__(self) -> Checkpointer:

@@ -637,6 +637,11 @@ class Saver:
         with self._state:
             return list(self._inflight)
 
+    def after_its_work(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the persist thread once the work queued there is done (safe from a
+        finalizer: a queue's put). It may stop this saver: the thread then ends after it."""
+        self._persister.submit(job)
+
     def stop(self, wait: bool) -> None:
         """Stop the threads (``wait`` for them to end; not from a finalizer, which may run on one)."""
         self._stager.stop(wait)

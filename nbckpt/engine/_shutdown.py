@@ -14,6 +14,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from types import MethodType
@@ -25,6 +26,7 @@ from ._config import CheckpointConfig
 from ._open_store import open_store
 from ._ranks import Group
 from ._store import Store
+from ._workers import settle
 
 __all__ = [
     "Deferral",
@@ -36,8 +38,10 @@ __all__ = [
     "install",
     "register",
     "release",
+    "release_later",
     "uninstall",
     "unregister",
+    "wait_released",
     "writing_into",
 ]
 
@@ -61,11 +65,59 @@ class _Stoppable(Protocol):
 
 def release(store: Store, wait: bool, *parts: _Stoppable | None) -> None:
     """Stop the threads of ``parts`` and free the directory; ``wait`` for the threads to end (not
-    from a finalizer, which may run on one of them). Parts may be missing (a failed construction)."""
+    from a finalizer, which may run on one of them: :func:`release_later`). Parts may be missing
+    (a failed construction)."""
     for part in parts:
         if part is not None:
             part.stop(wait)
     store.unlock()
+
+
+#: The releases of dropped Checkpointers still under way (:func:`release_later`), by directory.
+_RELEASING: dict[str, Future[None]] = {}
+# A forked child has none of the threads those wait for (nor their Checkpointers' work to do).
+os.register_at_fork(after_in_child=_RELEASING.clear)
+
+
+def _key(store: Store) -> str:
+    return os.path.realpath(store.url) if store.is_local else store.url
+
+
+def release_later(
+    store: Store, carry: Callable[[Callable[[], None]], None], *parts: _Stoppable | None
+) -> None:
+    """A dropped Checkpointer's release (its finalizer, on any thread, one of its own among them):
+    handed to ``carry`` (the persist thread's queue: a finalizer can neither wait nor start a
+    thread, which may deadlock inside ``Thread.start``), which stops the other threads once they
+    finished what they were given (an upload to the mirror, a retention pass), then frees the
+    directory. Freed at once, the next writer's clean-up removed the files an upload was still
+    writing, and the two acted on the run at once."""
+    over: Future[None] = Future()
+    _RELEASING[_key(store)] = over
+    carry(partial(_release, store, parts, over))  # a SimpleQueue's put: safe in a finalizer
+
+
+def _release(store: Store, parts: tuple[_Stoppable | None, ...], over: Future[None]) -> None:
+    try:
+        release(store, True, *parts)
+    finally:
+        if _RELEASING.get(_key(store)) is over:
+            del _RELEASING[_key(store)]
+        over.set_result(None)
+
+
+def wait_released(store: Store) -> None:
+    """Before a writer opens ``store``: the release of a Checkpointer of this process dropped
+    unclosed on it is waited for (its threads finishing their work), so that the run is handed
+    over, not taken from under them."""
+    over = _RELEASING.get(_key(store))
+    if over is not None and not over.done():
+        _log.warning(
+            "nbckpt: waiting for a Checkpointer of this process that was dropped unclosed on %s "
+            "to finish its work (its saves' uploads, its retention)",
+            store.url,
+        )
+        settle(over)
 
 
 _OPEN: weakref.WeakSet[_Open] = weakref.WeakSet()

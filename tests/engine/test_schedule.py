@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nbckpt import Checkpointer, ConfigError, SaveRecord, SaveSchedule
+from nbckpt import Checkpointer, CheckpointError, ConfigError, SaveRecord, SaveSchedule
 from nbckpt.engine._schedule import ASK_AT_MOST, JOB_MTTF_H, Costs, Pacer, job_mtbf_s
 
 
@@ -183,6 +183,15 @@ def test_due_in_a_training_loop_saves_first_and_says_why(tmp_path: Path) -> None
         plain.due()
     with pytest.raises(ConfigError, match="schedule must be a SaveSchedule"):
         Checkpointer(tmp_path / "bad", schedule="8h")
+
+
+def test_due_after_close_raises_the_closed_error(tmp_path: Path) -> None:
+    """A closed Checkpointer decides nothing (it answered from this rank alone, its ranks gone)."""
+    ckpt = Checkpointer(tmp_path, mode="sync", schedule=SaveSchedule("1h"))
+    assert ckpt.due()  # the first ask saves
+    ckpt.close()
+    with pytest.raises(CheckpointError, match=r"the Checkpointer for .* is closed"):
+        ckpt.due()
 
 
 def test_the_grace_window_warns_once_when_a_final_save_would_not_fit(tmp_path: Path) -> None:

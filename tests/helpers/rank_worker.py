@@ -29,6 +29,8 @@ import torch.distributed as dist
 from nbckpt import Checkpointer, NbckptError, SaveSchedule
 from nbckpt.engine import _ranks, _store
 from nbckpt.engine._faults import armed
+from nbckpt.engine._open_store import open_store
+from nbckpt.engine._shutdown import wait_released
 from nbckpt.engine._torch_compat import default_store
 
 RANK = int(os.environ["RANK"])
@@ -138,6 +140,8 @@ def _reopened(directory: str, sockets: list[int]) -> dict[str, Any]:
         else:  # the last dropped unclosed, as a cell run again drops the one it made before
             del again
             gc.collect()
+            # its threads finish first, then it gives its groups back (on a thread of its own)
+            wait_released(open_store(directory))
         sockets.append(_sockets())
         if RANK == 0:
             store.set(f"reopened/{step}", "")

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import errno
 import gc
+import logging
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ from helpers.storage import Throttle
 from helpers.sync import ctrl_c_raises, press_ctrl_c_once_blocked
 
 from nbckpt import Checkpointer, CheckpointError, ConfigError, SaveHandle
+from nbckpt.engine._faults import armed
 
 
 def leftovers(directory: Path) -> list[str]:
@@ -180,6 +185,97 @@ def test_a_dropped_checkpointer_frees_the_directory(tmp_path: Path) -> None:
                 raise
             time.sleep(0.01)
     with again:
+        assert_holds(again, 1)
+
+
+class _Said(logging.Handler):
+    """Sets ``seen`` once nbckpt logs a line holding ``words``."""
+
+    def __init__(self, words: str, seen: threading.Event) -> None:
+        super().__init__(logging.INFO)
+        self.words, self.seen = words, seen
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.seen.set()
+
+
+def test_a_dropped_checkpointer_hands_its_run_over_only_once_its_upload_is_over(tmp_path: Path) -> None:
+    """A Checkpointer dropped unclosed while its mirror uploads (a cell run again): a new writer
+    of the run waits for that upload before it cleans the mirror up, so it never deletes the
+    upload's files under it (before: the lock was given back at once, the new open's clean-up
+    removed the ``.tmp-step-`` folder being written, and the upload failed)."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    entered, release = threading.Event(), threading.Event()
+
+    def held(location: str, name: str) -> None:
+        entered.set()
+        assert release.wait(60), "the test never released the upload"
+
+    progressed = threading.Event()  # the new open waits, or has opened
+    handler = _Said("waiting for a Checkpointer of this process that was dropped", progressed)
+    logger = logging.getLogger("nbckpt")
+    logger.addHandler(handler)
+    opened: Future[Checkpointer] = Future()
+
+    def open_again() -> None:
+        try:
+            opened.set_result(Checkpointer(run, mirror=str(mirror)))
+        except BaseException as exc:
+            opened.set_exception(exc)
+        progressed.set()
+
+    opener = threading.Thread(target=open_again)
+    try:
+        with armed("mirror.upload", held), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            ckpt = Checkpointer(run, mirror=str(mirror))
+            ckpt.save(state_of(1), step=1).wait()
+            assert entered.wait(60)  # its upload is held, its files half-written on the mirror
+            uploading = [p.name for p in mirror.iterdir() if p.name.startswith(".tmp-step-")]
+            assert uploading
+            del ckpt
+            gc.collect()
+            opener.start()
+            assert progressed.wait(60)
+            assert not opened.done(), "a new writer opened the run while the dropped one uploaded"
+            assert [p.name for p in mirror.iterdir() if p.name.startswith(".tmp-step-")] == uploading
+            release.set()
+            opener.join(60)
+            with opened.result() as again:
+                again.wait()
+                assert_holds(again, 1)
+        assert not [w for w in said if "not on the mirror" in str(w.message)], [str(w.message) for w in said]
+    finally:
+        release.set()
+        logger.removeHandler(handler)
+        opener.join(60) if opener.is_alive() else None
+    with Checkpointer(mirror, read_only=True) as copy:
+        assert copy.steps() == [1]
+        copy.verify(1)
+
+
+def test_a_save_in_flight_holds_a_dropped_checkpointer_alive(tmp_path: Path, throttle: Throttle) -> None:
+    """A Checkpointer dropped unclosed as its save writes lives until the save is over (the
+    persist job holds it), then frees the directory: the step is there for the next writer."""
+    directory = tmp_path / "run"
+    ckpt = Checkpointer(directory, mode="async")
+    alive = weakref.ref(ckpt)
+    with throttle.released_after():
+        throttle.hold()
+        handle = ckpt.save(state_of(1), step=1)
+        assert throttle.entered.wait(60)  # its persist thread writes (held)
+        del ckpt
+        gc.collect()
+        assert alive() is not None, "a save in flight lost its Checkpointer"
+        with pytest.raises(CheckpointError, match="in use by another Checkpointer in this process"):
+            Checkpointer(directory)
+        gone = threading.Event()
+        # on what only the Checkpointer holds: freed once the Checkpointer's own finalizer ran
+        weakref.finalize(alive()._grace, gone.set)  # type: ignore[union-attr]
+    handle.wait()
+    assert gone.wait(60)  # dropped once its save is over (no collection needed)
+    with Checkpointer(directory) as again:  # its release is waited for, never refused
         assert_holds(again, 1)
 
 
