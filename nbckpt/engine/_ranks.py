@@ -69,6 +69,14 @@ class Arrivals:
         """Let go of the store connection, though a traceback may keep this object alive."""
         self._store = None
 
+    def _deadline(self, tag: Tag) -> float:
+        """How long ``tag``'s check-in waits for the other ranks. The open's waits as long as the
+        group's collectives: rank 0 may first wait there for a Checkpointer of its process
+        dropped unclosed to finish its uploads (``_shutdown.wait_released``), and a rank that never
+        opens was found at the join already (with the check-in's deadline, the other ranks gave
+        up on rank 0, and rank 0 then on them: the run opened nowhere)."""
+        return self._timeout if tag == ("open",) else min(ARRIVAL_TIMEOUT_S, self._timeout)
+
     def wait(self, tag: Tag) -> None:
         """Return once every rank has reached this collective; ConfigError naming the ranks
         missing after the deadline."""
@@ -80,8 +88,9 @@ class Arrivals:
                 self._store.delete_key(f"{self._prefix}/{self.count - 2}/{self._rank}")
         keys = [f"{here}/{r}" for r in range(self._world)]
         fault_point("ranks.arrive", tag)
+        deadline = self._deadline(tag)
         try:
-            self._store.wait(keys, timedelta(seconds=min(ARRIVAL_TIMEOUT_S, self._timeout)))
+            self._store.wait(keys, timedelta(seconds=deadline))
         except Exception as exc:
             missing = [str(r) for r, key in enumerate(keys) if not self._store.check([key])]
             if not missing:
@@ -95,7 +104,7 @@ class Arrivals:
             self.count -= 1
             raise ConfigError(
                 f"rank {self._rank} is in {_what(tag)}, rank(s) {', '.join(missing)} did not come to it "
-                f"within {min(ARRIVAL_TIMEOUT_S, self._timeout):.0f} s: every rank must make the same "
+                f"within {deadline:.0f} s: every rank must make the same "
                 "Checkpointer calls, or pass ranks='local' to save on one rank alone (as under "
                 "nanoGPT's 'if master_process:')"
             ) from exc

@@ -468,6 +468,23 @@ def refused_on_one_rank(directory: str) -> dict[str, Any]:
     }
 
 
+def dropped_uploading(directory: str) -> dict[str, Any]:
+    """A Checkpointer dropped unclosed while rank 0's mirror upload has seconds left, the run
+    opened again at once on every rank (a cell run again): what the open said on each rank."""
+    _ranks.ARRIVAL_TIMEOUT_S = 1.0  # an upload outlasting the check-in's deadline, in a short test
+    uploaded = threading.Event()
+    with armed("mirror.upload", lambda location, name: uploaded.wait(60)):
+        ckpt = Checkpointer(directory, mirror=f"{directory}-mirror", mode="sync", timeout_s=60)
+        ckpt.save(state_of(1), step=1)
+        dist.barrier()
+        del ckpt
+        gc.collect()
+        # a slow upload (4 s, past the 1 s deadline): a fault's duration, not synchronisation
+        threading.Timer(4.0, uploaded.set).start()
+        opened = outcome(lambda: Checkpointer(directory, mirror=f"{directory}-mirror", timeout_s=60).close())
+    return {"opened": opened}
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -483,6 +500,7 @@ SCENARIOS = {
         tied,
         rng_rank0_only,
         rng_every_rank,
+        dropped_uploading,
     )
 }
 
