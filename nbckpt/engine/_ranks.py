@@ -22,6 +22,7 @@ import itertools
 import os
 import pickle
 import struct
+import threading
 from collections.abc import Callable, Iterable
 from contextlib import suppress
 from datetime import timedelta
@@ -310,7 +311,8 @@ def join(mode: str, timeout_s: float) -> RankInfo:
     timeout = timedelta(seconds=timeout_s)
     groups: list[Any] = []
     try:
-        groups.extend(dist.new_group(backend="gloo", timeout=timeout) for _ in range(2))
+        with _REGISTRY:
+            groups.extend(dist.new_group(backend="gloo", timeout=timeout) for _ in range(2))
     except Exception as exc:
         for made in groups:  # the first, where the second failed
             _destroy(made)
@@ -330,11 +332,17 @@ def join(mode: str, timeout_s: float) -> RankInfo:
     )
 
 
+#: Held while nbckpt adds groups to torch's registry or drops them: a Checkpointer dropped
+#: unclosed gives its groups back on its own persist thread, maybe while a new one on the caller's
+#: thread makes its own, and torch updates its registry's several tables without a lock.
+_REGISTRY = threading.Lock()
+
+
 def _destroy(pg: Any) -> None:
     """Drop torch's entry for a group :func:`join` made (this rank only)."""
     # Gone already where the default group was destroyed first (the end of a script, then the
     # close at exit): torch shut every group down then.
-    with suppress(Exception):
+    with _REGISTRY, suppress(Exception):
         dist.destroy_process_group(pg)
 
 

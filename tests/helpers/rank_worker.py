@@ -104,7 +104,8 @@ def refusal(directory: str) -> dict[str, Any]:
             **restored_step(ckpt),
             "manifest_steps": _tree_steps(ckpt, max(ckpt.steps())),
         }
-    return {**seen, "reopened": _reopened(directory, sockets)}
+    reopened = _reopened(directory, sockets)
+    return {**seen, "reopened": reopened, "dropped": dropped_uploading(f"{directory}-dropped")}
 
 
 def _sockets() -> int:
@@ -470,7 +471,8 @@ def refused_on_one_rank(directory: str) -> dict[str, Any]:
 
 def dropped_uploading(directory: str) -> dict[str, Any]:
     """A Checkpointer dropped unclosed while rank 0's mirror upload has seconds left, the run
-    opened again at once on every rank (a cell run again): what the open said on each rank."""
+    opened again at once on every rank (a cell run again): what the open said on each rank. Last
+    in :func:`refusal`'s launch: it shortens the check-ins' deadline for good."""
     _ranks.ARRIVAL_TIMEOUT_S = 1.0  # an upload outlasting the check-in's deadline, in a short test
     uploaded = threading.Event()
     with armed("mirror.upload", lambda location, name: uploaded.wait(60)):
@@ -500,7 +502,6 @@ SCENARIOS = {
         tied,
         rng_rank0_only,
         rng_every_rank,
-        dropped_uploading,
     )
 }
 
