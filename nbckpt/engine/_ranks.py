@@ -12,8 +12,8 @@ around it, while the others wait in DDP's all-reduce) is a ConfigError within
 has a connection to the store of its own: a store client serves one request at a time, so a
 thread waiting for the other ranks on a shared one kept the other thread from checking in, and
 two ranks whose threads waited in opposite order held each other up until the deadline.
-Closing gives the groups back (:meth:`RankInfo.stop`): torch keeps every group it made, and its
-connections to every other rank, until the default group is destroyed.
+Closing lets go of the groups (:meth:`RankInfo.stop`); torch keeps its own entry for each, and
+its connections to every other rank, until the default group is destroyed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import itertools
 import os
 import pickle
 import struct
-import threading
 from collections.abc import Callable, Iterable
 from contextlib import suppress
 from datetime import timedelta
@@ -276,17 +275,14 @@ class RankInfo:
         self.world_size = caller.world_size
 
     def stop(self, wait: bool) -> None:
-        """Give back the groups :func:`join` made, once this Checkpointer's threads are done with
-        them (closed, dropped, or a failed open); ``wait`` is :func:`._shutdown.release`'s. Each
-        rank on its own: for a subgroup ``destroy_process_group`` drops torch's entry, no
-        collective, so a rank that closes first never waits for the others; gloo's connections
-        close when the last reference goes, and another rank's next collective on them fails."""
-        groups = (self.caller, self.background, self.agreement)
-        made = {id(group.pg): group.pg for group in groups if group.pg is not None}
-        for group in groups:
+        """Let go of the groups :func:`join` made and their store connections, once this
+        Checkpointer's threads are done with them (closed, dropped, or a failed open); ``wait`` is
+        :func:`._shutdown.release`'s. Later use of them is refused. Torch's own entry for each
+        group stays until the default group is destroyed: destroying a subgroup while another rank
+        may still be in its last collective on it aborted that rank inside gloo (SIGABRT, once in
+        a whole-suite run), so its gloo connections are left to torch."""
+        for group in (self.caller, self.background, self.agreement):
             group.release()
-        for pg in made.values():
-            _destroy(pg)
 
 
 def join(mode: str, timeout_s: float) -> RankInfo:
@@ -311,8 +307,7 @@ def join(mode: str, timeout_s: float) -> RankInfo:
     timeout = timedelta(seconds=timeout_s)
     groups: list[Any] = []
     try:
-        with _REGISTRY:
-            groups.extend(dist.new_group(backend="gloo", timeout=timeout) for _ in range(2))
+        groups.extend(dist.new_group(backend="gloo", timeout=timeout) for _ in range(2))
     except Exception as exc:
         for made in groups:  # the first, where the second failed
             _destroy(made)
@@ -332,17 +327,11 @@ def join(mode: str, timeout_s: float) -> RankInfo:
     )
 
 
-#: Held while nbckpt adds groups to torch's registry or drops them: a Checkpointer dropped
-#: unclosed gives its groups back on its own persist thread, maybe while a new one on the caller's
-#: thread makes its own, and torch updates its registry's several tables without a lock.
-_REGISTRY = threading.Lock()
-
-
 def _destroy(pg: Any) -> None:
     """Drop torch's entry for a group :func:`join` made (this rank only)."""
     # Gone already where the default group was destroyed first (the end of a script, then the
     # close at exit): torch shut every group down then.
-    with _REGISTRY, suppress(Exception):
+    with suppress(Exception):
         dist.destroy_process_group(pg)
 
 

@@ -116,21 +116,18 @@ def test_ranks_that_do_not_share_the_run_directory_or_its_mirror_are_refused_at_
             assert unshared["left"] == {}, unshared
 
 
-def test_a_closed_checkpointer_gives_its_ranks_connections_back(
+def test_a_checkpointer_opened_again_and_again_on_several_ranks_saves_each_time(
     refusal: tuple[Path, dict[int, tuple[int, Any, str]]],
 ) -> None:
-    """Each Checkpointer on several ranks makes two gloo groups: torch kept them, with a gloo
-    connection to every other rank and a listening socket each, until the default group was
-    destroyed (4 sockets more a rank for each Checkpointer, 2 ranks). Now closing gives them back,
-    and a refused open, and dropping it unclosed: after two refused opens, then four Checkpointers
-    closed (the last dropped; rank 1 only once rank 0 has), each rank has the sockets it had before
-    any, and every save committed."""
+    """Two refused opens, then four Checkpointers on the same run, each closed (the last dropped
+    unclosed; rank 1 closing only once rank 0 has: a close waits for no other rank): every save
+    committed. (Torch keeps each one's gloo groups until the default group is destroyed: the
+    sockets are counted in the scenario, not asserted; destroying them aborted a rank once.)"""
     for code, seen, err in refusal[1].values():
         assert code == 0, err
         reopened = seen["reopened"]
         assert reopened["outcomes"] == ["ok"] * 3, reopened
         assert reopened["steps"][-3:] == [13, 14, 15], reopened
-        assert reopened["sockets"] == [reopened["sockets"][0]] * 6, reopened
 
 
 def test_rank_0_writing_and_the_other_ranks_reading_the_run_open_on_every_rank(
