@@ -26,7 +26,7 @@ from ._config import CheckpointConfig
 from ._open_store import open_store
 from ._ranks import Group
 from ._store import Store
-from ._workers import settle
+from ._workers import settle_all
 
 __all__ = [
     "Deferral",
@@ -73,10 +73,16 @@ def release(store: Store, wait: bool, *parts: _Stoppable | None) -> None:
     store.unlock()
 
 
-#: The releases of dropped Checkpointers still under way (:func:`release_later`), by directory.
-_RELEASING: dict[str, Future[None]] = {}
+#: The releases of dropped Checkpointers still under way (:func:`release_later`), each with the
+#: URL of its directory. Keyed by the release, not the directory: two Checkpointers dropped on one
+#: directory are both waited for. Each entry is one dict operation, which the GIL keeps whole,
+#: and a finalizer, which may run on a thread holding any lock, takes no lock to add one.
+_RELEASING: dict[Future[None], str] = {}
+#: The persist threads that ran those releases: each ends once its release is over.
+_ENDING: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 # A forked child has none of the threads those wait for (nor their Checkpointers' work to do).
 os.register_at_fork(after_in_child=_RELEASING.clear)
+os.register_at_fork(after_in_child=_ENDING.clear)
 
 
 def _key(store: Store) -> str:
@@ -93,31 +99,59 @@ def release_later(
     directory. Freed at once, the next writer's clean-up removed the files an upload was still
     writing, and the two acted on the run at once."""
     over: Future[None] = Future()
-    _RELEASING[_key(store)] = over
+    _RELEASING[over] = _key(store)
     carry(partial(_release, store, parts, over))  # a SimpleQueue's put: safe in a finalizer
 
 
 def _release(store: Store, parts: tuple[_Stoppable | None, ...], over: Future[None]) -> None:
+    _ENDING.add(threading.current_thread())  # it ends after this job (release stops it)
     try:
         release(store, True, *parts)
     finally:
-        if _RELEASING.get(_key(store)) is over:
-            del _RELEASING[_key(store)]
+        _RELEASING.pop(over, None)
         over.set_result(None)
+
+
+def _under_way(key: str | None = None) -> list[Future[None]]:
+    """The releases under way (on ``key``'s directory only, where given)."""
+    while True:
+        try:  # a finalizer on another thread may add one while the entries are read: read again
+            return [over for over, where in list(_RELEASING.items()) if key is None or where == key]
+        except RuntimeError:
+            continue
 
 
 def wait_released(store: Store) -> None:
     """Before a writer opens ``store``: the release of a Checkpointer of this process dropped
     unclosed on it is waited for (its threads finishing their work), so that the run is handed
     over, not taken from under them."""
-    over = _RELEASING.get(_key(store))
-    if over is not None and not over.done():
+    pending = [over for over in _under_way(_key(store)) if not over.done()]
+    if pending:
         _log.warning(
             "nbckpt: waiting for a Checkpointer of this process that was dropped unclosed on %s "
             "to finish its work (its saves' uploads, its retention)",
             store.url,
         )
-        settle(over)
+        settle_all(pending)
+
+
+def _finish_releases() -> None:
+    """At exit, the releases of dropped Checkpointers under way end first, and the persist
+    thread that ran each: left running on their daemon threads as the interpreter's teardown
+    began, one freeing a save's staging memory aborted the process (``terminate called without an
+    active exception``, SIGABRT: a thread taking the GIL during the teardown is ended by
+    ``pthread_exit``, whose unwinding cannot pass torch's C++ destructors), and their uploads
+    were cut short. Registered at import, so it runs after every Checkpointer's own close at
+    exit (atexit runs the last registered first)."""
+    if _under_way():
+        _log.warning("nbckpt: finishing the work of Checkpointers dropped unclosed before exit")
+    while pending := _under_way():  # one may be dropped as another ends
+        settle_all(pending)
+    for thread in list(_ENDING):
+        thread.join()
+
+
+atexit.register(_finish_releases)
 
 
 _OPEN: weakref.WeakSet[_Open] = weakref.WeakSet()

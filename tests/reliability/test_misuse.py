@@ -255,6 +255,49 @@ def test_a_dropped_checkpointer_hands_its_run_over_only_once_its_upload_is_over(
         copy.verify(1)
 
 
+EXITS_WHILE_A_DROPPED_ONE_UPLOADS = """
+import atexit, gc, logging, sys, threading, torch
+from nbckpt import Checkpointer
+from nbckpt.engine._faults import armed
+logging.basicConfig()  # nbckpt's warnings to stderr
+go = threading.Event()
+def held(location, name):
+    print("uploading", flush=True)
+    go.wait()
+arming = armed("mirror.upload", held)  # held until the exit begins, then let go
+arming.__enter__()
+ckpt = Checkpointer(sys.argv[1], mirror=sys.argv[2])
+ckpt.save({"w": torch.arange(16 << 20, dtype=torch.float32), "step": 1}, step=1).wait()
+atexit.register(go.set)  # registered after nbckpt's: runs first, as the exit begins
+del ckpt  # dropped unclosed (a cell run again): its release waits behind the upload
+gc.collect()
+"""
+
+
+def test_a_process_exiting_as_a_dropped_checkpointer_uploads_finishes_the_upload_first(
+    tmp_path: Path,
+) -> None:
+    """A Checkpointer dropped unclosed hands its release to its persist thread, after its
+    upload; a script ending then waits for both before the interpreter's teardown. Before, the
+    teardown began under the daemon thread: the upload was cut short, and a thread freeing a save's
+    staging memory then aborted the process (SIGABRT, ``terminate called without an active
+    exception``: 2 of 31 runs of the HF Trainer's torchrun test under load)."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_WHILE_A_DROPPED_ONE_UPLOADS, str(run), str(mirror)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("uploading")  # the exit began with the upload held
+    assert "finishing the work of Checkpointers dropped unclosed" in done.stderr
+    with Checkpointer(mirror, read_only=True) as copy:
+        assert copy.steps() == [1]
+        copy.verify(1)
+    assert not [p.name for p in mirror.iterdir() if p.name.startswith(".tmp-")]  # nothing cut short
+
+
 def test_a_save_in_flight_holds_a_dropped_checkpointer_alive(tmp_path: Path, throttle: Throttle) -> None:
     """A Checkpointer dropped unclosed as its save writes lives until the save is over (the
     persist job holds it), then frees the directory: the step is there for the next writer."""
