@@ -85,7 +85,7 @@ class Checkpointer:
         self._grace = Grace()  # the time save_on_signal's final save has
         try:
             if not self.config.read_only:
-                _shutdown.wait_released(self.store)
+                _shutdown.wait_released(self.store, self.config.timeout_s)
             # Every rank must see the directory rank 0 claims (_shared says how it is told); read
             # only on rank 0, nothing is claimed nor written there, and each rank says what it lacks.
             opening = partial(open_run, self.store, self.config.read_only)

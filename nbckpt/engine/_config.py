@@ -63,7 +63,9 @@ class CheckpointConfig:
     shard of the state); ``"local"``: this process checkpoints alone, as frameworks that save
     from rank 0 only need; ``"auto"``: ``"all"`` under an initialized group of several ranks."""
     timeout_s: float = 600.0
-    """Longest wait for the other ranks in one collective before the operation fails."""
+    """Longest wait for the other ranks in one collective before the operation fails; also the
+    longest a new writer waits for a Checkpointer of this process dropped unclosed on the run
+    to finish its work (its uploads) before the open fails."""
     mirror: str | None = None
     """A second place (``s3://...`` or a directory) every committed step is uploaded to in the
     background, committed there too; restore falls back to it when the directory has no intact

@@ -12,6 +12,7 @@ import multiprocessing.util
 import os
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
@@ -26,7 +27,7 @@ from ._config import CheckpointConfig
 from ._open_store import open_store
 from ._ranks import Group
 from ._store import Store
-from ._workers import settle_all
+from ._workers import settle, settle_all
 
 __all__ = [
     "Deferral",
@@ -121,18 +122,26 @@ def _under_way(key: str | None = None) -> list[Future[None]]:
             continue
 
 
-def wait_released(store: Store) -> None:
+def wait_released(store: Store, timeout_s: float) -> None:
     """Before a writer opens ``store``: the release of a Checkpointer of this process dropped
     unclosed on it is waited for (its threads finishing their work), so that the run is handed
-    over, not taken from under them."""
+    over, not taken from under them; a CheckpointError after ``timeout_s`` (an upload that never
+    ends held the new writer for ever, on a thread where no Ctrl-C reaches it)."""
     pending = [over for over in _under_way(_key(store)) if not over.done()]
-    if pending:
-        _log.warning(
-            "nbckpt: waiting for a Checkpointer of this process that was dropped unclosed on %s "
-            "to finish its work (its saves' uploads, its retention)",
-            store.url,
+    if not pending:
+        return
+    _log.warning(
+        "nbckpt: waiting for a Checkpointer of this process that was dropped unclosed on %s "
+        "to finish its work (its saves' uploads, its retention)",
+        store.url,
+    )
+    deadline = time.monotonic() + timeout_s
+    if not all(settle(over, max(0.0, deadline - time.monotonic())) for over in pending):
+        raise CheckpointError(
+            f"a Checkpointer of this process dropped unclosed on {store.url} is still finishing "
+            f"its work (an upload to its mirror, a retention pass) after {timeout_s:g} s (timeout_s); "
+            "close() a Checkpointer before making another, or open again once its work is over"
         )
-        settle_all(pending)
 
 
 def _finish_releases() -> None:

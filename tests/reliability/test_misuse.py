@@ -255,6 +255,38 @@ def test_a_dropped_checkpointer_hands_its_run_over_only_once_its_upload_is_over(
         copy.verify(1)
 
 
+def test_a_new_writer_waits_for_a_dropped_checkpointers_upload_only_as_long_as_timeout_s(
+    tmp_path: Path,
+) -> None:
+    """An upload of a dropped Checkpointer that never ends fails the next writer's open after
+    ``timeout_s``, naming why, instead of holding it for ever (on a thread of its own no Ctrl-C
+    reaches it); once the upload is over, the run opens."""
+    run, mirror = tmp_path / "run", tmp_path / "mirror"
+    entered, release = threading.Event(), threading.Event()
+
+    def held(location: str, name: str) -> None:
+        entered.set()
+        assert release.wait(60), "the test never released the upload"
+
+    try:
+        with armed("mirror.upload", held):
+            ckpt = Checkpointer(run, mirror=str(mirror))
+            ckpt.save(state_of(1), step=1).wait()
+            assert entered.wait(60)
+            del ckpt
+            gc.collect()
+            expected = r"dropped unclosed on .* still finishing its work .* after 0\.5 s \(timeout_s\)"
+            with pytest.raises(CheckpointError, match=expected):
+                Checkpointer(run, mirror=str(mirror), timeout_s=0.5)
+            release.set()
+            with Checkpointer(run, mirror=str(mirror)) as again:
+                assert_holds(again, 1)
+    finally:
+        release.set()
+    with Checkpointer(mirror, read_only=True) as copy:
+        copy.verify(1)
+
+
 EXITS_WHILE_A_DROPPED_ONE_UPLOADS = """
 import atexit, gc, logging, sys, threading, torch
 from nbckpt import Checkpointer
