@@ -142,7 +142,7 @@ def _reopened(directory: str, sockets: list[int]) -> dict[str, Any]:
             del again
             gc.collect()
             # its threads finish first, then it gives its groups back (on a thread of its own)
-            wait_released(open_store(directory))
+            wait_released(open_store(directory), timeout_s=120)
         sockets.append(_sockets())
         if RANK == 0:
             store.set(f"reopened/{step}", "")
