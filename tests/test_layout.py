@@ -457,6 +457,10 @@ PATCHED = {
     "helpers/rank_worker.py: _ranks.JOIN_TIMEOUT_S": (
         "the 60 s a rank waits for one that never creates its Checkpointer, cut to 3 s: as above"
     ),
+    "helpers/rank_worker.py: _ranks.CLOSE_TIMEOUT_S": (
+        "the 5 s a closing rank waits for the others to close too, cut to 1 s for a close on rank 0 "
+        "alone (both ranks' closes wait it out): as above"
+    ),
     "helpers/xdist_groups.py: item._id": (
         "pytest's, not nbckpt's: the test id pytest-xdist 3.8 means to suffix with its group and "
         "cannot on pytest 9.2 (pytest-xdist#1386); this compat plugin goes when xdist does it"

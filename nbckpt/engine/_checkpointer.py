@@ -497,7 +497,17 @@ class Checkpointer:
                 self._closed = True
                 unregister(self)
                 self._dropped.detach()  # released here: its persist thread takes no more work
-                release(self.store, True, self._saver, self._retainer, self._io, self._mirror, self._ranks)
+                self._release()
+
+    def _release(self) -> None:
+        """close()'s release: the threads ended, then the ranks' groups given back where every
+        rank closes it too (a release that failed may leave a thread on them: let go only)."""
+        try:
+            release(self.store, True, self._saver, self._retainer, self._io, self._mirror)
+        except BaseException:
+            self._ranks.stop(True)
+            raise
+        self._ranks.leave()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -12,16 +12,22 @@ around it, while the others wait in DDP's all-reduce) is a ConfigError within
 has a connection to the store of its own: a store client serves one request at a time, so a
 thread waiting for the other ranks on a shared one kept the other thread from checking in, and
 two ranks whose threads waited in opposite order held each other up until the deadline.
-Closing lets go of the groups (:meth:`RankInfo.stop`); torch keeps its own entry for each, and
-its connections to every other rank, until the default group is destroyed.
+A Checkpointer closed on every rank gives its groups back (:meth:`RankInfo.leave`): the ranks
+check in to the close (after their threads are done with the groups), and only once every rank
+has does each destroy them, so none is still in its last collective on a group another destroys.
+Otherwise (a close on some ranks only, a rank gone, a Checkpointer dropped unclosed, a failed
+open) they are only let go of: torch keeps them, and their connections to every other rank, until
+the default group is destroyed (about 4 sockets a rank per Checkpointer on 2 ranks).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import pickle
 import struct
+import threading
 from collections.abc import Callable, Iterable
 from contextlib import suppress
 from datetime import timedelta
@@ -36,6 +42,7 @@ from ._torch_compat import default_store, own_connection
 
 __all__ = ["Group", "RankInfo", "join", "pack_row", "unpack_rows"]
 
+_log = logging.getLogger("nbckpt")
 T = TypeVar("T")
 Tag = tuple[Any, ...]
 _opened = itertools.count()
@@ -45,6 +52,10 @@ JOIN_TIMEOUT_S = 60.0
 #: job come to a save from the same step (their gradients' all-reduce keeps them together), so a
 #: rank still missing after this long is in something else.
 ARRIVAL_TIMEOUT_S = 30.0
+#: How long a closing rank waits for the others to close the same Checkpointer before it leaves
+#: its groups to torch: ranks close together (the same cell, the end of the same script), so one
+#: missing after this long closes later or never; a close on one rank alone costs this long.
+CLOSE_TIMEOUT_S = 5.0
 #: Bytes of each rank's row in an exchange's all-gather to begin with: a save's exchanges carry a
 #: few KiB (its files' checksums, the plain values' tree, RNG states). ``all_gather_object`` sends
 #: the sizes first and then the pickles, two collectives each a round trip through every rank
@@ -267,22 +278,44 @@ class RankInfo:
     ``agreement`` is the background's group with a check-in before each collective, for the
     first collective of each save (the others follow a save every rank has entered)."""
 
-    def __init__(self, caller: Group, background: Group, agreement: Group | None = None) -> None:
+    def __init__(
+        self,
+        caller: Group,
+        background: Group,
+        agreement: Group | None = None,
+        closing: Arrivals | None = None,
+    ) -> None:
         self.caller = caller
         self.background = background
         self.agreement = agreement or background
         self.rank = caller.rank
         self.world_size = caller.world_size
+        self._closing = closing
 
     def stop(self, wait: bool) -> None:
         """Let go of the groups :func:`join` made and their store connections, once this
-        Checkpointer's threads are done with them (closed, dropped, or a failed open); ``wait`` is
-        :func:`._shutdown.release`'s. Later use of them is refused. Torch's own entry for each
-        group stays until the default group is destroyed: destroying a subgroup while another rank
-        may still be in its last collective on it aborted that rank inside gloo (SIGABRT, once in
-        a whole-suite run), so its gloo connections are left to torch."""
+        Checkpointer's threads are done with them (dropped, or a failed open: no rank waits for
+        the others there); ``wait`` is :func:`._shutdown.release`'s. Later use of them is refused.
+        Torch's own entry for each group stays until the default group is destroyed: another rank
+        may still be in its last collective on it (destroying it under that rank's collective is
+        what :meth:`leave` avoids)."""
+        if self._closing is not None:
+            self._closing.release()
         for group in (self.caller, self.background, self.agreement):
             group.release()
+
+    def leave(self) -> None:
+        """At close, once this Checkpointer's threads have ended: check in to the close, and
+        destroy the groups (each rank its own: local for a subgroup, no collective) only where
+        every rank has come to it within :data:`CLOSE_TIMEOUT_S`, none of them in a collective on
+        them any more. Otherwise, as :meth:`stop`: never a hang, never an error."""
+        made = {id(group.pg): group.pg for group in (self.caller, self.background) if group.pg is not None}
+        try:
+            together = bool(made) and self._closing is not None and _all_closing(self._closing, self.rank)
+        finally:  # let go of them even when interrupted
+            self.stop(True)
+        for pg in made.values() if together else ():
+            _destroy(pg)
 
 
 def join(mode: str, timeout_s: float) -> RankInfo:
@@ -307,31 +340,55 @@ def join(mode: str, timeout_s: float) -> RankInfo:
     timeout = timedelta(seconds=timeout_s)
     groups: list[Any] = []
     try:
-        groups.extend(dist.new_group(backend="gloo", timeout=timeout) for _ in range(2))
+        with _REGISTRY:
+            groups.extend(dist.new_group(backend="gloo", timeout=timeout) for _ in range(2))
     except Exception as exc:
         for made in groups:  # the first, where the second failed
             _destroy(made)
         raise CheckpointError(
             f"could not set up the ranks' checkpoint groups: {describe_error(exc)}"
         ) from exc
-    arrivals, agreed = (
+    arrivals, agreed, closing = (
         None
         if connection is None
-        else Arrivals(connection, f"nbckpt/{where}/{opened}", rank, world_size, timeout_s)
-        for connection, where in ((caller, "in"), (background, "agree"))
+        else Arrivals(connection, f"nbckpt/{where}/{opened}", rank, world_size, wait)
+        for connection, where, wait in (
+            (caller, "in", timeout_s),
+            (background, "agree", timeout_s),
+            (caller, "close", CLOSE_TIMEOUT_S),  # the caller's thread closes, its threads ended
+        )
     )
     return RankInfo(
         Group(groups[0], rank, world_size, arrivals),
         Group(groups[1], rank, world_size),
         Group(groups[1], rank, world_size, agreed),
+        closing,
     )
+
+
+def _all_closing(closing: Arrivals, rank: int) -> bool:
+    """Whether every rank came to this Checkpointer's close (:meth:`RankInfo.leave`)."""
+    if not dist.is_initialized():  # the default group destroyed first: torch shut every group down
+        return False
+    try:
+        closing.wait(("close",))
+    except Exception as exc:  # missing ranks (ConfigError), or the store gone with a rank
+        _log.info("nbckpt: rank %d leaves its checkpoint groups to torch: %s", rank, describe_error(exc))
+        return False
+    return True
+
+
+#: Held while nbckpt adds groups to torch's registry or drops them: a Checkpointer closed on one
+#: thread may give its groups back while another opens on another, and torch updates its
+#: registry's several tables without a lock.
+_REGISTRY = threading.Lock()
 
 
 def _destroy(pg: Any) -> None:
     """Drop torch's entry for a group :func:`join` made (this rank only)."""
-    # Gone already where the default group was destroyed first (the end of a script, then the
-    # close at exit): torch shut every group down then.
-    with suppress(Exception):
+    # Gone already where the default group was destroyed meanwhile (on another thread): torch
+    # shut every group down then.
+    with _REGISTRY, suppress(Exception):
         dist.destroy_process_group(pg)
 
 

@@ -105,7 +105,9 @@ def refusal(directory: str) -> dict[str, Any]:
             "manifest_steps": _tree_steps(ckpt, max(ckpt.steps())),
         }
     reopened = _reopened(directory, sockets)
-    return {**seen, "reopened": reopened, "dropped": dropped_uploading(f"{directory}-dropped")}
+    dropped = dropped_uploading(f"{directory}-dropped")
+    late = _closed_without_the_default_group(f"{directory}-late")
+    return {**seen, "reopened": reopened, "dropped": dropped, "late": late}
 
 
 def _sockets() -> int:
@@ -124,30 +126,51 @@ def _sockets() -> int:
 
 
 def _reopened(directory: str, sockets: list[int]) -> dict[str, Any]:
-    """The run opened three times more, as a notebook cell run again does, each a save; rank 1
-    closes each (drops the last) only once rank 0 has: a close waits for no other rank. The
-    sockets after each, after ``sockets`` (before any Checkpointer, after the refused opens, after
-    the first closed)."""
+    """The run opened again and again, as a notebook cell run again does: :data:`CYCLES` times
+    two saves in flight (``max_inflight=2``) and a close on both ranks; then one closed on rank 0
+    alone, rank 1 closing it only once rank 0's close has returned; then one dropped unclosed.
+    The sockets after each close, after ``sockets`` (before any Checkpointer, after the refused
+    opens, after the first closed)."""
     store, outcomes = default_store(), []
     sockets.append(_sockets())
-    for step in (13, 14, 15):
-        again = Checkpointer(directory, mode="sync", timeout_s=60)
-        outcomes.append(outcome(lambda a=again, s=step: a.save(state_of(s), step=s)))
-        steps = again.steps()
-        if RANK == 1:
-            store.wait([f"reopened/{step}"])
-        if step < 15:
-            again.close()
-        else:  # the last dropped unclosed, as a cell run again drops the one it made before
-            del again
-            gc.collect()
-            # its threads finish first, then it gives its groups back (on a thread of its own)
-            wait_released(open_store(directory), timeout_s=120)
+    step = 13
+    for _ in range(CYCLES):
+        again = Checkpointer(directory, mode="async", max_inflight=2, timeout_s=60)
+        handles = [again.save(state_of(s), step=s) for s in (step, step + 1)]
+        outcomes.append(outcome(again.close))  # waits for both saves, raises a failed one
+        outcomes.extend(outcome(handle.wait) for handle in handles)
         sockets.append(_sockets())
-        if RANK == 0:
-            store.set(f"reopened/{step}", "")
-    dist.barrier()  # rank 0 ends (its store and groups with it) once rank 1 has counted
-    return {"outcomes": outcomes, "steps": steps, "sockets": sockets}
+        step += 2
+    _ranks.CLOSE_TIMEOUT_S = 1.0  # each close of the next one waits this long for the other rank
+    alone = Checkpointer(directory, mode="sync", timeout_s=60)
+    outcomes.append(outcome(lambda: alone.save(state_of(step), step=step)))
+    if RANK == 1:
+        store.wait(["reopened/alone"])
+    outcomes.append(outcome(alone.close))
+    kept = _sockets()  # its groups: neither rank saw the other close
+    if RANK == 0:
+        store.set("reopened/alone", "")
+    last = Checkpointer(directory, mode="sync", timeout_s=60)  # the ranks still in step
+    outcomes.append(outcome(lambda c=last, s=step + 1: c.save(state_of(s), step=s)))
+    steps = last.steps()
+    del last  # dropped unclosed, as a cell run again drops the one it made before
+    gc.collect()
+    wait_released(open_store(directory), timeout_s=120)  # its threads finish first, then it lets go of its groups
+    return {"outcomes": outcomes, "steps": steps, "sockets": sockets, "kept": kept}
+
+
+#: How many times :func:`_reopened` opens, saves and closes the run on both ranks.
+CYCLES = 6
+
+
+def _closed_without_the_default_group(directory: str) -> str:
+    """A Checkpointer closed after the default group was destroyed (a script's end, then the
+    close at exit): what the close said. Last in :func:`refusal`'s launch."""
+    ckpt = Checkpointer(directory, mode="sync", timeout_s=60)
+    ckpt.save(state_of(1), step=1)
+    dist.barrier()  # both saved: neither rank's group is needed any more
+    dist.destroy_process_group()
+    return outcome(ckpt.close)
 
 
 def _unshared(directory: str) -> dict[str, Any]:
@@ -510,7 +533,8 @@ def main(scenario: str, directory: str) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     result = SCENARIOS[scenario](directory)
     print(json.dumps({"rank": RANK, **result}), flush=True)
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a scenario may have destroyed it (a script's end, before a close)
+        dist.destroy_process_group()
     return 0
 
 
