@@ -60,7 +60,7 @@ CLOSE_TIMEOUT_S = 5.0
 #: few KiB (its files' checksums, the plain values' tree, RNG states). ``all_gather_object`` sends
 #: the sizes first and then the pickles, two collectives each a round trip through every rank
 #: (11.8 ms against 5.1 ms for one all-gather of 4 KiB, 4 gloo ranks on 2 loaded cores); a save
-#: makes three of them as it persists, between the copy and the commit.
+#: makes two or three of them as it persists, between the copy and the commit (``_saver``).
 SLOT_BYTES = 16 * 1024
 #: The largest a row grows to after a larger exchange (beyond it, the larger ones take two).
 SLOT_MAX_BYTES = 1 << 20

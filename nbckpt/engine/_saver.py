@@ -43,6 +43,9 @@ __all__ = ["Commit", "CommitObserver", "Saver"]
 
 _log = logging.getLogger("nbckpt")
 _T = TypeVar("_T")
+#: Where rank 0 opened a step's files (``Store.begin``), and the keys of its plain values, which
+#: the other ranks leave to it (a value every rank holds is written once).
+Opened = tuple[str, frozenset[str]]
 #: Structures a run alternates between at most (a model, then with its optimizer state, ...).
 _LAYOUTS_KEPT = 4
 
@@ -106,6 +109,18 @@ class _Offer(NamedTuple):
     """Fingerprints of its tensors other ranks may hold too (filled as it stages)."""
     staged: int | None
     """The agreed layout it staged with (its number); None: it stages once this one is agreed."""
+    opened: Opened | None = None
+    """Rank 0's, where it opened the step's location as it offered (:meth:`Saver._settle_agreement`)."""
+
+
+class _Agreement(NamedTuple):
+    """What the ranks agreed on for a save staged at once."""
+
+    layout: Layout
+    late: bool
+    """A rank waits for it before staging (its structure changed)."""
+    opened: Opened | None
+    """Rank 0's location and keys, where it opened the location as it offered."""
 
 
 class _Pending(NamedTuple):
@@ -115,6 +130,8 @@ class _Pending(NamedTuple):
     layout: Layout
     late: bool
     """The rank waited for the agreement before staging (its structure changed)."""
+    opened: Opened | None = None
+    """For a rank that waited: what rank 0 opened as the ranks agreed."""
 
 
 def _fingerprint(
@@ -320,7 +337,7 @@ class Saver:
         waits for the layout. A rank that fails here still takes part, with its error, so that
         the save fails on every rank; the failure is the save's (raised by ``wait`` or the next
         save, on every rank alike)."""
-        decided: Future[Layout] | None = None
+        decided: Future[_Agreement] | None = None
         try:
             flat = flatten(state)
             handle.bytes = flat.nbytes
@@ -337,7 +354,7 @@ class Saver:
                 decided = Future()
                 self._persister.submit(partial(self._decide, decided, handle, offer, flat.paths))
                 settle(decided)
-                layout = decided.result()
+                layout = decided.result().layout
             self._warn(flat, handle.step, overwrite)
             rng_state = rng_capture() if capture_rng else None
             late = decided is not None  # its staging is waited for by the others: stage now
@@ -349,7 +366,7 @@ class Saver:
             handle.reported = True  # raised here (Ctrl-C): the others still hear of it
             self._persister.submit(withdraw)
             raise
-        pending = _Pending(offer, layout, late)
+        pending = _Pending(offer, layout, late, None if decided is None else decided.result().opened)
         return partial(
             self._persist,
             handle,
@@ -467,14 +484,12 @@ class Saver:
 
     # -- the agreement of a save staged at once (several ranks; on the persist thread) ----------
 
-    def _agree(
-        self, handle: SaveHandle, offer: Callable[[], _Offer], paths: dict[str, Any]
-    ) -> tuple[Layout, bool]:
+    def _agree(self, handle: SaveHandle, offer: Callable[[], _Offer], paths: dict[str, Any]) -> _Agreement:
         """Every rank's offer for this save (the ranks check in first: one that never comes fails
-        it within the arrival deadline); the layout of their plans, and whether a rank waits for
-        it before staging. Refused on every rank alike: another step, a rank that staged with a
-        layout whose files for it changed (the state's structure changed on some ranks only),
-        replicated tensors whose copies differ."""
+        it within the arrival deadline); the layout of their plans, whether a rank waits for it
+        before staging, and where rank 0 opened the step, if it did. Refused on every rank alike:
+        another step, a rank that staged with a layout whose files for it changed (the state's
+        structure changed on some ranks only), replicated tensors whose copies differ."""
         step = handle.step
         seq, everyone = self._first_exchange(self.ranks.agreement, step, handle.seq, offer)
         handle.seq = seq  # rank 0's: the later exchanges' tags are the same on every rank
@@ -495,18 +510,18 @@ class Saver:
                 "uses the new structure"
             )
         check_replicas(layout.shared, layout.replicated, [o.prints for o in everyone])
-        return layout, any(o.staged is None for o in everyone)
+        return _Agreement(layout, any(o.staged is None for o in everyone), everyone[0].opened)
 
     def _files(self, generation: int, rank: int) -> tuple[Any, ...] | None:
         layout = self._generations.get(generation)
         return None if layout is None else tuple(layout.files.get(rank, ()))
 
     def _decide(
-        self, decided: Future[Layout], handle: SaveHandle, offer: _Offer, paths: dict[str, Any]
+        self, decided: Future[_Agreement], handle: SaveHandle, offer: _Offer, paths: dict[str, Any]
     ) -> None:
         """For a rank whose structure changed: the agreement, before it stages."""
         try:
-            decided.set_result(self._agree(handle, lambda: offer, paths)[0])
+            decided.set_result(self._agree(handle, lambda: offer, paths))
         except BaseException as exc:
             decided.set_exception(exc)
 
@@ -517,26 +532,39 @@ class Saver:
         layout: Layout,
         flat: Flattened,
         stage_done: Future[tuple[float, int]],
+        opened: list[Opened],
     ) -> Layout:
         """The agreement of a save staged at once, once this rank's copy is done; then, where a
         rank waited for it to stage, its staging's outcome: the layout agreed on (``layout``
-        for a save planned on the caller's thread, ``pending`` None)."""
+        for a save planned on the caller's thread, ``pending`` None). Rank 0 opens the step's
+        location as it offers, and every rank hears where in the agreement (``opened`` gets it,
+        on rank 0 as soon as it is made, for a failure to discard it): every rank starts
+        writing once agreed. Measured before (4 ranks x 64 MiB on /dev/shm, 2 loaded cores): the
+        ranks that could not yet see rank 0's directory waited for an exchange of its own, 40 ms
+        median, the last rank starting its writes 36 ms into a 120 ms persist."""
         if pending is None:
             return layout
         if pending.late:  # agreed before it staged: the others wait to hear it did
             self.ranks.background.exchange(("staged", handle.step, handle.seq), lambda: _done(stage_done))
+            opened.extend(() if pending.opened is None else (pending.opened,))
             return pending.layout
 
         def offer() -> _Offer:
             stage_done.result()  # a failed copy is this rank's error in the agreement
-            return pending.offer
+            if self.ranks.rank != 0:
+                return pending.offer
+            opened.append(self._begin(handle, flat.tree))  # its number is rank 0's own already
+            plan_, prints, staged, _ = pending.offer
+            return _Offer(plan_, prints, staged, opened[0])
 
-        layout, late = self._agree(handle, offer, flat.paths)
-        if late:
+        agreement = self._agree(handle, offer, flat.paths)
+        if self.ranks.rank != 0 and agreement.opened is not None:
+            opened.append(agreement.opened)
+        if agreement.late:
             self.ranks.background.exchange(("staged", handle.step, handle.seq), lambda: None)
-        return layout
+        return agreement.layout
 
-    def _withdraw(self, handle: SaveHandle, exc: BaseException, decided: Future[Layout] | None) -> None:
+    def _withdraw(self, handle: SaveHandle, exc: BaseException, decided: Future[_Agreement] | None) -> None:
         """A save that failed on this rank before its persist job: the others hear of it where
         they wait for this rank (the agreement, or its staging), and the save fails on all."""
         began = now_ns()
@@ -682,15 +710,16 @@ class Saver:
         began = persist_began = now_ns()
         location: str | None = None
         path: str | None = None
+        opened: list[Opened] = []  # where rank 0 opened the step as the ranks agreed, if it did
         try:
-            layout = self._settle_agreement(handle, pending, layout, flat, stage_done)
+            layout = self._settle_agreement(handle, pending, layout, flat, stage_done, opened)
             tag = handle.seq  # agreed by now (rank 0's number)
             cpu_s = stage_done.result()[0]
             handle.staged.result()  # set by the stage thread's callback before this returns
             handle.phase = "persisting"
             persist_began = now_ns()
             started: list[Future[FileResult]] = []
-            location, shared = self._open(handle, f"{self._nonce}{tag:x}", flat.tree, sharing, started)
+            location, shared = opened[0] if opened else self._open(handle, flat.tree, sharing, started)
             written = background.exchange(
                 ("write", step, tag),
                 lambda: self._write(
@@ -730,6 +759,7 @@ class Saver:
             # Once committed, the checkpoint stays whatever fails after; before, it goes.
             if handle.slot is not None:
                 self.pool.release(handle.slot, handle)
+            location = location or next((where for where, _ in opened), None)
             if path is None and location is not None and rank == 0:
                 self.store.discard(location)
             self._fail(handle, exc, began)
@@ -842,30 +872,31 @@ class Saver:
             self._origin = provenance()
         return self._origin
 
+    def _begin(self, handle: SaveHandle, tree: dict[str, Any]) -> Opened:
+        """Rank 0: the step's new location (named by the save's agreed number), and the keys of
+        its plain values (none in one process: it writes them all)."""
+        location = self.store.begin(handle.step, f"{self._nonce}{handle.seq:x}")
+        several = self.ranks.world_size > 1
+        return location, frozenset(key for key, _, _ in dcp_values(tree)) if several else frozenset()
+
     def _open(
-        self,
-        handle: SaveHandle,
-        nonce: str,
-        tree: dict[str, Any],
-        sharing: Sharing,
-        started: list[Future[FileResult]],
-    ) -> tuple[str, frozenset[str]]:
-        """Rank 0 opens the step's location; every rank hears it, with the keys of rank 0's plain
-        values, which the others then leave to rank 0 (a value every rank holds is written once).
-        A rank starts writing its data files as soon as it can tell the location (``started``:
-        their futures), so that the round trip to hear rank 0, and the wait there for the last
-        rank to finish its copy, run beside its writes: rank 0 once it has opened it, another
-        where it can see it already (a local directory rank 0 has made). The others' plain
-        values wait for rank 0's keys."""
+        self, handle: SaveHandle, tree: dict[str, Any], sharing: Sharing, started: list[Future[FileResult]]
+    ) -> Opened:
+        """Rank 0 opens the step's location (:meth:`_begin`); every rank hears it, with rank 0's
+        keys, in an exchange of its own (a save whose ranks agreed on the persist thread heard it
+        there). A rank starts writing its data files as soon as it can tell the location
+        (``started``: their futures), so that the round trip to hear rank 0, and the wait there
+        for the last rank to finish its copy, run beside its writes: rank 0 once it has opened
+        it, another where it can see it already (a local directory rank 0 has made). The others'
+        plain values wait for rank 0's keys."""
         step = handle.step
 
-        def begin() -> tuple[str, frozenset[str]]:
-            location = self.store.begin(step, nonce)
-            started.extend(self._start(handle, location, sharing))
-            several = self.ranks.world_size > 1
-            return location, frozenset(key for key, _, _ in dcp_values(tree)) if several else frozenset()
+        def begin() -> Opened:
+            opened = self._begin(handle, tree)
+            started.extend(self._start(handle, opened[0], sharing))
+            return opened
 
-        seen = self.store.opened(step, nonce) if self.ranks.rank != 0 else None
+        seen = self.store.opened(step, f"{self._nonce}{handle.seq:x}") if self.ranks.rank != 0 else None
         if seen is not None:
             started.extend(self._start(handle, seen, sharing))
         try:

@@ -97,6 +97,8 @@ def refusal(directory: str) -> dict[str, Any]:
         results[8], results[9] = _crossing(ckpt)
         results[11], results[12] = _failed_write(ckpt)
         seen = {
+            # rank 0 opens a save's location as the ranks agree: a refused save's goes with it
+            "temporary": sorted(name for name in os.listdir(directory) if name.startswith(".tmp-")),
             "unshared": unshared,
             "outcomes": results,
             "caller_collectives": calls,

@@ -80,6 +80,7 @@ def test_17_a_refusal_on_one_rank_fails_that_save_on_every_rank(
         ), seen
         assert seen["steps"] == [1, 3, 7, 8, 9, 12] and seen["restored"] == 12 and seen["exact"], seen
         assert seen["manifest_steps"] == {"0": 12, "1": 12}  # no rank's step-12 tree is another step's
+        assert seen["temporary"] == [], seen  # each refused save's location was discarded
 
 
 def test_ranks_that_do_not_share_the_run_directory_or_its_mirror_are_refused_at_open(
