@@ -157,7 +157,8 @@ def _reopened(directory: str, sockets: list[int]) -> dict[str, Any]:
     steps = last.steps()
     del last  # dropped unclosed, as a cell run again drops the one it made before
     gc.collect()
-    wait_released(open_store(directory), timeout_s=120)  # its threads finish first, then it lets go of its groups
+    # its threads finish first, then it lets go of its groups
+    wait_released(open_store(directory), timeout_s=120)
     return {"outcomes": outcomes, "steps": steps, "sockets": sockets, "kept": kept}
 
 
