@@ -482,7 +482,7 @@ def _metadata(
     sizes: dict[tuple[int, ...], torch.Size] = {}
     # One TensorProperties per dtype and one ChunkStorageMetadata per chunk shape too (DCP only
     # reads them): each restore walks the pickle's opcodes before unpickling it, and 10,000
-    # tensors of 100 shapes pickle in 610,000 opcodes instead of 850,000.
+    # tensors of 100 shapes pickle in 540,000 opcodes instead of 850,000.
     properties: dict[torch.dtype, TensorProperties] = {}
     pieces: dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkStorageMetadata] = {}
     for key, placed in locations.items():
@@ -495,9 +495,11 @@ def _metadata(
             listed.append(
                 pieces.setdefault((chunk.offsets, chunk.sizes), ChunkStorageMetadata(origin, extent))
             )
-            storage_data[MetadataIndex(key, origin)] = storage_info(
-                chunk.file, chunk.blob_offset, chunk.blob_length
-            )
+            index = MetadataIndex(key)
+            # Its offset the one torch.Size too (MetadataIndex makes a new one of what it is
+            # given): 7 opcodes fewer a chunk, 11 % of a restore's walk of the pickle.
+            object.__setattr__(index, "offset", origin)
+            storage_data[index] = storage_info(chunk.file, chunk.blob_offset, chunk.blob_length)
         shared = properties.setdefault(spec.dtype, TensorProperties(dtype=spec.dtype))
         state_dict_metadata[key] = TensorStorageMetadata(shared, whole, listed)
     return Metadata(
