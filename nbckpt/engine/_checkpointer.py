@@ -126,7 +126,9 @@ class Checkpointer:
         # once its threads are done (a save in flight holds it alive until then).
         parts = (self._saver, self._retainer, self._io, self._mirror, self._ranks)
         carry = self._saver.after_its_work
-        self._dropped = weakref.finalize(self, _shutdown.release_later, self.store, carry, *parts)
+        self._dropped = weakref.finalize(
+            self, _shutdown.release_later, self.store, carry, *parts, made_in=os.getpid()
+        )
         self._dropped.atexit = False
 
     @property
