@@ -126,7 +126,9 @@ class Checkpointer:
         # once its threads are done (a save in flight holds it alive until then).
         parts = (self._saver, self._retainer, self._io, self._mirror, self._ranks)
         carry = self._saver.after_its_work
-        self._dropped = weakref.finalize(self, _shutdown.release_later, self.store, carry, *parts)
+        self._dropped = weakref.finalize(
+            self, _shutdown.release_later, self.store, carry, *parts, made_in=os.getpid()
+        )
         self._dropped.atexit = False
 
     @property
@@ -491,19 +493,25 @@ class Checkpointer:
             if self._closed:
                 return
             try:
-                self._saver.wait()
+                try:
+                    self._saver.wait()
+                finally:
+                    self._closed = True
+                    unregister(self)
+                    self._dropped.detach()  # released here: its persist thread takes no more work
+                    self._leave()
                 self._wait_mirror()
             finally:
-                self._closed = True
-                unregister(self)
-                self._dropped.detach()  # released here: its persist thread takes no more work
-                self._release()
+                release(self.store, True, self._retainer, self._io, self._mirror)
 
-    def _release(self) -> None:
-        """close()'s release: the threads ended, then the ranks' groups given back where every
-        rank closes it too (a release that failed may leave a thread on them: let go only)."""
+    def _leave(self) -> None:
+        """close()'s end of the saver, whose threads alone use the ranks' groups: they end, then
+        the groups are given back where every rank closes it too (a stop that failed may leave a
+        thread on them: let go only). Before rank 0's uploads to the mirror are waited for: after
+        them, an upload outlasting the close's check-in deadline kept the groups on every rank, and
+        rank 0's close waited out the deadline as well."""
         try:
-            release(self.store, True, self._saver, self._retainer, self._io, self._mirror)
+            self._saver.stop(True)
         except BaseException:
             self._ranks.stop(True)
             raise

@@ -91,14 +91,18 @@ def _key(store: Store) -> str:
 
 
 def release_later(
-    store: Store, carry: Callable[[Callable[[], None]], None], *parts: _Stoppable | None
+    store: Store, carry: Callable[[Callable[[], None]], None], *parts: _Stoppable | None, made_in: int
 ) -> None:
     """A dropped Checkpointer's release (its finalizer, on any thread, one of its own among them):
     handed to ``carry`` (the persist thread's queue: a finalizer can neither wait nor start a
     thread, which may deadlock inside ``Thread.start``), which stops the other threads once they
     finished what they were given (an upload to the mirror, a retention pass), then frees the
     directory. Freed at once, the next writer's clean-up removed the files an upload was still
-    writing, and the two acted on the run at once."""
+    writing, and the two acted on the run at once. Nothing in a forked child (``made_in`` is the
+    process that made it): its copy has none of those threads, and the lock is the parent's; the
+    release counted there was never run, and the child's exit waited for it for ever."""
+    if os.getpid() != made_in:
+        return
     over: Future[None] = Future()
     _RELEASING[over] = _key(store)
     carry(partial(_release, store, parts, over))  # a SimpleQueue's put: safe in a finalizer

@@ -143,7 +143,8 @@ def _reopened(directory: str, sockets: list[int]) -> dict[str, Any]:
         outcomes.extend(outcome(handle.wait) for handle in handles)
         sockets.append(_sockets())
         step += 2
-    _ranks.CLOSE_TIMEOUT_S = 1.0  # each close of the next one waits this long for the other rank
+    _ranks.CLOSE_TIMEOUT_S = 1.0  # each close of the next ones waits this long for the other rank
+    mirrored = _closed_as_rank0_uploads(f"{directory}-mirrored", store)
     alone = Checkpointer(directory, mode="sync", timeout_s=60)
     outcomes.append(outcome(lambda: alone.save(state_of(step), step=step)))
     if RANK == 1:
@@ -159,7 +160,20 @@ def _reopened(directory: str, sockets: list[int]) -> dict[str, Any]:
     gc.collect()
     # its threads finish first, then it lets go of its groups
     wait_released(open_store(directory), timeout_s=120)
-    return {"outcomes": outcomes, "steps": steps, "sockets": sockets, "kept": kept}
+    return {"outcomes": outcomes, "steps": steps, "sockets": sockets, "kept": kept, "mirrored": mirrored}
+
+
+def _closed_as_rank0_uploads(directory: str, store: Any) -> dict[str, Any]:
+    """A Checkpointer with a mirror closed on both ranks, rank 0's upload at the close lasting
+    longer than the close's check-in deadline (held until rank 1's close has returned): what
+    each close said, and this rank's sockets after it."""
+    with armed("mirror.upload", lambda *_: store.wait(["reopened/mirrored"], timedelta(seconds=60))):
+        ckpt = Checkpointer(directory, mirror=f"{directory}-copy", mode="sync", timeout_s=60)
+        ckpt.save(state_of(1), step=1)
+        closed = outcome(ckpt.close)
+    if RANK == 1:
+        store.set("reopened/mirrored", "")
+    return {"closed": closed, "sockets": _sockets()}
 
 
 #: How many times :func:`_reopened` opens, saves and closes the run on both ranks.

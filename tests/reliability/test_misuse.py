@@ -330,6 +330,41 @@ def test_a_process_exiting_as_a_dropped_checkpointer_uploads_finishes_the_upload
     assert not [p.name for p in mirror.iterdir() if p.name.startswith(".tmp-")]  # nothing cut short
 
 
+FORK_CHILD_DROPS_ITS_COPY = """
+import gc, os, signal, sys, torch
+from nbckpt import Checkpointer
+ckpt = Checkpointer(sys.argv[1])
+ckpt.save({"w": torch.zeros(4), "step": 1}, step=1).wait()
+pid = os.fork()
+if pid == 0:  # the child drops its copy of the parent's Checkpointer, then exits as a script does
+    signal.alarm(60)  # a child that hangs at its exit ends (SIGALRM: exit code -14), none left over
+    del ckpt
+    gc.collect()
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), flush=True)
+ckpt.save({"w": torch.ones(4), "step": 2}, step=2).wait()  # the parent's threads and lock untouched
+ckpt.close()
+"""
+
+
+def test_a_forked_child_dropping_its_copy_of_a_checkpointer_exits(tmp_path: Path) -> None:
+    """A child of ``os.fork`` that drops its copy of the parent's Checkpointer exits: the copy's
+    release is the parent's to make (the threads and the lock are there). Before, it was counted
+    among the releases under way, handed to a persist thread the child does not have, and the
+    child's exit waited for it for ever."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_CHILD_DROPS_ITS_COPY, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "child 0\n", done.stdout  # before: "child -14", hung at its exit
+    with Checkpointer(tmp_path / "run", read_only=True) as ckpt:
+        assert ckpt.steps() == [1, 2]
+
+
 def test_a_save_in_flight_holds_a_dropped_checkpointer_alive(tmp_path: Path, throttle: Throttle) -> None:
     """A Checkpointer dropped unclosed as its save writes lives until the save is over (the
     persist job holds it), then frees the directory: the step is there for the next writer."""
