@@ -121,13 +121,14 @@ class Checkpointer:
             names = ("_saver", "_retainer", "_io", "_mirror", "_ranks")
             release(self.store, True, *[getattr(self, name, None) for name in names])
             raise
+        self._made_in = os.getpid()
         register(self, self._at_exit)
         # A Checkpointer dropped without close() (a notebook cell run again) frees the directory
         # once its threads are done (a save in flight holds it alive until then).
         parts = (self._saver, self._retainer, self._io, self._mirror, self._ranks)
         carry = self._saver.after_its_work
         self._dropped = weakref.finalize(
-            self, _shutdown.release_later, self.store, carry, *parts, made_in=os.getpid()
+            self, _shutdown.release_later, self.store, carry, *parts, made_in=self._made_in
         )
         self._dropped.atexit = False
 
@@ -534,8 +535,11 @@ class Checkpointer:
 
     def _at_exit(self) -> None:
         """At the process's exit: finish the saves in flight and close (unless a final save
-        hangs, which closing would wait for)."""
-        if self._closed or self._abandoned:
+        hangs, which closing would wait for). Not in a child of ``os.fork`` exiting with its copy:
+        the threads, the saves in flight and the ranks' connections are the parent's (the child's
+        close waited for ever for a save in flight at the fork, and checked in to the ranks' close
+        on the parent's store connection)."""
+        if self._closed or self._abandoned or os.getpid() != self._made_in:
             return
         pending = [h for h in self.handles if not h.done()]
         if pending:

@@ -365,6 +365,46 @@ def test_a_forked_child_dropping_its_copy_of_a_checkpointer_exits(tmp_path: Path
         assert ckpt.steps() == [1, 2]
 
 
+FORK_CHILD_EXITS_WITH_A_SAVE_IN_FLIGHT = """
+import os, signal, sys, threading, torch
+from nbckpt import Checkpointer
+from nbckpt.engine._faults import armed
+entered, go = threading.Event(), threading.Event()
+def held(location, name):
+    entered.set()
+    go.wait()
+with armed("store.sink", held):
+    ckpt = Checkpointer(sys.argv[1], mode="async")
+    handle = ckpt.save({"w": torch.zeros(4), "step": 1}, step=1)
+    entered.wait()  # its persist thread writes (held)
+    pid = os.fork()
+    if pid == 0:  # the child exits as a script does, its copy of the Checkpointer still referenced
+        signal.alarm(60)  # a child that hangs at its exit ends (SIGALRM: exit code -14)
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child", os.waitstatus_to_exitcode(status), flush=True)
+    go.set()
+    handle.wait()
+ckpt.close()
+"""
+
+
+def test_a_forked_child_exiting_with_its_copy_of_a_checkpointer_exits(tmp_path: Path) -> None:
+    """A child of ``os.fork`` that exits with its copy of the parent's Checkpointer still
+    referenced leaves the close to the parent. Before, its close at exit waited for ever for the
+    save in flight at the fork (whose threads are the parent's)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORK_CHILD_EXITS_WITH_A_SAVE_IN_FLIGHT, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "child 0\n", done.stdout  # before: "child -14", hung at its exit
+    with Checkpointer(tmp_path / "run", read_only=True) as ckpt:
+        assert ckpt.steps() == [1]
+
+
 def test_a_save_in_flight_holds_a_dropped_checkpointer_alive(tmp_path: Path, throttle: Throttle) -> None:
     """A Checkpointer dropped unclosed as its save writes lives until the save is over (the
     persist job holds it), then frees the directory: the step is there for the next writer."""
