@@ -1,7 +1,8 @@
 """How a Checkpointer's life ends: the Checkpointers a process holds open (the one writing into a
 directory, closing them all, closing each at exit so its saves in flight finish), and the final
 save, synchronous and bounded in time, on a signal such as SIGTERM or a kernel's exit: one that
-cannot commit in time is left on its daemon thread and never counts (the next open cleans up).
+cannot commit in time is left on its daemon thread and never counts (the next open cleans up);
+a process exiting with one still running ends, as it was ending, without the interpreter's teardown.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import logging
 import multiprocessing.util
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from functools import partial
 from types import MethodType
 from typing import Any, Generic, Protocol, TypeAlias, TypeVar, cast
@@ -158,9 +160,54 @@ def _finish_releases() -> None:
         settle_all(pending)
     for thread in list(_ENDING):
         thread.join()
+    _leave_final_saves()
 
 
 atexit.register(_finish_releases)
+
+
+#: The threads of final saves that did not end in time (:func:`final_save`), left running.
+_LEFT: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+#: The code of a SystemExit that a signal's earlier handler raised after a final save.
+_EXIT_CODE: list[int] = []
+
+
+def _exit_status() -> tuple[signal.Signals | None, int]:
+    """How the process was ending: by an uncaught KeyboardInterrupt (which CPython turns into
+    SIGINT after its teardown), with an earlier handler's SystemExit code, or an uncaught
+    exception's 1; 1 where nothing says (a final save that did not end failed)."""
+    last = getattr(sys, "last_value", None)  # set by CPython for the exception that ends it
+    if isinstance(last, KeyboardInterrupt):
+        return signal.SIGINT, 128 + signal.SIGINT
+    if last is None and _EXIT_CODE:
+        return None, _EXIT_CODE[-1]
+    return None, 1
+
+
+def _leave_final_saves() -> None:
+    """At exit, after everything else of nbckpt's: a final save that did not end in time still
+    runs on its daemon thread, and the interpreter's teardown under it aborted the process where
+    it freed or copied a tensor (``terminate called without an active exception``, SIGABRT and a
+    core dump, not the signal's own status: a thread taking the GIL during the teardown is ended
+    by ``pthread_exit``, whose unwinding cannot pass torch's C++ frames). The process ends here
+    instead, as it was ending (the signal's status), its logs and output flushed; its final save
+    never counts (the next open cleans it up)."""
+    if not any(thread.is_alive() for thread in list(_LEFT)):
+        return
+    signum, code = _exit_status()
+    _log.warning(
+        "nbckpt: a final save that did not end in time still runs; the process ends now (%s), "
+        "without the interpreter's teardown",
+        f"by {signum.name}" if signum is not None else f"exit status {code}",
+    )
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(AttributeError, OSError, ValueError):  # closed or replaced by the caller
+            stream.flush()
+    if signum is not None:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)  # delivered to this thread before it returns: the process ends
+    os._exit(code)
 
 
 _OPEN: weakref.WeakSet[_Open] = weakref.WeakSet()
@@ -320,6 +367,7 @@ def final_save(
             saver.join(timeout_s)
             ended = not saver.is_alive()
             if not ended:
+                _LEFT.add(saver)  # the exit must not tear the interpreter down under it
                 outcome.append(f"did not commit within {timeout_s:g} s; the previous checkpoint stays")
             what = (
                 "nothing new to save; the saves in flight"
@@ -486,9 +534,20 @@ def on_signal(
         if not deferred:
             signal.signal(signum, previous)
             if callable(previous):
-                previous(signum, frame)
+                try:
+                    previous(signum, frame)
+                except SystemExit as exc:  # the process's status, if it ends with a final save left
+                    _EXIT_CODE.append(_code_of(exc))
+                    raise
             elif previous == signal.SIG_DFL:
                 os.kill(os.getpid(), signum)
+
+
+def _code_of(exc: SystemExit) -> int:
+    """The exit status CPython gives ``exc`` (None: 0; a message: printed, 1)."""
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 1
 
 
 Installed = dict[int, tuple[Callable[..., None], Any]]
