@@ -541,14 +541,17 @@ class Checkpointer:
         on the parent's store connection)."""
         if self._closed or self._abandoned or os.getpid() != self._made_in:
             return
-        pending = [h for h in self.handles if not h.done()]
-        if pending:
-            steps = ", ".join(str(h.step) for h in pending)
-            warnings.warn(f"nbckpt: finishing save(s) of step {steps} before exit", stacklevel=1)
         try:
+            pending = [h for h in self.handles if not h.done()]
+            if pending:
+                steps = ", ".join(str(h.step) for h in pending)
+                warnings.warn(f"nbckpt: finishing save(s) of step {steps} before exit", stacklevel=1)
             self.close()
         except CheckpointError as exc:
             warnings.warn(f"nbckpt: {exc}", stacklevel=1)
+        except KeyboardInterrupt:  # a Ctrl-C as the exit waits (twice: the close waits for threads)
+            _shutdown.ended_by(signal.SIGINT)  # how the process ends, once the exit's work is done
+            raise
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.store.url!r}, mode={self.config.mode!r}, keep={self.config.keep!r})"

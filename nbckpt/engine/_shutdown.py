@@ -1,7 +1,8 @@
 """How a Checkpointer's life ends: the Checkpointers a process holds open (the one writing into a
 directory, closing them all, closing each at exit so its saves in flight finish), and the final
 save, synchronous and bounded in time, on a signal such as SIGTERM or a kernel's exit: one that
-cannot commit in time is left on its daemon thread and never counts (the next open cleans up).
+cannot commit in time is left on its daemon thread and never counts (the next open cleans up);
+a process exiting with one still running ends, as it was ending, without the interpreter's teardown.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import logging
 import multiprocessing.util
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from functools import partial
 from types import MethodType
 from typing import Any, Generic, Protocol, TypeAlias, TypeVar, cast
@@ -27,7 +29,7 @@ from ._config import CheckpointConfig
 from ._open_store import open_store
 from ._ranks import Group
 from ._store import Store
-from ._workers import settle, settle_all
+from ._workers import busy, settle, settle_all
 
 __all__ = [
     "Deferral",
@@ -35,6 +37,7 @@ __all__ = [
     "check_arguments",
     "check_signals",
     "close_all",
+    "ended_by",
     "final_save",
     "install",
     "register",
@@ -155,16 +158,73 @@ def _finish_releases() -> None:
     active exception``, SIGABRT: a thread taking the GIL during the teardown is ended by
     ``pthread_exit``, whose unwinding cannot pass torch's C++ destructors), and their uploads
     were cut short. Registered at import, so it runs after every Checkpointer's own close at
-    exit (atexit runs the last registered first)."""
-    if _under_way():
-        _log.warning("nbckpt: finishing the work of Checkpointers dropped unclosed before exit")
-    while pending := _under_way():  # one may be dropped as another ends
-        settle_all(pending)
-    for thread in list(_ENDING):
-        thread.join()
+    exit (atexit runs the last registered first); a Ctrl-C there ends the process too."""
+    try:
+        if _under_way():
+            _log.warning("nbckpt: finishing the work of Checkpointers dropped unclosed before exit")
+        while pending := _under_way():  # one may be dropped as another ends
+            settle_all(pending)
+        for thread in list(_ENDING):
+            thread.join()
+    except KeyboardInterrupt:
+        ended_by(signal.SIGINT)
+        raise
+    finally:
+        _leave_running_work()
 
 
 atexit.register(_finish_releases)
+
+
+#: The threads of final saves that did not end in time (:func:`final_save`), left running.
+_LEFT: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+#: How the process was ending, where nbckpt saw it (a signal, or an exit status), latest last.
+_ENDED_BY: list[tuple[signal.Signals | None, int]] = []
+
+
+def ended_by(signum: signal.Signals | None, code: int = 1) -> None:
+    """Note how the process is ending: by ``signum`` (a Ctrl-C during the exit's wait), or with
+    ``code`` (an earlier signal handler's SystemExit)."""
+    _ENDED_BY.append((signum, 128 + signum if signum is not None else code))
+
+
+def _exit_status() -> tuple[signal.Signals | None, int]:
+    """How the process was ending: by an uncaught KeyboardInterrupt (which CPython turns into
+    SIGINT after its teardown), as nbckpt saw it end (:func:`ended_by`), or an uncaught
+    exception's 1; 1 where nothing says (work that did not end, a final save among it, failed)."""
+    last = getattr(sys, "last_value", None)  # set by CPython for the exception that ends it
+    if isinstance(last, KeyboardInterrupt):
+        return signal.SIGINT, 128 + signal.SIGINT
+    if last is None and _ENDED_BY:
+        return _ENDED_BY[-1]
+    return None, 1
+
+
+def _leave_running_work() -> None:
+    """At exit, after everything else of nbckpt's: a final save that did not end in time still
+    runs on its daemon thread, or a worker its job (a Checkpointer whose close at exit a Ctrl-C
+    cut short, one a final save left unclosed), and the interpreter's teardown under it aborted
+    the process where it freed or copied a tensor (``terminate called without an active
+    exception``, SIGABRT and a core dump, not the signal's own status: a thread taking the GIL
+    during the teardown is ended by ``pthread_exit``, whose unwinding cannot pass torch's C++
+    frames). The process ends here instead, as it was ending (the signal's status), its logs and
+    output flushed; what was left never counts (the next open cleans it up)."""
+    if not (busy() or any(thread.is_alive() for thread in list(_LEFT))):
+        return
+    signum, code = _exit_status()
+    _log.warning(
+        "nbckpt: a save that did not end (a final save out of time, a close cut short) still "
+        "runs; the process ends now (%s), without the interpreter's teardown",
+        f"by {signum.name}" if signum is not None else f"exit status {code}",
+    )
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(AttributeError, OSError, ValueError):  # closed or replaced by the caller
+            stream.flush()
+    if signum is not None:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)  # delivered to this thread before it returns: the process ends
+    os._exit(code)
 
 
 _OPEN: weakref.WeakSet[_Open] = weakref.WeakSet()
@@ -324,6 +384,7 @@ def final_save(
             saver.join(timeout_s)
             ended = not saver.is_alive()
             if not ended:
+                _LEFT.add(saver)  # the exit must not tear the interpreter down under it
                 outcome.append(f"did not commit within {timeout_s:g} s; the previous checkpoint stays")
             what = (
                 "nothing new to save; the saves in flight"
@@ -490,9 +551,20 @@ def on_signal(
         if not deferred:
             signal.signal(signum, previous)
             if callable(previous):
-                previous(signum, frame)
+                try:
+                    previous(signum, frame)
+                except SystemExit as exc:  # the process's status, if it ends with a final save left
+                    ended_by(None, _code_of(exc))
+                    raise
             elif previous == signal.SIG_DFL:
                 os.kill(os.getpid(), signum)
+
+
+def _code_of(exc: SystemExit) -> int:
+    """The exit status CPython gives ``exc`` (None: 0; a message: printed, 1)."""
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 1
 
 
 Installed = dict[int, tuple[Callable[..., None], Any]]

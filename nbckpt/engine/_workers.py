@@ -49,6 +49,9 @@ SIGNAL_CHECK_S = 0.2
 # Which engine worker runs on this thread (a save's callbacks and the timeline's listeners run on
 # them): the Checkpointer's calls that wait for background work refuse to run there.
 _here = threading.local()
+#: The workers running a job now: the exit must not tear the interpreter down under one
+#: (:func:`busy`). One set operation each, which the GIL keeps whole.
+_BUSY: set[Worker] = set()
 
 
 def settle(future: Future[Any], timeout: float | None = None) -> bool:
@@ -63,6 +66,11 @@ def settle(future: Future[Any], timeout: float | None = None) -> bool:
             return False
         futures_wait([future], min(left, SIGNAL_CHECK_S))
     return True
+
+
+def busy() -> bool:
+    """Whether one of the engine's workers is running a job (a save's persist, an upload)."""
+    return bool(_BUSY)
 
 
 def worker_thread() -> str | None:
@@ -104,10 +112,12 @@ class Worker:
             lower_priority(nice)
         ready.set()
         while (job := self._jobs.get()) is not None:
+            _BUSY.add(self)
             # Jobs report their own errors on their futures; the thread must outlive any of them.
             with contextlib.suppress(BaseException):
                 job()
             del job  # an idle worker must not keep the last job's Checkpointer alive
+            _BUSY.discard(self)
 
     def stop(self, wait: bool = True) -> None:
         self._jobs.put(None)

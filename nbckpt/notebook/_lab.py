@@ -20,6 +20,7 @@ stall over ranks and the straggler.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -90,6 +91,22 @@ def _make_live(lab: Lab | None) -> None:
         if was_running
         else "nbckpt: closed the previous lab"
     )
+
+
+def _stop_at_exit() -> None:
+    """At the kernel's exit (a shutdown or restart as a lab runs): its run ends after the
+    current step, its saves in flight commit, and the exit waits for its threads. Left running,
+    the interpreter's teardown came under its training step or save and aborted the process
+    (``terminate called without an active exception``, SIGABRT and a core dump of the kernel: 3
+    runs of 5). Registered after the engine's exit work, so it runs before it."""
+    with _live_lock:
+        lab = _live
+    if lab is not None and lab.running:
+        lab.stop()
+        lab.wait()
+
+
+atexit.register(_stop_at_exit)
 
 
 class Lab:

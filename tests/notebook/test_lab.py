@@ -8,6 +8,7 @@ import html
 import logging
 import queue
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -369,6 +370,34 @@ _STATE = (
     "print(lab.run_button.disabled, lab.stop_button.disabled)\n"
     "print(int(lab.comparison.timeline['kind'].eq('step').sum()))"
 )
+
+
+EXITS_AS_A_LAB_RUNS = """\
+import atexit
+seen = []
+atexit.register(lambda: print("at the teardown, running:", seen[0].running))
+from nbckpt.notebook import Lab
+lab = Lab(directory={directory!r}, preset="synthetic", size_mb=2.0, strategies=["nbckpt-async"],
+          steps=100_000, every=5, repeats=1, refresh_s=0.05)
+seen.append(lab)
+assert lab.run()
+"""  # and the kernel shuts down (its script ends) as the lab runs
+
+
+def test_a_kernel_exiting_as_a_lab_runs_stops_the_run_before_the_teardown(tmp_path: Path) -> None:
+    """A kernel shut down or restarted as a lab runs: the run stops after the current step (its
+    saves in flight commit), and the exit waits for its threads. Before, the lab still ran as the
+    interpreter's teardown began, and its training step or save under it aborted the process in
+    3 runs of 5 (``terminate called without an active exception``, SIGABRT, a core dump)."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_AS_A_LAB_RUNS.format(directory=str(tmp_path / "lab"))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,  # a core dump, if any, never lands in the worktree
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "at the teardown, running: False" in done.stdout, done.stdout
 
 
 def _stopped_state(kernel: RealKernel) -> list[str]:

@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -508,6 +509,57 @@ def test_exit_with_a_save_in_flight(tmp_path: Path) -> None:
 
 
 # -- the directory or a writer failing mid-save -------------------------------------------------
+
+
+CTRL_C_TWICE_AT_EXIT = """
+import atexit, logging, os, signal, sys, threading, torch
+from nbckpt import Checkpointer
+from nbckpt.engine._faults import armed
+logging.basicConfig()  # nbckpt's warnings to stderr
+exiting, pressed = threading.Event(), threading.Event()
+def writing(*args):
+    print("writing", flush=True)
+    exiting.wait()
+    if not pressed.is_set():
+        pressed.set()
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the exit waits for the save
+    threading.Event().wait()  # its storage hangs: the save never ends
+join = threading.Thread.join
+def pressed_again(self, timeout=None):
+    if pressed.is_set() and self.name.startswith("nbckpt-"):
+        signal.raise_signal(signal.SIGINT)  # and again as the close waits for its threads
+    return join(self, timeout)
+threading.Thread.join = pressed_again
+arming = armed("store.sink", writing)
+arming.__enter__()
+ckpt = Checkpointer(sys.argv[1])
+ckpt.save({"w": torch.arange(16 << 20, dtype=torch.float32)}, step=1)
+atexit.register(exiting.set)  # registered after the Checkpointer's close: runs first
+"""
+
+
+def test_a_ctrl_c_pressed_twice_as_the_exit_waits_for_a_save_ends_the_process_by_sigint(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C as the close at exit waits for a save, and again as it waits for its threads,
+    leaves a save running on its daemon threads: the process ends by SIGINT once nbckpt's exit
+    work is done, without the interpreter's teardown under those threads. Before, it exited 0
+    with the save cut short (the KeyboardInterrupt only printed as ignored in an atexit
+    callback), or hung in multiprocessing's finalizer closing it again (2 runs of 6); with the
+    threads copying a tensor in the teardown, that aborts the process (SIGABRT)."""
+    done = subprocess.run(
+        [sys.executable, "-c", CTRL_C_TWICE_AT_EXIT, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,  # a core dump, if any, never lands in the worktree
+    )
+    assert done.stdout.startswith("writing")
+    assert done.returncode == -signal.SIGINT, done.stderr[-3000:]
+    assert "finishing save(s) of step 1 before exit" in done.stderr
+    assert "the process ends now (by SIGINT)" in done.stderr
+    with Checkpointer(tmp_path / "run", read_only=True) as run:
+        assert run.steps() == []  # the save never counts
 
 
 def test_directory_removed_under_a_running_save(tmp_path: Path, throttle: Throttle) -> None:

@@ -102,6 +102,62 @@ def test_final_save_says_what_happened(tmp_path: Path, caplog: pytest.LogCapture
         assert ckpt.steps() == [3]
 
 
+LEFT_AT_EXIT = """
+import atexit, logging, os, signal, sys, threading, torch
+from nbckpt import Checkpointer
+from nbckpt.engine._faults import armed
+logging.basicConfig()  # nbckpt's warnings to stderr
+how = sys.argv[2]
+go = threading.Event()
+def staging(*args):
+    print("staging", flush=True)
+    go.wait()  # until the exit begins: then it copies the state as the interpreter ends
+ckpt = Checkpointer(sys.argv[1])
+state = {"w": torch.arange(16 << 20, dtype=torch.float32), "step": 1}
+if how == "kernel exit":  # Autosave's way: a final save at exit
+    atexit.register(go.set)  # runs once the final save was left
+    atexit.register(lambda: ckpt.final_save(lambda: (state, 1), timeout_s=0.5, reason=how))
+else:
+    if how == "handler":  # an earlier handler of the job's own ends it with its status
+        signal.signal(signal.SIGTERM, lambda s, f: sys.exit(3))
+    signum = signal.SIGINT if how == "SIGINT" else signal.SIGTERM
+    ckpt.save_on_signal(lambda: (state, 1), signals=(signum,), timeout_s=0.5)
+    atexit.register(go.set)  # registered after nbckpt's: runs first, as the exit begins
+held = [armed("staging.fit", staging), armed("store.sink", lambda *a: threading.Event().wait())]
+for arming in held:  # the second: its storage hangs, so the save never ends
+    arming.__enter__()
+if how != "kernel exit":
+    os.kill(os.getpid(), signum)
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "status"),
+    [("SIGINT", -signal.SIGINT), ("handler", 3), ("kernel exit", 1)],
+    ids=["sigint", "handler-exit-3", "kernel-exit"],
+)
+def test_a_final_save_left_running_at_exit_ends_the_process_with_its_status_not_an_abort(
+    tmp_path: Path, how: str, status: int
+) -> None:
+    """A final save that did not commit in time is left on its daemon thread; the process then
+    ends as it was ending (a Ctrl-C's SIGINT, the status of an earlier handler's sys.exit, 1 for
+    an exit whose final save failed) without the interpreter's teardown. Before, the teardown
+    began under the thread copying the state, which aborted the process (SIGABRT and a core
+    dump, ``terminate called without an active exception``: 6 runs of 6 of the handler and the
+    exit case, 2 of 3 of the Ctrl-C), or exited 0 though its final save was lost."""
+    done = subprocess.run(
+        [sys.executable, "-c", LEFT_AT_EXIT, str(tmp_path / "run"), how],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,  # a core dump, if any, never lands in the worktree
+    )
+    assert done.stdout.startswith("staging")  # the exit came with the final save under way
+    assert done.returncode == status, done.stderr[-3000:]
+    assert "did not commit within 0.5 s" in done.stderr
+    assert "still runs; the process ends now" in done.stderr
+
+
 @contextmanager
 def another_thread_inside(block: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
     """Another thread stays inside ``block()`` while the with-statement runs."""
