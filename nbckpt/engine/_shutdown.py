@@ -8,6 +8,7 @@ a process exiting with one still running ends, as it was ending, without the int
 from __future__ import annotations
 
 import atexit
+import builtins
 import logging
 import multiprocessing.util
 import os
@@ -192,7 +193,9 @@ def _exit_status() -> tuple[signal.Signals | None, int]:
     """How the process was ending: by an uncaught KeyboardInterrupt (which CPython turns into
     SIGINT after its teardown), as nbckpt saw it end (:func:`ended_by`), or an uncaught
     exception's 1; 1 where nothing says (work that did not end, a final save among it, failed)."""
-    last = getattr(sys, "last_value", None)  # set by CPython for the exception that ends it
+    # Set by CPython for the exception that ends a script; IPython sets it for every cell's
+    # error, which never ends the kernel (a cell stopped long before its shutdown is no Ctrl-C).
+    last = None if getattr(builtins, "__IPYTHON__", False) else getattr(sys, "last_value", None)
     if isinstance(last, KeyboardInterrupt):
         return signal.SIGINT, 128 + signal.SIGINT
     if last is None and _ENDED_BY:

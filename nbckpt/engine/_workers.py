@@ -52,6 +52,9 @@ _here = threading.local()
 #: The workers running a job now: the exit must not tear the interpreter down under one
 #: (:func:`busy`). One set operation each, which the GIL keeps whole.
 _BUSY: set[Worker] = set()
+# A child of os.fork has none of the parent's threads: a job running there at the fork is not
+# running in the child, whose exit (a script's 0) would otherwise end as one left running (1).
+os.register_at_fork(after_in_child=_BUSY.clear)
 
 
 def settle(future: Future[Any], timeout: float | None = None) -> bool:

@@ -114,6 +114,12 @@ def staging(*args):
     go.wait()  # until the exit begins: then it copies the state as the interpreter ends
 ckpt = Checkpointer(sys.argv[1])
 state = {"w": torch.arange(16 << 20, dtype=torch.float32), "step": 1}
+if how == "kernel exit, a cell interrupted before":  # IPython keeps the cell's error in sys.last_value
+    import contextlib, io
+    from IPython.core.interactiveshell import InteractiveShell
+    with contextlib.redirect_stdout(io.StringIO()):  # its traceback shown in the cell's output
+        InteractiveShell.instance().run_cell("raise KeyboardInterrupt")  # the Stop button, earlier
+    how = "kernel exit"
 if how == "kernel exit":  # Autosave's way: a final save at exit
     atexit.register(go.set)  # runs once the final save was left
     atexit.register(lambda: ckpt.final_save(lambda: (state, 1), timeout_s=0.5, reason=how))
@@ -133,8 +139,13 @@ if how != "kernel exit":
 
 @pytest.mark.parametrize(
     ("how", "status"),
-    [("SIGINT", -signal.SIGINT), ("handler", 3), ("kernel exit", 1)],
-    ids=["sigint", "handler-exit-3", "kernel-exit"],
+    [
+        ("SIGINT", -signal.SIGINT),
+        ("handler", 3),
+        ("kernel exit", 1),
+        ("kernel exit, a cell interrupted before", 1),
+    ],
+    ids=["sigint", "handler-exit-3", "kernel-exit", "kernel-exit-after-an-interrupted-cell"],
 )
 def test_a_final_save_left_running_at_exit_ends_the_process_with_its_status_not_an_abort(
     tmp_path: Path, how: str, status: int
