@@ -98,7 +98,9 @@ def _stop_at_exit() -> None:
     current step, its saves in flight commit, and the exit waits for its threads. Left running,
     the interpreter's teardown came under its training step or save and aborted the process
     (``terminate called without an active exception``, SIGABRT and a core dump of the kernel: 3
-    runs of 5). Registered after the engine's exit work, so it runs before it."""
+    runs of 5). Registered after the engine's exit work, so it runs before it, though after
+    the close at exit of a Checkpointer the run made (the run then records that error, not a
+    clean stop; the engine's lock keeps a save from racing that close)."""
     with _live_lock:
         lab = _live
     if lab is not None and lab.running:
