@@ -349,23 +349,6 @@ ckpt.close()
 """
 
 
-def test_a_forked_child_dropping_its_copy_of_a_checkpointer_exits(tmp_path: Path) -> None:
-    """A child of ``os.fork`` that drops its copy of the parent's Checkpointer exits: the copy's
-    release is the parent's to make (the threads and the lock are there). Before, it was counted
-    among the releases under way, handed to a persist thread the child does not have, and the
-    child's exit waited for it for ever."""
-    done = subprocess.run(
-        [sys.executable, "-c", FORK_CHILD_DROPS_ITS_COPY, str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout == "child 0\n", done.stdout  # before: "child -14", hung at its exit
-    with Checkpointer(tmp_path / "run", read_only=True) as ckpt:
-        assert ckpt.steps() == [1, 2]
-
-
 FORK_CHILD_EXITS_WITH_A_SAVE_IN_FLIGHT = """
 import os, signal, sys, threading, torch
 from nbckpt import Checkpointer
@@ -390,12 +373,21 @@ ckpt.close()
 """
 
 
-def test_a_forked_child_exiting_with_its_copy_of_a_checkpointer_exits(tmp_path: Path) -> None:
-    """A child of ``os.fork`` that exits with its copy of the parent's Checkpointer still
-    referenced leaves the close to the parent. Before, its close at exit waited for ever for the
-    save in flight at the fork (whose threads are the parent's)."""
+@pytest.mark.parametrize(
+    ("script", "steps"),
+    [(FORK_CHILD_DROPS_ITS_COPY, [1, 2]), (FORK_CHILD_EXITS_WITH_A_SAVE_IN_FLIGHT, [1])],
+    ids=["dropping-it", "with-a-save-in-flight"],
+)
+def test_a_forked_child_exits_whatever_became_of_its_copy_of_a_checkpointer(
+    tmp_path: Path, script: str, steps: list[int]
+) -> None:
+    """A child of ``os.fork`` exits whether it dropped its copy of the parent's Checkpointer or
+    still held it with a save in flight at the fork: the release and the close are the parent's
+    (the threads and the lock are there). Before, the dropped copy's release was handed to a
+    persist thread the child does not have, and the held one's close at exit waited for the
+    parent's save; either way the child's exit waited for ever."""
     done = subprocess.run(
-        [sys.executable, "-c", FORK_CHILD_EXITS_WITH_A_SAVE_IN_FLIGHT, str(tmp_path / "run")],
+        [sys.executable, "-c", script, str(tmp_path / "run")],
         capture_output=True,
         text=True,
         timeout=180,
@@ -403,7 +395,7 @@ def test_a_forked_child_exiting_with_its_copy_of_a_checkpointer_exits(tmp_path: 
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == "child 0\n", done.stdout  # before: "child -14", hung at its exit
     with Checkpointer(tmp_path / "run", read_only=True) as ckpt:
-        assert ckpt.steps() == [1]
+        assert ckpt.steps() == steps
 
 
 def test_a_save_in_flight_holds_a_dropped_checkpointer_alive(tmp_path: Path, throttle: Throttle) -> None:
