@@ -72,7 +72,7 @@ class Arrivals:
     each rank sets its key for the collective and waits, within a deadline, for everyone's."""
 
     def __init__(self, store: Any, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
-        self._store, self._prefix, self._rank, self._world = store, prefix, rank, world_size
+        self._store, self._prefix, self.rank, self._world = store, prefix, rank, world_size
         self._timeout = timeout_s
         self.count = 0
 
@@ -93,10 +93,10 @@ class Arrivals:
         missing after the deadline."""
         self.count += 1
         here = f"{self._prefix}/{self.count}"
-        self._store.set(f"{here}/{self._rank}", "")
+        self._store.set(f"{here}/{self.rank}", "")
         if self.count > 2:  # every rank has passed the collective after that one: never read again
             with suppress(Exception):  # a store that cannot delete only keeps a few bytes more
-                self._store.delete_key(f"{self._prefix}/{self.count - 2}/{self._rank}")
+                self._store.delete_key(f"{self._prefix}/{self.count - 2}/{self.rank}")
         keys = [f"{here}/{r}" for r in range(self._world)]
         fault_point("ranks.arrive", tag)
         deadline = self._deadline(tag)
@@ -111,10 +111,10 @@ class Arrivals:
             # later collective found the others a check-in behind: refused, or one of them went
             # on alone into its all-gather (a refused rank-0-only delete broke the next saves).
             with suppress(Exception):
-                self._store.delete_key(f"{here}/{self._rank}")
+                self._store.delete_key(f"{here}/{self.rank}")
             self.count -= 1
             raise ConfigError(
-                f"rank {self._rank} is in {_what(tag)}, rank(s) {', '.join(missing)} did not come to it "
+                f"rank {self.rank} is in {_what(tag)}, rank(s) {', '.join(missing)} did not come to it "
                 f"within {deadline:.0f} s: every rank must make the same "
                 "Checkpointer calls, or pass ranks='local' to save on one rank alone (as under "
                 "nanoGPT's 'if master_process:')"
@@ -311,7 +311,7 @@ class RankInfo:
         them any more. Otherwise, as :meth:`stop`: never a hang, never an error."""
         made = {id(group.pg): group.pg for group in (self.caller, self.background) if group.pg is not None}
         try:
-            together = bool(made) and self._closing is not None and _all_closing(self._closing, self.rank)
+            together = bool(made) and self._closing is not None and _all_closing(self._closing)
         finally:  # let go of them even when interrupted
             self.stop(True)
         for pg in made.values() if together else ():
@@ -366,14 +366,15 @@ def join(mode: str, timeout_s: float) -> RankInfo:
     )
 
 
-def _all_closing(closing: Arrivals, rank: int) -> bool:
+def _all_closing(closing: Arrivals) -> bool:
     """Whether every rank came to this Checkpointer's close (:meth:`RankInfo.leave`)."""
     if not dist.is_initialized():  # the default group destroyed first: torch shut every group down
         return False
     try:
         closing.wait(("close",))
     except Exception as exc:  # missing ranks (ConfigError), or the store gone with a rank
-        _log.info("nbckpt: rank %d leaves its checkpoint groups to torch: %s", rank, describe_error(exc))
+        why = describe_error(exc)
+        _log.info("nbckpt: rank %d leaves its checkpoint groups to torch: %s", closing.rank, why)
         return False
     return True
 

@@ -546,7 +546,8 @@ class Saver:
             return layout
         if pending.late:  # agreed before it staged: the others wait to hear it did
             self.ranks.background.exchange(("staged", handle.step, handle.seq), lambda: _done(stage_done))
-            opened.extend(() if pending.opened is None else (pending.opened,))
+            if pending.opened is not None:
+                opened.append(pending.opened)
             return pending.layout
 
         def offer() -> _Offer:
@@ -759,7 +760,7 @@ class Saver:
             # Once committed, the checkpoint stays whatever fails after; before, it goes.
             if handle.slot is not None:
                 self.pool.release(handle.slot, handle)
-            location = location or next((where for where, _ in opened), None)
+            location = location or (opened[0][0] if opened else None)
             if path is None and location is not None and rank == 0:
                 self.store.discard(location)
             self._fail(handle, exc, began)
