@@ -108,10 +108,18 @@ from nbckpt import Checkpointer
 from nbckpt.engine._faults import armed
 logging.basicConfig()  # nbckpt's warnings to stderr
 how = sys.argv[2]
-go = threading.Event()
+BOUND = 0.5  # the final save's timeout_s
+go, staged = threading.Event(), threading.Event()
 def staging(*args):
     print("staging", flush=True)
+    staged.set()
     go.wait()  # until the exit begins: then it copies the state as the interpreter ends
+join = threading.Thread.join
+def bounded(self, timeout=None):
+    if timeout == BOUND:  # the final save's wait: its bound runs out with the save staging
+        staged.wait()
+    return join(self, timeout)
+threading.Thread.join = bounded
 ckpt = Checkpointer(sys.argv[1])
 state = {"w": torch.arange(16 << 20, dtype=torch.float32), "step": 1}
 if how == "kernel exit, a cell interrupted before":  # IPython keeps the cell's error in sys.last_value
@@ -122,12 +130,12 @@ if how == "kernel exit, a cell interrupted before":  # IPython keeps the cell's 
     how = "kernel exit"
 if how == "kernel exit":  # Autosave's way: a final save at exit
     atexit.register(go.set)  # runs once the final save was left
-    atexit.register(lambda: ckpt.final_save(lambda: (state, 1), timeout_s=0.5, reason=how))
+    atexit.register(lambda: ckpt.final_save(lambda: (state, 1), timeout_s=BOUND, reason=how))
 else:
     if how == "handler":  # an earlier handler of the job's own ends it with its status
         signal.signal(signal.SIGTERM, lambda s, f: sys.exit(3))
     signum = signal.SIGINT if how == "SIGINT" else signal.SIGTERM
-    ckpt.save_on_signal(lambda: (state, 1), signals=(signum,), timeout_s=0.5)
+    ckpt.save_on_signal(lambda: (state, 1), signals=(signum,), timeout_s=BOUND)
     atexit.register(go.set)  # registered after nbckpt's: runs first, as the exit begins
 held = [armed("staging.fit", staging), armed("store.sink", lambda *a: threading.Event().wait())]
 for arming in held:  # the second: its storage hangs, so the save never ends
