@@ -51,8 +51,14 @@ def held_step(ckpt: Checkpointer, step: int) -> float:
     return float(state["model"].weight.detach().mean())
 
 
+# The final save's bound where a test needs it to commit: 2 s (the child's default) is the
+# bound's own test; under load the save took up to 0.9 s (two busy loops on 2 cores), and one
+# whose fsyncs queue behind other tests' writes can take longer.
+COMMITS = ("--timeout", "30")
+
+
 def test_sigterm_commits_a_final_save_of_the_current_step(tmp_path: Path) -> None:
-    code, last, err = run_until_preempted(tmp_path / "run")
+    code, last, err = run_until_preempted(tmp_path / "run", *COMMITS)
     assert code == -signal.SIGTERM, err  # the signal still ends the process, as it would have
     with Checkpointer(tmp_path / "run") as ckpt:
         final = ckpt.latest_step()
@@ -67,7 +73,7 @@ def test_a_signal_in_the_middle_of_a_step_saves_a_whole_step(tmp_path: Path, who
     """SIGTERM between a step's weight update and its counter: inside ``whole_step()`` the final
     save waits for the step's end; without it, it pairs step 12's count with step 13's weight."""
     bare = [] if whole_step else ["--bare"]
-    code, last, err = run_until_preempted(tmp_path / "run", "--signal-at", "13", *bare)
+    code, last, err = run_until_preempted(tmp_path / "run", "--signal-at", "13", *bare, *COMMITS)
     assert code == -signal.SIGTERM, err
     with Checkpointer(tmp_path / "run") as ckpt:
         final = ckpt.latest_step()
