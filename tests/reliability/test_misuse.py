@@ -289,7 +289,7 @@ def test_a_new_writer_waits_for_a_dropped_checkpointers_upload_only_as_long_as_t
 
 
 EXITS_WHILE_A_DROPPED_ONE_UPLOADS = """
-import atexit, gc, logging, sys, threading, torch
+import gc, logging, sys, threading, torch
 from nbckpt import Checkpointer
 from nbckpt.engine._faults import armed
 logging.basicConfig()  # nbckpt's warnings to stderr
@@ -297,11 +297,15 @@ go = threading.Event()
 def held(location, name):
     print("uploading", flush=True)
     go.wait()
-arming = armed("mirror.upload", held)  # held until the exit begins, then let go
+class Going(logging.Handler):
+    def emit(self, record):
+        if "dropped unclosed before exit" in record.getMessage():
+            go.set()  # the exit has said it waits for the upload: let it go now
+logging.getLogger("nbckpt").addHandler(Going())
+arming = armed("mirror.upload", held)  # held until the exit waits for it, then let go
 arming.__enter__()
 ckpt = Checkpointer(sys.argv[1], mirror=sys.argv[2])
 ckpt.save({"w": torch.arange(16 << 20, dtype=torch.float32), "step": 1}, step=1).wait()
-atexit.register(go.set)  # registered after nbckpt's: runs first, as the exit begins
 del ckpt  # dropped unclosed (a cell run again): its release waits behind the upload
 gc.collect()
 """
