@@ -552,7 +552,15 @@ def test_status_updates_from_the_background_in_a_real_kernel(tmp_path: Path) -> 
         kernel_name="python3", cwd=str(tmp_path), env={**os.environ, "NBCKPT_DIR": str(tmp_path / "k")}
     )
     try:
-        code = "import torch\n%load_ext nbckpt\nx = torch.zeros(1 << 22)\nh = %ckpt_async x --step 4\n"
+        # The save's writes wait until the cell goes on past the magic, which has displayed the
+        # status by then: the status shows the save in flight, and the commit comes as an update
+        # (a save that committed before the status rendered showed "committed" from the start).
+        code = (
+            "import threading, torch\nfrom nbckpt.engine._faults import armed\n"
+            "displayed = threading.Event()\narming = armed('store.sink', lambda *a: displayed.wait(120))\n"
+            "arming.__enter__()\n"
+            "%load_ext nbckpt\nx = torch.zeros(1 << 22)\nh = %ckpt_async x --step 4\ndisplayed.set()\n"
+        )
         reply = kc.execute(code, reply=True, timeout=120)
         assert reply["content"]["status"] == "ok", reply["content"]
         shown: dict[str, str] = {}
