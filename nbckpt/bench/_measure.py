@@ -28,7 +28,15 @@ import torch
 from .._errors import ConfigError
 from .._util import GB, GIB, MIB, check_count, format_bytes, is_url
 from ..engine import CheckpointConfig, Timeline
-from ..engine._internal import Pool, cached_fraction, fsspec_options, now_ns, open_fsspec, step_name
+from ..engine._internal import (
+    Pool,
+    cached_fraction,
+    drop_cached,
+    fsspec_options,
+    now_ns,
+    open_fsspec,
+    step_name,
+)
 from ._strategy import Strategy, failing_as
 
 __all__ = [
@@ -250,7 +258,9 @@ class RawWriteBeside(Strategy):
     ``writer_threads`` and ``writer_nice``). So where the host's cores train (CPU training), the
     raw write meets the competition nbckpt's persist meets: the floor as such a job sees it.
     Each thread's write is one ``persist`` event; a step's files stay, as a save's do, until the
-    lane's folder is removed."""
+    lane's folder is removed, and leave the page cache once the next step's are written, as a
+    save's do (``Saver._uncache``): each write reuses the pages the step before freed instead of
+    taking fresh ones, which in this VM cost a host fault each (``_files.drop_cached``)."""
 
     name = "raw-write-beside-training"
     description = "the raw write of each rank's share by nbckpt's writer threads, beside training"
@@ -265,6 +275,7 @@ class RawWriteBeside(Strategy):
         self._pattern = memoryview(os.urandom(min(_CHUNK, self.nbytes) + 64 * 1024))
         self._pool: Pool | None = None
         self._writes: list[Future[None]] = []
+        self._written: list[str] = []  # the names of the step before, one per thread
 
     def open(self, directory: str, timeline: Timeline) -> None:
         super().open(directory, timeline)
@@ -276,17 +287,20 @@ class RawWriteBeside(Strategy):
         self.finish()  # one write at a time, as nbckpt's max_inflight=1
         stem = os.path.join(self.path, f"{step_name(step)}-rank{self.rank}")
         names = [f"{stem}-{index}" for index in range(self.threads)]
+        before, self._written = self._written, names
         share, rest = divmod(self.nbytes, self.threads)
         self._writes = [
-            self._pool.submit(partial(self._write_one, names, index, share + (index < rest), step))
+            self._pool.submit(partial(self._write_one, names, before, index, share + (index < rest), step))
             for index in range(self.threads)
         ]
 
-    def _write_one(self, names: list[str], index: int, nbytes: int, step: int) -> None:
+    def _write_one(self, names: list[str], before: list[str], index: int, nbytes: int, step: int) -> None:
         begin = now_ns()
         with failing_as(f"the raw write of step {step} to {names[index]}"):
             _write(None, names, nbytes, self._pattern, index, drop=False)
         self.record("persist", begin, now_ns(), step=step, nbytes=nbytes)
+        if before:  # as a save's persist ends: the step before's file out of the page cache
+            drop_cached(before[index])
 
     def finish(self) -> None:
         writes, self._writes = self._writes, []

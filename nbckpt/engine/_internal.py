@@ -6,7 +6,7 @@ private module of the engine another layer may import (``tests/test_layout.py`` 
 """
 
 from ._checkpointer import writer_of
-from ._files import cached_fraction, fsync_dir, write_all, write_atomic
+from ._files import cached_fraction, drop_cached, fsync_dir, write_all, write_atomic
 from ._format import MANIFEST, POINTER_FORMAT, POINTER_LIMIT, parse_step, step_name
 from ._object_store import endpoint, explain_fsspec_error, fsspec_options, open_fsspec
 from ._plain_dcp import plain_dcp_steps
@@ -28,6 +28,7 @@ __all__ = [
     "cached_fraction",
     "check_signals",
     "deferred_interrupt",
+    "drop_cached",
     "endpoint",
     "events_to_pandas",
     "expected_waste",

@@ -322,3 +322,27 @@ def test_the_raw_write_beside_training_writes_each_ranks_share_to_files_of_its_o
             strategy.close()
     folder = tmp_path / ranks[0].name
     assert sum(path.stat().st_size for path in folder.iterdir()) == 2 * share
+
+
+def test_the_raw_write_beside_training_leaves_only_its_newest_step_in_the_page_cache(tmp_path: Any) -> None:
+    """As a save does (``Saver._uncache``): the step before's files leave the page cache once the
+    next step's are written, so each write reuses their pages; kept, every write took fresh pages
+    and on disk this floor wrote at a third of nbckpt's rate (docs/benchmarks.md)."""
+    from nbckpt.bench._measure import RawWriteBeside
+    from nbckpt.engine._internal import cached_fraction
+
+    if bench.mount_info(tmp_path).kind != "local":  # tmpfs keeps its pages: they are the data
+        pytest.skip(f"{tmp_path} is not on a local disk")
+    floor = RawWriteBeside(1 << 20)
+    floor.open(str(tmp_path), Timeline())
+    try:
+        for step in (1, 2):
+            floor.save({}, step)
+            floor.finish()
+    finally:
+        floor.close()
+    files = sorted((tmp_path / floor.name).iterdir())
+    cached = {path.name: cached_fraction(str(path)) for path in files}
+    assert len(cached) == 2 * floor.threads, cached
+    assert all(share == 0.0 for name, share in cached.items() if "-000001-" in name), cached
+    assert all(share == 1.0 for name, share in cached.items() if "-000002-" in name), cached
