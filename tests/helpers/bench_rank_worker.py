@@ -31,7 +31,10 @@ def compare_from_python(directory: str, out: str) -> int:
     if comparison.job:
         comparison.to_json(out)
     line = {"rank": int(os.environ["RANK"]), "job": bool(comparison.job), "ranks": len(comparison.ranks)}
-    print(json.dumps(line), flush=True)
+    # one write: under PYTHONUNBUFFERED print() writes the text and its newline apart, and the two
+    # ranks sharing torchrun's stdout ran their lines into one
+    sys.stdout.write(json.dumps(line) + "\n")
+    sys.stdout.flush()
     return 0
 
 

@@ -87,7 +87,10 @@ def main(bench_json: str, directory: str, *rest: str) -> int:
         report["differ"][saved["strategy"]] = sorted(
             key for key in expected.keys() | got.keys() if expected.get(key) != got.get(key)
         )
-    print(json.dumps(report), flush=True)
+    # one write: under PYTHONUNBUFFERED print() writes the text and its newline apart, and the two
+    # ranks sharing torchrun's stdout ran their lines into one
+    sys.stdout.write(json.dumps(report) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     return 0
 
