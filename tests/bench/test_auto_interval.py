@@ -56,10 +56,15 @@ def test_compare_without_every_checkpoints_at_the_measured_interval(tmp_path: Pa
 
 
 def test_a_given_every_that_queues_still_says_so(tmp_path: Path) -> None:
-    """Steps of no compute, a checkpoint every step: each save waits for the one before."""
+    """Steps of no compute, a checkpoint every step: each save waits for the one before. The
+    interval is the baseline's mean step, so one step of a few steps held up on a loaded machine
+    (tens of ms) can make it longer than a 4 MiB save's write (the likely cause of one failure
+    under load): 16 MiB write for longer."""
     lines: list[str] = []
+    workload = SyntheticWorkload(16 * MB, compute_ms=0.0)
+    workload.build()
     comparison = bench.compare(
-        _workload(0.0),
+        workload,
         ["nbckpt-async"],
         str(tmp_path / "bench"),
         steps=6,
