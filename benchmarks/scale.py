@@ -239,7 +239,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=RANKS, help="ranks in all, over every host")
     parser.add_argument("--hosts", type=int, default=1, help="torchrun agents as hosts (2x2: --hosts 2)")
-    parser.add_argument("--size-mb", type=float, default=256.0, help="state per rank, MiB")
+    parser.add_argument(
+        "--size-mb",
+        type=float,
+        default=64.0,
+        help="state per rank, MiB (every recorded run's; at 256, 4 ranks on /dev/shm fill a 23 GB VM)",
+    )
     parser.add_argument("--compute-ms", type=float, default=50.0, help="compute per step")
     parser.add_argument("--compute", default=",".join(COMPUTE), help="modes, from: " + ", ".join(COMPUTE))
     parser.add_argument("--steps", type=int, default=20, help="with --every N")
