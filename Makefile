@@ -48,15 +48,15 @@ lint: $(STAMP)
 
 # Two pytest workers share the two cores: one torch thread each, since OpenMP threads that
 # spin-wait on an oversubscribed machine make a tiny model's step ten times slower.
-# nbval runs with --dist loadfile: the cells of one notebook must share one kernel (one worker);
-# it leaves out the notebooks the first pass runs with their defaults (notebooks/conftest.py).
+# One run for the tests and nbval's notebooks, so that neither waits for the other's last test:
+# a notebook's cells are one xdist group (one kernel, one worker), and nbval leaves out the
+# notebooks the tests run with their defaults (notebooks/conftest.py).
 test: export OMP_NUM_THREADS = 1
 # Every rank, kernel and CLI the suite starts imports nbckpt: from bytecode cached on the first
 # import (about 0.3 s of CPU a process), also where the environment asks Python to write none.
 test: export PYTHONDONTWRITEBYTECODE =
 test: $(STAMP) browser-deps lint
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=25 tests
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q --nbval-lax --nbval-current-env notebooks
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=25 --nbval-lax --nbval-current-env tests notebooks
 	# nbval runs them with their defaults: 01 and 08 keep their run for re-running cells by hand
 	rm -rf data/checkpoints/01_quickstart data/checkpoints/08_never_lose_work
 
