@@ -3,7 +3,7 @@
 Not these: tests/notebook/test_notebooks.py runs them under papermill with their defaults (it sets
 only where results and checkpoints go) and checks what they computed, so nbval would run the same
 cells on the same values a second time, about a quarter of the suite's time on two cores. That test
-keeps this list and its own the same.
+reads this list.
 """
 
 import pytest

@@ -22,8 +22,8 @@ from nbckpt.bench._workloads import SyntheticWorkload
 MB = 1 << 20
 
 
-def _workload(compute_ms: float) -> SyntheticWorkload:
-    workload = SyntheticWorkload(4 * MB, compute_ms=compute_ms)
+def _workload(compute_ms: float, size_mb: int = 4) -> SyntheticWorkload:
+    workload = SyntheticWorkload(size_mb * MB, compute_ms=compute_ms)
     workload.build()
     return workload
 
@@ -61,10 +61,8 @@ def test_a_given_every_that_queues_still_says_so(tmp_path: Path) -> None:
     (tens of ms) can make it longer than a 4 MiB save's write (the likely cause of one failure
     under load): 16 MiB write for longer."""
     lines: list[str] = []
-    workload = SyntheticWorkload(16 * MB, compute_ms=0.0)
-    workload.build()
     comparison = bench.compare(
-        workload,
+        _workload(0.0, size_mb=16),
         ["nbckpt-async"],
         str(tmp_path / "bench"),
         steps=6,
