@@ -121,6 +121,7 @@ class RankStrategy(Strategy):
                     "blocks_before_step",
                     "local_only",
                     "stall_covers_copy",
+                    "whole_saves",
                 )
             }
         )

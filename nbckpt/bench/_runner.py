@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import replace
+from typing import Any
 
 import psutil
 import torch
@@ -25,6 +26,7 @@ from ..engine import Event, Timeline
 from ..engine._internal import now_ns
 from ._load import Load, LoadMonitor, combine_loads
 from ._result import STALL_NAMES, Cycle, ExperimentResult
+from ._room import check_room
 from ._strategies import get_strategy
 from ._strategy import WAIT_NOISE_NS, Strategy
 from ._workloads import Workload
@@ -327,8 +329,11 @@ def run_lanes(
     every: int,
     stop: threading.Event | None,
     warmup: bool,
+    group: Any = None,
 ) -> list[ExperimentResult]:
     """Open every lane, run their chunks in turn (rotated by one place per cycle), close them.
+    Before the first chunk, a one-line ConfigError where their saves cannot fit in
+    ``directory`` (on many ranks, ``group`` the bench's: every rank refuses if one does).
 
     With one lane the chunks run back to back: a plain training run. The last cycle holds
     only the final checkpoint, when ``steps`` is a multiple of ``every``.
@@ -342,6 +347,9 @@ def run_lanes(
         for lane in lanes:
             opened.append(lane)
             lane.open(directory, warmup)
+        # Open, the lanes hold their buffers and their warm-up saves: what is free now is the room.
+        shares = [(lane.strategy, lane.workload.share_bytes) for lane in lanes]
+        check_room(directory, shares, steps // every, group)
         alone = len(lanes) == 1
         stopped = False
         for index, (first, last) in enumerate(cycles):

@@ -154,6 +154,7 @@ class NbckptIncremental(NbckptStrategy):
     description = (
         "nbckpt async with incremental=True: files whose tensors did not change are shared, not written"
     )
+    whole_saves = False
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None, **options: Any) -> None:
         super().__init__(storage_options, **{"incremental": True, **options})

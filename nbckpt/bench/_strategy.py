@@ -113,6 +113,9 @@ class Strategy(ABC):
     stall_covers_copy: ClassVar[bool] = True
     """True when the loop stays blocked while every byte is copied (or written) once, so its save
     stall cannot be shorter than the copy floor; False when the copy runs behind the loop."""
+    whole_saves: ClassVar[bool] = True
+    """True when every save writes the whole state anew, so a run keeps one state per save;
+    False when later saves write only what changed (incremental), the first one whole."""
     mode: ClassVar[Literal["sync", "async"]] = "async"
     """``sync`` when a save returns once it is durable; ``async`` when the write runs behind."""
 

@@ -196,6 +196,11 @@ class Workload(ABC):
         self.step = 0
         self.built = False
 
+    @property
+    def share_bytes(self) -> int:
+        """What this process writes of a checkpoint: all of it (on many ranks, its part)."""
+        return self.nbytes
+
     @abstractmethod
     def build(self) -> None:
         """Allocate everything; ConfigError when it will not fit in free host or device memory."""
