@@ -430,7 +430,6 @@ class _Plan:
                 every=self.every,
                 stop=self.stop,
                 warmup=self.warmup,
-                group=None if self.ranks is None else self.ranks.group,
             )
         finally:
             for lane in [*([] if kept else lanes), *beside]:

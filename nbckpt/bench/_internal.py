@@ -17,7 +17,6 @@ from ._load import machine_load
 from ._rank_workload import RankWorkload, state_digests
 from ._ranks import arm_slow, in_torchrun, run_bench_on_ranks
 from ._result import RESULT_COLUMNS, STALL_NAMES
-from ._room import check_room
 from ._stats import drag_text, interval_text, measurable, overhead_text, per_repeat_text, t_interval
 from ._strategies import STRATEGIES, get_strategy
 from ._strategy import plain_state, tensor_bytes
@@ -40,7 +39,6 @@ __all__ = [
     "add_bench_arguments",
     "arm_slow",
     "check_json_path",
-    "check_room",
     "choose_interval",
     "drag_text",
     "get_strategy",

@@ -1,14 +1,22 @@
-"""Whether a run's checkpoints fit where they go: checked before its lanes open.
+"""Whether a run's next saves fit where they go: checked before each checkpoint cycle.
 
 A run keeps every checkpoint it saves until it ends (the comparison then removes its folder),
-and lanes taking turns keep theirs at once. On a disk, a run that does not fit ends in ENOSPC
-partway through; on a tmpfs (``/dev/shm``) its files are memory, and it ends with the kernel's
+and lanes taking turns keep theirs at once. On a disk, a run that outgrows it ends in ENOSPC
+inside a save; on a tmpfs (``/dev/shm``) its files are memory, and it ended with the kernel's
 OOM killer taking a process, which under torchrun reads as a wall of text naming no cause.
-It is checked once the lanes are open, so that what they hold (their buffers, their warm-up
-saves) is no longer free. The estimate of what is still to come errs low, so that a run it
-refuses cannot fit: the state's bytes (each process's share, times the processes on this host)
-per save of each strategy that writes the whole state every time; nothing for one that writes
-only what changed, no manifests, no metadata.
+So before each cycle whose lanes save, the room left is set against what their saves add, and
+the run ends with a one-line ConfigError when it cannot take them. Not before the run starts:
+a run in the Lab or a notebook often sets more steps than it will train, and is stopped.
+
+The estimate errs low, so that a cycle it refuses cannot fit: the state's bytes (each process's
+share, times the processes on this host) for each lane that writes the whole state at every
+save; nothing for one that writes only what changed, no manifests, no metadata. A tmpfs also
+keeps the headroom a process needs beside its state free, since the kernel kills before memory
+runs out. Lanes taking turns wait for their writes as each turn ends: the ranks of a host then
+read the same numbers, so they refuse together (a rank of another host that did not is ended
+by torchrun). A lane alone trains on as its save writes, and a save still writing is not
+counted (what it has yet to write is not known): there the check can come one save late, and
+the save that does not fit fails with ENOSPC, a CheckpointError naming the file, as before.
 """
 
 from __future__ import annotations
@@ -17,16 +25,16 @@ import os
 import platform
 import shutil
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import psutil
-import torch.distributed as dist
 
 from .._errors import ConfigError
 from .._util import format_bytes, is_url
 from ._strategy import Strategy
+from ._workloads import HEADROOM_BYTES
 
-__all__ = ["check_room", "kept_bytes", "refusal"]
+__all__ = ["Room", "kept_bytes"]
 
 #: Filesystems whose files are memory: what they can take is what memory has free.
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
@@ -37,13 +45,13 @@ def processes_on_host() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def kept_bytes(lanes: Sequence[tuple[Strategy, int]], saves: int) -> int:
-    """The least that ``saves`` more saves of each of ``lanes`` (a strategy, and the bytes of
-    its state on this process) add on this host."""
+def kept_bytes(lanes: Sequence[tuple[Strategy, int]]) -> int:
+    """The least one more save of each of ``lanes`` (a strategy, and the bytes of its state on
+    this process) adds on this host."""
     per_process = sum(
         share for strategy, share in lanes if strategy.writes_checkpoints and strategy.whole_saves
     )
-    return per_process * saves * processes_on_host()
+    return per_process * processes_on_host()
 
 
 def filesystem_type(path: str) -> str:
@@ -57,49 +65,49 @@ def filesystem_type(path: str) -> str:
     return kind
 
 
-def room(directory: str) -> tuple[int, str] | None:
-    """The bytes ``directory`` can still take, and what says so; None where its filesystem does
-    not tell (a size of 0, as some network and FUSE filesystems report)."""
-    usage = shutil.disk_usage(directory)
-    if usage.total == 0:
-        return None
-    free = usage.free
-    kind = filesystem_type(directory)
-    if kind in MEMORY_FILESYSTEMS:
-        memory = psutil.virtual_memory().available + psutil.swap_memory().free
-        if memory < free:
-            return (
-                memory,
-                f"it is a {kind}, whose files are memory, and {format_bytes(memory)} of memory is free",
-            )
-    return free, f"it has {format_bytes(free)} free"
+@dataclass(frozen=True)
+class Room:
+    """The room a run's ``directory`` has left; nothing is checked for an object store (its room
+    is the bucket's)."""
 
+    directory: str
+    kind: str
+    local: bool
 
-def refusal(directory: str, lanes: Sequence[tuple[Strategy, int]], saves: int) -> str | None:
-    """Why ``saves`` more saves of each of ``lanes`` cannot fit in local ``directory``, in one
-    line; None where they may (or it is an object store: its room is the bucket's)."""
-    if is_url(directory) or not os.path.isdir(directory):
-        return None
-    kept, told = kept_bytes(lanes, saves), room(directory)
-    if told is None or kept <= told[0]:
-        return None
-    whole = sum(1 for strategy, _ in lanes if strategy.writes_checkpoints and strategy.whole_saves)
-    processes = processes_on_host()
-    return (
-        f"{directory} cannot hold this run: {whole} lane(s) saving {saves} more time(s)"
-        f"{f' on each of {processes} processes of host {platform.node()}' if processes > 1 else ''} "
-        f"keep at least {format_bytes(kept)} more there, and {told[1]}; save less often, train "
-        "fewer steps, run fewer strategies at once or a smaller state, or write elsewhere"
-    )
+    @classmethod
+    def of(cls, directory: str) -> Room:
+        local = not is_url(directory)  # made as the lanes open, if need be: looked at after
+        return cls(directory, filesystem_type(directory) if local else "", local)
 
+    def left(self) -> tuple[int, str] | None:
+        """The bytes it can still take, and what says so; None where its filesystem does not tell
+        (a size of 0, as some network and FUSE filesystems report)."""
+        usage = shutil.disk_usage(self.directory)
+        if usage.total == 0:
+            return None
+        if self.kind in MEMORY_FILESYSTEMS:
+            memory = psutil.virtual_memory().available + psutil.swap_memory().free - HEADROOM_BYTES
+            if memory < usage.free:
+                return memory, (
+                    f"it is a {self.kind}, whose files are memory, and {format_bytes(max(memory, 0))} "
+                    f"of memory is free beyond the {format_bytes(HEADROOM_BYTES)} a process needs"
+                )
+        return usage.free, f"it has {format_bytes(usage.free)} free"
 
-def check_room(directory: str, lanes: Sequence[tuple[Strategy, int]], saves: int, group: Any = None) -> None:
-    """ConfigError with the :func:`refusal`; with ``group`` (a process group), on every rank of it
-    where any rank refuses, so that none goes on alone."""
-    found = refusal(directory, lanes, saves)
-    if group is not None:
-        every: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, found, group=group)  # this job's ranks pickled them
-        found = next((text for text in every if text), None)
-    if found:
-        raise ConfigError(found)
+    def check(self, lanes: Sequence[tuple[Strategy, int]], done: int, cycles: int) -> None:
+        """ConfigError, in one line, when the next save of each of ``lanes`` cannot fit (after
+        ``done`` of the run's ``cycles`` checkpoint cycles; the first saves nothing)."""
+        if not self.local or done == 0:
+            return
+        kept, left = kept_bytes(lanes), self.left()
+        if left is None or kept <= left[0]:
+            return
+        whole = sum(1 for strategy, _ in lanes if strategy.writes_checkpoints and strategy.whole_saves)
+        processes = processes_on_host()
+        raise ConfigError(
+            f"{self.directory} cannot hold the run's next saves (after {done} of {cycles} checkpoint "
+            f"cycles): {whole} lane(s) saving once more"
+            f"{f' on each of {processes} processes of host {platform.node()}' if processes > 1 else ''} "
+            f"keep at least {format_bytes(kept)} more there, and {left[1]}; save less often, train "
+            "fewer steps, run fewer strategies at once or a smaller state, or write elsewhere"
+        )

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import replace
-from typing import Any
 
 import psutil
 import torch
@@ -26,7 +25,7 @@ from ..engine import Event, Timeline
 from ..engine._internal import now_ns
 from ._load import Load, LoadMonitor, combine_loads
 from ._result import STALL_NAMES, Cycle, ExperimentResult
-from ._room import check_room
+from ._room import Room
 from ._strategies import get_strategy
 from ._strategy import WAIT_NOISE_NS, Strategy
 from ._workloads import Workload
@@ -329,11 +328,10 @@ def run_lanes(
     every: int,
     stop: threading.Event | None,
     warmup: bool,
-    group: Any = None,
 ) -> list[ExperimentResult]:
     """Open every lane, run their chunks in turn (rotated by one place per cycle), close them.
-    Before the first chunk, a one-line ConfigError where their saves cannot fit in
-    ``directory`` (on many ranks, ``group`` the bench's: every rank refuses if one does).
+    A cycle whose saves cannot fit in ``directory`` ends the run first, in a one-line
+    ConfigError (:class:`~._room.Room`).
 
     With one lane the chunks run back to back: a plain training run. The last cycle holds
     only the final checkpoint, when ``steps`` is a multiple of ``every``.
@@ -341,18 +339,17 @@ def run_lanes(
     cycles = [(first, min(first + every - 1, steps)) for first in range(1, steps + 1, every)]
     if steps % every == 0:
         cycles.append((steps + 1, steps))  # the final checkpoint, no steps after it
+    room, shares = Room.of(directory), [(lane.strategy, lane.workload.share_bytes) for lane in lanes]
     opened: list[Lane] = []
     base_rss = _rss()
     try:
         for lane in lanes:
             opened.append(lane)
             lane.open(directory, warmup)
-        # Open, the lanes hold their buffers and their warm-up saves: what is free now is the room.
-        shares = [(lane.strategy, lane.workload.share_bytes) for lane in lanes]
-        check_room(directory, shares, steps // every, group)
         alone = len(lanes) == 1
         stopped = False
         for index, (first, last) in enumerate(cycles):
+            room.check(shares, index, len(cycles))  # each cycle after the first starts with saves
             final = index == len(cycles) - 1
             for lane in lanes[index % len(lanes) :] + lanes[: index % len(lanes)]:
                 if stop is not None and stop.is_set() and not alone:

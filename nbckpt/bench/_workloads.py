@@ -47,7 +47,7 @@ _CHECKPOINT_BYTES_PER_PARAM = 3 * 4
 # Training also holds fp32 gradients; checkpoint staging needs one more copy of the checkpoint.
 _TRAIN_BYTES_PER_PARAM = 4 * 4
 # What the process itself needs besides the state (interpreter, torch, allocator slack).
-_HEADROOM_BYTES = 512 * MIB
+HEADROOM_BYTES = 512 * MIB
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,9 @@ def _check_device(device: str) -> str:
 def _require_memory(name: str, host_bytes: int, device_bytes: int, *, device: str) -> None:
     """Raise ConfigError when the workload will not fit in the memory free right now."""
     available = psutil.virtual_memory().available
-    if host_bytes + _HEADROOM_BYTES > available:
+    if host_bytes + HEADROOM_BYTES > available:
         raise ConfigError(
-            f"workload {name} needs about {format_bytes(host_bytes + _HEADROOM_BYTES)} of host "
+            f"workload {name} needs about {format_bytes(host_bytes + HEADROOM_BYTES)} of host "
             f"memory but only {format_bytes(available)} is free; pick a smaller preset or size"
         )
     if device == "cuda" and device_bytes:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.mounts import mount_or_skip, run_quiet, small_tmpfs
 
 from nbckpt import Checkpointer, CheckpointError
 from nbckpt.engine import _store
@@ -28,26 +29,11 @@ def floats(megabytes: float, step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.full((int(megabytes * MB) // 4,), float(step))}
 
 
-def run_quiet(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, check=False)
-
-
-def mount_or_skip(*args: str) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a test filesystem needs root")
-    done = run_quiet("mount", *args)
-    if done.returncode != 0:
-        pytest.skip(f"mount {' '.join(args)} failed: {done.stderr.strip()}")
-
-
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 16 MiB tmpfs: two 4 MiB checkpoints fit, a 12 MiB one on top of them does not."""
-    mountpoint = tmp_path / "disk"
-    mountpoint.mkdir()
-    mount_or_skip("-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mountpoint))
-    yield mountpoint
-    run_quiet("umount", "-l", str(mountpoint))
+    with small_tmpfs(tmp_path / "disk", "16m") as mountpoint:
+        yield mountpoint
 
 
 def assert_no_leftovers(directory: Path) -> None:
