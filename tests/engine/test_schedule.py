@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import signal
-import statistics
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -177,8 +176,15 @@ def test_due_in_a_training_loop_saves_first_and_says_why(tmp_path: Path) -> None
         saved = [step for step in range(1, 9) if ckpt.due() and ckpt.save({"w": torch.ones(4)}, step)]
         interval = ckpt.save_interval
         assert interval is not None and interval.bound == "persist"
-        stall = statistics.median(r.stall_s for r in ckpt.records[1:])  # what a save takes here
-        assert interval.seconds < 1.5 * stall and len(saved) >= 4, (interval, stall, saved)
+        # the pace of one save's write, the median of recent ones: within theirs, not their sum
+        # (a bound on times measured by this run, not a wall-clock one: it held 1.9 ms against a
+        # 3.5 ms interval once, under the whole suite's load, one save's write the slowest)
+        durable = [r.wait_s + r.stage_s + r.persist_s for r in ckpt.records[1:]]
+        assert min(durable) <= interval.seconds <= max(durable) and len(saved) >= 4, (
+            interval,
+            durable,
+            saved,
+        )
     with Checkpointer(tmp_path / "none") as plain, pytest.raises(ConfigError, match="needs a schedule"):
         plain.due()
     with pytest.raises(ConfigError, match="schedule must be a SaveSchedule"):
