@@ -574,4 +574,7 @@ def main(scenarios: str, directory: str) -> int:
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test prints where this rank was
+    # An abort (SIGABRT: "terminate called without an active exception", seen once at the exit of
+    # the 4-rank restore under the whole suite's load) prints which Python threads still ran.
+    faulthandler.enable(all_threads=True)
     sys.exit(main(sys.argv[1], sys.argv[2]))
