@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -44,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import interval, machine, parallel, ratio_interval, write_json  # the same statistics
+from engine import cpu_seconds, interval, machine, parallel, ratio_interval, write_json  # the same statistics
 
 from nbckpt import Checkpointer
 from nbckpt._util import GB, MIB
@@ -59,11 +58,6 @@ RATIOS = (  # name, numerator, denominator: a part's aggregate rate over another
     ("nbckpt_vs_raw1", "nbckpt", "raw-1"),
 )
 CHUNK = 4 * MIB
-
-
-def cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def raw_write(path: str, data: memoryview) -> None:
@@ -127,9 +121,9 @@ class Rank:
         return begin, end
 
     def run(self, part: str, step: int) -> tuple[int, int, float]:
-        before = cpu_s()
+        before = cpu_seconds()
         begin, end = self.nbckpt(step) if part == "nbckpt" else self.raw(part)
-        spent = cpu_s() - before
+        spent = cpu_seconds() - before
         if part != "nbckpt":
             self.forget_raw(part)
         return begin, end, spent

@@ -31,13 +31,11 @@ import psutil
 
 from .._errors import ConfigError
 from .._util import format_bytes, is_url
+from ._probe import MountInfo, mount_info
 from ._strategy import Strategy
 from ._workloads import HEADROOM_BYTES
 
 __all__ = ["Room", "kept_bytes"]
-
-#: Filesystems whose files are memory: what they can take is what memory has free.
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 
 
 def processes_on_host() -> int:
@@ -45,39 +43,38 @@ def processes_on_host() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def _whole(lanes: Sequence[tuple[Strategy, int]]) -> list[int]:
+    """The state's bytes on this process of each of ``lanes`` that writes it whole at every save."""
+    return [share for strategy, share in lanes if strategy.writes_checkpoints and strategy.whole_saves]
+
+
 def kept_bytes(lanes: Sequence[tuple[Strategy, int]]) -> int:
     """The least one more save of each of ``lanes`` (a strategy, and the bytes of its state on
     this process) adds on this host."""
-    per_process = sum(
-        share for strategy, share in lanes if strategy.writes_checkpoints and strategy.whole_saves
-    )
-    return per_process * processes_on_host()
-
-
-def filesystem_type(path: str) -> str:
-    """The type of the filesystem that holds ``path`` (its deepest mount point); '' if unknown."""
-    real, deepest, kind = os.path.realpath(path), "", ""
-    for partition in psutil.disk_partitions(all=True):
-        mount = partition.mountpoint
-        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) > len(deepest):
-            deepest, kind = mount, partition.fstype
-    return kind
+    return sum(_whole(lanes)) * processes_on_host()
 
 
 @dataclass(frozen=True)
 class Room:
-    """The room a run's ``directory`` has left; nothing is checked for an object store (its room
-    is the bucket's)."""
+    """The room a run's ``directory`` has left; ``mount`` None for an object store, where nothing
+    is checked (its room is the bucket's)."""
 
     directory: str
-    kind: str
-    local: bool
+    mount: MountInfo | None
 
     @classmethod
     def of(cls, directory: str) -> Room:
-        local = not is_url(directory)  # made as the lanes open, if need be: looked at after
-        return cls(directory, filesystem_type(directory) if local else "", local)
+        # the mount holding it: the directory itself is made as the lanes open, if need be
+        return cls(directory, None if is_url(directory) else mount_info(directory))
+
+    @property
+    def local(self) -> bool:
+        return self.mount is not None
+
+    @property
+    def kind(self) -> str:
+        """The filesystem's type (``tmpfs``, ``ext4``...); '' for an object store."""
+        return self.mount.fstype if self.mount is not None else ""
 
     def left(self) -> tuple[int, str] | None:
         """The bytes it can still take, and what says so; None where its filesystem does not tell
@@ -85,7 +82,7 @@ class Room:
         usage = shutil.disk_usage(self.directory)
         if usage.total == 0:
             return None
-        if self.kind in MEMORY_FILESYSTEMS:
+        if self.mount is not None and self.mount.kind == "memory":
             memory = psutil.virtual_memory().available + psutil.swap_memory().free - HEADROOM_BYTES
             if memory < usage.free:
                 return memory, (
@@ -102,7 +99,7 @@ class Room:
         kept, left = kept_bytes(lanes), self.left()
         if left is None or kept <= left[0]:
             return
-        whole = sum(1 for strategy, _ in lanes if strategy.writes_checkpoints and strategy.whole_saves)
+        whole = len(_whole(lanes))
         processes = processes_on_host()
         raise ConfigError(
             f"{self.directory} cannot hold the run's next saves (after {done} of {cycles} checkpoint "
