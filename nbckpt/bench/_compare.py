@@ -32,10 +32,12 @@ import math
 import os
 import platform
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 import pandas as pd
@@ -56,6 +58,7 @@ from ._comparison import TIMELINE_COLUMNS, Comparison
 from ._load import Load, LoadMonitor, combine_loads
 from ._measure import DEFAULT_REPEATS as WRITE_ROUNDS
 from ._measure import Floors, combine_floors, measure_floors
+from ._ranks import in_torchrun, on_ranks
 from ._result import RESULT_COLUMNS, ExperimentResult, aggregate
 from ._runner import (
     EventCallback,
@@ -79,6 +82,7 @@ __all__ = [
     "environment",
     "queueing",
     "run_bench_from_args",
+    "run_bench_on_ranks",
     "run_order",
 ]
 
@@ -242,32 +246,29 @@ def compare(
     """
     check_interval_args(steps, every)
     check_count(repeats, "repeats")
-    if ranks is None:
-        from ._ranks import in_torchrun, on_ranks  # built on this module: imported when called
-
-        if in_torchrun():
-            return on_ranks(
-                workload.device,
-                lambda job: compare(
-                    job.adopt(workload),
-                    strategies,
-                    directory,
-                    steps=steps,
-                    every=every,
-                    repeats=repeats,
-                    warmup=warmup,
-                    progress=progress if job.rank == 0 else None,
-                    stop=stop,
-                    on_event=on_event,
-                    on_result=on_result,
-                    storage_options=storage_options,
-                    keep=keep,
-                    ranks=job,
-                ),
-                keep=keep,
+    if ranks is None and in_torchrun():
+        return on_ranks(
+            workload.device,
+            lambda job: compare(
+                job.adopt(workload),
+                strategies,
+                directory,
+                steps=steps,
+                every=every,
                 repeats=repeats,
-                write_beside=workload.device == "cpu" and not getattr(workload, "idle_compute", False),
-            )
+                warmup=warmup,
+                progress=progress if job.rank == 0 else None,
+                stop=stop,
+                on_event=on_event,
+                on_result=on_result,
+                storage_options=storage_options,
+                keep=keep,
+                ranks=job,
+            ),
+            keep=keep,
+            repeats=repeats,
+            write_beside=workload.device == "cpu" and not getattr(workload, "idle_compute", False),
+        )
     say = progress or (lambda _line: None)
     lineup = _Lineup.of(strategies, directory, storage_options, ranks, say)
     overall = LoadMonitor()
@@ -744,7 +745,7 @@ def run_bench_from_args(
     on_event: EventCallback | None = None,
 ) -> Comparison:
     """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too);
-    ``ranks``: as one rank of many (:func:`nbckpt.bench._ranks.run_bench_on_ranks`); ``on_event``
+    ``ranks``: as one rank of many (:func:`run_bench_on_ranks`); ``on_event``
     gets every event (``nbckpt bench --events``)."""
     names = _checked_bench_args(args)
     workload = make_workload(
@@ -782,3 +783,32 @@ def run_bench_from_args(
             shutil.rmtree(args.dir, ignore_errors=True)
         raise
     return comparison
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_bench_on_ranks(
+    args: argparse.Namespace, progress: Progress | None = None, on_event: EventCallback | None = None
+) -> Comparison | None:
+    """``nbckpt bench`` under torchrun: this rank's part of the bench on many ranks. Returns the
+    comparison with the job's figures on rank 0, None on every other rank (rank 0 alone prints
+    and writes results). ``on_event`` gets every event of this rank.
+
+    torchrun ends its ranks with SIGTERM (a rank that died, the sweep's or the notebook's Stop):
+    each rank takes it as Ctrl-C, so that its run's checkpoints are removed before it exits."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+    comparison = on_ranks(
+        args.device,
+        lambda job: run_bench_from_args(
+            args, progress if job.rank == 0 else None, ranks=job, on_event=on_event
+        ),
+        sharded=args.fsdp,
+        keep=bool(getattr(args, "keep", False)),
+        repeats=args.repeats,
+        # Where the host's cores train, its writes compete with training: the floor beside it too.
+        write_beside=args.device == "cpu" and not args.idle_compute,
+    )
+    return comparison if comparison.job else None

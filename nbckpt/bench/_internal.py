@@ -11,11 +11,12 @@ from ._compare import (
     ComparisonInterrupted,
     add_bench_arguments,
     run_bench_from_args,
+    run_bench_on_ranks,
 )
 from ._launch import EventWriter, RankLaunch, run_local_ranks
 from ._load import machine_load
 from ._rank_workload import RankWorkload, state_digests
-from ._ranks import arm_slow, in_torchrun, run_bench_on_ranks
+from ._ranks import arm_slow, in_torchrun
 from ._result import RESULT_COLUMNS, STALL_NAMES
 from ._stats import drag_text, interval_text, measurable, overhead_text, per_repeat_text, t_interval
 from ._strategies import STRATEGIES, get_strategy

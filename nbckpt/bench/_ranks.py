@@ -21,18 +21,14 @@ Launch (``srun torchrun ...`` on SLURM, one agent per node)::
 
 from __future__ import annotations
 
-import argparse
 import glob
 import math
 import os
 import shutil
-import signal
 import socket
-import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from types import FrameType
 from typing import Any
 
 import pandas as pd
@@ -43,14 +39,13 @@ from .._errors import ConfigError
 from .._util import GB, is_url
 from ..engine import CheckpointConfig, Event, Timeline
 from ..engine._internal import fsspec_options, open_fsspec, step_name
-from ._compare import run_bench_from_args as run_one_process
 from ._comparison import Comparison
 from ._dcp import DcpAsync, DcpSync
 from ._job import RankRecord, job_summary
 from ._measure import RawWriteBeside, concurrent_write
 from ._rank_timeline import gather_rank_timeline
 from ._rank_workload import RankWorkload, state_digests
-from ._runner import EventCallback, Lane, Progress, RunProgress
+from ._runner import EventCallback, Lane, RunProgress
 from ._strategies import TorchSave
 from ._strategy import Strategy, join
 from ._workloads import Workload
@@ -63,7 +58,6 @@ __all__ = [
     "arm_slow",
     "in_torchrun",
     "on_ranks",
-    "run_bench_on_ranks",
 ]
 
 #: How long a rank waits at the bench's barriers for the others (a rank that died: torchrun's
@@ -551,10 +545,6 @@ def _rate(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / GB if seconds > 0 else math.nan
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def on_ranks(
     device: str,
     run: Callable[[RankJob], Comparison],
@@ -577,26 +567,3 @@ def on_ranks(
         return comparison
     finally:
         job.close()
-
-
-def run_bench_on_ranks(
-    args: argparse.Namespace, progress: Progress | None = None, on_event: EventCallback | None = None
-) -> Comparison | None:
-    """``nbckpt bench`` under torchrun: this rank's part of the bench on many ranks. Returns the
-    comparison with the job's figures on rank 0, None on every other rank (rank 0 alone prints
-    and writes results). ``on_event`` gets every event of this rank.
-
-    torchrun ends its ranks with SIGTERM (a rank that died, the sweep's or the notebook's Stop):
-    each rank takes it as Ctrl-C, so that its run's checkpoints are removed before it exits."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
-    comparison = on_ranks(
-        args.device,
-        lambda job: run_one_process(args, progress if job.rank == 0 else None, ranks=job, on_event=on_event),
-        sharded=args.fsdp,
-        keep=bool(getattr(args, "keep", False)),
-        repeats=args.repeats,
-        # Where the host's cores train, its writes compete with training: the floor beside it too.
-        write_beside=args.device == "cpu" and not args.idle_compute,
-    )
-    return comparison if comparison.job else None
