@@ -11,6 +11,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ __all__ = [
     "parse_duration",
     "parse_value",
     "run_directory",
+    "run_target",
     "writable_directory",
 ]
 
@@ -184,6 +187,22 @@ def writable_directory(path: str | os.PathLike[str], what: str = "directory") ->
             shutil.rmtree(missing, ignore_errors=True)
         raise ConfigError(f"{what} {target} is not writable ({exc.strerror or exc})") from None
     return target
+
+
+@contextmanager
+def run_target(directory: str, what: str) -> Iterator[None]:
+    """A run's target ``directory`` (a path, or a URL left as it is): proved writable first,
+    created if missing, so that a bad one is one line before anything starts (before torchrun
+    and its ranks); removed again if it was created here and the run does not finish."""
+    created = not is_url(directory) and not os.path.exists(directory)
+    if not is_url(directory):
+        writable_directory(directory, what)
+    try:
+        yield
+    except BaseException:
+        if created:
+            shutil.rmtree(directory, ignore_errors=True)
+        raise
 
 
 def run_directory(workdir: str | os.PathLike[str], prefix: str = "run-") -> Path:

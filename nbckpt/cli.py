@@ -14,10 +14,14 @@ import inspect
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from ._errors import CheckpointError, ConfigError, NbckptError, require_extra
@@ -61,8 +65,42 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: The signals ``nbckpt bench`` takes as Ctrl-C, so that what a Ctrl-C cleans up is cleaned up:
+#: its checkpoints removed, a sweep's torchrun and ranks ended (torchrun runs in a session of its
+#: own: a scheduler's SIGTERM or a closed terminal's SIGHUP to this process never reaches it, and
+#: with the default action this process died at once, leaving it and its ranks running). Under
+#: torchrun, each rank: torchrun ends its ranks with SIGTERM (a rank that died, a sweep's Stop).
+TERMINATIONS = (signal.SIGTERM, signal.SIGHUP)
+_taken: list[signal.Signals] = []  # those received, the last one the process's exit status
+
+
+def _take_as_interrupt(signum: int, frame: FrameType | None) -> None:
+    _taken.append(signal.Signals(signum))
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def _terminations_as_interrupt() -> Iterator[None]:
+    """:data:`TERMINATIONS` raise KeyboardInterrupt while the command runs (on the main thread:
+    only there can a handler be set), the handlers before restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {signum: signal.signal(signum, _take_as_interrupt) for signum in TERMINATIONS}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
 def _bench(args: argparse.Namespace) -> int:
     """``nbckpt bench``: run, print the table, write JSON."""
+    with _terminations_as_interrupt():
+        return _bench_command(args)
+
+
+def _bench_command(args: argparse.Namespace) -> int:
     from .bench import _internal as bench
 
     progress = None if args.quiet else lambda line: print(line, file=sys.stderr, flush=True)
@@ -538,11 +576,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run the command; exit status 2 with one line for a user's mistake."""
     args = build_parser().parse_args(argv)
+    _taken.clear()  # a command run before in this process (a test's) was ended by them
     try:
         return int(args.run(args))
     except NbckptError as exc:
-        print(f"nbckpt {args.command}: error: {exc}", file=sys.stderr)
+        _say(f"nbckpt {args.command}: error: {exc}")
         return 2
     except KeyboardInterrupt:
-        print(f"nbckpt {args.command}: interrupted", file=sys.stderr)
-        return 130
+        taken = _taken[-1] if _taken else None
+        _say(f"nbckpt {args.command}: interrupted" + (f" by {taken.name}" if taken else ""))
+        return 128 + (taken or signal.SIGINT)
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr in one write: the ranks of torchrun share its stderr, and print's two
+    writes (the text, then its newline) let their lines run into each other."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

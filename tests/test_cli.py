@@ -181,10 +181,14 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_unwritable_directory_is_refused(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("ranks", [[], ["--ranks", "1,2"]], ids=["one-process", "sweep"])
+def test_unwritable_directory_is_refused(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], ranks: list[str]
+) -> None:
+    """The sweep refuses it too before torchrun starts (one line, not a rank's death in its text)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    code = cli.main(["bench", "--dir", str(blocker / "ckpt"), *SMALL_RUN])
+    code = cli.main(["bench", "--dir", str(blocker / "ckpt"), *SMALL_RUN, *ranks])
     assert code == 2
     err = capsys.readouterr().err
     assert f"--dir {blocker / 'ckpt'} is not writable" in err and err.count("\n") == 1

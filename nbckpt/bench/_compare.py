@@ -32,12 +32,10 @@ import math
 import os
 import platform
 import shutil
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 import pandas as pd
@@ -45,7 +43,7 @@ import psutil
 import torch
 
 from .._errors import ConfigError
-from .._util import GB, check_count, format_bytes, is_url, writable_directory
+from .._util import GB, check_count, format_bytes, is_url, run_target, writable_directory
 from .._version import __version__
 from ._auto_interval import (
     CHECKPOINTS_PER_RUN,
@@ -760,11 +758,8 @@ def run_bench_from_args(
         workload = ranks.adopt(workload)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    created = not is_url(args.dir) and not os.path.exists(args.dir)
-    if not is_url(args.dir):
-        writable_directory(args.dir, "--dir")
-    try:
-        comparison = compare(
+    with run_target(args.dir, "--dir"):
+        return compare(
             workload,
             names,
             args.dir,
@@ -778,15 +773,6 @@ def run_bench_from_args(
             ranks=ranks,
             on_event=on_event,
         )
-    except BaseException:
-        if created:
-            shutil.rmtree(args.dir, ignore_errors=True)
-        raise
-    return comparison
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
 
 
 def run_bench_on_ranks(
@@ -794,12 +780,7 @@ def run_bench_on_ranks(
 ) -> Comparison | None:
     """``nbckpt bench`` under torchrun: this rank's part of the bench on many ranks. Returns the
     comparison with the job's figures on rank 0, None on every other rank (rank 0 alone prints
-    and writes results). ``on_event`` gets every event of this rank.
-
-    torchrun ends its ranks with SIGTERM (a rank that died, the sweep's or the notebook's Stop):
-    each rank takes it as Ctrl-C, so that its run's checkpoints are removed before it exits."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
+    and writes results). ``on_event`` gets every event of this rank."""
     comparison = on_ranks(
         args.device,
         lambda job: run_bench_from_args(

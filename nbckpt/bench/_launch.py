@@ -44,7 +44,7 @@ import psutil
 import torch
 
 from .._errors import CheckpointError, ConfigError
-from .._util import is_url
+from .._util import run_target
 from ..engine import Event
 from ..engine._internal import deferred_interrupt
 from ._compare import ComparisonInterrupted
@@ -456,7 +456,8 @@ def run_local_ranks(
     progress line to ``on_line`` as they come; rank 0's comparison, with the job's figures
     (also written to ``json_path`` if given). ``on_start(launch)`` gets the launch to stop it
     from another thread (:meth:`RankLaunch.terminate`). With ``device="cuda"`` each rank takes
-    a GPU of its own: more ranks than GPUs is a :class:`ConfigError`, before anything starts.
+    a GPU of its own: more ranks than GPUs is a :class:`ConfigError`, before anything starts, as
+    is a ``directory`` that cannot be written.
 
     A rank that dies: :class:`CheckpointError` naming it in one line. Stopped, or Ctrl-C here:
     :class:`~._compare.ComparisonInterrupted`. Either way no process is left and a ``directory``
@@ -464,25 +465,20 @@ def run_local_ranks(
     """
     if device == "cuda" and size > (gpus := torch.cuda.device_count()):
         raise ConfigError(f"{size} ranks on cuda want a GPU each; torch sees {gpus}")
-    created = not is_url(directory) and not os.path.exists(directory)
     interrupted = f"the run on {size} ranks was interrupted; every rank has ended"
-    with tempfile.TemporaryDirectory(prefix="nbckpt-ranks-") as scratch:
+    with run_target(directory, "directory"), tempfile.TemporaryDirectory(prefix="nbckpt-ranks-") as scratch:
         out = json_path if json_path is not None else os.path.join(scratch, "bench.json")
         launch: RankLaunch | None = None
-        done = cut = False
         try:
             with deferred_interrupt():  # a Ctrl-C raised once ``launch`` is set, and so ended below
                 launch = RankLaunch(size, bench_argv, out, events=True)
             comparison = _follow(launch, out, on_event, on_line, on_start)
-            done = True
         except KeyboardInterrupt as exc:
             if isinstance(exc, ComparisonInterrupted):
                 raise
             raise ComparisonInterrupted(interrupted) from None
         finally:
             cut = launch is not None and _end(launch, on_line)
-            if not done and created:
-                shutil.rmtree(directory, ignore_errors=True)
         if cut:  # Ctrl-C as the finished run's ranks ended
             raise ComparisonInterrupted(interrupted)
     return comparison

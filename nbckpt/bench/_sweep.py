@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError
+from .._util import run_target
 from ..engine._internal import deferred_interrupt, write_atomic
 from ._compare import add_bench_arguments
 from ._comparison import Comparison, _json_value
@@ -208,7 +209,9 @@ def run_sweep(args: argparse.Namespace, say: Callable[[str], None] | None = None
     removed after)."""
     sizes = parse_ranks(args.ranks)
     bench_argv = passthrough(args)
-    with tempfile.TemporaryDirectory(prefix="nbckpt-sweep-") as scratch:
+    # The sweep's, not its ranks': each rank would make it, and remove it as it ends if it made it
+    # itself, while the others may still write there.
+    with run_target(args.dir, "--dir"), tempfile.TemporaryDirectory(prefix="nbckpt-sweep-") as scratch:
         base = args.json if args.json is not None else os.path.join(scratch, "bench.json")
         files = [_size_json(base, size) for size in sizes]
         documents = []

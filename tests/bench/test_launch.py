@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ import psutil
 import pytest
 from helpers.sync import until
 
-from nbckpt import CheckpointError
+from nbckpt import CheckpointError, ConfigError
 from nbckpt.bench import _launch
 from nbckpt.bench._launch import EventWriter, decode, failure_line
 from nbckpt.engine import Event
@@ -209,3 +210,18 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_directory_that_cannot_be_written_is_refused_before_torchrun_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``%ckpt_bench --ranks 2 -d`` and ``Lab(ranks=2)`` under a file: one line, no rank started."""
+    target = str(tmp_path / "a-file" / "ckpt")
+    (tmp_path / "a-file").write_text("not a directory")
+
+    def launched(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torchrun was started")
+
+    monkeypatch.setattr(_launch, "RankLaunch", launched)
+    with pytest.raises(ConfigError, match=f"^directory {re.escape(target)} is not writable"):
+        _launch.run_local_ranks(2, ["--size-mb", "1", "--dir", target], target, on_event=print, on_line=print)

@@ -103,8 +103,8 @@ def test_a_sweep_over_1_and_2_ranks_writes_one_table_and_one_json_of_both(
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("end", ["interrupt", "rank-dies"])
-def test_ctrl_c_or_a_dying_rank_ends_every_process_and_a_dead_rank_is_named(
+@pytest.mark.parametrize("end", ["interrupt", "terminate", "rank-dies"])
+def test_ctrl_c_sigterm_or_a_dying_rank_ends_every_process_and_a_dead_rank_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], seam: None, end: str
 ) -> None:
     noted: list[psutil.Process] = []
@@ -116,6 +116,10 @@ def test_ctrl_c_or_a_dying_rank_ends_every_process_and_a_dead_rank_is_named(
         noted.append(psutil.Process(torchrun.pid))
         if end == "interrupt":
             raise KeyboardInterrupt  # as Ctrl-C in the sweep's terminal
+        if end == "terminate":  # as a scheduler's SIGTERM to the sweep (torchrun has a session of its own)
+            assert signal.getsignal(signal.SIGTERM) is not before, "SIGTERM would end the sweep alone"
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         (rank1,) = [
             worker
             for worker in psutil.Process(torchrun.pid).children()
@@ -129,18 +133,23 @@ def test_ctrl_c_or_a_dying_rank_ends_every_process_and_a_dead_rank_is_named(
 
     arm_sweep_seam(at_a_turn)
     arm_launch_seam(pressed_again)
+    before = signal.getsignal(signal.SIGTERM)
     code = cli.main(_options(tmp_path, "2"))
     err = capsys.readouterr().err
     assert len(noted) >= 3, err[-2000:]  # torchrun and its 2 ranks at least
     assert _running(noted) == []
     if end == "interrupt":
         assert code == 130 and "nbckpt bench: interrupted" in err
+    elif end == "terminate":
+        assert code == 128 + signal.SIGTERM and "nbckpt bench: interrupted by SIGTERM" in err
+        assert signal.getsignal(signal.SIGTERM) is before  # the handler before restored
     else:
         assert code == 2
         # The sweep's own line ends its stderr (rank 0 may have printed its own error before).
         line = err.rstrip().splitlines()[-1]
         assert line.startswith("nbckpt bench: error: rank 1 of 2 died (exit code -9: SIGKILL)"), err[-3000:]
     assert not (tmp_path / "scaling.json").exists()
+    assert not (tmp_path / "ckpt").exists()  # the sweep made it: removed as it was ended
 
 
 @pytest.mark.timeout(120)
