@@ -10,7 +10,6 @@ import errno
 import mmap
 import os
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -116,12 +115,14 @@ def write_atomic(
 ) -> None:
     """A file at ``path`` that replaces the old one only once it is whole and durable (``fill``
     writes it, or is its bytes): a crash leaves the old file or the new, never half of one, and
-    at most the ``temporary`` file (a name a clean-up recognises; by default a fresh one)."""
+    at most the ``temporary`` file (a name a clean-up recognises; by default a fresh one). Its
+    mode is a checkpoint file's, 0o644 less the umask (``mkstemp``'s 0o600 kept results and
+    reports from the other users who read them)."""
     path = os.path.abspath(os.fspath(path))
     if temporary is None:
-        fd, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=os.path.dirname(path))
-    else:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        name = f".{os.path.basename(path)}.tmp-{os.urandom(4).hex()}"  # as mkstemp's: O_EXCL below
+        temporary = os.path.join(os.path.dirname(path), name)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         with os.fdopen(fd, "wb") as stream:
             if isinstance(fill, bytes):
