@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.ranks import free_port
 
 from nbckpt import bench as ex
 from nbckpt import cli
@@ -193,6 +194,22 @@ def test_unwritable_directory_is_refused(
     err = capsys.readouterr().err
     assert f"--dir {blocker / 'ckpt'} is not writable" in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_an_object_store_that_cannot_be_reached_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The floors' first write fails: the client's error, not its 150-line traceback."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries, and s3fs's: 12 s to say the same
+    monkeypatch.setattr(pytest.importorskip("s3fs").S3FileSystem, "retries", 1)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nbckpt")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "nbckpt")
+    code = cli.main(["bench", "--dir", "s3://nowhere/run", *SMALL_RUN, "--strategies", "nbckpt-async"])
+    assert code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("nbckpt bench: error: writing to s3://nowhere/run (endpoint http://127.0.0.1:")
+    assert "EndpointConnectionError" in err[-1] and "Traceback" not in "\n".join(err)
 
 
 def test_json_into_a_missing_directory_is_refused(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,13 +25,15 @@ from typing import Any
 
 import torch
 
-from .._errors import ConfigError
+from .._errors import CheckpointError, ConfigError, NbckptError
 from .._util import GB, GIB, MIB, check_count, format_bytes, is_url
 from ..engine import CheckpointConfig, Timeline
 from ..engine._internal import (
     Pool,
     cached_fraction,
     drop_cached,
+    endpoint,
+    explain_fsspec_error,
     fsspec_options,
     now_ns,
     open_fsspec,
@@ -167,14 +169,18 @@ def stream_runs(
 
 
 @contextmanager
-def scratch(target: str, storage_options: dict[str, Any] | None) -> Iterator[tuple[Any, str]]:
+def scratch(
+    target: str, storage_options: dict[str, Any] | None, what: str = "writing to"
+) -> Iterator[tuple[Any, str]]:
     """``(fs, work)``: a fresh directory in ``target`` (``fs`` None; ``target`` is created if
     need be), or a fresh prefix under an object-store URL; on leaving, removed with everything in
-    it and every directory made for it. ConfigError if ``target`` cannot hold a directory."""
+    it and every directory made for it. ConfigError if ``target`` cannot hold a directory; what
+    the block raises as it works there, a CheckpointError ``<what> <target> failed: <why>``."""
     local, root, made = not is_url(target), target.removeprefix("file://"), list[str]()
     fs: Any = None
+    options = {} if local else fsspec_options(target.split("://", 1)[0], storage_options)
     if not local:
-        fs, root = open_fsspec(target.rstrip("/"), fsspec_options(target.split("://", 1)[0], storage_options))
+        fs, root = open_fsspec(target.rstrip("/"), options)
     work = f"{root.rstrip('/')}/.nbckpt-probe-{uuid.uuid4().hex[:8]}"
     while local and not os.path.exists(root) and root != os.path.dirname(root):
         made, root = [*made, root], os.path.dirname(root)  # deepest first
@@ -184,7 +190,8 @@ def scratch(target: str, storage_options: dict[str, Any] | None) -> Iterator[tup
                 os.makedirs(work)
             except OSError as exc:
                 raise ConfigError(f"cannot write in {target}: {exc.strerror or exc}") from exc
-        yield fs, work
+        with _failing_in(target, None if local else options, what):
+            yield fs, work
     finally:
         if local:
             shutil.rmtree(work, ignore_errors=True)
@@ -194,6 +201,25 @@ def scratch(target: str, storage_options: dict[str, Any] | None) -> Iterator[tup
         else:
             with suppress(Exception):
                 fs.rm(work, recursive=True)
+
+
+@contextmanager
+def _failing_in(target: str, options: dict[str, Any] | None, what: str) -> Iterator[None]:
+    """An OSError (a local ``target``) or anything an object store's client raises (``options``
+    given: its fsspec options), raised as one line that names the target, an object store's
+    endpoint and the cause, instead of the client's traceback."""
+    failures: type[Exception] = OSError if options is None else Exception  # a client raises anything
+    try:
+        yield
+    except NbckptError:
+        raise
+    except failures as exc:
+        if options is None:
+            where, why = target, f"{getattr(exc, 'strerror', None) or exc} ({getattr(exc, 'filename', None)})"
+        else:
+            where = f"{target} (endpoint {endpoint(options) or 'AWS default endpoint'})"
+            why = explain_fsspec_error(exc, target.split("://", 1)[1])
+        raise CheckpointError(f"{what} {where} failed: {why}") from exc
 
 
 def fsync_latencies(path: str) -> list[float]:

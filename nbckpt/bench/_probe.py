@@ -20,9 +20,9 @@ from typing import Any
 
 import pandas as pd
 
-from .._errors import CheckpointError, ConfigError, NbckptError
+from .._errors import ConfigError
 from .._util import GB, MIB, check_count, format_bytes, is_url
-from ..engine._internal import endpoint, explain_fsspec_error, fsspec_options
+from ..engine._internal import endpoint, fsspec_options
 from ._measure import DEFAULT_REPEATS, StreamRun, fsync_latencies, scratch, stream_counts, stream_runs
 
 __all__ = ["MountInfo", "ProbeResult", "mount_info", "probe"]
@@ -212,29 +212,16 @@ def probe(
     url = is_url(target)
     options = fsspec_options(target.split("://", 1)[0], storage_options) if url else {}
     path = target if url else os.path.abspath(os.path.expanduser(target.removeprefix("file://")))
-    failures: type[Exception] = Exception if url else OSError  # an object store's client raises anything
     # an object store shows its protocol as type and its endpoint as source
     mount = (
         MountInfo(endpoint(options) or "AWS default endpoint", "", path.split("://")[0], {})
         if url
         else mount_info(path)
     )
-    try:
-        with scratch(path, storage_options) as (fs, work):
-            usage = None if url else shutil.disk_usage(path)
-            runs, cached = stream_runs(fs, work, size, streams=counts, repeats=repeats, read_back=True)
-            fsyncs = fsync_latencies(os.path.join(work, "fsync")) if fs is None else []
-    except NbckptError:
-        raise
-    except failures as exc:
-        why = (
-            explain_fsspec_error(exc, path.split("://", 1)[1])
-            if url
-            else f"{getattr(exc, 'strerror', None) or exc} ({getattr(exc, 'filename', None)})"
-        )
-        raise CheckpointError(
-            f"probing {path}{f' (endpoint {mount.source})' if url else ''} failed: {why}"
-        ) from exc
+    with scratch(path, storage_options, "probing") as (fs, work):
+        usage = None if url else shutil.disk_usage(path)
+        runs, cached = stream_runs(fs, work, size, streams=counts, repeats=repeats, read_back=True)
+        fsyncs = fsync_latencies(os.path.join(work, "fsync")) if fs is None else []
     result = ProbeResult(
         target=path,
         kind="object" if url else mount.kind,
