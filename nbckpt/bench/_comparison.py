@@ -126,7 +126,9 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
                   # last checkpoint, each tensor this rank holds (its local shard under FSDP2)
       "rank_timeline": [{"rank": 1, "strategy": "nbckpt-async", "repeat": 0, "kind": "persist",
                          "step": 4, "start_ns": ..., "end_ns": ...,  # wall clock (time.time_ns)
-                         "bytes": ...}, ...]  # every event of every rank (nbckpt.bench._rank_timeline)
+                         "bytes": ...}, ...]  # every event of every rank (nbckpt.bench._rank_timeline);
+                                              # a persist's: what this rank wrote of that
+                                              # checkpoint, as "ranks" counts it (not the state)
 
 ``nbckpt bench --ranks 1,2,4`` (:mod:`nbckpt.bench._sweep`) writes one document over every
 size, ``nbckpt.bench.scaling/1``: each size's document above under ``runs``, and a ``scaling``

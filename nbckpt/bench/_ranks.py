@@ -389,9 +389,17 @@ class RankJob:
         self.collectives_ns.append(time.perf_counter_ns() - begin)
 
     def gather_timeline(self, timeline: pd.DataFrame) -> list[dict[str, Any]]:
-        """Every rank's events on the wall clock, on rank 0 (``[]`` elsewhere), after the comparison."""
+        """Every rank's events on the wall clock, on rank 0 (``[]`` elsewhere), after the comparison;
+        each persist carries the bytes this rank wrote, as its record's spans count them (not the
+        state's, which the engines' events give: a replicated state is written once over all)."""
+        written = {
+            (lane.name, lane.repeat, step): nbytes
+            for lane in self.lanes
+            for step, nbytes in lane.written.items()
+            if nbytes is not None
+        }
         begin = time.perf_counter_ns()
-        rows = gather_rank_timeline(self.group, timeline)
+        rows = gather_rank_timeline(self.group, timeline, written)
         self.collectives_ns.append(time.perf_counter_ns() - begin)
         return rows
 

@@ -72,3 +72,28 @@ def test_wall_events_move_the_event_clock_and_name_the_rank() -> None:
             "bytes": 0,
         },
     ]
+
+
+def test_a_checkpoints_persists_carry_the_bytes_this_rank_wrote_of_it() -> None:
+    """The engines' persists give the state's bytes; a rank that wrote part of a replicated state
+    (DCP's dedup, nbckpt's) must not count the whole: the report's rate over time adds them up."""
+    events = [
+        ("nbckpt-async", 0, "persist", 4, 600),  # two writer threads' parts of one checkpoint
+        ("nbckpt-async", 0, "persist", 4, 400),
+        ("nbckpt-async", 0, "persist", 8, 1000),  # not measured on disk: kept as recorded
+        ("dcp-sync", 0, "persist", 4, 0),  # recorded nothing: an even share
+        ("dcp-sync", 0, "persist", 4, 0),
+        ("nbckpt-async", 0, "stall", 4, 1000),  # no persist: never a write
+    ]
+    timeline = pd.DataFrame(
+        [
+            dict(
+                zip(("strategy", "repeat", "kind", "step", "bytes"), event, strict=True), start_ns=0, end_ns=1
+            )
+            for event in events
+        ],
+        columns=TIMELINE_COLUMNS,
+    )
+    written = {("nbckpt-async", 0, 4): 501, ("dcp-sync", 0, 4): 7, ("dcp-sync", 1, 4): 99}
+    rows = wall_events(timeline, rank=1, offset_ns=0, written=written)
+    assert [row["bytes"] for row in rows] == [300, 201, 1000, 3, 4, 1000]

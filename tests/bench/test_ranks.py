@@ -15,6 +15,9 @@ from typing import Any
 import pytest
 
 from nbckpt import cli
+from nbckpt._util import GB
+from nbckpt.analysis import swimlanes
+from nbckpt.analysis._internal import rate_over_time
 from nbckpt.bench import Comparison
 from nbckpt.bench._ranks import RankStrategy
 from nbckpt.bench._strategies import NbckptIncremental
@@ -87,6 +90,22 @@ def _check_bytes_on_disk(
         assert written == _data_bytes(tmp_path / "ckpt" / name), name
 
 
+def _check_rate_over_time(
+    document: dict[str, Any], rows: dict[tuple[int, str], dict[str, Any]], writers: list[str] = WRITERS
+) -> None:
+    """Each rank's persists (``rank_timeline``) carry the bytes it wrote, not the state's: the
+    report's rate over time, drawn from them, adds up to the bytes on disk (one repeat)."""
+    persists = [row for row in document["rank_timeline"] if row["kind"] == "persist"]
+    for name in writers:
+        for rank in (0, 1):
+            wrote = sum(row["bytes"] for row in persists if (row["rank"], row["strategy"]) == (rank, name))
+            assert wrote == rows[rank, name]["bytes"], (rank, name)
+        rates = rate_over_time(swimlanes(Comparison.from_dict(document), name))
+        width = float(rates["start_s"].iloc[1] - rates["start_s"].iloc[0])
+        area = float(rates["write_gbs"].sum()) * width * GB
+        assert area == pytest.approx(rows[0, name]["bytes"] + rows[1, name]["bytes"], rel=1e-6), name
+
+
 @pytest.mark.timeout(240)
 def test_two_ranks_report_every_rank_the_job_and_the_slowed_rank_as_straggler(tmp_path: Path) -> None:
     options = ["--size-mb", "1", "--compute-ms", "1"]
@@ -107,6 +126,7 @@ def test_two_ranks_report_every_rank_the_job_and_the_slowed_rank_as_straggler(tm
             assert row["host"] == host and row["checkpoints"] == 2 and row["stall_s"] > 0
             assert row["bytes"] > 2 * 1024 * 1024  # its own MiB in each of two checkpoints
     _check_bytes_on_disk(tmp_path, rows, EVERY_FORM)
+    _check_rate_over_time(document, rows, EVERY_FORM)
     job = document["job"]
     assert job["world_size"] == 2 and job["hosts"] == {host: [0, 1]}
     assert job["floors"]["concurrent_write_gbs"] > 0 and job["floors"]["bytes"] == 2 * 1024 * 1024
@@ -209,6 +229,7 @@ def test_a_gpt_replicated_or_sharded_is_written_once_over_the_ranks(tmp_path: Pa
         assert all(0 < rows[rank, name]["bytes"] < 2 * state for rank in (0, 1))
         (summary,) = [row for row in document["job"]["strategies"] if row["strategy"] == name]
         assert all(state <= row["bytes"] < 1.05 * state for row in summary["checkpoints"])
+    _check_rate_over_time(document, rows)  # replicated: about twice the bytes before
 
 
 def test_a_file_shared_by_hard_link_counts_once_at_the_step_that_wrote_it(tmp_path: Path) -> None:
