@@ -99,11 +99,12 @@ def _comparisons(name: str) -> list[tuple[str, Comparison]]:
     if not isinstance(document, dict):
         return [(name, Comparison.from_json(name))]  # what is wrong with it, in its one line
     if document.get("schema") != SCALING_SCHEMA:
-        return [(name, Comparison.from_dict(document))]
-    return [
-        (f"{name} ({run.get('ranks')} ranks)", Comparison.from_dict(run.get("document") or {}))
+        return [(name, Comparison.from_dict(document, source=f"--from {name}"))]
+    sizes = [
+        (f"{name} ({run.get('ranks')} ranks)", run.get("document") or {})
         for run in document.get("runs") or []
     ]
+    return [(source, Comparison.from_dict(size, source=f"--from {source}")) for source, size in sizes]
 
 
 def read_runs(paths: Sequence[str | os.PathLike[str]]) -> list[tuple[str, Comparison]]:

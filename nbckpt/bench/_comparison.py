@@ -300,6 +300,23 @@ def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     ]
 
 
+def _check_schema(schema: Any, source: str) -> None:
+    """A one-line :class:`ConfigError` naming ``source`` unless ``schema`` is this version's: a
+    bench result of another version is measured again; anything else (what ``nbckpt probe
+    --json`` writes) is no bench result at all, and measuring again would not help."""
+    if schema == SCHEMA:
+        return
+    if isinstance(schema, str) and schema.startswith(SCHEMA.partition("/")[0] + "/"):
+        raise ConfigError(
+            f"{source}: a {schema} bench result, this nbckpt reads {SCHEMA}; "
+            "measure again with this version of nbckpt"
+        )
+    found = "no schema" if schema is None else f"schema {schema!r}"
+    raise ConfigError(
+        f"{source}: not a bench result ({found}, not {SCHEMA}): give what nbckpt bench --json wrote"
+    )
+
+
 @dataclass
 class Comparison:
     """Several strategies measured on the same workload, directory and machine."""
@@ -359,14 +376,11 @@ class Comparison:
         }
 
     @classmethod
-    def from_dict(cls, document: dict[str, Any]) -> Comparison:
+    def from_dict(cls, document: dict[str, Any], *, source: str = "the document") -> Comparison:
         """The comparison a :meth:`to_dict` document describes (``nbckpt bench --json``'s file):
-        ``null`` numbers become NaN, so its tables read as when it was measured."""
-        if document.get("schema") != SCHEMA:
-            raise ConfigError(
-                f"not a {SCHEMA} document (schema {document.get('schema')!r}); "
-                "measure again with this version of nbckpt"
-            )
+        ``null`` numbers become NaN, so its tables read as when it was measured. ``source``
+        names it in the error that refuses anything else (:func:`_check_schema`)."""
+        _check_schema(document.get("schema"), source)
         results = pd.DataFrame(document.get("results") or [], columns=RESULT_COLUMNS)
         for column in RESULT_COLUMNS:
             if column in _LIST_COLUMNS:
@@ -415,7 +429,7 @@ class Comparison:
             raise ConfigError(f"cannot read a comparison from {os.fspath(path)}: {exc}") from None
         if not isinstance(document, dict):
             raise ConfigError(f"{os.fspath(path)} holds no comparison (a JSON object is expected)")
-        return cls.from_dict(document)
+        return cls.from_dict(document, source=os.fspath(path))
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_dict` to ``path`` whole or not at all."""

@@ -237,10 +237,22 @@ def test_a_sweeps_file_gives_each_of_its_sizes_and_the_curve_says_its_range(tmp_
 def test_read_jobs_refuses_what_is_not_a_bench_on_many_ranks(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=re.escape("missing.json: no such file")):
         read_jobs([TWO, tmp_path / "missing.json"])
-    other = tmp_path / "other.json"
-    other.write_text(json.dumps({"hello": "world"}))
-    with pytest.raises(ConfigError, match=re.escape("not a nbckpt.bench/3 document")):
-        read_jobs([other])
+    # A JSON that is no bench result (what nbckpt probe --json writes): named, and no advice to
+    # measure again; a bench result of another version is measured again with this one.
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"target": "/tmp", "kind": "local", "runs": [{"streams": 1}]}))
+    with pytest.raises(ConfigError) as refused:
+        read_jobs([TWO, probe])
+    assert str(refused.value) == f"--from {probe}: not a bench result (no schema, not nbckpt.bench/3): " + (
+        "give what nbckpt bench --json wrote"
+    )
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps({**json.loads(TWO.read_text()), "schema": "nbckpt.bench/2"}))
+    with pytest.raises(ConfigError) as refused:
+        read_jobs([older])
+    assert str(refused.value) == f"--from {older}: a nbckpt.bench/2 bench result, this nbckpt reads " + (
+        "nbckpt.bench/3; measure again with this version of nbckpt"
+    )
     single = copy.deepcopy(json.loads(TWO.read_text()))
     for key in ("ranks", "job", "rank_timeline"):
         del single[key]

@@ -173,7 +173,7 @@ def _one_process(folder: Path) -> Path:
     ("make", "message"),
     [
         (lambda folder: folder / "missing.json", "missing.json: no such file"),
-        (_not_a_bench, "not a nbckpt.bench/3 document"),
+        (_not_a_bench, "other.json: not a bench result (schema 'something/1', not nbckpt.bench/3)"),
         (_one_process, "one_process.json: a one-process bench result"),
     ],
     ids=["missing", "not-a-bench", "one-process"],
