@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from .._errors import ConfigError
-from .._util import GB
+from .._util import GB, is_url
 from ..bench import Comparison
 from ..bench._internal import SCALING_SCHEMA
 
@@ -328,15 +329,17 @@ def scaling_table(jobs: Sequence[Comparison], sources: Sequence[str] | None = No
     write rate beside the concurrent raw-write floors measured in the same run (with the ranks
     idle; beside training where the ranks trained on the host, else NaN), the stall over
     ranks and the overhead at the slowest rank; sorted by rank count (the measured curve).
-    ``attrs``: ``measured_ranks`` and ``label`` (the range measured, to title the curve with)."""
+    ``attrs``: ``measured_ranks`` and ``label`` (the range measured, to title the curve with).
+    Runs of several rank counts that are not one curve are refused (:func:`_check_one_curve`)."""
     names = list(sources) if sources is not None else [""] * len(jobs)
+    labels = [name or f"run {index}" for index, name in enumerate(names, 1)]
+    _check_one_curve(list(zip(labels, jobs, strict=True)))
     rows = []
     for comparison, source in zip(jobs, names, strict=True):
         for row in job_table(comparison).to_dict(orient="records"):
-            world = comparison.job.get("world_size") or len({r["rank"] for r in comparison.ranks})
             rows.append(
                 {
-                    "ranks": int(world),
+                    "ranks": _world_size(comparison),
                     "hosts": len(comparison.job.get("hosts", {})),
                     "strategy": row["strategy"],
                     **{key: row[key] for key in _FROM_JOB_TABLE},
@@ -349,6 +352,58 @@ def scaling_table(jobs: Sequence[Comparison], sources: Sequence[str] | None = No
     # The curve says what it rests on: a fit or a reading beyond these counts is not measured.
     frame.attrs.update(measured_ranks=measured, label=_measured_range(measured))
     return frame
+
+
+def _world_size(comparison: Comparison) -> int:
+    return int(comparison.job.get("world_size") or len({row["rank"] for row in comparison.ranks}))
+
+
+#: The rank count at the end of a workload's description on many ranks (``_rank_workload``).
+_RANK_COUNT = re.compile(r" \d+ ranks$")
+
+
+def _setting(comparison: Comparison) -> dict[str, str]:
+    """What the points of one scaling curve share, as far as the JSON records it: the workload
+    (less its rank count), the device, and the storage (:func:`_storage`)."""
+    return {
+        "workload": _RANK_COUNT.sub(" N ranks", comparison.workload),
+        "device": " ".join(filter(None, (comparison.device, comparison.environment.get("device_name")))),
+        "storage": _storage(comparison.directory),
+    }
+
+
+def _storage(directory: str) -> str:
+    """An object store's bucket (``s3://bucket``); any local path is one local filesystem: the
+    JSON records no mount, and runs of several sizes often write to a folder each."""
+    if not is_url(directory):
+        return "a local filesystem"
+    scheme, _, rest = directory.partition("://")
+    return f"{scheme}://{rest.split('/')[0]}"
+
+
+def _check_one_curve(runs: Sequence[tuple[str, Comparison]]) -> None:
+    """A one-line :class:`ConfigError` naming two of ``runs`` (``(source, comparison)``) unless
+    those of several rank counts make one measured curve: the same :func:`_setting` and one run
+    per rank count (a second would be dropped from the line or zigzag it). Runs of one rank
+    count make no curve: each is shown on its own."""
+    if len({_world_size(comparison) for _, comparison in runs}) < 2:
+        return
+    first, base = runs[0][0], _setting(runs[0][1])
+    seen: dict[int, str] = {}
+    for source, comparison in runs:
+        setting = _setting(comparison)
+        differs = [
+            f"{key} {base[key]!r} against {value!r}" for key, value in setting.items() if value != base[key]
+        ]
+        if differs:
+            raise ConfigError(f"{first} and {source} are not one scaling curve: {'; '.join(differs)}")
+        world = _world_size(comparison)
+        if world in seen:
+            raise ConfigError(
+                f"{seen[world]} and {source} both ran on {world} ranks: a scaling curve takes one "
+                "run per rank count; give one of them"
+            )
+        seen[world] = source
 
 
 def _measured_range(ranks: Sequence[int]) -> str:

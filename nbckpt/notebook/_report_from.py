@@ -5,8 +5,9 @@ Every file is read and checked first (:func:`nbckpt.analysis.read_runs`; a ``--r
 gives each of its sizes): a bad one is one line and nothing is written. Per run: the job's table
 and its conclusions, a swimlane per rank grouped by host for each strategy that wrote, the stall
 over ranks with the straggler, the aggregate write rate per checkpoint and over time; with runs of
-several rank counts, the measured scaling curve. plotly.js is inlined once, so the page works
-offline, as ``nbckpt report``'s does.
+several rank counts, the measured scaling curve (runs that are not one curve, of another workload,
+device or storage or two of one rank count, are refused before anything is written). plotly.js
+is inlined once, so the page works offline, as ``nbckpt report``'s does.
 """
 
 from __future__ import annotations

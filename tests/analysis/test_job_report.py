@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -213,6 +214,38 @@ def test_scaling_conclusions_go_from_the_fewest_ranks_to_the_most() -> None:
         f"{high['aggregate_write_gbs']:.2f} GB/s" in lines[0]
     )
     assert scaling_conclusions(scaling_table(read_jobs([TWO]))) == []  # one size: no curve
+
+
+def test_runs_that_are_not_one_curve_are_refused_naming_both() -> None:
+    """Points of another workload, device or storage would make a curve of what was not
+    measured together; a second run of one rank count would be dropped from it: refused."""
+    one, two = read_jobs([ONE, TWO])
+    gpt = replace(two, workload="gpt-tiny: 1.1M parameters; replicated (DDP-like) on 2 ranks")
+    with pytest.raises(ConfigError) as refused:
+        scaling_table([one, gpt], ["sweep.json (1 ranks)", "gpt.json"])
+    assert str(refused.value) == (
+        "sweep.json (1 ranks) and gpt.json are not one scaling curve: workload 'synthetic-1MiB: 1.0 MB "
+        "of tensors, about 1 ms of compute per step on cpu; its own state on each of N ranks' against "
+        "'gpt-tiny: 1.1M parameters; replicated (DDP-like) on N ranks'"
+    )
+    gpu = replace(two, device="cuda", environment={**two.environment, "device_name": "NVIDIA H100"})
+    with pytest.raises(ConfigError, match=re.escape("device 'cpu AMD EPYC' against 'cuda NVIDIA H100'")):
+        scaling_table([one, gpu])
+    bucket = replace(two, directory="s3://bucket/run")
+    with pytest.raises(
+        ConfigError, match=re.escape("curve: storage 'a local filesystem' against 's3://bucket'")
+    ):
+        scaling_table([one, bucket])
+    with pytest.raises(ConfigError) as refused:
+        scaling_table([one, two, two], ["sweep.json (1 ranks)", "sweep.json (2 ranks)", "two.json"])
+    assert str(refused.value) == (
+        "sweep.json (2 ranks) and two.json both ran on 2 ranks: a scaling curve takes one run per "
+        "rank count; give one of them"
+    )
+    # One curve: the fixtures' folders differ (/tmp/rpt/c1, /tmp/rpt/c2s) on one local filesystem.
+    assert scaling_table([one, two]).attrs["measured_ranks"] == [1, 2]
+    # One rank count makes no curve: each run is shown on its own, both kept.
+    assert len(scaling_table([two, gpt, two])) == 3 * len(scaling_table([two]))
 
 
 def test_a_sweeps_file_gives_each_of_its_sizes_and_the_curve_says_its_range(tmp_path: Path) -> None:

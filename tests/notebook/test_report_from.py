@@ -154,6 +154,30 @@ def test_a_sweeps_file_renders_as_its_sizes(tmp_path: Path, capsys: pytest.Captu
     assert f"{sweep} (1 ranks)" in page and f"{sweep} (2 ranks)" in page  # each size's section names it
 
 
+def test_runs_that_are_not_one_curve_are_one_line_exit_2_and_nothing_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``--ranks 1,2`` sweep beside a 2-rank run of another workload, or of the same one: the
+    curve would mix them, or drop one of the 2-rank points; refused naming both."""
+    runs = [
+        {"ranks": size, "json": "", "document": json.loads(path.read_text())}
+        for size, path in ((1, ONE), (2, TWO))
+    ]
+    sweep = tmp_path / "scaling.json"
+    sweep.write_text(json.dumps({"schema": "nbckpt.bench.scaling/1", "sizes": [1, 2], "runs": runs}))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**json.loads(TWO.read_text()), "workload": "synthetic-4MiB: 4.2 MB"}))
+    out = tmp_path / "out"
+    for second, message in (
+        (other, f"{sweep} (1 ranks) and {other} are not one scaling curve: workload "),
+        (TWO, f"{sweep} (2 ranks) and {TWO} both ran on 2 ranks"),
+    ):
+        code = cli.main(["report", "--from", str(sweep), str(second), "--output-dir", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
 def _not_a_bench(folder: Path) -> Path:
     path = folder / "other.json"
     path.write_text(json.dumps({"schema": "something/1"}))
