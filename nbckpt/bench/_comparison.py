@@ -72,7 +72,8 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
                    # turns with no rank training (the idle floor); the fastest repeat
                    "concurrent_write_gbs_by_repeat": [...],
                    "concurrent_write_gbs_interval": [mean, lo, hi],  # over repeats (95 %; null
-                                                                     # below 2 repeats)
+                                                                     # below 2 repeats; in log
+                                                                     # space: a geometric mean)
                    "bytes": ..., "ranks": 2,
                    "beside_training": {  # host compute on the CPU only (not --idle-compute):
                        # every rank's share written raw (no copy, no checksum) by as many threads
@@ -80,7 +81,8 @@ figures and the job's (:func:`nbckpt.bench._job.job_summary`; absent in one proc
                        # strategies', while every rank trained (._measure.RawWriteBeside)
                        "write_gbs": ...,  # median over its checkpoints, each as a strategy's
                                           # aggregate_persist_gbs (first write start to last fsync)
-                       "write_gbs_interval": [mean, lo, hi],  # over its checkpoints (95 %)
+                       "write_gbs_interval": [mean, lo, hi],  # over its checkpoints (95 %,
+                                                              # in log space as the other rates')
                        "writer_threads": 2, "writer_nice": 10,
                        "checkpoints": [{"repeat": 0, "step": 5, "ranks_writing": 2, "bytes": ...,
                                         "aggregate_persist_gbs": ..., "start_spread_s": ...,

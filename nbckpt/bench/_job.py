@@ -149,8 +149,16 @@ def _over_repeats(checkpoints: Sequence[Mapping[str, Any]], key: str) -> list[fl
     for row in checkpoints:
         if row[key] > 0:  # NaN too is left out
             by_repeat.setdefault(int(row["repeat"]), []).append(row[key])
-    _, lo, hi = t_interval([math.log(float(np.median(values))) for values in by_repeat.values()])
-    return [math.exp(lo), math.exp(hi)]
+    return _log_interval([float(np.median(values)) for values in by_repeat.values()])[1:]
+
+
+def _log_interval(values: Sequence[float]) -> list[float]:
+    """``[mean, lo, hi]`` of positive ``values`` (times, rates; others left out): the 95 %
+    t-interval of their logs, back on their scale, as they spread by ratios. A geometric mean,
+    and bounds that never fall below 0 as a t-interval of the rates themselves can (NaN bounds
+    below 2 values)."""
+    logs = [math.log(value) for value in values if value > 0]
+    return [math.exp(value) for value in t_interval(logs)]
 
 
 def _strategy_summary(
@@ -201,7 +209,7 @@ def _floor(records: Sequence[RankRecord]) -> dict[str, Any]:
     floors = {
         "concurrent_write_gbs": max(rates) if rates else math.nan,  # the fastest, as the one-rank floor
         "concurrent_write_gbs_by_repeat": [rate for _, rate, _, _, _ in rounds],
-        "concurrent_write_gbs_interval": list(t_interval(rates)),
+        "concurrent_write_gbs_interval": _log_interval(rates),
         "bytes": rounds[0][2] if rounds else 0,
         "ranks": len(records),
     }
@@ -225,7 +233,7 @@ def _floor_beside(records: Sequence[RankRecord]) -> dict[str, Any] | None:
     writers = records[0].get("floor_beside", {})
     return {
         "write_gbs": float(np.median(rates)) if rates else math.nan,  # the median, as a strategy's
-        "write_gbs_interval": list(t_interval(rates)),  # (mean, lo, hi) over checkpoints
+        "write_gbs_interval": _log_interval(rates),  # (mean, lo, hi) over checkpoints
         "writer_threads": writers.get("writer_threads"),
         "writer_nice": writers.get("writer_nice"),
         "checkpoints": checkpoints,

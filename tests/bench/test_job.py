@@ -153,6 +153,35 @@ def test_the_jobs_time_to_durable_and_aggregate_rate_have_their_interval_over_re
     assert "over repeats" not in "\n".join(job_text(once))
 
 
+def test_the_floors_rate_intervals_are_in_log_space_and_never_below_zero() -> None:
+    # Three raw writes of 1 GB beside training, in 5, 2 and 0.25 s (0.2, 0.5 and 4 GB/s); the
+    # concurrent raw write between turns the same over three repeats. A t-interval of the rates
+    # themselves reached below 0 ([-3.68, 6.82] GB/s here); the strategies' are taken in log space.
+    record = _rank(0, "a", 0.1, 2.0, [], (0, 5 * S, 1_000_000_000))
+    record["floor_writes"] += [
+        {"repeat": repeat, "start_ns": 0, "end_ns": seconds, "bytes": 1_000_000_000}
+        for repeat, seconds in ((1, 2 * S), (2, S // 4))
+    ]
+    record["floor_beside_writes"] = [
+        {"repeat": 0, "step": step, "start_ns": 0, "persist_start_ns": 0, "end_ns": seconds}
+        | {"strategy": "raw-write-beside-training", "bytes": 1_000_000_000}
+        for step, seconds in ((2, 5 * S), (4, 2 * S), (6, S // 4))
+    ]
+    _, job = job_summary([record])
+    logs = [math.log(rate) for rate in (0.2, 0.5, 4.0)]
+    centre, half = statistics.mean(logs), 4.303 * statistics.stdev(logs) / math.sqrt(3)
+    expected = [math.exp(centre), math.exp(centre - half), math.exp(centre + half)]
+    floors = job["floors"]
+    beside, between = floors["beside_training"]["write_gbs_interval"], floors["concurrent_write_gbs_interval"]
+    for interval in (beside, between):
+        assert interval == pytest.approx(expected, rel=1e-3)
+        assert 0 < interval[1] < 0.2 and interval[2] > 4.0  # wide with three, never below zero
+    # One write: its rate, no interval.
+    _, once = job_summary([_rank(0, "a", 0.1, 2.0, [], (0, 2 * S, 1_000_000_000))])
+    mean, lo, hi = once["floors"]["concurrent_write_gbs_interval"]
+    assert mean == pytest.approx(0.5) and math.isnan(lo) and math.isnan(hi)
+
+
 def _load(cpus: int, own_cpu_s: float, other: float, loadavg: float) -> dict[str, Any]:
     """One rank's load over a 10 s comparison, as ``Load.to_dict`` records it."""
     return {
