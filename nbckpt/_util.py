@@ -175,34 +175,44 @@ def writable_directory(path: str | os.PathLike[str], what: str = "directory") ->
     target = Path(check_path(path, what).removeprefix("file://")).expanduser()
     if target.exists() and not target.is_dir():
         raise ConfigError(f"{what} {target} is not writable (it is a file, not a directory)")
-    missing = target
-    while not missing.parent.exists() and missing.parent != missing:
-        missing = missing.parent
-    created = not target.exists()
+    missing = _first_missing(target)
     try:
         target.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(prefix=".nbckpt-probe-", dir=target).close()
     except OSError as exc:
-        if created and missing.exists():
+        if missing is not None and missing.exists():
             shutil.rmtree(missing, ignore_errors=True)
         raise ConfigError(f"{what} {target} is not writable ({exc.strerror or exc})") from None
     return target
+
+
+def _first_missing(target: Path) -> Path | None:
+    """The outermost of ``target`` and its parents that does not exist (None: ``target`` does)."""
+    if target.exists():
+        return None
+    missing = target
+    while not missing.parent.exists() and missing.parent != missing:
+        missing = missing.parent
+    return missing
 
 
 @contextmanager
 def run_target(directory: str, what: str) -> Iterator[None]:
     """A run's target ``directory`` (a path, or a URL left as it is): proved writable first,
     created if missing, so that a bad one is one line before anything starts (before torchrun
-    and its ranks); removed again if it was created here and the run does not finish."""
-    created = not is_url(directory) and not os.path.exists(directory)
+    and its ranks). What was created for it (parents too) is removed again after, when the run
+    did not finish or left no file there (its checkpoints removed, as without ``--keep``)."""
+    made = None if is_url(directory) else _first_missing(Path(directory.removeprefix("file://")).expanduser())
     if not is_url(directory):
         writable_directory(directory, what)
     try:
         yield
     except BaseException:
-        if created:
-            shutil.rmtree(directory, ignore_errors=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
         raise
+    if made is not None and not any(files for _, _, files in os.walk(made)):
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def run_directory(workdir: str | os.PathLike[str], prefix: str = "run-") -> Path:
