@@ -212,16 +212,15 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_a_directory_that_cannot_be_written_is_refused_before_torchrun_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_directory_that_cannot_be_written_is_refused_before_torchrun_starts(tmp_path: Path) -> None:
     """``%ckpt_bench --ranks 2 -d`` and ``Lab(ranks=2)`` under a file: one line, no rank started."""
     target = str(tmp_path / "a-file" / "ckpt")
     (tmp_path / "a-file").write_text("not a directory")
-
-    def launched(*args: object, **kwargs: object) -> None:
-        raise AssertionError("torchrun was started")
-
-    monkeypatch.setattr(_launch, "RankLaunch", launched)
-    with pytest.raises(ConfigError, match=f"^directory {re.escape(target)} is not writable"):
-        _launch.run_local_ranks(2, ["--size-mb", "1", "--dir", target], target, on_event=print, on_line=print)
+    reached: list[str] = []
+    _launch.arm_launch_seam(lambda point, launch: reached.append(point))
+    try:
+        with pytest.raises(ConfigError, match=f"^directory {re.escape(target)} is not writable"):
+            _launch.run_local_ranks(2, ["--dir", target], target, on_event=print, on_line=print)
+    finally:
+        _launch.arm_launch_seam(None)
+    assert reached == []  # torchrun never started
