@@ -196,11 +196,13 @@ def policy_of(keep: int | RetentionPolicy | None) -> RetentionPolicy | None:
 
 def expired(policy: RetentionPolicy | None, steps: Sequence[StepInfo], *, newest: int) -> list[int]:
     """The steps of ``steps`` that ``policy`` does not keep, oldest first; never ``newest``, the
-    step just committed, which the policy sees as the latest whatever its number (a loop that
-    starts over at step 10 keeps 10 and the newest others)."""
+    step just committed, which the policy sees as the latest whatever its number, nor a step
+    above it: a loop that starts over at step 10 beside steps 20 and 30 keeps all three until it
+    passes them (it deleted 20: ``keep=1`` and step 15 saved beside 20 deleted 20), and a thread
+    whose step 2 commits after another's step 3 never deletes 3."""
     if policy is None:
         return []
-    ordered = sorted((info for info in steps if info.step != newest), key=lambda info: info.step)
+    ordered = sorted((info for info in steps if info.step < newest), key=lambda info: info.step)
     ordered += [info for info in steps if info.step == newest][:1]
     kept = policy.keep(ordered)
     return [info.step for info in ordered if info.step not in kept and info.step != newest]

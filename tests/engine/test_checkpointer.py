@@ -249,13 +249,20 @@ def test_retention_deletes_only_after_newer_commit(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == [".nbckpt.lock", "step-000004", "step-000005"]
 
 
-def test_retention_never_prunes_the_step_just_committed(tmp_path: Path) -> None:
+def test_retention_never_prunes_the_step_just_committed_nor_a_higher_one(tmp_path: Path) -> None:
+    """A re-run loop starting over below the run's steps: they stay until it passes them (keep=2
+    deleted step 20 beside the new step 10; keep=1, step 15 beside step 20, deleted step 20)."""
     with Checkpointer(tmp_path, keep=2) as ckpt:
         for step in (20, 30):
             ckpt.save({"w": torch.zeros(3)}, step=step)
-        ckpt.save({"w": torch.ones(3)}, step=10).wait()  # a re-run loop starting over
+        for step in (10, 11, 12):
+            ckpt.save({"w": torch.ones(3)}, step=step).wait()
+            ckpt.wait()
+        assert ckpt.steps() == [11, 12, 20, 30]  # keep=2 among the steps up to the newest saved
+        for step in (31, 32):
+            ckpt.save({"w": torch.ones(3)}, step=step).wait()
         ckpt.wait()
-        assert ckpt.steps() == [10, 30]
+        assert ckpt.steps() == [31, 32]
 
 
 def test_saving_a_step_again_warns_and_replaces_it(tmp_path: Path) -> None:

@@ -34,9 +34,10 @@ def test_each_policy_keeps_what_it_says() -> None:
     assert AnyOf(LatestN(1), BestN("loss", 1)).keep(steps) == {15, 20}
 
 
-def test_the_step_just_committed_is_the_latest_and_never_expires() -> None:
+def test_the_step_just_committed_is_the_latest_and_never_expires_nor_a_higher_one() -> None:
     steps = infos(10, 20, 30)
-    assert expired(LatestN(2), steps, newest=10) == [20]  # a loop that started over at 10
+    assert expired(LatestN(2), steps, newest=10) == []  # a loop that started over at 10 (20 went)
+    assert expired(LatestN(1), infos(5, 10, 20, 30), newest=10) == [5]
     assert expired(BestN("loss", 1), steps, newest=30) == [10, 20]
     assert expired(None, steps, newest=30) == []
 
