@@ -18,6 +18,7 @@ from typing import Any
 
 from .._errors import ConfigError, NbckptError
 from .._util import writable_directory
+from ._plan import notebook_defaults
 
 __all__ = ["EXTERNAL_LOAD", "NOTEBOOK_ONLY", "RESULTS_FILE", "export_html", "report_progress", "run_report"]
 
@@ -164,15 +165,19 @@ def _printing(path: Path) -> Iterator[None]:
 
 
 def _check_parameters(source: Path, params: dict[str, Any]) -> dict[str, Any]:
-    """Refuse names the notebook does not declare; resolve relative local paths against cwd."""
-    import papermill
-
-    known = papermill.inspect_notebook(str(source))
+    """Refuse names the notebook does not declare; give a number set for a text parameter as its
+    text; resolve relative local paths against cwd."""
+    known = notebook_defaults(source)
     unknown = sorted(set(params) - set(known))
     if unknown:
         raise ConfigError(
             f"unknown report parameter(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
         )
+    for key, value in params.items():
+        # -p probe_streams 1 arrives as the number 1 (parse_value), and the notebook splits its
+        # text parameters (the strategies, stream and rank counts, files) at commas
+        if isinstance(known[key], str) and isinstance(value, (int, float)):
+            params[key] = str(value)
     for key in PATH_PARAMETERS:
         value = params.get(key)
         if isinstance(value, str) and value and "://" not in value:

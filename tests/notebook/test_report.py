@@ -22,7 +22,13 @@ from helpers.jupyterlab import ARTIFACTS, CHROMIUM, chromium_page
 
 from nbckpt import ConfigError, NbckptError
 from nbckpt._util import parse_value
-from nbckpt.notebook._report import EXTERNAL_LOAD, REPORT_NOTEBOOK, export_html, run_report
+from nbckpt.notebook._report import (
+    EXTERNAL_LOAD,
+    REPORT_NOTEBOOK,
+    _check_parameters,
+    export_html,
+    run_report,
+)
 
 #: Runs measured on 1 and 2 ranks under torchrun (tests/data/README.md): the report's scaling section.
 RUNS = ",".join(
@@ -234,6 +240,15 @@ def test_unknown_parameter_is_refused_before_running(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"unknown report parameter.*stepz"):
         run_report("x", tmp_path, {"stepz": 3})
     assert not list(tmp_path.iterdir())
+
+
+def test_a_number_given_for_a_list_parameter_arrives_as_its_text() -> None:
+    """A review: ``-p probe_streams 1`` failed in cell 3 with "TypeError: 'int' object is not
+    iterable" (parse_value makes it the number 1, the notebook splits text at commas); the
+    notebook's text parameters now get a number as its text, its number parameters stay numbers."""
+    given = {key: parse_value(value) for key, value in (("probe_streams", "1"), ("steps", "2"))}
+    params = _check_parameters(REPORT_NOTEBOOK, {**given, "scaling_ranks": 2, "strategies": ["none"]})
+    assert params == {"probe_streams": "1", "steps": 2, "scaling_ranks": "2", "strategies": ["none"]}
 
 
 def test_bad_name_is_refused(tmp_path: Path) -> None:
