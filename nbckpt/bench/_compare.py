@@ -76,6 +76,7 @@ __all__ = [
     "WARMUP_STEPS",
     "Coordination",
     "add_bench_arguments",
+    "checked_bench",
     "compare",
     "environment",
     "queueing",
@@ -735,6 +736,21 @@ def _checked_bench_args(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def checked_bench(args: argparse.Namespace) -> tuple[list[str], Workload]:
+    """The strategies and the workload (not built) that ``nbckpt bench``'s options name, every
+    option checked: a bad one fails here in one line, before any memory, directory or rank."""
+    names = _checked_bench_args(args)
+    workload = make_workload(
+        args.preset,
+        args.size_mb,
+        args.device,
+        compute_ms=args.compute_ms,
+        finetune=args.finetune,
+        idle_compute=args.idle_compute,
+    )
+    return names, workload
+
+
 def run_bench_from_args(
     args: argparse.Namespace,
     progress: Progress | None = None,
@@ -745,15 +761,7 @@ def run_bench_from_args(
     """Validate ``nbckpt bench``'s options first, then run the comparison (``%ckpt_bench`` too);
     ``ranks``: as one rank of many (:func:`run_bench_on_ranks`); ``on_event``
     gets every event (``nbckpt bench --events``)."""
-    names = _checked_bench_args(args)
-    workload = make_workload(
-        args.preset,
-        args.size_mb,
-        args.device,
-        compute_ms=args.compute_ms,
-        finetune=args.finetune,
-        idle_compute=args.idle_compute,
-    )
+    names, workload = checked_bench(args)
     if ranks is not None:
         workload = ranks.adopt(workload)
     if args.threads is not None:

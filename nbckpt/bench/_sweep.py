@@ -23,13 +23,13 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError
 from .._util import run_target
 from ..engine._internal import deferred_interrupt, write_atomic
-from ._compare import add_bench_arguments
+from ._compare import add_bench_arguments, checked_bench
 from ._comparison import Comparison, _json_value
 from ._job import _number
 from ._launch import RankLaunch
@@ -63,16 +63,17 @@ def arm_sweep_seam(seam: Callable[[str, subprocess.Popen[str]], None] | None) ->
     _seam = seam
 
 
-def parse_ranks(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]``; a one-line ConfigError for anything else."""
+def parse_ranks(ranks: str | Iterable[int], name: str = "--ranks") -> list[int]:
+    """``"1,2,4"`` (or ``[1, 2, 4]``: :func:`sweep`'s) -> ``[1, 2, 4]``; a one-line ConfigError
+    naming ``name`` for anything else."""
     try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
+        parts = ranks.split(",") if isinstance(ranks, str) else list(ranks)
+        sizes = [int(str(part)) for part in parts if str(part).strip()]  # str: 1.5 and True are no counts
+    except (TypeError, ValueError):  # TypeError: one number, not several (sweep(2, ...))
         sizes = []
     if not sizes or any(size < 1 for size in sizes) or len(set(sizes)) != len(sizes):
-        raise ConfigError(
-            f"--ranks wants distinct rank counts >= 1 separated by commas (1,2,4), not {text!r}"
-        )
+        form = "separated by commas (1,2,4)" if name.startswith("--") else "in a list ([1, 2, 4])"
+        raise ConfigError(f"{name} wants distinct rank counts >= 1 {form}, not {ranks!r}")
     return sizes
 
 
@@ -208,6 +209,7 @@ def run_sweep(args: argparse.Namespace, say: Callable[[str], None] | None = None
     ``args.json`` if given, each size's beside it as ``OUT.ranks-N.json``; else in a folder
     removed after)."""
     sizes = parse_ranks(args.ranks)
+    checked_bench(args)  # here, once: each size's ranks would refuse a bad option only after torchrun started
     bench_argv = passthrough(args)
     # The sweep's, not its ranks': each rank would make it, and remove it as it ends if it made it
     # itself, while the others may still write there.
@@ -250,7 +252,8 @@ def sweep(
     values = {"quiet": True, **options}
     if isinstance(values.get("strategies"), (list, tuple)):
         values["strategies"] = ",".join(values["strategies"])
-    vars(args).update(values, dir=directory, json=json_path, ranks=",".join(str(size) for size in ranks))
+    sizes = parse_ranks(ranks, "ranks")  # named as sweep() names it, not as --ranks
+    vars(args).update(values, dir=directory, json=json_path, ranks=",".join(str(size) for size in sizes))
     if json_path is not None:
         check_json_path(json_path)
     document = run_sweep(args, progress)

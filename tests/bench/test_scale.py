@@ -196,6 +196,33 @@ def test_sweep_from_python_refuses_an_option_the_bench_has_not_and_a_json_going_
     assert list(tmp_path.iterdir()) == []  # refused before any rank started
 
 
+def test_the_sweep_refuses_a_bad_bench_option_or_rank_count_in_one_line_before_torchrun_starts(
+    tmp_path: Path, seam: None, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A review: ``sweep([1], d, size_mb=-1)`` started torchrun, printed its ChildFailedError and
+    raised "rank 0 of 1 died ... size_mb must be a positive number" (``strategies="nope"`` the
+    same), and ``sweep(2, d)`` raised "TypeError: 'int' object is not iterable". The bench's own
+    checks now run before any launch, in one line; rank counts from Python are named ``ranks``."""
+    launched: list[str] = []
+    arm_launch_seam(lambda point, launch: launched.append(point))
+    refused = [
+        ([1], {"size_mb": -1}, r"size_mb must be a positive number, not -1"),
+        ([1], {"strategies": "nope"}, r"unknown strategy 'nope'; choose from none, "),
+        ([1], {"repeats": 0}, r"--repeats must be a positive integer, not 0"),
+        (2, {}, r"ranks wants distinct rank counts >= 1 in a list \(\[1, 2, 4\]\), not 2"),
+        ([0, 1], {}, r"ranks wants distinct rank counts >= 1 in a list \(\[1, 2, 4\]\), not \[0, 1\]"),
+    ]
+    for ranks, options, message in refused:
+        with pytest.raises(ConfigError, match=f"^{message}") as raised:
+            bench.sweep(ranks, str(tmp_path / "ckpt"), **options)
+        assert "\n" not in str(raised.value)
+    # nbckpt bench --ranks goes through the same checks
+    assert cli.main([*_options(tmp_path, "1"), "--size-mb", "-1"]) == 2
+    err = capfd.readouterr().err
+    assert err == "nbckpt bench: error: size_mb must be a positive number, not -1.0\n", err
+    assert launched == [] and list(tmp_path.iterdir()) == []  # no torchrun, no directory made
+
+
 @pytest.mark.timeout(240)
 def test_two_agents_as_two_hosts_name_both_and_group_the_ranks_by_host(tmp_path: Path) -> None:
     """Two torchrun agents (--nnodes 2, one rank each) told apart by NBCKPT_BENCH_HOST."""
