@@ -43,7 +43,7 @@ import psutil
 import torch
 
 from .._errors import ConfigError
-from .._util import GB, check_count, format_bytes, is_url, run_target, writable_directory
+from .._util import GB, check_count, check_path, format_bytes, is_url, run_target, writable_directory
 from .._version import __version__
 from ._auto_interval import (
     CHECKPOINTS_PER_RUN,
@@ -205,7 +205,7 @@ def _one_line_interrupt(function: Callable[P, R]) -> Callable[P, R]:
 @_one_line_interrupt
 def compare(
     workload: Workload,
-    strategies: Sequence[str | Strategy],
+    strategies: str | Sequence[str | Strategy],
     directory: str,
     *,
     steps: int | None = None,
@@ -220,7 +220,8 @@ def compare(
     keep: bool = False,
     ranks: Coordination | None = None,
 ) -> Comparison:
-    """Run every strategy on ``workload`` (on its device) in each of ``repeats`` repeats.
+    """Run every strategy on ``workload`` (on its device) in each of ``repeats`` repeats;
+    ``strategies``: names or instances, or one text of names separated by commas.
 
     ``warmup`` trains :data:`WARMUP_STEPS` untimed steps first and makes one unrecorded save
     per run. ``stop`` ends the comparison after the current step (what could not finish is
@@ -245,6 +246,7 @@ def compare(
     """
     check_interval_args(steps, every)
     check_count(repeats, "repeats")
+    strategies, directory = _checked_inputs(workload, strategies, directory)
     if ranks is None and in_torchrun():
         return on_ranks(
             workload.device,
@@ -306,6 +308,26 @@ def compare(
     if ranks is not None:  # every rank's events to rank 0, for the report's swimlanes
         comparison.rank_timeline = ranks.gather_timeline(comparison.timeline)
     return comparison
+
+
+def _checked_inputs(
+    workload: Workload, strategies: str | Sequence[str | Strategy], directory: str
+) -> tuple[Sequence[str | Strategy], str]:
+    """:func:`compare`'s strategies as a list and its directory, checked before anything is built or
+    made: a text of names is split at commas (as ``sweep`` and ``--strategies`` take it), not read
+    letter by letter; an empty directory is refused, not taken as the current one."""
+    if not isinstance(workload, Workload):
+        raise ConfigError(
+            "compare() wants a Workload (make_workload(preset) or synthetic(size_mb) of nbckpt.bench), "
+            f"not {type(workload).__name__} {repr(workload)[:80]}"
+        )
+    names = _strategy_names(strategies) if isinstance(strategies, str) else list(strategies)
+    return names, check_path(directory, "directory")
+
+
+def _strategy_names(text: str) -> list[str]:
+    """``"dcp-sync, nbckpt-async"`` -> ``["dcp-sync", "nbckpt-async"]`` (empty names dropped)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 @dataclass
@@ -718,7 +740,7 @@ def _checked_bench_args(args: argparse.Namespace) -> list[str]:
             "--idle-compute stands in for the synthetic state's compute: "
             "give --size-mb and --compute-ms above 0"
         )
-    names = [name.strip() for name in args.strategies.split(",") if name.strip()]
+    names = _strategy_names(args.strategies)
     if not names:
         raise ConfigError("--strategies names no strategy")
     for name in names:

@@ -439,6 +439,7 @@ def test_floors_measure_like_the_probe_and_leave_nothing_behind(tmp_path: Any) -
         ({"repeats": 0}, "repeats must be a positive integer"),
         ({"strategies": ["none", "none"]}, "each strategy may appear once"),
         ({"strategies": ["bogus"]}, "unknown strategy 'bogus'"),
+        ({"strategies": "nbckpt-async, bogus"}, "^unknown strategy 'bogus'"),  # not 'n', letter by letter
     ],
 )
 def test_compare_rejects_bad_arguments_before_running(
@@ -450,6 +451,37 @@ def test_compare_rejects_bad_arguments_before_running(
         bench.compare(workload, directory=str(tmp_path / "never"), progress=None, **args)
     assert not (tmp_path / "never").exists()
     assert not workload.built
+
+
+def test_compare_takes_a_text_of_strategies_separated_by_commas(tmp_path: Path) -> None:
+    """A review: ``compare(workload, "nbckpt-async", d)`` read the text letter by letter
+    ("unknown strategy 'n'"); it is split at commas, as ``sweep`` and ``--strategies`` take it."""
+    comparison = bench.compare(
+        small_workload(),
+        "nbckpt-async, nbckpt-sync",
+        str(tmp_path),
+        steps=2,
+        every=1,
+        repeats=1,
+        warmup=False,
+        progress=None,
+    )
+    assert comparison.results["strategy"].tolist() == ["none", "nbckpt-async", "nbckpt-sync"]
+
+
+def test_compare_refuses_what_is_no_workload_and_an_empty_directory_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review: ``compare("tiny", [...], d)`` raised "AttributeError: 'str' object has no attribute
+    'describe'" (after making ``d``), and ``compare(W, [...], "")`` ran in the current directory,
+    leaving ``nbckpt-async/`` there with ``keep=True``. Both are a one-line ConfigError now."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^compare\(\) wants a Workload \(make_workload\(preset\) or "):
+        bench.compare("tiny", ["nbckpt-async"], str(tmp_path / "never"), progress=None)
+    workload = SyntheticWorkload(MB, compute_ms=0)
+    with pytest.raises(ConfigError, match=r"^directory '' names no directory$"):
+        bench.compare(workload, ["nbckpt-async"], "", steps=2, every=1, keep=True, progress=None)
+    assert list(tmp_path.iterdir()) == [] and not workload.built
 
 
 def test_the_environment_names_the_cpu_model_not_just_the_architecture() -> None:
