@@ -267,7 +267,7 @@ class Checkpointer:
 
     def has_step(self, step: int) -> bool:
         """Whether ``step`` is committed in the run: a save of it replaces it."""
-        return check_step(step) in self._saver.committed
+        return self._saver.holds(check_step(step))
 
     def latest_step(self) -> int | None:
         """The highest committed step, or None when there is none."""

@@ -267,7 +267,7 @@ class Saver:
         )
         if slip is not None:  # said before it commits
             warnings.warn(f"nbckpt: {slip}", stacklevel=4)  # the caller of Checkpointer.save
-        if step in self.committed and not overwrite:
+        if not overwrite and self.holds(step):
             warnings.warn(
                 f"nbckpt: step {step} already exists in {self.store.url} and is replaced; "
                 "pass overwrite=True if that is intended, or save to a new directory",
@@ -381,6 +381,13 @@ class Saver:
             owner,
             pending,
         )
+
+    def holds(self, step: int) -> bool:
+        """Whether committed ``step`` is still in the run, looked for in the store: retention
+        deletes on a thread of rank 0's alone, and the savers hear of it late (rank 0's once the
+        files are gone) or never (another rank's); every step it deleted was still "committed"
+        there, and a save of it again warned that it replaced it."""
+        return step in self.committed and self.store.committed_at(step) is not None
 
     def recount(self) -> None:
         """Steps were moved out of the store (set aside after a rewind): what the saver knew of

@@ -34,7 +34,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, dict[s
     directory = tmp_path_factory.mktemp("sharded")
     return {
         "at 4": launch("save,modules,divergent", directory, 4),
-        "at 2": launch("restore,modules,save,replicas,ranked,incremental,incremental_reshard", directory, 2),
+        "at 2": launch(
+            "restore,modules,save,replicas,ranked,retained,incremental,incremental_reshard", directory, 2
+        ),
         "at 1": launch("restore,incremental_reshard", directory, 1),
         "at 4 again": launch("restore,incremental_reshard", directory, 4),
     }
@@ -188,3 +190,10 @@ def test_an_incremental_step_sharing_files_reshards_as_plain_dcp_load_reads_it(r
         assert seen["incremental_reshard"]["shared"], (rank, seen["incremental_reshard"])
     for rank, seen in runs[run].items():
         assert seen["incremental_reshard"] == {"nbckpt": True, "dcp.load": True, "same": True}, rank
+
+
+def test_a_step_rank_0s_retention_deleted_is_gone_on_every_rank(runs: Any) -> None:
+    """Every rank said has_step True for a step rank 0's keep=1 had deleted (rank 0 until its
+    saver heard, rank 1 for ever), and warned that a save of it again replaced it."""
+    for rank, seen in runs["at 2"].items():
+        assert seen["retained"] == {"has_step": [False, False, True], "warned": []}, (rank, seen["retained"])

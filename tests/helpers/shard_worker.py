@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
@@ -337,6 +338,24 @@ def killed(directory: str) -> dict[str, Any]:
     }
 
 
+def retained(directory: str) -> dict[str, Any]:
+    """keep=1 over steps 1 to 3: rank 0's retention deletes steps 1 and 2 on its own thread; once
+    they are gone, every rank's ``has_step`` and a save of step 2 again (no "replaced" warning)."""
+    root = Path(directory) / "retained"
+    with Checkpointer(root, mode="sync", keep=1, timeout_s=60) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save({"w": torch.full((4,), float(step)), "step": step}, step=step)
+        while RANK == 0 and ckpt.steps() != [3]:  # rank 0's retention pass, on its own thread
+            threading.Event().wait(0.001)
+        dist.barrier()
+        held = [ckpt.has_step(step) for step in (1, 2, 3)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ckpt.save({"w": torch.zeros(4), "step": 2}, step=2)
+        said = [str(w.message)[:160] for w in caught if str(w.message).startswith("nbckpt")]
+        return {"has_step": held, "warned": said}
+
+
 #: What each world size saves; (world, layout) pairs a restore at that world can use as they are.
 KINDS = {4: ["fsdp", "hsdp", "fsdp+tp"], 2: ["fsdp", "tp"]}
 LAYOUTS = {(4, "fsdp"), (2, "fsdp"), (2, "tp"), (4, "hsdp"), (4, "fsdp+tp")}
@@ -559,7 +578,10 @@ def incremental_reshard(directory: str) -> dict[str, Any]:
 
 SCENARIOS = {
     f.__name__: f
-    for f in (save, restore, modules, divergent, replicas, ranked, killed, incremental, incremental_reshard)
+    for f in (
+        *(save, restore, modules, divergent, replicas, ranked),
+        *(retained, killed, incremental, incremental_reshard),
+    )
 }
 
 
