@@ -49,7 +49,8 @@ def output(fig: go.Figure, widget: bool) -> go.Figure:
 def require_columns(df: pd.DataFrame, columns: Iterable[str], figure: str) -> None:
     """ConfigError naming ``figure`` unless ``df`` is a DataFrame with ``columns``."""
     if not isinstance(df, pd.DataFrame):
-        raise ConfigError(f"{figure} needs a pandas DataFrame, got {type(df).__name__}")
+        hint = " (its .timeline?)" if isinstance(getattr(df, "timeline", None), pd.DataFrame) else ""
+        raise ConfigError(f"{figure} needs a pandas DataFrame, got {type(df).__name__}{hint}")
     missing = sorted(set(columns) - set(df.columns))
     if missing:
         got = ", ".join(map(str, df.columns))

@@ -188,6 +188,7 @@ def timeline_figure(
     "background" lane (staging, persistence, fsync, commit). ``repeat`` picks one repeat of a
     ``Comparison.timeline`` (default: each strategy's last); ``origin`` says what time 0 is
     (default: the strategy's run for a comparison's timeline, else the timeline's start)."""
+    require_columns(timeline_df, _TIMELINE_COLUMNS, "timeline_figure")  # before _origin reads it
     if origin is None:
         origin = _origin(timeline_df)
     data = timeline_traces(select_repeat(timeline_df, repeat), by_rank=by_rank)

@@ -469,6 +469,16 @@ def test_every_builder_names_missing_columns(
         builder(pd.DataFrame({"unrelated": [1]}))
 
 
+@pytest.mark.parametrize(("builder", "_data"), BUILDERS, ids=[b.__name__ for b, _ in BUILDERS])
+def test_every_builder_given_a_comparison_says_what_it_needs(
+    builder: Callable[..., go.Figure], _data: Callable[[], pd.DataFrame]
+) -> None:
+    """A Comparison where its table is wanted: one line (timeline_figure raised AttributeError)."""
+    comparison = Comparison.from_json(ROOT / "tests" / "data" / "bench_job_1rank.json")
+    with pytest.raises(ConfigError, match=r"needs a pandas DataFrame, got Comparison \(its \.timeline\?\)"):
+        builder(comparison)
+
+
 def test_strategy_colours_are_stable() -> None:
     assert strategy_colour("torch-save") != strategy_colour("nbckpt-async")
     assert strategy_colour("my-own") == strategy_colour("my-own")
