@@ -358,8 +358,9 @@ def _world_size(comparison: Comparison) -> int:
     return int(comparison.job.get("world_size") or len({row["rank"] for row in comparison.ranks}))
 
 
-#: The rank count at the end of a workload's description on many ranks (``_rank_workload``).
-_RANK_COUNT = re.compile(r" \d+ ranks$")
+#: The rank count at the end of a workload's description on many ranks (``_rank_workload``:
+#: "its own state on 1 rank", "... on each of 2 ranks").
+_RANK_COUNT = re.compile(r"(?: each of)? \d+ ranks?$")
 
 
 def _setting(comparison: Comparison) -> dict[str, str]:

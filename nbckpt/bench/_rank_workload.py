@@ -141,11 +141,12 @@ class RankWorkload(Workload):
         return {**state, "model": {f"rank{self.rank}": state["model"]}}
 
     def describe(self) -> str:
+        ranks = "1 rank" if self.world_size == 1 else f"{self.world_size} ranks"
         how = (
             "replicated (DDP-like) on"
             if self.replicated
             else "sharded with FSDP2 over"
             if self.sharded
-            else "its own state on each of"
+            else "its own state on" + ("" if self.world_size == 1 else " each of")
         )
-        return f"{self.inner.describe()}; {how} {self.world_size} ranks"
+        return f"{self.inner.describe()}; {how} {ranks}"

@@ -225,7 +225,7 @@ def test_runs_that_are_not_one_curve_are_refused_naming_both() -> None:
         scaling_table([one, gpt], ["sweep.json (1 ranks)", "gpt.json"])
     assert str(refused.value) == (
         "sweep.json (1 ranks) and gpt.json are not one scaling curve: workload 'synthetic-1MiB: 1.0 MB "
-        "of tensors, about 1 ms of compute per step on cpu; its own state on each of N ranks' against "
+        "of tensors, about 1 ms of compute per step on cpu; its own state on N ranks' against "
         "'gpt-tiny: 1.1M parameters; replicated (DDP-like) on N ranks'"
     )
     gpu = replace(two, device="cuda", environment={**two.environment, "device_name": "NVIDIA H100"})
