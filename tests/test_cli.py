@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.ranks import free_port
 
 from nbckpt import bench as ex
 from nbckpt import cli
@@ -201,12 +201,17 @@ def test_an_object_store_that_cannot_be_reached_is_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The floors' first write fails: the client's error, not its 150-line traceback."""
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    # A port held, never listened on: a free port was taken by another test's server (SeaweedFS's
+    # gRPC port, its HTTP port + 10000), which answered that the bucket did not exist.
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{held.getsockname()[1]}")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries, and s3fs's: 12 s to say the same
     monkeypatch.setattr(pytest.importorskip("s3fs").S3FileSystem, "retries", 1)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nbckpt")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "nbckpt")
-    code = cli.main(["bench", "--dir", "s3://nowhere/run", *SMALL_RUN, "--strategies", "nbckpt-async"])
+    with held:
+        code = cli.main(["bench", "--dir", "s3://nowhere/run", *SMALL_RUN, "--strategies", "nbckpt-async"])
     assert code == 2
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("nbckpt bench: error: writing to s3://nowhere/run (endpoint http://127.0.0.1:")
