@@ -299,8 +299,8 @@ class Checkpointer:
         and objects with ``load_state_dict`` load in place, tensors are copied into (same dtype
         and shape), a dict is filled in place, any other value is replaced. Saved entries
         ``state`` does not name are left out, unless ``strict``. ``key_map`` renames the keys of
-        saved modules (None drops one); without it, torch.compile's ``_orig_mod.`` prefix is
-        added or removed where that makes a module's keys match.
+        saved modules (None drops one); without it, torch.compile's ``_orig_mod.`` prefix or
+        DDP's ``module.`` is added or removed where that makes a module's keys match.
 
         A missing key, another shape or dtype is a ConfigError at once. Without ``step``, the
         newest checkpoint that reads back intact is used (a damaged one is skipped with a

@@ -110,12 +110,13 @@ def _first_few(keys: list[Any]) -> str:
 
 
 _COMPILED = "_orig_mod."  # torch.compile's prefix on the keys of a compiled module
+_WRAPPED = "module."  # DDP's (and DataParallel's) prefix on the keys of the model it wraps
 
 
 def align(template: Mapping[Any, Any], saved: Node, key_map: Callable[[str], str | None] | None) -> Node:
     """The saved tree with each module's keys as the template's module names them: mapped
-    through ``key_map`` (None drops a key), or else with torch.compile's ``_orig_mod.`` prefix
-    added or removed where that, and only that, makes the keys match."""
+    through ``key_map`` (None drops a key), or else with torch.compile's ``_orig_mod.`` prefix or
+    DDP's ``module.`` added or removed where that, and only that, makes the keys match."""
     items = []
     for key, node in saved["items"]:
         current = template.get(key)
@@ -141,6 +142,8 @@ def _renamed(
     renames: list[Callable[[str], str]] = [
         lambda key: key.removeprefix(_COMPILED),
         lambda key: _COMPILED + key,
+        lambda key: key.removeprefix(_WRAPPED),
+        lambda key: _WRAPPED + key,
     ]
     for rename in renames:
         if {rename(k) for k in have} == wanted:

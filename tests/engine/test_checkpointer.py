@@ -768,6 +768,26 @@ def test_a_compiled_models_checkpoint_loads_into_a_plain_model_and_back(tmp_path
         assert_same_state(renamed.state_dict(), model.state_dict())
 
 
+def _wrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as DDP holds it (its keys under ``module.``), without a process group."""
+    wrapper = torch.nn.Module()
+    wrapper.module = model
+    return wrapper
+
+
+@pytest.mark.parametrize("wrapped", ["saved", "restored"])
+def test_a_ddp_models_checkpoint_loads_into_the_plain_model_and_back(tmp_path: Path, wrapped: str) -> None:
+    """DDP's ``module.`` prefix, added or removed where that alone makes the keys match (a plain
+    model was refused: 'the checkpoint lacks weight, bias', naming no prefix)."""
+    model, _ = trained_model()
+    plain, _ = fresh_model()
+    saved, into = (_wrapped(model), plain) if wrapped == "saved" else (model, _wrapped(plain))
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save({"model": saved}, step=1).wait()
+        ckpt.restore({"model": into})
+    assert_same_state(plain.state_dict(), model.state_dict())
+
+
 def test_a_read_only_checkpointer_reads_while_another_one_writes(tmp_path: Path) -> None:
     with Checkpointer(tmp_path) as writer:
         writer.save({"w": torch.ones(3)}, step=1).wait()
