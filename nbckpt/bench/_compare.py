@@ -83,6 +83,7 @@ __all__ = [
     "run_bench_from_args",
     "run_bench_on_ranks",
     "run_order",
+    "strategy_names",
 ]
 
 P = ParamSpec("P")
@@ -321,11 +322,11 @@ def _checked_inputs(
             "compare() wants a Workload (make_workload(preset) or synthetic(size_mb) of nbckpt.bench), "
             f"not {type(workload).__name__} {repr(workload)[:80]}"
         )
-    names = _strategy_names(strategies) if isinstance(strategies, str) else list(strategies)
+    names = strategy_names(strategies) if isinstance(strategies, str) else list(strategies)
     return names, check_path(directory, "directory")
 
 
-def _strategy_names(text: str) -> list[str]:
+def strategy_names(text: str) -> list[str]:
     """``"dcp-sync, nbckpt-async"`` -> ``["dcp-sync", "nbckpt-async"]`` (empty names dropped)."""
     return [name.strip() for name in text.split(",") if name.strip()]
 
@@ -740,7 +741,7 @@ def _checked_bench_args(args: argparse.Namespace) -> list[str]:
             "--idle-compute stands in for the synthetic state's compute: "
             "give --size-mb and --compute-ms above 0"
         )
-    names = _strategy_names(args.strategies)
+    names = strategy_names(args.strategies)
     if not names:
         raise ConfigError("--strategies names no strategy")
     for name in names:

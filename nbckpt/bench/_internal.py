@@ -12,6 +12,7 @@ from ._compare import (
     add_bench_arguments,
     run_bench_from_args,
     run_bench_on_ranks,
+    strategy_names,
 )
 from ._launch import EventWriter, RankLaunch, run_local_ranks
 from ._load import machine_load
@@ -57,6 +58,7 @@ __all__ = [
     "run_sweep",
     "scaling_table",
     "state_digests",
+    "strategy_names",
     "t_interval",
     "tensor_bytes",
     "write_document",

@@ -269,7 +269,9 @@ class Lab:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Lab:
         """A lab set up from ``nbckpt bench`` options (what ``%ckpt_bench`` shows)."""
-        names = [name.strip() for name in args.strategies.split(",") if name.strip()]
+        from ..bench._internal import strategy_names
+
+        names = strategy_names(args.strategies)
         synthetic = args.size_mb is not None
         if synthetic and args.preset is not None:
             raise ConfigError("give --preset or --size-mb, not both")
